@@ -1,0 +1,101 @@
+"""Validation of user input, with errors that say what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+METHODS = ("auto", "rules", "vmap", "loop")
+REDUCTIONS = ("mean", "sum")
+
+
+def as_args(inputs: Tensor | tuple | list) -> tuple:
+    """The model's positional inputs as a tuple; the first must be a batched tensor."""
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if not args or not isinstance(args[0], Tensor) or args[0].dim() == 0:
+        raise TypeError(
+            "inputs must be a tensor with the batch in dim 0, or a tuple of them; "
+            f"got {type(inputs).__name__}"
+        )
+    n = args[0].shape[0]
+    for k, a in enumerate(args):
+        if isinstance(a, Tensor) and (a.dim() == 0 or a.shape[0] != n):
+            raise ValueError(
+                f"inputs[{k}] has shape {tuple(a.shape)} but inputs[0] has batch size {n}: "
+                "every input tensor needs the batch in dim 0"
+            )
+    return args
+
+
+def check_targets(targets: Any, n: int) -> None:
+    if isinstance(targets, Tensor) and (targets.dim() == 0 or targets.shape[0] != n):
+        raise ValueError(
+            f"targets has shape {tuple(targets.shape)} but the batch size is {n}: "
+            "pass one target per sample, with the batch in dim 0"
+        )
+
+
+def check_options(method: str, loss_reduction: str, chunk_size: int | None) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    if loss_reduction not in REDUCTIONS:
+        raise ValueError(
+            f"loss_reduction={loss_reduction!r} is not one of {REDUCTIONS}: say how a scalar "
+            "loss was reduced over the batch (a loss returning shape (B,) needs nothing)"
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def check_per_sample_model(model: nn.Module) -> None:
+    """Raise if a module mixes samples, so per-sample gradients are undefined."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (
+            m.training or not m.track_running_stats
+        ):
+            raise ValueError(
+                f"module '{name}' ({type(m).__name__}) normalises with the statistics of "
+                "the whole batch, so samples are mixed and per-sample gradients are not "
+                "defined. Call model.eval() first (BatchNorm then uses its running "
+                "statistics), or replace it with nn.GroupNorm / nn.LayerNorm."
+            )
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise ValueError(
+            f"{type(model).__name__} has no parameters with requires_grad=True: "
+            "there is nothing to differentiate"
+        )
+    return params
+
+
+def check_out(out: Tensor, n: int, total: int, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    if tuple(out.shape) != (n, total):
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}; it must be (batch, num_params) = ({n}, {total})"
+        )
+    if out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"out is {out.dtype} on {out.device}; it must match the parameters: "
+            f"{dtype} on {device}"
+        )
+    if out.stride(1) != 1:
+        raise ValueError("out must be contiguous along dim 1 (out.stride(1) == 1)")
+
+
+def common_dtype_device(params: dict[str, nn.Parameter]) -> tuple[torch.dtype, torch.device]:
+    kinds = {(p.dtype, p.device) for p in params.values()}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"flat=True needs all trainable parameters in one dtype and device, found {kinds}; "
+            "use flat=False"
+        )
+    return next(iter(kinds))

@@ -1,0 +1,69 @@
+"""Per-module fallback: per-sample gradients of one module through ``torch.func``.
+
+DESIGN.md point 3: a module without a rule is differentiated alone, not the
+whole model. For one captured call with inputs ``x`` and backprops ``g``, the
+per-sample gradient of the module's parameters is the vector-Jacobian product
+``vjp(theta -> module(x[i:i+1]; theta))(g[i:i+1])``, batched over ``i`` with
+``torch.func.vmap`` (the method of seed 001's tutorial, applied to one module).
+
+Inputs whose dim 0 is the batch size are mapped over; all others are shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .capture import Call, _flat_outputs
+
+
+class UnsupportedModuleError(RuntimeError):
+    """A module has no rule and ``torch.func`` cannot differentiate it per sample."""
+
+
+def _is_batched(x: Any, n: int) -> bool:
+    return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == n
+
+
+def fallback_grads(
+    call: Call, params: dict[str, nn.Parameter], backprops: list[Tensor], n: int
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``{name: (n, *param.shape)}`` of ``params`` for one call.
+
+    ``params`` maps names relative to ``call.module`` (``"scale"``,
+    ``"out_proj.weight"``) to parameters; ``backprops`` are the gradients of the
+    loss w.r.t. the call's differentiable outputs, in order.
+    """
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    batched = [_is_batched(x, n) for x in leaves]
+    mapped = [x.detach() for x, b in zip(leaves, batched) if b]
+    used = [i for i, o in enumerate(_flat_outputs(call.output)) if o.requires_grad]
+    theta = {name: p.detach() for name, p in params.items()}
+
+    def one_sample(mapped_i: list[Tensor], cotangents_i: list[Tensor]) -> dict[str, Tensor]:
+        rows = iter(mapped_i)
+        values = [
+            next(rows).unsqueeze(0) if b else (x.detach() if isinstance(x, Tensor) else x)
+            for x, b in zip(leaves, batched)
+        ]
+        args, kwargs = tree_unflatten(values, spec)
+
+        def forward(th: dict[str, Tensor]) -> tuple[Tensor, ...]:
+            out = _flat_outputs(functional_call(call.module, th, tuple(args), kwargs))
+            return tuple(out[i] for i in used)
+
+        _, pullback = vjp(forward, theta)
+        return pullback(tuple(c.unsqueeze(0) for c in cotangents_i))[0]
+
+    try:
+        return vmap(one_sample)(mapped, list(backprops))
+    except Exception as err:  # torch.func raises many kinds of errors
+        raise UnsupportedModuleError(
+            f"module '{call.name or '<root>'}' ({type(call.module).__name__}) has no per-sample "
+            f"rule and torch.func could not differentiate it per sample: {err}. "
+            "Use method='loop', or register a rule with persample.rules.register_rule."
+        ) from err

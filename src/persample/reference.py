@@ -1,0 +1,62 @@
+"""The obviously correct reference: one forward and one ``autograd.grad`` per sample.
+
+This is seed 001's ``compute_sample_grads``. Every fast path is tested against
+it; it is also ``method="loop"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .checks import as_args, trainable_parameters
+
+
+def rows(x: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of every batched tensor in ``x`` (a tensor, tuple, list or None)."""
+    if isinstance(x, Tensor):
+        return x[start:stop]
+    if isinstance(x, (tuple, list)):
+        return type(x)(rows(v, start, stop) for v in x)
+    return x
+
+
+def loop_per_sample_grads(
+    model: nn.Module, inputs: Tensor | tuple, targets: Any, loss_fn: Callable
+) -> dict[str, Tensor]:
+    """Per-sample gradients by a Python loop over samples (the reference).
+
+    Args:
+        model: any ``nn.Module``.
+        inputs: tensor ``(B, *in_shape)`` or tuple of tensors with the batch in dim 0.
+        targets: tensor ``(B, ...)``, tuple of them, or ``None``.
+        loss_fn: ``loss_fn(output, targets)`` for a batch of one sample; a returned
+            ``(1,)`` tensor is summed, a scalar used as it is.
+
+    Returns:
+        ``{name: (B, *param.shape)}`` for each trainable parameter; row ``i`` is
+        ``d loss_fn(model(x_i), y_i) / d param``. Parameters the loss does not
+        depend on get zeros.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Linear(3, 2)
+        >>> g = loop_per_sample_grads(net, torch.randn(4, 3), torch.randn(4, 2),
+        ...                           torch.nn.MSELoss())
+        >>> g["weight"].shape
+        torch.Size([4, 2, 3])
+    """
+    args = as_args(inputs)
+    params = trainable_parameters(model)
+    n = args[0].shape[0]
+    result = {name: p.new_zeros((n, *p.shape)) for name, p in params.items()}
+    for i in range(n):
+        loss = loss_fn(model(*rows(args, i, i + 1)), rows(targets, i, i + 1)).sum()
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        for (name, _), g in zip(params.items(), grads):
+            if g is not None:
+                result[name][i] = g
+    return result

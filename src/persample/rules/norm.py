@@ -1,0 +1,50 @@
+"""Per-sample gradients of ``nn.LayerNorm`` and ``nn.GroupNorm``.
+
+Index conventions: ``n`` sample, ``c`` channel (GroupNorm) or normalised
+feature (LayerNorm), ``s`` all other positions inside a sample.
+
+Both layers compute ``y = xhat * weight + bias`` with ``xhat`` normalised per
+sample, so ``grad_weight[n] = sum_s g[n, s] * xhat[n, s]`` and
+``grad_bias[n] = sum_s g[n, s]``. ``xhat`` is recomputed from the captured
+input with the functional form of the layer without its affine parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import register_rule
+
+
+def _reduce_into(x: Tensor, dims: tuple[int, ...], dst: Tensor) -> None:
+    """Sum ``x`` over ``dims`` into ``dst`` (a copy when there is nothing to sum)."""
+    if dims:
+        torch.sum(x, dim=dims, out=dst)
+    else:
+        dst.copy_(x)
+
+
+@register_rule(nn.LayerNorm)
+def layer_norm(layer: nn.LayerNorm, activations: tuple, backprops: Tensor, out: dict):
+    x = activations[0]  # (n, *s, *normalized_shape)
+    g = backprops
+    dims = tuple(range(1, x.dim() - len(layer.normalized_shape)))  # the s dims
+    if "weight" in out:
+        xhat = F.layer_norm(x, layer.normalized_shape, eps=layer.eps)
+        _reduce_into(g * xhat, dims, out["weight"])  # (n, *normalized_shape)
+    if "bias" in out:
+        _reduce_into(g, dims, out["bias"])
+
+
+@register_rule(nn.GroupNorm)
+def group_norm(layer: nn.GroupNorm, activations: tuple, backprops: Tensor, out: dict):
+    x = activations[0]  # (n, c, *s)
+    g = backprops
+    dims = tuple(range(2, x.dim()))
+    if "weight" in out:
+        xhat = F.group_norm(x, layer.num_groups, eps=layer.eps)
+        _reduce_into(g * xhat, dims, out["weight"])  # (n, c)
+    if "bias" in out:
+        _reduce_into(g, dims, out["bias"])

@@ -1,0 +1,37 @@
+"""``method="vmap"``: ``torch.func.vmap(grad(...))`` over the whole model.
+
+Seed 001's tutorial: ``vmap(grad(compute_loss), in_dims=(None, None, 0, 0))``
+with ``functional_call``; each sample is run as a batch of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_map
+
+
+def _unsqueeze(x: Any) -> Any:
+    return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, x)
+
+
+def vmap_per_sample_grads(
+    model: nn.Module,
+    args: tuple,
+    targets: Any,
+    loss_fn: Callable,
+    params: dict[str, nn.Parameter],
+) -> dict[str, Tensor]:
+    """Per-sample gradients ``{name: (B, *param.shape)}`` via ``torch.func``."""
+    theta = {name: p.detach() for name, p in params.items()}
+
+    def sample_loss(th: dict[str, Tensor], args_i: tuple, targets_i: Any) -> Tensor:
+        output = functional_call(model, th, _unsqueeze(args_i))
+        return loss_fn(output, _unsqueeze(targets_i)).sum()
+
+    target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
+    arg_dims = tuple(0 if isinstance(a, Tensor) else None for a in args)
+    return vmap(grad(sample_loss), in_dims=(None, arg_dims, target_dims))(theta, args, targets)
