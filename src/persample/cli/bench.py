@@ -1,0 +1,211 @@
+"""``persample bench``: every method side by side on the seed workloads, in one run.
+
+PERFORMANCE.md's protocol: same process, same inputs, warm-up, then the median
+of several runs. The floor is ``t_plain + bytes_out / bw`` where ``t_plain`` is
+forward + ``loss.backward()`` and ``bw`` the write bandwidth measured as
+``buf.fill_(1.0)`` on an already touched buffer of ``bytes_out`` bytes. Every
+method's result is also compared with the loop's.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from . import anchors
+from .workloads import GRAD_WORKLOADS, Workload, grads_workload
+
+
+@dataclass
+class Measured:
+    method: str
+    status: str = "ok"  # "ok", "not installed", or "failed: ..."
+    median_ms: float | None = None
+    times_ms: list[float] = field(default_factory=list)
+    ratio_to_floor: float | None = None
+    max_abs_diff: float | None = None  # vs the loop's result
+
+
+@dataclass
+class Report:
+    workload: str
+    description: str
+    batch: int
+    num_params: int
+    bytes_out: int
+    t_plain_ms: float
+    t_fill_ms: float
+    bandwidth_gb_s: float
+    floor_ms: float
+    methods: list[Measured]
+    speedup_over_best_other: float | None = None
+    best_other: str | None = None
+
+
+def median_time(fn: Callable[[], object], warmup: int, repeats: int) -> tuple[float, list[float]]:
+    """Median wall time of ``fn()`` in ms after ``warmup`` calls, and all the times."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), times
+
+
+def _reps(quick: bool) -> tuple[int, int]:
+    return (1, 3) if quick else (2, 7)
+
+
+def bench_grads(w: Workload, quick: bool, step: Callable[[str], None]) -> Report:
+    """Time and check every per-sample gradient method on workload ``w``."""
+    warmup, repeats = _reps(quick)
+    n = w.inputs.shape[0]
+    num_params = sum(p.numel() for p in w.model.parameters())
+    bytes_out = n * num_params * w.inputs.element_size()
+
+    step("plain backward")
+    t_plain, _ = median_time(anchors.plain_backward(w), warmup, repeats)
+    w.model.zero_grad(set_to_none=True)
+    step("write bandwidth")
+    buf = torch.empty(n, num_params, dtype=w.inputs.dtype)
+    buf.fill_(0.0)
+    t_fill, _ = median_time(lambda: buf.fill_(1.0), warmup, repeats)
+    floor = t_plain + t_fill
+
+    step("loop (reference)")
+    reference = anchors.loop(w)()
+    candidates: list[tuple[str, Callable[[], torch.Tensor] | None]] = [
+        ("loop", anchors.loop(w)),
+        ("torch.func vmap", anchors.torch_func(w)),
+        ("Opacus hooks", anchors.opacus(w)),
+        ("BackPACK BatchGrad", anchors.backpack(w)),
+        ("persample (out=)", anchors.persample_out(w, buf)),
+        ("persample (new tensor)", anchors.persample_new(w)),
+    ]
+    rows = []
+    for name, fn in candidates:
+        step(name)
+        rows.append(_measure(name, fn, reference, floor, warmup, repeats, slow=name == "loop"))
+        gc.collect()
+    report = Report(w.name, w.description, n, num_params, bytes_out, t_plain, t_fill,
+                    bytes_out / t_fill / 1e6, floor, rows)
+    _speedup(report)
+    return report
+
+
+def _measure(name, fn, reference, floor, warmup, repeats, slow=False) -> Measured:
+    row = Measured(name)
+    if fn is None:
+        row.status = "not installed"
+        return row
+    try:
+        result = fn()
+        row.max_abs_diff = (result - reference).abs().max().item()
+        del result
+        row.median_ms, row.times_ms = median_time(fn, 0 if slow else warmup,
+                                                  min(repeats, 3) if slow else repeats)
+        row.ratio_to_floor = row.median_ms / floor
+    except Exception as err:  # a competitor failing must not stop the benchmark
+        row.status = f"failed: {type(err).__name__}: {err}"[:200]
+    return row
+
+
+def _speedup(report: Report) -> None:
+    ours = next(m for m in report.methods if m.method == "persample (out=)")
+    others = [m for m in report.methods
+              if not m.method.startswith("persample") and m.median_ms is not None]
+    if ours.median_ms and others:
+        best = min(others, key=lambda m: m.median_ms)
+        report.best_other = best.method
+        report.speedup_over_best_other = best.median_ms / ours.median_ms
+
+
+def format_report(r: Report) -> str:
+    lines = [
+        f"{r.workload}: {r.description}",
+        f"  P = {r.num_params:,} parameters, result {r.bytes_out / 1e6:,.1f} MB, "
+        f"write bandwidth {r.bandwidth_gb_s:.1f} GB/s",
+        f"  {'method':<24}{'median ms':>11}{'x floor':>9}{'max |diff| vs loop':>20}",
+        f"  {'plain backward (t_plain)':<24}{r.t_plain_ms:>11.1f}",
+        f"  {'write result (fill_)':<24}{r.t_fill_ms:>11.1f}",
+        f"  {'floor':<24}{r.floor_ms:>11.1f}{1.0:>9.2f}",
+    ]
+    for m in r.methods:
+        if m.median_ms is None:
+            lines.append(f"  {m.method:<24}  {m.status}")
+        else:
+            lines.append(f"  {m.method:<24}{m.median_ms:>11.1f}{m.ratio_to_floor:>9.2f}"
+                         f"{m.max_abs_diff:>20.2e}")
+    if r.speedup_over_best_other:
+        lines.append(f"  persample is {r.speedup_over_best_other:.2f}x faster than the best "
+                     f"other method ({r.best_other})")
+    return "\n".join(lines)
+
+
+def plot_reports(reports: list[Report], path: str) -> None:
+    """A horizontal bar chart of median times per method, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(reports), 1, figsize=(8, 2.8 * len(reports)), squeeze=False)
+    for ax, r in zip(axes[:, 0], reports):
+        measured = [m for m in r.methods if m.median_ms is not None]
+        names = ["plain backward"] + [m.method for m in measured]
+        times = [r.t_plain_ms] + [m.median_ms for m in measured]
+        colors = ["grey"] + ["tab:green" if m.method.startswith("persample") else "tab:blue"
+                             for m in measured]
+        ax.barh(names, times, color=colors)
+        ax.axvline(r.floor_ms, color="black", linestyle="--", label=f"floor {r.floor_ms:.0f} ms")
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel("median time per batch (ms, log scale)")
+        ax.set_title(f"{r.workload}: {r.description}", fontsize=9)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
+        json_path: str | None, plot_path: str | None) -> list[Report]:
+    torch.set_num_threads(threads)
+    reports = []
+    steps = 9 * len(workloads)
+    with tqdm(total=steps, desc="persample bench", unit="step", leave=False) as bar:
+        def step(label: str) -> None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+
+        for name in workloads:
+            if name not in GRAD_WORKLOADS:
+                raise SystemExit(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
+            reports.append(bench_grads(grads_workload(name, batch), quick, step))
+            gc.collect()
+    for r in reports:
+        print(format_report(r), end="\n\n")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"machine": machine_info(threads), "quick": quick,
+                       "workloads": [asdict(r) for r in reports]}, f, indent=2)
+        print(f"wrote {json_path}")
+    if plot_path:
+        plot_reports(reports, plot_path)
+        print(f"wrote {plot_path}")
+    return reports
+
+
+def machine_info(threads: int) -> dict:
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "threads": threads}

@@ -1,0 +1,396 @@
+"""Test cases as data (BackPACK style): one dict per model, turned into pytest ids.
+
+A case is ``{"id", "module_fn", "input_fn", "target_fn", "loss_fn", "seed"}``:
+
+- ``module_fn()`` builds the model (converted to float64 by :func:`build`);
+- ``input_fn(n)`` returns the inputs of a batch of ``n`` samples: a tensor, or a
+  tuple of tensors passed as ``model(*inputs)``;
+- ``target_fn(output)`` draws targets fitting the model's output (``None``: the
+  loss takes no targets);
+- ``loss_fn(reduction)`` returns ``loss(output, targets)`` reduced over the batch
+  as ``reduction`` (``"mean"`` / ``"sum"``) says, or a per-sample loss ``(B,)``
+  that ignores it.
+
+Adding a layer to the tests is one more dict in :data:`CASES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+N = 3  # default batch size of a case
+
+# ---------------------------------------------------------------------------
+# inputs, targets, losses
+
+
+def randn(*shape: int) -> Tensor:
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def ids(vocab: int, *shape: int) -> Tensor:
+    return torch.randint(0, vocab, shape)
+
+
+def regression(output: Tensor) -> Tensor:
+    """A real target of the output's shape."""
+    return torch.randn_like(output)
+
+
+def classes(output: Tensor) -> Tensor:
+    """Class indices for logits ``(B, C, *extra)``: shape ``(B, *extra)``."""
+    return torch.randint(0, output.shape[1], (output.shape[0], *output.shape[2:]))
+
+
+def cross_entropy(reduction: str) -> Callable:
+    return nn.CrossEntropyLoss(reduction=reduction)
+
+
+def mse(reduction: str) -> Callable:
+    return nn.MSELoss(reduction=reduction)
+
+
+def nll(reduction: str) -> Callable:
+    return lambda out, y: F.nll_loss(F.log_softmax(out, dim=1), y, reduction=reduction)
+
+
+def per_sample_squares(reduction: str) -> Callable:
+    """``(B,)``: each sample's summed squared error; ``reduction`` does not apply."""
+    return lambda out, y: ((out - y) ** 2).flatten(1).sum(1)
+
+
+def per_sample_cross_entropy(reduction: str) -> Callable:
+    """``(B,)``: each sample's cross-entropy summed over extra positions."""
+    return lambda out, y: F.cross_entropy(out, y, reduction="none").reshape(len(y), -1).sum(1)
+
+
+def no_target_loss(reduction: str) -> Callable:
+    """``(B,)`` from the output alone (targets are ``None``)."""
+    return lambda out, y: (torch.sin(out) * out).flatten(1).sum(1)
+
+
+def mixed_loss(reduction: str) -> Callable:
+    """Targets are a tuple ``(real (B, 2), class (B,))``: MSE on 2 outputs + CE on the rest."""
+    mse_, ce_ = nn.MSELoss(reduction=reduction), nn.CrossEntropyLoss(reduction=reduction)
+    return lambda out, y: mse_(out[:, :2], y[0]) + ce_(out[:, 2:], y[1])
+
+
+def mixed_targets(output: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.randn(output.shape[0], 2), torch.randint(0, output.shape[1] - 2, (len(output),))
+
+
+# ---------------------------------------------------------------------------
+# small models
+
+
+class Scale(nn.Module):
+    """A learnable elementwise scale: no rule, so the per-module torch.func fallback."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+class ParentWithParam(nn.Module):
+    """A module with its own direct parameter and child Linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 5)
+        self.gain = nn.Parameter(torch.randn(5))
+        self.fc2 = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)) * self.gain + self.gain**2)
+
+
+class TiedLM(nn.Module):
+    """Embedding and output Linear share one weight; logits ``(B, V, T)``."""
+
+    def __init__(self, vocab: int = 11, dim: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.mix(self.emb(x)))  # (B, T, D)
+        return self.out(h).transpose(1, 2)  # (B, V, T)
+
+
+class LinearTwice(nn.Module):
+    """One Linear called twice in a forward (RNN-style reuse)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.cell(torch.tanh(self.cell(x)))))
+
+
+class ConvTwice(nn.Module):
+    """One Conv2d called twice, on inputs of different spatial sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv(x)  # (B, 2, 6, 6)
+        z = self.conv(F.avg_pool2d(torch.tanh(y), 2))  # (B, 2, 3, 3)
+        return y.flatten(1)[:, :18] + z.flatten(1)
+
+
+class WithUnused(nn.Module):
+    """A direct parameter and a child Linear that the forward never uses: zero rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.unused_param = nn.Parameter(torch.randn(2, 2))
+        self.unused_layer = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+class TwoInputs(nn.Module):
+    """Takes a tuple of two inputs: ``model(a, b)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fa = nn.Linear(4, 3)
+        self.fb = nn.Conv1d(2, 3, 3)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.fa(a) * self.fb(b).mean(-1)
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention uses ``out_proj.weight`` without calling ``out_proj``."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y, _ = self.attn(x, x, x)  # (B, T, 8)
+        return self.head(y.mean(1))
+
+
+class SimpleCNN(nn.Module):
+    """Seed 001's SimpleCNN, shrunk: conv, conv, maxpool, flatten, fc, fc."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, 1)
+        self.conv2 = nn.Conv2d(4, 6, 3, 1)
+        self.fc1 = nn.Linear(6 * 4 * 4, 8)
+        self.fc2 = nn.Linear(8, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = torch.flatten(F.max_pool2d(x, 2), 1)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def frozen_mlp() -> nn.Module:
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    net[0].weight.requires_grad_(False)
+    net[2].bias.requires_grad_(False)
+    return net
+
+
+def batchnorm_eval() -> nn.Module:
+    net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(12, 3))
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-1, 1)
+        net[1].running_var.uniform_(0.5, 2)
+    return net.eval()
+
+
+# ---------------------------------------------------------------------------
+# the cases
+
+
+def case(
+    id: str,
+    module_fn: Callable[[], nn.Module],
+    input_fn: Callable[[int], Any],
+    target_fn: Callable[[Tensor], Any] | None = regression,
+    loss_fn: Callable[[str], Callable] = mse,
+    seed: int = 0,
+) -> dict[str, Any]:
+    return {"id": id, "module_fn": module_fn, "input_fn": input_fn,
+            "target_fn": target_fn, "loss_fn": loss_fn, "seed": seed}
+
+
+CASES: list[dict[str, Any]] = [
+    # nn.Linear
+    case("linear-2d", lambda: nn.Linear(4, 3), lambda n: randn(n, 4), classes, cross_entropy),
+    case("linear-seq", lambda: nn.Linear(4, 3), lambda n: randn(n, 5, 4)),
+    case("linear-4d", lambda: nn.Linear(4, 3), lambda n: randn(n, 2, 3, 4)),
+    case("linear-nobias", lambda: nn.Linear(4, 3, bias=False), lambda n: randn(n, 4),
+         classes, cross_entropy),
+    case("linear-seq-nobias-persample", lambda: nn.Linear(4, 3, bias=False),
+         lambda n: randn(n, 5, 4), regression, per_sample_squares),
+    case("mlp", lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)),
+         lambda n: randn(n, 4), classes, cross_entropy),
+    case("mlp-persample-ce", lambda: nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
+         lambda n: randn(n, 4), classes, per_sample_cross_entropy),
+    case("mlp-no-targets", lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)),
+         lambda n: randn(n, 4), None, no_target_loss),
+    case("mlp-tuple-targets", lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5)),
+         lambda n: randn(n, 4), mixed_targets, mixed_loss),
+    # nn.Conv1d / 2d / 3d
+    case("conv1d-stride2-pad1", lambda: nn.Conv1d(2, 3, 3, stride=2, padding=1),
+         lambda n: randn(n, 2, 9)),
+    case("conv1d-same-even-kernel", lambda: nn.Conv1d(2, 3, 4, padding="same"),
+         lambda n: randn(n, 2, 7)),
+    case("conv1d-same-dilation", lambda: nn.Conv1d(2, 3, 3, padding="same", dilation=2),
+         lambda n: randn(n, 2, 8)),
+    case("conv1d-valid-nobias", lambda: nn.Conv1d(2, 3, 3, padding="valid", bias=False),
+         lambda n: randn(n, 2, 6)),
+    case("conv1d-groups2", lambda: nn.Conv1d(4, 6, 3, groups=2, padding=1),
+         lambda n: randn(n, 4, 5)),
+    case("conv1d-reflect", lambda: nn.Conv1d(2, 3, 3, padding=2, padding_mode="reflect"),
+         lambda n: randn(n, 2, 6)),
+    case("conv1d-circular-stride2",
+         lambda: nn.Conv1d(2, 3, 3, stride=2, padding=1, padding_mode="circular"),
+         lambda n: randn(n, 2, 7)),
+    case("conv1d-replicate-same-even",
+         lambda: nn.Conv1d(2, 3, 2, padding="same", padding_mode="replicate"),
+         lambda n: randn(n, 2, 5), regression, per_sample_squares),
+    case("conv2d", lambda: nn.Conv2d(2, 3, 3), lambda n: randn(n, 2, 5, 5)),
+    case("conv2d-tuple-stride-pad-dilation",
+         lambda: nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+         lambda n: randn(n, 2, 6, 5)),
+    case("conv2d-same-even-kernel", lambda: nn.Conv2d(2, 3, (4, 2), padding="same"),
+         lambda n: randn(n, 2, 5, 6)),
+    case("conv2d-same-dilation-nobias",
+         lambda: nn.Conv2d(2, 3, 3, padding="same", dilation=(2, 1), bias=False),
+         lambda n: randn(n, 2, 6, 5)),
+    case("conv2d-groups3-nobias", lambda: nn.Conv2d(3, 6, 3, groups=3, bias=False, padding=1),
+         lambda n: randn(n, 3, 4, 4)),
+    case("conv2d-depthwise", lambda: nn.Conv2d(4, 4, 3, groups=4), lambda n: randn(n, 4, 4, 5)),
+    case("conv2d-reflect", lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"),
+         lambda n: randn(n, 2, 4, 5)),
+    case("conv2d-circular-stride2",
+         lambda: nn.Conv2d(2, 3, 3, stride=2, padding=(1, 2), padding_mode="circular"),
+         lambda n: randn(n, 2, 5, 6)),
+    case("conv2d-replicate-same-even",
+         lambda: nn.Conv2d(2, 3, 4, padding="same", padding_mode="replicate"),
+         lambda n: randn(n, 2, 5, 5)),
+    case("conv3d", lambda: nn.Conv3d(2, 3, 2), lambda n: randn(n, 2, 3, 4, 3)),
+    case("conv3d-stride-pad-dilation-groups2",
+         lambda: nn.Conv3d(2, 4, 3, stride=(1, 2, 1), padding=(1, 0, 2), dilation=(2, 1, 1),
+                           groups=2),
+         lambda n: randn(n, 2, 4, 5, 3)),
+    case("conv3d-same-even-kernel", lambda: nn.Conv3d(1, 2, (2, 3, 4), padding="same"),
+         lambda n: randn(n, 1, 3, 4, 5)),
+    case("conv3d-valid-nobias", lambda: nn.Conv3d(2, 2, 2, padding="valid", bias=False),
+         lambda n: randn(n, 2, 3, 3, 3)),
+    case("conv3d-reflect", lambda: nn.Conv3d(1, 2, 3, padding=1, padding_mode="reflect"),
+         lambda n: randn(n, 1, 3, 3, 4)),
+    case("conv3d-circular", lambda: nn.Conv3d(1, 2, 2, padding=(1, 0, 1), padding_mode="circular"),
+         lambda n: randn(n, 1, 3, 3, 3)),
+    case("conv3d-replicate-same",
+         lambda: nn.Conv3d(2, 2, 3, padding="same", padding_mode="replicate"),
+         lambda n: randn(n, 2, 3, 3, 3)),
+    case("conv2d-relu-linear-ce",
+         lambda: nn.Sequential(nn.Conv2d(1, 3, 3, stride=2), nn.ReLU(), nn.Flatten(),
+                               nn.Linear(3 * 3 * 3, 4)),
+         lambda n: randn(n, 1, 7, 7), classes, cross_entropy),
+    # nn.Embedding
+    case("embedding-1d-ids", lambda: nn.Embedding(7, 3), lambda n: ids(7, n)),
+    case("embedding-2d-ids", lambda: nn.Embedding(7, 3), lambda n: ids(7, n, 5)),
+    case("embedding-repeated-ids-padding-idx", lambda: nn.Embedding(5, 3, padding_idx=0),
+         lambda n: ids(3, n, 6)),  # 6 ids from {0, 1, 2}: repeats in every sample
+    case("embedding-3d-ids", lambda: nn.Embedding(6, 2, padding_idx=4),
+         lambda n: ids(6, n, 2, 3)),
+    case("embedding-linear-ce",
+         lambda: nn.Sequential(nn.Embedding(10, 4, padding_idx=2), nn.Flatten(),
+                               nn.Linear(4 * 5, 3)),
+         lambda n: ids(10, n, 5), classes, cross_entropy),
+    case("embedding-scale-grad-by-freq", lambda: nn.Embedding(5, 3, scale_grad_by_freq=True),
+         lambda n: ids(3, n, 4)),
+    # nn.LayerNorm
+    case("layernorm-last-dim", lambda: nn.LayerNorm(4), lambda n: randn(n, 5, 4)),
+    case("layernorm-last-2-dims", lambda: nn.LayerNorm((3, 4)), lambda n: randn(n, 2, 3, 4)),
+    case("layernorm-2d-input", lambda: nn.LayerNorm(4), lambda n: randn(n, 4)),
+    case("layernorm-no-bias", lambda: nn.LayerNorm(4, bias=False), lambda n: randn(n, 3, 4),
+         regression, per_sample_squares),
+    case("layernorm-no-affine-mlp",
+         lambda: nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5, elementwise_affine=False),
+                               nn.Linear(5, 3)),
+         lambda n: randn(n, 4), classes, cross_entropy),
+    # nn.GroupNorm
+    case("groupnorm-0d-groups3", lambda: nn.GroupNorm(3, 6), lambda n: randn(n, 6)),
+    case("groupnorm-1d-groups1", lambda: nn.GroupNorm(1, 4), lambda n: randn(n, 4, 5)),
+    case("groupnorm-2d-groups2", lambda: nn.GroupNorm(2, 4), lambda n: randn(n, 4, 3, 3)),
+    case("groupnorm-3d-groups4", lambda: nn.GroupNorm(4, 4), lambda n: randn(n, 4, 2, 2, 3)),
+    case("conv-groupnorm-no-affine",
+         lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4, affine=False),
+                               nn.Tanh(), nn.Conv2d(4, 2, 2)),
+         lambda n: randn(n, 2, 5, 5)),
+    # the per-module torch.func fallback
+    case("custom-scale",
+         lambda: nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Tanh(), nn.Linear(5, 3)),
+         lambda n: randn(n, 4), classes, cross_entropy),
+    case("parent-param-and-children", ParentWithParam, lambda n: randn(n, 4),
+         classes, cross_entropy),
+    case("batchnorm-eval", batchnorm_eval, lambda n: randn(n, 2, 4, 4), classes, cross_entropy),
+    case("multihead-attention", Attention, lambda n: randn(n, 3, 8), classes, cross_entropy),
+    # reuse, tying, frozen, unused, several inputs
+    case("tied-embedding-output", TiedLM, lambda n: ids(11, n, 4), classes, cross_entropy),
+    case("linear-called-twice", LinearTwice, lambda n: randn(n, 4), classes, cross_entropy),
+    case("conv-called-twice", ConvTwice, lambda n: randn(n, 2, 6, 6)),
+    case("frozen-params", frozen_mlp, lambda n: randn(n, 4), classes, cross_entropy),
+    case("unused-params", WithUnused, lambda n: randn(n, 4), classes, cross_entropy),
+    case("two-inputs", TwoInputs, lambda n: (randn(n, 4), randn(n, 2, 5))),
+    case("simple-cnn", SimpleCNN, lambda n: randn(n, 1, 12, 12), classes, nll),
+]
+
+CASE_IDS = [c["id"] for c in CASES]
+assert len(set(CASE_IDS)) == len(CASE_IDS), "case ids must be unique"
+BY_ID = {c["id"]: c for c in CASES}
+
+
+def as_tuple(inputs: Any) -> tuple:
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def build(c: dict[str, Any], n: int = N) -> tuple[nn.Module, Any, Any]:
+    """``(model, inputs, targets)`` of case ``c`` with ``n`` samples, all in float64."""
+    torch.manual_seed(c["seed"])
+    model = c["module_fn"]().to(torch.float64)
+    inputs = c["input_fn"](n)
+    targets = None
+    if c["target_fn"] is not None:
+        with torch.no_grad():
+            targets = c["target_fn"](model(*as_tuple(inputs)))
+    return model, inputs, targets
+
+
+def assert_grads_equal(
+    got: dict[str, Tensor], want: dict[str, Tensor], rtol: float = 1e-10, atol: float = 1e-12
+) -> None:
+    """Same names in the same order, and every tensor close in value, dtype and shape."""
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -1,0 +1,116 @@
+"""Shared fixtures: float64 by default, a seeded RNG, and a snapshot of a model's state.
+
+``snapshot(model)`` records everything ``per_sample_grads`` promises to leave
+alone (DESIGN.md, "Nothing is left behind on the model"); ``.assert_unchanged()``
+compares the model with it afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+@pytest.fixture(autouse=True)
+def float64_and_seed():
+    """Every test runs with float64 as the default dtype and a fixed seed; both restored."""
+    dtype = torch.get_default_dtype()
+    rng = torch.random.get_rng_state()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.random.set_rng_state(rng)
+
+
+def _hooks(module: nn.Module) -> dict[str, list]:
+    return {
+        name: list(getattr(module, name).items())
+        for name in _HOOK_DICTS
+        if hasattr(module, name)
+    }
+
+
+def _same(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return bool(a == b)
+
+
+class ModelState:
+    """Everything about ``model`` that a per-sample call must not change."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.modules = list(model.named_modules(remove_duplicate=False))
+        self.module_ids = [(name, id(m)) for name, m in self.modules]
+        self.vars = {name: dict(vars(m)) for name, m in self.modules}
+        self.hooks = {name: _hooks(m) for name, m in self.modules}
+        self.training = {name: m.training for name, m in self.modules}
+        self.params = list(model.named_parameters(remove_duplicate=False))
+        self.param_ids = [(name, id(p)) for name, p in self.params]
+        self.values = {name: p.detach().clone() for name, p in self.params}
+        self.requires_grad = {name: p.requires_grad for name, p in self.params}
+        self.grads = {
+            name: None if p.grad is None else (id(p.grad), p.grad.detach().clone())
+            for name, p in self.params
+        }
+        self.param_vars = {name: dict(vars(p)) for name, p in self.params}
+        self.buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+
+    def assert_unchanged(self) -> None:
+        model = self.model
+        modules = list(model.named_modules(remove_duplicate=False))
+        assert [(name, id(m)) for name, m in modules] == self.module_ids
+        for name, m in modules:
+            where = f"module {name!r}"
+            assert _hooks(m) == self.hooks[name], f"{where}: hooks changed"
+            now = vars(m)
+            assert now.keys() == self.vars[name].keys(), f"{where}: attributes changed"
+            for key, value in self.vars[name].items():
+                if key.startswith("_") and isinstance(value, dict):
+                    # _parameters, _buffers, _modules and the hook dicts: same entries.
+                    assert list(now[key].items()) == list(value.items()), f"{where}: {key}"
+                else:
+                    assert _same(now[key], value), f"{where}: {key} changed"
+            assert m.training == self.training[name], f"{where}: training flag changed"
+        params = list(model.named_parameters(remove_duplicate=False))
+        assert [(name, id(p)) for name, p in params] == self.param_ids
+        for name, p in params:
+            assert torch.equal(p.detach(), self.values[name]), f"{name}: value changed"
+            assert p.requires_grad == self.requires_grad[name], f"{name}: requires_grad"
+            assert vars(p).keys() == self.param_vars[name].keys(), f"{name}: attributes"
+            before = self.grads[name]
+            if before is None:
+                assert p.grad is None, f"{name}: .grad was None and is now set"
+            else:
+                assert p.grad is not None, f"{name}: .grad was removed"
+                assert id(p.grad) == before[0], f"{name}: .grad replaced"
+                assert torch.equal(p.grad, before[1]), f"{name}: .grad values changed"
+        for name, b in model.named_buffers():
+            assert torch.equal(b, self.buffers[name]), f"buffer {name}: changed"
+
+
+@pytest.fixture
+def snapshot():
+    """``snapshot(model)`` -> a :class:`ModelState` with ``assert_unchanged()``."""
+    return ModelState

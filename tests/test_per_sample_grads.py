@@ -1,0 +1,305 @@
+"""``per_sample_grads`` against the loop reference, on every case of ``cases.py``."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from cases import BY_ID, CASE_IDS, CASES, N, as_tuple, assert_grads_equal, build, randn
+from torch import Tensor, nn
+
+import persample
+from persample import loop_per_sample_grads, per_sample_grads
+
+REDUCTIONS = ["mean", "sum"]
+METHODS = ["rules", "vmap", "auto"]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def reference(c: dict, n: int = N, reduction: str = "mean"):
+    model, inputs, targets = build(c, n)
+    loss_fn = c["loss_fn"](reduction)
+    return model, inputs, targets, loss_fn, loop_per_sample_grads(model, inputs, targets, loss_fn)
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def flatten(grads: dict[str, Tensor], n: int) -> Tensor:
+    return torch.cat([g.reshape(n, -1) for g in grads.values()], dim=1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
+def test_matches_loop(c, reduction, method):
+    model, inputs, targets, loss_fn, want = reference(c, N, reduction)
+    with warnings.catch_warnings():
+        # "auto" must not give up on the rules for any case.
+        warnings.filterwarnings("error", message=".*Falling back to method='loop'")
+        got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=reduction,
+                               method=method)
+    assert isinstance(got, dict)
+    assert_grads_equal(got, want)
+
+
+def test_reference_is_not_trivial():
+    """The loop gives distinct, non-zero rows (else agreeing with it proves little)."""
+    _, _, _, _, want = reference(BY_ID["mlp"])
+    for g in want.values():
+        assert g.abs().sum() > 0
+        assert not torch.allclose(g[0], g[1])
+
+
+def test_rows_are_each_samples_own_gradient():
+    """Row i is d loss(x_i, y_i) / d theta, computed here by hand for a Linear + MSE."""
+    model = nn.Linear(3, 2)
+    x, y = randn(4, 3), randn(4, 2)
+    got = per_sample_grads(model, x, y, nn.MSELoss(), method="rules")
+    residual = model(x).detach() - y  # (B, 2); per-sample loss mean over 2 outputs
+    torch.testing.assert_close(got["weight"], torch.einsum("no,ni->noi", residual, x))
+    torch.testing.assert_close(got["bias"], residual)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_per_sample_loss_ignores_loss_reduction(reduction):
+    c = BY_ID["linear-seq-nobias-persample"]
+    model, inputs, targets, loss_fn, want = reference(c)
+    got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=reduction)
+    assert_grads_equal(got, want)
+
+
+def test_wrong_loss_reduction_gives_scaled_rows():
+    """Declaring "sum" for a mean-reduced loss is off by exactly the batch size."""
+    model, inputs, targets, loss_fn, want = reference(BY_ID["mlp"], 4, "mean")
+    got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction="sum")
+    for name in want:
+        torch.testing.assert_close(got[name] * 4, want[name])
+
+
+@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
+def test_flat_is_concatenation_in_parameter_order(c, method):
+    model, inputs, targets, loss_fn, want = reference(c)
+    got = per_sample_grads(model, inputs, targets, loss_fn, method=method, flat=True)
+    total = sum(p.numel() for p in trainable(model).values())
+    assert got.shape == (N, total)
+    torch.testing.assert_close(got, flatten(want, N), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
+def test_out_is_written_and_returned(c, method):
+    model, inputs, targets, loss_fn, want = reference(c)
+    total = sum(p.numel() for p in trainable(model).values())
+    out = torch.full((N, total), float("nan"))
+    got = per_sample_grads(model, inputs, targets, loss_fn, method=method, out=out)
+    assert got is out
+    torch.testing.assert_close(out, flatten(want, N), rtol=1e-10, atol=1e-12)
+
+
+def test_out_may_be_a_column_slice_of_a_wider_buffer():
+    """A view with stride(1) == 1 is filled; the columns around it are untouched."""
+    model, inputs, targets, loss_fn, want = reference(BY_ID["custom-scale"], 4)
+    total = sum(p.numel() for p in trainable(model).values())
+    wide = torch.full((4, total + 5), -7.0)
+    out = wide[:, 2 : 2 + total]
+    got = per_sample_grads(model, inputs, targets, loss_fn, out=out, chunk_size=3)
+    assert got is out
+    torch.testing.assert_close(out, flatten(want, 4), rtol=1e-10, atol=1e-12)
+    assert (wide[:, :2] == -7).all() and (wide[:, 2 + total :] == -7).all()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3])
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
+def test_chunks_equal_whole_batch(c, chunk_size):
+    model, inputs, targets, loss_fn, want = reference(c, 5)
+    whole = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
+    got = per_sample_grads(model, inputs, targets, loss_fn, method="rules",
+                           chunk_size=chunk_size)
+    assert_grads_equal(got, whole, rtol=1e-12, atol=1e-13)
+    assert_grads_equal(got, want)
+
+
+@pytest.mark.parametrize("method", ["vmap", "loop"])
+@pytest.mark.parametrize("chunk_size", [2, 7])
+def test_chunks_other_methods(method, chunk_size):
+    model, inputs, targets, loss_fn, want = reference(BY_ID["tied-embedding-output"], 5)
+    got = per_sample_grads(model, inputs, targets, loss_fn, method=method,
+                           chunk_size=chunk_size)
+    assert_grads_equal(got, want)
+    flat = per_sample_grads(model, inputs, targets, loss_fn, method=method,
+                            chunk_size=chunk_size, flat=True)
+    torch.testing.assert_close(flat, flatten(want, 5), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
+def test_batch_of_one(c, method):
+    model, inputs, targets, loss_fn, want = reference(c, 1)
+    got = per_sample_grads(model, inputs, targets, loss_fn, method=method)
+    assert_grads_equal(got, want)
+    assert all(g.shape[0] == 1 for g in got.values())
+
+
+class MustNotRun(nn.Module):
+    """Parameters of several shapes; running it (or its loss) fails the test."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.fc = nn.Linear(4, 5)
+        self.fc.bias.requires_grad_(False)
+
+    def forward(self, x):
+        raise AssertionError("the model was run for an empty batch")
+
+
+def _loss_must_not_run(out, y):
+    raise AssertionError("the loss was computed for an empty batch")
+
+
+@pytest.mark.parametrize("method", METHODS + ["loop"])
+def test_batch_of_zero_is_empty_without_running_the_model(method):
+    model = MustNotRun()
+    x, y = randn(0, 2, 5, 5), torch.zeros(0, dtype=torch.long)
+    got = per_sample_grads(model, x, y, _loss_must_not_run, method=method)
+    assert list(got) == ["conv.weight", "conv.bias", "fc.weight"]
+    for name, g in got.items():
+        p = model.get_parameter(name)
+        assert g.shape == (0, *p.shape) and g.dtype == p.dtype and g.device == p.device
+    flat = per_sample_grads(model, x, y, _loss_must_not_run, method=method, flat=True)
+    assert flat.shape == (0, 3 * 2 * 9 + 3 + 20) and flat.dtype == torch.float64
+    out = torch.empty(0, 3 * 2 * 9 + 3 + 20)
+    assert per_sample_grads(model, x, y, _loss_must_not_run, method=method, out=out) is out
+
+
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
+def test_batch_of_zero_matches_loop_shapes(c):
+    model, inputs, targets, loss_fn, _ = reference(c)
+    inputs = tuple(a[:0] for a in as_tuple(inputs))
+    targets = targets[:0] if isinstance(targets, Tensor) else targets
+    got = per_sample_grads(model, inputs, targets, loss_fn)
+    want = {name: p.new_zeros((0, *p.shape)) for name, p in trainable(model).items()}
+    assert_grads_equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_result_dtype_and_device_are_the_parameters(dtype, method, device):
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(9, 4))
+    model = model.to(device=device, dtype=dtype)
+    x = torch.randn(3, 2, 5, dtype=dtype, device=device)
+    y = torch.randint(0, 4, (3,), device=device)
+    got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+    for name, p in model.named_parameters():
+        assert got[name].dtype == p.dtype and got[name].device == p.device
+    flat = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method, flat=True)
+    assert flat.dtype == dtype and flat.device == x.device
+    want = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
+    assert_grads_equal(got, want, **tol)
+
+
+@pytest.mark.parametrize("method", ["rules", "loop"])
+def test_mixed_dtypes_keep_each_parameters_dtype(method):
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 4).double()
+            self.b = nn.Linear(4, 2).float()
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)).float()).double()
+
+    model = Mixed()
+    x, y = randn(3, 3), randn(3, 2)
+    got = per_sample_grads(model, x, y, nn.MSELoss(), method=method)
+    assert got["a.weight"].dtype == torch.float64 and got["b.weight"].dtype == torch.float32
+    want = loop_per_sample_grads(model, x, y, nn.MSELoss())
+    assert_grads_equal(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one dtype and device"):
+        per_sample_grads(model, x, y, nn.MSELoss(), method=method, flat=True)
+
+
+@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
+def test_keys_are_trainable_parameters_in_order(c):
+    model, inputs, targets, loss_fn, _ = reference(c)
+    got = per_sample_grads(model, inputs, targets, loss_fn)
+    assert list(got) == list(trainable(model))
+    for name, p in trainable(model).items():
+        assert got[name].shape == (N, *p.shape)
+
+
+def test_frozen_parameter_is_absent_and_unused_is_zero():
+    model, inputs, targets, loss_fn, _ = reference(BY_ID["frozen-params"])
+    got = per_sample_grads(model, inputs, targets, loss_fn)
+    assert list(got) == ["0.bias", "2.weight"]
+    model, inputs, targets, loss_fn, _ = reference(BY_ID["unused-params"])
+    got = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
+    assert list(got) == ["fc.weight", "fc.bias", "unused_param", "unused_layer.weight",
+                         "unused_layer.bias"]
+    for name in ["unused_param", "unused_layer.weight", "unused_layer.bias"]:
+        assert torch.equal(got[name], torch.zeros_like(got[name]))
+    assert got["fc.weight"].abs().sum() > 0
+
+
+def test_tied_weight_appears_once_and_sums_both_uses():
+    model, inputs, targets, loss_fn, want = reference(BY_ID["tied-embedding-output"])
+    got = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
+    assert list(got) == ["emb.weight", "mix.weight", "mix.bias", "out.bias"]
+    # Untying the weight gives the two contributions separately; their sum is the tied row.
+    untied = BY_ID["tied-embedding-output"]["module_fn"]().to(torch.float64)
+    untied.load_state_dict(model.state_dict())
+    untied.out.weight = nn.Parameter(model.emb.weight.detach().clone())
+    parts = per_sample_grads(untied, inputs, targets, loss_fn, method="rules")
+    assert parts["emb.weight"].abs().sum() > 0 and parts["out.weight"].abs().sum() > 0
+    torch.testing.assert_close(got["emb.weight"], parts["emb.weight"] + parts["out.weight"])
+    assert_grads_equal(got, want)
+
+
+def test_embedding_padding_row_is_zero():
+    model, inputs, targets, loss_fn, want = reference(BY_ID["embedding-repeated-ids-padding-idx"])
+    assert (inputs == 0).any()
+    got = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
+    assert torch.equal(got["weight"][:, 0], torch.zeros_like(got["weight"][:, 0]))
+    assert_grads_equal(got, want)
+
+
+def test_sample_independent_of_the_rest_of_the_batch():
+    """Row 0 does not change when the other samples do (no mixing through the engine)."""
+    model, inputs, targets, loss_fn, _ = reference(BY_ID["simple-cnn"], 4)
+    a = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
+    inputs2 = inputs.clone()
+    inputs2[1:] = torch.randn_like(inputs2[1:])
+    b = per_sample_grads(model, inputs2, targets, loss_fn, method="rules")
+    for name in a:
+        torch.testing.assert_close(a[name][0], b[name][0], rtol=1e-12, atol=1e-13)
+        assert not torch.allclose(a[name][1], b[name][1])
+
+
+class NumpyGate(nn.Module):
+    """A parameter used through numpy: torch.func cannot differentiate this module."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        gate = torch.from_numpy(np.tanh(x.detach().cpu().numpy())).to(x)
+        return x * gate * self.weight
+
+
+def test_auto_falls_back_to_loop_with_a_warning():
+    model = nn.Sequential(nn.Linear(3, 4), NumpyGate(), nn.Linear(4, 2))
+    x, y = randn(3, 3), randn(3, 2)
+    want = loop_per_sample_grads(model, x, y, nn.MSELoss())
+    with pytest.raises(persample.UnsupportedModuleError, match="module '1' \\(NumpyGate\\)"):
+        per_sample_grads(model, x, y, nn.MSELoss(), method="rules")
+    with pytest.warns(UserWarning, match="method='loop'"):
+        got = per_sample_grads(model, x, y, nn.MSELoss(), method="auto")
+    assert_grads_equal(got, want)
