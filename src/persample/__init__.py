@@ -1,16 +1,18 @@
 """persample: fast per-sample derivatives for PyTorch.
 
-The public API: :func:`per_sample_grads`, the loop reference
-:func:`loop_per_sample_grads`, and :func:`register_rule` to add a layer rule.
+The public API: :func:`per_sample_grads`, :func:`param_jacobian`, their loop
+references, and :func:`register_rule` to add a layer rule.
 """
 
-from .api import per_sample_grads
+from .api import param_jacobian, per_sample_grads
 from .fallback import UnsupportedModuleError
-from .reference import loop_per_sample_grads
+from .reference import loop_param_jacobian, loop_per_sample_grads
 from .rules import register_rule
 
 __all__ = [
     "per_sample_grads",
+    "param_jacobian",
+    "loop_param_jacobian",
     "loop_per_sample_grads",
     "register_rule",
     "UnsupportedModuleError",

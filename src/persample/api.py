@@ -10,10 +10,10 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import rules_grads
+from .engine import rules_grads, rules_param_jacobian
 from .fallback import UnsupportedModuleError
-from .reference import loop_per_sample_grads, rows
-from .vmap import vmap_per_sample_grads
+from .reference import loop_param_jacobian, loop_per_sample_grads, rows
+from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 
 
 def per_sample_grads(
@@ -93,52 +93,168 @@ def per_sample_grads(
     n = args[0].shape[0]
     checks.check_targets(targets, n)
     params = checks.trainable_parameters(model)
-    result, dest = _allocate(params, n, flat or out is not None, out)
-    if n == 0:
-        return result
-    step = chunk_size or n
+    result, dest = _allocate(params, n, (), flat or out is not None, out)
+    step = chunk_size or max(n, 1)
     for start in range(0, n, step):
-        stop = min(start + step, n)
-        part = {key: t[start:stop] for key, t in dest.items()}
-        _fill(model, rows(args, start, stop), rows(targets, start, stop), loss_fn,
-              loss_reduction, method, params, part)
+        part = rows(args, start, start + step), rows(targets, start, start + step)
+        _dispatch(
+            method,
+            rules=lambda d, a=part: rules_grads(model, a[0], a[1], loss_fn, loss_reduction, d),
+            vmap=lambda a=part: vmap_per_sample_grads(model, a[0], a[1], loss_fn, params),
+            loop=lambda a=part: loop_per_sample_grads(model, a[0], a[1], loss_fn),
+            params=params,
+            dest={key: t[start : start + step] for key, t in dest.items()},
+        )
     return result
 
 
+def param_jacobian(
+    model: nn.Module,
+    inputs: Tensor | tuple[Tensor, ...],
+    *,
+    method: str = "auto",
+    flat: bool = False,
+    chunk_size: int | None = None,
+    out: Tensor | None = None,
+) -> dict[str, Tensor] | Tensor:
+    """Per-sample Jacobian of the model's outputs w.r.t. its parameters.
+
+    Seed 000's ``calculate_gradients(model, X) -> (B, Y, P)``: entry ``[i, k, p]``
+    is ``d model(X)[i].flatten()[k] / d theta_p``. Samples must not interact.
+
+    Args:
+        model: an ``nn.Module`` mapping a batch ``(B, *in_shape)`` to one tensor
+            ``(B, *out_shape)``; ``Y = prod(out_shape)``. Left exactly as it was.
+        inputs: tensor ``(B, *in_shape)``, or a tuple of tensors with the batch in
+            dim 0, passed as ``model(*inputs)``.
+        method: ``"rules"``: one forward with capture, then all ``Y`` one-hot output
+            cotangents in one batched backward and the layer rules with a leading
+            cotangent dim (DESIGN.md point 4); ``"vmap"``: ``vmap(jacrev(functional_call))``
+            (seed 000's answer); ``"loop"``: one ``autograd.grad`` per sample and output;
+            ``"auto"``: ``"rules"``, and ``"loop"`` with a warning if a module can be
+            handled by neither a rule nor ``torch.func``.
+        flat: return one ``(B, Y, P)`` tensor, columns in ``named_parameters()`` order.
+        chunk_size: at most this many (sample, output) pairs go through one batched
+            backward, to bound memory (activations' backprops take ``chunk_size``
+            times the memory of one sample's). The result is still whole.
+        out: a caller-owned ``(B, Y, P)`` buffer (the parameters' dtype and device)
+            to write into; implies ``flat=True``.
+
+    Returns:
+        ``{name: (B, *out_shape, *param.shape)}`` over the trainable parameters, or
+        ``(B, Y, P)`` with ``flat=True``. Its size is ``B * Y * P * itemsize`` bytes
+        (seed 000's MLP 784->20->10 at B=256 in float32: 163 MB).
+
+    Raises:
+        ValueError: a model whose output is not one tensor with the batch in dim 0,
+            BatchNorm in training mode, no trainable parameters, ``out`` of the
+            wrong shape, dtype or device, a bad ``method`` or ``chunk_size``.
+        UnsupportedModuleError: ``method="rules"`` and a module neither a rule nor
+            ``torch.func`` can differentiate.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import persample
+        >>> net = nn.Sequential(nn.Linear(784, 20), nn.ReLU(), nn.Linear(20, 10))
+        >>> persample.param_jacobian(net, torch.randn(8, 784), flat=True).shape
+        torch.Size([8, 10, 15910])
+    """
+    checks.check_options(method, "mean", chunk_size)
+    checks.check_per_sample_model(model)
+    args = checks.as_args(inputs)
+    n = args[0].shape[0]
+    params = checks.trainable_parameters(model)
+    out_shape = _output_shape(model, args)
+    num_out = out_shape.numel()
+    result, dest = _allocate(params, n, (num_out,), flat or out is not None, out)
+    step_out = min(num_out, chunk_size or num_out)
+    step = max(1, (chunk_size or num_out * max(n, 1)) // step_out)
+    for start in range(0, n, step):
+        part = rows(args, start, start + step)
+        for first in range(0, num_out, step_out):
+            outputs = range(first, min(first + step_out, num_out))
+            _dispatch(
+                method,
+                rules=lambda d, a=part, o=outputs: rules_param_jacobian(model, a, o, d),
+                vmap=lambda a=part, o=outputs: _select(
+                    vmap_param_jacobian(model, a, params), o, params),
+                loop=lambda a=part, o=outputs: _select(loop_param_jacobian(model, a), o, params),
+                params=params,
+                dest={k: t[start : start + step, outputs.start : outputs.stop]
+                      for k, t in dest.items()},
+            )
+    if isinstance(result, dict):
+        return {name: t.view(n, *out_shape, *t.shape[2:]) for name, t in result.items()}
+    return result
+
+
+def _output_shape(model: nn.Module, args: tuple) -> torch.Size:
+    """``out_shape`` of one sample, from a forward of the first sample without autograd."""
+    if args[0].shape[0] == 0:
+        raise ValueError("param_jacobian needs at least one sample to know the output shape")
+    with torch.no_grad():
+        output = model(*rows(args, 0, 1))
+    if not isinstance(output, Tensor) or output.dim() == 0 or output.shape[0] != 1:
+        raise ValueError(
+            "the model must return one tensor with the batch in dim 0; for a sample of one "
+            f"it returned {tuple(output.shape) if isinstance(output, Tensor) else type(output)}"
+        )
+    return output.shape[1:]
+
+
+def _select(jac: dict[str, Tensor], outputs: range, params: dict) -> dict[str, Tensor]:
+    """``{name: (n, *out_shape, *shape)}`` -> rows ``outputs`` of the flattened outputs."""
+    return {
+        name: t.reshape(t.shape[0], -1, *params[name].shape)[:, outputs.start : outputs.stop]
+        for name, t in jac.items()
+    }
+
+
 def _allocate(
-    params: dict[str, nn.Parameter], n: int, flat: bool, out: Tensor | None
+    params: dict[str, nn.Parameter],
+    n: int,
+    out_shape: tuple | torch.Size,
+    flat: bool,
+    out: Tensor | None,
 ) -> tuple[dict[str, Tensor] | Tensor, dict[int, Tensor]]:
-    """The result and its destinations by parameter identity (views when flat)."""
+    """The result and its destinations ``(n, *out_shape, *param.shape)`` by parameter identity.
+
+    With ``flat`` the destinations are views into one ``(n, *out_shape, P)`` buffer.
+    """
     if not flat:
-        result = {name: p.new_empty((n, *p.shape)) for name, p in params.items()}
+        result = {name: p.new_empty((n, *out_shape, *p.shape)) for name, p in params.items()}
         return result, {id(params[name]): t for name, t in result.items()}
     dtype, device = checks.common_dtype_device(params)
     total = sum(p.numel() for p in params.values())
     if out is None:
-        out = torch.empty((n, total), dtype=dtype, device=device)
+        out = torch.empty((n, *out_shape, total), dtype=dtype, device=device)
     else:
-        checks.check_out(out, n, total, dtype, device)
+        checks.check_out(out, (n, *out_shape, total), dtype, device)
     dest, offset = {}, 0
     for p in params.values():
-        dest[id(p)] = out[:, offset : offset + p.numel()].view(n, *p.shape)
+        dest[id(p)] = out[..., offset : offset + p.numel()].view(n, *out_shape, *p.shape)
         offset += p.numel()
     return out, dest
 
 
-def _fill(model, args, targets, loss_fn, loss_reduction, method, params, dest) -> None:
-    """Per-sample gradients of one chunk into ``dest`` (id(param) -> (n, *shape))."""
+def _dispatch(method: str, rules, vmap, loop, params: dict, dest: dict[int, Tensor]) -> None:
+    """Run ``method`` on one chunk, writing into ``dest`` (id(param) -> tensor).
+
+    ``rules(dest)`` writes itself; ``vmap()`` and ``loop()`` return dicts by name.
+    ``auto`` is ``rules``, and ``loop`` (with a warning) if a module is unsupported.
+    """
+    if any(t.shape[0] == 0 for t in dest.values()):
+        return
     if method in ("auto", "rules"):
         try:
-            rules_grads(model, args, targets, loss_fn, loss_reduction, dest)
+            rules(dest)
             return
         except UnsupportedModuleError as err:
             if method == "rules":
                 raise
-            warnings.warn(f"{err} Falling back to method='loop'.", stacklevel=3)
+            warnings.warn(f"{err} Falling back to method='loop'.", stacklevel=4)
             method = "loop"
-    if method == "vmap":
-        got = vmap_per_sample_grads(model, args, targets, loss_fn, params)
-    else:
-        got = loop_per_sample_grads(model, args, targets, loss_fn)
+    got = vmap() if method == "vmap" else loop()
     for name, p in params.items():
-        dest[id(p)].copy_(got[name])
+        dest[id(p)].copy_(got[name].reshape(dest[id(p)].shape))

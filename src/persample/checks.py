@@ -75,20 +75,22 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
-def check_out(out: Tensor, n: int, total: int, dtype: torch.dtype, device: torch.device) -> None:
+def check_out(out: Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """``out`` must be a ``(batch, [outputs,] num_params)`` buffer like the parameters."""
     if not isinstance(out, Tensor):
         raise TypeError(f"out must be a tensor, got {type(out).__name__}")
-    if tuple(out.shape) != (n, total):
+    if tuple(out.shape) != tuple(shape):
         raise ValueError(
-            f"out has shape {tuple(out.shape)}; it must be (batch, num_params) = ({n}, {total})"
+            f"out has shape {tuple(out.shape)}; it must be {tuple(shape)}: "
+            "(batch, [outputs,] number of trainable parameters)"
         )
     if out.dtype != dtype or out.device != device:
         raise ValueError(
             f"out is {out.dtype} on {out.device}; it must match the parameters: "
             f"{dtype} on {device}"
         )
-    if out.stride(1) != 1:
-        raise ValueError("out must be contiguous along dim 1 (out.stride(1) == 1)")
+    if out.stride(-1) != 1:
+        raise ValueError("out must be contiguous along its last dim (out.stride(-1) == 1)")
 
 
 def common_dtype_device(params: dict[str, nn.Parameter]) -> tuple[torch.dtype, torch.device]:

@@ -67,11 +67,12 @@ class GradSink:
 
 def hooked_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Every module holding a trainable parameter in its subtree, by qualified name."""
-    return {
-        name: m
-        for name, m in model.named_modules()
-        if any(p.requires_grad for p in m.parameters())
-    }
+    wanted = set()
+    for qualified, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            parts = qualified.split(".")[:-1]
+            wanted.update(".".join(parts[:k]) for k in range(len(parts) + 1))
+    return {name: m for name, m in model.named_modules() if name in wanted}
 
 
 def own_params(module: nn.Module, wanted: set[int]) -> dict[str, nn.Parameter]:
@@ -148,52 +149,59 @@ def check_unchanged(job: Job, n: int) -> None:
         )
 
 
-def _backprops_of(job: Job, grads: dict[int, Tensor | None], n: int) -> list[Tensor]:
+def _backprops_of(job: Job, grads: dict[int, Tensor | None], n: int, v: int) -> list[Tensor]:
     found = []
     for out in output_tensors(job.call):
         g = grads[id(out)]
-        found.append(torch.zeros_like(out) if g is None else g)
+        found.append(out.new_zeros((n, v, *out.shape[1:])) if g is None else g)
     for g in found:
-        if g.dim() == 0 or g.shape[0] != n:
+        if g.dim() < 2 or g.shape[0] != n:
             raise ValueError(
                 f"module '{job.call.name}' ({type(job.call.module).__name__}) returned a tensor "
-                f"of shape {tuple(g.shape)} whose dim 0 is not the batch size {n}: the rules "
-                "need the batch in dim 0 of every layer's input and output (a reshape to "
-                "(batch * seq, features) mixes samples). Keep the batch dim, or use "
-                "method='vmap'."
+                f"of shape {tuple(g.shape[:1]) + tuple(g.shape[2:])} whose dim 0 is not the "
+                f"batch size {n}: the rules need the batch in dim 0 of every layer's input "
+                "and output (a reshape to (batch * seq, features) mixes samples). Keep the "
+                "batch dim, or use method='vmap'."
             )
     return found
 
 
-def rules_grads(
-    model: nn.Module,
-    args: tuple,
-    targets: Any,
-    loss_fn: Callable,
-    loss_reduction: str,
-    dest: dict[int, Tensor],
-) -> None:
-    """Write the per-sample gradients of one batch into ``dest`` (id(param) -> (n, *shape))."""
+Backward = Callable[[Any, list[Tensor]], tuple[Any, ...]]
+
+
+def run_rules(model: nn.Module, args: tuple, root: Callable[[Any], Tensor], backward: Backward,
+              dest: dict[int, Tensor]) -> None:
+    """The engine: capture a forward, pull cotangents back to every call, apply the rules.
+
+    ``root(output)`` gives the tensor to differentiate (the summed loss, or the
+    model's output); ``backward(root_value, outputs)`` returns for each captured
+    output its ``(n, v, *out_shape)`` backprops (or ``None``); ``dest`` maps
+    ``id(param)`` to the ``(n, v, *param.shape)`` destination.
+    """
     n = args[0].shape[0]
-    with Capture(hooked_modules(model)) as cap:
-        output = model(*args)
-    total = total_loss(loss_fn(output, targets), n, loss_reduction)
+    with torch.enable_grad(), Capture(hooked_modules(model)) as cap:
+        value = root(model(*args))
     jobs = plan_jobs(model, cap.calls, set(dest))
     for job in jobs:
         check_unchanged(job, n)
     outs = {id(t): t for job in jobs for t in output_tensors(job.call)}
-    got = torch.autograd.grad(total, list(outs.values()), allow_unused=True) if outs else ()
+    if outs and not value.requires_grad:
+        raise RuntimeError(
+            "the result does not depend on any parameter through autograd (was the "
+            "model's output detached?)"
+        )
+    got = backward(value, list(outs.values())) if outs else ()
     grads = dict(zip(outs.keys(), got))
+    v = next(iter(dest.values())).shape[1]
     sink = GradSink(dest)
     with torch.no_grad():
         for job in jobs:
-            _apply(job, grads, n, sink)
+            _apply(job, _backprops_of(job, grads, n, v), n, sink)
     sink.zero_unwritten()
 
 
-def _apply(job: Job, grads: dict[int, Tensor | None], n: int, sink: GradSink) -> None:
-    """Per-sample gradients of one call, by its rule or the fallback, into ``sink``."""
-    backprops = _backprops_of(job, grads, n)
+def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
+    """Per-sample results of one call, by its rule or the fallback, into ``sink``."""
     out = sink.targets(job.params)
     if not backprops:  # no output depends on the parameters: zero contribution
         for t in out.values():
@@ -204,3 +212,55 @@ def _apply(job: Job, grads: dict[int, Tensor | None], n: int, sink: GradSink) ->
         for name, g in fallback_grads(job.call, job.params, backprops, n).items():
             out[name].copy_(g)
     sink.commit(job.params, out)
+
+
+def rules_grads(
+    model: nn.Module,
+    args: tuple,
+    targets: Any,
+    loss_fn: Callable,
+    loss_reduction: str,
+    dest: dict[int, Tensor],
+) -> None:
+    """Per-sample gradients of one batch into ``dest`` (id(param) -> (n, *shape))."""
+    n = args[0].shape[0]
+
+    def root(output: Any) -> Tensor:
+        return total_loss(loss_fn(output, targets), n, loss_reduction)
+
+    def backward(total: Tensor, outs: list[Tensor]) -> tuple:
+        grads = torch.autograd.grad(total, outs, allow_unused=True)
+        return tuple(None if g is None else g.unsqueeze(1) for g in grads)  # (n, 1, *out)
+
+    run_rules(model, args, root, backward, {k: t.unsqueeze(1) for k, t in dest.items()})
+
+
+def rules_param_jacobian(
+    model: nn.Module, args: tuple, outputs: range, dest: dict[int, Tensor]
+) -> None:
+    """Rows ``outputs`` of the per-sample parameter Jacobian of one batch into ``dest``.
+
+    DESIGN.md point 4: the cotangents are one-hot over the (flattened) output
+    index and the same for every sample; since samples are independent, one
+    batched backward (``is_grads_batched=True``) gives all ``n * v`` rows.
+    ``dest`` maps ``id(param)`` to ``(n, v, *param.shape)`` with ``v = len(outputs)``.
+    """
+    n = args[0].shape[0]
+
+    def root(output: Any) -> Tensor:
+        if not isinstance(output, Tensor) or output.dim() == 0 or output.shape[0] != n:
+            raise ValueError(
+                f"the model must return one tensor with the batch size {n} in dim 0, got "
+                f"{tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__}"
+            )
+        return output
+
+    def backward(output: Tensor, outs: list[Tensor]) -> tuple:
+        flat_out = output.shape[1:].numel()
+        onehot = output.new_zeros(len(outputs), flat_out)  # (v, Y)
+        onehot[torch.arange(len(outputs)), torch.tensor(list(outputs))] = 1
+        cot = onehot.view(len(outputs), 1, *output.shape[1:]).expand(-1, *output.shape)
+        grads = torch.autograd.grad(output, outs, cot, is_grads_batched=True, allow_unused=True)
+        return tuple(None if g is None else g.movedim(0, 1) for g in grads)  # (n, v, *out)
+
+    run_rules(model, args, root, backward, dest)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -32,11 +31,11 @@ def _is_batched(x: Any, n: int) -> bool:
 def fallback_grads(
     call: Call, params: dict[str, nn.Parameter], backprops: list[Tensor], n: int
 ) -> dict[str, Tensor]:
-    """Per-sample gradients ``{name: (n, *param.shape)}`` of ``params`` for one call.
+    """Per-sample vector-Jacobian products ``{name: (n, v, *param.shape)}`` for one call.
 
     ``params`` maps names relative to ``call.module`` (``"scale"``,
-    ``"out_proj.weight"``) to parameters; ``backprops`` are the gradients of the
-    loss w.r.t. the call's differentiable outputs, in order.
+    ``"out_proj.weight"``) to parameters; ``backprops`` are the ``(n, v, *out)``
+    cotangents of the call's differentiable outputs, in order.
     """
     leaves, spec = tree_flatten((call.args, call.kwargs))
     batched = [_is_batched(x, n) for x in leaves]
@@ -57,7 +56,8 @@ def fallback_grads(
             return tuple(out[i] for i in used)
 
         _, pullback = vjp(forward, theta)
-        return pullback(tuple(c.unsqueeze(0) for c in cotangents_i))[0]
+        # (v, *out) cotangents -> (v, *param.shape) per parameter
+        return vmap(lambda *c: pullback(tuple(ci.unsqueeze(0) for ci in c))[0])(*cotangents_i)
 
     try:
         return vmap(one_sample)(mapped, list(backprops))

@@ -54,9 +54,50 @@ def loop_per_sample_grads(
     n = args[0].shape[0]
     result = {name: p.new_zeros((n, *p.shape)) for name, p in params.items()}
     for i in range(n):
-        loss = loss_fn(model(*rows(args, i, i + 1)), rows(targets, i, i + 1)).sum()
-        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        with torch.enable_grad():
+            loss = loss_fn(model(*rows(args, i, i + 1)), rows(targets, i, i + 1)).sum()
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, _), g in zip(params.items(), grads):
             if g is not None:
                 result[name][i] = g
     return result
+
+
+def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, Tensor]:
+    """Per-sample parameter Jacobian by a loop over samples and outputs (the reference).
+
+    Seed 000's ``calculate_gradients``: one ``autograd.grad`` per sample and output.
+
+    Args:
+        model: maps a batch ``(B, *in_shape)`` to ``(B, *out_shape)``.
+        inputs: tensor ``(B, *in_shape)`` or tuple of tensors with the batch in dim 0.
+
+    Returns:
+        ``{name: (B, *out_shape, *param.shape)}``: entry ``[i, k..., p...]`` is
+        ``d model(x_i)[k...] / d param[p...]``.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Linear(3, 2)
+        >>> loop_param_jacobian(net, torch.randn(4, 3))["weight"].shape
+        torch.Size([4, 2, 2, 3])
+    """
+    args = as_args(inputs)
+    params = trainable_parameters(model)
+    if args[0].shape[0] == 0:
+        raise ValueError("the loop reference needs at least one sample to know the output shape")
+    per_sample = []
+    for i in range(args[0].shape[0]):
+        with torch.enable_grad():
+            out = model(*rows(args, i, i + 1))[0]  # (*out_shape)
+            per_output = [
+                torch.autograd.grad(k, list(params.values()), retain_graph=True,
+                                    allow_unused=True)
+                for k in out.reshape(-1)
+            ]
+        per_sample.append({
+            name: torch.stack([p.new_zeros(p.shape) if g[j] is None else g[j]
+                               for g in per_output]).view(*out.shape, *p.shape)
+            for j, (name, p) in enumerate(params.items())
+        })
+    return {name: torch.stack([s[name] for s in per_sample]) for name in params}

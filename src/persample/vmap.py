@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
 
@@ -35,3 +35,19 @@ def vmap_per_sample_grads(
     target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
     arg_dims = tuple(0 if isinstance(a, Tensor) else None for a in args)
     return vmap(grad(sample_loss), in_dims=(None, arg_dims, target_dims))(theta, args, targets)
+
+
+def vmap_param_jacobian(
+    model: nn.Module, args: tuple, params: dict[str, nn.Parameter]
+) -> dict[str, Tensor]:
+    """Per-sample parameter Jacobian ``{name: (B, *out_shape, *param.shape)}``.
+
+    Seed 000's answer: ``vmap(jacrev(functional_call))`` over the samples.
+    """
+    theta = {name: p.detach() for name, p in params.items()}
+
+    def sample_output(th: dict[str, Tensor], args_i: tuple) -> Tensor:
+        return functional_call(model, th, _unsqueeze(args_i))[0]  # (*out_shape)
+
+    arg_dims = tuple(0 if isinstance(a, Tensor) else None for a in args)
+    return vmap(jacrev(sample_output), in_dims=(None, arg_dims))(theta, args)

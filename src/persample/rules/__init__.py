@@ -8,12 +8,14 @@ module types with :func:`register_rule`::
 
 - ``layer``: the module that was called.
 - ``activations``: the positional inputs of that call, as captured.
-- ``backprops``: gradient of the loss w.r.t. the call's output, ``(n, *out_shape)``,
-  scaled so that row ``i`` belongs to sample ``i``'s own loss.
-- ``out``: ``{param_name: (n, *param.shape)}`` for the layer's own parameters
-  that need a per-sample gradient. The rule overwrites every tensor in it; the
-  tensors may be non-contiguous views of a flat ``(n, P)`` buffer, so rules
-  write with ``out=`` / ``copy_`` instead of returning new tensors.
+- ``backprops``: ``(n, v, *out_shape)``, the ``v`` cotangents of each sample
+  pulled back to the call's output: ``v = 1`` for per-sample gradients (the
+  gradient of sample ``i``'s own loss), ``v = Y`` one-hot output directions
+  for a per-sample parameter Jacobian. One rule serves both.
+- ``out``: ``{param_name: (n, v, *param.shape)}`` for the layer's own parameters
+  that need a per-sample result. The rule overwrites every tensor in it; the
+  tensors may be non-contiguous views of a flat ``(n, P)`` or ``(n, Y, P)``
+  buffer, so rules write with ``out=`` / ``copy_`` instead of returning tensors.
 
 A rule applies to a module whose type is (a subclass of) the registered type
 and whose ``forward`` is the registered type's own, so a subclass with its own

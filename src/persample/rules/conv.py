@@ -42,13 +42,19 @@ def padded_input(layer: nn.modules.conv._ConvNd, x: Tensor) -> tuple[Tensor, lis
 
 
 def conv_weight_per_sample(layer: nn.modules.conv._ConvNd, x: Tensor, g: Tensor) -> Tensor:
-    """``(n, c, *s_in)``, ``(n, o, *s_out)`` -> per-sample weight gradient ``(n, o, c/G, *k)``."""
-    n, d = x.shape[0], x.dim() - 2
+    """``x (n, c, *s_in)``, ``g (n, v, o, *s_out)`` -> weight gradients ``(n, v, o, c/G, *k)``.
+
+    The ``v`` cotangents of a sample go into the output channels of its groups:
+    group ``(n, j)`` has ``v * o/G`` output channels, so the input is never copied.
+    """
+    n, v, o = g.shape[:3]
+    groups, spatial = layer.groups, g.shape[3:]
     x, padding = padded_input(layer, x)
-    weight_shape = (n * layer.out_channels, *layer.weight.shape[1:])
+    g = g.reshape(n, v, groups, o // groups, *spatial).transpose(1, 2)  # (n, G, v, o/G, *s)
+    weight_shape = (n * v * o, *layer.weight.shape[1:])
     weight_stub = layer.weight.new_empty(1).expand(weight_shape)  # only its shape is read
     grad = torch.ops.aten.convolution_backward(
-        g.reshape(1, n * g.shape[1], *g.shape[2:]),  # (1, n*o, *s_out)
+        g.reshape(1, n * v * o, *spatial),  # (1, n*G*v*o/G, *s_out)
         x.reshape(1, n * x.shape[1], *x.shape[2:]),  # (1, n*c, *s_in)
         weight_stub,
         None,
@@ -56,24 +62,24 @@ def conv_weight_per_sample(layer: nn.modules.conv._ConvNd, x: Tensor, g: Tensor)
         padding,
         list(layer.dilation),
         False,
-        [0] * d,
-        layer.groups * n,
+        [0] * len(spatial),
+        groups * n,
         [False, True, False],
-    )[1]  # (n*o, c/G, *k)
-    return grad.view(n, *layer.weight.shape)
+    )[1]  # (n*G*v*o/G, c/G, *k)
+    grad = grad.view(n, groups, v, o // groups, *layer.weight.shape[1:])
+    return grad.transpose(1, 2).reshape(n, v, *layer.weight.shape)  # (n, v, o, c/G, *k)
 
 
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv(layer: nn.modules.conv._ConvNd, activations: tuple, backprops: Tensor, out: dict):
     x = activations[0]  # (n, c, *s_in)
-    g = backprops  # (n, o, *s_out)
+    g = backprops  # (n, v, o, *s_out)
     if x.dim() != len(layer.kernel_size) + 2:
         raise ValueError(
             f"{type(layer).__name__} got an unbatched input of shape {tuple(x.shape)}; "
             "per-sample gradients need the batch in dim 0"
         )
-    if "weight" in out:
-        if x.shape[0] > 0:
-            out["weight"].copy_(conv_weight_per_sample(layer, x, g))
+    if "weight" in out and x.shape[0] > 0:
+        out["weight"].copy_(conv_weight_per_sample(layer, x, g))
     if "bias" in out:
-        torch.sum(g, dim=tuple(range(2, g.dim())), out=out["bias"])  # (n, o)
+        torch.sum(g, dim=tuple(range(3, g.dim())), out=out["bias"])  # (n, v, o)

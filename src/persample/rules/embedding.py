@@ -1,10 +1,11 @@
 """Per-sample gradients of ``nn.Embedding``.
 
-Index conventions: ``n`` sample, ``t`` position inside a sample (all index dims
-after the batch, flattened), ``v`` row of the table, ``d`` embedding dim.
+Index conventions: ``n`` sample, ``v`` cotangent, ``t`` position inside a sample
+(all index dims after the batch, flattened), ``r`` row of the table, ``d``
+embedding dim.
 
-``grad_W[n, v] = sum_{t: ids[n, t] = v} g[n, t]``: a scatter-add of the
-backprops into a zeroed ``(n, v, d)`` destination. The row ``padding_idx``
+``grad_W[n, v, r] = sum_{t: ids[n, t] = r} g[n, v, t]``: a scatter-add of the
+backprops into a zeroed ``(n, v, r, d)`` destination. The row ``padding_idx``
 gets no gradient, as in ``F.embedding``.
 """
 
@@ -26,13 +27,13 @@ def _unsupported(layer: nn.Embedding) -> str | None:
 def embedding(layer: nn.Embedding, activations: tuple, backprops: Tensor, out: dict):
     if "weight" not in out:
         return
-    ids = activations[0]  # (n, *)
-    n = ids.shape[0]
-    ids = ids.reshape(n, -1)  # (n, t)
-    g = backprops.reshape(n, ids.shape[1], -1)  # (n, t, d)
-    dst = out["weight"]  # (n, v, d)
+    n, v = backprops.shape[:2]
+    ids = activations[0].reshape(n, 1, -1)  # (n, 1, t)
+    g = backprops.reshape(n, v, ids.shape[2], layer.embedding_dim)  # (n, v, t, d)
+    rows = torch.arange(n, device=ids.device).view(n, 1, 1)  # (n, 1, 1)
+    cots = torch.arange(v, device=ids.device).view(1, v, 1)  # (1, v, 1)
+    dst = out["weight"]  # (n, v, r, d)
     dst.zero_()
-    rows = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)  # (n, t)
-    dst.index_put_((rows, ids), g, accumulate=True)
+    dst.index_put_((rows, cots, ids), g, accumulate=True)
     if layer.padding_idx is not None:
-        dst[:, layer.padding_idx].zero_()
+        dst[:, :, layer.padding_idx].zero_()

@@ -1,11 +1,13 @@
 """Per-sample gradients of ``nn.Linear``.
 
-Index conventions: ``n`` sample, ``t`` position inside a sample (all dims between
-the batch and the features, flattened; ``T = 1`` for a plain ``(n, i)`` input),
-``i`` input feature, ``o`` output feature.
+Index conventions: ``n`` sample, ``v`` cotangent (1 for a loss gradient; the
+output index for a parameter Jacobian), ``t`` position inside a sample (all dims
+between the batch and the features, flattened; ``T = 1`` for an ``(n, i)``
+input), ``i`` input feature, ``o`` output feature.
 
 Goodfellow (2015), "Efficient per-example gradient computations"; seed 004:
-``grad_W[n] = sum_t g[n, t, :] outer a[n, t, :]``, ``grad_b[n] = sum_t g[n, t, :]``.
+``grad_W[n, v] = sum_t g[n, v, t, :] outer a[n, t, :]`` and
+``grad_b[n, v] = sum_t g[n, v, t, :]``.
 """
 
 from __future__ import annotations
@@ -16,25 +18,19 @@ from torch import Tensor, nn
 from . import register_rule
 
 
-def as_sequences(x: Tensor) -> Tensor:
-    """``(n, *, f) -> (n, t, f)``; a view wherever the layout allows."""
-    return x.reshape(x.shape[0], -1, x.shape[-1])
-
-
 @register_rule(nn.Linear)
 def linear(layer: nn.Linear, activations: tuple, backprops: Tensor, out: dict[str, Tensor]):
-    a = activations[0]  # (n, *, i)
-    g = backprops  # (n, *, o)
+    n, v = backprops.shape[:2]
+    a = activations[0].reshape(n, -1, layer.in_features)  # (n, t, i)
+    g = backprops.reshape(n, v, -1, layer.out_features)  # (n, v, t, o)
     if "weight" in out:
-        dst = out["weight"]  # (n, o, i)
-        if a.dim() == 2:
-            # T = 1: an outer product per sample, written straight into dst.
-            torch.mul(g.unsqueeze(2), a.unsqueeze(1), out=dst)
+        dst = out["weight"]  # (n, v, o, i)
+        if a.shape[1] == 1:
+            # T = 1: an outer product per sample and cotangent, written straight into dst.
+            torch.mul(g.transpose(2, 3), a.unsqueeze(1), out=dst)  # (n,v,o,1) * (n,1,1,i)
+        elif v == 1:
+            torch.bmm(g[:, 0].transpose(1, 2), a, out=dst[:, 0])  # (n, o, t) @ (n, t, i)
         else:
-            a3, g3 = as_sequences(a), as_sequences(g)  # (n, t, i), (n, t, o)
-            torch.bmm(g3.transpose(1, 2), a3, out=dst)
+            torch.matmul(g.transpose(2, 3), a.unsqueeze(1), out=dst)  # (n, v, o, i)
     if "bias" in out:
-        if g.dim() == 2:
-            out["bias"].copy_(g)
-        else:
-            torch.sum(as_sequences(g), dim=1, out=out["bias"])  # (n, o)
+        torch.sum(g, dim=2, out=out["bias"])  # (n, v, o)
