@@ -85,7 +85,7 @@ def per_sample_grads(
         >>> g["0.weight"].shape
         torch.Size([16, 8, 4])
         >>> persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss(), flat=True).shape
-        torch.Size([16, 75])
+        torch.Size([16, 67])
     """
     checks.check_options(method, loss_reduction, chunk_size)
     checks.check_per_sample_model(model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .workloads import GRAD_WORKLOADS
+from .workloads import WORKLOADS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         "installed, and persample; medians after warm-up, ratios to the floor, and each "
         "result's largest difference from the loop's.",
     )
-    bench.add_argument("--workload", action="append", choices=GRAD_WORKLOADS,
+    bench.add_argument("--workload", action="append", choices=WORKLOADS,
                        help="run only this workload (repeatable); default: all")
     bench.add_argument("--quick", action="store_true", help="fewer repeats: under a minute")
     bench.add_argument("--batch", type=int, default=None,
@@ -34,6 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench import run
 
-        run(args.workload or list(GRAD_WORKLOADS), args.quick, args.batch, args.threads,
+        run(args.workload or list(WORKLOADS), args.quick, args.batch, args.threads,
             args.json, args.plot)
     return 0

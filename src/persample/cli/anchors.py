@@ -1,9 +1,10 @@
-"""The methods ``persample bench`` compares: plain backward, the loop, torch.func,
-Opacus and BackPACK (when installed), and persample itself.
+"""The methods ``persample bench`` compares, per workload, as :class:`Case` objects.
 
-Each per-sample method is a function ``(workload) -> (B, P) tensor`` (the
-per-sample gradients of each sample's own loss, flattened in
-``named_parameters()`` order) or ``None`` when it is not installed.
+Each method is a function ``(buf) -> Tensor`` returning the workload's result
+(per-sample gradients ``(B, P)``, a parameter Jacobian ``(B, Y, P)`` or an input
+Jacobian ``(B, Y, D)``); ``buf`` is a preallocated, already touched tensor of
+the result's shape that persample's ``out=`` writes into and the others ignore.
+A method that cannot run here has ``fn=None`` and a note saying why.
 """
 
 from __future__ import annotations
@@ -11,104 +12,193 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call, jacfwd, jacrev, vmap
 
-from ..api import per_sample_grads
-from ..reference import loop_per_sample_grads
+from ..api import param_jacobian, per_sample_grads
+from ..reference import loop_param_jacobian, loop_per_sample_grads
 from ..vmap import vmap_per_sample_grads
 from .workloads import Workload
+
+MEMORY_LIMIT_BYTES = 8e9  # a method estimated to need more is skipped with a note
+
+
+@dataclass
+class Method:
+    name: str
+    fn: Callable[[Tensor], Tensor] | None
+    note: str = ""
+    ours: bool = False
+
+
+@dataclass
+class Case:
+    workload: Workload
+    base_label: str  # what t_plain is: "plain backward" or "one backward"
+    base: Callable[[], object]
+    result_shape: tuple[int, ...]
+    reference_label: str
+    reference: Callable[[], Tensor]
+    methods: list[Method] = field(default_factory=list)
 
 
 def flat(grads: list[Tensor]) -> Tensor:
     return torch.cat([g.flatten(1) for g in grads], dim=1)
 
 
-def plain_backward(w: Workload) -> Callable[[], None]:
-    """Forward + ``loss.backward()``: the ordinary summed gradient (the floor's ``t_plain``)."""
-    model = w.model
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
-    def run() -> None:
+
+# --- per-sample gradients (cnn-grads, deep-mlp-grads) -------------------------------------
+
+
+def grads_case(w: Workload) -> Case:
+    n, model = w.inputs.shape[0], w.model
+
+    def plain() -> None:
         for p in model.parameters():
             p.grad = None
         w.loss_fn(model(w.inputs), w.targets).backward()
 
-    return run
+    def loop(_: Tensor) -> Tensor:
+        return flat(list(loop_per_sample_grads(model, w.inputs, w.targets, w.loss_fn).values()))
 
-
-def loop(w: Workload) -> Callable[[], Tensor]:
-    def run() -> Tensor:
-        grads = loop_per_sample_grads(w.model, w.inputs, w.targets, w.loss_fn)
+    def torch_func(_: Tensor) -> Tensor:
+        params = dict(model.named_parameters())
+        grads = vmap_per_sample_grads(model, (w.inputs,), w.targets, w.loss_fn, params)
         return flat(list(grads.values()))
 
-    return run
+    return Case(w, "plain backward", plain, (n, num_params(model)), "loop", lambda: loop(None), [
+        Method("loop", loop),
+        Method("torch.func vmap", torch_func),
+        opacus(w),
+        backpack(w),
+        Method("persample (out=)", lambda buf: per_sample_grads(
+            model, w.inputs, w.targets, w.loss_fn, out=buf), ours=True),
+        Method("persample (new tensor)", lambda _: per_sample_grads(
+            model, w.inputs, w.targets, w.loss_fn, flat=True)),
+    ])
 
 
-def torch_func(w: Workload) -> Callable[[], Tensor]:
-    """Seed 001's tutorial: ``vmap(grad(functional_call))``."""
-    params = dict(w.model.named_parameters())
-
-    def run() -> Tensor:
-        grads = vmap_per_sample_grads(w.model, (w.inputs,), w.targets, w.loss_fn, params)
-        return flat(list(grads.values()))
-
-    return run
-
-
-def opacus(w: Workload) -> Callable[[], Tensor] | None:
+def opacus(w: Workload) -> Method:
     """Opacus ``GradSampleModule`` (hooks mode): ``p.grad_sample`` after one backward."""
     try:
         from opacus import GradSampleModule
     except ImportError:
-        return None
+        return Method("Opacus hooks", None, "not installed (pip install -e '.[bench]')")
     # Opacus records activations only in training mode; the workloads have no
     # dropout or BatchNorm, so train() computes the same function.
     model = GradSampleModule(copy.deepcopy(w.model).train(), loss_reduction="mean")
 
-    def run() -> Tensor:
+    def run(_: Tensor) -> Tensor:
         model.zero_grad(set_to_none=True)
         w.loss_fn(model(w.inputs), w.targets).backward()
         return flat([p.grad_sample for p in model.parameters()])
 
-    return run
+    return Method("Opacus hooks", run)
 
 
-def backpack(w: Workload) -> Callable[[], Tensor] | None:
+def backpack(w: Workload) -> Method:
     """BackPACK ``BatchGrad``: ``p.grad_batch`` (of the mean loss's terms, times B)."""
     try:
         from backpack import backpack as context
         from backpack import extend
         from backpack.extensions import BatchGrad
     except ImportError:
-        return None
+        return Method("BackPACK BatchGrad", None,
+                      "not installed (pip install --no-deps backpack-for-pytorch)")
     model = extend(copy.deepcopy(w.model))
     loss_fn = extend(nn.CrossEntropyLoss())
     n = w.inputs.shape[0]
 
-    def run() -> Tensor:
+    def run(_: Tensor) -> Tensor:
         model.zero_grad(set_to_none=True)
         with context(BatchGrad()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # full backward hooks on modules without input grads
             loss_fn(model(w.inputs), w.targets).backward()
         return flat([p.grad_batch for p in model.parameters()]).mul_(n)
 
-    return run
+    return Method("BackPACK BatchGrad", run)
 
 
-def persample_out(w: Workload, out: Tensor) -> Callable[[], Tensor]:
-    """persample writing into a caller-owned ``(B, P)`` buffer (``out=``)."""
-
-    def run() -> Tensor:
-        return per_sample_grads(w.model, w.inputs, w.targets, w.loss_fn, out=out)
-
-    return run
+# --- per-sample parameter Jacobian (mlp-param-jac) ----------------------------------------
 
 
-def persample_new(w: Workload) -> Callable[[], Tensor]:
-    """persample allocating its result on each call (``flat=True``)."""
+def param_jacobian_case(w: Workload) -> Case:
+    model, x = w.model, w.inputs
+    n, y, p = x.shape[0], model(x[:1]).shape[1:].numel(), num_params(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
 
-    def run() -> Tensor:
-        return per_sample_grads(w.model, w.inputs, w.targets, w.loss_fn, flat=True)
+    def one_backward() -> None:
+        for q in model.parameters():
+            q.grad = None
+        model(x).sum().backward()
 
-    return run
+    def seed_loop(_: Tensor) -> Tensor:  # seed 000's calculate_gradients
+        jac = loop_param_jacobian(model, x)
+        return torch.cat([t.flatten(2) for t in jac.values()], dim=2)
+
+    def sample_output(th: dict[str, Tensor], xi: Tensor) -> Tensor:
+        return functional_call(model, th, (xi.unsqueeze(0),))[0]
+
+    def transform(jac_fn) -> Callable[[Tensor], Tensor]:
+        def run(_: Tensor) -> Tensor:  # seed 000's answer
+            jac = vmap(jac_fn(sample_output), in_dims=(None, 0))(params, x)
+            return torch.cat([t.flatten(2) for t in jac.values()], dim=2)
+
+        return run
+
+    # jacfwd pushes P one-hot tangents; under vmap over the batch its largest
+    # intermediate is about (B, P, largest parameter) numbers.
+    need = n * p * max(q.numel() for q in params.values()) * x.element_size()
+    fwd = (Method("vmap(jacfwd)", transform(jacfwd)) if need <= MEMORY_LIMIT_BYTES else
+           Method("vmap(jacfwd)", None, f"skipped: would need about {need / 1e9:,.0f} GB"))
+    return Case(w, "one backward", one_backward, (n, y, p), "seed 000 loop",
+                lambda: seed_loop(None), [
+        Method("seed 000 loop", seed_loop),
+        Method("vmap(jacrev)", transform(jacrev)),
+        fwd,
+        Method("persample (out=)", lambda buf: param_jacobian(model, x, out=buf), ours=True),
+        Method("persample (new tensor)", lambda _: param_jacobian(model, x, flat=True)),
+    ])
+
+
+# --- batched input Jacobian (pinn-input-jac, clf-input-jac) --------------------------------
+
+
+def input_jacobian_case(w: Workload) -> Case:
+    from ..jacobian import input_jacobian
+
+    model, x = w.model, w.inputs
+    n, d, y = x.shape[0], x.shape[1], model(x[:1]).shape[1]
+
+    def one_backward() -> None:
+        xg = x.detach().requires_grad_()
+        torch.autograd.grad(model(xg).sum(), xg)
+
+    def sample_fn(xi: Tensor) -> Tensor:
+        return model(xi.unsqueeze(0))[0]
+
+    def seed_002(_: Tensor) -> Tensor:  # the full (B, Y, B, D) Jacobian, then its diagonal blocks
+        full = torch.autograd.functional.jacobian(model, x)  # (B, Y, B, D)
+        return torch.diagonal(full, dim1=0, dim2=2).permute(2, 0, 1)
+
+    def seed_003(_: Tensor) -> Tensor:  # a loop over the classes
+        xg = x.detach().requires_grad_()
+        out = model(xg)
+        rows = [torch.autograd.grad(out[:, k], xg, torch.ones(n), retain_graph=True)[0]
+                for k in range(y)]
+        return torch.stack(rows, dim=1)
+
+    seed_fn = seed_002 if w.seed == "002" else seed_003
+    seed_label = f"seed {w.seed}'s code"
+    return Case(w, "one backward", one_backward, (n, y, d), seed_label, lambda: seed_fn(None), [
+        Method(seed_label, seed_fn),
+        Method("vmap(jacrev)", lambda _: vmap(jacrev(sample_fn))(x)),
+        Method("vmap(jacfwd)", lambda _: vmap(jacfwd(sample_fn))(x)),
+        Method("persample", lambda _: input_jacobian(model, x), ours=True),
+    ])

@@ -21,7 +21,14 @@ import torch
 from tqdm import tqdm
 
 from . import anchors
-from .workloads import GRAD_WORKLOADS, Workload, grads_workload
+from .anchors import Case, Method
+from .workloads import (
+    GRAD_WORKLOADS,
+    JACOBIAN_WORKLOADS,
+    WORKLOADS,
+    grads_workload,
+    jacobian_workload,
+)
 
 
 @dataclass
@@ -38,13 +45,14 @@ class Measured:
 class Report:
     workload: str
     description: str
-    batch: int
-    num_params: int
+    result_shape: list[int]
     bytes_out: int
+    base_label: str  # what t_plain measures
     t_plain_ms: float
     t_fill_ms: float
     bandwidth_gb_s: float
     floor_ms: float
+    reference: str  # the method every result is checked against
     methods: list[Measured]
     speedup_over_best_other: float | None = None
     best_other: str | None = None
@@ -66,62 +74,55 @@ def _reps(quick: bool) -> tuple[int, int]:
     return (1, 3) if quick else (2, 7)
 
 
-def bench_grads(w: Workload, quick: bool, step: Callable[[str], None]) -> Report:
-    """Time and check every per-sample gradient method on workload ``w``."""
+def bench_case(case: Case, quick: bool, step: Callable[[str], None]) -> Report:
+    """Time every method of ``case`` side by side and check each against the reference."""
     warmup, repeats = _reps(quick)
-    n = w.inputs.shape[0]
-    num_params = sum(p.numel() for p in w.model.parameters())
-    bytes_out = n * num_params * w.inputs.element_size()
-
-    step("plain backward")
-    t_plain, _ = median_time(anchors.plain_backward(w), warmup, repeats)
+    w = case.workload
+    step(case.base_label)
+    t_plain, _ = median_time(case.base, warmup, repeats)
     w.model.zero_grad(set_to_none=True)
     step("write bandwidth")
-    buf = torch.empty(n, num_params, dtype=w.inputs.dtype)
-    buf.fill_(0.0)
+    buf = torch.zeros(case.result_shape, dtype=w.inputs.dtype)  # touched
     t_fill, _ = median_time(lambda: buf.fill_(1.0), warmup, repeats)
     floor = t_plain + t_fill
-
-    step("loop (reference)")
-    reference = anchors.loop(w)()
-    candidates: list[tuple[str, Callable[[], torch.Tensor] | None]] = [
-        ("loop", anchors.loop(w)),
-        ("torch.func vmap", anchors.torch_func(w)),
-        ("Opacus hooks", anchors.opacus(w)),
-        ("BackPACK BatchGrad", anchors.backpack(w)),
-        ("persample (out=)", anchors.persample_out(w, buf)),
-        ("persample (new tensor)", anchors.persample_new(w)),
-    ]
+    step(f"{case.reference_label} (reference)")
+    reference = case.reference()
     rows = []
-    for name, fn in candidates:
-        step(name)
-        rows.append(_measure(name, fn, reference, floor, warmup, repeats, slow=name == "loop"))
+    for method in case.methods:
+        step(method.name)
+        rows.append(_measure(method, buf, reference, floor, warmup, repeats, quick))
         gc.collect()
-    report = Report(w.name, w.description, n, num_params, bytes_out, t_plain, t_fill,
-                    bytes_out / t_fill / 1e6, floor, rows)
-    _speedup(report)
+    bytes_out = buf.numel() * buf.element_size()
+    report = Report(w.name, w.description, list(case.result_shape), bytes_out, case.base_label,
+                    t_plain, t_fill, bytes_out / t_fill / 1e6, floor, case.reference_label, rows)
+    _speedup(report, next(m.name for m in case.methods if m.ours))
     return report
 
 
-def _measure(name, fn, reference, floor, warmup, repeats, slow=False) -> Measured:
-    row = Measured(name)
-    if fn is None:
-        row.status = "not installed"
+def _measure(method: Method, buf, reference, floor, warmup, repeats, quick) -> Measured:
+    row = Measured(method.name)
+    if method.fn is None:
+        row.status = method.note
         return row
+    run = lambda: method.fn(buf)  # noqa: E731
     try:
-        result = fn()
-        row.max_abs_diff = (result - reference).abs().max().item()
+        start = time.perf_counter()
+        result = run()
+        first = time.perf_counter() - start
+        row.max_abs_diff = (result.reshape(reference.shape) - reference).abs().max().item()
         del result
-        row.median_ms, row.times_ms = median_time(fn, 0 if slow else warmup,
-                                                  min(repeats, 3) if slow else repeats)
+        slow = first > 1.0  # a slow method gets no warm-up and at most 3 runs (1 if quick)
+        row.median_ms, row.times_ms = median_time(run, 0 if slow else warmup,
+                                                  min(repeats, 1 if quick else 3) if slow
+                                                  else repeats)
         row.ratio_to_floor = row.median_ms / floor
     except Exception as err:  # a competitor failing must not stop the benchmark
         row.status = f"failed: {type(err).__name__}: {err}"[:200]
     return row
 
 
-def _speedup(report: Report) -> None:
-    ours = next(m for m in report.methods if m.method == "persample (out=)")
+def _speedup(report: Report, ours_name: str) -> None:
+    ours = next(m for m in report.methods if m.method == ours_name)
     others = [m for m in report.methods
               if not m.method.startswith("persample") and m.median_ms is not None]
     if ours.median_ms and others:
@@ -133,19 +134,19 @@ def _speedup(report: Report) -> None:
 def format_report(r: Report) -> str:
     lines = [
         f"{r.workload}: {r.description}",
-        f"  P = {r.num_params:,} parameters, result {r.bytes_out / 1e6:,.1f} MB, "
-        f"write bandwidth {r.bandwidth_gb_s:.1f} GB/s",
-        f"  {'method':<24}{'median ms':>11}{'x floor':>9}{'max |diff| vs loop':>20}",
-        f"  {'plain backward (t_plain)':<24}{r.t_plain_ms:>11.1f}",
-        f"  {'write result (fill_)':<24}{r.t_fill_ms:>11.1f}",
-        f"  {'floor':<24}{r.floor_ms:>11.1f}{1.0:>9.2f}",
+        f"  result {tuple(r.result_shape)}, {r.bytes_out / 1e6:,.1f} MB; "
+        f"write bandwidth {r.bandwidth_gb_s:.1f} GB/s; results checked against {r.reference}",
+        f"  {'method':<24}{'median ms':>11}{'x floor':>9}{'max |diff|':>12}",
+        f"  {r.base_label + ' (t_plain)':<24}{r.t_plain_ms:>11.2f}",
+        f"  {'write result (fill_)':<24}{r.t_fill_ms:>11.2f}",
+        f"  {'floor':<24}{r.floor_ms:>11.2f}{1.0:>9.2f}",
     ]
     for m in r.methods:
         if m.median_ms is None:
             lines.append(f"  {m.method:<24}  {m.status}")
         else:
-            lines.append(f"  {m.method:<24}{m.median_ms:>11.1f}{m.ratio_to_floor:>9.2f}"
-                         f"{m.max_abs_diff:>20.2e}")
+            lines.append(f"  {m.method:<24}{m.median_ms:>11.2f}{m.ratio_to_floor:>9.2f}"
+                         f"{m.max_abs_diff:>12.1e}")
     if r.speedup_over_best_other:
         lines.append(f"  persample is {r.speedup_over_best_other:.2f}x faster than the best "
                      f"other method ({r.best_other})")
@@ -162,7 +163,7 @@ def plot_reports(reports: list[Report], path: str) -> None:
     fig, axes = plt.subplots(len(reports), 1, figsize=(8, 2.8 * len(reports)), squeeze=False)
     for ax, r in zip(axes[:, 0], reports):
         measured = [m for m in r.methods if m.median_ms is not None]
-        names = ["plain backward"] + [m.method for m in measured]
+        names = [r.base_label] + [m.method for m in measured]
         times = [r.t_plain_ms] + [m.median_ms for m in measured]
         colors = ["grey"] + ["tab:green" if m.method.startswith("persample") else "tab:blue"
                              for m in measured]
@@ -178,20 +179,28 @@ def plot_reports(reports: list[Report], path: str) -> None:
     plt.close(fig)
 
 
+def build_case(name: str, batch: int | None) -> Case:
+    if name in GRAD_WORKLOADS:
+        return anchors.grads_case(grads_workload(name, batch))
+    if name == "mlp-param-jac":
+        return anchors.param_jacobian_case(jacobian_workload(name, batch))
+    if name in JACOBIAN_WORKLOADS:
+        return anchors.input_jacobian_case(jacobian_workload(name, batch))
+    raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
 def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
         json_path: str | None, plot_path: str | None) -> list[Report]:
+    """Run the benchmark, print the tables, and write the JSON and the plot if asked."""
     torch.set_num_threads(threads)
     reports = []
-    steps = 9 * len(workloads)
-    with tqdm(total=steps, desc="persample bench", unit="step", leave=False) as bar:
-        def step(label: str) -> None:
-            bar.set_postfix_str(label)
-            bar.update(1)
-
+    with tqdm(total=len(workloads), desc="persample bench", unit="workload") as bar:
         for name in workloads:
-            if name not in GRAD_WORKLOADS:
-                raise SystemExit(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
-            reports.append(bench_grads(grads_workload(name, batch), quick, step))
+            def step(label: str, name=name) -> None:
+                bar.set_postfix_str(f"{name}: {label}")
+
+            reports.append(bench_case(build_case(name, batch), quick, step))
+            bar.update(1)
             gc.collect()
     for r in reports:
         print(format_report(r), end="\n\n")

@@ -46,8 +46,8 @@ class Workload:
     seed: str
     model: nn.Module
     inputs: Tensor
-    targets: Tensor
-    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    targets: Tensor | None
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None
     description: str
 
 
@@ -67,4 +67,37 @@ def grads_workload(name: str, batch: int | None = None) -> Workload:
     raise ValueError(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
 
 
+def mlp(sizes: list[int], activation: type[nn.Module]) -> nn.Sequential:
+    """Linear layers of the given sizes with ``activation`` between them."""
+    layers: list[nn.Module] = []
+    for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if k < len(sizes) - 2:
+            layers.append(activation())
+    return nn.Sequential(*layers)
+
+
+def jacobian_workload(name: str, batch: int | None = None) -> Workload:
+    """``mlp-param-jac`` (seed 000), ``pinn-input-jac`` (seed 002), ``clf-input-jac`` (seed 003)."""
+    torch.manual_seed(0)
+    if name == "mlp-param-jac":
+        x, _ = digits_images()
+        b = batch or 256
+        return Workload(name, "000", mlp([784, 20, 10], nn.ReLU), x[:b].flatten(1), None, None,
+                        f"MLP 784-20-10 ReLU, batch {b}, digits 28x28 flattened, (B, Y, P)")
+    if name == "pinn-input-jac":
+        b = batch or 100
+        t = torch.rand(b, 1, generator=torch.Generator().manual_seed(0))
+        return Workload(name, "002", mlp([1, 20, 20, 400], nn.Tanh), t, None, None,
+                        f"MLP 1-20-20-400 tanh, batch {b}, t ~ U(0, 1), (B, 400, 1)")
+    if name == "clf-input-jac":
+        x, _ = digits_images()
+        b = batch or 256
+        return Workload(name, "003", mlp([784, 256, 256, 10], nn.ReLU), x[:b].flatten(1), None,
+                        None, f"MLP 784-256-256-10 ReLU, batch {b}, digits 28x28, (B, 10, 784)")
+    raise ValueError(f"unknown workload {name!r}; choose from {JACOBIAN_WORKLOADS}")
+
+
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads")
+JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
+WORKLOADS = GRAD_WORKLOADS + JACOBIAN_WORKLOADS

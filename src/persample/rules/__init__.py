@@ -48,7 +48,40 @@ def _always(_: nn.Module) -> str | None:
 
 
 def register_rule(*types: type[nn.Module], unsupported=_always) -> Callable[[RuleFn], RuleFn]:
-    """Register ``fn`` as the per-sample gradient rule for ``types``."""
+    """Register the decorated function as the per-sample rule for the module ``types``.
+
+    Args:
+        types: module classes the rule serves (subclasses too, unless they
+            override ``forward``).
+        unsupported: ``unsupported(layer) -> str | None``; a returned reason sends
+            that configuration to the per-module ``torch.func`` fallback instead.
+
+    Returns:
+        A decorator that registers ``fn(layer, activations, backprops, out)`` (see
+        the module docstring for the shapes) and returns it unchanged.
+
+    Raises:
+        Nothing at registration; a rule raising later propagates to the caller.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Scale(nn.Module):  # y = x * w, w of shape (f,)
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = nn.Parameter(torch.ones(3))
+        ...     def forward(self, x):
+        ...         return x * self.w
+        >>> @register_rule(Scale)
+        ... def scale(layer, activations, backprops, out):
+        ...     x = activations[0]  # (n, f)
+        ...     torch.mul(backprops, x.unsqueeze(1), out=out["w"])  # (n, v, f)
+        >>> import persample
+        >>> g = persample.per_sample_grads(Scale(), torch.randn(4, 3), None,
+        ...                                lambda out, _: out.sum(1))
+        >>> g["w"].shape
+        torch.Size([4, 3])
+    """
 
     def decorate(fn: RuleFn) -> RuleFn:
         for cls in types:
