@@ -223,6 +223,198 @@ def batchnorm_eval() -> nn.Module:
     return net.eval()
 
 
+class AttentionWithMask(nn.Module):
+    """nn.MultiheadAttention with a ``key_padding_mask`` keyword (a bool input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        y, _ = self.attn(x, x, x, key_padding_mask=mask)  # (B, T, 8)
+        return self.head(y.mean(1))
+
+
+def masked_tokens(n: int) -> tuple[Tensor, Tensor]:
+    mask = torch.zeros(n, 4, dtype=torch.bool)
+    mask[:, 3] = torch.rand(n) < 0.5  # never all keys of a sample
+    return randn(n, 4, 8), mask
+
+
+class Encoder(nn.Module):
+    """A whole nn.TransformerEncoderLayer (attention, LayerNorm, feed-forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0,
+                                              batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.enc(x).mean(1))
+
+
+class FunctionalWeight(nn.Module):
+    """``fc``'s parameters are used through F.linear, ``fc`` itself is never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(F.linear(x, self.fc.weight, self.fc.bias)))
+
+
+class SumScale(nn.Module):
+    """Holds a reference to another module's weight (tying a rule and the fallback)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight.sum(0)
+
+
+class TiedRuleAndFallback(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = SumScale(self.fc.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.scale(torch.tanh(self.fc(x)))
+
+
+class Siamese(nn.Module):
+    """One encoder applied to both inputs of a pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 3)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return (torch.tanh(self.enc(a)) - torch.tanh(self.enc(b))).pow(2).sum(1, keepdim=True)
+
+
+class TwoHeads(nn.Module):
+    """Returns a tuple of outputs; the loss uses both."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Conv1d(1, 2, 2)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.a(x), self.b(x.unsqueeze(1))
+
+
+def two_heads_targets(output: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    return tuple(torch.randn_like(o) for o in output)
+
+
+def two_heads_loss(reduction: str) -> Callable:
+    mse_ = nn.MSELoss(reduction=reduction)
+    return lambda out, y: mse_(out[0], y[0]) + 2 * mse_(out[1], y[1])
+
+
+class KeywordCall(nn.Module):
+    """Calls its Linear with a keyword argument: ``self.fc(input=x)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(input=x)
+
+
+class TiedFunctional(nn.Module):
+    """The embedding is called, and its weight is also used outside it (GPT-style head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.mix(self.emb(x)))  # (B, T, 4)
+        return (h @ self.emb.weight.T).transpose(1, 2)  # (B, 7, T)
+
+
+class BiasAlsoOutside(nn.Module):
+    """``fc.bias`` is used by the called ``fc`` and again by the parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) + x[:, :3] * self.fc.bias
+
+
+class DictOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"y": x * self.weight}
+
+
+class UsesDictOutput(nn.Module):
+    """A parameterised submodule (no rule) that returns a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = DictOutput()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.inner(x)["y"])
+
+
+class NestedOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        return x, (x * self.weight, x)
+
+
+class UsesNestedOutput(nn.Module):
+    """A parameterised submodule (no rule) that returns a nested tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = NestedOutput()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.inner(x)[1][0])
+
+
+def classes_some_ignored(output: Tensor) -> Tensor:
+    """Class targets ``(B, T)`` with ``-100`` (ignored) at a different count per sample."""
+    y = classes(output)
+    for i in range(len(y)):
+        y[i, : i % y.shape[1]] = -100
+    return y
+
+
+def frozen(module: nn.Module, *names: str) -> nn.Module:
+    for name in names:
+        module.get_parameter(name).requires_grad_(False)
+    return module
+
+
+def conv_channels_last() -> nn.Module:
+    return nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+
+
 # ---------------------------------------------------------------------------
 # the cases
 
@@ -363,11 +555,45 @@ CASES: list[dict[str, Any]] = [
     case("unused-params", WithUnused, lambda n: randn(n, 4), classes, cross_entropy),
     case("two-inputs", TwoInputs, lambda n: (randn(n, 4), randn(n, 2, 5))),
     case("simple-cnn", SimpleCNN, lambda n: randn(n, 1, 12, 12), classes, nll),
+    # more layouts, frozen parts, functional use of weights, reuse, tuple outputs
+    case("conv2d-channels-last", conv_channels_last,
+         lambda n: randn(n, 3, 5, 5).to(memory_format=torch.channels_last)),
+    case("conv2d-frozen-weight", lambda: frozen(nn.Conv2d(2, 3, 3), "weight"),
+         lambda n: randn(n, 2, 5, 5)),
+    case("layernorm-frozen-weight", lambda: frozen(nn.LayerNorm(4), "weight"),
+         lambda n: randn(n, 5, 4)),
+    case("linear-transposed-input", lambda: nn.Linear(4, 3),
+         lambda n: randn(n, 4, 5).transpose(1, 2)),
+    case("multihead-attention-key-padding-mask", AttentionWithMask, masked_tokens,
+         classes, cross_entropy),
+    case("transformer-encoder-layer", Encoder, lambda n: randn(n, 4, 8), classes,
+         cross_entropy),
+    case("weight-used-functionally", FunctionalWeight, lambda n: randn(n, 4)),
+    case("tied-rule-and-fallback", TiedRuleAndFallback, lambda n: randn(n, 4)),
+    case("siamese", Siamese, lambda n: (randn(n, 4), randn(n, 4))),
+    case("model-returns-tuple", TwoHeads, lambda n: randn(n, 4), two_heads_targets,
+         two_heads_loss),
+]
+
+# Cases that a careless engine gets silently wrong: kept apart so that a failure
+# here reads as one precise bug, not as dozens of failures in every test.
+EDGE_CASES: list[dict[str, Any]] = [
+    case("linear-called-with-keyword-input", KeywordCall, lambda n: randn(n, 4)),
+    case("param-used-inside-and-outside-its-module", TiedFunctional, lambda n: ids(7, n, 5),
+         classes, cross_entropy),
+    case("bias-used-inside-and-outside-its-module", BiasAlsoOutside, lambda n: randn(n, 4)),
+    case("submodule-returns-dict", UsesDictOutput, lambda n: randn(n, 4)),
+    case("submodule-returns-nested-tuple", UsesNestedOutput, lambda n: randn(n, 4)),
+    case("cross-entropy-ignore-index", lambda: nn.Linear(4, 5),
+         lambda n: randn(n, 3, 4), lambda out: classes_some_ignored(out.transpose(1, 2)),
+         lambda reduction: (lambda out, y: F.cross_entropy(out.transpose(1, 2), y,
+                                                           reduction=reduction))),
 ]
 
 CASE_IDS = [c["id"] for c in CASES]
-assert len(set(CASE_IDS)) == len(CASE_IDS), "case ids must be unique"
-BY_ID = {c["id"]: c for c in CASES}
+EDGE_CASE_IDS = [c["id"] for c in EDGE_CASES]
+BY_ID = {c["id"]: c for c in CASES + EDGE_CASES}
+assert len(BY_ID) == len(CASES) + len(EDGE_CASES), "case ids must be unique"
 
 
 def as_tuple(inputs: Any) -> tuple:

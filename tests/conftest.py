@@ -26,18 +26,36 @@ _HOOK_DICTS = (
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "keep_default_dtype: run with torch's own default dtype (float32), not float64",
+    )
+
+
 @pytest.fixture(autouse=True)
-def float64_and_seed():
-    """Every test runs with float64 as the default dtype and a fixed seed; both restored."""
+def float64_and_seed(request):
+    """Every test runs with float64 as the default dtype, a fixed seed and one CPU thread.
+
+    All three are restored afterwards. One thread: the tensors here are tiny, and
+    on a busy 2-core machine torch's spinning worker threads make the suite
+    several times slower. A test (or module, via ``pytestmark``) marked
+    ``keep_default_dtype`` keeps torch's default dtype, e.g. one that runs the
+    float32 benchmark workloads.
+    """
     dtype = torch.get_default_dtype()
     rng = torch.random.get_rng_state()
-    torch.set_default_dtype(torch.float64)
+    threads = torch.get_num_threads()
+    if request.node.get_closest_marker("keep_default_dtype") is None:
+        torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
+    torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_default_dtype(dtype)
         torch.random.set_rng_state(rng)
+        torch.set_num_threads(threads)
 
 
 def _hooks(module: nn.Module) -> dict[str, list]:

@@ -7,10 +7,21 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from cases import BY_ID, CASE_IDS, CASES, N, as_tuple, assert_grads_equal, build, randn
 from torch import Tensor, nn
 
 import persample
+from cases import (
+    BY_ID,
+    CASE_IDS,
+    CASES,
+    EDGE_CASE_IDS,
+    EDGE_CASES,
+    N,
+    as_tuple,
+    assert_grads_equal,
+    build,
+    randn,
+)
 from persample import loop_per_sample_grads, per_sample_grads
 
 REDUCTIONS = ["mean", "sum"]
@@ -28,8 +39,8 @@ def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def flatten(grads: dict[str, Tensor], n: int) -> Tensor:
-    return torch.cat([g.reshape(n, -1) for g in grads.values()], dim=1)
+def flatten(grads: dict[str, Tensor]) -> Tensor:
+    return torch.cat([g.flatten(1) for g in grads.values()], dim=1)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -44,6 +55,44 @@ def test_matches_loop(c, reduction, method):
                                method=method)
     assert isinstance(got, dict)
     assert_grads_equal(got, want)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("c", EDGE_CASES, ids=EDGE_CASE_IDS)
+def test_edge_case_matches_loop(c, reduction, method):
+    """Models whose structure a capture engine can misread; see cases.EDGE_CASES."""
+    model, inputs, targets, loss_fn, want = reference(c, N, reduction)
+    got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=reduction,
+                           method=method)
+    assert_grads_equal(got, want)
+
+
+@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+def test_dict_targets_are_split_per_sample_or_refused(method, chunk_size):
+    """Targets in a dict: each sample (and chunk) must see its own rows, not the batch's.
+
+    The docstring promises tensors, tuples and None; a dict may be refused with an
+    error naming the targets, but must not be silently broadcast. Checked against
+    the closed form of a Linear + summed squared error, not against the loop,
+    which slices targets too.
+    """
+    model = nn.Linear(4, 3)
+    x, y = randn(4, 4), {"y": randn(4, 3)}
+
+    def loss_fn(out, t):
+        return ((out - t["y"]) ** 2).sum()
+
+    try:
+        got = per_sample_grads(model, x, y, loss_fn, loss_reduction="sum", method=method,
+                               chunk_size=chunk_size)
+    except (TypeError, ValueError) as err:
+        assert "targets" in str(err)
+        return
+    residual = 2 * (model(x).detach() - y["y"])  # (B, 3)
+    torch.testing.assert_close(got["weight"], torch.einsum("no,ni->noi", residual, x))
+    torch.testing.assert_close(got["bias"], residual)
 
 
 def test_reference_is_not_trivial():
@@ -87,7 +136,7 @@ def test_flat_is_concatenation_in_parameter_order(c, method):
     got = per_sample_grads(model, inputs, targets, loss_fn, method=method, flat=True)
     total = sum(p.numel() for p in trainable(model).values())
     assert got.shape == (N, total)
-    torch.testing.assert_close(got, flatten(want, N), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, flatten(want), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("method", METHODS + ["loop"])
@@ -98,7 +147,7 @@ def test_out_is_written_and_returned(c, method):
     out = torch.full((N, total), float("nan"))
     got = per_sample_grads(model, inputs, targets, loss_fn, method=method, out=out)
     assert got is out
-    torch.testing.assert_close(out, flatten(want, N), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, flatten(want), rtol=1e-10, atol=1e-12)
 
 
 def test_out_may_be_a_column_slice_of_a_wider_buffer():
@@ -109,7 +158,7 @@ def test_out_may_be_a_column_slice_of_a_wider_buffer():
     out = wide[:, 2 : 2 + total]
     got = per_sample_grads(model, inputs, targets, loss_fn, out=out, chunk_size=3)
     assert got is out
-    torch.testing.assert_close(out, flatten(want, 4), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, flatten(want), rtol=1e-10, atol=1e-12)
     assert (wide[:, :2] == -7).all() and (wide[:, 2 + total :] == -7).all()
 
 
@@ -133,7 +182,7 @@ def test_chunks_other_methods(method, chunk_size):
     assert_grads_equal(got, want)
     flat = per_sample_grads(model, inputs, targets, loss_fn, method=method,
                             chunk_size=chunk_size, flat=True)
-    torch.testing.assert_close(flat, flatten(want, 5), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(flat, flatten(want), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("method", METHODS + ["loop"])
@@ -241,7 +290,7 @@ def test_frozen_parameter_is_absent_and_unused_is_zero():
     assert list(got) == ["0.bias", "2.weight"]
     model, inputs, targets, loss_fn, _ = reference(BY_ID["unused-params"])
     got = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
-    assert list(got) == ["fc.weight", "fc.bias", "unused_param", "unused_layer.weight",
+    assert list(got) == ["unused_param", "fc.weight", "fc.bias", "unused_layer.weight",
                          "unused_layer.bias"]
     for name in ["unused_param", "unused_layer.weight", "unused_layer.bias"]:
         assert torch.equal(got[name], torch.zeros_like(got[name]))

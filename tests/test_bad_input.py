@@ -1,0 +1,234 @@
+"""Bad input: a clear error that names the problem (and the fix), and an untouched model."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from cases import TwoInputs, assert_grads_equal, randn
+from persample import loop_per_sample_grads, per_sample_grads
+
+METHODS = ["rules", "vmap", "auto", "loop"]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def data(n: int = 3):
+    return randn(n, 4), torch.randint(0, 3, (n,))
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n_targets", [2, 4])
+def test_targets_with_wrong_batch_length(n_targets, method, snapshot):
+    model = mlp()
+    x, _ = data(3)
+    y = torch.randint(0, 3, (n_targets,))
+    state = snapshot(model)
+    with pytest.raises(ValueError, match=rf"targets has shape \({n_targets},\).*batch size is 3"):
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+    state.assert_unchanged()
+
+
+def test_second_input_with_wrong_batch_length(snapshot):
+    model = TwoInputs()
+    state = snapshot(model)
+    with pytest.raises(ValueError, match=r"inputs\[1\] has shape \(2, 2, 5\).*batch size 3"):
+        per_sample_grads(model, (randn(3, 4), randn(2, 2, 5)), randn(3, 3), nn.MSELoss())
+    state.assert_unchanged()
+
+
+def bn_model(**bn_kwargs) -> nn.Module:
+    features = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2, **bn_kwargs), nn.ReLU())
+    return nn.Sequential(OrderedDict(
+        features=features, flatten=nn.Flatten(), head=nn.Linear(2 * 3 * 3, 3)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batchnorm_in_training_mode(method, snapshot):
+    model = bn_model().train()
+    x, y = randn(3, 1, 5, 5), torch.randint(0, 3, (3,))
+    state = snapshot(model)  # includes the running statistics
+    with pytest.raises(ValueError, match=r"'features\.1' \(BatchNorm2d\)") as err:
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+    assert "eval()" in str(err.value) and "GroupNorm" in str(err.value)
+    assert "samples are mixed" in str(err.value)
+    state.assert_unchanged()
+    assert int(model.features[1].num_batches_tracked) == 0  # the model never ran
+
+
+def test_batchnorm_without_running_stats_in_eval_mode(snapshot):
+    model = bn_model(track_running_stats=False).eval()
+    x, y = randn(3, 1, 5, 5), torch.randint(0, 3, (3,))
+    state = snapshot(model)
+    with pytest.raises(ValueError, match=r"'features\.1' \(BatchNorm2d\).*GroupNorm"):
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    state.assert_unchanged()
+
+
+def test_batchnorm_in_eval_mode_is_fine():
+    model = bn_model().eval()
+    x, y = randn(3, 1, 5, 5), torch.randint(0, 3, (3,))
+    got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
+    assert_grads_equal(got, loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
+
+
+@pytest.mark.parametrize("model_fn", [
+    lambda: nn.Sequential(nn.ReLU(), nn.Tanh()),
+    lambda: mlp().requires_grad_(False),
+], ids=["no-parameters", "all-frozen"])
+def test_no_trainable_parameters(model_fn, snapshot):
+    model = model_fn()
+    state = snapshot(model)
+    with pytest.raises(ValueError, match="no parameters with requires_grad=True"):
+        per_sample_grads(model, randn(3, 4), randn(3, 4), nn.MSELoss())
+    state.assert_unchanged()
+
+
+@pytest.mark.parametrize("method", ["rules", "auto"])
+def test_loss_neither_per_sample_nor_scalar(method, snapshot):
+    model = mlp()
+    x, _ = data(3)
+    state = snapshot(model)
+    loss = nn.MSELoss(reduction="none")  # (B, 3) for a (B, 3) output
+    with pytest.raises(ValueError, match=r"loss_fn returned shape \(3, 3\).*\(3,\) or a scalar"):
+        per_sample_grads(model, x, randn(3, 3), loss, method=method)
+    state.assert_unchanged()
+
+    def two_columns(out, y):  # (B, 2)
+        return out[:, :2] ** 2
+
+    with pytest.raises(ValueError, match=r"loss_fn returned shape \(3, 2\)"):
+        per_sample_grads(model, x, None, two_columns, method=method)
+    state.assert_unchanged()
+
+
+def test_out_of_wrong_shape(snapshot):
+    model = mlp()
+    x, y = data(3)
+    p = num_params(model)
+    state = snapshot(model)
+    for shape in [(3, p + 1), (4, p), (3 * p,), (3, p, 1)]:
+        out = torch.zeros(shape)
+        with pytest.raises(ValueError, match=rf"out has shape .*\(3, {p}\)"):
+            per_sample_grads(model, x, y, nn.CrossEntropyLoss(), out=out)
+        assert (out == 0).all()
+    state.assert_unchanged()
+
+
+def test_out_of_wrong_dtype(snapshot):
+    model = mlp()  # float64
+    x, y = data(3)
+    out = torch.zeros(3, num_params(model), dtype=torch.float32)
+    state = snapshot(model)
+    with pytest.raises(ValueError, match=r"out is torch\.float32.*torch\.float64"):
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), out=out)
+    assert (out == 0).all()
+    state.assert_unchanged()
+
+
+def test_out_not_contiguous_along_columns(snapshot):
+    model = mlp()
+    x, y = data(3)
+    out = torch.zeros(num_params(model), 3).t()  # right shape, stride(1) == P
+    state = snapshot(model)
+    with pytest.raises(ValueError, match="must be contiguous along"):
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), out=out)
+    state.assert_unchanged()
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"method": "fast"}, r"method='fast' is not one of"),
+    ({"method": "Rules"}, r"method='Rules' is not one of"),
+    ({"loss_reduction": "avg"}, r"loss_reduction='avg' is not one of"),
+    ({"loss_reduction": None}, r"loss_reduction=None is not one of"),
+    ({"chunk_size": 0}, r"chunk_size must be a positive int or None, got 0"),
+    ({"chunk_size": -2}, r"chunk_size must be a positive int or None, got -2"),
+    ({"chunk_size": 1.5}, r"chunk_size must be a positive int or None, got 1\.5"),
+], ids=["method", "method-case", "reduction", "reduction-none", "chunk-0", "chunk-neg",
+        "chunk-float"])
+def test_bad_options(kwargs, pattern, snapshot):
+    model = mlp()
+    x, y = data(3)
+    state = snapshot(model)
+    with pytest.raises(ValueError, match=pattern):
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), **kwargs)
+    state.assert_unchanged()
+
+
+class FlattensBatch(nn.Module):
+    """Reshapes (B, T, F) to (B * T, F) before a Linear: the rules cannot see samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        b, t, f = x.shape
+        return self.fc(x.reshape(b * t, f)).reshape(b, t, 2).sum(1)
+
+
+@pytest.mark.parametrize("method", ["rules", "auto"])
+def test_reshape_that_loses_the_batch_dim(method, snapshot):
+    model = FlattensBatch()
+    x, y = randn(3, 5, 4), randn(3, 2)
+    state = snapshot(model)
+    with pytest.raises(ValueError, match=r"module 'fc' \(Linear\).*dim 0 is not the batch size 3"):
+        per_sample_grads(model, x, y, nn.MSELoss(), method=method)
+    state.assert_unchanged()
+
+
+def test_reshape_that_loses_the_batch_dim_works_with_vmap():
+    """The error suggests method='vmap': it is right there."""
+    model = FlattensBatch()
+    x, y = randn(3, 5, 4), randn(3, 2)
+    got = per_sample_grads(model, x, y, nn.MSELoss(), method="vmap")
+    assert_grads_equal(got, loop_per_sample_grads(model, x, y, nn.MSELoss()))
+
+
+def inplace_relu_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+
+
+@pytest.mark.parametrize("method", ["rules", "auto"])
+def test_inplace_relu_after_linear(method, snapshot):
+    """The Linear's captured output is overwritten by the in-place ReLU: the engine refuses."""
+    model = inplace_relu_model()
+    x, y = data(3)
+    state = snapshot(model)
+    with pytest.raises(RuntimeError, match=r"module '0' \(Linear\) was modified in place"):
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+    state.assert_unchanged()
+
+
+@pytest.mark.parametrize("method", ["vmap", "loop"])
+def test_inplace_relu_works_with_other_methods(method):
+    model = inplace_relu_model()
+    x, y = data(3)
+    got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+    want = loop_per_sample_grads(nn.Sequential(model[0], nn.ReLU(), model[2]), x, y,
+                                 nn.CrossEntropyLoss())
+    assert_grads_equal(got, want)
+
+
+@pytest.mark.parametrize("inputs", [torch.tensor(2.0), 3.0, (), [None]],
+                         ids=["0-d-tensor", "float", "empty-tuple", "no-tensor"])
+def test_inputs_without_a_batch(inputs, snapshot):
+    model = mlp()
+    state = snapshot(model)
+    with pytest.raises((TypeError, ValueError), match="batch"):
+        per_sample_grads(model, inputs, None, nn.MSELoss())
+    state.assert_unchanged()
+
+
+def test_model_that_is_not_a_module():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        per_sample_grads(lambda x: x, randn(3, 4), None, nn.MSELoss())
