@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from persample.cli import main
+
+pytestmark = pytest.mark.keep_default_dtype  # the benchmark workloads are float32
 
 
 def test_bench_quick_deep_mlp(tmp_path, capsys):
@@ -15,9 +19,8 @@ def test_bench_quick_deep_mlp(tmp_path, capsys):
     assert "deep-mlp-grads" in printed and "floor" in printed
     figures = json.loads(json_path.read_text())
     (report,) = figures["workloads"]
-    assert report["batch"] == 4
-    assert report["num_params"] == 50 * 300 * 301 + 301 * 2
-    assert report["bytes_out"] == 4 * report["num_params"] * 4
+    assert report["result_shape"] == [4, 50 * 300 * 301 + 301 * 2]
+    assert report["bytes_out"] == 4 * report["result_shape"][1] * 4
     assert report["floor_ms"] > report["t_plain_ms"] > 0
     by_name = {m["method"]: m for m in report["methods"]}
     assert {"loop", "torch.func vmap", "Opacus hooks", "BackPACK BatchGrad",

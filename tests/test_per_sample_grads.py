@@ -7,7 +7,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 import persample
 from cases import (
@@ -121,12 +123,30 @@ def test_per_sample_loss_ignores_loss_reduction(reduction):
     assert_grads_equal(got, want)
 
 
-def test_wrong_loss_reduction_gives_scaled_rows():
-    """Declaring "sum" for a mean-reduced loss is off by exactly the batch size."""
+@pytest.mark.parametrize("declared", ["mean", "sum"])
+def test_scalar_loss_is_evaluated_per_sample_whatever_the_declared_reduction(declared):
+    """A vmappable scalar loss is re-evaluated per sample, so loss_reduction cannot be wrong."""
     model, inputs, targets, loss_fn, want = reference(BY_ID["mlp"], 4, "mean")
-    got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction="sum")
+    got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=declared)
+    assert_grads_equal(got, want)
+
+
+def _not_vmappable_mean_loss(output, targets):
+    """Cross-entropy, mean over the batch, with a Python branch on a value (vmap refuses)."""
+    loss = F.cross_entropy(output, targets)
+    return loss if float(loss) == float(loss) else loss * 0
+
+
+def test_not_vmappable_loss_undoes_the_declared_reduction():
+    """If loss_fn cannot be vmapped, loss_reduction undoes the reduction: "sum" is off by B."""
+    model, inputs, targets, _, _ = reference(BY_ID["mlp"], 4, "mean")
+    want = loop_per_sample_grads(model, inputs, targets, _not_vmappable_mean_loss)
+    right = per_sample_grads(model, inputs, targets, _not_vmappable_mean_loss)
+    wrong = per_sample_grads(model, inputs, targets, _not_vmappable_mean_loss,
+                             loss_reduction="sum")
+    assert_grads_equal(right, want)
     for name in want:
-        torch.testing.assert_close(got[name] * 4, want[name])
+        torch.testing.assert_close(wrong[name] * 4, want[name])
 
 
 @pytest.mark.parametrize("method", METHODS + ["loop"])
@@ -230,7 +250,7 @@ def test_batch_of_zero_is_empty_without_running_the_model(method):
 def test_batch_of_zero_matches_loop_shapes(c):
     model, inputs, targets, loss_fn, _ = reference(c)
     inputs = tuple(a[:0] for a in as_tuple(inputs))
-    targets = targets[:0] if isinstance(targets, Tensor) else targets
+    targets = tree_map(lambda t: t[:0] if isinstance(t, Tensor) else t, targets)
     got = per_sample_grads(model, inputs, targets, loss_fn)
     want = {name: p.new_zeros((0, *p.shape)) for name, p in trainable(model).items()}
     assert_grads_equal(got, want)

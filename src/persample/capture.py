@@ -1,9 +1,14 @@
 """Record every call of the chosen modules during one forward pass.
 
-DESIGN.md point 1 ("capture, don't re-derive"): a forward hook stores, for each
+DESIGN.md point 1 ("capture, don't re-derive"): forward hooks store, for each
 call of a parameterised module, its positional and keyword inputs and its
 output. The engine then asks autograd once for the gradient of the loss with
 respect to all recorded outputs (the layers' *backprops*).
+
+A ``TorchFunctionMode`` also records under which module calls each parameter
+is read, so that a parameter used outside its own module (``out_proj.weight``
+inside ``nn.MultiheadAttention``, a tied weight read with ``F.linear``) is
+differentiated where it is really used.
 
 State lives in the :class:`Capture` object, never on the model, and the hooks
 exist only inside the ``with`` block: they are removed in ``finally``, also
@@ -17,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 
 @dataclass
@@ -25,71 +32,106 @@ class Call:
 
     name: str  # qualified name of the module in the model ("" for the root)
     module: nn.Module
-    args: tuple[Any, ...]  # positional inputs as the module received them
-    kwargs: dict[str, Any]  # keyword inputs
-    output: Any  # what the module returned
+    args: tuple[Any, ...] = ()  # positional inputs as the module's forward received them
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword inputs
+    output: Any = None  # what the module returned
     versions: list[int] = field(default_factory=list)  # version counters at capture
 
     def tensors(self) -> list[Tensor]:
         """The input and output tensors whose later in-place change would corrupt the rule."""
-        found = [a for a in self.args if isinstance(a, Tensor)]
-        found += [o for o in _flat_outputs(self.output)]
-        return found
+        return [t for t in tree_leaves((self.args, self.output)) if isinstance(t, Tensor)]
 
 
-def _flat_outputs(output: Any) -> list[Tensor]:
-    if isinstance(output, Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [o for o in output if isinstance(o, Tensor)]
-    return []
+def flat_outputs(output: Any) -> list[Tensor]:
+    """The tensors in a module's output (a tensor, or any nest of tuples, lists, dicts)."""
+    return [t for t in tree_leaves(output) if isinstance(t, Tensor)]
 
 
 def output_tensors(call: Call) -> list[Tensor]:
     """The output tensors of ``call`` that autograd can differentiate with respect to."""
-    return [o for o in _flat_outputs(call.output) if o.requires_grad]
+    return [o for o in flat_outputs(call.output) if o.requires_grad]
+
+
+Stack = tuple[Call, ...]  # the module calls under way, outermost first
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Records, for each watched parameter, the call stack at every op that reads it."""
+
+    def __init__(self, capture: Capture):
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        watched, uses = self.capture.watched, self.capture.uses
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, nn.Parameter) and id(leaf) in watched:
+                uses.setdefault(id(leaf), []).append(tuple(self.capture.stack))
+        return func(*args, **kwargs)
 
 
 class Capture:
-    """Context manager recording the calls of ``modules`` (a dict name -> module).
+    """Context manager recording the calls of ``modules`` and where parameters are used.
+
+    ``modules`` maps qualified names to modules; ``watched`` is the set of
+    ``id(param)`` whose uses to record. Inside the block, ``calls`` lists every
+    finished call (innermost first, as calls finish), and ``uses[id(param)]``
+    the call stacks under which an op read the parameter.
 
     Example:
         >>> import torch
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(3, 2))
-        >>> with Capture({"0": net[0]}) as cap:
+        >>> with Capture({"": net, "0": net[0]}, {id(net[0].weight)}) as cap:
         ...     _ = net(torch.randn(4, 3))
-        >>> [c.name for c in cap.calls], len(net[0]._forward_hooks)
-        (['0'], 0)
+        >>> [c.name for c in cap.calls], [[c.name for c in s] for s in cap.uses[id(net[0].weight)]]
+        (['0', ''], [['', '0']])
+        >>> len(net[0]._forward_hooks)
+        0
     """
 
-    def __init__(self, modules: dict[str, nn.Module]):
+    def __init__(self, modules: dict[str, nn.Module], watched: set[int] | None = None):
         self.modules = modules
+        self.watched = watched or set()
         self.calls: list[Call] = []
+        self.stack: list[Call] = []
+        self.uses: dict[int, list[Stack]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._mode = _ParameterUses(self)
 
     def __enter__(self) -> Capture:
         try:
             for name, module in self.modules.items():
-                hook = self._make_hook(name)
-                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+                self._handles.append(module.register_forward_pre_hook(
+                    self._make_pre_hook(name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(
+                    self._post_hook, with_kwargs=True))
+            self._mode.__enter__()
         except BaseException:
             self._remove()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._remove()
+        try:
+            self._mode.__exit__(None, None, None)
+        finally:
+            self._remove()
 
     def _remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _make_hook(self, name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            call = Call(name, module, args, kwargs, output)
-            call.versions = [t._version for t in call.tensors()]
-            self.calls.append(call)
+    def _make_pre_hook(self, name: str):
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.stack.append(Call(name, module))
 
-        return hook
+        return pre_hook
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        call = self.stack.pop()
+        call.args, call.kwargs, call.output = args, kwargs, output
+        call.versions = [t._version for t in call.tensors()]
+        self.calls.append(call)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 METHODS = ("auto", "rules", "vmap", "loop")
 REDUCTIONS = ("mean", "sum")
@@ -30,11 +31,13 @@ def as_args(inputs: Tensor | tuple | list) -> tuple:
 
 
 def check_targets(targets: Any, n: int) -> None:
-    if isinstance(targets, Tensor) and (targets.dim() == 0 or targets.shape[0] != n):
-        raise ValueError(
-            f"targets has shape {tuple(targets.shape)} but the batch size is {n}: "
-            "pass one target per sample, with the batch in dim 0"
-        )
+    """Every tensor in ``targets`` (a tensor or any nest of them) needs the batch in dim 0."""
+    for t in tree_leaves(targets):
+        if isinstance(t, Tensor) and (t.dim() == 0 or t.shape[0] != n):
+            raise ValueError(
+                f"targets has shape {tuple(t.shape)} but the batch size is {n}: "
+                "pass one target per sample, with the batch in dim 0"
+            )
 
 
 def check_options(method: str, loss_reduction: str, chunk_size: int | None) -> None:

@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.func import vmap
 
 from .capture import Call, Capture, output_tensors
 from .fallback import fallback_grads
 from .rules import Rule, find_rule
+from .vmap import batch_dims, unsqueeze
 
 
 @dataclass
@@ -75,66 +77,105 @@ def hooked_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if name in wanted}
 
 
-def own_params(module: nn.Module, wanted: set[int]) -> dict[str, nn.Parameter]:
-    return {
-        n: p for n, p in module.named_parameters(recurse=False) if id(p) in wanted
-    }
+def plan_jobs(model: nn.Module, cap: Capture, wanted: set[int]) -> list[Job]:
+    """Assign every used parameter to the calls that contribute to it.
 
-
-def plan_jobs(model: nn.Module, calls: list[Call], wanted: set[int]) -> list[Job]:
-    """Assign every wanted parameter to the calls that contribute to it.
-
-    A parameter is handled by the calls of the modules holding it. If none of
-    them was called (e.g. ``nn.MultiheadAttention`` uses ``out_proj.weight``
-    without calling ``out_proj``), it goes to the deepest called ancestor, whose
-    whole forward is differentiated by the fallback.
+    A parameter read only inside calls of a module holding it is handled by each
+    call of those modules (its rule, or the fallback). A parameter read anywhere
+    else (``out_proj.weight`` inside ``nn.MultiheadAttention``; a weight reused with
+    ``F.linear`` in a parent's forward) is handled by the deepest call under way
+    at *every* read whose module contains it, through the fallback, which
+    differentiates that call's whole forward. Unused parameters get no job (zeros).
     """
-    jobs: list[Job] = []
-    called = {id(c.module) for c in calls}
-    for call in calls:
-        params = own_params(call.module, wanted)
-        if params:
-            rule, _ = find_rule(call.module)
-            jobs.append(Job(call, params, rule))
-    covered = {id(p) for job in jobs for p in job.params.values()}
-    orphans: dict[str, dict[str, nn.Parameter]] = {}  # ancestor name -> {relative: param}
-    for qualified, p in model.named_parameters(remove_duplicate=False):
-        if id(p) not in wanted or id(p) in covered:
+    holders = _holders(model, wanted)
+    escaped: dict[int, tuple[Call, dict[str, nn.Parameter]]] = {}
+    for pid, stacks in cap.uses.items():
+        if all(any(id(c.module) in holders[pid] for c in stack) for stack in stacks):
             continue
-        owner = qualified.rpartition(".")[0]
-        ancestor = _deepest_called_ancestor(model, owner, called)
-        relative = qualified[len(ancestor) + 1 :] if ancestor else qualified
-        orphans.setdefault(ancestor, {})[relative] = p
-        covered.add(id(p))
-    for call in calls:
-        if call.name in orphans and orphans[call.name]:
-            jobs.append(Job(call, orphans[call.name], None))
+        call, name, param = _common_call(stacks, pid)
+        escaped.setdefault(id(call), (call, {}))[1][name] = param
+    jobs = []
+    for call in cap.calls:
+        params = {n: p for n, p in call.module.named_parameters(recurse=False)
+                  if id(p) in cap.uses and id(p) not in _ids(escaped)}
+        if params:
+            jobs.append(Job(call, params, _rule_for(call)))
+    jobs += [Job(call, params, None) for call, params in escaped.values()]
     return jobs
 
 
-def _deepest_called_ancestor(model: nn.Module, owner: str, called: set[int]) -> str:
-    parts = owner.split(".") if owner else []
-    for k in range(len(parts), -1, -1):
-        name = ".".join(parts[:k])
-        if id(model.get_submodule(name)) in called:
-            return name
-    return ""  # the root is always called
+def _holders(model: nn.Module, wanted: set[int]) -> dict[int, set[int]]:
+    """id(param) -> ids of the modules holding it directly."""
+    holders: dict[int, set[int]] = {pid: set() for pid in wanted}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in holders:
+                holders[id(p)].add(id(m))
+    return holders
 
 
-def total_loss(loss: Any, n: int, reduction: str) -> Tensor:
-    """The sum over samples of the per-sample losses, from what ``loss_fn`` returned."""
+def _ids(escaped: dict) -> set[int]:
+    return {id(p) for _, params in escaped.values() for p in params.values()}
+
+
+def _common_call(stacks: list[tuple[Call, ...]], pid: int) -> tuple[Call, str, nn.Parameter]:
+    """The deepest call under way at every read of the parameter that contains it."""
+    common: list[Call] = []
+    for calls in zip(*stacks):
+        if any(c is not calls[0] for c in calls):
+            break
+        common.append(calls[0])
+    for call in reversed(common):
+        for name, p in call.module.named_parameters(remove_duplicate=False):
+            if id(p) == pid:
+                return call, name, p
+    raise ValueError(
+        "a trainable parameter is read outside the model's forward (in loss_fn?) or outside "
+        "every module that contains it, so its per-sample gradient cannot be attributed. "
+        "Read it inside the forward of a module that holds it, or freeze it."
+    )
+
+
+def _rule_for(call: Call) -> Rule | None:
+    """The call's rule if its input came positionally (rules read ``args[0]``)."""
+    if not call.args or not isinstance(call.args[0], Tensor):
+        return None
+    return find_rule(call.module)[0]
+
+
+def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: str) -> Tensor:
+    """The sum over samples of each sample's own loss ``loss_fn(output[i:i+1], targets[i:i+1])``.
+
+    A ``(n,)`` loss is summed. A scalar loss is evaluated again per sample, with
+    ``torch.func.vmap`` over batches of one, which is exact for any reduction
+    (class weights, ``ignore_index``, means over extra dims); only if ``loss_fn``
+    cannot be vmapped is the reduction undone by ``loss_reduction``
+    (``"mean"``: times ``n``).
+    """
+    loss = loss_fn(output, targets)
     if not isinstance(loss, Tensor):
         raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
-    if loss.dim() == 0:
-        return loss * n if reduction == "mean" else loss
     if loss.shape == (n,):
         return loss.sum()
-    raise ValueError(
-        f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
-        f"shape ({n},) or a scalar reduced over the batch (say how with loss_reduction=). "
-        "For a torch.nn loss, use reduction='none' and reduce extra dims per sample, "
-        "or reduction='mean'/'sum'."
-    )
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
+            f"shape ({n},) or a scalar reduced over the batch (say how with loss_reduction=). "
+            "For a torch.nn loss, use reduction='none' and reduce extra dims per sample, "
+            "or reduction='mean'/'sum'."
+        )
+    try:
+        return vmap(_one_sample_loss(loss_fn), in_dims=(0, batch_dims(targets)))(
+            output, targets).sum()
+    except Exception:  # loss_fn is not vmappable: undo the stated reduction
+        return loss * n if reduction == "mean" else loss
+
+
+def _one_sample_loss(loss_fn: Callable) -> Callable:
+    def one(output_i: Any, targets_i: Any) -> Tensor:
+        return loss_fn(unsqueeze(output_i), unsqueeze(targets_i)).sum()
+
+    return one
 
 
 def check_unchanged(job: Job, n: int) -> None:
@@ -179,9 +220,9 @@ def run_rules(model: nn.Module, args: tuple, root: Callable[[Any], Tensor], back
     ``id(param)`` to the ``(n, v, *param.shape)`` destination.
     """
     n = args[0].shape[0]
-    with torch.enable_grad(), Capture(hooked_modules(model)) as cap:
+    with torch.enable_grad(), Capture(hooked_modules(model), set(dest)) as cap:
         value = root(model(*args))
-    jobs = plan_jobs(model, cap.calls, set(dest))
+    jobs = plan_jobs(model, cap, set(dest))
     for job in jobs:
         check_unchanged(job, n)
     outs = {id(t): t for job in jobs for t in output_tensors(job.call)}
@@ -226,7 +267,7 @@ def rules_grads(
     n = args[0].shape[0]
 
     def root(output: Any) -> Tensor:
-        return total_loss(loss_fn(output, targets), n, loss_reduction)
+        return total_loss(output, targets, loss_fn, n, loss_reduction)
 
     def backward(total: Tensor, outs: list[Tensor]) -> tuple:
         grads = torch.autograd.grad(total, outs, allow_unused=True)

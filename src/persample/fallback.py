@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .capture import Call, _flat_outputs
+from .capture import Call, flat_outputs
 
 
 class UnsupportedModuleError(RuntimeError):
@@ -40,7 +40,7 @@ def fallback_grads(
     leaves, spec = tree_flatten((call.args, call.kwargs))
     batched = [_is_batched(x, n) for x in leaves]
     mapped = [x.detach() for x, b in zip(leaves, batched) if b]
-    used = [i for i, o in enumerate(_flat_outputs(call.output)) if o.requires_grad]
+    used = [i for i, o in enumerate(flat_outputs(call.output)) if o.requires_grad]
     theta = {name: p.detach() for name, p in params.items()}
 
     def one_sample(mapped_i: list[Tensor], cotangents_i: list[Tensor]) -> dict[str, Tensor]:
@@ -52,7 +52,7 @@ def fallback_grads(
         args, kwargs = tree_unflatten(values, spec)
 
         def forward(th: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            out = _flat_outputs(functional_call(call.module, th, tuple(args), kwargs))
+            out = flat_outputs(functional_call(call.module, th, tuple(args), kwargs))
             return tuple(out[i] for i in used)
 
         _, pullback = vjp(forward, theta)

@@ -11,17 +11,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .checks import as_args, trainable_parameters
 
 
 def rows(x: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of every batched tensor in ``x`` (a tensor, tuple, list or None)."""
-    if isinstance(x, Tensor):
-        return x[start:stop]
-    if isinstance(x, (tuple, list)):
-        return type(x)(rows(v, start, stop) for v in x)
-    return x
+    """Rows ``start:stop`` of every tensor in ``x`` (a tensor, or any nest of them, or None)."""
+    return tree_map(lambda t: t[start:stop] if isinstance(t, Tensor) else t, x)
 
 
 def loop_per_sample_grads(

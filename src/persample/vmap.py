@@ -14,8 +14,14 @@ from torch.func import functional_call, grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
 
-def _unsqueeze(x: Any) -> Any:
+def unsqueeze(x: Any) -> Any:
+    """Every tensor in ``x`` (any nest) with a new leading dim of 1: one sample as a batch."""
     return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, x)
+
+
+def batch_dims(x: Any) -> Any:
+    """``vmap`` in_dims for ``x``: 0 for every tensor leaf, None for the rest."""
+    return tree_map(lambda t: 0 if isinstance(t, Tensor) else None, x)
 
 
 def vmap_per_sample_grads(
@@ -29,12 +35,11 @@ def vmap_per_sample_grads(
     theta = {name: p.detach() for name, p in params.items()}
 
     def sample_loss(th: dict[str, Tensor], args_i: tuple, targets_i: Any) -> Tensor:
-        output = functional_call(model, th, _unsqueeze(args_i))
-        return loss_fn(output, _unsqueeze(targets_i)).sum()
+        output = functional_call(model, th, unsqueeze(args_i))
+        return loss_fn(output, unsqueeze(targets_i)).sum()
 
-    target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
-    arg_dims = tuple(0 if isinstance(a, Tensor) else None for a in args)
-    return vmap(grad(sample_loss), in_dims=(None, arg_dims, target_dims))(theta, args, targets)
+    return vmap(grad(sample_loss), in_dims=(None, batch_dims(args), batch_dims(targets)))(
+        theta, args, targets)
 
 
 def vmap_param_jacobian(
@@ -47,7 +52,6 @@ def vmap_param_jacobian(
     theta = {name: p.detach() for name, p in params.items()}
 
     def sample_output(th: dict[str, Tensor], args_i: tuple) -> Tensor:
-        return functional_call(model, th, _unsqueeze(args_i))[0]  # (*out_shape)
+        return functional_call(model, th, unsqueeze(args_i))[0]  # (*out_shape)
 
-    arg_dims = tuple(0 if isinstance(a, Tensor) else None for a in args)
-    return vmap(jacrev(sample_output), in_dims=(None, arg_dims))(theta, args)
+    return vmap(jacrev(sample_output), in_dims=(None, batch_dims(args)))(theta, args)

@@ -40,7 +40,7 @@ def deep_mlp(depth: int = 50, width: int = 300, classes: int = 2) -> nn.Sequenti
 
 @dataclass
 class Workload:
-    """A model, a batch of real data and a loss."""
+    """A model, a batch of real data and a loss; all in float32 as PERFORMANCE.md says."""
 
     name: str
     seed: str
@@ -49,6 +49,9 @@ class Workload:
     targets: Tensor | None
     loss_fn: Callable[[Tensor, Tensor], Tensor] | None
     description: str
+
+    def __post_init__(self) -> None:
+        self.model = self.model.float()  # whatever torch's default dtype is
 
 
 def grads_workload(name: str, batch: int | None = None) -> Workload:
@@ -87,7 +90,7 @@ def jacobian_workload(name: str, batch: int | None = None) -> Workload:
                         f"MLP 784-20-10 ReLU, batch {b}, digits 28x28 flattened, (B, Y, P)")
     if name == "pinn-input-jac":
         b = batch or 100
-        t = torch.rand(b, 1, generator=torch.Generator().manual_seed(0))
+        t = torch.rand(b, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
         return Workload(name, "002", mlp([1, 20, 20, 400], nn.Tanh), t, None, None,
                         f"MLP 1-20-20-400 tanh, batch {b}, t ~ U(0, 1), (B, 400, 1)")
     if name == "clf-input-jac":

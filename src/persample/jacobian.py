@@ -1,0 +1,360 @@
+"""Input Jacobians of per-sample maps: the diagonal blocks, and the diagonal.
+
+Index conventions: ``b`` a sample of the batch (``B``), ``y`` the flattened
+output of one sample (``Y = prod(out_shape)``), ``d`` the flattened input of one
+sample (``D = prod(in_shape)``), ``c`` a chunk of one-hot directions (over ``y``
+in reverse mode, over ``d`` in forward mode).
+
+Samples are assumed independent: ``output[b]`` depends on ``input[b]`` only. The
+full Jacobian ``(B, Y, B, D)`` is then block diagonal, and its ``B`` diagonal
+blocks ``(B, Y, D)`` are all there is. A cotangent one-hot over ``y`` and the same
+for every sample gives row ``y`` of every block at once, because the sum over
+samples separates (seed 002's accepted answer, "sample with appropriate
+vectors"; seed 003's question). All ``Y`` of them go through one batched
+backward, or all ``D`` one-hot tangents through one batched ``torch.func.jvp``
+(DESIGN.md point 4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jvp, vmap
+
+MODES = ("auto", "reverse", "forward")
+_CHUNK_NUMBERS = 2**22  # jacobian_diagonal's default: tangents of a chunk, in numbers
+
+
+def input_jacobian(
+    model: Callable[[Tensor], Tensor],
+    inputs: Tensor,
+    *,
+    mode: str = "auto",
+    chunk_size: int | None = None,
+    check_independence: bool = False,
+) -> Tensor:
+    """Per-sample Jacobian of the outputs w.r.t. the inputs, for a whole batch.
+
+    Entry ``[i, *k, *j]`` is ``d model(x)[i, *k] / d x[i, *j]``: the diagonal blocks
+    of the full ``(B, *out_shape, B, *in_shape)`` Jacobian. This is all of it when
+    samples do not interact (no BatchNorm in training mode, no attention across the
+    batch): an assumption, checked only with ``check_independence=True``.
+
+    Method (DESIGN.md point 4; seeds 002 and 003): ``mode="reverse"`` runs one
+    forward, then all ``Y`` vector-Jacobian products in one batched backward
+    (``is_grads_batched=True``), each cotangent one-hot over the output index and
+    the same for every sample. ``mode="forward"`` pushes the ``D`` tangents one-hot
+    over the input index through ``torch.func.jvp``, batched with ``vmap``.
+    ``mode="auto"`` takes forward mode when ``D < Y`` (and reverse mode if an op
+    has no forward-mode formula, such as CPU attention), reverse mode otherwise.
+
+    Args:
+        model: a callable or ``nn.Module`` mapping a batch ``(B, *in_shape)`` to
+            ``(B, *out_shape)``. Left exactly as it was: no hooks, ``p.grad`` and
+            ``training`` untouched, buffers (running statistics) restored.
+        inputs: floating tensor ``(B, *in_shape)``, batch in dim 0. Not modified;
+            its ``requires_grad`` is unchanged.
+        mode: ``"auto"``, ``"reverse"`` or ``"forward"``, as above.
+        chunk_size: at most this many of the ``Y`` (reverse) or ``D`` (forward)
+            one-hot vectors at once, to bound the memory of intermediates;
+            ``None`` takes all at once.
+        check_independence: first check on samples 0 and 1 that each one's output
+            does not depend on the other one's input (one extra forward and two
+            backwards of 2 samples; a batch of one is not checked).
+
+    Returns:
+        ``(B, *out_shape, *in_shape)`` in the model output's dtype and device (a
+        strided view in reverse mode; ``.contiguous()`` copies it). ``B = 0`` gives
+        an empty tensor of that shape.
+
+    Raises:
+        TypeError: ``inputs`` is not a floating tensor; the model does not return
+            a tensor.
+        ValueError: ``inputs`` has no batch dim; the output's dim 0 is not ``B``;
+            an unknown ``mode``; ``chunk_size`` not a positive int; with
+            ``check_independence=True``, a model that mixes samples.
+        NotImplementedError, RuntimeError: from ``torch.func`` with
+            ``mode="forward"``, for a model it cannot run (an op without a
+            forward-mode formula, ``.item()``, data-dependent control flow): use
+            ``mode="reverse"`` or ``"auto"``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from persample.jacobian import input_jacobian
+        >>> net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 5))
+        >>> x = torch.randn(8, 3)
+        >>> jac = input_jacobian(net, x)  # D=3 < Y=5: forward mode
+        >>> jac.shape
+        torch.Size([8, 5, 3])
+        >>> full = torch.autograd.functional.jacobian(net, x)  # (8, 5, 8, 3)
+        >>> torch.allclose(jac[2], full[2, :, 2], atol=1e-6)
+        True
+    """
+    x = _as_batch(inputs)
+    _check_options(mode, chunk_size)
+    with _kept_buffers(model):
+        if check_independence:
+            _check_independence(model, x)
+        if mode == "forward":
+            return _forward_jacobian(model, x, chunk_size)
+        xg = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = _checked_output(model(xg), x.shape[0])  # (B, *out_shape)
+        if mode == "auto" and math.prod(x.shape[1:]) < math.prod(out.shape[1:]):
+            try:
+                return _forward_jacobian(model, x, chunk_size)
+            except NotImplementedError:  # an op without a forward-mode formula
+                pass
+        return _reverse_jacobian(out, xg, chunk_size)
+
+
+def jacobian_diagonal(
+    fn: Callable[[Tensor], Tensor], inputs: Tensor, *, chunk_size: int | None = None
+) -> Tensor:
+    """Diagonal of the square per-sample Jacobian of a map that keeps the input's shape.
+
+    Entry ``[i, *j]`` is ``d fn(x)[i, *j] / d x[i, *j]``, exact, without holding the
+    ``(B, D, D)`` Jacobian: the ``D`` tangents one-hot over ``j`` (the same for every
+    sample) go through ``torch.func.jvp`` in chunks, and of each chunk's products
+    only the diagonal entries are kept (seed 002's title; DESIGN.md point 4).
+    Samples are assumed independent, as in :func:`input_jacobian`.
+
+    Args:
+        fn: a callable or ``nn.Module`` mapping ``(B, *in_shape)`` to a tensor of
+            the same shape. Left as it was (as in :func:`input_jacobian`).
+        inputs: floating tensor ``(B, *in_shape)``, batch in dim 0; not modified.
+        chunk_size: at most this many of the ``D`` directions at once. ``None``:
+            as many as keep a chunk's tangents under 4M numbers, at least 4.
+
+    Returns:
+        ``(B, *in_shape)`` in ``fn``'s output dtype and device.
+
+    Raises:
+        TypeError: ``inputs`` is not a floating tensor; ``fn`` does not return a tensor.
+        ValueError: ``inputs`` has no batch dim; ``fn``'s output shape differs from
+            the input's; ``chunk_size`` not a positive int.
+
+    Example:
+        >>> import torch
+        >>> from persample.jacobian import jacobian_diagonal
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> x = torch.randn(5, 4)
+        >>> diag = jacobian_diagonal(lambda v: torch.tanh(lin(v)), x)
+        >>> diag.shape
+        torch.Size([5, 4])
+        >>> expect = (1 - torch.tanh(lin(x)) ** 2) * lin.weight.diagonal()
+        >>> torch.allclose(diag, expect, atol=1e-6)
+        True
+    """
+    x = _as_batch(inputs)
+    _check_options("auto", chunk_size)
+    n, d = x.shape[0], math.prod(x.shape[1:])
+    with _kept_buffers(fn):
+        if n == 0 or d == 0:
+            with torch.no_grad():
+                out = _check_square(_checked_output(fn(x), n).unsqueeze(0), x)[0]
+            return out.new_zeros(x.shape)
+        step = chunk_size or min(d, max(4, _CHUNK_NUMBERS // (n * d)))
+        diag = None
+        for start, stop in _chunks(d, step):
+            jv = _check_square(_push(fn, x, _one_hot(start, stop, x)), x)  # (c, B, *in_shape)
+            if diag is None:
+                diag = jv.new_empty((n, d))
+            diag[:, start:stop] = jv.reshape(stop - start, n, d).diagonal(start, 0, 2)  # (B, c)
+    return diag.view(x.shape)
+
+
+# ---------------------------------------------------------------------------
+# the two modes
+
+
+def _reverse_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None) -> Tensor:
+    """``(B, *out_shape, *in_shape)`` from ``out = model(xg)`` by batched VJPs."""
+    n, y = out.shape[0], math.prod(out.shape[1:])
+    if n == 0 or y == 0 or not out.requires_grad:
+        return out.new_zeros((*out.shape, *xg.shape[1:]))
+    step = chunk_size or y
+    parts = (_pull(out, xg, _one_hot(s, e, out), e < y) for s, e in _chunks(y, step))
+    jac = _stack(parts, y, step).to(out.dtype)  # (Y, B, *in_shape)
+    return jac.movedim(0, 1).reshape(*out.shape, *xg.shape[1:])
+
+
+def _forward_jacobian(model: Callable, x: Tensor, chunk_size: int | None) -> Tensor:
+    """``(B, *out_shape, *in_shape)`` by batched JVPs."""
+    d = math.prod(x.shape[1:])
+    if x.shape[0] == 0 or d == 0:
+        return _empty_jacobian(model, x)
+    step = chunk_size or d
+    parts = (_push(model, x, _one_hot(s, e, x)) for s, e in _chunks(d, step))
+    jac = _stack(parts, d, step)  # (D, B, *out_shape)
+    return jac.movedim(0, -1).reshape(*jac.shape[1:], *x.shape[1:])
+
+
+def _pull(out: Tensor, xg: Tensor, cotangents: Tensor, retain: bool) -> Tensor:
+    """VJPs ``(c, B, *in_shape)`` of cotangents ``(c, B, *out_shape)``, one backward."""
+    kw = {"retain_graph": retain, "allow_unused": True}
+    if cotangents.shape[0] == 1:
+        g = torch.autograd.grad(out, xg, cotangents[0], **kw)[0]
+        g = None if g is None else g.unsqueeze(0)
+    else:
+        g = torch.autograd.grad(out, xg, cotangents, is_grads_batched=True, **kw)[0]
+    return xg.new_zeros((cotangents.shape[0], *xg.shape)) if g is None else g
+
+
+def _push(model: Callable, x: Tensor, tangents: Tensor) -> Tensor:
+    """JVPs ``(c, B, *out_shape)`` of tangents ``(c, B, *in_shape)``.
+
+    A module's floating parameters go in as primals with dense zero tangents: left
+    out, forward AD gives them lazy zero tangents, whose adds take a slow path
+    (several times the whole jvp of a small MLP, torch 2.13 CPU). Not the buffers:
+    ``batch_norm`` refuses tangents on its running statistics.
+    """
+    state = _float_state(model)
+    zeros = {name: torch.zeros_like(t) for name, t in state.items()}
+
+    def call(x_: Tensor, state_: dict[str, Tensor]) -> Tensor:
+        return functional_call(model, state_, (x_,)) if state_ else model(x_)
+
+    def one(t: Tensor) -> Tensor:  # (B, *in_shape) -> (B, *out_shape)
+        return jvp(call, (x, state), (t, zeros))[1]
+
+    jv = one(tangents[0]).unsqueeze(0) if tangents.shape[0] == 1 else vmap(one)(tangents)
+    _checked_output(jv[0] if isinstance(jv, Tensor) else jv, x.shape[0])
+    return jv
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _one_hot(start: int, stop: int, like: Tensor) -> Tensor:
+    """``(stop - start, B, *rest)`` for ``like`` ``(B, *rest)``: vector ``k`` is one-hot
+    at flat index ``start + k`` of every sample (a broadcast view, not copied)."""
+    n, rest = like.shape[0], like.shape[1:]
+    v = like.new_zeros((stop - start, math.prod(rest)))
+    v.diagonal(start).fill_(1)
+    return v.view(stop - start, 1, *rest).expand(stop - start, n, *rest)
+
+
+def _chunks(total: int, step: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, total, step):
+        yield start, min(start + step, total)
+
+
+def _stack(parts: Iterator[Tensor], total: int, step: int) -> Tensor:
+    """Chunks ``(c, ...)`` into one ``(total, ...)`` tensor, allocated once."""
+    if step >= total:
+        return next(parts)
+    buf, start = None, 0
+    for part in parts:
+        if buf is None:
+            buf = part.new_empty((total, *part.shape[1:]))
+        buf[start : start + part.shape[0]] = part
+        start += part.shape[0]
+    return buf
+
+
+def _empty_jacobian(model: Callable, x: Tensor) -> Tensor:
+    """The (empty) result when ``B = 0`` or ``D = 0``: one forward for the output's shape."""
+    with torch.no_grad():
+        out = _checked_output(model(x), x.shape[0])
+    return out.new_zeros((*out.shape, *x.shape[1:]))
+
+
+def _float_state(model: Callable) -> dict[str, Tensor]:
+    if not isinstance(model, nn.Module):
+        return {}
+    return {name: p.detach() for name, p in model.named_parameters() if p.is_floating_point()}
+
+
+@contextmanager
+def _kept_buffers(model: Callable) -> Iterator[None]:
+    """Restore a module's buffers (e.g. BatchNorm's running statistics) on exit."""
+    saved = [(b, b.clone()) for b in model.buffers()] if isinstance(model, nn.Module) else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def _check_independence(model: Callable, x: Tensor) -> None:
+    """Raise if output[i] depends on input[j], i != j, for samples 0 and 1."""
+    if x.shape[0] < 2:
+        return
+    x2 = x[:2].detach().requires_grad_()  # (2, *in_shape)
+    with torch.enable_grad():
+        out = _checked_output(model(x2), 2)  # (2, *out_shape)
+    if not out.requires_grad:
+        return
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randn(out.shape[1:], generator=gen, dtype=torch.float64).to(out)
+    for i, j in ((0, 1), (1, 0)):
+        v = torch.zeros_like(out)
+        v[i] = r
+        (g,) = torch.autograd.grad(out, x2, v, retain_graph=True, allow_unused=True)
+        if g is not None and bool(g[j].ne(0).any()):
+            raise ValueError(
+                f"output of sample {i} depends on the input of sample {j}: the model mixes "
+                "samples (BatchNorm in training mode? attention across the batch?) so the "
+                "diagonal blocks are not the whole Jacobian. Call model.eval() or remove "
+                "the mixing, or use torch.autograd.functional.jacobian for the full one."
+            )
+
+
+def _as_batch(inputs: object) -> Tensor:
+    if not isinstance(inputs, Tensor):
+        raise TypeError(
+            f"inputs must be a tensor (B, *in_shape) with the batch in dim 0, "
+            f"got {type(inputs).__name__}"
+        )
+    if inputs.dim() == 0:
+        raise ValueError("inputs is a 0-dim tensor: it needs the batch in dim 0, (B, *in_shape)")
+    if not inputs.is_floating_point():
+        raise TypeError(
+            f"inputs has dtype {inputs.dtype}: only floating point inputs can be "
+            "differentiated (for token ids, differentiate w.r.t. their embeddings)"
+        )
+    return inputs.detach()
+
+
+def _check_options(mode: str, chunk_size: int | None) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def _checked_output(out: object, n: int) -> Tensor:
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"the model returned {type(out).__name__}: it must return one tensor "
+            "(B, *out_shape)"
+        )
+    if out.dim() == 0 or out.shape[0] != n:
+        raise ValueError(
+            f"the model maps a batch of {n} samples to an output of shape "
+            f"{tuple(out.shape)}: it must return (B, *out_shape), one output per sample "
+            "in dim 0 (reduce over the batch after taking the Jacobian, not inside the model)"
+        )
+    return out
+
+
+def _check_square(jv: Tensor, x: Tensor) -> Tensor:
+    """Return ``jv`` ``(c, B, *out_shape)``; raise unless ``out_shape`` is ``in_shape``."""
+    if tuple(jv.shape[1:]) != tuple(x.shape):
+        raise ValueError(
+            f"fn maps inputs of shape {tuple(x.shape)} to outputs of shape "
+            f"{tuple(jv.shape[1:])}: jacobian_diagonal needs a square per-sample Jacobian, "
+            "so the output must have the input's shape; use input_jacobian for the whole "
+            "(B, *out_shape, *in_shape) blocks"
+        )
+    return jv
