@@ -67,9 +67,10 @@ def input_jacobian(
             backwards of 2 samples; a batch of one is not checked).
 
     Returns:
-        ``(B, *out_shape, *in_shape)`` in the model output's dtype and device (a
-        strided view in reverse mode; ``.contiguous()`` copies it). ``B = 0`` gives
-        an empty tensor of that shape.
+        ``(B, *out_shape, *in_shape)`` in the model output's dtype and device. It is
+        computed one-hot index first, so it may be a non-contiguous view (a copy
+        would cost as much as a large part of the work; ``.contiguous()`` makes
+        one). ``B = 0`` gives an empty tensor of that shape.
 
     Raises:
         TypeError: ``inputs`` is not a floating tensor; the model does not return
