@@ -1,17 +1,21 @@
 """persample: fast per-sample derivatives for PyTorch.
 
-The public API: :func:`per_sample_grads`, :func:`param_jacobian`, their loop
-references, and :func:`register_rule` to add a layer rule.
+The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
+:func:`input_jacobian`, :func:`jacobian_diagonal`, the loop references, and
+:func:`register_rule` to add a layer rule.
 """
 
 from .api import param_jacobian, per_sample_grads
 from .fallback import UnsupportedModuleError
+from .jacobian import input_jacobian, jacobian_diagonal
 from .reference import loop_param_jacobian, loop_per_sample_grads
 from .rules import register_rule
 
 __all__ = [
     "per_sample_grads",
     "param_jacobian",
+    "input_jacobian",
+    "jacobian_diagonal",
     "loop_param_jacobian",
     "loop_per_sample_grads",
     "register_rule",
