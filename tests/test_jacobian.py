@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from persample import jacobian as jac_mod
 from persample.jacobian import input_jacobian, jacobian_diagonal
@@ -119,9 +120,9 @@ def spy(monkeypatch, name: str) -> list[int]:
     sizes: list[int] = []
     real = getattr(jac_mod, name)
 
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):
         sizes.append(args[2].shape[0])  # (c, B, ...)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(jac_mod, name, wrapper)
     return sizes
@@ -170,25 +171,61 @@ def test_batch_of_zero_gives_empty_result(mode):
     assert got.shape == (0, 2, 5, 3, 8, 8)
 
 
-def test_auto_falls_back_to_reverse_without_forward_ad(monkeypatch):
-    pushed, pulled = spy(monkeypatch, "_push"), spy(monkeypatch, "_pull")
-    model, x, want = reference(CASES[IDS.index("attention")])  # D = 20 < Y = 40
+class _OnceDifferentiableCube(torch.autograd.Function):
+    """x ** 3 with a backward that cannot be differentiated, and no forward-mode rule."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+def test_auto_falls_back_to_reverse_without_double_backward_or_forward_ad():
+    """Neither forward way works: auto is still exact (reverse), forward mode raises."""
+    lin = nn.Linear(2, 5)
+
+    def model(x):
+        return _OnceDifferentiableCube.apply(lin(x))
+
+    x = torch.randn(N, 2)
+    want = diagonal_blocks(model, x)  # D = 2 < Y = 5: auto tries forward first
     torch.testing.assert_close(input_jacobian(model, x), want)
-    assert (pushed, pulled) == ([20], [40])
+    with pytest.raises(RuntimeError):
+        input_jacobian(model, x, mode="forward")
 
 
 def test_auto_picks_forward_when_fewer_inputs_than_outputs(monkeypatch):
-    pushed, pulled = spy(monkeypatch, "_push"), spy(monkeypatch, "_pull")
+    forward, reverse = spy_calls(monkeypatch, "_double_backward_jacobian"), spy_calls(
+        monkeypatch, "_reverse_jacobian")
     pinn, x = build(CASES[IDS.index("pinn")])  # D = 1 < Y = 40
     input_jacobian(pinn, x)
-    assert (pushed, pulled) == ([1], [])
+    assert (forward, reverse) == ([1], [])
     clf, x = build(CASES[IDS.index("clf")])  # D = 49 >= Y = 10
     input_jacobian(clf, x)
-    assert (pushed, pulled) == ([1], [10])
+    assert (forward, reverse) == ([1], [1])
+
+
+def spy_calls(monkeypatch, name: str) -> list[int]:
+    """Count the calls of ``jacobian.<name>`` (as a list of 1s, one per call)."""
+    calls: list[int] = []
+    real = getattr(jac_mod, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jac_mod, name, wrapper)
+    return calls
 
 
 @pytest.mark.parametrize(
-    ("mode", "name", "sizes"), [("reverse", "_pull", [3, 3, 1]), ("forward", "_push", [3])]
+    ("mode", "name", "sizes"), [("reverse", "_pull", [3, 3, 1]), ("forward", "_pull", [3])]
 )
 def test_chunk_size_bounds_the_one_hot_vectors_at_once(monkeypatch, mode, name, sizes):
     sizes_seen = spy(monkeypatch, name)

@@ -5,7 +5,7 @@ The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 :func:`register_rule` to add a layer rule.
 """
 
-from .api import param_jacobian, per_sample_grads
+from .api import aligned_empty, param_jacobian, per_sample_grads
 from .fallback import UnsupportedModuleError
 from .jacobian import input_jacobian, jacobian_diagonal
 from .reference import loop_param_jacobian, loop_per_sample_grads
@@ -16,6 +16,7 @@ __all__ = [
     "param_jacobian",
     "input_jacobian",
     "jacobian_diagonal",
+    "aligned_empty",
     "loop_param_jacobian",
     "loop_per_sample_grads",
     "register_rule",

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
+from ..api import aligned_empty
 from . import anchors
 from .anchors import Case, Method
 from .workloads import (
@@ -58,52 +59,70 @@ class Report:
     best_other: str | None = None
 
 
-def median_time(fn: Callable[[], object], warmup: int, repeats: int) -> tuple[float, list[float]]:
-    """Median wall time of ``fn()`` in ms after ``warmup`` calls, and all the times."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), times
-
-
 def _reps(quick: bool) -> tuple[int, int]:
     return (1, 3) if quick else (2, 7)
 
 
+@dataclass
+class _Timer:
+    row: Measured
+    run: Callable[[], object]
+    rounds: int  # how many of the rounds it takes part in
+
+
 def bench_case(case: Case, quick: bool, step: Callable[[str], None]) -> Report:
-    """Time every method of ``case`` side by side and check each against the reference."""
+    """Time every method of ``case`` side by side and check each against the reference.
+
+    Each method runs once first (its result is compared with the reference, and
+    that run is a warm-up), then all methods are timed in interleaved rounds, so
+    that the machine's drift hits them alike. A method whose first run takes
+    over a second joins only the first 3 rounds (1 with ``quick``).
+    """
     warmup, repeats = _reps(quick)
     w = case.workload
-    step(case.base_label)
-    t_plain, _ = median_time(case.base, warmup, repeats)
-    w.model.zero_grad(set_to_none=True)
-    step("write bandwidth")
-    buf = torch.zeros(case.result_shape, dtype=w.inputs.dtype)  # touched
-    t_fill, _ = median_time(lambda: buf.fill_(1.0), warmup, repeats)
-    floor = t_plain + t_fill
+    # the caller-owned result buffer for out=: rows 64-byte aligned, already touched
+    buf = aligned_empty(case.result_shape, w.inputs.dtype, w.inputs.device).zero_()
     step(f"{case.reference_label} (reference)")
     reference = case.reference()
-    rows = []
+    base, fill = Measured(case.base_label), Measured("write result (fill_)")
+    timers = [_Timer(base, case.base, repeats), _Timer(fill, lambda: buf.fill_(1.0), repeats)]
     for method in case.methods:
         step(method.name)
-        rows.append(_measure(method, buf, reference, floor, warmup, repeats, quick))
-        gc.collect()
+        timers.append(_prepare(method, buf, reference, repeats, quick))
+    for timer in timers[:2]:
+        for _ in range(warmup):
+            timer.run()
+    for r in range(repeats):
+        step(f"round {r + 1} of {repeats}")
+        for timer in timers:
+            if r < timer.rounds:
+                start = time.perf_counter()
+                timer.run()
+                timer.row.times_ms.append((time.perf_counter() - start) * 1e3)
+                gc.collect()
+    for timer in timers:
+        if timer.row.times_ms:
+            timer.row.median_ms = statistics.median(timer.row.times_ms)
+    w.model.zero_grad(set_to_none=True)
+    floor = base.median_ms + fill.median_ms
+    rows = [t.row for t in timers[2:]]
+    for row in rows:
+        if row.median_ms is not None:
+            row.ratio_to_floor = row.median_ms / floor
     bytes_out = buf.numel() * buf.element_size()
     report = Report(w.name, w.description, list(case.result_shape), bytes_out, case.base_label,
-                    t_plain, t_fill, bytes_out / t_fill / 1e6, floor, case.reference_label, rows)
+                    base.median_ms, fill.median_ms, bytes_out / fill.median_ms / 1e6, floor,
+                    case.reference_label, rows)
     _speedup(report, next(m.name for m in case.methods if m.ours))
     return report
 
 
-def _measure(method: Method, buf, reference, floor, warmup, repeats, quick) -> Measured:
+def _prepare(method: Method, buf, reference, repeats: int, quick: bool) -> _Timer:
+    """Run ``method`` once, compare its result with ``reference``; a timer for the rounds."""
     row = Measured(method.name)
     if method.fn is None:
         row.status = method.note
-        return row
+        return _Timer(row, lambda: None, 0)
     run = lambda: method.fn(buf)  # noqa: E731
     try:
         start = time.perf_counter()
@@ -111,14 +130,13 @@ def _measure(method: Method, buf, reference, floor, warmup, repeats, quick) -> M
         first = time.perf_counter() - start
         row.max_abs_diff = (result.reshape(reference.shape) - reference).abs().max().item()
         del result
-        slow = first > 1.0  # a slow method gets no warm-up and at most 3 runs (1 if quick)
-        row.median_ms, row.times_ms = median_time(run, 0 if slow else warmup,
-                                                  min(repeats, 1 if quick else 3) if slow
-                                                  else repeats)
-        row.ratio_to_floor = row.median_ms / floor
+        for _ in range(1 if first < 1.0 else 0):  # a second warm-up for the fast ones
+            run()
     except Exception as err:  # a competitor failing must not stop the benchmark
         row.status = f"failed: {type(err).__name__}: {err}"[:200]
-    return row
+        return _Timer(row, lambda: None, 0)
+    slow = first > 1.0
+    return _Timer(row, run, min(repeats, 1 if quick else 3) if slow else repeats)
 
 
 def _speedup(report: Report, ours_name: str) -> None:
