@@ -8,12 +8,14 @@ The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 from .api import aligned_empty, param_jacobian, per_sample_grads
 from .fallback import UnsupportedModuleError
 from .jacobian import input_jacobian, jacobian_diagonal
+from .norms import per_sample_grad_norms
 from .reference import loop_param_jacobian, loop_per_sample_grads
 from .rules import register_rule
 
 __all__ = [
     "per_sample_grads",
     "param_jacobian",
+    "per_sample_grad_norms",
     "input_jacobian",
     "jacobian_diagonal",
     "aligned_empty",

@@ -210,19 +210,28 @@ def _backprops_of(job: Job, grads: dict[int, Tensor | None], n: int, v: int) -> 
 Backward = Callable[[Any, list[Tensor]], tuple[Any, ...]]
 
 
-def run_rules(model: nn.Module, args: tuple, root: Callable[[Any], Tensor], backward: Backward,
-              dest: dict[int, Tensor]) -> None:
-    """The engine: capture a forward, pull cotangents back to every call, apply the rules.
+@dataclass
+class Captured:
+    """The captured calls of one batch, with each job's backprops."""
+
+    jobs: list[Job]
+    backprops: list[list[Tensor]]  # per job, per differentiable output: (n, v, *out_shape)
+    n: int
+
+
+def capture_backprops(model: nn.Module, args: tuple, root: Callable[[Any], Tensor],
+                      backward: Backward, wanted: set[int], v: int) -> Captured:
+    """Capture a forward and pull the cotangents back to every call's output.
 
     ``root(output)`` gives the tensor to differentiate (the summed loss, or the
     model's output); ``backward(root_value, outputs)`` returns for each captured
-    output its ``(n, v, *out_shape)`` backprops (or ``None``); ``dest`` maps
-    ``id(param)`` to the ``(n, v, *param.shape)`` destination.
+    output its ``(n, v, *out_shape)`` backprops (or ``None``); ``wanted`` holds the
+    ``id`` of the parameters to differentiate.
     """
     n = args[0].shape[0]
-    with torch.enable_grad(), Capture(hooked_modules(model), set(dest)) as cap:
+    with torch.enable_grad(), Capture(hooked_modules(model), wanted) as cap:
         value = root(model(*args))
-    jobs = plan_jobs(model, cap, set(dest))
+    jobs = plan_jobs(model, cap, wanted)
     for job in jobs:
         check_unchanged(job, n)
     outs = {id(t): t for job in jobs for t in output_tensors(job.call)}
@@ -233,12 +242,23 @@ def run_rules(model: nn.Module, args: tuple, root: Callable[[Any], Tensor], back
         )
     got = backward(value, list(outs.values())) if outs else ()
     grads = dict(zip(outs.keys(), got))
-    v = next(iter(dest.values())).shape[1]
+    return Captured(jobs, [_backprops_of(job, grads, n, v) for job in jobs], n)
+
+
+def write_per_sample(cap: Captured, dest: dict[int, Tensor]) -> None:
+    """Apply every job's rule (or the fallback) into ``dest`` (id -> (n, v, *shape))."""
     sink = GradSink(dest)
     with torch.no_grad():
-        for job in jobs:
-            _apply(job, _backprops_of(job, grads, n, v), n, sink)
+        for job, backprops in zip(cap.jobs, cap.backprops):
+            _apply(job, backprops, cap.n, sink)
     sink.zero_unwritten()
+
+
+def run_rules(model: nn.Module, args: tuple, root: Callable[[Any], Tensor], backward: Backward,
+              dest: dict[int, Tensor]) -> None:
+    """The engine: capture, backprops, rules; results into ``dest`` (id -> (n, v, *shape))."""
+    v = next(iter(dest.values())).shape[1]
+    write_per_sample(capture_backprops(model, args, root, backward, set(dest), v), dest)
 
 
 def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
@@ -255,6 +275,21 @@ def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
     sink.commit(job.params, out)
 
 
+def loss_backprops(model: nn.Module, args: tuple, targets: Any, loss_fn: Callable,
+                   loss_reduction: str, wanted: set[int], retain_graph: bool = False) -> Captured:
+    """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss."""
+    n = args[0].shape[0]
+
+    def root(output: Any) -> Tensor:
+        return total_loss(output, targets, loss_fn, n, loss_reduction)
+
+    def backward(total: Tensor, outs: list[Tensor]) -> tuple:
+        grads = torch.autograd.grad(total, outs, allow_unused=True, retain_graph=retain_graph)
+        return tuple(None if g is None else g.unsqueeze(1) for g in grads)  # (n, 1, *out)
+
+    return capture_backprops(model, args, root, backward, wanted, 1)
+
+
 def rules_grads(
     model: nn.Module,
     args: tuple,
@@ -264,16 +299,8 @@ def rules_grads(
     dest: dict[int, Tensor],
 ) -> None:
     """Per-sample gradients of one batch into ``dest`` (id(param) -> (n, *shape))."""
-    n = args[0].shape[0]
-
-    def root(output: Any) -> Tensor:
-        return total_loss(output, targets, loss_fn, n, loss_reduction)
-
-    def backward(total: Tensor, outs: list[Tensor]) -> tuple:
-        grads = torch.autograd.grad(total, outs, allow_unused=True)
-        return tuple(None if g is None else g.unsqueeze(1) for g in grads)  # (n, 1, *out)
-
-    run_rules(model, args, root, backward, {k: t.unsqueeze(1) for k, t in dest.items()})
+    cap = loss_backprops(model, args, targets, loss_fn, loss_reduction, set(dest))
+    write_per_sample(cap, {k: t.unsqueeze(1) for k, t in dest.items()})
 
 
 def rules_param_jacobian(

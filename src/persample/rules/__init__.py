@@ -42,6 +42,12 @@ class Rule:
 
 _RULES: dict[type[nn.Module], Rule] = {}
 
+# Norm rules: ``norm(layer, activations, backprops (n, 1, *out), names) ->
+# {name: (n,) squared norm of each sample's gradient}``, or ``None`` when
+# materialising the per-sample gradients is cheaper (the engine then does so).
+NormFn = Callable[[nn.Module, tuple, Tensor, set[str]], dict[str, Tensor] | None]
+_NORM_RULES: dict[type[nn.Module], NormFn] = {}
+
 
 def _always(_: nn.Module) -> str | None:
     return None
@@ -89,6 +95,40 @@ def register_rule(*types: type[nn.Module], unsupported=_always) -> Callable[[Rul
         return fn
 
     return decorate
+
+
+def register_norm_rule(*types: type[nn.Module]) -> Callable[[NormFn], NormFn]:
+    """Register a per-sample squared-norm rule ("ghost norm") for ``types``.
+
+    Args:
+        types: module classes that already have a gradient rule.
+
+    Returns:
+        A decorator registering ``norm(layer, activations, backprops, names)``, which
+        returns ``{name: (n,)}`` squared per-sample gradient norms for the
+        parameter names in ``names``, or ``None`` to have the engine materialise the
+        per-sample gradients with the gradient rule instead.
+
+    Example:
+        >>> from torch import nn
+        >>> @register_norm_rule(nn.Linear)
+        ... def linear_norm(layer, activations, backprops, names):
+        ...     return None  # always materialise
+        >>> from .linear import linear_norm as _real
+        >>> _ = register_norm_rule(nn.Linear)(_real)  # put the real one back
+    """
+
+    def decorate(fn: NormFn) -> NormFn:
+        for cls in types:
+            _NORM_RULES[cls] = fn
+        return fn
+
+    return decorate
+
+
+def find_norm_rule(rule: Rule | None) -> NormFn | None:
+    """The norm rule registered for the same module type as ``rule``, if any."""
+    return None if rule is None else _NORM_RULES.get(rule.base)
 
 
 def find_rule(module: nn.Module) -> tuple[Rule | None, str]:

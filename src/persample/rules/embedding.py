@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import register_rule
+from . import register_norm_rule, register_rule
 
 
 def _unsupported(layer: nn.Embedding) -> str | None:
@@ -37,3 +37,21 @@ def embedding(layer: nn.Embedding, activations: tuple, backprops: Tensor, out: d
     dst.index_put_((rows, cots, ids), g, accumulate=True)
     if layer.padding_idx is not None:
         dst[:, :, layer.padding_idx].zero_()
+
+
+@register_norm_rule(nn.Embedding)
+def embedding_norm(layer: nn.Embedding, activations: tuple, backprops: Tensor, names: set[str]):
+    """``|grad_W[n]|^2 = sum_{t,s: ids_t = ids_s} g_t . g_s`` (cost ``n T^2 d``), or
+    ``None`` (materialise, ``n r d``) when the table is smaller than ``T^2``."""
+    n = backprops.shape[0]
+    ids = activations[0].reshape(n, -1)  # (n, t)
+    t = ids.shape[1]
+    if "weight" not in names:
+        return {}
+    if t * t >= layer.num_embeddings:
+        return None
+    g = backprops.reshape(n, t, layer.embedding_dim)  # (n, t, d)
+    if layer.padding_idx is not None:
+        g = g * (ids != layer.padding_idx).unsqueeze(2)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # (n, t, t)
+    return {"weight": (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))}

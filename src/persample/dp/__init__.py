@@ -1,0 +1,11 @@
+"""Differentially private SGD on per-sample gradients.
+
+- :func:`private_grad`: one DP-SGD step's gradient, clipped and noised, from one
+  forward and one backward, written to ``p.grad`` for any ``torch.optim`` optimizer.
+- :mod:`persample.dp.sampling`: Poisson sampling of batches.
+- :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
+"""
+
+from .clip import private_grad
+
+__all__ = ["private_grad"]

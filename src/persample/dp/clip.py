@@ -1,0 +1,179 @@
+"""One DP-SGD step from one forward and one backward ("book-keeping").
+
+Abadi et al. (2016), "Deep learning with differential privacy": clip each
+sample's gradient to norm ``C``, sum, add ``N(0, sigma^2 C^2 I)``, divide by the
+batch size. Done here without the ``(B, P)`` tensor (Bu et al. 2023,
+"book-keeping"; DESIGN.md point 6): the captured activations and backprops give
+the per-sample norms (``persample.norms``), then the clipped sum of every layer
+whose norms came from the ghost norm is that layer's ordinary weight gradient
+with each sample's backprops scaled by its clip factor ``c_i`` (one local
+backward of the captured graph: for Linear, the matrix product ``(c G)^T A``);
+layers whose per-sample gradients were materialised for their norms are summed
+with the factors directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import checks
+from ..capture import output_tensors
+from ..engine import Captured, loss_backprops
+from ..norms import squared_norms
+
+STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
+
+
+def private_grad(
+    model: nn.Module,
+    inputs: Tensor | tuple[Tensor, ...],
+    targets: Any,
+    loss_fn: Callable[[Any, Any], Tensor],
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    generator: torch.Generator | None = None,
+    loss_reduction: str = "mean",
+    per_layer: bool = False,
+    expected_batch_size: int | None = None,
+) -> Tensor:
+    """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
+
+    ``p.grad = (sum_i c_i g_i + N(0, sigma^2 C^2 I)) / B'`` with ``g_i`` sample
+    ``i``'s own gradient, ``c_i = min(1, C / (||g_i|| + 1e-6))``, ``C =
+    max_grad_norm``, ``sigma = noise_multiplier`` and ``B' = expected_batch_size``
+    (default: the batch size). Then step any ``torch.optim`` optimizer as usual.
+
+    Args:
+        model, inputs, targets, loss_fn, loss_reduction: as for
+            :func:`persample.per_sample_grads`. ``p.grad`` of every trainable
+            parameter is overwritten (not accumulated); nothing else changes.
+        max_grad_norm: clipping norm ``C > 0``, in loss units per parameter unit.
+        noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * C``.
+        generator: ``torch.Generator`` (on the parameters' device) for the noise.
+        per_layer: clip each parameter's per-sample gradient to
+            ``C / sqrt(K)`` (``K`` trainable parameter tensors) instead of the whole
+            gradient to ``C``; the sensitivity is ``C`` either way.
+        expected_batch_size: the divisor ``B'``. With Poisson sampling (which the
+            privacy analysis assumes) pass ``q * N`` so that the divisor does not
+            depend on the data.
+
+    Returns:
+        ``(B,)`` per-sample gradient norms before clipping (over all parameters),
+        for logging.
+
+    Raises:
+        ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
+            ``expected_batch_size``, and the errors of ``per_sample_grads``.
+        FloatingPointError: a sample's gradient is not finite (NaN or Inf); the
+            message lists the samples and every ``p.grad`` is left as it was, so no
+            NaN reaches the weights. Drop those samples and call again.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from persample.dp import private_grad
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> norms = private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
+        ...                      noise_multiplier=1.1, generator=torch.Generator().manual_seed(0))
+        >>> opt.step()
+        >>> norms.shape
+        torch.Size([16])
+    """
+    _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
+    checks.check_options("rules", loss_reduction, None)
+    checks.check_per_sample_model(model)
+    args = checks.as_args(inputs)
+    n = args[0].shape[0]
+    checks.check_targets(targets, n)
+    params = checks.trainable_parameters(model)
+    clipped, norms = _clipped_sum(model, args, targets, loss_fn, loss_reduction, params,
+                                  max_grad_norm, per_layer)
+    divisor = expected_batch_size or max(n, 1)
+    for p in params.values():
+        noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
+        p.grad = (clipped[id(p)] + noise * (noise_multiplier * max_grad_norm)) / divisor
+    return norms
+
+
+def _clipped_sum(model, args, targets, loss_fn, loss_reduction, params, max_grad_norm,
+                 per_layer) -> tuple[dict[int, Tensor], Tensor]:
+    """``{id(p): sum_i c_i g_i}`` and the ``(n,)`` norms, from one forward and backward."""
+    n = args[0].shape[0]
+    if n == 0:
+        return {id(p): torch.zeros_like(p) for p in params.values()}, params_zeros(params)
+    wanted = {id(p) for p in params.values()}
+    cap = loss_backprops(model, args, targets, loss_fn, loss_reduction, wanted,
+                         retain_graph=True)
+    sq, mats = squared_norms(cap, params)
+    norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
+    _check_finite(norms)
+    factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
+    clipped = {pid: torch.tensordot(factors[pid], m[:, 0], dims=1) for pid, m in mats.items()}
+    _book_keeping(cap, factors, clipped)
+    for p in params.values():
+        clipped.setdefault(id(p), torch.zeros_like(p))
+    return clipped, norms
+
+
+def params_zeros(params: dict[str, nn.Parameter]) -> Tensor:
+    return next(iter(params.values())).new_zeros(0)
+
+
+def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tensor]:
+    if not per_layer:
+        c = (max_grad_norm / (norms + STABILITY)).clamp(max=1.0)  # (n,)
+        return {id(p): c for p in params.values()}
+    bound = max_grad_norm / math.sqrt(len(params))
+    return {id(p): (bound / (sq[id(p)].sqrt() + STABILITY)).clamp(max=1.0)
+            for p in params.values()}
+
+
+def _book_keeping(cap: Captured, factors: dict[int, Tensor], clipped: dict[int, Tensor]):
+    """Clipped sums of the ghost-normed parameters: one local backward per call.
+
+    ``d/dW <c * G, out>`` over the call's own graph is ``sum_i c_i g_i`` for its
+    parameters: the ordinary weight gradient with scaled backprops.
+    """
+    for job, backprops in zip(cap.jobs, cap.backprops):
+        ghost = [p for p in job.params.values() if id(p) not in clipped]
+        groups: dict[int, list[nn.Parameter]] = {}  # same factors -> one backward
+        for p in ghost:
+            groups.setdefault(id(factors[id(p)]), []).append(p)
+        outs = output_tensors(job.call)
+        for group in groups.values():
+            c = factors[id(group[0])]
+            scaled = [g[:, 0] * c.view(-1, *[1] * (g.dim() - 2)) for g in backprops]
+            grads = torch.autograd.grad(outs, group, scaled, retain_graph=True)
+            for p, g in zip(group, grads):
+                clipped[id(p)] = g
+
+
+def _check_finite(norms: Tensor) -> None:
+    bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+    if bad:
+        raise FloatingPointError(
+            f"the gradients of samples {bad[:10]}{'...' if len(bad) > 10 else ''} are not "
+            "finite (NaN or Inf), so they cannot be clipped; p.grad was left unchanged. "
+            "Check those inputs (or the loss), drop them and call again."
+        )
+
+
+def _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size) -> None:
+    if not (isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm)
+            and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm (the clipping norm C) must be > 0, got {max_grad_norm}")
+    if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
+            and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier (sigma) must be >= 0, got {noise_multiplier}")
+    if expected_batch_size is not None and not (
+            isinstance(expected_batch_size, (int, float)) and expected_batch_size > 0):
+        raise ValueError(
+            f"expected_batch_size must be a positive number or None, got {expected_batch_size}")
