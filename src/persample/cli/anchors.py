@@ -43,6 +43,7 @@ class Case:
     reference_label: str
     reference: Callable[[], Tensor]
     methods: list[Method] = field(default_factory=list)
+    after_check: Callable[[], None] = lambda: None  # run once every result is checked
 
 
 def flat(grads: list[Tensor]) -> Tensor:
@@ -202,3 +203,174 @@ def input_jacobian_case(w: Workload) -> Case:
         Method("vmap(jacfwd)", lambda _: vmap(jacfwd(sample_fn))(x)),
         Method("persample", lambda _: input_jacobian(model, x), ours=True),
     ])
+
+
+# --- per-sample gradient norms and one DP-SGD step (cnn-norms, cnn-dp-step) ---------------
+
+DP_MAX_GRAD_NORM = 1.0
+
+
+def norms_case(w: Workload) -> Case:
+    from ..norms import per_sample_grad_norms
+
+    grads = grads_case(w)  # the plain backward and the per-sample gradient methods
+    by_name = {m.name: m for m in grads.methods}
+
+    def norm_of(method: Method) -> Method:
+        if method.fn is None:
+            return method
+        return Method(method.name, lambda buf: method.fn(None).norm(dim=1))
+
+    def opacus_ghost(_: Tensor) -> Tensor:
+        return _opacus_ghost_step(w)(None, norms=True)
+
+    def backpack_l2(_: Tensor) -> Tensor:
+        return _backpack_l2(w)()
+
+    return Case(w, "plain backward", grads.base, (w.inputs.shape[0],), "loop",
+                lambda: by_name["loop"].fn(None).norm(dim=1), [
+        norm_of(by_name["loop"]),
+        norm_of(by_name["torch.func vmap"]),
+        norm_of(by_name["Opacus hooks"]),
+        _optional(opacus_ghost, "Opacus ghost clipping", "opacus"),
+        _optional(backpack_l2, "BackPACK BatchL2Grad", "backpack"),
+        Method("persample", lambda _: per_sample_grad_norms(
+            w.model, w.inputs, w.targets, w.loss_fn), ours=True),
+    ])
+
+
+def _optional(fn, name: str, module: str) -> Method:
+    try:
+        __import__(module)
+    except ImportError:
+        return Method(name, None, "not installed")
+    return Method(name, fn)
+
+
+def _backpack_l2(w: Workload):
+    from backpack import backpack as context
+    from backpack import extend
+    from backpack.extensions import BatchL2Grad
+
+    model, loss_fn, n = extend(copy.deepcopy(w.model)), extend(nn.CrossEntropyLoss()), len(w.inputs)
+
+    def run() -> Tensor:
+        model.zero_grad(set_to_none=True)
+        with context(BatchL2Grad()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_fn(model(w.inputs), w.targets).backward()
+        return sum(p.batch_l2 for p in model.parameters()).sqrt() * n  # of the mean's terms
+
+    return run
+
+
+def dp_step_case(w: Workload) -> Case:
+    """One DP-SGD step (clip, sum, noise, SGD step); results are the noised ``p.grad``."""
+    from ..dp import private_grad
+
+    n, model = w.inputs.shape[0], w.model
+    noise = {"sigma": 0.0}  # 0 while results are checked, then 1.0 for the timed rounds
+    plain_model = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.0)
+
+    def plain_step() -> None:
+        plain_opt.zero_grad(set_to_none=True)
+        w.loss_fn(plain_model(w.inputs), w.targets).backward()
+        plain_opt.step()
+
+    def clipped_mean(per_sample: Tensor) -> Tensor:  # (B, P) -> (P,)
+        c = (DP_MAX_GRAD_NORM / (per_sample.norm(dim=1) + 1e-6)).clamp(max=1.0)
+        total = c @ per_sample
+        noise_ = torch.randn(total.shape) * (noise["sigma"] * DP_MAX_GRAD_NORM)
+        return (total + noise_) / n
+
+    def manual(per_sample_fn) -> Callable[[Tensor], Tensor]:
+        return lambda _: clipped_mean(per_sample_fn(None))
+
+    own = copy.deepcopy(model)
+    own_opt = torch.optim.SGD(own.parameters(), lr=0.0)
+
+    def persample_step(_: Tensor) -> Tensor:
+        private_grad(own, w.inputs, w.targets, w.loss_fn, max_grad_norm=DP_MAX_GRAD_NORM,
+                     noise_multiplier=noise["sigma"])
+        own_opt.step()
+        return flat_grad(own)
+
+    grads = {m.name: m for m in grads_case(w).methods}
+    case = Case(w, "plain SGD step", plain_step, (num_params(model),), "loop + clipping",
+                lambda: manual(grads["loop"].fn)(None), [
+        Method("loop + clipping", manual(grads["loop"].fn)),
+        Method("torch.func vmap + clipping", manual(grads["torch.func vmap"].fn)),
+        _opacus_dp_method(w, noise, ghost=False),
+        _opacus_dp_method(w, noise, ghost=True),
+        Method("persample", persample_step, ours=True),
+    ])
+    case.after_check = lambda: noise.update(sigma=1.0)
+    return case
+
+
+def flat_grad(model: nn.Module) -> Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _opacus_dp_method(w: Workload, noise: dict, ghost: bool) -> Method:
+    name = "Opacus ghost clipping" if ghost else "Opacus hooks"
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        return Method(name, None, "not installed (pip install -e '.[bench]')")
+    step = _opacus_ghost_step(w, noise) if ghost else _opacus_hooks_step(w, noise)
+    return Method(name, lambda _: step(None))
+
+
+def _opacus_hooks_step(w: Workload, noise: dict):
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    model = GradSampleModule(copy.deepcopy(w.model).train())
+    state = {}
+
+    def run(_: Tensor | None) -> Tensor:
+        if state.get("sigma") != noise["sigma"]:  # Opacus fixes sigma at construction
+            state["opt"] = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       noise_multiplier=noise["sigma"],
+                                       max_grad_norm=DP_MAX_GRAD_NORM,
+                                       expected_batch_size=len(w.inputs))
+            state["sigma"] = noise["sigma"]
+        opt = state["opt"]
+        opt.zero_grad(set_to_none=True)
+        w.loss_fn(model(w.inputs), w.targets).backward()
+        opt.step()
+        return flat_grad(model)
+
+    return run
+
+
+def _opacus_ghost_step(w: Workload, noise: dict | None = None):
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    noise = noise if noise is not None else {"sigma": 0.0}
+    model = GradSampleModuleFastGradientClipping(
+        copy.deepcopy(w.model).train(), max_grad_norm=DP_MAX_GRAD_NORM, use_ghost_clipping=True)
+    state = {}
+
+    def run(_: Tensor | None, norms: bool = False) -> Tensor:
+        if state.get("sigma") != noise["sigma"]:
+            opt = DPOptimizerFastGradientClipping(
+                torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=noise["sigma"],
+                max_grad_norm=DP_MAX_GRAD_NORM, expected_batch_size=len(w.inputs))
+            state.update(sigma=noise["sigma"], opt=opt, loss=DPLossFastGradientClipping(
+                model, opt, nn.CrossEntropyLoss(), "mean"))
+        opt = state["opt"]
+        opt.zero_grad(set_to_none=True)
+        loss = state["loss"](model(w.inputs), w.targets)
+        if norms:  # the first of Opacus's two backwards gives the norms
+            torch.mean(loss.loss_per_sample).backward()
+            return model.get_norm_sample()
+        loss.backward()
+        opt.step()
+        return flat_grad(model)
+
+    return run

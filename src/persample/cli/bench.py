@@ -14,8 +14,9 @@ import json
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -89,6 +90,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None]) -> Report:
     for method in case.methods:
         step(method.name)
         timers.append(_prepare(method, buf, reference, repeats, quick))
+    case.after_check()
     for timer in timers[:2]:
         for _ in range(warmup):
             timer.run()
@@ -204,6 +206,14 @@ def build_case(name: str, batch: int | None) -> Case:
         return anchors.param_jacobian_case(jacobian_workload(name, batch))
     if name in JACOBIAN_WORKLOADS:
         return anchors.input_jacobian_case(jacobian_workload(name, batch))
+    if name == "cnn-norms":
+        w = grads_workload("cnn-grads", batch)
+        return anchors.norms_case(replace(w, name=name, description=w.description.replace(
+            "cross-entropy", "per-sample gradient norms")))
+    if name == "cnn-dp-step":
+        w = grads_workload("cnn-grads", batch)
+        return anchors.dp_step_case(replace(w, name=name, description=w.description.replace(
+            "cross-entropy", f"one DP-SGD step (C = {anchors.DP_MAX_GRAD_NORM}, sigma = 1)")))
     raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 
@@ -211,6 +221,8 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
         json_path: str | None, plot_path: str | None) -> list[Report]:
     """Run the benchmark, print the tables, and write the JSON and the plot if asked."""
     torch.set_num_threads(threads)
+    # Opacus's and BackPACK's hooks warn on every call when inputs need no grad
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     reports = []
     with tqdm(total=len(workloads), desc="persample bench", unit="workload") as bar:
         for name in workloads:

@@ -103,4 +103,5 @@ def jacobian_workload(name: str, batch: int | None = None) -> Workload:
 
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads")
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
-WORKLOADS = GRAD_WORKLOADS + JACOBIAN_WORKLOADS
+DP_WORKLOADS = ("cnn-norms", "cnn-dp-step")
+WORKLOADS = GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS

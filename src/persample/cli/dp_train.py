@@ -1,0 +1,407 @@
+"""``persample dp-train``: DP-SGD on seed 001's SimpleCNN and scikit-learn's digits.
+
+DP-SGD (Abadi et al. 2016, "Deep Learning with Differential Privacy"): each
+step Poisson-samples a batch (each training example with probability
+``q = batch_size / N``), clips every sample's gradient to norm ``C``, sums, adds
+``N(0, sigma^2 C^2 I)`` and divides by the expected batch size; here
+``persample.dp.private_grad`` does that from one forward and one backward
+(book-keeping, Bu et al. 2023), and any ``torch.optim`` optimizer steps on the
+``p.grad`` it writes. The privacy spent is counted by
+``persample.dp.accounting.PrivacyAccountant`` (Google's ``dp-accounting``).
+
+Data: the 1,797 digits as 1x28x28 images (``persample.data.digits_images``), a
+fixed stratified 80/20 split (1,437 train, 360 test; ``random_state=0``, the
+same whatever ``--seed``). ``--compare-nonprivate`` trains the same model from
+the same initial weights on the same kind of batches, without clipping or noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from ..dp.accounting import PrivacyAccountant, noise_multiplier_for
+from ..dp.sampling import poisson_batches
+from .workloads import simple_cnn
+
+EPS_EVERY = 10  # steps between epsilon updates in the progress bar (RDP costs ~50 ms)
+
+
+@dataclass
+class DPTrainConfig:
+    """Everything ``dp-train`` needs; the defaults are the command line's."""
+
+    epochs: int = 15
+    batch_size: int = 256  # expected batch size; q = batch_size / N
+    sigma: float | None = None  # noise multiplier; None: the smallest meeting target_epsilon
+    target_epsilon: float = 3.0  # epsilon budget at delta, used when sigma is None
+    max_grad_norm: float = 1.0  # C
+    delta: float = 1e-5
+    lr: float = 0.5
+    momentum: float = 0.9
+    seed: int = 0
+    accountant: str = "rdp"
+    compare_nonprivate: bool = False
+    subset: int | None = None  # train on the first SUBSET training examples only
+    max_steps: int | None = None  # cap on steps per epoch (tests)
+    threads: int = 2
+    plot: str | None = None
+    json: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class Run:
+    """One training run's figures, per epoch and final."""
+
+    name: str  # "private" or "non-private"
+    train_loss: list[float] = field(default_factory=list)  # mean over the epoch's batches
+    train_accuracy: list[float] = field(default_factory=list)
+    test_accuracy: list[float] = field(default_factory=list)  # after each epoch
+    epsilon: list[float] = field(default_factory=list)  # spent after each epoch (private)
+    epoch_seconds: list[float] = field(default_factory=list)  # training steps only
+    steps: int = 0
+    empty_batches: int = 0
+
+    @property
+    def seconds_per_epoch(self) -> float:
+        return sum(self.epoch_seconds) / max(len(self.epoch_seconds), 1)
+
+
+def load_split(subset: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The digits' fixed stratified 80/20 split: ``x_train (N, 1, 28, 28)``, ``y_train (N,)``,
+    ``x_test (360, 1, 28, 28)``, ``y_test (360,)``; float32 images, int64 labels.
+
+    Args:
+        subset: keep only the first ``subset`` training examples (the split is
+            shuffled, so they are a random subset); the test set stays whole.
+
+    Example:
+        >>> x, y, xt, yt = load_split()
+        >>> x.shape, xt.shape, y.dtype
+        (torch.Size([1437, 1, 28, 28]), torch.Size([360, 1, 28, 28]), torch.int64)
+    """
+    from sklearn.model_selection import train_test_split
+
+    from ..data import digits_images
+
+    x, y = digits_images(dtype=torch.float32)
+    train, test = train_test_split(torch.arange(len(y)).numpy(), test_size=0.2,
+                                   stratify=y.numpy(), random_state=0)
+    train = torch.as_tensor(train)[:subset]
+    test = torch.as_tensor(test)
+    return x[train], y[train], x[test], y[test]
+
+
+def resolve_sigma(cfg: DPTrainConfig, sample_rate: float, steps: int) -> float:
+    """``cfg.sigma``, or the smallest sigma meeting ``cfg.target_epsilon`` after ``steps``."""
+    if cfg.sigma is not None:
+        return cfg.sigma
+    return noise_multiplier_for(cfg.target_epsilon, cfg.delta, sample_rate, steps,
+                                accountant=cfg.accountant, tol=1e-3)
+
+
+class _LossRecorder:
+    """Per-sample cross-entropy ``(B,)`` that remembers its first batch's logits and losses.
+
+    ``private_grad`` calls the loss inside its own forward; recording there gives
+    the training loss and accuracy without a second forward.
+    """
+
+    def __init__(self) -> None:
+        self.seen: tuple[Tensor, Tensor] | None = None  # (logits (B, 10), losses (B,))
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        losses = F.cross_entropy(logits, targets, reduction="none")  # (B,)
+        if self.seen is None:
+            self.seen = logits.detach(), losses.detach()
+        return losses
+
+
+def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 512) -> float:
+    """Accuracy of ``model`` on ``x (N, ...)``, ``y (N,)``, in ``[0, 1]``, without autograd."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(y), batch):
+            logits = model(x[start : start + batch])  # (b, 10)
+            correct += (logits.argmax(1) == y[start : start + batch]).sum().item()
+    model.train(was_training)
+    return correct / max(len(y), 1)
+
+
+def train(
+    model: nn.Module,
+    data: tuple[Tensor, Tensor, Tensor, Tensor],
+    cfg: DPTrainConfig,
+    sigma: float | None,
+    accountant: PrivacyAccountant | None = None,
+) -> Run:
+    """Train ``model`` in place for ``cfg.epochs`` epochs; DP-SGD when ``sigma`` is given.
+
+    Both runs sample batches the same way (Poisson, rate ``q``, from ``cfg.seed``)
+    and scale the gradient by the expected batch size, so they differ only in the
+    clipping and the noise. ``accountant`` (private only) records every step,
+    empty batches included.
+    """
+    from ..dp import private_grad
+
+    x, y, x_test, y_test = data
+    n = len(y)
+    q = min(1.0, cfg.batch_size / n)
+    expected = q * n
+    steps = min(round(1 / q), cfg.max_steps or math.inf)
+    batch_gen = torch.Generator().manual_seed(cfg.seed)
+    noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    loss_fn = _LossRecorder()
+    run = Run("private" if sigma is not None else "non-private")
+    model.train()
+    eps = 0.0  # spent so far, refreshed every EPS_EVERY steps
+    for epoch in range(cfg.epochs):
+        bar = tqdm(poisson_batches((x, y), q, steps, batch_gen), total=steps,
+                   desc=f"{run.name} epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress,
+                   leave=True, dynamic_ncols=True)
+        loss_sum, correct, seen, accounting_s = 0.0, 0, 0, 0.0
+        start = time.perf_counter()
+        for k, (xb, yb) in enumerate(bar):  # xb (b, 1, 28, 28), yb (b,), b ~ Binomial(n, q)
+            loss_fn.seen = None
+            if sigma is not None:
+                private_grad(model, xb, yb, loss_fn, max_grad_norm=cfg.max_grad_norm,
+                             noise_multiplier=sigma, generator=noise_gen,
+                             expected_batch_size=expected)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                (loss_fn(model(xb), yb).sum() / expected).backward()
+            optimizer.step()
+            run.steps += 1
+            run.empty_batches += len(yb) == 0
+            if loss_fn.seen is not None and len(yb):
+                logits, losses = loss_fn.seen
+                loss_sum += losses.sum().item()
+                correct += (logits.argmax(1) == yb).sum().item()
+                seen += len(yb)
+            postfix = {"loss": f"{loss_sum / max(seen, 1):.3f}",
+                       "acc": f"{correct / max(seen, 1):.3f}"}
+            if accountant is not None:
+                accountant.step(sigma, q)
+                if (k + 1) % EPS_EVERY == 0 or k + 1 == steps:
+                    t = time.perf_counter()
+                    eps = accountant.epsilon(cfg.delta)
+                    accounting_s += time.perf_counter() - t
+                postfix["eps"] = f"{eps:.2f}"
+            bar.set_postfix(postfix, refresh=False)
+        run.epoch_seconds.append(time.perf_counter() - start - accounting_s)
+        bar.close()
+        run.train_loss.append(loss_sum / max(seen, 1))
+        run.train_accuracy.append(correct / max(seen, 1))
+        run.test_accuracy.append(evaluate(model, x_test, y_test))
+        if accountant is not None:
+            run.epsilon.append(eps)
+    return run
+
+
+def run(cfg: DPTrainConfig) -> dict:
+    """Train privately (and, with ``compare_nonprivate``, without DP); print, plot, save.
+
+    Args:
+        cfg: the options; see :class:`DPTrainConfig` and ``persample dp-train --help``.
+
+    Returns:
+        all figures as a dict (what ``--json`` writes): ``config``, ``data``,
+        ``privacy`` (``sigma``, ``sample_rate``, ``steps``, ``epsilon`` at ``delta``
+        by RDP or PLD), ``runs`` (per run: per-epoch ``train_loss``,
+        ``train_accuracy``, ``test_accuracy``, ``epsilon``, ``epoch_seconds``, and
+        ``final_test_accuracy``, ``seconds_per_epoch``) and ``machine``.
+
+    Raises:
+        ValueError: a bad option (non-positive epochs, batch size, C, lr or target
+            epsilon; a negative sigma; delta outside ``(0, 1)``).
+
+    Example:
+        >>> cfg = DPTrainConfig(epochs=1, batch_size=16, subset=64, max_steps=2,
+        ...                     threads=1, progress=False)
+        >>> out = run(cfg)  # doctest: +ELLIPSIS
+        dp-train: ...
+        >>> out["privacy"]["steps"], 0 < out["privacy"]["epsilon"] < 100
+        (2, True)
+    """
+    _check(cfg)
+    torch.set_num_threads(cfg.threads)
+    data = load_split(cfg.subset)
+    n = len(data[1])
+    q = min(1.0, cfg.batch_size / n)
+    steps_per_epoch = min(round(1 / q), cfg.max_steps or math.inf)
+    total_steps = cfg.epochs * steps_per_epoch
+    sigma = resolve_sigma(cfg, q, total_steps)
+    print(f"dp-train: SimpleCNN (seed 001) on digits 1x28x28, {n} train / {len(data[3])} test; "
+          f"DP-SGD with sigma {sigma:.3f}, C {cfg.max_grad_norm:g}, expected batch "
+          f"{q * n:.0f} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta {cfg.delta:g}")
+    torch.manual_seed(cfg.seed)
+    model = simple_cnn().to(torch.float32)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    accountant = PrivacyAccountant(cfg.accountant)
+    runs = [train(model, data, cfg, sigma, accountant)]
+    if cfg.compare_nonprivate:
+        model.load_state_dict(initial)
+        runs.append(train(model, data, cfg, None))
+    eps = accountant.epsilon(cfg.delta)
+    result = {
+        "config": asdict(cfg),
+        "data": {"train": n, "test": len(data[3]), "image": [1, 28, 28], "split_seed": 0},
+        "privacy": {"sigma": sigma, "max_grad_norm": cfg.max_grad_norm, "sample_rate": q,
+                    "expected_batch_size": q * n, "steps": accountant.steps,
+                    "delta": cfg.delta, "accountant": cfg.accountant, "epsilon": eps},
+        "runs": [dict(asdict(r), final_test_accuracy=r.test_accuracy[-1],
+                      seconds_per_epoch=r.seconds_per_epoch) for r in runs],
+        "machine": {"torch": torch.__version__, "python": platform.python_version(),
+                    "machine": platform.machine(), "threads": cfg.threads},
+    }
+    print(format_result(result))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {cfg.json}")
+    if cfg.plot:
+        plot_result(result, cfg.plot)
+        print(f"wrote {cfg.plot}")
+    return result
+
+
+def format_result(result: dict) -> str:
+    """The final table: test accuracy, epsilon and seconds per epoch of each run."""
+    p = result["privacy"]
+    lines = [f"  {'run':<12}{'test acc':>9}{'epsilon':>9}{'s/epoch':>9}"]
+    for r in result["runs"]:
+        eps = f"{p['epsilon']:.2f}" if r["name"] == "private" else "inf"
+        lines.append(f"  {r['name']:<12}{r['final_test_accuracy']:>9.3f}{eps:>9}"
+                     f"{r['seconds_per_epoch']:>9.2f}")
+    lines.append(f"  epsilon at delta {p['delta']:g} ({p['accountant']}) after {p['steps']} "
+                 f"steps of sigma {p['sigma']:.3f}, q {p['sample_rate']:.4f}")
+    if len(result["runs"]) == 2:
+        ratio = result["runs"][0]["seconds_per_epoch"] / result["runs"][1]["seconds_per_epoch"]
+        lines.append(f"  a private epoch takes {ratio:.2f}x the time of a non-private one")
+    return "\n".join(lines)
+
+
+def plot_result(result: dict, path: str) -> None:
+    """Learning curves: train loss; train and test accuracy with epsilon on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in result["runs"]:
+        style = "-" if r["name"] == "private" else "--"
+        epochs = range(1, len(r["train_loss"]) + 1)
+        ax_loss.plot(epochs, r["train_loss"], style, color="tab:blue", label=f"{r['name']} train")
+        ax_acc.plot(epochs, r["train_accuracy"], style, color="tab:blue",
+                    label=f"{r['name']} train")
+        ax_acc.plot(epochs, r["test_accuracy"], style, color="tab:green",
+                    label=f"{r['name']} test")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy (mean over the epoch's batches)",
+                title="training loss")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1.02), title="accuracy")
+    private = result["runs"][0]
+    eps_ax = ax_acc.twinx()
+    eps_ax.plot(range(1, len(private["epsilon"]) + 1), private["epsilon"], ":o", markersize=3,
+                color="tab:red", label=f"epsilon (delta {result['privacy']['delta']:g})")
+    eps_ax.set_ylabel("epsilon spent", color="tab:red")
+    eps_ax.set_ylim(bottom=0)
+    handles = ax_acc.get_legend_handles_labels()
+    eps_handles = eps_ax.get_legend_handles_labels()
+    ax_acc.legend(handles[0] + eps_handles[0], handles[1] + eps_handles[1], fontsize=8,
+                  loc="lower right")
+    ax_loss.legend(fontsize=8)
+    p = result["privacy"]
+    fig.suptitle(f"DP-SGD, SimpleCNN on digits: sigma {p['sigma']:.2f}, C {p['max_grad_norm']:g},"
+                 f" q {p['sample_rate']:.3f}, final epsilon {p['epsilon']:.2f}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _check(cfg: DPTrainConfig) -> None:
+    for name in ("epochs", "batch_size", "max_grad_norm", "lr", "threads"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    for name in ("subset", "max_steps"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1 or None, got {getattr(cfg, name)}")
+    if cfg.sigma is None and not 0 < cfg.target_epsilon < math.inf:
+        raise ValueError(f"target epsilon must be finite and > 0, got {cfg.target_epsilon}")
+    if cfg.sigma is not None and not cfg.sigma >= 0:
+        raise ValueError(f"sigma must be >= 0, got {cfg.sigma}")
+    if not 0 < cfg.delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {cfg.delta}; e.g. 1e-5")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``dp-train`` and its options to ``persample``'s subcommands; returns its parser."""
+    d = DPTrainConfig()
+    p = subparsers.add_parser(
+        "dp-train",
+        help="train seed 001's SimpleCNN with DP-SGD on scikit-learn's digits",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="expected batch size; each example is in a batch with probability "
+                   "q = batch-size / N")
+    noise = p.add_mutually_exclusive_group()
+    noise.add_argument("--sigma", type=float, default=None,
+                       help="noise multiplier (noise std / C); default: the smallest that "
+                       "meets --target-epsilon")
+    noise.add_argument("--target-epsilon", type=float, default=None,
+                       help=f"epsilon budget at --delta for the whole run "
+                       f"(default {d.target_epsilon} when --sigma is not given)")
+    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
+                   help="clipping norm C of each sample's gradient")
+    p.add_argument("--delta", type=float, default=d.delta)
+    p.add_argument("--lr", type=float, default=d.lr, help="SGD learning rate")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="initial weights, batches and noise (the train/test split is fixed)")
+    p.add_argument("--accountant", choices=("rdp", "pld"), default=d.accountant,
+                   help="privacy accountant (dp-accounting): RDP, or PLD (tighter, slower)")
+    p.add_argument("--compare-nonprivate", action="store_true",
+                   help="also train the same model without DP and compare")
+    p.add_argument("--subset", type=int, default=None,
+                   help="train on the first SUBSET training examples only (quick checks)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="at most this many steps per epoch (quick checks)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars")
+    p.add_argument("--plot", metavar="FILE.png", help="write the learning curves")
+    p.add_argument("--json", metavar="FILE", help="write all figures as JSON")
+    return p
+
+
+def run_from_args(args: argparse.Namespace) -> dict:
+    """Run ``dp-train`` with the options parsed by :func:`add_parser`'s parser."""
+    target = DPTrainConfig.target_epsilon if args.target_epsilon is None else args.target_epsilon
+    cfg = DPTrainConfig(
+        epochs=args.epochs, batch_size=args.batch_size, sigma=args.sigma, target_epsilon=target,
+        max_grad_norm=args.max_grad_norm, delta=args.delta, lr=args.lr,
+        momentum=args.momentum, seed=args.seed, accountant=args.accountant,
+        compare_nonprivate=args.compare_nonprivate, subset=args.subset,
+        max_steps=args.max_steps, threads=args.threads, plot=args.plot, json=args.json,
+        progress=args.progress)
+    try:
+        _check(cfg)
+    except ValueError as err:
+        raise SystemExit(f"persample dp-train: error: {err}") from err
+    return run(cfg)

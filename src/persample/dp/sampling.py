@@ -1,0 +1,243 @@
+"""Poisson sampling of batches, the sampling DP-SGD's privacy guarantee assumes.
+
+Each step includes every example independently with probability ``q`` (the
+sample rate), so the batch size is random: ``Binomial(N, q)``, mean ``q * N``,
+and a batch may be empty. The privacy analysis (Abadi et al. 2016; Mironov,
+Talwar & Zhang 2019; :mod:`persample.dp.accounting`) is for this sampling, not
+for shuffling and cutting into fixed-size batches.
+
+Two consequences for the training step:
+
+- divide the clipped, noised sum by the *expected* batch size ``q * N``, not by
+  the batch's own size (which depends on the data): pass
+  ``expected_batch_size=round(q * N)`` to ``persample.dp.private_grad``;
+- an empty batch is still a step: it contributes noise only, and the accountant
+  counts it like any other.
+
+Randomness comes from the ``torch.Generator`` you pass, so a seed reproduces the
+batches exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+from torch.utils.data import Dataset, Sampler, TensorDataset, default_collate
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Batches of indices, each index included independently with probability ``q``.
+
+    A ``batch_sampler`` for ``torch.utils.data.DataLoader``: each iteration
+    yields ``steps_per_epoch`` lists of indices in increasing order, each of
+    random length ``Binomial(num_samples, q)``, possibly empty. The default
+    ``collate_fn`` cannot collate an empty batch; pass
+    ``collate_fn=EmptySafeCollate(dataset)`` (or use :func:`poisson_loader`).
+
+    Args:
+        num_samples: ``N``, the size of the dataset, ``>= 1``.
+        sample_rate: ``q`` in ``(0, 1]``; the expected batch size is ``q * N``.
+        steps_per_epoch: batches per iteration, ``>= 1``; default ``round(1 / q)``,
+            so that an epoch sees ``N`` examples in expectation.
+        generator: the ``torch.Generator`` (CPU) that draws the batches; default a
+            fresh one seeded from torch's global RNG, so results follow
+            ``torch.manual_seed``.
+
+    Raises:
+        ValueError: an argument outside its range.
+
+    Example:
+        >>> import torch
+        >>> sampler = PoissonBatchSampler(10, 0.3, generator=torch.Generator().manual_seed(0))
+        >>> len(sampler), [len(b) <= 10 for b in sampler]
+        (3, [True, True, True])
+        >>> data = torch.arange(10.0)
+        >>> loader = torch.utils.data.DataLoader(
+        ...     data, batch_sampler=sampler, collate_fn=EmptySafeCollate(data))
+        >>> all(batch.dim() == 1 for batch in loader)
+        True
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps_per_epoch: int | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        _check_rate(sample_rate)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+        if steps_per_epoch is None:
+            steps_per_epoch = max(1, round(1 / sample_rate))
+        if (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
+                or steps_per_epoch < 1):
+            raise ValueError(f"steps_per_epoch must be an int >= 1 or None, got "
+                             f"{steps_per_epoch!r}")
+        self.num_samples = num_samples
+        self.sample_rate = float(sample_rate)
+        self.steps_per_epoch = steps_per_epoch
+        self.generator = generator
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q * N``: what to divide the noised sum by (``private_grad``'s argument)."""
+        return self.sample_rate * self.num_samples
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        gen = self.generator
+        if gen is None:  # seeded from the global RNG, like torch's RandomSampler
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            gen = torch.Generator().manual_seed(seed)
+        for _ in range(self.steps_per_epoch):
+            yield poisson_mask(self.num_samples, self.sample_rate, gen).nonzero()[:, 0].tolist()
+
+
+def poisson_mask(num_samples: int, sample_rate: float, generator: torch.Generator) -> Tensor:
+    """One Poisson draw: ``(num_samples,)`` bool, each entry ``True`` with probability ``q``.
+
+    Example:
+        >>> m = poisson_mask(1000, 0.1, torch.Generator().manual_seed(0))
+        >>> m.shape, 50 < int(m.sum()) < 150
+        (torch.Size([1000]), True)
+    """
+    return torch.rand(num_samples, generator=generator) < sample_rate  # (N,)
+
+
+def poisson_batches(
+    data: Tensor | Sequence[Tensor] | TensorDataset,
+    sample_rate: float,
+    steps: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[tuple[Tensor, ...]]:
+    """Poisson-sampled batches of in-memory tensors, without a DataLoader.
+
+    Args:
+        data: a tensor ``(N, ...)``, a sequence of tensors all with ``N`` rows, or a
+            ``TensorDataset``.
+        sample_rate: ``q`` in ``(0, 1]``.
+        steps: how many batches; default ``round(1 / q)`` (one epoch in expectation).
+        generator: ``torch.Generator`` for the draws (see :class:`PoissonBatchSampler`).
+
+    Yields:
+        a tuple with one tensor per input, ``(n, ...)`` rows of each, the same rows
+        for all, ``n ~ Binomial(N, q)``; ``n`` may be 0 (empty tensors of the right
+        trailing shape and dtype). Rows are on the inputs' device.
+
+    Raises:
+        ValueError: tensors of different lengths, no tensors, or a bad argument.
+
+    Example:
+        >>> x, y = torch.randn(100, 3), torch.arange(100)
+        >>> batches = list(poisson_batches((x, y), 0.1, generator=torch.Generator().manual_seed(0)))
+        >>> len(batches), batches[0][0].shape[1:], all(len(a) == len(b) for a, b in batches)
+        (10, torch.Size([3]), True)
+    """
+    tensors = _as_tensors(data)
+    n = tensors[0].shape[0]
+    sampler = PoissonBatchSampler(n, sample_rate, steps, generator)
+    for indices in sampler:
+        index = torch.tensor(indices, dtype=torch.int64, device=tensors[0].device)  # (n,)
+        yield tuple(t[index] for t in tensors)
+
+
+def poisson_loader(
+    dataset: Dataset,
+    sample_rate: float,
+    steps_per_epoch: int | None = None,
+    generator: torch.Generator | None = None,
+    **loader_kwargs: Any,
+) -> torch.utils.data.DataLoader:
+    """A ``DataLoader`` over ``dataset`` with Poisson-sampled batches (empty ones included).
+
+    Args:
+        dataset: a map-style dataset with ``len()``.
+        sample_rate: ``q`` in ``(0, 1]``.
+        steps_per_epoch: batches per epoch; default ``round(1 / q)``.
+        generator: ``torch.Generator`` for the draws.
+        **loader_kwargs: more ``DataLoader`` arguments (``num_workers``, ``pin_memory``);
+            not ``batch_size``, ``shuffle``, ``sampler`` or ``drop_last``, which the
+            sampler replaces. A ``collate_fn`` given here is used for non-empty batches.
+
+    Returns:
+        the ``DataLoader``; its ``batch_sampler.expected_batch_size`` is ``q * N``.
+
+    Raises:
+        ValueError: an empty dataset, or an argument the sampler replaces.
+
+    Example:
+        >>> ds = TensorDataset(torch.randn(50, 2), torch.arange(50))
+        >>> loader = poisson_loader(ds, 0.02, generator=torch.Generator().manual_seed(1))
+        >>> [tuple(x.shape) for x, _ in loader][:3]
+        [(1, 2), (1, 2), (0, 2)]
+    """
+    clash = {"batch_size", "shuffle", "sampler", "drop_last", "batch_sampler"} & set(loader_kwargs)
+    if clash:
+        raise ValueError(f"poisson_loader sets the batches itself; drop {sorted(clash)}")
+    collate = loader_kwargs.pop("collate_fn", None)
+    sampler = PoissonBatchSampler(len(dataset), sample_rate, steps_per_epoch, generator)
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=EmptySafeCollate(dataset, collate),
+        **loader_kwargs)
+
+
+class EmptySafeCollate:
+    """A ``collate_fn`` that turns an empty batch into empty tensors of the right shape.
+
+    Non-empty batches go to ``collate_fn`` (default ``default_collate``). An empty
+    one collates ``dataset[0]`` and keeps 0 rows of every tensor in the result,
+    so the model sees ``(0, *sample_shape)`` with the right dtype.
+
+    Args:
+        dataset: the dataset being loaded (indexed once, at the first empty batch).
+        collate_fn: the collate function for non-empty batches.
+
+    Example:
+        >>> data = TensorDataset(torch.randn(5, 3), torch.arange(5))
+        >>> x, y = EmptySafeCollate(data)([])
+        >>> x.shape, y.dtype
+        (torch.Size([0, 3]), torch.int64)
+    """
+
+    def __init__(self, dataset: Dataset, collate_fn: Any = None):
+        self.dataset = dataset
+        self.collate_fn = collate_fn or default_collate
+        self._empty: Any = None
+
+    def __call__(self, batch: list) -> Any:
+        if len(batch) > 0:
+            return self.collate_fn(batch)
+        if self._empty is None:
+            one = self.collate_fn([self.dataset[0]])
+            self._empty = tree_map(
+                lambda t: t[:0] if isinstance(t, Tensor) else t, one)
+        return self._empty
+
+
+def _as_tensors(data: Tensor | Sequence[Tensor] | TensorDataset) -> tuple[Tensor, ...]:
+    if isinstance(data, TensorDataset):
+        data = data.tensors
+    tensors = (data,) if isinstance(data, Tensor) else tuple(data)
+    if not tensors or not all(isinstance(t, Tensor) and t.dim() > 0 for t in tensors):
+        raise ValueError("data must be a tensor (N, ...), a sequence of such tensors, or a "
+                         "TensorDataset")
+    lengths = {t.shape[0] for t in tensors}
+    if len(lengths) != 1:
+        raise ValueError(f"all tensors need the same number of rows N, got lengths "
+                         f"{[t.shape[0] for t in tensors]}")
+    return tensors
+
+
+def _check_rate(sample_rate: float) -> None:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (
+            0 < sample_rate <= 1):
+        raise ValueError(
+            f"sample_rate (q) must be in (0, 1], got {sample_rate!r}: q = expected batch size "
+            "/ number of examples")
