@@ -87,12 +87,8 @@ def per_sample_grads(
         >>> persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss(), flat=True).shape
         torch.Size([16, 67])
     """
-    checks.check_options(method, loss_reduction, chunk_size)
-    checks.check_per_sample_model(model)
-    args = checks.as_args(inputs)
-    n = args[0].shape[0]
-    checks.check_targets(targets, n)
-    params = checks.trainable_parameters(model)
+    args, n, params = checks.loss_problem(model, inputs, targets, method, loss_reduction,
+                                          chunk_size)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
     step = chunk_size or max(n, 1)
     for start in range(0, n, step):

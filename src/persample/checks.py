@@ -104,3 +104,16 @@ def common_dtype_device(params: dict[str, nn.Parameter]) -> tuple[torch.dtype, t
             "use flat=False"
         )
     return next(iter(kinds))
+
+
+def loss_problem(
+    model: nn.Module, inputs: Any, targets: Any, method: str, loss_reduction: str,
+    chunk_size: int | None,
+) -> tuple[tuple, int, dict[str, nn.Parameter]]:
+    """Validate a per-sample loss derivative's arguments: ``(args, batch size, params)``."""
+    check_options(method, loss_reduction, chunk_size)
+    check_per_sample_model(model)
+    args = as_args(inputs)
+    n = args[0].shape[0]
+    check_targets(targets, n)
+    return args, n, trainable_parameters(model)

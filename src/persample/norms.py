@@ -108,12 +108,8 @@ def per_sample_grad_norms(
     """
     from .api import per_sample_grads  # the non-rules methods
 
-    checks.check_options(method, loss_reduction, chunk_size)
-    checks.check_per_sample_model(model)
-    args = checks.as_args(inputs)
-    n = args[0].shape[0]
-    checks.check_targets(targets, n)
-    params = checks.trainable_parameters(model)
+    args, n, params = checks.loss_problem(model, inputs, targets, method, loss_reduction,
+                                          chunk_size)
     layers = {name: p.new_zeros(n) for name, p in params.items()}
     step = chunk_size or max(n, 1)
     for start in range(0, n, step):

@@ -88,12 +88,7 @@ def private_grad(
         torch.Size([16])
     """
     _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
-    checks.check_options("rules", loss_reduction, None)
-    checks.check_per_sample_model(model)
-    args = checks.as_args(inputs)
-    n = args[0].shape[0]
-    checks.check_targets(targets, n)
-    params = checks.trainable_parameters(model)
+    args, n, params = checks.loss_problem(model, inputs, targets, "rules", loss_reduction, None)
     clipped, norms = _clipped_sum(model, args, targets, loss_fn, loss_reduction, params,
                                   max_grad_norm, per_layer)
     divisor = expected_batch_size or max(n, 1)
