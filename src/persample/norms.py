@@ -11,6 +11,7 @@ norm of the summed contribution is not the sum of the norms.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from . import checks
 from .engine import Captured, GradSink, _apply, loss_backprops
+from .fallback import UnsupportedModuleError
 from .reference import rows
 from .rules import find_norm_rule
 
@@ -61,6 +63,24 @@ def _ghost_norms(job, backprops: list[Tensor], uses: Counter) -> dict[str, Tenso
     return norm(job.call.module, job.call.args, backprops[0], set(job.params))
 
 
+def _rules_norms(model, args, targets, loss_fn, loss_reduction, params, method
+                 ) -> dict[str, Tensor] | None:
+    """``{name: (n,)}`` by the rules; ``None`` for vmap/loop (or auto on an unsupported
+    module, with a warning)."""
+    if method not in ("auto", "rules"):
+        return None
+    try:
+        cap = loss_backprops(model, args, targets, loss_fn, loss_reduction,
+                             {id(p) for p in params.values()})
+        sq, _ = squared_norms(cap, params)
+    except UnsupportedModuleError as err:
+        if method == "rules":
+            raise
+        warnings.warn(f"{err} Falling back to method='loop'.", stacklevel=4)
+        return None
+    return {name: sq[id(p)].sqrt() for name, p in params.items()}
+
+
 def per_sample_grad_norms(
     model: nn.Module,
     inputs: Tensor | tuple[Tensor, ...],
@@ -82,8 +102,9 @@ def per_sample_grad_norms(
     Args:
         model, inputs, targets, loss_fn, loss_reduction: as for
             :func:`persample.per_sample_grads`.
-        method: ``"rules"`` or ``"auto"`` (one forward, one backward, norm rules);
-            ``"vmap"`` or ``"loop"``: the norms of those methods' per-sample gradients.
+        method: ``"rules"`` (one forward, one backward, norm rules); ``"vmap"`` or
+            ``"loop"``: the norms of those methods' per-sample gradients; ``"auto"``:
+            the rules, and the loop (with a warning) if a module is unsupported.
         per_layer: also return the norm of each parameter's per-sample gradient.
         chunk_size: process at most this many samples at a time.
 
@@ -114,15 +135,12 @@ def per_sample_grad_norms(
     step = chunk_size or max(n, 1)
     for start in range(0, n, step):
         a, t = rows(args, start, start + step), rows(targets, start, start + step)
-        if method in ("auto", "rules"):
-            cap = loss_backprops(model, a, t, loss_fn, loss_reduction, {id(p) for p in
-                                                                           params.values()})
-            sq, _ = squared_norms(cap, params)
-            for name, p in params.items():
-                layers[name][start : start + step] = sq[id(p)].sqrt()
-        else:
-            grads = per_sample_grads(model, a, t, loss_fn, method=method)
-            for name, g in grads.items():
-                layers[name][start : start + step] = g.flatten(1).norm(dim=1)
+        chunk = _rules_norms(model, a, t, loss_fn, loss_reduction, params, method)
+        if chunk is None:  # vmap or loop: the norms of their per-sample gradients
+            grads = per_sample_grads(model, a, t, loss_fn,
+                                     method="loop" if method == "auto" else method)
+            chunk = {name: g.flatten(1).norm(dim=1) for name, g in grads.items()}
+        for name, norms in chunk.items():
+            layers[name][start : start + step] = norms
     total = torch.stack(list(layers.values())).square().sum(0).sqrt()  # (B,)
     return (total, layers) if per_layer else total

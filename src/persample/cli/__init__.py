@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import dp_train
 from .workloads import WORKLOADS
 
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     bench.add_argument("--json", metavar="FILE", help="write all figures as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the times as a bar chart")
+    dp_train.add_parser(sub)
     return parser
 
 
@@ -36,4 +38,6 @@ def main(argv: list[str] | None = None) -> int:
 
         run(args.workload or list(WORKLOADS), args.quick, args.batch, args.threads,
             args.json, args.plot)
+    elif args.command == "dp-train":
+        dp_train.run_from_args(args)
     return 0

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..capture import output_tensors
 from ..engine import Captured, loss_backprops
+from ..fallback import UnsupportedModuleError
 from ..norms import squared_norms
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
@@ -69,7 +70,10 @@ def private_grad(
 
     Raises:
         ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
-            ``expected_batch_size``, and the errors of ``per_sample_grads``.
+            ``expected_batch_size``, an empty batch without ``expected_batch_size``,
+            and the errors of ``per_sample_grads``.
+        UnsupportedModuleError: a module has no rule and ``torch.func`` cannot
+            differentiate it per sample.
         FloatingPointError: a sample's gradient is not finite (NaN or Inf); the
             message lists the samples and every ``p.grad`` is left as it was, so no
             NaN reaches the weights. Drop those samples and call again.
@@ -89,9 +93,21 @@ def private_grad(
     """
     _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
     args, n, params = checks.loss_problem(model, inputs, targets, "rules", loss_reduction, None)
-    clipped, norms = _clipped_sum(model, args, targets, loss_fn, loss_reduction, params,
-                                  max_grad_norm, per_layer)
-    divisor = expected_batch_size or max(n, 1)
+    if n == 0 and expected_batch_size is None:
+        raise ValueError(
+            "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
+            "(q * N) so that the noise is scaled as for every other step"
+        )
+    try:
+        clipped, norms = _clipped_sum(model, args, targets, loss_fn, loss_reduction, params,
+                                      max_grad_norm, per_layer)
+    except UnsupportedModuleError as err:
+        raise UnsupportedModuleError(
+            f"{err.args[0].split(' Use method=')[0]} private_grad needs per-sample gradients "
+            "of every layer: register a rule for it (persample.register_rule), or freeze "
+            "or replace that module."
+        ) from err
+    divisor = expected_batch_size or n
     for p in params.values():
         noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
         p.grad = (clipped[id(p)] + noise * (noise_multiplier * max_grad_norm)) / divisor
