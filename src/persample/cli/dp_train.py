@@ -12,7 +12,8 @@ step Poisson-samples a batch (each training example with probability
 Data: the 1,797 digits as 1x28x28 images (``persample.data.digits_images``), a
 fixed stratified 80/20 split (1,437 train, 360 test; ``random_state=0``, the
 same whatever ``--seed``). ``--compare-nonprivate`` trains the same model from
-the same initial weights on the same kind of batches, without clipping or noise.
+the same initial weights on the same kind of batches, without clipping or noise
+(and with its own learning rate, ``--nonprivate-lr``).
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ import math
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from ..dp.accounting import PrivacyAccountant, noise_multiplier_for
-from ..dp.sampling import poisson_batches
 from .workloads import simple_cnn
+
+if TYPE_CHECKING:  # dp_accounting (scipy) takes ~1.5 s to import: only when training
+    from ..dp.accounting import PrivacyAccountant
 
 EPS_EVERY = 10  # steps between epsilon updates in the progress bar (RDP costs ~50 ms)
 
@@ -46,7 +49,8 @@ class DPTrainConfig:
     target_epsilon: float = 3.0  # epsilon budget at delta, used when sigma is None
     max_grad_norm: float = 1.0  # C
     delta: float = 1e-5
-    lr: float = 0.5
+    lr: float = 0.05
+    nonprivate_lr: float = 0.02  # the baseline's gradients are not clipped: larger
     momentum: float = 0.9
     seed: int = 0
     accountant: str = "rdp"
@@ -104,6 +108,8 @@ def load_split(subset: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tenso
 
 def resolve_sigma(cfg: DPTrainConfig, sample_rate: float, steps: int) -> float:
     """``cfg.sigma``, or the smallest sigma meeting ``cfg.target_epsilon`` after ``steps``."""
+    from ..dp.accounting import noise_multiplier_for
+
     if cfg.sigma is not None:
         return cfg.sigma
     return noise_multiplier_for(cfg.target_epsilon, cfg.delta, sample_rate, steps,
@@ -125,6 +131,31 @@ class _LossRecorder:
         if self.seen is None:
             self.seen = logits.detach(), losses.detach()
         return losses
+
+
+class _Tally:
+    """Running training loss and accuracy over an epoch's batches (as seen by the loss)."""
+
+    def __init__(self) -> None:
+        self.loss_sum, self.correct, self.seen = 0.0, 0, 0
+
+    def add(self, seen: tuple[Tensor, Tensor] | None, targets: Tensor) -> None:
+        if seen is not None and len(targets):
+            logits, losses = seen  # (b, 10), (b,)
+            self.loss_sum += losses.sum().item()
+            self.correct += (logits.argmax(1) == targets).sum().item()
+            self.seen += len(targets)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.seen, 1)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.seen, 1)
+
+    def postfix(self) -> dict[str, str]:
+        return {"loss": f"{self.loss:.3f}", "acc": f"{self.accuracy:.3f}"}
 
 
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 512) -> float:
@@ -151,10 +182,11 @@ def train(
 
     Both runs sample batches the same way (Poisson, rate ``q``, from ``cfg.seed``)
     and scale the gradient by the expected batch size, so they differ only in the
-    clipping and the noise. ``accountant`` (private only) records every step,
-    empty batches included.
+    clipping, the noise, and the learning rate (``cfg.lr`` or ``cfg.nonprivate_lr``).
+    ``accountant`` (private only) records every step, empty batches included.
     """
     from ..dp import private_grad
+    from ..dp.sampling import poisson_batches
 
     x, y, x_test, y_test = data
     n = len(y)
@@ -163,7 +195,8 @@ def train(
     steps = min(round(1 / q), cfg.max_steps or math.inf)
     batch_gen = torch.Generator().manual_seed(cfg.seed)
     noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    lr = cfg.lr if sigma is not None else cfg.nonprivate_lr
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum)
     loss_fn = _LossRecorder()
     run = Run("private" if sigma is not None else "non-private")
     model.train()
@@ -172,7 +205,7 @@ def train(
         bar = tqdm(poisson_batches((x, y), q, steps, batch_gen), total=steps,
                    desc=f"{run.name} epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress,
                    leave=True, dynamic_ncols=True)
-        loss_sum, correct, seen, accounting_s = 0.0, 0, 0, 0.0
+        tally, accounting_s = _Tally(), 0.0
         start = time.perf_counter()
         for k, (xb, yb) in enumerate(bar):  # xb (b, 1, 28, 28), yb (b,), b ~ Binomial(n, q)
             loss_fn.seen = None
@@ -186,13 +219,8 @@ def train(
             optimizer.step()
             run.steps += 1
             run.empty_batches += len(yb) == 0
-            if loss_fn.seen is not None and len(yb):
-                logits, losses = loss_fn.seen
-                loss_sum += losses.sum().item()
-                correct += (logits.argmax(1) == yb).sum().item()
-                seen += len(yb)
-            postfix = {"loss": f"{loss_sum / max(seen, 1):.3f}",
-                       "acc": f"{correct / max(seen, 1):.3f}"}
+            tally.add(loss_fn.seen, yb)
+            postfix = tally.postfix()
             if accountant is not None:
                 accountant.step(sigma, q)
                 if (k + 1) % EPS_EVERY == 0 or k + 1 == steps:
@@ -203,8 +231,8 @@ def train(
             bar.set_postfix(postfix, refresh=False)
         run.epoch_seconds.append(time.perf_counter() - start - accounting_s)
         bar.close()
-        run.train_loss.append(loss_sum / max(seen, 1))
-        run.train_accuracy.append(correct / max(seen, 1))
+        run.train_loss.append(tally.loss)
+        run.train_accuracy.append(tally.accuracy)
         run.test_accuracy.append(evaluate(model, x_test, y_test))
         if accountant is not None:
             run.epsilon.append(eps)
@@ -220,22 +248,26 @@ def run(cfg: DPTrainConfig) -> dict:
     Returns:
         all figures as a dict (what ``--json`` writes): ``config``, ``data``,
         ``privacy`` (``sigma``, ``sample_rate``, ``steps``, ``epsilon`` at ``delta``
-        by RDP or PLD), ``runs`` (per run: per-epoch ``train_loss``,
-        ``train_accuracy``, ``test_accuracy``, ``epsilon``, ``epoch_seconds``, and
-        ``final_test_accuracy``, ``seconds_per_epoch``) and ``machine``.
+        by ``cfg.accountant``, and ``epsilon_pld`` or ``epsilon_rdp`` by the other
+        one, ``None`` when that is PLD and epsilon is over 100: too slow), ``runs``
+        (per run: per-epoch ``train_loss``, ``train_accuracy``, ``test_accuracy``,
+        ``epsilon``, ``epoch_seconds``, and ``final_test_accuracy``,
+        ``seconds_per_epoch``) and ``machine``.
 
     Raises:
         ValueError: a bad option (non-positive epochs, batch size, C, lr or target
             epsilon; a negative sigma; delta outside ``(0, 1)``).
 
     Example:
-        >>> cfg = DPTrainConfig(epochs=1, batch_size=16, subset=64, max_steps=2,
+        >>> cfg = DPTrainConfig(epochs=1, batch_size=16, subset=64, max_steps=2, sigma=2.0,
         ...                     threads=1, progress=False)
         >>> out = run(cfg)  # doctest: +ELLIPSIS
         dp-train: ...
         >>> out["privacy"]["steps"], 0 < out["privacy"]["epsilon"] < 100
         (2, True)
     """
+    from ..dp.accounting import PrivacyAccountant
+
     _check(cfg)
     torch.set_num_threads(cfg.threads)
     data = load_split(cfg.subset)
@@ -256,12 +288,16 @@ def run(cfg: DPTrainConfig) -> dict:
         model.load_state_dict(initial)
         runs.append(train(model, data, cfg, None))
     eps = accountant.epsilon(cfg.delta)
+    other = "pld" if cfg.accountant == "rdp" else "rdp"
+    # PLD's cost grows with epsilon (minutes, or out of memory, for sigma << 0.5): skip it there
+    eps_other = accountant.epsilon(cfg.delta, other) if other == "rdp" or eps <= 100 else None
     result = {
         "config": asdict(cfg),
         "data": {"train": n, "test": len(data[3]), "image": [1, 28, 28], "split_seed": 0},
         "privacy": {"sigma": sigma, "max_grad_norm": cfg.max_grad_norm, "sample_rate": q,
                     "expected_batch_size": q * n, "steps": accountant.steps,
-                    "delta": cfg.delta, "accountant": cfg.accountant, "epsilon": eps},
+                    "delta": cfg.delta, "accountant": cfg.accountant, "epsilon": eps,
+                    f"epsilon_{other}": eps_other},
         "runs": [dict(asdict(r), final_test_accuracy=r.test_accuracy[-1],
                       seconds_per_epoch=r.seconds_per_epoch) for r in runs],
         "machine": {"torch": torch.__version__, "python": platform.python_version(),
@@ -286,8 +322,12 @@ def format_result(result: dict) -> str:
         eps = f"{p['epsilon']:.2f}" if r["name"] == "private" else "inf"
         lines.append(f"  {r['name']:<12}{r['final_test_accuracy']:>9.3f}{eps:>9}"
                      f"{r['seconds_per_epoch']:>9.2f}")
-    lines.append(f"  epsilon at delta {p['delta']:g} ({p['accountant']}) after {p['steps']} "
-                 f"steps of sigma {p['sigma']:.3f}, q {p['sample_rate']:.4f}")
+    other = "pld" if p["accountant"] == "rdp" else "rdp"
+    eps_other = p[f"epsilon_{other}"]
+    eps_other = "not computed" if eps_other is None else f"{eps_other:.2f}"
+    lines.append(f"  epsilon at delta {p['delta']:g} ({p['accountant']}; {other}: "
+                 f"{eps_other}) after {p['steps']} steps of sigma "
+                 f"{p['sigma']:.3f}, q {p['sample_rate']:.4f}")
     if len(result["runs"]) == 2:
         ratio = result["runs"][0]["seconds_per_epoch"] / result["runs"][1]["seconds_per_epoch"]
         lines.append(f"  a private epoch takes {ratio:.2f}x the time of a non-private one")
@@ -300,8 +340,9 @@ def plot_result(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.8))
     for r in result["runs"]:
         style = "-" if r["name"] == "private" else "--"
         epochs = range(1, len(r["train_loss"]) + 1)
@@ -322,8 +363,10 @@ def plot_result(result: dict, path: str) -> None:
     handles = ax_acc.get_legend_handles_labels()
     eps_handles = eps_ax.get_legend_handles_labels()
     ax_acc.legend(handles[0] + eps_handles[0], handles[1] + eps_handles[1], fontsize=8,
-                  loc="lower right")
-    ax_loss.legend(fontsize=8)
+                  loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
+    ax_loss.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+    for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     p = result["privacy"]
     fig.suptitle(f"DP-SGD, SimpleCNN on digits: sigma {p['sigma']:.2f}, C {p['max_grad_norm']:g},"
                  f" q {p['sample_rate']:.3f}, final epsilon {p['epsilon']:.2f}", fontsize=10)
@@ -333,7 +376,7 @@ def plot_result(result: dict, path: str) -> None:
 
 
 def _check(cfg: DPTrainConfig) -> None:
-    for name in ("epochs", "batch_size", "max_grad_norm", "lr", "threads"):
+    for name in ("epochs", "batch_size", "max_grad_norm", "lr", "nonprivate_lr", "threads"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     for name in ("subset", "max_steps"):
@@ -348,41 +391,56 @@ def _check(cfg: DPTrainConfig) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``dp-train`` and its options to ``persample``'s subcommands; returns its parser."""
+    """Add ``dp-train`` and its options to ``persample``'s subcommands; returns its parser.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="persample")
+        >>> _ = add_parser(parser.add_subparsers(dest="command"))
+        >>> parser.parse_args(["dp-train", "--epochs", "3"]).epochs
+        3
+    """
     d = DPTrainConfig()
     p = subparsers.add_parser(
         "dp-train",
         help="train seed 001's SimpleCNN with DP-SGD on scikit-learn's digits",
-        description=__doc__.split("\n\n")[1],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="DP-SGD (Abadi et al. 2016) on seed 001's SimpleCNN and scikit-learn's "
+        "digits (1x28x28, fixed stratified 80/20 split): Poisson-sampled batches, "
+        "persample.dp.private_grad (per-sample clipping and Gaussian noise from one forward "
+        "and one backward), SGD with momentum, privacy accounting with Google's dp-accounting.",
     )
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--epochs", type=int, default=d.epochs, help=f"default {d.epochs}")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="expected batch size; each example is in a batch with probability "
-                   "q = batch-size / N")
+                   f"q = batch-size / N (default {d.batch_size})")
     noise = p.add_mutually_exclusive_group()
     noise.add_argument("--sigma", type=float, default=None,
                        help="noise multiplier (noise std / C); default: the smallest that "
                        "meets --target-epsilon")
     noise.add_argument("--target-epsilon", type=float, default=None,
-                       help=f"epsilon budget at --delta for the whole run "
-                       f"(default {d.target_epsilon} when --sigma is not given)")
+                       help="epsilon budget at --delta for the whole run (default "
+                       f"{d.target_epsilon} when --sigma is not given)")
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
-                   help="clipping norm C of each sample's gradient")
-    p.add_argument("--delta", type=float, default=d.delta)
-    p.add_argument("--lr", type=float, default=d.lr, help="SGD learning rate")
-    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
+                   help=f"clipping norm C of each sample's gradient (default {d.max_grad_norm})")
+    p.add_argument("--delta", type=float, default=d.delta, help=f"default {d.delta:g}")
+    p.add_argument("--lr", type=float, default=d.lr,
+                   help=f"SGD learning rate of DP-SGD (default {d.lr})")
+    p.add_argument("--nonprivate-lr", type=float, default=d.nonprivate_lr,
+                   help="SGD learning rate of the --compare-nonprivate run, whose gradients "
+                   f"are not clipped (default {d.nonprivate_lr})")
+    p.add_argument("--momentum", type=float, default=d.momentum,
+                   help=f"SGD momentum (default {d.momentum})")
     p.add_argument("--seed", type=int, default=d.seed,
-                   help="initial weights, batches and noise (the train/test split is fixed)")
+                   help="initial weights, batches and noise; the split is fixed (default 0)")
     p.add_argument("--accountant", choices=("rdp", "pld"), default=d.accountant,
-                   help="privacy accountant (dp-accounting): RDP, or PLD (tighter, slower)")
+                   help="privacy accountant: RDP (default) or PLD (tighter, slower)")
     p.add_argument("--compare-nonprivate", action="store_true",
                    help="also train the same model without DP and compare")
     p.add_argument("--subset", type=int, default=None,
                    help="train on the first SUBSET training examples only (quick checks)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="at most this many steps per epoch (quick checks)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help=f"torch CPU threads (default {d.threads})")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
     p.add_argument("--plot", metavar="FILE.png", help="write the learning curves")
@@ -396,6 +454,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     cfg = DPTrainConfig(
         epochs=args.epochs, batch_size=args.batch_size, sigma=args.sigma, target_epsilon=target,
         max_grad_norm=args.max_grad_norm, delta=args.delta, lr=args.lr,
+        nonprivate_lr=args.nonprivate_lr,
         momentum=args.momentum, seed=args.seed, accountant=args.accountant,
         compare_nonprivate=args.compare_nonprivate, subset=args.subset,
         max_steps=args.max_steps, threads=args.threads, plot=args.plot, json=args.json,

@@ -6,6 +6,17 @@
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
 """
 
+from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .clip import private_grad
+from .sampling import EmptySafeCollate, PoissonBatchSampler, poisson_batches, poisson_loader
 
-__all__ = ["private_grad"]
+__all__ = [
+    "private_grad",
+    "PrivacyAccountant",
+    "epsilon",
+    "noise_multiplier_for",
+    "PoissonBatchSampler",
+    "poisson_batches",
+    "poisson_loader",
+    "EmptySafeCollate",
+]

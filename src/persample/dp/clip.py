@@ -41,7 +41,7 @@ def private_grad(
     generator: torch.Generator | None = None,
     loss_reduction: str = "mean",
     per_layer: bool = False,
-    expected_batch_size: int | None = None,
+    expected_batch_size: float | None = None,
 ) -> Tensor:
     """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
 

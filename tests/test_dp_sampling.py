@@ -1,0 +1,144 @@
+"""Poisson sampling of batches: statistics with a fixed generator, empties, DataLoader."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from persample.dp.sampling import (
+    EmptySafeCollate,
+    PoissonBatchSampler,
+    poisson_batches,
+    poisson_loader,
+)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_batch_sizes_and_inclusion_frequencies():
+    n, q, steps = 500, 0.05, 2000
+    batches = list(PoissonBatchSampler(n, q, steps, _gen()))
+    assert len(batches) == steps
+    sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
+    # Binomial(500, 0.05): mean 25, std sqrt(23.75) = 4.87; the mean of 2000 has std 0.11
+    assert sizes.mean().item() == pytest.approx(n * q, abs=0.6)
+    assert sizes.std().item() == pytest.approx(math.sqrt(n * q * (1 - q)), rel=0.1)
+    counts = torch.zeros(n)
+    for b in batches:
+        assert b == sorted(set(b)) and all(0 <= i < n for i in b)  # distinct, in range
+        counts[b] += 1
+    freq = counts / steps  # each ~ Binomial(2000, 0.05) / 2000: std 0.0049
+    assert freq.mean().item() == pytest.approx(q, abs=0.002)
+    assert freq.min().item() > q - 0.025 and freq.max().item() < q + 0.025
+    assert freq.std().item() == pytest.approx(math.sqrt(q * (1 - q) / steps), rel=0.15)
+
+
+def test_batches_are_independent_of_each_other():
+    batches = list(PoissonBatchSampler(200, 0.5, 400, _gen(3)))
+    masks = torch.zeros(400, 200)
+    for k, b in enumerate(batches):
+        masks[k, b] = 1
+    # consecutive batches share q^2 N = 50 indices on average, not more or fewer
+    shared = (masks[1:] * masks[:-1]).sum(1).mean().item()
+    assert shared == pytest.approx(50, abs=1.5)
+
+
+def test_empty_batches_happen():
+    batches = list(PoissonBatchSampler(20, 0.02, 500, _gen()))
+    empty = sum(len(b) == 0 for b in batches)
+    # P(empty) = 0.98 ** 20 = 0.668
+    assert empty / 500 == pytest.approx(0.98**20, abs=0.06)
+
+
+def test_same_seed_same_batches_and_epochs_differ():
+    a = PoissonBatchSampler(100, 0.1, 20, _gen(7))
+    b = PoissonBatchSampler(100, 0.1, 20, _gen(7))
+    first_a, first_b = list(a), list(b)
+    assert first_a == first_b
+    assert list(a) != first_a  # the generator moves on: the next epoch is new
+    assert list(PoissonBatchSampler(100, 0.1, 20, _gen(8))) != first_a
+
+
+def test_global_seed_drives_the_default_generator():
+    torch.manual_seed(5)
+    a = list(PoissonBatchSampler(100, 0.1, 10))
+    torch.manual_seed(5)
+    assert list(PoissonBatchSampler(100, 0.1, 10)) == a
+
+
+def test_default_steps_per_epoch_and_expected_batch_size():
+    sampler = PoissonBatchSampler(1437, 64 / 1437)
+    assert len(sampler) == round(1437 / 64) == 22
+    assert sampler.expected_batch_size == pytest.approx(64)
+    assert len(PoissonBatchSampler(10, 1.0)) == 1
+    assert [len(b) for b in PoissonBatchSampler(10, 1.0, 3)] == [10, 10, 10]
+
+
+def test_works_with_dataloader_including_empty_batches():
+    x, y = torch.randn(30, 2, 3), torch.arange(30)
+    ds = TensorDataset(x, y)
+    sampler = PoissonBatchSampler(30, 0.05, 60, _gen(1))
+    expected = list(PoissonBatchSampler(30, 0.05, 60, _gen(1)))
+    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=EmptySafeCollate(ds))
+    got = list(loader)
+    assert len(got) == 60
+    assert any(len(b) == 0 for b in expected)  # the case that breaks default_collate
+    for (xb, yb), idx in zip(got, expected):
+        assert xb.shape == (len(idx), 2, 3) and yb.dtype == torch.int64
+        assert torch.equal(yb, torch.tensor(idx, dtype=torch.int64))
+        assert torch.equal(xb, x[idx])
+
+
+def test_default_collate_fails_on_empty_so_the_wrapper_matters():
+    ds = TensorDataset(torch.randn(5, 2))
+    with pytest.raises(IndexError):
+        list(DataLoader(ds, batch_sampler=[[]]))
+    (empty,) = list(DataLoader(ds, batch_sampler=[[]], collate_fn=EmptySafeCollate(ds)))
+    assert empty[0].shape == (0, 2)
+
+
+def test_poisson_loader_and_its_guards():
+    ds = TensorDataset(torch.randn(40, 4), torch.arange(40))
+    loader = poisson_loader(ds, 0.1, generator=_gen(2))
+    assert len(loader) == 10 and loader.batch_sampler.expected_batch_size == pytest.approx(4)
+    sizes = [len(yb) for _, yb in loader]
+    assert sizes == [len(b) for b in PoissonBatchSampler(40, 0.1, None, _gen(2))]
+    with pytest.raises(ValueError, match="batch_size"):
+        poisson_loader(ds, 0.1, batch_size=4)
+
+
+def test_poisson_batches_of_tensors():
+    x, y = torch.randn(80, 3), torch.arange(80)
+    got = list(poisson_batches((x, y), 0.02, steps=40, generator=_gen(4)))
+    expected = list(PoissonBatchSampler(80, 0.02, 40, _gen(4)))
+    assert len(got) == 40 and any(len(b) == 0 for b in expected)
+    for (xb, yb), idx in zip(got, expected):
+        assert torch.equal(yb, torch.tensor(idx, dtype=torch.int64))
+        assert torch.equal(xb, x[idx]) and xb.shape[1:] == (3,)
+    (only,) = next(poisson_batches(x, 1.0, generator=_gen()))
+    assert torch.equal(only, x)
+    (from_ds,) = next(poisson_batches(TensorDataset(x), 1.0, generator=_gen()))
+    assert torch.equal(from_ds, x)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((0, 0.1), "num_samples"),
+    ((10, 0.0), r"sample_rate \(q\) must be in \(0, 1\]"),
+    ((10, 1.5), "sample_rate"),
+    ((10, 0.1, 0), "steps_per_epoch"),
+])
+def test_sampler_rejects_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        PoissonBatchSampler(*args)
+
+
+def test_poisson_batches_rejects_bad_input():
+    with pytest.raises(ValueError, match="same number of rows"):
+        next(poisson_batches((torch.zeros(3), torch.zeros(4)), 0.5))
+    with pytest.raises(ValueError, match="must be a tensor"):
+        next(poisson_batches([], 0.5))
