@@ -27,7 +27,7 @@ def test_bench_quick_deep_mlp(tmp_path, capsys):
             "persample (out=)"} <= set(by_name)
     for m in report["methods"]:
         # every method is either measured and checked against the loop, or says why not
-        assert m["status"] in ("ok", "not installed"), m
+        assert m["status"] == "ok" or m["status"].startswith("not installed"), m
         if m["status"] == "ok":
             assert m["median_ms"] > 0 and m["ratio_to_floor"] > 0
             assert m["max_abs_diff"] < 1e-5, m
