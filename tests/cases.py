@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -594,6 +595,18 @@ CASE_IDS = [c["id"] for c in CASES]
 EDGE_CASE_IDS = [c["id"] for c in EDGE_CASES]
 BY_ID = {c["id"]: c for c in CASES + EDGE_CASES}
 assert len(BY_ID) == len(CASES) + len(EDGE_CASES), "case ids must be unique"
+
+
+class NumpyGate(nn.Module):
+    """A parameter used through numpy: no rule, and torch.func cannot differentiate it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        gate = torch.from_numpy(np.tanh(x.detach().cpu().numpy())).to(x)
+        return x * gate * self.weight
 
 
 def as_tuple(inputs: Any) -> tuple:

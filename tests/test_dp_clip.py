@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
 
-from cases import BY_ID, TiedLM, build, randn
+from cases import BY_ID, NumpyGate, TiedLM, build, randn
 from persample import UnsupportedModuleError, loop_per_sample_grads
 from persample.dp import private_grad
 
@@ -455,17 +454,6 @@ def test_batchnorm_in_training_mode(snapshot):
     state.assert_unchanged()
     assert int(model.bn.num_batches_tracked) == 0  # the model never ran
 
-
-class NumpyGate(nn.Module):
-    """A parameter used through numpy: no rule, and torch.func cannot differentiate it."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4))
-
-    def forward(self, x):
-        gate = torch.from_numpy(np.tanh(x.detach().cpu().numpy())).to(x)
-        return x * gate * self.weight
 
 
 def test_unsupported_module_raises_and_keeps_grad(snapshot):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -27,6 +26,7 @@ from cases import (
     EDGE_CASES,
     LinearTwice,
     N,
+    NumpyGate,
     TiedLM,
     as_tuple,
     build,
@@ -504,17 +504,6 @@ def test_batchnorm_in_training_mode(snapshot):
         per_sample_grad_norms(model, inputs, targets, loss_fn)
     state.assert_unchanged()
 
-
-class NumpyGate(nn.Module):
-    """A parameter used through numpy: torch.func cannot differentiate this module."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4))
-
-    def forward(self, x):
-        gate = torch.from_numpy(np.tanh(x.detach().cpu().numpy())).to(x)
-        return x * gate * self.weight
 
 
 def test_unsupported_module():

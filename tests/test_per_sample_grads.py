@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from cases import (
     EDGE_CASE_IDS,
     EDGE_CASES,
     N,
+    NumpyGate,
     as_tuple,
     assert_grads_equal,
     build,
@@ -350,17 +350,6 @@ def test_sample_independent_of_the_rest_of_the_batch():
         torch.testing.assert_close(a[name][0], b[name][0], rtol=1e-12, atol=1e-13)
         assert not torch.allclose(a[name][1], b[name][1])
 
-
-class NumpyGate(nn.Module):
-    """A parameter used through numpy: torch.func cannot differentiate this module."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4))
-
-    def forward(self, x):
-        gate = torch.from_numpy(np.tanh(x.detach().cpu().numpy())).to(x)
-        return x * gate * self.weight
 
 
 def test_auto_falls_back_to_loop_with_a_warning():
