@@ -61,7 +61,8 @@ class Report:
 
 
 def _reps(quick: bool) -> tuple[int, int]:
-    return (1, 3) if quick else (2, 7)
+    """(warm-up calls, timed rounds)."""
+    return (0, 2) if quick else (2, 7)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def _prepare(method: Method, buf, reference, repeats: int, quick: bool,
             first = time.perf_counter() - start
         row.max_abs_diff = (result.reshape(reference.shape) - reference).abs().max().item()
         del result
-        for _ in range(1 if first < 1.0 else 0):  # a second warm-up for the fast ones
+        for _ in range(1 if first < 1.0 and not quick else 0):  # a second warm-up
             run()
     except Exception as err:  # a competitor failing must not stop the benchmark
         row.status = f"failed: {type(err).__name__}: {err}"[:200]
