@@ -21,8 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--workload", action="append", choices=WORKLOADS,
                        help="run only this workload (repeatable); default: all")
-    bench.add_argument("--quick", action="store_true", help="a smoke run: no warm-up, 2 rounds, a slow method's first run is its time "
-                       "(about 1.5 min for all workloads, 5-25 s for one; rough numbers)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run: no warm-up, 2 rounds, a slow method's first run is "
+                       "its time (about 1.5 min for all workloads, 5-25 s for one)")
     bench.add_argument("--batch", type=int, default=None,
                        help="override the workloads' batch size (default: PERFORMANCE.md's)")
     bench.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
