@@ -110,12 +110,24 @@ def register_norm_rule(*types: type[nn.Module]) -> Callable[[NormFn], NormFn]:
         per-sample gradients with the gradient rule instead.
 
     Example:
+        >>> import torch
         >>> from torch import nn
-        >>> @register_norm_rule(nn.Linear)
-        ... def linear_norm(layer, activations, backprops, names):
-        ...     return None  # always materialise
-        >>> from .linear import linear_norm as _real
-        >>> _ = register_norm_rule(nn.Linear)(_real)  # put the real one back
+        >>> import persample
+        >>> class Gain(nn.Module):  # y = x * w, w of shape (f,)
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = nn.Parameter(torch.ones(3))
+        ...     def forward(self, x):
+        ...         return x * self.w
+        >>> @register_rule(Gain)
+        ... def gain(layer, activations, backprops, out):
+        ...     torch.mul(backprops, activations[0].unsqueeze(1), out=out["w"])
+        >>> @register_norm_rule(Gain)
+        ... def gain_norm(layer, activations, backprops, names):
+        ...     return {"w": (backprops[:, 0] * activations[0]).square().sum(1)}
+        >>> persample.per_sample_grad_norms(Gain(), torch.ones(2, 3), None,
+        ...                                 lambda out, _: out.sum(1))
+        tensor([1.7321, 1.7321])
     """
 
     def decorate(fn: NormFn) -> NormFn:
