@@ -198,14 +198,25 @@ def inplace_relu_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
 
 
-@pytest.mark.parametrize("method", ["rules", "auto"])
-def test_inplace_relu_after_linear(method, snapshot):
-    """The Linear's captured output is overwritten by the in-place ReLU: the engine refuses."""
+def test_inplace_relu_after_linear(snapshot):
+    """The Linear's captured output is overwritten by the in-place ReLU: the rules refuse."""
     model = inplace_relu_model()
     x, y = data(3)
     state = snapshot(model)
     with pytest.raises(RuntimeError, match=r"module '0' \(Linear\) was modified in place"):
-        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
+    state.assert_unchanged()
+
+
+def test_inplace_relu_auto_falls_back_to_vmap_with_a_warning(snapshot):
+    model = inplace_relu_model()
+    x, y = data(3)
+    want = loop_per_sample_grads(nn.Sequential(model[0], nn.ReLU(), model[2]), x, y,
+                                 nn.CrossEntropyLoss())
+    state = snapshot(model)
+    with pytest.warns(UserWarning, match="modified in place.*Falling back to method='vmap'"):
+        got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="auto")
+    assert_grads_equal(got, want)
     state.assert_unchanged()
 
 

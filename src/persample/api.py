@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import rules_grads, rules_param_jacobian
+from .engine import InPlaceModificationError, rules_grads, rules_param_jacobian
 from .fallback import UnsupportedModuleError
 from .reference import loop_param_jacobian, loop_per_sample_grads, rows
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
@@ -49,8 +49,9 @@ def per_sample_grads(
         method: ``"rules"`` (capture + layer rules, per-module ``torch.func``
             fallback; Goodfellow 2015, seed 004), ``"vmap"`` (``torch.func`` over the
             whole model, seed 001), ``"loop"`` (the reference), or ``"auto"``:
-            ``"rules"``, and ``"loop"`` with a warning if a module can be handled
-            by neither a rule nor ``torch.func``.
+            ``"rules"``; with a warning, ``"loop"`` if a module can be handled by
+            neither a rule nor ``torch.func``, and ``"vmap"`` if an activation the
+            rules need was modified in place (``nn.ReLU(inplace=True)``).
         flat: return one ``(B, P)`` tensor, columns in ``named_parameters()`` order,
             each parameter flattened row-major.
         chunk_size: process at most this many samples at a time, to bound the
@@ -70,8 +71,8 @@ def per_sample_grads(
             that mixes samples (BatchNorm in training mode); no trainable
             parameters; a loss that is neither ``(B,)`` nor a scalar; ``out`` of the
             wrong shape, dtype or device; a layer whose input lost the batch dim.
-        RuntimeError: a captured activation was modified in place (say
-            ``nn.ReLU(inplace=True)`` right after a Linear).
+        RuntimeError: ``method="rules"`` and a captured activation was modified in
+            place (say ``nn.ReLU(inplace=True)`` right after a Linear).
         UnsupportedModuleError: ``method="rules"`` and a module without a rule that
             ``torch.func`` cannot differentiate.
 
@@ -256,7 +257,8 @@ def _dispatch(method: str, rules, vmap, loop, params: dict, dest: dict[int, Tens
     """Run ``method`` on one chunk, writing into ``dest`` (id(param) -> tensor).
 
     ``rules(dest)`` writes itself; ``vmap()`` and ``loop()`` return dicts by name.
-    ``auto`` is ``rules``, and ``loop`` (with a warning) if a module is unsupported.
+    ``auto`` is ``rules``; with a warning, ``loop`` if a module is unsupported and
+    ``vmap`` if a captured activation was modified in place (``ReLU(inplace=True)``).
     """
     if any(t.shape[0] == 0 for t in dest.values()):
         return
@@ -269,6 +271,11 @@ def _dispatch(method: str, rules, vmap, loop, params: dict, dest: dict[int, Tens
                 raise
             warnings.warn(f"{err} Falling back to method='loop'.", stacklevel=4)
             method = "loop"
+        except InPlaceModificationError as err:
+            if method == "rules":
+                raise
+            warnings.warn(f"{err} Falling back to method='vmap'.", stacklevel=4)
+            method = "vmap"
     got = vmap() if method == "vmap" else loop()
     for name, p in params.items():
         dest[id(p)].copy_(got[name].reshape(dest[id(p)].shape))

@@ -178,11 +178,15 @@ def _one_sample_loss(loss_fn: Callable) -> Callable:
     return one
 
 
+class InPlaceModificationError(RuntimeError):
+    """A captured activation was modified in place after its module ran."""
+
+
 def check_unchanged(job: Job, n: int) -> None:
     """Raise if a captured tensor was modified in place after its module ran."""
     now = [t._version for t in job.call.tensors()]
     if now != job.call.versions:
-        raise RuntimeError(
+        raise InPlaceModificationError(
             f"an input or output of module '{job.call.name}' ({type(job.call.module).__name__}) "
             "was modified in place after the module ran (e.g. by nn.ReLU(inplace=True) or "
             "x += ...), so its captured activations are no longer valid. Make that "

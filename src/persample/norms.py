@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import Captured, GradSink, _apply, loss_backprops
+from .engine import Captured, GradSink, InPlaceModificationError, _apply, loss_backprops
 from .fallback import UnsupportedModuleError
 from .reference import rows
 from .rules import find_norm_rule
@@ -73,7 +73,7 @@ def _rules_norms(model, args, targets, loss_fn, loss_reduction, params, method
         cap = loss_backprops(model, args, targets, loss_fn, loss_reduction,
                              {id(p) for p in params.values()})
         sq, _ = squared_norms(cap, params)
-    except UnsupportedModuleError as err:
+    except (UnsupportedModuleError, InPlaceModificationError) as err:
         if method == "rules":
             raise
         warnings.warn(f"{err} Falling back to method='loop'.", stacklevel=4)
@@ -104,7 +104,8 @@ def per_sample_grad_norms(
             :func:`persample.per_sample_grads`.
         method: ``"rules"`` (one forward, one backward, norm rules); ``"vmap"`` or
             ``"loop"``: the norms of those methods' per-sample gradients; ``"auto"``:
-            the rules, and the loop (with a warning) if a module is unsupported.
+            the rules, and the loop (with a warning) if a module is unsupported or
+            an activation the rules need was modified in place.
         per_layer: also return the norm of each parameter's per-sample gradient.
         chunk_size: process at most this many samples at a time.
 
