@@ -88,7 +88,7 @@ def per_sample_grads(
         >>> persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss(), flat=True).shape
         torch.Size([16, 67])
     """
-    args, n, params = checks.loss_problem(model, inputs, targets, method, loss_reduction,
+    args, n, params = checks.validate_call(model, inputs, targets, method, loss_reduction,
                                           chunk_size)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
     step = chunk_size or max(n, 1)
@@ -157,15 +157,12 @@ def param_jacobian(
         >>> persample.param_jacobian(net, torch.randn(8, 784), flat=True).shape
         torch.Size([8, 10, 15910])
     """
-    checks.check_options(method, "mean", chunk_size)
-    checks.check_per_sample_model(model)
-    args = checks.as_args(inputs)
-    n = args[0].shape[0]
-    params = checks.trainable_parameters(model)
+    args, n, params = checks.validate_call(model, inputs, None, method, "mean", chunk_size)
     out_shape = _output_shape(model, args)
     num_out = out_shape.numel()
     result, dest = _allocate(params, n, (num_out,), flat or out is not None, out)
-    step_out = min(num_out, chunk_size or num_out)
+    # vmap and loop compute all outputs at once: chunking them would repeat the work
+    step_out = num_out if method in ("vmap", "loop") else min(num_out, chunk_size or num_out)
     step = max(1, (chunk_size or num_out * max(n, 1)) // step_out)
     for start in range(0, n, step):
         part = rows(args, start, start + step)

@@ -106,11 +106,11 @@ def common_dtype_device(params: dict[str, nn.Parameter]) -> tuple[torch.dtype, t
     return next(iter(kinds))
 
 
-def loss_problem(
+def validate_call(
     model: nn.Module, inputs: Any, targets: Any, method: str, loss_reduction: str,
     chunk_size: int | None,
 ) -> tuple[tuple, int, dict[str, nn.Parameter]]:
-    """Validate a per-sample loss derivative's arguments: ``(args, batch size, params)``."""
+    """Validate the arguments every per-sample function shares: ``(args, batch size, params)``."""
     check_options(method, loss_reduction, chunk_size)
     check_per_sample_model(model)
     args = as_args(inputs)

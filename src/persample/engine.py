@@ -23,6 +23,7 @@ from torch.func import vmap
 
 from .capture import Call, Capture, output_tensors
 from .fallback import fallback_grads
+from .jacobian import one_hot
 from .rules import Rule, find_rule
 from .vmap import batch_dims, unsqueeze
 
@@ -94,10 +95,11 @@ def plan_jobs(model: nn.Module, cap: Capture, wanted: set[int]) -> list[Job]:
             continue
         call, name, param = _common_call(stacks, pid)
         escaped.setdefault(id(call), (call, {}))[1][name] = param
+    taken = {id(p) for _, params in escaped.values() for p in params.values()}
     jobs = []
     for call in cap.calls:
         params = {n: p for n, p in call.module.named_parameters(recurse=False)
-                  if id(p) in cap.uses and id(p) not in _ids(escaped)}
+                  if id(p) in cap.uses and id(p) not in taken}
         if params:
             jobs.append(Job(call, params, _rule_for(call)))
     jobs += [Job(call, params, None) for call, params in escaped.values()]
@@ -112,10 +114,6 @@ def _holders(model: nn.Module, wanted: set[int]) -> dict[int, set[int]]:
             if id(p) in holders:
                 holders[id(p)].add(id(m))
     return holders
-
-
-def _ids(escaped: dict) -> set[int]:
-    return {id(p) for _, params in escaped.values() for p in params.values()}
 
 
 def _common_call(stacks: list[tuple[Call, ...]], pid: int) -> tuple[Call, str, nn.Parameter]:
@@ -182,7 +180,7 @@ class InPlaceModificationError(RuntimeError):
     """A captured activation was modified in place after its module ran."""
 
 
-def check_unchanged(job: Job, n: int) -> None:
+def check_unchanged(job: Job) -> None:
     """Raise if a captured tensor was modified in place after its module ran."""
     now = [t._version for t in job.call.tensors()]
     if now != job.call.versions:
@@ -237,7 +235,7 @@ def capture_backprops(model: nn.Module, args: tuple, root: Callable[[Any], Tenso
         value = root(model(*args))
     jobs = plan_jobs(model, cap, wanted)
     for job in jobs:
-        check_unchanged(job, n)
+        check_unchanged(job)
     outs = {id(t): t for job in jobs for t in output_tensors(job.call)}
     if outs and not value.requires_grad:
         raise RuntimeError(
@@ -328,10 +326,7 @@ def rules_param_jacobian(
         return output
 
     def backward(output: Tensor, outs: list[Tensor]) -> tuple:
-        flat_out = output.shape[1:].numel()
-        onehot = output.new_zeros(len(outputs), flat_out)  # (v, Y)
-        onehot[torch.arange(len(outputs)), torch.tensor(list(outputs))] = 1
-        cot = onehot.view(len(outputs), 1, *output.shape[1:]).expand(-1, *output.shape)
+        cot = one_hot(outputs.start, outputs.stop, output)  # (v, n, *out_shape)
         grads = torch.autograd.grad(output, outs, cot, is_grads_batched=True, allow_unused=True)
         return tuple(None if g is None else g.movedim(0, 1) for g in grads)  # (n, v, *out)
 

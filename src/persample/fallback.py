@@ -65,5 +65,6 @@ def fallback_grads(
         raise UnsupportedModuleError(
             f"module '{call.name or '<root>'}' ({type(call.module).__name__}) has no per-sample "
             f"rule and torch.func could not differentiate it per sample: {err}. "
-            "Use method='loop', or register a rule with persample.rules.register_rule."
+            "Register a rule for it (persample.register_rule), freeze or replace it, or, "
+            "where the function has one, use method='loop'."
         ) from err

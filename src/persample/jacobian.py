@@ -170,7 +170,7 @@ def jacobian_diagonal(
         step = chunk_size or min(d, max(4, _CHUNK_NUMBERS // (n * d)))
         diag = None
         for start, stop in _chunks(d, step):
-            jv = _check_square(_push(fn, x, _one_hot(start, stop, x)), x)  # (c, B, *in_shape)
+            jv = _check_square(_push(fn, x, one_hot(start, stop, x)), x)  # (c, B, *in_shape)
             if diag is None:
                 diag = jv.new_empty((n, d))
             diag[:, start:stop] = jv.reshape(stop - start, n, d).diagonal(start, 0, 2)  # (B, c)
@@ -202,7 +202,7 @@ def _double_backward_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None) -
     step = chunk_size or d
     # strict: a backward that is not itself differentiable (a once_differentiable
     # autograd.Function) cuts u off from g; that must fall back, not give zeros
-    parts = (_pull(g, u, _one_hot(s, e, xg), e < d, strict=True) for s, e in _chunks(d, step))
+    parts = (_pull(g, u, one_hot(s, e, xg), e < d, strict=True) for s, e in _chunks(d, step))
     jac = _stack(parts, d, step).to(out.dtype)  # (D, B, *out_shape)
     return jac.movedim(0, -1).reshape(*out.shape, *xg.shape[1:])
 
@@ -213,7 +213,7 @@ def _reverse_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None) -> Tensor
     if n == 0 or y == 0 or not out.requires_grad:
         return out.new_zeros((*out.shape, *xg.shape[1:]))
     step = chunk_size or y
-    parts = (_pull(out, xg, _one_hot(s, e, out), e < y) for s, e in _chunks(y, step))
+    parts = (_pull(out, xg, one_hot(s, e, out), e < y) for s, e in _chunks(y, step))
     jac = _stack(parts, y, step).to(out.dtype)  # (Y, B, *in_shape)
     return jac.movedim(0, 1).reshape(*out.shape, *xg.shape[1:])
 
@@ -224,7 +224,7 @@ def _forward_jacobian(model: Callable, x: Tensor, chunk_size: int | None) -> Ten
     if x.shape[0] == 0 or d == 0:
         return _empty_jacobian(model, x)
     step = chunk_size or d
-    parts = (_push(model, x, _one_hot(s, e, x)) for s, e in _chunks(d, step))
+    parts = (_push(model, x, one_hot(s, e, x)) for s, e in _chunks(d, step))
     jac = _stack(parts, d, step)  # (D, B, *out_shape)
     return jac.movedim(0, -1).reshape(*jac.shape[1:], *x.shape[1:])
 
@@ -270,7 +270,7 @@ def _push(model: Callable, x: Tensor, tangents: Tensor) -> Tensor:
 # helpers
 
 
-def _one_hot(start: int, stop: int, like: Tensor) -> Tensor:
+def one_hot(start: int, stop: int, like: Tensor) -> Tensor:
     """``(stop - start, B, *rest)`` for ``like`` ``(B, *rest)``: vector ``k`` is one-hot
     at flat index ``start + k`` of every sample (a broadcast view, not copied)."""
     n, rest = like.shape[0], like.shape[1:]

@@ -130,7 +130,7 @@ def per_sample_grad_norms(
     """
     from .api import per_sample_grads  # the non-rules methods
 
-    args, n, params = checks.loss_problem(model, inputs, targets, method, loss_reduction,
+    args, n, params = checks.validate_call(model, inputs, targets, method, loss_reduction,
                                           chunk_size)
     layers = {name: p.new_zeros(n) for name, p in params.items()}
     step = chunk_size or max(n, 1)

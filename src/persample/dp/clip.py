@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from .. import checks
 from ..capture import output_tensors
 from ..engine import Captured, loss_backprops
-from ..fallback import UnsupportedModuleError
 from ..norms import squared_norms
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
@@ -92,21 +91,14 @@ def private_grad(
         torch.Size([16])
     """
     _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
-    args, n, params = checks.loss_problem(model, inputs, targets, "rules", loss_reduction, None)
+    args, n, params = checks.validate_call(model, inputs, targets, "rules", loss_reduction, None)
     if n == 0 and expected_batch_size is None:
         raise ValueError(
             "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
             "(q * N) so that the noise is scaled as for every other step"
         )
-    try:
-        clipped, norms = _clipped_sum(model, args, targets, loss_fn, loss_reduction, params,
-                                      max_grad_norm, per_layer)
-    except UnsupportedModuleError as err:
-        raise UnsupportedModuleError(
-            f"{err.args[0].split(' Use method=')[0]} private_grad needs per-sample gradients "
-            "of every layer: register a rule for it (persample.register_rule), or freeze "
-            "or replace that module."
-        ) from err
+    clipped, norms = _clipped_sum(model, args, targets, loss_fn, loss_reduction, params,
+                                  max_grad_norm, per_layer)
     divisor = expected_batch_size or n
     for p in params.values():
         noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
@@ -119,7 +111,8 @@ def _clipped_sum(model, args, targets, loss_fn, loss_reduction, params, max_grad
     """``{id(p): sum_i c_i g_i}`` and the ``(n,)`` norms, from one forward and backward."""
     n = args[0].shape[0]
     if n == 0:
-        return {id(p): torch.zeros_like(p) for p in params.values()}, params_zeros(params)
+        norms = next(iter(params.values())).new_zeros(0)
+        return {id(p): torch.zeros_like(p) for p in params.values()}, norms
     wanted = {id(p) for p in params.values()}
     cap = loss_backprops(model, args, targets, loss_fn, loss_reduction, wanted,
                          retain_graph=True)
@@ -132,10 +125,6 @@ def _clipped_sum(model, args, targets, loss_fn, loss_reduction, params, max_grad
     for p in params.values():
         clipped.setdefault(id(p), torch.zeros_like(p))
     return clipped, norms
-
-
-def params_zeros(params: dict[str, nn.Parameter]) -> Tensor:
-    return next(iter(params.values())).new_zeros(0)
 
 
 def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tensor]:

@@ -33,14 +33,13 @@ def padded_input(layer: nn.modules.conv._ConvNd, x: Tensor) -> tuple[Tensor, lis
     ``padding="same"`` may pad asymmetrically and non-zero ``padding_mode`` pads
     with other values: both are done here explicitly, as the module does.
     """
+    none = [0] * (x.dim() - 2)
     if layer.padding_mode != "zeros":
-        return F.pad(x, layer._reversed_padding_repeated_twice, mode=layer.padding_mode), [0] * (
-            x.dim() - 2
-        )
-    if isinstance(layer.padding, str):
-        if layer.padding == "valid":
-            return x, [0] * (x.dim() - 2)
-        return F.pad(x, layer._reversed_padding_repeated_twice), [0] * (x.dim() - 2)
+        return F.pad(x, layer._reversed_padding_repeated_twice, mode=layer.padding_mode), none
+    if layer.padding == "valid":
+        return x, none
+    if layer.padding == "same":
+        return F.pad(x, layer._reversed_padding_repeated_twice), none
     return x, list(layer.padding)
 
 
