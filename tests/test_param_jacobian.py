@@ -42,11 +42,13 @@ def test_matches_loop(c, method):
     assert_grads_equal(param_jacobian(model, inputs, method=method), want)
 
 
+@pytest.mark.parametrize("method", ["auto", "vmap"])
 @pytest.mark.parametrize("chunk_size", [1, 2, 5, 7, 1000])
 @pytest.mark.parametrize("c", JAC_CASES[::4], ids=JAC_IDS[::4])
-def test_chunked_over_samples_and_outputs(c, chunk_size):
+def test_chunked_over_samples_and_outputs(c, chunk_size, method):
     model, inputs, want = reference(c)
-    assert_grads_equal(param_jacobian(model, inputs, chunk_size=chunk_size), want)
+    got = param_jacobian(model, inputs, chunk_size=chunk_size, method=method)
+    assert_grads_equal(got, want)
 
 
 @pytest.mark.parametrize("c", JAC_CASES[::3], ids=JAC_IDS[::3])

@@ -239,6 +239,16 @@ def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     may not be contiguous. The layer rules write aligned rows at the speed of
     ``fill_`` and misaligned ones up to 1.5x slower, so use it for ``out=``.
 
+    Args:
+        shape: the wanted shape; the last dim is the one padded in memory.
+        dtype, device: as for ``torch.empty``.
+
+    Returns:
+        An uninitialised tensor of ``shape`` (a view of a padded allocation).
+
+    Raises:
+        Whatever ``torch.empty`` raises (out of memory).
+
     Example:
         >>> buf = aligned_empty((4, 10), torch.float32, torch.device("cpu"))
         >>> buf.shape, buf.stride()

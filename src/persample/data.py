@@ -22,6 +22,9 @@ def digits_images(size: int = 28, dtype: torch.dtype = torch.float32) -> tuple[T
         ``images (1797, 1, size, size)`` standardised to mean 0 and std 1 over the
         whole set, and ``labels (1797,)`` int64 in ``0..9``.
 
+    Raises:
+        ImportError: scikit-learn is not installed (it is a core dependency).
+
     Example:
         >>> x, y = digits_images()
         >>> x.shape, y.shape
@@ -47,6 +50,9 @@ def digits_features(
     Returns:
         ``x (1797, features)`` and ``labels (1797,)`` int64: 1 where the digit is 5
         or more, else 0.
+
+    Raises:
+        ImportError: scikit-learn is not installed (it is a core dependency).
 
     Example:
         >>> x, y = digits_features()

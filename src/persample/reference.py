@@ -38,6 +38,9 @@ def loop_per_sample_grads(
         ``d loss_fn(model(x_i), y_i) / d param``. Parameters the loss does not
         depend on get zeros.
 
+    Raises:
+        TypeError, ValueError: inputs without a batch dim, or no trainable parameters.
+
     Example:
         >>> import torch
         >>> net = torch.nn.Linear(3, 2)
@@ -72,6 +75,10 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
     Returns:
         ``{name: (B, *out_shape, *param.shape)}``: entry ``[i, k..., p...]`` is
         ``d model(x_i)[k...] / d param[p...]``.
+
+    Raises:
+        ValueError: a batch of 0 samples (the output shape is unknown), inputs
+            without a batch dim, or no trainable parameters.
 
     Example:
         >>> import torch

@@ -103,6 +103,10 @@ class PoissonBatchSampler(Sampler[list[int]]):
 def poisson_mask(num_samples: int, sample_rate: float, generator: torch.Generator) -> Tensor:
     """One Poisson draw: ``(num_samples,)`` bool, each entry ``True`` with probability ``q``.
 
+    Returns:
+        ``(num_samples,)`` bool tensor on the CPU. Raises nothing itself; the
+        callers check ``sample_rate``.
+
     Example:
         >>> m = poisson_mask(1000, 0.1, torch.Generator().manual_seed(0))
         >>> m.shape, 50 < int(m.sum()) < 150

@@ -109,6 +109,9 @@ def register_norm_rule(*types: type[nn.Module]) -> Callable[[NormFn], NormFn]:
         parameter names in ``names``, or ``None`` to have the engine materialise the
         per-sample gradients with the gradient rule instead.
 
+    Raises:
+        Nothing at registration; a norm rule raising later propagates.
+
     Example:
         >>> import torch
         >>> from torch import nn
