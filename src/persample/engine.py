@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,10 +136,26 @@ def _common_call(stacks: list[tuple[Call, ...]], pid: int) -> tuple[Call, str, n
 
 
 def _rule_for(call: Call) -> Rule | None:
-    """The call's rule if its input came positionally (rules read ``args[0]``)."""
-    if not call.args or not isinstance(call.args[0], Tensor):
+    """The call's rule, if its inputs can be given to the rule positionally."""
+    args = activations(call)
+    if args is None or not args or not isinstance(args[0], Tensor):
         return None
     return find_rule(call.module)[0]
+
+
+def activations(call: Call) -> tuple | None:
+    """The call's inputs as positional arguments of the module's ``forward``.
+
+    Keyword inputs (``fc(input=x)``, ``bag(ids, offsets=o)``) are moved to their
+    positional place; ``None`` if that is impossible (keyword-only arguments).
+    """
+    if not call.kwargs:
+        return call.args
+    try:
+        bound = inspect.signature(call.module.forward).bind(*call.args, **call.kwargs)
+    except TypeError:
+        return None
+    return None if bound.kwargs else bound.args
 
 
 def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: str) -> Tensor:
@@ -270,7 +287,7 @@ def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
         for t in out.values():
             t.zero_()
     elif job.rule is not None and len(backprops) == 1:
-        job.rule.fn(job.call.module, job.call.args, backprops[0], out)
+        job.rule.fn(job.call.module, activations(job.call), backprops[0], out)
     else:
         for name, g in fallback_grads(job.call, job.params, backprops, n).items():
             out[name].copy_(g)

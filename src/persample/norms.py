@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import Captured, GradSink, InPlaceModificationError, _apply, loss_backprops
+from .engine import Captured, GradSink, InPlaceModificationError, _apply, activations, loss_backprops
 from .fallback import UnsupportedModuleError
 from .reference import rows
 from .rules import find_norm_rule
@@ -60,7 +60,7 @@ def _ghost_norms(job, backprops: list[Tensor], uses: Counter) -> dict[str, Tenso
     norm = find_norm_rule(job.rule)
     if norm is None or len(backprops) != 1 or any(uses[id(p)] > 1 for p in job.params.values()):
         return None
-    return norm(job.call.module, job.call.args, backprops[0], set(job.params))
+    return norm(job.call.module, activations(job.call), backprops[0], set(job.params))
 
 
 def _rules_norms(model, args, targets, loss_fn, loss_reduction, params, method
