@@ -36,6 +36,7 @@ class Call:
     kwargs: dict[str, Any] = field(default_factory=dict)  # keyword inputs
     output: Any = None  # what the module returned
     versions: list[int] = field(default_factory=list)  # version counters at capture
+    parent: Call | None = None  # the call under way when this one started
 
     def tensors(self) -> list[Tensor]:
         """The input and output tensors whose later in-place change would corrupt the rule."""
@@ -126,7 +127,7 @@ class Capture:
 
     def _make_pre_hook(self, name: str):
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.stack.append(Call(name, module))
+            self.stack.append(Call(name, module, parent=self.stack[-1] if self.stack else None))
 
         return pre_hook
 

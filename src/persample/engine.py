@@ -13,18 +13,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import vmap
+from torch.nn.utils.rnn import PackedSequence
 
 from .capture import Call, Capture, output_tensors
 from .fallback import fallback_grads
 from .jacobian import one_hot
+from .layout import front_activations, output_layouts
 from .rules import Rule, find_rule
 from .vmap import batch_dims, unsqueeze
 
@@ -138,7 +140,7 @@ def _common_call(stacks: list[tuple[Call, ...]], pid: int) -> tuple[Call, str, n
 def _rule_for(call: Call) -> Rule | None:
     """The call's rule, if its inputs can be given to the rule positionally."""
     args = activations(call)
-    if args is None or not args or not isinstance(args[0], Tensor):
+    if args is None or not args or not isinstance(args[0], (Tensor, PackedSequence)):
         return None
     return find_rule(call.module)[0]
 
@@ -210,19 +212,21 @@ def check_unchanged(job: Job) -> None:
 
 
 def _backprops_of(job: Job, grads: dict[int, Tensor | None], n: int, v: int) -> list[Tensor]:
+    """The call's backprops ``(n, v, *out)``, batch first, from ``(v, *out_shape)`` grads."""
     found = []
-    for out in output_tensors(job.call):
+    for out, layout in zip(output_tensors(job.call), output_layouts(job.call, n)):
         g = grads[id(out)]
-        found.append(out.new_zeros((n, v, *out.shape[1:])) if g is None else g)
-    for g in found:
+        g = layout.front_cotangents(out.new_zeros((v, *out.shape)) if g is None else g)
         if g.dim() < 2 or g.shape[0] != n:
             raise ValueError(
                 f"module '{job.call.name}' ({type(job.call.module).__name__}) returned a tensor "
-                f"of shape {tuple(g.shape[:1]) + tuple(g.shape[2:])} whose dim 0 is not the "
-                f"batch size {n}: the rules need the batch in dim 0 of every layer's input "
-                "and output (a reshape to (batch * seq, features) mixes samples). Keep the "
-                "batch dim, or use method='vmap'."
+                f"of shape {tuple(out.shape)} whose dim 0 is not the batch size {n}: the rules "
+                "need the batch in dim 0 of every layer's input and output (a reshape to "
+                "(batch * seq, features) mixes samples; the stock sequence modules' "
+                "batch_first=False layout is understood). Keep the batch dim, or use "
+                "method='vmap'."
             )
+        found.append(g)
     return found
 
 
@@ -244,7 +248,8 @@ def capture_backprops(model: nn.Module, args: tuple, root: Callable[[Any], Tenso
 
     ``root(output)`` gives the tensor to differentiate (the summed loss, or the
     model's output); ``backward(root_value, outputs)`` returns for each captured
-    output its ``(n, v, *out_shape)`` backprops (or ``None``); ``wanted`` holds the
+    output its ``(v, *out_shape)`` cotangents (or ``None``), which are then put
+    batch first, ``(n, v, ...)``, by the output's layout; ``wanted`` holds the
     ``id`` of the parameters to differentiate.
     """
     n = args[0].shape[0]
@@ -286,8 +291,10 @@ def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
     if not backprops:  # no output depends on the parameters: zero contribution
         for t in out.values():
             t.zero_()
-    elif job.rule is not None and len(backprops) == 1:
-        job.rule.fn(job.call.module, activations(job.call), backprops[0], out)
+    elif job.rule is not None and (len(backprops) == 1 or job.rule.multi_output):
+        inputs = front_activations(job.call, activations(job.call), n)
+        job.rule.fn(job.call.module, inputs, backprops if job.rule.multi_output else backprops[0],
+                    out)
     else:
         for name, g in fallback_grads(job.call, job.params, backprops, n).items():
             out[name].copy_(g)
@@ -304,7 +311,7 @@ def loss_backprops(model: nn.Module, args: tuple, targets: Any, loss_fn: Callabl
 
     def backward(total: Tensor, outs: list[Tensor]) -> tuple:
         grads = torch.autograd.grad(total, outs, allow_unused=True, retain_graph=retain_graph)
-        return tuple(None if g is None else g.unsqueeze(1) for g in grads)  # (n, 1, *out)
+        return tuple(None if g is None else g.unsqueeze(0) for g in grads)  # (1, *out)
 
     return capture_backprops(model, args, root, backward, wanted, 1)
 
@@ -345,6 +352,6 @@ def rules_param_jacobian(
     def backward(output: Tensor, outs: list[Tensor]) -> tuple:
         cot = one_hot(outputs.start, outputs.stop, output)  # (v, n, *out_shape)
         grads = torch.autograd.grad(output, outs, cot, is_grads_batched=True, allow_unused=True)
-        return tuple(None if g is None else g.movedim(0, 1) for g in grads)  # (n, v, *out)
+        return grads  # (v, *out_shape)
 
     run_rules(model, args, root, backward, dest)

@@ -6,26 +6,22 @@ per-sample gradient of the module's parameters is the vector-Jacobian product
 ``vjp(theta -> module(x[i:i+1]; theta))(g[i:i+1])``, batched over ``i`` with
 ``torch.func.vmap`` (the method of seed 001's tutorial, applied to one module).
 
-Inputs whose dim 0 is the batch size are mapped over; all others are shared.
+Inputs are mapped over their batch dim (``layout.py``: dim 0 if its size is the
+batch size; the stock sequence modules' own layouts); all others are shared.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .capture import Call, flat_outputs
+from .layout import input_layouts, output_layouts
 
 
 class UnsupportedModuleError(RuntimeError):
     """A module has no rule and ``torch.func`` cannot differentiate it per sample."""
-
-
-def _is_batched(x: Any, n: int) -> bool:
-    return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == n
 
 
 def fallback_grads(
@@ -38,16 +34,18 @@ def fallback_grads(
     cotangents of the call's differentiable outputs, in order.
     """
     leaves, spec = tree_flatten((call.args, call.kwargs))
-    batched = [_is_batched(x, n) for x in leaves]
-    mapped = [x.detach() for x, b in zip(leaves, batched) if b]
+    layouts = input_layouts(call, n)
+    mapped = [lay.front(x.detach()) for x, lay in zip(leaves, layouts) if lay is not None]
     used = [i for i, o in enumerate(flat_outputs(call.output)) if o.requires_grad]
+    out_layouts = output_layouts(call, n)
     theta = {name: p.detach() for name, p in params.items()}
 
     def one_sample(mapped_i: list[Tensor], cotangents_i: list[Tensor]) -> dict[str, Tensor]:
         rows = iter(mapped_i)
         values = [
-            next(rows).unsqueeze(0) if b else (x.detach() if isinstance(x, Tensor) else x)
-            for x, b in zip(leaves, batched)
+            lay.insert(next(rows)) if lay is not None
+            else (x.detach() if isinstance(x, Tensor) else x)
+            for x, lay in zip(leaves, layouts)
         ]
         args, kwargs = tree_unflatten(values, spec)
 
@@ -55,9 +53,11 @@ def fallback_grads(
             out = flat_outputs(functional_call(call.module, th, tuple(args), kwargs))
             return tuple(out[i] for i in used)
 
+        def pull(*c: Tensor) -> dict[str, Tensor]:
+            return pullback(tuple(lay.insert(ci) for ci, lay in zip(c, out_layouts)))[0]
+
         _, pullback = vjp(forward, theta)
-        # (v, *out) cotangents -> (v, *param.shape) per parameter
-        return vmap(lambda *c: pullback(tuple(ci.unsqueeze(0) for ci in c))[0])(*cotangents_i)
+        return vmap(pull)(*cotangents_i)  # (v, *out) cotangents -> (v, *param.shape)
 
     try:
         return vmap(one_sample)(mapped, list(backprops))

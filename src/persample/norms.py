@@ -20,8 +20,16 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import Captured, GradSink, InPlaceModificationError, _apply, activations, loss_backprops
+from .engine import (
+    Captured,
+    GradSink,
+    InPlaceModificationError,
+    _apply,
+    activations,
+    loss_backprops,
+)
 from .fallback import UnsupportedModuleError
+from .layout import front_activations
 from .reference import rows
 from .rules import find_norm_rule
 
@@ -60,7 +68,8 @@ def _ghost_norms(job, backprops: list[Tensor], uses: Counter) -> dict[str, Tenso
     norm = find_norm_rule(job.rule)
     if norm is None or len(backprops) != 1 or any(uses[id(p)] > 1 for p in job.params.values()):
         return None
-    return norm(job.call.module, activations(job.call), backprops[0], set(job.params))
+    inputs = front_activations(job.call, activations(job.call), len(backprops[0]))
+    return norm(job.call.module, inputs, backprops[0], set(job.params))
 
 
 def _rules_norms(model, args, targets, loss_fn, loss_reduction, params, method

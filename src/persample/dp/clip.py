@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..capture import output_tensors
 from ..engine import Captured, loss_backprops
+from ..layout import output_layouts
 from ..norms import squared_norms
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
@@ -148,9 +149,11 @@ def _book_keeping(cap: Captured, factors: dict[int, Tensor], clipped: dict[int, 
         for p in ghost:
             groups.setdefault(id(factors[id(p)]), []).append(p)
         outs = output_tensors(job.call)
+        layouts = output_layouts(job.call, cap.n)
         for group in groups.values():
             c = factors[id(group[0])]
-            scaled = [g[:, 0] * c.view(-1, *[1] * (g.dim() - 2)) for g in backprops]
+            scaled = [lay.back(g[:, 0] * c.view(-1, *[1] * (g.dim() - 2)))
+                      for g, lay in zip(backprops, layouts)]
             grads = torch.autograd.grad(outs, group, scaled, retain_graph=True)
             for p, g in zip(group, grads):
                 clipped[id(p)] = g

@@ -38,6 +38,7 @@ class Rule:
     fn: RuleFn
     base: type[nn.Module]
     unsupported: Callable[[nn.Module], str | None]
+    multi_output: bool = False  # backprops: a list, one per output tensor
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
@@ -53,7 +54,8 @@ def _always(_: nn.Module) -> str | None:
     return None
 
 
-def register_rule(*types: type[nn.Module], unsupported=_always) -> Callable[[RuleFn], RuleFn]:
+def register_rule(*types: type[nn.Module], unsupported=_always,
+                  multi_output: bool = False) -> Callable[[RuleFn], RuleFn]:
     """Register the decorated function as the per-sample rule for the module ``types``.
 
     Args:
@@ -61,6 +63,9 @@ def register_rule(*types: type[nn.Module], unsupported=_always) -> Callable[[Rul
             override ``forward``).
         unsupported: ``unsupported(layer) -> str | None``; a returned reason sends
             that configuration to the per-module ``torch.func`` fallback instead.
+        multi_output: the module returns several tensors (``nn.LSTM``); the rule
+            then gets a list of backprops, one ``(n, v, *out)`` per output tensor
+            that requires grad, in ``tree_leaves`` order.
 
     Returns:
         A decorator that registers ``fn(layer, activations, backprops, out)`` (see
@@ -91,7 +96,7 @@ def register_rule(*types: type[nn.Module], unsupported=_always) -> Callable[[Rul
 
     def decorate(fn: RuleFn) -> RuleFn:
         for cls in types:
-            _RULES[cls] = Rule(fn, cls, unsupported)
+            _RULES[cls] = Rule(fn, cls, unsupported, multi_output)
         return fn
 
     return decorate
