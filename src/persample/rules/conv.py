@@ -1,4 +1,4 @@
-"""Per-sample gradients of ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``.
+"""Per-sample gradients of ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d``.
 
 Index conventions: ``n`` sample, ``c`` input channel, ``o`` output channel,
 ``k`` kernel position, ``*s`` spatial dims; ``G`` groups.
@@ -14,6 +14,12 @@ unfold-based rule spends most of its time in ``F.unfold``; Opacus and BackPACK
 both unfold). Only 2-d convolutions with tiny patches (a first layer on a
 grey image) unfold, where that is cheaper. Rochette et al. (2019), "Efficient per-example gradient
 computations in convolutional neural networks", describe the grouped form.
+
+Transposed convolutions take the same route with ``transposed=True``: their
+weight is ``(c, o/G, *k)`` (input channels first), so folding the batch into the
+groups gives ``(n*c, o/G, *k)``, again exactly ``(n, c, o/G, *k)``. The output
+size (``output_padding``, or the ``output_size=`` of the call) is read from the
+backprops.
 """
 
 from __future__ import annotations
@@ -99,12 +105,72 @@ def _grouped(layer: nn.modules.conv._ConvNd, x: Tensor, g: Tensor) -> Tensor:
 def conv(layer: nn.modules.conv._ConvNd, activations: tuple, backprops: Tensor, out: dict):
     x = activations[0]  # (n, c, *s_in)
     g = backprops  # (n, v, o, *s_out)
+    _check_batched(layer, x)
+    if "weight" in out and x.shape[0] > 0:
+        out["weight"].copy_(conv_weight_per_sample(layer, x, g))
+    if "bias" in out:
+        torch.sum(g, dim=tuple(range(3, g.dim())), out=out["bias"])  # (n, v, o)
+
+
+def _check_batched(layer: nn.modules.conv._ConvNd, x: Tensor) -> None:
     if x.dim() != len(layer.kernel_size) + 2:
         raise ValueError(
             f"{type(layer).__name__} got an unbatched input of shape {tuple(x.shape)}; "
             "per-sample gradients need the batch in dim 0"
         )
+
+
+def transposed_output_padding(layer: nn.modules.conv._ConvTransposeNd, s_in: tuple,
+                              s_out: tuple) -> list[int]:
+    """The ``output_padding`` that gave spatial size ``s_out`` from ``s_in``.
+
+    ``s_out = (s_in - 1) * stride - 2 * padding + dilation * (k - 1) + output_padding + 1``;
+    it differs from ``layer.output_padding`` when the call passed ``output_size=``.
+    """
+    return [
+        o - ((i - 1) * st - 2 * p + dl * (k - 1) + 1)
+        for i, o, st, p, dl, k in zip(s_in, s_out, layer.stride, layer.padding, layer.dilation,
+                                      layer.kernel_size)
+    ]
+
+
+def conv_transpose_weight_per_sample(layer: nn.modules.conv._ConvTransposeNd, x: Tensor,
+                                     g: Tensor) -> Tensor:
+    """``x (n, c, *s_in)``, ``g (n, v, o, *s_out)`` -> weight gradients ``(n, v, c, o/G, *k)``.
+
+    The transposed convolution backward with the batch folded into the groups:
+    group ``(n, j)`` has ``c/G`` input and ``v * o/G`` output channels, so the
+    ``v`` cotangents of a sample go into the output channels of its groups.
+    """
+    n, v, o = g.shape[:3]
+    c, groups, spatial = x.shape[1], layer.groups, g.shape[3:]
+    g = g.reshape(n, v, groups, o // groups, *spatial).transpose(1, 2)  # (n, G, v, o/G, *s)
+    k = layer.weight.shape[2:]
+    weight_stub = layer.weight.new_empty(1).expand(n * c, v * o // groups, *k)  # shape only
+    grad = torch.ops.aten.convolution_backward(
+        g.reshape(1, n * v * o, *spatial),  # (1, n*G*v*o/G, *s_out)
+        x.reshape(1, n * c, *x.shape[2:]),  # (1, n*c, *s_in)
+        weight_stub,
+        None,
+        list(layer.stride),
+        list(layer.padding),
+        list(layer.dilation),
+        True,
+        transposed_output_padding(layer, x.shape[2:], spatial),
+        groups * n,
+        [False, True, False],
+    )[1]  # (n*G*c/G, v*o/G, *k)
+    grad = grad.view(n, c, v, o // groups, *k)
+    return grad.transpose(1, 2)  # (n, v, c, o/G, *k)
+
+
+@register_rule(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+def conv_transpose(layer: nn.modules.conv._ConvTransposeNd, activations: tuple,
+                   backprops: Tensor, out: dict):
+    x = activations[0]  # (n, c, *s_in)
+    g = backprops  # (n, v, o, *s_out)
+    _check_batched(layer, x)
     if "weight" in out and x.shape[0] > 0:
-        out["weight"].copy_(conv_weight_per_sample(layer, x, g))
+        out["weight"].copy_(conv_transpose_weight_per_sample(layer, x, g))
     if "bias" in out:
         torch.sum(g, dim=tuple(range(3, g.dim())), out=out["bias"])  # (n, v, o)
