@@ -166,3 +166,4 @@ def find_rule(module: nn.Module) -> tuple[Rule | None, str]:
 
 # Importing the rule files registers them.
 from . import conv, embedding, linear, norm  # noqa: E402,F401
+from . import recurrent  # noqa: E402,F401

@@ -1,0 +1,183 @@
+"""Per-sample gradients of ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU``.
+
+``torch.func`` has no batching rule for the fused recurrent kernels, and a loop
+over samples is slow. The rule recomputes the recurrence step by step, batched
+over samples (the equations of PyTorch's documentation), keeping each step's
+pre-activations in the graph. One backward of the captured backprops through
+that unrolled recurrence gives the backprops of the pre-activations; the weight
+gradients are then sums over time of outer products, as for a Linear layer on
+sequences (Goodfellow 2015, seed 004, applied per gate):
+
+- ``grad W_ih[n] = sum_t dgi[n, t]^T x[n, t]``, ``grad b_ih[n] = sum_t dgi[n, t]``
+- ``grad W_hh[n] = sum_t dgh[n, t]^T h[n, t - 1]``, ``grad b_hh[n] = sum_t dgh[n, t]``
+- ``grad W_hr[n] = sum_t dh[n, t]^T r[n, t]`` (LSTM with ``proj_size``)
+
+with ``gi = x W_ih^T + b_ih`` and ``gh = h W_hh^T + b_hh`` (kept apart because
+GRU's new gate multiplies ``gh`` by its reset gate). Index conventions: ``n``
+sample (times ``v`` cotangents, folded into one batch ``N``), ``t`` time step,
+``g`` gate unit. Packed sequences are padded and each sample's state is frozen
+past its length, which is exactly what the packed kernels compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+from . import register_rule
+
+
+@dataclass
+class _Trace:
+    """One layer and direction of the unrolled recurrence (lists in processing order)."""
+
+    suffix: str  # "_l0", "_l1_reverse", ...
+    x: Tensor  # (N, T, I) the layer's input
+    gi: Tensor  # (N, T, G) input pre-activations, in the graph
+    gh: list[Tensor] = field(default_factory=list)  # T x (N, G) hidden pre-activations
+    h_prev: list[Tensor] = field(default_factory=list)  # T x (N, H_out) state fed in
+    projected: list[Tensor] = field(default_factory=list)  # T x (N, P) (LSTM proj_size)
+    raw: list[Tensor] = field(default_factory=list)  # T x (N, H) before the projection
+
+
+def _cell(mode: str, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None
+          ) -> tuple[Tensor, Tensor | None]:
+    """One step: the new (unprojected) hidden state and, for LSTM, the new cell state."""
+    if mode == "RNN_TANH":
+        return torch.tanh(gi + gh), None
+    if mode == "RNN_RELU":
+        return torch.relu(gi + gh), None
+    if mode == "LSTM":
+        i, f, g, o = (gi + gh).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    ir, iz, in_ = gi.chunk(3, 1)  # GRU
+    hr, hz, hn = gh.chunk(3, 1)
+    r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+    return (1 - z) * torch.tanh(in_ + r * hn) + z * h, None
+
+
+def _weights(layer: nn.RNNBase, name: str) -> Tensor | None:
+    w = getattr(layer, name, None)
+    return None if w is None else w.detach()
+
+
+def _direction(layer: nn.RNNBase, trace: _Trace, valid: Tensor | None, h: Tensor,
+               c: Tensor | None, reverse: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Run one layer in one direction: outputs ``(N, T, H_out)``, final ``h`` and ``c``."""
+    w_hh, b_hh = _weights(layer, "weight_hh" + trace.suffix), _weights(layer, "bias_hh" + trace.suffix)
+    w_hr = _weights(layer, "weight_hr" + trace.suffix)
+    steps = trace.gi.unbind(1)  # T x (N, G)
+    order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
+    outs: list[Tensor] = [h] * len(steps)
+    for t in order:
+        gh = F.linear(h, w_hh, b_hh)  # (N, G)
+        new, c_new = _cell(layer.mode, steps[t], gh, h, c)
+        trace.gh.append(gh)
+        trace.h_prev.append(h)
+        if w_hr is not None:
+            trace.raw.append(new)
+            new = new @ w_hr.T  # (N, P)
+            trace.projected.append(new)
+        if valid is not None:  # past a sample's length its state stays as it was
+            keep = valid[:, t, None]
+            new = torch.where(keep, new, h)
+            c_new = None if c is None else torch.where(keep, c_new, c)
+        h, c = new, c_new
+        outs[t] = h
+    return torch.stack(outs, 1), h, c
+
+
+def _unrolled(layer: nn.RNNBase, x: Tensor, valid: Tensor | None, h0: Tensor,
+              c0: Tensor | None) -> tuple[list[_Trace], list[Tensor]]:
+    """The whole recurrence; returns the traces and ``[output, h_n, (c_n)]`` batch-first."""
+    directions = 2 if layer.bidirectional else 1
+    traces, h_n, c_n = [], [], []
+    for k in range(layer.num_layers):
+        outs = []
+        for d in range(directions):
+            suffix = f"_l{k}" + ("_reverse" if d else "")
+            gi = F.linear(x, _weights(layer, "weight_ih" + suffix),
+                          _weights(layer, "bias_ih" + suffix))  # (N, T, G)
+            trace = _Trace(suffix, x, gi)
+            j = k * directions + d
+            out, h, c = _direction(layer, trace, valid, h0[:, j],
+                                   None if c0 is None else c0[:, j], reverse=bool(d))
+            traces.append(trace)
+            outs.append(out)
+            h_n.append(h)
+            c_n.append(c)
+        x = torch.cat(outs, 2) if directions > 1 else outs[0]  # (N, T, D * H_out)
+    results = [x, torch.stack(h_n, 1)]  # (N, T, D * H_out), (N, L * D, H_out)
+    if c0 is not None:
+        results.append(torch.stack(c_n, 1))  # (N, L * D, H)
+    return traces, results
+
+
+def _inputs(layer: nn.RNNBase, activations: tuple, v: int):
+    """Batch-first input ``(n * v, T, I)``, valid-step mask, ``h0`` and ``c0``, repeated v times."""
+    x, hx = activations[0], activations[1] if len(activations) > 1 else None
+    valid = None
+    if isinstance(x, PackedSequence):
+        x, lengths = pad_packed_sequence(x, batch_first=True)  # (n, T, I), (n,)
+        valid = torch.arange(x.shape[1]) < lengths[:, None]  # (n, T)
+        valid = valid.to(x.device).repeat_interleave(v, 0)
+    n = x.shape[0]
+    h_out = layer.proj_size or layer.hidden_size
+    stack = layer.num_layers * (2 if layer.bidirectional else 1)
+    h0, c0 = (hx if isinstance(hx, tuple) else (hx, None))
+    if h0 is None:
+        h0 = x.new_zeros(n, stack, h_out)
+    if layer.mode == "LSTM" and c0 is None:
+        c0 = x.new_zeros(n, stack, layer.hidden_size)
+    # leaves of the unrolled graph, so that every pre-activation is in it
+    x, h0, c0 = [None if t is None else t.detach().repeat_interleave(v, 0).requires_grad_()
+                 for t in (x, h0, c0)]
+    return x, valid, h0, c0
+
+
+def _check_dropout(layer: nn.RNNBase) -> None:
+    if layer.dropout > 0 and layer.training and layer.num_layers > 1:
+        raise ValueError(
+            f"{type(layer).__name__} has dropout={layer.dropout} between its layers in training "
+            "mode: a random mask the per-sample rule cannot reproduce (and no two calls agree). "
+            "Set dropout=0, or call model.eval()."
+        )
+
+
+@register_rule(nn.RNN, nn.LSTM, nn.GRU, multi_output=True)
+def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], out: dict):
+    """Per-sample gradients of every weight of ``layer``; backprops ``[output, h_n, (c_n)]``."""
+    _check_dropout(layer)
+    n, v = backprops[0].shape[:2]
+    x, valid, h0, c0 = _inputs(layer, activations, v)
+    with torch.enable_grad():
+        traces, results = _unrolled(layer, x, valid, h0, c0)
+        wrt = [t.gi for t in traces] + [g for t in traces for g in t.gh + t.projected]
+        grads = torch.autograd.grad(
+            results, wrt, [g.flatten(0, 1) for g in backprops], allow_unused=True)
+    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
+    d_gi, rest = grads[: len(traces)], iter(grads[len(traces):])
+    for trace, dgi in zip(traces, d_gi):
+        dgh = torch.stack([next(rest) for _ in trace.gh], 1)  # (N, T, G)
+        dproj = [next(rest) for _ in trace.projected]
+        _write(out, "weight_ih" + trace.suffix, dgi, trace.x, n, v)
+        _write(out, "bias_ih" + trace.suffix, dgi, None, n, v)
+        _write(out, "weight_hh" + trace.suffix, dgh, torch.stack(trace.h_prev, 1), n, v)
+        _write(out, "bias_hh" + trace.suffix, dgh, None, n, v)
+        if dproj:
+            _write(out, "weight_hr" + trace.suffix, torch.stack(dproj, 1),
+                   torch.stack(trace.raw, 1), n, v)
+
+
+def _write(out: dict, name: str, g: Tensor, a: Tensor | None, n: int, v: int) -> None:
+    """``out[name] (n, v, ...)`` = ``sum_t g^T a`` (a weight) or ``sum_t g`` (a bias)."""
+    if name not in out:
+        return
+    # g (N, T, G), a (N, T, I) -> (N, G, I); or (N, G)
+    grad = g.sum(1) if a is None else torch.bmm(g.transpose(1, 2), a.detach())
+    out[name].copy_(grad.unflatten(0, (n, v)))
