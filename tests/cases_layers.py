@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from cases import case, classes, cross_entropy, randn
+from cases import case, classes, cross_entropy, per_sample_squares, randn, regression
 
 
 class ConvTransposeOutputSize(nn.Module):
@@ -37,6 +38,35 @@ class ConvUpDown(nn.Module):
         return self.head(self.up(self.down(x).tanh()).tanh())  # (B, 3, H, W)
 
 
+def with_running_stats(norm: nn.Module) -> nn.Module:
+    """``norm`` in eval mode with drawn running statistics (and affine parameters)."""
+    with torch.no_grad():
+        norm.running_mean.uniform_(-1, 1)
+        norm.running_var.uniform_(0.5, 2)
+        if norm.affine:
+            norm.weight.normal_()
+            norm.bias.normal_()
+    return norm.eval()
+
+
+def conv_instancenorm_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.InstanceNorm2d(4, affine=True), nn.ReLU(),
+                         nn.Conv2d(4, 3, 2, stride=2), nn.Flatten(), nn.Linear(3 * 2 * 2, 4))
+
+
+def mlp_batchnorm1d_eval() -> nn.Module:
+    net = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3))
+    with_running_stats(net[1])
+    return net.eval()
+
+
+def conv3d_batchnorm_eval() -> nn.Module:
+    net = nn.Sequential(nn.Conv3d(1, 2, 2), nn.BatchNorm3d(2), nn.Tanh(), nn.Flatten(),
+                        nn.Linear(2 * 2 * 2 * 2, 3))
+    with_running_stats(net[1])
+    return net.eval()
+
+
 LAYER_CASES: list[dict[str, Any]] = [
     # nn.ConvTranspose1d / 2d / 3d
     case("convT1d", lambda: nn.ConvTranspose1d(2, 3, 3), lambda n: randn(n, 2, 4)),
@@ -60,5 +90,43 @@ LAYER_CASES: list[dict[str, Any]] = [
                                     output_padding=(1, 0, 1), dilation=(1, 2, 1), groups=2),
          lambda n: randn(n, 2, 2, 2, 3)),
     case("conv-convT-encoder-decoder", ConvUpDown, lambda n: randn(n, 2, 4, 6),
+         classes, cross_entropy),
+    # nn.InstanceNorm1d / 2d / 3d (affine; with running statistics only in eval mode,
+    # training mode with them is in test_layer_rules.py: the forward updates them)
+    case("instancenorm1d-affine", lambda: nn.InstanceNorm1d(3, affine=True),
+         lambda n: randn(n, 3, 5)),
+    case("instancenorm2d-affine", lambda: nn.InstanceNorm2d(2, affine=True),
+         lambda n: randn(n, 2, 3, 4), regression, per_sample_squares),
+    case("instancenorm3d-affine-eps", lambda: nn.InstanceNorm3d(2, eps=0.1, affine=True),
+         lambda n: randn(n, 2, 2, 3, 2)),
+    case("instancenorm1d-affine-running-stats-eval",
+         lambda: with_running_stats(nn.InstanceNorm1d(3, affine=True, track_running_stats=True)),
+         lambda n: randn(n, 3, 4)),
+    case("instancenorm2d-affine-running-stats-eval",
+         lambda: with_running_stats(nn.InstanceNorm2d(2, affine=True, track_running_stats=True)),
+         lambda n: randn(n, 2, 3, 3)),
+    case("conv-instancenorm-net", conv_instancenorm_net, lambda n: randn(n, 2, 6, 6),
+         classes, cross_entropy),
+    # nn.RMSNorm
+    case("rmsnorm-last-dim", lambda: nn.RMSNorm(4), lambda n: randn(n, 5, 4)),
+    case("rmsnorm-2d-input-eps", lambda: nn.RMSNorm(4, eps=1e-2), lambda n: randn(n, 4)),
+    case("rmsnorm-last-2-dims", lambda: nn.RMSNorm((3, 4), eps=1e-5),
+         lambda n: randn(n, 2, 3, 4)),
+    case("rmsnorm-no-affine-mlp",
+         lambda: nn.Sequential(nn.Linear(4, 5), nn.RMSNorm(5, elementwise_affine=False),
+                               nn.Linear(5, 3)),
+         lambda n: randn(n, 4), classes, cross_entropy),
+    # nn.BatchNorm1d / 2d / 3d in eval mode (running statistics)
+    case("batchnorm1d-eval-2d-input", lambda: with_running_stats(nn.BatchNorm1d(4)),
+         lambda n: randn(n, 4)),
+    case("batchnorm1d-eval-3d-input", lambda: with_running_stats(nn.BatchNorm1d(3, eps=0.1)),
+         lambda n: randn(n, 3, 5)),
+    case("batchnorm2d-eval", lambda: with_running_stats(nn.BatchNorm2d(2)),
+         lambda n: randn(n, 2, 3, 3), regression, per_sample_squares),
+    case("batchnorm3d-eval", lambda: with_running_stats(nn.BatchNorm3d(2)),
+         lambda n: randn(n, 2, 2, 2, 3)),
+    case("mlp-batchnorm1d-eval", mlp_batchnorm1d_eval, lambda n: randn(n, 4),
+         classes, cross_entropy),
+    case("conv3d-batchnorm3d-eval", conv3d_batchnorm_eval, lambda n: randn(n, 1, 3, 3, 3),
          classes, cross_entropy),
 ]
