@@ -1,0 +1,611 @@
+"""Faults and awkward input: a clear error or a documented result, and an untouched model.
+
+Complements test_bad_input.py (wrong shapes and options) and test_model_state.py
+(the state of the model after ``per_sample_grads`` succeeds or raises): here the
+other public functions when the forward or the loss raises, no torch function
+mode left behind, inputs that require grad, out-of-range embedding ids, NaN and
+Inf in inputs, low-precision models, a module called on a sub-batch, two threads
+at once, and an in-place activation with the norms, the Jacobian and DP.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from persample import (
+    loop_param_jacobian,
+    loop_per_sample_grads,
+    param_jacobian,
+    per_sample_grad_norms,
+    per_sample_grads,
+)
+from persample.dp import private_grad
+
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+N = 4
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+class Scale(nn.Module):
+    """No rule: the per-module torch.func fallback."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+class Boom(Exception):
+    pass
+
+
+class Inner(nn.Module):
+    """A captured submodule that can raise in the middle of its own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.fail = [False]  # a list: the snapshot sees the same attribute
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        if self.fail[0]:
+            raise Boom("inner forward failed")
+        return torch.tanh(h)
+
+
+class Net(nn.Module):
+    """Conv (rule), Scale (fallback), a nested Linear that may raise, a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 5, 3)
+        self.scale = Scale(5)
+        self.inner = Inner()
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.scale(self.conv(x).mean(-1))
+        return self.head(self.inner(h))
+
+
+def net_data(n: int = N) -> tuple[Tensor, Tensor]:
+    return torch.randn(n, 2, 6), torch.randint(0, 3, (n,))
+
+
+def flatten(grads: dict[str, Tensor]) -> Tensor:
+    return torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1)
+
+
+def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor], **tol) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **(tol or TOL),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def assert_nothing_left(model: nn.Module) -> None:
+    """No hook of any kind on any submodule, no torch function mode active, grad mode on."""
+    for name, m in model.named_modules():
+        for attr in _HOOK_DICTS:
+            assert len(getattr(m, attr)) == 0, f"module {name!r}: {attr} not empty"
+    assert _get_current_function_mode_stack() == []
+    assert torch.is_grad_enabled()
+
+
+# ---------------------------------------------------------------------------
+# the forward or the loss raises: every public function cleans up
+
+
+def _norms(model, x, y, loss_fn, method):
+    return per_sample_grad_norms(model, x, y, loss_fn, method=method, per_layer=True)[1]
+
+
+def _private(model, x, y, loss_fn, method):
+    private_grad(model, x, y, loss_fn, max_grad_norm=1e9, noise_multiplier=0.0)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _grads(model, x, y, loss_fn, method):
+    return per_sample_grads(model, x, y, loss_fn, method=method)
+
+
+LOSS_FUNCTIONS = {"per_sample_grads": _grads, "per_sample_grad_norms": _norms,
+                  "private_grad": _private}
+
+
+def _expected(name: str, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    ref = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    if name == "per_sample_grad_norms":
+        return {k: g.flatten(1).norm(dim=1) for k, g in ref.items()}
+    if name == "private_grad":  # no clipping (huge C), no noise: the mean
+        return {k: g.sum(0) / len(g) for k, g in ref.items()}
+    return ref
+
+
+@pytest.mark.parametrize("method", ["rules", "auto"])
+@pytest.mark.parametrize("func", list(LOSS_FUNCTIONS))
+def test_forward_raises_inside_a_submodule(func, method, snapshot):
+    """The exception escapes from inside a captured call (its hooks' stack half done)."""
+    model = Net()
+    x, y = net_data()
+    state = snapshot(model)
+    model.inner.fail[0] = True
+    with pytest.raises(Boom, match="inner forward failed"):
+        LOSS_FUNCTIONS[func](model, x, y, nn.CrossEntropyLoss(), method)
+    model.inner.fail[0] = False
+    state.assert_unchanged()
+    assert_nothing_left(model)
+    got = LOSS_FUNCTIONS[func](model, x, y, nn.CrossEntropyLoss(), method)
+    assert_grads(got, _expected(func, model, x, y))
+    state.assert_unchanged()
+    assert_nothing_left(model)
+
+
+@pytest.mark.parametrize("method", ["rules", "auto"])
+@pytest.mark.parametrize("func", list(LOSS_FUNCTIONS))
+def test_loss_raises(func, method, snapshot):
+    model = Net()
+    x, y = net_data()
+    state = snapshot(model)
+
+    def bad_loss(out, target):
+        raise Boom("loss failed")
+
+    with pytest.raises(Boom, match="loss failed"):
+        LOSS_FUNCTIONS[func](model, x, y, bad_loss, method)
+    state.assert_unchanged()
+    assert_nothing_left(model)
+    got = LOSS_FUNCTIONS[func](model, x, y, nn.CrossEntropyLoss(), method)
+    assert_grads(got, _expected(func, model, x, y))
+    state.assert_unchanged()
+
+
+class CountingNet(Net):
+    """Raises on forward call number ``fail_on[0]`` (param_jacobian first runs one
+    sample without capture to learn the output shape, then the captured batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail_on = [0]
+        self.count = [0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.count[0] += 1
+        self.inner.fail[0] = self.count[0] == self.fail_on[0]
+        try:
+            return super().forward(x)
+        finally:
+            self.inner.fail[0] = False
+
+
+@pytest.mark.parametrize("fail_on", [1, 2], ids=["shape-probe", "captured-forward"])
+@pytest.mark.parametrize("method", ["rules", "auto"])
+def test_param_jacobian_forward_raises(method, fail_on, snapshot):
+    model = CountingNet()
+    x, _ = net_data()
+    state = snapshot(model)
+    model.fail_on[0] = fail_on
+    with pytest.raises(Boom, match="inner forward failed"):
+        param_jacobian(model, x, method=method)
+    assert model.count[0] == fail_on
+    model.fail_on[0] = 0
+    state.assert_unchanged()
+    assert_nothing_left(model)
+    assert_grads(param_jacobian(model, x, method=method), loop_param_jacobian(model, x))
+    assert_nothing_left(model)
+
+
+class Recorder(TorchFunctionMode):
+    """A user's own torch function mode, active around the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["rules", "auto", "vmap", "loop"])
+def test_users_function_mode_stays_on_top_after_a_failure(method):
+    """The capture's mode is pushed over the user's and popped again, also on an error."""
+    model = Net()
+    x, y = net_data()
+    with Recorder() as mode:
+        model.inner.fail[0] = True
+        with pytest.raises(Boom):
+            per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+        model.inner.fail[0] = False
+        assert _get_current_function_mode_stack() == [mode]
+        before = mode.calls
+        got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+        assert _get_current_function_mode_stack() == [mode]
+        assert mode.calls > before  # the user's mode still sees the ops
+    assert _get_current_function_mode_stack() == []
+    assert_grads(got, loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
+
+
+# ---------------------------------------------------------------------------
+# inputs that require grad
+
+
+@pytest.mark.parametrize("method", ["rules", "auto", "vmap", "loop"])
+def test_inputs_that_require_grad(method, snapshot):
+    model = Net()
+    x, y = net_data()
+    want = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    want_jac = loop_param_jacobian(model, x)
+    x.requires_grad_(True)
+    x_before = x.detach().clone()
+    state = snapshot(model)
+    got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+    assert_grads({k: g.detach() for k, g in got.items()}, want)
+    norms = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method=method)
+    torch.testing.assert_close(norms.detach(), flatten(want).norm(dim=1), **TOL)
+    jac = param_jacobian(model, x, method=method)
+    assert_grads({k: g.detach() for k, g in jac.items()}, want_jac)
+    assert x.grad is None and x.requires_grad and x.is_leaf
+    assert torch.equal(x.detach(), x_before)
+    state.assert_unchanged()
+
+
+def test_input_that_is_not_a_leaf():
+    """An input computed from another tensor that requires grad: nothing flows back to it."""
+    model = Net()
+    x0, y = net_data()
+    want = loop_per_sample_grads(model, x0, y, nn.CrossEntropyLoss())
+    base = x0.clone().requires_grad_(True)
+    x = base * 1.0
+    got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
+    assert_grads(got, want)
+    assert base.grad is None
+
+
+# ---------------------------------------------------------------------------
+# out-of-range embedding ids
+
+
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.fc(self.emb(ids).mean(1))
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 100], ids=["negative", "num_embeddings", "far"])
+@pytest.mark.parametrize("method", ["rules", "auto", "vmap", "loop"])
+def test_embedding_ids_out_of_range(method, bad, snapshot):
+    """torch's IndexError from the embedding lookup reaches the caller; nothing is left."""
+    model = Tokens()
+    ids = torch.randint(0, 5, (N, 4))
+    ids[2, 1] = bad
+    y = torch.randn(N, 2)
+    state = snapshot(model)
+    with pytest.raises(IndexError, match="index out of range"):
+        per_sample_grads(model, ids, y, nn.MSELoss(), method=method)
+    with pytest.raises(IndexError, match="index out of range"):
+        per_sample_grad_norms(model, ids, y, nn.MSELoss(), method=method)
+    with pytest.raises(IndexError, match="index out of range"):
+        param_jacobian(model, ids, method=method)
+    state.assert_unchanged()
+    assert_nothing_left(model)
+    ids[2, 1] = 4
+    got = per_sample_grads(model, ids, y, nn.MSELoss(), method=method)
+    assert_grads(got, loop_per_sample_grads(model, ids, y, nn.MSELoss()))
+
+
+def test_embedding_ids_out_of_range_in_private_grad(snapshot):
+    model = Tokens()
+    ids = torch.randint(0, 5, (N, 4))
+    ids[0, 0] = -3
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    state = snapshot(model)
+    with pytest.raises(IndexError, match="index out of range"):
+        private_grad(model, ids, torch.randn(N, 2), nn.MSELoss(), max_grad_norm=1.0,
+                     noise_multiplier=1.0)
+    state.assert_unchanged()  # every p.grad kept (identity and values)
+    assert_nothing_left(model)
+
+
+# ---------------------------------------------------------------------------
+# NaN and Inf in the inputs
+
+
+class Mixed(nn.Module):
+    """Layers whose rules batch over samples: conv2d (unfold and grouped forms),
+    GroupNorm, a Linear over a sequence (ghost norm), LayerNorm, the fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3)  # grey image, tiny patch: the unfold form
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)  # the grouped-backward form
+        self.gn = nn.GroupNorm(2, 4)
+        self.seq = nn.Linear(4, 6)  # over (B, 16, 4): a sequence
+        self.ln = nn.LayerNorm(6)
+        self.scale = Scale(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.gn(self.conv2(torch.tanh(self.conv1(x))))  # (B, 4, 4, 4)
+        h = self.ln(torch.tanh(self.seq(h.flatten(2).transpose(1, 2))))  # (B, 16, 6)
+        return self.head(self.scale(h).mean(1))
+
+
+@pytest.mark.parametrize("method", ["rules", "auto", "vmap"])
+@pytest.mark.parametrize("poison", ["nan", "inf", "-inf"])
+def test_nan_and_inf_inputs_stay_in_their_samples(poison, method, snapshot):
+    model = Mixed()
+    x, y = torch.randn(N, 1, 6, 6), torch.randint(0, 3, (N,))
+    x[1, 0, 2, 3] = float(poison)
+    state = snapshot(model)
+    want = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+    assert_grads(got, want, rtol=1e-10, atol=1e-12, equal_nan=True)
+    flat = flatten(got)
+    assert not flat[1].isfinite().all()  # the poisoned sample is poisoned
+    clean = [0, 2, 3]
+    assert flat[clean].isfinite().all()
+    torch.testing.assert_close(flat[clean], flatten(want)[clean], **TOL)
+
+    norms = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method=method)
+    torch.testing.assert_close(norms[clean], flatten(want)[clean].norm(dim=1), **TOL)
+    assert not norms[1].isfinite()
+
+    jac = param_jacobian(model, x, method=method, flat=True)  # (B, 3, P)
+    want_jac = torch.cat([j.flatten(2) for j in loop_param_jacobian(model, x).values()], 2)
+    torch.testing.assert_close(jac, want_jac, **TOL, equal_nan=True)
+    assert jac[clean].isfinite().all() and not jac[1].isfinite().all()
+    state.assert_unchanged()
+
+
+# ---------------------------------------------------------------------------
+# dtypes
+
+
+def small_model() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 3, 3), nn.GroupNorm(1, 3), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(3 * 4 * 4, 6), nn.LayerNorm(6), Scale(6), nn.Tanh(),
+                         nn.Linear(6, 3))
+
+
+# relative error of a sample's flat gradient against the float64 loop of the same
+# (rounded) weights and inputs; measured here: bf16 ~ 8e-3, fp16 ~ 1e-3, fp32 ~ 3e-7
+REL_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2,
+           torch.bfloat16: 6e-2}
+
+
+@pytest.mark.parametrize("method", ["rules", "auto"])
+@pytest.mark.parametrize("dtype", list(REL_TOL), ids=lambda d: str(d).split(".")[1])
+def test_results_in_the_models_dtype(dtype, method, snapshot):
+    model64 = small_model()
+    x64, y = torch.randn(N, 1, 6, 6), torch.randint(0, 3, (N,))
+    model, x = copy.deepcopy(model64).to(dtype), x64.to(dtype)
+    # the reference: the float64 loop on exactly the same (rounded) numbers
+    ref_model, ref_x = copy.deepcopy(model).double(), x.double()
+    want = flatten(loop_per_sample_grads(ref_model, ref_x, y, nn.CrossEntropyLoss()))
+    want_jac = torch.cat([j.flatten(2) for j in loop_param_jacobian(ref_model, ref_x).values()],
+                         2)
+    state = snapshot(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        grads = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
+        flat = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method, flat=True)
+        norms = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method=method)
+        jac = param_jacobian(model, x, method=method, flat=True)
+    assert not [w for w in record if "Falling back" in str(w.message)]
+    assert {g.dtype for g in grads.values()} == {dtype}
+    assert flat.dtype == norms.dtype == jac.dtype == dtype
+    assert torch.equal(flatten(grads), flat)
+    tol = REL_TOL[dtype]
+    rel = (flat.double() - want).norm(dim=1) / want.norm(dim=1)
+    assert (rel < tol).all(), rel
+    assert ((norms.double() - want.norm(dim=1)).abs() / want.norm(dim=1) < tol).all()
+    rel_jac = (jac.double() - want_jac).flatten(1).norm(dim=1) / want_jac.flatten(1).norm(dim=1)
+    assert (rel_jac < tol).all(), rel_jac
+    state.assert_unchanged()
+
+
+# ---------------------------------------------------------------------------
+# a module called on a sub-batch
+
+
+class SubBatch(nn.Module):
+    """``fc`` runs on the batch and again on its first sample only: samples interact."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.body.add_module("fc", nn.Linear(4, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.body[:2](x)
+        return self.body.fc(h) + self.body.fc(h[:1])
+
+
+@pytest.mark.parametrize("method", ["rules", "auto"])
+def test_module_called_on_a_sub_batch(method, snapshot):
+    model = SubBatch()
+    x, y = torch.randn(N, 4), torch.randn(N, 3)
+    state = snapshot(model)
+    pattern = r"module 'body\.fc' \(Linear\).*shape \(1, 3\).*not the batch size 4"
+    with pytest.raises(ValueError, match=pattern):
+        per_sample_grads(model, x, y, nn.MSELoss(), method=method)
+    with pytest.raises(ValueError, match=pattern):
+        per_sample_grad_norms(model, x, y, nn.MSELoss(), method=method)
+    with pytest.raises(ValueError, match=pattern):
+        param_jacobian(model, x, method=method)
+    state.assert_unchanged()
+    assert_nothing_left(model)
+
+
+def test_module_called_on_a_sub_batch_in_private_grad(snapshot):
+    model = SubBatch()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    state = snapshot(model)
+    with pytest.raises(ValueError, match=r"module 'body\.fc' \(Linear\)"):
+        private_grad(model, torch.randn(N, 4), torch.randn(N, 3), nn.MSELoss(),
+                     max_grad_norm=1.0, noise_multiplier=0.0)
+    state.assert_unchanged()
+    assert_nothing_left(model)
+
+
+# ---------------------------------------------------------------------------
+# two threads at once
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3)
+        self.fc = nn.Linear(12, 4)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.fc(self.emb(ids).flatten(1))
+
+
+def test_two_threads_two_models():
+    """Each thread captures its own model; the calls overlap (a barrier before each)."""
+    models = {"net": Net(), "tagger": Tagger()}
+    data = {"net": net_data(5), "tagger": (torch.randint(0, 7, (6, 4)),
+                                            torch.randint(0, 4, (6,)))}
+    want = {k: loop_per_sample_grads(models[k], *data[k], nn.CrossEntropyLoss())
+            for k in models}
+    want_norms = {k: flatten(w).norm(dim=1) for k, w in want.items()}
+    rounds = 6
+    barrier = threading.Barrier(2, timeout=60)
+    got: dict = {}
+    errors: list = []
+    dtype = torch.get_default_dtype()
+
+    def work(key: str) -> None:
+        torch.set_default_dtype(dtype)  # process-wide anyway; harmless
+        try:
+            for r in range(rounds):
+                barrier.wait()
+                method = "rules" if r % 2 == 0 else "auto"
+                got[key, r] = per_sample_grads(models[key], *data[key], nn.CrossEntropyLoss(),
+                                               method=method)
+                barrier.wait()
+                got[key, r, "norms"] = per_sample_grad_norms(
+                    models[key], *data[key], nn.CrossEntropyLoss(), method=method)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for key in models:
+        for r in range(rounds):
+            assert_grads(got[key, r], want[key])
+            torch.testing.assert_close(got[key, r, "norms"], want_norms[key], **TOL)
+        assert_nothing_left(models[key])
+
+
+# ---------------------------------------------------------------------------
+# an activation modified in place (per_sample_grads: test_bad_input.py)
+
+
+def inplace_relu_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+
+
+def out_of_place(model: nn.Sequential) -> nn.Module:
+    return nn.Sequential(model[0], nn.ReLU(), model[2])
+
+
+@pytest.mark.parametrize("func", ["norms", "param_jacobian"])
+def test_inplace_relu_rules_raise_a_clear_error(func, snapshot):
+    model = inplace_relu_model()
+    x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
+    state = snapshot(model)
+    with pytest.raises(RuntimeError, match=r"module '0' \(Linear\) was modified in place"):
+        if func == "norms":
+            per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method="rules")
+        else:
+            param_jacobian(model, x, method="rules")
+    state.assert_unchanged()
+    assert_nothing_left(model)
+
+
+def test_inplace_relu_norms_auto_is_correct(snapshot):
+    model = inplace_relu_model()
+    x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
+    want = flatten(loop_per_sample_grads(out_of_place(model), x, y, nn.CrossEntropyLoss()))
+    state = snapshot(model)
+    with pytest.warns(UserWarning, match="modified in place.*Falling back"):
+        got = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method="auto")
+    torch.testing.assert_close(got, want.norm(dim=1), **TOL)
+    state.assert_unchanged()
+
+
+def test_inplace_relu_param_jacobian_auto_is_correct(snapshot):
+    model = inplace_relu_model()
+    x = torch.randn(N, 4)
+    want = loop_param_jacobian(out_of_place(model), x)
+    state = snapshot(model)
+    with pytest.warns(UserWarning, match="modified in place.*Falling back"):
+        got = param_jacobian(model, x, method="auto")
+    assert_grads(got, want)
+    state.assert_unchanged()
+
+
+def test_inplace_relu_private_grad_raises_and_keeps_grads(snapshot):
+    model = inplace_relu_model()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    state = snapshot(model)
+    with pytest.raises(RuntimeError, match=r"module '0' \(Linear\) was modified in place"):
+        private_grad(model, torch.randn(N, 4), torch.randint(0, 3, (N,)),
+                     nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0)
+    state.assert_unchanged()
+    assert_nothing_left(model)
+
+
+class InPlaceAfterFallback(nn.Module):
+    """``F.relu_`` on the output of a module without a rule (the fallback's input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = Scale(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(F.relu_(self.scale(x)))
+
+
+def test_inplace_op_after_a_fallback_module(snapshot):
+    """rules: a clear error naming the module; auto: the loop's result, with a warning."""
+    model = InPlaceAfterFallback()
+    x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
+    want = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    state = snapshot(model)
+    with pytest.raises(RuntimeError, match=r"module 'scale' \(Scale\) was modified in place"):
+        per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
+    with pytest.warns(UserWarning, match="modified in place.*Falling back"):
+        got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="auto")
+    assert_grads(got, want)
+    state.assert_unchanged()
