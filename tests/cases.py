@@ -427,9 +427,12 @@ def case(
     target_fn: Callable[[Tensor], Any] | None = regression,
     loss_fn: Callable[[str], Callable] = mse,
     seed: int = 0,
+    vmap: bool = True,
 ) -> dict[str, Any]:
+    """One case; ``vmap=False``: torch.func cannot batch the model (an RNN), so
+    ``method="vmap"`` must refuse it (tested once) instead of matching the loop."""
     return {"id": id, "module_fn": module_fn, "input_fn": input_fn,
-            "target_fn": target_fn, "loss_fn": loss_fn, "seed": seed}
+            "target_fn": target_fn, "loss_fn": loss_fn, "seed": seed, "vmap": vmap}
 
 
 CASES: list[dict[str, Any]] = [

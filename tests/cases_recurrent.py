@@ -1,7 +1,219 @@
-"""Cases (see ``cases.py``) for nn.RNN, nn.LSTM, nn.GRU, nn.MultiheadAttention and Transformer layers."""
+"""Cases (see ``cases.py``) for nn.RNN, nn.LSTM, nn.GRU, nn.MultiheadAttention and the
+Transformer layers, in both layouts (``batch_first`` or not).
+
+The models take batch-first inputs (the library's contract) and transpose inside
+when their sequence module is sequence-first. Sequences of length ``N`` (the
+batch size) make a layout bug visible: dim 0 and dim 1 then have the same size.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-RECURRENT_CASES: list[dict[str, Any]] = []
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from cases import N, case, classes, cross_entropy, ids, per_sample_squares, randn, regression
+
+
+class Recurrent(nn.Module):
+    """``rnn`` over a batch-first ``(B, T, F)`` input (optionally packed, optionally
+    with an initial state), then a Linear head on the summed outputs and final states."""
+
+    def __init__(self, rnn: nn.RNNBase, packed: bool = False, initial_state: bool = False):
+        super().__init__()
+        self.rnn, self.packed, self.initial_state = rnn, packed, initial_state
+        directions = 2 if rnn.bidirectional else 1
+        width = (rnn.proj_size or rnn.hidden_size) * directions
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # each sample's own length, from its data: 1 to T steps
+        lengths = 1 + (x[:, 0, 0].detach().abs() * 7).long() % x.shape[1]
+        seq = x if self.rnn.batch_first else x.transpose(0, 1)
+        if self.packed:
+            seq = pack_padded_sequence(seq, lengths, batch_first=self.rnn.batch_first,
+                                       enforce_sorted=False)
+        hx = self._initial_state(x) if self.initial_state else None
+        out, state = self.rnn(seq, hx)
+        if self.packed:
+            out = pad_packed_sequence(out, batch_first=True)[0]
+        elif not self.rnn.batch_first:
+            out = out.transpose(0, 1)
+        h_n = state[0] if isinstance(state, tuple) else state  # (L * D, B, H_out)
+        return self.head(out.sum(1)) + h_n.transpose(0, 1).sum((1, 2))[:, None]
+
+    def _initial_state(self, x: Tensor) -> Any:
+        r = self.rnn
+        stack = r.num_layers * (2 if r.bidirectional else 1)
+        h0 = torch.tanh(x[:, :1, :1]).reshape(1, -1, 1).expand(stack, -1, r.proj_size
+                                                               or r.hidden_size)
+        if isinstance(r, nn.LSTM):
+            return h0, 0.5 * h0[..., :1].expand(-1, -1, r.hidden_size)
+        return h0
+
+
+class LSTMClassifier(nn.Module):
+    """A text classifier: Embedding, 2-layer bidirectional LSTM, Linear on the last state."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 4, padding_idx=0)
+        self.lstm = nn.LSTM(4, 5, num_layers=2, bidirectional=True)
+        self.out = nn.Linear(10, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        _, (h, _) = self.lstm(self.emb(tokens).transpose(0, 1))  # h: (4, B, 5)
+        return self.out(torch.cat([h[-2], h[-1]], 1))
+
+
+def recurrent(cls: type, packed: bool = False, initial_state: bool = False, **kwargs):
+    return lambda: Recurrent(cls(3, 4, **kwargs), packed, initial_state)
+
+
+def rnn_case(*args, **kwargs) -> dict[str, Any]:
+    """A case whose model torch.func cannot batch (``method="vmap"`` refuses it)."""
+    return case(*args, **kwargs, vmap=False)
+
+
+def padding_mask(x: Tensor) -> Tensor:
+    """``(B, T)`` keys to ignore, from each sample's own data; never the first key."""
+    pad = x[:, :, 0].detach() > 0.5
+    pad[:, 0] = False
+    return pad
+
+
+class Attention(nn.Module):
+    """Stock nn.MultiheadAttention on batch-first inputs, in either of its layouts."""
+
+    def __init__(self, batch_first: bool, kdim: int | None = None, mask: str = "",
+                 use_weights: bool = False, **kwargs):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=kdim, vdim=kdim,
+                                          **kwargs)
+        self.mask, self.use_weights = mask, use_weights
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        kv = x if self.attn.kdim == 8 else x[..., : self.attn.kdim]
+        n, t = x.shape[:2]
+        kwargs = {}
+        if "causal" in self.mask:
+            kwargs["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(t).to(x)
+        if "heads" in self.mask:  # a 3-d float mask, (B * heads, T, T), from each sample's data
+            m = (x[:, :, :1] - x[:, :, 1:2].transpose(1, 2)).detach()  # (B, T, T)
+            kwargs["attn_mask"] = torch.stack([m, -m], 1).flatten(0, 1)
+        if "padding" in self.mask:
+            kwargs["key_padding_mask"] = padding_mask(x)
+        q, kv = (x, kv) if self.attn.batch_first else (x.transpose(0, 1), kv.transpose(0, 1))
+        y, w = self.attn(q, kv, kv, need_weights=self.use_weights, **kwargs)
+        y = y if self.attn.batch_first else y.transpose(0, 1)
+        out = self.head(y.mean(1))
+        return out + w.sum((1, 2))[:, None] if self.use_weights else out
+
+
+class Encoder(nn.Module):
+    """nn.TransformerEncoder of 2 layers, sequence-first or batch-first, with masks."""
+
+    def __init__(self, batch_first: bool, norm_first: bool = False):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=batch_first,
+                                           norm_first=norm_first)
+        self.enc = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(8),
+                                         enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pad = padding_mask(x)
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1]).to(x)
+        seq = x if self.enc.layers[0].self_attn.batch_first else x.transpose(0, 1)
+        y = self.enc(seq, mask=causal, src_key_padding_mask=pad, is_causal=True)
+        y = y if self.enc.layers[0].self_attn.batch_first else y.transpose(0, 1)
+        return self.head(y.mean(1))
+
+
+class Decoder(nn.Module):
+    """nn.TransformerDecoderLayer with a memory of another length, either layout."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.dec = nn.TransformerDecoderLayer(8, 2, 12, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tgt, memory = x, torch.tanh(x[:, :2] * 2)  # (B, T, 8), (B, 2, 8)
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1]).to(x)
+        if not self.dec.self_attn.batch_first:
+            tgt, memory = tgt.transpose(0, 1), memory.transpose(0, 1)
+        y = self.dec(tgt, memory, tgt_mask=causal)
+        y = y if self.dec.self_attn.batch_first else y.transpose(0, 1)
+        return self.head(y.mean(1))
+
+
+class FullTransformer(nn.Module):
+    """nn.Transformer (encoder and decoder), sequence-first."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Transformer(8, 2, 1, 1, 12, dropout=0.0)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = x.transpose(0, 1)
+        return self.head(self.t(s, s[:2]).mean(0))
+
+
+RECURRENT_CASES: list[dict[str, Any]] = [
+    # nn.RNN / nn.LSTM / nn.GRU: sequence length N (= batch size) unless stated
+    rnn_case("rnn-tanh", recurrent(nn.RNN), lambda n: randn(n, N, 3)),
+    rnn_case("rnn-relu-batch-first-nobias",
+         recurrent(nn.RNN, nonlinearity="relu", batch_first=True, bias=False),
+         lambda n: randn(n, 4, 3)),
+    rnn_case("rnn-2-layers-bidirectional", recurrent(nn.RNN, num_layers=2, bidirectional=True),
+         lambda n: randn(n, 4, 3)),
+    rnn_case("lstm", recurrent(nn.LSTM), lambda n: randn(n, N, 3), classes, cross_entropy),
+    rnn_case("lstm-batch-first-2-layers", recurrent(nn.LSTM, batch_first=True, num_layers=2),
+         lambda n: randn(n, 5, 3)),
+    rnn_case("lstm-bidirectional-initial-state",
+         recurrent(nn.LSTM, initial_state=True, bidirectional=True), lambda n: randn(n, 4, 3)),
+    rnn_case("lstm-proj-size-2-layers-bidirectional",
+         recurrent(nn.LSTM, proj_size=2, num_layers=2, bidirectional=True, batch_first=True),
+         lambda n: randn(n, 4, 3)),
+    rnn_case("lstm-packed", recurrent(nn.LSTM, packed=True), lambda n: randn(n, 4, 3)),
+    rnn_case("lstm-packed-bidirectional-2-layers-batch-first",
+         recurrent(nn.LSTM, packed=True, bidirectional=True, num_layers=2, batch_first=True),
+         lambda n: randn(n, 4, 3), classes, cross_entropy),
+    rnn_case("gru", recurrent(nn.GRU), lambda n: randn(n, N, 3)),
+    rnn_case("gru-batch-first-bidirectional-nobias",
+         recurrent(nn.GRU, batch_first=True, bidirectional=True, bias=False),
+         lambda n: randn(n, 4, 3), regression, per_sample_squares),
+    rnn_case("gru-packed-initial-state-2-layers",
+         recurrent(nn.GRU, packed=True, initial_state=True, num_layers=2),
+         lambda n: randn(n, 5, 3)),
+    rnn_case("lstm-text-classifier", LSTMClassifier, lambda n: ids(13, n, 6), classes,
+         cross_entropy),
+    # nn.MultiheadAttention, both layouts, masks, separate key/value projections
+    case("mha-sequence-first", lambda: Attention(False), lambda n: randn(n, N, 8),
+         classes, cross_entropy),
+    case("mha-sequence-first-kdim-padding-mask", lambda: Attention(False, kdim=5, mask="padding"),
+         lambda n: randn(n, 4, 8)),
+    case("mha-batch-first-kdim-causal", lambda: Attention(True, kdim=6, mask="causal"),
+         lambda n: randn(n, 4, 8)),
+    case("mha-3d-mask-weights-used", lambda: Attention(True, mask="heads", use_weights=True),
+         lambda n: randn(n, 4, 8)),
+    case("mha-sequence-first-3d-mask-bias-kv",
+         lambda: Attention(False, mask="heads padding", add_bias_kv=True, add_zero_attn=True),
+         lambda n: randn(n, N, 8)),
+    case("mha-nobias", lambda: Attention(True, bias=False, mask="padding"),
+         lambda n: randn(n, 4, 8)),
+    # Transformer layers end to end
+    case("transformer-encoder-sequence-first", lambda: Encoder(False), lambda n: randn(n, N, 8),
+         classes, cross_entropy),
+    case("transformer-encoder-batch-first-norm-first", lambda: Encoder(True, norm_first=True),
+         lambda n: randn(n, 4, 8)),
+    case("transformer-decoder-layer-sequence-first", lambda: Decoder(False),
+         lambda n: randn(n, N, 8)),
+    case("transformer-decoder-layer-batch-first", lambda: Decoder(True), lambda n: randn(n, 4, 8)),
+    case("transformer-full-sequence-first", FullTransformer, lambda n: randn(n, N, 8)),
+]

@@ -361,3 +361,14 @@ def test_auto_falls_back_to_loop_with_a_warning():
     with pytest.warns(UserWarning, match="method='loop'"):
         got = per_sample_grads(model, x, y, nn.MSELoss(), method="auto")
     assert_grads_equal(got, want)
+
+
+@pytest.mark.parametrize("c", [c for c in CASES if not c["vmap"]],
+                         ids=[c["id"] for c in CASES if not c["vmap"]])
+def test_vmap_refuses_recurrent_models(c):
+    """torch.func cannot batch the fused RNN kernels: a clear error, not a shape error."""
+    model, inputs, targets, loss_fn, _ = reference(c)
+    with pytest.raises(persample.UnsupportedModuleError, match=r"method='vmap'.*'rnn|'lstm"):
+        per_sample_grads(model, inputs, targets, loss_fn, method="vmap")
+    with pytest.raises(persample.UnsupportedModuleError, match=r"no batching rule"):
+        persample.param_jacobian(model, inputs, method="vmap")

@@ -13,6 +13,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
+from .fallback import UnsupportedModuleError
+
 
 def unsqueeze(x: Any) -> Any:
     """Every tensor in ``x`` (any nest) with a new leading dim of 1: one sample as a batch."""
@@ -24,6 +26,17 @@ def batch_dims(x: Any) -> Any:
     return tree_map(lambda t: 0 if isinstance(t, Tensor) else None, x)
 
 
+def refuse_recurrent(model: nn.Module) -> None:
+    """Raise if ``model`` holds an RNN, LSTM or GRU: ``torch.func`` cannot batch them."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.RNNBase):
+            raise UnsupportedModuleError(
+                f"method='vmap': torch.func has no batching rule for the fused recurrent "
+                f"kernel of module '{name or '<root>'}' ({type(module).__name__}). Use "
+                "method='rules' or 'auto' (persample's own recurrent rule), or 'loop'."
+            )
+
+
 def vmap_per_sample_grads(
     model: nn.Module,
     args: tuple,
@@ -32,6 +45,7 @@ def vmap_per_sample_grads(
     params: dict[str, nn.Parameter],
 ) -> dict[str, Tensor]:
     """Per-sample gradients ``{name: (B, *param.shape)}`` via ``torch.func``."""
+    refuse_recurrent(model)
     theta = {name: p.detach() for name, p in params.items()}
 
     def sample_loss(th: dict[str, Tensor], args_i: tuple, targets_i: Any) -> Tensor:
@@ -49,6 +63,7 @@ def vmap_param_jacobian(
 
     Seed 000's answer: ``vmap(jacrev(functional_call))`` over the samples.
     """
+    refuse_recurrent(model)
     theta = {name: p.detach() for name, p in params.items()}
 
     def sample_output(th: dict[str, Tensor], args_i: tuple) -> Tensor:

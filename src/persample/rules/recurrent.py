@@ -69,8 +69,8 @@ def _weights(layer: nn.RNNBase, name: str) -> Tensor | None:
 def _direction(layer: nn.RNNBase, trace: _Trace, valid: Tensor | None, h: Tensor,
                c: Tensor | None, reverse: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """Run one layer in one direction: outputs ``(N, T, H_out)``, final ``h`` and ``c``."""
-    w_hh, b_hh = _weights(layer, "weight_hh" + trace.suffix), _weights(layer, "bias_hh" + trace.suffix)
-    w_hr = _weights(layer, "weight_hr" + trace.suffix)
+    w_hh, b_hh, w_hr = (_weights(layer, name + trace.suffix)
+                        for name in ("weight_hh", "bias_hh", "weight_hr"))
     steps = trace.gi.unbind(1)  # T x (N, G)
     order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
     outs: list[Tensor] = [h] * len(steps)
