@@ -312,6 +312,17 @@ def test_embedding_ids_out_of_range(method, bad, snapshot):
     assert_grads(got, loop_per_sample_grads(model, ids, y, nn.MSELoss()))
 
 
+@pytest.mark.parametrize("bad", [-1, 5])
+@pytest.mark.parametrize("method", ["rules", "auto"])
+def test_embedding_ids_out_of_range_name_the_module(method, bad):
+    model = Tokens()
+    ids = torch.randint(0, 5, (N, 4))
+    ids[2, 1] = bad
+    with pytest.raises((IndexError, ValueError),
+                       match=rf"(?s)module 'emb' \(Embedding\).*{bad}.*num_embeddings=5"):
+        per_sample_grads(model, ids, torch.randn(N, 2), nn.MSELoss(), method=method)
+
+
 def test_embedding_ids_out_of_range_in_private_grad(snapshot):
     model = Tokens()
     ids = torch.randint(0, 5, (N, 4))
@@ -525,6 +536,38 @@ def test_two_threads_two_models():
         assert_nothing_left(models[key])
 
 
+def test_two_threads_one_model():
+    """One model run by two threads at once, each on its own batch: each capture
+    records only its own thread's calls (the hooks sit on the shared modules)."""
+    model = Net()
+    batches = [net_data(5), net_data(3)]
+    want = [loop_per_sample_grads(model, *b, nn.CrossEntropyLoss()) for b in batches]
+    barrier = threading.Barrier(2, timeout=60)
+    got: dict = {}
+    errors: list = []
+
+    def work(k: int) -> None:
+        try:
+            for r in range(8):
+                barrier.wait()
+                got[k, r] = per_sample_grads(model, *batches[k], nn.CrossEntropyLoss(),
+                                             method="rules")
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for k in range(2):
+        for r in range(8):
+            assert_grads(got[k, r], want[k])
+    assert_nothing_left(model)
+
+
 # ---------------------------------------------------------------------------
 # an activation modified in place (per_sample_grads: test_bad_input.py)
 
@@ -609,3 +652,46 @@ def test_inplace_op_after_a_fallback_module(snapshot):
         got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="auto")
     assert_grads(got, want)
     state.assert_unchanged()
+
+
+# ---------------------------------------------------------------------------
+# method="vmap" (and auto's fallback to it) with inputs that require grad
+
+
+@pytest.mark.parametrize("kind", ["dict", "flat", "out"])
+def test_vmap_with_inputs_that_require_grad(kind):
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
+    want = flatten(loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
+    x.requires_grad_(True)
+    kwargs = {"flat": True} if kind == "flat" else {}
+    if kind == "out":
+        kwargs["out"] = torch.zeros(N, want.shape[1])
+    got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="vmap", **kwargs)
+    if kind == "dict":
+        assert not any(g.requires_grad for g in got.values())
+        got = flatten(got)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, **TOL)
+    assert x.grad is None
+
+
+def test_vmap_param_jacobian_flat_with_inputs_that_require_grad():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    x = torch.randn(N, 4)
+    want = torch.cat([j.flatten(2) for j in loop_param_jacobian(model, x).values()], 2)
+    got = param_jacobian(model, x.requires_grad_(True), method="vmap", flat=True)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_auto_inplace_fallback_flat_with_inputs_that_require_grad():
+    """auto falls back to vmap on an in-place ReLU: the same crash through auto."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+    x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
+    ref_model = nn.Sequential(model[0], nn.ReLU(), model[2])
+    want = flatten(loop_per_sample_grads(ref_model, x, y, nn.CrossEntropyLoss()))
+    with pytest.warns(UserWarning, match="Falling back to method='vmap'"):
+        got = per_sample_grads(model, x.requires_grad_(True), y, nn.CrossEntropyLoss(),
+                               method="auto", flat=True)
+    torch.testing.assert_close(got, want, **TOL)

@@ -284,5 +284,6 @@ def _dispatch(method: str, rules, vmap, loop, params: dict, dest: dict[int, Tens
             warnings.warn(f"{err} Falling back to method='vmap'.", stacklevel=4)
             method = "vmap"
     got = vmap() if method == "vmap" else loop()
-    for name, p in params.items():
-        dest[id(p)].copy_(got[name].reshape(dest[id(p)].shape))
+    with torch.no_grad():  # torch.func results stay attached to inputs requiring grad
+        for name, p in params.items():
+            dest[id(p)].copy_(got[name].reshape(dest[id(p)].shape))

@@ -17,6 +17,7 @@ when the forward raises.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,21 @@ class _ParameterUses(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _where(call: Call, exc: BaseException) -> str:
+    """A note for an exception raised inside ``call``: the module, and for ids the range."""
+    note = f"(raised inside module '{call.name or '<root>'}' ({type(call.module).__name__}))"
+    ids = call.args[0] if call.args else None
+    size = getattr(call.module, "num_embeddings", None)
+    if isinstance(exc, IndexError) and size is not None and isinstance(ids, Tensor):
+        if ids.numel() and not ids.is_floating_point():
+            note = (
+                f"module '{call.name or '<root>'}' ({type(call.module).__name__}) got ids from "
+                f"{int(ids.min())} to {int(ids.max())}, but num_embeddings={size}: every id "
+                f"must be in [0, {size}). Fix the tokenizer or vocabulary size."
+            )
+    return note
+
+
 class Capture:
     """Context manager recording the calls of ``modules`` and where parameters are used.
 
@@ -100,6 +116,7 @@ class Capture:
         self.uses: dict[int, list[Stack]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._mode = _ParameterUses(self)
+        self._thread = threading.get_ident()  # hooks ignore calls from other threads
 
     def __enter__(self) -> Capture:
         try:
@@ -114,11 +131,13 @@ class Capture:
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         try:
             self._mode.__exit__(None, None, None)
         finally:
             self._remove()
+        if exc is not None and self.stack:  # raised inside a module's forward: name it
+            exc.add_note(_where(self.stack[-1], exc))
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -127,11 +146,16 @@ class Capture:
 
     def _make_pre_hook(self, name: str):
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.stack.append(Call(name, module, parent=self.stack[-1] if self.stack else None))
+            if threading.get_ident() != self._thread:
+                return  # the same model run by another thread at the same time
+            parent = self.stack[-1] if self.stack else None
+            self.stack.append(Call(name, module, args, kwargs, parent=parent))
 
         return pre_hook
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
         call = self.stack.pop()
         call.args, call.kwargs, call.output = args, kwargs, output
         call.versions = [t._version for t in call.tensors()]
