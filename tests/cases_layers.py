@@ -67,6 +67,54 @@ def conv3d_batchnorm_eval() -> nn.Module:
     return net.eval()
 
 
+class BilinearPair(nn.Module):
+    """Two inputs ``model(a, b)`` through their own Linear layers into one Bilinear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fa = nn.Linear(4, 3)
+        self.fb = nn.Linear(2, 2)
+        self.mix = nn.Bilinear(3, 2, 4)
+        self.act = nn.PReLU(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.head(self.act(self.mix(torch.tanh(self.fa(a)), torch.tanh(self.fb(b)))))
+
+
+class BilinearSelf(nn.Module):
+    """Bilinear over extra dims, both inputs from one tensor: ``x[..., :3]``, ``x[..., 3:]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.bil = nn.Bilinear(3, 2, 3, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bil(x[..., :3], x[..., 3:])  # (B, T, 3)
+
+
+class BilinearKeywords(nn.Module):
+    """Bilinear called with keyword inputs: ``bil(input1=a, input2=b)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.bil = nn.Bilinear(2, 3, 2)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.bil(input1=a, input2=b)
+
+
+def no_vmap_jacobian(c: dict[str, Any]) -> dict[str, Any]:
+    """Mark a case whose model torch.func cannot ``vmap(jacrev(...))`` (``F.prelu``):
+    ``param_jacobian(method="vmap")`` is then expected to fail (test_param_jacobian.py)."""
+    return {**c, "vmap_jacobian": False}
+
+
+def prelu_case(*args: Any) -> dict[str, Any]:
+    """A :func:`case` whose model has a PReLU."""
+    return no_vmap_jacobian(case(*args))
+
+
 LAYER_CASES: list[dict[str, Any]] = [
     # nn.ConvTranspose1d / 2d / 3d
     case("convT1d", lambda: nn.ConvTranspose1d(2, 3, 3), lambda n: randn(n, 2, 4)),
@@ -129,4 +177,28 @@ LAYER_CASES: list[dict[str, Any]] = [
          classes, cross_entropy),
     case("conv3d-batchnorm3d-eval", conv3d_batchnorm_eval, lambda n: randn(n, 1, 3, 3, 3),
          classes, cross_entropy),
+    # nn.PReLU (torch.func cannot vmap(jacrev(...)) it: no_vmap_jacobian)
+    prelu_case("prelu-shared-slope", lambda: nn.PReLU(), lambda n: randn(n, 3, 4)),
+    prelu_case("prelu-per-channel-2d-input", lambda: nn.PReLU(4, init=0.1),
+               lambda n: randn(n, 4)),
+    prelu_case("prelu-per-channel-3d-input", lambda: nn.PReLU(3), lambda n: randn(n, 3, 5),
+               regression, per_sample_squares),
+    prelu_case("prelu-per-channel-conv2d",
+               lambda: nn.Sequential(nn.Conv2d(2, 3, 2), nn.PReLU(3), nn.Conv2d(3, 2, 2)),
+               lambda n: randn(n, 2, 4, 4)),
+    prelu_case("prelu-shared-slope-1d-input",
+               lambda: nn.Sequential(nn.Linear(4, 1), nn.Flatten(0), nn.PReLU()),  # on (B,)
+               lambda n: randn(n, 4)),
+    # nn.Bilinear
+    case("bilinear-2d", lambda: nn.Bilinear(3, 2, 4), lambda n: (randn(n, 3), randn(n, 2)),
+         classes, cross_entropy),
+    case("bilinear-nobias-2d", lambda: nn.Bilinear(2, 3, 2, bias=False),
+         lambda n: (randn(n, 2), randn(n, 3))),
+    case("bilinear-extra-dims", lambda: nn.Bilinear(2, 3, 2),
+         lambda n: (randn(n, 4, 2), randn(n, 4, 3))),
+    case("bilinear-extra-dims-nobias", BilinearSelf, lambda n: randn(n, 2, 3, 5),
+         regression, per_sample_squares),
+    case("bilinear-keyword-inputs", BilinearKeywords, lambda n: (randn(n, 2), randn(n, 3))),
+    prelu_case("bilinear-prelu-tuple-inputs", BilinearPair,
+               lambda n: (randn(n, 4), randn(n, 2)), classes, cross_entropy),
 ]

@@ -31,13 +31,22 @@ def reference(c: dict, n: int = 3):
     return model, inputs, loop_param_jacobian(model, inputs)
 
 
+def xfail_torch_func_bug(request, c: dict, method: str) -> None:
+    """``method="vmap"`` on a case marked ``vmap_jacobian=False``: torch.func gets
+    ``vmap(jacrev(...))`` of its model wrong (``F.prelu`` in torch 2.13: a shape error,
+    or silently wrong rows for the layers before it, for batches of more than one)."""
+    if method == "vmap" and not c.get("vmap_jacobian", True):
+        request.applymarker(pytest.mark.xfail(reason="torch.func: vmap(jacrev(F.prelu))"))
+
+
 def test_enough_cases():
     assert len(JAC_CASES) >= 40
 
 
 @pytest.mark.parametrize("method", ["rules", "vmap", "auto"])
 @pytest.mark.parametrize("c", JAC_CASES, ids=JAC_IDS)
-def test_matches_loop(c, method):
+def test_matches_loop(c, method, request):
+    xfail_torch_func_bug(request, c, method)
     model, inputs, want = reference(c)
     assert_grads_equal(param_jacobian(model, inputs, method=method), want)
 
@@ -45,7 +54,8 @@ def test_matches_loop(c, method):
 @pytest.mark.parametrize("method", ["auto", "vmap"])
 @pytest.mark.parametrize("chunk_size", [1, 2, 5, 7, 1000])
 @pytest.mark.parametrize("c", JAC_CASES[::4], ids=JAC_IDS[::4])
-def test_chunked_over_samples_and_outputs(c, chunk_size, method):
+def test_chunked_over_samples_and_outputs(c, chunk_size, method, request):
+    xfail_torch_func_bug(request, c, method)
     model, inputs, want = reference(c)
     got = param_jacobian(model, inputs, chunk_size=chunk_size, method=method)
     assert_grads_equal(got, want)

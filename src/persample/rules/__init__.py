@@ -165,5 +165,12 @@ def find_rule(module: nn.Module) -> tuple[Rule | None, str]:
 
 
 # Importing the rule files registers them.
-from . import conv, embedding, linear, norm  # noqa: E402,F401
-from . import recurrent  # noqa: E402,F401
+from . import (  # noqa: E402,F401
+    activation,
+    bilinear,
+    conv,
+    embedding,
+    linear,
+    norm,
+    recurrent,  # noqa: E402,F401
+)
