@@ -1,8 +1,9 @@
 """persample: fast per-sample derivatives for PyTorch.
 
 The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
-:func:`input_jacobian`, :func:`jacobian_diagonal`, the loop references, and
-:func:`register_rule` to add a layer rule.
+:func:`input_jacobian`, :func:`jacobian_diagonal`, :func:`per_sample_grad_norms`,
+the loop references, :func:`register_rule` to add a layer rule, and
+:func:`supported` / :func:`verify` to check a custom model.
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
@@ -11,6 +12,7 @@ from .jacobian import input_jacobian, jacobian_diagonal
 from .norms import per_sample_grad_norms
 from .reference import loop_param_jacobian, loop_per_sample_grads
 from .rules import register_rule
+from .support import Route, Verification, supported, verify
 
 __all__ = [
     "per_sample_grads",
@@ -22,6 +24,10 @@ __all__ = [
     "loop_param_jacobian",
     "loop_per_sample_grads",
     "register_rule",
+    "supported",
+    "verify",
+    "Route",
+    "Verification",
     "UnsupportedModuleError",
 ]
 __version__ = "0.1.0"

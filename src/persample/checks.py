@@ -52,20 +52,27 @@ def check_options(method: str, loss_reduction: str, chunk_size: int | None) -> N
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
+def mixing_reason(module: nn.Module) -> str | None:
+    """Why ``module`` mixes samples (so per-sample gradients are undefined), or ``None``."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+        module.training or not module.track_running_stats
+    ):
+        return (
+            "normalises with the statistics of the whole batch, so samples are mixed and "
+            "per-sample gradients are not defined. Call model.eval() first (BatchNorm then "
+            "uses its running statistics), or replace it with nn.GroupNorm / nn.LayerNorm."
+        )
+    return None
+
+
 def check_per_sample_model(model: nn.Module) -> None:
     """Raise if a module mixes samples, so per-sample gradients are undefined."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for name, m in model.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (
-            m.training or not m.track_running_stats
-        ):
-            raise ValueError(
-                f"module '{name}' ({type(m).__name__}) normalises with the statistics of "
-                "the whole batch, so samples are mixed and per-sample gradients are not "
-                "defined. Call model.eval() first (BatchNorm then uses its running "
-                "statistics), or replace it with nn.GroupNorm / nn.LayerNorm."
-            )
+        reason = mixing_reason(m)
+        if reason:
+            raise ValueError(f"module '{name}' ({type(m).__name__}) {reason}")
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

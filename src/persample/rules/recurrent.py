@@ -140,13 +140,21 @@ def _inputs(layer: nn.RNNBase, activations: tuple, v: int):
     return x, valid, h0, c0
 
 
-def _check_dropout(layer: nn.RNNBase) -> None:
+def training_dropout(layer: nn.RNNBase) -> str | None:
+    """The reason the rule refuses ``layer``: dropout between layers in training mode."""
     if layer.dropout > 0 and layer.training and layer.num_layers > 1:
-        raise ValueError(
-            f"{type(layer).__name__} has dropout={layer.dropout} between its layers in training "
-            "mode: a random mask the per-sample rule cannot reproduce (and no two calls agree). "
-            "Set dropout=0, or call model.eval()."
+        return (
+            f"dropout={layer.dropout} between the layers in training mode draws a random mask "
+            "the per-sample rule cannot reproduce (and no two calls agree). Set dropout=0, "
+            "or call model.eval()."
         )
+    return None
+
+
+def _check_dropout(layer: nn.RNNBase) -> None:
+    reason = training_dropout(layer)
+    if reason:
+        raise ValueError(f"{type(layer).__name__} has {reason}")
 
 
 @register_rule(nn.RNN, nn.LSTM, nn.GRU, multi_output=True)

@@ -1,0 +1,134 @@
+"""``persample.supported`` (the path each module takes) and ``persample.verify``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import persample
+from cases import BY_ID, Scale, build
+from persample import supported, verify
+
+
+def paths(routes) -> dict[str, tuple[str, tuple[str, ...]]]:
+    return {r.module: (r.path, r.params) for r in routes}
+
+
+def test_static_paths_by_module_type():
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.LSTM(2, 3), Scale(3), nn.Embedding(4, 2),
+                        nn.BatchNorm1d(3), nn.Linear(3, 2))
+    net[5].bias.requires_grad_(False)
+    got = paths(supported(net))
+    assert got == {
+        "0": ("rule", ("weight", "bias")),
+        "1": ("rule", ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")),
+        "2": ("fallback", ("weight",)),
+        "3": ("rule", ("weight",)),
+        "4": ("unsupported", ("weight", "bias")),  # BatchNorm in training mode
+        "5": ("rule", ("weight",)),  # the frozen bias is left out
+    }
+    reasons = {r.module: r.reason for r in supported(net)}
+    assert "no rule for Scale" in reasons["2"]
+    assert "model.eval()" in reasons["4"]
+    net.eval()
+    assert paths(supported(net))["4"] == ("rule", ("weight", "bias"))
+
+
+def test_rnn_dropout_in_training_mode_is_unsupported():
+    lstm = nn.LSTM(2, 3, num_layers=2, dropout=0.5)
+    (route,) = supported(lstm)
+    assert route.path == "unsupported" and "dropout=0.5" in route.reason
+    assert supported(lstm.eval())[0].path == "rule"
+
+
+def test_subclass_with_its_own_forward_takes_the_fallback():
+    class Doubled(nn.Linear):
+        def forward(self, x: Tensor) -> Tensor:
+            return 2 * super().forward(x)
+
+    (route,) = supported(Doubled(3, 2))
+    assert route.path == "fallback" and "overrides Linear.forward" in route.reason
+
+
+def test_traced_paths_follow_the_parameters():
+    """With inputs: out_proj's parameters are differentiated by the attention call,
+    and a parameter the forward never reads is 'unused'."""
+    model, inputs, _ = build(BY_ID["multihead-attention"])
+    got = paths(supported(model, inputs))
+    assert got["attn"] == ("fallback", ("in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                        "out_proj.bias"))
+    assert got["head"] == ("rule", ("weight", "bias"))
+    model, inputs, _ = build(BY_ID["unused-params"])
+    routes = supported(model, inputs)
+    assert paths(routes)["fc"] == ("rule", ("weight", "bias"))
+    (unused,) = [r for r in routes if r.path == "unused"]
+    assert unused.params == ("unused_param", "unused_layer.weight", "unused_layer.bias")
+
+
+def test_traced_keyword_call_and_functional_use():
+    model, inputs, _ = build(BY_ID["linear-called-with-keyword-input"])
+    assert paths(supported(model, inputs))["fc"] == ("rule", ("weight", "bias"))
+    model, inputs, _ = build(BY_ID["weight-used-functionally"])
+    got = paths(supported(model, inputs))
+    assert got[""] == ("fallback", ("fc.weight", "fc.bias"))  # read by the root's forward
+    assert got["out"] == ("rule", ("weight", "bias"))
+
+
+def test_routes_print_as_a_table_and_model_is_unchanged(snapshot):
+    model, inputs, _ = build(BY_ID["simple-cnn"])
+    state = snapshot(model)
+    text = str(supported(model, inputs))
+    state.assert_unchanged()
+    lines = text.splitlines()
+    assert lines[0].split() == ["module", "type", "path", "parameters", "reason"]
+    assert len(lines) == 5 and all(" rule " in line for line in lines[1:])
+
+
+def test_supported_rejects_a_non_module():
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        supported(lambda x: x)
+
+
+@pytest.mark.parametrize("case_id", ["simple-cnn", "lstm-packed", "transformer-encoder-layer",
+                                     "tied-embedding-output"])
+def test_verify_passes_on_correct_paths(case_id):
+    c = BY_ID[case_id]
+    model, inputs, targets = build(c, 5)
+    report = verify(model, inputs, targets, c["loss_fn"]("mean"), samples=4)
+    assert report.ok and report.samples == 4 and report.rtol == 1e-8
+    assert set(report.abs_error) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert max(report.rel_error.values()) < 1e-10
+    assert str(report).splitlines()[-1] == "OK: 4 samples, rtol 1e-08"
+
+
+class Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
+
+
+def test_verify_finds_a_wrong_rule():
+    """A user's rule that forgets the input: verify reports the parameter."""
+    @persample.register_rule(Gain)
+    def wrong(layer, activations, backprops, out):
+        out["w"].copy_(backprops)  # missing "* activations[0]"
+
+    net = nn.Sequential(nn.Linear(2, 3), Gain())
+    x, y = torch.randn(6, 2), torch.randn(6, 3)
+    report = verify(net, x, y, nn.MSELoss(), samples=10)
+    assert not report.ok and report.worst == "1.w" and report.samples == 6
+    assert report.rel_error["0.weight"] < 1e-10
+    assert "MISMATCH" in str(report)
+
+
+def test_verify_float32_tolerance_and_bad_samples():
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).float()
+    x, y = torch.randn(3, 4, dtype=torch.float32), torch.randn(3, 2, dtype=torch.float32)
+    report = verify(net, x, y, nn.MSELoss())
+    assert report.ok and report.rtol == 1e-4 and report.samples == 3
+    with pytest.raises(ValueError, match="samples must be a positive int"):
+        verify(net, x, y, nn.MSELoss(), samples=0)
