@@ -88,11 +88,11 @@ class Attention(nn.Module):
     """Stock nn.MultiheadAttention on batch-first inputs, in either of its layouts."""
 
     def __init__(self, batch_first: bool, kdim: int | None = None, mask: str = "",
-                 use_weights: bool = False, **kwargs):
+                 use_weights: bool = False, average: bool = True, **kwargs):
         super().__init__()
         self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=kdim, vdim=kdim,
                                           **kwargs)
-        self.mask, self.use_weights = mask, use_weights
+        self.mask, self.use_weights, self.average = mask, use_weights, average
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -101,16 +101,19 @@ class Attention(nn.Module):
         kwargs = {}
         if "causal" in self.mask:
             kwargs["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(t).to(x)
+        if "bool" in self.mask:  # True: not allowed
+            kwargs["attn_mask"] = torch.ones(t, t, dtype=torch.bool).triu(1)
         if "heads" in self.mask:  # a 3-d float mask, (B * heads, T, T), from each sample's data
             m = (x[:, :, :1] - x[:, :, 1:2].transpose(1, 2)).detach()  # (B, T, T)
             kwargs["attn_mask"] = torch.stack([m, -m], 1).flatten(0, 1)
         if "padding" in self.mask:
             kwargs["key_padding_mask"] = padding_mask(x)
         q, kv = (x, kv) if self.attn.batch_first else (x.transpose(0, 1), kv.transpose(0, 1))
-        y, w = self.attn(q, kv, kv, need_weights=self.use_weights, **kwargs)
+        y, w = self.attn(q, kv, kv, need_weights=self.use_weights,
+                         average_attn_weights=self.average, **kwargs)
         y = y if self.attn.batch_first else y.transpose(0, 1)
         out = self.head(y.mean(1))
-        return out + w.sum((1, 2))[:, None] if self.use_weights else out
+        return out + w.flatten(1)[:, :3] if self.use_weights else out
 
 
 class Encoder(nn.Module):
@@ -205,6 +208,10 @@ RECURRENT_CASES: list[dict[str, Any]] = [
     case("mha-sequence-first-3d-mask-bias-kv",
          lambda: Attention(False, mask="heads padding", add_bias_kv=True, add_zero_attn=True),
          lambda n: randn(n, N, 8)),
+    case("mha-per-head-weights-bool-mask-eval-dropout",
+         lambda: Attention(True, mask="bool", use_weights=True, average=False,
+                           dropout=0.5).eval(),
+         lambda n: randn(n, 4, 8)),
     case("mha-nobias", lambda: Attention(True, bias=False, mask="padding"),
          lambda n: randn(n, 4, 8)),
     # Transformer layers end to end

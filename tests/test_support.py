@@ -52,12 +52,12 @@ def test_subclass_with_its_own_forward_takes_the_fallback():
 
 
 def test_traced_paths_follow_the_parameters():
-    """With inputs: out_proj's parameters are differentiated by the attention call,
-    and a parameter the forward never reads is 'unused'."""
+    """With inputs: out_proj's parameters are differentiated by the attention call's
+    rule, and a parameter the forward never reads is 'unused'."""
     model, inputs, _ = build(BY_ID["multihead-attention"])
     got = paths(supported(model, inputs))
-    assert got["attn"] == ("fallback", ("in_proj_weight", "in_proj_bias", "out_proj.weight",
-                                        "out_proj.bias"))
+    assert got["attn"] == ("rule", ("in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                    "out_proj.bias"))
     assert got["head"] == ("rule", ("weight", "bias"))
     model, inputs, _ = build(BY_ID["unused-params"])
     routes = supported(model, inputs)

@@ -105,8 +105,23 @@ def plan_jobs(model: nn.Module, cap: Capture, wanted: set[int]) -> list[Job]:
                   if id(p) in cap.uses and id(p) not in taken}
         if params:
             jobs.append(Job(call, params, _rule_for(call)))
-    jobs += [Job(call, params, None) for call, params in escaped.values()]
+    for call, params in escaped.values():
+        _add_escaped(jobs, call, params)
     return jobs
+
+
+def _add_escaped(jobs: list[Job], call: Call, params: dict[str, nn.Parameter]) -> None:
+    """A job for parameters read inside ``call`` but held by one of its submodules:
+    the call's own rule if it handles them (``nested``), else the fallback."""
+    rule = _rule_for(call)
+    if rule is None or not rule.nested:
+        jobs.append(Job(call, params, None))
+        return
+    for job in jobs:
+        if job.call is call and job.rule is rule:  # one rule run for all of them
+            job.params.update(params)
+            return
+    jobs.append(Job(call, params, rule))
 
 
 def _holders(model: nn.Module, wanted: set[int]) -> dict[int, set[int]]:
@@ -157,6 +172,7 @@ def activations(call: Call) -> tuple | None:
         bound = inspect.signature(call.module.forward).bind(*call.args, **call.kwargs)
     except TypeError:
         return None
+    bound.apply_defaults()  # a keyword after a skipped default stays positional
     return None if bound.kwargs else bound.args
 
 

@@ -92,9 +92,14 @@ def supported(model: nn.Module, inputs: Tensor | tuple | None = None) -> Routes:
         >>> net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3), nn.PReLU())
         >>> [(r.module, r.path) for r in supported(net)]
         [('0', 'rule'), ('2', 'rule'), ('3', 'rule')]
-        >>> attn = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> [(r.module, r.path, r.params) for r in supported(attn)][0]
-        ('', 'fallback', ('in_proj_weight', 'in_proj_bias'))
+        >>> class Gain(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.g = nn.Parameter(torch.ones(3))
+        ...     def forward(self, x):
+        ...         return x * self.g
+        >>> [(r.module, r.path) for r in supported(nn.Sequential(nn.Linear(2, 3), Gain()))]
+        [('0', 'rule'), ('1', 'fallback')]
 
     Source: the engine of this library (DESIGN.md points 1 to 3).
     """

@@ -39,6 +39,7 @@ class Rule:
     base: type[nn.Module]
     unsupported: Callable[[nn.Module], str | None]
     multi_output: bool = False  # backprops: a list, one per output tensor
+    nested: bool = False  # also writes parameters of submodules read inside the call
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
@@ -54,8 +55,8 @@ def _always(_: nn.Module) -> str | None:
     return None
 
 
-def register_rule(*types: type[nn.Module], unsupported=_always,
-                  multi_output: bool = False) -> Callable[[RuleFn], RuleFn]:
+def register_rule(*types: type[nn.Module], unsupported=_always, multi_output: bool = False,
+                  nested: bool = False) -> Callable[[RuleFn], RuleFn]:
     """Register the decorated function as the per-sample rule for the module ``types``.
 
     Args:
@@ -66,6 +67,9 @@ def register_rule(*types: type[nn.Module], unsupported=_always,
         multi_output: the module returns several tensors (``nn.LSTM``); the rule
             then gets a list of backprops, one ``(n, v, *out)`` per output tensor
             that requires grad, in ``tree_leaves`` order.
+        nested: parameters of submodules that are read inside the call without
+            being called (``out_proj`` of ``nn.MultiheadAttention``) are given to the
+            rule too, in ``out`` under their names relative to the module.
 
     Returns:
         A decorator that registers ``fn(layer, activations, backprops, out)`` (see
@@ -96,7 +100,7 @@ def register_rule(*types: type[nn.Module], unsupported=_always,
 
     def decorate(fn: RuleFn) -> RuleFn:
         for cls in types:
-            _RULES[cls] = Rule(fn, cls, unsupported, multi_output)
+            _RULES[cls] = Rule(fn, cls, unsupported, multi_output, nested)
         return fn
 
     return decorate
@@ -167,10 +171,11 @@ def find_rule(module: nn.Module) -> tuple[Rule | None, str]:
 # Importing the rule files registers them.
 from . import (  # noqa: E402,F401
     activation,
+    attention,
     bilinear,
     conv,
     embedding,
     linear,
     norm,
-    recurrent,  # noqa: E402,F401
+    recurrent,
 )
