@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cases import case, classes, cross_entropy, per_sample_squares, randn, regression
+from cases import case, classes, cross_entropy, ids, per_sample_squares, randn, regression
 
 
 class ConvTransposeOutputSize(nn.Module):
@@ -102,6 +102,50 @@ class BilinearKeywords(nn.Module):
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         return self.bil(input1=a, input2=b)
+
+
+class BagWeights(nn.Module):
+    """EmbeddingBag (sum) with per-sample weights, passed positionally or by keyword."""
+
+    def __init__(self, keyword: bool = False, padding_idx: int | None = None):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(6, 3, mode="sum", padding_idx=padding_idx)
+        self.keyword = keyword
+
+    def forward(self, ids: Tensor, weights: Tensor) -> Tensor:
+        if self.keyword:
+            return self.bag(ids, per_sample_weights=weights)
+        return self.bag(ids, None, weights)
+
+
+class BagOffsets(nn.Module):
+    """EmbeddingBag on the 1-d form: ``(B, L)`` ids -> flat ids ``(B*L,)`` and offsets.
+
+    ``lengths (B,)`` (optional) cut each bag short by filling its tail with
+    ``padding_idx``, so bags differ in length while the shapes stay fixed (as
+    ``method="vmap"`` needs). ``include_last_offset`` adds the end offset.
+    """
+
+    def __init__(self, mode: str, include_last_offset: bool = False,
+                 padding_idx: int | None = None):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(8, 3, mode=mode, include_last_offset=include_last_offset,
+                                   padding_idx=padding_idx)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, ids: Tensor, lengths: Tensor | None = None) -> Tensor:
+        n, length = ids.shape
+        if lengths is not None:
+            tail = torch.arange(length, device=ids.device) >= lengths.unsqueeze(1)  # (B, L)
+            ids = ids.masked_fill(tail, self.bag.padding_idx)
+        end = n * length + (length if self.bag.include_last_offset else 0)
+        offsets = torch.arange(0, end, length, device=ids.device)
+        return self.head(torch.tanh(self.bag(ids.reshape(-1), offsets=offsets)))
+
+
+def ids_and_lengths(vocab: int, length: int) -> Any:
+    """``n -> (ids (n, length), lengths (n,))`` with lengths from 0 to ``length``."""
+    return lambda n: (ids(vocab, n, length), torch.randint(0, length + 1, (n,)))
 
 
 def no_vmap_jacobian(c: dict[str, Any]) -> dict[str, Any]:
@@ -201,4 +245,30 @@ LAYER_CASES: list[dict[str, Any]] = [
     case("bilinear-keyword-inputs", BilinearKeywords, lambda n: (randn(n, 2), randn(n, 3))),
     prelu_case("bilinear-prelu-tuple-inputs", BilinearPair,
                lambda n: (randn(n, 4), randn(n, 2)), classes, cross_entropy),
+    # nn.EmbeddingBag: 2-d input (each row a bag), or 1-d input with offsets
+    case("embeddingbag-sum-2d", lambda: nn.EmbeddingBag(7, 3, mode="sum"),
+         lambda n: ids(7, n, 4)),
+    case("embeddingbag-mean-2d-padding-idx", lambda: nn.EmbeddingBag(5, 3, padding_idx=0),
+         lambda n: ids(3, n, 3)),  # repeats, padding, sometimes a bag of padding only
+    case("embeddingbag-max-2d", lambda: nn.EmbeddingBag(7, 3, mode="max"),
+         lambda n: ids(7, n, 4), regression, per_sample_squares),
+    case("embeddingbag-max-2d-padding-idx", lambda: nn.EmbeddingBag(5, 2, mode="max",
+                                                                   padding_idx=1),
+         lambda n: ids(3, n, 3)),
+    case("embeddingbag-per-sample-weights", lambda: BagWeights(padding_idx=2),
+         lambda n: (ids(6, n, 5), randn(n, 5))),
+    case("embeddingbag-per-sample-weights-keyword", lambda: BagWeights(keyword=True),
+         lambda n: (ids(6, n, 5), randn(n, 5))),
+    case("embeddingbag-offsets-sum", lambda: BagOffsets("sum"), lambda n: ids(8, n, 3),
+         classes, cross_entropy),
+    case("embeddingbag-offsets-mean-lengths", lambda: BagOffsets("mean", padding_idx=0),
+         ids_and_lengths(8, 4)),
+    case("embeddingbag-offsets-max-last-offset-lengths",
+         lambda: BagOffsets("max", include_last_offset=True, padding_idx=7),
+         ids_and_lengths(8, 4)),
+    case("embeddingbag-offsets-sum-last-offset", lambda: BagOffsets("sum", True),
+         lambda n: ids(8, n, 2)),
+    case("embeddingbag-scale-grad-by-freq",
+         lambda: nn.EmbeddingBag(5, 3, mode="mean", scale_grad_by_freq=True),
+         lambda n: ids(3, n, 4)),  # the torch.func fallback
 ]

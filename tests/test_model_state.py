@@ -21,6 +21,10 @@ STATE_CASES = [
     "tied-embedding-output", "linear-called-twice", "frozen-params", "unused-params",
     "two-inputs", "batchnorm-eval", "embedding-repeated-ids-padding-idx", "groupnorm-2d-groups2",
     "layernorm-last-2-dims", "conv2d-replicate-same-even",
+    # cases_layers.py
+    "convT2d-output-size", "conv-convT-encoder-decoder", "conv-instancenorm-net",
+    "mlp-batchnorm1d-eval", "rmsnorm-last-2-dims", "bilinear-prelu-tuple-inputs",
+    "embeddingbag-per-sample-weights", "embeddingbag-offsets-max-last-offset-lengths",
 ]
 
 

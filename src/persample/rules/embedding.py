@@ -1,12 +1,25 @@
-"""Per-sample gradients of ``nn.Embedding``.
+"""Per-sample gradients of ``nn.Embedding`` and ``nn.EmbeddingBag``.
 
 Index conventions: ``n`` sample, ``v`` cotangent, ``t`` position inside a sample
 (all index dims after the batch, flattened), ``r`` row of the table, ``d``
 embedding dim.
 
-``grad_W[n, v, r] = sum_{t: ids[n, t] = r} g[n, v, t]``: a scatter-add of the
-backprops into a zeroed ``(n, v, r, d)`` destination. The row ``padding_idx``
-gets no gradient, as in ``F.embedding``.
+Embedding: ``grad_W[n, v, r] = sum_{t: ids[n, t] = r} g[n, v, t]``: a scatter-add
+of the backprops into a zeroed ``(n, v, r, d)`` destination. The row
+``padding_idx`` gets no gradient, as in ``F.embedding``.
+
+EmbeddingBag: each bag is a sample (a row of a 2-d input, or the positions
+between two offsets of a 1-d input), ``g[n, v, d]`` its backprops, ``t`` now the
+positions of the flat input and ``n(t)`` the bag of position ``t``:
+
+- ``sum``: ``grad_W[n(t), v, ids[t]] += w[t] * g[n(t), v]`` (``w`` the
+  ``per_sample_weights``, or 1);
+- ``mean``: the same with ``w[t] = 1 / size(n(t))``, the size counting the
+  positions that are not ``padding_idx``;
+- ``max``: ``grad_W[n, v, argmax[n, d], d] = g[n, v, d]`` for every non-empty bag,
+  ``argmax[n, d]`` the row that gave the maximum (from ``torch.embedding_bag``).
+
+Positions holding ``padding_idx`` contribute nothing.
 """
 
 from __future__ import annotations
@@ -55,3 +68,74 @@ def embedding_norm(layer: nn.Embedding, activations: tuple, backprops: Tensor, n
         g = g * (ids != layer.padding_idx).unsqueeze(2)
     same = ids.unsqueeze(2) == ids.unsqueeze(1)  # (n, t, t)
     return {"weight": (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))}
+
+
+_MAX_MODE = 2  # torch.embedding_bag's code for mode="max"
+
+
+def _bag_unsupported(layer: nn.EmbeddingBag) -> str | None:
+    if layer.scale_grad_by_freq:
+        return "scale_grad_by_freq=True"
+    return None
+
+
+def flat_bags(layer: nn.EmbeddingBag, ids: Tensor, offsets: Tensor | None,
+              weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+    """The call's bags as ``F.embedding_bag`` sees them: ``ids (T,)``, ``offsets``,
+    ``weights (T,)`` or ``None``, ``include_last_offset``; a 2-d input ``(n, L)`` is
+    ``n`` bags of ``L`` positions."""
+    if ids.dim() == 2:
+        n, length = ids.shape
+        offsets = torch.arange(0, n * length, length, dtype=ids.dtype, device=ids.device)
+        return ids.reshape(-1), offsets, None if weights is None else weights.reshape(-1), False
+    return ids, offsets, weights, layer.include_last_offset
+
+
+def bag_of_positions(offsets: Tensor, positions: int, bags: int) -> Tensor:
+    """``(T,)``: the bag of each position, ``offsets`` holding the bags' starts.
+
+    Positions after the last start belong to the last bag, as in the CPU kernel
+    (also with ``include_last_offset``, where ``offsets[bags]`` should be ``T``).
+    """
+    t = torch.arange(positions, dtype=offsets.dtype, device=offsets.device)
+    bag = torch.searchsorted(offsets[:bags].contiguous(), t, right=True) - 1
+    return bag.clamp_(0, bags - 1)
+
+
+@register_rule(nn.EmbeddingBag, unsupported=_bag_unsupported)
+def embedding_bag(layer: nn.EmbeddingBag, activations: tuple, backprops: Tensor, out: dict):
+    if "weight" not in out:
+        return
+    n, v, d = backprops.shape  # n bags
+    args = list(activations) + [None] * (3 - len(activations))
+    ids, offsets, weights, last = flat_bags(layer, *args[:3])  # ids (T,)
+    dst = out["weight"]  # (n, v, r, d)
+    dst.zero_()
+    if n == 0 or ids.numel() == 0:
+        return
+    bag = bag_of_positions(offsets, ids.numel(), n)  # (T,)
+    keep = torch.ones_like(ids, dtype=torch.bool) if layer.padding_idx is None else (
+        ids != layer.padding_idx)  # (T,)
+    size = torch.zeros(n, dtype=backprops.dtype, device=ids.device).index_add_(
+        0, bag, keep.to(backprops.dtype))  # (n,) non-padding positions per bag
+    if layer.mode == "max":
+        _max_into(layer, ids, offsets, last, backprops, size > 0, dst)
+        return
+    if layer.mode == "mean":
+        coef = size.reciprocal()[bag]  # (T,); a bag holding a kept position has size > 0
+    else:
+        coef = torch.ones_like(bag, dtype=backprops.dtype) if weights is None else weights
+    bag, ids, coef = bag[keep], ids[keep], coef[keep]  # (T',)
+    cots = torch.arange(v, device=ids.device).view(1, v)  # (1, v)
+    values = backprops[bag] * coef.view(-1, 1, 1)  # (T', v, d)
+    dst.index_put_((bag.view(-1, 1), cots, ids.view(-1, 1)), values, accumulate=True)
+
+
+def _max_into(layer: nn.EmbeddingBag, ids: Tensor, offsets: Tensor, last: bool, g: Tensor,
+              nonempty: Tensor, dst: Tensor) -> None:
+    """``dst[n, v, argmax[n, d], d] = g[n, v, d]`` for the non-empty bags; ``dst`` zeroed."""
+    n, v, d = g.shape
+    argmax = torch.embedding_bag(layer.weight.detach(), ids, offsets, False, _MAX_MODE,
+                                 False, None, last, layer.padding_idx)[3]  # (n, d) rows
+    g = g * nonempty.view(n, 1, 1)  # an empty bag's argmax is meaningless (0)
+    dst.scatter_add_(2, argmax.view(n, 1, 1, d).expand(n, v, 1, d), g.unsqueeze(2))
