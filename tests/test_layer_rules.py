@@ -17,9 +17,15 @@ from torch import Tensor, nn
 import persample.rules as rules_module
 from cases import BY_ID, as_tuple, build
 from cases_layers import LAYER_CASES
-from persample import loop_param_jacobian, loop_per_sample_grads, param_jacobian, per_sample_grads
+from persample import (
+    loop_param_jacobian,
+    loop_per_sample_grads,
+    param_jacobian,
+    per_sample_grad_norms,
+    per_sample_grads,
+)
 from persample.rules import find_rule
-from persample.rules.bilinear import bilinear
+from persample.rules.bilinear import bilinear, bilinear_norm
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 NEW_TYPES = (
@@ -51,6 +57,35 @@ def rule_calls(monkeypatch):
 
         monkeypatch.setitem(rules_module._RULES, cls, dataclasses.replace(rule, fn=spy))
     return called
+
+
+@pytest.fixture
+def ghosts(monkeypatch):
+    """Wrap the norm rules of Bilinear and EmbeddingBag; the list holds each module whose
+    norm rule returned norms (not ``None``)."""
+    took: list[nn.Module] = []
+    for cls in (nn.Bilinear, nn.EmbeddingBag):
+        norm = rules_module._NORM_RULES[cls]
+
+        def spy(layer, activations, backprops, names, norm=norm):
+            got = norm(layer, activations, backprops, names)
+            if got is not None:
+                took.append(layer)
+            return got
+
+        monkeypatch.setitem(rules_module._NORM_RULES, cls, spy)
+    return took
+
+
+def assert_norms_match(model: nn.Module, inputs, targets, loss_fn) -> None:
+    """``per_sample_grad_norms`` by the rules against the norms of the loop's gradients."""
+    want = loop_per_sample_grads(model, inputs, targets, loss_fn)
+    total, layers = per_sample_grad_norms(model, inputs, targets, loss_fn, method="rules",
+                                          per_layer=True)
+    for name, g in want.items():
+        torch.testing.assert_close(layers[name], g.flatten(1).norm(dim=1), **TOL)
+    flat = torch.cat([g.flatten(1) for g in want.values()], dim=1)
+    torch.testing.assert_close(total, flat.norm(dim=1), **TOL)
 
 
 def new_layers(model: nn.Module) -> list[nn.Module]:
@@ -90,6 +125,39 @@ def test_fallback_configurations(case_id, rule_calls):
     got = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
     assert not rule_calls
     assert_close(got, loop_per_sample_grads(model, inputs, targets, loss_fn))
+
+
+GHOST_CASES = [c for c in RULE_CASES
+               if any(isinstance(m, (nn.Bilinear, nn.EmbeddingBag)) for m in build(c)[0].modules())]
+
+
+# Bilinear over T > 1 positions of few features: materialising is cheaper.
+MATERIALISED = {"bilinear-extra-dims", "bilinear-extra-dims-nobias"}
+
+
+@pytest.mark.parametrize("c", GHOST_CASES, ids=[c["id"] for c in GHOST_CASES])
+def test_norm_rules_take_the_ghost_path(c, ghosts):
+    """Bilinear and EmbeddingBag norms without their per-sample gradients."""
+    model, inputs, targets = build(c)
+    assert_norms_match(model, inputs, targets, c["loss_fn"]("mean"))
+    expected = [] if c["id"] in MATERIALISED else [
+        m for m in new_layers(model) if isinstance(m, (nn.Bilinear, nn.EmbeddingBag))]
+    assert {id(m) for m in ghosts} == {id(m) for m in expected}
+
+
+@pytest.mark.parametrize("features, ghost", [((2, 3, 2), False), ((6, 5, 4), True)])
+def test_bilinear_norm_rule_over_positions(features, ghost):
+    """``T = 4`` positions: Gram matrices when ``T^2 (o + i + j) <= T o i j``, else ``None``."""
+    i, j, o = features
+    layer = nn.Bilinear(i, j, o).double()
+    x1, x2, g = torch.randn(3, 4, i), torch.randn(3, 4, j), torch.randn(3, 1, 4, o)
+    got = bilinear_norm(layer, (x1, x2), g, {"weight", "bias"})
+    if not ghost:
+        assert got is None
+        return
+    want = torch.einsum("nto,nti,ntj->noij", g[:, 0], x1, x2).flatten(1).norm(dim=1)
+    torch.testing.assert_close(got["weight"].sqrt(), want, **TOL)
+    torch.testing.assert_close(got["bias"].sqrt(), g[:, 0].sum(1).norm(dim=1), **TOL)
 
 
 # ---------------------------------------------------------------------------
@@ -132,6 +200,7 @@ def test_embedding_bag_variable_offsets(mode, weighted, include_last_offset, pad
     assert rule_calls == [model.bag]
     assert_close(got, loop_per_sample_grads(model, x, y, nn.MSELoss()))
     assert_close(param_jacobian(model, x, method="rules"), loop_param_jacobian(model, x))
+    assert_norms_match(model, x, y, nn.MSELoss())
 
 
 # ---------------------------------------------------------------------------

@@ -15,11 +15,12 @@ both unfold). Only 2-d convolutions with tiny patches (a first layer on a
 grey image) unfold, where that is cheaper. Rochette et al. (2019), "Efficient per-example gradient
 computations in convolutional neural networks", describe the grouped form.
 
-Transposed convolutions take the same route with ``transposed=True``: their
-weight is ``(c, o/G, *k)`` (input channels first), so folding the batch into the
-groups gives ``(n*c, o/G, *k)``, again exactly ``(n, c, o/G, *k)``. The output
-size (``output_padding``, or the ``output_size=`` of the call) is read from the
-backprops.
+Transposed convolutions take the same route: the weight gradient of a
+transposed convolution ``x -> y`` is that of the ordinary convolution ``y -> x``
+with input and output gradient swapped, and their weight ``(c, o/G, *k)`` (input
+channels first) comes out of the grouped backward as ``(n*c, o/G, *k)``, again
+exactly ``(n, c, o/G, *k)``. The output size (``output_padding``, or the
+``output_size=`` of the call) is read from the backprops.
 """
 
 from __future__ import annotations
@@ -138,25 +139,34 @@ def conv_transpose_weight_per_sample(layer: nn.modules.conv._ConvTransposeNd, x:
                                      g: Tensor) -> Tensor:
     """``x (n, c, *s_in)``, ``g (n, v, o, *s_out)`` -> weight gradients ``(n, v, c, o/G, *k)``.
 
-    The transposed convolution backward with the batch folded into the groups:
-    group ``(n, j)`` has ``c/G`` input and ``v * o/G`` output channels, so the
-    ``v`` cotangents of a sample go into the output channels of its groups.
+    The weight gradient of a transposed convolution ``x -> y`` is that of the
+    ordinary convolution ``y -> x`` (same stride, padding, dilation) with the roles
+    of input and output gradient swapped: ``grad_W[c, o, k] = sum_s x[c, s] *
+    g[o, s*stride - padding + k*dilation]``, which the convolution backward computes
+    about twice as fast as its transposed form. The batch is folded into the
+    groups: group ``(n, j)`` has ``v * o/G`` input and ``c/G`` output channels.
     """
     n, v, o = g.shape[:3]
     c, groups, spatial = x.shape[1], layer.groups, g.shape[3:]
     g = g.reshape(n, v, groups, o // groups, *spatial).transpose(1, 2)  # (n, G, v, o/G, *s)
+    # An output_padding of a stride or more leaves the last rows of g past the
+    # convolution's reach: give x as many zero rows, which contribute nothing.
+    extra = [p // st for p, st in zip(transposed_output_padding(layer, x.shape[2:], spatial),
+                                      layer.stride)]
+    if any(extra):
+        x = F.pad(x, [side for e in reversed(extra) for side in (0, e)])
     k = layer.weight.shape[2:]
     weight_stub = layer.weight.new_empty(1).expand(n * c, v * o // groups, *k)  # shape only
     grad = torch.ops.aten.convolution_backward(
-        g.reshape(1, n * v * o, *spatial),  # (1, n*G*v*o/G, *s_out)
-        x.reshape(1, n * c, *x.shape[2:]),  # (1, n*c, *s_in)
+        x.reshape(1, n * c, *x.shape[2:]),  # as the output gradient: (1, n*c, *s_in)
+        g.reshape(1, n * v * o, *spatial),  # as the input: (1, n*G*v*o/G, *s_out)
         weight_stub,
         None,
         list(layer.stride),
         list(layer.padding),
         list(layer.dilation),
-        True,
-        transposed_output_padding(layer, x.shape[2:], spatial),
+        False,
+        [0] * len(spatial),
         groups * n,
         [False, True, False],
     )[1]  # (n*G*c/G, v*o/G, *k)
