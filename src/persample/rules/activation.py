@@ -19,6 +19,7 @@ from . import register_rule
 
 @register_rule(nn.PReLU)
 def prelu(layer: nn.PReLU, activations: tuple, backprops: Tensor, out: dict):
+    """``out["weight"] (n, v, c)`` (or ``(n, v, 1)``) ``= sum g * min(0, x)`` per slope."""
     if "weight" not in out:
         return
     x = activations[0]  # (n, c, *s), or (n,) with a shared slope

@@ -35,6 +35,8 @@ def _as_matrices(dst: Tensor) -> tuple[Tensor, bool]:
 
 @register_rule(nn.Bilinear)
 def bilinear(layer: nn.Bilinear, activations: tuple, backprops: Tensor, out: dict[str, Tensor]):
+    """Inputs ``(n, *s, i)``, ``(n, *s, j)``, backprops ``(n, v, *s, o)``: the Linear rule
+    on the outer products ``z (n, t, i*j)``."""
     n, v = backprops.shape[:2]
     g = backprops.reshape(n, v, -1, layer.out_features)  # (n, v, t, o)
     if "weight" in out:

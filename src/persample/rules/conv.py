@@ -114,6 +114,7 @@ def conv(layer: nn.modules.conv._ConvNd, activations: tuple, backprops: Tensor, 
 
 
 def _check_batched(layer: nn.modules.conv._ConvNd, x: Tensor) -> None:
+    """Raise unless ``x`` is ``(n, c, *s)`` with as many spatial dims as the kernel."""
     if x.dim() != len(layer.kernel_size) + 2:
         raise ValueError(
             f"{type(layer).__name__} got an unbatched input of shape {tuple(x.shape)}; "
@@ -143,7 +144,8 @@ def conv_transpose_weight_per_sample(layer: nn.modules.conv._ConvTransposeNd, x:
     ordinary convolution ``y -> x`` (same stride, padding, dilation) with the roles
     of input and output gradient swapped: ``grad_W[c, o, k] = sum_s x[c, s] *
     g[o, s*stride - padding + k*dilation]``, which the convolution backward computes
-    about twice as fast as its transposed form. The batch is folded into the
+    faster than its transposed form (1.2 to 2 times on a 2-core CPU, float32, 1-3 d
+    layers of 16 to 64 channels). The batch is folded into the
     groups: group ``(n, j)`` has ``v * o/G`` input and ``c/G`` output channels.
     """
     n, v, o = g.shape[:3]
@@ -177,6 +179,7 @@ def conv_transpose_weight_per_sample(layer: nn.modules.conv._ConvTransposeNd, x:
 @register_rule(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 def conv_transpose(layer: nn.modules.conv._ConvTransposeNd, activations: tuple,
                    backprops: Tensor, out: dict):
+    """Weight ``(n, v, c, o/G, *k)`` from the folded backward; bias ``(n, v, o)``: ``g`` summed."""
     x = activations[0]  # (n, c, *s_in)
     g = backprops  # (n, v, o, *s_out)
     _check_batched(layer, x)

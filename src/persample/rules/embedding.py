@@ -80,6 +80,8 @@ _MAX_MODE = 2  # torch.embedding_bag's code for mode="max"
 
 
 def _bag_unsupported(layer: nn.EmbeddingBag) -> str | None:
+    """``scale_grad_by_freq`` (gradients divided by each id's count in its bag) is left
+    to the torch.func fallback, which gets it right sample by sample."""
     if layer.scale_grad_by_freq:
         return "scale_grad_by_freq=True"
     return None
@@ -127,6 +129,8 @@ def _bag_weights(layer: nn.EmbeddingBag, activations: tuple, n: int, dtype: torc
 
 @register_rule(nn.EmbeddingBag, unsupported=_bag_unsupported)
 def embedding_bag(layer: nn.EmbeddingBag, activations: tuple, backprops: Tensor, out: dict):
+    """``activations``: ``(ids, offsets, per_sample_weights)`` (trailing ones may be
+    missing), ``backprops (n, v, d)`` for ``n`` bags; ``out["weight"] (n, v, r, d)``."""
     if "weight" not in out:
         return
     n, v, d = backprops.shape  # n bags
