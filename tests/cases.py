@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -605,16 +604,30 @@ BY_ID = {c["id"]: c for c in CASES + EDGE_CASES}
 assert len(BY_ID) == len(CASES) + len(EDGE_CASES), "case ids must be unique"
 
 
-class NumpyGate(nn.Module):
-    """A parameter used through numpy: no rule, and torch.func cannot differentiate it."""
+class _Gate(torch.autograd.Function):
+    """``x * w`` as an old-style autograd.Function: torch.func refuses it (no setup_context)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum_to_size(w.shape)
+
+
+class OpaqueGate(nn.Module):
+    """A parameter used through a custom autograd.Function: no rule, and neither torch.func
+    (the per-module fallback) nor the op-level taps can differentiate it per sample."""
 
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(4))
 
     def forward(self, x):
-        gate = torch.from_numpy(np.tanh(x.detach().cpu().numpy())).to(x)
-        return x * gate * self.weight
+        return _Gate.apply(x, self.weight)
 
 
 def as_tuple(inputs: Any) -> tuple:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from cases import BY_ID, NumpyGate, TiedLM, build, randn
+from cases import BY_ID, OpaqueGate, TiedLM, build, randn
 from persample import UnsupportedModuleError, loop_per_sample_grads
 from persample.dp import private_grad
 
@@ -457,11 +457,11 @@ def test_batchnorm_in_training_mode(snapshot):
 
 
 def test_unsupported_module_raises_and_keeps_grad(snapshot):
-    model = nn.Sequential(nn.Linear(3, 4), NumpyGate(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(3, 4), OpaqueGate(), nn.Linear(4, 2))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     state = snapshot(model)
-    with pytest.raises(UnsupportedModuleError, match=r"module '1' \(NumpyGate\)"):
+    with pytest.raises(UnsupportedModuleError, match=r"module '1' \(OpaqueGate\)"):
         private_grad(model, randn(3, 3), randn(3, 2), nn.MSELoss(), max_grad_norm=1.0,
                      noise_multiplier=1.0)
     state.assert_unchanged()

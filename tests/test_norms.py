@@ -26,7 +26,7 @@ from cases import (
     EDGE_CASES,
     LinearTwice,
     N,
-    NumpyGate,
+    OpaqueGate,
     TiedLM,
     as_tuple,
     build,
@@ -508,10 +508,10 @@ def test_batchnorm_in_training_mode(snapshot):
 
 def test_unsupported_module():
     """"rules" raises naming the module; "auto" falls back to the loop as per_sample_grads."""
-    model = nn.Sequential(nn.Linear(3, 4), NumpyGate(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(3, 4), OpaqueGate(), nn.Linear(4, 2))
     x, y = randn(3, 3), randn(3, 2)
     want = total_norm(loop_per_sample_grads(model, x, y, nn.MSELoss()))
-    with pytest.raises(persample.UnsupportedModuleError, match=r"module '1' \(NumpyGate\)"):
+    with pytest.raises(persample.UnsupportedModuleError, match=r"module '1' \(OpaqueGate\)"):
         per_sample_grad_norms(model, x, y, nn.MSELoss(), method="rules")
     with pytest.warns(UserWarning, match="method='loop'"):
         got = per_sample_grad_norms(model, x, y, nn.MSELoss(), method="auto")

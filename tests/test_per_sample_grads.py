@@ -18,7 +18,7 @@ from cases import (
     EDGE_CASE_IDS,
     EDGE_CASES,
     N,
-    NumpyGate,
+    OpaqueGate,
     as_tuple,
     assert_grads_equal,
     build,
@@ -353,10 +353,10 @@ def test_sample_independent_of_the_rest_of_the_batch():
 
 
 def test_auto_falls_back_to_loop_with_a_warning():
-    model = nn.Sequential(nn.Linear(3, 4), NumpyGate(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(3, 4), OpaqueGate(), nn.Linear(4, 2))
     x, y = randn(3, 3), randn(3, 2)
     want = loop_per_sample_grads(model, x, y, nn.MSELoss())
-    with pytest.raises(persample.UnsupportedModuleError, match="module '1' \\(NumpyGate\\)"):
+    with pytest.raises(persample.UnsupportedModuleError, match="module '1' \\(OpaqueGate\\)"):
         per_sample_grads(model, x, y, nn.MSELoss(), method="rules")
     with pytest.warns(UserWarning, match="method='loop'"):
         got = per_sample_grads(model, x, y, nn.MSELoss(), method="auto")

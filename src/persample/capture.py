@@ -66,11 +66,17 @@ class _ParameterUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        watched, uses = self.capture.watched, self.capture.uses
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, nn.Parameter) and id(leaf) in watched:
-                uses.setdefault(id(leaf), []).append(tuple(self.capture.stack))
-        return func(*args, **kwargs)
+        cap = self.capture
+        leaves = tree_leaves((args, kwargs))
+        for leaf in leaves:
+            if isinstance(leaf, nn.Parameter) and id(leaf) in cap.watched:
+                cap.uses.setdefault(id(leaf), []).append(tuple(cap.stack))
+        tracer = cap.tracer
+        pids = tracer.sources(leaves) if tracer is not None else ()
+        output = func(*args, **kwargs)
+        if pids:
+            tracer.record(func, args, kwargs, output, leaves, pids, tuple(cap.stack))
+        return output
 
 
 def _where(call: Call, exc: BaseException) -> str:
@@ -92,7 +98,8 @@ class Capture:
     """Context manager recording the calls of ``modules`` and where parameters are used.
 
     ``modules`` maps qualified names to modules; ``watched`` is the set of
-    ``id(param)`` whose uses to record. Inside the block, ``calls`` lists every
+    ``id(param)`` whose uses to record; with the batch size ``n``, ``tracer``
+    also follows them op by op (:mod:`persample.taps`). Inside the block, ``calls`` lists every
     finished call (innermost first, as calls finish), and ``uses[id(param)]``
     the call stacks under which an op read the parameter.
 
@@ -108,9 +115,14 @@ class Capture:
         0
     """
 
-    def __init__(self, modules: dict[str, nn.Module], watched: set[int] | None = None):
+    def __init__(self, modules: dict[str, nn.Module], watched: set[int] | None = None,
+                 n: int | None = None):
         self.modules = modules
         self.watched = watched or set()
+        # with the batch size: follow the watched parameters op by op (taps.py)
+        from .taps import Tracer  # taps -> layout -> capture
+
+        self.tracer = Tracer(self.watched, n) if n is not None else None
         self.calls: list[Call] = []
         self.stack: list[Call] = []
         self.uses: dict[int, list[Stack]] = {}

@@ -26,8 +26,9 @@ from torch.nn.utils.rnn import PackedSequence
 from .capture import Call, Capture, output_tensors
 from .fallback import fallback_grads
 from .jacobian import one_hot
-from .layout import front_activations, output_layouts
+from .layout import Dim, front_activations, output_layouts
 from .rules import Rule, find_rule
+from .taps import Op, Tracer
 from .vmap import batch_dims, unsqueeze
 
 
@@ -37,7 +38,14 @@ class Job:
 
     call: Call
     params: dict[str, nn.Parameter]  # name relative to call.module -> parameter
-    rule: Rule | None  # None: per-module fallback
+    rule: Rule | None  # None: per-module fallback (or taps)
+    taps: list[Op] | None = None  # ops through which one parameter enters (taps.py)
+    tracer: Tracer | None = None
+
+
+def job_outputs(job: Job) -> list[Tensor]:
+    """The tensors whose backprops the job needs: the call's outputs (after its taps')."""
+    return [op.output for op in job.taps or ()] + output_tensors(job.call)
 
 
 class GradSink:
@@ -104,24 +112,41 @@ def plan_jobs(model: nn.Module, cap: Capture, wanted: set[int]) -> list[Job]:
         params = {n: p for n, p in call.module.named_parameters(recurse=False)
                   if id(p) in cap.uses and id(p) not in taken}
         if params:
-            jobs.append(Job(call, params, _rule_for(call)))
+            rule = _rule_for(call)
+            jobs += [Job(call, params, rule)] if rule else _fallback_jobs(call, params, cap.tracer)
     for call, params in escaped.values():
-        _add_escaped(jobs, call, params)
+        _add_escaped(jobs, call, params, cap.tracer)
     return jobs
 
 
-def _add_escaped(jobs: list[Job], call: Call, params: dict[str, nn.Parameter]) -> None:
-    """A job for parameters read inside ``call`` but held by one of its submodules:
-    the call's own rule if it handles them (``nested``), else the fallback."""
+def _add_escaped(jobs: list[Job], call: Call, params: dict[str, nn.Parameter],
+                 tracer: Tracer | None) -> None:
+    """Jobs for parameters read outside the modules holding them, inside ``call``: the
+    call's own rule if it handles them (``nested``), else each parameter's taps (the
+    ops that read it), else the fallback over the whole call."""
     rule = _rule_for(call)
     if rule is None or not rule.nested:
-        jobs.append(Job(call, params, None))
+        jobs += _fallback_jobs(call, params, tracer)
         return
     for job in jobs:
         if job.call is call and job.rule is rule:  # one rule run for all of them
             job.params.update(params)
             return
     jobs.append(Job(call, params, rule))
+
+
+def _fallback_jobs(call: Call, params: dict[str, nn.Parameter], tracer: Tracer | None
+                   ) -> list[Job]:
+    """Jobs without a rule: one per parameter the tracer followed to its taps (the ops
+    that read it), and one per-module fallback over the whole call for the rest."""
+    jobs, rest = [], {}
+    for name, p in params.items():
+        taps = tracer.taps_in(id(p), call) if tracer is not None else None
+        if taps:
+            jobs.append(Job(call, {name: p}, None, taps, tracer))
+        else:
+            rest[name] = p
+    return jobs + ([Job(call, rest, None)] if rest else [])
 
 
 def _holders(model: nn.Module, wanted: set[int]) -> dict[int, set[int]]:
@@ -217,8 +242,11 @@ class InPlaceModificationError(RuntimeError):
 
 def check_unchanged(job: Job) -> None:
     """Raise if a captured tensor was modified in place after its module ran."""
-    now = [t._version for t in job.call.tensors()]
-    if now != job.call.versions:
+    if job.taps:
+        changed = any(job.tracer.changed(op) for op in job.taps)
+    else:
+        changed = [t._version for t in job.call.tensors()] != job.call.versions
+    if changed:
         raise InPlaceModificationError(
             f"an input or output of module '{job.call.name}' ({type(job.call.module).__name__}) "
             "was modified in place after the module ran (e.g. by nn.ReLU(inplace=True) or "
@@ -230,7 +258,8 @@ def check_unchanged(job: Job) -> None:
 def _backprops_of(job: Job, grads: dict[int, Tensor | None], n: int, v: int) -> list[Tensor]:
     """The call's backprops ``(n, v, *out)``, batch first, from ``(v, *out_shape)`` grads."""
     found = []
-    for out, layout in zip(output_tensors(job.call), output_layouts(job.call, n)):
+    layouts = [Dim(0)] * len(job.taps or ()) + output_layouts(job.call, n)
+    for out, layout in zip(job_outputs(job), layouts):
         g = grads[id(out)]
         g = layout.front_cotangents(out.new_zeros((v, *out.shape)) if g is None else g)
         if g.dim() < 2 or g.shape[0] != n:
@@ -269,12 +298,12 @@ def capture_backprops(model: nn.Module, args: tuple, root: Callable[[Any], Tenso
     ``id`` of the parameters to differentiate.
     """
     n = args[0].shape[0]
-    with torch.enable_grad(), Capture(hooked_modules(model), wanted) as cap:
+    with torch.enable_grad(), Capture(hooked_modules(model), wanted, n) as cap:
         value = root(model(*args))
     jobs = plan_jobs(model, cap, wanted)
     for job in jobs:
         check_unchanged(job)
-    outs = {id(t): t for job in jobs for t in output_tensors(job.call)}
+    outs = {id(t): t for job in jobs for t in job_outputs(job)}
     if outs and not value.requires_grad:
         raise RuntimeError(
             "the result does not depend on any parameter through autograd (was the "
@@ -307,6 +336,8 @@ def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
     if not backprops:  # no output depends on the parameters: zero contribution
         for t in out.values():
             t.zero_()
+    elif job.taps:
+        _apply_taps(job, backprops, n, out)
     elif job.rule is not None and (len(backprops) == 1 or job.rule.multi_output):
         inputs = front_activations(job.call, activations(job.call), n)
         job.rule.fn(job.call.module, inputs, backprops if job.rule.multi_output else backprops[0],
@@ -315,6 +346,19 @@ def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
         for name, g in fallback_grads(job.call, job.params, backprops, n).items():
             out[name].copy_(g)
     sink.commit(job.params, out)
+
+
+def _apply_taps(job: Job, backprops: list[Tensor], n: int, out: dict[str, Tensor]) -> None:
+    """The sum over the ops reading the parameter of their per-sample VJPs; the
+    per-module fallback over the whole call if an op cannot be replayed per sample."""
+    ((name, p),) = job.params.items()
+    k = len(job.taps)
+    try:
+        grads = [job.tracer.tap_grads(op, p, g) for op, g in zip(job.taps, backprops[:k])]
+    except Exception:  # an op torch.func cannot batch: differentiate the whole call
+        out[name].copy_(fallback_grads(job.call, job.params, backprops[k:], n)[name])
+        return
+    out[name].copy_(grads[0] if k == 1 else torch.stack(grads).sum(0))  # (n, v, *shape)
 
 
 def loss_backprops(model: nn.Module, args: tuple, targets: Any, loss_fn: Callable,
