@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import persample
 import persample.rules as rules_module
 from cases import BY_ID, as_tuple, build
 from cases_layers import LAYER_CASES
@@ -223,17 +224,17 @@ def test_instance_norm_training_with_running_stats(rule_calls):
     assert_close(got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="the forward updates the running statistics and "
-                   "api.py neither restores the buffers nor refuses the model")
-def test_instance_norm_training_with_running_stats_leaves_buffers(snapshot):
-    """The model must be left as it was (or refused with an error naming the layer)."""
+@pytest.mark.parametrize("method", ["rules", "auto", "loop"])
+def test_instance_norm_training_with_running_stats_leaves_buffers(snapshot, method):
+    """The forward updates the running statistics; every function restores them."""
     model = instance_norm_training()
     x, y = torch.randn(3, 2, 5), torch.randn(3, 3, 4)
     state = snapshot(model)
-    try:
-        per_sample_grads(model, x, y, nn.MSELoss(), method="rules")
-    except ValueError as err:
-        assert "InstanceNorm1d" in str(err)
+    want = loop_per_sample_grads(model, x, y, nn.MSELoss())
+    state.assert_unchanged()
+    assert_close(per_sample_grads(model, x, y, nn.MSELoss(), method=method), want)
+    persample.per_sample_grad_norms(model, x, y, nn.MSELoss(), method=method)
+    persample.param_jacobian(model, x, method=method)
     state.assert_unchanged()
 
 

@@ -16,6 +16,7 @@ from .reference import loop_param_jacobian, loop_per_sample_grads, rows
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 
 
+@checks.keeps_buffers
 def per_sample_grads(
     model: nn.Module,
     inputs: Tensor | tuple[Tensor, ...],
@@ -105,6 +106,7 @@ def per_sample_grads(
     return result
 
 
+@checks.keeps_buffers
 def param_jacobian(
     model: nn.Module,
     inputs: Tensor | tuple[Tensor, ...],

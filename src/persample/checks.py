@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -124,3 +127,27 @@ def validate_call(
     n = args[0].shape[0]
     check_targets(targets, n)
     return args, n, trainable_parameters(model)
+
+
+@contextmanager
+def kept_buffers(model: Any) -> Iterator[None]:
+    """Restore a module's buffers (running statistics updated by a forward) on exit."""
+    saved = [(b, b.clone()) for b in model.buffers()] if isinstance(model, nn.Module) else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def keeps_buffers(fn: Callable) -> Callable:
+    """Decorator: ``fn(model, ...)`` leaves ``model``'s buffers as they were (an
+    ``nn.InstanceNorm`` with ``track_running_stats`` updates them in training mode)."""
+
+    @functools.wraps(fn)
+    def wrapper(model: Any, *args: Any, **kwargs: Any) -> Any:
+        with kept_buffers(model):
+            return fn(model, *args, **kwargs)
+
+    return wrapper

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
+
+from .checks import kept_buffers
 
 MODES = ("auto", "reverse", "forward")
 _CHUNK_NUMBERS = 2**22  # jacobian_diagonal's default: tangents of a chunk, in numbers
@@ -101,7 +102,7 @@ def input_jacobian(
     """
     x = _as_batch(inputs)
     _check_options(mode, chunk_size)
-    with _kept_buffers(model):
+    with kept_buffers(model):
         if check_independence:
             _check_independence(model, x)
         xg = x.detach().requires_grad_()
@@ -162,7 +163,7 @@ def jacobian_diagonal(
     x = _as_batch(inputs)
     _check_options("auto", chunk_size)
     n, d = x.shape[0], math.prod(x.shape[1:])
-    with _kept_buffers(fn):
+    with kept_buffers(fn):
         if n == 0 or d == 0:
             with torch.no_grad():
                 out = _check_square(_checked_output(fn(x), n).unsqueeze(0), x)[0]
@@ -308,18 +309,6 @@ def _float_state(model: Callable) -> dict[str, Tensor]:
     if not isinstance(model, nn.Module):
         return {}
     return {name: p.detach() for name, p in model.named_parameters() if p.is_floating_point()}
-
-
-@contextmanager
-def _kept_buffers(model: Callable) -> Iterator[None]:
-    """Restore a module's buffers (e.g. BatchNorm's running statistics) on exit."""
-    saved = [(b, b.clone()) for b in model.buffers()] if isinstance(model, nn.Module) else []
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
 
 
 def _check_independence(model: Callable, x: Tensor) -> None:

@@ -90,6 +90,7 @@ def _rules_norms(model, args, targets, loss_fn, loss_reduction, params, method
     return {name: sq[id(p)].sqrt() for name, p in params.items()}
 
 
+@checks.keeps_buffers
 def per_sample_grad_norms(
     model: nn.Module,
     inputs: Tensor | tuple[Tensor, ...],

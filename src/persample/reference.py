@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from .checks import as_args, trainable_parameters
+from .checks import as_args, keeps_buffers, trainable_parameters
 
 
 def rows(x: Any, start: int, stop: int) -> Any:
@@ -21,6 +21,7 @@ def rows(x: Any, start: int, stop: int) -> Any:
     return tree_map(lambda t: t[start:stop] if isinstance(t, Tensor) else t, x)
 
 
+@keeps_buffers
 def loop_per_sample_grads(
     model: nn.Module, inputs: Tensor | tuple, targets: Any, loss_fn: Callable
 ) -> dict[str, Tensor]:
@@ -63,6 +64,7 @@ def loop_per_sample_grads(
     return result
 
 
+@keeps_buffers
 def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, Tensor]:
     """Per-sample parameter Jacobian by a loop over samples and outputs (the reference).
 

@@ -64,6 +64,14 @@ def vmap_param_jacobian(
     Seed 000's answer: ``vmap(jacrev(functional_call))`` over the samples.
     """
     refuse_recurrent(model)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.PReLU):  # torch 2.13: shape errors or wrong rows
+            raise UnsupportedModuleError(
+                f"method='vmap': torch.func's vmap(jacrev(...)) gets the Jacobian of "
+                f"module '{name or '<root>'}' (PReLU) wrong in this torch version (a shape "
+                "error, or silently wrong rows for the layers before it). Use "
+                "method='rules' or 'auto', or 'loop'."
+            )
     theta = {name: p.detach() for name, p in params.items()}
 
     def sample_output(th: dict[str, Tensor], args_i: tuple) -> Tensor:

@@ -30,6 +30,7 @@ from ..norms import squared_norms
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
 
 
+@checks.keeps_buffers
 def private_grad(
     model: nn.Module,
     inputs: Tensor | tuple[Tensor, ...],
