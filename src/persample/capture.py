@@ -57,6 +57,19 @@ def output_tensors(call: Call) -> list[Tensor]:
 Stack = tuple[Call, ...]  # the module calls under way, outermost first
 
 
+def _op_leaves(args: tuple, kwargs: dict) -> list:
+    """The tensors an op reads: its arguments and the items of list/tuple arguments
+    (``torch.cat([a, b])``, the LSTM's weight list); faster than a pytree walk, which
+    matters since it runs for every op of the forward."""
+    leaves = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            leaves += [x for x in a if isinstance(x, Tensor)]
+        elif isinstance(a, Tensor):
+            leaves.append(a)
+    return leaves
+
+
 class _ParameterUses(TorchFunctionMode):
     """Records, for each watched parameter, the call stack at every op that reads it."""
 
@@ -67,7 +80,7 @@ class _ParameterUses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         cap = self.capture
-        leaves = tree_leaves((args, kwargs))
+        leaves = _op_leaves(args, kwargs)
         for leaf in leaves:
             if isinstance(leaf, nn.Parameter) and id(leaf) in cap.watched:
                 cap.uses.setdefault(id(leaf), []).append(tuple(cap.stack))

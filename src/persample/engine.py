@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,11 +195,17 @@ def activations(call: Call) -> tuple | None:
     if not call.kwargs:
         return call.args
     try:
-        bound = inspect.signature(call.module.forward).bind(*call.args, **call.kwargs)
-    except TypeError:
+        bound = _signature(type(call.module).forward).bind(call.module, *call.args,
+                                                             **call.kwargs)
+    except (TypeError, ValueError):
         return None
     bound.apply_defaults()  # a keyword after a skipped default stays positional
-    return None if bound.kwargs else bound.args
+    return None if bound.kwargs else bound.args[1:]  # without self
+
+
+@functools.cache
+def _signature(forward: Callable) -> inspect.Signature:
+    return inspect.signature(forward)
 
 
 def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: str) -> Tensor:

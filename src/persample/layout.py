@@ -19,6 +19,7 @@ keeps the default: batch in dim 0 when its size is the batch size, else shared.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -164,12 +165,18 @@ def output_layouts(call: Call, n: int) -> list[Layout]:
 
 def _positional_names(module: nn.Module, count: int) -> list[str | None]:
     """The ``forward`` parameter name of each of ``count`` positional inputs."""
+    names = _positional(type(module).forward)
+    return [names[i] if i < len(names) else None for i in range(count)]
+
+
+@functools.cache
+def _positional(forward: Any) -> list[str]:
+    """The positional parameter names of an unbound ``forward``, without ``self``."""
     try:
-        params = inspect.signature(module.forward).parameters.values()
+        params = list(inspect.signature(forward).parameters.values())[1:]
     except (TypeError, ValueError):
         params = []
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return [names[i] if i < len(names) else None for i in range(count)]
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def input_layouts(call: Call, n: int) -> list[Layout | None]:

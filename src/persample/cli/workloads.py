@@ -38,6 +38,39 @@ def deep_mlp(depth: int = 50, width: int = 300, classes: int = 2) -> nn.Sequenti
     return nn.Sequential(*layers)
 
 
+class RowLSTM(nn.Module):
+    """Reads a 28x28 image row by row: LSTM(28, 128) over 28 steps, Linear on the last state."""
+
+    def __init__(self, hidden: int = 128, classes: int = 10):
+        super().__init__()
+        self.lstm = nn.LSTM(28, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _, (h, _) = self.lstm(x.flatten(1, 2))  # (B, 28, 28) -> h (1, B, hidden)
+        return self.head(h[-1])
+
+
+class TinyViT(nn.Module):
+    """A small vision Transformer: 4x4 patches, a class token and a positional embedding
+    (parameters of the model itself), 2 encoder layers of width 64, a Linear head."""
+
+    def __init__(self, width: int = 64, depth: int = 2, classes: int = 10):
+        super().__init__()
+        self.patch = nn.Linear(16, width)
+        self.cls = nn.Parameter(torch.zeros(1, 1, width))
+        self.pos = nn.Parameter(torch.randn(1, 50, width) * 0.02)
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        patches = x.unfold(2, 4, 4).unfold(3, 4, 4).flatten(1, 3).flatten(2)  # (B, 49, 16)
+        h = self.patch(patches)
+        h = torch.cat([self.cls.expand(len(x), -1, -1), h], 1) + self.pos  # (B, 50, width)
+        return self.head(self.encoder(h)[:, 0])
+
+
 @dataclass
 class Workload:
     """A model, a batch of real data and a loss; all in float32 as PERFORMANCE.md says."""
@@ -67,6 +100,13 @@ def grads_workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 100
         return Workload(name, "004", deep_mlp().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"MLP 50x300 ReLU, batch {b}, digits projected to 300, 2 classes")
+    if name in ("lstm-grads", "vit-grads"):
+        x, y = digits_images()
+        b = batch or 64
+        model, what = (RowLSTM(), "LSTM(28, 128) over image rows") if name == "lstm-grads" \
+            else (TinyViT(), "ViT: 4x4 patches, class token, 2 layers of width 64")
+        return Workload(name, "issue 5", model.eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
+                        f"{what}, batch {b}, digits 1x28x28, cross-entropy")
     raise ValueError(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
 
 
@@ -101,7 +141,7 @@ def jacobian_workload(name: str, batch: int | None = None) -> Workload:
     raise ValueError(f"unknown workload {name!r}; choose from {JACOBIAN_WORKLOADS}")
 
 
-GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads")
+GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads")
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step")
 WORKLOADS = GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS

@@ -66,8 +66,10 @@ def _projections(layer: nn.MultiheadAttention, q_in, k_in, v_in) -> list[Tensor]
 
 
 def _attend(layer: nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor],
-            key_padding_mask, attn_mask, average: bool) -> tuple[Tensor, Tensor]:
-    """``ctx (N, T, E)`` before ``out_proj`` and the weights ``(N, h, T, S)``."""
+            key_padding_mask, attn_mask, average: bool, weights: bool
+            ) -> tuple[Tensor, Tensor | None]:
+    """``ctx (N, T, E)`` before ``out_proj`` and (if ``weights``) the attention weights
+    ``(N, h, T, S)`` or their mean over heads."""
     n, t, e = q.shape
     heads = layer.num_heads
     mask_t = _mask(attn_mask, q)  # (T, S) or (N * h, T, S)
@@ -81,15 +83,18 @@ def _attend(layer: nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor, extra
         mask_t = None if mask_t is None else F.pad(mask_t, (0, 1))
         pad = None if pad is None else F.pad(pad, (0, 1))
     split = lambda x: x.unflatten(2, (heads, -1)).transpose(1, 2)  # (N, h, L, d)  # noqa: E731
-    scores = split(q) @ split(k).transpose(2, 3) / math.sqrt(e // heads)  # (N, h, T, S)
+    mask = None  # additive, broadcastable to (N, h, T, S)
     if mask_t is not None:
-        scores = scores + mask_t.reshape(-1, heads, *mask_t.shape[-2:]) if mask_t.dim() == 3 \
-            else scores + mask_t
+        mask = mask_t.reshape(-1, heads, *mask_t.shape[-2:]) if mask_t.dim() == 3 else mask_t
     if pad is not None:
-        scores = scores + pad[:, None, None, :]
-    weights = scores.softmax(-1)
-    ctx = (weights @ split(v)).transpose(1, 2).flatten(2)  # (N, T, E)
-    return ctx, weights.mean(1) if average else weights
+        mask = pad[:, None, None, :] if mask is None else mask + pad[:, None, None, :]
+    if not weights:  # the fused kernel, forward and backward
+        ctx = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
+        return ctx.transpose(1, 2).flatten(2), None  # (N, T, E)
+    scores = split(q) @ split(k).transpose(2, 3) / math.sqrt(e // heads)  # (N, h, T, S)
+    probs = (scores if mask is None else scores + mask).softmax(-1)
+    ctx = (probs @ split(v)).transpose(1, 2).flatten(2)  # (N, T, E)
+    return ctx, probs.mean(1) if average else probs
 
 
 @register_rule(nn.MultiheadAttention, unsupported=_dropout, multi_output=True, nested=True)
@@ -99,7 +104,8 @@ def multihead_attention(layer: nn.MultiheadAttention, activations: tuple,
     query, key, value, key_padding_mask, need_weights, attn_mask, average, _ = _arguments(
         activations)
     n, v = backprops[0].shape[:2]
-    rep = lambda x: None if x is None else x.detach().repeat_interleave(v, 0)  # noqa: E731
+    rep = lambda x: None if x is None else (  # noqa: E731
+        x.detach() if v == 1 else x.detach().repeat_interleave(v, 0))
     q_in, k_in, v_in = rep(query), rep(key), rep(value)
     key_padding_mask = rep(key_padding_mask)
     if attn_mask is not None and attn_mask.dim() == 3:  # (n * h, T, S) -> (n * v * h, T, S)
@@ -110,9 +116,11 @@ def multihead_attention(layer: nn.MultiheadAttention, activations: tuple,
         extra = [] if layer.bias_k is None else [
             b.detach().reshape(1, 1, -1).repeat(len(q), 1, 1).requires_grad_()
             for b in (layer.bias_k, layer.bias_v)]
-        ctx, weights = _attend(layer, q, k, val, extra, key_padding_mask, attn_mask, average)
+        use_weights = bool(need_weights) and len(backprops) > 1
+        ctx, weights = _attend(layer, q, k, val, extra, key_padding_mask, attn_mask, average,
+                               use_weights)
         outputs, grads = [ctx], [g_out @ layer.out_proj.weight.detach()]  # dctx (N, T, E)
-        if need_weights and len(backprops) > 1:
+        if use_weights:
             outputs.append(weights)
             grads.append(backprops[1].flatten(0, 1))
         dq, dk, dv, *dextra = torch.autograd.grad(outputs, [q, k, val, *extra], grads,
