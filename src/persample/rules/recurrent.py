@@ -44,21 +44,24 @@ class _Trace:
     raw: list[Tensor] = field(default_factory=list)  # T x (N, H) before the projection
 
 
-def _cell(mode: str, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None
-          ) -> tuple[Tensor, Tensor | None]:
-    """One step: the new (unprojected) hidden state and, for LSTM, the new cell state."""
+def _cell(mode: str, gates: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """One RNN or LSTM step from ``gates = gi + gh`` ``(N, G)``: the new (unprojected)
+    hidden state and, for LSTM, the new cell state."""
     if mode == "RNN_TANH":
-        return torch.tanh(gi + gh), None
+        return torch.tanh(gates), None
     if mode == "RNN_RELU":
-        return torch.relu(gi + gh), None
-    if mode == "LSTM":
-        i, f, g, o = (gi + gh).chunk(4, 1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c
-    ir, iz, in_ = gi.chunk(3, 1)  # GRU
+        return torch.relu(gates), None
+    s, hidden = torch.sigmoid(gates), gates.shape[1] // 4  # LSTM: gates i, f, g, o
+    c = s[:, hidden:2 * hidden] * c + s[:, :hidden] * torch.tanh(gates[:, 2 * hidden:3 * hidden])
+    return s[:, 3 * hidden:] * torch.tanh(c), c
+
+
+def _gru_cell(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
+    """One GRU step; ``gh`` enters apart, its new-gate part scaled by the reset gate."""
+    ir, iz, in_ = gi.chunk(3, 1)
     hr, hz, hn = gh.chunk(3, 1)
     r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-    return (1 - z) * torch.tanh(in_ + r * hn) + z * h, None
+    return (1 - z) * torch.tanh(in_ + r * hn) + z * h
 
 
 def _weights(layer: nn.RNNBase, name: str) -> Tensor | None:
@@ -75,8 +78,12 @@ def _direction(layer: nn.RNNBase, trace: _Trace, valid: Tensor | None, h: Tensor
     order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
     outs: list[Tensor] = [h] * len(steps)
     for t in order:
-        gh = F.linear(h, w_hh, b_hh)  # (N, G)
-        new, c_new = _cell(layer.mode, steps[t], gh, h, c)
+        if layer.mode == "GRU":
+            gh = F.linear(h, w_hh, b_hh)  # (N, G)
+            new, c_new = _gru_cell(steps[t], gh, h), None
+        else:  # gates = gi + gh: one tensor, whose backprops are those of gi and gh
+            gh = torch.addmm(steps[t], h, w_hh.T)  # b_hh is in gi already
+            new, c_new = _cell(layer.mode, gh, c)
         trace.gh.append(gh)
         trace.h_prev.append(h)
         if w_hr is not None:
@@ -103,6 +110,9 @@ def _unrolled(layer: nn.RNNBase, x: Tensor, valid: Tensor | None, h0: Tensor,
             suffix = f"_l{k}" + ("_reverse" if d else "")
             gi = F.linear(x, _weights(layer, "weight_ih" + suffix),
                           _weights(layer, "bias_ih" + suffix))  # (N, T, G)
+            b_hh = _weights(layer, "bias_hh" + suffix)
+            if layer.mode != "GRU" and b_hh is not None:
+                gi = gi + b_hh  # the steps then add only h W_hh^T
             trace = _Trace(suffix, x, gi)
             j = k * directions + d
             out, h, c = _direction(layer, trace, valid, h0[:, j],
@@ -165,14 +175,17 @@ def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], ou
     x, valid, h0, c0 = _inputs(layer, activations, v)
     with torch.enable_grad():
         traces, results = _unrolled(layer, x, valid, h0, c0)
-        wrt = [t.gi for t in traces] + [g for t in traces for g in t.gh + t.projected]
+        gru = layer.mode == "GRU"  # else gi's backprops are gh's: the step's gates
+        wrt = [t.gi for t in traces if gru] + [g for t in traces for g in t.gh + t.projected]
         grads = torch.autograd.grad(
             results, wrt, [g.flatten(0, 1) for g in backprops], allow_unused=True)
-    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
-    d_gi, rest = grads[: len(traces)], iter(grads[len(traces):])
+    grads = iter([torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)])
+    d_gi = [next(grads) for _ in traces] if gru else [None] * len(traces)
     for trace, dgi in zip(traces, d_gi):
-        dgh = torch.stack([next(rest) for _ in trace.gh], 1)  # (N, T, G)
-        dproj = [next(rest) for _ in trace.projected]
+        dgh = torch.stack([next(grads) for _ in trace.gh], 1)  # (N, T, G), processing order
+        dproj = [next(grads) for _ in trace.projected]
+        if dgi is None:  # back to time order, as trace.x
+            dgi = dgh.flip(1) if trace.suffix.endswith("_reverse") else dgh
         _write(out, "weight_ih" + trace.suffix, dgi, trace.x, n, v)
         _write(out, "bias_ih" + trace.suffix, dgi, None, n, v)
         _write(out, "weight_hh" + trace.suffix, dgh, torch.stack(trace.h_prev, 1), n, v)
