@@ -38,6 +38,8 @@ class Call:
     output: Any = None  # what the module returned
     versions: list[int] = field(default_factory=list)  # version counters at capture
     parent: Call | None = None  # the call under way when this one started
+    intercept: Any = None  # a rule's capture(call, func, args, kwargs), or None
+    extras: list[Tensor] = field(default_factory=list)  # kept by intercept, for the rule
 
     def tensors(self) -> list[Tensor]:
         """The input and output tensors whose later in-place change would corrupt the rule."""
@@ -86,7 +88,12 @@ class _ParameterUses(TorchFunctionMode):
                 cap.uses.setdefault(id(leaf), []).append(tuple(cap.stack))
         tracer = cap.tracer
         pids = tracer.sources(leaves) if tracer is not None else ()
-        output = func(*args, **kwargs)
+        call = cap.stack[-1] if cap.stack else None
+        output = None
+        if call is not None and call.intercept is not None:
+            output = call.intercept(call, func, args, kwargs)
+        if output is None:
+            output = func(*args, **kwargs)
         if pids:
             tracer.record(func, args, kwargs, output, leaves, pids, tuple(cap.stack))
         return output
@@ -129,7 +136,7 @@ class Capture:
     """
 
     def __init__(self, modules: dict[str, nn.Module], watched: set[int] | None = None,
-                 n: int | None = None):
+                 n: int | None = None, intercept: Any = None):
         self.modules = modules
         self.watched = watched or set()
         # with the batch size: follow the watched parameters op by op (taps.py)
@@ -142,6 +149,7 @@ class Capture:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._mode = _ParameterUses(self)
         self._thread = threading.get_ident()  # hooks ignore calls from other threads
+        self._intercept = intercept  # intercept(module) -> a rule's capture function or None
 
     def __enter__(self) -> Capture:
         try:
@@ -174,7 +182,9 @@ class Capture:
             if threading.get_ident() != self._thread:
                 return  # the same model run by another thread at the same time
             parent = self.stack[-1] if self.stack else None
-            self.stack.append(Call(name, module, args, kwargs, parent=parent))
+            intercept = self._intercept(module) if self._intercept else None
+            self.stack.append(Call(name, module, args, kwargs, parent=parent,
+                                   intercept=intercept))
 
         return pre_hook
 

@@ -46,7 +46,7 @@ class Job:
 
 def job_outputs(job: Job) -> list[Tensor]:
     """The tensors whose backprops the job needs: the call's outputs (after its taps')."""
-    return [op.output for op in job.taps or ()] + output_tensors(job.call)
+    return [op.output for op in job.taps or ()] + output_tensors(job.call) + job.call.extras
 
 
 class GradSink:
@@ -178,6 +178,12 @@ def _common_call(stacks: list[tuple[Call, ...]], pid: int) -> tuple[Call, str, n
     )
 
 
+def _interceptor(module: nn.Module) -> Callable | None:
+    """The capture hook of ``module``'s rule, if it has one (see ``register_rule``)."""
+    rule = find_rule(module)[0]
+    return rule.capture if rule is not None else None
+
+
 def _rule_for(call: Call) -> Rule | None:
     """The call's rule, if its inputs can be given to the rule positionally."""
     args = activations(call)
@@ -265,7 +271,8 @@ def check_unchanged(job: Job) -> None:
 def _backprops_of(job: Job, grads: dict[int, Tensor | None], n: int, v: int) -> list[Tensor]:
     """The call's backprops ``(n, v, *out)``, batch first, from ``(v, *out_shape)`` grads."""
     found = []
-    layouts = [Dim(0)] * len(job.taps or ()) + output_layouts(job.call, n)
+    layouts = ([Dim(0)] * len(job.taps or ()) + output_layouts(job.call, n)
+               + [Dim(0)] * len(job.call.extras))
     for out, layout in zip(job_outputs(job), layouts):
         g = grads[id(out)]
         g = layout.front_cotangents(out.new_zeros((v, *out.shape)) if g is None else g)
@@ -305,7 +312,7 @@ def capture_backprops(model: nn.Module, args: tuple, root: Callable[[Any], Tenso
     ``id`` of the parameters to differentiate.
     """
     n = args[0].shape[0]
-    with torch.enable_grad(), Capture(hooked_modules(model), wanted, n) as cap:
+    with torch.enable_grad(), Capture(hooked_modules(model), wanted, n, _interceptor) as cap:
         value = root(model(*args))
     jobs = plan_jobs(model, cap, wanted)
     for job in jobs:
@@ -340,19 +347,32 @@ def run_rules(model: nn.Module, args: tuple, root: Callable[[Any], Tensor], back
 def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
     """Per-sample results of one call, by its rule or the fallback, into ``sink``."""
     out = sink.targets(job.params)
+    if job.call.extras and not _rule_applies(job, backprops):  # kept for no rule here
+        backprops = backprops[: len(backprops) - len(job.call.extras)]
     if not backprops:  # no output depends on the parameters: zero contribution
         for t in out.values():
             t.zero_()
     elif job.taps:
         _apply_taps(job, backprops, n, out)
-    elif job.rule is not None and (len(backprops) == 1 or job.rule.multi_output):
+    elif _rule_applies(job, backprops):
         inputs = front_activations(job.call, activations(job.call), n)
-        job.rule.fn(job.call.module, inputs, backprops if job.rule.multi_output else backprops[0],
-                    out)
+        if job.call.extras:  # backprops of the outputs, then of the extras
+            job.rule.fn(job.call.module, inputs, backprops, out, extras=job.call.extras)
+        else:
+            job.rule.fn(job.call.module, inputs,
+                        backprops if job.rule.multi_output else backprops[0], out)
     else:
         for name, g in fallback_grads(job.call, job.params, backprops, n).items():
             out[name].copy_(g)
     sink.commit(job.params, out)
+
+
+def _rule_applies(job: Job, backprops: list[Tensor]) -> bool:
+    """A rule, given the outputs it takes, and the extras its capture hook kept (if any)."""
+    rule = job.rule
+    if rule is None or (rule.capture is not None and not job.call.extras):
+        return False
+    return len(backprops) == 1 or rule.multi_output
 
 
 def _apply_taps(job: Job, backprops: list[Tensor], n: int, out: dict[str, Tensor]) -> None:

@@ -40,6 +40,7 @@ class Rule:
     unsupported: Callable[[nn.Module], str | None]
     multi_output: bool = False  # backprops: a list, one per output tensor
     nested: bool = False  # also writes parameters of submodules read inside the call
+    capture: Callable | None = None  # capture(call, func, args, kwargs): see register_rule
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
@@ -56,7 +57,8 @@ def _always(_: nn.Module) -> str | None:
 
 
 def register_rule(*types: type[nn.Module], unsupported=_always, multi_output: bool = False,
-                  nested: bool = False) -> Callable[[RuleFn], RuleFn]:
+                  nested: bool = False, capture: Callable | None = None
+                  ) -> Callable[[RuleFn], RuleFn]:
     """Register the decorated function as the per-sample rule for the module ``types``.
 
     Args:
@@ -70,6 +72,12 @@ def register_rule(*types: type[nn.Module], unsupported=_always, multi_output: bo
         nested: parameters of submodules that are read inside the call without
             being called (``out_proj`` of ``nn.MultiheadAttention``) are given to the
             rule too, in ``out`` under their names relative to the module.
+        capture: ``capture(call, func, args, kwargs)``, called for each op run
+            directly inside a call of the module during the captured forward;
+            it may compute the op itself, keep intermediate tensors in
+            ``call.extras`` and return the op's output (``None``: run the op as
+            usual). The rule then gets the extras' backprops appended to
+            ``backprops`` and the extras themselves as ``extras=``.
 
     Returns:
         A decorator that registers ``fn(layer, activations, backprops, out)`` (see
@@ -100,7 +108,7 @@ def register_rule(*types: type[nn.Module], unsupported=_always, multi_output: bo
 
     def decorate(fn: RuleFn) -> RuleFn:
         for cls in types:
-            _RULES[cls] = Rule(fn, cls, unsupported, multi_output, nested)
+            _RULES[cls] = Rule(fn, cls, unsupported, multi_output, nested, capture)
         return fn
 
     return decorate

@@ -12,15 +12,17 @@ outer products of backprops and inputs (Goodfellow 2015, seed 004):
   captured backprops of the attention output;
 - ``bias_k``, ``bias_v``: the backprops of the appended key / value position.
 
-The backprops ``dq, dk, dv`` of the projections come from one backward of the
-captured backprops through the attention recomputed from the projections (the
-equations of ``F.multi_head_attention_forward``), batched over samples.
-Index conventions: ``n`` sample (times ``v`` cotangents, folded into one batch
-``N``), ``t`` query position, ``s`` key position, ``h`` head.
+Nothing is recomputed: during the captured forward, :func:`capture_forward`
+computes ``F.multi_head_attention_forward`` itself from the same equations,
+keeping the projections ``q, k, v`` and the attention output ``ctx`` in the
+graph, so the one main backward also gives ``dq, dk, dv`` ("capture, don't
+re-derive", DESIGN.md point 1). Index conventions: ``n`` sample, ``v``
+cotangent, ``t`` query position, ``s`` key position, ``h`` head.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -29,19 +31,12 @@ from torch import Tensor, nn
 
 from . import register_rule
 
-# forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-#         average_attn_weights, is_causal)
-_DEFAULTS = (None, None, None, None, True, None, True, False)
-
 
 def _dropout(layer: nn.MultiheadAttention) -> str | None:
+    """Dropout in training mode draws a random mask: the per-module fallback then."""
     if layer.dropout > 0 and layer.training:
         return "attention dropout in training mode (a random mask): the torch.func fallback"
     return None
-
-
-def _arguments(activations: tuple) -> tuple:
-    return tuple(activations) + _DEFAULTS[len(activations):]
 
 
 def _mask(mask: Tensor | None, like: Tensor) -> Tensor | None:
@@ -50,19 +45,6 @@ def _mask(mask: Tensor | None, like: Tensor) -> Tensor | None:
         return None if mask is None else mask.to(like.dtype)
     return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(
         mask, float("-inf"))
-
-
-def _projections(layer: nn.MultiheadAttention, q_in, k_in, v_in) -> list[Tensor]:
-    """``q, k, v`` ``(N, L, E)``: leaves of the local graph."""
-    e = layer.embed_dim
-    b = layer.in_proj_bias
-    bias = [None] * 3 if b is None else b.detach().split(e)
-    if layer._qkv_same_embed_dim:
-        weights = layer.in_proj_weight.detach().split(e)
-    else:
-        weights = [layer.q_proj_weight, layer.k_proj_weight, layer.v_proj_weight]
-    return [F.linear(x, w.detach(), bb).requires_grad_()
-            for x, w, bb in zip((q_in, k_in, v_in), weights, bias)]
 
 
 def _attend(layer: nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor, extra: list[Tensor],
@@ -97,64 +79,90 @@ def _attend(layer: nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor, extra
     return ctx, probs.mean(1) if average else probs
 
 
-@register_rule(nn.MultiheadAttention, unsupported=_dropout, multi_output=True, nested=True)
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+def capture_forward(call, func, args: tuple, kwargs: dict) -> tuple | None:
+    """During the capture, ``F.multi_head_attention_forward`` decomposed into the same
+    equations, keeping ``q, k, v`` (and the per-sample copies of ``bias_k/v``) in the
+    graph as ``call.extras``, so that the main backward gives their backprops and the
+    rule need not recompute the attention. ``None``: another op, or a case left to
+    PyTorch (static keys, dropout in training, unbatched inputs)."""
+    if func is not F.multi_head_attention_forward:
+        return None
+    a = _MHA_SIGNATURE.bind(*args, **kwargs)
+    a.apply_defaults()
+    a = a.arguments
+    if (a["static_k"] is not None or a["static_v"] is not None or a["query"].dim() != 3
+            or (a["training"] and a["dropout_p"] > 0)
+            or (a["is_causal"] and a["attn_mask"] is None)):
+        return None
+    q_in, k_in, v_in = (a[name].transpose(0, 1) for name in ("query", "key", "value"))
+    e, n = a["embed_dim_to_check"], q_in.shape[0]
+    weights = ([a[f"{x}_proj_weight"] for x in "qkv"] if a["use_separate_proj_weight"]
+               else a["in_proj_weight"].split(e))
+    biases = [None] * 3 if a["in_proj_bias"] is None else a["in_proj_bias"].split(e)
+    q, k, v = (F.linear(x, w, b) for x, w, b in zip((q_in, k_in, v_in), weights, biases))
+    extra = [] if a["bias_k"] is None else [
+        b.reshape(1, 1, -1).expand(n, 1, -1) for b in (a["bias_k"], a["bias_v"])]
+    ctx, probs = _attend(call.module, q, k, v, extra, a["key_padding_mask"], a["attn_mask"],
+                         a["average_attn_weights"], bool(a["need_weights"]))
+    call.extras = [q, k, v, ctx, *extra]  # (n, L, E) each; ctx for out_proj's gradient
+    out = F.linear(ctx, a["out_proj_weight"], a["out_proj_bias"])  # (n, T, E)
+    return out.transpose(0, 1), probs
+
+
+@register_rule(nn.MultiheadAttention, unsupported=_dropout, multi_output=True, nested=True,
+               capture=capture_forward)
 def multihead_attention(layer: nn.MultiheadAttention, activations: tuple,
-                        backprops: list[Tensor], out: dict):
-    """Per-sample gradients of every parameter, ``out_proj``'s included."""
-    query, key, value, key_padding_mask, need_weights, attn_mask, average, _ = _arguments(
-        activations)
-    n, v = backprops[0].shape[:2]
-    rep = lambda x: None if x is None else (  # noqa: E731
-        x.detach() if v == 1 else x.detach().repeat_interleave(v, 0))
-    q_in, k_in, v_in = rep(query), rep(key), rep(value)
-    key_padding_mask = rep(key_padding_mask)
-    if attn_mask is not None and attn_mask.dim() == 3:  # (n * h, T, S) -> (n * v * h, T, S)
-        attn_mask = rep(attn_mask.unflatten(0, (n, -1))).flatten(0, 1)
-    g_out = backprops[0].flatten(0, 1)  # (N, T, E)
-    with torch.enable_grad():
-        q, k, val = _projections(layer, q_in, k_in, v_in)
-        extra = [] if layer.bias_k is None else [
-            b.detach().reshape(1, 1, -1).repeat(len(q), 1, 1).requires_grad_()
-            for b in (layer.bias_k, layer.bias_v)]
-        use_weights = bool(need_weights) and len(backprops) > 1
-        ctx, weights = _attend(layer, q, k, val, extra, key_padding_mask, attn_mask, average,
-                               use_weights)
-        outputs, grads = [ctx], [g_out @ layer.out_proj.weight.detach()]  # dctx (N, T, E)
-        if use_weights:
-            outputs.append(weights)
-            grads.append(backprops[1].flatten(0, 1))
-        dq, dk, dv, *dextra = torch.autograd.grad(outputs, [q, k, val, *extra], grads,
-                                                  allow_unused=True)
-    _write_projections(layer, out, [dq, dk, dv], [q_in, k_in, v_in], n, v)
-    _outer("out_proj.weight", "out_proj.bias", out, g_out, ctx.detach(), n, v)
-    for name, d in zip(("bias_k", "bias_v"), dextra):
-        if name in out:
-            out[name].copy_(_zero_if_none(d, extra[0]).reshape(n, v, *out[name].shape[2:]))
+                        backprops: list[Tensor], out: dict, extras: list[Tensor]):
+    """Per-sample gradients of every parameter, ``out_proj``'s included, from the
+    backprops of the projections kept by :func:`capture_forward` (``extras``)."""
+    _from_captured(layer, activations, backprops, out, extras)
 
 
-def _zero_if_none(g: Tensor | None, like: Tensor) -> Tensor:
-    return torch.zeros_like(like) if g is None else g
+def _from_captured(layer, activations: tuple, backprops: list[Tensor], out: dict,
+                   extras: list[Tensor]) -> None:
+    """Backprops ``[output, (weights), q, k, v, ctx, (bias_k, bias_v)]``, ``(n, v, ...)``."""
+    dq, dk, dv, _, *dextra = backprops[-len(extras):]
+    _write_projections(layer, out, [dq, dk, dv], list(activations[:3]))
+    _outer("out_proj.weight", "out_proj.bias", out, backprops[0], extras[3].detach())
+    _write_biases_kv(out, dextra)
 
 
-def _write_projections(layer, out: dict, grads: list, inputs: list, n: int, v: int) -> None:
+def _write_biases_kv(out: dict, grads: list[Tensor | None]) -> None:
+    for name, g in zip(("bias_k", "bias_v"), grads):
+        if name in out:  # g: (n, v, 1, E) -> (n, v, 1, 1, E)
+            out[name].copy_(out[name].new_zeros(()) if g is None else g.reshape(out[name].shape))
+
+
+def _write_projections(layer, out: dict, grads: list, inputs: list) -> None:
+    """``grads`` ``(n, v, L, E)`` of q, k, v; ``inputs`` ``(n, L, in)``: the blocks of
+    the projection weights (``sum_l g^T x``) and of ``in_proj_bias`` (``sum_l g``)."""
     e = layer.embed_dim
-    grads = [_zero_if_none(g, x[..., :1].expand(*x.shape[:-1], e)) for g, x in zip(grads, inputs)]
     if layer._qkv_same_embed_dim:
         names = [("in_proj_weight", slice(k * e, (k + 1) * e)) for k in range(3)]
     else:
         names = [(f"{p}_proj_weight", slice(None)) for p in "qkv"]
     for k, (g, x) in enumerate(zip(grads, inputs)):
         weight, rows = names[k]
-        if weight in out:  # (n, v, E, in) block of the weight
-            block = torch.bmm(g.transpose(1, 2), x)  # (N, E, in)
-            out[weight][:, :, rows].copy_(block.unflatten(0, (n, v)))
+        if weight in out:
+            block = out[weight][:, :, rows]  # (n, v, E, in)
+            if g is None:
+                block.zero_()
+            else:  # (n, v, E, L) @ (n, 1, L, in)
+                block.copy_(torch.matmul(g.transpose(2, 3), x.detach().unsqueeze(1)))
         if "in_proj_bias" in out:
-            out["in_proj_bias"][:, :, k * e:(k + 1) * e].copy_(g.sum(1).unflatten(0, (n, v)))
+            part = out["in_proj_bias"][:, :, k * e:(k + 1) * e]
+            if g is None:
+                part.zero_()
+            else:
+                part.copy_(g.sum(2))
 
 
-def _outer(weight: str, bias: str, out: dict, g: Tensor, a: Tensor, n: int, v: int) -> None:
-    """``sum_t g^T a`` and ``sum_t g`` over positions: ``g (N, T, O)``, ``a (N, T, I)``."""
+def _outer(weight: str, bias: str, out: dict, g: Tensor, a: Tensor) -> None:
+    """``sum_t g^T a`` and ``sum_t g``: ``g (n, v, T, O)``, ``a (n, T, I)``."""
     if weight in out:
-        out[weight].copy_(torch.bmm(g.transpose(1, 2), a).unflatten(0, (n, v)))
+        out[weight].copy_(torch.matmul(g.transpose(2, 3), a.unsqueeze(1)))
     if bias in out:
-        out[bias].copy_(g.sum(1).unflatten(0, (n, v)))
+        out[bias].copy_(g.sum(2))
