@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layout import batch_first
 
@@ -54,7 +54,8 @@ class Tracer:
     derived: dict[int, tuple[Tensor, set[int], Op]] = field(default_factory=dict)
     taps: dict[int, list[Op]] = field(default_factory=dict)  # id(param) -> taps
     untraceable: set[int] = field(default_factory=set)
-    versions: dict[int, list[int]] = field(default_factory=dict)  # id(tap output) -> versions
+    # id(tap output) -> (tensor, version) of its output and non-source inputs
+    versions: dict[int, list[tuple[Tensor, int]]] = field(default_factory=dict)
 
     def sources(self, leaves: list) -> set[int]:
         """The watched parameters an op reads, directly or through derived tensors."""
@@ -102,7 +103,7 @@ class Tracer:
     def _tap(self, op: Op, pids: set[int], others: list[Tensor]) -> None:
         for pid in pids:
             self.taps.setdefault(pid, []).append(op)
-        self.versions[id(op.output)] = [t._version for t in [op.output, *others]]
+        self.versions[id(op.output)] = [(t, t._version) for t in [op.output, *others]]
 
     def taps_in(self, pid: int, call: Any) -> list[Op] | None:
         """The taps of a parameter if it is traceable, restricted to those inside ``call``."""
@@ -116,9 +117,7 @@ class Tracer:
 
     def changed(self, op: Op) -> bool:
         """Was a tap's output or batched input modified in place after it ran?"""
-        leaves = [t for t in tree_leaves((op.args, op.kwargs))
-                  if isinstance(t, Tensor) and not self._is_source(t)]
-        return [t._version for t in [op.output, *leaves]] != self.versions[id(op.output)]
+        return any(t._version != version for t, version in self.versions[id(op.output)])
 
     # -- per-sample gradients -------------------------------------------------
 
