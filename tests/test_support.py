@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 import persample
-from cases import BY_ID, Scale, build
+from cases import BY_ID, OpaqueGate, Scale, build
 from persample import supported, verify
 
 
@@ -71,8 +71,17 @@ def test_traced_keyword_call_and_functional_use():
     assert paths(supported(model, inputs))["fc"] == ("rule", ("weight", "bias"))
     model, inputs, _ = build(BY_ID["weight-used-functionally"])
     got = paths(supported(model, inputs))
-    assert got[""] == ("fallback", ("fc.weight", "fc.bias"))  # read by the root's forward
+    assert got[""] == ("taps", ("fc.weight", "fc.bias"))  # F.linear in the root's forward
     assert got["out"] == ("rule", ("weight", "bias"))
+
+
+def test_traced_taps_and_fallback():
+    """A class-token-like parameter is followed op by op; a parameter inside a custom
+    autograd.Function cannot be, so its module takes the per-module fallback."""
+    model = nn.Sequential(nn.Linear(3, 4), OpaqueGate(), nn.Linear(4, 2), Scale(2))
+    got = paths(supported(model, torch.randn(5, 3)))
+    assert got["1"] == ("fallback", ("weight",))
+    assert got["3"] == ("taps", ("weight",))
 
 
 def test_routes_print_as_a_table_and_model_is_unchanged(snapshot):

@@ -31,7 +31,7 @@ class Route:
     module: str  # qualified name, "" for the root
     type: str  # the module's class name
     params: tuple[str, ...]  # its trainable parameters handled on this path
-    path: str  # "rule", "fallback", "unsupported" or "unused"
+    path: str  # "rule", "taps", "fallback", "unsupported" or "unused"
     reason: str  # the rule's family, or why there is no rule / no path
 
 
@@ -60,6 +60,7 @@ def _static_route(name: str, module: nn.Module, params: tuple[str, ...]) -> Rout
                  f"{why}: torch.func per module (if it fails, method='auto' uses the loop)")
 
 
+@checks.keeps_buffers
 def supported(model: nn.Module, inputs: Tensor | tuple | None = None) -> Routes:
     """Which path each module with trainable parameters takes: rule, fallback or none.
 
@@ -68,8 +69,9 @@ def supported(model: nn.Module, inputs: Tensor | tuple | None = None) -> Routes:
     run once, without any backward, and the answer is what the engine would
     really do: a parameter read outside its own module (``out_proj`` inside
     ``nn.MultiheadAttention``, a tied weight used with ``F.linear``) is shown on
-    the call that differentiates it, and parameters the forward never reads are
-    ``"unused"`` (their per-sample gradients are zeros).
+    the call that differentiates it; a parameter without a rule that the capture
+    can follow op by op (a class token, a custom module's scale) is ``"taps"``;
+    parameters the forward never reads are ``"unused"`` (zero gradients).
 
     Args:
         model: any ``nn.Module``; it is left unchanged (no hooks, no state).
@@ -79,7 +81,8 @@ def supported(model: nn.Module, inputs: Tensor | tuple | None = None) -> Routes:
     Returns:
         :class:`Routes`, a list of :class:`Route` ``(module, type, params, path,
         reason)`` in ``named_modules()`` order (with inputs: call order); ``path``
-        is ``"rule"``, ``"fallback"``, ``"unsupported"`` or ``"unused"``.
+        is ``"rule"``, ``"fallback"``, ``"unsupported"``, ``"unused"`` or (with
+        inputs) ``"taps"``.
         ``print()`` shows it as a table.
 
     Raises:
@@ -121,8 +124,8 @@ def _static_routes(model: nn.Module) -> list[Route]:
 
 def _traced_routes(model: nn.Module, args: tuple) -> list[Route]:
     params = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-    with torch.no_grad(), Capture(hooked_modules(model), set(params)) as cap:
-        model(*args)
+    with torch.enable_grad(), Capture(hooked_modules(model), set(params), len(args[0])) as cap:
+        model(*args)  # with grad: the taps follow only ops that autograd records
     merged: dict[tuple[int, str], Route] = {}  # one row per call and path
     seen: set[int] = set()
     for job in plan_jobs(model, cap, set(params)):
@@ -143,6 +146,9 @@ def _traced_routes(model: nn.Module, args: tuple) -> list[Route]:
 
 def _job_route(job) -> Route:
     names = tuple(job.params)
+    if job.taps:
+        return Route(job.call.name, type(job.call.module).__name__, names, "taps",
+                     f"per-sample VJPs of the {len(job.taps)} op(s) that bring it to the batch")
     if job.rule is not None:
         return Route(job.call.name, type(job.call.module).__name__, names, "rule",
                      f"{job.rule.base.__name__} rule")
