@@ -695,3 +695,34 @@ def test_auto_inplace_fallback_flat_with_inputs_that_require_grad():
         got = per_sample_grads(model, x.requires_grad_(True), y, nn.CrossEntropyLoss(),
                                method="auto", flat=True)
     torch.testing.assert_close(got, want, **TOL)
+
+
+class AddsInPlace(nn.Module):
+    """A parameter added in place to a batched tensor: ``h += self.shift``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.shift = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(x))
+        h = h * 1.0  # a fresh tensor, so the in-place add does not touch fc's output
+        h += self.shift
+        return h * h
+
+
+@pytest.mark.parametrize("method", ["rules", "auto"])
+def test_parameter_added_in_place_is_not_replayed_in_place(method, snapshot):
+    """The op-level taps must not replay an in-place op on captured tensors: the
+    parameter takes the per-module fallback, the results match the loop, and the
+    inputs are not modified."""
+    model = AddsInPlace()
+    x, y = torch.randn(N, 4), torch.randn(N, 3)
+    x0 = x.clone()
+    want = loop_per_sample_grads(model, x, y, nn.MSELoss())
+    state = snapshot(model)
+    got = per_sample_grads(model, x, y, nn.MSELoss(), method=method)
+    assert_grads(got, want)
+    assert torch.equal(x, x0)
+    state.assert_unchanged()

@@ -83,6 +83,9 @@ class Tracer:
         if not any(o.requires_grad for o in outs):  # no_grad, or inside an autograd.Function
             self.untraceable |= pids  # whose own backward the taps would not know
             return
+        if _in_place(func, kwargs):  # replaying it would write into the captured tensors
+            self.untraceable |= pids
+            return
         sequence_first = any(batch_first(c.module) is False for c in stack)
         if sequence_first or any(n in t.shape and (t.dim() == 0 or t.shape[0] != n)
                                  for t in others):
@@ -163,6 +166,13 @@ class Tracer:
 
         index = torch.arange(self.n, device=backprops.device)
         return vmap(one_sample)([mapped[k] for k in keys], index, backprops)
+
+
+def _in_place(func: Any, kwargs: dict) -> bool:
+    """``x.add_(p)``, ``x += p``, ``torch.add(x, p, out=y)``."""
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name.endswith("__"))
 
 
 def others_batched(others: list[Tensor], n: int) -> bool:
