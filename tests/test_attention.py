@@ -16,9 +16,9 @@ def test_rule_uses_the_captured_projections(case_id, monkeypatch):
     calls = []
     real = attention._from_captured
 
-    def spy(layer, activations, backprops, out, extras):
+    def spy(layer, activations, backprops, out, extras, ctx):
         calls.append((layer, len(extras)))
-        return real(layer, activations, backprops, out, extras)
+        return real(layer, activations, backprops, out, extras, ctx)
 
     monkeypatch.setattr(attention, "_from_captured", spy)
     c = BY_ID[case_id]
@@ -28,4 +28,4 @@ def test_rule_uses_the_captured_projections(case_id, monkeypatch):
     assert_grads_equal(got, persample.loop_per_sample_grads(model, inputs, targets, loss_fn))
     attn = [m for m in model.modules() if isinstance(m, attention.nn.MultiheadAttention)]
     assert sorted(id(layer) for layer, _ in calls) == sorted(map(id, attn))  # each once
-    assert all(k >= 4 for _, k in calls)  # q, k, v, ctx (and bias_k, bias_v)
+    assert all(k >= 3 for _, k in calls)  # q, k, v (and bias_k, bias_v)

@@ -39,7 +39,8 @@ class Call:
     versions: list[int] = field(default_factory=list)  # version counters at capture
     parent: Call | None = None  # the call under way when this one started
     intercept: Any = None  # a rule's capture(call, func, args, kwargs), or None
-    extras: list[Tensor] = field(default_factory=list)  # kept by intercept, for the rule
+    extras: list[Tensor] = field(default_factory=list)  # kept by intercept: need backprops
+    saved: Any = None  # kept by intercept: values the rule reads
 
     def tensors(self) -> list[Tensor]:
         """The input and output tensors whose later in-place change would corrupt the rule."""

@@ -357,7 +357,8 @@ def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
     elif _rule_applies(job, backprops):
         inputs = front_activations(job.call, activations(job.call), n)
         if job.call.extras:  # backprops of the outputs, then of the extras
-            job.rule.fn(job.call.module, inputs, backprops, out, extras=job.call.extras)
+            job.rule.fn(job.call.module, inputs, backprops, out, extras=job.call.extras,
+                        saved=job.call.saved)
         else:
             job.rule.fn(job.call.module, inputs,
                         backprops if job.rule.multi_output else backprops[0], out)
@@ -368,11 +369,9 @@ def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
 
 
 def _rule_applies(job: Job, backprops: list[Tensor]) -> bool:
-    """A rule, given the outputs it takes, and the extras its capture hook kept (if any)."""
+    """A rule that takes this call's number of outputs."""
     rule = job.rule
-    if rule is None or (rule.capture is not None and not job.call.extras):
-        return False
-    return len(backprops) == 1 or rule.multi_output
+    return rule is not None and (len(backprops) == 1 or rule.multi_output)
 
 
 def _apply_taps(job: Job, backprops: list[Tensor], n: int, out: dict[str, Tensor]) -> None:

@@ -74,10 +74,11 @@ def register_rule(*types: type[nn.Module], unsupported=_always, multi_output: bo
             rule too, in ``out`` under their names relative to the module.
         capture: ``capture(call, func, args, kwargs)``, called for each op run
             directly inside a call of the module during the captured forward;
-            it may compute the op itself, keep intermediate tensors in
-            ``call.extras`` and return the op's output (``None``: run the op as
+            it may compute the op itself, keep intermediate tensors whose
+            backprops it wants in ``call.extras`` (and any values in
+            ``call.saved``), and return the op's output (``None``: run the op as
             usual). The rule then gets the extras' backprops appended to
-            ``backprops`` and the extras themselves as ``extras=``.
+            ``backprops``, and ``extras=``, ``saved=``.
 
     Returns:
         A decorator that registers ``fn(layer, activations, backprops, out)`` (see

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..fallback import UnsupportedModuleError
 from . import register_rule
 
 
@@ -107,7 +108,8 @@ def capture_forward(call, func, args: tuple, kwargs: dict) -> tuple | None:
         b.reshape(1, 1, -1).expand(n, 1, -1) for b in (a["bias_k"], a["bias_v"])]
     ctx, probs = _attend(call.module, q, k, v, extra, a["key_padding_mask"], a["attn_mask"],
                          a["average_attn_weights"], bool(a["need_weights"]))
-    call.extras = [q, k, v, ctx, *extra]  # (n, L, E) each; ctx for out_proj's gradient
+    call.extras = [q, k, v, *extra]  # (n, L, E) each
+    call.saved = ctx  # (n, T, E), for out_proj's gradient
     out = F.linear(ctx, a["out_proj_weight"], a["out_proj_bias"])  # (n, T, E)
     return out.transpose(0, 1), probs
 
@@ -115,18 +117,23 @@ def capture_forward(call, func, args: tuple, kwargs: dict) -> tuple | None:
 @register_rule(nn.MultiheadAttention, unsupported=_dropout, multi_output=True, nested=True,
                capture=capture_forward)
 def multihead_attention(layer: nn.MultiheadAttention, activations: tuple,
-                        backprops: list[Tensor], out: dict, extras: list[Tensor]):
+                        backprops: list[Tensor], out: dict, extras: list[Tensor] | None = None,
+                        saved: Tensor | None = None):
     """Per-sample gradients of every parameter, ``out_proj``'s included, from the
     backprops of the projections kept by :func:`capture_forward` (``extras``)."""
-    _from_captured(layer, activations, backprops, out, extras)
+    if not extras:
+        raise UnsupportedModuleError(
+            "the attention's projections were not captured (F.multi_head_attention_forward "
+            "was not called with these arguments during the forward); use method='vmap'")
+    _from_captured(layer, activations, backprops, out, extras, saved)
 
 
 def _from_captured(layer, activations: tuple, backprops: list[Tensor], out: dict,
-                   extras: list[Tensor]) -> None:
-    """Backprops ``[output, (weights), q, k, v, ctx, (bias_k, bias_v)]``, ``(n, v, ...)``."""
-    dq, dk, dv, _, *dextra = backprops[-len(extras):]
+                   extras: list[Tensor], ctx: Tensor) -> None:
+    """Backprops ``[output, (weights), q, k, v, (bias_k, bias_v)]``, ``(n, v, ...)``."""
+    dq, dk, dv, *dextra = backprops[-len(extras):]
     _write_projections(layer, out, [dq, dk, dv], list(activations[:3]))
-    _outer("out_proj.weight", "out_proj.bias", out, backprops[0], extras[3].detach())
+    _outer("out_proj.weight", "out_proj.bias", out, backprops[0], ctx.detach())
     _write_biases_kv(out, dextra)
 
 

@@ -22,6 +22,7 @@ past its length, which is exactly what the packed kernels compute.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,26 +129,42 @@ def _unrolled(layer: nn.RNNBase, x: Tensor, valid: Tensor | None, h0: Tensor,
     return traces, results
 
 
-def _inputs(layer: nn.RNNBase, activations: tuple, v: int):
-    """Batch-first input ``(n * v, T, I)``, valid-step mask, ``h0`` and ``c0``, repeated v times."""
-    x, hx = activations[0], activations[1] if len(activations) > 1 else None
+def _batch_first(layer: nn.RNNBase, seq: Tensor | PackedSequence, hx: Any
+                 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """Padded batch-first input ``(n, T, I)``, valid-step mask ``(n, T)`` (packed input) or
+    ``None``, and the initial states ``h0 (n, L * D, H_out)``, ``c0`` (LSTM), in sample
+    order; ``seq`` and ``hx`` as the module's own forward got them."""
     valid = None
-    if isinstance(x, PackedSequence):
-        x, lengths = pad_packed_sequence(x, batch_first=True)  # (n, T, I), (n,)
-        valid = torch.arange(x.shape[1]) < lengths[:, None]  # (n, T)
-        valid = valid.to(x.device).repeat_interleave(v, 0)
+    if isinstance(seq, PackedSequence):
+        x, lengths = pad_packed_sequence(seq, batch_first=True)  # (n, T, I), (n,)
+        valid = (torch.arange(x.shape[1]) < lengths[:, None]).to(x.device)  # (n, T)
+    else:
+        x = seq if layer.batch_first else seq.transpose(0, 1)
     n = x.shape[0]
-    h_out = layer.proj_size or layer.hidden_size
     stack = layer.num_layers * (2 if layer.bidirectional else 1)
-    h0, c0 = (hx if isinstance(hx, tuple) else (hx, None))
-    if h0 is None:
-        h0 = x.new_zeros(n, stack, h_out)
-    if layer.mode == "LSTM" and c0 is None:
-        c0 = x.new_zeros(n, stack, layer.hidden_size)
+    h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
+    h0 = x.new_zeros(n, stack, layer.proj_size or layer.hidden_size) if h0 is None \
+        else h0.transpose(0, 1)
+    if layer.mode == "LSTM":
+        c0 = x.new_zeros(n, stack, layer.hidden_size) if c0 is None else c0.transpose(0, 1)
+    return x, valid, h0, c0
+
+
+def _inputs(layer: nn.RNNBase, activations: tuple, v: int):
+    """Batch-first input ``(n * v, T, I)``, valid-step mask, ``h0`` and ``c0``, repeated v
+    times, from the batch-first activations (``layout.py``: ``hx`` is ``(n, L * D, H)``)."""
+    x, hx = activations[0], activations[1] if len(activations) > 1 else None
+    if isinstance(hx, tuple):
+        hx = tuple(h.transpose(0, 1) for h in hx)
+    elif hx is not None:
+        hx = hx.transpose(0, 1)
+    if isinstance(x, Tensor) and not layer.batch_first:
+        x = x.transpose(0, 1)  # _batch_first expects the module's own layout
+    x, valid, h0, c0 = _batch_first(layer, x, hx)
     # leaves of the unrolled graph, so that every pre-activation is in it
     x, h0, c0 = [None if t is None else t.detach().repeat_interleave(v, 0).requires_grad_()
                  for t in (x, h0, c0)]
-    return x, valid, h0, c0
+    return x, None if valid is None else valid.repeat_interleave(v, 0), h0, c0
 
 
 def training_dropout(layer: nn.RNNBase) -> str | None:
@@ -167,38 +184,61 @@ def _check_dropout(layer: nn.RNNBase) -> None:
         raise ValueError(f"{type(layer).__name__} has {reason}")
 
 
+def _wanted(layer: nn.RNNBase, trace: _Trace) -> list[Tensor]:
+    """The tensors of one layer and direction whose backprops the rule needs."""
+    return ([trace.gi] if layer.mode == "GRU" else []) + trace.gh + trace.projected
+
+
 @register_rule(nn.RNN, nn.LSTM, nn.GRU, multi_output=True)
 def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], out: dict):
-    """Per-sample gradients of every weight of ``layer``; backprops ``[output, h_n, (c_n)]``."""
+    """Per-sample gradients of every weight of ``layer``; backprops ``[output, h_n, (c_n)]``.
+
+    The recurrence is recomputed rather than captured: keeping the unrolled steps in
+    the main forward instead of the fused kernel measured no faster (lstm-grads).
+    """
     _check_dropout(layer)
     n, v = backprops[0].shape[:2]
     x, valid, h0, c0 = _inputs(layer, activations, v)
     with torch.enable_grad():
         traces, results = _unrolled(layer, x, valid, h0, c0)
-        gru = layer.mode == "GRU"  # else gi's backprops are gh's: the step's gates
-        wrt = [t.gi for t in traces if gru] + [g for t in traces for g in t.gh + t.projected]
+        wrt = [t for trace in traces for t in _wanted(layer, trace)]
         grads = torch.autograd.grad(
             results, wrt, [g.flatten(0, 1) for g in backprops], allow_unused=True)
-    grads = iter([torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)])
-    d_gi = [next(grads) for _ in traces] if gru else [None] * len(traces)
-    for trace, dgi in zip(traces, d_gi):
-        dgh = torch.stack([next(grads) for _ in trace.gh], 1)  # (N, T, G), processing order
+    grads = [(torch.zeros_like(w) if g is None else g).unflatten(0, (n, v))
+             for g, w in zip(grads, wrt)]  # (n, v, ...)
+    for trace in traces:  # the inputs and states were repeated v times: take one copy
+        trace.x = trace.x[::v]
+        trace.h_prev = [h[::v] for h in trace.h_prev]
+        trace.raw = [r[::v] for r in trace.raw]
+    _write_traces(layer, traces, iter(grads), out)
+
+
+def _write_traces(layer: nn.RNNBase, traces: list[_Trace], grads: Any, out: dict) -> None:
+    """Weight gradients from the backprops ``(n, v, ...)`` of each trace's pre-activations,
+    in :func:`_wanted` order."""
+    for trace in traces:
+        dgi = next(grads) if layer.mode == "GRU" else None  # (n, v, T, G)
+        dgh = torch.stack([next(grads) for _ in trace.gh], 2)  # (n, v, T, G), processing order
         dproj = [next(grads) for _ in trace.projected]
         if dgi is None:  # back to time order, as trace.x
-            dgi = dgh.flip(1) if trace.suffix.endswith("_reverse") else dgh
-        _write(out, "weight_ih" + trace.suffix, dgi, trace.x, n, v)
-        _write(out, "bias_ih" + trace.suffix, dgi, None, n, v)
-        _write(out, "weight_hh" + trace.suffix, dgh, torch.stack(trace.h_prev, 1), n, v)
-        _write(out, "bias_hh" + trace.suffix, dgh, None, n, v)
+            dgi = dgh.flip(2) if trace.suffix.endswith("_reverse") else dgh
+        _write(out, "weight_ih" + trace.suffix, dgi, trace.x)
+        _write(out, "bias_ih" + trace.suffix, dgi, None)
+        _write(out, "weight_hh" + trace.suffix, dgh, torch.stack(trace.h_prev, 1))
+        _write(out, "bias_hh" + trace.suffix, dgh, None)
         if dproj:
-            _write(out, "weight_hr" + trace.suffix, torch.stack(dproj, 1),
-                   torch.stack(trace.raw, 1), n, v)
+            _write(out, "weight_hr" + trace.suffix, torch.stack(dproj, 2),
+                   torch.stack(trace.raw, 1))
 
 
-def _write(out: dict, name: str, g: Tensor, a: Tensor | None, n: int, v: int) -> None:
+def _write(out: dict, name: str, g: Tensor, a: Tensor | None) -> None:
     """``out[name] (n, v, ...)`` = ``sum_t g^T a`` (a weight) or ``sum_t g`` (a bias)."""
     if name not in out:
         return
-    # g (N, T, G), a (N, T, I) -> (N, G, I); or (N, G)
-    grad = g.sum(1) if a is None else torch.bmm(g.transpose(1, 2), a.detach())
-    out[name].copy_(grad.unflatten(0, (n, v)))
+    dst = out[name]  # (n, v, G, I) or (n, v, G), maybe a view of a flat buffer
+    if a is None:
+        torch.sum(g, dim=2, out=dst)  # g (n, v, T, G)
+    elif g.shape[1] == 1:
+        torch.bmm(g[:, 0].transpose(1, 2), a.detach(), out=dst[:, 0])  # (n, G, T) @ (n, T, I)
+    else:
+        torch.matmul(g.transpose(2, 3), a.detach().unsqueeze(1), out=dst)
