@@ -165,7 +165,7 @@ class Capture:
             raise
         return self
 
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+    def __exit__(self, _type: type | None, exc: BaseException | None, _tb: object) -> None:
         try:
             self._mode.__exit__(None, None, None)
         finally:
