@@ -89,7 +89,7 @@ def mixed_targets(output: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class Scale(nn.Module):
-    """A learnable elementwise scale: no rule, so the per-module torch.func fallback."""
+    """A learnable elementwise scale: no rule (the capture follows its weight op by op)."""
 
     def __init__(self, features: int):
         super().__init__()

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from cases import Scale
 from persample import (
     loop_param_jacobian,
     loop_per_sample_grads,
@@ -33,17 +34,6 @@ TOL = {"rtol": 1e-10, "atol": 1e-12}
 N = 4
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
-
-
-class Scale(nn.Module):
-    """No rule: the per-module torch.func fallback."""
-
-    def __init__(self, features: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(features))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.weight
 
 
 class Boom(Exception):
@@ -66,7 +56,7 @@ class Inner(nn.Module):
 
 
 class Net(nn.Module):
-    """Conv (rule), Scale (fallback), a nested Linear that may raise, a Linear head."""
+    """Conv (rule), Scale (no rule), a nested Linear that may raise, a Linear head."""
 
     def __init__(self):
         super().__init__()
@@ -343,7 +333,7 @@ def test_embedding_ids_out_of_range_in_private_grad(snapshot):
 
 class Mixed(nn.Module):
     """Layers whose rules batch over samples: conv2d (unfold and grouped forms),
-    GroupNorm, a Linear over a sequence (ghost norm), LayerNorm, the fallback."""
+    GroupNorm, a Linear over a sequence (ghost norm), LayerNorm, a module without a rule."""
 
     def __init__(self):
         super().__init__()
@@ -628,8 +618,8 @@ def test_inplace_relu_private_grad_raises_and_keeps_grads(snapshot):
     assert_nothing_left(model)
 
 
-class InPlaceAfterFallback(nn.Module):
-    """``F.relu_`` on the output of a module without a rule (the fallback's input)."""
+class InPlaceAfterNoRule(nn.Module):
+    """``F.relu_`` on the output of a module without a rule (what its taps recorded)."""
 
     def __init__(self):
         super().__init__()
@@ -640,9 +630,9 @@ class InPlaceAfterFallback(nn.Module):
         return self.fc(F.relu_(self.scale(x)))
 
 
-def test_inplace_op_after_a_fallback_module(snapshot):
+def test_inplace_op_after_a_module_without_rule(snapshot):
     """rules: a clear error naming the module; auto: the loop's result, with a warning."""
-    model = InPlaceAfterFallback()
+    model = InPlaceAfterNoRule()
     x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
     want = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
     state = snapshot(model)
