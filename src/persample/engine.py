@@ -6,15 +6,15 @@
 2. One ``torch.autograd.grad(total_loss, outputs)`` gives each call's
    backprops; the summed weight gradients are never computed.
 3. Each call's per-sample gradients come from its layer rule, written straight
-   into the destination, or from the per-module ``torch.func`` fallback.
+   into the destination; a parameter without one, from the per-sample VJPs of
+   the few ops that read it (``taps.py``) or the per-module ``torch.func``
+   fallback.
    A parameter used by several calls (weight tying, a module called twice)
    gets the sum of its contributions, sample by sample.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .capture import Call, Capture, output_tensors
 from .fallback import fallback_grads
 from .jacobian import one_hot
-from .layout import Dim, front_activations, output_layouts
+from .layout import Dim, forward_signature, front_activations, output_layouts
 from .rules import Rule, find_rule
 from .taps import Op, Tracer
 from .vmap import batch_dims, unsqueeze
@@ -94,11 +94,14 @@ def plan_jobs(model: nn.Module, cap: Capture, wanted: set[int]) -> list[Job]:
     """Assign every used parameter to the calls that contribute to it.
 
     A parameter read only inside calls of a module holding it is handled by each
-    call of those modules (its rule, or the fallback). A parameter read anywhere
-    else (``out_proj.weight`` inside ``nn.MultiheadAttention``; a weight reused with
-    ``F.linear`` in a parent's forward) is handled by the deepest call under way
-    at *every* read whose module contains it, through the fallback, which
-    differentiates that call's whole forward. Unused parameters get no job (zeros).
+    call of those modules. A parameter read anywhere else (``out_proj.weight``
+    inside ``nn.MultiheadAttention``; a weight reused with ``F.linear`` in a
+    parent's forward) is handled by the deepest call under way at *every* read
+    whose module contains it. Either way the call's rule does it if it has one
+    (for parameters read elsewhere, only a ``nested`` rule); else the parameter's
+    taps (the ops that bring it to the batch, ``taps.py``); else the per-module
+    fallback, which differentiates the call's whole forward. Unused parameters
+    get no job (zeros).
     """
     holders = _holders(model, wanted)
     escaped: dict[int, tuple[Call, dict[str, nn.Parameter]]] = {}
@@ -200,18 +203,13 @@ def activations(call: Call) -> tuple | None:
     """
     if not call.kwargs:
         return call.args
+    signature = forward_signature(type(call.module).forward)
     try:
-        bound = _signature(type(call.module).forward).bind(call.module, *call.args,
-                                                             **call.kwargs)
-    except (TypeError, ValueError):
+        bound = signature.bind(call.module, *call.args, **call.kwargs)
+    except (AttributeError, TypeError):  # no signature, or the call does not fit it
         return None
     bound.apply_defaults()  # a keyword after a skipped default stays positional
     return None if bound.kwargs else bound.args[1:]  # without self
-
-
-@functools.cache
-def _signature(forward: Callable) -> inspect.Signature:
-    return inspect.signature(forward)
 
 
 def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: str) -> Tensor:

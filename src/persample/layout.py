@@ -163,20 +163,22 @@ def output_layouts(call: Call, n: int) -> list[Layout]:
     return [lay for t, lay in zip(tensors, layouts) if t.requires_grad]
 
 
+@functools.cache
+def forward_signature(forward: Any) -> inspect.Signature | None:
+    """The signature of an unbound ``forward`` (``type(module).forward``), cached:
+    it is read for every captured call. ``None`` if Python cannot tell it."""
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
+
+
 def _positional_names(module: nn.Module, count: int) -> list[str | None]:
     """The ``forward`` parameter name of each of ``count`` positional inputs."""
-    names = _positional(type(module).forward)
+    signature = forward_signature(type(module).forward)
+    params = list(signature.parameters.values())[1:] if signature else []  # without self
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return [names[i] if i < len(names) else None for i in range(count)]
-
-
-@functools.cache
-def _positional(forward: Any) -> list[str]:
-    """The positional parameter names of an unbound ``forward``, without ``self``."""
-    try:
-        params = list(inspect.signature(forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        params = []
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def input_layouts(call: Call, n: int) -> list[Layout | None]:

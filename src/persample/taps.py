@@ -90,7 +90,7 @@ class Tracer:
         if sequence_first or any(n in t.shape and (t.dim() == 0 or t.shape[0] != n)
                                  for t in others):
             self.untraceable |= pids  # the batch is not (only) in dim 0 somewhere
-        elif others_batched(others, n):  # x + pos, h @ W.t(), cat([cls_b, h], 1)
+        elif _others_batched(others, n):  # x + pos, h @ W.t(), cat([cls_b, h], 1)
             if isinstance(output, Tensor) and output.dim() > 0 and output.shape[0] == n:
                 self._tap(Op(func, args, kwargs, output, None, stack), pids, others)
             else:
@@ -175,5 +175,5 @@ def _in_place(func: Any, kwargs: dict) -> bool:
         name.startswith("__i") and name.endswith("__"))
 
 
-def others_batched(others: list[Tensor], n: int) -> bool:
+def _others_batched(others: list[Tensor], n: int) -> bool:
     return any(t.dim() > 0 and t.shape[0] == n for t in others)

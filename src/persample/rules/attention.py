@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ..fallback import UnsupportedModuleError
 from . import register_rule
+from .linear import sum_outer_into
 
 
 def _dropout(layer: nn.MultiheadAttention) -> str | None:
@@ -133,19 +134,20 @@ def _from_captured(layer, activations: tuple, backprops: list[Tensor], out: dict
     """Backprops ``[output, (weights), q, k, v, (bias_k, bias_v)]``, ``(n, v, ...)``."""
     dq, dk, dv, *dextra = backprops[-len(extras):]
     _write_projections(layer, out, [dq, dk, dv], list(activations[:3]))
-    _outer("out_proj.weight", "out_proj.bias", out, backprops[0], ctx.detach())
-    _write_biases_kv(out, dextra)
-
-
-def _write_biases_kv(out: dict, grads: list[Tensor | None]) -> None:
-    for name, g in zip(("bias_k", "bias_v"), grads):
+    g_out = backprops[0]  # (n, v, T, E)
+    if "out_proj.weight" in out:
+        sum_outer_into(g_out, ctx.detach(), out["out_proj.weight"])
+    if "out_proj.bias" in out:
+        torch.sum(g_out, dim=2, out=out["out_proj.bias"])
+    for name, g in zip(("bias_k", "bias_v"), dextra):
         if name in out:  # g: (n, v, 1, E) -> (n, v, 1, 1, E)
-            out[name].copy_(out[name].new_zeros(()) if g is None else g.reshape(out[name].shape))
+            out[name].copy_(g.reshape(out[name].shape))
 
 
 def _write_projections(layer, out: dict, grads: list, inputs: list) -> None:
-    """``grads`` ``(n, v, L, E)`` of q, k, v; ``inputs`` ``(n, L, in)``: the blocks of
-    the projection weights (``sum_l g^T x``) and of ``in_proj_bias`` (``sum_l g``)."""
+    """``grads`` ``(n, v, L, E)`` of q, k, v (zeros where unused); ``inputs``
+    ``(n, L, in)``: the blocks of the projection weights (``sum_l g^T x``) and of
+    ``in_proj_bias`` (``sum_l g``)."""
     e = layer.embed_dim
     if layer._qkv_same_embed_dim:
         names = [("in_proj_weight", slice(k * e, (k + 1) * e)) for k in range(3)]
@@ -154,22 +156,6 @@ def _write_projections(layer, out: dict, grads: list, inputs: list) -> None:
     for k, (g, x) in enumerate(zip(grads, inputs)):
         weight, rows = names[k]
         if weight in out:
-            block = out[weight][:, :, rows]  # (n, v, E, in)
-            if g is None:
-                block.zero_()
-            else:  # (n, v, E, L) @ (n, 1, L, in)
-                block.copy_(torch.matmul(g.transpose(2, 3), x.detach().unsqueeze(1)))
+            sum_outer_into(g, x.detach(), out[weight][:, :, rows])  # (n, v, E, in)
         if "in_proj_bias" in out:
-            part = out["in_proj_bias"][:, :, k * e:(k + 1) * e]
-            if g is None:
-                part.zero_()
-            else:
-                part.copy_(g.sum(2))
-
-
-def _outer(weight: str, bias: str, out: dict, g: Tensor, a: Tensor) -> None:
-    """``sum_t g^T a`` and ``sum_t g``: ``g (n, v, T, O)``, ``a (n, T, I)``."""
-    if weight in out:
-        out[weight].copy_(torch.matmul(g.transpose(2, 3), a.unsqueeze(1)))
-    if bias in out:
-        out[bias].copy_(g.sum(2))
+            torch.sum(g, dim=2, out=out["in_proj_bias"][:, :, k * e:(k + 1) * e])

@@ -38,19 +38,26 @@ def outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
         torch.mul(g.unsqueeze(3), a.view(n, 1, 1, -1), out=dst)  # (n,v,o,1) * (n,1,1,i)
 
 
+def sum_outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
+    """``dst[n, v] = sum_t outer(g[n, v, t], a[n, t])``; ``g (n, v, t, o)``, ``a (n, t, i)``,
+    ``dst (n, v, o, i)`` (a view of the result is fine). The per-sample weight gradient
+    of any linear map applied at ``t`` positions (Linear on sequences, the gates of a
+    recurrent layer, attention's projections)."""
+    if a.shape[1] == 1:
+        outer_into(g[:, :, 0], a[:, 0], dst)
+    elif g.shape[1] == 1:
+        torch.bmm(g[:, 0].transpose(1, 2), a, out=dst[:, 0])  # (n, o, t) @ (n, t, i)
+    else:
+        torch.matmul(g.transpose(2, 3), a.unsqueeze(1), out=dst)  # (n, v, o, i)
+
+
 @register_rule(nn.Linear)
 def linear(layer: nn.Linear, activations: tuple, backprops: Tensor, out: dict[str, Tensor]):
     n, v = backprops.shape[:2]
     a = activations[0].reshape(n, -1, layer.in_features)  # (n, t, i)
     g = backprops.reshape(n, v, -1, layer.out_features)  # (n, v, t, o)
     if "weight" in out:
-        dst = out["weight"]  # (n, v, o, i)
-        if a.shape[1] == 1:
-            outer_into(g[:, :, 0], a[:, 0], dst)
-        elif v == 1:
-            torch.bmm(g[:, 0].transpose(1, 2), a, out=dst[:, 0])  # (n, o, t) @ (n, t, i)
-        else:
-            torch.matmul(g.transpose(2, 3), a.unsqueeze(1), out=dst)  # (n, v, o, i)
+        sum_outer_into(g, a, out["weight"])  # (n, v, o, i)
     if "bias" in out:
         torch.sum(g, dim=2, out=out["bias"])  # (n, v, o)
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from . import register_rule
+from .linear import sum_outer_into
 
 
 @dataclass
@@ -129,42 +130,27 @@ def _unrolled(layer: nn.RNNBase, x: Tensor, valid: Tensor | None, h0: Tensor,
     return traces, results
 
 
-def _batch_first(layer: nn.RNNBase, seq: Tensor | PackedSequence, hx: Any
-                 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-    """Padded batch-first input ``(n, T, I)``, valid-step mask ``(n, T)`` (packed input) or
-    ``None``, and the initial states ``h0 (n, L * D, H_out)``, ``c0`` (LSTM), in sample
-    order; ``seq`` and ``hx`` as the module's own forward got them."""
-    valid = None
-    if isinstance(seq, PackedSequence):
-        x, lengths = pad_packed_sequence(seq, batch_first=True)  # (n, T, I), (n,)
-        valid = (torch.arange(x.shape[1]) < lengths[:, None]).to(x.device)  # (n, T)
-    else:
-        x = seq if layer.batch_first else seq.transpose(0, 1)
-    n = x.shape[0]
-    stack = layer.num_layers * (2 if layer.bidirectional else 1)
-    h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
-    h0 = x.new_zeros(n, stack, layer.proj_size or layer.hidden_size) if h0 is None \
-        else h0.transpose(0, 1)
-    if layer.mode == "LSTM":
-        c0 = x.new_zeros(n, stack, layer.hidden_size) if c0 is None else c0.transpose(0, 1)
-    return x, valid, h0, c0
-
-
 def _inputs(layer: nn.RNNBase, activations: tuple, v: int):
-    """Batch-first input ``(n * v, T, I)``, valid-step mask, ``h0`` and ``c0``, repeated v
-    times, from the batch-first activations (``layout.py``: ``hx`` is ``(n, L * D, H)``)."""
+    """Padded input ``(n * v, T, I)``, valid-step mask ``(n * v, T)`` (packed input) or
+    ``None``, ``h0 (n * v, L * D, H_out)`` and ``c0`` (LSTM), each sample repeated ``v``
+    times. ``activations`` are batch-first (``layout.py``): input ``(n, T, I)`` or a
+    ``PackedSequence``, ``hx`` ``(n, L * D, H)`` or a tuple of them, or absent."""
     x, hx = activations[0], activations[1] if len(activations) > 1 else None
-    if isinstance(hx, tuple):
-        hx = tuple(h.transpose(0, 1) for h in hx)
-    elif hx is not None:
-        hx = hx.transpose(0, 1)
-    if isinstance(x, Tensor) and not layer.batch_first:
-        x = x.transpose(0, 1)  # _batch_first expects the module's own layout
-    x, valid, h0, c0 = _batch_first(layer, x, hx)
+    valid = None
+    if isinstance(x, PackedSequence):
+        x, lengths = pad_packed_sequence(x, batch_first=True)  # (n, T, I), (n,) sample order
+        valid = (torch.arange(x.shape[1]) < lengths[:, None]).to(x.device)  # (n, T)
+        valid = valid.repeat_interleave(v, 0)
+    n, stack = x.shape[0], layer.num_layers * (2 if layer.bidirectional else 1)
+    h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
+    if h0 is None:
+        h0 = x.new_zeros(n, stack, layer.proj_size or layer.hidden_size)
+    if layer.mode == "LSTM" and c0 is None:
+        c0 = x.new_zeros(n, stack, layer.hidden_size)
     # leaves of the unrolled graph, so that every pre-activation is in it
     x, h0, c0 = [None if t is None else t.detach().repeat_interleave(v, 0).requires_grad_()
                  for t in (x, h0, c0)]
-    return x, None if valid is None else valid.repeat_interleave(v, 0), h0, c0
+    return x, valid, h0, c0
 
 
 def training_dropout(layer: nn.RNNBase) -> str | None:
@@ -235,10 +221,7 @@ def _write(out: dict, name: str, g: Tensor, a: Tensor | None) -> None:
     """``out[name] (n, v, ...)`` = ``sum_t g^T a`` (a weight) or ``sum_t g`` (a bias)."""
     if name not in out:
         return
-    dst = out[name]  # (n, v, G, I) or (n, v, G), maybe a view of a flat buffer
     if a is None:
-        torch.sum(g, dim=2, out=dst)  # g (n, v, T, G)
-    elif g.shape[1] == 1:
-        torch.bmm(g[:, 0].transpose(1, 2), a.detach(), out=dst[:, 0])  # (n, G, T) @ (n, T, I)
+        torch.sum(g, dim=2, out=out[name])  # g (n, v, T, G) -> (n, v, G)
     else:
-        torch.matmul(g.transpose(2, 3), a.detach().unsqueeze(1), out=dst)
+        sum_outer_into(g, a.detach(), out[name])  # (n, v, G, I)
