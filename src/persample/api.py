@@ -10,16 +10,28 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import InPlaceModificationError, rules_grads, rules_param_jacobian
+from .engine import (
+    InPlaceModificationError,
+    NeedsWholeModel,
+    rules_grads,
+    rules_param_jacobian,
+)
 from .fallback import UnsupportedModuleError
+from .inputs import Batch
+from .loss import LossNotPerSampleError
 from .reference import loop_param_jacobian, loop_per_sample_grads, rows
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
+
+# What makes method="auto" leave the rules for torch.func over the whole model (or the
+# loop): each says which module or op and why, and the fallback is exact.
+FALLBACK_ERRORS = (UnsupportedModuleError, InPlaceModificationError, NeedsWholeModel,
+                   LossNotPerSampleError)
 
 
 @checks.keeps_buffers
 def per_sample_grads(
     model: nn.Module,
-    inputs: Tensor | tuple[Tensor, ...],
+    inputs: Any,
     targets: Any,
     loss_fn: Callable[[Any, Any], Tensor],
     *,
@@ -39,20 +51,24 @@ def per_sample_grads(
         model: an ``nn.Module``; samples must not interact (BatchNorm in training
             mode is refused). Its state is left exactly as it was: no hooks, no
             attributes, ``p.grad`` and ``training`` untouched.
-        inputs: tensor ``(B, *in_shape)``, or a tuple of tensors all with the batch
-            in dim 0, passed as ``model(*inputs)``. Any dtype the model accepts.
+        inputs: a tensor ``(B, *in_shape)`` (``model(inputs)``), a tuple
+            (``model(*inputs)``), a dict such as a tokenizer's ``BatchEncoding``
+            (``model(**inputs)``), or a pair ``(args, kwargs)``. ``B`` is dim 0 of the
+            first tensor; tensors with ``B`` in dim 0 are per-sample inputs, the others
+            are shared by all samples. Any dtype the model accepts.
         targets: tensor ``(B, ...)``, tuple of tensors, or ``None``; passed to
             ``loss_fn`` as the second argument.
-        loss_fn: ``loss_fn(output, targets)`` returning per-sample losses ``(B,)``
-            or a scalar reduced over the batch as ``loss_reduction`` says.
+        loss_fn: ``loss_fn(output, targets)`` with the model's output as it is (a
+            tensor, a tuple, a dict, a ``ModelOutput``), returning per-sample losses
+            ``(B,)`` or a scalar reduced over the batch as ``loss_reduction`` says.
         loss_reduction: ``"mean"`` or ``"sum"``: how a scalar loss was reduced over
             the batch, so that it can be undone. Ignored for ``(B,)`` losses.
-        method: ``"rules"`` (capture + layer rules, per-module ``torch.func``
-            fallback; Goodfellow 2015, seed 004), ``"vmap"`` (``torch.func`` over the
-            whole model, seed 001), ``"loop"`` (the reference), or ``"auto"``:
-            ``"rules"``; with a warning, ``"loop"`` if a module can be handled by
-            neither a rule nor ``torch.func``, and ``"vmap"`` if an activation the
-            rules need was modified in place (``nn.ReLU(inplace=True)``).
+        method: ``"rules"`` (capture by data flow + op rules, exact per-sample VJPs
+            where no rule applies; Goodfellow 2015, seed 004), ``"vmap"``
+            (``torch.func`` over the whole model, seed 001), ``"loop"`` (the
+            reference), or ``"auto"``: ``"rules"``, and where the rules cannot split
+            some parameter's gradient by sample, with a warning naming the module and
+            the reason, ``"vmap"``, then ``"loop"``.
         flat: return one ``(B, P)`` tensor, columns in ``named_parameters()`` order,
             each parameter flattened row-major.
         chunk_size: process at most this many samples at a time, to bound the
@@ -68,14 +84,16 @@ def per_sample_grads(
         without running the model.
 
     Raises:
-        ValueError: targets or inputs whose dim 0 is not the batch size; a module
-            that mixes samples (BatchNorm in training mode); no trainable
-            parameters; a loss that is neither ``(B,)`` nor a scalar; ``out`` of the
-            wrong shape, dtype or device; a layer whose input lost the batch dim.
-        RuntimeError: ``method="rules"`` and a captured activation was modified in
-            place (say ``nn.ReLU(inplace=True)`` right after a Linear).
-        UnsupportedModuleError: ``method="rules"`` and a module without a rule that
-            ``torch.func`` cannot differentiate.
+        ValueError: targets whose dim 0 is not the batch size; a module that mixes
+            samples (BatchNorm in training mode); no trainable parameters; a loss
+            that is neither ``(B,)`` nor a scalar; ``out`` of the wrong shape, dtype
+            or device; a parameter read in ``loss_fn``.
+        LossNotPerSampleError: ``loss_fn`` reads an output the model computed over
+            the whole batch (``out.loss`` with ``labels`` in the inputs); the message
+            shows a per-sample loss. ``method="auto"`` warns and runs the loop.
+        NeedsWholeModel, UnsupportedModuleError: ``method="rules"`` and a parameter
+            whose gradient the rules cannot split by sample (an op mixing samples, a
+            custom ``autograd.Function``): the message names it; ``"auto"`` falls back.
 
     Example:
         >>> import torch
@@ -89,27 +107,34 @@ def per_sample_grads(
         >>> persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss(), flat=True).shape
         torch.Size([16, 67])
     """
-    args, n, params = checks.validate_call(model, inputs, targets, method, loss_reduction,
-                                          chunk_size)
+    batch, n, params = checks.validate_call(model, inputs, targets, method, loss_reduction,
+                                           chunk_size)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
+    watched = {id(p): p for p in params.values()}
     step = chunk_size or max(n, 1)
     for start in range(0, n, step):
-        part = rows(args, start, start + step), rows(targets, start, start + step)
+        part = batch.rows(start, start + step), rows(targets, start, start + step)
         _dispatch(
             method,
-            rules=lambda d, a=part: rules_grads(model, a[0], a[1], loss_fn, loss_reduction, d),
+            rules=lambda d, a=part: rules_grads(model, a[0], a[1], loss_fn, loss_reduction, d,
+                                                watched),
             vmap=lambda a=part: vmap_per_sample_grads(model, a[0], a[1], loss_fn, params),
-            loop=lambda a=part: loop_per_sample_grads(model, a[0], a[1], loss_fn),
+            loop=lambda a=part: loop_per_sample_grads(model, _as_inputs(a[0]), a[1], loss_fn),
             params=params,
             dest={key: t[start : start + step] for key, t in dest.items()},
         )
     return result
 
 
+def _as_inputs(batch: Batch) -> Any:
+    """A batch back in the ``inputs`` form the loop takes: ``(args, kwargs)``."""
+    return (batch.args, batch.kwargs)
+
+
 @checks.keeps_buffers
 def param_jacobian(
     model: nn.Module,
-    inputs: Tensor | tuple[Tensor, ...],
+    inputs: Any,
     *,
     method: str = "auto",
     flat: bool = False,
@@ -124,14 +149,14 @@ def param_jacobian(
     Args:
         model: an ``nn.Module`` mapping a batch ``(B, *in_shape)`` to one tensor
             ``(B, *out_shape)``; ``Y = prod(out_shape)``. Left exactly as it was.
-        inputs: tensor ``(B, *in_shape)``, or a tuple of tensors with the batch in
-            dim 0, passed as ``model(*inputs)``.
+        inputs: as for :func:`per_sample_grads` (a tensor, a tuple, a dict, or
+            ``(args, kwargs)``).
         method: ``"rules"``: one forward with capture, then all ``Y`` one-hot output
             cotangents in one batched backward and the layer rules with a leading
             cotangent dim (DESIGN.md point 4); ``"vmap"``: ``vmap(jacrev(functional_call))``
             (seed 000's answer); ``"loop"``: one ``autograd.grad`` per sample and output;
-            ``"auto"``: ``"rules"``, and ``"loop"`` with a warning if a module can be
-            handled by neither a rule nor ``torch.func``.
+            ``"auto"``: ``"rules"``, and with a warning ``"vmap"``, then ``"loop"``,
+            where the rules cannot split a parameter's gradient by sample.
         flat: return one ``(B, Y, P)`` tensor, columns in ``named_parameters()`` order.
         chunk_size: at most this many (sample, output) pairs go through one batched
             backward, to bound memory (activations' backprops take ``chunk_size``
@@ -159,23 +184,25 @@ def param_jacobian(
         >>> persample.param_jacobian(net, torch.randn(8, 784), flat=True).shape
         torch.Size([8, 10, 15910])
     """
-    args, n, params = checks.validate_call(model, inputs, None, method, "mean", chunk_size)
-    out_shape = _output_shape(model, args)
+    batch, n, params = checks.validate_call(model, inputs, None, method, "mean", chunk_size)
+    watched = {id(p): p for p in params.values()}
+    out_shape = _output_shape(model, batch)
     num_out = out_shape.numel()
     result, dest = _allocate(params, n, (num_out,), flat or out is not None, out)
     # vmap and loop compute all outputs at once: chunking them would repeat the work
     step_out = num_out if method in ("vmap", "loop") else min(num_out, chunk_size or num_out)
     step = max(1, (chunk_size or num_out * max(n, 1)) // step_out)
     for start in range(0, n, step):
-        part = rows(args, start, start + step)
+        part = batch.rows(start, start + step)
         for first in range(0, num_out, step_out):
             outputs = range(first, min(first + step_out, num_out))
             _dispatch(
                 method,
-                rules=lambda d, a=part, o=outputs: rules_param_jacobian(model, a, o, d),
+                rules=lambda d, a=part, o=outputs: rules_param_jacobian(model, a, o, d, watched),
                 vmap=lambda a=part, o=outputs: _select(
                     vmap_param_jacobian(model, a, params), o, params),
-                loop=lambda a=part, o=outputs: _select(loop_param_jacobian(model, a), o, params),
+                loop=lambda a=part, o=outputs: _select(
+                    loop_param_jacobian(model, _as_inputs(a)), o, params),
                 params=params,
                 dest={k: t[start : start + step, outputs.start : outputs.stop]
                       for k, t in dest.items()},
@@ -185,12 +212,12 @@ def param_jacobian(
     return result
 
 
-def _output_shape(model: nn.Module, args: tuple) -> torch.Size:
+def _output_shape(model: nn.Module, batch: Batch) -> torch.Size:
     """``out_shape`` of one sample, from a forward of the first sample without autograd."""
-    if args[0].shape[0] == 0:
+    if batch.n == 0:
         raise ValueError("param_jacobian needs at least one sample to know the output shape")
     with torch.no_grad():
-        output = model(*rows(args, 0, 1))
+        output = batch.rows(0, 1).call(model)
     if not isinstance(output, Tensor) or output.dim() == 0 or output.shape[0] != 1:
         raise ValueError(
             "the model must return one tensor with the batch in dim 0; for a sample of one "
@@ -266,8 +293,9 @@ def _dispatch(method: str, rules, vmap, loop, params: dict, dest: dict[int, Tens
     """Run ``method`` on one chunk, writing into ``dest`` (id(param) -> tensor).
 
     ``rules(dest)`` writes itself; ``vmap()`` and ``loop()`` return dicts by name.
-    ``auto`` is ``rules``; with a warning, ``loop`` if a module is unsupported and
-    ``vmap`` if a captured activation was modified in place (``ReLU(inplace=True)``).
+    ``auto`` is ``rules``; where the rules cannot split some parameter's gradient by
+    sample, with a warning naming it, ``vmap``, and where ``torch.func`` cannot run
+    the model either, ``loop``.
     """
     if any(t.shape[0] == 0 for t in dest.values()):
         return
@@ -275,17 +303,21 @@ def _dispatch(method: str, rules, vmap, loop, params: dict, dest: dict[int, Tens
         try:
             rules(dest)
             return
-        except UnsupportedModuleError as err:
+        except FALLBACK_ERRORS as err:
             if method == "rules":
                 raise
-            warnings.warn(f"{err} Falling back to method='loop'.", stacklevel=4)
+            reason = err
+        warnings.warn(f"{reason} Falling back to method='vmap' (torch.func over the whole "
+                      "model; the loop if that fails).", stacklevel=4)
+        try:
+            _copy(vmap(), params, dest)
+            return
+        except Exception:  # torch.func cannot run this model: the loop always can
             method = "loop"
-        except InPlaceModificationError as err:
-            if method == "rules":
-                raise
-            warnings.warn(f"{err} Falling back to method='vmap'.", stacklevel=4)
-            method = "vmap"
-    got = vmap() if method == "vmap" else loop()
+    _copy(vmap() if method == "vmap" else loop(), params, dest)
+
+
+def _copy(got: dict[str, Tensor], params: dict, dest: dict[int, Tensor]) -> None:
     with torch.no_grad():  # torch.func results stay attached to inputs requiring grad
         for name, p in params.items():
             dest[id(p)].copy_(got[name].reshape(dest[id(p)].shape))

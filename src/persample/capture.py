@@ -1,81 +1,154 @@
-"""Record every call of the chosen modules during one forward pass.
+"""Record one forward pass: where the samples are in every tensor, and every op
+that reads a trainable parameter.
 
-DESIGN.md point 1 ("capture, don't re-derive"): forward hooks store, for each
-call of a parameterised module, its positional and keyword inputs and its
-output. The engine then asks autograd once for the gradient of the loss with
-respect to all recorded outputs (the layers' *backprops*).
+DESIGN.md points 1, 7, 8 and 9. Inside the ``with`` block, a ``TorchFunctionMode``
+sees every op of the forward:
 
-A ``TorchFunctionMode`` also records under which module calls each parameter
-is read, so that a parameter used outside its own module (``out_proj.weight``
-inside ``nn.MultiheadAttention``, a tied weight read with ``F.linear``) is
-differentiated where it is really used.
+- it decides the layout of every output from the layouts of the inputs
+  (:func:`persample.batch.propagate`), starting from the model's inputs (their
+  per-sample tensors batched in dim 0, the rest free), its parameters and
+  buffers (free), so the samples are followed by data flow;
+- an op reading a watched parameter, directly or through *derived* tensors
+  (free tensors computed from parameters: ``W.t()``, ``pos[:, :T]``, a position
+  embedding looked up with ``arange`` ids) is recorded as an :class:`Op`. If its
+  output carries samples it is a *use*: its per-sample gradient comes from that
+  op's rule, with the backprops of its output. Otherwise its output is derived,
+  and the op is pulled back later from the per-sample cotangents its consumers give.
+- each use keeps the :class:`~torch.autograd.graph.GradientEdge` of its output,
+  taken right after the op: the gradient flowing into the node that produced it,
+  which stays valid when the output is later modified in place
+  (``nn.ReLU(inplace=True)``, ``out += identity``).
+
+Forward hooks on every module keep the stack of module calls (for names, module
+rules and the per-module fallback). A module with a module rule (the recurrent
+layers) *claims* the ops reading its own parameters inside its call.
 
 State lives in the :class:`Capture` object, never on the model, and the hooks
-exist only inside the ``with`` block: they are removed in ``finally``, also
-when the forward raises.
+exist only inside the ``with`` block: they are removed in ``finally``.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .batch import FREE, Batched, Ctx, Flow, Layout, Mixed, Unknown, in_place, op_leaves, propagate
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
     """One call of one module during the captured forward."""
 
     name: str  # qualified name of the module in the model ("" for the root)
     module: nn.Module
-    args: tuple[Any, ...] = ()  # positional inputs as the module's forward received them
-    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword inputs
-    output: Any = None  # what the module returned
-    versions: list[int] = field(default_factory=list)  # version counters at capture
-    parent: Call | None = None  # the call under way when this one started
-    intercept: Any = None  # a rule's capture(call, func, args, kwargs), or None
-    extras: list[Tensor] = field(default_factory=list)  # kept by intercept: need backprops
-    saved: Any = None  # kept by intercept: values the rule reads
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    output: Any = None
+    parent: Call | None = None
+    rule: Any = None  # the module's module rule (rules.ModuleRule), if it has one
+    versions: list[int] = field(default_factory=list)  # of its input tensors, at the call
+    edges: list[GradientEdge | None] = field(default_factory=list)  # per output tensor
+    ops: list[Op] = field(default_factory=list)  # ops it claimed (module rules)
+    done: bool = False
 
-    def tensors(self) -> list[Tensor]:
-        """The input and output tensors whose later in-place change would corrupt the rule."""
-        return [t for t in tree_leaves((self.args, self.output)) if isinstance(t, Tensor)]
-
-
-def flat_outputs(output: Any) -> list[Tensor]:
-    """The tensors in a module's output (a tensor, or any nest of tuples, lists, dicts)."""
-    return [t for t in tree_leaves(output) if isinstance(t, Tensor)]
+    def describe(self) -> str:
+        return f"'{self.name or '<root>'}' ({type(self.module).__name__})"
 
 
-def output_tensors(call: Call) -> list[Tensor]:
-    """The output tensors of ``call`` that autograd can differentiate with respect to."""
-    return [o for o in flat_outputs(call.output) if o.requires_grad]
+@dataclass(eq=False)
+class Op:
+    """One op that reads watched parameters (directly or through derived tensors)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    output: Any
+    leaves: list[Tensor]  # op_leaves(args, kwargs)
+    layouts: list[Layout]  # of the leaves, when the op ran
+    flow: Flow  # the layouts of its outputs, and how it pairs its inputs with samples
+    sources: dict[int, frozenset[int]]  # leaf position -> ids of the params it comes from
+    call: Call | None  # the innermost module call under way
+    edges: list[GradientEdge | None] = field(default_factory=list)  # per output tensor
+    versions: list[int] = field(default_factory=list)  # of the leaves, after the op
+    before: Tensor | None = None  # the value of an input the op overwrote in place
+    claimed: Call | None = None  # a module-rule call that owns its parameters
+    index: int = 0  # creation order
+    sources_all: frozenset[int] = frozenset()  # every parameter it reads
+
+    @property
+    def outputs(self) -> list[Tensor]:
+        out = self.output
+        if isinstance(out, Tensor):
+            return [out]
+        return [o for o in out if isinstance(o, Tensor)] if isinstance(out, (tuple, list)) else []
+
+    @property
+    def out_layouts(self) -> list[Layout]:
+        lays = self.flow.outputs
+        lays = list(lays) if isinstance(lays, tuple) else [lays]
+        out = self.output
+        items = list(out) if isinstance(out, (tuple, list)) else [out]
+        return [lay for o, lay in zip(items, lays) if isinstance(o, Tensor)]
+
+    def align(self, k: int) -> Layout | None:
+        """How leaf ``k`` pairs with the samples: a batched layout, or ``None`` (shared)."""
+        if self.flow.align is not None:
+            return self.flow.align[k]
+        lay = self.layouts[k]
+        return lay if isinstance(lay, Batched) else None
+
+    def value(self, k: int) -> Tensor:
+        """Leaf ``k`` as the op read it (the saved value if the op overwrote it)."""
+        if k == 0 and self.before is not None:
+            return self.before
+        return self.leaves[k]
+
+    def changed(self) -> bool:
+        """Was a leaf modified in place after the op ran?"""
+        return any(t._version != v for t, v in zip(self.leaves, self.versions))
+
+    def where(self) -> str:
+        name = getattr(self.func, "__name__", repr(self.func))
+        return f"{name} in module {self.call.describe()}" if self.call else name
 
 
-Stack = tuple[Call, ...]  # the module calls under way, outermost first
+@dataclass(eq=False)
+class Derived:
+    """A free tensor computed from watched parameters, and the op that made it."""
+
+    tensor: Tensor
+    op: Op
+    out: int  # which output of op
+    edge: GradientEdge | None
 
 
-def _op_leaves(args: tuple, kwargs: dict) -> list:
-    """The tensors an op reads: its arguments and the items of list/tuple arguments
-    (``torch.cat([a, b])``, the LSTM's weight list); faster than a pytree walk, which
-    matters since it runs for every op of the forward."""
-    leaves = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            leaves += [x for x in a if isinstance(x, Tensor)]
-        elif isinstance(a, Tensor):
-            leaves.append(a)
-    return leaves
+Expansion = Callable[..., Any]
+EXPANSIONS: dict[Any, Expansion] = {}  # func -> a decomposition run under the capture
 
 
-class _ParameterUses(TorchFunctionMode):
-    """Records, for each watched parameter, the call stack at every op that reads it."""
+def register_expansion(*funcs: Any) -> Callable[[Expansion], Expansion]:
+    """Run ``fn(*args, **kwargs)`` instead of ``func`` during the capture, with its ops
+    captured one by one (``F.multi_head_attention_forward`` as the linear maps and the
+    attention it is made of). ``fn`` returns ``NotImplemented`` to leave a call whole."""
 
+    def decorate(fn: Expansion) -> Expansion:
+        for f in funcs:
+            EXPANSIONS[f] = fn
+        return fn
+
+    return decorate
+
+
+class _Mode(TorchFunctionMode):
     def __init__(self, capture: Capture):
         super().__init__()
         self.capture = capture
@@ -83,80 +156,100 @@ class _ParameterUses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         cap = self.capture
-        leaves = _op_leaves(args, kwargs)
-        for leaf in leaves:
-            if isinstance(leaf, nn.Parameter) and id(leaf) in cap.watched:
-                cap.uses.setdefault(id(leaf), []).append(tuple(cap.stack))
-        tracer = cap.tracer
-        pids = tracer.sources(leaves) if tracer is not None else ()
-        call = cap.stack[-1] if cap.stack else None
-        output = None
-        if call is not None and call.intercept is not None:
-            output = call.intercept(call, func, args, kwargs)
-        if output is None:
-            output = func(*args, **kwargs)
-        if pids:
-            tracer.record(func, args, kwargs, output, leaves, pids, tuple(cap.stack))
-        return output
+        if threading.get_ident() != cap.thread:
+            return func(*args, **kwargs)
+        expansion = EXPANSIONS.get(func)
+        if expansion is not None:
+            with self:
+                out = expansion(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return cap.record(func, args, kwargs)
 
 
-def _where(call: Call, exc: BaseException) -> str:
-    """A note for an exception raised inside ``call``: the module, and for ids the range."""
-    note = f"(raised inside module '{call.name or '<root>'}' ({type(call.module).__name__}))"
-    ids = call.args[0] if call.args else None
-    size = getattr(call.module, "num_embeddings", None)
-    if isinstance(exc, IndexError) and size is not None and isinstance(ids, Tensor):
-        if ids.numel() and not ids.is_floating_point():
-            note = (
-                f"module '{call.name or '<root>'}' ({type(call.module).__name__}) got ids from "
-                f"{int(ids.min())} to {int(ids.max())}, but num_embeddings={size}: every id "
-                f"must be in [0, {size}). Fix the tokenizer or vocabulary size."
-            )
-    return note
+def _storage(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 class Capture:
-    """Context manager recording the calls of ``modules`` and where parameters are used.
+    """Context manager recording one forward (see the module docstring).
 
-    ``modules`` maps qualified names to modules; ``watched`` is the set of
-    ``id(param)`` whose uses to record; with the batch size ``n``, ``tracer``
-    also follows them op by op (:mod:`persample.taps`). Inside the block, ``calls`` lists every
-    finished call (innermost first, as calls finish), and ``uses[id(param)]``
-    the call stacks under which an op read the parameter.
+    Args:
+        model: the model; its parameters, buffers and tensor attributes are free.
+        watched: the trainable parameters to follow (``id`` -> parameter).
+        n: the batch size.
+        batched: the input tensors that carry the samples in dim 0.
+        shared: the other input tensors (free).
+        module_rule: ``module -> rule or None``.
+
+    After the block: ``ops`` (every op reading a watched parameter, in order),
+    ``derived`` (id of a derived tensor -> :class:`Derived`), ``calls`` (finished
+    module calls), ``layout(t)`` for any tensor, ``unseen_reads`` (parameters read
+    by ops without autograd: a gradient path the capture cannot see).
 
     Example:
         >>> import torch
         >>> from torch import nn
-        >>> net = nn.Sequential(nn.Linear(3, 2))
-        >>> with Capture({"": net, "0": net[0]}, {id(net[0].weight)}) as cap:
-        ...     _ = net(torch.randn(4, 3))
-        >>> [c.name for c in cap.calls], [[c.name for c in s] for s in cap.uses[id(net[0].weight)]]
-        (['0', ''], [['', '0']])
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+        >>> x = torch.randn(5, 3)
+        >>> with Capture(net, {id(p): p for p in net.parameters()}, 5, [x]) as cap:
+        ...     y = net(x)
+        >>> cap.layout(y), [op.func.__name__ for op in cap.ops]
+        (Batched(dim=0, outer=1, inner=1), ['linear', 'linear'])
         >>> len(net[0]._forward_hooks)
         0
     """
 
-    def __init__(self, modules: dict[str, nn.Module], watched: set[int] | None = None,
-                 n: int | None = None, intercept: Any = None):
-        self.modules = modules
-        self.watched = watched or set()
-        # with the batch size: follow the watched parameters op by op (taps.py)
-        from .taps import Tracer  # taps -> layout -> capture
-
-        self.tracer = Tracer(self.watched, n) if n is not None else None
+    def __init__(self, model: nn.Module, watched: dict[int, nn.Parameter], n: int,
+                 batched: list[Tensor], shared: tuple = (),
+                 module_rule: Callable[[nn.Module], Any] | None = None):
+        self.model, self.watched, self.n = model, watched, n
+        self.layouts = WeakIdKeyDictionary()
+        self.derived: dict[int, Derived] = {}
+        self.ops: list[Op] = []
         self.calls: list[Call] = []
         self.stack: list[Call] = []
-        self.uses: dict[int, list[Stack]] = {}
+        self.unseen_reads: set[int] = set()
+        self.contaminated: set[int] = set()  # storages of free tensors written with samples
+        self.thread = threading.get_ident()
+        self.ctx = Ctx(n, self.layout)
+        self._module_rule = module_rule
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._mode = _ParameterUses(self)
-        self._thread = threading.get_ident()  # hooks ignore calls from other threads
-        self._intercept = intercept  # intercept(module) -> a rule's capture function or None
+        self._mode = _Mode(self)
+        for t in self._free_tensors(model, shared):
+            self.layouts[t] = FREE
+        for t in batched:
+            self.layouts[t] = Batched(0)
+
+    @staticmethod
+    def _free_tensors(model: nn.Module, shared: tuple) -> list[Tensor]:
+        found = list(model.parameters()) + list(model.buffers())
+        for m in model.modules():  # plain tensor attributes (masks, constants)
+            found += [v for v in vars(m).values() if isinstance(v, Tensor)]
+        return found + [t for t in tree_leaves(shared) if isinstance(t, Tensor)]
+
+    # -- layouts --------------------------------------------------------------
+
+    def layout(self, t: Tensor) -> Layout:
+        """The layout of ``t``; a tensor the capture never saw created is Unknown."""
+        lay = self.layouts.get(t)
+        if lay is None:
+            return Unknown("a tensor made outside the captured ops (a custom autograd "
+                           "Function, TorchScript, or a tensor kept from before)")
+        if lay is FREE and self.contaminated and _storage(t) in self.contaminated:
+            return Unknown("a free tensor later written in place with per-sample data")
+        return lay
+
+    # -- the context manager --------------------------------------------------
 
     def __enter__(self) -> Capture:
         try:
-            for name, module in self.modules.items():
+            for name, module in self.model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(
-                    self._make_pre_hook(name), with_kwargs=True))
+                    self._pre_hook(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
                     self._post_hook, with_kwargs=True))
             self._mode.__enter__()
@@ -165,34 +258,188 @@ class Capture:
             raise
         return self
 
-    def __exit__(self, _type: type | None, exc: BaseException | None, _tb: object) -> None:
+    def __exit__(self, _type, exc, _tb) -> None:
         try:
             self._mode.__exit__(None, None, None)
         finally:
             self._remove()
         if exc is not None and self.stack:  # raised inside a module's forward: name it
-            exc.add_note(_where(self.stack[-1], exc))
+            exc.add_note(where(self.stack[-1], exc))
 
     def _remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _make_pre_hook(self, name: str):
+    def _pre_hook(self, name: str):
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if threading.get_ident() != self._thread:
-                return  # the same model run by another thread at the same time
-            parent = self.stack[-1] if self.stack else None
-            intercept = self._intercept(module) if self._intercept else None
-            self.stack.append(Call(name, module, args, kwargs, parent=parent,
-                                   intercept=intercept))
+            if threading.get_ident() != self.thread:
+                return
+            rule = self._module_rule(module) if self._module_rule else None
+            call = Call(name, module, args, kwargs, parent=self.stack[-1] if self.stack else None,
+                        rule=rule)
+            call.versions = [t._version for t in tree_leaves((args, kwargs))
+                             if isinstance(t, Tensor)]
+            self.stack.append(call)
 
         return pre_hook
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self.thread:
             return
         call = self.stack.pop()
-        call.args, call.kwargs, call.output = args, kwargs, output
-        call.versions = [t._version for t in call.tensors()]
+        call.output, call.done = output, True
+        call.edges = [_edge(t) for t in tree_leaves(output) if isinstance(t, Tensor)]
         self.calls.append(call)
+
+    # -- ops ------------------------------------------------------------------
+
+    def record(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run one op; record its outputs' layouts, and the op if it reads parameters."""
+        leaves = op_leaves(args, kwargs)
+        sources = self._sources(leaves)
+        mutates = in_place(func, kwargs)
+        before = None
+        if sources and mutates and leaves and leaves[0] is args[0] and 0 not in sources:
+            before = args[0].detach().clone()  # the rule needs the value it overwrites
+        layouts_before = [self.layout(t) for t in leaves] if sources else None
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.__setitem__:
+            self._set_layout(args[0], self._setitem(args), None)
+            if sources:  # a parameter written into a tensor: no rule follows it
+                self.unseen_reads |= frozenset().union(*sources.values())
+            return out
+        if not _has_tensor(out):
+            return out
+        flow = propagate(self.ctx, func, args, kwargs, out)
+        if self.stack and _new_trouble(flow.outputs, leaves, self.layout):
+            flow = Flow(_located_in(flow.outputs, self.stack[-1]), flow.align)
+        target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
+            args[0] if mutates and args and isinstance(args[0], Tensor) else None)
+        if target is not None and isinstance(out, Tensor):
+            self._set_layout(target, flow.outputs, out)
+        else:
+            self._set_outputs(out, flow.outputs)
+        if sources:
+            self._record_op(func, args, kwargs, out, leaves, layouts_before, flow, sources,
+                            before)
+        return out
+
+    def _sources(self, leaves: list) -> dict[int, frozenset[int]]:
+        found = {}
+        for k, t in enumerate(leaves):
+            if id(t) in self.watched and t is self.watched[id(t)]:
+                found[k] = frozenset((id(t),))
+            else:
+                d = self.derived.get(id(t))
+                if d is not None and d.tensor is t:
+                    found[k] = d.op.sources_all
+        return found
+
+    def _set_outputs(self, out: Any, layouts: Any) -> None:
+        if isinstance(out, Tensor):
+            self.layouts[out] = layouts
+        elif isinstance(out, (tuple, list)):
+            lays = layouts if isinstance(layouts, tuple) else (layouts,) * len(out)
+            for o, lay in zip(out, lays):
+                if isinstance(o, Tensor):
+                    self.layouts[o] = lay
+
+    def _set_layout(self, target: Tensor, layout: Layout, out: Tensor | None) -> None:
+        """An in-place op changed ``target``'s data: its new layout (aliases of a free
+        tensor that now holds sample data are marked too)."""
+        old = self.layout(target)
+        if old is FREE and layout is not FREE:
+            self.contaminated.add(_storage(target))
+        self.layouts[target] = layout
+        if out is not None and out is not target:
+            self.layouts[out] = layout
+
+    def _setitem(self, args: tuple) -> Layout:
+        """``x[index] = value``: ``x`` keeps its layout if the value's samples land where
+        ``x``'s are (or the value is free); else it becomes Unknown."""
+        x, index, value = args[0], args[1], args[2]
+        lx = self.layout(x)
+        lv = self.layout(value) if isinstance(value, Tensor) else FREE
+        if lv is FREE or isinstance(lx, (Mixed, Unknown)):
+            return lx
+        if isinstance(lv, (Mixed, Unknown)):
+            return lv
+        if isinstance(lx, Batched):
+            with torch._C.DisableTorchFunction():
+                view = x[index]
+            got = propagate(self.ctx, torch.Tensor.__getitem__, (x, index), {}, view).outputs
+            if isinstance(got, Batched) and got == lv.moved(lv.dim + view.dim() - value.dim()):
+                return lx
+        return Unknown("a tensor written in place with per-sample data at other positions")
+
+    def _record_op(self, func, args, kwargs, out, leaves, layouts, flow, sources, before) -> None:
+        op = Op(func, args, kwargs, out, leaves, layouts, flow, sources,
+                self.stack[-1] if self.stack else None, before=before, index=len(self.ops))
+        op.sources_all = frozenset().union(*sources.values())
+        op.versions = [t._version for t in leaves]
+        outs, lays = op.outputs, op.out_layouts
+        op.edges = [_edge(o) for o in outs]
+        op.claimed = self._claim(op.sources_all)
+        if not any(o.requires_grad for o in outs):
+            self.unseen_reads |= op.sources_all  # read without autograd (or only .detach())
+        self.ops.append(op)
+        for k, (o, lay) in enumerate(zip(outs, lays)):
+            if lay is FREE and o.requires_grad and not any(o is t for t in leaves):
+                self.derived[id(o)] = Derived(o, op, k, op.edges[k])  # (x.to() may be x)
+
+    def _claim(self, pids: frozenset[int]) -> Call | None:
+        """The innermost module-rule call under way that holds one of these parameters."""
+        for call in reversed(self.stack):
+            if call.rule is not None and any(
+                    id(p) in pids for p in call.module.parameters(recurse=False)):
+                return call
+        return None
+
+
+def _new_trouble(outputs: Any, leaves: list, layout_of) -> bool:
+    """An output mixes samples or loses them here, and no input did already."""
+    outs = outputs if isinstance(outputs, tuple) else (outputs,)
+    if not any(isinstance(o, (Mixed, Unknown)) for o in outs):
+        return False
+    return not any(isinstance(layout_of(t), (Mixed, Unknown)) for t in leaves)
+
+
+def _located_in(outputs: Any, call: Call) -> Any:
+    """The layouts, with the module the trouble started in named in their reason."""
+    if isinstance(outputs, tuple):
+        return tuple(_located_in(o, call) for o in outputs)
+    if isinstance(outputs, (Mixed, Unknown)):
+        return type(outputs)(f"{outputs.why}, in module {call.describe()}")
+    return outputs
+
+
+def _has_tensor(out: Any) -> bool:
+    if isinstance(out, Tensor):
+        return True
+    return isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out)
+
+
+def _edge(t: Tensor) -> GradientEdge | None:
+    """The gradient edge of ``t``'s current version (``None`` without autograd)."""
+    if not t.requires_grad:
+        return None
+    try:
+        return get_gradient_edge(t)
+    except RuntimeError:
+        return None
+
+
+def where(call: Call, exc: BaseException) -> str:
+    """A note for an exception raised inside ``call``: the module, and for ids the range."""
+    note = f"(raised inside module {call.describe()})"
+    ids = call.args[0] if call.args else None
+    size = getattr(call.module, "num_embeddings", None)
+    if isinstance(exc, IndexError) and size is not None and isinstance(ids, Tensor):
+        if ids.numel() and not ids.is_floating_point():
+            note = (
+                f"module {call.describe()} got ids from {int(ids.min())} to {int(ids.max())}, "
+                f"but num_embeddings={size}: every id must be in [0, {size}). Fix the "
+                "tokenizer or vocabulary size."
+            )
+    return note

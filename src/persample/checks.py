@@ -11,26 +11,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from .inputs import Batch, as_batch
+
 METHODS = ("auto", "rules", "vmap", "loop")
 REDUCTIONS = ("mean", "sum")
-
-
-def as_args(inputs: Tensor | tuple | list) -> tuple:
-    """The model's positional inputs as a tuple; the first must be a batched tensor."""
-    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    if not args or not isinstance(args[0], Tensor) or args[0].dim() == 0:
-        raise TypeError(
-            "inputs must be a tensor with the batch in dim 0, or a tuple of them; "
-            f"got {type(inputs).__name__}"
-        )
-    n = args[0].shape[0]
-    for k, a in enumerate(args):
-        if isinstance(a, Tensor) and (a.dim() == 0 or a.shape[0] != n):
-            raise ValueError(
-                f"inputs[{k}] has shape {tuple(a.shape)} but inputs[0] has batch size {n}: "
-                "every input tensor needs the batch in dim 0"
-            )
-    return args
 
 
 def check_targets(targets: Any, n: int) -> None:
@@ -65,6 +49,15 @@ def mixing_reason(module: nn.Module) -> str | None:
             "per-sample gradients are not defined. Call model.eval() first (BatchNorm then "
             "uses its running statistics), or replace it with nn.GroupNorm / nn.LayerNorm."
         )
+    return None
+
+
+def mixing_reason_of(model: nn.Module) -> str | None:
+    """The first module of ``model`` that mixes samples, and why; ``None`` if none does."""
+    for name, m in model.named_modules():
+        reason = mixing_reason(m)
+        if reason:
+            return f"module '{name}' ({type(m).__name__}) {reason}"
     return None
 
 
@@ -119,14 +112,13 @@ def common_dtype_device(params: dict[str, nn.Parameter]) -> tuple[torch.dtype, t
 def validate_call(
     model: nn.Module, inputs: Any, targets: Any, method: str, loss_reduction: str,
     chunk_size: int | None,
-) -> tuple[tuple, int, dict[str, nn.Parameter]]:
-    """Validate the arguments every per-sample function shares: ``(args, batch size, params)``."""
+) -> tuple[Batch, int, dict[str, nn.Parameter]]:
+    """Validate the arguments every per-sample function shares: ``(batch, size, params)``."""
     check_options(method, loss_reduction, chunk_size)
     check_per_sample_model(model)
-    args = as_args(inputs)
-    n = args[0].shape[0]
-    check_targets(targets, n)
-    return args, n, trainable_parameters(model)
+    batch = as_batch(inputs)
+    check_targets(targets, batch.n)
+    return batch, batch.n, trainable_parameters(model)
 
 
 @contextmanager

@@ -1,52 +1,326 @@
-"""The capture + layer-rule engine (DESIGN.md points 1 to 3).
+"""The capture + rule engine (DESIGN.md points 1 to 3 and 7 to 9).
 
-1. One forward with hooks records every call of every module that holds
-   trainable parameters (and of their ancestors, for parameters used outside
-   their own module).
-2. One ``torch.autograd.grad(total_loss, outputs)`` gives each call's
-   backprops; the summed weight gradients are never computed.
-3. Each call's per-sample gradients come from its layer rule, written straight
-   into the destination; a parameter without one, from the per-sample VJPs of
-   the few ops that read it (``taps.py``) or the per-module ``torch.func``
-   fallback.
-   A parameter used by several calls (weight tying, a module called twice)
-   gets the sum of its contributions, sample by sample.
+1. One forward under :class:`~persample.capture.Capture` records the layout of
+   every tensor (by data flow) and every op that reads a trainable parameter.
+2. :func:`plan` gives every parameter its path: the module rule of a call that
+   claims it (recurrent layers), else the rules of the ops that read it (or their
+   exact per-sample VJPs, ``fallback.op_vjp``), else the per-module fallback over
+   the innermost call containing all its reads. What the engine cannot follow at
+   all raises :class:`NeedsWholeModel`, which ``method="auto"`` answers with
+   ``torch.func`` over the whole model or the loop.
+3. One ``torch.autograd.grad`` from the summed per-sample losses to the gradient
+   edges of those ops' outputs gives their backprops; the summed weight gradients
+   are never computed.
+4. :func:`write_per_sample` runs the rules into the result; parameters reached
+   through derived tensors (``W.t()``, a position embedding on ``arange`` ids) get
+   the per-sample cotangents of those tensors pulled back through the ops that
+   made them. A parameter used by several ops is summed per sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import vmap
-from torch.nn.utils.rnn import PackedSequence
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_leaves
 
-from .capture import Call, Capture, output_tensors
-from .fallback import fallback_grads
-from .jacobian import one_hot
-from .layout import Dim, forward_signature, front_activations, output_layouts
-from .rules import Rule, find_rule
-from .taps import Op, Tracer
-from .vmap import batch_dims, unsqueeze
+from .batch import FREE, Batched, Layout, Mixed, Unknown, front_cotangents
+from .capture import Call, Capture, Derived, Op
+from .fallback import UnsupportedModuleError, expand_vjp, module_vjp, op_vjp, shared_vjp
+from .inputs import Batch
+from .rules import OpCall, Rule, find_op_rule, module_rule
+
+
+class NeedsWholeModel(RuntimeError):
+    """The engine cannot split some parameter's gradient by sample; ``torch.func``
+    over the whole model or the loop can (``method="auto"`` takes them)."""
+
+
+class MixedSamplesError(ValueError):
+    """An op mixes samples (a reduction over the batch, BatchNorm in training mode)."""
+
+
+class InPlaceModificationError(RuntimeError):
+    """A tensor a rule needs was modified in place after its op ran."""
 
 
 @dataclass
-class Job:
-    """One captured call and the parameters whose per-sample gradients it contributes."""
+class Path:
+    """How one parameter's per-sample gradient is computed."""
 
-    call: Call
-    params: dict[str, nn.Parameter]  # name relative to call.module -> parameter
-    rule: Rule | None  # None: per-module fallback (or taps)
-    taps: list[Op] | None = None  # ops through which one parameter enters (taps.py)
-    tracer: Tracer | None = None
+    kind: str  # "rule", "module rule", "taps", "fallback", "unused"
+    where: str  # the ops or the module call
+    reason: str = ""
 
 
-def job_outputs(job: Job) -> list[Tensor]:
-    """The tensors whose backprops the job needs: the call's outputs (after its taps')."""
-    return [op.output for op in job.taps or ()] + output_tensors(job.call) + job.call.extras
+@dataclass
+class Plan:
+    """What to compute after the backward (see :func:`plan`)."""
+
+    module_jobs: list[tuple[Call, dict[str, nn.Parameter]]] = field(default_factory=list)
+    uses: list[Op] = field(default_factory=list)  # ops with per-sample outputs, in order
+    fallback_jobs: list[tuple[Call, dict[str, nn.Parameter]]] = field(default_factory=list)
+    handled: set[int] = field(default_factory=set)  # params handled by module/fallback jobs
+    paths: dict[int, Path] = field(default_factory=dict)
+    reach: list[nn.Parameter] = field(default_factory=list)  # params to check for hidden paths
+    whole: list[nn.Parameter] = field(default_factory=list)  # a batch of one: plain gradients
+
+    def edges(self) -> list[GradientEdge]:
+        """Every gradient edge the backward must reach, without repeats."""
+        found: dict[tuple[int, int], GradientEdge] = {}
+        sources = [e for op in self.uses for e in op.edges]
+        sources += [e for call, _ in self.module_jobs + self.fallback_jobs for e in call.edges]
+        sources += [get_gradient_edge(p) for p in self.reach]
+        for e in sources:
+            if e is not None:
+                found.setdefault(edge_key(e), e)
+        return list(found.values())
+
+
+def edge_key(e: GradientEdge) -> tuple[int, int]:
+    return id(e.node), e.output_nr
+
+
+def _describe_op(op: Op) -> str:
+    return op.where()
+
+
+def plan(cap: Capture, watched: dict[int, nn.Parameter]) -> Plan:
+    """Assign every watched parameter that the forward read to its path."""
+    result = Plan()
+    owned = _module_jobs(cap, result)
+    reads: dict[int, list[Op]] = {}
+    for op in cap.ops:
+        for pid in op.sources_all:
+            reads.setdefault(pid, []).append(op)
+    needs_fallback: dict[int, str] = {}
+    for op in cap.ops:
+        if op in owned:
+            continue
+        lays = op.out_layouts
+        if all(lay is FREE for lay in lays):
+            continue  # makes a derived tensor: pulled back from its consumers
+        bad = next((lay for lay in lays if isinstance(lay, (Mixed, Unknown))), None)
+        if bad is not None:
+            for pid in op.sources_all:
+                needs_fallback.setdefault(pid, f"{bad.why} (at {op.where()})")
+            continue
+        result.uses.append(op)
+    for pid in cap.unseen_reads & set(watched):
+        if any(op not in owned and any(isinstance(lay, Batched) for lay in op.out_layouts)
+               for op in reads.get(pid, [])):
+            needs_fallback.setdefault(pid, "also read where autograd cannot be followed "
+                                      "(a custom autograd.Function, no_grad, or in place)")
+        elif pid not in result.handled:
+            result.reach.append(watched[pid])
+    _fallbacks(cap, result, needs_fallback, reads, watched)
+    _paths(cap, result, reads, watched)
+    return result
+
+
+def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
+    """Module-rule calls whose inputs and outputs have plain layouts: they take the ops
+    reading their own parameters inside them."""
+    owned: set[Op] = set()
+    by_call: dict[int, list[Op]] = {}
+    for op in cap.ops:
+        if op.claimed is not None:
+            by_call.setdefault(id(op.claimed), []).append(op)
+    for call in cap.calls:
+        ops = by_call.get(id(call))
+        if not ops or call.rule is None or module_layouts(cap, call) is None:
+            continue
+        own = {id(p) for p in call.module.parameters(recurse=False)}
+        params = {name: p for name, p in call.module.named_parameters(recurse=False)
+                  if id(p) in own and any(id(p) in op.sources_all for op in ops)}
+        result.module_jobs.append((call, params))
+        owned.update(ops)
+        result.handled.update(id(p) for p in params.values())
+    return owned
+
+
+def module_layouts(cap: Capture, call: Call) -> tuple[list, list] | None:
+    """The layouts of a module call's input and output tensors, if a module rule can take
+    them (plain batched or free; packed sequences as they are); else ``None``."""
+    ins = [cap.layout(t) for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)
+           and not _in_packed(t, call.args)]
+    outs = [cap.layout(t) for t in tree_leaves(call.output) if isinstance(t, Tensor)
+            and t.requires_grad]
+    if all((lay is FREE or (isinstance(lay, Batched) and lay.outer == lay.inner == 1))
+           for lay in ins + outs):
+        return ins, outs
+    return None
+
+
+def _in_packed(t: Tensor, args: tuple) -> bool:
+    from torch.nn.utils.rnn import PackedSequence
+
+    return any(isinstance(a, PackedSequence) and any(t is x for x in a) for a in args)
+
+
+def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[int, list[Op]],
+               watched: dict[int, nn.Parameter]) -> None:
+    """The per-module fallback for parameters no rule can take: the innermost call
+    around all their reads whose inputs and outputs have known layouts."""
+    for pid, reason in needs.items():
+        if pid in result.handled:
+            continue
+        calls = [op.call for op in reads[pid]]
+        call = _common_call(calls)
+        while call is not None and not _replayable(cap, call):
+            call = call.parent
+        if call is None:
+            raise NeedsWholeModel(
+                f"parameter {_param_name(cap.model, pid)}: {reason}; no module around its "
+                "uses has inputs and outputs whose samples can be located")
+        for job_call, params in result.fallback_jobs:
+            if job_call is call:
+                break
+        else:
+            params = {}
+            result.fallback_jobs.append((call, params))
+        for name, p in call.module.named_parameters(remove_duplicate=False):
+            if id(p) == pid:
+                params.setdefault(name, p)
+                break
+        result.handled.add(pid)
+        result.paths[pid] = Path("fallback", call.describe(), reason)
+    # the parameters of fallback calls are computed there, whatever other ops read them
+    result.uses = [op for op in result.uses if not op.sources_all <= result.handled]
+
+
+def _common_call(calls: list[Call | None]) -> Call | None:
+    """The innermost call containing every one of ``calls``."""
+    chains = []
+    for call in calls:
+        chain = []
+        while call is not None:
+            chain.append(call)
+            call = call.parent
+        chains.append(chain[::-1])
+    common = None
+    for level in zip(*chains):
+        if any(c is not level[0] for c in level):
+            break
+        common = level[0]
+    return common
+
+
+def _replayable(cap: Capture, call: Call) -> bool:
+    """Inputs unchanged since the call, and every input and output tensor located."""
+    leaves = [t for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)]
+    if [t._version for t in leaves] != call.versions:
+        return False
+    outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
+    return all(_located(cap.layout(t)) for t in leaves + outs)
+
+
+def _located(lay: Layout) -> bool:
+    return lay is FREE or (isinstance(lay, Batched) and lay.index is None)
+
+
+def _param_name(model: nn.Module, pid: int) -> str:
+    for name, p in model.named_parameters():
+        if id(p) == pid:
+            return f"'{name}'"
+    return "?"
+
+
+def _paths(cap: Capture, result: Plan, reads: dict[int, list[Op]],
+           watched: dict[int, nn.Parameter]) -> None:
+    for call, params in result.module_jobs:
+        for p in params.values():
+            result.paths[id(p)] = Path("module rule", call.describe(),
+                                       f"{call.rule.base.__name__} rule")
+    for op in result.uses:  # provisional: the rules run decide (Pullbacks.note)
+        kind = "rule" if find_op_rule(op.func) is not None else "taps"
+        for pid in op.sources_all - result.handled:
+            result.paths.setdefault(pid, Path(kind, _describe_op(op)))
+
+
+# ---------------------------------------------------------------------------
+# the backward and the rules
+
+
+@dataclass
+class Captured:
+    """One batch: its capture, plan and backprops."""
+
+    cap: Capture
+    plan: Plan
+    grads: dict[tuple[int, int], Tensor | None]  # per edge: (v, *shape) or None
+    n: int
+    v: int
+
+    def backprops(self, edges: list[GradientEdge | None], layouts: list[Layout],
+                  like: list[Tensor]) -> list[Tensor | None]:
+        """Per output: ``(n, v, *per_sample)`` cotangents (``None`` without an edge)."""
+        found = []
+        for e, lay, t in zip(edges, layouts, like):
+            if e is None or not isinstance(lay, Batched):
+                found.append(None)
+                continue
+            g = self.grads.get(edge_key(e))
+            g = t.new_zeros((self.v, *t.shape)) if g is None else g
+            found.append(front_cotangents(g, lay, self.n))
+        return found
+
+
+Backward = Callable[[Tensor, list[GradientEdge]], tuple]
+
+
+def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Capture], Tensor],
+                      backward: Backward, watched: dict[int, nn.Parameter], v: int) -> Captured:
+    """Capture a forward, plan, and pull the cotangents back to every planned edge.
+
+    A batch of one needs no capture: its per-sample gradient is the gradient.
+    """
+    if batch.n == 1:
+        return _one_sample(model, batch, root, backward, watched, v)
+    with torch.enable_grad():
+        with Capture(model, watched, batch.n, batch.batched, batch.shared, module_rule) as cap:
+            output = batch.call(model)
+        value = root(output, cap)
+    result = plan(cap, watched)
+    edges = result.edges()
+    if edges and not value.requires_grad:
+        raise RuntimeError(
+            "the result does not depend on any parameter through autograd (was the "
+            "model's output detached?)")
+    got = backward(value, edges) if edges else ()
+    grads = {edge_key(e): g for e, g in zip(edges, got)}
+    hidden = [p for p in result.reach if grads.get(edge_key(get_gradient_edge(p))) is not None]
+    if hidden:
+        raise NeedsWholeModel(
+            f"parameter {_param_name(model, id(hidden[0]))} gets gradient through ops the "
+            "capture cannot follow (a custom autograd.Function or TorchScript code)")
+    return Captured(cap, result, grads, batch.n, v)
+
+
+class _Whole:
+    """A batch of one: every tensor of the forward is that sample's."""
+
+    def __init__(self, model: nn.Module, watched: dict[int, nn.Parameter]):
+        self.model, self.watched, self.derived = model, watched, {}
+
+    def layout(self, t: Tensor) -> Layout:
+        return Batched(0)
+
+
+def _one_sample(model, batch, root, backward, watched, v) -> Captured:
+    whole = _Whole(model, watched)
+    with torch.enable_grad():
+        value = root(batch.call(model), whole)
+    result = Plan(whole=list(watched.values()))
+    result.paths = {pid: Path("rule", "", "a batch of one: the ordinary gradient")
+                    for pid in watched}
+    edges = [get_gradient_edge(p) for p in result.whole]
+    got = backward(value, edges) if value.requires_grad else [None] * len(edges)
+    return Captured(whole, result, {id(p): g for p, g in zip(result.whole, got)}, 1, v)
 
 
 class GradSink:
@@ -61,18 +335,23 @@ class GradSink:
         self.dest = dest
         self.written: set[int] = set()
 
-    def targets(self, params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
-        return {
-            name: torch.empty_like(self.dest[id(p)]) if id(p) in self.written else self.dest[id(p)]
-            for name, p in params.items()
-        }
+    def target(self, pid: int, shape: tuple) -> Tensor | None:
+        """Where to write the next contribution to ``pid``; ``None`` for a parameter
+        not wanted (the caller writes into a scratch tensor)."""
+        d = self.dest.get(pid)
+        if d is None:
+            return None
+        return torch.empty_like(d) if pid in self.written else d
 
-    def commit(self, params: dict[str, nn.Parameter], out: dict[str, Tensor]) -> None:
-        for name, p in params.items():
-            if id(p) in self.written:
-                self.dest[id(p)].add_(out[name])
-            else:
-                self.written.add(id(p))
+    def commit(self, pid: int, value: Tensor) -> None:
+        if pid not in self.dest:
+            return
+        if pid in self.written:
+            self.dest[pid].add_(value)
+        else:
+            if value.data_ptr() != self.dest[pid].data_ptr():
+                self.dest[pid].copy_(value)
+            self.written.add(pid)
 
     def zero_unwritten(self) -> None:
         for key, tensor in self.dest.items():
@@ -80,362 +359,415 @@ class GradSink:
                 tensor.zero_()
 
 
-def hooked_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every module holding a trainable parameter in its subtree, by qualified name."""
-    wanted = set()
-    for qualified, p in model.named_parameters(remove_duplicate=False):
-        if p.requires_grad:
-            parts = qualified.split(".")[:-1]
-            wanted.update(".".join(parts[:k]) for k in range(len(parts) + 1))
-    return {name: m for name, m in model.named_modules() if name in wanted}
-
-
-def plan_jobs(model: nn.Module, cap: Capture, wanted: set[int]) -> list[Job]:
-    """Assign every used parameter to the calls that contribute to it.
-
-    A parameter read only inside calls of a module holding it is handled by each
-    call of those modules. A parameter read anywhere else (``out_proj.weight``
-    inside ``nn.MultiheadAttention``; a weight reused with ``F.linear`` in a
-    parent's forward) is handled by the deepest call under way at *every* read
-    whose module contains it. Either way the call's rule does it if it has one
-    (for parameters read elsewhere, only a ``nested`` rule); else the parameter's
-    taps (the ops that bring it to the batch, ``taps.py``); else the per-module
-    fallback, which differentiates the call's whole forward. Unused parameters
-    get no job (zeros).
-    """
-    holders = _holders(model, wanted)
-    escaped: dict[int, tuple[Call, dict[str, nn.Parameter]]] = {}
-    for pid, stacks in cap.uses.items():
-        if all(any(id(c.module) in holders[pid] for c in stack) for stack in stacks):
-            continue
-        call, name, param = _common_call(stacks, pid)
-        escaped.setdefault(id(call), (call, {}))[1][name] = param
-    taken = {id(p) for _, params in escaped.values() for p in params.values()}
-    jobs = []
-    for call in cap.calls:
-        params = {n: p for n, p in call.module.named_parameters(recurse=False)
-                  if id(p) in cap.uses and id(p) not in taken}
-        if params:
-            rule = _rule_for(call)
-            jobs += [Job(call, params, rule)] if rule else _fallback_jobs(call, params, cap.tracer)
-    for call, params in escaped.values():
-        _add_escaped(jobs, call, params, cap.tracer)
-    return jobs
-
-
-def _add_escaped(jobs: list[Job], call: Call, params: dict[str, nn.Parameter],
-                 tracer: Tracer | None) -> None:
-    """Jobs for parameters read outside the modules holding them, inside ``call``: the
-    call's own rule if it handles them (``nested``), else each parameter's taps (the
-    ops that read it), else the fallback over the whole call."""
-    rule = _rule_for(call)
-    if rule is None or not rule.nested:
-        jobs += _fallback_jobs(call, params, tracer)
-        return
-    for job in jobs:
-        if job.call is call and job.rule is rule:  # one rule run for all of them
-            job.params.update(params)
-            return
-    jobs.append(Job(call, params, rule))
-
-
-def _fallback_jobs(call: Call, params: dict[str, nn.Parameter], tracer: Tracer | None
-                   ) -> list[Job]:
-    """Jobs without a rule: one per parameter the tracer followed to its taps (the ops
-    that read it), and one per-module fallback over the whole call for the rest."""
-    jobs, rest = [], {}
-    for name, p in params.items():
-        taps = tracer.taps_in(id(p), call) if tracer is not None else None
-        if taps:
-            jobs.append(Job(call, {name: p}, None, taps, tracer))
-        else:
-            rest[name] = p
-    return jobs + ([Job(call, rest, None)] if rest else [])
-
-
-def _holders(model: nn.Module, wanted: set[int]) -> dict[int, set[int]]:
-    """id(param) -> ids of the modules holding it directly."""
-    holders: dict[int, set[int]] = {pid: set() for pid in wanted}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if id(p) in holders:
-                holders[id(p)].add(id(m))
-    return holders
-
-
-def _common_call(stacks: list[tuple[Call, ...]], pid: int) -> tuple[Call, str, nn.Parameter]:
-    """The deepest call under way at every read of the parameter that contains it."""
-    common: list[Call] = []
-    for calls in zip(*stacks):
-        if any(c is not calls[0] for c in calls):
-            break
-        common.append(calls[0])
-    for call in reversed(common):
-        for name, p in call.module.named_parameters(remove_duplicate=False):
-            if id(p) == pid:
-                return call, name, p
-    raise ValueError(
-        "a trainable parameter is read outside the model's forward (in loss_fn?) or outside "
-        "every module that contains it, so its per-sample gradient cannot be attributed. "
-        "Read it inside the forward of a module that holds it, or freeze it."
-    )
-
-
-def _interceptor(module: nn.Module) -> Callable | None:
-    """The capture hook of ``module``'s rule, if it has one (see ``register_rule``)."""
-    rule = find_rule(module)[0]
-    return rule.capture if rule is not None else None
-
-
-def _rule_for(call: Call) -> Rule | None:
-    """The call's rule, if its inputs can be given to the rule positionally."""
-    args = activations(call)
-    if args is None or not args or not isinstance(args[0], (Tensor, PackedSequence)):
-        return None
-    return find_rule(call.module)[0]
-
-
-def activations(call: Call) -> tuple | None:
-    """The call's inputs as positional arguments of the module's ``forward``.
-
-    Keyword inputs (``fc(input=x)``, ``bag(ids, offsets=o)``) are moved to their
-    positional place; ``None`` if that is impossible (keyword-only arguments).
-    """
-    if not call.kwargs:
-        return call.args
-    signature = forward_signature(type(call.module).forward)
-    try:
-        bound = signature.bind(call.module, *call.args, **call.kwargs)
-    except (AttributeError, TypeError):  # no signature, or the call does not fit it
-        return None
-    bound.apply_defaults()  # a keyword after a skipped default stays positional
-    return None if bound.kwargs else bound.args[1:]  # without self
-
-
-def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: str) -> Tensor:
-    """The sum over samples of each sample's own loss ``loss_fn(output[i:i+1], targets[i:i+1])``.
-
-    A ``(n,)`` loss is summed. A scalar loss is evaluated again per sample, with
-    ``torch.func.vmap`` over batches of one, which is exact for any reduction
-    (class weights, ``ignore_index``, means over extra dims); only if ``loss_fn``
-    cannot be vmapped is the reduction undone by ``loss_reduction``
-    (``"mean"``: times ``n``).
-    """
-    loss = loss_fn(output, targets)
-    if not isinstance(loss, Tensor):
-        raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
-    if loss.shape == (n,):
-        return loss.sum()
-    if loss.dim() != 0:
-        raise ValueError(
-            f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
-            f"shape ({n},) or a scalar reduced over the batch (say how with loss_reduction=). "
-            "For a torch.nn loss, use reduction='none' and reduce extra dims per sample, "
-            "or reduction='mean'/'sum'."
-        )
-    try:
-        return vmap(_one_sample_loss(loss_fn), in_dims=(0, batch_dims(targets)))(
-            output, targets).sum()
-    except Exception:  # loss_fn is not vmappable: undo the stated reduction
-        return loss * n if reduction == "mean" else loss
-
-
-def _one_sample_loss(loss_fn: Callable) -> Callable:
-    def one(output_i: Any, targets_i: Any) -> Tensor:
-        return loss_fn(unsqueeze(output_i), unsqueeze(targets_i)).sum()
-
-    return one
-
-
-class InPlaceModificationError(RuntimeError):
-    """A captured activation was modified in place after its module ran."""
-
-
-def check_unchanged(job: Job) -> None:
-    """Raise if a captured tensor was modified in place after its module ran."""
-    if job.taps:
-        changed = any(job.tracer.changed(op) for op in job.taps)
-    else:
-        changed = [t._version for t in job.call.tensors()] != job.call.versions
-    if changed:
-        raise InPlaceModificationError(
-            f"an input or output of module '{job.call.name}' ({type(job.call.module).__name__}) "
-            "was modified in place after the module ran (e.g. by nn.ReLU(inplace=True) or "
-            "x += ...), so its captured activations are no longer valid. Make that "
-            "operation out of place, or use method='vmap'."
-        )
-
-
-def _backprops_of(job: Job, grads: dict[int, Tensor | None], n: int, v: int) -> list[Tensor]:
-    """The call's backprops ``(n, v, *out)``, batch first, from ``(v, *out_shape)`` grads."""
-    found = []
-    layouts = ([Dim(0)] * len(job.taps or ()) + output_layouts(job.call, n)
-               + [Dim(0)] * len(job.call.extras))
-    for out, layout in zip(job_outputs(job), layouts):
-        g = grads[id(out)]
-        g = layout.front_cotangents(out.new_zeros((v, *out.shape)) if g is None else g)
-        if g.dim() < 2 or g.shape[0] != n:
-            raise ValueError(
-                f"module '{job.call.name}' ({type(job.call.module).__name__}) returned a tensor "
-                f"of shape {tuple(out.shape)} whose dim 0 is not the batch size {n}: the rules "
-                "need the batch in dim 0 of every layer's input and output (a reshape to "
-                "(batch * seq, features) mixes samples; the stock sequence modules' "
-                "batch_first=False layout is understood). Keep the batch dim, or use "
-                "method='vmap'."
-            )
-        found.append(g)
-    return found
-
-
-Backward = Callable[[Any, list[Tensor]], tuple[Any, ...]]
-
-
-@dataclass
-class Captured:
-    """The captured calls of one batch, with each job's backprops."""
-
-    jobs: list[Job]
-    backprops: list[list[Tensor]]  # per job, per differentiable output: (n, v, *out_shape)
-    n: int
-
-
-def capture_backprops(model: nn.Module, args: tuple, root: Callable[[Any], Tensor],
-                      backward: Backward, wanted: set[int], v: int) -> Captured:
-    """Capture a forward and pull the cotangents back to every call's output.
-
-    ``root(output)`` gives the tensor to differentiate (the summed loss, or the
-    model's output); ``backward(root_value, outputs)`` returns for each captured
-    output its ``(v, *out_shape)`` cotangents (or ``None``), which are then put
-    batch first, ``(n, v, ...)``, by the output's layout; ``wanted`` holds the
-    ``id`` of the parameters to differentiate.
-    """
-    n = args[0].shape[0]
-    with torch.enable_grad(), Capture(hooked_modules(model), wanted, n, _interceptor) as cap:
-        value = root(model(*args))
-    jobs = plan_jobs(model, cap, wanted)
-    for job in jobs:
-        check_unchanged(job)
-    outs = {id(t): t for job in jobs for t in job_outputs(job)}
-    if outs and not value.requires_grad:
-        raise RuntimeError(
-            "the result does not depend on any parameter through autograd (was the "
-            "model's output detached?)"
-        )
-    got = backward(value, list(outs.values())) if outs else ()
-    grads = dict(zip(outs.keys(), got))
-    return Captured(jobs, [_backprops_of(job, grads, n, v) for job in jobs], n)
-
-
-def write_per_sample(cap: Captured, dest: dict[int, Tensor]) -> None:
-    """Apply every job's rule (or the fallback) into ``dest`` (id -> (n, v, *shape))."""
+def write_per_sample(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | None = None
+                     ) -> None:
+    """The planned rules into ``dest`` (``id(param) -> (n, v, *shape)``), for the
+    parameters in it (``uses``: only these ops; default all)."""
     sink = GradSink(dest)
+    pulls = Pullbacks(cap, sink)
+    wanted = set(dest)
+    for p in cap.plan.whole:  # a batch of one: grads by parameter
+        g = cap.grads.get(id(p))
+        if id(p) in dest and g is not None:
+            sink.commit(id(p), g.unsqueeze(0))  # (1, v, *shape)
     with torch.no_grad():
-        for job, backprops in zip(cap.jobs, cap.backprops):
-            _apply(job, backprops, cap.n, sink)
+        for call, params in cap.plan.module_jobs:
+            if any(id(p) in wanted for p in params.values()):
+                _module_rule(cap, call, params, sink)
+        for op in cap.plan.uses if uses is None else uses:
+            if op.sources_all.isdisjoint(wanted):
+                continue
+            if op.changed() and _needs_values(op):
+                raise InPlaceModificationError(
+                    f"an input of {op.where()} was modified in place after the op ran, and "
+                    "its rule needs it. Make that operation out of place, or use "
+                    "method='vmap'.")
+            pulls.apply(op, cap.backprops(op.edges, op.out_layouts, op.outputs),
+                        op.out_layouts)
+        pulls.pull_derived()
+        for call, params in cap.plan.fallback_jobs:
+            if any(id(p) in wanted for p in params.values()):
+                _fallback(cap, call, params, sink)
     sink.zero_unwritten()
 
 
-def run_rules(model: nn.Module, args: tuple, root: Callable[[Any], Tensor], backward: Backward,
-              dest: dict[int, Tensor]) -> None:
-    """The engine: capture, backprops, rules; results into ``dest`` (id -> (n, v, *shape))."""
-    v = next(iter(dest.values())).shape[1]
-    write_per_sample(capture_backprops(model, args, root, backward, set(dest), v), dest)
+def _needs_values(op: Op) -> bool:
+    """An add (a shift) needs only the backprops; other rules read the inputs."""
+    from .rules.elementwise import _ADD
+
+    return op.func not in _ADD
 
 
-def _apply(job: Job, backprops: list[Tensor], n: int, sink: GradSink) -> None:
-    """Per-sample results of one call, by its rule or the fallback, into ``sink``."""
-    out = sink.targets(job.params)
-    if job.call.extras and not _rule_applies(job, backprops):  # kept for no rule here
-        backprops = backprops[: len(backprops) - len(job.call.extras)]
-    if not backprops:  # no output depends on the parameters: zero contribution
-        for t in out.values():
-            t.zero_()
-    elif job.taps:
-        _apply_taps(job, backprops, n, out)
-    elif _rule_applies(job, backprops):
-        inputs = front_activations(job.call, activations(job.call), n)
-        if job.call.extras:  # backprops of the outputs, then of the extras
-            job.rule.fn(job.call.module, inputs, backprops, out, extras=job.call.extras,
-                        saved=job.call.saved)
+class Pullbacks:
+    """Per-sample cotangents of ops' inputs, into the sink (parameters) or onto the
+    derived tensors, which are then pulled back through the ops that made them."""
+
+    def __init__(self, cap: Captured, sink: GradSink):
+        self.cap, self.sink = cap, sink
+        self.only = set(sink.dest)
+        self.seen: set[int] = set()  # parameters whose path this run has recorded
+        self.pending: dict[int, list[tuple[Tensor, Batched | None]]] = {}
+
+    def apply(self, op: Op, cots: list[Tensor | None], out_aligns: list,
+              aligns: list | None = None) -> None:
+        """``cots`` per output ``(n, v, *per_sample)``; ``aligns`` overrides how the
+        op's leaves pair with the samples (derived ops pulled back per sample)."""
+        n, handled = self.cap.n, self.cap.plan.handled
+        wrt = [k for k, pids in op.sources.items()
+               if not pids <= handled and not pids.isdisjoint(self.only)]
+        if not wrt or all(c is None for c in cots):
+            return
+        call = OpCall(op, n)
+        if aligns is not None:
+            call.op = _Aligned(op, aligns)
+        shapes = {k: tuple(op.leaves[k].shape) if call.op.align(k) is None else
+                  tuple(_front_shape(op.leaves[k], call.op.align(k), n)) for k in wrt}
+        out = {}
+        for k in wrt:
+            t = op.leaves[k]
+            if id(t) in out:
+                continue
+            direct = self._param(t) is not None and call.op.align(k) is None
+            v = self.cap.v
+            found = self.sink.target(id(t), shapes[k]) if direct else None
+            out[id(t)] = found if found is not None else t.new_empty((n, v, *shapes[k]))
+        rule = find_op_rule(op.func)
+        single = [c for c in cots if c is not None]
+        reason = "no rule" if rule is None or len(cots) != 1 or len(single) != 1 else rule(
+            call, single[0], out)
+        kind = "rule"
+        if reason is not None and not self._broadcast(op, call, wrt, out_aligns, out):
+            kind = self._taps(op, call, cots, out_aligns, wrt, out)
+        self.note(op, wrt, kind, reason)
+        done = set()
+        for k in wrt:
+            t = op.leaves[k]
+            if id(t) in done:
+                continue
+            done.add(id(t))
+            if self._param(t) is not None and call.op.align(k) is None:
+                self.sink.commit(id(t), out[id(t)])
+            elif self._param(t) is not None:
+                raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
+            else:
+                self.pending.setdefault(id(t), []).append((out[id(t)], call.op.align(k)))
+
+    def _param(self, t: Tensor) -> nn.Parameter | None:
+        p = self.cap.cap.watched.get(id(t))
+        return p if p is t else None
+
+    def _broadcast(self, op: Op, call: OpCall, wrt: list[int], out_aligns: list, out: dict
+                   ) -> bool:
+        """Shared inputs of an op that broadcasts them over the samples: the op's own
+        backward on per-sample copies (``fallback.expand_vjp``)."""
+        if (len(op.outputs) != 1 or not isinstance(out_aligns[0], Batched)
+                or any(call.op.align(k) is not None for k in wrt)
+                or not _broadcasting(op.func) or op.edges[0] is None):
+            return False
+        g = self.cap.grads.get(edge_key(op.edges[0]))
+        if g is None:
+            return False
+        try:
+            got = expand_vjp(op, wrt, g, out_aligns[0], self.cap.n)
+        except (ValueError, RuntimeError):
+            return False
+        for k, value in zip(wrt, got):
+            out[id(op.leaves[k])].copy_(value)
+        return True
+
+    def note(self, op: Op, wrt: list[int], kind: str, reason: str | None) -> None:
+        """Record the path the parameters behind ``wrt`` took here (``taps`` outweighs
+        ``rule``; the ops are listed)."""
+        paths = self.cap.plan.paths
+        for k in wrt:
+            for pid in op.sources[k]:
+                old = paths.get(pid)
+                where = _describe_op(op)
+                if old is None or pid not in self.seen:
+                    paths[pid] = Path(kind, where, "" if kind == "rule" else f"{reason}")
+                elif kind == "taps" and old.kind == "rule":
+                    paths[pid] = Path("taps", f"{where}; {old.where}", f"{reason}")
+                elif where not in old.where:
+                    paths[pid] = Path(old.kind, f"{old.where}; {where}", old.reason)
+                self.seen.add(pid)
+
+    def _taps(self, op: Op, call: OpCall, cots, out_aligns, wrt, out) -> str:
+        aligns = [call.op.align(k) for k in range(len(op.leaves))]
+        kind = "rule"
+        try:
+            if all(a is None for a in aligns) and all(a is None for a in out_aligns):
+                got = shared_vjp(op, cots, wrt)  # the same op for every sample
+            else:
+                got = op_vjp(op, cots, out_aligns, aligns, wrt, self.cap.n)
+                kind = "taps"
+        except Exception as err:  # torch.func raises many kinds of errors
+            raise NeedsWholeModel(
+                f"no rule for {op.where()} and torch.func could not differentiate it per "
+                f"sample: {err}") from err
+        for k, g in zip(wrt, got):
+            out[id(op.leaves[k])].copy_(g)
+        return kind
+
+    def pull_derived(self) -> None:
+        """Derived tensors, newest first: their cotangents back through their ops."""
+        derived = self.cap.cap.derived
+        while self.pending:
+            key = max(self.pending, key=lambda i: derived[i].op.index)
+            d: Derived = derived[key]
+            for cot, align in _merge(self.pending.pop(key)):
+                cots = [None] * len(d.op.outputs)
+                cots[d.out] = cot
+                aligns = [None] * len(d.op.outputs)
+                aligns[d.out] = align
+                self.apply(d.op, cots, aligns, _producer_aligns(d.op, align))
+
+
+def _broadcasting(func: Any) -> bool:
+    """Ops that broadcast their inputs right-aligned against the output (elementwise,
+    ``where``, the mask of ``scaled_dot_product_attention``)."""
+    from .batch.flow import _HANDLERS, _broadcast, _sdpa, _where
+
+    return _HANDLERS.get(func) in (_broadcast, _where, _sdpa)
+
+
+def _merge(items: list[tuple[Tensor, Batched | None]]) -> list[tuple[Tensor, Batched | None]]:
+    """Sum the cotangents that share a form (own shape, or the same pairing)."""
+    merged: list[tuple[Tensor, Batched | None]] = []
+    for cot, align in items:
+        for k, (c, a) in enumerate(merged):
+            if a == align and c.shape == cot.shape:
+                merged[k] = (c + cot, a)
+                break
         else:
-            job.rule.fn(job.call.module, inputs,
-                        backprops if job.rule.multi_output else backprops[0], out)
-    else:
-        for name, g in fallback_grads(job.call, job.params, backprops, n).items():
-            out[name].copy_(g)
-    sink.commit(job.params, out)
+            merged.append((cot, align))
+    return merged
 
 
-def _rule_applies(job: Job, backprops: list[Tensor]) -> bool:
-    """A rule that takes this call's number of outputs."""
-    rule = job.rule
-    return rule is not None and (len(backprops) == 1 or rule.multi_output)
+def _front_shape(t: Tensor, lay: Batched, n: int) -> torch.Size:
+    from .batch import front
+
+    return front(t.new_empty(()).expand(t.shape), lay, n).shape[1:]  # no data read
 
 
-def _apply_taps(job: Job, backprops: list[Tensor], n: int, out: dict[str, Tensor]) -> None:
-    """The sum over the ops reading the parameter of their per-sample VJPs; the
-    per-module fallback over the whole call if an op cannot be replayed per sample."""
-    ((name, p),) = job.params.items()
-    k = len(job.taps)
+class _Aligned:
+    """An op seen with other pairings of its leaves (a derived op pulled back per sample)."""
+
+    def __init__(self, op: Op, aligns: list):
+        self._op, self._aligns = op, aligns
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._op, name)
+
+    def align(self, k: int) -> Any:
+        return self._aligns[k]
+
+
+def _producer_aligns(op: Op, out_align: Batched | None) -> list | None:
+    """How a derived op's leaves pair with the samples when its output is paired at
+    ``out_align``: embedding ids and broadcast inputs of full size along that dim."""
+    if out_align is None:
+        return [None] * len(op.leaves)
+    out = op.outputs[0]
+    found = []
+    for t in op.leaves:
+        d = out_align.dim - (out.dim() - t.dim())
+        if _is_embedding(op) and t is op.leaves[0]:
+            d = out_align.dim
+        ok = 0 <= d < t.dim() and t.shape[d] == out.shape[out_align.dim] and t.shape[d] > 1
+        found.append(out_align.moved(d) if ok and _elementwise_like(op) else None)
+    return found
+
+
+def _is_embedding(op: Op) -> bool:
+    import torch.nn.functional as F
+
+    return op.func is F.embedding
+
+
+def _elementwise_like(op: Op) -> bool:
+    from .batch.flow import _HANDLERS, _broadcast, _self_only
+
+    return _is_embedding(op) or _HANDLERS.get(op.func) in (_broadcast, _self_only)
+
+
+# ---------------------------------------------------------------------------
+# module rules and the per-module fallback
+
+
+def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:
+    """For module rules: the batch dim moved to the front (and removed from its place);
+    irregular layouts (a packed sequence's rows) padded per sample."""
+    if not isinstance(lay, Batched):
+        return g
+    if lay.index is None:
+        return g.movedim(lay.dim + lead, 0)
+    fronted = front_cotangents(g, lay, n) if lead else lay.front(g, n)
+    return fronted
+
+
+def _module_rule(cap: Captured, call: Call, params: dict[str, nn.Parameter],
+                 sink: GradSink) -> None:
+    rule: Rule = call.rule
+    outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
+    pairs = [(t, e) for t, e in zip(outs, call.edges) if t.requires_grad]
+    backprops = []
+    for t, e in pairs:
+        g = cap.grads.get(edge_key(e)) if e is not None else None
+        g = t.new_zeros((cap.v, *t.shape)) if g is None else g
+        lay = cap.cap.layout(t)
+        backprops.append(module_front(g, lay, cap.n, 1) if isinstance(lay, Batched) else g)
+    inputs = _module_inputs(cap, call)
+    if inputs is None:
+        raise UnsupportedModuleError(f"module {call.describe()}: inputs not positional")
+    out = {}
+    for name, p in params.items():
+        found = sink.target(id(p), p.shape)
+        out[name] = found if found is not None else p.new_empty((cap.n, cap.v, *p.shape))
+    rule.fn(call.module, inputs, backprops if rule.multi_output else backprops[0], out)
+    for name, p in params.items():
+        sink.commit(id(p), out[name])
+
+
+def _module_inputs(cap: Captured, call: Call) -> tuple | None:
+    """The call's inputs as positional arguments, samples in dim 0."""
+    args = positional(call)
+    if args is None:
+        return None
+    return tuple(_front_value(cap, a) for a in args)
+
+
+def _front_value(cap: Captured, x: Any) -> Any:
+    from torch.nn.utils.rnn import PackedSequence
+
+    if isinstance(x, PackedSequence):
+        return x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_front_value(cap, xi) for xi in x)
+    if isinstance(x, Tensor):
+        return module_front(x, cap.cap.layout(x), cap.n, 0)
+    return x
+
+
+def positional(call: Call) -> tuple | None:
+    """The call's inputs as positional arguments of the module's ``forward`` (keyword
+    inputs moved to their place); ``None`` if impossible (keyword-only arguments)."""
+    import inspect
+
+    if not call.kwargs:
+        return call.args
     try:
-        grads = [job.tracer.tap_grads(op, p, g) for op, g in zip(job.taps, backprops[:k])]
-    except Exception:  # an op torch.func cannot batch: differentiate the whole call
-        out[name].copy_(fallback_grads(job.call, job.params, backprops[k:], n)[name])
-        return
-    out[name].copy_(grads[0] if k == 1 else torch.stack(grads).sum(0))  # (n, v, *shape)
+        bound = inspect.signature(type(call.module).forward).bind(
+            call.module, *call.args, **call.kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return None if bound.kwargs else bound.args[1:]
 
 
-def loss_backprops(model: nn.Module, args: tuple, targets: Any, loss_fn: Callable,
-                   loss_reduction: str, wanted: set[int], retain_graph: bool = False) -> Captured:
+def _fallback(cap: Captured, call: Call, params: dict[str, nn.Parameter], sink: GradSink
+              ) -> None:
+    leaves = [t for t in tree_flatten((call.args, call.kwargs))[0] if isinstance(t, Tensor)]
+    in_aligns = [_align_of(cap.cap.layout(t)) for t in leaves]
+    outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
+    out_lays = [cap.cap.layout(t) for t in outs]
+    cots = cap.backprops(call.edges, out_lays, outs)
+    got = module_vjp(call, params, in_aligns, cots, [_align_of(lay) for lay in out_lays], cap.n)
+    for name, p in params.items():
+        sink.commit(id(p), got[name])
+
+
+def _align_of(lay: Layout) -> Batched | None:
+    return lay if isinstance(lay, Batched) else None
+
+
+# ---------------------------------------------------------------------------
+# the public functions' engines
+
+
+def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+                   loss_reduction: str, watched: dict[int, nn.Parameter],
+                   retain_graph: bool = False) -> Captured:
     """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss."""
-    n = args[0].shape[0]
+    from .loss import total_loss
 
-    def root(output: Any) -> Tensor:
-        return total_loss(output, targets, loss_fn, n, loss_reduction)
+    def root(output: Any, cap: Capture) -> Tensor:
+        with _ReadCheck(cap):
+            return total_loss(output, targets, loss_fn, batch.n, loss_reduction, cap.layout)
 
-    def backward(total: Tensor, outs: list[Tensor]) -> tuple:
-        grads = torch.autograd.grad(total, outs, allow_unused=True, retain_graph=retain_graph)
+    def backward(total: Tensor, edges: list) -> tuple:
+        grads = torch.autograd.grad(total, edges, allow_unused=True, retain_graph=retain_graph)
         return tuple(None if g is None else g.unsqueeze(0) for g in grads)  # (1, *out)
 
-    return capture_backprops(model, args, root, backward, wanted, 1)
+    return capture_backprops(model, batch, root, backward, watched, 1)
 
 
-def rules_grads(
-    model: nn.Module,
-    args: tuple,
-    targets: Any,
-    loss_fn: Callable,
-    loss_reduction: str,
-    dest: dict[int, Tensor],
-) -> None:
-    """Per-sample gradients of one batch into ``dest`` (id(param) -> (n, *shape))."""
-    cap = loss_backprops(model, args, targets, loss_fn, loss_reduction, set(dest))
+class _ReadCheck:
+    """While the loss runs: a parameter read there has a gradient path the capture
+    did not see (the loss must only use the model's output)."""
+
+    def __init__(self, cap: Capture):
+        from torch.overrides import TorchFunctionMode
+
+        watched = cap.watched
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                from .batch import op_leaves
+
+                for t in op_leaves(args, kwargs or {}):
+                    if id(t) in watched and watched[id(t)] is t and t.requires_grad:
+                        raise ValueError(
+                            "a trainable parameter is read in loss_fn, outside the model's "
+                            "forward, so its per-sample gradient cannot be attributed. Read "
+                            "it inside the forward of a module, or freeze it.")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def rules_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+                loss_reduction: str, dest: dict[int, Tensor],
+                watched: dict[int, nn.Parameter]) -> Captured:
+    """Per-sample gradients of one batch into ``dest`` (``id(param) -> (n, *shape)``)."""
+    cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction, watched)
     write_per_sample(cap, {k: t.unsqueeze(1) for k, t in dest.items()})
+    return cap
 
 
-def rules_param_jacobian(
-    model: nn.Module, args: tuple, outputs: range, dest: dict[int, Tensor]
-) -> None:
+def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
+                         dest: dict[int, Tensor], watched: dict[int, nn.Parameter]) -> Captured:
     """Rows ``outputs`` of the per-sample parameter Jacobian of one batch into ``dest``.
 
-    DESIGN.md point 4: the cotangents are one-hot over the (flattened) output
-    index and the same for every sample; since samples are independent, one
-    batched backward (``is_grads_batched=True``) gives all ``n * v`` rows.
-    ``dest`` maps ``id(param)`` to ``(n, v, *param.shape)`` with ``v = len(outputs)``.
+    DESIGN.md point 4: the cotangents are one-hot over the (flattened) output index
+    and the same for every sample; since samples are independent, one batched
+    backward (``is_grads_batched=True``) gives all ``n * v`` rows. ``dest`` maps
+    ``id(param)`` to ``(n, v, *param.shape)`` with ``v = len(outputs)``.
     """
-    n = args[0].shape[0]
+    from .jacobian import one_hot
 
-    def root(output: Any) -> Tensor:
+    n = batch.n
+
+    def root(output: Any, cap: Capture) -> Tensor:
+        lay = cap.layout(output) if isinstance(output, Tensor) else None
         if not isinstance(output, Tensor) or output.dim() == 0 or output.shape[0] != n:
             raise ValueError(
                 f"the model must return one tensor with the batch size {n} in dim 0, got "
-                f"{tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__}"
-            )
+                f"{tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__}")
+        if n > 1 and not (isinstance(lay, Batched) and lay.dim == 0 and lay.outer == lay.inner == 1
+                and lay.index is None):
+            raise NeedsWholeModel(f"the model's output does not hold one sample per row ({lay})")
         return output
 
-    def backward(output: Tensor, outs: list[Tensor]) -> tuple:
+    def backward(output: Tensor, edges: list) -> tuple:
         cot = one_hot(outputs.start, outputs.stop, output)  # (v, n, *out_shape)
-        grads = torch.autograd.grad(output, outs, cot, is_grads_batched=True, allow_unused=True)
-        return grads  # (v, *out_shape)
+        return torch.autograd.grad(output, edges, cot, is_grads_batched=True, allow_unused=True)
 
-    run_rules(model, args, root, backward, dest)
+    cap = capture_backprops(model, batch, root, backward, watched, len(outputs))
+    write_per_sample(cap, dest)
+    return cap

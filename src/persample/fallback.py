@@ -1,70 +1,220 @@
-"""Per-module fallback: per-sample gradients of one module through ``torch.func``.
+"""The exact paths for what no rule covers: per-sample vector-Jacobian products with
+``torch.func``, of one op or of one module call.
 
-DESIGN.md point 3: a module without a rule is differentiated alone, not the
-whole model. For one captured call with inputs ``x`` and backprops ``g``, the
-per-sample gradient of the module's parameters is the vector-Jacobian product
-``vjp(theta -> module(x[i:i+1]; theta))(g[i:i+1])``, batched over ``i`` with
-``torch.func.vmap`` (the method of seed 001's tutorial, applied to one module).
+Seed 001's method (``vmap`` over samples of ``vjp``), applied to the smallest
+piece that needs it:
 
-Inputs are mapped over their batch dim (``layout.py``: dim 0 if its size is the
-batch size; the stock sequence modules' own layouts); all others are shared.
+- :func:`op_vjp` ("taps"): one op reading a parameter in a form no rule knows (a
+  class token joined with ``cat`` in a custom way, a parameter through an op
+  without a rule), or a derived parameter's producing op. Each sample's inputs
+  are its own views (``front``, a batch of one in the op's own layout), shared
+  inputs are passed whole;
+- :func:`module_vjp` (the per-module fallback): a module call whose inside the
+  capture could not follow (a custom ``autograd.Function``, a tensor of unknown
+  layout inside), run per sample with ``torch.func.functional_call``.
+
+Where the batch is in each input and output comes from the capture's data flow
+(:mod:`persample.batch`), never from sizes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from .capture import Call, flat_outputs
-from .layout import input_layouts, output_layouts
+from .batch import Batched, front
 
 
 class UnsupportedModuleError(RuntimeError):
-    """A module has no rule and ``torch.func`` cannot differentiate it per sample."""
+    """A module or op has no rule and ``torch.func`` cannot differentiate it per sample."""
 
 
-def fallback_grads(
-    call: Call, params: dict[str, nn.Parameter], backprops: list[Tensor], n: int
-) -> dict[str, Tensor]:
-    """Per-sample vector-Jacobian products ``{name: (n, v, *param.shape)}`` for one call.
+def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, aligns: list,
+                   wrt: list[int], cots: list[Tensor], out_aligns: list, n: int
+                   ) -> list[Tensor]:
+    """Per-sample VJPs of ``fn(*values)`` with respect to ``values[k]`` for ``k`` in ``wrt``.
 
-    ``params`` maps names relative to ``call.module`` (``"scale"``,
-    ``"out_proj.weight"``) to parameters; ``backprops`` are the ``(n, v, *out)``
-    cotangents of the call's differentiable outputs, in order.
+    ``aligns[k]``: how value ``k`` pairs with the samples (a layout; each sample gets
+    its own view ``front(value)[i]``), or ``None`` (shared). ``cots``: per output of
+    ``fn``, ``(n, v, *per_sample_out)``. An output that ``fn`` returns whole (all its
+    inputs shared) is cut to sample ``i`` by ``out_aligns``. Returns per ``k`` in
+    ``wrt``: ``(n, v, *shape)``, ``shape`` the value's own shape if shared, else its
+    per-sample shape.
     """
-    leaves, spec = tree_flatten((call.args, call.kwargs))
-    layouts = input_layouts(call, n)
-    mapped = [lay.front(x.detach()) for x, lay in zip(leaves, layouts) if lay is not None]
-    used = [i for i, o in enumerate(flat_outputs(call.output)) if o.requires_grad]
-    out_layouts = output_layouts(call, n)
-    theta = {name: p.detach() for name, p in params.items()}
+    mapped = [k for k, a in enumerate(aligns) if a is not None]
+    fronted = [front(values[k].detach(), aligns[k], n) for k in mapped]
+    shared = [v.detach() if isinstance(v, Tensor) else v for v in values]
+    shapes = [tuple(c.shape[2:]) for c in cots]
 
-    def one_sample(mapped_i: list[Tensor], cotangents_i: list[Tensor]) -> dict[str, Tensor]:
-        rows = iter(mapped_i)
-        values = [
-            lay.insert(next(rows)) if lay is not None
-            else (x.detach() if isinstance(x, Tensor) else x)
-            for x, lay in zip(leaves, layouts)
-        ]
-        args, kwargs = tree_unflatten(values, spec)
+    def one(rows: list[Tensor], index: Tensor, cots_i: list[Tensor]) -> tuple[Tensor, ...]:
+        vals = list(shared)
+        for k, row in zip(mapped, rows):
+            vals[k] = row
 
-        def forward(th: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            out = flat_outputs(functional_call(call.module, th, tuple(args), kwargs))
-            return tuple(out[i] for i in used)
+        def f(*theta: Tensor) -> tuple[Tensor, ...]:
+            for k, t in zip(wrt, theta):
+                vals[k] = t
+            outs = fn(*vals)
+            return tuple(_sample(o, s, a, index, n) for o, s, a in zip(outs, shapes, out_aligns))
 
-        def pull(*c: Tensor) -> dict[str, Tensor]:
-            return pullback(tuple(lay.insert(ci) for ci, lay in zip(c, out_layouts)))[0]
+        _, pull = vjp(f, *[vals[k] for k in wrt])
+        return vmap(pull)(tuple(cots_i))  # over the v cotangents
 
-        _, pullback = vjp(forward, theta)
-        return vmap(pull)(*cotangents_i)  # (v, *out) cotangents -> (v, *param.shape)
+    index = torch.arange(n, device=cots[0].device)
+    return list(vmap(one)(fronted, index, cots))
 
+
+def _sample(out: Tensor, shape: tuple, align: Any, index: Tensor, n: int) -> Tensor:
+    """One sample's output: as it is, or sample ``index`` of a whole output."""
+    if tuple(out.shape) == shape:
+        return out
+    if isinstance(align, Batched):
+        return front(out, align, n).index_select(0, index.reshape(1)).squeeze(0)
+    raise ValueError(f"a per-sample output of shape {tuple(out.shape)}, expected {shape}")
+
+
+def _out_of_place(func: Any, kwargs: dict) -> tuple[Any, dict]:
+    """The out-of-place form of an in-place op, to replay it without writing into the
+    captured tensors (``add_`` -> ``add``, ``__iadd__`` -> ``__add__``, ``inplace=True``)."""
+    name = getattr(func, "__name__", "")
+    kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    if kwargs.get("inplace"):
+        kwargs["inplace"] = False
+    if name.startswith("__i") and name.endswith("__"):
+        return getattr(torch.Tensor, "__" + name[3:]), kwargs
+    if name.endswith("_") and not name.endswith("__"):
+        found = getattr(torch.Tensor, name[:-1], None) or getattr(torch, name[:-1], None)
+        if found is not None:
+            return found, kwargs
+    return func, kwargs
+
+
+def op_vjp(op: Any, cots: list[Tensor | None], out_aligns: list, aligns: list, wrt: list[int],
+           n: int) -> list[Tensor]:
+    """Per-sample VJPs of one recorded op (:class:`persample.capture.Op`) with respect to
+    its leaves ``wrt``; ``cots`` per output tensor (``None``: no cotangent)."""
+    func, kwargs = _out_of_place(op.func, op.kwargs)
+    flat, spec = tree_flatten((op.args, kwargs))
+    position = {id(t): k for k, t in enumerate(op.leaves)}
+    slots = [position.get(id(x)) if isinstance(x, Tensor) else None for x in flat]
+    used = [k for k, c in enumerate(cots) if c is not None]
+
+    def fn(*values: Tensor) -> tuple[Tensor, ...]:
+        leaves = [values[s] if s is not None else x for x, s in zip(flat, slots)]
+        args, kw = tree_unflatten(leaves, spec)
+        out = func(*args, **kw)
+        outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
+        return tuple(outs[k] for k in used)
+
+    values = [op.value(k) for k in range(len(op.leaves))]
+    return per_sample_vjp(fn, values, aligns, wrt, [cots[k] for k in used],
+                          [out_aligns[k] for k in used], n)
+
+
+def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tensor]:
+    """VJPs of an op all of whose inputs are shared by the samples (a derived parameter's
+    op: ``W.t()``, ``pos.to(dtype)``, an embedding of ``arange`` ids), for ``(n, v, *out)``
+    cotangents: one batched backward (``is_grads_batched``), no replay per sample."""
+    func, kwargs = _out_of_place(op.func, op.kwargs)
+    flat, spec = tree_flatten((op.args, kwargs))
+    position = {id(t): k for k, t in enumerate(op.leaves)}
+    values = [op.value(k).detach() for k in range(len(op.leaves))]
+    for k in wrt:
+        values[k] = values[k].requires_grad_()
+    leaves = [values[position[id(x)]] if isinstance(x, Tensor) and id(x) in position else x
+              for x in flat]
+    args, kw = tree_unflatten(leaves, spec)
+    with torch.enable_grad():
+        out = func(*args, **kw)
+    outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
+    used = [k for k, c in enumerate(cots) if c is not None]
+    n, v = cots[used[0]].shape[:2]
+    grads = torch.autograd.grad([outs[k] for k in used], [values[k] for k in wrt],
+                                [cots[k].flatten(0, 1) for k in used], is_grads_batched=True,
+                                allow_unused=True, materialize_grads=True)
+    return [g.unflatten(0, (n, v)) for g in grads]
+
+
+def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
+               ) -> list[Tensor]:
+    """Per-sample VJPs of shared inputs that an op broadcasts over the samples (a
+    position bias in ``where(mask, bias, -inf)``, an attention mask of
+    ``scaled_dot_product_attention``, ``x * gamma`` in any form), from the op's own
+    backward: each such input is expanded along the samples' dim to a per-sample copy,
+    the op runs once on the batch, and the gradient of the copy holds every sample's
+    row. ``g``: the backprops ``(v, *out)`` in the output's own layout. Returns
+    ``(n, v, *input.shape)`` per input of ``wrt``.
+    """
+    from .rules.elementwise import reduce_to
+
+    func, kwargs = _out_of_place(op.func, op.kwargs)
+    flat, spec = tree_flatten((op.args, kwargs))
+    position = {id(t): k for k, t in enumerate(op.leaves)}
+    values = [op.value(k).detach() for k in range(len(op.leaves))]
+    out = op.outputs[0]
+    size, copies = out.shape[out_layout.dim], []
+    for k in wrt:
+        t = values[k]
+        lead = out_layout.dim - (out.dim() - t.dim())  # broadcasting aligns the right ends
+        if lead < 0:
+            t, lead = t.reshape((1,) * -lead + tuple(t.shape)), 0
+        if t.shape[lead] != 1:
+            raise ValueError("an input not broadcast along the samples' dim")
+        copy = t.expand(*t.shape[:lead], size, *t.shape[lead + 1:]).clone().requires_grad_()
+        values[k] = copy
+        copies.append((copy, lead))
+    leaves = [values[position[id(x)]] if isinstance(x, Tensor) and id(x) in position else x
+              for x in flat]
+    args, kw = tree_unflatten(leaves, spec)
+    with torch.enable_grad():
+        result = func(*args, **kw)
+    result = result if isinstance(result, Tensor) else result[0]
+    v = g.shape[0]
+    grads = torch.autograd.grad(result, [c for c, _ in copies], g if v > 1 else g[0],
+                                is_grads_batched=v > 1, allow_unused=True,
+                                materialize_grads=True)
+    found = []
+    for k, (copy, lead), gc in zip(wrt, copies, grads):
+        gc = gc if v > 1 else gc.unsqueeze(0)  # (v, *copy.shape)
+        per_sample = out_layout.moved(lead).front_cotangents(gc, n)  # (n, v, *per_sample)
+        found.append(reduce_to(per_sample, tuple(op.leaves[k].shape)))
+    return found
+
+
+def module_vjp(call: Any, params: dict[str, nn.Parameter], in_aligns: list, cots: list,
+               out_aligns: list, n: int) -> dict[str, Tensor]:
+    """Per-sample VJPs ``{name: (n, v, *param.shape)}`` of one module call with respect to
+    ``params`` (names relative to ``call.module``); ``in_aligns`` per tensor leaf of
+    ``(call.args, call.kwargs)``; ``cots`` per output tensor (``None``: none)."""
+    flat, spec = tree_flatten((call.args, call.kwargs))
+    tensor_slots = [k for k, x in enumerate(flat) if isinstance(x, Tensor)]
+    names = list(params)
+    used = [k for k, c in enumerate(cots) if c is not None]
+
+    def fn(*values: Tensor) -> tuple[Tensor, ...]:
+        theta = dict(zip(names, values[:len(names)]))
+        leaves = list(flat)
+        for slot, value in zip(tensor_slots, values[len(names):]):
+            leaves[slot] = value
+        args, kwargs = tree_unflatten(leaves, spec)
+        outs = [t for t in tree_leaves(functional_call(call.module, theta, tuple(args), kwargs))
+                if isinstance(t, Tensor)]
+        return tuple(outs[k] for k in used)
+
+    values = [params[m] for m in names] + [flat[k] for k in tensor_slots]
+    aligns = [None] * len(names) + list(in_aligns)
     try:
-        return vmap(one_sample)(mapped, list(backprops))
+        got = per_sample_vjp(fn, values, aligns, list(range(len(names))),
+                             [cots[k] for k in used], [out_aligns[k] for k in used], n)
     except Exception as err:  # torch.func raises many kinds of errors
         raise UnsupportedModuleError(
-            f"module '{call.name or '<root>'}' ({type(call.module).__name__}) has no per-sample "
-            f"rule and torch.func could not differentiate it per sample: {err}. "
-            "Register a rule for it (persample.register_rule), freeze or replace it, or, "
-            "where the function has one, use method='loop'."
+            f"module {call.describe()} could not be followed op by op and torch.func could "
+            f"not differentiate it per sample: {err}. Register a rule for it "
+            "(persample.register_rule), freeze or replace it, or use method='loop'."
         ) from err
+    return dict(zip(names, got))

@@ -12,7 +12,6 @@ norm of the summed contribution is not the sum of the norms.
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -20,69 +19,103 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import (
-    Captured,
-    GradSink,
-    InPlaceModificationError,
-    _apply,
-    activations,
-    loss_backprops,
-)
-from .fallback import UnsupportedModuleError
-from .layout import front_activations
+from .api import FALLBACK_ERRORS
+from .capture import Op
+from .engine import Captured, loss_backprops, module_front, write_per_sample
 from .reference import rows
-from .rules import find_norm_rule
+from .rules import OpCall, find_norm_rule, find_op_norm
 
 
 def squared_norms(
     cap: Captured, params: dict[str, nn.Parameter]
-) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+) -> tuple[dict[int, Tensor], dict[int, Tensor], set[Op]]:
     """Squared per-sample gradient norms ``{id(param): (n,)}`` of one captured batch.
 
     Also returns the per-sample gradients ``{id(param): (n, 1, *shape)}`` of the
-    parameters that had to be materialised. Unused parameters get zeros.
+    parameters that had to be materialised, and the ops whose parameters got ghost
+    norms. Unused parameters get zeros.
     """
     n = cap.n
-    uses = Counter(id(p) for job in cap.jobs for p in job.params.values())
+    sites = _sites(cap)
     sq: dict[int, Tensor] = {}
-    materialise = []
+    ghosted: set[Op] = set()
     with torch.no_grad():
-        for job, backprops in zip(cap.jobs, cap.backprops):
-            ghost = _ghost_norms(job, backprops, uses)
-            if ghost is None:
-                materialise.append((job, backprops))
-            else:
-                sq.update({id(job.params[name]): s for name, s in ghost.items()})
-        mats = {id(p): p.new_empty((n, 1, *p.shape))
-                for job, _ in materialise for p in job.params.values()}
-        sink = GradSink(mats)
-        for job, backprops in materialise:
-            _apply(job, backprops, n, sink)
+        for op in cap.plan.uses:
+            direct = [k for k, pids in op.sources.items() if id(op.leaves[k]) in pids]
+            pids = {id(op.leaves[k]) for k in direct}
+            if (not pids or len(direct) != len(op.sources)
+                    or any(sites.get(pid) != 1 for pid in pids)):
+                continue
+            norm = find_op_norm(op.func)
+            g = cap.backprops(op.edges, op.out_layouts, op.outputs)
+            if norm is None or len(g) != 1 or g[0] is None:
+                continue
+            found = norm(OpCall(op, n), g[0], pids)
+            if found is not None:
+                sq.update(found)
+                ghosted.add(op)
+        _module_norms(cap, sq, sites)
+        rest = [p for p in params.values() if id(p) not in sq]
+        mats = {id(p): p.new_empty((n, 1, *p.shape)) for p in rest}
+        if mats:
+            write_per_sample(cap, mats)
         sq.update({pid: m.flatten(1).square().sum(1) for pid, m in mats.items()})
     for p in params.values():
         sq.setdefault(id(p), p.new_zeros(n))
-    return sq, mats
+    return sq, mats, ghosted
 
 
-def _ghost_norms(job, backprops: list[Tensor], uses: Counter) -> dict[str, Tensor] | None:
-    norm = find_norm_rule(job.rule)
-    if norm is None or len(backprops) != 1 or any(uses[id(p)] > 1 for p in job.params.values()):
-        return None
-    inputs = front_activations(job.call, activations(job.call), len(backprops[0]))
-    return norm(job.call.module, inputs, backprops[0], set(job.params))
+def _sites(cap: Captured) -> dict[int, int]:
+    """How many ops or module calls contribute to each parameter."""
+    count: dict[int, int] = {}
+    plan = cap.plan
+    for call, params in plan.module_jobs + plan.fallback_jobs:
+        for p in params.values():
+            count[id(p)] = count.get(id(p), 0) + 1
+    derived = cap.cap.derived
+    for op in plan.uses:
+        for k, pids in op.sources.items():
+            through = 2 if id(op.leaves[k]) in derived else 1  # a derived tensor: materialise
+            for pid in pids - plan.handled:
+                count[pid] = count.get(pid, 0) + through
+    return count
 
 
-def _rules_norms(model, args, targets, loss_fn, loss_reduction, params, method
+def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -> None:
+    """Norm rules of module rules (``register_norm_rule``)."""
+    from .engine import _module_inputs
+    from torch.utils._pytree import tree_leaves
+
+    for call, params in cap.plan.module_jobs:
+        norm = find_norm_rule(call.rule)
+        outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
+        if norm is None or len(outs) != 1 or any(sites.get(id(p)) != 1
+                                                  for p in params.values()):
+            continue
+        e = next(e for t, e in zip([t for t in tree_leaves(call.output)
+                                    if isinstance(t, Tensor)], call.edges) if t is outs[0])
+        from .engine import edge_key
+
+        g = cap.grads.get(edge_key(e)) if e is not None else None
+        if g is None:
+            continue
+        backprops = module_front(g, cap.cap.layout(outs[0]), cap.n, 1)
+        found = norm(call.module, _module_inputs(cap, call), backprops, set(params))
+        if found is not None:
+            sq.update({id(params[name]): v for name, v in found.items()})
+
+
+def _rules_norms(model, batch, targets, loss_fn, loss_reduction, params, method
                  ) -> dict[str, Tensor] | None:
-    """``{name: (n,)}`` by the rules; ``None`` for vmap/loop (or auto on an unsupported
-    module, with a warning)."""
+    """``{name: (n,)}`` by the rules; ``None`` for vmap/loop (or auto where the rules
+    cannot split a gradient by sample, with a warning)."""
     if method not in ("auto", "rules"):
         return None
     try:
-        cap = loss_backprops(model, args, targets, loss_fn, loss_reduction,
-                             {id(p) for p in params.values()})
-        sq, _ = squared_norms(cap, params)
-    except (UnsupportedModuleError, InPlaceModificationError) as err:
+        cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction,
+                             {id(p): p for p in params.values()})
+        sq, _, _ = squared_norms(cap, params)
+    except FALLBACK_ERRORS as err:
         if method == "rules":
             raise
         warnings.warn(f"{err} Falling back to method='loop'.", stacklevel=4)
@@ -93,7 +126,7 @@ def _rules_norms(model, args, targets, loss_fn, loss_reduction, params, method
 @checks.keeps_buffers
 def per_sample_grad_norms(
     model: nn.Module,
-    inputs: Tensor | tuple[Tensor, ...],
+    inputs: Any,
     targets: Any,
     loss_fn: Callable[[Any, Any], Tensor],
     *,
@@ -140,15 +173,16 @@ def per_sample_grad_norms(
     """
     from .api import per_sample_grads  # the non-rules methods
 
-    args, n, params = checks.validate_call(model, inputs, targets, method, loss_reduction,
-                                          chunk_size)
+    batch, n, params = checks.validate_call(model, inputs, targets, method, loss_reduction,
+                                           chunk_size)
     layers = {name: p.new_zeros(n) for name, p in params.items()}
     step = chunk_size or max(n, 1)
     for start in range(0, n, step):
-        a, t = rows(args, start, start + step), rows(targets, start, start + step)
+        a, t = batch.rows(start, start + step), rows(targets, start, start + step)
         chunk = _rules_norms(model, a, t, loss_fn, loss_reduction, params, method)
         if chunk is None:  # vmap or loop: the norms of their per-sample gradients
-            grads = per_sample_grads(model, a, t, loss_fn,
+            grads = per_sample_grads(model, (a.args, a.kwargs), t, loss_fn,
+                                     loss_reduction=loss_reduction,
                                      method="loop" if method == "auto" else method)
             chunk = {name: g.flatten(1).norm(dim=1) for name, g in grads.items()}
         for name, norms in chunk.items():

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from .checks import as_args, keeps_buffers, trainable_parameters
+from .checks import keeps_buffers, trainable_parameters
+from .inputs import as_batch
 
 
 def rows(x: Any, start: int, stop: int) -> Any:
@@ -29,7 +30,9 @@ def loop_per_sample_grads(
 
     Args:
         model: any ``nn.Module``.
-        inputs: tensor ``(B, *in_shape)`` or tuple of tensors with the batch in dim 0.
+        inputs: as for :func:`persample.per_sample_grads`: a tensor ``(B, *in_shape)``,
+            a tuple, a dict of keyword inputs or a pair ``(args, kwargs)``; tensors with
+            ``B`` in dim 0 are cut per sample, the others shared.
         targets: tensor ``(B, ...)``, tuple of them, or ``None``.
         loss_fn: ``loss_fn(output, targets)`` for a batch of one sample; a returned
             ``(1,)`` tensor is summed, a scalar used as it is.
@@ -50,13 +53,13 @@ def loop_per_sample_grads(
         >>> g["weight"].shape
         torch.Size([4, 2, 3])
     """
-    args = as_args(inputs)
+    batch = as_batch(inputs)
     params = trainable_parameters(model)
-    n = args[0].shape[0]
+    n = batch.n
     result = {name: p.new_zeros((n, *p.shape)) for name, p in params.items()}
     for i in range(n):
         with torch.enable_grad():
-            loss = loss_fn(model(*rows(args, i, i + 1)), rows(targets, i, i + 1)).sum()
+            loss = loss_fn(batch.rows(i, i + 1).call(model), rows(targets, i, i + 1)).sum()
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, _), g in zip(params.items(), grads):
             if g is not None:
@@ -72,7 +75,7 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
 
     Args:
         model: maps a batch ``(B, *in_shape)`` to ``(B, *out_shape)``.
-        inputs: tensor ``(B, *in_shape)`` or tuple of tensors with the batch in dim 0.
+        inputs: as for :func:`loop_per_sample_grads`.
 
     Returns:
         ``{name: (B, *out_shape, *param.shape)}``: entry ``[i, k..., p...]`` is
@@ -88,14 +91,14 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
         >>> loop_param_jacobian(net, torch.randn(4, 3))["weight"].shape
         torch.Size([4, 2, 2, 3])
     """
-    args = as_args(inputs)
+    batch = as_batch(inputs)
     params = trainable_parameters(model)
-    if args[0].shape[0] == 0:
+    if batch.n == 0:
         raise ValueError("the loop reference needs at least one sample to know the output shape")
     per_sample = []
-    for i in range(args[0].shape[0]):
+    for i in range(batch.n):
         with torch.enable_grad():
-            out = model(*rows(args, i, i + 1))[0]  # (*out_shape)
+            out = batch.rows(i, i + 1).call(model)[0]  # (*out_shape)
             per_output = [
                 torch.autograd.grad(k, list(params.values()), retain_graph=True,
                                     allow_unused=True)

@@ -9,16 +9,23 @@ largest error per parameter.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from . import checks
-from .capture import Capture
-from .engine import hooked_modules, plan_jobs
+from .engine import (
+    NeedsWholeModel,
+    Path,
+    capture_backprops,
+    write_per_sample,
+)
+from .inputs import Batch, as_batch
 from .reference import loop_per_sample_grads, rows
 from .rules import find_rule
 from .rules.recurrent import training_dropout
@@ -26,13 +33,13 @@ from .rules.recurrent import training_dropout
 
 @dataclass(frozen=True)
 class Route:
-    """The path of one module's trainable parameters."""
+    """The path of some of one module's trainable parameters."""
 
-    module: str  # qualified name, "" for the root
+    module: str  # qualified name of the module holding them, "" for the root
     type: str  # the module's class name
-    params: tuple[str, ...]  # its trainable parameters handled on this path
-    path: str  # "rule", "taps", "fallback", "unsupported" or "unused"
-    reason: str  # the rule's family, or why there is no rule / no path
+    params: tuple[str, ...]  # its trainable parameters on this path
+    path: str  # "rule", "module rule", "taps", "fallback", "vmap", "unused", "unsupported"
+    reason: str  # the ops (or call) that compute them, or why there is no fast path
 
 
 class Routes(list):
@@ -47,6 +54,12 @@ class Routes(list):
                          for x in [head, *lines])
 
 
+# stock layers whose forward is ops with rules (the static answer without inputs)
+_STOCK = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag,
+          nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.instancenorm._InstanceNorm,
+          nn.modules.batchnorm._BatchNorm, nn.PReLU, nn.MultiheadAttention)
+
+
 def _static_route(name: str, module: nn.Module, params: tuple[str, ...]) -> Route:
     kind = type(module).__name__
     reason = checks.mixing_reason(module) or (
@@ -55,39 +68,46 @@ def _static_route(name: str, module: nn.Module, params: tuple[str, ...]) -> Rout
         return Route(name, kind, params, "unsupported", reason)
     rule, why = find_rule(module)
     if rule is not None:
-        return Route(name, kind, params, "rule", f"{rule.base.__name__} rule")
-    return Route(name, kind, params, "fallback",
-                 f"{why}: torch.func per module (if it fails, method='auto' uses the loop)")
+        return Route(name, kind, params, "module rule", f"{rule.base.__name__} rule")
+    forward = type(module).forward
+    if isinstance(module, _STOCK) and any(forward is cls.__dict__.get("forward")
+                                          for cls in type(module).__mro__
+                                          if cls.__module__.startswith("torch.nn.")):
+        return Route(name, kind, params, "rule", f"the ops of {kind}.forward have rules")
+    return Route(name, kind, params, "unknown",
+                 "depends on the ops its forward runs: pass inputs to find out")
 
 
 @checks.keeps_buffers
-def supported(model: nn.Module, inputs: Tensor | tuple | None = None) -> Routes:
-    """Which path each module with trainable parameters takes: rule, fallback or none.
+def supported(model: nn.Module, inputs: Any = None) -> Routes:
+    """Which path each trainable parameter takes, by module: rule, taps, fallback, ...
 
-    Without ``inputs`` the answer comes from the module types alone. With
-    ``inputs`` (a batch as for :func:`persample.per_sample_grads`) the model is
-    run once, without any backward, and the answer is what the engine would
-    really do: a parameter read outside its own module (``out_proj`` inside
-    ``nn.MultiheadAttention``, a tied weight used with ``F.linear``) is shown on
-    the call that differentiates it; a parameter without a rule that the capture
-    can follow op by op (a class token, a custom module's scale) is ``"taps"``;
-    parameters the forward never reads are ``"unused"`` (zero gradients).
+    With ``inputs`` (a batch as for :func:`persample.per_sample_grads`) the model
+    runs once, forward and one backward of the sum of its outputs, through the same
+    capture, planning and rules as a real call, and the answer is what that call
+    does: ``"rule"`` (the op rules of the ops reading the parameter, whatever module
+    class wraps them), ``"module rule"`` (a recurrent layer's rule), ``"taps"`` (the
+    exact per-sample VJP of an op without a rule, slower), ``"fallback"`` (the
+    per-module ``torch.func`` fallback over the call named in ``reason``), ``"vmap"``
+    (the engine cannot split this model's gradients: ``method="auto"`` runs
+    ``torch.func`` over the whole model, else the loop), ``"unused"`` (never read:
+    zeros). Without ``inputs`` the answer comes from the module types alone:
+    stock layers ``"rule"``, modules with a module rule ``"module rule"``, others
+    ``"unknown"``.
 
     Args:
         model: any ``nn.Module``; it is left unchanged (no hooks, no state).
-        inputs: optional tensor ``(B, ...)`` or tuple of tensors, passed as
-            ``model(*inputs)``.
+        inputs: optional, as for :func:`persample.per_sample_grads` (a tensor, a
+            tuple, a dict, or ``(args, kwargs)``).
 
     Returns:
         :class:`Routes`, a list of :class:`Route` ``(module, type, params, path,
-        reason)`` in ``named_modules()`` order (with inputs: call order); ``path``
-        is ``"rule"``, ``"fallback"``, ``"unsupported"``, ``"unused"`` or (with
-        inputs) ``"taps"``.
-        ``print()`` shows it as a table.
+        reason)``: one per module holding trainable parameters and path, in
+        ``named_modules()`` order; ``print()`` shows it as a table.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``inputs`` is not a tensor or
-            a tuple of tensors. Errors of the model's own forward propagate.
+        TypeError: ``model`` is not an ``nn.Module``; ``inputs`` hold no tensor.
+        Errors of the model's own forward propagate.
 
     Example:
         >>> import torch
@@ -102,15 +122,18 @@ def supported(model: nn.Module, inputs: Tensor | tuple | None = None) -> Routes:
         ...     def forward(self, x):
         ...         return x * self.g
         >>> [(r.module, r.path) for r in supported(nn.Sequential(nn.Linear(2, 3), Gain()))]
-        [('0', 'rule'), ('1', 'fallback')]
+        [('0', 'rule'), ('1', 'unknown')]
+        >>> [(r.module, r.path) for r in supported(nn.Sequential(nn.Linear(2, 3), Gain()),
+        ...                                        torch.randn(4, 2))]
+        [('0', 'rule'), ('1', 'rule')]
 
-    Source: the engine of this library (DESIGN.md points 1 to 3).
+    Source: the engine of this library (DESIGN.md points 1 to 3 and 7 to 9).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if inputs is None:
         return Routes(_static_routes(model))
-    return Routes(_traced_routes(model, checks.as_args(inputs)))
+    return Routes(_traced_routes(model, as_batch(inputs)))
 
 
 def _static_routes(model: nn.Module) -> list[Route]:
@@ -122,41 +145,49 @@ def _static_routes(model: nn.Module) -> list[Route]:
     return routes
 
 
-def _traced_routes(model: nn.Module, args: tuple) -> list[Route]:
-    params = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-    with torch.enable_grad(), Capture(hooked_modules(model), set(params), len(args[0])) as cap:
-        model(*args)  # with grad: the taps follow only ops that autograd records
-    merged: dict[tuple[int, str], Route] = {}  # one row per call and path
-    seen: set[int] = set()
-    for job in plan_jobs(model, cap, set(params)):
-        seen.update(id(p) for p in job.params.values())
-        route = _job_route(job)
-        key = (id(job.call), route.path)
-        if key in merged:
-            route = Route(route.module, route.type, merged[key].params + route.params,
-                          route.path, route.reason)
-        merged[key] = route
-    routes = list(merged.values())
-    unused = tuple(name for pid, name in params.items() if pid not in seen)
-    if unused:
-        routes.append(Route("", type(model).__name__, unused, "unused",
-                            "never read in this forward: zero per-sample gradients"))
-    return routes
+def traced_paths(model: nn.Module, batch: Batch) -> dict[int, Path]:
+    """Run the engine on ``batch`` with the sum of the outputs as the loss; the path
+    each trainable parameter took (``id`` -> :class:`Path`)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    reason = checks.mixing_reason_of(model)
+    if reason:
+        return {pid: Path("unsupported", "", reason) for pid in params}
+    if batch.n < 2:
+        return {pid: Path("rule", "", "a batch of one: the ordinary gradient") for pid in params}
+
+    def root(output: Any, cap) -> Tensor:
+        leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad
+                  and t.is_floating_point()]
+        return sum((t.sum() for t in leaves), torch.zeros(()))
+
+    def backward(total: Tensor, edges: list) -> tuple:
+        grads = torch.autograd.grad(total, edges, allow_unused=True)
+        return tuple(None if g is None else g.unsqueeze(0) for g in grads)
+
+    try:
+        cap = capture_backprops(model, batch, root, backward, params, 1)
+        write_per_sample(cap, {pid: p.new_empty((batch.n, 1, *p.shape))
+                               for pid, p in params.items()})
+    except NeedsWholeModel as err:
+        return {pid: Path("vmap", "", str(err)) for pid in params}
+    return {pid: cap.plan.paths.get(pid, Path("unused", "", "never read in this forward: "
+                                             "zero per-sample gradients")) for pid in params}
 
 
-def _job_route(job) -> Route:
-    names = tuple(job.params)
-    if job.taps:
-        return Route(job.call.name, type(job.call.module).__name__, names, "taps",
-                     f"per-sample VJPs of the {len(job.taps)} op(s) that bring it to the batch")
-    if job.rule is not None:
-        return Route(job.call.name, type(job.call.module).__name__, names, "rule",
-                     f"{job.rule.base.__name__} rule")
-    route = _static_route(job.call.name, job.call.module, names)
-    if route.path == "rule":  # a rule exists but this call does not fit it
-        return Route(route.module, route.type, names, "fallback",
-                     "inputs not positional, or parameters used outside the module")
-    return route
+def _traced_routes(model: nn.Module, batch: Batch) -> list[Route]:
+    found = traced_paths(model, batch)
+    merged: dict[tuple[str, str, str], list[str]] = {}
+    kinds: dict[str, str] = {}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            path = found.get(id(p))
+            if path is None:
+                continue
+            reason = path.reason or path.where
+            merged.setdefault((name, path.kind, reason), []).append(pname)
+            kinds[name] = type(module).__name__
+    return [Route(name, kinds[name], tuple(params), kind, reason)
+            for (name, kind, reason), params in merged.items()]
 
 
 @dataclass
@@ -167,6 +198,7 @@ class Verification:
     rel_error: dict[str, float]  # abs_error / max |loop|
     rtol: float  # the tolerance ok was judged by
     samples: int
+    method: str = "rules"  # the path the fast call took ("rules", or why it fell back)
 
     @property
     def ok(self) -> bool:
@@ -185,6 +217,8 @@ class Verification:
                   for n in self.abs_error]
         verdict = "OK" if self.ok else "MISMATCH"
         lines.append(f"{verdict}: {self.samples} samples, rtol {self.rtol:g}")
+        if self.method != "rules":
+            lines.append(f"method: {self.method}")
         return "\n".join(lines)
 
 
@@ -244,10 +278,20 @@ def verify(
 
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive int, got {samples!r}")
-    args = checks.as_args(inputs)
-    k = min(samples, args[0].shape[0])
-    a, t = rows(args, 0, k), rows(targets, 0, k)
-    fast = per_sample_grads(model, a, t, loss_fn, loss_reduction=loss_reduction, method=method)
+    batch = as_batch(inputs)
+    k = min(samples, batch.n)
+    part, t = batch.rows(0, k), rows(targets, 0, k)
+    a = (part.args, part.kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = per_sample_grads(model, a, t, loss_fn, loss_reduction=loss_reduction,
+                                method=method)
+    for w in caught:  # show them as the call would
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    taken = method
+    if method == "auto":
+        fell = [str(w.message) for w in caught if "Falling back to method=" in str(w.message)]
+        taken = "rules" if not fell else ("vmap or loop: " + fell[0])
     slow = loop_per_sample_grads(model, a, t, loss_fn)
     abs_error, rel_error = {}, {}
     for name, want in slow.items():
@@ -256,4 +300,4 @@ def verify(
         abs_error[name] = err
         rel_error[name] = err / scale if scale > 0 else err
     dtype = next(iter(slow.values())).dtype
-    return Verification(abs_error, rel_error, rtol or _DEFAULT_RTOL.get(dtype, 1e-2), k)
+    return Verification(abs_error, rel_error, rtol or _DEFAULT_RTOL.get(dtype, 1e-2), k, taken)

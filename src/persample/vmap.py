@@ -1,7 +1,8 @@
 """``method="vmap"``: ``torch.func.vmap(grad(...))`` over the whole model.
 
 Seed 001's tutorial: ``vmap(grad(compute_loss), in_dims=(None, None, 0, 0))``
-with ``functional_call``; each sample is run as a batch of one.
+with ``functional_call``; each sample is run as a batch of one. Per-sample inputs
+(:class:`persample.inputs.Batch`) are mapped over dim 0, shared ones passed whole.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .fallback import UnsupportedModuleError
+from .inputs import Batch
 
 
 def unsqueeze(x: Any) -> Any:
@@ -37,28 +39,35 @@ def refuse_recurrent(model: nn.Module) -> None:
             )
 
 
-def vmap_per_sample_grads(
-    model: nn.Module,
-    args: tuple,
-    targets: Any,
-    loss_fn: Callable,
-    params: dict[str, nn.Parameter],
-) -> dict[str, Tensor]:
+def _mapped(batch: Batch) -> tuple[list, Any, list, Callable]:
+    """The flat inputs, their spec, their in_dims, and ``call(th, flat_i)``."""
+    flat, spec = tree_flatten((batch.args, batch.kwargs))
+    dims = [0 if k in batch.sample_leaves else None for k in range(len(flat))]
+
+    def call(model: nn.Module, th: dict, flat_i: list) -> Any:
+        leaves = [t.unsqueeze(0) if d is not None else t for t, d in zip(flat_i, dims)]
+        args, kwargs = tree_unflatten(leaves, spec)
+        return functional_call(model, th, tuple(args), kwargs)
+
+    return flat, spec, dims, call
+
+
+def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+                          params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
     """Per-sample gradients ``{name: (B, *param.shape)}`` via ``torch.func``."""
     refuse_recurrent(model)
     theta = {name: p.detach() for name, p in params.items()}
+    flat, _, dims, call = _mapped(batch)
 
-    def sample_loss(th: dict[str, Tensor], args_i: tuple, targets_i: Any) -> Tensor:
-        output = functional_call(model, th, unsqueeze(args_i))
-        return loss_fn(output, unsqueeze(targets_i)).sum()
+    def sample_loss(th: dict[str, Tensor], flat_i: list, targets_i: Any) -> Tensor:
+        return loss_fn(call(model, th, flat_i), unsqueeze(targets_i)).sum()
 
-    return vmap(grad(sample_loss), in_dims=(None, batch_dims(args), batch_dims(targets)))(
-        theta, args, targets)
+    return vmap(grad(sample_loss), in_dims=(None, dims, batch_dims(targets)))(
+        theta, flat, targets)
 
 
-def vmap_param_jacobian(
-    model: nn.Module, args: tuple, params: dict[str, nn.Parameter]
-) -> dict[str, Tensor]:
+def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter]
+                        ) -> dict[str, Tensor]:
     """Per-sample parameter Jacobian ``{name: (B, *out_shape, *param.shape)}``.
 
     Seed 000's answer: ``vmap(jacrev(functional_call))`` over the samples.
@@ -73,8 +82,9 @@ def vmap_param_jacobian(
                 "method='rules' or 'auto', or 'loop'."
             )
     theta = {name: p.detach() for name, p in params.items()}
+    flat, _, dims, call = _mapped(batch)
 
-    def sample_output(th: dict[str, Tensor], args_i: tuple) -> Tensor:
-        return functional_call(model, th, unsqueeze(args_i))[0]  # (*out_shape)
+    def sample_output(th: dict[str, Tensor], flat_i: list) -> Tensor:
+        return call(model, th, flat_i)[0]  # (*out_shape)
 
-    return vmap(jacrev(sample_output), in_dims=(None, batch_dims(args)))(theta, args)
+    return vmap(jacrev(sample_output), in_dims=(None, dims))(theta, flat)

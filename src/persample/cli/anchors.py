@@ -20,6 +20,7 @@ from torch.func import functional_call, jacfwd, jacrev, vmap
 
 from ..api import param_jacobian, per_sample_grads
 from ..reference import loop_param_jacobian, loop_per_sample_grads
+from ..inputs import as_batch
 from ..vmap import vmap_per_sample_grads
 from .workloads import Workload
 
@@ -70,7 +71,7 @@ def grads_case(w: Workload) -> Case:
 
     def torch_func(_: Tensor) -> Tensor:
         params = dict(model.named_parameters())
-        grads = vmap_per_sample_grads(model, (w.inputs,), w.targets, w.loss_fn, params)
+        grads = vmap_per_sample_grads(model, as_batch(w.inputs), w.targets, w.loss_fn, params)
         return flat(list(grads.values()))
 
     return Case(w, "plain backward", plain, (n, num_params(model)), "loop", lambda: loop(None), [

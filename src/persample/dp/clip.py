@@ -22,9 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks
-from ..capture import output_tensors
-from ..engine import Captured, loss_backprops
-from ..layout import output_layouts
+from ..batch import Batched
+from ..engine import Captured, edge_key, loss_backprops
 from ..norms import squared_norms
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
@@ -33,7 +32,7 @@ STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
 @checks.keeps_buffers
 def private_grad(
     model: nn.Module,
-    inputs: Tensor | tuple[Tensor, ...],
+    inputs: Any,
     targets: Any,
     loss_fn: Callable[[Any, Any], Tensor],
     *,
@@ -93,13 +92,14 @@ def private_grad(
         torch.Size([16])
     """
     _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
-    args, n, params = checks.validate_call(model, inputs, targets, "rules", loss_reduction, None)
+    batch, n, params = checks.validate_call(model, inputs, targets, "rules", loss_reduction,
+                                           None)
     if n == 0 and expected_batch_size is None:
         raise ValueError(
             "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
             "(q * N) so that the noise is scaled as for every other step"
         )
-    clipped, norms = _clipped_sum(model, args, targets, loss_fn, loss_reduction, params,
+    clipped, norms = _clipped_sum(model, batch, targets, loss_fn, loss_reduction, params,
                                   max_grad_norm, per_layer)
     divisor = expected_batch_size or n
     for p in params.values():
@@ -108,22 +108,22 @@ def private_grad(
     return norms
 
 
-def _clipped_sum(model, args, targets, loss_fn, loss_reduction, params, max_grad_norm,
+def _clipped_sum(model, batch, targets, loss_fn, loss_reduction, params, max_grad_norm,
                  per_layer) -> tuple[dict[int, Tensor], Tensor]:
     """``{id(p): sum_i c_i g_i}`` and the ``(n,)`` norms, from one forward and backward."""
-    n = args[0].shape[0]
+    n = batch.n
     if n == 0:
         norms = next(iter(params.values())).new_zeros(0)
         return {id(p): torch.zeros_like(p) for p in params.values()}, norms
-    wanted = {id(p) for p in params.values()}
-    cap = loss_backprops(model, args, targets, loss_fn, loss_reduction, wanted,
+    watched = {id(p): p for p in params.values()}
+    cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction, watched,
                          retain_graph=True)
-    sq, mats = squared_norms(cap, params)
+    sq, mats, ghosted = squared_norms(cap, params)
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
     _check_finite(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
     clipped = {pid: torch.tensordot(factors[pid], m[:, 0], dims=1) for pid, m in mats.items()}
-    _book_keeping(cap, factors, clipped)
+    _book_keeping(cap, ghosted, factors, clipped)
     for p in params.values():
         clipped.setdefault(id(p), torch.zeros_like(p))
     return clipped, norms
@@ -138,26 +138,26 @@ def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tens
             for p in params.values()}
 
 
-def _book_keeping(cap: Captured, factors: dict[int, Tensor], clipped: dict[int, Tensor]):
-    """Clipped sums of the ghost-normed parameters: one local backward per call.
+def _book_keeping(cap: Captured, ghosted: set, factors: dict[int, Tensor],
+                  clipped: dict[int, Tensor]) -> None:
+    """Clipped sums of the ghost-normed parameters: one local backward per op.
 
-    ``d/dW <c * G, out>`` over the call's own graph is ``sum_i c_i g_i`` for its
+    ``d/dW <c * G, out>`` from the op's own node is ``sum_i c_i g_i`` for its
     parameters: the ordinary weight gradient with scaled backprops.
     """
-    for job, backprops in zip(cap.jobs, cap.backprops):
-        ghost = [p for p in job.params.values() if id(p) not in clipped]
-        groups: dict[int, list[nn.Parameter]] = {}  # same factors -> one backward
-        for p in ghost:
+    for op in ghosted:
+        params = [op.leaves[k] for k in op.sources if id(op.leaves[k]) not in clipped]
+        groups: dict[int, list] = {}  # same factors -> one backward
+        for p in params:
             groups.setdefault(id(factors[id(p)]), []).append(p)
-        outs = output_tensors(job.call)
-        layouts = output_layouts(job.call, cap.n)
+        (edge,), (lay,) = op.edges, op.out_layouts
+        g = cap.grads.get(edge_key(edge))
         for group in groups.values():
             c = factors[id(group[0])]
-            scaled = [lay.back(g[:, 0] * c.view(-1, *[1] * (g.dim() - 2)))
-                      for g, lay in zip(backprops, layouts)]
-            grads = torch.autograd.grad(outs, group, scaled, retain_graph=True)
-            for p, g in zip(group, grads):
-                clipped[id(p)] = g
+            scaled = g[0] * lay.scale(c, g[0]) if isinstance(lay, Batched) else g[0]
+            grads = torch.autograd.grad([edge], group, [scaled], retain_graph=True)
+            for p, got in zip(group, grads):
+                clipped[id(p)] = got
 
 
 def _check_finite(norms: Tensor) -> None:

@@ -1,34 +1,134 @@
-"""Layer rules: per-sample parameter gradients from captured activations and backprops.
+"""Rules: per-sample parameter gradients from captured activations and backprops.
 
-A rule is a plain function, one file per layer family, registered for its
-module types with :func:`register_rule`::
+**Op rules** (DESIGN.md point 8) are keyed by the op a parameter enters, whatever
+module class wraps it: ``F.linear``, ``torch.addmm`` (GPT-2's ``Conv1D``),
+``matmul``, the convolutions, ``F.embedding``, the norms, an elementwise scale or
+shift, ``torch.cat``. One file per family, each registered with
+:func:`register_op_rule`::
 
-    @register_rule(nn.Linear)
-    def linear(layer, activations, backprops, out): ...
+    @register_op_rule(F.linear)
+    def linear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None: ...
 
-- ``layer``: the module that was called.
-- ``activations``: the positional inputs of that call, as captured.
-- ``backprops``: ``(n, v, *out_shape)``, the ``v`` cotangents of each sample
-  pulled back to the call's output: ``v = 1`` for per-sample gradients (the
-  gradient of sample ``i``'s own loss), ``v = Y`` one-hot output directions
-  for a per-sample parameter Jacobian. One rule serves both.
-- ``out``: ``{param_name: (n, v, *param.shape)}`` for the layer's own parameters
-  that need a per-sample result. The rule overwrites every tensor in it; the
-  tensors may be non-contiguous views of a flat ``(n, P)`` or ``(n, Y, P)``
-  buffer, so rules write with ``out=`` / ``copy_`` instead of returning tensors.
+- ``call``: the op as it ran (:class:`OpCall`); ``call.front(t)`` gives an input
+  with the samples in front, ``(n, *per_sample)``, ``per_sample`` the shape that
+  input would have if the op ran on that sample alone (the batch dim of size 1, or
+  the positions merged with it); an input shared by all samples comes back as it is.
+- ``g``: ``(n, v, *per_sample_out)``, the ``v`` cotangents of each sample pulled
+  back to the op's output: ``v = 1`` for per-sample gradients, ``v = Y`` one-hot
+  output directions for a per-sample parameter Jacobian.
+- ``out``: ``{id(t): (n, v, *shape)}`` for the op's inputs ``t`` that are
+  parameters or computed from them; ``shape`` is ``t.shape``, or, for an input the
+  op pairs with the samples (``call.front(t)`` is not ``t``), its per-sample shape.
+  The rule overwrites each tensor in it (views of a larger buffer: write with
+  ``out=`` / ``copy_``), or returns a reason it cannot, and the engine then
+  takes the exact per-sample vector-Jacobian product of the op instead.
 
-A rule applies to a module whose type is (a subclass of) the registered type
-and whose ``forward`` is the registered type's own, so a subclass with its own
-forward goes to the per-module fallback instead. ``unsupported(layer)`` may
-return a reason to send a particular configuration to the fallback too.
+**Module rules** are for layers whose own kernel keeps what a rule needs to itself
+(``nn.LSTM``): :func:`register_rule` (the public way to add a rule for a custom
+module). A module rule *claims* the ops reading its own parameters inside its calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
+
+from ..batch import Batched, front
+
+
+class OpCall:
+    """One recorded op (:class:`persample.capture.Op`) as a rule sees it.
+
+    ``args``/``kwargs`` as the op received them; ``arg(i, name, default)`` reads one
+    by position or keyword; ``front(t)`` brings the samples of input ``t`` to the
+    front; ``shared(t)`` tells whether ``t`` is the same for every sample; ``n``
+    is the batch size.
+    """
+
+    def __init__(self, op: Any, n: int):
+        self.op, self.n = op, n
+        self.func, self.args, self.kwargs = op.func, op.args, op.kwargs
+        self._pos = {}
+        for k, t in enumerate(op.leaves):
+            self._pos.setdefault(id(t), k)
+
+    def arg(self, i: int, name: str | None = None, default: Any = None) -> Any:
+        if name is not None and name in self.kwargs:
+            return self.kwargs[name]
+        return self.args[i] if i < len(self.args) else default
+
+    def _k(self, t: Tensor) -> int:
+        return self._pos[id(t)]
+
+    def align(self, t: Tensor) -> Batched | None:
+        return self.op.align(self._k(t))
+
+    def shared(self, t: Tensor) -> bool:
+        return self.align(t) is None
+
+    def front(self, t: Tensor) -> Tensor:
+        """``(n, *per_sample)`` for an input carrying samples; a shared input as it is.
+        The value the op read (the saved one if the op overwrote it in place)."""
+        if not isinstance(t, Tensor):
+            return t
+        k = self._k(t)
+        value = self.op.value(k).detach()
+        lay = self.op.align(k)
+        return value if lay is None else front(value, lay, self.n)
+
+    def where(self) -> str:
+        return self.op.where()
+
+
+OpRuleFn = Callable[[OpCall, Tensor, dict[int, Tensor]], "str | None"]
+_OP_RULES: dict[Any, OpRuleFn] = {}
+
+# Norm rules by op: ``norm(call, g (n, 1, *out), wanted: set[int]) -> {id(t): (n,)}``
+# squared per-sample gradient norms without the gradients, or ``None`` when
+# materialising them is cheaper.
+OpNormFn = Callable[[OpCall, Tensor, set[int]], "dict[int, Tensor] | None"]
+_OP_NORMS: dict[Any, OpNormFn] = {}
+
+
+def register_op_rule(*funcs: Any) -> Callable[[OpRuleFn], OpRuleFn]:
+    """Register the decorated function as the per-sample rule of the ops ``funcs``
+    (function objects as the ``TorchFunctionMode`` sees them: ``F.linear``,
+    ``torch.Tensor.mul``, ...). See the module docstring for the signature."""
+
+    def decorate(fn: OpRuleFn) -> OpRuleFn:
+        for f in funcs:
+            if f is not None:
+                _OP_RULES[f] = fn
+        return fn
+
+    return decorate
+
+
+def register_op_norm(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:
+    """Register a squared-norm rule ("ghost norm") for ops that have an op rule."""
+
+    def decorate(fn: OpNormFn) -> OpNormFn:
+        for f in funcs:
+            if f is not None:
+                _OP_NORMS[f] = fn
+        return fn
+
+    return decorate
+
+
+def find_op_rule(func: Any) -> OpRuleFn | None:
+    return _OP_RULES.get(func)
+
+
+def find_op_norm(func: Any) -> OpNormFn | None:
+    return _OP_NORMS.get(func)
+
+
+# ---------------------------------------------------------------------------
+# module rules
 
 RuleFn = Callable[[nn.Module, tuple, Tensor, dict[str, Tensor]], None]
 
@@ -39,15 +139,12 @@ class Rule:
     base: type[nn.Module]
     unsupported: Callable[[nn.Module], str | None]
     multi_output: bool = False  # backprops: a list, one per output tensor
-    nested: bool = False  # also writes parameters of submodules read inside the call
-    capture: Callable | None = None  # capture(call, func, args, kwargs): see register_rule
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
 
-# Norm rules: ``norm(layer, activations, backprops (n, 1, *out), names) ->
-# {name: (n,) squared norm of each sample's gradient}``, or ``None`` when
-# materialising the per-sample gradients is cheaper (the engine then does so).
+# Norm rules of module rules: ``norm(layer, activations, backprops (n, 1, *out), names) ->
+# {name: (n,)}`` squared norms, or ``None`` to materialise instead.
 NormFn = Callable[[nn.Module, tuple, Tensor, set[str]], dict[str, Tensor] | None]
 _NORM_RULES: dict[type[nn.Module], NormFn] = {}
 
@@ -56,33 +153,30 @@ def _always(_: nn.Module) -> str | None:
     return None
 
 
-def register_rule(*types: type[nn.Module], unsupported=_always, multi_output: bool = False,
-                  nested: bool = False, capture: Callable | None = None
+def register_rule(*types: type[nn.Module], unsupported=_always, multi_output: bool = False
                   ) -> Callable[[RuleFn], RuleFn]:
     """Register the decorated function as the per-sample rule for the module ``types``.
+
+    Most layers need none: the ops they are built from (``F.linear``, convolutions,
+    norms, an elementwise scale, ...) have rules whatever the module class. A module
+    rule is for a layer whose per-sample gradient is better computed as a whole; it
+    takes over every op reading the module's own parameters inside its call.
 
     Args:
         types: module classes the rule serves (subclasses too, unless they
             override ``forward``).
-        unsupported: ``unsupported(layer) -> str | None``; a returned reason sends
-            that configuration to the per-module ``torch.func`` fallback instead.
+        unsupported: ``unsupported(layer) -> str | None``; a returned reason leaves
+            that configuration to the op rules (or the exact fallback).
         multi_output: the module returns several tensors (``nn.LSTM``); the rule
             then gets a list of backprops, one ``(n, v, *out)`` per output tensor
             that requires grad, in ``tree_leaves`` order.
-        nested: parameters of submodules that are read inside the call without
-            being called (``out_proj`` of ``nn.MultiheadAttention``) are given to the
-            rule too, in ``out`` under their names relative to the module.
-        capture: ``capture(call, func, args, kwargs)``, called for each op run
-            directly inside a call of the module during the captured forward;
-            it may compute the op itself, keep intermediate tensors whose
-            backprops it wants in ``call.extras`` (and any values in
-            ``call.saved``), and return the op's output (``None``: run the op as
-            usual). The rule then gets the extras' backprops appended to
-            ``backprops``, and ``extras=``, ``saved=``.
 
     Returns:
-        A decorator that registers ``fn(layer, activations, backprops, out)`` (see
-        the module docstring for the shapes) and returns it unchanged.
+        A decorator registering ``fn(layer, activations, backprops, out)``:
+        ``activations`` the call's positional inputs with the samples in dim 0 (a
+        sequence-first ``(T, B, F)`` input comes as ``(B, T, F)``), ``backprops``
+        ``(n, v, *out)`` likewise, ``out`` ``{param_name: (n, v, *param.shape)}`` to
+        overwrite for the module's own parameters. It returns ``fn`` unchanged.
 
     Raises:
         Nothing at registration; a rule raising later propagates to the caller.
@@ -109,23 +203,23 @@ def register_rule(*types: type[nn.Module], unsupported=_always, multi_output: bo
 
     def decorate(fn: RuleFn) -> RuleFn:
         for cls in types:
-            _RULES[cls] = Rule(fn, cls, unsupported, multi_output, nested, capture)
+            _RULES[cls] = Rule(fn, cls, unsupported, multi_output)
         return fn
 
     return decorate
 
 
 def register_norm_rule(*types: type[nn.Module]) -> Callable[[NormFn], NormFn]:
-    """Register a per-sample squared-norm rule ("ghost norm") for ``types``.
+    """Register a per-sample squared-norm rule ("ghost norm") for module ``types``.
 
     Args:
-        types: module classes that already have a gradient rule.
+        types: module classes that already have a module rule.
 
     Returns:
         A decorator registering ``norm(layer, activations, backprops, names)``, which
         returns ``{name: (n,)}`` squared per-sample gradient norms for the
         parameter names in ``names``, or ``None`` to have the engine materialise the
-        per-sample gradients with the gradient rule instead.
+        per-sample gradients with the module rule instead.
 
     Raises:
         Nothing at registration; a norm rule raising later propagates.
@@ -165,7 +259,7 @@ def find_norm_rule(rule: Rule | None) -> NormFn | None:
 
 
 def find_rule(module: nn.Module) -> tuple[Rule | None, str]:
-    """The rule for ``module``, or ``None`` and the reason there is none."""
+    """The module rule for ``module``, or ``None`` and the reason there is none."""
     for cls in type(module).__mro__:
         rule = _RULES.get(cls)
         if rule is None:
@@ -174,15 +268,20 @@ def find_rule(module: nn.Module) -> tuple[Rule | None, str]:
             return None, f"{type(module).__name__} overrides {cls.__name__}.forward"
         reason = rule.unsupported(module)
         return (None, reason) if reason else (rule, "")
-    return None, f"no rule for {type(module).__name__}"
+    return None, f"no module rule for {type(module).__name__}"
+
+
+def module_rule(module: nn.Module) -> Rule | None:
+    """The module rule that applies to ``module`` (for the capture), or ``None``."""
+    return find_rule(module)[0] if _RULES else None
 
 
 # Importing the rule files registers them.
 from . import (  # noqa: E402,F401
     activation,
     attention,
-    bilinear,
     conv,
+    elementwise,
     embedding,
     linear,
     norm,

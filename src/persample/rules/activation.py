@@ -1,38 +1,39 @@
-"""Per-sample gradients of ``nn.PReLU``.
+"""Per-sample gradients of ``F.prelu``.
 
 Index conventions: ``n`` sample, ``v`` cotangent, ``c`` channel (dim 1 of the
-input), ``s`` all positions after the channel.
+op's input), ``s`` the other positions of a sample.
 
-``y = max(0, x) + w * min(0, x)`` with one slope per channel (``w`` of shape
-``(c,)``, channel dim 1) or one shared slope (``w`` of shape ``(1,)``), so
-``grad_w[n, v, c] = sum_s g[n, v, c, s] * min(0, x[n, c, s])``, summed over the
-channels too when the slope is shared.
+``y = max(0, x) + w * min(0, x)`` with one slope per channel (``w (c,)``) or one
+shared slope (``w (1,)``): ``grad_w[n, v, c] = sum_s g[n, v, c, s] * min(0, x[n, c, s])``,
+summed over the channels too when the slope is shared.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+import torch.nn.functional as F
+from torch import Tensor
 
-from . import register_rule
+from . import OpCall, register_op_rule
 
 
-@register_rule(nn.PReLU)
-def prelu(layer: nn.PReLU, activations: tuple, backprops: Tensor, out: dict):
-    """``out["weight"] (n, v, c)`` (or ``(n, v, 1)``) ``= sum g * min(0, x)`` per slope."""
-    if "weight" not in out:
-        return
-    x = activations[0]  # (n, c, *s), or (n,) with a shared slope
-    g = backprops  # (n, v, c, *s)
-    if layer.num_parameters > 1 and x.dim() < 2:
-        raise ValueError(
-            f"PReLU with {layer.num_parameters} slopes got an input of shape {tuple(x.shape)}; "
-            "per-sample gradients need a batched input (n, c, *s)"
-        )
+@register_op_rule(F.prelu, torch.prelu)
+def prelu(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """``out[w] (n, v, c)`` (or ``(n, v, 1)``) ``= sum g * min(0, x)`` per slope."""
+    x, w = call.arg(0, "input"), call.arg(1, "weight")
+    if id(w) not in out:
+        return None
+    if call.shared(x) or id(x) in out:
+        return "a shared input, or the input is a parameter"
+    xf = call.front(x)  # (n, *per_sample): the op's batch dim, channels at 1
     n, v = g.shape[:2]
-    part = g * x.clamp(max=0).unsqueeze(1)  # (n, v, c, *s)
-    dst = out["weight"]  # (n, v, c) or (n, v, 1)
-    if layer.num_parameters > 1:
-        torch.sum(part.reshape(n, v, layer.num_parameters, -1), dim=3, out=dst)
+    part = g * xf.clamp(max=0).unsqueeze(1)  # (n, v, *per_sample)
+    dst = out[id(w)]
+    if w.numel() == 1:
+        torch.sum(part.reshape(n, v, -1), dim=2, keepdim=True, out=dst.view(n, v, 1))
+    elif part.dim() < 4:
+        return "per-channel slopes on an input without channels"
     else:
-        torch.sum(part.reshape(n, v, -1), dim=2, keepdim=True, out=dst)
+        channels = part.movedim(3, 2).reshape(n, v, w.numel(), -1)
+        torch.sum(channels, dim=3, out=dst)
+    return None

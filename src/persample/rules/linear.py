@@ -1,21 +1,25 @@
-"""Per-sample gradients of ``nn.Linear``.
+"""Per-sample gradients of linear maps: ``F.linear``, ``torch.addmm`` (GPT-2's
+``Conv1D``), ``matmul``/``mm``/``@`` with a parameter operand, ``F.bilinear``.
 
 Index conventions: ``n`` sample, ``v`` cotangent (1 for a loss gradient; the
 output index for a parameter Jacobian), ``t`` position inside a sample (all dims
-between the batch and the features, flattened; ``T = 1`` for an ``(n, i)``
-input), ``i`` input feature, ``o`` output feature.
+of the per-sample input but the features, flattened: a sequence, the rows of a
+``(B*T, E)`` reshape that belong to one sample, windows), ``i`` input feature,
+``o`` output feature.
 
 Goodfellow (2015), "Efficient per-example gradient computations"; seed 004:
 ``grad_W[n, v] = sum_t g[n, v, t, :] outer a[n, t, :]`` and
-``grad_b[n, v] = sum_t g[n, v, t, :]``.
+``grad_b[n, v] = sum_t g[n, v, t, :]``. An activation shared by all samples (a
+derived parameter's input) broadcasts: ``grad_W[n, v] = g[n, v]^T a``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+import torch.nn.functional as F
+from torch import Tensor
 
-from . import register_norm_rule, register_rule
+from . import OpCall, register_op_norm, register_op_rule
 
 # Measured on a 2-core x86 CPU (persample bench): an elementwise outer product
 # writes at fill_ speed when each (sample, cotangent) block starts on a 64-byte
@@ -39,11 +43,12 @@ def outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
 
 
 def sum_outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
-    """``dst[n, v] = sum_t outer(g[n, v, t], a[n, t])``; ``g (n, v, t, o)``, ``a (n, t, i)``,
-    ``dst (n, v, o, i)`` (a view of the result is fine). The per-sample weight gradient
-    of any linear map applied at ``t`` positions (Linear on sequences, the gates of a
-    recurrent layer, attention's projections)."""
-    if a.shape[1] == 1:
+    """``dst[n, v] = sum_t outer(g[n, v, t], a[n, t])``; ``g (n, v, t, o)``, ``a (n, t, i)``
+    or shared ``(t, i)``, ``dst (n, v, o, i)`` (a view of the result is fine). The
+    per-sample weight gradient of any linear map applied at ``t`` positions."""
+    if a.dim() == 2:  # shared by all samples
+        torch.matmul(g.transpose(2, 3), a, out=dst)  # (n, v, o, t) @ (t, i)
+    elif a.shape[1] == 1:
         outer_into(g[:, :, 0], a[:, 0], dst)
     elif g.shape[1] == 1:
         torch.bmm(g[:, 0].transpose(1, 2), a, out=dst[:, 0])  # (n, o, t) @ (n, t, i)
@@ -51,19 +56,34 @@ def sum_outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
         torch.matmul(g.transpose(2, 3), a.unsqueeze(1), out=dst)  # (n, v, o, i)
 
 
-@register_rule(nn.Linear)
-def linear(layer: nn.Linear, activations: tuple, backprops: Tensor, out: dict[str, Tensor]):
-    n, v = backprops.shape[:2]
-    a = activations[0].reshape(n, -1, layer.in_features)  # (n, t, i)
-    g = backprops.reshape(n, v, -1, layer.out_features)  # (n, v, t, o)
-    if "weight" in out:
-        sum_outer_into(g, a, out["weight"])  # (n, v, o, i)
-    if "bias" in out:
-        torch.sum(g, dim=2, out=out["bias"])  # (n, v, o)
+def rows(call: OpCall, x: Tensor, features: int) -> Tensor:
+    """An input as ``(n, t, features)``, or ``(t, features)`` when shared."""
+    a = call.front(x)
+    return a.reshape(-1, features) if call.shared(x) else a.reshape(a.shape[0], -1, features)
 
 
-@register_norm_rule(nn.Linear)
-def linear_norm(layer: nn.Linear, activations: tuple, backprops: Tensor, names: set[str]):
+@register_op_rule(F.linear, torch._C._nn.linear)
+def linear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+    """``y = x W^T + b``: ``W (o, i)`` gets ``sum_t g^T x``, ``b (o,)`` gets ``sum_t g``."""
+    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    if not call.shared(w) or (b is not None and not call.shared(b)):
+        return "a weight paired with the samples"
+    n, v = g.shape[:2]
+    o, i = w.shape if w.dim() == 2 else (1, w.shape[0])
+    gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
+    if id(w) in out:
+        if w.dim() != 2:
+            return "a 1-d weight"
+        sum_outer_into(gt, rows(call, x, i), out[id(w)])  # (n, v, o, i)
+    if b is not None and id(b) in out:
+        if b.dim() != 1:
+            return "a bias that is not a vector"
+        torch.sum(gt, dim=2, out=out[id(b)])  # (n, v, o)
+    return None
+
+
+@register_op_norm(F.linear, torch._C._nn.linear)
+def linear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
     """Squared per-sample gradient norms without the gradients ("ghost norm").
 
     ``T = 1``: ``|grad_W[n]|^2 = |a_n|^2 |g_n|^2``. ``T > 1``:
@@ -71,20 +91,152 @@ def linear_norm(layer: nn.Linear, activations: tuple, backprops: Tensor, names: 
     for materialising; the cheaper one is taken (Goodfellow 2015; Lee & Kifer 2021;
     Li et al. 2022).
     """
-    n = backprops.shape[0]
-    a = activations[0].reshape(n, -1, layer.in_features)  # (n, t, i)
-    g = backprops.reshape(n, -1, layer.out_features)  # (n, t, o)
-    t = a.shape[1]
+    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    if call.shared(x) or w.dim() != 2:
+        return None
+    o, i = w.shape
+    a = rows(call, x, i)  # (n, t, i)
+    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
-    if "weight" in names:
+    if id(w) in wanted:
+        found[id(w)] = ghost_norm(a, gt)
+        if found[id(w)] is None:
+            return None
+    if b is not None and id(b) in wanted:
+        found[id(b)] = gt.sum(1).square().sum(1)  # (n,)
+    return found
+
+
+def ghost_norm(a: Tensor, g: Tensor) -> Tensor | None:
+    """``|sum_t g_t outer a_t|^2`` per sample for ``a (n, t, i)``, ``g (n, t, o)``, or
+    ``None`` when materialising is cheaper."""
+    t, i, o = a.shape[1], a.shape[2], g.shape[2]
+    if t == 1:
+        return a.square().sum((1, 2)) * g.square().sum((1, 2))
+    if t * (i + o) <= i * o:
+        gram_a = torch.bmm(a, a.transpose(1, 2))  # (n, t, t)
+        gram_g = torch.bmm(g, g.transpose(1, 2))  # (n, t, t)
+        return (gram_a * gram_g).sum((1, 2))
+    return None
+
+
+@register_op_rule(torch.addmm, torch.Tensor.addmm)
+def addmm(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+    """``y = beta * b + alpha * x @ W`` (GPT-2's ``Conv1D``: ``W (i, o)``, rows of
+    ``(B*T, i)``): ``W`` gets ``alpha * sum_t x^T g``, ``b`` ``beta * sum_t g``."""
+    b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
+    beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
+    if any(id(t) in out and not call.shared(t) for t in (b, w)) or id(x) in out:
+        return "the first matrix or a paired operand is a parameter"
+    n, v = g.shape[:2]
+    i, o = w.shape
+    gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
+    if id(w) in out:
+        dst = out[id(w)].transpose(2, 3)  # (n, v, o, i) view of (n, v, i, o)
+        sum_outer_into(gt if alpha == 1 else gt * alpha, rows(call, x, i), dst)
+    if id(b) in out:
+        if b.dim() == 1:
+            torch.sum(gt, dim=2, out=out[id(b)])
+            if beta != 1:
+                out[id(b)].mul_(beta)
+        else:
+            return "a bias with rows"
+    return None
+
+
+@register_op_norm(torch.addmm, torch.Tensor.addmm)
+def addmm_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+    b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
+    beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
+    if call.shared(x) or b.dim() != 1:
+        return None
+    i, o = w.shape
+    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
+    found = {}
+    if id(w) in wanted:
+        norm = ghost_norm(rows(call, x, i), gt)
+        if norm is None:
+            return None
+        found[id(w)] = norm * alpha**2
+    if id(b) in wanted:
+        found[id(b)] = gt.sum(1).square().sum(1) * beta**2
+    return found
+
+
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm,
+            torch.Tensor.__matmul__, torch.Tensor.__rmatmul__)
+
+
+@register_op_rule(*_MATMULS)
+def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+    """``y = A @ B`` with one operand a (shared) matrix parameter: ``x @ W`` gives
+    ``W`` ``sum_t x^T g``; ``W @ x`` gives ``W`` ``sum g x^T`` over the other dims."""
+    a, b = (call.args[1], call.args[0]) if call.func is torch.Tensor.__rmatmul__ else (
+        call.arg(0, "input"), call.arg(1, "other", call.arg(1, "mat2")))
+    n, v = g.shape[:2]
+    if id(b) in out and id(a) not in out and call.shared(b) and b.dim() == 2:
+        k, p = b.shape
+        gt = g.reshape(n, v, -1, p)  # (n, v, t, p)
+        sum_outer_into(gt, rows(call, a, k), out[id(b)].transpose(2, 3))  # (n, v, p, k)
+        return None
+    if id(a) in out and id(b) not in out and call.shared(a) and a.dim() == 2 and b.dim() >= 2:
+        m, k = a.shape
+        bx = call.front(b)  # (n, *lead, k, p) or shared (*lead, k, p)
+        # grad A = sum over lead and columns of g (m, p) x^T (p, k)
+        gm = g.reshape(n, v, -1, m, g.shape[-1]).transpose(3, 4).reshape(n, v, -1, m)
+        xs = bx.transpose(-1, -2).reshape(-1, k) if call.shared(b) else (
+            bx.transpose(-1, -2).reshape(n, -1, k))  # (n, t, k) with t = lead * p
+        sum_outer_into(gm, xs, out[id(a)])  # (n, v, m, k)
+        return None
+    return "not a matrix parameter times per-sample data"
+
+
+@register_op_rule(F.bilinear, torch.bilinear)
+def bilinear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+    """``y[t, o] = sum_ij x1[t, i] W[o, i, j] x2[t, j] + b[o]``: a linear map of the
+    outer products ``z[t] = x1[t] outer x2[t]``."""
+    x1, x2, w, b = (call.arg(0, "input1"), call.arg(1, "input2"), call.arg(2, "weight"),
+                    call.arg(3, "bias"))
+    if id(x1) in out or id(x2) in out:
+        return "an input that is a parameter"
+    n, v = g.shape[:2]
+    o, i, j = w.shape
+    gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
+    if id(w) in out:
+        z = (rows(call, x1, i).unsqueeze(-1) * rows(call, x2, j).unsqueeze(-2)).flatten(-2)
+        dst = out[id(w)]
+        flat = dst.view(n, v, o, i * j) if dst.is_contiguous() else dst.new_empty(n, v, o, i * j)
+        sum_outer_into(gt, z, flat)
+        if flat.data_ptr() != dst.data_ptr():
+            dst.copy_(flat.view(dst.shape))
+    if b is not None and id(b) in out:
+        torch.sum(gt, dim=2, out=out[id(b)])
+    return None
+
+
+@register_op_norm(F.bilinear, torch.bilinear)
+def bilinear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+    """``|grad_W[n]|^2 = |g|^2 |x1|^2 |x2|^2`` for ``T = 1``, ``sum_{t,s} (g_t . g_s)
+    (x1_t . x1_s)(x2_t . x2_s)`` when ``T^2 (o + i + j)`` is below ``T o i j``."""
+    x1, x2, w, b = (call.arg(0, "input1"), call.arg(1, "input2"), call.arg(2, "weight"),
+                    call.arg(3, "bias"))
+    if call.shared(x1) or call.shared(x2):
+        return None
+    n = g.shape[0]
+    o, i, j = w.shape
+    gt = g.reshape(n, -1, o)  # (n, t, o)
+    found = {}
+    if id(w) in wanted:
+        a1, a2 = rows(call, x1, i), rows(call, x2, j)
+        t = gt.shape[1]
         if t == 1:
-            found["weight"] = a.square().sum((1, 2)) * g.square().sum((1, 2))
-        elif t * (layer.in_features + layer.out_features) <= layer.in_features * layer.out_features:
-            gram_a = torch.bmm(a, a.transpose(1, 2))  # (n, t, t)
-            gram_g = torch.bmm(g, g.transpose(1, 2))  # (n, t, t)
-            found["weight"] = (gram_a * gram_g).sum((1, 2))
+            found[id(w)] = (gt.square().sum((1, 2)) * a1.square().sum((1, 2))
+                            * a2.square().sum((1, 2)))
+        elif t * (o + i + j) <= o * i * j:
+            grams = [torch.bmm(a, a.transpose(1, 2)) for a in (gt, a1, a2)]  # 3 x (n, t, t)
+            found[id(w)] = (grams[0] * grams[1] * grams[2]).sum((1, 2))
         else:
             return None
-    if "bias" in names:
-        found["bias"] = g.sum(1).square().sum(1)  # (n,)
+    if b is not None and id(b) in wanted:
+        found[id(b)] = gt.sum(1).square().sum(1)
     return found

@@ -1,18 +1,22 @@
-"""Per-sample gradients of the normalisation layers.
+"""Per-sample gradients of the normalisations: ``F.layer_norm``, ``F.group_norm``,
+``F.rms_norm``, ``F.instance_norm`` and ``F.batch_norm`` in eval mode (running
+statistics; in training mode BatchNorm mixes samples), whatever module calls them
+(timm's ``LayerNorm2d``, torchvision's ``LayerNorm2d`` and ``Permute`` +
+``LayerNorm``, ``BatchNormAct2d``).
 
-``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.InstanceNorm1d/2d/3d``
-and ``nn.BatchNorm1d/2d/3d`` in eval mode (running statistics; in training mode
-BatchNorm mixes samples and is refused before any rule runs).
+Index conventions: ``n`` sample, ``v`` cotangent, ``a`` rows of one sample in the
+op's own batch dim (1, or windows merged with it), ``c`` channel (GroupNorm,
+InstanceNorm, BatchNorm) or normalised feature (LayerNorm, RMSNorm), ``s`` the
+other positions.
 
-Index conventions: ``n`` sample, ``v`` cotangent, ``c`` channel (GroupNorm,
-InstanceNorm, BatchNorm) or normalised feature (LayerNorm, RMSNorm), ``s`` all
-other positions inside a sample.
-
-All these layers compute ``y = xhat * weight (+ bias)`` with ``xhat`` normalised
+All these ops compute ``y = xhat * weight (+ bias)`` with ``xhat`` normalised
 per sample (or with fixed running statistics), so
 ``grad_weight[n, v] = sum_s g[n, v, s] * xhat[n, s]`` and
 ``grad_bias[n, v] = sum_s g[n, v, s]``. ``xhat`` is recomputed from the captured
-input with the functional form of the layer without its affine parameters.
+input by the same op without its affine parameters.
+
+RMSNorm classes written by hand (Llama's, T5's ``weight * hidden``) are an
+elementwise scale of a per-sample tensor: ``elementwise.py``.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from . import register_rule
+from . import OpCall, register_op_rule
 
 
 def _reduce_into(x: Tensor, dims: tuple[int, ...], dst: Tensor) -> None:
@@ -31,108 +35,103 @@ def _reduce_into(x: Tensor, dims: tuple[int, ...], dst: Tensor) -> None:
     if dims:
         torch.sum(x, dim=dims, out=dst)
     else:
-        dst.copy_(x)
+        dst.copy_(x.reshape(dst.shape))
 
 
-def _affine_into(normalised: Callable[[], Tensor], g: Tensor, dims: tuple[int, ...],
-                 out: dict) -> None:
-    """``out["weight"] = sum_dims g * xhat``, ``out["bias"] = sum_dims g``.
-
-    ``normalised()`` gives ``xhat (n, *x)``, the normalised input (only called when
-    the weight is wanted); ``g (n, v, *x)`` the backprops; ``dims`` index ``g``'s
-    dims that are summed (the positions sharing one parameter).
-    """
-    if "weight" in out:
-        _reduce_into(g * normalised().unsqueeze(1), dims, out["weight"])
-    if "bias" in out:
-        _reduce_into(g, dims, out["bias"])
-
-
-def _channels_first(layer: nn.Module, x: Tensor, spatial: int | tuple[int, ...]) -> None:
-    """Raise unless ``x`` is ``(n, c, *s)`` with ``len(s)`` in ``spatial``."""
-    allowed = (spatial,) if isinstance(spatial, int) else spatial
-    if x.dim() - 2 not in allowed:
-        raise ValueError(
-            f"{type(layer).__name__} got an input of shape {tuple(x.shape)}; per-sample "
-            f"gradients need a batched input (n, c, *s) with {' or '.join(map(str, allowed))} "
-            "spatial dims"
-        )
+def _affine_into(call: OpCall, normalised: Callable[[], Tensor], g: Tensor, w, b,
+                 dims: tuple[int, ...], out: dict) -> str | None:
+    """``out[w] = sum_dims g * xhat``, ``out[b] = sum_dims g`` over ``g (n, v, *x)``."""
+    for t in (w, b):
+        if t is not None and id(t) in out and not call.shared(t):
+            return "an affine parameter paired with the samples"
+    if w is not None and id(w) in out:
+        _reduce_into(g * normalised().unsqueeze(1), dims, out[id(w)])
+    if b is not None and id(b) in out:
+        _reduce_into(g, dims, out[id(b)])
+    return None
 
 
-def _running_xhat(x: Tensor, mean: Tensor, var: Tensor, eps: float) -> Tensor:
-    """``(x - mean) / sqrt(var + eps)`` per channel (dim 1), as ``F.batch_norm`` in eval."""
-    return F.batch_norm(x, mean, var, training=False, momentum=0.0, eps=eps)
+def _per_sample_input(call: OpCall, x: Tensor) -> Tensor | None:
+    return None if call.shared(x) else call.front(x)
 
 
-@register_rule(nn.LayerNorm)
-def layer_norm(layer: nn.LayerNorm, activations: tuple, backprops: Tensor, out: dict):
-    x = activations[0]  # (n, *s, *normalized_shape)
-    g = backprops  # (n, v, *s, *normalized_shape)
-    dims = tuple(range(2, g.dim() - len(layer.normalized_shape)))  # the s dims
-    if "weight" in out:
-        xhat = F.layer_norm(x, layer.normalized_shape, eps=layer.eps).unsqueeze(1)
-        _reduce_into(g * xhat, dims, out["weight"])  # (n, v, *normalized_shape)
-    if "bias" in out:
-        _reduce_into(g, dims, out["bias"])
+@register_op_rule(F.layer_norm, torch.layer_norm)
+def layer_norm(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """``F.layer_norm(x, shape, w, b, eps)``: the trailing ``shape`` dims normalised."""
+    x, shape = call.arg(0, "input"), call.arg(1, "normalized_shape")
+    w, b, eps = call.arg(2, "weight"), call.arg(3, "bias"), call.arg(4, "eps", 1e-5)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    xf = _per_sample_input(call, x)
+    if xf is None:
+        return "a shared input"
+    dims = tuple(range(2, g.dim() - len(shape)))  # (n, v, *s, *shape): the s dims
+    return _affine_into(call, lambda: F.layer_norm(xf, shape, eps=eps), g, w, b, dims, out)
 
 
-@register_rule(nn.GroupNorm)
-def group_norm(layer: nn.GroupNorm, activations: tuple, backprops: Tensor, out: dict):
-    x = activations[0]  # (n, c, *s)
-    g = backprops  # (n, v, c, *s)
-    dims = tuple(range(3, g.dim()))
-    if "weight" in out:
-        xhat = F.group_norm(x, layer.num_groups, eps=layer.eps).unsqueeze(1)
-        _reduce_into(g * xhat, dims, out["weight"])  # (n, v, c)
-    if "bias" in out:
-        _reduce_into(g, dims, out["bias"])
+@register_op_rule(F.rms_norm, getattr(torch, "rms_norm", None))
+def rms_norm(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """``F.rms_norm(x, shape, w, eps)``: ``xhat = x / sqrt(mean(x^2) + eps)``."""
+    x, shape = call.arg(0, "input"), call.arg(1, "normalized_shape")
+    w, eps = call.arg(2, "weight"), call.arg(3, "eps")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    xf = _per_sample_input(call, x)
+    if xf is None:
+        return "a shared input"
+    dims = tuple(range(2, g.dim() - len(shape)))
+    return _affine_into(call, lambda: F.rms_norm(xf, shape, eps=eps), g, w, None, dims, out)
 
 
-@register_rule(nn.RMSNorm)
-def rms_norm(layer: nn.RMSNorm, activations: tuple, backprops: Tensor, out: dict):
-    """``xhat = x / sqrt(mean(x^2 over normalized_shape) + eps)``; eps ``None``: dtype eps."""
-    x = activations[0]  # (n, *s, *normalized_shape)
-    g = backprops  # (n, v, *s, *normalized_shape)
-    dims = tuple(range(2, g.dim() - len(layer.normalized_shape)))  # the s dims
-    _affine_into(lambda: F.rms_norm(x, layer.normalized_shape, eps=layer.eps), g, dims, out)
+def _channels(xf: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """``(n, a, c, *s)`` as the op's own batch ``(n*a, c, *s)``, and the way back."""
+    shape = xf.shape
+    return xf.flatten(0, 1), lambda y: y.view(shape)
 
 
-_INSTANCE_DIMS = {nn.InstanceNorm1d: 1, nn.InstanceNorm2d: 2, nn.InstanceNorm3d: 3}
+@register_op_rule(F.group_norm, torch.group_norm)
+def group_norm(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """``F.group_norm(x, G, w, b, eps)``: per row and group of channels."""
+    x, groups = call.arg(0, "input"), call.arg(1, "num_groups")
+    w, b, eps = call.arg(2, "weight"), call.arg(3, "bias"), call.arg(4, "eps", 1e-5)
+    xf = _per_sample_input(call, x)
+    if xf is None:
+        return "a shared input"
+    rows, back = _channels(xf)
+    dims = (2, *range(4, g.dim()))  # g (n, v, a, c, *s): all but the channel
+    return _affine_into(call, lambda: back(F.group_norm(rows, groups, eps=eps)), g, w, b,
+                        dims, out)
 
 
-@register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-def instance_norm(layer: nn.modules.instancenorm._InstanceNorm, activations: tuple,
-                  backprops: Tensor, out: dict):
-    """Each sample and channel normalised over its own positions, or, in eval mode with
-    ``track_running_stats``, with the running statistics (as ``F.instance_norm``)."""
-    x = activations[0]  # (n, c, *s)
-    g = backprops  # (n, v, c, *s)
-    spatial = next(d for cls, d in _INSTANCE_DIMS.items() if isinstance(layer, cls))
-    _channels_first(layer, x, spatial)
+@register_op_rule(F.instance_norm)
+def instance_norm(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """``F.instance_norm(x, running_mean, running_var, w, b, use_input_stats, momentum,
+    eps)``: each row's channels over their own positions, or the running statistics."""
+    x, mean, var = call.arg(0, "input"), call.arg(1, "running_mean"), call.arg(2, "running_var")
+    w, b = call.arg(3, "weight"), call.arg(4, "bias")
+    use_input_stats, eps = call.arg(5, "use_input_stats", True), call.arg(7, "eps", 1e-5)
+    xf = _per_sample_input(call, x)
+    if xf is None:
+        return "a shared input"
+    rows, back = _channels(xf)
 
-    def normalised() -> Tensor:  # (n, c, *s)
-        if layer.training or not layer.track_running_stats:
-            return F.instance_norm(x, eps=layer.eps)
-        return _running_xhat(x, layer.running_mean, layer.running_var, layer.eps)
+    def normalised() -> Tensor:
+        if use_input_stats:  # without the running statistics: they are not updated again
+            return back(F.instance_norm(rows, eps=eps))
+        return back(F.batch_norm(rows, mean, var, training=False, eps=eps))
 
-    _affine_into(normalised, g, tuple(range(3, g.dim())), out)
-
-
-_BATCH_DIMS = {nn.BatchNorm1d: (0, 1), nn.BatchNorm2d: 2, nn.BatchNorm3d: 3}
+    return _affine_into(call, normalised, g, w, b, (2, *range(4, g.dim())), out)
 
 
-@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-def batch_norm(layer: nn.modules.batchnorm._BatchNorm, activations: tuple, backprops: Tensor,
-               out: dict):
-    """Eval mode only: ``xhat = (x - running_mean) / sqrt(running_var + eps)`` per channel."""
-    if layer.training or not layer.track_running_stats:
-        raise ValueError(
-            f"{type(layer).__name__} in training mode (or without running statistics) "
-            "normalises with the statistics of the whole batch: no per-sample gradients"
-        )
-    x = activations[0]  # (n, c, *s)
-    g = backprops  # (n, v, c, *s)
-    spatial = next(d for cls, d in _BATCH_DIMS.items() if isinstance(layer, cls))
-    _channels_first(layer, x, spatial)
-    _affine_into(lambda: _running_xhat(x, layer.running_mean, layer.running_var, layer.eps),
-                 g, tuple(range(3, g.dim())), out)
+@register_op_rule(F.batch_norm)
+def batch_norm(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """Eval mode: ``xhat = (x - running_mean) / sqrt(running_var + eps)`` per channel."""
+    x, mean, var = call.arg(0, "input"), call.arg(1, "running_mean"), call.arg(2, "running_var")
+    w, b = call.arg(3, "weight"), call.arg(4, "bias")
+    training, eps = call.arg(5, "training", False), call.arg(7, "eps", 1e-5)
+    if training or mean is None:
+        return "batch statistics (training mode)"
+    xf = _per_sample_input(call, x)
+    if xf is None:
+        return "a shared input"
+    rows, back = _channels(xf)
+    normalised = lambda: back(F.batch_norm(rows, mean, var, training=False, eps=eps))  # noqa: E731
+    return _affine_into(call, normalised, g, w, b, (2, *range(4, g.dim())), out)

@@ -1,0 +1,21 @@
+"""Where the samples are in each tensor of a forward, decided once, by data flow.
+
+:mod:`~persample.batch.layouts` describes a tensor's layout and brings its samples
+to the front; :mod:`~persample.batch.flow` propagates layouts through every op.
+"""
+
+from .flow import Ctx, Flow, in_place, op_leaves, propagate
+from .layouts import (
+    FREE,
+    Batched,
+    Free,
+    Layout,
+    Mixed,
+    Unknown,
+    front,
+    front_cotangents,
+    is_batched,
+)
+
+__all__ = ["Ctx", "Flow", "in_place", "op_leaves", "propagate", "FREE", "Batched", "Free",
+           "Layout", "Mixed", "Unknown", "front", "front_cotangents", "is_batched"]

@@ -1,0 +1,157 @@
+"""Where the samples are in a tensor: its *layout*, and how to bring them to the front.
+
+The layout of every tensor of a captured forward is decided once, by data flow
+(:mod:`persample.batch.flow`), never by a size that happens to equal the batch size:
+
+- :data:`FREE`: no sample's data flows into it (parameters, buffers, position ids
+  built with ``arange``, masks built from sizes); shared by all samples.
+- :class:`Batched`: dim ``dim`` carries the samples. That dim may also hold other
+  positions merged with them: its size is ``outer * n * inner`` and position
+  ``(o * n + i) * inner + k`` belongs to sample ``i`` (``(B*T, E)`` after a reshape
+  is ``inner = T``; Swin's windows ``(B*nW, N, C)`` likewise; a ``(T*B, E)``
+  reshape of a sequence-first tensor is ``outer = T``). ``index`` instead gives
+  the sample of every position along ``dim`` (a permutation, or irregular: the rows of
+  a packed sequence).
+- :class:`Mixed`: entries depend on several samples (a sum over the batch, a
+  batch-wide mean loss computed inside the model, BatchNorm's batch statistics).
+- :class:`Unknown`: sample data flows in, but where it is cannot be established (a
+  tensor from code the capture cannot see).
+
+``front(x)`` gives ``(n, *per_sample)``, where ``per_sample`` is the tensor a
+sample would have if the op ran on it alone: the same rank, the batch dim of size
+1 (or ``outer * inner`` when merged). Rules are written against these views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+class Free:
+    """No sample data flows into the tensor: shared by every sample."""
+
+    def __repr__(self) -> str:
+        return "FREE"
+
+
+FREE = Free()
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """Entries depend on several samples (``why`` names the op)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """Sample data flows in, but where it is is not known (``why`` names the op)."""
+
+    why: str
+
+
+@dataclass(frozen=True, eq=False)
+class Batched:
+    """Dim ``dim`` holds the samples (see the module docstring)."""
+
+    dim: int
+    outer: int = 1
+    inner: int = 1
+    index: Tensor | None = field(default=None, compare=False)  # (size of dim,) sample ids
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Batched):
+            return False
+        if (self.dim, self.outer, self.inner) != (other.dim, other.outer, other.inner):
+            return False
+        if self.index is None or other.index is None:
+            return self.index is None and other.index is None
+        return self.index is other.index or (
+            self.index.shape == other.index.shape and bool(torch.equal(self.index, other.index)))
+
+    def __hash__(self) -> int:
+        return hash((self.dim, self.outer, self.inner, self.index is None))
+
+    @property
+    def plain(self) -> bool:
+        """One position per sample, in sample order."""
+        return self.outer == 1 and self.inner == 1 and self.index is None
+
+    def moved(self, dim: int) -> Batched:
+        return Batched(dim, self.outer, self.inner, self.index)
+
+    # -- bringing the samples to the front ------------------------------------
+
+    def front(self, x: Tensor, n: int) -> Tensor:
+        """``x`` -> ``(n, *per_sample)``; a view unless the layout is irregular."""
+        return _front(x, self, n, 0)
+
+    def front_cotangents(self, g: Tensor, n: int) -> Tensor:
+        """Cotangents ``(v, *shape)`` -> ``(n, v, *per_sample)``."""
+        return _front(g, self, n, 1)
+
+    def scale(self, c: Tensor, x: Tensor) -> Tensor:
+        """Per-sample factors ``c (n,)`` as a tensor broadcastable against ``x``
+        (own layout): each position gets its sample's factor."""
+        d, n = self.dim, c.shape[0]
+        if self.index is not None:
+            per_position = c[self.index]
+        else:
+            per_position = c.view(1, n, 1).expand(self.outer, n, self.inner).reshape(-1)
+        shape = [1] * x.dim()
+        shape[d] = per_position.shape[0]
+        return per_position.view(shape)
+
+
+def _front(x: Tensor, lay: Batched, n: int, lead: int) -> Tensor:
+    """Move the samples of ``x`` (batch dim ``lay.dim + lead``) to dim 0, keeping the rank."""
+    d = lay.dim + lead
+    if lay.index is not None:
+        return _front_indexed(x, lay.index, n, d)
+    if lay.outer == 1 and lay.inner == 1:
+        return x.movedim(d, 0).unsqueeze(d + 1)  # (n, ..., 1, ...)
+    y = x.unflatten(d, (lay.outer, n, lay.inner)).movedim(d + 1, 0)  # (n, ..., a, b, ...)
+    return y.flatten(d + 1, d + 2)  # (n, ..., a*b, ...)
+
+
+def _front_indexed(x: Tensor, index: Tensor, n: int, d: int) -> Tensor:
+    """Positions along ``d`` grouped by sample: ``(n, ..., L, ...)``, ``L`` the most
+    positions of one sample, zero-padded (zeros add nothing to the sums rules take)."""
+    counts = torch.bincount(index, minlength=n)  # (n,)
+    if index.numel() == n and bool((counts == 1).all()):  # a permutation
+        order = torch.argsort(index)
+        return x.index_select(d, order).movedim(d, 0).unsqueeze(d + 1)
+    length = int(counts.max()) if counts.numel() else 0
+    order = torch.argsort(index, stable=True)  # positions sorted by sample
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(index.numel(), device=index.device) - starts[index[order]]
+    moved = x.movedim(d, 0)  # (positions, ...)
+    out = x.new_zeros((n, length, *moved.shape[1:]))
+    out[index[order], slot] = moved[order]
+    return out.movedim(1, d + 1)  # (n, ..., L, ...)
+
+
+Layout = Free | Batched | Mixed | Unknown
+
+
+def is_batched(layout: Layout) -> bool:
+    """The samples' positions are known."""
+    return isinstance(layout, Batched)
+
+
+def front(x: Tensor, layout: Layout, n: int) -> Tensor:
+    """``(n, *per_sample)`` for a batched tensor; a shared one is returned as it is."""
+    if isinstance(layout, Batched):
+        return layout.front(x, n)
+    return x
+
+
+def front_cotangents(g: Tensor, layout: Layout, n: int) -> Tensor:
+    """``(v, *shape)`` cotangents of a batched tensor -> ``(n, v, *per_sample)``."""
+    if isinstance(layout, Batched):
+        return layout.front_cotangents(g, n)
+    raise ValueError(f"cotangents of a tensor with layout {layout} cannot be split by sample")

@@ -1,0 +1,137 @@
+"""The sum over samples of each sample's own loss, from the model's output as it is.
+
+``loss_fn(output, targets)`` gets the model's output unchanged (a tensor, a tuple, a
+dict, a Hugging Face ``ModelOutput``). It may return per-sample losses ``(B,)``, or
+a scalar reduced over the batch: that scalar is evaluated again per sample with
+``torch.func.vmap`` over batches of one (each output tensor cut along the dim the
+capture found its samples in), which is exact for any reduction, class weights or
+``ignore_index``; only a loss that cannot be vmapped falls back to undoing the
+stated ``loss_reduction``.
+
+A scalar the model computed over the whole batch (``out.loss`` when ``labels`` go
+into the model) cannot be split by sample: reading such an output raises
+:class:`LossNotPerSampleError`, which says how to write a per-sample loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+from torch.func import vmap
+from torch.utils._pytree import (
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_map,
+    tree_unflatten,
+)
+
+from .batch import FREE, Batched, Layout, Mixed
+
+FIX = """Compute each sample's own loss from the logits and pass the labels as targets, e.g. for a
+causal LM:
+    def loss_fn(out, labels):  # labels (B, T), -100 where padded
+        logits, labels = out.logits[:, :-1], labels[:, 1:]
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1) \\
+            / (labels != -100).sum(1)"""
+
+
+class LossNotPerSampleError(ValueError):
+    """``loss_fn`` read a model output that mixes the samples (a batch-wide mean)."""
+
+
+def _refuse(name: str, why: str) -> LossNotPerSampleError:
+    return LossNotPerSampleError(
+        f"loss_fn reads the model's {name}, in which the samples are mixed: {why}. "
+        "Per-sample gradients need each sample's output to depend on that sample alone, "
+        "and a loss made of per-sample terms. If that is a loss the model computes over "
+        "the whole batch (Hugging Face's out.loss when labels go into the model: a mean "
+        f"over every token of every sample cannot be split by sample): {FIX}")
+
+
+class _Mixed(Tensor):
+    """A model output that mixes the samples: any op on it raises."""
+
+    name: str = "?"
+    why: str = ""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for a in (*args, *(kwargs or {}).values()):
+            if isinstance(a, _Mixed):
+                raise _refuse(a.name, a.why)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _guarded(output: Any, layout_of: Callable[[Tensor], Layout]) -> Any:
+    """``output`` with each tensor that mixes samples replaced by a raising stand-in."""
+    flat, spec = tree_flatten_with_path(output)
+    leaves = []
+    for path, leaf in flat:
+        lay = layout_of(leaf) if isinstance(leaf, Tensor) else FREE
+        if isinstance(lay, Mixed):
+            stand_in = Tensor._make_subclass(_Mixed, leaf.detach())
+            stand_in.name = f"output{keystr(path)}" if path else "output"
+            stand_in.why = lay.why
+            leaf = stand_in
+        leaves.append(leaf)
+    return tree_unflatten(leaves, spec)
+
+
+def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: str,
+               layout_of: Callable[[Tensor], Layout] | None = None) -> Tensor:
+    """The sum over samples of each sample's own loss ``loss_fn(output_i, targets_i)``.
+
+    ``layout_of`` gives where each output tensor holds its samples (the capture's data
+    flow); without it every output tensor has them in dim 0.
+    """
+    layout_of = layout_of or (lambda t: Batched(0))
+    guarded = _guarded(output, layout_of)
+    loss = loss_fn(guarded, targets)
+    if isinstance(loss, _Mixed):
+        raise _refuse(loss.name, loss.why)
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+    if loss.shape == (n,):
+        return loss.sum()
+    if n == 1 and loss.dim() == 0:  # a batch of one: the loss is that sample's
+        return loss
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
+            f"shape ({n},) or a scalar reduced over the batch (say how with loss_reduction=). "
+            "For a torch.nn loss, use reduction='none' and reduce extra dims per sample, "
+            "or reduction='mean'/'sum'.")
+    try:
+        flat, spec = tree_flatten(guarded)
+        dims = [_dim(t, layout_of) for t in flat]
+        target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
+        one = _one_sample_loss(loss_fn, spec, dims)
+        return vmap(one, in_dims=(dims, target_dims))(flat, targets).sum()
+    except LossNotPerSampleError:
+        raise
+    except Exception:  # loss_fn is not vmappable: undo the stated reduction
+        return loss * n if reduction == "mean" else loss
+
+
+def _dim(t: Any, layout_of: Callable[[Tensor], Layout]) -> int | None:
+    """The dim to cut an output tensor along per sample (``None``: pass it whole)."""
+    if not isinstance(t, Tensor) or isinstance(t, _Mixed):
+        return None
+    lay = layout_of(t)
+    if isinstance(lay, Batched) and lay.outer == lay.inner == 1 and lay.index is None:
+        return lay.dim
+    if lay is FREE:
+        return None
+    raise ValueError(f"an output tensor whose samples cannot be cut out ({lay})")
+
+
+def _one_sample_loss(loss_fn: Callable, spec: Any, dims: list) -> Callable:
+    def one(flat_i: list, targets_i: Any) -> Tensor:
+        restored = [t.unsqueeze(d) if d is not None else t for t, d in zip(flat_i, dims)]
+        return loss_fn(tree_unflatten(restored, spec), tree_map(
+            lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, targets_i)).sum()
+
+    return one
