@@ -199,6 +199,20 @@ def llama():
     return _hf("LlamaForCausalLM", llama_config()), inputs, labels, causal_lm_loss
 
 
+def deberta_v2():
+    """DeBERTa-v2's disentangled attention: relative position embeddings shared by all
+    samples, gathered against each sample's queries and keys."""
+    transformers = require("transformers")
+    config = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
+                                          num_attention_heads=HEADS, intermediate_size=32,
+                                          max_position_embeddings=16, relative_attention=True,
+                                          position_buckets=4, max_relative_positions=8,
+                                          pos_att_type=["p2c", "c2p"], num_labels=3)
+    inputs, _ = _text()
+    return (_hf("DebertaV2ForSequenceClassification", config), inputs,
+            torch.tensor([2, 0, 1, 1]), logits_ce)
+
+
 def vit_hf():
     transformers = require("transformers")
     config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
@@ -322,6 +336,31 @@ def timm_convnext():
     return _vision(model, 32)
 
 
+def timm_mobilevit():
+    """MobileViT: patches unfolded into ``(B*P, N, C)`` for its transformer and folded back."""
+    timm = require("timm")
+    torch.manual_seed(0)
+    return _vision(timm.create_model("mobilevit_xxs", num_classes=5), 32)
+
+
+def timm_levit():
+    """LeViT: ``flatten(0, 1)`` of ``(B, N, C)`` before a BatchNorm1d, attention biases
+    indexed by a ``(N, N)`` table."""
+    timm = require("timm")
+    torch.manual_seed(0)
+    model = timm.models.levit.Levit(img_size=32, embed_dim=(16, 32), key_dim=4,
+                                    num_heads=(HEADS, HEADS), depth=(1, 1), num_classes=5)
+    model, images, labels, loss = _vision(model, 32)
+    # in eval mode LeViT caches its attention biases across calls (with their autograd
+    # graph, so a second backward fails even for plain autograd): train mode, with the
+    # BatchNorms in eval mode as a per-sample model needs
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return model, images, labels, loss
+
+
 ZOO: dict[str, Callable] = {
     "gpt2-lm": gpt2_lm,
     "gpt2-cls": gpt2_cls,
@@ -332,6 +371,7 @@ ZOO: dict[str, Callable] = {
     "bart": bart,
     "opt": opt,
     "llama": llama,
+    "deberta-v2": deberta_v2,
     "vit": vit_hf,
     "gpt2-lora": gpt2_lora,
     "llama-lora": llama_lora,
@@ -345,4 +385,6 @@ ZOO: dict[str, Callable] = {
     "timm-resnet": timm_resnet,
     "timm-efficientnet": timm_efficientnet,
     "timm-convnext": timm_convnext,
+    "timm-mobilevit": timm_mobilevit,
+    "timm-levit": timm_levit,
 }

@@ -131,10 +131,13 @@ def _all(out: Any, layout: Layout) -> Any:
     return layout
 
 
-def _register(handler: Handler, *funcs: Any) -> None:
+def _register(handler: Handler, *funcs: Any, override: bool = False) -> None:
     for f in funcs:
-        if f is not None:
-            _HANDLERS[f] = handler
+        if f is None:
+            continue
+        if not override and _HANDLERS.get(f, handler) is not handler:
+            raise AssertionError(f"{f} has two data-flow rules")
+        _HANDLERS[f] = handler
 
 
 def _aliases(*names: str, where: tuple = ()) -> list:
@@ -149,6 +152,13 @@ def _aliases(*names: str, where: tuple = ()) -> list:
             if f is not None and callable(f) and not isinstance(f, type):
                 found.append(f)
     return found
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    """Argument ``i`` (or keyword ``name``) of an op, or ``default``."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[i] if len(args) > i else default
 
 
 def _dim(d: int, rank: int) -> int:
@@ -245,7 +255,7 @@ maximum_ minimum_ copysign_ xlogy_ logical_and_ logical_or_ bitwise_and_ bitwise
 lt_ le_ gt_ ge_ atan2_ hypot_ copy_ subtract_ multiply_ divide_ clamp""".split()
 
 # ops whose extra tensor arguments are references (dtype, device, shape), not data
-_SELF_ONLY = "to type_as type view_as reshape_as expand_as contiguous".split()
+_SELF_ONLY = "to type_as type contiguous".split()
 _FREE_DATA = """zeros_like ones_like empty_like full_like rand_like randn_like randint_like
 new_zeros new_ones new_full new_empty new_tensor""".split()
 
@@ -256,7 +266,8 @@ def _free(ctx, func, args, kwargs, out) -> Any:
 
 
 _register(_broadcast, *_aliases(*_BINARY))
-_register(_self_only, *_aliases(*[u for u in _UNARY if u not in ("clamp", "clip")]))
+_register(_self_only, *_aliases(*[u for u in _UNARY if u not in ("clamp", "clip", "clamp_",
+                                                                 "clip_")]))
 _register(_broadcast, *_aliases("clamp", "clip", "clamp_", "clip_"))
 _register(_free, *_aliases(*_FREE_DATA))
 
@@ -267,7 +278,7 @@ def _where(ctx, func, args, kwargs, out) -> Any:
     return _broadcast(ctx, func, args, kwargs, out)
 
 
-_register(_where, *_aliases("where"))
+_register(_where, *_aliases("where"), override=True)
 
 
 def _positions_of(ctx, func, x, out) -> Any:
@@ -358,7 +369,7 @@ _register(lambda c, f, a, k, o: _along(c, f, a, k, o, pos=1), *_aliases("flip"))
 def _roll(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(args[0])
     if isinstance(lay, Batched):
-        dims = _dims_arg(args, {"dim": kwargs.get("dims", args[2] if len(args) > 2 else None)},
+        dims = _dims_arg(args, {"dim": _arg(args, kwargs, 2, "dims", None)},
                          99, args[0].dim())
         if dims is None or lay.dim in dims:
             return _mixed(func, "rolls along the batch dim")
@@ -370,7 +381,7 @@ _register(_roll, *_aliases("roll"))
 
 def _glu(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(args[0])
-    d = _dim(kwargs.get("dim", args[1] if len(args) > 1 else -1), args[0].dim())
+    d = _dim(_arg(args, kwargs, 1, "dim", -1), args[0].dim())
     if isinstance(lay, Batched) and lay.dim == d:
         return _mixed(func, "splits the batch dim")
     return lay
@@ -439,7 +450,7 @@ def _view_or_dtype(ctx, func, args, kwargs, out) -> Any:
     return _reshape(ctx, func, args, kwargs, out)
 
 
-_register(_view_or_dtype, torch.Tensor.view)
+_register(_view_or_dtype, torch.Tensor.view, override=True)
 
 
 def _permute(ctx, func, args, kwargs, out) -> Any:
@@ -447,8 +458,10 @@ def _permute(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return lay
-    dims = kwargs.get("dims", args[1:] if len(args) > 2 or not isinstance(
-        args[1], (tuple, list)) else args[1])
+    if "dims" in kwargs:
+        dims = kwargs["dims"]
+    else:
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
     order = [_dim(d, x.dim()) for d in dims]
     return lay.moved(order.index(lay.dim))
 
@@ -461,8 +474,8 @@ def _transpose(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return lay
-    a = _dim(kwargs.get("dim0", args[1] if len(args) > 1 else 0), x.dim())
-    b = _dim(kwargs.get("dim1", args[2] if len(args) > 2 else 1), x.dim())
+    a = _dim(_arg(args, kwargs, 1, "dim0", 0), x.dim())
+    b = _dim(_arg(args, kwargs, 2, "dim1", 1), x.dim())
     d = lay.dim
     return lay.moved(b if d == a else a if d == b else d)
 
@@ -496,8 +509,8 @@ def _movedim(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return lay
-    src = kwargs.get("source", args[1])
-    dst = kwargs.get("destination", args[2])
+    src = _arg(args, kwargs, 1, "source")
+    dst = _arg(args, kwargs, 2, "destination")
     src = [src] if isinstance(src, int) else list(src)
     dst = [dst] if isinstance(dst, int) else list(dst)
     rank = x.dim()
@@ -528,7 +541,7 @@ def _unsqueeze(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return lay
-    d = _dim(kwargs.get("dim", args[1]), x.dim() + 1)
+    d = _dim(_arg(args, kwargs, 1, "dim"), x.dim() + 1)
     return lay.moved(lay.dim + (1 if d <= lay.dim else 0))
 
 
@@ -571,8 +584,8 @@ def _repeat_interleave(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return lay
-    reps = kwargs.get("repeats", args[1] if len(args) > 1 else None)
-    dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+    reps = _arg(args, kwargs, 1, "repeats", None)
+    dim = _arg(args, kwargs, 2, "dim", None)
     if dim is None or not isinstance(reps, int) or lay.index is not None:
         return Unknown("repeat_interleave without one int repeat count along a dim")
     dim = _dim(dim, x.dim())
@@ -590,7 +603,7 @@ def _narrow(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return lay
-    d = _dim(kwargs.get("dim", args[1]), x.dim())
+    d = _dim(_arg(args, kwargs, 1, "dim"), x.dim())
     if d == lay.dim:
         if isinstance(out, Tensor) and out.shape == x.shape:
             return lay
@@ -629,7 +642,7 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
     inputs give ``outer = k``."""
     tensors = [t for t in (args[0] if args else kwargs["tensors"]) if isinstance(t, Tensor)]
     rank = out.dim()
-    d = _dim(kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 else 0)), rank)
+    d = _dim(kwargs.get("dim", _arg(args, kwargs, 1, "axis", 0)), rank)
     lays = [ctx.layout(t) for t in tensors if t.dim() == rank]
     batched = [lay for lay in lays if isinstance(lay, Batched)]
     first = batched[0]
@@ -648,7 +661,7 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
 def _stack(ctx, func, args, kwargs, out) -> Any:
     tensors = [t for t in (args[0] if args else kwargs["tensors"]) if isinstance(t, Tensor)]
     rank = out.dim()
-    d = _dim(kwargs.get("dim", args[1] if len(args) > 1 else 0), rank)
+    d = _dim(_arg(args, kwargs, 1, "dim", 0), rank)
     lays = [ctx.layout(t) for t in tensors]
     batched = [lay for lay in lays if isinstance(lay, Batched)]
     first = batched[0]
@@ -668,7 +681,7 @@ def _pad(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return lay
-    pad = kwargs.get("pad", args[1])
+    pad = _arg(args, kwargs, 1, "pad")
     padded = {x.dim() - 1 - k // 2 for k, p in enumerate(pad) if p}
     if lay.dim in padded:
         return Unknown("F.pad pads the batch dim")
@@ -853,8 +866,8 @@ def _index_select(ctx, func, args, kwargs, out) -> Any:
     """``index_select(dim, idx)``: on the batch dim the samples follow ``idx``'s values."""
     x = args[0]
     lay = ctx.layout(x)
-    d = _dim(kwargs.get("dim", args[1]), x.dim())
-    idx = kwargs.get("index", args[2])
+    d = _dim(_arg(args, kwargs, 1, "dim"), x.dim())
+    idx = _arg(args, kwargs, 2, "index")
     if not isinstance(lay, Batched):
         if lay is FREE and ctx.layout(idx) is not FREE:
             return Unknown("a free tensor indexed by per-sample positions")
@@ -881,8 +894,8 @@ def _gather(ctx, func, args, kwargs, out) -> Any:
     """``gather(x, dim, index)``: the output has ``index``'s shape; along dims other than
     ``dim`` it pairs positions with ``x``; the batch must not be the gathered dim."""
     x = args[0]
-    d = _dim(kwargs.get("dim", args[1]), x.dim())
-    idx = kwargs.get("index", args[2])
+    d = _dim(_arg(args, kwargs, 1, "dim"), x.dim())
+    idx = _arg(args, kwargs, 2, "index")
     lx, li = ctx.layout(x), ctx.layout(idx)
     found = [lay for lay in (lx, li) if isinstance(lay, Batched)]
     if any(lay.dim == d for lay in found):
@@ -904,10 +917,10 @@ _register(_gather, *_aliases("gather", "take_along_dim"))
 
 def _linear(ctx, func, args, kwargs, out) -> Any:
     """``linear(x, W, b)``: the batch stays where it is unless it is the feature dim."""
-    x = kwargs.get("input", args[0])
-    w = kwargs.get("weight", args[1] if len(args) > 1 else None)
+    x = _arg(args, kwargs, 0, "input")
+    w = _arg(args, kwargs, 1, "weight", None)
     lay = ctx.layout(x)
-    others = [ctx.layout(t) for t in (w, kwargs.get("bias", args[2] if len(args) > 2 else None))]
+    others = [ctx.layout(t) for t in (w, _arg(args, kwargs, 2, "bias", None))]
     if any(o is not FREE for o in others):
         return Unknown(f"{_name(func)} with a per-sample weight")
     if isinstance(lay, Batched) and lay.dim == x.dim() - 1:
@@ -920,7 +933,9 @@ _register(_linear, *_aliases("linear"))
 
 def _matmul(ctx, func, args, kwargs, out) -> Any:
     """``a @ b`` with broadcasting batch dims: a batch in ``a``'s rows or ``b``'s columns
-    or a broadcast dim stays; in the contracted dim it mixes samples."""
+    or a broadcast dim stays; in the contracted dim it mixes samples. A free operand of
+    full size in the batch's broadcast dim is paired with the samples
+    (DeBERTa's relative keys repeated to ``(B*H, ...)``)."""
     a, b = (args[0], args[1]) if func not in _ADDMM else (args[1], args[2])
     la, lb = ctx.layout(a), ctx.layout(b)
     rank = out.dim()
@@ -941,7 +956,7 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
                 return _mixed(func, "contracts the batch dim")
             d = rank - 1 if lay.dim == r - 1 else lay.dim + rank - r
         if lay.dim < r - 2 and t.shape[lay.dim] != out.shape[d]:
-            return Unknown(f"{_name(func)} broadcasts the batch dim")
+            return _mixed(func, "spreads one sample's data over others")
         place.append(lay.moved(d))
     if len(place) == 2 and place[0] != place[1]:
         return _mixed(func, "pairs samples of its two operands")
@@ -950,7 +965,19 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
         bias = ctx.layout(args[0])
         if isinstance(bias, Batched) and bias.moved(bias.dim + rank - args[0].dim()) != found:
             return _mixed(func, "adds samples from different dims")
-    return found
+    if not isinstance(found, Batched) or found.dim >= rank - 2:
+        return found
+    align = []
+    for t in op_leaves(args, kwargs):
+        own = ctx.layout(t)
+        d = found.dim - (rank - t.dim())
+        if own is not FREE:
+            align.append(own)
+        elif 0 <= d < t.dim() - 2 and t.shape[d] == out.shape[found.dim] > 1:
+            align.append(found.moved(d))
+        else:
+            align.append(None)
+    return Flow(found, tuple(align))
 
 
 _ADDMM = set(_aliases("addmm", "baddbmm", "addmm_", "baddbmm_", "addmv"))
@@ -1011,7 +1038,7 @@ def _leading(ctx, func, args, kwargs, out, spatial: int | None = None) -> Any:
     """Ops on ``(N, C, *s)`` (convolutions, pooling, GroupNorm, ...): the samples must
     be in (or merged into) dim 0, the op's batch; an unbatched input ``(C, *s)`` has
     its samples in the channels, mixing them."""
-    x = kwargs.get("input", args[0])
+    x = _arg(args, kwargs, 0, "input")
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return _all(out, lay)
@@ -1060,8 +1087,8 @@ _register(_prelu, *_aliases("prelu", "_prelu_kernel"))
 def _trailing(ctx, func, args, kwargs, out) -> Any:
     """``layer_norm``/``rms_norm(x, shape, ...)``: the trailing ``shape`` dims are
     normalised together, so the batch must be before them."""
-    x = kwargs.get("input", args[0])
-    shape = kwargs.get("normalized_shape", args[1])
+    x = _arg(args, kwargs, 0, "input")
+    shape = _arg(args, kwargs, 1, "normalized_shape")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     lay = ctx.layout(x)
     if any(ctx.layout(t) is not FREE for t in op_leaves(args[2:], {})):
@@ -1077,9 +1104,9 @@ _register(_trailing, *_aliases("layer_norm", "rms_norm"))
 def _batch_norm(ctx, func, args, kwargs, out) -> Any:
     """Eval mode: a per-channel affine map (channels in dim 1); training mode
     normalises with the batch's statistics, which mixes samples."""
-    x = kwargs.get("input", args[0])
+    x = _arg(args, kwargs, 0, "input")
     lay = ctx.layout(x)
-    training = kwargs.get("training", args[5] if len(args) > 5 else False)
+    training = _arg(args, kwargs, 5, "training", False)
     if not isinstance(lay, Batched):
         return lay
     if training:
@@ -1095,8 +1122,8 @@ _register(_batch_norm, F.batch_norm, torch.batch_norm)
 def _embedding(ctx, func, args, kwargs, out) -> Any:
     """``F.embedding(ids, W)`` (``torch.embedding(W, ids)``): the ids' samples, one
     trailing embedding dim more."""
-    ids = kwargs.get("input", args[0]) if func is F.embedding else args[1]
-    weight = kwargs.get("weight", args[1]) if func is F.embedding else args[0]
+    ids = _arg(args, kwargs, 0, "input") if func is F.embedding else args[1]
+    weight = _arg(args, kwargs, 1, "weight") if func is F.embedding else args[0]
     if ctx.layout(weight) is not FREE:
         return Unknown("embedding with a per-sample table")
     return ctx.layout(ids)
@@ -1116,8 +1143,8 @@ def _embedding_bag(ctx, func, args, kwargs, out) -> Any:
     """``F.embedding_bag(ids, W, offsets, ...)``: 2-d ids are one bag per row; 1-d ids
     with offsets: each bag's positions must belong to one sample, and the bags take
     their samples in order (read from the offsets' values)."""
-    ids = kwargs.get("input", args[0])
-    offsets = kwargs.get("offsets", args[2] if len(args) > 2 else None)
+    ids = _arg(args, kwargs, 0, "input")
+    offsets = _arg(args, kwargs, 2, "offsets", None)
     lay = ctx.layout(ids)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if not isinstance(lay, Batched):
@@ -1126,7 +1153,7 @@ def _embedding_bag(ctx, func, args, kwargs, out) -> Any:
         if lay.dim != 0:
             return _all(out, _mixed(func, "bags the batch dim"))
         return tuple(lay for _ in outs) if isinstance(out, (tuple, list)) else lay
-    include_last = kwargs.get("include_last_offset", args[9] if len(args) > 9 else False)
+    include_last = _arg(args, kwargs, 9, "include_last_offset", False)
     if offsets is None or ctx.layout(offsets) is not FREE or lay.index is not None:
         return _all(out, Unknown("embedding_bag with per-sample offsets"))
     positions = ids.shape[0]
@@ -1150,10 +1177,10 @@ def _sdpa(ctx, func, args, kwargs, out) -> Any:
     """``scaled_dot_product_attention(q, k, v, attn_mask)``: samples in the leading
     dims of ``q``, ``k``, ``v`` (the same dim); keys and values of other samples must
     not be attended to."""
-    q = kwargs.get("query", args[0])
-    k = kwargs.get("key", args[1] if len(args) > 1 else None)
-    v = kwargs.get("value", args[2] if len(args) > 2 else None)
-    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    q = _arg(args, kwargs, 0, "query")
+    k = _arg(args, kwargs, 1, "key", None)
+    v = _arg(args, kwargs, 2, "value", None)
+    mask = _arg(args, kwargs, 3, "attn_mask", None)
     rank = out.dim()
     found = None
     for t in (q, k, v, mask):

@@ -82,6 +82,12 @@ class OpCall:
     def where(self) -> str:
         return self.op.where()
 
+    def only(self, out: dict, *tensors: Any) -> str | None:
+        """A reason to decline if ``out`` asks for inputs other than ``tensors`` (a
+        derived input the rule does not differentiate: the engine then does)."""
+        mine = {id(t) for t in tensors if isinstance(t, Tensor)}
+        return None if set(out) <= mine else "asked for an input the rule does not cover"
+
 
 OpRuleFn = Callable[[OpCall, Tensor, dict[int, Tensor]], "str | None"]
 _OP_RULES: dict[Any, OpRuleFn] = {}

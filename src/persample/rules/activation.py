@@ -21,6 +21,8 @@ from . import OpCall, register_op_rule
 def prelu(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``out[w] (n, v, c)`` (or ``(n, v, 1)``) ``= sum g * min(0, x)`` per slope."""
     x, w = call.arg(0, "input"), call.arg(1, "weight")
+    if call.only(out, w):
+        return call.only(out, w)
     if id(w) not in out:
         return None
     if call.shared(x) or id(x) in out:

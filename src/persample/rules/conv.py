@@ -119,7 +119,7 @@ def conv(call: OpCall, g: Tensor, out: dict) -> str | None:
     backward, bias ``(n, v, o)``: ``g`` summed over images and positions."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     found = _images(call, x, g, _CONVS[call.func])
-    if found is None or id(x) in out:
+    if found is None or call.only(out, w, b):
         return "an unbatched input, or the input is a parameter"
     xf, gi = found
     if id(w) in out:
@@ -175,7 +175,7 @@ def conv_transpose(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``F.conv_transpose*d(x, W, b, stride, padding, output_padding, groups, dilation)``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     found = _images(call, x, g, _TRANSPOSED[call.func])
-    if found is None or id(x) in out:
+    if found is None or call.only(out, w, b):
         return "an unbatched input, or the input is a parameter"
     xf, gi = found
     if id(w) in out:

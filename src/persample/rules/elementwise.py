@@ -66,8 +66,8 @@ _MUL = [torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply, torc
 def mul(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``y = a * b``: ``grad_a = sum g * b``, ``grad_b = sum g * a``."""
     a, b = _two(call)
-    if a is b:
-        return "the same tensor on both sides"
+    if a is b or call.only(out, a, b):
+        return "the same tensor on both sides, or other inputs"
     rank = g.dim() - 2
     for p, other in ((a, b), (b, a)):
         if isinstance(p, Tensor) and id(p) in out:
@@ -86,8 +86,8 @@ _ADD = {torch.add: 1, torch.Tensor.add: 1, torch.Tensor.add_: 1, torch.Tensor.__
 def add(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``y = a + alpha * b`` (``a - alpha * b``): ``grad_a = sum g``, ``grad_b = +-alpha sum g``."""
     a, b = _two(call)
-    if a is b:
-        return "the same tensor on both sides"
+    if a is b or call.only(out, a, b):
+        return "the same tensor on both sides, or other inputs"
     alpha = call.kwargs.get("alpha", 1)
     sign = _ADD[call.func]
     for p, scale in ((a, 1), (b, sign * alpha)):
@@ -107,8 +107,8 @@ def div(call: OpCall, g: Tensor, out: dict) -> str | None:
     if call.kwargs.get("rounding_mode") is not None:
         return "a rounding division"
     a, b = _two(call)
-    if a is b:
-        return "the same tensor on both sides"
+    if a is b or call.only(out, a, b):
+        return "the same tensor on both sides, or other inputs"
     rank = g.dim() - 2
     af, bf = _operand(call, a, rank), _operand(call, b, rank)
     if isinstance(a, Tensor) and id(a) in out:
@@ -135,4 +135,16 @@ def cat(call: OpCall, g: Tensor, out: dict) -> str | None:
             part = g.narrow(2 + dim, start, size)
             out[id(t)].copy_(reduce_to(part, _target(call, t)))
         start += size
+    return None
+
+
+@register_op_rule(torch.Tensor.expand, torch.broadcast_to, torch.Tensor.broadcast_to,
+                  torch.Tensor.expand_as)
+def expand(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """``y = x.expand(...)`` (a class token ``cls.expand(B, -1, -1)``): ``grad_x`` is ``g``
+    summed over the expanded dims, for each sample's slice or the whole output."""
+    x = call.args[0]
+    if id(x) not in out or not call.shared(x) or call.only(out, x):
+        return "not a shared tensor expanded"
+    out[id(x)].copy_(reduce_to(g, tuple(x.shape)))
     return None

@@ -64,6 +64,8 @@ def embedding(call: OpCall, g: Tensor, out: dict) -> str | None:
     ``max_norm`` renormalises ``W`` in place before the lookup and does not change the
     gradient's form."""
     ids, w = call.arg(0, "input"), call.arg(1, "weight")
+    if call.only(out, w):
+        return call.only(out, w)
     if id(w) not in out:
         return None
     if not call.shared(w):
@@ -83,7 +85,7 @@ def gather_rows(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``table[ids]`` and ``index_select(table, 0, ids)`` with one integer id tensor on dim
     0 of a parameter: the lookup rule."""
     table = call.args[0]
-    if id(table) not in out or not call.shared(table):
+    if id(table) not in out or not call.shared(table) or call.only(out, table):
         return "not a parameter table indexed by ids"
     if call.func is torch.Tensor.__getitem__:
         ids = call.args[1]
@@ -179,6 +181,8 @@ def embedding_bag(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``g (n, v, d)`` for the ``n`` bags (one per sample); ``out[W] (n, v, r, d)``."""
     a = _bag_args(call)
     w = a["weight"]
+    if call.only(out, w):
+        return call.only(out, w)
     if id(w) not in out:
         return None
     reason = _bags_ok(call, a)

@@ -66,6 +66,8 @@ def rows(call: OpCall, x: Tensor, features: int) -> Tensor:
 def linear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     """``y = x W^T + b``: ``W (o, i)`` gets ``sum_t g^T x``, ``b (o,)`` gets ``sum_t g``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    if call.only(out, w, b):
+        return call.only(out, w, b)
     if not call.shared(w) or (b is not None and not call.shared(b)):
         return "a weight paired with the samples"
     n, v = g.shape[:2]
@@ -126,6 +128,8 @@ def addmm(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     ``(B*T, i)``): ``W`` gets ``alpha * sum_t x^T g``, ``b`` ``beta * sum_t g``."""
     b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
     beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
+    if call.only(out, b, w):
+        return call.only(out, b, w)
     if any(id(t) in out and not call.shared(t) for t in (b, w)) or id(x) in out:
         return "the first matrix or a paired operand is a parameter"
     n, v = g.shape[:2]
@@ -163,8 +167,8 @@ def addmm_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] |
     return found
 
 
-_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm,
-            torch.Tensor.__matmul__, torch.Tensor.__rmatmul__)
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm,
+            torch.Tensor.bmm, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__)
 
 
 @register_op_rule(*_MATMULS)
@@ -172,7 +176,7 @@ def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     """``y = A @ B`` with one operand a (shared) matrix parameter: ``x @ W`` gives
     ``W`` ``sum_t x^T g``; ``W @ x`` gives ``W`` ``sum g x^T`` over the other dims."""
     a, b = (call.args[1], call.args[0]) if call.func is torch.Tensor.__rmatmul__ else (
-        call.arg(0, "input"), call.arg(1, "other", call.arg(1, "mat2")))
+        call.arg(0, "input"), call.kwargs.get("mat2", call.arg(1, "other")))
     n, v = g.shape[:2]
     if id(b) in out and id(a) not in out and call.shared(b) and b.dim() == 2:
         k, p = b.shape
@@ -188,7 +192,22 @@ def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
             bx.transpose(-1, -2).reshape(n, -1, k))  # (n, t, k) with t = lead * p
         sum_outer_into(gm, xs, out[id(a)])  # (n, v, m, k)
         return None
-    return "not a matrix parameter times per-sample data"
+    return _paired(call, a, b, g, out)
+
+
+def _paired(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> str | None:
+    """Both operands per sample (one of them computed from parameters and paired with
+    the samples, as DeBERTa's relative keys): per-sample products, no broadcasting."""
+    if call.shared(a) or call.shared(b) or a.dim() < 2 or b.dim() < 2:
+        return "not a matrix parameter times per-sample data"
+    af, bf = call.front(a), call.front(b)  # (n, ..., m, k), (n, ..., k, p)
+    if af.shape[:-2] != bf.shape[:-2] or g.shape[2:-2] != af.shape[1:-2]:
+        return "operands broadcast against each other"
+    if id(a) in out:
+        torch.matmul(g, bf.unsqueeze(1).transpose(-1, -2), out=out[id(a)])  # (n, v, ..., m, k)
+    if id(b) in out:
+        torch.matmul(af.unsqueeze(1).transpose(-1, -2), g, out=out[id(b)])  # (n, v, ..., k, p)
+    return None
 
 
 @register_op_rule(F.bilinear, torch.bilinear)
@@ -197,7 +216,7 @@ def bilinear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     outer products ``z[t] = x1[t] outer x2[t]``."""
     x1, x2, w, b = (call.arg(0, "input1"), call.arg(1, "input2"), call.arg(2, "weight"),
                     call.arg(3, "bias"))
-    if id(x1) in out or id(x2) in out:
+    if call.only(out, w, b):
         return "an input that is a parameter"
     n, v = g.shape[:2]
     o, i, j = w.shape

@@ -41,6 +41,8 @@ def _reduce_into(x: Tensor, dims: tuple[int, ...], dst: Tensor) -> None:
 def _affine_into(call: OpCall, normalised: Callable[[], Tensor], g: Tensor, w, b,
                  dims: tuple[int, ...], out: dict) -> str | None:
     """``out[w] = sum_dims g * xhat``, ``out[b] = sum_dims g`` over ``g (n, v, *x)``."""
+    if call.only(out, w, b):
+        return call.only(out, w, b)
     for t in (w, b):
         if t is not None and id(t) in out and not call.shared(t):
             return "an affine parameter paired with the samples"
