@@ -31,6 +31,7 @@ def pytest_configure(config):
         "markers",
         "keep_default_dtype: run with torch's own default dtype (float32), not float64",
     )
+    config.addinivalue_line("markers", "slow: a test of a larger model (seconds, not ms)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-from .batch import FREE, Batched, Layout, Mixed, Unknown, front_cotangents
+from .batch import FREE, Batched, Ctx, Layout, Mixed, Unknown, front_cotangents, propagate
+from .batch.flow import reshaped
 from .capture import Call, Capture, Derived, Op
 from .fallback import UnsupportedModuleError, expand_vjp, module_vjp, op_vjp, shared_vjp
 from .inputs import Batch
@@ -519,7 +520,7 @@ class Pullbacks:
                 cots[d.out] = cot
                 aligns = [None] * len(d.op.outputs)
                 aligns[d.out] = align
-                self.apply(d.op, cots, aligns, _producer_aligns(d.op, align))
+                self.apply(d.op, cots, aligns, _producer_aligns(d.op, align, self.cap.n))
 
 
 def _broadcasting(func: Any) -> bool:
@@ -562,32 +563,37 @@ class _Aligned:
         return self._aligns[k]
 
 
-def _producer_aligns(op: Op, out_align: Batched | None) -> list | None:
+def _producer_aligns(op: Op, out_align: Batched | None, n: int) -> list:
     """How a derived op's leaves pair with the samples when its output is paired at
-    ``out_align``: embedding ids and broadcast inputs of full size along that dim."""
+    ``out_align`` (a class token expanded to the batch, DeBERTa's repeated keys): each
+    leaf is paired with the one layout that the op's own data-flow rule carries to
+    ``out_align`` (a transpose's swapped dim, a reshape's merged dim, embedding ids'
+    dims), else shared."""
     if out_align is None:
         return [None] * len(op.leaves)
     out = op.outputs[0]
     found = []
-    for t in op.leaves:
-        d = out_align.dim - (out.dim() - t.dim())
-        if _is_embedding(op) and t is op.leaves[0]:
-            d = out_align.dim
-        ok = 0 <= d < t.dim() and t.shape[d] == out.shape[out_align.dim] and t.shape[d] > 1
-        found.append(out_align.moved(d) if ok and _elementwise_like(op) else None)
+    for k, t in enumerate(op.leaves):
+        candidates = [out_align.moved(d) for d in range(t.dim())]
+        if out_align.index is None and out.dim():
+            candidates.append(reshaped(out_align, tuple(out.shape), tuple(t.shape), n))
+        found.append(next((c for c in candidates if c is not None and _carries(
+            op, k, c, out_align, n)), None))
     return found
 
 
-def _is_embedding(op: Op) -> bool:
-    import torch.nn.functional as F
-
-    return op.func is F.embedding
-
-
-def _elementwise_like(op: Op) -> bool:
-    from .batch.flow import _HANDLERS, _broadcast, _self_only
-
-    return _is_embedding(op) or _HANDLERS.get(op.func) in (_broadcast, _self_only)
+def _carries(op: Op, k: int, lay: Batched, want: Batched, n: int) -> bool:
+    """Does the op's data-flow rule take leaf ``k`` at ``lay`` (the others shared) to
+    ``want``?"""
+    t = op.leaves[k]
+    if lay.index is None and t.shape[lay.dim] != lay.outer * n * lay.inner:
+        return False
+    if lay.index is not None and t.shape[lay.dim] != lay.index.numel():
+        return False
+    ctx = Ctx(n, lambda x: lay if x is t else FREE)
+    got = propagate(ctx, op.func, op.args, op.kwargs, op.output).outputs
+    got = got[0] if isinstance(got, tuple) else got
+    return isinstance(got, Batched) and got == want
 
 
 # ---------------------------------------------------------------------------

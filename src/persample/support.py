@@ -176,18 +176,16 @@ def traced_paths(model: nn.Module, batch: Batch) -> dict[int, Path]:
 
 def _traced_routes(model: nn.Module, batch: Batch) -> list[Route]:
     found = traced_paths(model, batch)
+    modules = dict(model.named_modules())
     merged: dict[tuple[str, str, str], list[str]] = {}
-    kinds: dict[str, str] = {}
-    for name, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            path = found.get(id(p))
-            if path is None:
-                continue
-            reason = path.reason or path.where
-            merged.setdefault((name, path.kind, reason), []).append(pname)
-            kinds[name] = type(module).__name__
-    return [Route(name, kinds[name], tuple(params), kind, reason)
-            for (name, kind, reason), params in merged.items()]
+    for qualified, p in model.named_parameters():  # a parameter registered twice: once
+        path = found.get(id(p))
+        if path is None:
+            continue
+        owner, _, name = qualified.rpartition(".")
+        merged.setdefault((owner, path.kind, path.reason or path.where), []).append(name)
+    return [Route(owner, type(modules[owner]).__name__, tuple(names), kind, reason)
+            for (owner, kind, reason), names in merged.items()]
 
 
 @dataclass

@@ -292,4 +292,5 @@ from . import (  # noqa: E402,F401
     linear,
     norm,
     recurrent,
+    views,
 )

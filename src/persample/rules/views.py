@@ -1,0 +1,96 @@
+"""Pullbacks through shape ops on tensors computed from parameters: ``W.t()``,
+``x.transpose``, ``permute``, ``view``/``reshape``, ``unsqueeze``, casts, ``repeat``.
+
+These ops only move entries, so the per-sample cotangent of their output maps to
+their input by the inverse move, on the trailing dims of ``g (n, v, *shape)``:
+whether ``shape`` is the whole output (a tensor shared by the samples) or one
+sample's slice of it (an output paired with the samples, DeBERTa's relative keys
+``repeat``-ed to ``(B*H, ...)``: the engine then pairs the input the same way,
+checked by the op's data-flow rule).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import OpCall, register_op_rule
+
+
+def _dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _input(call: OpCall, out: dict) -> Tensor | None:
+    x = call.args[0] if call.args else call.kwargs.get("input")
+    return x if isinstance(x, Tensor) and set(out) == {id(x)} else None
+
+
+@register_op_rule(torch.Tensor.transpose, torch.transpose, torch.swapaxes, torch.swapdims,
+                  torch.Tensor.swapaxes, torch.Tensor.swapdims)
+def transpose(call: OpCall, g: Tensor, out: dict) -> str | None:
+    x = _input(call, out)
+    if x is None:
+        return "not one tensor"
+    a = _dim(call.arg(1, "dim0"), x.dim())
+    b = _dim(call.arg(2, "dim1"), x.dim())
+    out[id(x)].copy_(g.transpose(a + 2, b + 2))
+    return None
+
+
+@register_op_rule(torch.Tensor.t, torch.t)
+def t(call: OpCall, g: Tensor, out: dict) -> str | None:
+    x = _input(call, out)
+    if x is None:
+        return "not one tensor"
+    out[id(x)].copy_(g.transpose(-1, -2) if x.dim() == 2 else g)
+    return None
+
+
+@register_op_rule(torch.Tensor.permute, torch.permute)
+def permute(call: OpCall, g: Tensor, out: dict) -> str | None:
+    x = _input(call, out)
+    if x is None:
+        return "not one tensor"
+    dims = call.kwargs.get("dims", call.args[1] if len(call.args) == 2 and isinstance(
+        call.args[1], (tuple, list)) else call.args[1:])
+    order = [_dim(d, x.dim()) for d in dims]
+    inverse = [order.index(k) for k in range(len(order))]
+    out[id(x)].copy_(g.permute(0, 1, *[k + 2 for k in inverse]))
+    return None
+
+
+_RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten,
+             torch.flatten, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as,
+             torch.Tensor.reshape_as, torch.Tensor.unsqueeze, torch.unsqueeze,
+             torch.Tensor.squeeze, torch.squeeze, torch.Tensor.contiguous, torch.Tensor.clone,
+             torch.clone, torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float,
+             torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16)
+
+
+@register_op_rule(*_RESHAPES)
+def reshape(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """Reshapes and casts: the same entries in row-major order."""
+    x = _input(call, out)
+    if x is None or (call.func is torch.Tensor.view and len(call.args) == 2
+                     and isinstance(call.args[1], torch.dtype)):
+        return "not one tensor reshaped"
+    dst = out[id(x)]
+    if dst[0, 0].numel() != g[0, 0].numel():
+        return "the sample's part changed size"
+    dst.copy_(g.reshape(dst.shape))
+    return None
+
+
+@register_op_rule(torch.Tensor.repeat)
+def repeat(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """``x.repeat(...)`` whose output is paired with the samples one whole copy of ``x``
+    each (DeBERTa's ``pos_key.repeat(B, 1, 1)``): a sample's slice is ``x``."""
+    x = _input(call, out)
+    if x is None or not call.shared(x):
+        return "not a shared tensor repeated"
+    dst = out[id(x)]
+    if tuple(g.shape[2:]) == tuple(x.shape):
+        dst.copy_(g)
+        return None
+    return "a repeat whose sample slices are not one copy each"
