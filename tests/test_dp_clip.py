@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from cases import BY_ID, OpaqueGate, TiedLM, build, randn
-from persample import UnsupportedModuleError, loop_per_sample_grads
+from persample import loop_per_sample_grads
 from persample.dp import private_grad
 
 STABILITY = 1e-6
@@ -456,15 +456,18 @@ def test_batchnorm_in_training_mode(snapshot):
 
 
 
-def test_unsupported_module_raises_and_keeps_grad(snapshot):
+def test_unsupported_module_falls_back_to_the_loop():
+    """A parameter inside a custom autograd.Function that torch.func refuses: like
+    method="auto", a warning naming the module, then the loop's clipped sum."""
     model = nn.Sequential(nn.Linear(3, 4), OpaqueGate(), nn.Linear(4, 2))
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    state = snapshot(model)
-    with pytest.raises(UnsupportedModuleError, match=r"module '1' \(OpaqueGate\)"):
-        private_grad(model, randn(3, 3), randn(3, 2), nn.MSELoss(), max_grad_norm=1.0,
-                     noise_multiplier=1.0)
-    state.assert_unchanged()
+    x, y = randn(3, 3), randn(3, 2)
+    want = loop_per_sample_grads(model, x, y, nn.MSELoss())
+    flat = torch.cat([g.flatten(1) for g in want.values()], 1)
+    c = (1.0 / (flat.norm(dim=1) + 1e-6)).clamp(max=1.0)
+    with pytest.warns(UserWarning, match=r"(?s)module '1' \(OpaqueGate\).*Falling back"):
+        private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(got, (c[:, None] * flat).sum(0) / 3, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])

@@ -1,17 +1,18 @@
-"""The rules of ConvTranspose, InstanceNorm, RMSNorm, BatchNorm (eval), PReLU, Bilinear and
-EmbeddingBag: really used by ``method="rules"``, and the configurations the cases of
-``cases_layers.py`` cannot hold (models ``method="vmap"`` cannot run).
+"""The op rules of ConvTranspose, InstanceNorm, RMSNorm, BatchNorm (eval), PReLU, Bilinear and
+EmbeddingBag: really used by ``method="rules"`` (``supported`` reports what the call
+does), and the configurations the cases of ``cases_layers.py`` cannot hold (models
+``method="vmap"`` cannot run).
 
 Float64, tight tolerances, against the loop reference.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
@@ -25,8 +26,6 @@ from persample import (
     per_sample_grad_norms,
     per_sample_grads,
 )
-from persample.rules import find_rule
-from persample.rules.bilinear import bilinear, bilinear_norm
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 NEW_TYPES = (
@@ -34,7 +33,7 @@ NEW_TYPES = (
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm,
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.PReLU, nn.Bilinear, nn.EmbeddingBag,
 )
-# Configurations sent to the torch.func fallback on purpose, and why.
+# Configurations the op rule leaves to the exact per-sample VJP of the op, and why.
 FALLBACK = {"embeddingbag-scale-grad-by-freq": "scale_grad_by_freq=True"}
 RULE_CASES = [c for c in LAYER_CASES if c["id"] not in FALLBACK]
 
@@ -45,36 +44,39 @@ def assert_close(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
         torch.testing.assert_close(got[name], g, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.fixture
-def rule_calls(monkeypatch):
-    """Wrap the rules of ``NEW_TYPES``; the list holds every module a rule was applied to."""
-    called: list[nn.Module] = []
-    for cls in NEW_TYPES:
-        rule = rules_module._RULES[cls]
+def paths(model: nn.Module, inputs) -> dict[str, str]:
+    """``{parameter name: path}`` as ``supported`` reports the call's path."""
+    return {(f"{r.module}.{p}" if r.module else p): r.path
+            for r in persample.supported(model, inputs) for p in r.params}
 
-        def spy(layer, activations, backprops, out, fn=rule.fn):
-            called.append(layer)
-            return fn(layer, activations, backprops, out)
 
-        monkeypatch.setitem(rules_module._RULES, cls, dataclasses.replace(rule, fn=spy))
-    return called
+def assert_on_rules(model: nn.Module, inputs) -> None:
+    """Every trainable parameter of the new layers takes an op rule."""
+    got = paths(model, inputs)
+    for name, m in model.named_modules():
+        if isinstance(m, NEW_TYPES):
+            for p, _ in m.named_parameters(recurse=False):
+                key = f"{name}.{p}" if name else p
+                if key in got:
+                    assert got[key] == "rule", (key, got[key])
 
 
 @pytest.fixture
 def ghosts(monkeypatch):
-    """Wrap the norm rules of Bilinear and EmbeddingBag; the list holds each module whose
-    norm rule returned norms (not ``None``)."""
-    took: list[nn.Module] = []
-    for cls in (nn.Bilinear, nn.EmbeddingBag):
-        norm = rules_module._NORM_RULES[cls]
+    """Wrap the norm rules of ``F.bilinear`` and ``F.embedding_bag``; the list holds the
+    weight of each op whose norm rule returned norms (not ``None``)."""
+    took: list[Tensor] = []
+    for func in (F.bilinear, F.embedding_bag):
+        norm = rules_module._OP_NORMS[func]
 
-        def spy(layer, activations, backprops, names, norm=norm):
-            got = norm(layer, activations, backprops, names)
+        def spy(call, g, wanted, norm=norm):
+            got = norm(call, g, wanted)
             if got is not None:
-                took.append(layer)
+                took.append(call.arg(2, "weight") if call.func is F.bilinear
+                            else call.arg(1, "weight"))
             return got
 
-        monkeypatch.setitem(rules_module._NORM_RULES, cls, spy)
+        monkeypatch.setitem(rules_module._OP_NORMS, func, spy)
     return took
 
 
@@ -95,36 +97,31 @@ def new_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @pytest.mark.parametrize("c", RULE_CASES, ids=[c["id"] for c in RULE_CASES])
-def test_rules_are_used_without_vmap(c, rule_calls):
-    """Every new layer of the case goes through its rule: no fallback, no vmap warning."""
+def test_rules_are_used_without_vmap(c):
+    """Every new layer of the case goes through its op rule: no fallback, no vmap warning."""
     model, inputs, targets = build(c)
-    layers = new_layers(model)  # empty for a layer without parameters (affine=False)
     assert any(isinstance(m, NEW_TYPES) for m in model.modules())
-    for layer in layers:
-        rule, reason = find_rule(layer)
-        assert rule is not None, reason
     loss_fn = c["loss_fn"]("sum")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*performance drop")
         got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction="sum",
                                method="rules")
-        assert {id(m) for m in rule_calls} == {id(m) for m in layers}
-        rule_calls.clear()
         jac = param_jacobian(model, inputs, method="rules")
-        assert {id(m) for m in rule_calls} == {id(m) for m in layers}
+    assert_on_rules(model, inputs)
     assert_close(got, loop_per_sample_grads(model, inputs, targets, loss_fn))
     assert_close(jac, loop_param_jacobian(model, inputs))
 
 
 @pytest.mark.parametrize("case_id", list(FALLBACK))
-def test_fallback_configurations(case_id, rule_calls):
-    """The configurations the rule leaves to the fallback, which gets them right."""
+def test_fallback_configurations(case_id):
+    """The configurations the op rule leaves to the op's exact per-sample VJP ("taps"),
+    which gets them right."""
     c = BY_ID[case_id]
     model, inputs, targets = build(c)
-    assert find_rule(new_layers(model)[0]) == (None, FALLBACK[case_id])
+    (route,) = persample.supported(model, inputs)  # the bag is the model
+    assert route.path == "taps" and FALLBACK[case_id] in route.reason
     loss_fn = c["loss_fn"]("mean")
     got = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
-    assert not rule_calls
     assert_close(got, loop_per_sample_grads(model, inputs, targets, loss_fn))
 
 
@@ -142,23 +139,29 @@ def test_norm_rules_take_the_ghost_path(c, ghosts):
     model, inputs, targets = build(c)
     assert_norms_match(model, inputs, targets, c["loss_fn"]("mean"))
     expected = [] if c["id"] in MATERIALISED else [
-        m for m in new_layers(model) if isinstance(m, (nn.Bilinear, nn.EmbeddingBag))]
-    assert {id(m) for m in ghosts} == {id(m) for m in expected}
+        m.weight for m in new_layers(model) if isinstance(m, (nn.Bilinear, nn.EmbeddingBag))]
+    assert {id(w) for w in ghosts} == {id(w) for w in expected}
+
+
+class OverPositions(nn.Module):
+    def __init__(self, i: int, j: int, o: int):
+        super().__init__()
+        self.bil = nn.Bilinear(i, j, o)
+
+    def forward(self, x1: Tensor, x2: Tensor) -> Tensor:
+        return self.bil(x1, x2)
 
 
 @pytest.mark.parametrize("features, ghost", [((2, 3, 2), False), ((6, 5, 4), True)])
-def test_bilinear_norm_rule_over_positions(features, ghost):
-    """``T = 4`` positions: Gram matrices when ``T^2 (o + i + j) <= T o i j``, else ``None``."""
+def test_bilinear_norm_rule_over_positions(features, ghost, ghosts):
+    """``T = 4`` positions: Gram matrices when ``T^2 (o + i + j) <= T o i j``, else the
+    per-sample gradients; the norms are right either way."""
     i, j, o = features
-    layer = nn.Bilinear(i, j, o).double()
-    x1, x2, g = torch.randn(3, 4, i), torch.randn(3, 4, j), torch.randn(3, 1, 4, o)
-    got = bilinear_norm(layer, (x1, x2), g, {"weight", "bias"})
-    if not ghost:
-        assert got is None
-        return
-    want = torch.einsum("nto,nti,ntj->noij", g[:, 0], x1, x2).flatten(1).norm(dim=1)
-    torch.testing.assert_close(got["weight"].sqrt(), want, **TOL)
-    torch.testing.assert_close(got["bias"].sqrt(), g[:, 0].sum(1).norm(dim=1), **TOL)
+    model = OverPositions(i, j, o).double()
+    x = (torch.randn(3, 4, i), torch.randn(3, 4, j))
+    y = torch.randn(3, 4, o)
+    assert_norms_match(model, x, y, nn.MSELoss())
+    assert [id(w) for w in ghosts] == ([id(model.bil.weight)] if ghost else [])
 
 
 # ---------------------------------------------------------------------------
@@ -191,14 +194,15 @@ class VariableBags(nn.Module):
 @pytest.mark.parametrize("mode, weighted", [("sum", False), ("sum", True), ("mean", False),
                                             ("max", False)],
                          ids=["sum", "sum-weighted", "mean", "max"])
-def test_embedding_bag_variable_offsets(mode, weighted, include_last_offset, padding_idx,
-                                        rule_calls):
+def test_embedding_bag_variable_offsets(mode, weighted, include_last_offset, padding_idx):
+    """``ids[keep]``: each kept position is its sample's (the mask's values); the offsets
+    from ``lengths.cumsum(0)`` mix samples but only place them."""
     torch.manual_seed(0)
     model = VariableBags(mode, include_last_offset, padding_idx, weighted)
     x = (torch.randint(0, 4, (6, 5)), torch.tensor([2, 0, 5, 1, 3, 4]), torch.randn(6, 5))
     y = torch.randn(6, 3)
     got = per_sample_grads(model, x, y, nn.MSELoss(), method="rules")
-    assert rule_calls == [model.bag]
+    assert paths(model, x) == {"bag.weight": "rule"}
     assert_close(got, loop_per_sample_grads(model, x, y, nn.MSELoss()))
     assert_close(param_jacobian(model, x, method="rules"), loop_param_jacobian(model, x))
     assert_norms_match(model, x, y, nn.MSELoss())
@@ -214,13 +218,13 @@ def instance_norm_training() -> nn.Module:
     return net.double().train()
 
 
-def test_instance_norm_training_with_running_stats(rule_calls):
+def test_instance_norm_training_with_running_stats():
     """Normalised with each sample's own statistics: the rule matches the loop."""
     model = instance_norm_training()
     x, y = torch.randn(3, 2, 5), torch.randn(3, 3, 4)
     want = loop_per_sample_grads(model, x, y, nn.MSELoss())
     got = per_sample_grads(model, x, y, nn.MSELoss(), method="rules")
-    assert rule_calls == [model[1]]
+    assert paths(model, x)["1.weight"] == "rule"
     assert_close(got, want)
 
 
@@ -242,34 +246,39 @@ def test_instance_norm_training_with_running_stats_leaves_buffers(snapshot, meth
 # direct calls of the rules
 
 
-def test_bilinear_rule_into_a_destination_that_is_not_a_view_of_matrices():
-    """``out`` whose ``(i, j)`` dims cannot be viewed as ``i*j``: computed, then copied."""
-    layer = nn.Bilinear(3, 2, 4).double()
-    x1, x2, g = torch.randn(5, 3), torch.randn(5, 2), torch.randn(5, 1, 4)
-    dst = torch.empty(5, 1, 2, 3, 4).permute(0, 1, 4, 3, 2)  # (5, 1, 4, 3, 2), strided
-    bilinear(layer, (x1, x2), g, {"weight": dst})
-    want = torch.einsum("nvo,ni,nj->nvoij", g, x1, x2)
-    torch.testing.assert_close(dst, want, **TOL)
+def test_bilinear_flat_result_is_exact():
+    """A flat result: the weight's ``(o, i, j)`` block is a strided view of the buffer."""
+    model = OverPositions(3, 2, 4).double()
+    x, y = (torch.randn(5, 3), torch.randn(5, 2)), torch.randn(5, 4)
+    flat = per_sample_grads(model, x, y, nn.MSELoss(), flat=True, method="rules")
+    want = loop_per_sample_grads(model, x, y, nn.MSELoss())
+    torch.testing.assert_close(flat, torch.cat([g.flatten(1) for g in want.values()], 1), **TOL)
 
 
 @pytest.mark.parametrize("layer, x", [
     (nn.ConvTranspose2d(2, 2, 3), torch.randn(2, 4, 4)),
     (nn.InstanceNorm2d(2, affine=True), torch.randn(2, 4, 4)),
 ], ids=["conv-transpose", "instance-norm"])
-def test_unbatched_input_is_refused(layer, x):
-    """An unbatched input whose dim 0 passes for a batch: a clear error, not a wrong result."""
+def test_unbatched_input_mixes_samples(layer, x):
+    """An unbatched input ``(C, H, W)`` whose dim 0 passes for a batch: the op mixes its
+    dim 0 (channels), so the rules refuse, naming the module; ``auto`` warns and tries
+    torch.func and the loop, which cannot run a slice of it either: their error comes
+    with the reason the rules gave."""
     layer = layer.double()
     y = torch.randn_like(layer(x.double()))
-    with pytest.raises(ValueError, match=type(layer).__name__):
+    with pytest.raises(ValueError, match="unbatched input.*in module '<root>'"):
         per_sample_grads(layer, x.double(), y, nn.MSELoss(), method="rules")
+    with pytest.warns(UserWarning, match="unbatched input"):
+        with pytest.raises(Exception) as caught:
+            per_sample_grads(layer, x.double(), y, nn.MSELoss())
+    assert any("unbatched input" in note for note in caught.value.__notes__)
 
 
 def test_batch_norm_rule_refuses_training_mode():
-    """checks.py refuses it first; the rule refuses it too if called directly."""
+    """checks.py refuses it first, naming the module and the fix."""
     layer = nn.BatchNorm1d(3).double()
-    with pytest.raises(ValueError, match="training mode"):
-        rules_module._RULES[nn.BatchNorm1d].fn(layer, (torch.randn(2, 3),),
-                                              torch.randn(2, 1, 3), {})
+    with pytest.raises(ValueError, match="model.eval"):
+        per_sample_grads(layer, torch.randn(4, 3), torch.randn(4, 3), nn.MSELoss())
 
 
 def test_cases_hold_every_new_layer():

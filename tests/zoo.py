@@ -315,7 +315,7 @@ def timm_vit_layerscale():
 
 
 def timm_resnet():
-    timm = require("timm")
+    require("timm")
     torch.manual_seed(0)
     from timm.models.resnet import BasicBlock, ResNet
 

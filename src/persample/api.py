@@ -313,7 +313,12 @@ def _dispatch(method: str, rules, vmap, loop, params: dict, dest: dict[int, Tens
             _copy(vmap(), params, dest)
             return
         except Exception:  # torch.func cannot run this model: the loop always can
-            method = "loop"
+            try:
+                _copy(loop(), params, dest)
+            except Exception as err:  # nor the loop: say why the rules did not either
+                err.add_note(f"(method='auto' fell back to the loop because: {reason})")
+                raise
+            return
     _copy(vmap() if method == "vmap" else loop(), params, dest)
 
 

@@ -198,7 +198,7 @@ class Capture:
         >>> with Capture(net, {id(p): p for p in net.parameters()}, 5, [x]) as cap:
         ...     y = net(x)
         >>> cap.layout(y), [op.func.__name__ for op in cap.ops]
-        (Batched(dim=0, outer=1, inner=1), ['linear', 'linear'])
+        (Batched(dim=0), ['linear', 'linear'])
         >>> len(net[0]._forward_hooks)
         0
     """

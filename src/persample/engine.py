@@ -178,10 +178,8 @@ def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[in
             raise NeedsWholeModel(
                 f"parameter {_param_name(cap.model, pid)}: {reason}; no module around its "
                 "uses has inputs and outputs whose samples can be located")
-        for job_call, params in result.fallback_jobs:
-            if job_call is call:
-                break
-        else:
+        params = next((found for job, found in result.fallback_jobs if job is call), None)
+        if params is None:
             params = {}
             result.fallback_jobs.append((call, params))
         for name, p in call.module.named_parameters(remove_duplicate=False):

@@ -179,7 +179,7 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
                                 is_grads_batched=v > 1, allow_unused=True,
                                 materialize_grads=True)
     found = []
-    for k, (copy, lead), gc in zip(wrt, copies, grads):
+    for k, (_, lead), gc in zip(wrt, copies, grads):
         gc = gc if v > 1 else gc.unsqueeze(0)  # (v, *copy.shape)
         per_sample = out_layout.moved(lead).front_cotangents(gc, n)  # (n, v, *per_sample)
         found.append(reduce_to(per_sample, tuple(op.leaves[k].shape)))

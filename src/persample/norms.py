@@ -69,7 +69,7 @@ def _sites(cap: Captured) -> dict[int, int]:
     """How many ops or module calls contribute to each parameter."""
     count: dict[int, int] = {}
     plan = cap.plan
-    for call, params in plan.module_jobs + plan.fallback_jobs:
+    for _call, params in plan.module_jobs + plan.fallback_jobs:
         for p in params.values():
             count[id(p)] = count.get(id(p), 0) + 1
     derived = cap.cap.derived
@@ -83,8 +83,9 @@ def _sites(cap: Captured) -> dict[int, int]:
 
 def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -> None:
     """Norm rules of module rules (``register_norm_rule``)."""
-    from .engine import _module_inputs
     from torch.utils._pytree import tree_leaves
+
+    from .engine import _module_inputs
 
     for call, params in cap.plan.module_jobs:
         norm = find_norm_rule(call.rule)

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from . import checks
+from .api import FALLBACK_ERRORS
 from .engine import (
-    NeedsWholeModel,
     Path,
     capture_backprops,
     write_per_sample,
@@ -168,8 +168,10 @@ def traced_paths(model: nn.Module, batch: Batch) -> dict[int, Path]:
         cap = capture_backprops(model, batch, root, backward, params, 1)
         write_per_sample(cap, {pid: p.new_empty((batch.n, 1, *p.shape))
                                for pid, p in params.items()})
-    except NeedsWholeModel as err:
-        return {pid: Path("vmap", "", str(err)) for pid in params}
+    except FALLBACK_ERRORS as err:
+        why = (f"{err} method='auto' runs torch.func over the whole model (the loop if "
+               "that fails)")
+        return {pid: Path("vmap", "", why) for pid in params}
     return {pid: cap.plan.paths.get(pid, Path("unused", "", "never read in this forward: "
                                              "zero per-sample gradients")) for pid in params}
 

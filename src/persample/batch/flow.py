@@ -570,8 +570,8 @@ def _repeat(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched) or lay.index is not None:
         return lay if not isinstance(lay, Batched) else Unknown("repeat of an irregular batch")
-    reps = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
-    reps = list(reps)
+    reps = list(args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size))
+                else args[1:])
     d = lay.dim + len(reps) - x.dim()
     return Batched(d, lay.outer * reps[d], lay.inner)
 
@@ -774,7 +774,7 @@ def indexed_layout(ctx, lay: Batched, x: Tensor, index: Any, out: Tensor) -> Lay
     if not advanced:
         return _basic_indexed(lay, x, items, out)
     if any(isinstance(items[k], Tensor) and items[k].dtype == torch.bool for k in advanced):
-        return None  # boolean masks merge the dims they cover: not followed
+        return _masked(ctx, lay, x, items, advanced, out)
     index_tensors = [torch.as_tensor(items[k]) for k in advanced]
     shape = torch.broadcast_shapes(*[t.shape for t in index_tensors])
     adjacent = advanced == list(range(advanced[0], advanced[-1] + 1))
@@ -822,6 +822,20 @@ def indexed_layout(ctx, lay: Batched, x: Tensor, index: Any, out: Tensor) -> Lay
         if all(_index_pairs(ctx, t, shape, k) for t in other):
             return Batched(start + k)
     return None
+
+
+def _masked(ctx, lay: Batched, x: Tensor, items: list, advanced: list, out: Tensor
+            ) -> Layout | None:
+    """``x[mask]`` with one boolean mask over the leading dims, the batch among them:
+    the kept positions, in row-major order, each of its sample (``mask.nonzero()``)."""
+    mask = items[advanced[0]]
+    if (advanced != [0] or not lay.plain or lay.dim >= mask.dim()
+            or any(i != slice(None) for i in items[1:])):
+        return None
+    index = mask.nonzero()[:, lay.dim]
+    if index.numel() == ctx.n and bool((index == torch.arange(ctx.n, device=index.device)).all()):
+        return Batched(0)
+    return Batched(0, index=index)
 
 
 def _index_pairs(ctx, t: Tensor, shape: torch.Size, k: int) -> bool:
@@ -887,7 +901,8 @@ def _index_select(ctx, func, args, kwargs, out) -> Any:
 
 
 _register(_index_select, *_aliases("index_select"))
-_VALUE_READERS = set(_aliases("index_select", "_pack_padded_sequence"))
+_VALUE_READERS = set(_aliases("index_select", "_pack_padded_sequence")) | {
+    F.embedding_bag, torch.embedding_bag}
 
 
 def _gather(ctx, func, args, kwargs, out) -> Any:
@@ -1043,9 +1058,11 @@ def _leading(ctx, func, args, kwargs, out, spatial: int | None = None) -> Any:
     if not isinstance(lay, Batched):
         return _all(out, lay)
     if lay.dim != 0:
-        return _all(out, _mixed(func, "mixes the samples' dim (not the op's batch dim 0)"))
+        return _all(out, _mixed(func, f"has the samples in dim {lay.dim}, which it mixes "
+                                      "(an unbatched input?)"))
     if spatial is not None and x.dim() != spatial + 2:
-        return _all(out, _mixed(func, "got an unbatched input"))
+        return _all(out, _mixed(func, "got an unbatched input, whose samples are its "
+                                      "channels"))
     if isinstance(out, (tuple, list)):
         return tuple(lay if isinstance(o, Tensor) and o.dim() and o.shape[0] == x.shape[0]
                      else Unknown("an output without the batch dim") for o in out)
@@ -1141,12 +1158,19 @@ _register(_one_hot, *_aliases("one_hot"))
 
 def _embedding_bag(ctx, func, args, kwargs, out) -> Any:
     """``F.embedding_bag(ids, W, offsets, ...)``: 2-d ids are one bag per row; 1-d ids
-    with offsets: each bag's positions must belong to one sample, and the bags take
-    their samples in order (read from the offsets' values)."""
+    with offsets: every position of bag ``k`` must belong to sample ``k`` (read from the
+    ids' layout and the offsets' values, whatever computed them: ``lengths.cumsum(0)``
+    mixes samples but only places them). An empty bag holds no sample's data; its
+    row stays at its place."""
     ids = _arg(args, kwargs, 0, "input")
     offsets = _arg(args, kwargs, 2, "offsets", None)
+    weights = _arg(args, kwargs, 8, "per_sample_weights", None)
     lay = ctx.layout(ids)
     outs = out if isinstance(out, (tuple, list)) else (out,)
+    if ctx.layout(_arg(args, kwargs, 1, "weight")) is not FREE:
+        return _all(out, Unknown("embedding_bag with a per-sample table"))
+    if weights is not None and isinstance(ctx.layout(weights), (Mixed, Unknown)):
+        return _all(out, ctx.layout(weights))
     if not isinstance(lay, Batched):
         return _all(out, lay)
     if ids.dim() == 2:
@@ -1154,18 +1178,16 @@ def _embedding_bag(ctx, func, args, kwargs, out) -> Any:
             return _all(out, _mixed(func, "bags the batch dim"))
         return tuple(lay for _ in outs) if isinstance(out, (tuple, list)) else lay
     include_last = _arg(args, kwargs, 9, "include_last_offset", False)
-    if offsets is None or ctx.layout(offsets) is not FREE or lay.index is not None:
-        return _all(out, Unknown("embedding_bag with per-sample offsets"))
+    bags = 0 if offsets is None else offsets.shape[0] - (1 if include_last else 0)
+    if bags != ctx.n:
+        return _all(out, Unknown("embedding_bag whose bags are not one per sample"))
     positions = ids.shape[0]
-    sample = torch.arange(lay.outer * ctx.n * lay.inner, device=ids.device) // lay.inner % ctx.n
-    bags = offsets.shape[0] - (1 if include_last else 0)
-    starts = offsets[:bags].long()
-    ends = torch.cat([offsets[1:bags].long(), torch.tensor([positions], device=ids.device)])
-    if bags != ctx.n or bool((ends <= starts).any()):
-        return _all(out, Unknown("embedding_bag whose bags are not one per sample"))
-    first, last = sample[starts], sample[ends - 1]
-    if not bool((first == torch.arange(ctx.n, device=ids.device)).all() & (first == last).all()):
-        return _all(out, Unknown("embedding_bag whose bags are not one per sample"))
+    sample = lay.index if lay.index is not None else (
+        torch.arange(positions, device=ids.device) // lay.inner % ctx.n)
+    t = torch.arange(positions, dtype=offsets.dtype, device=offsets.device)
+    bag = (torch.searchsorted(offsets[:bags].contiguous(), t, right=True) - 1).clamp(0, bags - 1)
+    if not bool((sample.to(bag.device) == bag).all()):
+        return _all(out, _mixed(func, "puts several samples' positions in one bag"))
     found = Batched(0)
     return tuple(found for _ in outs) if isinstance(out, (tuple, list)) else found
 
@@ -1284,7 +1306,7 @@ _register(_rnn, *_aliases("lstm", "gru", "rnn_tanh", "rnn_relu",
 def _pack(ctx, func, args, kwargs, out) -> Any:
     """``_pack_padded_sequence(input, lengths, batch_first)``: rows time-major, the
     sample of each row from the input's layout and the lengths."""
-    x, lengths, batch_first = args[0], args[1], args[2]
+    x, _lengths, batch_first = args[0], args[1], args[2]
     lay = ctx.layout(x)
     want = 0 if batch_first else 1
     if not isinstance(lay, Batched) or lay.dim != want or lay.outer != 1 or lay.inner != 1:

@@ -76,6 +76,13 @@ class Batched:
     def __hash__(self) -> int:
         return hash((self.dim, self.outer, self.inner, self.index is None))
 
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v}" for k, v in (("outer", self.outer), ("inner", self.inner))
+                        if v != 1)
+        if self.index is not None:
+            extra += f", index={self.index.tolist()}"
+        return f"Batched(dim={self.dim}{extra})"
+
     @property
     def plain(self) -> bool:
         """One position per sample, in sample order."""

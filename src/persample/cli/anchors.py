@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacfwd, jacrev, vmap
 
 from ..api import param_jacobian, per_sample_grads
-from ..reference import loop_param_jacobian, loop_per_sample_grads
 from ..inputs import as_batch
+from ..reference import loop_param_jacobian, loop_per_sample_grads
 from ..vmap import vmap_per_sample_grads
 from .workloads import Workload
 

@@ -15,6 +15,7 @@ with the factors directly.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks
+from ..api import FALLBACK_ERRORS
 from ..batch import Batched
 from ..engine import Captured, edge_key, loss_backprops
 from ..norms import squared_norms
@@ -116,17 +118,40 @@ def _clipped_sum(model, batch, targets, loss_fn, loss_reduction, params, max_gra
         norms = next(iter(params.values())).new_zeros(0)
         return {id(p): torch.zeros_like(p) for p in params.values()}, norms
     watched = {id(p): p for p in params.values()}
-    cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction, watched,
-                         retain_graph=True)
-    sq, mats, ghosted = squared_norms(cap, params)
+    try:
+        cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction, watched,
+                             retain_graph=True)
+        sq, mats, ghosted = squared_norms(cap, params)
+    except FALLBACK_ERRORS as err:  # as method="auto" does: exact, slower
+        warnings.warn(f"{err} Falling back to per-sample gradients by method='vmap' (the "
+                      "loop if that fails).", stacklevel=3)
+        cap, ghosted = None, set()
+        mats = _materialised(model, batch, targets, loss_fn, loss_reduction, params)
+        sq = {pid: m.flatten(1).square().sum(1) for pid, m in mats.items()}
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
     _check_finite(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
     clipped = {pid: torch.tensordot(factors[pid], m[:, 0], dims=1) for pid, m in mats.items()}
-    _book_keeping(cap, ghosted, factors, clipped)
+    if cap is not None:
+        _book_keeping(cap, ghosted, factors, clipped)
     for p in params.values():
         clipped.setdefault(id(p), torch.zeros_like(p))
     return clipped, norms
+
+
+def _materialised(model, batch, targets, loss_fn, loss_reduction, params
+                  ) -> dict[int, Tensor]:
+    """``{id(p): (n, 1, *shape)}`` by ``torch.func`` over the whole model, or the loop."""
+    from ..api import per_sample_grads
+
+    inputs = (batch.args, batch.kwargs)
+    try:
+        grads = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=loss_reduction,
+                                 method="vmap")
+    except Exception:  # torch.func cannot run this model: the loop always can
+        grads = per_sample_grads(model, inputs, targets, loss_fn,
+                                 loss_reduction=loss_reduction, method="loop")
+    return {id(params[name]): g.unsqueeze(1) for name, g in grads.items()}
 
 
 def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tensor]:
