@@ -1,0 +1,557 @@
+"""Each mechanism of the data-flow engine on a small hand-written model, against the loop
+in float64, with sizes that coincide (batch = sequence length = heads = windows), so
+that a guess of where the batch is from a size would show.
+
+For every model: every public function is exact, ``auto`` takes no fallback, and
+``supported`` reports the path the call took.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import persample
+from persample import (
+    loop_param_jacobian,
+    loop_per_sample_grads,
+    param_jacobian,
+    per_sample_grad_norms,
+    per_sample_grads,
+    supported,
+)
+from persample.batch import FREE, Batched, Ctx, Mixed, Unknown, propagate
+from persample.dp import private_grad
+
+B = T = H = 4  # coinciding on purpose
+E = 8
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def flat(grads: dict[str, Tensor]) -> Tensor:
+    return torch.cat([g.flatten(1) for g in grads.values()], 1)
+
+
+def check_everything(model: nn.Module, inputs, targets, loss_fn, jacobian: bool = True,
+                     paths: set[str] = frozenset({"rule"})) -> None:
+    """Every public function against the loop; no fallback warning; the reported paths."""
+    want = loop_per_sample_grads(model, inputs, targets, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_grads(per_sample_grads(model, inputs, targets, loss_fn), want)
+        norms = per_sample_grad_norms(model, inputs, targets, loss_fn)
+        torch.testing.assert_close(norms, flat(want).norm(dim=1), **TOL)
+        c = norms.median().item()
+        private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0)
+        factors = (c / (flat(want).norm(dim=1) + 1e-6)).clamp(max=1.0)
+        got = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        torch.testing.assert_close(got, (factors[:, None] * flat(want)).sum(0) / len(factors),
+                                   **TOL)
+        for p in model.parameters():
+            p.grad = None
+        if jacobian:
+            assert_grads(param_jacobian(model, inputs), loop_param_jacobian(model, inputs))
+    assert {r.path for r in supported(model, inputs)} == set(paths)
+
+
+def mse(out, y):
+    return ((out - y) ** 2).flatten(1).sum(1)
+
+
+# ---------------------------------------------------------------------------
+# parameters used on data without samples
+
+
+class Positions(nn.Module):
+    """A learned position table read with ``arange(T)`` ids (GPT-2, BERT, BART), added to
+    the tokens: its per-sample gradient comes from the broadcast add."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(10, E)
+        self.pos = nn.Embedding(T, E)
+        self.out = nn.Linear(E, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)  # (1, T): no samples
+        h = self.tok(ids) + self.pos(positions)
+        return self.out(torch.tanh(h)).sum(1)
+
+
+class BiasTable(nn.Module):
+    """T5's relative attention bias: a table read through a ``(T, T)`` bucket matrix (T = B
+    = heads), ``(1, H, T, T)``, added to each sample's scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = nn.Linear(E, 2 * E)
+        self.bias = nn.Embedding(7, H)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        q, k = self.qk(x).view(n, t, 2, H, -1).unbind(2)  # (n, T, H, d)
+        scores = q.transpose(1, 2) @ k.transpose(1, 2).transpose(2, 3)  # (n, H, T, T)
+        buckets = (torch.arange(t)[None, :] - torch.arange(t)[:, None]).clamp(-3, 3) + 3
+        table = self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, H, T, T)
+        scores += table  # in place, as T5 does
+        return scores.softmax(-1).flatten(1)
+
+
+class ClassToken(nn.Module):
+    """A class token expanded to the batch and joined to each sample's patches."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, E))
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.proj(x)], 1)  # (B, 1+T, E)
+        return torch.tanh(h).sum(1)
+
+
+@pytest.mark.parametrize("make, inputs, targets", [
+    (Positions, lambda: torch.randint(0, 10, (B, T)), lambda: torch.randn(B, 3)),
+    (BiasTable, lambda: torch.randn(B, T, E), lambda: torch.randn(B, H * T * T)),
+    (ClassToken, lambda: torch.randn(B, T, E), lambda: torch.randn(B, E)),
+], ids=["positions-from-arange", "bias-table-t-by-t", "class-token"])
+def test_parameters_on_data_without_samples(make, inputs, targets):
+    torch.manual_seed(0)
+    check_everything(make(), inputs(), targets(), mse, jacobian=make is not BiasTable)
+
+
+# ---------------------------------------------------------------------------
+# where the batch is: sequence-first, merged with positions or windows
+
+
+class SequenceFirst(nn.Module):
+    """Works on ``(T, B, E)`` with T == B: a Linear and a LayerNorm see the batch in dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(E, E)
+        self.norm = nn.LayerNorm(E)
+
+    def forward(self, x: Tensor) -> Tensor:  # x (B, T, E)
+        h = self.norm(self.fc(x.transpose(0, 1)))  # (T, B, E)
+        return h.transpose(0, 1).flatten(1)
+
+
+class MergedRows(nn.Module):
+    """OPT-style ``(B*T, E)`` rows, and an ``addmm`` with a ``(in, out)`` weight (GPT-2's
+    ``Conv1D``), then back to ``(B, T, E)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(E, E) / math.sqrt(E))
+        self.bias = nn.Parameter(torch.randn(E))
+        self.norm = nn.LayerNorm(E)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, e = x.shape
+        rows = torch.addmm(self.bias, x.reshape(-1, e), self.weight)  # (B*T, E)
+        return self.norm(rows).view(n, t, e).flatten(1)
+
+
+class Windows(nn.Module):
+    """Swin-style windows merged into dim 0: ``(B, 4, 4, C) -> (B*nW, 4, C)`` with
+    nW == B, a Linear and a norm over the windows, and back."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.norm = nn.LayerNorm(3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 4, 4, 3)
+        n = x.shape[0]
+        w = x.view(n, 2, 2, 2, 2, 3).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, 3)  # (B*4, 4, 3)
+        w = self.norm(self.fc(w))
+        back = w.view(n, 2, 2, 2, 2, 3).permute(0, 1, 3, 2, 4, 5).reshape(n, 4, 4, 3)
+        return back.flatten(1)
+
+
+class InnerMerge(nn.Module):
+    """``(T, B, E) -> (T*B, E)``: the samples are the inner part of dim 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(E, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.transpose(0, 1).reshape(-1, E)  # (T*B, E)
+        return self.fc(t).view(x.shape[1], x.shape[0], 2).transpose(0, 1).flatten(1)
+
+
+@pytest.mark.parametrize("make, shape, out", [
+    (SequenceFirst, (B, T, E), T * E),
+    (MergedRows, (B, T, E), T * E),
+    (Windows, (B, 4, 4, 3), 48),
+    (InnerMerge, (B, T, E), T * 2),
+], ids=["sequence-first", "merged-rows-addmm", "windows", "inner-merge"])
+def test_batch_moved_or_merged(make, shape, out):
+    torch.manual_seed(0)
+    check_everything(make(), torch.randn(*shape), torch.randn(B, out), mse, jacobian=False)
+
+
+# ---------------------------------------------------------------------------
+# parameters by op, whatever the module class
+
+
+class HandRMSNorm(nn.Module):
+    """Llama's RMSNorm: ``weight * x * rsqrt(mean(x^2) + eps)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(E))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = self.weight.dtype  # reading .dtype is not a use
+        h = x.to(dtype) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h
+
+
+class LayerScaled(nn.Module):
+    """timm's LayerScale in place (``x.mul_(gamma)``), a bias added by hand, an in-place
+    residual, and GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(E, E)
+        self.gamma = nn.Parameter(torch.randn(E))
+        self.shift = nn.Parameter(torch.randn(E))
+        self.norm = HandRMSNorm()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.gelu(self.fc(self.norm(x)))
+        h.mul_(self.gamma)
+        h = h + self.shift
+        h += x
+        return h.flatten(1)
+
+
+class TwiceRegistered(nn.Module):
+    """Opacus's DPRNN pattern: one weight registered on the module and on its child."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(E, 3)
+        self.weight = self.inner.weight  # the same Parameter, a second name
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x).sum(1)
+
+
+class InPlaceResidual(nn.Module):
+    """torchvision's BasicBlock: conv-bn-ReLU(inplace), conv-bn, ``out += identity``,
+    ReLU(inplace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+        self.conv2, self.bn2 = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        out = F.relu(out, inplace=True)
+        return out.flatten(1)
+
+
+@pytest.mark.parametrize("make, shape, out", [
+    (LayerScaled, (B, T, E), T * E),
+    (TwiceRegistered, (B, T, E), 3),
+    (InPlaceResidual, (B, 3, T, T), 3 * T * T),
+], ids=["rmsnorm-layerscale-inplace", "weight-registered-twice", "inplace-residual"])
+def test_parameters_by_op(make, shape, out):
+    torch.manual_seed(0)
+    model = make().eval()
+    check_everything(model, torch.randn(*shape), torch.randn(B, out), mse, jacobian=False)
+
+
+def test_weight_registered_twice_is_one_parameter():
+    """Not twice its gradient: the loop and the rules agree, and the result has it once."""
+    torch.manual_seed(0)
+    model = TwiceRegistered()
+    x, y = torch.randn(B, T, E), torch.randn(B, 3)
+    got = per_sample_grads(model, x, y, mse)
+    assert list(got) == ["weight", "inner.bias"]  # named_parameters(): each once
+    manual = torch.stack([torch.autograd.grad(mse(model(x[i:i + 1]), y[i:i + 1]).sum(),
+                                              model.inner.weight)[0] for i in range(B)])
+    torch.testing.assert_close(got["weight"], manual, **TOL)
+
+
+# ---------------------------------------------------------------------------
+# inputs and outputs as libraries use them
+
+
+class KeywordModel(nn.Module):
+    """``forward(input_ids, attention_mask=None, position_ids=None)`` returning a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, E)
+        self.pos = nn.Embedding(T, E)
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        h = self.emb(input_ids)
+        if position_ids is not None:
+            h = h + self.pos(position_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return {"logits": self.head(h).sum(1), "hidden": h}
+
+
+def dict_loss(out, y):
+    return F.cross_entropy(out["logits"], y, reduction="none")
+
+
+@pytest.mark.parametrize("form", ["dict", "args-kwargs", "shared-position-ids"])
+def test_inputs_as_a_dict(form):
+    torch.manual_seed(0)
+    model = KeywordModel()
+    ids = torch.randint(0, 10, (B, T))
+    mask = torch.ones(B, T)
+    mask[0, -1] = 0
+    y = torch.randint(0, 3, (B,))
+    if form == "dict":
+        inputs = {"input_ids": ids, "attention_mask": mask}
+    elif form == "args-kwargs":
+        inputs = ((ids,), {"attention_mask": mask})
+    else:  # a (1, T) tensor: shared by all samples, passed by keyword only
+        inputs = {"input_ids": ids, "position_ids": torch.arange(T)[None]}
+    used = {"rule"} if form == "shared-position-ids" else {"rule", "unused"}  # model.pos
+    check_everything(model, inputs, y, dict_loss, jacobian=False, paths=used)
+    assert_grads(per_sample_grads(model, inputs, y, dict_loss, chunk_size=3),
+                 loop_per_sample_grads(model, inputs, y, dict_loss))
+
+
+def test_batch_encoding_from_transformers():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = KeywordModel()
+    enc = transformers.BatchEncoding({"input_ids": torch.randint(0, 10, (B, T)),
+                                      "attention_mask": torch.ones(B, T)})
+    y = torch.randint(0, 3, (B,))
+    assert_grads(per_sample_grads(model, enc, y, dict_loss),
+                 loop_per_sample_grads(model, dict(enc), y, dict_loss))
+
+
+class ComputesItsLoss(nn.Module):
+    """Like a Hugging Face model given ``labels``: its ``loss`` is a mean over every token
+    of every sample, which cannot be split by sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, E)
+        self.head = nn.Linear(E, 10)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids))  # (B, T, 10)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return out
+
+
+def test_a_loss_computed_inside_the_model_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    model = ComputesItsLoss()
+    ids = torch.randint(0, 10, (B, T))
+    labels = ids.clone()
+    labels[0, 2:] = -100  # padding: per-sample token counts differ
+    inputs = {"input_ids": ids, "labels": labels}
+    with pytest.raises(persample.LossNotPerSampleError, match="(?s)output\\['loss'\\].*logits"):
+        per_sample_grads(model, inputs, None, lambda out, _: out["loss"], method="rules")
+    with pytest.raises(persample.LossNotPerSampleError, match="causal LM"):
+        per_sample_grads(model, inputs, None, lambda out, _: out["loss"] * 2, method="rules")
+    # auto: a warning with the fix, then the loop's answer (each sample's own mean)
+    with pytest.warns(UserWarning, match="per-sample terms"):
+        got = per_sample_grads(model, inputs, None, lambda out, _: out["loss"])
+    assert_grads(got, loop_per_sample_grads(model, inputs, None, lambda out, _: out["loss"]))
+
+
+def test_the_per_sample_loss_from_the_logits_is_exact():
+    torch.manual_seed(0)
+    model = ComputesItsLoss()
+    ids = torch.randint(0, 10, (B, T))
+    labels = ids.clone()
+    labels[0, 2:] = -100
+
+    def loss_fn(out, labels):
+        per_token = F.cross_entropy(out["logits"].transpose(1, 2), labels, reduction="none")
+        return per_token.sum(1) / (labels != -100).sum(1)
+
+    check_everything(model, {"input_ids": ids}, labels, loss_fn, jacobian=False)
+
+
+# ---------------------------------------------------------------------------
+# what the engine cannot follow: exact slower paths, named
+
+
+@torch.jit.script
+def _double(x: Tensor) -> Tensor:  # TorchScript: its ops are not seen by the capture
+    return 2 * x
+
+
+class OpaqueInside(nn.Module):
+    """TorchScript on per-sample data: what comes out of it has no known layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(_double(x)).sum(1)
+
+
+def test_unknown_layout_goes_to_the_whole_model_and_says_so():
+    """Never a guess: the rules refuse naming the parameter and why; supported says
+    'vmap'; auto warns and takes torch.func over the whole model, which is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(E, E), OpaqueInside())
+    x, y = torch.randn(B, T, E), torch.randn(B, 3)
+    with pytest.raises(persample.NeedsWholeModel, match="'1.fc.weight'.*TorchScript"):
+        per_sample_grads(model, x, y, mse, method="rules")
+    assert {r.path for r in supported(model, x)} == {"vmap"}
+    with pytest.warns(UserWarning, match="TorchScript"):
+        got = per_sample_grads(model, x, y, mse)
+    assert_grads(got, loop_per_sample_grads(model, x, y, mse))
+
+
+class _Gain(torch.autograd.Function):
+    """``x * w`` as a custom autograd.Function (torch.func can batch it)."""
+
+    @staticmethod
+    def forward(x, w):
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum_to_size(w.shape)
+
+
+_Gain.generate_vmap_rule = True
+
+
+class CustomGain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(E))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Gain.apply(x, self.w)
+
+
+def test_parameter_inside_a_custom_function_takes_the_module_fallback():
+    """The capture sees ``x * w`` run without autograd inside the Function: the
+    gradient path is the Function's own, so the module is differentiated whole with
+    torch.func (the per-module fallback), and the rest stays on rules."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(E, E), CustomGain(), nn.Linear(E, 2))
+    x, y = torch.randn(B, E), torch.randn(B, 2)
+    routes = {r.module: (r.path, r.reason) for r in supported(model, x)}
+    assert routes["0"][0] == routes["2"][0] == "rule"
+    assert routes["1"][0] == "fallback"
+    check_everything(model, x, y, mse, jacobian=True, paths={"rule", "fallback"})
+
+
+class SumsOverTheBatch(nn.Module):
+    """Subtracts the batch mean: samples interact, per-sample gradients follow the loop's
+    definition (each sample alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return h - h.mean(0, keepdim=True)
+
+
+def test_mixing_samples_is_named_and_auto_takes_the_loop():
+    torch.manual_seed(0)
+    model = SumsOverTheBatch()
+    x, y = torch.randn(B, E), torch.randn(B, 3)
+    with pytest.raises(ValueError, match="reduces over the batch, in module '<root>'"):
+        per_sample_grads(model, x, y, mse, method="rules")
+    with pytest.warns(UserWarning, match="reduces over the batch"):
+        got = per_sample_grads(model, x, y, mse)
+    assert_grads(got, loop_per_sample_grads(model, x, y, mse))
+
+
+# ---------------------------------------------------------------------------
+# the data-flow rules themselves
+
+
+def flow(func, args, kwargs, out, layouts):
+    ctx = Ctx(B, lambda t: next((lay for x, lay in layouts if x is t), FREE))
+    return propagate(ctx, func, args, kwargs, out).outputs
+
+
+def test_reshape_merges_by_index_arithmetic():
+    x = torch.randn(B, T, E)  # B == T: sizes cannot tell them apart
+    merged = x.reshape(B * T, E)
+    assert flow(torch.Tensor.reshape, (x, B * T, E), {}, merged, [(x, Batched(0))]) == Batched(
+        0, inner=T)
+    back = merged.view(B, T, E)
+    assert flow(torch.Tensor.view, (merged, B, T, E), {}, back,
+                [(merged, Batched(0, inner=T))]) == Batched(0)
+    # the batch in dim 1 (sequence-first), merged with the positions in front of it
+    seq = torch.randn(T, B, E)
+    assert flow(torch.Tensor.reshape, (seq, T * B, E), {}, seq.reshape(T * B, E),
+                [(seq, Batched(1))]) == Batched(0, outer=T)
+    # a reshape that splits the samples' index digit: not followed
+    odd = torch.randn(B, 6)
+    assert isinstance(flow(torch.Tensor.reshape, (odd, 3, 8), {}, odd.reshape(3, 8),
+                           [(odd, Batched(0))]), Unknown)
+
+
+def test_transpose_and_broadcast_follow_the_dims():
+    x = torch.randn(B, T, E)
+    assert flow(torch.Tensor.transpose, (x, 0, 1), {}, x.transpose(0, 1),
+                [(x, Batched(0))]) == Batched(1)
+    pos = torch.randn(1, T, E)  # free, shaped like one sample
+    assert flow(torch.Tensor.add, (x, pos), {}, x + pos, [(x, Batched(0))]) == Batched(0)
+    y = torch.randn(T, B, E)
+    assert isinstance(flow(torch.Tensor.add, (x, y), {}, x + y,
+                           [(x, Batched(0)), (y, Batched(1))]), Mixed)
+
+
+def test_index_values_decide_the_samples():
+    logits = torch.randn(B, T, 3)
+    last = torch.tensor([3, 2, 3, 1])
+    rows = torch.arange(B)
+    got = flow(torch.Tensor.__getitem__, (logits, (rows, last)), {}, logits[rows, last],
+               [(logits, Batched(0)), (last, Batched(0))])
+    assert got == Batched(0)
+    shuffled = torch.tensor([1, 0, 3, 2])
+    got = flow(torch.Tensor.__getitem__, (logits, (shuffled, last)), {},
+               logits[shuffled, last], [(logits, Batched(0)), (last, Batched(0))])
+    assert not (isinstance(got, Batched) and got.index is None)
+
+
+def test_reductions_over_the_batch_mix():
+    x = torch.randn(B, T)
+    assert isinstance(flow(torch.Tensor.sum, (x, 0), {}, x.sum(0), [(x, Batched(0))]), Mixed)
+    assert flow(torch.Tensor.sum, (x, 1), {}, x.sum(1), [(x, Batched(0))]) == Batched(0)
+    assert flow(torch.Tensor.sum, (x, 0), {}, x.sum(0), []) is FREE
