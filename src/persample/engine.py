@@ -29,7 +29,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from .batch import FREE, Batched, Ctx, Layout, Mixed, Unknown, front_cotangents, propagate
-from .batch.flow import reshaped
+from .batch.ops_views import reshaped
 from .capture import Call, Capture, Derived, Op
 from .fallback import UnsupportedModuleError, expand_vjp, module_vjp, op_vjp, shared_vjp
 from .inputs import Batch
@@ -524,9 +524,11 @@ class Pullbacks:
 def _broadcasting(func: Any) -> bool:
     """Ops that broadcast their inputs right-aligned against the output (elementwise,
     ``where``, the mask of ``scaled_dot_product_attention``)."""
-    from .batch.flow import _HANDLERS, _broadcast, _sdpa, _where
+    from .batch.flow import HANDLERS
+    from .batch.ops_elementwise import _where, broadcast
+    from .batch.ops_layers import _sdpa
 
-    return _HANDLERS.get(func) in (_broadcast, _where, _sdpa)
+    return HANDLERS.get(func) in (broadcast, _where, _sdpa)
 
 
 def _merge(items: list[tuple[Tensor, Batched | None]]) -> list[tuple[Tensor, Batched | None]]:

@@ -1,0 +1,247 @@
+"""Elementwise ops and reductions: broadcasting right-aligns the inputs; a
+reduction or an op along the batch dim mixes samples.
+
+Registered with :func:`persample.batch.flow.register`; see that module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .flow import (
+    Ctx,
+    Flow,
+    aliases,
+    arg,
+    dim_of,
+    every,
+    in_place,
+    mixed,
+    name_of,
+    op_leaves,
+    register,
+)
+from .layouts import FREE, Batched, Layout, Unknown
+
+# ---------------------------------------------------------------------------
+# elementwise ops: broadcasting right-aligns the inputs
+
+
+def self_only(ctx: Ctx, func, args, kwargs, out) -> Any:
+    """Unary ops and ops whose other tensors are references only (``x.to(y)``)."""
+    return every(out, ctx.layout(args[0] if args else kwargs.get("input")))
+
+
+def broadcast(ctx: Ctx, func, args, kwargs, out) -> Flow:
+    """Elementwise ops: each batched input's batch dim lands on the output dim
+    broadcasting aligns it with. Inputs disagreeing on that dim mix samples."""
+    shape = (args[0].shape if in_place(func, kwargs) and isinstance(args[0], Tensor)
+             else _out_shape(out))
+    if shape is None:
+        return Flow(every(out, Unknown(f"{name_of(func)} returned no tensor")))
+    leaves = op_leaves(args, kwargs)
+    rank, found = len(shape), None
+    for t in leaves:
+        lay = ctx.layout(t)
+        if not isinstance(lay, Batched):
+            continue
+        d = lay.dim + rank - t.dim()
+        if t.shape[lay.dim] != shape[d]:  # one position (a sub-batch of one) spread wide
+            return Flow(every(out, mixed(func, "spreads one sample's data over others")))
+        here = lay.moved(d)
+        if found is None:
+            found = here
+        elif found != here:
+            return Flow(every(out, mixed(func, "combines samples from different dims")))
+    if found is None:
+        return Flow(every(out, FREE))
+    align = tuple(_aligned(ctx, t, found, rank) for t in leaves)
+    return Flow(every(out, found), align if any(a is not None for a in align) else None)
+
+
+def _aligned(ctx: Ctx, t: Tensor, lay: Batched, rank: int) -> Layout | None:
+    """How a broadcast input pairs with the samples: its own layout, a free input of
+    full size along the batch dim (``cls.expand(B, 1, E)`` in ``cat``) as batched
+    there, else shared."""
+    own = ctx.layout(t)
+    if own is not FREE:
+        return own
+    d = lay.dim - (rank - t.dim())
+    if d >= 0 and t.shape[d] > 1:
+        return lay.moved(d)
+    return None
+
+
+def _out_shape(out: Any) -> torch.Size | None:
+    if isinstance(out, Tensor):
+        return out.shape
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        return out[0].shape
+    return None
+
+
+_UNARY = """abs absolute acos arccos acosh arccosh asin arcsin asinh arcsinh atan arctan atanh
+arctanh ceil clamp clip cos cosh deg2rad rad2deg digamma erf erfc erfinv exp exp2 expm1 fix
+floor frac lgamma log log10 log1p log2 logit i0 isnan isinf isfinite isposinf isneginf isreal
+nan_to_num neg negative positive reciprocal round rsqrt sigmoid sign sgn signbit sin sinc sinh
+sqrt square tan tanh trunc relu relu6 gelu silu mish elu selu celu leaky_relu hardtanh
+hardswish hardsigmoid hardshrink softshrink tanhshrink softsign softplus logsigmoid threshold
+rrelu dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d bitwise_not
+logical_not float double half bfloat16 int long short bool byte char cpu cuda to type type_as
+contiguous clone detach requires_grad_ conj resolve_conj resolve_neg pin_memory bernoulli
+__neg__ __abs__ __invert__ __pos__ angle expit log_ndtr ndtr ndtri erfcx xlog1py entr sinc
+polygamma mvlgamma fill_ zero_ normal_ uniform_ exponential_ cauchy_ log_normal_ geometric_
+random_ detach_ relu_ sigmoid_ tanh_ exp_ log_ sqrt_ rsqrt_ neg_ abs_ clamp_ clip_ floor_
+ceil_ round_ trunc_ reciprocal_ square_ sin_ cos_ hardtanh_ leaky_relu_ elu_ selu_ celu_
+rrelu_ threshold_ nan_to_num_ bernoulli_ clamp_min clamp_max clamp_min_ clamp_max_""".split()
+
+_BINARY = """add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow
+float_power atan2 arctan2 hypot maximum minimum fmax fmin eq ne lt le gt ge greater less
+greater_equal less_equal not_equal logical_and logical_or logical_xor bitwise_and bitwise_or
+bitwise_xor bitwise_left_shift bitwise_right_shift where masked_fill lerp addcmul addcdiv
+copysign xlogy heaviside rsub isclose __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__
+__mul__ __rmul__ __imul__ __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__
+__floordiv__ __rfloordiv__ __ifloordiv__ __mod__ __rmod__ __imod__ __pow__ __rpow__ __ipow__
+__and__ __or__ __xor__ __rand__ __ror__ __rxor__ __iand__ __ior__ __ixor__ __eq__ __ne__
+__lt__ __le__ __gt__ __ge__ __lshift__ __rshift__ __ilshift__ __irshift__ add_ sub_ mul_
+div_ true_divide_ floor_divide_ remainder_ fmod_ pow_ masked_fill_ lerp_ addcmul_ addcdiv_
+maximum_ minimum_ copysign_ xlogy_ logical_and_ logical_or_ bitwise_and_ bitwise_or_ eq_ ne_
+lt_ le_ gt_ ge_ atan2_ hypot_ copy_ subtract_ multiply_ divide_ clamp""".split()
+
+# ops whose extra tensor arguments are references (dtype, device, shape), not data
+SELF_ONLY = "to type_as type contiguous".split()
+_FREE_DATA = """zeros_like ones_like empty_like full_like rand_like randn_like randint_like
+new_zeros new_ones new_full new_empty new_tensor""".split()
+
+
+def _free(ctx, func, args, kwargs, out) -> Any:
+    """Ops whose data does not come from their tensor arguments (``zeros_like``)."""
+    return every(out, FREE)
+
+
+register(broadcast, *aliases(*_BINARY))
+register(self_only, *aliases(*[u for u in _UNARY if u not in ("clamp", "clip", "clamp_",
+                                                                 "clip_")]))
+register(broadcast, *aliases("clamp", "clip", "clamp_", "clip_"))
+register(_free, *aliases(*_FREE_DATA))
+
+
+def _where(ctx, func, args, kwargs, out) -> Any:
+    if len(args) + len(kwargs) == 1:  # where(cond): nonzero
+        return _positions_of(ctx, func, args[0], out)
+    return broadcast(ctx, func, args, kwargs, out)
+
+
+register(_where, *aliases("where"), override=True)
+
+
+def _positions_of(ctx, func, x, out) -> Any:
+    lay = ctx.layout(x)
+    return every(out, FREE if lay is FREE else Unknown(f"{name_of(func)} lists positions"))
+
+
+register(lambda c, f, a, k, o: _positions_of(c, f, a[0], o),
+          *aliases("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"))
+
+
+# ---------------------------------------------------------------------------
+# reductions and ops along one dim
+
+
+def dims_arg(args, kwargs, pos: int, rank: int) -> list[int] | None:
+    """The ``dim`` argument (position ``pos`` or keyword) as a list; ``None``: all."""
+    d = kwargs.get("dim", kwargs.get("axis", args[pos] if len(args) > pos else None))
+    if d is None:
+        return None
+    if isinstance(d, (tuple, list)):
+        return [dim_of(x, rank) for x in d] if d else None
+    if isinstance(d, int):
+        return [dim_of(d, rank)]
+    raise TypeError(f"dim={d!r}")
+
+
+def _reduce(ctx, func, args, kwargs, out, pos: int = 1) -> Any:
+    """``sum(x, dim, keepdim)`` and kin: reducing over the batch dim mixes samples."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return every(out, lay)
+    dims = dims_arg(args, kwargs, pos, x.dim())
+    if dims is None or lay.dim in dims:
+        return every(out, mixed(func, "reduces over the batch"))
+    keep = kwargs.get("keepdim", args[pos + 1] if len(args) > pos + 1 and isinstance(
+        args[pos + 1], bool) else False)
+    d = lay.dim if keep else lay.dim - sum(1 for r in dims if r < lay.dim)
+    return every(out, lay.moved(d))
+
+
+register(_reduce, *aliases(
+    "sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "argmax", "argmin", "all",
+    "any", "logsumexp", "count_nonzero", "median", "nanmedian", "mode", "var", "std",
+    "var_mean", "std_mean", "aminmax"))
+register(lambda c, f, a, k, o: _reduce(c, f, a, k, o, pos=2), *aliases("kthvalue"))
+
+
+def _norm(ctx, func, args, kwargs, out) -> Any:
+    """``x.norm(p, dim, keepdim)`` / ``linalg.vector_norm(x, ord, dim, keepdim)``."""
+    return _reduce(ctx, func, args, kwargs, out, pos=2)
+
+
+register(_norm, *aliases("norm", "vector_norm", "linalg_vector_norm"))
+
+
+def _max_min(ctx, func, args, kwargs, out) -> Any:
+    """``max(x)`` (all), ``max(x, dim)``, or the elementwise ``max(x, y)``."""
+    if len(args) > 1 and isinstance(args[1], Tensor) or isinstance(kwargs.get("other"), Tensor):
+        return broadcast(ctx, func, args, kwargs, out)
+    return _reduce(ctx, func, args, kwargs, out)
+
+
+register(_max_min, *aliases("max", "min"))
+
+
+def _along(ctx, func, args, kwargs, out, pos: int = 1) -> Any:
+    """``softmax(x, dim)`` and kin: the shape is kept; along the batch dim samples mix."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return every(out, lay)
+    dims = dims_arg(args, kwargs, pos, x.dim())
+    if dims is None or lay.dim in dims:
+        return every(out, mixed(func, "works along the batch dim"))
+    return every(out, lay)
+
+
+register(_along, *aliases(
+    "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin",
+    "logcumsumexp", "sort", "argsort", "normalize", "gumbel_softmax", "cumsum_", "cumprod_",
+    "diff", "msort"))
+register(lambda c, f, a, k, o: _along(c, f, a, k, o, pos=2), *aliases("topk"))
+register(lambda c, f, a, k, o: _along(c, f, a, k, o, pos=1), *aliases("flip"))
+
+
+def _roll(ctx, func, args, kwargs, out) -> Any:
+    lay = ctx.layout(args[0])
+    if isinstance(lay, Batched):
+        dims = dims_arg(args, {"dim": arg(args, kwargs, 2, "dims", None)},
+                         99, args[0].dim())
+        if dims is None or lay.dim in dims:
+            return mixed(func, "rolls along the batch dim")
+    return lay
+
+
+register(_roll, *aliases("roll"))
+
+
+def _glu(ctx, func, args, kwargs, out) -> Any:
+    lay = ctx.layout(args[0])
+    d = dim_of(arg(args, kwargs, 1, "dim", -1), args[0].dim())
+    if isinstance(lay, Batched) and lay.dim == d:
+        return mixed(func, "splits the batch dim")
+    return lay
+
+
+register(_glu, *aliases("glu"))

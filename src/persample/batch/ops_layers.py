@@ -1,0 +1,335 @@
+"""Layers (convolutions, pooling, norms, embeddings, attention, losses) and the
+recurrent kernels: the op's own batch dim holds the samples.
+
+Registered with :func:`persample.batch.flow.register`; see that module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .flow import (
+    VALUE_READERS,
+    aliases,
+    arg,
+    dim_of,
+    every,
+    mixed,
+    name_of,
+    op_leaves,
+    register,
+)
+from .layouts import FREE, Batched, Mixed, Unknown
+from .ops_elementwise import broadcast
+
+# ---------------------------------------------------------------------------
+# layers: the op's own batch dim (0) holds the samples
+
+
+def _leading(ctx, func, args, kwargs, out, spatial: int | None = None) -> Any:
+    """Ops on ``(N, C, *s)`` (convolutions, pooling, GroupNorm, ...): the samples must
+    be in (or merged into) dim 0, the op's batch; an unbatched input ``(C, *s)`` has
+    its samples in the channels, mixing them."""
+    x = arg(args, kwargs, 0, "input")
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return every(out, lay)
+    if lay.dim != 0:
+        return every(out, mixed(func, f"has the samples in dim {lay.dim}, which it mixes "
+                                      "(an unbatched input?)"))
+    if spatial is not None and x.dim() != spatial + 2:
+        return every(out, mixed(func, "got an unbatched input, whose samples are its "
+                                      "channels"))
+    if isinstance(out, (tuple, list)):
+        return tuple(lay if isinstance(o, Tensor) and o.dim() and o.shape[0] == x.shape[0]
+                     else Unknown("an output without the batch dim") for o in out)
+    if out.shape[0] != x.shape[0]:
+        return Unknown(f"{name_of(func)} changed the op's batch dim")
+    return lay
+
+
+for _k, _names in {1: ["conv1d", "conv_transpose1d", "max_pool1d", "avg_pool1d",
+                       "adaptive_avg_pool1d", "adaptive_max_pool1d", "lp_pool1d",
+                       "max_pool1d_with_indices", "adaptive_max_pool1d_with_indices"],
+                   2: ["conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d",
+                       "adaptive_avg_pool2d", "adaptive_max_pool2d", "lp_pool2d",
+                       "max_pool2d_with_indices", "adaptive_max_pool2d_with_indices",
+                       "fractional_max_pool2d", "pixel_shuffle", "pixel_unshuffle",
+                       "grid_sample", "channel_shuffle"],
+                   3: ["conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d",
+                       "adaptive_avg_pool3d", "adaptive_max_pool3d", "lp_pool3d",
+                       "max_pool3d_with_indices", "adaptive_max_pool3d_with_indices",
+                       "fractional_max_pool3d"]}.items():
+    register(lambda c, f, a, k, o, s=_k: _leading(c, f, a, k, o, s), *aliases(*_names))
+register(_leading, *aliases("group_norm", "instance_norm", "interpolate", "upsample",
+                              "upsample_nearest", "upsample_bilinear", "local_response_norm",
+                              "convolution", "_convolution"), F.unfold, F.fold)
+
+
+def _prelu(ctx, func, args, kwargs, out) -> Any:
+    """``prelu(x, w)``: one slope per channel (dim 1) or one shared slope."""
+    x, w = args[0], args[1]
+    lay = ctx.layout(x)
+    if isinstance(lay, Batched) and lay.dim == 1 and w.numel() > 1:
+        return mixed(func, "has per-channel slopes on the batch dim")
+    return lay
+
+
+register(_prelu, *aliases("prelu", "_prelu_kernel"))
+
+
+def _trailing(ctx, func, args, kwargs, out) -> Any:
+    """``layer_norm``/``rms_norm(x, shape, ...)``: the trailing ``shape`` dims are
+    normalised together, so the batch must be before them."""
+    x = arg(args, kwargs, 0, "input")
+    shape = arg(args, kwargs, 1, "normalized_shape")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    lay = ctx.layout(x)
+    if any(ctx.layout(t) is not FREE for t in op_leaves(args[2:], {})):
+        return Unknown(f"{name_of(func)} with a per-sample weight")
+    if isinstance(lay, Batched) and lay.dim >= x.dim() - len(shape):
+        return mixed(func, "normalises over the batch dim")
+    return lay
+
+
+register(_trailing, *aliases("layer_norm", "rms_norm"))
+
+
+def _batch_norm(ctx, func, args, kwargs, out) -> Any:
+    """Eval mode: a per-channel affine map (channels in dim 1); training mode
+    normalises with the batch's statistics, which mixes samples."""
+    x = arg(args, kwargs, 0, "input")
+    lay = ctx.layout(x)
+    training = arg(args, kwargs, 5, "training", False)
+    if not isinstance(lay, Batched):
+        return lay
+    if training:
+        return mixed(func, "normalises with the batch's statistics (training mode)")
+    if x.dim() > 1 and lay.dim == 1:
+        return mixed(func, "has the batch in the channel dim")
+    return lay
+
+
+register(_batch_norm, F.batch_norm, torch.batch_norm)
+
+
+def _embedding(ctx, func, args, kwargs, out) -> Any:
+    """``F.embedding(ids, W)`` (``torch.embedding(W, ids)``): the ids' samples, one
+    trailing embedding dim more."""
+    ids = arg(args, kwargs, 0, "input") if func is F.embedding else args[1]
+    weight = arg(args, kwargs, 1, "weight") if func is F.embedding else args[0]
+    if ctx.layout(weight) is not FREE:
+        return Unknown("embedding with a per-sample table")
+    return ctx.layout(ids)
+
+
+register(_embedding, F.embedding, torch.embedding)
+
+
+def _one_hot(ctx, func, args, kwargs, out) -> Any:
+    return ctx.layout(args[0])
+
+
+register(_one_hot, *aliases("one_hot"))
+
+
+def _embedding_bag(ctx, func, args, kwargs, out) -> Any:
+    """``F.embedding_bag(ids, W, offsets, ...)``: 2-d ids are one bag per row; 1-d ids
+    with offsets: every position of bag ``k`` must belong to sample ``k`` (read from the
+    ids' layout and the offsets' values, whatever computed them: ``lengths.cumsum(0)``
+    mixes samples but only places them). An empty bag holds no sample's data; its
+    row stays at its place."""
+    ids = arg(args, kwargs, 0, "input")
+    offsets = arg(args, kwargs, 2, "offsets", None)
+    weights = arg(args, kwargs, 8, "per_sample_weights", None)
+    lay = ctx.layout(ids)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if ctx.layout(arg(args, kwargs, 1, "weight")) is not FREE:
+        return every(out, Unknown("embedding_bag with a per-sample table"))
+    if weights is not None and isinstance(ctx.layout(weights), (Mixed, Unknown)):
+        return every(out, ctx.layout(weights))
+    if not isinstance(lay, Batched):
+        return every(out, lay)
+    if ids.dim() == 2:
+        if lay.dim != 0:
+            return every(out, mixed(func, "bags the batch dim"))
+        return tuple(lay for _ in outs) if isinstance(out, (tuple, list)) else lay
+    include_last = arg(args, kwargs, 9, "include_last_offset", False)
+    bags = 0 if offsets is None else offsets.shape[0] - (1 if include_last else 0)
+    if bags != ctx.n:
+        return every(out, Unknown("embedding_bag whose bags are not one per sample"))
+    positions = ids.shape[0]
+    sample = lay.index if lay.index is not None else (
+        torch.arange(positions, device=ids.device) // lay.inner % ctx.n)
+    t = torch.arange(positions, dtype=offsets.dtype, device=offsets.device)
+    bag = (torch.searchsorted(offsets[:bags].contiguous(), t, right=True) - 1).clamp(0, bags - 1)
+    if not bool((sample.to(bag.device) == bag).all()):
+        return every(out, mixed(func, "puts several samples' positions in one bag"))
+    found = Batched(0)
+    return tuple(found for _ in outs) if isinstance(out, (tuple, list)) else found
+
+
+register(_embedding_bag, F.embedding_bag, torch.embedding_bag)
+VALUE_READERS.update({F.embedding_bag, torch.embedding_bag})
+
+
+def _sdpa(ctx, func, args, kwargs, out) -> Any:
+    """``scaled_dot_product_attention(q, k, v, attn_mask)``: samples in the leading
+    dims of ``q``, ``k``, ``v`` (the same dim); keys and values of other samples must
+    not be attended to."""
+    q = arg(args, kwargs, 0, "query")
+    k = arg(args, kwargs, 1, "key", None)
+    v = arg(args, kwargs, 2, "value", None)
+    mask = arg(args, kwargs, 3, "attn_mask", None)
+    rank = out.dim()
+    found = None
+    for t in (q, k, v, mask):
+        lay = ctx.layout(t) if isinstance(t, Tensor) else FREE
+        if not isinstance(lay, Batched):
+            continue
+        d = lay.dim + rank - t.dim()
+        if t is not q and d >= rank - 2:
+            return mixed(func, "attends across samples")
+        if t is q and d == rank - 1:
+            return mixed(func, "contracts the batch dim")
+        here = lay.moved(d)
+        if found is not None and found != here:
+            return mixed(func, "pairs samples of its operands")
+        found = here
+    return found
+
+
+register(_sdpa, *aliases("scaled_dot_product_attention"))
+
+
+def _losses(ctx, func, args, kwargs, out) -> Any:
+    """Loss functions: per element (``reduction="none"``) the batch stays (the class
+    dim 1 of ``cross_entropy``/``nll_loss`` is dropped); reduced, samples mix."""
+    reduction = kwargs.get("reduction", "mean")
+    leaves = op_leaves(args, kwargs)
+    found = [(t, ctx.layout(t)) for t in leaves if isinstance(ctx.layout(t), Batched)]
+    if reduction != "none":
+        return mixed(func, f"reduces over the batch (reduction={reduction!r})")
+    x, lay = found[0]
+    if func in _CLASS_LOSSES and x is args[0] and x.dim() > 1:
+        if lay.dim == 1:
+            return mixed(func, "has the batch in the class dim")
+        return lay.moved(lay.dim - (1 if lay.dim > 1 else 0))
+    return lay.moved(lay.dim + out.dim() - x.dim())
+
+
+_CLASS_LOSSES = set(aliases("cross_entropy", "nll_loss", "multi_margin_loss"))
+register(_losses, *aliases(
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "soft_margin_loss",
+    "poisson_nll_loss", "gaussian_nll_loss", "hinge_embedding_loss", "multi_margin_loss"))
+
+
+def _cosine(ctx, func, args, kwargs, out) -> Any:
+    """``cosine_similarity(a, b, dim)``/``pairwise_distance``: reduce one dim."""
+    return _broadcast_reduce(ctx, func, args, kwargs, out, kwargs.get(
+        "dim", args[2] if len(args) > 2 and isinstance(args[2], int) else -1 if func in
+        _PAIRWISE else 1))
+
+
+_PAIRWISE = set(aliases("pairwise_distance"))
+
+
+def _broadcast_reduce(ctx, func, args, kwargs, out, dim) -> Any:
+    flow = broadcast(ctx, func, args[:2], {}, torch.empty(torch.broadcast_shapes(
+        args[0].shape, args[1].shape), device="meta"))
+    lay = flow.outputs
+    if not isinstance(lay, Batched):
+        return lay
+    d = dim_of(dim, max(args[0].dim(), args[1].dim()))
+    if lay.dim == d:
+        return mixed(func, "reduces over the batch dim")
+    return lay.moved(lay.dim - (1 if d < lay.dim and out.dim() < len(
+        torch.broadcast_shapes(args[0].shape, args[1].shape)) else 0))
+
+
+register(_cosine, *aliases("cosine_similarity", "pairwise_distance"))
+
+
+# ---------------------------------------------------------------------------
+# recurrent kernels and packed sequences
+
+
+def _rnn(ctx, func, args, kwargs, out) -> Any:
+    """``_VF.lstm/gru/rnn_tanh/rnn_relu``: padded input ``(T, B, I)`` (or batch first) or a
+    packed ``(data, batch_sizes)``; output like the input, states ``(L*D, B, H)``."""
+    x = args[0]
+    lay = ctx.layout(x)
+    packed = isinstance(args[1], Tensor) and args[1].dim() == 1 and not args[1].is_floating_point()
+    outs = list(out)
+    if not isinstance(lay, Batched):
+        return every(out, lay)
+    if packed:
+        if lay.index is None:
+            return every(out, Unknown("a packed sequence without its samples' rows"))
+        batch = int(args[1][0])
+        state = Batched(1, index=lay.index[:batch])
+        return (lay, *[state] * (len(outs) - 1))
+    batch_first = bool(args[-1])
+    want = 0 if batch_first else 1
+    if x.dim() != 3 or lay.dim != want or not lay.plain:
+        return every(out, mixed(func, "runs its recurrence over the samples' dim"))
+    return (lay, *[Batched(1)] * (len(outs) - 1))
+
+
+register(_rnn, *aliases("lstm", "gru", "rnn_tanh", "rnn_relu",
+                          where=(torch._VF, torch._C._VariableFunctions)))
+
+
+def _pack(ctx, func, args, kwargs, out) -> Any:
+    """``_pack_padded_sequence(input, lengths, batch_first)``: rows time-major, the
+    sample of each row from the input's layout and the lengths."""
+    x, _lengths, batch_first = args[0], args[1], args[2]
+    lay = ctx.layout(x)
+    want = 0 if batch_first else 1
+    if not isinstance(lay, Batched) or lay.dim != want or lay.outer != 1 or lay.inner != 1:
+        return (Unknown("pack_padded_sequence of an unlike layout"), FREE)
+    order = lay.index if lay.index is not None else torch.arange(ctx.n, device=x.device)
+    sizes = out[1]  # (T,) number of sequences still running at each step
+    rows = torch.cat([order[: int(s)] for s in sizes])
+    return (Batched(0, index=rows), FREE)
+
+
+register(_pack, *aliases("_pack_padded_sequence", where=(torch._VF,
+                                                          torch._C._VariableFunctions)))
+VALUE_READERS.update(aliases("_pack_padded_sequence", where=(torch._VF,
+                                                             torch._C._VariableFunctions)))
+
+
+def _unpack(ctx, func, args, kwargs, out) -> Any:
+    """``_pad_packed_sequence(data, batch_sizes, batch_first, ...)``: positions in the
+    order of the packed rows' first step."""
+    data, sizes, batch_first = args[0], args[1], args[2]
+    lay = ctx.layout(data)
+    if not isinstance(lay, Batched) or lay.index is None:
+        return (Unknown("pad_packed_sequence of an unlike layout"), FREE)
+    order = lay.index[: int(sizes[0])]
+    d = 0 if batch_first else 1
+    if order.numel() == ctx.n and bool((order == torch.arange(ctx.n, device=order.device)).all()):
+        return (Batched(d), FREE)
+    return (Batched(d, index=order), FREE)
+
+
+register(_unpack, *aliases("_pad_packed_sequence", where=(torch._VF,
+                                                             torch._C._VariableFunctions)))
+
+
+def _mha(ctx, func, args, kwargs, out) -> Any:
+    """``F.multi_head_attention_forward`` left whole (sequence-first ``(T, B, E)``)."""
+    q = args[0] if args else kwargs["query"]
+    lay = ctx.layout(q)
+    if isinstance(lay, Batched) and q.dim() == 3 and lay.dim == 1 and lay.plain:
+        return (lay, Batched(0) if isinstance(out[1], Tensor) else FREE)
+    return every(out, Unknown("multi_head_attention_forward on an unlike layout"))
+
+
+register(_mha, F.multi_head_attention_forward)

@@ -1,0 +1,140 @@
+"""Matrix products: the batch stays in rows, columns or broadcast dims; in the
+contracted dim it mixes samples.
+
+Registered with :func:`persample.batch.flow.register`; see that module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .flow import (
+    Flow,
+    aliases,
+    arg,
+    mixed,
+    name_of,
+    op_leaves,
+    register,
+)
+from .layouts import FREE, Batched, Unknown
+
+# ---------------------------------------------------------------------------
+# matrix products
+
+
+def _linear(ctx, func, args, kwargs, out) -> Any:
+    """``linear(x, W, b)``: the batch stays where it is unless it is the feature dim."""
+    x = arg(args, kwargs, 0, "input")
+    w = arg(args, kwargs, 1, "weight", None)
+    lay = ctx.layout(x)
+    others = [ctx.layout(t) for t in (w, arg(args, kwargs, 2, "bias", None))]
+    if any(o is not FREE for o in others):
+        return Unknown(f"{name_of(func)} with a per-sample weight")
+    if isinstance(lay, Batched) and lay.dim == x.dim() - 1:
+        return mixed(func, "contracts the batch dim")
+    return lay
+
+
+register(_linear, *aliases("linear"))
+
+
+def _matmul(ctx, func, args, kwargs, out) -> Any:
+    """``a @ b`` with broadcasting batch dims: a batch in ``a``'s rows or ``b``'s columns
+    or a broadcast dim stays; in the contracted dim it mixes samples. A free operand of
+    full size in the batch's broadcast dim is paired with the samples
+    (DeBERTa's relative keys repeated to ``(B*H, ...)``)."""
+    a, b = (args[0], args[1]) if func not in _ADDMM else (args[1], args[2])
+    la, lb = ctx.layout(a), ctx.layout(b)
+    rank = out.dim()
+    place = []
+    for t, lay, side in ((a, la, "a"), (b, lb, "b")):
+        if not isinstance(lay, Batched):
+            continue
+        r = t.dim()
+        if r == 1:
+            return mixed(func, "contracts the batch dim")
+        if side == "a":
+            if lay.dim == r - 1:
+                return mixed(func, "contracts the batch dim")
+            d = rank - 1 - (1 if b.dim() > 1 else 0) if lay.dim == r - 2 else (
+                lay.dim + rank - r)
+        else:
+            if lay.dim == r - 2:
+                return mixed(func, "contracts the batch dim")
+            d = rank - 1 if lay.dim == r - 1 else lay.dim + rank - r
+        if lay.dim < r - 2 and t.shape[lay.dim] != out.shape[d]:
+            return mixed(func, "spreads one sample's data over others")
+        place.append(lay.moved(d))
+    if len(place) == 2 and place[0] != place[1]:
+        return mixed(func, "pairs samples of its two operands")
+    found = place[0] if place else FREE
+    if func in _ADDMM:
+        bias = ctx.layout(args[0])
+        if isinstance(bias, Batched) and bias.moved(bias.dim + rank - args[0].dim()) != found:
+            return mixed(func, "adds samples from different dims")
+    if not isinstance(found, Batched) or found.dim >= rank - 2:
+        return found
+    align = []
+    for t in op_leaves(args, kwargs):
+        own = ctx.layout(t)
+        d = found.dim - (rank - t.dim())
+        if own is not FREE:
+            align.append(own)
+        elif 0 <= d < t.dim() - 2 and t.shape[d] == out.shape[found.dim] > 1:
+            align.append(found.moved(d))
+        else:
+            align.append(None)
+    return Flow(found, tuple(align))
+
+
+_ADDMM = set(aliases("addmm", "baddbmm", "addmm_", "baddbmm_", "addmv"))
+register(_matmul, *aliases("matmul", "mm", "bmm", "__matmul__", "addmm", "baddbmm", "mv",
+                             "addmv", "addmm_", "baddbmm_"))
+
+
+def _rmatmul(ctx, func, args, kwargs, out) -> Any:
+    return _matmul(ctx, torch.matmul, (args[1], args[0]), {}, out)
+
+
+register(_rmatmul, torch.Tensor.__rmatmul__)
+
+
+def _einsum(ctx, func, args, kwargs, out) -> Any:
+    """``einsum``: the batch's letter, if the output keeps it."""
+    equation = args[0].replace(" ", "")
+    operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    if "..." in equation or "->" not in equation:
+        return Unknown("einsum with '...' or an implicit output")
+    inputs, output = equation.split("->")
+    found = None
+    for spec, t in zip(inputs.split(","), operands):
+        lay = ctx.layout(t)
+        if not isinstance(lay, Batched):
+            continue
+        letter = spec[lay.dim]
+        if letter not in output:
+            return mixed(func, "sums over the batch")
+        here = lay.moved(output.index(letter))
+        if found is not None and found != here:
+            return mixed(func, "pairs samples of its operands")
+        found = here
+    return found or FREE
+
+
+register(_einsum, *aliases("einsum"))
+
+
+def _bilinear(ctx, func, args, kwargs, out) -> Any:
+    l1, l2 = ctx.layout(args[0]), ctx.layout(args[1])
+    found = [lay for lay in (l1, l2) if isinstance(lay, Batched)]
+    if any(lay.dim == args[0].dim() - 1 for lay in found):
+        return mixed(func, "contracts the batch dim")
+    if len(found) == 2 and found[0] != found[1]:
+        return mixed(func, "pairs samples of its operands")
+    return found[0]
+
+
+register(_bilinear, *aliases("bilinear"))

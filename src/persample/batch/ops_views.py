@@ -1,0 +1,340 @@
+"""Views and joins: the batch moves with its dim; a reshape moves it by index
+arithmetic.
+
+Registered with :func:`persample.batch.flow.register`; see that module.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .flow import (
+    GETTERS,
+    Flow,
+    aliases,
+    arg,
+    dim_of,
+    every,
+    mixed,
+    name_of,
+    register,
+)
+from .layouts import FREE, Batched, Unknown
+from .ops_elementwise import SELF_ONLY, dims_arg, self_only
+
+# ---------------------------------------------------------------------------
+# views: the batch moves with its dim
+
+
+def _reshape(ctx, func, args, kwargs, out) -> Any:
+    """``view``/``reshape``/``flatten``/``unflatten``: where the batch's index digit
+    lands in the new shape (row-major index arithmetic, exact)."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched) or not isinstance(out, Tensor):
+        return lay
+    return reshaped(lay, tuple(x.shape), tuple(out.shape), ctx.n) or Unknown(
+        f"{name_of(func)} {tuple(x.shape)} -> {tuple(out.shape)} splits the batch dim")
+
+
+def reshaped(lay: Batched, before: tuple, after: tuple, n: int) -> Batched | None:
+    """The layout after reshaping ``before`` to ``after``, or ``None`` if the samples'
+    index digit is split across dims.
+
+    In the row-major index the sample is a digit of radix ``n`` and place value
+    ``P = inner * prod(before[dim+1:])``. Output dim ``k`` holds the place values
+    ``S_k .. S_k * after[k]`` (``S_k = prod(after[k+1:])``); the digit fits in it iff
+    ``S_k`` divides ``P`` and ``P * n`` divides ``S_k * after[k]``.
+    """
+    if lay.index is not None:  # irregular: only if the batch dim itself is untouched
+        d = lay.dim
+        prefix = math.prod(before[:d])
+        suffix = math.prod(before[d + 1:])
+        acc = 1
+        for k in range(len(after)):
+            if acc == prefix and after[k] == before[d] and math.prod(after[k + 1:]) == suffix:
+                return lay.moved(k)
+            acc *= after[k]
+        return None
+    place = lay.inner * math.prod(before[lay.dim + 1:])
+    suffix = 1
+    for k in range(len(after) - 1, -1, -1):
+        size = after[k]
+        if place % suffix == 0 and (suffix * size) % (place * n) == 0 and size > 1:
+            inner = place // suffix
+            return Batched(k, size // (inner * n), inner)
+        suffix *= size
+    return None
+
+
+register(_reshape, *aliases("view", "reshape", "flatten", "unflatten", "ravel",
+                              "view_as", "reshape_as", "_reshape_alias"))
+register(self_only, *aliases(*SELF_ONLY))
+
+
+def _view_or_dtype(ctx, func, args, kwargs, out) -> Any:
+    """``x.view(dtype)`` reinterprets the last dim; ``x.view(*shape)`` reshapes."""
+    if len(args) == 2 and isinstance(args[1], torch.dtype):
+        lay = ctx.layout(args[0])
+        if isinstance(lay, Batched) and lay.dim == args[0].dim() - 1:
+            return Unknown("view(dtype) on the batch dim")
+        return lay
+    return _reshape(ctx, func, args, kwargs, out)
+
+
+register(_view_or_dtype, torch.Tensor.view, override=True)
+
+
+def _permute(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return lay
+    if "dims" in kwargs:
+        dims = kwargs["dims"]
+    else:
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    order = [dim_of(d, x.dim()) for d in dims]
+    return lay.moved(order.index(lay.dim))
+
+
+register(_permute, *aliases("permute"))
+
+
+def _transpose(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return lay
+    a = dim_of(arg(args, kwargs, 1, "dim0", 0), x.dim())
+    b = dim_of(arg(args, kwargs, 2, "dim1", 1), x.dim())
+    d = lay.dim
+    return lay.moved(b if d == a else a if d == b else d)
+
+
+register(_transpose, *aliases("transpose", "swapaxes", "swapdims", "transpose_"))
+
+
+def _t(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if isinstance(lay, Batched) and x.dim() == 2:
+        return lay.moved(1 - lay.dim)
+    return lay
+
+
+def _last_two(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if isinstance(lay, Batched) and x.dim() >= 2 and lay.dim >= x.dim() - 2:
+        return lay.moved(2 * x.dim() - 3 - lay.dim)
+    return lay
+
+
+register(_t, *aliases("t", "t_"))
+GETTERS.update({"T": _t, "mT": _last_two, "H": _t, "mH": _last_two,
+                 "data": self_only, "real": self_only, "imag": self_only})
+
+
+def _movedim(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return lay
+    src = arg(args, kwargs, 1, "source")
+    dst = arg(args, kwargs, 2, "destination")
+    src = [src] if isinstance(src, int) else list(src)
+    dst = [dst] if isinstance(dst, int) else list(dst)
+    rank = x.dim()
+    src, dst = [dim_of(s, rank) for s in src], [dim_of(d, rank) for d in dst]
+    order = [None] * rank
+    for s, d in zip(src, dst):
+        order[d] = s
+    rest = iter(i for i in range(rank) if i not in src)
+    order = [o if o is not None else next(rest) for o in order]
+    return lay.moved(order.index(lay.dim))
+
+
+register(_movedim, *aliases("movedim", "moveaxis"))
+
+
+def _squeeze(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched) or not isinstance(out, Tensor):
+        return lay
+    dims = dims_arg(args, kwargs, 1, x.dim())
+    dims = [d for d in (dims if dims is not None else range(x.dim())) if x.shape[d] == 1]
+    return lay.moved(lay.dim - sum(1 for d in dims if d < lay.dim))
+
+
+def _unsqueeze(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return lay
+    d = dim_of(arg(args, kwargs, 1, "dim"), x.dim() + 1)
+    return lay.moved(lay.dim + (1 if d <= lay.dim else 0))
+
+
+register(_squeeze, *aliases("squeeze", "squeeze_"))
+register(_unsqueeze, *aliases("unsqueeze", "unsqueeze_"))
+
+
+def _expand(ctx, func, args, kwargs, out) -> Any:
+    """``expand``/``broadcast_to``: new leading dims shift the batch dim."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched) or not isinstance(out, Tensor):
+        return lay
+    d = lay.dim + out.dim() - x.dim()
+    if out.shape[d] != x.shape[lay.dim]:
+        return Unknown(f"{name_of(func)} broadcasts the batch dim")
+    return lay.moved(d)
+
+
+register(_expand, *aliases("expand", "broadcast_to"))
+
+
+def _repeat(ctx, func, args, kwargs, out) -> Any:
+    """``x.repeat(*reps)`` tiles: the batch dim repeated ``r`` times gets ``outer * r``."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched) or lay.index is not None:
+        return lay if not isinstance(lay, Batched) else Unknown("repeat of an irregular batch")
+    reps = list(args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size))
+                else args[1:])
+    d = lay.dim + len(reps) - x.dim()
+    return Batched(d, lay.outer * reps[d], lay.inner)
+
+
+register(_repeat, *aliases("repeat", "tile"))
+
+
+def _repeat_interleave(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return lay
+    reps = arg(args, kwargs, 1, "repeats", None)
+    dim = arg(args, kwargs, 2, "dim", None)
+    if dim is None or not isinstance(reps, int) or lay.index is not None:
+        return Unknown("repeat_interleave without one int repeat count along a dim")
+    dim = dim_of(dim, x.dim())
+    if dim != lay.dim:
+        return lay
+    return Batched(lay.dim, lay.outer, lay.inner * reps)
+
+
+register(_repeat_interleave, *aliases("repeat_interleave"))
+
+
+def _narrow(ctx, func, args, kwargs, out) -> Any:
+    """``narrow``/``select`` along a dim other than the batch's keep it (shifted)."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return lay
+    d = dim_of(arg(args, kwargs, 1, "dim"), x.dim())
+    if d == lay.dim:
+        if isinstance(out, Tensor) and out.shape == x.shape:
+            return lay
+        return Unknown(f"{name_of(func)} takes part of the batch dim")
+    if func in (torch.select, torch.Tensor.select) and d < lay.dim:
+        return lay.moved(lay.dim - 1)
+    return lay
+
+
+register(_narrow, *aliases("narrow", "select"))
+
+
+def _pieces(ctx, func, args, kwargs, out) -> Any:
+    """``split``/``chunk``/``tensor_split``/``unbind`` along a dim other than the batch."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return every(out, lay)
+    pos = 1 if func in _UNBINDS else 2  # unbind(x, dim); split(x, sizes, dim)
+    d = dim_of(kwargs.get("dim", args[pos] if len(args) > pos else 0), x.dim())
+    if d == lay.dim:
+        return every(out, Unknown(f"{name_of(func)} cuts the batch dim"))
+    if func in _UNBINDS:
+        return every(out, lay.moved(lay.dim - (1 if d < lay.dim else 0)))
+    return every(out, lay)
+
+
+_UNBINDS = set(aliases("unbind"))
+register(_pieces, *aliases("split", "chunk", "tensor_split", "split_with_sizes", "unbind",
+                             "unsafe_split", "unsafe_chunk"))
+
+
+def _cat(ctx, func, args, kwargs, out) -> Flow:
+    """``cat``: along another dim the batched inputs must agree (free inputs of full
+    size are paired with the samples); along the batch dim, ``k`` plain batched
+    inputs give ``outer = k``."""
+    tensors = [t for t in (args[0] if args else kwargs["tensors"]) if isinstance(t, Tensor)]
+    rank = out.dim()
+    d = dim_of(kwargs.get("dim", arg(args, kwargs, 1, "axis", 0)), rank)
+    lays = [ctx.layout(t) for t in tensors if t.dim() == rank]
+    batched = [lay for lay in lays if isinstance(lay, Batched)]
+    first = batched[0]
+    if first.dim == d:
+        if len(batched) == len(lays) and all(lay.plain for lay in batched):
+            return Flow(Batched(d, len(batched), 1))
+        return Flow(Unknown("cat along the batch dim of unlike tensors"))
+    if any(lay != first for lay in batched):
+        return Flow(mixed(func, "joins tensors with samples in different dims"))
+    align = tuple(ctx.layout(t) if ctx.layout(t) is not FREE else (
+        first if t.dim() == rank and t.shape[first.dim] == out.shape[first.dim] else None)
+        for t in tensors)
+    return Flow(first, align)
+
+
+def _stack(ctx, func, args, kwargs, out) -> Any:
+    tensors = [t for t in (args[0] if args else kwargs["tensors"]) if isinstance(t, Tensor)]
+    rank = out.dim()
+    d = dim_of(arg(args, kwargs, 1, "dim", 0), rank)
+    lays = [ctx.layout(t) for t in tensors]
+    batched = [lay for lay in lays if isinstance(lay, Batched)]
+    first = batched[0]
+    if any(lay != first for lay in batched):
+        return mixed(func, "joins tensors with samples in different dims")
+    if len(batched) != len(lays):
+        return Unknown("stack of batched and free tensors")
+    return first.moved(first.dim + (1 if d <= first.dim else 0))
+
+
+register(_cat, *aliases("cat", "concat", "concatenate"))
+register(_stack, *aliases("stack"))
+
+
+def _pad(ctx, func, args, kwargs, out) -> Any:
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched):
+        return lay
+    pad = arg(args, kwargs, 1, "pad")
+    padded = {x.dim() - 1 - k // 2 for k, p in enumerate(pad) if p}
+    if lay.dim in padded:
+        return Unknown("F.pad pads the batch dim")
+    return lay
+
+
+register(_pad, F.pad, getattr(torch._C._nn, "pad", None))
+
+
+def _unfold_dim(ctx, func, args, kwargs, out) -> Any:
+    """``x.unfold(dim, size, step)``: a new last dim; the batch dim must not be unfolded."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if isinstance(lay, Batched) and dim_of(args[1], x.dim()) == lay.dim:
+        return Unknown("unfold of the batch dim")
+    return lay
+
+
+register(_unfold_dim, torch.Tensor.unfold)
