@@ -7,10 +7,8 @@ the loop references, :func:`register_rule` to add a layer rule, and
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
-from .engine import NeedsWholeModel
-from .fallback import UnsupportedModuleError
+from .errors import LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
 from .jacobian import input_jacobian, jacobian_diagonal
-from .loss import LossNotPerSampleError
 from .norms import per_sample_grad_norms
 from .reference import loop_param_jacobian, loop_per_sample_grads
 from .rules import register_rule

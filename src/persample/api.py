@@ -10,15 +10,14 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import (
+from .engine import rules_grads, rules_param_jacobian
+from .errors import (
     InPlaceModificationError,
+    LossNotPerSampleError,
     NeedsWholeModel,
-    rules_grads,
-    rules_param_jacobian,
+    UnsupportedModuleError,
 )
-from .fallback import UnsupportedModuleError
 from .inputs import Batch
-from .loss import LossNotPerSampleError
 from .reference import loop_param_jacobian, loop_per_sample_grads, rows
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 

@@ -28,10 +28,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from .batch import Batched, front
-
-
-class UnsupportedModuleError(RuntimeError):
-    """A module or op has no rule and ``torch.func`` cannot differentiate it per sample."""
+from .errors import UnsupportedModuleError
 
 
 def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, aligns: list,

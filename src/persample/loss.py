@@ -29,6 +29,7 @@ from torch.utils._pytree import (
 )
 
 from .batch import FREE, Batched, Layout, Mixed
+from .errors import LossNotPerSampleError
 
 FIX = """Compute each sample's own loss from the logits and pass the labels as targets, e.g. for a
 causal LM:
@@ -36,10 +37,6 @@ causal LM:
         logits, labels = out.logits[:, :-1], labels[:, 1:]
         return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1) \\
             / (labels != -100).sum(1)"""
-
-
-class LossNotPerSampleError(ValueError):
-    """``loss_fn`` read a model output that mixes the samples (a batch-wide mean)."""
 
 
 def _refuse(name: str, why: str) -> LossNotPerSampleError:

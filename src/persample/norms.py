@@ -21,7 +21,9 @@ from torch import Tensor, nn
 from . import checks
 from .api import FALLBACK_ERRORS
 from .capture import Op
-from .engine import Captured, loss_backprops, module_front, write_per_sample
+from .engine import loss_backprops
+from .plan import Captured, edge_key
+from .pullback import module_front, module_inputs, write_per_sample
 from .reference import rows
 from .rules import OpCall, find_norm_rule, find_op_norm
 
@@ -85,7 +87,6 @@ def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -
     """Norm rules of module rules (``register_norm_rule``)."""
     from torch.utils._pytree import tree_leaves
 
-    from .engine import _module_inputs
 
     for call, params in cap.plan.module_jobs:
         norm = find_norm_rule(call.rule)
@@ -95,13 +96,11 @@ def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -
             continue
         e = next(e for t, e in zip([t for t in tree_leaves(call.output)
                                     if isinstance(t, Tensor)], call.edges) if t is outs[0])
-        from .engine import edge_key
-
         g = cap.grads.get(edge_key(e)) if e is not None else None
         if g is None:
             continue
         backprops = module_front(g, cap.cap.layout(outs[0]), cap.n, 1)
-        found = norm(call.module, _module_inputs(cap, call), backprops, set(params))
+        found = norm(call.module, module_inputs(cap, call), backprops, set(params))
         if found is not None:
             sq.update({id(params[name]): v for name, v in found.items()})
 

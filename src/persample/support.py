@@ -20,12 +20,10 @@ from torch.utils._pytree import tree_leaves
 
 from . import checks
 from .api import FALLBACK_ERRORS
-from .engine import (
-    Path,
-    capture_backprops,
-    write_per_sample,
-)
+from .engine import capture_backprops
 from .inputs import Batch, as_batch
+from .plan import Path
+from .pullback import write_per_sample
 from .reference import loop_per_sample_grads, rows
 from .rules import find_rule
 from .rules.recurrent import training_dropout

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .fallback import UnsupportedModuleError
+from .errors import UnsupportedModuleError
 from .inputs import Batch
 
 

@@ -25,8 +25,9 @@ from torch import Tensor, nn
 from .. import checks
 from ..api import FALLBACK_ERRORS
 from ..batch import Batched
-from ..engine import Captured, edge_key, loss_backprops
+from ..engine import loss_backprops
 from ..norms import squared_norms
+from ..plan import Captured, edge_key
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
 

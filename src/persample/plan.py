@@ -1,0 +1,235 @@
+"""Planning: the path of every parameter's per-sample gradient, from one capture.
+
+After the captured forward (:mod:`persample.capture`), :func:`plan` gives every
+parameter the forward read its path: the module rule of a call that claims it
+(the recurrent layers), else the rules of the ops that read it (checked and
+recorded as they run, ``pullback.py``), else the per-module fallback over the
+innermost call around all its reads whose inputs and outputs have known layouts.
+What cannot be followed at all raises :class:`~persample.errors.NeedsWholeModel`.
+The plan lists the gradient edges the one backward must reach.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_leaves
+
+from .batch import FREE, Batched, Layout, Mixed, Unknown, front_cotangents
+from .capture import Call, Capture, Op
+from .errors import NeedsWholeModel
+from .rules import find_op_rule
+
+
+@dataclass
+class Path:
+    """How one parameter's per-sample gradient is computed."""
+
+    kind: str  # "rule", "module rule", "taps", "fallback", "unused"
+    where: str  # the ops or the module call
+    reason: str = ""
+
+
+@dataclass
+class Plan:
+    """What to compute after the backward (see :func:`plan`)."""
+
+    module_jobs: list[tuple[Call, dict[str, nn.Parameter]]] = field(default_factory=list)
+    uses: list[Op] = field(default_factory=list)  # ops with per-sample outputs, in order
+    fallback_jobs: list[tuple[Call, dict[str, nn.Parameter]]] = field(default_factory=list)
+    handled: set[int] = field(default_factory=set)  # params handled by module/fallback jobs
+    paths: dict[int, Path] = field(default_factory=dict)
+    reach: list[nn.Parameter] = field(default_factory=list)  # params to check for hidden paths
+    whole: list[nn.Parameter] = field(default_factory=list)  # a batch of one: plain gradients
+
+    def edges(self) -> list[GradientEdge]:
+        """Every gradient edge the backward must reach, without repeats."""
+        found: dict[tuple[int, int], GradientEdge] = {}
+        sources = [e for op in self.uses for e in op.edges]
+        sources += [e for call, _ in self.module_jobs + self.fallback_jobs for e in call.edges]
+        sources += [get_gradient_edge(p) for p in self.reach]
+        for e in sources:
+            if e is not None:
+                found.setdefault(edge_key(e), e)
+        return list(found.values())
+
+
+def edge_key(e: GradientEdge) -> tuple[int, int]:
+    return id(e.node), e.output_nr
+
+
+def plan(cap: Capture, watched: dict[int, nn.Parameter]) -> Plan:
+    """Assign every watched parameter that the forward read to its path."""
+    result = Plan()
+    owned = _module_jobs(cap, result)
+    reads: dict[int, list[Op]] = {}
+    for op in cap.ops:
+        for pid in op.sources_all:
+            reads.setdefault(pid, []).append(op)
+    needs_fallback: dict[int, str] = {}
+    for op in cap.ops:
+        if op in owned:
+            continue
+        lays = op.out_layouts
+        if all(lay is FREE for lay in lays):
+            continue  # makes a derived tensor: pulled back from its consumers
+        bad = next((lay for lay in lays if isinstance(lay, (Mixed, Unknown))), None)
+        if bad is not None:
+            for pid in op.sources_all:
+                needs_fallback.setdefault(pid, f"{bad.why} (at {op.where()})")
+            continue
+        result.uses.append(op)
+    for pid in cap.unseen_reads & set(watched):
+        if any(op not in owned and any(isinstance(lay, Batched) for lay in op.out_layouts)
+               for op in reads.get(pid, [])):
+            needs_fallback.setdefault(pid, "also read where autograd cannot be followed "
+                                      "(a custom autograd.Function, no_grad, or in place)")
+        elif pid not in result.handled:
+            result.reach.append(watched[pid])
+    _fallbacks(cap, result, needs_fallback, reads, watched)
+    _paths(cap, result, reads, watched)
+    return result
+
+
+def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
+    """Module-rule calls whose inputs and outputs have plain layouts: they take the ops
+    reading their own parameters inside them."""
+    owned: set[Op] = set()
+    by_call: dict[int, list[Op]] = {}
+    for op in cap.ops:
+        if op.claimed is not None:
+            by_call.setdefault(id(op.claimed), []).append(op)
+    for call in cap.calls:
+        ops = by_call.get(id(call))
+        if not ops or call.rule is None or module_layouts(cap, call) is None:
+            continue
+        own = {id(p) for p in call.module.parameters(recurse=False)}
+        params = {name: p for name, p in call.module.named_parameters(recurse=False)
+                  if id(p) in own and any(id(p) in op.sources_all for op in ops)}
+        result.module_jobs.append((call, params))
+        owned.update(ops)
+        result.handled.update(id(p) for p in params.values())
+    return owned
+
+
+def module_layouts(cap: Capture, call: Call) -> tuple[list, list] | None:
+    """The layouts of a module call's input and output tensors, if a module rule can take
+    them (plain batched or free; packed sequences as they are); else ``None``."""
+    ins = [cap.layout(t) for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)
+           and not _in_packed(t, call.args)]
+    outs = [cap.layout(t) for t in tree_leaves(call.output) if isinstance(t, Tensor)
+            and t.requires_grad]
+    if all((lay is FREE or (isinstance(lay, Batched) and lay.outer == lay.inner == 1))
+           for lay in ins + outs):
+        return ins, outs
+    return None
+
+
+def _in_packed(t: Tensor, args: tuple) -> bool:
+    from torch.nn.utils.rnn import PackedSequence
+
+    return any(isinstance(a, PackedSequence) and any(t is x for x in a) for a in args)
+
+
+def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[int, list[Op]],
+               watched: dict[int, nn.Parameter]) -> None:
+    """The per-module fallback for parameters no rule can take: the innermost call
+    around all their reads whose inputs and outputs have known layouts."""
+    for pid, reason in needs.items():
+        if pid in result.handled:
+            continue
+        calls = [op.call for op in reads[pid]]
+        call = _common_call(calls)
+        while call is not None and not _replayable(cap, call):
+            call = call.parent
+        if call is None:
+            raise NeedsWholeModel(
+                f"parameter {param_name(cap.model, pid)}: {reason}; no module around its "
+                "uses has inputs and outputs whose samples can be located")
+        params = next((found for job, found in result.fallback_jobs if job is call), None)
+        if params is None:
+            params = {}
+            result.fallback_jobs.append((call, params))
+        for name, p in call.module.named_parameters(remove_duplicate=False):
+            if id(p) == pid:
+                params.setdefault(name, p)
+                break
+        result.handled.add(pid)
+        result.paths[pid] = Path("fallback", call.describe(), reason)
+    # the parameters of fallback calls are computed there, whatever other ops read them
+    result.uses = [op for op in result.uses if not op.sources_all <= result.handled]
+
+
+def _common_call(calls: list[Call | None]) -> Call | None:
+    """The innermost call containing every one of ``calls``."""
+    chains = []
+    for call in calls:
+        chain = []
+        while call is not None:
+            chain.append(call)
+            call = call.parent
+        chains.append(chain[::-1])
+    common = None
+    for level in zip(*chains):
+        if any(c is not level[0] for c in level):
+            break
+        common = level[0]
+    return common
+
+
+def _replayable(cap: Capture, call: Call) -> bool:
+    """Inputs unchanged since the call, and every input and output tensor located."""
+    leaves = [t for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)]
+    if [t._version for t in leaves] != call.versions:
+        return False
+    outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
+    return all(_located(cap.layout(t)) for t in leaves + outs)
+
+
+def _located(lay: Layout) -> bool:
+    return lay is FREE or (isinstance(lay, Batched) and lay.index is None)
+
+
+def param_name(model: nn.Module, pid: int) -> str:
+    for name, p in model.named_parameters():
+        if id(p) == pid:
+            return f"'{name}'"
+    return "?"
+
+
+def _paths(cap: Capture, result: Plan, reads: dict[int, list[Op]],
+           watched: dict[int, nn.Parameter]) -> None:
+    for call, params in result.module_jobs:
+        for p in params.values():
+            result.paths[id(p)] = Path("module rule", call.describe(),
+                                       f"{call.rule.base.__name__} rule")
+    for op in result.uses:  # provisional: the rules run decide (Pullbacks.note)
+        kind = "rule" if find_op_rule(op.func) is not None else "taps"
+        for pid in op.sources_all - result.handled:
+            result.paths.setdefault(pid, Path(kind, op.where()))
+
+
+@dataclass
+class Captured:
+    """One batch: its capture, plan and backprops."""
+
+    cap: Capture
+    plan: Plan
+    grads: dict[tuple[int, int], Tensor | None]  # per edge: (v, *shape) or None
+    n: int
+    v: int
+
+    def backprops(self, edges: list[GradientEdge | None], layouts: list[Layout],
+                  like: list[Tensor]) -> list[Tensor | None]:
+        """Per output: ``(n, v, *per_sample)`` cotangents (``None`` without an edge)."""
+        found = []
+        for e, lay, t in zip(edges, layouts, like):
+            if e is None or not isinstance(lay, Batched):
+                found.append(None)
+                continue
+            g = self.grads.get(edge_key(e))
+            g = t.new_zeros((self.v, *t.shape)) if g is None else g
+            found.append(front_cotangents(g, lay, self.n))
+        return found

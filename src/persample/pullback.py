@@ -1,0 +1,388 @@
+"""From backprops to per-sample results: the rules run, and what they give for
+tensors computed from parameters is pulled back to the parameters.
+
+:func:`write_per_sample` runs, for one captured batch (:class:`~persample.plan.Captured`),
+the module rules, then each op's rule with the backprops of its output (or, where
+no rule applies, the op's own backward on per-sample copies of the inputs it
+broadcasts, ``fallback.expand_vjp``, or its exact per-sample VJP,
+``fallback.op_vjp``), then the derived tensors newest first through the ops that
+made them, then the per-module fallbacks. Results go to :class:`GradSink`: the first
+contribution to a parameter is written in place, later ones (tied weights, several
+calls) are added.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from .batch import FREE, Batched, Ctx, Layout, front_cotangents, propagate
+from .batch.ops_views import reshaped
+from .capture import Call, Derived, Op
+from .errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
+from .fallback import expand_vjp, module_vjp, op_vjp, shared_vjp
+from .plan import Captured, Path, edge_key
+from .rules import OpCall, Rule, find_op_rule
+
+
+class GradSink:
+    """Destinations of the per-sample gradients, keyed by parameter identity.
+
+    The first contribution to a parameter is written straight into its
+    destination; later ones (tied weights, repeated calls) go to a temporary
+    and are added.
+    """
+
+    def __init__(self, dest: dict[int, Tensor]):
+        self.dest = dest
+        self.written: set[int] = set()
+
+    def target(self, pid: int, shape: tuple) -> Tensor | None:
+        """Where to write the next contribution to ``pid``; ``None`` for a parameter
+        not wanted (the caller writes into a scratch tensor)."""
+        d = self.dest.get(pid)
+        if d is None:
+            return None
+        return torch.empty_like(d) if pid in self.written else d
+
+    def commit(self, pid: int, value: Tensor) -> None:
+        if pid not in self.dest:
+            return
+        if pid in self.written:
+            self.dest[pid].add_(value)
+        else:
+            if value.data_ptr() != self.dest[pid].data_ptr():
+                self.dest[pid].copy_(value)
+            self.written.add(pid)
+
+    def zero_unwritten(self) -> None:
+        for key, tensor in self.dest.items():
+            if key not in self.written:
+                tensor.zero_()
+
+
+def write_per_sample(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | None = None
+                     ) -> None:
+    """The planned rules into ``dest`` (``id(param) -> (n, v, *shape)``), for the
+    parameters in it (``uses``: only these ops; default all)."""
+    sink = GradSink(dest)
+    pulls = Pullbacks(cap, sink)
+    wanted = set(dest)
+    for p in cap.plan.whole:  # a batch of one: grads by parameter
+        g = cap.grads.get(id(p))
+        if id(p) in dest and g is not None:
+            sink.commit(id(p), g.unsqueeze(0))  # (1, v, *shape)
+    with torch.no_grad():
+        for call, params in cap.plan.module_jobs:
+            if any(id(p) in wanted for p in params.values()):
+                _module_rule(cap, call, params, sink)
+        for op in cap.plan.uses if uses is None else uses:
+            if op.sources_all.isdisjoint(wanted):
+                continue
+            if op.changed() and _needs_values(op):
+                raise InPlaceModificationError(
+                    f"an input of {op.where()} was modified in place after the op ran, and "
+                    "its rule needs it. Make that operation out of place, or use "
+                    "method='vmap'.")
+            pulls.apply(op, cap.backprops(op.edges, op.out_layouts, op.outputs),
+                        op.out_layouts)
+        pulls.pull_derived()
+        for call, params in cap.plan.fallback_jobs:
+            if any(id(p) in wanted for p in params.values()):
+                _fallback(cap, call, params, sink)
+    sink.zero_unwritten()
+
+
+def _needs_values(op: Op) -> bool:
+    """An add (a shift) needs only the backprops; other rules read the inputs."""
+    from .rules.elementwise import _ADD
+
+    return op.func not in _ADD
+
+
+class Pullbacks:
+    """Per-sample cotangents of ops' inputs, into the sink (parameters) or onto the
+    derived tensors, which are then pulled back through the ops that made them."""
+
+    def __init__(self, cap: Captured, sink: GradSink):
+        self.cap, self.sink = cap, sink
+        self.only = set(sink.dest)
+        self.seen: set[int] = set()  # parameters whose path this run has recorded
+        self.pending: dict[int, list[tuple[Tensor, Batched | None]]] = {}
+
+    def apply(self, op: Op, cots: list[Tensor | None], out_aligns: list,
+              aligns: list | None = None) -> None:
+        """``cots`` per output ``(n, v, *per_sample)``; ``aligns`` overrides how the
+        op's leaves pair with the samples (derived ops pulled back per sample)."""
+        n, handled = self.cap.n, self.cap.plan.handled
+        wrt = [k for k, pids in op.sources.items()
+               if not pids <= handled and not pids.isdisjoint(self.only)]
+        if not wrt or all(c is None for c in cots):
+            return
+        call = OpCall(op, n)
+        if aligns is not None:
+            call.op = _Aligned(op, aligns)
+        shapes = {k: tuple(op.leaves[k].shape) if call.op.align(k) is None else
+                  tuple(_front_shape(op.leaves[k], call.op.align(k), n)) for k in wrt}
+        out = {}
+        for k in wrt:
+            t = op.leaves[k]
+            if id(t) in out:
+                continue
+            direct = self._param(t) is not None and call.op.align(k) is None
+            v = self.cap.v
+            found = self.sink.target(id(t), shapes[k]) if direct else None
+            out[id(t)] = found if found is not None else t.new_empty((n, v, *shapes[k]))
+        rule = find_op_rule(op.func)
+        single = [c for c in cots if c is not None]
+        reason = "no rule" if rule is None or len(cots) != 1 or len(single) != 1 else rule(
+            call, single[0], out)
+        kind = "rule"
+        if reason is not None and not self._broadcast(op, call, wrt, out_aligns, out):
+            kind = self._taps(op, call, cots, out_aligns, wrt, out)
+        self.note(op, wrt, kind, reason)
+        done = set()
+        for k in wrt:
+            t = op.leaves[k]
+            if id(t) in done:
+                continue
+            done.add(id(t))
+            if self._param(t) is not None and call.op.align(k) is None:
+                self.sink.commit(id(t), out[id(t)])
+            elif self._param(t) is not None:
+                raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
+            else:
+                self.pending.setdefault(id(t), []).append((out[id(t)], call.op.align(k)))
+
+    def _param(self, t: Tensor) -> nn.Parameter | None:
+        p = self.cap.cap.watched.get(id(t))
+        return p if p is t else None
+
+    def _broadcast(self, op: Op, call: OpCall, wrt: list[int], out_aligns: list, out: dict
+                   ) -> bool:
+        """Shared inputs of an op that broadcasts them over the samples: the op's own
+        backward on per-sample copies (``fallback.expand_vjp``)."""
+        if (len(op.outputs) != 1 or not isinstance(out_aligns[0], Batched)
+                or any(call.op.align(k) is not None for k in wrt)
+                or not _broadcasting(op.func) or op.edges[0] is None):
+            return False
+        g = self.cap.grads.get(edge_key(op.edges[0]))
+        if g is None:
+            return False
+        try:
+            got = expand_vjp(op, wrt, g, out_aligns[0], self.cap.n)
+        except (ValueError, RuntimeError):
+            return False
+        for k, value in zip(wrt, got):
+            out[id(op.leaves[k])].copy_(value)
+        return True
+
+    def note(self, op: Op, wrt: list[int], kind: str, reason: str | None) -> None:
+        """Record the path the parameters behind ``wrt`` took here (``taps`` outweighs
+        ``rule``; the ops are listed)."""
+        paths = self.cap.plan.paths
+        for k in wrt:
+            for pid in op.sources[k]:
+                old = paths.get(pid)
+                where = op.where()
+                if old is None or pid not in self.seen:
+                    paths[pid] = Path(kind, where, "" if kind == "rule" else f"{reason}")
+                elif kind == "taps" and old.kind == "rule":
+                    paths[pid] = Path("taps", f"{where}; {old.where}", f"{reason}")
+                elif where not in old.where:
+                    paths[pid] = Path(old.kind, f"{old.where}; {where}", old.reason)
+                self.seen.add(pid)
+
+    def _taps(self, op: Op, call: OpCall, cots, out_aligns, wrt, out) -> str:
+        aligns = [call.op.align(k) for k in range(len(op.leaves))]
+        kind = "rule"
+        try:
+            if all(a is None for a in aligns) and all(a is None for a in out_aligns):
+                got = shared_vjp(op, cots, wrt)  # the same op for every sample
+            else:
+                got = op_vjp(op, cots, out_aligns, aligns, wrt, self.cap.n)
+                kind = "taps"
+        except Exception as err:  # torch.func raises many kinds of errors
+            raise NeedsWholeModel(
+                f"no rule for {op.where()} and torch.func could not differentiate it per "
+                f"sample: {err}") from err
+        for k, g in zip(wrt, got):
+            out[id(op.leaves[k])].copy_(g)
+        return kind
+
+    def pull_derived(self) -> None:
+        """Derived tensors, newest first: their cotangents back through their ops."""
+        derived = self.cap.cap.derived
+        while self.pending:
+            key = max(self.pending, key=lambda i: derived[i].op.index)
+            d: Derived = derived[key]
+            for cot, align in _merge(self.pending.pop(key)):
+                cots = [None] * len(d.op.outputs)
+                cots[d.out] = cot
+                aligns = [None] * len(d.op.outputs)
+                aligns[d.out] = align
+                self.apply(d.op, cots, aligns, _producer_aligns(d.op, align, self.cap.n))
+
+
+def _broadcasting(func: Any) -> bool:
+    """Ops that broadcast their inputs right-aligned against the output (elementwise,
+    ``where``, the mask of ``scaled_dot_product_attention``)."""
+    from .batch.flow import HANDLERS
+    from .batch.ops_elementwise import _where, broadcast
+    from .batch.ops_layers import _sdpa
+
+    return HANDLERS.get(func) in (broadcast, _where, _sdpa)
+
+
+def _merge(items: list[tuple[Tensor, Batched | None]]) -> list[tuple[Tensor, Batched | None]]:
+    """Sum the cotangents that share a form (own shape, or the same pairing)."""
+    merged: list[tuple[Tensor, Batched | None]] = []
+    for cot, align in items:
+        for k, (c, a) in enumerate(merged):
+            if a == align and c.shape == cot.shape:
+                merged[k] = (c + cot, a)
+                break
+        else:
+            merged.append((cot, align))
+    return merged
+
+
+def _front_shape(t: Tensor, lay: Batched, n: int) -> torch.Size:
+    from .batch import front
+
+    return front(t.new_empty(()).expand(t.shape), lay, n).shape[1:]  # no data read
+
+
+class _Aligned:
+    """An op seen with other pairings of its leaves (a derived op pulled back per sample)."""
+
+    def __init__(self, op: Op, aligns: list):
+        self._op, self._aligns = op, aligns
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._op, name)
+
+    def align(self, k: int) -> Any:
+        return self._aligns[k]
+
+
+def _producer_aligns(op: Op, out_align: Batched | None, n: int) -> list:
+    """How a derived op's leaves pair with the samples when its output is paired at
+    ``out_align`` (a class token expanded to the batch, DeBERTa's repeated keys): each
+    leaf is paired with the one layout that the op's own data-flow rule carries to
+    ``out_align`` (a transpose's swapped dim, a reshape's merged dim, embedding ids'
+    dims), else shared."""
+    if out_align is None:
+        return [None] * len(op.leaves)
+    out = op.outputs[0]
+    found = []
+    for k, t in enumerate(op.leaves):
+        candidates = [out_align.moved(d) for d in range(t.dim())]
+        if out_align.index is None and out.dim():
+            candidates.append(reshaped(out_align, tuple(out.shape), tuple(t.shape), n))
+        found.append(next((c for c in candidates if c is not None and _carries(
+            op, k, c, out_align, n)), None))
+    return found
+
+
+def _carries(op: Op, k: int, lay: Batched, want: Batched, n: int) -> bool:
+    """Does the op's data-flow rule take leaf ``k`` at ``lay`` (the others shared) to
+    ``want``?"""
+    t = op.leaves[k]
+    if lay.index is None and t.shape[lay.dim] != lay.outer * n * lay.inner:
+        return False
+    if lay.index is not None and t.shape[lay.dim] != lay.index.numel():
+        return False
+    ctx = Ctx(n, lambda x: lay if x is t else FREE)
+    got = propagate(ctx, op.func, op.args, op.kwargs, op.output).outputs
+    got = got[0] if isinstance(got, tuple) else got
+    return isinstance(got, Batched) and got == want
+
+
+def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:
+    """For module rules: the batch dim moved to the front (and removed from its place);
+    irregular layouts (a packed sequence's rows) padded per sample."""
+    if not isinstance(lay, Batched):
+        return g
+    if lay.index is None:
+        return g.movedim(lay.dim + lead, 0)
+    fronted = front_cotangents(g, lay, n) if lead else lay.front(g, n)
+    return fronted
+
+
+def _module_rule(cap: Captured, call: Call, params: dict[str, nn.Parameter],
+                 sink: GradSink) -> None:
+    rule: Rule = call.rule
+    outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
+    pairs = [(t, e) for t, e in zip(outs, call.edges) if t.requires_grad]
+    backprops = []
+    for t, e in pairs:
+        g = cap.grads.get(edge_key(e)) if e is not None else None
+        g = t.new_zeros((cap.v, *t.shape)) if g is None else g
+        lay = cap.cap.layout(t)
+        backprops.append(module_front(g, lay, cap.n, 1) if isinstance(lay, Batched) else g)
+    inputs = module_inputs(cap, call)
+    if inputs is None:
+        raise UnsupportedModuleError(f"module {call.describe()}: inputs not positional")
+    out = {}
+    for name, p in params.items():
+        found = sink.target(id(p), p.shape)
+        out[name] = found if found is not None else p.new_empty((cap.n, cap.v, *p.shape))
+    rule.fn(call.module, inputs, backprops if rule.multi_output else backprops[0], out)
+    for name, p in params.items():
+        sink.commit(id(p), out[name])
+
+
+def module_inputs(cap: Captured, call: Call) -> tuple | None:
+    """The call's inputs as positional arguments, samples in dim 0."""
+    args = positional(call)
+    if args is None:
+        return None
+    return tuple(_front_value(cap, a) for a in args)
+
+
+def _front_value(cap: Captured, x: Any) -> Any:
+    from torch.nn.utils.rnn import PackedSequence
+
+    if isinstance(x, PackedSequence):
+        return x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_front_value(cap, xi) for xi in x)
+    if isinstance(x, Tensor):
+        return module_front(x, cap.cap.layout(x), cap.n, 0)
+    return x
+
+
+def positional(call: Call) -> tuple | None:
+    """The call's inputs as positional arguments of the module's ``forward`` (keyword
+    inputs moved to their place); ``None`` if impossible (keyword-only arguments)."""
+    import inspect
+
+    if not call.kwargs:
+        return call.args
+    try:
+        bound = inspect.signature(type(call.module).forward).bind(
+            call.module, *call.args, **call.kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return None if bound.kwargs else bound.args[1:]
+
+
+def _fallback(cap: Captured, call: Call, params: dict[str, nn.Parameter], sink: GradSink
+              ) -> None:
+    leaves = [t for t in tree_flatten((call.args, call.kwargs))[0] if isinstance(t, Tensor)]
+    in_aligns = [_align_of(cap.cap.layout(t)) for t in leaves]
+    outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
+    out_lays = [cap.cap.layout(t) for t in outs]
+    cots = cap.backprops(call.edges, out_lays, outs)
+    got = module_vjp(call, params, in_aligns, cots, [_align_of(lay) for lay in out_lays], cap.n)
+    for name, p in params.items():
+        sink.commit(id(p), got[name])
+
+
+def _align_of(lay: Layout) -> Batched | None:
+    return lay if isinstance(lay, Batched) else None
