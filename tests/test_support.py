@@ -149,3 +149,14 @@ def test_verify_float32_tolerance_and_bad_samples():
     assert report.ok and report.rtol == 1e-4 and report.samples == 3
     with pytest.raises(ValueError, match="samples must be a positive int"):
         verify(net, x, y, nn.MSELoss(), samples=0)
+
+
+def test_verify_reports_the_path_auto_took():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    assert verify(model, x, y, nn.MSELoss()).method == "rules"
+    model = nn.Sequential(nn.Linear(3, 4), OpaqueGate(), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="OpaqueGate"):
+        report = verify(model, x, y, nn.MSELoss())
+    assert report.ok and report.method.startswith("vmap or loop")
+    assert "OpaqueGate" in report.method and "method: vmap or loop" in str(report)
