@@ -5,16 +5,23 @@ from pathlib import Path
 
 import pytest
 
+from zoo import load_torchvision
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.keep_default_dtype
 def test_readme_python_examples_run():
+    load_torchvision()  # transformers imports it (see zoo.py)
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "the README has no python example"
+    found: dict = {}
     for block in blocks:
         namespace: dict = {}
         exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+        found.update(namespace)
+    namespace = found
+    assert namespace["lm_grads"]["transformer.wte.weight"].shape == (8, 100, 32)
     assert namespace["jac"].shape == (256, 10, 15910)
     assert namespace["dx"].shape == (100, 400, 1)
     assert namespace["dclf"].shape == (256, 10, 784)
