@@ -160,3 +160,28 @@ def test_verify_reports_the_path_auto_took():
         report = verify(model, x, y, nn.MSELoss())
     assert report.ok and report.method.startswith("vmap or loop")
     assert "OpaqueGate" in report.method and "method: vmap or loop" in str(report)
+
+
+def test_supported_with_the_loss_of_the_call():
+    """With targets and loss_fn: the call's own loss (here reading only the logits of a
+    dict output, so the other output's head is unused); a loss the model computed over
+    the batch sends everything to the whole-model methods, with the reason."""
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, x, labels=None):
+            out = {"logits": self.a(x), "other": self.b(x)}
+            if labels is not None:
+                out["loss"] = nn.functional.cross_entropy(out["logits"], labels)
+            return out
+
+    model, x, y = TwoHeads(), torch.randn(4, 3), torch.randint(0, 2, (4,))
+    per_sample = lambda out, y: nn.functional.cross_entropy(out["logits"], y,  # noqa: E731
+                                                           reduction="none")
+    got = paths(supported(model, x, y, per_sample))
+    assert got == {"a": ("rule", ("weight", "bias")), "b": ("unused", ("weight", "bias"))}
+    routes = supported(model, {"x": x, "labels": y}, None, lambda out, _: out["loss"])
+    assert {r.path for r in routes} == {"vmap"}
+    assert "per-sample terms" in routes[0].reason

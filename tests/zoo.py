@@ -241,7 +241,10 @@ def gpt2_lora():
 
 
 def llama_lora():
+    """With ``position_ids`` by keyword (peft passes it on only so), a ``(1, T)`` tensor
+    shared by all samples."""
     model, inputs, labels, loss = llama()
+    inputs["position_ids"] = torch.arange(T)[None]
     return _lora(model, ["q_proj", "v_proj", "down_proj"]), inputs, labels, loss
 
 

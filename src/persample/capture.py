@@ -57,7 +57,6 @@ class Call:
     rule: Any = None  # the module's module rule (rules.ModuleRule), if it has one
     versions: list[int] = field(default_factory=list)  # of its input tensors, at the call
     edges: list[GradientEdge | None] = field(default_factory=list)  # per output tensor
-    ops: list[Op] = field(default_factory=list)  # ops it claimed (module rules)
     done: bool = False
 
     def describe(self) -> str:

@@ -103,7 +103,7 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
             by_call.setdefault(id(op.claimed), []).append(op)
     for call in cap.calls:
         ops = by_call.get(id(call))
-        if not ops or call.rule is None or module_layouts(cap, call) is None:
+        if not ops or call.rule is None or not _plain_layouts(cap, call):
             continue
         own = {id(p) for p in call.module.parameters(recurse=False)}
         params = {name: p for name, p in call.module.named_parameters(recurse=False)
@@ -114,17 +114,17 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
     return owned
 
 
-def module_layouts(cap: Capture, call: Call) -> tuple[list, list] | None:
-    """The layouts of a module call's input and output tensors, if a module rule can take
-    them (plain batched or free; packed sequences as they are); else ``None``."""
-    ins = [cap.layout(t) for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)
+def _plain_layouts(cap: Capture, call: Call) -> bool:
+    """Can a module rule take the call: every input and output tensor plainly batched
+    or free (a packed sequence's tensors are taken as they are)?"""
+    ins = [t for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)
            and not _in_packed(t, call.args)]
-    outs = [cap.layout(t) for t in tree_leaves(call.output) if isinstance(t, Tensor)
-            and t.requires_grad]
-    if all((lay is FREE or (isinstance(lay, Batched) and lay.outer == lay.inner == 1))
-           for lay in ins + outs):
-        return ins, outs
-    return None
+    outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
+    return all(_plain(cap.layout(t)) for t in ins + outs)
+
+
+def _plain(lay: Layout) -> bool:
+    return lay is FREE or (isinstance(lay, Batched) and lay.outer == lay.inner == 1)
 
 
 def _in_packed(t: Tensor, args: tuple) -> bool:
@@ -223,13 +223,11 @@ class Captured:
 
     def backprops(self, edges: list[GradientEdge | None], layouts: list[Layout],
                   like: list[Tensor]) -> list[Tensor | None]:
-        """Per output: ``(n, v, *per_sample)`` cotangents (``None`` without an edge)."""
+        """Per output: ``(n, v, *per_sample)`` cotangents (``None`` where no gradient
+        reaches it)."""
         found = []
-        for e, lay, t in zip(edges, layouts, like):
-            if e is None or not isinstance(lay, Batched):
-                found.append(None)
-                continue
-            g = self.grads.get(edge_key(e))
-            g = t.new_zeros((self.v, *t.shape)) if g is None else g
-            found.append(front_cotangents(g, lay, self.n))
+        for e, lay, _ in zip(edges, layouts, like):
+            g = None if e is None else self.grads.get(edge_key(e))
+            found.append(front_cotangents(g, lay, self.n) if g is not None
+                         and isinstance(lay, Batched) else None)
         return found

@@ -93,6 +93,10 @@ def write_per_sample(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | No
         for call, params in cap.plan.fallback_jobs:
             if any(id(p) in wanted for p in params.values()):
                 _fallback(cap, call, params, sink)
+    for pid in set() if cap.plan.whole else wanted - pulls.seen - cap.plan.handled:
+        if pid in cap.plan.paths:  # read, but no gradient of the loss reaches it
+            cap.plan.paths[pid] = Path("unused", cap.plan.paths[pid].where,
+                                       "no gradient of the loss reaches it: zeros")
     sink.zero_unwritten()
 
 
@@ -379,6 +383,8 @@ def _fallback(cap: Captured, call: Call, params: dict[str, nn.Parameter], sink: 
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
     out_lays = [cap.cap.layout(t) for t in outs]
     cots = cap.backprops(call.edges, out_lays, outs)
+    if all(c is None for c in cots):  # no gradient reaches the call: zeros
+        return
     got = module_vjp(call, params, in_aligns, cots, [_align_of(lay) for lay in out_lays], cap.n)
     for name, p in params.items():
         sink.commit(id(p), got[name])

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import checks
 from .api import FALLBACK_ERRORS
-from .engine import capture_backprops
+from .engine import capture_backprops, loss_backprops
 from .inputs import Batch, as_batch
 from .plan import Path
 from .pullback import write_per_sample
@@ -77,15 +77,17 @@ def _static_route(name: str, module: nn.Module, params: tuple[str, ...]) -> Rout
 
 
 @checks.keeps_buffers
-def supported(model: nn.Module, inputs: Any = None) -> Routes:
+def supported(model: nn.Module, inputs: Any = None, targets: Any = None,
+              loss_fn: Callable[[Any, Any], Tensor] | None = None) -> Routes:
     """Which path each trainable parameter takes, by module: rule, taps, fallback, ...
 
     With ``inputs`` (a batch as for :func:`persample.per_sample_grads`) the model
-    runs once, forward and one backward of the sum of its outputs, through the same
-    capture, planning and rules as a real call, and the answer is what that call
-    does: ``"rule"`` (the op rules of the ops reading the parameter, whatever module
-    class wraps them), ``"module rule"`` (a recurrent layer's rule), ``"taps"`` (the
-    exact per-sample VJP of an op without a rule, slower), ``"fallback"`` (the
+    runs once, forward and one backward (of ``loss_fn(output, targets)`` if given,
+    else of the sum of its outputs), through the same capture, planning and rules as
+    a real call, and the answer is what that call does: ``"rule"`` (the op rules of
+    the ops reading the parameter, whatever module class wraps them), ``"module
+    rule"`` (a recurrent layer's rule), ``"taps"`` (the exact per-sample VJP of an op
+    without a rule, slower), ``"fallback"`` (the
     per-module ``torch.func`` fallback over the call named in ``reason``), ``"vmap"``
     (the engine cannot split this model's gradients: ``method="auto"`` runs
     ``torch.func`` over the whole model, else the loop), ``"unused"`` (never read:
@@ -97,6 +99,9 @@ def supported(model: nn.Module, inputs: Any = None) -> Routes:
         model: any ``nn.Module``; it is left unchanged (no hooks, no state).
         inputs: optional, as for :func:`persample.per_sample_grads` (a tensor, a
             tuple, a dict, or ``(args, kwargs)``).
+        targets, loss_fn: optional, as for :func:`persample.per_sample_grads`: the
+            loss the call will differentiate (a loss that does not reach some output
+            leaves the parameters only that output reads ``"unused"``).
 
     Returns:
         :class:`Routes`, a list of :class:`Route` ``(module, type, params, path,
@@ -131,7 +136,7 @@ def supported(model: nn.Module, inputs: Any = None) -> Routes:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if inputs is None:
         return Routes(_static_routes(model))
-    return Routes(_traced_routes(model, as_batch(inputs)))
+    return Routes(_traced_routes(model, as_batch(inputs), targets, loss_fn))
 
 
 def _static_routes(model: nn.Module) -> list[Route]:
@@ -143,9 +148,10 @@ def _static_routes(model: nn.Module) -> list[Route]:
     return routes
 
 
-def traced_paths(model: nn.Module, batch: Batch) -> dict[int, Path]:
-    """Run the engine on ``batch`` with the sum of the outputs as the loss; the path
-    each trainable parameter took (``id`` -> :class:`Path`)."""
+def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
+                 loss_fn: Callable | None = None) -> dict[int, Path]:
+    """Run the engine on ``batch`` with ``loss_fn`` (or the sum of the outputs) as the
+    loss; the path each trainable parameter took (``id`` -> :class:`Path`)."""
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     reason = checks.mixing_reason_of(model)
     if reason:
@@ -163,7 +169,10 @@ def traced_paths(model: nn.Module, batch: Batch) -> dict[int, Path]:
         return tuple(None if g is None else g.unsqueeze(0) for g in grads)
 
     try:
-        cap = capture_backprops(model, batch, root, backward, params, 1)
+        if loss_fn is None:
+            cap = capture_backprops(model, batch, root, backward, params, 1)
+        else:
+            cap = loss_backprops(model, batch, targets, loss_fn, "mean", params)
         write_per_sample(cap, {pid: p.new_empty((batch.n, 1, *p.shape))
                                for pid, p in params.items()})
     except FALLBACK_ERRORS as err:
@@ -174,8 +183,9 @@ def traced_paths(model: nn.Module, batch: Batch) -> dict[int, Path]:
                                              "zero per-sample gradients")) for pid in params}
 
 
-def _traced_routes(model: nn.Module, batch: Batch) -> list[Route]:
-    found = traced_paths(model, batch)
+def _traced_routes(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable | None
+                   ) -> list[Route]:
+    found = traced_paths(model, batch, targets, loss_fn)
     modules = dict(model.named_modules())
     merged: dict[tuple[str, str, str], list[str]] = {}
     for qualified, p in model.named_parameters():  # a parameter registered twice: once
@@ -251,7 +261,8 @@ def verify(
             float64 models, ``1e-4`` for float32, ``1e-2`` for lower precisions.
 
     Returns:
-        :class:`Verification` with ``abs_error`` and ``rel_error`` (dicts by
+        :class:`Verification` with ``method`` (``"rules"``, or why ``auto`` fell back
+        to ``torch.func`` or the loop), ``abs_error`` and ``rel_error`` (dicts by
         parameter name, in the parameters' units), ``ok``, ``worst``; ``print()``
         shows a table.
 

@@ -75,8 +75,8 @@ def private_grad(
         ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
             ``expected_batch_size``, an empty batch without ``expected_batch_size``,
             and the errors of ``per_sample_grads``.
-        UnsupportedModuleError: a module has no rule and ``torch.func`` cannot
-            differentiate it per sample.
+        LossNotPerSampleError: ``loss_fn`` reads an output the model computed over
+            the whole batch; the message shows a per-sample loss.
         FloatingPointError: a sample's gradient is not finite (NaN or Inf); the
             message lists the samples and every ``p.grad`` is left as it was, so no
             NaN reaches the weights. Drop those samples and call again.
@@ -95,7 +95,7 @@ def private_grad(
         torch.Size([16])
     """
     _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
-    batch, n, params = checks.validate_call(model, inputs, targets, "rules", loss_reduction,
+    batch, n, params = checks.validate_call(model, inputs, targets, "auto", loss_reduction,
                                            None)
     if n == 0 and expected_batch_size is None:
         raise ValueError(
