@@ -271,11 +271,33 @@ class InPlaceResidual(nn.Module):
         return out.flatten(1)
 
 
+class InPlaceThroughViews(nn.Module):
+    """``F.linear`` on a sequence returns a view; ops in place through other views of it
+    (``h[:, 0] += p``, ``h[:, 1:3] = ...``) re-base the view's own autograd node, so its
+    backprops are read at its base's node."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, E)
+        self.p = nn.Parameter(torch.randn(E))
+        self.q = nn.Parameter(torch.randn(2, E))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)  # (B, T, E)
+        h[:, 0] += self.p
+        h[:, 1:3] = torch.tanh(h[:, 1:3]) + self.q
+        out = torch.zeros_like(h)
+        out.copy_(h)
+        return torch.tanh(out).flatten(1)
+
+
 @pytest.mark.parametrize("make, shape, out", [
+    (InPlaceThroughViews, (B, T, 3), T * E),
     (LayerScaled, (B, T, E), T * E),
     (TwiceRegistered, (B, T, E), 3),
     (InPlaceResidual, (B, 3, T, T), 3 * T * T),
-], ids=["rmsnorm-layerscale-inplace", "weight-registered-twice", "inplace-residual"])
+], ids=["inplace-through-views", "rmsnorm-layerscale-inplace", "weight-registered-twice",
+        "inplace-residual"])
 def test_parameters_by_op(make, shape, out):
     torch.manual_seed(0)
     model = make().eval()

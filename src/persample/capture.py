@@ -29,6 +29,7 @@ exist only inside the ``with`` block: they are removed in ``finally``.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class Call:
     parent: Call | None = None
     rule: Any = None  # the module's module rule (rules.ModuleRule), if it has one
     versions: list[int] = field(default_factory=list)  # of its input tensors, at the call
-    edges: list[GradientEdge | None] = field(default_factory=list)  # per output tensor
+    edges: list[Edge | None] = field(default_factory=list)  # per output tensor
     done: bool = False
 
     def describe(self) -> str:
@@ -76,7 +77,7 @@ class Op:
     flow: Flow  # the layouts of its outputs, and how it pairs its inputs with samples
     sources: dict[int, frozenset[int]]  # leaf position -> ids of the params it comes from
     call: Call | None  # the innermost module call under way
-    edges: list[GradientEdge | None] = field(default_factory=list)  # per output tensor
+    edges: list[Edge | None] = field(default_factory=list)  # per output tensor
     versions: list[int] = field(default_factory=list)  # of the leaves, after the op
     before: Tensor | None = None  # the value of an input the op overwrote in place
     claimed: Call | None = None  # a module-rule call that owns its parameters
@@ -127,7 +128,7 @@ class Derived:
     tensor: Tensor
     op: Op
     out: int  # which output of op
-    edge: GradientEdge | None
+    edge: Edge | None
 
 
 Expansion = Callable[..., Any]
@@ -277,8 +278,9 @@ class Capture:
             rule = self._module_rule(module) if self._module_rule else None
             call = Call(name, module, args, kwargs, parent=self.stack[-1] if self.stack else None,
                         rule=rule)
-            call.versions = [t._version for t in tree_leaves((args, kwargs))
-                             if isinstance(t, Tensor)]
+            with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
+                call.versions = [t._version for t in tree_leaves((args, kwargs))
+                                 if isinstance(t, Tensor)]
             self.stack.append(call)
 
         return pre_hook
@@ -288,7 +290,8 @@ class Capture:
             return
         call = self.stack.pop()
         call.output, call.done = output, True
-        call.edges = [_edge(t) for t in tree_leaves(output) if isinstance(t, Tensor)]
+        with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
+            call.edges = [_edge(t) for t in tree_leaves(output) if isinstance(t, Tensor)]
         self.calls.append(call)
 
     # -- ops ------------------------------------------------------------------
@@ -419,12 +422,63 @@ def _has_tensor(out: Any) -> bool:
     return isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out)
 
 
-def _edge(t: Tensor) -> GradientEdge | None:
-    """The gradient edge of ``t``'s current version (``None`` without autograd)."""
+@dataclass(frozen=True, eq=False)
+class Edge:
+    """Where the gradient of a captured output is read: the autograd edge of the node
+    that produced it. An output that is a view of a non-leaf base (``F.linear`` on a
+    sequence returns one) is read through its base's edge and its place in the base's
+    storage: an in-place op through another view of the base later re-bases the view's
+    own node out of the graph, never the base's."""
+
+    edge: GradientEdge
+    view: tuple | None = None  # base (shape, stride, span), view (shape, stride, offset)
+
+    def take(self, g: Tensor) -> Tensor:
+        """``(v, *base.shape)`` gradients of the base -> ``(v, *output.shape)``."""
+        if self.view is None:
+            return g
+        (base_shape, base_stride, span), (shape, stride, offset) = self.view
+        v = g.shape[0]
+        if offset == 0 and _row_major(base_shape, base_stride) and _row_major(shape, stride) \
+                and math.prod(shape) == math.prod(base_shape):
+            return g.reshape((v, *shape))  # a reshape of the whole base (F.linear's view)
+        flat = g.new_zeros((v, span))
+        flat.as_strided((v, *base_shape), (span, *base_stride)).copy_(g)
+        return flat.as_strided((v, *shape), (span, *stride), offset)
+
+    def place(self, g: Tensor) -> Tensor:
+        """The inverse for one cotangent: ``g (*output.shape)`` into a base-shaped zero."""
+        if self.view is None:
+            return g
+        (base_shape, base_stride, span), (shape, stride, offset) = self.view
+        flat = g.new_zeros(span)
+        flat.as_strided(shape, stride, offset).copy_(g)
+        return flat.as_strided(base_shape, base_stride).clone()
+
+
+def _row_major(shape: tuple, stride: tuple) -> bool:
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _edge(t: Tensor) -> Edge | None:
+    """Where ``t``'s gradient, at its current version, will be read (``None`` without
+    autograd)."""
     if not t.requires_grad:
         return None
+    base = t._base
     try:
-        return get_gradient_edge(t)
+        if base is None or base.grad_fn is None:
+            return Edge(get_gradient_edge(t))
+        start = base.storage_offset()
+        span = 1 + sum((size - 1) * stride for size, stride in zip(base.shape, base.stride()))
+        geometry = ((tuple(base.shape), tuple(base.stride()), max(span, 1)),
+                    (tuple(t.shape), tuple(t.stride()), t.storage_offset() - start))
+        return Edge(get_gradient_edge(base), geometry)
     except RuntimeError:
         return None
 

@@ -22,7 +22,7 @@ from . import checks
 from .api import FALLBACK_ERRORS
 from .capture import Op
 from .engine import loss_backprops
-from .plan import Captured, edge_key
+from .plan import Captured
 from .pullback import module_front, module_inputs, write_per_sample
 from .reference import rows
 from .rules import OpCall, find_norm_rule, find_op_norm
@@ -49,7 +49,7 @@ def squared_norms(
                     or any(sites.get(pid) != 1 for pid in pids)):
                 continue
             norm = find_op_norm(op.func)
-            g = cap.backprops(op.edges, op.out_layouts, op.outputs)
+            g = cap.backprops(op.edges, op.out_layouts)
             if norm is None or len(g) != 1 or g[0] is None:
                 continue
             found = norm(OpCall(op, n), g[0], pids)
@@ -96,7 +96,7 @@ def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -
             continue
         e = next(e for t, e in zip([t for t in tree_leaves(call.output)
                                     if isinstance(t, Tensor)], call.edges) if t is outs[0])
-        g = cap.grads.get(edge_key(e)) if e is not None else None
+        g = cap.grad(e)
         if g is None:
             continue
         backprops = module_front(g, cap.cap.layout(outs[0]), cap.n, 1)

@@ -18,7 +18,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_leaves
 
 from .batch import FREE, Batched, Layout, Mixed, Unknown, front_cotangents
-from .capture import Call, Capture, Op
+from .capture import Call, Capture, Edge, Op
 from .errors import NeedsWholeModel
 from .rules import find_op_rule
 
@@ -47,12 +47,12 @@ class Plan:
     def edges(self) -> list[GradientEdge]:
         """Every gradient edge the backward must reach, without repeats."""
         found: dict[tuple[int, int], GradientEdge] = {}
-        sources = [e for op in self.uses for e in op.edges]
-        sources += [e for call, _ in self.module_jobs + self.fallback_jobs for e in call.edges]
+        sources = [e.edge for op in self.uses for e in op.edges if e is not None]
+        sources += [e.edge for call, _ in self.module_jobs + self.fallback_jobs
+                    for e in call.edges if e is not None]
         sources += [get_gradient_edge(p) for p in self.reach]
         for e in sources:
-            if e is not None:
-                found.setdefault(edge_key(e), e)
+            found.setdefault(edge_key(e), e)
         return list(found.values())
 
 
@@ -221,13 +221,17 @@ class Captured:
     n: int
     v: int
 
-    def backprops(self, edges: list[GradientEdge | None], layouts: list[Layout],
-                  like: list[Tensor]) -> list[Tensor | None]:
+    def grad(self, e: Edge | None) -> Tensor | None:
+        """``(v, *output.shape)``: the backward's gradient at ``e`` (``None``: none)."""
+        g = None if e is None else self.grads.get(edge_key(e.edge))
+        return None if g is None else e.take(g)
+
+    def backprops(self, edges: list[Edge | None], layouts: list[Layout]) -> list[Tensor | None]:
         """Per output: ``(n, v, *per_sample)`` cotangents (``None`` where no gradient
         reaches it)."""
         found = []
-        for e, lay, _ in zip(edges, layouts, like):
-            g = None if e is None else self.grads.get(edge_key(e))
+        for e, lay in zip(edges, layouts):
+            g = self.grad(e)
             found.append(front_cotangents(g, lay, self.n) if g is not None
                          and isinstance(lay, Batched) else None)
         return found

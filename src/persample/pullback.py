@@ -24,7 +24,7 @@ from .batch.ops_views import reshaped
 from .capture import Call, Derived, Op
 from .errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
 from .fallback import expand_vjp, module_vjp, op_vjp, shared_vjp
-from .plan import Captured, Path, edge_key
+from .plan import Captured, Path
 from .rules import OpCall, Rule, find_op_rule
 
 
@@ -87,7 +87,7 @@ def write_per_sample(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | No
                     f"an input of {op.where()} was modified in place after the op ran, and "
                     "its rule needs it. Make that operation out of place, or use "
                     "method='vmap'.")
-            pulls.apply(op, cap.backprops(op.edges, op.out_layouts, op.outputs),
+            pulls.apply(op, cap.backprops(op.edges, op.out_layouts),
                         op.out_layouts)
         pulls.pull_derived()
         for call, params in cap.plan.fallback_jobs:
@@ -173,7 +173,7 @@ class Pullbacks:
                 or any(call.op.align(k) is not None for k in wrt)
                 or not _broadcasting(op.func) or op.edges[0] is None):
             return False
-        g = self.cap.grads.get(edge_key(op.edges[0]))
+        g = self.cap.grad(op.edges[0])
         if g is None:
             return False
         try:
@@ -324,7 +324,7 @@ def _module_rule(cap: Captured, call: Call, params: dict[str, nn.Parameter],
     pairs = [(t, e) for t, e in zip(outs, call.edges) if t.requires_grad]
     backprops = []
     for t, e in pairs:
-        g = cap.grads.get(edge_key(e)) if e is not None else None
+        g = cap.grad(e)
         g = t.new_zeros((cap.v, *t.shape)) if g is None else g
         lay = cap.cap.layout(t)
         backprops.append(module_front(g, lay, cap.n, 1) if isinstance(lay, Batched) else g)
@@ -382,7 +382,7 @@ def _fallback(cap: Captured, call: Call, params: dict[str, nn.Parameter], sink: 
     in_aligns = [_align_of(cap.cap.layout(t)) for t in leaves]
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
     out_lays = [cap.cap.layout(t) for t in outs]
-    cots = cap.backprops(call.edges, out_lays, outs)
+    cots = cap.backprops(call.edges, out_lays)
     if all(c is None for c in cots):  # no gradient reaches the call: zeros
         return
     got = module_vjp(call, params, in_aligns, cots, [_align_of(lay) for lay in out_lays], cap.n)

@@ -27,7 +27,7 @@ from ..api import FALLBACK_ERRORS
 from ..batch import Batched
 from ..engine import loss_backprops
 from ..norms import squared_norms
-from ..plan import Captured, edge_key
+from ..plan import Captured
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
 
@@ -177,11 +177,12 @@ def _book_keeping(cap: Captured, ghosted: set, factors: dict[int, Tensor],
         for p in params:
             groups.setdefault(id(factors[id(p)]), []).append(p)
         (edge,), (lay,) = op.edges, op.out_layouts
-        g = cap.grads.get(edge_key(edge))
+        g = cap.grad(edge)
         for group in groups.values():
             c = factors[id(group[0])]
             scaled = g[0] * lay.scale(c, g[0]) if isinstance(lay, Batched) else g[0]
-            grads = torch.autograd.grad([edge], group, [scaled], retain_graph=True)
+            grads = torch.autograd.grad([edge.edge], group, [edge.place(scaled)],
+                                        retain_graph=True)
             for p, got in zip(group, grads):
                 clipped[id(p)] = got
 
