@@ -58,7 +58,6 @@ class Call:
     rule: Any = None  # the module's module rule (rules.ModuleRule), if it has one
     versions: list[int] = field(default_factory=list)  # of its input tensors, at the call
     edges: list[Edge | None] = field(default_factory=list)  # per output tensor
-    done: bool = False
 
     def describe(self) -> str:
         return f"'{self.name or '<root>'}' ({type(self.module).__name__})"
@@ -128,7 +127,6 @@ class Derived:
     tensor: Tensor
     op: Op
     out: int  # which output of op
-    edge: Edge | None
 
 
 Expansion = Callable[..., Any]
@@ -289,7 +287,7 @@ class Capture:
         if threading.get_ident() != self.thread:
             return
         call = self.stack.pop()
-        call.output, call.done = output, True
+        call.output = output
         with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
             call.edges = [_edge(t) for t in tree_leaves(output) if isinstance(t, Tensor)]
         self.calls.append(call)
@@ -388,7 +386,7 @@ class Capture:
         self.ops.append(op)
         for k, (o, lay) in enumerate(zip(outs, lays)):
             if lay is FREE and o.requires_grad and not any(o is t for t in leaves):
-                self.derived[id(o)] = Derived(o, op, k, op.edges[k])  # (x.to() may be x)
+                self.derived[id(o)] = Derived(o, op, k)  # (x.to() may be x itself)
 
     def _claim(self, pids: frozenset[int]) -> Call | None:
         """The innermost module-rule call under way that holds one of these parameters."""
