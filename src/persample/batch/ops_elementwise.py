@@ -163,16 +163,18 @@ def dims_arg(args, kwargs, pos: int, rank: int) -> list[int] | None:
     raise TypeError(f"dim={d!r}")
 
 
-def _reduce(ctx, func, args, kwargs, out, pos: int = 1) -> Any:
-    """``sum(x, dim, keepdim)`` and kin: reducing over the batch dim mixes samples."""
+def _reduce(ctx, func, args, kwargs, out, pos: int = 1, along: bool = False) -> Any:
+    """``sum(x, dim, keepdim)`` and kin: reducing over the batch dim mixes samples.
+    ``along``: an op along ``dim`` that keeps the shape (``softmax``, ``cumsum``)."""
     x = args[0]
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
         return every(out, lay)
     dims = dims_arg(args, kwargs, pos, x.dim())
     if dims is None or lay.dim in dims:
-        return every(out, mixed(func, "reduces over the batch"))
-    keep = kwargs.get("keepdim", args[pos + 1] if len(args) > pos + 1 and isinstance(
+        return every(out, mixed(func, "works along the batch dim" if along
+                                else "reduces over the batch"))
+    keep = along or kwargs.get("keepdim", args[pos + 1] if len(args) > pos + 1 and isinstance(
         args[pos + 1], bool) else False)
     d = lay.dim if keep else lay.dim - sum(1 for r in dims if r < lay.dim)
     return every(out, lay.moved(d))
@@ -205,14 +207,7 @@ register(_max_min, *aliases("max", "min"))
 
 def _along(ctx, func, args, kwargs, out, pos: int = 1) -> Any:
     """``softmax(x, dim)`` and kin: the shape is kept; along the batch dim samples mix."""
-    x = args[0]
-    lay = ctx.layout(x)
-    if not isinstance(lay, Batched):
-        return every(out, lay)
-    dims = dims_arg(args, kwargs, pos, x.dim())
-    if dims is None or lay.dim in dims:
-        return every(out, mixed(func, "works along the batch dim"))
-    return every(out, lay)
+    return _reduce(ctx, func, args, kwargs, out, pos, along=True)
 
 
 register(_along, *aliases(

@@ -109,28 +109,6 @@ def _images(call: OpCall, x: Tensor, g: Tensor, spatial: int) -> tuple[Tensor, T
     return xf, g.reshape(n, v, xf.shape[1], *g.shape[3:])
 
 
-_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
-_TRANSPOSED = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
-
-
-@register_op_rule(*_CONVS)
-def conv(call: OpCall, g: Tensor, out: dict) -> str | None:
-    """``F.conv*d(x, W, b, stride, padding, dilation, groups)``: weight from the folded
-    backward, bias ``(n, v, o)``: ``g`` summed over images and positions."""
-    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    found = _images(call, x, g, _CONVS[call.func])
-    if found is None or call.only(out, w, b):
-        return "an unbatched input, or the input is a parameter"
-    xf, gi = found
-    if id(w) in out:
-        out[id(w)].copy_(conv_weight_per_sample(
-            xf, gi, w.shape, call.arg(3, "stride", 1), call.arg(4, "padding", 0),
-            call.arg(5, "dilation", 1), call.arg(6, "groups", 1)))
-    if b is not None and id(b) in out:
-        torch.sum(gi, dim=(2, *range(4, gi.dim())), out=out[id(b)])  # (n, v, o)
-    return None
-
-
 def transposed_output_padding(stride, padding, dilation, kernel, s_in, s_out) -> list[int]:
     """The ``output_padding`` that gave spatial size ``s_out`` from ``s_in``:
     ``s_out = (s_in - 1) * stride - 2 * padding + dilation * (k - 1) + output_padding + 1``."""
@@ -170,18 +148,30 @@ def conv_transpose_weight_per_sample(x: Tensor, g: Tensor, weight_shape, stride,
     return grad.transpose(1, 2)  # (n, v, c, o/G, *k)
 
 
-@register_op_rule(*_TRANSPOSED)
-def conv_transpose(call: OpCall, g: Tensor, out: dict) -> str | None:
-    """``F.conv_transpose*d(x, W, b, stride, padding, output_padding, groups, dilation)``."""
+# op -> (spatial dims, transposed)
+_CONVS = {F.conv1d: (1, False), F.conv2d: (2, False), F.conv3d: (3, False),
+          F.conv_transpose1d: (1, True), F.conv_transpose2d: (2, True),
+          F.conv_transpose3d: (3, True)}
+
+
+@register_op_rule(*_CONVS)
+def conv(call: OpCall, g: Tensor, out: dict) -> str | None:
+    """``F.conv*d(x, W, b, stride, padding, dilation, groups)`` and
+    ``F.conv_transpose*d(x, W, b, stride, padding, output_padding, groups, dilation)``:
+    the weight from the folded backward, the bias ``(n, v, o)``: ``g`` summed over
+    images and positions."""
+    spatial, transposed = _CONVS[call.func]
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    found = _images(call, x, g, _TRANSPOSED[call.func])
+    found = _images(call, x, g, spatial)
     if found is None or call.only(out, w, b):
         return "an unbatched input, or the input is a parameter"
     xf, gi = found
     if id(w) in out:
-        out[id(w)].copy_(conv_transpose_weight_per_sample(
-            xf, gi, w.shape, call.arg(3, "stride", 1), call.arg(4, "padding", 0),
-            call.arg(7, "dilation", 1), call.arg(6, "groups", 1)))
+        per_sample = conv_transpose_weight_per_sample if transposed else conv_weight_per_sample
+        dilation = call.arg(7, "dilation", 1) if transposed else call.arg(5, "dilation", 1)
+        out[id(w)].copy_(per_sample(xf, gi, w.shape, call.arg(3, "stride", 1),
+                                    call.arg(4, "padding", 0), dilation,
+                                    call.arg(6, "groups", 1)))
     if b is not None and id(b) in out:
         torch.sum(gi, dim=(2, *range(4, gi.dim())), out=out[id(b)])  # (n, v, o)
     return None
