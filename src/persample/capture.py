@@ -311,6 +311,7 @@ class Capture:
             return out
         if not _has_tensor(out):
             return out
+        self._mark_unseen(leaves)
         flow = propagate(self.ctx, func, args, kwargs, out)
         if self.stack and _new_trouble(flow.outputs, leaves, self.layout):
             flow = Flow(_located_in(flow.outputs, self.stack[-1]), flow.align)
@@ -324,6 +325,13 @@ class Capture:
             self._record_op(func, args, kwargs, out, leaves, layouts_before, flow, sources,
                             before)
         return out
+
+    def _mark_unseen(self, leaves: list) -> None:
+        """Tensors the capture never saw made: Unknown, named where first read."""
+        for t in leaves:
+            if self.layouts.get(t) is None:
+                where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
+                self.layouts[t] = Unknown(f"{self.layout(t).why}{where}")
 
     def _sources(self, leaves: list) -> dict[int, frozenset[int]]:
         found = {}

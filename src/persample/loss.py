@@ -10,7 +10,9 @@ stated ``loss_reduction``.
 
 A scalar the model computed over the whole batch (``out.loss`` when ``labels`` go
 into the model) cannot be split by sample: reading such an output raises
-:class:`LossNotPerSampleError`, which says how to write a per-sample loss.
+:class:`LossNotPerSampleError`, which says how to write a per-sample loss. Reading
+an output whose samples the capture could not locate raises ``NeedsWholeModel``
+(``method="auto"`` then takes the whole-model methods) rather than guess.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-from .batch import FREE, Batched, Layout, Mixed
-from .errors import LossNotPerSampleError
+from .batch import FREE, Batched, Layout, Mixed, Unknown, front
+from .errors import LossNotPerSampleError, NeedsWholeModel
 
 FIX = """Compute each sample's own loss from the logits and pass the labels as targets, e.g. for a
 causal LM:
@@ -48,33 +50,51 @@ def _refuse(name: str, why: str) -> LossNotPerSampleError:
         f"over every token of every sample cannot be split by sample): {FIX}")
 
 
-class _Mixed(Tensor):
-    """A model output that mixes the samples: any op on it raises."""
+def _unlocated(name: str, why: str) -> NeedsWholeModel:
+    return NeedsWholeModel(f"loss_fn reads the model's {name}, whose samples cannot be "
+                           f"located: {why}")
+
+
+class _Unsplittable(Tensor):
+    """A model output that cannot be cut by sample (its samples mixed, or not located):
+    any op on it raises (``LossNotPerSampleError`` or ``NeedsWholeModel``)."""
 
     name: str = "?"
     why: str = ""
+    mixed: bool = True
+
+    def error(self) -> Exception:
+        return (_refuse if self.mixed else _unlocated)(self.name, self.why)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         for a in (*args, *(kwargs or {}).values()):
-            if isinstance(a, _Mixed):
-                raise _refuse(a.name, a.why)
+            if isinstance(a, _Unsplittable):
+                raise a.error()
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def _guarded(output: Any, layout_of: Callable[[Tensor], Layout]) -> Any:
-    """``output`` with each tensor that mixes samples replaced by a raising stand-in."""
+def _guarded(output: Any, layout_of: Callable[[Tensor], Layout], n: int) -> Any:
+    """``output`` with each tensor that cannot be cut by sample replaced by a stand-in
+    that raises when read."""
     flat, spec = tree_flatten_with_path(output)
     leaves = []
     for path, leaf in flat:
         lay = layout_of(leaf) if isinstance(leaf, Tensor) else FREE
-        if isinstance(lay, Mixed):
-            stand_in = Tensor._make_subclass(_Mixed, leaf.detach())
+        if isinstance(lay, (Mixed, Unknown)) or (isinstance(lay, Batched) and not _regular(lay, n)):
+            stand_in = Tensor._make_subclass(_Unsplittable, leaf.detach())
             stand_in.name = f"output{keystr(path)}" if path else "output"
-            stand_in.why = lay.why
+            stand_in.why = getattr(lay, "why", "a packed or partial batch")
+            stand_in.mixed = isinstance(lay, Mixed)
             leaf = stand_in
         leaves.append(leaf)
     return tree_unflatten(leaves, spec)
+
+
+def _regular(lay: Batched, n: int) -> bool:
+    """Each sample cut out as it is, without padding: a structured layout or a
+    permutation of the samples."""
+    return lay.index is None or (lay.index.numel() == n and len(set(lay.index.tolist())) == n)
 
 
 def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: str,
@@ -85,10 +105,10 @@ def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: 
     flow); without it every output tensor has them in dim 0.
     """
     layout_of = layout_of or (lambda t: Batched(0))
-    guarded = _guarded(output, layout_of)
+    guarded = _guarded(output, layout_of, n)
     loss = loss_fn(guarded, targets)
-    if isinstance(loss, _Mixed):
-        raise _refuse(loss.name, loss.why)
+    if isinstance(loss, _Unsplittable):
+        raise loss.error()
     if not isinstance(loss, Tensor):
         raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
     if loss.shape == (n,):
@@ -101,34 +121,31 @@ def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: 
             f"shape ({n},) or a scalar reduced over the batch (say how with loss_reduction=). "
             "For a torch.nn loss, use reduction='none' and reduce extra dims per sample, "
             "or reduction='mean'/'sum'.")
+    flat, spec = tree_flatten(guarded)
+    # each sample's outputs as a batch of one: (n, *per_sample) views, cut along dim 0
+    # (merged positions, as (B*T, V) logits, come out as that sample's (T, V))
+    cut = [front(t, lay, n) if isinstance(lay := _layout(t, layout_of), Batched) else t
+           for t in flat]
+    dims = [0 if c is not t else None for c, t in zip(cut, flat)]
+    target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
     try:
-        flat, spec = tree_flatten(guarded)
-        dims = [_dim(t, layout_of) for t in flat]
-        target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
-        one = _one_sample_loss(loss_fn, spec, dims)
-        return vmap(one, in_dims=(dims, target_dims))(flat, targets).sum()
-    except LossNotPerSampleError:
+        return vmap(_one_sample_loss(loss_fn, spec), in_dims=(dims, target_dims))(
+            cut, targets).sum()
+    except (LossNotPerSampleError, NeedsWholeModel):
         raise
     except Exception:  # loss_fn is not vmappable: undo the stated reduction
         return loss * n if reduction == "mean" else loss
 
 
-def _dim(t: Any, layout_of: Callable[[Tensor], Layout]) -> int | None:
-    """The dim to cut an output tensor along per sample (``None``: pass it whole)."""
-    if not isinstance(t, Tensor) or isinstance(t, _Mixed):
-        return None
-    lay = layout_of(t)
-    if isinstance(lay, Batched) and lay.outer == lay.inner == 1 and lay.index is None:
-        return lay.dim
-    if lay is FREE:
-        return None
-    raise ValueError(f"an output tensor whose samples cannot be cut out ({lay})")
+def _layout(t: Any, layout_of: Callable[[Tensor], Layout]) -> Layout:
+    if not isinstance(t, Tensor) or isinstance(t, _Unsplittable):
+        return FREE
+    return layout_of(t)
 
 
-def _one_sample_loss(loss_fn: Callable, spec: Any, dims: list) -> Callable:
+def _one_sample_loss(loss_fn: Callable, spec: Any) -> Callable:
     def one(flat_i: list, targets_i: Any) -> Tensor:
-        restored = [t.unsqueeze(d) if d is not None else t for t, d in zip(flat_i, dims)]
-        return loss_fn(tree_unflatten(restored, spec), tree_map(
+        return loss_fn(tree_unflatten(flat_i, spec), tree_map(
             lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, targets_i)).sum()
 
     return one
