@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import TorchFunctionMode
 
-from .batch import Batched, Layout
+from .batch import Batched, Layout, op_leaves
 from .capture import Capture
 from .errors import NeedsWholeModel
 from .inputs import Batch
@@ -99,34 +100,23 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
     return capture_backprops(model, batch, root, backward, watched, 1)
 
 
-class _ReadCheck:
+class _ReadCheck(TorchFunctionMode):
     """While the loss runs: a parameter read there has a gradient path the capture
     did not see (the loss must only use the model's output)."""
 
     def __init__(self, cap: Capture):
-        from torch.overrides import TorchFunctionMode
+        super().__init__()
+        self.watched = cap.watched
 
-        watched = cap.watched
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                from .batch import op_leaves
-
-                for t in op_leaves(args, kwargs or {}):
-                    if id(t) in watched and watched[id(t)] is t and t.requires_grad:
-                        raise ValueError(
-                            "a trainable parameter is read in loss_fn, outside the model's "
-                            "forward, so its per-sample gradient cannot be attributed. Read "
-                            "it inside the forward of a module, or freeze it.")
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-
-    def __enter__(self):
-        self.mode.__enter__()
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in op_leaves(args, kwargs):
+            if self.watched.get(id(t)) is t and t.requires_grad:
+                raise ValueError(
+                    "a trainable parameter is read in loss_fn, outside the model's forward, "
+                    "so its per-sample gradient cannot be attributed. Read it inside the "
+                    "forward of a module, or freeze it.")
+        return func(*args, **kwargs)
 
 
 def rules_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,

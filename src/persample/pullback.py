@@ -26,6 +26,7 @@ from .errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModule
 from .fallback import expand_vjp, module_vjp, op_vjp, shared_vjp
 from .plan import Captured, Path
 from .rules import OpCall, Rule, find_op_rule
+from .rules.elementwise import ADD_OPS
 
 
 class GradSink:
@@ -102,9 +103,7 @@ def write_per_sample(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | No
 
 def _needs_values(op: Op) -> bool:
     """An add (a shift) needs only the backprops; other rules read the inputs."""
-    from .rules.elementwise import _ADD
-
-    return op.func not in _ADD
+    return op.func not in ADD_OPS
 
 
 class Pullbacks:

@@ -75,21 +75,21 @@ def mul(call: OpCall, g: Tensor, out: dict) -> str | None:
     return None
 
 
-_ADD = {torch.add: 1, torch.Tensor.add: 1, torch.Tensor.add_: 1, torch.Tensor.__add__: 1,
-        torch.Tensor.__radd__: 1, torch.Tensor.__iadd__: 1, torch.sub: -1,
-        torch.subtract: -1, torch.Tensor.sub: -1, torch.Tensor.sub_: -1,
-        torch.Tensor.subtract: -1, torch.Tensor.__sub__: -1, torch.Tensor.__rsub__: -1,
-        torch.Tensor.__isub__: -1}
+ADD_OPS = {  # op -> the sign of its second operand
+    torch.add: 1, torch.Tensor.add: 1, torch.Tensor.add_: 1, torch.Tensor.__add__: 1,
+    torch.Tensor.__radd__: 1, torch.Tensor.__iadd__: 1, torch.sub: -1, torch.subtract: -1,
+    torch.Tensor.sub: -1, torch.Tensor.sub_: -1, torch.Tensor.subtract: -1,
+    torch.Tensor.__sub__: -1, torch.Tensor.__rsub__: -1, torch.Tensor.__isub__: -1}
 
 
-@register_op_rule(*_ADD)
+@register_op_rule(*ADD_OPS)
 def add(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``y = a + alpha * b`` (``a - alpha * b``): ``grad_a = sum g``, ``grad_b = +-alpha sum g``."""
     a, b = _two(call)
     if a is b or call.only(out, a, b):
         return "the same tensor on both sides, or other inputs"
     alpha = call.kwargs.get("alpha", 1)
-    sign = _ADD[call.func]
+    sign = ADD_OPS[call.func]
     for p, scale in ((a, 1), (b, sign * alpha)):
         if isinstance(p, Tensor) and id(p) in out:
             _write(call, out, p, g if scale == 1 else g * scale)
