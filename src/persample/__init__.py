@@ -3,12 +3,14 @@
 The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 :func:`input_jacobian`, :func:`jacobian_diagonal`, :func:`per_sample_grad_norms`,
 the loop references, :func:`register_rule` to add a layer rule, and
-:func:`supported` / :func:`verify` to check a custom model.
+:func:`supported` / :func:`verify` to check a custom model, and
+:func:`empty_cache` to free the result memory persample keeps for reuse.
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
 from .errors import LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
 from .jacobian import input_jacobian, jacobian_diagonal
+from .memory import empty_cache
 from .norms import per_sample_grad_norms
 from .reference import loop_param_jacobian, loop_per_sample_grads
 from .rules import register_rule
@@ -21,6 +23,7 @@ __all__ = [
     "input_jacobian",
     "jacobian_diagonal",
     "aligned_empty",
+    "empty_cache",
     "loop_param_jacobian",
     "loop_per_sample_grads",
     "register_rule",

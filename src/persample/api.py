@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from .errors import (
     UnsupportedModuleError,
 )
 from .inputs import Batch
+from .memory import result_empty
 from .reference import loop_param_jacobian, loop_per_sample_grads, rows
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 
@@ -244,13 +246,24 @@ def _allocate(
 
     With ``flat`` the destinations are views into one ``(n, *out_shape, P)`` buffer.
     """
-    if not flat:
-        result = {name: p.new_empty((n, *out_shape, *p.shape)) for name, p in params.items()}
+    rows = n * math.prod(out_shape)
+    if not flat:  # one block per dtype and device, each parameter's result contiguous in it
+        result = {}
+        for kind in dict.fromkeys((p.dtype, p.device) for p in params.values()):
+            group = {name: p for name, p in params.items() if (p.dtype, p.device) == kind}
+            step = max(1, 64 // group[next(iter(group))].element_size())  # 64-byte starts
+            sizes = [-(-rows * p.numel() // step) * step for p in group.values()]
+            block, offset = result_empty(sum(sizes), *kind), 0
+            for (name, p), size in zip(group.items(), sizes):
+                result[name] = block[offset : offset + rows * p.numel()].view(
+                    n, *out_shape, *p.shape)
+                offset += size
+        result = {name: result[name] for name in params}
         return result, {id(params[name]): t for name, t in result.items()}
     dtype, device = checks.common_dtype_device(params)
     total = sum(p.numel() for p in params.values())
     if out is None:
-        out = aligned_empty((n, *out_shape, total), dtype, device)
+        out = result_empty(rows * total, dtype, device).view(n, *out_shape, total)
     else:
         checks.check_out(out, (n, *out_shape, total), dtype, device)
     dest, offset = {}, 0
