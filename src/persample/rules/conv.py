@@ -5,17 +5,24 @@ Index conventions: ``n`` sample, ``a`` images of one sample (1, or Swin-like
 windows merged with the batch), ``c`` input channel, ``o`` output channel, ``k``
 kernel position, ``*s`` spatial dims; ``G`` groups.
 
-Method: the per-sample weight gradient of a convolution with ``G`` groups is
-the weight gradient of the *same* convolution applied to all samples at once
-with ``n * G`` groups: stack the batch into the channel dimension
-(``(n, c, *s) -> (1, n*c, *s)``) and ask the convolution backward kernel for
-the weight gradient of shape ``(n*o, c/G, *k)``, which is exactly
-``(n, o, c/G, *k)``. A sample's ``a`` images go into the kernel's own batch
-dim, over which it sums. No unfold, no ``(n, c*k, s)`` patch tensor: the cost
-is about that of the ordinary summed weight gradient. Only 2-d convolutions with
-tiny patches (a first layer on a grey image) unfold, where that is cheaper.
-Rochette et al. (2019), "Efficient per-example gradient computations in
-convolutional neural networks", describe the grouped form.
+Two methods, chosen per call by a cost model measured on real shapes (:func:`choose`):
+
+- *grouped*: the per-sample weight gradient of a convolution with ``G`` groups is
+  the weight gradient of the *same* convolution applied to all samples at once
+  with ``n * G`` groups: stack the batch into the channel dimension
+  (``(n, c, *s) -> (1, n*c, *s)``) and ask the convolution backward kernel for
+  the weight gradient of shape ``(n*o, c/G, *k)``, which is exactly
+  ``(n, o, c/G, *k)``. A sample's ``a`` images go into the kernel's own batch
+  dim, over which it sums. No patch tensor; but the kernel's cost per group is
+  high when the output has few positions (resnet18's last layer at 32x32 input:
+  27x the time of writing the result). Rochette et al. (2019), "Efficient
+  per-example gradient computations in convolutional neural networks".
+- *patches*: a convolution is a linear map at every output position over the
+  input's patches ``(n, c*k, t)`` (``F.unfold``; a 1x1 convolution's patches are
+  the input itself, strided), so its per-sample weight gradient is the linear
+  rule's ``sum_t g_t^T patch_t``, one batched GEMM written straight into the
+  result (Goodfellow 2015; seed 004). It wins when the patch tensor is small
+  beside the result: few positions, tiny patches, 1x1 kernels.
 
 Transposed convolutions take the same route: the weight gradient of a
 transposed convolution ``x -> y`` is that of the ordinary convolution ``y -> x``
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import OpCall, register_op_rule
+from .linear import sum_outer_into
 
 
 def _tuple(x, d: int) -> list[int]:
@@ -52,33 +60,82 @@ def _padded(x: Tensor, padding, kernel: list[int], dilation: list[int]
     return x, _tuple(padding, d)
 
 
-# Measured (persample bench's machine): for conv 1->32 k3 (patch of 9 numbers) the
-# unfold form takes 2 ms and the grouped backward 7 ms; for conv 32->64 k3 (288)
-# the grouped backward takes 42 ms and unfold 111 ms. Small patches unfold.
-_UNFOLD_MAX_PATCH = 32
-
-
 def conv_weight_per_sample(x: Tensor, g: Tensor, weight_shape: torch.Size, stride, padding,
-                           dilation, groups: int) -> Tensor:
-    """``x (n, a, c, *s_in)``, ``g (n, v, a, o, *s_out)`` -> ``(n, v, o, c/G, *k)``."""
+                           dilation, groups: int, dst: Tensor, method: str | None = None
+                           ) -> None:
+    """``x (n, a, c, *s_in)``, ``g (n, v, a, o, *s_out)`` -> ``dst (n, v, o, c/G, *k)``.
+
+    ``method``: ``"patches"`` or ``"grouped"``; default: the cheaper by :func:`choose`.
+    """
     d = len(weight_shape) - 2
     stride, dilation = _tuple(stride, d), _tuple(dilation, d)
     x, padding = _padded(x.flatten(0, 1), padding, list(weight_shape[2:]), dilation)
     x = x.unflatten(0, g.shape[0:1] + g.shape[2:3])  # (n, a, c, *s_in)
-    patch = weight_shape[1] * math.prod(weight_shape[2:])
-    if d == 2 and groups == 1 and patch <= _UNFOLD_MAX_PATCH:
-        return _unfolded(x, g, weight_shape, stride, padding, dilation)
-    return _grouped(x, g, weight_shape, stride, padding, dilation, groups)
+    method = method or choose(g, weight_shape, groups)
+    if method == "patches" and d <= 2 and groups == 1:
+        _by_patches(x, g, weight_shape, stride, padding, dilation, dst)
+    else:
+        dst.copy_(_grouped(x, g, weight_shape, stride, padding, dilation, groups))
 
 
-def _unfolded(x, g, weight_shape, stride, padding, dilation) -> Tensor:
-    """Small patches: ``(n, v*o, a*t) @ (n, a*t, c*k)`` over the unfolded input."""
+def choose(g: Tensor, weight_shape: torch.Size, groups: int) -> str:
+    """``"patches"`` or ``"grouped"``: the cheaper for ``g (n, v, a, o, *s_out)`` and a
+    weight ``(o, c/G, *k)``, by a cost model measured on the CPU (table below).
+
+    ``patches`` (the per-sample GEMM over the input's patches, written straight into
+    the result) costs about the bytes of the patch tensor ``(n, a, c*k, t)`` beside
+    the result's ``(n, o, c*k)``: it wins when the output positions ``t`` are few
+    for the channels (every layer of resnet18 at 32x32 but its first; 1x1
+    convolutions always, whose patches are the input itself). The grouped backward
+    reads the input once, but costs much more per group when ``t`` is small.
+    """
     n, v, a, o = g.shape[:4]
-    patches = F.unfold(x.flatten(0, 1), weight_shape[2:], dilation, padding, stride)
-    patches = patches.view(n, a, patches.shape[1], -1).transpose(1, 2).flatten(2)  # (n, ck, at)
-    gm = g.reshape(n, v, a, o, -1).transpose(2, 3).reshape(n, v * o, -1)  # (n, v*o, a*t)
-    grad = torch.bmm(gm, patches.transpose(1, 2))  # (n, v*o, c*k)
-    return grad.view(n, v, *weight_shape)
+    t = math.prod(g.shape[4:])
+    kernel = math.prod(weight_shape[2:])
+    if len(weight_shape) > 4 or groups != 1:
+        return "grouped"
+    if kernel == 1 or a * t * _PATCH_RATIO <= o * v or weight_shape[1] * kernel <= _SMALL_PATCH:
+        return "patches"
+    return "grouped"
+
+
+# Measured (2-core x86, float32; per-sample weight gradients into touched memory, ms):
+#   layer (B, c->o, k, output)          patches  grouped
+#   seed 001 conv1 (64, 1->32, 3, 26^2)     0.8      1.1   patch of 9 numbers
+#   seed 001 conv2 (64, 32->64, 3, 24^2)   25.4     10.5
+#   resnet18 layer1 (32, 64->64, 3, 8^2)    1.6      1.0
+#   resnet18 layer2 (32, 128->128, 3, 4^2)  1.6     15.7
+#   resnet18 layer3 (32, 256->256, 3, 2^2)  4.3     66.6
+#   resnet18 layer4 (32, 512->512, 3, 1)   10.0    267.7   (writing the result: 9.9)
+#   depthwise 3x3 (32, 64 groups, 16^2)     3.6      0.2   (grouped convs: grouped)
+_SMALL_PATCH = 32  # numbers per patch (c/G * k) that unfold cheaply whatever t is
+_PATCH_RATIO = 2  # patches when the positions are at most half the output channels
+
+
+def _patches(x: Tensor, kernel: list[int], stride, padding, dilation) -> Tensor:
+    """``x (n, a, c, *s)`` -> ``(n, a, c*k, t)``: the input under every kernel placement.
+
+    A 1x1 kernel without padding only strides over the input (no copy for stride 1)."""
+    n, a = x.shape[:2]
+    if all(k == 1 for k in kernel) and not any(padding):
+        picked = x[(..., *(slice(None, None, s) for s in stride))]  # (n, a, c, *s_out)
+        return picked.flatten(3)
+    if len(kernel) == 1:  # as 2-d with height 1
+        x, kernel = x.unsqueeze(-2), [1, *kernel]
+        stride, padding, dilation = [1, *stride], [0, *padding], [1, *dilation]
+    cols = F.unfold(x.flatten(0, 1), kernel, dilation, padding, stride)  # (n*a, c*k, t)
+    return cols.view(n, a, *cols.shape[1:])
+
+
+def _by_patches(x, g, weight_shape, stride, padding, dilation, dst) -> None:
+    """``dst[n, v, o] = sum_{a, t} g[n, v, a, o, t] patches[n, a, :, t]``: a linear map
+    at every position (seed 004's rule over the patches); one group."""
+    n, v, a, o = g.shape[:4]
+    patches = _patches(x, list(weight_shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
+    ck, t = patches.shape[2:]
+    cols = patches.transpose(2, 3).reshape(n, a * t, ck)  # (n, a*t, ck)
+    gm = g.reshape(n, v, a, o, t).transpose(3, 4).reshape(n, v, a * t, o)  # (n, v, a*t, o)
+    sum_outer_into(gm, cols, dst.view(n, v, o, ck))
 
 
 def _grouped(x, g, weight_shape, stride, padding, dilation, groups) -> Tensor:
@@ -167,11 +224,13 @@ def conv(call: OpCall, g: Tensor, out: dict) -> str | None:
         return "an unbatched input, or the input is a parameter"
     xf, gi = found
     if id(w) in out:
-        per_sample = conv_transpose_weight_per_sample if transposed else conv_weight_per_sample
         dilation = call.arg(7, "dilation", 1) if transposed else call.arg(5, "dilation", 1)
-        out[id(w)].copy_(per_sample(xf, gi, w.shape, call.arg(3, "stride", 1),
-                                    call.arg(4, "padding", 0), dilation,
-                                    call.arg(6, "groups", 1)))
+        args = (xf, gi, w.shape, call.arg(3, "stride", 1), call.arg(4, "padding", 0),
+                dilation, call.arg(6, "groups", 1))
+        if transposed:
+            out[id(w)].copy_(conv_transpose_weight_per_sample(*args))
+        else:
+            conv_weight_per_sample(*args, out[id(w)])
     if b is not None and id(b) in out:
         torch.sum(gi, dim=(2, *range(4, gi.dim())), out=out[id(b)])  # (n, v, o)
     return None
