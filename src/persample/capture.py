@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,6 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .batch import FREE, Batched, Ctx, Flow, Layout, Mixed, Unknown, in_place, op_leaves, propagate
 
@@ -146,6 +146,22 @@ def register_expansion(*funcs: Any) -> Callable[[Expansion], Expansion]:
     return decorate
 
 
+class _Layouts:
+    """Layouts by tensor identity, holding no tensor alive: ``id -> (weak ref, layout)``,
+    an entry valid while its tensor lives (a dead tensor's id may be reused). A plain
+    dict of weak references: several times cheaper per op than ``WeakIdKeyDictionary``."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, Layout]] = {}
+
+    def get(self, t: Tensor) -> Layout | None:
+        entry = self._by_id.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def __setitem__(self, t: Tensor, layout: Layout) -> None:
+        self._by_id[id(t)] = (weakref.ref(t), layout)
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, capture: Capture):
         super().__init__()
@@ -205,7 +221,7 @@ class Capture:
                  batched: list[Tensor], shared: tuple = (),
                  module_rule: Callable[[nn.Module], Any] | None = None):
         self.model, self.watched, self.n = model, watched, n
-        self.layouts = WeakIdKeyDictionary()
+        self.layouts = _Layouts()
         self.derived: dict[int, Derived] = {}
         self.ops: list[Op] = []
         self.calls: list[Call] = []
@@ -297,12 +313,12 @@ class Capture:
     def record(self, func, args: tuple, kwargs: dict) -> Any:
         """Run one op; record its outputs' layouts, and the op if it reads parameters."""
         leaves = op_leaves(args, kwargs)
+        layouts = [self._seen(t) for t in leaves]
         sources = self._sources(leaves)
         mutates = in_place(func, kwargs)
         before = None
         if sources and mutates and leaves and leaves[0] is args[0] and 0 not in sources:
             before = args[0].detach().clone()  # the rule needs the value it overwrites
-        layouts_before = [self.layout(t) for t in leaves] if sources else None
         out = func(*args, **kwargs)
         if func is torch.Tensor.__setitem__:
             self._set_layout(args[0], self._setitem(args), None)
@@ -311,9 +327,8 @@ class Capture:
             return out
         if not _has_tensor(out):
             return out
-        self._mark_unseen(leaves)
-        flow = propagate(self.ctx, func, args, kwargs, out)
-        if self.stack and _new_trouble(flow.outputs, leaves, self.layout):
+        flow = propagate(self.ctx, func, args, kwargs, out, layouts)
+        if self.stack and _new_trouble(flow.outputs, layouts):
             flow = Flow(_located_in(flow.outputs, self.stack[-1]), flow.align)
         target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
@@ -322,16 +337,17 @@ class Capture:
         else:
             self._set_outputs(out, flow.outputs)
         if sources:
-            self._record_op(func, args, kwargs, out, leaves, layouts_before, flow, sources,
-                            before)
+            self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before)
         return out
 
-    def _mark_unseen(self, leaves: list) -> None:
-        """Tensors the capture never saw made: Unknown, named where first read."""
-        for t in leaves:
-            if self.layouts.get(t) is None:
-                where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
-                self.layouts[t] = Unknown(f"{self.layout(t).why}{where}")
+    def _seen(self, t: Tensor) -> Layout:
+        """``t``'s layout; a tensor the capture never saw made becomes Unknown, named
+        with the module where it is first read."""
+        lay = self.layouts.get(t)
+        if lay is None:
+            where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
+            self.layouts[t] = Unknown(f"{self.layout(t).why}{where}")
+        return self.layout(t)
 
     def _sources(self, leaves: list) -> dict[int, frozenset[int]]:
         found = {}
@@ -405,12 +421,12 @@ class Capture:
         return None
 
 
-def _new_trouble(outputs: Any, leaves: list, layout_of) -> bool:
+def _new_trouble(outputs: Any, inputs: list[Layout]) -> bool:
     """An output mixes samples or loses them here, and no input did already."""
     outs = outputs if isinstance(outputs, tuple) else (outputs,)
     if not any(isinstance(o, (Mixed, Unknown)) for o in outs):
         return False
-    return not any(isinstance(layout_of(t), (Mixed, Unknown)) for t in leaves)
+    return not any(isinstance(lay, (Mixed, Unknown)) for lay in inputs)
 
 
 def _located_in(outputs: Any, call: Call) -> Any:

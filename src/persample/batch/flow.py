@@ -76,10 +76,12 @@ def in_place(func: Any, kwargs: dict) -> bool:
                 and name not in ("__index__", "__int__", "__init__", "__iter__")))
 
 
-def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any) -> Flow:
-    """The layouts of ``out = func(*args, **kwargs)`` (see the module docstring)."""
-    leaves = op_leaves(args, kwargs)
-    layouts = [ctx.layout(t) for t in leaves]
+def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
+              layouts: list[Layout] | None = None) -> Flow:
+    """The layouts of ``out = func(*args, **kwargs)`` (see the module docstring);
+    ``layouts``: those of the op's leaves, if the caller has them already."""
+    if layouts is None:
+        layouts = [ctx.layout(t) for t in op_leaves(args, kwargs)]
     bad = worst(layouts)
     if bad is None:
         return Flow(every(out, FREE))
