@@ -28,6 +28,8 @@ from ..batch import Batched
 from ..engine import loss_backprops
 from ..norms import squared_norms
 from ..plan import Captured
+from ..rules import OpCall, find_op_sum
+from .noise import gaussian_like
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
 
@@ -105,9 +107,9 @@ def private_grad(
     clipped, norms = _clipped_sum(model, batch, targets, loss_fn, loss_reduction, params,
                                   max_grad_norm, per_layer)
     divisor = expected_batch_size or n
-    for p in params.values():
-        noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
-        p.grad = (clipped[id(p)] + noise * (noise_multiplier * max_grad_norm)) / divisor
+    noise = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm, generator)
+    for p, grad in zip(params.values(), noise):  # drawn in place: add the sum, divide
+        p.grad = grad.add_(clipped[id(p)]).div_(divisor)
     return norms
 
 
@@ -166,25 +168,38 @@ def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tens
 
 def _book_keeping(cap: Captured, ghosted: set, factors: dict[int, Tensor],
                   clipped: dict[int, Tensor]) -> None:
-    """Clipped sums of the ghost-normed parameters: one local backward per op.
+    """Clipped sums of the ghost-normed parameters, op by op.
 
-    ``d/dW <c * G, out>`` from the op's own node is ``sum_i c_i g_i`` for its
-    parameters: the ordinary weight gradient with scaled backprops.
+    ``sum_i c_i g_i`` is the op's ordinary weight gradient for backprops scaled by
+    the clip factors: the op's weighted-sum rule where it has one (one GEMM for a
+    linear map), else one local backward from the op's own autograd node.
     """
     for op in ghosted:
         params = [op.leaves[k] for k in op.sources if id(op.leaves[k]) not in clipped]
-        groups: dict[int, list] = {}  # same factors -> one backward
+        groups: dict[int, list] = {}  # same factors -> one pass
         for p in params:
             groups.setdefault(id(factors[id(p)]), []).append(p)
-        (edge,), (lay,) = op.edges, op.out_layouts
-        g = cap.grad(edge)
+        summed = find_op_sum(op.func)
         for group in groups.values():
-            c = factors[id(group[0])]
-            scaled = g[0] * lay.scale(c, g[0]) if isinstance(lay, Batched) else g[0]
-            grads = torch.autograd.grad([edge.edge], group, [edge.place(scaled)],
-                                        retain_graph=True)
-            for p, got in zip(group, grads):
-                clipped[id(p)] = got
+            c = factors[id(group[0])]  # (n,)
+            got = None
+            if summed is not None:
+                (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
+                scaled = g[:, 0] * c.view(-1, *[1] * (g.dim() - 2))
+                got = summed(OpCall(op, cap.n), scaled, {id(p) for p in group})
+            if got is None:
+                got = _local_backward(cap, op, group, c)
+            for p in group:
+                clipped[id(p)] = got[id(p)]
+
+
+def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:
+    """``d/dW <c * G, out>`` from the op's own autograd node, for ``group``'s parameters."""
+    (edge,), (lay,) = op.edges, op.out_layouts
+    g = cap.grad(edge)
+    scaled = g[0] * lay.scale(c, g[0]) if isinstance(lay, Batched) else g[0]
+    grads = torch.autograd.grad([edge.edge], group, [edge.place(scaled)], retain_graph=True)
+    return {id(p): got for p, got in zip(group, grads)}
 
 
 def _check_finite(norms: Tensor) -> None:

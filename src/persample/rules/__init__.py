@@ -98,6 +98,11 @@ _OP_RULES: dict[Any, OpRuleFn] = {}
 OpNormFn = Callable[[OpCall, Tensor, set[int]], "dict[int, Tensor] | None"]
 _OP_NORMS: dict[Any, OpNormFn] = {}
 
+# Weighted-sum rules by op, for DP book-keeping: ``sum(call, g (n, *out), wanted) ->
+# {id(t): (*t.shape)}``, the gradient summed over the samples for backprops already
+# scaled per sample (``c_i g_i``): the clipped sum, with no autograd call.
+_OP_SUMS: dict[Any, OpNormFn] = {}
+
 
 def register_op_rule(*funcs: Any) -> Callable[[OpRuleFn], OpRuleFn]:
     """Register the decorated function as the per-sample rule of the ops ``funcs``
@@ -123,6 +128,23 @@ def register_op_norm(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:
         return fn
 
     return decorate
+
+
+def register_op_sum(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:
+    """Register a weighted-sum rule (the clipped sum of DP book-keeping) for ops that
+    have a norm rule."""
+
+    def decorate(fn: OpNormFn) -> OpNormFn:
+        for f in funcs:
+            if f is not None:
+                _OP_SUMS[f] = fn
+        return fn
+
+    return decorate
+
+
+def find_op_sum(func: Any) -> OpNormFn | None:
+    return _OP_SUMS.get(func)
 
 
 def find_op_rule(func: Any) -> OpRuleFn | None:

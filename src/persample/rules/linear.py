@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import OpCall, register_op_norm, register_op_rule
+from . import OpCall, register_op_norm, register_op_rule, register_op_sum
 
 # Measured on a 2-core x86 CPU (persample bench): an elementwise outer product
 # writes at fill_ speed when each (sample, cotangent) block starts on a 64-byte
@@ -109,6 +109,23 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] 
     return found
 
 
+@register_op_sum(F.linear, torch._C._nn.linear)
+def linear_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+    """``sum_n grad_n`` for backprops ``g (n, *out)`` scaled per sample: ``W (o, i)`` gets
+    ``g^T x`` over samples and positions (one GEMM), ``b`` the summed ``g``."""
+    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    if call.shared(x) or w.dim() != 2:
+        return None
+    o, i = w.shape
+    gt = g.reshape(-1, o)  # (n*t, o)
+    found = {}
+    if id(w) in wanted:
+        found[id(w)] = gt.T @ rows(call, x, i).reshape(-1, i)  # (o, n*t) @ (n*t, i)
+    if b is not None and id(b) in wanted:
+        found[id(b)] = gt.sum(0)
+    return found
+
+
 def ghost_norm(a: Tensor, g: Tensor) -> Tensor | None:
     """``|sum_t g_t outer a_t|^2`` per sample for ``a (n, t, i)``, ``g (n, t, o)``, or
     ``None`` when materialising is cheaper."""
@@ -164,6 +181,23 @@ def addmm_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] |
         found[id(w)] = norm * alpha**2
     if id(b) in wanted:
         found[id(b)] = gt.sum(1).square().sum(1) * beta**2
+    return found
+
+
+@register_op_sum(torch.addmm, torch.Tensor.addmm)
+def addmm_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+    """``beta * b + alpha * x @ W``: ``W (i, o)`` gets ``alpha x^T g``, ``b`` ``beta sum g``."""
+    b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
+    beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
+    if call.shared(x) or b.dim() != 1:
+        return None
+    i, o = w.shape
+    gt = g.reshape(-1, o)  # (n*t, o)
+    found = {}
+    if id(w) in wanted:
+        found[id(w)] = (rows(call, x, i).reshape(-1, i).T @ gt) * alpha  # (i, o)
+    if id(b) in wanted:
+        found[id(b)] = gt.sum(0) * beta
     return found
 
 

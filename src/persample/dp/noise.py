@@ -1,0 +1,76 @@
+"""The Gaussian noise of a DP-SGD step, drawn into the gradient's own memory.
+
+Drawing ``P`` normal numbers is the one cost of a DP step that a plain SGD step
+does not have (seed 004's MLP: 4.5 M parameters, 12 ms for ``normal_`` on one
+CPU thread against 22 ms for the whole plain step). ``torch``'s CPU ``normal_``
+runs on one thread, so on the CPU a large draw is split into chunks drawn in
+parallel, each from its own ``torch.Generator`` seeded from the caller's
+generator: the noise is still i.i.d. ``N(0, std^2)`` and reproducible from the
+caller's seed. The buffer comes from persample's result memory
+(:mod:`persample.memory`), so the ``p.grad`` of one step reuses the pages of the
+step before instead of faulting fresh ones.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import Tensor, nn
+
+from ..memory import result_empty
+
+PARALLEL_MIN = 1 << 20  # numbers: smaller draws stay on one thread
+
+
+def gaussian_like(params: list[nn.Parameter], std: float,
+                  generator: torch.Generator | None) -> list[Tensor]:
+    """One noise tensor per parameter, ``N(0, std^2)`` entries, views of one buffer per
+    dtype and device.
+
+    Args:
+        params: the tensors to draw for; each result has its shape, dtype and device.
+        std: the standard deviation (``sigma * C`` for DP-SGD), ``>= 0``; 0 draws too
+            (the generator advances alike).
+        generator: the caller's ``torch.Generator`` on the parameters' device, or
+            ``None`` for torch's default one.
+
+    Returns:
+        A list of tensors in ``params`` order, contiguous, the caller's to keep (e.g. as
+        ``p.grad``).
+
+    Raises:
+        RuntimeError: a generator on another device than a parameter (from torch).
+
+    Example:
+        >>> ps = [nn.Parameter(torch.zeros(3, 2)), nn.Parameter(torch.zeros(4))]
+        >>> [t.shape for t in gaussian_like(ps, 1.0, torch.Generator().manual_seed(0))]
+        [torch.Size([3, 2]), torch.Size([4])]
+    """
+    out: list[Tensor | None] = [None] * len(params)
+    for kind in dict.fromkeys((p.dtype, p.device) for p in params):
+        picked = [k for k, p in enumerate(params) if (p.dtype, p.device) == kind]
+        buf = result_empty(sum(params[k].numel() for k in picked), *kind)
+        _draw(buf, std, generator)
+        offset = 0
+        for k in picked:
+            size = params[k].numel()
+            out[k] = buf[offset : offset + size].view(params[k].shape)
+            offset += size
+    return out
+
+
+def _draw(buf: Tensor, std: float, generator: torch.Generator | None) -> None:
+    """Fill ``buf`` (1-d) with ``N(0, std^2)``; on the CPU in parallel chunks."""
+    threads = torch.get_num_threads()
+    if buf.device.type != "cpu" or threads < 2 or buf.numel() < PARALLEL_MIN:
+        buf.normal_(0.0, std, generator=generator)
+        return
+    seeds = torch.randint(0, 2**62, (threads,), generator=generator).tolist()
+    chunks = buf.chunk(threads)
+
+    def draw(k: int) -> None:
+        chunks[k].normal_(0.0, std, generator=torch.Generator().manual_seed(seeds[k]))
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(draw, range(len(chunks))))

@@ -1,0 +1,97 @@
+"""DP book-keeping's weighted-sum rules (one GEMM per linear map, no autograd call) give
+the same clipped sums as the op's own backward and as clipping the loop's gradients;
+the noise drawn in parallel chunks is N(0, std^2), reproducible, independent."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from persample import loop_per_sample_grads
+from persample.dp import clip, private_grad
+from persample.dp.noise import PARALLEL_MIN, gaussian_like
+
+B = T = 4  # sizes chosen to coincide
+E = 16  # wide enough for ghost norms over 4 positions (2T(i+o) < T i o)
+
+
+class SequenceLinear(nn.Module):
+    """A Linear over positions, sequence-first in the middle, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(E, E)
+        self.head = nn.Linear(T * E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, E)
+        h = torch.tanh(self.fc(x.transpose(0, 1))).transpose(0, 1)  # via (T, B, E)
+        return self.head(h.flatten(1))
+
+
+class ScaledAddmm(nn.Module):
+    """GPT-2's Conv1D form over merged rows, with beta and alpha not 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(E, E) / 2)
+        self.bias = nn.Parameter(torch.randn(E))
+        self.head = nn.Linear(T * E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, e = x.shape
+        rows = torch.addmm(self.bias, x.reshape(-1, e), self.weight, beta=0.5, alpha=2.0)
+        return self.head(torch.tanh(rows).view(n, t * e))
+
+
+def _clipped_by_hand(model, x, y, loss_fn, c: float) -> dict[str, Tensor]:
+    grads = loop_per_sample_grads(model, x, y, loss_fn)
+    norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    factor = (c / (norms + clip.STABILITY)).clamp(max=1.0)
+    return {k: torch.tensordot(factor, g, dims=1) / len(x) for k, g in grads.items()}
+
+
+@pytest.mark.parametrize("make", [SequenceLinear, ScaledAddmm])
+@pytest.mark.parametrize("weighted_sums", [True, False], ids=["sum-rules", "local-backward"])
+def test_clipped_sums_match_the_loop(make, weighted_sums, monkeypatch):
+    used = []
+    if weighted_sums:
+        found = clip.find_op_sum
+        monkeypatch.setattr(clip, "find_op_sum", lambda func: used.append(func) or found(func))
+    else:  # every op through its own autograd node instead
+        monkeypatch.setattr(clip, "find_op_sum", lambda func: None)
+    torch.manual_seed(0)
+    model = make()
+    x, y = torch.randn(B, T, E), torch.randint(0, 3, (B,))
+    loss_fn = nn.CrossEntropyLoss()
+    want = _clipped_by_hand(model, x, y, loss_fn, c=0.05)  # clips every sample
+    private_grad(model, x, y, loss_fn, max_grad_norm=0.05, noise_multiplier=0.0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-13)
+    if weighted_sums:  # the wide map took its sum rule
+        want_rule = "addmm" if make is ScaledAddmm else "linear"
+        assert want_rule in {getattr(f, "__name__", "") for f in used}
+
+
+def test_parallel_noise_is_gaussian_reproducible_and_chunks_independent():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = [nn.Parameter(torch.zeros(PARALLEL_MIN // 2 + 3)),
+                  nn.Parameter(torch.zeros(3, PARALLEL_MIN // 6 + 1))]
+        a = gaussian_like(params, 0.7, torch.Generator().manual_seed(3))
+        b = gaussian_like(params, 0.7, torch.Generator().manual_seed(3))
+        c = gaussian_like(params, 0.7, torch.Generator().manual_seed(4))
+    finally:
+        torch.set_num_threads(threads)
+    assert [t.shape for t in a] == [p.shape for p in params]
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert not any(torch.equal(u, v) for u, v in zip(a, c))
+    z = torch.cat([t.flatten() for t in a]) / 0.7  # about 1.05 M draws
+    assert abs(float(z.mean())) < 5 / math.sqrt(z.numel())
+    assert abs(float(z.std()) - 1) < 0.005
+    half = z.numel() // 2  # the two chunks are not copies or shifts of one another
+    first, second = z[:half], z[half : 2 * half]
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.01
