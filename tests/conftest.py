@@ -32,6 +32,8 @@ def pytest_configure(config):
         "keep_default_dtype: run with torch's own default dtype (float32), not float64",
     )
     config.addinivalue_line("markers", "slow: a test of a larger model (seconds, not ms)")
+    config.addinivalue_line(
+        "markers", "cuda: runs on a CUDA GPU where one is present (tests/test_cuda.py)")
 
 
 def pytest_collection_modifyitems(config, items):

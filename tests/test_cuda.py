@@ -1,0 +1,84 @@
+"""The same computations on a GPU (run where one is present; a CPU-only machine runs
+the rest of the suite): every result against the loop in float64, nothing of the hot
+path assuming the CPU (the result pool, parallel noise, the conv cost model)."""
+
+import pytest
+import torch
+from torch import nn
+
+import persample
+from persample import memory
+from persample.dp import private_grad
+from persample.rules.conv import conv_weight_per_sample
+
+from zoo import ZOO
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = torch.device("cuda")
+
+
+def _to(tree, device):
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to(v, device) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_to(v, device) for v in tree)
+    return tree
+
+
+@pytest.mark.parametrize("name", ["gpt2-lm", "resnet18", "timm-vit-layerscale", "llama-lora"])
+def test_real_models_on_the_gpu_match_the_loop(name):
+    if name not in ZOO:
+        pytest.fail(f"{name} is not in the zoo: {sorted(ZOO)}")
+    model, inputs, targets, loss_fn = ZOO[name]()
+    model, inputs, targets = model.to(CUDA), _to(inputs, CUDA), _to(targets, CUDA)
+    got = persample.per_sample_grads(model, inputs, targets, loss_fn, method="rules")
+    want = persample.loop_per_sample_grads(model, inputs, targets, loss_fn)
+    for key, g in got.items():
+        assert g.device.type == "cuda" and g.is_contiguous()
+        torch.testing.assert_close(g, want[key], rtol=1e-8, atol=1e-11)
+
+
+def test_results_on_the_gpu_do_not_use_the_host_pool():
+    net = nn.Sequential(nn.Linear(50, 600), nn.Tanh(), nn.Linear(600, 600)).to(CUDA)
+    x, y = torch.randn(8, 50, device=CUDA), torch.randn(8, 600, device=CUDA)
+    persample.empty_cache()
+    flat = persample.per_sample_grads(net, x, y, nn.MSELoss(), flat=True)
+    assert flat.device.type == "cuda" and flat.is_contiguous()
+    del flat
+    assert not memory._POOL.free
+
+
+def test_private_grad_on_the_gpu():
+    net = nn.Sequential(nn.Linear(4, 600), nn.Tanh(), nn.Linear(600, 3000)).to(CUDA)
+    x, y = torch.randn(6, 4, device=CUDA), torch.randn(6, 3000, device=CUDA)
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    private_grad(net, x, y, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=1.0,
+                 generator=gen)
+    assert all(p.grad.device.type == "cuda" and torch.isfinite(p.grad).all()
+               for p in net.parameters())
+    private_grad(net, x, y, nn.MSELoss(), max_grad_norm=1e-3, noise_multiplier=0.0)
+    grads = persample.loop_per_sample_grads(net, x, y, nn.MSELoss())
+    norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    factor = (1e-3 / (norms + 1e-6)).clamp(max=1.0)
+    for (name, p) in net.named_parameters():
+        want = torch.tensordot(factor, grads[name], dims=1) / 6
+        torch.testing.assert_close(p.grad, want, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["patches", "grouped"])
+def test_conv_methods_on_the_gpu(method):
+    x = torch.randn(4, 1, 8, 6, 6, device=CUDA)
+    weight = torch.randn(16, 8, 3, 3, device=CUDA)
+    out = torch.nn.functional.conv2d(x[:, 0], weight, padding=1)
+    g = torch.randn(4, 1, 1, *out.shape[1:], device=CUDA)
+    dst = torch.empty(4, 1, *weight.shape, device=CUDA)
+    conv_weight_per_sample(x, g, weight.shape, 1, 1, 1, 1, dst, method)
+    for i in range(4):
+        w = weight.clone().requires_grad_()
+        o = torch.nn.functional.conv2d(x[i], w, padding=1)
+        torch.testing.assert_close(dst[i, 0], torch.autograd.grad(o, w, g[i, 0])[0],
+                                   rtol=1e-8, atol=1e-11)
