@@ -262,6 +262,8 @@ class Capture:
     def __enter__(self) -> Capture:
         try:
             for name, module in self.model.named_modules():
+                if next(module.parameters(), None) is None:
+                    continue  # no parameter is read inside: its parent's call stands for it
                 self._handles.append(module.register_forward_pre_hook(
                     self._pre_hook(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
@@ -293,8 +295,7 @@ class Capture:
             call = Call(name, module, args, kwargs, parent=self.stack[-1] if self.stack else None,
                         rule=rule)
             with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
-                call.versions = [t._version for t in tree_leaves((args, kwargs))
-                                 if isinstance(t, Tensor)]
+                call.versions = [t._version for t in _tensor_leaves((args, kwargs))]
             self.stack.append(call)
 
         return pre_hook
@@ -305,7 +306,7 @@ class Capture:
         call = self.stack.pop()
         call.output = output
         with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
-            call.edges = [_edge(t) for t in tree_leaves(output) if isinstance(t, Tensor)]
+            call.edges = [_edge(t) for t in _tensor_leaves(output)]
         self.calls.append(call)
 
     # -- ops ------------------------------------------------------------------
@@ -436,6 +437,38 @@ def _located_in(outputs: Any, call: Call) -> Any:
     if isinstance(outputs, (Mixed, Unknown)):
         return type(outputs)(f"{outputs.why}, in module {call.describe()}")
     return outputs
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _tensor_leaves(tree: Any) -> list[Tensor]:
+    """The tensors of ``tree`` in ``tree_leaves`` order. Module inputs and outputs are
+    mostly a tensor, or plain tuples, lists and dicts of tensors and numbers: those are
+    walked here, several times faster than the general pytree walk, which takes the rest."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    found: list[Tensor] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is tuple or kind is list:
+            items = node
+        elif kind is dict:
+            items = list(node.values())
+        else:
+            return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
+        for item in reversed(items):  # depth first, in order
+            if isinstance(item, Tensor):
+                stack.append(item)
+            elif type(item) in (tuple, list, dict):
+                stack.append(item)
+            elif not isinstance(item, _PLAIN):
+                return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
+        while stack and isinstance(stack[-1], Tensor):
+            found.append(stack.pop())
+    return found
 
 
 def _has_tensor(out: Any) -> bool:
