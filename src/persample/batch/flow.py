@@ -69,11 +69,19 @@ def op_leaves(args: tuple, kwargs: dict) -> list:
 
 def in_place(func: Any, kwargs: dict) -> bool:
     """``x.add_(p)``, ``x += p``, ``torch.add(x, p, out=y)``, ``F.relu(x, inplace=True)``."""
-    name = getattr(func, "__name__", "")
-    return (kwargs.get("out") is not None or bool(kwargs.get("inplace"))
-            or (name.endswith("_") and not name.endswith("__"))
-            or (name.startswith("__i") and name.endswith("__")
-                and name not in ("__index__", "__int__", "__init__", "__iter__")))
+    if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace")):
+        return True
+    found = _IN_PLACE_NAMES.get(func)
+    if found is None:
+        name = getattr(func, "__name__", "")
+        found = ((name.endswith("_") and not name.endswith("__"))
+                 or (name.startswith("__i") and name.endswith("__")
+                     and name not in ("__index__", "__int__", "__init__", "__iter__")))
+        _IN_PLACE_NAMES[func] = found
+    return found
+
+
+_IN_PLACE_NAMES: dict[Any, bool] = {}  # func -> its name says it writes its first argument
 
 
 def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
