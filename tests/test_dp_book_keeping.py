@@ -46,6 +46,22 @@ class ScaledAddmm(nn.Module):
         return self.head(torch.tanh(rows).view(n, t * e))
 
 
+class SmallConvs(nn.Module):
+    """Convolutions whose outputs have few positions (ghost norms and the summed
+    backward) and one with many (materialised), a strided one with "same"-free padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Conv2d(2, 8, 3, padding=1)  # 4x4 -> 4x4: 16 positions, materialised
+        self.down = nn.Conv2d(8, 16, 3, stride=2, padding=1)  # -> 2x2: 4 positions
+        self.last = nn.Conv2d(16, 32, 2)  # -> 1x1
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 2, 4, 4)
+        h = torch.tanh(self.down(torch.tanh(self.wide(x))))
+        return self.head(torch.tanh(self.last(h)).flatten(1))
+
+
 def _clipped_by_hand(model, x, y, loss_fn, c: float) -> dict[str, Tensor]:
     grads = loop_per_sample_grads(model, x, y, loss_fn)
     norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
@@ -53,7 +69,7 @@ def _clipped_by_hand(model, x, y, loss_fn, c: float) -> dict[str, Tensor]:
     return {k: torch.tensordot(factor, g, dims=1) / len(x) for k, g in grads.items()}
 
 
-@pytest.mark.parametrize("make", [SequenceLinear, ScaledAddmm])
+@pytest.mark.parametrize("make", [SequenceLinear, ScaledAddmm, SmallConvs])
 @pytest.mark.parametrize("weighted_sums", [True, False], ids=["sum-rules", "local-backward"])
 def test_clipped_sums_match_the_loop(make, weighted_sums, monkeypatch):
     used = []
@@ -64,14 +80,15 @@ def test_clipped_sums_match_the_loop(make, weighted_sums, monkeypatch):
         monkeypatch.setattr(clip, "find_op_sum", lambda func: None)
     torch.manual_seed(0)
     model = make()
-    x, y = torch.randn(B, T, E), torch.randint(0, 3, (B,))
+    x = torch.randn(B, 2, 4, 4) if make is SmallConvs else torch.randn(B, T, E)
+    y = torch.randint(0, 3, (B,))
     loss_fn = nn.CrossEntropyLoss()
     want = _clipped_by_hand(model, x, y, loss_fn, c=0.05)  # clips every sample
     private_grad(model, x, y, loss_fn, max_grad_norm=0.05, noise_multiplier=0.0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-13)
     if weighted_sums:  # the wide map took its sum rule
-        want_rule = "addmm" if make is ScaledAddmm else "linear"
+        want_rule = {ScaledAddmm: "addmm", SmallConvs: "conv2d"}.get(make, "linear")
         assert want_rule in {getattr(f, "__name__", "") for f in used}
 
 
@@ -95,3 +112,33 @@ def test_parallel_noise_is_gaussian_reproducible_and_chunks_independent():
     half = z.numel() // 2  # the two chunks are not copies or shifts of one another
     first, second = z[:half], z[half : 2 * half]
     assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.01
+
+
+def test_conv_ghost_norms_match_the_loop():
+    from persample import per_sample_grad_norms
+    from persample.rules import conv
+
+    calls = []
+    found = conv.conv_norm
+
+    def counted(call, g, wanted):
+        got = found(call, g, wanted)
+        calls.append(got is not None)
+        return got
+
+    torch.manual_seed(0)
+    model = SmallConvs()
+    x, y = torch.randn(B, 2, 4, 4), torch.randint(0, 3, (B,))
+    from persample.rules import _OP_NORMS
+    saved = dict(_OP_NORMS)
+    try:
+        for f in conv._PLAIN_CONVS:
+            _OP_NORMS[f] = counted
+        norms = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss())
+    finally:
+        _OP_NORMS.clear()
+        _OP_NORMS.update(saved)
+    grads = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    want = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms, want, rtol=1e-10, atol=1e-13)
+    assert calls.count(True) == 2 and calls.count(False) == 1  # down, last ghosted; wide not

@@ -63,7 +63,8 @@ def squared_norms(
             write_per_sample(cap, mats)
         sq.update({pid: m.flatten(1).square().sum(1) for pid, m in mats.items()})
     for p in params.values():
-        sq.setdefault(id(p), p.new_zeros(n))
+        if id(p) not in sq:
+            sq[id(p)] = p.new_zeros(n)
     return sq, mats, ghosted
 
 

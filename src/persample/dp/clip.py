@@ -138,7 +138,8 @@ def _clipped_sum(model, batch, targets, loss_fn, loss_reduction, params, max_gra
     if cap is not None:
         _book_keeping(cap, ghosted, factors, clipped)
     for p in params.values():
-        clipped.setdefault(id(p), torch.zeros_like(p))
+        if id(p) not in clipped:  # unused: no gradient reaches it
+            clipped[id(p)] = torch.zeros_like(p)
     return clipped, norms
 
 
@@ -186,7 +187,8 @@ def _book_keeping(cap: Captured, ghosted: set, factors: dict[int, Tensor],
             if summed is not None:
                 (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
                 scaled = g[:, 0] * c.view(-1, *[1] * (g.dim() - 2))
-                got = summed(OpCall(op, cap.n), scaled, {id(p) for p in group})
+                with torch.no_grad():
+                    got = summed(OpCall(op, cap.n), scaled, {id(p) for p in group})
             if got is None:
                 got = _local_backward(cap, op, group, c)
             for p in group:

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import OpCall, register_op_rule
-from .linear import sum_outer_into
+from . import OpCall, register_op_norm, register_op_rule, register_op_sum
+from .linear import ghost_norm, sum_outer_into
 
 
 def _tuple(x, d: int) -> list[int]:
@@ -68,14 +68,22 @@ def conv_weight_per_sample(x: Tensor, g: Tensor, weight_shape: torch.Size, strid
     ``method``: ``"patches"`` or ``"grouped"``; default: the cheaper by :func:`choose`.
     """
     d = len(weight_shape) - 2
-    stride, dilation = _tuple(stride, d), _tuple(dilation, d)
-    x, padding = _padded(x.flatten(0, 1), padding, list(weight_shape[2:]), dilation)
-    x = x.unflatten(0, g.shape[0:1] + g.shape[2:3])  # (n, a, c, *s_in)
+    x, stride, padding, dilation = _prepared(x, weight_shape, stride, padding, dilation)
     method = method or choose(g, weight_shape, groups)
     if method == "patches" and d <= 2 and groups == 1:
         _by_patches(x, g, weight_shape, stride, padding, dilation, dst)
     else:
         dst.copy_(_grouped(x, g, weight_shape, stride, padding, dilation, groups))
+
+
+def _prepared(x: Tensor, weight_shape: torch.Size, stride, padding, dilation
+              ) -> tuple[Tensor, list[int], list[int], list[int]]:
+    """``x (n, a, c, *s)`` padded as ``padding`` says when it is a string, and the
+    stride, symmetric padding and dilation as lists."""
+    d = len(weight_shape) - 2
+    stride, dilation = _tuple(stride, d), _tuple(dilation, d)
+    flat, padding = _padded(x.flatten(0, 1), padding, list(weight_shape[2:]), dilation)
+    return flat.unflatten(0, x.shape[:2]), stride, padding, dilation
 
 
 def choose(g: Tensor, weight_shape: torch.Size, groups: int) -> str:
@@ -234,3 +242,70 @@ def conv(call: OpCall, g: Tensor, out: dict) -> str | None:
     if b is not None and id(b) in out:
         torch.sum(gi, dim=(2, *range(4, gi.dim())), out=out[id(b)])  # (n, v, o)
     return None
+
+
+_PLAIN_CONVS = [f for f, (_, transposed) in _CONVS.items() if not transposed]
+
+
+def _conv_args(call: OpCall) -> tuple:
+    """``(stride, padding, dilation, groups)`` of an ordinary convolution call."""
+    return (call.arg(3, "stride", 1), call.arg(4, "padding", 0), call.arg(5, "dilation", 1),
+            call.arg(6, "groups", 1))
+
+
+@register_op_norm(*_PLAIN_CONVS)
+def conv_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+    """Squared per-sample gradient norms over the patches ("ghost norm"): a convolution
+    is a linear map at every position, so the linear rule's Gram form applies with
+    ``t`` positions and ``c*k`` inputs, where it is cheaper than materialising (few
+    positions: resnet18's later layers at 32x32; Li et al. 2022, Bu et al. 2023)."""
+    spatial = _CONVS[call.func][0]
+    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    found = _images(call, x, g, spatial)
+    stride, padding, dilation, groups = _conv_args(call)
+    if found is None or groups != 1 or spatial > 2:
+        return None
+    xf, gi = found  # (n, a, c, *s), (n, 1, a, o, *s')
+    n, a, o = gi.shape[0], gi.shape[2], gi.shape[3]
+    gm = gi.reshape(n, a, o, -1).transpose(2, 3).reshape(n, -1, o)  # (n, a*t, o)
+    result = {}
+    if id(w) in wanted:
+        t, ck = gm.shape[1], w[0].numel()
+        if t > 1 and t * (ck + o) > ck * o:
+            return None  # materialising is cheaper (before unfolding anything)
+        xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
+        cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
+        result[id(w)] = ghost_norm(cols.transpose(2, 3).reshape(n, -1, ck), gm)
+        if result[id(w)] is None:
+            return None
+    if b is not None and id(b) in wanted:
+        result[id(b)] = gm.sum(1).square().sum(1)  # (n,)
+    return result
+
+
+@register_op_sum(*_PLAIN_CONVS)
+def conv_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+    """``sum_n grad_n`` for backprops ``g (n, *out)`` scaled per sample: the ordinary
+    weight gradient of the convolution backward over all images at once."""
+    spatial = _CONVS[call.func][0]
+    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    found = _images(call, x, g.unsqueeze(1), spatial)
+    if found is None:
+        return None
+    xf, gi = found  # (n, a, c, *s), (n, 1, a, o, *s')
+    stride, padding, dilation, groups = _conv_args(call)
+    xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
+    images = gi[:, 0].flatten(0, 1)  # (n*a, o, *s')
+    result = {}
+    if id(w) in wanted and spatial <= 2 and choose(gi, w.shape, groups) == "patches":
+        o, ck = w.shape[0], w[0].numel()  # few positions: one GEMM over all patches
+        cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
+        gm = images.flatten(2).transpose(1, 2).reshape(-1, o)  # (n*a*t, o)
+        result[id(w)] = (gm.T @ cols.transpose(2, 3).reshape(-1, ck)).view(w.shape)
+    elif id(w) in wanted:
+        result[id(w)] = torch.ops.aten.convolution_backward(
+            images, xp.flatten(0, 1), w, None, stride, padding, dilation, False,
+            [0] * spatial, groups, [False, True, False])[1]
+    if b is not None and id(b) in wanted:
+        result[id(b)] = images.sum((0, *range(2, images.dim())))
+    return result
