@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
 from .checks import kept_buffers
+from .memory import result_empty
 
 MODES = ("auto", "reverse", "forward")
 _CHUNK_NUMBERS = 2**22  # jacobian_diagonal's default: tangents of a chunk, in numbers
@@ -205,7 +206,7 @@ def _double_backward_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None) -
     # autograd.Function) cuts u off from g; that must fall back, not give zeros
     parts = (_pull(g, u, one_hot(s, e, xg), e < d, strict=True) for s, e in _chunks(d, step))
     jac = _stack(parts, d, step).to(out.dtype)  # (D, B, *out_shape)
-    return jac.movedim(0, -1).reshape(*out.shape, *xg.shape[1:])
+    return _result(jac.movedim(0, -1), (*out.shape, *xg.shape[1:]))
 
 
 def _reverse_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None) -> Tensor:
@@ -216,7 +217,7 @@ def _reverse_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None) -> Tensor
     step = chunk_size or y
     parts = (_pull(out, xg, one_hot(s, e, out), e < y) for s, e in _chunks(y, step))
     jac = _stack(parts, y, step).to(out.dtype)  # (Y, B, *in_shape)
-    return jac.movedim(0, 1).reshape(*out.shape, *xg.shape[1:])
+    return _result(jac.movedim(0, 1), (*out.shape, *xg.shape[1:]))
 
 
 def _forward_jacobian(model: Callable, x: Tensor, chunk_size: int | None) -> Tensor:
@@ -227,7 +228,7 @@ def _forward_jacobian(model: Callable, x: Tensor, chunk_size: int | None) -> Ten
     step = chunk_size or d
     parts = (_push(model, x, one_hot(s, e, x)) for s, e in _chunks(d, step))
     jac = _stack(parts, d, step)  # (D, B, *out_shape)
-    return jac.movedim(0, -1).reshape(*jac.shape[1:], *x.shape[1:])
+    return _result(jac.movedim(0, -1), (*jac.shape[1:], *x.shape[1:]))
 
 
 def _pull(out: Tensor, xg: Tensor, cotangents: Tensor, retain: bool, strict: bool = False
@@ -269,6 +270,15 @@ def _push(model: Callable, x: Tensor, tangents: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------
 # helpers
+
+
+def _result(jac: Tensor, shape: tuple) -> Tensor:
+    """``jac`` (a permuted view) as a contiguous ``shape`` tensor, copied into result memory
+    that is already touched (:mod:`persample.memory`) rather than fresh pages."""
+    if jac.is_contiguous():
+        return jac.view(shape)
+    buf = result_empty(jac.numel(), jac.dtype, jac.device)
+    return buf.view(jac.shape).copy_(jac).view(shape)
 
 
 def one_hot(start: int, stop: int, like: Tensor) -> Tensor:
