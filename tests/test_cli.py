@@ -1,4 +1,5 @@
-"""The main job, `persample bench`, end to end on real data (small batch)."""
+"""The main job, `persample bench`, end to end on real data (small batches, one thread:
+these check what the rows return and how they are compared, not the speed)."""
 
 import json
 import subprocess
@@ -10,32 +11,110 @@ from persample.cli import main
 
 pytestmark = pytest.mark.keep_default_dtype  # the benchmark workloads are float32
 
+PERSAMPLE_ROWS = {"persample", "persample (flat=True)", "persample (out=)"}
+
+
+def bench(tmp_path, *args: str) -> dict:
+    """Run ``persample bench --quick --threads 1 ARGS --json FILE``; the JSON."""
+    json_path = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--threads", "1", *args, "--json", str(json_path)]) == 0
+    return json.loads(json_path.read_text())
+
+
+def check_rows(report: dict, tolerance: float) -> dict:
+    """Every row is measured and agrees with the reference, or says why not; by name."""
+    by_name = {m["method"]: m for m in report["methods"]}
+    assert PERSAMPLE_ROWS <= set(by_name)
+    assert report["ours"] == "persample"
+    for m in report["methods"]:
+        if m["status"] == "ok":
+            assert m["median_ms"] > 0 and m["ratio_to_floor"] > 0, m
+            if m["agrees"]:
+                assert m["max_abs_diff"] < tolerance, m
+        else:  # a competitor that cannot run here says why
+            assert m["status"].startswith(("not installed", "not applicable", "failed")), m
+            assert not m["method"].startswith("persample"), m
+    for name in PERSAMPLE_ROWS:
+        assert by_name[name]["status"] == "ok" and by_name[name]["agrees"], by_name[name]
+    return by_name
+
 
 def test_bench_quick_deep_mlp(tmp_path, capsys):
-    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert main(["bench", "--quick", "--workload", "deep-mlp-grads", "--batch", "4",
-                 "--json", str(json_path), "--plot", str(png_path)]) == 0
+    png_path = tmp_path / "bench.png"
+    figures = bench(tmp_path, "--workload", "deep-mlp-grads", "--batch", "4", "--no-memory",
+                    "--plot", str(png_path))
     printed = capsys.readouterr().out
     assert "deep-mlp-grads" in printed and "floor" in printed
-    figures = json.loads(json_path.read_text())
+    assert "persample (default call) is" in printed
+    assert figures["machine"]["device"] == "cpu" and figures["machine"]["threads"] == 1
     (report,) = figures["workloads"]
     assert report["result_shape"] == [4, 50 * 300 * 301 + 301 * 2]
     assert report["bytes_out"] == 4 * report["result_shape"][1] * 4
     assert report["floor_ms"] > report["t_plain_ms"] > 0
-    by_name = {m["method"]: m for m in report["methods"]}
-    assert {"loop", "torch.func vmap", "Opacus hooks", "BackPACK BatchGrad",
-            "persample (out=)"} <= set(by_name)
-    for m in report["methods"]:
-        # every method is either measured and checked against the loop, or says why not
-        assert m["status"] == "ok" or m["status"].startswith("not installed"), m
-        if m["status"] == "ok":
-            assert m["median_ms"] > 0 and m["ratio_to_floor"] > 0
-            assert m["max_abs_diff"] < 1e-5, m
-    assert by_name["persample (out=)"]["status"] == "ok"
+    assert report["memory"] == "not measured"
+    by_name = check_rows(report, 1e-5)
+    assert {"loop", "torch.func vmap", "Opacus hooks", "BackPACK BatchGrad"} <= set(by_name)
+    for name in ("loop", "torch.func vmap"):  # these always run here
+        assert by_name[name]["status"] == "ok" and by_name[name]["agrees"]
+    assert report["speedup_over_best_other"] > 0
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_gpt2_on_text(tmp_path, capsys):
+    """transformers GPT-2 on the standard library's docstrings: the default call returns a
+    dict that matches the loop, and so does torch.func's dict."""
+    pytest.importorskip("transformers")
+    figures = bench(tmp_path, "--workload", "gpt2-grads", "--batch", "2", "--no-memory")
+    (report,) = figures["workloads"]
+    assert report["result_shape"][0] == 2 and report["reference"] == "loop"
+    by_name = check_rows(report, 1e-5)
+    func = by_name["torch.func vmap"]
+    assert func["status"] == "ok" and func["agrees"] and func["max_abs_diff"] < 1e-5
+    assert "attention_mask" in func["note"]  # called without the all-ones mask, and says so
+    assert by_name["BackPACK BatchGrad"]["status"].startswith(("not applicable",
+                                                               "not installed"))
+    assert "gpt2-grads" in capsys.readouterr().out
+
+
+def test_bench_resnet18_on_digits(tmp_path):
+    pytest.importorskip("torchvision")
+    figures = bench(tmp_path, "--workload", "resnet18-grads", "--batch", "2", "--no-memory")
+    (report,) = figures["workloads"]
+    assert report["result_shape"] == [2, 11_181_642]
+    by_name = check_rows(report, 1e-4)
+    assert by_name["torch.func vmap"]["agrees"]
+    assert by_name["Opacus hooks"]["status"] != "ok" or by_name["Opacus hooks"]["agrees"]
+
+
+def test_bench_memory_and_product_floor(tmp_path, capsys):
+    """Peak memory in fresh processes (once, on a small workload), and clf-input-jac's
+    floor: the one (B*Y, H) x (H, D) matrix product."""
+    figures = bench(tmp_path, "--workload", "clf-input-jac", "--batch", "4")
+    (report,) = figures["workloads"]
+    assert report["floor_label"] == "(40, 256) x (256, 784) product"
+    assert report["t_product_ms"] == report["floor_ms"] > 0
+    assert report["memory"].startswith("peak RSS of one call in a fresh process")
+    assert report["plain_peak_mb"] is not None and report["plain_peak_mb"] >= 0
+    for m in report["methods"]:
+        assert m["status"] == "ok" and m["agrees"], m
+        assert m["peak_total_mb"] >= m["peak_mb"] >= 0, m
+    printed = capsys.readouterr().out
+    assert "floor: (40, 256) x (256, 784) product" in printed and "peak MB" in printed
 
 
 def test_module_entry_point_help():
     done = subprocess.run([sys.executable, "-m", "persample", "bench", "--help"],
                           capture_output=True, text=True, check=True)
     assert "--workload" in done.stdout and "--quick" in done.stdout
+    assert "--device" in done.stdout and "--no-memory" in done.stdout
+    assert "_memory-probe" not in done.stdout  # internal
+
+
+def test_a_missing_package_is_reported_not_raised(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    figures = bench(tmp_path, "--workload", "gpt2-grads", "--no-memory")
+    assert figures["workloads"] == []
+    (skipped,) = figures["not_run"]
+    assert skipped["workload"] == "gpt2-grads"
+    assert "not installed (pip install -e '.[test]')" in skipped["status"]
+    assert "gpt2-grads: not installed" in capsys.readouterr().out

@@ -9,12 +9,12 @@ per-sample loss written from the logits. Sizes are chosen to coincide (batch siz
 where the batch is from a size has nowhere to hide.
 
 ``torchvision``: the only wheel that matches torch 2.13 here is a CUDA build; its
-Python model code imports once its two op schemas exist (:func:`load_torchvision`).
+Python model code imports once its two op schemas exist
+(:func:`persample.cli.real_models.load_torchvision`).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,30 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_LIB = None  # the torch.library fragment defining torchvision's op schemas
-
-
-def load_torchvision():
-    """``import torchvision``, defining ``torchvision::nms``/``::qnms`` first if its
-    compiled ops did not load (a CUDA build beside a CPU torch). ``None`` if absent."""
-    global _LIB
-    try:
-        import torchvision
-
-        return torchvision
-    except ImportError:
-        return None
-    except RuntimeError as err:
-        if "torchvision::" not in str(err):
-            raise
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]
-    _LIB = torch.library.Library("torchvision", "DEF")
-    _LIB.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _LIB.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    import torchvision
-
-    return torchvision
+from persample.cli.real_models import load_torchvision  # noqa: F401 (test_readme imports it)
 
 
 def require(name: str) -> Any:

@@ -9,24 +9,41 @@ from .workloads import WORKLOADS
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``persample`` argument parser: ``bench`` and ``dp-train`` subcommands.
+
+    Example:
+        >>> build_parser().parse_args(["bench", "--quick", "--no-memory"]).no_memory
+        True
+    """
     parser = argparse.ArgumentParser(prog="persample", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser(
         "bench",
-        help="time every per-sample method side by side on the seed workloads (real data)",
-        description="Per-sample gradients of the seed workloads on scikit-learn's digits: "
-        "plain backward (floor), the loop, torch.func vmap, Opacus and BackPACK when "
-        "installed, and persample; medians after warm-up, ratios to the floor, and each "
-        "result's largest difference from the loop's.",
+        help="time every per-sample method side by side on the workloads (real data)",
+        description="Per-sample gradients, Jacobians and DP-SGD steps on real data (the "
+        "digits, the standard library's docstrings), seed models and real ones (torchvision "
+        "resnet18, timm ViT, transformers GPT-2): the plain backward and the floor, the "
+        "loop, torch.func, Opacus and BackPACK when installed, and persample, each called "
+        "as its users call it; medians after warm-up, ratios to the floor, peak memory, and "
+        "each result's largest difference from the reference.",
     )
     bench.add_argument("--workload", action="append", choices=WORKLOADS,
                        help="run only this workload (repeatable); default: all")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: no warm-up, 2 rounds, a slow method's first run is "
-                       "its time (about 1.5 min for all workloads, 5-25 s for one)")
+                       "its time (with --no-memory and a small --batch, 5-25 s a workload)")
     bench.add_argument("--batch", type=int, default=None,
                        help="override the workloads' batch size (default: PERFORMANCE.md's)")
-    bench.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    bench.add_argument("--threads", type=int, default=2,
+                       help="torch CPU threads on --device cpu (default 2)")
+    bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                       help="where models and data go (default cpu); on cuda every timed "
+                       "call is synchronized")
+    bench.add_argument("--no-memory", action="store_true",
+                       help="skip the peak memory figures (on the CPU each method's is "
+                       "measured in a fresh process: a few seconds per method)")
+    bench.add_argument("--_memory-probe", nargs=2, metavar=("WORKLOAD", "METHOD"),
+                       help=argparse.SUPPRESS)  # internal: one call's peak RSS, as JSON
     bench.add_argument("--json", metavar="FILE", help="write all figures as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the times as a bar chart")
     dp_train.add_parser(sub)
@@ -34,12 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns 0.
+
+    Raises:
+        SystemExit: bad arguments (argparse), an unknown workload, or ``--device cuda``
+            without CUDA.
+    """
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
+    if args.command == "bench" and args._memory_probe:
+        import json
+
+        from .bench import memory_probe
+
+        workload, method = args._memory_probe
+        print(json.dumps(memory_probe(workload, method, args.batch, args.threads,
+                                      args.device)))
+    elif args.command == "bench":
         from .bench import run
 
         run(args.workload or list(WORKLOADS), args.quick, args.batch, args.threads,
-            args.json, args.plot)
+            args.json, args.plot, device=args.device, memory=not args.no_memory)
     elif args.command == "dp-train":
         dp_train.run_from_args(args)
     return 0

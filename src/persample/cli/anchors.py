@@ -1,136 +1,329 @@
 """The methods ``persample bench`` compares, per workload, as :class:`Case` objects.
 
-Each method is a function ``(buf) -> Tensor`` returning the workload's result
-(per-sample gradients ``(B, P)``, a parameter Jacobian ``(B, Y, P)`` or an input
-Jacobian ``(B, Y, D)``); ``buf`` is a preallocated, already touched tensor of
-the result's shape that persample's ``out=`` writes into and the others ignore.
-A method that cannot run here has ``fn=None`` and a note saying why.
+Each method is a function ``(buf) -> result`` that does what its users write and
+returns what they get: a dict ``{name: (B, *param.shape)}`` for the loop,
+``torch.func``, Opacus, BackPACK and persample's default call; a tensor for
+persample's ``flat=True`` and ``out=`` calls and for input Jacobians. ``buf`` is a
+caller-owned, already touched, contiguous tensor of the result's flat shape
+(made with ``torch.zeros``) that only persample's ``out=`` row writes into. The
+benchmark flattens each result to compare it with the reference, outside the
+timed call (:func:`as_flat`). A method that cannot run here has ``fn=None`` and a
+note saying why (not installed, not applicable, failed to build).
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacfwd, jacrev, vmap
+from torch.func import functional_call, grad, jacfwd, jacrev, vmap
+from torch.utils._pytree import tree_map
 
 from ..api import param_jacobian, per_sample_grads
-from ..inputs import as_batch
 from ..reference import loop_param_jacobian, loop_per_sample_grads
-from ..vmap import vmap_per_sample_grads
-from .workloads import Workload
+from .workloads import DP_MAX_GRAD_NORM, Workload
 
 MEMORY_LIMIT_BYTES = 8e9  # a method estimated to need more is skipped with a note
 
 
 @dataclass
 class Method:
+    """One row of the table.
+
+    Attributes:
+        name: the row's label.
+        fn: ``fn(buf) -> result`` (see the module docstring), or ``None`` if the
+            method cannot run here.
+        note: why ``fn`` is ``None``, or a remark printed under the table.
+        ours: persample's default call, the row the speed-up line is about.
+    """
+
     name: str
-    fn: Callable[[Tensor], Tensor] | None
+    fn: Callable[[Tensor], Any] | None
     note: str = ""
     ours: bool = False
 
 
 @dataclass
 class Case:
+    """A workload with its baseline, its reference and the methods to compare.
+
+    Attributes:
+        workload: the :class:`~persample.cli.workloads.Workload`.
+        base_label: what ``t_plain`` measures (``"plain backward"``, ``"one backward"``,
+            ``"plain SGD step"``).
+        base: runs it once.
+        result_shape: the flat shape every result is compared in: ``(B, P)``,
+            ``(B, Y, P)``, ``(B, Y, D)``, ``(B,)`` or ``(P,)``.
+        reference_label: the method whose first result is the reference.
+        reference: computes the reference result (any form :func:`as_flat` takes).
+        methods: the rows.
+        after_check: run once every result is checked (the DP step turns noise on).
+        floor_label, floor: where one operation every method must do dominates (the
+            input Jacobian's last matrix product), it is timed as the floor.
+    """
+
     workload: Workload
-    base_label: str  # what t_plain is: "plain backward" or "one backward"
+    base_label: str
     base: Callable[[], object]
     result_shape: tuple[int, ...]
     reference_label: str
-    reference: Callable[[], Tensor]
+    reference: Callable[[], Any]
     methods: list[Method] = field(default_factory=list)
-    after_check: Callable[[], None] = lambda: None  # run once every result is checked
+    after_check: Callable[[], None] = lambda: None
+    floor_label: str | None = None
+    floor: Callable[[], object] | None = None
 
 
-def flat(grads: list[Tensor]) -> Tensor:
-    return torch.cat([g.flatten(1) for g in grads], dim=1)
+def as_flat(result: Any, shape: tuple[int, ...]) -> Tensor:
+    """A method's result in the case's flat shape, for comparing (never timed).
+
+    Args:
+        result: a tensor of ``prod(shape)`` numbers, or a dict of tensors whose leading
+            dims are ``shape[:-1]``, concatenated along the last dim in the dict's order.
+        shape: the case's ``result_shape``.
+
+    Returns:
+        A tensor of ``shape`` (a view where the layout allows, else a copy).
+
+    Raises:
+        ValueError: a dict entry whose leading dims are not ``shape[:-1]`` (e.g. a
+            per-sample gradient with a batch dim of 1), naming it.
+        RuntimeError: the numbers do not fit ``shape``.
+
+    Example:
+        >>> g = {"w": torch.ones(2, 3, 4), "b": torch.zeros(2, 3)}
+        >>> as_flat(g, (2, 15)).shape
+        torch.Size([2, 15])
+    """
+    if isinstance(result, Mapping):
+        lead = tuple(shape[:-1])
+        for name, t in result.items():
+            if tuple(t.shape[: len(lead)]) != lead:
+                want = ", ".join(map(str, lead))
+                raise ValueError(f"per-sample result {name!r} has shape {tuple(t.shape)}, "
+                                 f"not ({want}, ...)")
+        result = torch.cat([t.reshape(*lead, -1) for t in result.values()], dim=-1)
+    return result.reshape(shape)
 
 
 def num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """The number of trainable parameters' entries ``P``.
+
+    Example:
+        >>> num_params(nn.Linear(3, 2))
+        8
+    """
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-# --- per-sample gradients (cnn-grads, deep-mlp-grads) -------------------------------------
+def scalar_loss(loss: Tensor) -> Tensor:
+    """The loss a plain training step calls ``backward()`` on: a scalar as it is, the
+    mean of per-sample ``(B,)`` losses.
+
+    Example:
+        >>> scalar_loss(torch.tensor([1.0, 3.0]))
+        tensor(2.)
+    """
+    return loss.mean() if loss.ndim else loss
+
+
+def _note_failure(name: str, err: Exception) -> Method:
+    return Method(name, None, f"failed: {type(err).__name__}: {err}"[:200])
+
+
+# --- per-sample gradients (cnn-grads, deep-mlp-grads, resnet18-grads, gpt2-grads, ...) ------
 
 
 def grads_case(w: Workload) -> Case:
-    n, model = w.inputs.shape[0], w.model
+    """The per-sample gradients rows: loop (the reference), ``torch.func``, Opacus, BackPACK,
+    persample's default call (a dict), ``flat=True`` and ``out=``. Result ``(B, P)``,
+    ``P`` the trainable parameters' entries; the baseline is a plain backward of the
+    mean loss.
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> case = grads_case(grads_workload("cnn-grads", 2))
+        >>> case.result_shape, [m.name for m in case.methods][-3:]
+        ((2, 1199882), ['persample', 'persample (flat=True)', 'persample (out=)'])
+
+    Source: the loop is seed 001's ``compute_sample_grads``; the rest as each library's
+    documentation shows it.
+    """
+    model = w.model
 
     def plain() -> None:
         for p in model.parameters():
             p.grad = None
-        w.loss_fn(model(w.inputs), w.targets).backward()
+        scalar_loss(w.loss_fn(w.call(), w.targets)).backward()
 
-    def loop(_: Tensor) -> Tensor:
-        return flat(list(loop_per_sample_grads(model, w.inputs, w.targets, w.loss_fn).values()))
+    def loop(_: Tensor) -> dict[str, Tensor]:
+        return loop_per_sample_grads(model, w.inputs, w.targets, w.loss_fn)
 
-    def torch_func(_: Tensor) -> Tensor:
-        params = dict(model.named_parameters())
-        grads = vmap_per_sample_grads(model, as_batch(w.inputs), w.targets, w.loss_fn, params)
-        return flat(list(grads.values()))
-
-    return Case(w, "plain backward", plain, (n, num_params(model)), "loop", lambda: loop(None), [
+    return Case(w, "plain backward", plain, (w.n, num_params(model)), "loop", lambda: loop(None), [
         Method("loop", loop),
-        Method("torch.func vmap", torch_func),
+        torch_func(w),
         opacus(w),
         backpack(w),
-        Method("persample (out=)", lambda buf: per_sample_grads(
-            model, w.inputs, w.targets, w.loss_fn, out=buf), ours=True),
-        Method("persample (new tensor)", lambda _: per_sample_grads(
+        Method("persample", lambda _: per_sample_grads(model, w.inputs, w.targets, w.loss_fn),
+               ours=True),
+        Method("persample (flat=True)", lambda _: per_sample_grads(
             model, w.inputs, w.targets, w.loss_fn, flat=True)),
+        Method("persample (out=)", lambda buf: per_sample_grads(
+            model, w.inputs, w.targets, w.loss_fn, out=buf)),
     ])
 
 
+def torch_func(w: Workload) -> Method:
+    """``vmap(grad(compute_loss))`` with ``functional_call``, as torch.func's tutorial has it.
+
+    Returns ``{name: (B, *param.shape)}``. Each sample is a batch of one
+    (``unsqueeze(0)``). For a dict of inputs with an all-ones ``attention_mask`` (no
+    padding), the mask is left out (noted): transformers tests it with data-dependent
+    control flow, which ``vmap`` refuses, and without padding the model computes the
+    same function without it.
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> m = torch_func(grads_workload("cnn-grads", 2))
+        >>> m.fn(None)["conv1.weight"].shape
+        torch.Size([2, 32, 1, 3, 3])
+
+    Source: torch.func's "Per-sample-gradients" tutorial (seed 001).
+    """
+    model, loss_fn = w.model, w.loss_fn
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    inputs, note = w.inputs, ""
+    if isinstance(inputs, dict) and "attention_mask" in inputs \
+            and bool((inputs["attention_mask"] == 1).all()):
+        inputs = {k: v for k, v in inputs.items() if k != "attention_mask"}
+        note = ("called without attention_mask (all ones here): transformers tests the mask "
+                "with data-dependent control flow, which vmap refuses")
+
+    def compute_loss(params: dict[str, Tensor], x: Any, y: Tensor) -> Tensor:
+        batch = tree_map(lambda t: t.unsqueeze(0), x)
+        out = (functional_call(model, params, (), batch) if isinstance(batch, dict)
+               else functional_call(model, params, (batch,)))
+        return loss_fn(out, y.unsqueeze(0)).sum()
+
+    per_sample = vmap(grad(compute_loss), in_dims=(None, 0, 0))
+    return Method("torch.func vmap", lambda _: per_sample(params, inputs, w.targets), note)
+
+
+def opacus_ready(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` for Opacus: eval mode, except that the modules holding
+    trainable parameters are in training mode (Opacus records activations only
+    there). Dropout and attention dropout stay off, so the function is the model's.
+    BatchNorm would change meaning, but Opacus refuses it anyway.
+
+    Example:
+        >>> net = opacus_ready(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)))
+        >>> [m.training for m in net]
+        [True, False]
+    """
+    ready = copy.deepcopy(model).eval()
+    for m in ready.modules():
+        m.training = any(p.requires_grad for p in m.parameters(recurse=False))
+    return ready
+
+
 def opacus(w: Workload) -> Method:
-    """Opacus ``GradSampleModule`` (hooks mode): ``p.grad_sample`` after one backward."""
+    """Opacus ``GradSampleModule`` (hooks mode): ``{name: p.grad_sample}`` after one
+    backward of the mean loss (``loss_reduction="mean"``, so that the rows are each
+    sample's own gradient). A model Opacus refuses gives ``fn=None`` with
+    ``"failed: ..."``; Opacus missing, ``"not installed ..."``.
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> opacus(grads_workload("cnn-grads", 2)).name
+        'Opacus hooks'
+
+    Source: Opacus's ``GradSampleModule`` documentation.
+    """
+    name = "Opacus hooks"
     try:
         from opacus import GradSampleModule
     except ImportError:
-        return Method("Opacus hooks", None, "not installed (pip install -e '.[bench]')")
-    # Opacus records activations only in training mode; the workloads have no
-    # dropout or BatchNorm, so train() computes the same function.
-    model = GradSampleModule(copy.deepcopy(w.model).train(), loss_reduction="mean")
+        return Method(name, None, "not installed (pip install -e '.[bench]')")
+    try:
+        model = GradSampleModule(opacus_ready(w.model), loss_reduction="mean")
+    except Exception as err:  # e.g. a layer Opacus does not support
+        return _note_failure(name, err)
 
-    def run(_: Tensor) -> Tensor:
+    def run(_: Tensor) -> dict[str, Tensor]:
         model.zero_grad(set_to_none=True)
-        w.loss_fn(model(w.inputs), w.targets).backward()
-        return flat([p.grad_sample for p in model.parameters()])
+        scalar_loss(w.loss_fn(w.call(model), w.targets)).backward()
+        return {k: p.grad_sample for k, p in model._module.named_parameters()}
 
-    return Method("Opacus hooks", run)
+    return Method(name, run)
 
 
 def backpack(w: Workload) -> Method:
-    """BackPACK ``BatchGrad``: ``p.grad_batch`` (of the mean loss's terms, times B)."""
+    """BackPACK ``BatchGrad``: ``{name: p.grad_batch * B}`` (it gives the mean loss's terms).
+
+    Needs BackPACK's own ``nn.CrossEntropyLoss`` on ``(B, C)`` logits; a model that
+    is not an ``nn.Sequential`` goes through ``extend(model, use_converter=True)``
+    (torch.fx), as BackPACK's docs say for ResNets. Not applicable to other losses or
+    to dict inputs (``fn=None`` with a note).
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> backpack(grads_workload("cnn-grads", 2)).name
+        'BackPACK BatchGrad'
+
+    Source: BackPACK's ``BatchGrad`` documentation (``extend``, ``use_converter``).
+    """
+    name = "BackPACK BatchGrad"
     try:
         from backpack import backpack as context
         from backpack import extend
         from backpack.extensions import BatchGrad
     except ImportError:
-        return Method("BackPACK BatchGrad", None,
-                      "not installed (pip install --no-deps backpack-for-pytorch)")
-    model = extend(copy.deepcopy(w.model))
+        return Method(name, None, "not installed (pip install --no-deps backpack-for-pytorch)")
+    if not isinstance(w.loss_fn, nn.CrossEntropyLoss) or isinstance(w.inputs, dict):
+        return Method(name, None, "not applicable: BackPACK needs its own loss module on "
+                      "(B, C) outputs")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = extend(copy.deepcopy(w.model),
+                           use_converter=not isinstance(w.model, nn.Sequential))
+    except Exception as err:
+        return _note_failure(name, err)
     loss_fn = extend(nn.CrossEntropyLoss())
-    n = w.inputs.shape[0]
+    n = w.n
 
-    def run(_: Tensor) -> Tensor:
+    def run(_: Tensor) -> dict[str, Tensor]:
         model.zero_grad(set_to_none=True)
         with context(BatchGrad()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # full backward hooks on modules without input grads
             loss_fn(model(w.inputs), w.targets).backward()
-        return flat([p.grad_batch for p in model.parameters()]).mul_(n)
+        return {k: p.grad_batch * n for k, p in model.named_parameters()}
 
-    return Method("BackPACK BatchGrad", run)
+    return Method(name, run)
 
 
 # --- per-sample parameter Jacobian (mlp-param-jac) ----------------------------------------
 
 
 def param_jacobian_case(w: Workload) -> Case:
+    """Seed 000's loop (the reference), ``vmap(jacrev)``, ``vmap(jacfwd)`` (dicts), and
+    persample's ``param_jacobian`` default (a dict), ``flat=True`` and ``out=``.
+    Result ``(B, Y, P)``; the baseline is one backward of ``model(x).sum()``.
+    ``vmap(jacfwd)`` is skipped when it would need over ``MEMORY_LIMIT_BYTES``.
+
+    Example:
+        >>> from persample.cli.workloads import jacobian_workload
+        >>> param_jacobian_case(jacobian_workload("mlp-param-jac", 2)).result_shape
+        (2, 10, 15910)
+
+    Source: seed 000 (``calculate_gradients`` and its ``vmap(jacrev)`` answer).
+    """
     model, x = w.model, w.inputs
     n, y, p = x.shape[0], model(x[:1]).shape[1:].numel(), num_params(model)
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -140,19 +333,15 @@ def param_jacobian_case(w: Workload) -> Case:
             q.grad = None
         model(x).sum().backward()
 
-    def seed_loop(_: Tensor) -> Tensor:  # seed 000's calculate_gradients
-        jac = loop_param_jacobian(model, x)
-        return torch.cat([t.flatten(2) for t in jac.values()], dim=2)
+    def seed_loop(_: Tensor) -> dict[str, Tensor]:  # seed 000's calculate_gradients
+        return loop_param_jacobian(model, x)
 
     def sample_output(th: dict[str, Tensor], xi: Tensor) -> Tensor:
         return functional_call(model, th, (xi.unsqueeze(0),))[0]
 
-    def transform(jac_fn) -> Callable[[Tensor], Tensor]:
-        def run(_: Tensor) -> Tensor:  # seed 000's answer
-            jac = vmap(jac_fn(sample_output), in_dims=(None, 0))(params, x)
-            return torch.cat([t.flatten(2) for t in jac.values()], dim=2)
-
-        return run
+    def transform(jac_fn) -> Callable[[Tensor], dict[str, Tensor]]:
+        per_sample = vmap(jac_fn(sample_output), in_dims=(None, 0))
+        return lambda _: per_sample(params, x)  # seed 000's answer
 
     # jacfwd pushes P one-hot tangents; under vmap over the batch its largest
     # intermediate is about (B, P, largest parameter) numbers.
@@ -164,8 +353,9 @@ def param_jacobian_case(w: Workload) -> Case:
         Method("seed 000 loop", seed_loop),
         Method("vmap(jacrev)", transform(jacrev)),
         fwd,
-        Method("persample (out=)", lambda buf: param_jacobian(model, x, out=buf), ours=True),
-        Method("persample (new tensor)", lambda _: param_jacobian(model, x, flat=True)),
+        Method("persample", lambda _: param_jacobian(model, x), ours=True),
+        Method("persample (flat=True)", lambda _: param_jacobian(model, x, flat=True)),
+        Method("persample (out=)", lambda buf: param_jacobian(model, x, out=buf)),
     ])
 
 
@@ -173,6 +363,18 @@ def param_jacobian_case(w: Workload) -> Case:
 
 
 def input_jacobian_case(w: Workload) -> Case:
+    """The seed's own code (the reference), ``vmap(jacrev)``, ``vmap(jacfwd)`` and
+    persample's ``input_jacobian``; all return ``(B, Y, D)`` tensors. For the classifier
+    (seed 003) the floor is the one ``(B*Y, H) x (H, D)`` product every method needs
+    (``H`` the first layer's width), into touched memory.
+
+    Example:
+        >>> from persample.cli.workloads import jacobian_workload
+        >>> input_jacobian_case(jacobian_workload("clf-input-jac", 2)).floor_label
+        '(20, 256) x (256, 784) product'
+
+    Source: seeds 002 and 003 (their own code is the reference).
+    """
     from ..jacobian import input_jacobian
 
     model, x = w.model, w.inputs
@@ -192,26 +394,55 @@ def input_jacobian_case(w: Workload) -> Case:
     def seed_003(_: Tensor) -> Tensor:  # a loop over the classes
         xg = x.detach().requires_grad_()
         out = model(xg)
-        rows = [torch.autograd.grad(out[:, k], xg, torch.ones(n), retain_graph=True)[0]
+        ones = torch.ones(n, dtype=out.dtype, device=out.device)
+        rows = [torch.autograd.grad(out[:, k], xg, ones, retain_graph=True)[0]
                 for k in range(y)]
         return torch.stack(rows, dim=1)
 
     seed_fn = seed_002 if w.seed == "002" else seed_003
     seed_label = f"seed {w.seed}'s code"
-    return Case(w, "one backward", one_backward, (n, y, d), seed_label, lambda: seed_fn(None), [
+    case = Case(w, "one backward", one_backward, (n, y, d), seed_label, lambda: seed_fn(None), [
         Method(seed_label, seed_fn),
         Method("vmap(jacrev)", lambda _: vmap(jacrev(sample_fn))(x)),
         Method("vmap(jacfwd)", lambda _: vmap(jacfwd(sample_fn))(x)),
         Method("persample", lambda _: input_jacobian(model, x), ours=True),
     ])
+    first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    if w.seed == "003" and first is not None:
+        h = first.out_features
+        g = torch.Generator(device=x.device).manual_seed(0)
+        cotangents = torch.randn(n * y, h, generator=g, device=x.device, dtype=x.dtype)
+        product = torch.zeros(n * y, d, device=x.device, dtype=x.dtype)
+        weight = first.weight.detach()
+        case.floor_label = f"({n * y}, {h}) x ({h}, {d}) product"
+        case.floor = lambda: torch.mm(cotangents, weight, out=product)
+    return case
 
 
-# --- per-sample gradient norms and one DP-SGD step (cnn-norms, cnn-dp-step) ---------------
+# --- per-sample gradient norms and one DP-SGD step ----------------------------------------
 
-DP_MAX_GRAD_NORM = 1.0
+
+def grad_norms(grads: Mapping[str, Tensor]) -> Tensor:
+    """``(B,)`` norms over all parameters of per-sample gradients ``{name: (B, ...)}``,
+    summed per parameter (no concatenation).
+
+    Example:
+        >>> grad_norms({"a": torch.full((2, 3), 2.0), "b": torch.full((2,), 2.0)})
+        tensor([4., 4.])
+    """
+    return sum(g.reshape(len(g), -1).pow(2).sum(1) for g in grads.values()).sqrt()
 
 
 def norms_case(w: Workload) -> Case:
+    """Per-sample gradient norms ``(B,)``: each gradients method followed by
+    :func:`grad_norms`, Opacus ghost clipping's norms, BackPACK ``BatchL2Grad`` and
+    persample's ``per_sample_grad_norms``.
+
+    Example:
+        >>> from persample.cli.workloads import dp_workload
+        >>> norms_case(dp_workload("cnn-norms", 2)).result_shape
+        (2,)
+    """
     from ..norms import per_sample_grad_norms
 
     grads = grads_case(w)  # the plain backward and the per-sample gradient methods
@@ -220,32 +451,36 @@ def norms_case(w: Workload) -> Case:
     def norm_of(method: Method) -> Method:
         if method.fn is None:
             return method
-        return Method(method.name, lambda buf: method.fn(None).norm(dim=1))
+        return Method(method.name, lambda buf: grad_norms(method.fn(None)), method.note)
 
-    def opacus_ghost(_: Tensor) -> Tensor:
-        return _opacus_ghost_step(w)(None, norms=True)
-
-    def backpack_l2(_: Tensor) -> Tensor:
-        return _backpack_l2(w)()
-
-    return Case(w, "plain backward", grads.base, (w.inputs.shape[0],), "loop",
-                lambda: by_name["loop"].fn(None).norm(dim=1), [
+    return Case(w, "plain backward", grads.base, (w.n,), "loop",
+                lambda: grad_norms(by_name["loop"].fn(None)), [
         norm_of(by_name["loop"]),
         norm_of(by_name["torch.func vmap"]),
         norm_of(by_name["Opacus hooks"]),
-        _optional(opacus_ghost, "Opacus ghost clipping", "opacus"),
-        _optional(backpack_l2, "BackPACK BatchL2Grad", "backpack"),
+        _optional(lambda: _opacus_ghost_step(w), "Opacus ghost clipping", "opacus", w,
+                  lambda step: step(None, norms=True)),
+        _optional(lambda: _backpack_l2(w), "BackPACK BatchL2Grad", "backpack", w,
+                  lambda step: step()),
         Method("persample", lambda _: per_sample_grad_norms(
             w.model, w.inputs, w.targets, w.loss_fn), ours=True),
     ])
 
 
-def _optional(fn, name: str, module: str) -> Method:
+def _optional(build: Callable[[], Any], name: str, module: str, w: Workload,
+              call: Callable[[Any], Tensor]) -> Method:
+    """A method built once by ``build()`` (outside the timed calls), run as ``call(built)``."""
     try:
         __import__(module)
     except ImportError:
         return Method(name, None, "not installed")
-    return Method(name, fn)
+    if not isinstance(w.loss_fn, nn.CrossEntropyLoss) or isinstance(w.inputs, dict):
+        return Method(name, None, "not applicable: it takes an nn.CrossEntropyLoss")
+    try:
+        built = build()
+    except Exception as err:
+        return _note_failure(name, err)
+    return Method(name, lambda _: call(built))
 
 
 def _backpack_l2(w: Workload):
@@ -253,7 +488,11 @@ def _backpack_l2(w: Workload):
     from backpack import extend
     from backpack.extensions import BatchL2Grad
 
-    model, loss_fn, n = extend(copy.deepcopy(w.model)), extend(nn.CrossEntropyLoss()), len(w.inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = extend(copy.deepcopy(w.model),
+                       use_converter=not isinstance(w.model, nn.Sequential))
+    loss_fn, n = extend(nn.CrossEntropyLoss()), w.n
 
     def run() -> Tensor:
         model.zero_grad(set_to_none=True)
@@ -266,42 +505,67 @@ def _backpack_l2(w: Workload):
 
 
 def dp_step_case(w: Workload) -> Case:
-    """One DP-SGD step (clip, sum, noise, SGD step); results are the noised ``p.grad``."""
+    """One DP-SGD step (clip to ``C``, sum, add noise, divide by ``B``, SGD step) on any
+    gradients workload. Every row returns the noised gradients ``{name: p.grad}``
+    (result ``(P,)``): the loop or ``torch.func`` followed by clipping as users write
+    it (per parameter, no concatenation), Opacus ``DPOptimizer`` with hooks or ghost
+    clipping, and persample's ``dp.private_grad``. The baseline is a plain SGD step.
+    Noise is off while the results are checked, then ``sigma = 1``; ``lr = 0``, so
+    that the weights stay as they are.
+
+    Example:
+        >>> from persample.cli.workloads import dp_workload
+        >>> case = dp_step_case(dp_workload("cnn-dp-step", 2))
+        >>> case.base_label, case.result_shape
+        ('plain SGD step', (1199882,))
+
+    Source: Abadi et al. 2016 (DP-SGD); Opacus's ``DPOptimizer`` for its rows.
+    """
     from ..dp import private_grad
 
-    n, model = w.inputs.shape[0], w.model
+    n, model = w.n, w.model
     noise = {"sigma": 0.0}  # 0 while results are checked, then 1.0 for the timed rounds
     plain_model = copy.deepcopy(model)
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.0)
 
     def plain_step() -> None:
         plain_opt.zero_grad(set_to_none=True)
-        w.loss_fn(plain_model(w.inputs), w.targets).backward()
+        scalar_loss(w.loss_fn(w.call(plain_model), w.targets)).backward()
         plain_opt.step()
 
-    def clipped_mean(per_sample: Tensor) -> Tensor:  # (B, P) -> (P,)
-        c = (DP_MAX_GRAD_NORM / (per_sample.norm(dim=1) + 1e-6)).clamp(max=1.0)
-        total = c @ per_sample
-        noise_ = torch.randn(total.shape) * (noise["sigma"] * DP_MAX_GRAD_NORM)
-        return (total + noise_) / n
+    def manual(per_sample_fn: Callable[[Tensor | None], dict[str, Tensor]]
+               ) -> Callable[[Tensor], dict[str, Tensor]]:
+        own = copy.deepcopy(model)
+        params = dict(own.named_parameters())
+        opt = torch.optim.SGD(own.parameters(), lr=0.0)
 
-    def manual(per_sample_fn) -> Callable[[Tensor], Tensor]:
-        return lambda _: clipped_mean(per_sample_fn(None))
+        def run(_: Tensor) -> dict[str, Tensor]:
+            grads = per_sample_fn(None)
+            clip = (DP_MAX_GRAD_NORM / (grad_norms(grads) + 1e-6)).clamp(max=1.0)  # (B,)
+            for name, g in grads.items():
+                total = torch.tensordot(clip, g, dims=1)
+                total += torch.randn_like(total) * (noise["sigma"] * DP_MAX_GRAD_NORM)
+                params[name].grad = total.div_(n)
+            opt.step()
+            return {k: p.grad for k, p in params.items()}
+
+        return run
 
     own = copy.deepcopy(model)
     own_opt = torch.optim.SGD(own.parameters(), lr=0.0)
 
-    def persample_step(_: Tensor) -> Tensor:
+    def persample_step(_: Tensor) -> dict[str, Tensor]:
         private_grad(own, w.inputs, w.targets, w.loss_fn, max_grad_norm=DP_MAX_GRAD_NORM,
                      noise_multiplier=noise["sigma"])
         own_opt.step()
-        return flat_grad(own)
+        return {k: p.grad for k, p in own.named_parameters()}
 
     grads = {m.name: m for m in grads_case(w).methods}
+    func = grads["torch.func vmap"]
     case = Case(w, "plain SGD step", plain_step, (num_params(model),), "loop + clipping",
                 lambda: manual(grads["loop"].fn)(None), [
         Method("loop + clipping", manual(grads["loop"].fn)),
-        Method("torch.func vmap + clipping", manual(grads["torch.func vmap"].fn)),
+        Method("torch.func vmap + clipping", manual(func.fn), func.note),
         _opacus_dp_method(w, noise, ghost=False),
         _opacus_dp_method(w, noise, ghost=True),
         Method("persample", persample_step, ours=True),
@@ -310,17 +574,18 @@ def dp_step_case(w: Workload) -> Case:
     return case
 
 
-def flat_grad(model: nn.Module) -> Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
 def _opacus_dp_method(w: Workload, noise: dict, ghost: bool) -> Method:
     name = "Opacus ghost clipping" if ghost else "Opacus hooks"
     try:
         import opacus  # noqa: F401
     except ImportError:
         return Method(name, None, "not installed (pip install -e '.[bench]')")
-    step = _opacus_ghost_step(w, noise) if ghost else _opacus_hooks_step(w, noise)
+    if ghost and not isinstance(w.loss_fn, nn.CrossEntropyLoss):
+        return Method(name, None, "not applicable: it takes an nn.CrossEntropyLoss")
+    try:
+        step = _opacus_ghost_step(w, noise) if ghost else _opacus_hooks_step(w, noise)
+    except Exception as err:  # e.g. a layer Opacus does not support
+        return _note_failure(name, err)
     return Method(name, lambda _: step(None))
 
 
@@ -328,21 +593,21 @@ def _opacus_hooks_step(w: Workload, noise: dict):
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
-    model = GradSampleModule(copy.deepcopy(w.model).train())
+    model = GradSampleModule(opacus_ready(w.model))
     state = {}
 
-    def run(_: Tensor | None) -> Tensor:
+    def run(_: Tensor | None) -> dict[str, Tensor]:
         if state.get("sigma") != noise["sigma"]:  # Opacus fixes sigma at construction
             state["opt"] = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                        noise_multiplier=noise["sigma"],
                                        max_grad_norm=DP_MAX_GRAD_NORM,
-                                       expected_batch_size=len(w.inputs))
+                                       expected_batch_size=w.n)
             state["sigma"] = noise["sigma"]
         opt = state["opt"]
         opt.zero_grad(set_to_none=True)
-        w.loss_fn(model(w.inputs), w.targets).backward()
+        scalar_loss(w.loss_fn(w.call(model), w.targets)).backward()
         opt.step()
-        return flat_grad(model)
+        return {k: p.grad for k, p in model._module.named_parameters()}
 
     return run
 
@@ -354,24 +619,24 @@ def _opacus_ghost_step(w: Workload, noise: dict | None = None):
 
     noise = noise if noise is not None else {"sigma": 0.0}
     model = GradSampleModuleFastGradientClipping(
-        copy.deepcopy(w.model).train(), max_grad_norm=DP_MAX_GRAD_NORM, use_ghost_clipping=True)
+        opacus_ready(w.model), max_grad_norm=DP_MAX_GRAD_NORM, use_ghost_clipping=True)
     state = {}
 
-    def run(_: Tensor | None, norms: bool = False) -> Tensor:
+    def run(_: Tensor | None, norms: bool = False) -> Any:
         if state.get("sigma") != noise["sigma"]:
             opt = DPOptimizerFastGradientClipping(
                 torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=noise["sigma"],
-                max_grad_norm=DP_MAX_GRAD_NORM, expected_batch_size=len(w.inputs))
+                max_grad_norm=DP_MAX_GRAD_NORM, expected_batch_size=w.n)
             state.update(sigma=noise["sigma"], opt=opt, loss=DPLossFastGradientClipping(
                 model, opt, nn.CrossEntropyLoss(), "mean"))
         opt = state["opt"]
         opt.zero_grad(set_to_none=True)
-        loss = state["loss"](model(w.inputs), w.targets)
+        loss = state["loss"](w.call(model), w.targets)
         if norms:  # the first of Opacus's two backwards gives the norms
             torch.mean(loss.loss_per_sample).backward()
             return model.get_norm_sample()
         loss.backward()
         opt.step()
-        return flat_grad(model)
+        return {k: p.grad for k, p in model._module.named_parameters()}
 
     return run

@@ -1,61 +1,118 @@
-"""``persample bench``: every method side by side on the seed workloads, in one run.
+"""``persample bench``: every method side by side on the workloads, in one run.
 
-PERFORMANCE.md's protocol: same process, same inputs, warm-up, then the median
-of several runs. The floor is ``t_plain + bytes_out / bw`` where ``t_plain`` is
-forward + ``loss.backward()`` and ``bw`` the write bandwidth measured as
-``buf.fill_(1.0)`` on an already touched buffer of ``bytes_out`` bytes. Every
-method's result is also compared with the loop's.
+PERFORMANCE.md's protocol ("Measuring fairly"): same process, same inputs,
+warm-up, then the median of several interleaved rounds; every method is timed as
+its users call it and returns what they get (persample's default call and
+``torch.func`` both return a fresh dict; persample's ``out=`` row is labelled).
+Results are flattened and compared with the reference outside the timed calls.
+
+The floor is ``t_plain + t_write``: ``t_plain`` is a plain forward +
+``loss.backward()`` (or the case's own baseline) and ``t_write`` is ``fill_`` of a
+touched buffer of the result's bytes. Where one matrix product dominates
+(``clf-input-jac``) that product is the floor. On a GPU every timed call is
+bracketed by ``torch.cuda.synchronize()``.
+
+Peak memory of one call per method: on the GPU ``torch.cuda.max_memory_allocated``
+(reset before the call) above ``memory_allocated`` before it; on the CPU the peak
+resident set size of the call in a fresh process (``persample bench
+--_memory-probe WORKLOAD METHOD``), above the process's RSS after building the case.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
+import re
+import resource
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from ..api import aligned_empty
 from . import anchors
-from .anchors import Case, Method
+from .anchors import Case, Method, as_flat
+from .real_models import NotInstalled
 from .workloads import (
+    DP_WORKLOADS,
     GRAD_WORKLOADS,
     JACOBIAN_WORKLOADS,
     WORKLOADS,
+    dp_workload,
     grads_workload,
     jacobian_workload,
 )
 
+AGREE_TOLERANCE = 1e-4  # max |diff| <= this * max(1, max |reference|): the result agrees
+MB = 1e6  # bytes; peak memory and result sizes are in MB (10^6 bytes)
+
 
 @dataclass
 class Measured:
+    """One method's figures (a row of the table, an entry of the JSON's ``methods``).
+
+    Attributes:
+        method: the row's label.
+        status: ``"ok"``, ``"not installed ..."``, ``"not applicable: ..."``,
+            ``"skipped: ..."`` or ``"failed: ..."``.
+        median_ms: median time of one call in milliseconds.
+        times_ms: every timed call, in milliseconds.
+        ratio_to_floor: ``median_ms / floor_ms``.
+        peak_mb: the call's extra peak memory in MB (10^6 bytes): on the CPU its peak
+            RSS above the RSS before it (fresh process), on the GPU
+            ``max_memory_allocated`` above ``memory_allocated`` before it.
+        peak_total_mb: the peak itself: the process's peak RSS, or
+            ``max_memory_allocated``, in MB.
+        max_abs_diff: largest ``|result - reference|`` over the flattened result.
+        agrees: ``max_abs_diff <= AGREE_TOLERANCE * max(1, max |reference|)``; a row
+            that does not agree is left out of the speed-up.
+        note: a remark on how the method was called (printed under the table).
+    """
+
     method: str
-    status: str = "ok"  # "ok", "not installed", or "failed: ..."
+    status: str = "ok"
     median_ms: float | None = None
     times_ms: list[float] = field(default_factory=list)
     ratio_to_floor: float | None = None
-    max_abs_diff: float | None = None  # vs the loop's result
+    peak_mb: float | None = None
+    peak_total_mb: float | None = None
+    max_abs_diff: float | None = None
+    agrees: bool | None = None
+    note: str = ""
 
 
 @dataclass
 class Report:
+    """One workload's figures (an entry of the JSON's ``workloads``); times in ms,
+    sizes in MB (10^6 bytes). ``floor_ms = t_plain_ms + t_fill_ms`` unless
+    ``t_product_ms`` is set (then it is the floor, named by ``floor_label``)."""
+
     workload: str
     description: str
+    device: str
     result_shape: list[int]
     bytes_out: int
     base_label: str  # what t_plain measures
     t_plain_ms: float
+    plain_peak_mb: float | None
     t_fill_ms: float
     bandwidth_gb_s: float
+    floor_label: str
     floor_ms: float
+    t_product_ms: float | None
     reference: str  # the method every result is checked against
+    ours: str  # the default call's row
     methods: list[Measured]
+    memory: str  # what peak_mb measures
     speedup_over_best_other: float | None = None
     best_other: str | None = None
 
@@ -72,77 +129,164 @@ class _Timer:
     rounds: int  # how many of the rounds it takes part in
 
 
-def bench_case(case: Case, quick: bool, step: Callable[[str], None]) -> Report:
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _first_call(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float, dict]:
+    """``fn()`` once: its result, its seconds, and on a GPU its peak memory (MB)."""
+    sync, memory = _synchronizer(device), {}
+    cuda = device.type == "cuda"
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    seconds = time.perf_counter() - start
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+        memory = {"peak_mb": (peak - before) / MB, "peak_total_mb": peak / MB}
+    return result, seconds, memory
+
+
+def memory_label(device: torch.device) -> str:
+    """What ``peak_mb`` means on ``device`` (the table's and the JSON's label).
+
+    Example:
+        >>> memory_label(torch.device("cpu")).split(" (")[0]
+        'peak RSS of one call in a fresh process above the RSS after building the case'
+    """
+    if device.type == "cuda":
+        return ("torch.cuda.max_memory_allocated during one call above memory_allocated "
+                "before it")
+    return ("peak RSS of one call in a fresh process above the RSS after building the case "
+            "(first call; peak_total_mb: the process's peak RSS)")
+
+
+def bench_case(case: Case, quick: bool, step: Callable[[str], None],
+               probe: Callable[[str], dict] | None = None) -> Report:
     """Time every method of ``case`` side by side and check each against the reference.
 
-    Each method runs once first (its result is compared with the reference, and
-    that run is a warm-up), then all methods are timed in interleaved rounds, so
-    that the machine's drift hits them alike. A method whose first run takes
-    over a second joins only the first 3 rounds; with ``quick``, its first run
-    is its only time. The reference method's first run is the reference itself.
+    Each method runs once first (its result is flattened and compared with the
+    reference, and that run is a warm-up; on a GPU its peak memory is taken
+    then), then all methods are timed in interleaved rounds, so that the
+    machine's drift hits them alike. A method whose first run takes over a
+    second joins only the first 3 rounds; with ``quick``, its first run is its
+    only time. The reference method's first run is the reference itself.
+
+    Args:
+        case: the workload and its methods (:mod:`persample.cli.anchors`).
+        quick: no warm-up, 2 rounds.
+        step: called with a label before each stage (progress display).
+        probe: on the CPU, ``probe(method_name) -> {"extra_peak_mb", "peak_rss_mb"}``
+            measures one call's memory in a fresh process (``None``: no memory figures).
+
+    Returns:
+        The :class:`Report`; times in ms.
+
+    Example:
+        >>> r = bench_case(build_case("cnn-grads", 2), True, print)  # doctest: +SKIP
+        >>> r.ours, r.speedup_over_best_other  # doctest: +SKIP
+        ('persample', 1.04)
     """
     warmup, repeats = _reps(quick)
     w = case.workload
-    # the caller-owned result buffer for out=: rows 64-byte aligned, already touched
-    buf = aligned_empty(case.result_shape, w.inputs.dtype, w.inputs.device).zero_()
+    device = w.device
+    sync = _synchronizer(device)
+    # the caller-owned result buffer for out=: contiguous, already touched
+    buf = torch.zeros(case.result_shape, dtype=w.dtype, device=device)
     step(f"{case.reference_label} (reference)")
-    start = time.perf_counter()
-    reference = case.reference()
-    first_run = {case.reference_label: (reference, time.perf_counter() - start)}
+    reference, seconds, memory = _first_call(case.reference, device)
+    reference = as_flat(reference, case.result_shape)
+    first_run = {case.reference_label: (reference, seconds, memory)}
     base, fill = Measured(case.base_label), Measured("write result (fill_)")
+    if device.type == "cuda":
+        _, _, memory = _first_call(case.base, device)
+        base.peak_mb, base.peak_total_mb = memory["peak_mb"], memory["peak_total_mb"]
     timers = [_Timer(base, case.base, repeats), _Timer(fill, lambda: buf.fill_(1.0), repeats)]
+    product = None
+    if case.floor is not None:
+        product = Measured(case.floor_label)
+        timers.append(_Timer(product, case.floor, repeats))
+    fixed = len(timers)
     for method in case.methods:
         step(method.name)
-        timers.append(_prepare(method, buf, reference, repeats, quick, first_run))
+        timers.append(_prepare(method, buf, reference, repeats, quick, first_run, device))
+    del first_run
     case.after_check()
-    for timer in timers[:2]:
+    for timer in timers[:fixed]:
         for _ in range(warmup):
             timer.run()
     for r in range(repeats):
         step(f"round {r + 1} of {repeats}")
         for timer in timers:
             if r < timer.rounds:
+                sync()
                 start = time.perf_counter()
-                timer.run()
+                result = timer.run()
+                sync()
                 timer.row.times_ms.append((time.perf_counter() - start) * 1e3)
+                del result  # freed after the clock stops: users hold their result
                 gc.collect()
     for timer in timers:
         if timer.row.times_ms:
             timer.row.median_ms = statistics.median(timer.row.times_ms)
     w.model.zero_grad(set_to_none=True)
-    floor = base.median_ms + fill.median_ms
-    rows = [t.row for t in timers[2:]]
+    rows = [t.row for t in timers[fixed:]]
+    if probe is not None:
+        for row in [base] + [r for r in rows if r.status == "ok"]:
+            step(f"memory: {row.method}")
+            figures = probe(row.method)
+            row.peak_mb, row.peak_total_mb = figures.get("extra_peak_mb"), figures.get(
+                "peak_rss_mb")
+    floor = product.median_ms if product is not None else base.median_ms + fill.median_ms
     for row in rows:
         if row.median_ms is not None:
             row.ratio_to_floor = row.median_ms / floor
     bytes_out = buf.numel() * buf.element_size()
-    report = Report(w.name, w.description, list(case.result_shape), bytes_out, case.base_label,
-                    base.median_ms, fill.median_ms, bytes_out / fill.median_ms / 1e6, floor,
-                    case.reference_label, rows)
-    _speedup(report, next(m.name for m in case.methods if m.ours))
+    ours = next(m.name for m in case.methods if m.ours)
+    report = Report(
+        w.name, w.description, str(device), list(case.result_shape), bytes_out,
+        case.base_label, base.median_ms, base.peak_mb, fill.median_ms,
+        bytes_out / fill.median_ms / 1e6, case.floor_label or "t_plain + write", floor,
+        product.median_ms if product is not None else None, case.reference_label, ours, rows,
+        memory_label(device) if probe is not None or device.type == "cuda" else "not measured")
+    _speedup(report)
     return report
 
 
-def _prepare(method: Method, buf, reference, repeats: int, quick: bool,
-             first_run: dict[str, tuple]) -> _Timer:
-    """Run ``method`` once, compare its result with ``reference``; a timer for the rounds.
-
-    ``first_run`` maps a method's name to its result and time if it already ran.
-    """
-    row = Measured(method.name)
+def _prepare(method: Method, buf: torch.Tensor, reference: torch.Tensor, repeats: int,
+             quick: bool, first_run: dict[str, tuple], device: torch.device) -> _Timer:
+    """Run ``method`` once, compare its flattened result with ``reference``; a timer for
+    the rounds. ``first_run`` maps a method's name to its result, seconds and memory if
+    it already ran."""
+    row = Measured(method.name, note=method.note)
     if method.fn is None:
-        row.status = method.note
+        row.status, row.note = method.note, ""
         return _Timer(row, lambda: None, 0)
     run = lambda: method.fn(buf)  # noqa: E731
     try:
         if method.name in first_run:
-            result, first = first_run[method.name]
+            result, first, memory = first_run[method.name]
         else:
-            start = time.perf_counter()
-            result = run()
-            first = time.perf_counter() - start
-        row.max_abs_diff = (result.reshape(reference.shape) - reference).abs().max().item()
-        del result
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                warnings.simplefilter("ignore", DeprecationWarning)  # torch's own internals
+                warnings.simplefilter("ignore", FutureWarning)
+                result, first, memory = _first_call(run, device)
+            _note_warnings(row, caught)
+        row.peak_mb, row.peak_total_mb = memory.get("peak_mb"), memory.get("peak_total_mb")
+        flat = as_flat(result, tuple(reference.shape))
+        row.max_abs_diff = (flat - reference).abs().max().item() if flat.numel() else 0.0
+        scale = reference.abs().max().item() if reference.numel() else 0.0
+        row.agrees = row.max_abs_diff <= AGREE_TOLERANCE * max(1.0, scale)
+        del result, flat
         for _ in range(1 if first < 1.0 and not quick else 0):  # a second warm-up
             run()
     except Exception as err:  # a competitor failing must not stop the benchmark
@@ -154,40 +298,91 @@ def _prepare(method: Method, buf, reference, repeats: int, quick: bool,
     return _Timer(row, run, min(repeats, 3) if first > 1.0 else repeats)
 
 
-def _speedup(report: Report, ours_name: str) -> None:
-    ours = next(m for m in report.methods if m.method == ours_name)
-    others = [m for m in report.methods
-              if not m.method.startswith("persample") and m.median_ms is not None]
+def _ignore_noise() -> None:
+    """Hide warnings that every call repeats: Opacus's and BackPACK's hooks when inputs need
+    no grad, and torch.func's slow fallbacks (noted once per row by :func:`_note_warnings`)."""
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    warnings.filterwarnings("ignore", message="There is a performance drop")
+
+
+def _note_warnings(row: Measured, caught: list) -> None:
+    """Add the first sentence of each distinct warning of a method's first call to its note
+    (torch.func's fallbacks, persample's own fallbacks)."""
+    seen, slow_ops = [], []
+    for w in caught:
+        text = str(w.message).split(". ")[0].strip()
+        fallback = re.match(r"There is a performance drop because we have not yet implemented "
+                            r"the batching rule for (\S+)", text)
+        if fallback:
+            if fallback[1] not in slow_ops:
+                slow_ops.append(fallback[1])
+        elif "Full backward hook is firing" not in text and text not in seen:
+            seen.append(text)
+    if slow_ops:
+        seen.insert(0, f"vmap has no batching rule for {', '.join(slow_ops)} (a slow fallback)")
+    if seen:
+        row.note = "; ".join(([row.note] if row.note else []) + [f"warned: {t}" for t in seen])
+
+
+def _speedup(report: Report) -> None:
+    ours = next(m for m in report.methods if m.method == report.ours)
+    others = [m for m in report.methods if not m.method.startswith("persample")
+              and m.median_ms is not None and m.agrees]
     if ours.median_ms and others:
         best = min(others, key=lambda m: m.median_ms)
         report.best_other = best.method
         report.speedup_over_best_other = best.median_ms / ours.median_ms
 
 
+def _fmt(value: float | None, spec: str, width: int) -> str:
+    return f"{value:>{width}{spec}}" if value is not None else " " * width
+
+
 def format_report(r: Report) -> str:
+    """The workload's table as text: plain, write, floor, then each method's median ms,
+    ratio to the floor, peak MB and max |diff| from the reference; notes; the speed-up
+    of the default call over the best other method that agrees with the reference.
+
+    Example:
+        >>> print(format_report(report))  # doctest: +SKIP
+        cnn-grads: SimpleCNN, batch 4, digits 1x28x28, cross-entropy [cpu]
+        ...
+    """
+    floor_row = f"floor: {r.floor_label}" if r.t_product_ms is not None else \
+        "floor (t_plain + write)"
+    w = max(28, 2 + max(len(x) for x in [floor_row] + [m.method for m in r.methods]))
     lines = [
-        f"{r.workload}: {r.description}",
-        f"  result {tuple(r.result_shape)}, {r.bytes_out / 1e6:,.1f} MB; "
+        f"{r.workload}: {r.description} [{r.device}]",
+        f"  result {tuple(r.result_shape)}, {r.bytes_out / MB:,.1f} MB; "
         f"write bandwidth {r.bandwidth_gb_s:.1f} GB/s; results checked against {r.reference}",
-        f"  {'method':<24}{'median ms':>11}{'x floor':>9}{'max |diff|':>12}",
-        f"  {r.base_label + ' (t_plain)':<24}{r.t_plain_ms:>11.2f}",
-        f"  {'write result (fill_)':<24}{r.t_fill_ms:>11.2f}",
-        f"  {'floor':<24}{r.floor_ms:>11.2f}{1.0:>9.2f}",
+        f"  peak MB: {r.memory}",
+        f"  {'method':<{w}}{'median ms':>11}{'x floor':>9}{'peak MB':>10}{'max |diff|':>12}",
+        f"  {r.base_label + ' (t_plain)':<{w}}{r.t_plain_ms:>11.2f}{'':>9}"
+        f"{_fmt(r.plain_peak_mb, ',.1f', 10)}",
+        f"  {'write result (fill_)':<{w}}{r.t_fill_ms:>11.2f}",
     ]
+    lines.append(f"  {floor_row:<{w}}{r.floor_ms:>11.2f}{1.0:>9.2f}")
+    notes = []
     for m in r.methods:
+        label = m.method + (" *" if m.note else "")
+        if m.note:
+            notes.append(f"  * {m.method}: {m.note}")
         if m.median_ms is None:
-            lines.append(f"  {m.method:<24}  {m.status}")
-        else:
-            lines.append(f"  {m.method:<24}{m.median_ms:>11.2f}{m.ratio_to_floor:>9.2f}"
-                         f"{m.max_abs_diff:>12.1e}")
+            lines.append(f"  {label:<{w}}  {m.status}")
+            continue
+        lines.append(f"  {label:<{w}}{m.median_ms:>11.2f}{m.ratio_to_floor:>9.2f}"
+                     f"{_fmt(m.peak_mb, ',.1f', 10)}{_fmt(m.max_abs_diff, '.1e', 12)}"
+                     + ("  DIFFERS from the reference" if m.agrees is False else ""))
+    lines += notes
     if r.speedup_over_best_other:
-        lines.append(f"  persample is {r.speedup_over_best_other:.2f}x faster than the best "
-                     f"other method ({r.best_other})")
-    return "\n".join(lines)
+        lines.append(f"  {r.ours} (default call) is {r.speedup_over_best_other:.2f}x as fast "
+                     f"as the best other method ({r.best_other})")
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def plot_reports(reports: list[Report], path: str) -> None:
-    """A horizontal bar chart of median times per method, one panel per workload."""
+    """A horizontal bar chart of median times per method, one panel per workload, with
+    the floor as a dashed line; written to ``path`` (PNG). Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,52 +407,235 @@ def plot_reports(reports: list[Report], path: str) -> None:
     plt.close(fig)
 
 
-def build_case(name: str, batch: int | None) -> Case:
+def build_case(name: str, batch: int | None, device: torch.device | str = "cpu") -> Case:
+    """The :class:`~persample.cli.anchors.Case` of workload ``name`` on ``device``.
+
+    Args:
+        name: one of :data:`~persample.cli.workloads.WORKLOADS`.
+        batch: overrides the workload's batch size.
+        device: where the model and the data go (``"cpu"`` or ``"cuda"``).
+
+    Raises:
+        SystemExit: an unknown workload.
+        persample.cli.real_models.NotInstalled: the workload's model package is missing.
+
+    Example:
+        >>> case = build_case("deep-mlp-grads", 2)
+        >>> case.result_shape, [m.name for m in case.methods if m.ours]
+        ((2, 4515602), ['persample'])
+    """
     if name in GRAD_WORKLOADS:
-        return anchors.grads_case(grads_workload(name, batch))
+        return anchors.grads_case(grads_workload(name, batch).to(device))
     if name == "mlp-param-jac":
-        return anchors.param_jacobian_case(jacobian_workload(name, batch))
+        return anchors.param_jacobian_case(jacobian_workload(name, batch).to(device))
     if name in JACOBIAN_WORKLOADS:
-        return anchors.input_jacobian_case(jacobian_workload(name, batch))
+        return anchors.input_jacobian_case(jacobian_workload(name, batch).to(device))
     if name == "cnn-norms":
-        w = grads_workload("cnn-grads", batch)
-        return anchors.norms_case(replace(w, name=name, description=w.description.replace(
-            "cross-entropy", "per-sample gradient norms")))
-    if name == "cnn-dp-step":
-        w = grads_workload("cnn-grads", batch)
-        return anchors.dp_step_case(replace(w, name=name, description=w.description.replace(
-            "cross-entropy", f"one DP-SGD step (C = {anchors.DP_MAX_GRAD_NORM}, sigma = 1)")))
+        return anchors.norms_case(dp_workload(name, batch).to(device))
+    if name in DP_WORKLOADS:
+        return anchors.dp_step_case(dp_workload(name, batch).to(device))
     raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 
+def _device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available here")
+    return device
+
+
 def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
-        json_path: str | None, plot_path: str | None) -> list[Report]:
-    """Run the benchmark, print the tables, and write the JSON and the plot if asked."""
-    torch.set_num_threads(threads)
-    # Opacus's and BackPACK's hooks warn on every call when inputs need no grad
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    reports = []
+        json_path: str | None, plot_path: str | None, device: str = "cpu",
+        memory: bool = True) -> list[Report]:
+    """Run the benchmark, print the tables, and write the JSON and the plot if asked.
+
+    Args:
+        workloads: names from :data:`~persample.cli.workloads.WORKLOADS`.
+        quick: a smoke run (no warm-up, 2 rounds).
+        batch: overrides every workload's batch size.
+        threads: ``torch.set_num_threads`` on the CPU (ignored with ``device="cuda"``).
+        json_path: write every figure there as JSON (``machine``, ``quick``,
+            ``workloads``: :class:`Report` s, ``not_run``: workloads whose package is
+            missing).
+        plot_path: draw the median times there (PNG).
+        device: ``"cpu"`` or ``"cuda"``.
+        memory: measure each method's peak memory (on the CPU: one fresh process per
+            method, a few seconds each).
+
+    Returns:
+        The reports of the workloads that ran.
+
+    Raises:
+        SystemExit: an unknown workload, or ``device="cuda"`` without CUDA.
+
+    Example:
+        >>> run(["cnn-grads"], True, 2, 1, "bench.json", None, memory=False)  # doctest: +SKIP
+    """
+    dev = _device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(threads)
+    _ignore_noise()
+    reports, not_run = [], []
     with tqdm(total=len(workloads), desc="persample bench", unit="workload") as bar:
         for name in workloads:
             def step(label: str, name=name) -> None:
                 bar.set_postfix_str(f"{name}: {label}")
 
-            reports.append(bench_case(build_case(name, batch), quick, step))
+            try:
+                case = build_case(name, batch, dev)
+            except NotInstalled as err:
+                not_run.append({"workload": name, "status": f"not installed: {err}"})
+                bar.update(1)
+                continue
+            probe = None
+            if memory and dev.type == "cpu":
+                def probe(method: str, name=name) -> dict:
+                    return _run_probe(name, method, batch, threads)
+            reports.append(bench_case(case, quick, step, probe))
+            del case
             bar.update(1)
             gc.collect()
     for r in reports:
         print(format_report(r), end="\n\n")
+    for skipped in not_run:
+        print(f"{skipped['workload']}: {skipped['status']}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"machine": machine_info(threads), "quick": quick,
-                       "workloads": [asdict(r) for r in reports]}, f, indent=2)
+            json.dump({"machine": machine_info(threads, dev), "quick": quick,
+                       "workloads": [asdict(r) for r in reports], "not_run": not_run},
+                      f, indent=2)
         print(f"wrote {json_path}")
-    if plot_path:
+    if plot_path and reports:
         plot_reports(reports, plot_path)
         print(f"wrote {plot_path}")
     return reports
 
 
-def machine_info(threads: int) -> dict:
+# --- peak memory on the CPU: one call in a fresh process ----------------------------------
+
+
+def _status_kib(field_name: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the peak RSS (``VmHWM``) to the current RSS (Linux >= 4.0); False if not."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _maxrss_bytes() -> int:
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+def memory_probe(workload: str, method: str, batch: int | None, threads: int,
+                 device: str = "cpu") -> dict:
+    """One call's peak memory, measured in this process (run it in a fresh one).
+
+    Builds the case, turns its noise on as for the timed rounds, allocates the
+    ``out=`` buffer (touched), then reads the RSS, resets the peak RSS
+    (``/proc/self/clear_refs``), calls the method once holding its result, and
+    reads the peak RSS (``VmHWM``). Without ``/proc`` (not Linux) the peak is
+    ``ru_maxrss``, which includes building the case (``peak_reset`` is False).
+
+    Args:
+        workload: a workload name.
+        method: a row's name, or the case's baseline label (``"plain backward"``...).
+        batch, threads, device: as for :func:`run`.
+
+    Returns:
+        ``{"workload", "method", "rss_before_mb", "peak_rss_mb", "extra_peak_mb",
+        "peak_reset"}``, sizes in MB (10^6 bytes).
+
+    Raises:
+        SystemExit: no such method, or it cannot run here.
+
+    Example:
+        >>> m = memory_probe("deep-mlp-grads", "plain backward", 2, 1)  # doctest: +SKIP
+        >>> m["extra_peak_mb"] >= 0  # doctest: +SKIP
+        True
+    """
+    dev = _device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(threads)
+    _ignore_noise()
+    case = build_case(workload, batch, dev)
+    case.after_check()
+    buf = torch.zeros(case.result_shape, dtype=case.workload.dtype, device=dev)
+    if method == case.base_label:
+        fn = case.base
+    else:
+        found = [m for m in case.methods if m.name == method and m.fn is not None]
+        if not found:
+            raise SystemExit(f"{workload} has no runnable method {method!r}")
+        fn = lambda: found[0].fn(buf)  # noqa: E731
+    gc.collect()
+    before = _status_kib("VmRSS")
+    before_bytes = before * 1024 if before is not None else _maxrss_bytes()
+    reset = _reset_peak_rss() and before is not None
+    result = fn()
+    peak_kib = _status_kib("VmHWM") if reset else None
+    peak = peak_kib * 1024 if peak_kib is not None else _maxrss_bytes()
+    del result
+    return {"workload": workload, "method": method, "rss_before_mb": before_bytes / MB,
+            "peak_rss_mb": peak / MB, "extra_peak_mb": max(0, peak - before_bytes) / MB,
+            "peak_reset": reset}
+
+
+def _run_probe(workload: str, method: str, batch: int | None, threads: int) -> dict:
+    """:func:`memory_probe` in a fresh ``python -m persample`` process; ``{}`` if it fails
+    (the failure is printed on stderr)."""
+    cmd = [sys.executable, "-m", "persample", "bench", "--_memory-probe", workload, method,
+           "--threads", str(threads)]
+    if batch:
+        cmd += ["--batch", str(batch)]
+    src = str(Path(__file__).resolve().parents[2])  # where this persample is imported from
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if done.returncode == 0:
+            return json.loads(done.stdout.strip().splitlines()[-1])
+        error = (done.stderr.strip().splitlines() or ["?"])[-1]
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as err:
+        error = f"{type(err).__name__}: {err}"
+    print(f"memory probe of {workload} / {method} failed: {error}", file=sys.stderr)
+    return {}
+
+
+def machine_info(threads: int, device: torch.device | str = "cpu") -> dict:
+    """The JSON's ``machine``: torch and Python versions, the CPU architecture, the
+    threads (CPU runs; ``None`` on a GPU), the device (``"cpu"``, ``"cuda"``) and its
+    name (``torch.cuda.get_device_name``, or the CPU's model name).
+
+    Example:
+        >>> sorted(machine_info(2))
+        ['device', 'device_name', 'machine', 'python', 'threads', 'torch']
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f
+                             if line.startswith("model name")), name)
+        except OSError:
+            pass
     return {"torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "threads": threads}
+            "machine": platform.machine(), "threads": threads if dev.type == "cpu" else None,
+            "device": dev.type, "device_name": name}

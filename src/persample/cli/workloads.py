@@ -1,19 +1,34 @@
-"""The seed workloads of PERFORMANCE.md, on scikit-learn's digits."""
+"""The benchmark's workloads: PERFORMANCE.md's seed workloads on scikit-learn's digits,
+and real models (torchvision resnet18, timm ViT, transformers GPT-2) on real data.
+
+The real models' packages are imported only when their workload is built
+(:mod:`persample.cli.real_models`).
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
-from ..data import digits_features, digits_images
+from ..data import ByteTokenizer, digits_features, digits_images, docstring_batch
+from . import real_models
 
 
 def simple_cnn() -> nn.Sequential:
-    """Seed 001's SimpleCNN (conv 1->32 k3, conv 32->64 k3, maxpool 2, fc 9216->128->10)."""
+    """Seed 001's SimpleCNN (conv 1->32 k3, conv 32->64 k3, maxpool 2, fc 9216->128->10).
+
+    Takes ``(B, 1, 28, 28)``, returns logits ``(B, 10)``; 1,199,882 parameters.
+
+    Example:
+        >>> simple_cnn()(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+    """
     return nn.Sequential(
         OrderedDict(
             conv1=nn.Conv2d(1, 32, 3, 1),
@@ -30,7 +45,14 @@ def simple_cnn() -> nn.Sequential:
 
 
 def deep_mlp(depth: int = 50, width: int = 300, classes: int = 2) -> nn.Sequential:
-    """Seed 004's benchmark MLP: ``depth`` ReLU layers of ``width`` units, then the classes."""
+    """Seed 004's benchmark MLP: ``depth`` ReLU layers of ``width`` units, then the classes.
+
+    Takes ``(B, width)``, returns logits ``(B, classes)``.
+
+    Example:
+        >>> deep_mlp(depth=2, width=3)(torch.zeros(4, 3)).shape
+        torch.Size([4, 2])
+    """
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
@@ -39,7 +61,14 @@ def deep_mlp(depth: int = 50, width: int = 300, classes: int = 2) -> nn.Sequenti
 
 
 class RowLSTM(nn.Module):
-    """Reads a 28x28 image row by row: LSTM(28, 128) over 28 steps, Linear on the last state."""
+    """Reads a 28x28 image row by row: LSTM(28, 128) over 28 steps, Linear on the last state.
+
+    Takes ``(B, 1, 28, 28)``, returns logits ``(B, classes)``.
+
+    Example:
+        >>> RowLSTM()(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+    """
 
     def __init__(self, hidden: int = 128, classes: int = 10):
         super().__init__()
@@ -51,44 +80,100 @@ class RowLSTM(nn.Module):
         return self.head(h[-1])
 
 
-class TinyViT(nn.Module):
-    """A small vision Transformer: 4x4 patches, a class token and a positional embedding
-    (parameters of the model itself), 2 encoder layers of width 64, a Linear head."""
-
-    def __init__(self, width: int = 64, depth: int = 2, classes: int = 10):
-        super().__init__()
-        self.patch = nn.Linear(16, width)
-        self.cls = nn.Parameter(torch.zeros(1, 1, width))
-        self.pos = nn.Parameter(torch.randn(1, 50, width) * 0.02)
-        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        patches = x.unfold(2, 4, 4).unfold(3, 4, 4).flatten(1, 3).flatten(2)  # (B, 49, 16)
-        h = self.patch(patches)
-        h = torch.cat([self.cls.expand(len(x), -1, -1), h], 1) + self.pos  # (B, 50, width)
-        return self.head(self.encoder(h)[:, 0])
-
-
 @dataclass
 class Workload:
-    """A model, a batch of real data and a loss; all in float32 as PERFORMANCE.md says."""
+    """A model, a batch of real data and a loss, as the benchmark times them.
+
+    Attributes:
+        name: the workload's name on the command line (``cnn-grads``, ...).
+        seed: where it comes from (a seed task's number, or an issue).
+        model: the ``nn.Module``, converted to float32 (parameters and buffers).
+        inputs: what the model is called with as its users call it: a tensor
+            ``(B, ...)`` (``model(inputs)``) or a dict of ``(B, ...)`` tensors such as a
+            tokenizer's output (``model(**inputs)``).
+        targets: ``(B, ...)`` tensor passed to ``loss_fn`` as its second argument,
+            or ``None`` (Jacobian workloads).
+        loss_fn: ``loss_fn(model_output, targets)``: a scalar (mean over the batch) or
+            ``(B,)`` per-sample losses; ``None`` for Jacobian workloads.
+        description: one line for the table.
+    """
 
     name: str
     seed: str
     model: nn.Module
-    inputs: Tensor
+    inputs: Any
     targets: Tensor | None
-    loss_fn: Callable[[Tensor, Tensor], Tensor] | None
+    loss_fn: Callable[[Any, Tensor], Tensor] | None
     description: str
 
     def __post_init__(self) -> None:
         self.model = self.model.float()  # whatever torch's default dtype is
 
+    @property
+    def n(self) -> int:
+        """The batch size ``B``: dim 0 of the (first) input tensor."""
+        first = next(iter(self.inputs.values())) if isinstance(self.inputs, dict) else self.inputs
+        return first.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters."""
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's parameters (float32), hence of every result."""
+        return next(self.model.parameters()).dtype
+
+    def call(self, model: nn.Module | None = None) -> Any:
+        """``model(inputs)`` or ``model(**inputs)`` (default: the workload's model)."""
+        model = self.model if model is None else model
+        return model(**self.inputs) if isinstance(self.inputs, dict) else model(self.inputs)
+
+    def to(self, device: torch.device | str) -> Workload:
+        """Move the model, inputs and targets to ``device`` (in place); returns ``self``.
+
+        Example:
+            >>> w = grads_workload("cnn-grads", 2).to("cpu")
+            >>> w.n, w.device.type
+            (2, 'cpu')
+        """
+        self.model = self.model.to(device)
+        self.inputs = tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t,
+                               self.inputs)
+        if self.targets is not None:
+            self.targets = self.targets.to(device)
+        return self
+
 
 def grads_workload(name: str, batch: int | None = None) -> Workload:
-    """``cnn-grads`` (batch 64, digits 28x28) or ``deep-mlp-grads`` (batch 100, 300 features)."""
+    """A per-sample gradients workload on the CPU (see :data:`GRAD_WORKLOADS`).
+
+    ``cnn-grads`` (seed 001's SimpleCNN, B=64, digits 28x28), ``deep-mlp-grads``
+    (seed 004's 50x300 MLP, B=100, digits projected to 300 features, 2 classes),
+    ``lstm-grads`` (:class:`RowLSTM`, B=64), ``vit-grads`` (timm ``VisionTransformer``,
+    4x4 patches of the 28x28 digits, 2 layers of width 64, B=64), ``resnet18-grads``
+    (torchvision ``resnet18(num_classes=10)``, digits 32x32 repeated to 3 channels,
+    B=32), all with ``nn.CrossEntropyLoss()`` (mean); ``gpt2-grads`` (transformers
+    ``GPT2LMHeadModel``, 4 layers x 256, 4 heads, byte vocabulary of 257, T=64, B=16,
+    on the standard library's docstrings, inputs ``{"input_ids", "attention_mask"}``,
+    per-sample next-token cross-entropy ``(B,)``). Models in eval mode, float32,
+    ``torch.manual_seed(0)``.
+
+    Args:
+        name: one of :data:`GRAD_WORKLOADS`.
+        batch: overrides the batch size ``B``.
+
+    Raises:
+        ValueError: an unknown name.
+        persample.cli.real_models.NotInstalled: timm, torchvision or transformers is
+            needed and missing.
+
+    Example:
+        >>> w = grads_workload("cnn-grads", batch=4)
+        >>> w.inputs.shape, w.targets.shape
+        (torch.Size([4, 1, 28, 28]), torch.Size([4]))
+    """
     torch.manual_seed(0)
     if name == "cnn-grads":
         x, y = digits_images()
@@ -100,18 +185,43 @@ def grads_workload(name: str, batch: int | None = None) -> Workload:
         b = batch or 100
         return Workload(name, "004", deep_mlp().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"MLP 50x300 ReLU, batch {b}, digits projected to 300, 2 classes")
-    if name in ("lstm-grads", "vit-grads"):
+    if name == "lstm-grads":
         x, y = digits_images()
         b = batch or 64
-        model, what = (RowLSTM(), "LSTM(28, 128) over image rows") if name == "lstm-grads" \
-            else (TinyViT(), "ViT: 4x4 patches, class token, 2 layers of width 64")
-        return Workload(name, "issue 5", model.eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
-                        f"{what}, batch {b}, digits 1x28x28, cross-entropy")
+        return Workload(name, "issue 5", RowLSTM().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
+                        f"LSTM(28, 128) over image rows, batch {b}, digits 1x28x28, "
+                        "cross-entropy")
+    if name == "vit-grads":
+        model = real_models.timm_vit(img_size=28, in_chans=1)
+        x, y = digits_images()
+        b = batch or 64
+        return Workload(name, "issue 5", model, x[:b], y[:b], nn.CrossEntropyLoss(),
+                        f"timm ViT: 4x4 patches, 2 layers of width 64, 4 heads, batch {b}, "
+                        "digits 1x28x28, cross-entropy")
+    if name == "resnet18-grads":
+        model = real_models.resnet18(classes=10)
+        x, y = digits_images(32, channels=3)
+        b = batch or 32
+        return Workload(name, "issue 10", model, x[:b], y[:b], nn.CrossEntropyLoss(),
+                        f"torchvision resnet18 (eval), batch {b}, digits 3x32x32, "
+                        "cross-entropy")
+    if name == "gpt2-grads":
+        b, t = batch or 16, 64
+        model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t)
+        inputs, labels = docstring_batch(b, t)
+        return Workload(name, "issue 10", model, inputs, labels, real_models.causal_lm_loss,
+                        f"transformers GPT-2 4x256 (eval), batch {b}, T={t}, stdlib docstrings "
+                        "as bytes, per-sample next-token cross-entropy")
     raise ValueError(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
 
 
 def mlp(sizes: list[int], activation: type[nn.Module]) -> nn.Sequential:
-    """Linear layers of the given sizes with ``activation`` between them."""
+    """Linear layers of the given sizes with ``activation`` between them (not after the last).
+
+    Example:
+        >>> mlp([3, 4, 2], nn.ReLU)(torch.zeros(5, 3)).shape
+        torch.Size([5, 2])
+    """
     layers: list[nn.Module] = []
     for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(a, b))
@@ -121,7 +231,20 @@ def mlp(sizes: list[int], activation: type[nn.Module]) -> nn.Sequential:
 
 
 def jacobian_workload(name: str, batch: int | None = None) -> Workload:
-    """``mlp-param-jac`` (seed 000), ``pinn-input-jac`` (seed 002), ``clf-input-jac`` (seed 003)."""
+    """A Jacobian workload on the CPU (see :data:`JACOBIAN_WORKLOADS`); no targets, no loss.
+
+    ``mlp-param-jac`` (seed 000: MLP 784-20-10, B=256, per-sample parameter Jacobian
+    ``(B, 10, P)``), ``pinn-input-jac`` (seed 002: MLP 1-20-20-400 tanh, B=100, input
+    Jacobian ``(B, 400, 1)``), ``clf-input-jac`` (seed 003: MLP 784-256-256-10, B=256,
+    input Jacobian ``(B, 10, 784)``). float32, ``torch.manual_seed(0)``.
+
+    Raises:
+        ValueError: an unknown name.
+
+    Example:
+        >>> jacobian_workload("clf-input-jac", 8).inputs.shape
+        torch.Size([8, 784])
+    """
     torch.manual_seed(0)
     if name == "mlp-param-jac":
         x, _ = digits_images()
@@ -141,7 +264,35 @@ def jacobian_workload(name: str, batch: int | None = None) -> Workload:
     raise ValueError(f"unknown workload {name!r}; choose from {JACOBIAN_WORKLOADS}")
 
 
-GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads")
+DP_MAX_GRAD_NORM = 1.0  # C of the DP-SGD step workloads; sigma = 1
+
+
+def dp_workload(name: str, batch: int | None = None) -> Workload:
+    """``cnn-norms`` (per-sample gradient norms of ``cnn-grads``) or one DP-SGD step
+    (``X-dp-step``) on the per-sample gradients workload ``X-grads``.
+
+    Raises:
+        ValueError: an unknown name.
+        persample.cli.real_models.NotInstalled: as :func:`grads_workload`.
+
+    Example:
+        >>> dp_workload("deep-mlp-dp-step", 4).description.split("; ")[-1]
+        'one DP-SGD step (C = 1.0, sigma = 1)'
+    """
+    if name == "cnn-norms":
+        w = grads_workload("cnn-grads", batch)
+        what = "per-sample gradient norms"
+    elif name in DP_WORKLOADS:
+        w = grads_workload(name.replace("-dp-step", "-grads"), batch)
+        what = f"one DP-SGD step (C = {DP_MAX_GRAD_NORM}, sigma = 1)"
+    else:
+        raise ValueError(f"unknown workload {name!r}; choose from {DP_WORKLOADS}")
+    return replace(w, name=name, description=f"{w.description}; {what}")
+
+
+GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
+                  "gpt2-grads")
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
-DP_WORKLOADS = ("cnn-norms", "cnn-dp-step")
+DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
+                "gpt2-dp-step")
 WORKLOADS = GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS
