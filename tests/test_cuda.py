@@ -10,7 +10,6 @@ import persample
 from persample import memory
 from persample.dp import private_grad
 from persample.rules.conv import conv_weight_per_sample
-
 from zoo import ZOO
 
 pytestmark = [pytest.mark.cuda,
