@@ -571,6 +571,11 @@ def dp_step_case(w: Workload) -> Case:
         Method("persample", persample_step, ours=True),
     ])
     case.after_check = lambda: noise.update(sigma=1.0)
+    # every DP-SGD step also draws P Gaussian numbers: the floor is the plain step and that
+    first = next(model.parameters())
+    draws = torch.empty(num_params(model), dtype=first.dtype, device=first.device)
+    case.floor_label = f"plain SGD step + {draws.numel():,} normal draws"
+    case.floor = lambda: (plain_step(), draws.normal_())
     return case
 
 
