@@ -142,3 +142,52 @@ def test_conv_ghost_norms_match_the_loop():
     want = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
     torch.testing.assert_close(norms, want, rtol=1e-10, atol=1e-13)
     assert calls.count(True) == 2 and calls.count(False) == 1  # down, last ghosted; wide not
+
+
+class Gain(nn.Module):
+    """``y = x * w`` with a module rule and a module norm rule registered by the test."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(E))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
+
+
+class GainNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gain, self.head = nn.Linear(E, E), Gain(), nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.gain(torch.tanh(self.fc(x)))))
+
+
+def test_a_module_norm_rule_gets_its_clipped_sum(monkeypatch):
+    """The parameters normed by a user's module norm rule get their clipped sum from the
+    module's own backward (not zeros)."""
+    from persample import rules
+
+    monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))
+    monkeypatch.setattr(rules, "_NORM_RULES", dict(rules._NORM_RULES))
+    normed = []
+
+    @rules.register_rule(Gain)
+    def gain(layer, activations, backprops, out):  # backprops (n, v, E)
+        torch.mul(backprops, activations[0].unsqueeze(1), out=out["w"])
+
+    @rules.register_norm_rule(Gain)
+    def gain_norm(layer, activations, backprops, names):
+        normed.append(names)
+        return {"w": (backprops[:, 0] * activations[0]).square().sum(1)}
+
+    torch.manual_seed(0)
+    model = GainNet()
+    x, y = torch.randn(B, E), torch.randint(0, 3, (B,))
+    loss_fn = nn.CrossEntropyLoss()
+    want = _clipped_by_hand(model, x, y, loss_fn, c=0.05)
+    private_grad(model, x, y, loss_fn, max_grad_norm=0.05, noise_multiplier=0.0)
+    assert normed == [{"w"}]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-13)

@@ -30,12 +30,13 @@ from .rules import OpCall, find_norm_rule, find_op_norm
 
 def squared_norms(
     cap: Captured, params: dict[str, nn.Parameter]
-) -> tuple[dict[int, Tensor], dict[int, Tensor], set[Op]]:
+) -> tuple[dict[int, Tensor], dict[int, Tensor], set[Op], list[tuple]]:
     """Squared per-sample gradient norms ``{id(param): (n,)}`` of one captured batch.
 
     Also returns the per-sample gradients ``{id(param): (n, 1, *shape)}`` of the
-    parameters that had to be materialised, and the ops whose parameters got ghost
-    norms. Unused parameters get zeros.
+    parameters that had to be materialised, the ops whose parameters got ghost
+    norms, and the module calls whose parameters got norms from a module norm rule
+    (``(call, output edge, its layout, {name: param})``).
     """
     n = cap.n
     sites = _sites(cap)
@@ -56,7 +57,7 @@ def squared_norms(
             if found is not None:
                 sq.update(found)
                 ghosted.add(op)
-        _module_norms(cap, sq, sites)
+        by_module = _module_norms(cap, sq, sites)
         rest = [p for p in params.values() if id(p) not in sq]
         mats = {id(p): p.new_empty((n, 1, *p.shape)) for p in rest}
         if mats:
@@ -65,7 +66,7 @@ def squared_norms(
     for p in params.values():
         if id(p) not in sq:
             sq[id(p)] = p.new_zeros(n)
-    return sq, mats, ghosted
+    return sq, mats, ghosted, by_module
 
 
 def _sites(cap: Captured) -> dict[int, int]:
@@ -84,11 +85,12 @@ def _sites(cap: Captured) -> dict[int, int]:
     return count
 
 
-def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -> None:
-    """Norm rules of module rules (``register_norm_rule``)."""
+def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -> list[tuple]:
+    """Norm rules of module rules (``register_norm_rule``); the calls they normed."""
     from torch.utils._pytree import tree_leaves
 
 
+    normed = []
     for call, params in cap.plan.module_jobs:
         norm = find_norm_rule(call.rule)
         outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
@@ -104,6 +106,9 @@ def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -
         found = norm(call.module, module_inputs(cap, call), backprops, set(params))
         if found is not None:
             sq.update({id(params[name]): v for name, v in found.items()})
+            normed.append((call, e, cap.cap.layout(outs[0]),
+                           {name: params[name] for name in found}))
+    return normed
 
 
 def _rules_norms(model, batch, targets, loss_fn, loss_reduction, params, method
@@ -115,7 +120,7 @@ def _rules_norms(model, batch, targets, loss_fn, loss_reduction, params, method
     try:
         cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction,
                              {id(p): p for p in params.values()})
-        sq, _, _ = squared_norms(cap, params)
+        sq, _, _, _ = squared_norms(cap, params)
     except FALLBACK_ERRORS as err:
         if method == "rules":
             raise

@@ -540,6 +540,7 @@ def dp_step_case(w: Workload) -> Case:
         opt = torch.optim.SGD(own.parameters(), lr=0.0)
 
         def run(_: Tensor) -> dict[str, Tensor]:
+            opt.zero_grad(set_to_none=True)  # as the plain step does
             grads = per_sample_fn(None)
             clip = (DP_MAX_GRAD_NORM / (grad_norms(grads) + 1e-6)).clamp(max=1.0)  # (B,)
             for name, g in grads.items():
@@ -555,6 +556,7 @@ def dp_step_case(w: Workload) -> Case:
     own_opt = torch.optim.SGD(own.parameters(), lr=0.0)
 
     def persample_step(_: Tensor) -> dict[str, Tensor]:
+        own_opt.zero_grad(set_to_none=True)  # as the plain step does
         private_grad(own, w.inputs, w.targets, w.loss_fn, max_grad_norm=DP_MAX_GRAD_NORM,
                      noise_multiplier=noise["sigma"])
         own_opt.step()

@@ -104,43 +104,48 @@ def private_grad(
             "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
             "(q * N) so that the noise is scaled as for every other step"
         )
-    clipped, norms = _clipped_sum(model, batch, targets, loss_fn, loss_reduction, params,
-                                  max_grad_norm, per_layer)
-    divisor = expected_batch_size or n
+    # the noise first, in the new p.grad's memory; each clipped sum is added as it is made
     noise = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm, generator)
-    for p, grad in zip(params.values(), noise):  # drawn in place: add the sum, divide
-        p.grad = grad.add_(clipped[id(p)]).div_(divisor)
+    grads = {id(p): t for p, t in zip(params.values(), noise)}
+    norms = _add_clipped_sums(model, batch, targets, loss_fn, loss_reduction, params,
+                              max_grad_norm, per_layer, grads)
+    divisor = expected_batch_size or n
+    for p in params.values():
+        p.grad = grads[id(p)].div_(divisor)
     return norms
 
 
-def _clipped_sum(model, batch, targets, loss_fn, loss_reduction, params, max_grad_norm,
-                 per_layer) -> tuple[dict[int, Tensor], Tensor]:
-    """``{id(p): sum_i c_i g_i}`` and the ``(n,)`` norms, from one forward and backward."""
+def _add_clipped_sums(model, batch, targets, loss_fn, loss_reduction, params, max_grad_norm,
+                      per_layer, into: dict[int, Tensor]) -> Tensor:
+    """Add ``sum_i c_i g_i`` of every parameter into ``into[id(p)]``; return the ``(n,)``
+    norms. One forward and backward; an unused parameter gets nothing added."""
     n = batch.n
     if n == 0:
-        norms = next(iter(params.values())).new_zeros(0)
-        return {id(p): torch.zeros_like(p) for p in params.values()}, norms
+        return next(iter(params.values())).new_zeros(0)
     watched = {id(p): p for p in params.values()}
     try:
         cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction, watched,
                              retain_graph=True)
-        sq, mats, ghosted = squared_norms(cap, params)
+        sq, mats, ghosted, by_module = squared_norms(cap, params)
     except FALLBACK_ERRORS as err:  # as method="auto" does: exact, slower
         warnings.warn(f"{err} Falling back to per-sample gradients by method='vmap' (the "
                       "loop if that fails).", stacklevel=3)
-        cap, ghosted = None, set()
+        cap, ghosted, by_module = None, set(), []
         mats = _materialised(model, batch, targets, loss_fn, loss_reduction, params)
         sq = {pid: m.flatten(1).square().sum(1) for pid, m in mats.items()}
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
     _check_finite(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
-    clipped = {pid: torch.tensordot(factors[pid], m[:, 0], dims=1) for pid, m in mats.items()}
+    done = set(mats)
+    for pid, m in mats.items():  # (n, 1, *shape) materialised
+        into[pid].add_(torch.tensordot(factors[pid], m[:, 0], dims=1))
+    del mats
+    for _call, edge, layout, normed in by_module:  # module norm rules: the module's backward
+        for p in normed.values():
+            into[id(p)].add_(_edge_backward(cap, edge, layout, [p], factors[id(p)])[id(p)])
     if cap is not None:
-        _book_keeping(cap, ghosted, factors, clipped)
-    for p in params.values():
-        if id(p) not in clipped:  # unused: no gradient reaches it
-            clipped[id(p)] = torch.zeros_like(p)
-    return clipped, norms
+        _book_keeping(cap, ghosted, factors, into, done)
+    return norms
 
 
 def _materialised(model, batch, targets, loss_fn, loss_reduction, params
@@ -168,15 +173,16 @@ def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tens
 
 
 def _book_keeping(cap: Captured, ghosted: set, factors: dict[int, Tensor],
-                  clipped: dict[int, Tensor]) -> None:
-    """Clipped sums of the ghost-normed parameters, op by op.
+                  into: dict[int, Tensor], done: set[int]) -> None:
+    """Add the clipped sums of the ghost-normed parameters into ``into``, op by op
+    (``done``: parameters already summed from their materialised gradients).
 
     ``sum_i c_i g_i`` is the op's ordinary weight gradient for backprops scaled by
     the clip factors: the op's weighted-sum rule where it has one (one GEMM for a
     linear map), else one local backward from the op's own autograd node.
     """
     for op in ghosted:
-        params = [op.leaves[k] for k in op.sources if id(op.leaves[k]) not in clipped]
+        params = [op.leaves[k] for k in op.sources if id(op.leaves[k]) not in done]
         groups: dict[int, list] = {}  # same factors -> one pass
         for p in params:
             groups.setdefault(id(factors[id(p)]), []).append(p)
@@ -192,12 +198,19 @@ def _book_keeping(cap: Captured, ghosted: set, factors: dict[int, Tensor],
             if got is None:
                 got = _local_backward(cap, op, group, c)
             for p in group:
-                clipped[id(p)] = got[id(p)]
+                into[id(p)].add_(got[id(p)])
+                done.add(id(p))
 
 
 def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:
     """``d/dW <c * G, out>`` from the op's own autograd node, for ``group``'s parameters."""
     (edge,), (lay,) = op.edges, op.out_layouts
+    return _edge_backward(cap, edge, lay, group, c)
+
+
+def _edge_backward(cap: Captured, edge, lay, group: list, c: Tensor) -> dict[int, Tensor]:
+    """``d/dW <c * G, out>`` for the output at ``edge`` (layout ``lay``): the gradient of
+    ``group``'s parameters for that output's backprops scaled per sample."""
     g = cap.grad(edge)
     scaled = g[0] * lay.scale(c, g[0]) if isinstance(lay, Batched) else g[0]
     grads = torch.autograd.grad([edge.edge], group, [edge.place(scaled)], retain_graph=True)
