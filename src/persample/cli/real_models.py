@@ -136,7 +136,7 @@ def resnet18(classes: int = 10) -> nn.Module:
         NotInstalled: torchvision is missing.
 
     Example:
-        >>> sum(p.numel() for p in resnet18().parameters())  # doctest: +SKIP
+        >>> sum(p.numel() for p in resnet18().parameters())
         11181642
     """
     tv = require("torchvision")
@@ -156,8 +156,8 @@ def gpt2(vocab_size: int, seq_len: int = 64, layers: int = 4, width: int = 256,
         NotInstalled: transformers is missing.
 
     Example:
-        >>> model = gpt2(257, seq_len=8, layers=1, width=16, heads=2)  # doctest: +SKIP
-        >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape  # doctest: +SKIP
+        >>> model = gpt2(257, seq_len=8, layers=1, width=16, heads=2)
+        >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape
         torch.Size([1, 8, 257])
     """
     transformers = require("transformers")
@@ -177,7 +177,7 @@ def timm_vit(img_size: int = 28, in_chans: int = 1, classes: int = 10) -> nn.Mod
         NotInstalled: timm is missing.
 
     Example:
-        >>> timm_vit()(torch.zeros(2, 1, 28, 28)).shape  # doctest: +SKIP
+        >>> timm_vit()(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 10])
     """
     require("timm")
