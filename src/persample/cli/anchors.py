@@ -66,6 +66,8 @@ class Case:
         after_check: run once every result is checked (the DP step turns noise on).
         floor_label, floor: where one operation every method must do dominates (the
             input Jacobian's last matrix product), it is timed as the floor.
+        diagnostics: ``(label, fn)`` timed in the same rounds and shown for information
+            (the plain forward and the forward under persample's capture).
     """
 
     workload: Workload
@@ -78,6 +80,7 @@ class Case:
     after_check: Callable[[], None] = lambda: None
     floor_label: str | None = None
     floor: Callable[[], object] | None = None
+    diagnostics: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
 
 
 def as_flat(result: Any, shape: tuple[int, ...]) -> Tensor:
@@ -165,7 +168,7 @@ def grads_case(w: Workload) -> Case:
     def loop(_: Tensor) -> dict[str, Tensor]:
         return loop_per_sample_grads(model, w.inputs, w.targets, w.loss_fn)
 
-    return Case(w, "plain backward", plain, (w.n, num_params(model)), "loop", lambda: loop(None), [
+    case = Case(w, "plain backward", plain, (w.n, num_params(model)), "loop", lambda: loop(None), [
         Method("loop", loop),
         torch_func(w),
         opacus(w),
@@ -177,6 +180,37 @@ def grads_case(w: Workload) -> Case:
         Method("persample (out=)", lambda buf: per_sample_grads(
             model, w.inputs, w.targets, w.loss_fn, out=buf)),
     ])
+    case.diagnostics = capture_overhead(w)
+    return case
+
+
+def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
+    """The plain forward (autograd on) and the same forward under persample's capture
+    (:class:`persample.capture.Capture`: the data-flow rule of every op, the module
+    calls): issue 10's capture overhead, timed beside the methods.
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> [label for label, _ in capture_overhead(grads_workload("cnn-grads", 2))]
+        ['plain forward', 'forward under capture']
+    """
+    from ..capture import Capture
+    from ..inputs import as_batch
+    from ..rules import module_rule
+
+    batch = as_batch(w.inputs)
+    watched = {id(p): p for p in w.model.parameters() if p.requires_grad}
+
+    def plain() -> object:
+        with torch.enable_grad():
+            return w.call()
+
+    def captured() -> object:
+        with torch.enable_grad(), Capture(w.model, watched, batch.n, batch.batched,
+                                          batch.shared, module_rule):
+            return batch.call(w.model)
+
+    return [("plain forward", plain), ("forward under capture", captured)]
 
 
 def torch_func(w: Workload) -> Method:

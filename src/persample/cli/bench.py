@@ -116,6 +116,7 @@ class Report:
     memory: str  # what peak_mb measures
     speedup_over_best_other: float | None = None
     best_other: str | None = None
+    diagnostics: dict[str, float] = field(default_factory=dict)  # label -> median ms
 
 
 def _reps(quick: bool) -> tuple[int, int]:
@@ -215,6 +216,8 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     if case.floor is not None:
         product = Measured(case.floor_label)
         timers.append(_Timer(product, case.floor, repeats))
+    diagnostics = [Measured(label) for label, _ in case.diagnostics]
+    timers += [_Timer(row, fn, repeats) for row, (_, fn) in zip(diagnostics, case.diagnostics)]
     fixed = len(timers)
     for method in case.methods:
         step(method.name)
@@ -258,6 +261,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
         bytes_out / fill.median_ms / 1e6, case.floor_label or "t_plain + write", floor,
         product.median_ms if product is not None else None, case.reference_label, ours, rows,
         memory_label(device) if probe is not None or device.type == "cuda" else "not measured")
+    report.diagnostics = {row.method: row.median_ms for row in diagnostics}
     _speedup(report)
     return report
 
@@ -380,6 +384,10 @@ def format_report(r: Report) -> str:
     if r.speedup_over_best_other:
         lines.append(f"  {r.ours} (default call) is {r.speedup_over_best_other:.2f}x as fast "
                      f"as the best other method ({r.best_other})")
+    plain, captured = (r.diagnostics.get(k) for k in ("plain forward", "forward under capture"))
+    if plain and captured:
+        lines.append(f"  capture overhead: forward under capture {captured:.2f} ms, plain "
+                     f"forward {plain:.2f} ms ({captured / plain:.2f}x)")
     return "\n".join(line.rstrip() for line in lines)
 
 
