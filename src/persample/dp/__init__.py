@@ -2,6 +2,8 @@
 
 - :func:`private_grad`: one DP-SGD step's gradient, clipped and noised, from one
   forward and one backward, written to ``p.grad`` for any ``torch.optim`` optimizer.
+- :class:`PrivateStep`: the same over a logical batch of many micro-batches
+  (``accumulate`` each, then ``release``), with a ``state_dict`` for checkpoints.
 - :mod:`persample.dp.sampling`: Poisson sampling of batches.
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
 """
@@ -9,9 +11,11 @@
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .clip import private_grad
 from .sampling import EmptySafeCollate, PoissonBatchSampler, poisson_batches, poisson_loader
+from .step import PrivateStep
 
 __all__ = [
     "private_grad",
+    "PrivateStep",
     "PrivacyAccountant",
     "epsilon",
     "noise_multiplier_for",

@@ -194,6 +194,36 @@ class PrivacyAccountant:
             return 0.0
         return _epsilon_of([tuple(run) for run in self.history], delta, accountant)
 
+    def state_dict(self) -> dict:
+        """The accountant's state for a checkpoint: ``{"accountant", "history"}`` (plain
+        Python values, copied).
+
+        Example:
+            >>> acct = PrivacyAccountant()
+            >>> acct.step(1.0, 0.01, count=5)
+            >>> again = PrivacyAccountant()
+            >>> again.load_state_dict(acct.state_dict())
+            >>> again.steps, again.history == acct.history
+            (5, True)
+        """
+        return {"accountant": self.accountant, "history": [list(run) for run in self.history]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s state (the steps recorded and the accountant).
+
+        Raises:
+            ValueError: an unknown accountant or a malformed run in ``history``.
+        """
+        _check(accountant=state["accountant"])
+        history = []
+        for run in state["history"]:
+            sigma, q, count = run
+            _check(noise_multiplier=sigma, sample_rate=q)
+            if isinstance(count, bool) or not isinstance(count, Integral) or count < 1:
+                raise ValueError(f"a run's count must be an int >= 1, got {count!r}")
+            history.append([float(sigma), float(q), int(count)])
+        self.accountant, self.history = state["accountant"], history
+
     def __repr__(self) -> str:
         return f"PrivacyAccountant(accountant={self.accountant!r}, steps={self.steps})"
 

@@ -13,7 +13,9 @@ step before instead of faulting fresh ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -47,11 +49,26 @@ def gaussian_like(params: list[nn.Parameter], std: float,
         >>> [t.shape for t in gaussian_like(ps, 1.0, torch.Generator().manual_seed(0))]
         [torch.Size([3, 2]), torch.Size([4])]
     """
+    return pooled_like(params, lambda buf: _draw(buf, std, generator))
+
+
+def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None = None
+                ) -> list[Tensor]:
+    """One tensor per parameter (its shape, dtype and device), views of one block of
+    persample's result memory per dtype and device (:mod:`persample.memory`);
+    ``fill(block)`` initialises each 1-d block, else it is left uninitialised.
+
+    Example:
+        >>> ps = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]
+        >>> [t.tolist() for t in pooled_like(ps, lambda b: b.zero_())]
+        [[0.0, 0.0], [0.0, 0.0, 0.0]]
+    """
     out: list[Tensor | None] = [None] * len(params)
     for kind in dict.fromkeys((p.dtype, p.device) for p in params):
         picked = [k for k, p in enumerate(params) if (p.dtype, p.device) == kind]
         buf = result_empty(sum(params[k].numel() for k in picked), *kind)
-        _draw(buf, std, generator)
+        if fill is not None:
+            fill(buf)
         offset = 0
         for k in picked:
             size = params[k].numel()

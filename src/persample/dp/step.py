@@ -1,0 +1,204 @@
+"""DP-SGD steps over logical batches larger than memory: accumulate, then release.
+
+A logical batch (thousands of samples, so that the noise divided by the batch size
+is small) is processed as physical micro-batches: each :meth:`PrivateStep.accumulate`
+adds its samples' clipped gradients ``sum_i c_i g_i`` to sums kept in the object (the
+same book-keeping as :func:`persample.dp.private_grad`: one forward and one backward,
+no ``(B, P)`` tensor); :meth:`PrivateStep.release` adds the Gaussian noise once,
+divides by the expected batch size and writes ``p.grad``. Opacus calls this virtual
+steps (``BatchMemoryManager``); Abadi et al. 2016 describe lots of size ``L`` split
+into smaller groups. The state (the sums, the samples counted, the versions of the
+parameters the sums were computed at, the noise generator) lives in the object,
+never on the model, with ``state_dict`` / ``load_state_dict`` for checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import checks
+from .clip import _add_clipped_sums, _check_dp_options
+from .noise import gaussian_like, pooled_like
+
+
+class PrivateStep:
+    """One DP-SGD step's gradient from any number of micro-batches.
+
+    ``accumulate(inputs, targets)`` adds ``sum_i c_i g_i`` of its samples (``g_i``
+    sample ``i``'s own gradient, ``c_i = min(1, C / (||g_i|| + 1e-6))``) to the
+    step's sums; ``release()`` sets ``p.grad = (sums + N(0, sigma^2 C^2 I)) /
+    expected_batch_size`` for every trainable parameter and resets the sums. Micro-
+    batches accumulated then released give what ``private_grad`` gives on their
+    concatenation (to rounding).
+
+    Args:
+        model: the ``nn.Module``; its trainable parameters at construction are the
+            step's (``named_parameters()`` order). Nothing is stored on it.
+        loss_fn: ``loss_fn(output, targets)``, per-sample ``(b,)`` or a scalar reduced
+            over the micro-batch as ``loss_reduction`` says (see ``per_sample_grads``).
+        max_grad_norm: the clipping norm ``C > 0`` (loss units per parameter unit).
+        noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * C``.
+        expected_batch_size: ``B' > 0``, the divisor: with Poisson sampling ``q * N``
+            (the logical batch's expected size), so that it does not depend on the data.
+        generator: ``torch.Generator`` (on the parameters' device) for the noise.
+        per_layer: clip each parameter's gradient to ``C / sqrt(K)`` instead of the
+            whole gradient to ``C``.
+        loss_reduction: ``"mean"`` or ``"sum"``, for a scalar ``loss_fn``.
+
+    Raises:
+        ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
+            ``expected_batch_size`` or ``loss_reduction``, a model without trainable
+            parameters.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from persample.dp import PrivateStep
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> step = PrivateStep(net, nn.CrossEntropyLoss(), max_grad_norm=1.0,
+        ...                    noise_multiplier=1.1, expected_batch_size=64,
+        ...                    generator=torch.Generator().manual_seed(0))
+        >>> for _ in range(4):  # a logical batch of 64 in micro-batches of 16
+        ...     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        ...     norms = step.accumulate(x, y)  # (16,) norms before clipping
+        >>> step.release()
+        >>> opt.step()
+        >>> net[0].weight.grad.shape, step.samples
+        (torch.Size([8, 4]), 0)
+
+    Source: Abadi et al. 2016 (DP-SGD, lots); Bu et al. 2023 (book-keeping); Opacus's
+    virtual steps.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], *,
+                 max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
+                 generator: torch.Generator | None = None, per_layer: bool = False,
+                 loss_reduction: str = "mean") -> None:
+        _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
+        if expected_batch_size is None:
+            raise ValueError("expected_batch_size is required: the divisor of the noised sum "
+                             "(q * N with Poisson sampling)")
+        checks.check_options("auto", loss_reduction, None)
+        self.model, self.loss_fn = model, loss_fn
+        self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
+        self.expected_batch_size = float(expected_batch_size)
+        self.generator, self.per_layer, self.loss_reduction = generator, per_layer, loss_reduction
+        self.params = checks.trainable_parameters(model)  # name -> parameter
+        self.sums: dict[str, Tensor] | None = None  # allocated at the first accumulate
+        self.samples = 0  # accumulated since the last release
+        self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
+
+    def accumulate(self, inputs: Any, targets: Any) -> Tensor:
+        """Add one micro-batch's clipped per-sample gradients to the step's sums.
+
+        Args:
+            inputs, targets: as for ``per_sample_grads``; ``b`` samples (0 is fine).
+
+        Returns:
+            ``(b,)`` per-sample gradient norms before clipping (over all parameters).
+
+        Raises:
+            ValueError: the model's trainable parameters are not those of the step
+                (added, removed, replaced, reshaped), or one was modified (an
+                optimizer step) since the first micro-batch of this step: the message
+                names it; release first. And the errors of ``private_grad``; the sums
+                are then left as they were.
+            FloatingPointError: a sample's gradient is not finite (nothing is added).
+        """
+        self._check_parameters()
+        batch, n, _ = checks.validate_call(self.model, inputs, targets, "auto",
+                                          self.loss_reduction, None)
+        params = list(self.params.values())
+        if self.sums is None:
+            self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_())))
+        into = dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_())))
+        with checks.kept_buffers(self.model):
+            norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
+                                      self.loss_reduction, self.params, self.max_grad_norm,
+                                      self.per_layer, into)
+        for name, p in self.params.items():  # only once the whole micro-batch succeeded
+            self.sums[name].add_(into[id(p)])
+        if not self.versions:
+            self.versions = {name: p._version for name, p in self.params.items()}
+        self.samples += n
+        return norms
+
+    def release(self) -> None:
+        """Set ``p.grad = (sums + N(0, sigma^2 C^2 I)) / expected_batch_size`` for every
+        trainable parameter of the step (overwriting it), then reset the sums.
+
+        With nothing accumulated (Poisson sampling can draw an empty logical batch)
+        ``p.grad`` is the noise alone, divided alike. Then step any optimizer.
+        """
+        params = list(self.params.values())
+        noise = gaussian_like(params, self.noise_multiplier * self.max_grad_norm,
+                              self.generator)
+        for (name, p), grad in zip(self.params.items(), noise):
+            if self.sums is not None:
+                grad.add_(self.sums[name])
+            p.grad = grad.div_(self.expected_batch_size)
+        self.sums, self.samples, self.versions = None, 0, {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step's state for a checkpoint: the sums (``{name: tensor}`` or ``None``),
+        the samples accumulated and the noise generator's state (``None`` without a
+        generator). Tensors are the step's own (clone them
+        to keep a copy that later calls do not change).
+
+        Example:
+            >>> net = nn.Linear(2, 1)
+            >>> step = PrivateStep(net, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=1.0,
+            ...                    expected_batch_size=8)
+            >>> sorted(step.state_dict())
+            ['generator', 'samples', 'sums']
+        """
+        return {"sums": self.sums, "samples": self.samples,
+                "generator": None if self.generator is None else self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state (the same model's parameter names and shapes).
+
+        Raises:
+            ValueError: the sums' names or shapes are not the step's parameters'.
+        """
+        sums = state["sums"]
+        if sums is not None:
+            for name, p in self.params.items():
+                if name not in sums or sums[name].shape != p.shape:
+                    raise ValueError(
+                        f"the saved sums do not match parameter {name!r} of shape "
+                        f"{tuple(p.shape)}: load the state of a step of the same model")
+            if set(sums) != set(self.params):
+                raise ValueError(f"the saved sums have other parameters: "
+                                 f"{sorted(set(sums) - set(self.params))}")
+            sums = {name: t.to(self.params[name]).clone() for name, t in sums.items()}
+        self.sums, self.samples = sums, int(state["samples"])
+        self.versions = {}  # the weights were loaded with the checkpoint: compare from now
+        if state.get("generator") is not None and self.generator is not None:
+            self.generator.set_state(state["generator"])
+
+    def _check_parameters(self) -> None:
+        """The model's trainable parameters are still the step's, and unchanged since the
+        first micro-batch of this step."""
+        now = checks.trainable_parameters(self.model)
+        for name, p in self.params.items():
+            q = now.get(name)
+            if q is not p:
+                raise ValueError(
+                    f"parameter {name!r} is no longer the one this PrivateStep was made for "
+                    "(removed, replaced or frozen): make a new PrivateStep for the new model")
+            if name in self.versions and p._version != self.versions[name]:
+                raise ValueError(
+                    f"parameter {name!r} was modified since this step's first micro-batch "
+                    "(an optimizer step?): its sums would mix gradients at different "
+                    "weights. Call release() and optimizer.step() only after the last "
+                    "micro-batch of a logical batch")
+        extra = sorted(set(now) - set(self.params))
+        if extra:
+            raise ValueError(f"parameter {extra[0]!r} is trainable but not part of this "
+                             "PrivateStep: make a new PrivateStep for the new model")
