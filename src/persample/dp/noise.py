@@ -26,7 +26,8 @@ PARALLEL_MIN = 1 << 20  # numbers: smaller draws stay on one thread
 
 
 def gaussian_like(params: list[nn.Parameter], std: float,
-                  generator: torch.Generator | None) -> list[Tensor]:
+                  generator: torch.Generator | None, blocks: list[Tensor] | None = None
+                  ) -> list[Tensor]:
     """One noise tensor per parameter, ``N(0, std^2)`` entries, views of one buffer per
     dtype and device.
 
@@ -36,6 +37,7 @@ def gaussian_like(params: list[nn.Parameter], std: float,
             (the generator advances alike).
         generator: the caller's ``torch.Generator`` on the parameters' device, or
             ``None`` for torch's default one.
+        blocks: if given, the 1-d blocks the tensors view are appended to it.
 
     Returns:
         A list of tensors in ``params`` order, contiguous, the caller's to keep (e.g. as
@@ -49,14 +51,15 @@ def gaussian_like(params: list[nn.Parameter], std: float,
         >>> [t.shape for t in gaussian_like(ps, 1.0, torch.Generator().manual_seed(0))]
         [torch.Size([3, 2]), torch.Size([4])]
     """
-    return pooled_like(params, lambda buf: _draw(buf, std, generator))
+    return pooled_like(params, lambda buf: _draw(buf, std, generator), blocks)
 
 
-def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None = None
-                ) -> list[Tensor]:
+def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None = None,
+                blocks: list[Tensor] | None = None) -> list[Tensor]:
     """One tensor per parameter (its shape, dtype and device), views of one block of
     persample's result memory per dtype and device (:mod:`persample.memory`);
-    ``fill(block)`` initialises each 1-d block, else it is left uninitialised.
+    ``fill(block)`` initialises each 1-d block, else it is left uninitialised; the
+    blocks are appended to ``blocks`` if given (to reduce them in one collective).
 
     Example:
         >>> ps = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]
@@ -69,6 +72,8 @@ def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None
         buf = result_empty(sum(params[k].numel() for k in picked), *kind)
         if fill is not None:
             fill(buf)
+        if blocks is not None:
+            blocks.append(buf)
         offset = 0
         for k in picked:
             size = params[k].numel()

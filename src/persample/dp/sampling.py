@@ -46,6 +46,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
         generator: the ``torch.Generator`` (CPU) that draws the batches; default a
             fresh one seeded from torch's global RNG, so results follow
             ``torch.manual_seed``.
+        rank, world_size: for several processes: every rank draws the same Poisson
+            sample of the whole dataset (so every rank needs a generator seeded
+            alike) and keeps the indices at positions ``rank, rank + world_size, ...``
+            of it: the ranks' batches are disjoint and their union is one Poisson
+            sample, so the privacy analysis is the single-process one. Default: the
+            whole sample (one process).
 
     Raises:
         ValueError: an argument outside its range.
@@ -68,8 +74,17 @@ class PoissonBatchSampler(Sampler[list[int]]):
         sample_rate: float,
         steps_per_epoch: int | None = None,
         generator: torch.Generator | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         _check_rate(sample_rate)
+        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
+                and 0 <= rank < world_size):
+            raise ValueError(f"need 0 <= rank < world_size, got rank {rank!r}, world_size "
+                             f"{world_size!r}")
+        if world_size > 1 and generator is None:
+            raise ValueError("with world_size > 1 pass a generator seeded alike on every "
+                             "rank: the ranks must draw the same Poisson sample to split it")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
         if steps_per_epoch is None:
@@ -82,6 +97,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.sample_rate = float(sample_rate)
         self.steps_per_epoch = steps_per_epoch
         self.generator = generator
+        self.rank, self.world_size = rank, world_size
 
     @property
     def expected_batch_size(self) -> float:
@@ -97,7 +113,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             gen = torch.Generator().manual_seed(seed)
         for _ in range(self.steps_per_epoch):
-            yield poisson_mask(self.num_samples, self.sample_rate, gen).nonzero()[:, 0].tolist()
+            picked = poisson_mask(self.num_samples, self.sample_rate, gen).nonzero()[:, 0]
+            yield picked[self.rank :: self.world_size].tolist()
 
 
 def poisson_mask(num_samples: int, sample_rate: float, generator: torch.Generator) -> Tensor:

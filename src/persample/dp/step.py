@@ -15,6 +15,7 @@ never on the model, with ``state_dict`` / ``load_state_dict`` for checkpoints.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -48,6 +49,20 @@ class PrivateStep:
         per_layer: clip each parameter's gradient to ``C / sqrt(K)`` instead of the
             whole gradient to ``C``.
         loss_reduction: ``"mean"`` or ``"sum"``, for a scalar ``loss_fn``.
+        timeout: seconds :meth:`release` waits for the other processes (distributed).
+
+    Distributed (``torch.distributed`` initialised, any backend; gloo on CPUs, NCCL on
+    GPUs): every process accumulates its own samples; ``release()`` sums the clipped
+    sums of all processes with one all-reduce into which rank 0 has added the noise
+    (drawn from rank 0's generator), so the noise is added exactly once, no second
+    collective is needed, and every rank gets the same ``p.grad``. The model may be
+    wrapped in ``DistributedDataParallel``: its module is used directly, so DDP's own
+    gradient all-reduce never runs. Before reducing, the ranks compare their
+    parameter shapes and ``expected_batch_size`` and whether any saw a non-finite
+    gradient (``accumulate`` then defers its ``FloatingPointError`` to ``release``,
+    where every rank raises it): a mismatch is an error on every rank with ``p.grad``
+    unchanged; a rank that does not arrive within ``timeout`` is named in the error.
+    Step the accountant once per release (each rank's, identically).
 
     Raises:
         ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
@@ -78,12 +93,14 @@ class PrivateStep:
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], *,
                  max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
                  generator: torch.Generator | None = None, per_layer: bool = False,
-                 loss_reduction: str = "mean") -> None:
+                 loss_reduction: str = "mean", timeout: float = 300.0) -> None:
         _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
         if expected_batch_size is None:
             raise ValueError("expected_batch_size is required: the divisor of the noised sum "
                              "(q * N with Poisson sampling)")
         checks.check_options("auto", loss_reduction, None)
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module  # its own gradient all-reduce must not run: release reduces
         self.model, self.loss_fn = model, loss_fn
         self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
@@ -92,6 +109,8 @@ class PrivateStep:
         self.sums: dict[str, Tensor] | None = None  # allocated at the first accumulate
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
+        self.timeout = timedelta(seconds=timeout)
+        self.failed: str | None = None  # distributed: a non-finite sample, raised at release
 
     def accumulate(self, inputs: Any, targets: Any) -> Tensor:
         """Add one micro-batch's clipped per-sample gradients to the step's sums.
@@ -117,10 +136,16 @@ class PrivateStep:
         if self.sums is None:
             self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_())))
         into = dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_())))
-        with checks.kept_buffers(self.model):
-            norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
-                                      self.loss_reduction, self.params, self.max_grad_norm,
-                                      self.per_layer, into)
+        try:
+            with checks.kept_buffers(self.model):
+                norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
+                                          self.loss_reduction, self.params, self.max_grad_norm,
+                                          self.per_layer, into)
+        except FloatingPointError as err:
+            if _world() is None:
+                raise
+            self.failed = f"rank {_world()[1]}: {err}"  # every rank raises it at release
+            return torch.full((n,), float("nan"))
         for name, p in self.params.items():  # only once the whole micro-batch succeeded
             self.sums[name].add_(into[id(p)])
         if not self.versions:
@@ -136,13 +161,66 @@ class PrivateStep:
         ``p.grad`` is the noise alone, divided alike. Then step any optimizer.
         """
         params = list(self.params.values())
-        noise = gaussian_like(params, self.noise_multiplier * self.max_grad_norm,
-                              self.generator)
-        for (name, p), grad in zip(self.params.items(), noise):
+        world = _world()
+        if world is not None:
+            self._agree(world)
+        blocks: list[Tensor] = []  # the 1-d blocks the new p.grad tensors view
+        if world is None or world[1] == 0:  # the noise, drawn once (rank 0 when distributed)
+            grads = gaussian_like(params, self.noise_multiplier * self.max_grad_norm,
+                                  self.generator, blocks)
+        else:
+            grads = pooled_like(params, lambda b: b.zero_(), blocks)
+        for name, grad in zip(self.params, grads):
             if self.sums is not None:
                 grad.add_(self.sums[name])
+        if world is not None:
+            import torch.distributed as dist
+
+            for block in blocks:  # every rank's sums, plus rank 0's noise, once
+                dist.all_reduce(block)
+        for p, grad in zip(params, grads):
             p.grad = grad.div_(self.expected_batch_size)
         self.sums, self.samples, self.versions = None, 0, {}
+
+    def _agree(self, world: tuple[int, int]) -> None:
+        """Every rank checks that all ranks hold the same parameters and divisor, and
+        that none saw a non-finite gradient; raises on every rank if not."""
+        import torch.distributed as dist
+
+        size, rank = world
+        try:
+            dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            if "monitored_barrier" in str(err) and "not" in str(err).lower() and "support" in \
+                    str(err).lower():
+                pass  # NCCL has no monitored barrier: the collectives' own timeout applies
+            else:
+                raise RuntimeError(f"release(): not every process arrived within "
+                                   f"{self.timeout.total_seconds():.0f} s ({err})") from err
+        mine = {"shapes": [(name, tuple(p.shape)) for name, p in self.params.items()],
+                "expected_batch_size": self.expected_batch_size, "failed": self.failed}
+        every: list[Any] = [None] * size
+        dist.all_gather_object(every, mine)
+        failed = [e["failed"] for e in every if e["failed"]]
+        if failed:
+            self.sums, self.samples, self.versions, self.failed = None, 0, {}, None
+            raise FloatingPointError(
+                f"a per-sample gradient was not finite ({failed[0]}); p.grad was left "
+                "unchanged on every rank and this step's sums dropped. Drop those samples "
+                "and accumulate again.")
+        for k, e in enumerate(every):
+            if e["expected_batch_size"] != mine["expected_batch_size"]:
+                raise ValueError(
+                    f"expected_batch_size differs between ranks: {mine['expected_batch_size']}"
+                    f" on rank {rank}, {e['expected_batch_size']} on rank {k}: give every "
+                    "rank the logical batch's expected size (q * N)")
+            if e["shapes"] != mine["shapes"]:
+                theirs, ours = dict(e["shapes"]), dict(mine["shapes"])
+                name = next((n for n in ours if theirs.get(n) != ours[n]), None) or next(
+                    n for n in theirs if n not in ours)
+                raise ValueError(
+                    f"the ranks hold different models: parameter {name!r} is "
+                    f"{ours.get(name)} on rank {rank} and {theirs.get(name)} on rank {k}")
 
     def state_dict(self) -> dict[str, Any]:
         """The step's state for a checkpoint: the sums (``{name: tensor}`` or ``None``),
@@ -202,3 +280,13 @@ class PrivateStep:
         if extra:
             raise ValueError(f"parameter {extra[0]!r} is trainable but not part of this "
                              "PrivateStep: make a new PrivateStep for the new model")
+
+
+def _world() -> tuple[int, int] | None:
+    """``(world size, rank)`` when ``torch.distributed`` is initialised, else ``None``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return None
+

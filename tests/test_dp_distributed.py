@@ -1,0 +1,110 @@
+"""PrivateStep across processes (torch.distributed, gloo, 2 processes on this machine):
+the same p.grad on every rank, equal to one process on the whole batch; the noise added
+once; DDP-wrapped models; mismatches and non-finite gradients raise on every rank with
+p.grad unchanged; the distributed Poisson sampler splits one sample across ranks."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import dist_workers
+from persample.dp import PoissonBatchSampler, private_grad
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """What each of two gloo processes saw (spawned once for all the tests here)."""
+    out = tmp_path_factory.mktemp("dist")
+    init = f"file://{out / 'rendezvous'}"
+    ctx = mp.start_processes(dist_workers.worker, args=(WORLD, str(out), init),
+                             nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the distributed workers did not finish within 180 s")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _whole_batch() -> dict:
+    net = dist_workers.model()
+    x, y = dist_workers.data()
+    private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=dist_workers.C,
+                 noise_multiplier=0.0, expected_batch_size=dist_workers.N)
+    return dist_workers.grads(net)
+
+
+@pytest.mark.parametrize("scenario", ["plain", "ddp"])
+def test_two_processes_equal_one_on_the_whole_batch(ranks, scenario):
+    want = _whole_batch()
+    for name, g in want.items():
+        torch.testing.assert_close(ranks[0][scenario][name], g, rtol=1e-10, atol=1e-13)
+        assert torch.equal(ranks[0][scenario][name], ranks[1][scenario][name])
+
+
+def test_the_noise_is_added_once(ranks):
+    z0, z1 = ranks[0]["noise"], ranks[1]["noise"]  # (100, 620) each
+    assert torch.equal(z0, z1)  # identical p.grad on every rank
+    want = 1.3 * 0.5 / 10  # sigma C / B'; twice the noise would give sqrt(2) times it
+    assert abs(float(z0.std()) / want - 1) < 0.03
+    assert abs(float(z0.mean())) < 4 * want / math.sqrt(z0.numel())
+
+
+def test_mismatched_expected_batch_size_raises_on_every_rank(ranks):
+    for r in range(WORLD):
+        message, grads = ranks[r]["mismatch"]
+        assert message.startswith("ValueError: expected_batch_size differs between ranks")
+        assert all(g is None for g in grads.values())  # p.grad unchanged
+
+
+def test_a_non_finite_gradient_on_one_rank_raises_on_every_rank(ranks):
+    assert ranks[0]["nan accumulate"] == "no error"
+    assert ranks[1]["nan accumulate"] == "no error"  # deferred to release: no hang
+    for r in range(WORLD):
+        message, grads = ranks[r]["nan"]
+        assert message.startswith("FloatingPointError: a per-sample gradient was not finite")
+        assert "rank 1" in message
+        assert all(g is None for g in grads.values())
+
+
+def test_ranks_holding_different_models_raise_on_every_rank(ranks):
+    for r in range(WORLD):
+        message, grads = ranks[r]["models"]
+        assert message.startswith("ValueError: the ranks hold different models: parameter "
+                                  "'head.weight'")
+        assert all(g is None for g in grads.values())
+
+
+def test_a_rank_that_never_arrives_is_named_instead_of_a_hang(ranks):
+    message, grads = ranks[0]["absent"]
+    assert message.startswith("RuntimeError: release(): not every process arrived within 3 s")
+    assert "Ranks 1 failed to pass" in message and all(g is None for g in grads.values())
+
+
+def test_the_distributed_poisson_sampler_splits_one_sample():
+    n, q, steps = 1000, 0.1, 50
+    whole = list(PoissonBatchSampler(n, q, steps, torch.Generator().manual_seed(3)))
+    shares = [list(PoissonBatchSampler(n, q, steps, torch.Generator().manual_seed(3),
+                                       rank=r, world_size=3)) for r in range(3)]
+    sizes = []
+    for k, batch in enumerate(whole):
+        parts = [set(share[k]) for share in shares]
+        assert set().union(*parts) == set(batch)  # the union is one Poisson sample
+        assert sum(len(p) for p in parts) == len(batch)  # no sample twice
+        sizes.append(len(batch))
+    rate = sum(sizes) / (n * steps)
+    assert abs(rate - q) < 4 * math.sqrt(q * (1 - q) / (n * steps))
+
+
+def test_the_distributed_sampler_needs_a_generator():
+    with pytest.raises(ValueError, match="generator"):
+        PoissonBatchSampler(10, 0.5, rank=0, world_size=2)
