@@ -113,3 +113,17 @@ def test_sigma_and_target_epsilon_are_exclusive(capsys):
     with pytest.raises(SystemExit):
         dp_train(["--sigma", "1", "--target-epsilon", "3"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_two_processes_train_as_one(capfd):
+    """--nproc 2 (gloo): each process takes its share of every Poisson sample and the
+    release sums them: the same test accuracy after every epoch and the same epsilon."""
+    opts = ["--epochs", "2", "--subset", "200", "--batch-size", "64", "--threads", "2",
+            "--sigma", "1.0", "--no-progress"]
+    one = dp_train(opts)
+    two = dp_train([*opts, "--nproc", "2"])
+    assert two["config"]["nproc"] == 2
+    assert two["runs"][0]["test_accuracy"] == one["runs"][0]["test_accuracy"]
+    assert two["runs"][0]["steps"] == one["runs"][0]["steps"]
+    assert two["privacy"]["epsilon"] == one["privacy"]["epsilon"]
+    assert "2 processes" in capfd.readouterr().out  # printed by rank 0's process

@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,6 +59,7 @@ class DPTrainConfig:
     subset: int | None = None  # train on the first SUBSET training examples only
     max_steps: int | None = None  # cap on steps per epoch (tests)
     threads: int = 2
+    nproc: int = 1  # processes (torch.distributed, gloo); each gets threads // nproc
     plot: str | None = None
     json: str | None = None
     progress: bool = True
@@ -185,8 +187,9 @@ def train(
     clipping, the noise, and the learning rate (``cfg.lr`` or ``cfg.nonprivate_lr``).
     ``accountant`` (private only) records every step, empty batches included.
     """
-    from ..dp import private_grad
+    from ..dp import PrivateStep
     from ..dp.sampling import poisson_batches
+    from ..dp.step import _world
 
     x, y, x_test, y_test = data
     n = len(y)
@@ -198,6 +201,10 @@ def train(
     lr = cfg.lr if sigma is not None else cfg.nonprivate_lr
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum)
     loss_fn = _LossRecorder()
+    size, rank = _world() or (1, 0)
+    step = None if sigma is None else PrivateStep(
+        model, loss_fn, max_grad_norm=cfg.max_grad_norm, noise_multiplier=sigma,
+        expected_batch_size=expected, generator=noise_gen)
     run = Run("private" if sigma is not None else "non-private")
     model.train()
     eps = 0.0  # spent so far, refreshed every EPS_EVERY steps
@@ -209,10 +216,10 @@ def train(
         start = time.perf_counter()
         for k, (xb, yb) in enumerate(bar):  # xb (b, 1, 28, 28), yb (b,), b ~ Binomial(n, q)
             loss_fn.seen = None
-            if sigma is not None:
-                private_grad(model, xb, yb, loss_fn, max_grad_norm=cfg.max_grad_norm,
-                             noise_multiplier=sigma, generator=noise_gen,
-                             expected_batch_size=expected)
+            if step is not None:  # this rank's share of the one Poisson sample
+                xb, yb = xb[rank::size], yb[rank::size]
+                step.accumulate(xb, yb)
+                step.release()  # with several processes: summed over all, noised once
             else:
                 optimizer.zero_grad(set_to_none=True)
                 (loss_fn(model(xb), yb).sum() / expected).backward()
@@ -267,8 +274,11 @@ def run(cfg: DPTrainConfig) -> dict:
         (2, True)
     """
     from ..dp.accounting import PrivacyAccountant
+    from ..dp.step import _world
 
     _check(cfg)
+    if cfg.nproc > 1 and _world() is None:
+        return _spawn(cfg)
     torch.set_num_threads(cfg.threads)
     data = load_split(cfg.subset)
     n = len(data[1])
@@ -276,9 +286,10 @@ def run(cfg: DPTrainConfig) -> dict:
     steps_per_epoch = min(round(1 / q), cfg.max_steps or math.inf)
     total_steps = cfg.epochs * steps_per_epoch
     sigma = resolve_sigma(cfg, q, total_steps)
+    procs = f", {cfg.nproc} processes" if cfg.nproc > 1 else ""
     print(f"dp-train: SimpleCNN (seed 001) on digits 1x28x28, {n} train / {len(data[3])} test; "
           f"DP-SGD with sigma {sigma:.3f}, C {cfg.max_grad_norm:g}, expected batch "
-          f"{q * n:.0f} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta {cfg.delta:g}")
+          f"{q * n:.0f} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta {cfg.delta:g}{procs}")
     torch.manual_seed(cfg.seed)
     model = simple_cnn().to(torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -312,6 +323,50 @@ def run(cfg: DPTrainConfig) -> dict:
         plot_result(result, cfg.plot)
         print(f"wrote {cfg.plot}")
     return result
+
+
+def _spawn(cfg: DPTrainConfig) -> dict:
+    """Run ``cfg`` in ``cfg.nproc`` processes joined by ``torch.distributed`` (gloo, a
+    rendezvous file in a temporary folder): each process takes its share of every
+    Poisson sample and ``PrivateStep.release`` sums them; rank 0 prints, plots and
+    writes the figures, which are returned here."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        init = f"file://{os.path.join(folder, 'rendezvous')}"
+        mp.start_processes(_rank_main, args=(cfg, folder, init), nprocs=cfg.nproc,
+                           join=True, start_method="spawn")
+        with open(os.path.join(folder, "result.json")) as f:
+            return json.load(f)
+
+
+def _rank_main(rank: int, cfg: DPTrainConfig, folder: str, init: str) -> None:
+    """One process of :func:`_spawn`: its share of the threads; only rank 0 prints,
+    compares with the non-private run, plots and writes."""
+    import contextlib
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=cfg.nproc,
+                            timeout=timedelta(minutes=10))
+    first = rank == 0
+    mine = replace(cfg, threads=max(1, cfg.threads // cfg.nproc), progress=cfg.progress and first,
+                   compare_nonprivate=cfg.compare_nonprivate and first,
+                   plot=cfg.plot if first else None, json=cfg.json if first else None)
+    try:
+        quiet = contextlib.nullcontext() if first else contextlib.redirect_stdout(
+            open(os.devnull, "w"))
+        with quiet:
+            result = run(mine)
+    finally:
+        dist.destroy_process_group()
+    if first:
+        result["config"]["threads"] = cfg.threads
+        with open(os.path.join(folder, "result.json"), "w") as f:
+            json.dump(result, f)
 
 
 def format_result(result: dict) -> str:
@@ -376,7 +431,8 @@ def plot_result(result: dict, path: str) -> None:
 
 
 def _check(cfg: DPTrainConfig) -> None:
-    for name in ("epochs", "batch_size", "max_grad_norm", "lr", "nonprivate_lr", "threads"):
+    for name in ("epochs", "batch_size", "max_grad_norm", "lr", "nonprivate_lr", "threads",
+                 "nproc"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     for name in ("subset", "max_steps"):
@@ -440,7 +496,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-steps", type=int, default=None,
                    help="at most this many steps per epoch (quick checks)")
     p.add_argument("--threads", type=int, default=d.threads,
-                   help=f"torch CPU threads (default {d.threads})")
+                   help=f"torch CPU threads in all (default {d.threads})")
+    p.add_argument("--nproc", type=int, default=d.nproc,
+                   help="processes (torch.distributed, gloo): each takes its share of every "
+                   "Poisson sample; the same accuracy and epsilon as one process "
+                   f"(default {d.nproc})")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
     p.add_argument("--plot", metavar="FILE.png", help="write the learning curves")
@@ -457,8 +517,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         nonprivate_lr=args.nonprivate_lr,
         momentum=args.momentum, seed=args.seed, accountant=args.accountant,
         compare_nonprivate=args.compare_nonprivate, subset=args.subset,
-        max_steps=args.max_steps, threads=args.threads, plot=args.plot, json=args.json,
-        progress=args.progress)
+        max_steps=args.max_steps, threads=args.threads, nproc=args.nproc, plot=args.plot,
+        json=args.json, progress=args.progress)
     try:
         _check(cfg)
     except ValueError as err:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from ..memory import result_empty
 
 PARALLEL_MIN = 1 << 20  # numbers: smaller draws stay on one thread
+CHUNKS = 4  # a large CPU draw's chunks, each from its own seeded generator
 
 
 def gaussian_like(params: list[nn.Parameter], std: float,
@@ -83,16 +84,23 @@ def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None
 
 
 def _draw(buf: Tensor, std: float, generator: torch.Generator | None) -> None:
-    """Fill ``buf`` (1-d) with ``N(0, std^2)``; on the CPU in parallel chunks."""
-    threads = torch.get_num_threads()
-    if buf.device.type != "cpu" or threads < 2 or buf.numel() < PARALLEL_MIN:
+    """Fill ``buf`` (1-d) with ``N(0, std^2)``; on the CPU a large draw in
+    :data:`CHUNKS` chunks, drawn in parallel. The chunks (and so the numbers) depend on
+    the generator alone, not on the thread count: the same seed gives the same noise
+    in one process or in several with fewer threads each."""
+    if buf.device.type != "cpu" or buf.numel() < PARALLEL_MIN:
         buf.normal_(0.0, std, generator=generator)
         return
-    seeds = torch.randint(0, 2**62, (threads,), generator=generator).tolist()
-    chunks = buf.chunk(threads)
+    seeds = torch.randint(0, 2**62, (CHUNKS,), generator=generator).tolist()
+    chunks = buf.chunk(CHUNKS)
 
     def draw(k: int) -> None:
         chunks[k].normal_(0.0, std, generator=torch.Generator().manual_seed(seeds[k]))
 
+    threads = min(torch.get_num_threads(), len(chunks))
+    if threads < 2:
+        for k in range(len(chunks)):
+            draw(k)
+        return
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(draw, range(len(chunks))))
