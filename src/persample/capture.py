@@ -229,10 +229,13 @@ class Capture:
         self.unseen_reads: set[int] = set()
         self.contaminated: set[int] = set()  # storages of free tensors written with samples
         self.thread = threading.get_ident()
-        self.ctx = Ctx(n, self.layout)
+        # no reference cycle back to the capture (its graph would live until the cyclic
+        # GC runs: gigabytes in a training loop of many micro-batches)
+        this = weakref.ref(self)
+        self.ctx = Ctx(n, lambda t: this().layout(t))
         self._module_rule = module_rule
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._mode = _Mode(self)
+        self._mode = _Mode(weakref.proxy(self))
         for t in self._free_tensors(model, shared):
             self.layouts[t] = FREE
         for t in batched:
