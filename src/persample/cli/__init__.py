@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import dp_train
+from . import dp_finetune, dp_train
 from .workloads import WORKLOADS
 
 
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="write all figures as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the times as a bar chart")
     dp_train.add_parser(sub)
+    dp_finetune.add_parser(sub)
     return parser
 
 
@@ -73,4 +74,6 @@ def main(argv: list[str] | None = None) -> int:
             args.json, args.plot, device=args.device, memory=not args.no_memory)
     elif args.command == "dp-train":
         dp_train.run_from_args(args)
+    elif args.command == "dp-finetune":
+        dp_finetune.run_from_args(args)
     return 0

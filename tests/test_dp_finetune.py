@@ -1,0 +1,36 @@
+"""``persample dp-finetune``: a small GPT-2 fine-tuned with DP-SGD (LoRA and full) on the
+standard library's docstrings, through PrivateStep's micro-batches."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from persample.cli import main
+
+pytestmark = pytest.mark.keep_default_dtype  # the CLI trains in float32
+
+TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "16",
+        "--train-windows", "128", "--test-windows", "32", "--steps", "6", "--batch-size", "32",
+        "--physical", "8", "--rank", "2", "--lr", "1e-2", "--sigma", "0.3", "--threads", "1"]
+
+
+@pytest.mark.parametrize("mode", [[], ["--full"]], ids=["lora", "full"])
+def test_a_few_private_steps_lower_the_held_out_loss(mode, tmp_path, capsys):
+    path = tmp_path / "ft.json"
+    assert main(["dp-finetune", *TINY, *mode, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    figures = json.loads(path.read_text())
+    private, plain = figures["runs"]
+    assert private["name"] == "private" and plain["name"] == "non-private"
+    assert private["steps"] == plain["steps"] == 6
+    assert private["perplexity_after"] < private["perplexity_before"]  # the loss went down
+    assert plain["perplexity_after"] < plain["perplexity_before"]
+    assert 0 < private["epsilon"] < math.inf and plain["epsilon"] is None
+    if mode:  # full fine-tuning trains every parameter
+        assert private["trainable"] == private["total"]
+    else:  # LoRA: the adapters only
+        assert 0 < private["trainable"] < private["total"] / 10
+    assert figures["time_ratio"] > 0 and "a DP step takes" in out
