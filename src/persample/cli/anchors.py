@@ -582,7 +582,7 @@ def dp_step_case(w: Workload) -> Case:
                 total += torch.randn_like(total) * (noise["sigma"] * DP_MAX_GRAD_NORM)
                 params[name].grad = total.div_(n)
             opt.step()
-            return {k: p.grad for k, p in params.items()}
+            return {k: p.grad for k, p in params.items() if p.requires_grad}
 
         return run
 
@@ -594,7 +594,7 @@ def dp_step_case(w: Workload) -> Case:
         private_grad(own, w.inputs, w.targets, w.loss_fn, max_grad_norm=DP_MAX_GRAD_NORM,
                      noise_multiplier=noise["sigma"])
         own_opt.step()
-        return {k: p.grad for k, p in own.named_parameters()}
+        return {k: p.grad for k, p in own.named_parameters() if p.requires_grad}
 
     grads = {m.name: m for m in grads_case(w).methods}
     func = grads["torch.func vmap"]
@@ -648,7 +648,7 @@ def _opacus_hooks_step(w: Workload, noise: dict):
         opt.zero_grad(set_to_none=True)
         scalar_loss(w.loss_fn(w.call(model), w.targets)).backward()
         opt.step()
-        return {k: p.grad for k, p in model._module.named_parameters()}
+        return {k: p.grad for k, p in model._module.named_parameters() if p.requires_grad}
 
     return run
 
@@ -678,6 +678,6 @@ def _opacus_ghost_step(w: Workload, noise: dict | None = None):
             return model.get_norm_sample()
         loss.backward()
         opt.step()
-        return {k: p.grad for k, p in model._module.named_parameters()}
+        return {k: p.grad for k, p in model._module.named_parameters() if p.requires_grad}
 
     return run

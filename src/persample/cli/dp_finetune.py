@@ -18,7 +18,6 @@ import json
 import math
 import statistics
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data import ByteTokenizer, docstring_batch
-from .real_models import causal_lm_loss, gpt2, require
+from .real_models import causal_lm_loss, gpt2, with_lora
 
 
 @dataclass
@@ -68,12 +67,7 @@ def build_model(cfg: FinetuneConfig) -> tuple[nn.Module, int, int]:
     model = gpt2(ByteTokenizer.vocab_size, seq_len=cfg.seq_len, layers=cfg.layers,
                  width=cfg.width, heads=cfg.heads)
     if cfg.lora:
-        peft = require("peft")
-        config = peft.LoraConfig(r=cfg.rank, lora_alpha=2 * cfg.rank, lora_dropout=0.0,
-                                 target_modules=["c_attn"], fan_in_fan_out=True)
-        with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
-            warnings.simplefilter("ignore", FutureWarning)
-            model = peft.get_peft_model(model, config)
+        model = with_lora(model, cfg.rank)
     model.eval()  # no dropout: the per-sample gradients of a deterministic forward
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -14,6 +14,7 @@ two op schemas exist (:func:`load_torchvision`).
 from __future__ import annotations
 
 import sys
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -166,6 +167,29 @@ def gpt2(vocab_size: int, seq_len: int = 64, layers: int = 4, width: int = 256,
                                      eos_token_id=vocab_size - 1)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
+
+
+def with_lora(model: nn.Module, rank: int = 8) -> nn.Module:
+    """``peft``'s LoRA adapters of rank ``rank`` on GPT-2's attention input projection
+    (``c_attn``, a ``Conv1D``: ``fan_in_fan_out=True``), no dropout; only the adapters
+    are trainable. Returns the ``PeftModel``, called as the model was.
+
+    Raises:
+        NotInstalled: peft is missing.
+
+    Example:
+        >>> lora = with_lora(gpt2(257, seq_len=8, layers=1, width=16, heads=2), rank=2)
+        >>> sum(p.numel() for p in lora.parameters() if p.requires_grad)
+        128
+
+    Source: Hu et al. 2021 (LoRA); peft's ``LoraConfig``.
+    """
+    peft = require("peft")
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                             target_modules=["c_attn"], fan_in_fan_out=True)
+    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
+        warnings.simplefilter("ignore", FutureWarning)
+        return peft.get_peft_model(model, config)
 
 
 def timm_vit(img_size: int = 28, in_chans: int = 1, classes: int = 10) -> nn.Module:

@@ -205,12 +205,15 @@ def grads_workload(name: str, batch: int | None = None) -> Workload:
         return Workload(name, "issue 10", model, x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"torchvision resnet18 (eval), batch {b}, digits 3x32x32, "
                         "cross-entropy")
-    if name == "gpt2-grads":
+    if name in ("gpt2-grads", "gpt2-lora-grads"):
         b, t = batch or 16, 64
         model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t)
+        what = "GPT-2 4x256 (eval)"
+        if name == "gpt2-lora-grads":  # issue 11: LoRA adapters (peft) only are trained
+            model, what = real_models.with_lora(model, 8), "GPT-2 4x256 + LoRA r=8 (eval)"
         inputs, labels = docstring_batch(b, t)
         return Workload(name, "issue 10", model, inputs, labels, real_models.causal_lm_loss,
-                        f"transformers GPT-2 4x256 (eval), batch {b}, T={t}, stdlib docstrings "
+                        f"transformers {what}, batch {b}, T={t}, stdlib docstrings "
                         "as bytes, per-sample next-token cross-entropy")
     raise ValueError(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
 
@@ -294,5 +297,5 @@ GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "res
                   "gpt2-grads")
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
-                "gpt2-dp-step")
+                "gpt2-dp-step", "gpt2-lora-dp-step")
 WORKLOADS = GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS
