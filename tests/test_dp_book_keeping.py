@@ -62,6 +62,21 @@ class SmallConvs(nn.Module):
         return self.head(torch.tanh(self.last(h)).flatten(1))
 
 
+class Lookups(nn.Module):
+    """Ops with ghost norms but no weighted-sum rule (their clipped sums replay the op):
+    an embedding over positions, a bag of embeddings and a bilinear map."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, E, padding_idx=0)
+        self.bag = nn.EmbeddingBag(10, E, mode="mean")
+        self.bilinear = nn.Bilinear(E, E, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:  # (B, T) ids
+        h = torch.tanh(self.emb(ids)).sum(1)  # (B, E)
+        return self.bilinear(h, self.bag(ids))
+
+
 def _clipped_by_hand(model, x, y, loss_fn, c: float) -> dict[str, Tensor]:
     grads = loop_per_sample_grads(model, x, y, loss_fn)
     norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
@@ -69,7 +84,7 @@ def _clipped_by_hand(model, x, y, loss_fn, c: float) -> dict[str, Tensor]:
     return {k: torch.tensordot(factor, g, dims=1) / len(x) for k, g in grads.items()}
 
 
-@pytest.mark.parametrize("make", [SequenceLinear, ScaledAddmm, SmallConvs])
+@pytest.mark.parametrize("make", [SequenceLinear, ScaledAddmm, SmallConvs, Lookups])
 @pytest.mark.parametrize("weighted_sums", [True, False], ids=["sum-rules", "local-backward"])
 def test_clipped_sums_match_the_loop(make, weighted_sums, monkeypatch):
     used = []
@@ -80,7 +95,8 @@ def test_clipped_sums_match_the_loop(make, weighted_sums, monkeypatch):
         monkeypatch.setattr(clip, "find_op_sum", lambda func: None)
     torch.manual_seed(0)
     model = make()
-    x = torch.randn(B, 2, 4, 4) if make is SmallConvs else torch.randn(B, T, E)
+    x = {SmallConvs: torch.randn(B, 2, 4, 4), Lookups: torch.randint(0, 10, (B, T))}.get(
+        make, torch.randn(B, T, E))
     y = torch.randint(0, 3, (B,))
     loss_fn = nn.CrossEntropyLoss()
     want = _clipped_by_hand(model, x, y, loss_fn, c=0.05)  # clips every sample
@@ -88,7 +104,8 @@ def test_clipped_sums_match_the_loop(make, weighted_sums, monkeypatch):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-13)
     if weighted_sums:  # the wide map took its sum rule
-        want_rule = {ScaledAddmm: "addmm", SmallConvs: "conv2d"}.get(make, "linear")
+        want_rule = {ScaledAddmm: "addmm", SmallConvs: "conv2d", Lookups: "bilinear"
+                     }.get(make, "linear")
         assert want_rule in {getattr(f, "__name__", "") for f in used}
 
 

@@ -181,6 +181,30 @@ class _Mode(TorchFunctionMode):
         return cap.record(func, args, kwargs)
 
 
+def _holders(model: nn.Module, watched: dict[int, Tensor]) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of the modules holding a watched parameter at any
+    depth, in ``named_modules()`` order; one walk of the tree (``named_parameters`` per
+    module would walk it again for each)."""
+    found: list[tuple[str, nn.Module] | None] = []
+    seen: set[int] = set()
+
+    def walk(name: str, module: nn.Module) -> bool:
+        first, slot = id(module) not in seen, len(found)
+        if first:
+            seen.add(id(module))
+            found.append(None)
+        holds = any(id(p) in watched for p in module._parameters.values() if p is not None)
+        for key, child in module._modules.items():
+            if child is not None and walk(f"{name}.{key}" if name else key, child):
+                holds = True
+        if first and holds:
+            found[slot] = (name, module)
+        return holds
+
+    walk("", model)
+    return [entry for entry in found if entry is not None]
+
+
 def _storage(t: Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -264,9 +288,9 @@ class Capture:
 
     def __enter__(self) -> Capture:
         try:
-            for name, module in self.model.named_modules():
-                if next(module.parameters(), None) is None:
-                    continue  # no parameter is read inside: its parent's call stands for it
+            # a module with no trainable parameter inside is not hooked: its parent's call
+            # stands for it
+            for name, module in _holders(self.model, self.watched):
                 self._handles.append(module.register_forward_pre_hook(
                     self._pre_hook(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
@@ -284,6 +308,17 @@ class Capture:
             self._remove()
         if exc is not None and self.stack:  # raised inside a module's forward: name it
             exc.add_note(where(self.stack[-1], exc))
+
+    def release_calls(self, keep: list[Call]) -> None:
+        """Forget the inputs, outputs and gradient edges of the module calls other than
+        ``keep`` (the calls the plan runs a module rule or the fallback on): what they
+        hold (every block's activations, a frozen layer's output, a model output's
+        key-value cache) is then freed as the backward goes, as in a plain backward.
+        Their names stay for messages."""
+        kept = {id(call) for call in keep}
+        for call in self.calls:
+            if id(call) not in kept:
+                call.args, call.kwargs, call.output, call.edges = (), {}, None, []
 
     def _remove(self) -> None:
         for handle in self._handles:

@@ -30,7 +30,7 @@ from .plan import Captured, Path, Plan, edge_key, param_name, plan
 from .pullback import write_per_sample
 from .rules import module_rule
 
-Backward = Callable[[Tensor, list[GradientEdge]], tuple]
+Backward = Callable[[Tensor, list[GradientEdge], Plan], tuple]
 
 
 def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Capture], Tensor],
@@ -45,13 +45,15 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
         with Capture(model, watched, batch.n, batch.batched, batch.shared, module_rule) as cap:
             output = batch.call(model)
         value = root(output, cap)
+    del output  # the model's output holds nothing the backward needs beyond `value`
     result = plan(cap, watched)
+    cap.release_calls([call for call, _ in result.module_jobs + result.fallback_jobs])
     edges = result.edges()
     if edges and not value.requires_grad:
         raise RuntimeError(
             "the result does not depend on any parameter through autograd (was the "
             "model's output detached?)")
-    got = backward(value, edges) if edges else ()
+    got = backward(value, edges, result) if edges else ()
     grads = {edge_key(e): g for e, g in zip(edges, got)}
     hidden = [p for p in result.reach if grads.get(edge_key(get_gradient_edge(p))) is not None]
     if hidden:
@@ -79,22 +81,25 @@ def _one_sample(model, batch, root, backward, watched, v) -> Captured:
     result.paths = {pid: Path("rule", "", "a batch of one: the ordinary gradient")
                     for pid in watched}
     edges = [get_gradient_edge(p) for p in result.whole]
-    got = backward(value, edges) if value.requires_grad else [None] * len(edges)
+    got = backward(value, edges, result) if value.requires_grad else [None] * len(edges)
     return Captured(whole, result, {id(p): g for p, g in zip(result.whole, got)}, 1, v)
 
 
 def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
                    loss_reduction: str, watched: dict[int, nn.Parameter],
-                   retain_graph: bool = False) -> Captured:
-    """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss."""
+                   retain_graph: bool | Callable[[Plan], bool] = False) -> Captured:
+    """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss;
+    ``retain_graph``: keep the model's autograd graph after the backward (or a function
+    of the plan that says whether to)."""
     from .loss import total_loss
 
     def root(output: Any, cap: Capture) -> Tensor:
         with _ReadCheck(cap):
             return total_loss(output, targets, loss_fn, batch.n, loss_reduction, cap.layout)
 
-    def backward(total: Tensor, edges: list) -> tuple:
-        grads = torch.autograd.grad(total, edges, allow_unused=True, retain_graph=retain_graph)
+    def backward(total: Tensor, edges: list, planned: Plan) -> tuple:
+        retain = retain_graph(planned) if callable(retain_graph) else retain_graph
+        grads = torch.autograd.grad(total, edges, allow_unused=True, retain_graph=retain)
         return tuple(None if g is None else g.unsqueeze(0) for g in grads)  # (1, *out)
 
     return capture_backprops(model, batch, root, backward, watched, 1)
@@ -152,7 +157,7 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
             raise NeedsWholeModel(f"the model's output does not hold one sample per row ({lay})")
         return output
 
-    def backward(output: Tensor, edges: list) -> tuple:
+    def backward(output: Tensor, edges: list, _: Plan) -> tuple:
         cot = one_hot(outputs.start, outputs.stop, output)  # (v, n, *out_shape)
         return torch.autograd.grad(output, edges, cot, is_grads_batched=True, allow_unused=True)
 

@@ -117,6 +117,30 @@ def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tenso
     """VJPs of an op all of whose inputs are shared by the samples (a derived parameter's
     op: ``W.t()``, ``pos.to(dtype)``, an embedding of ``arange`` ids), for ``(n, v, *out)``
     cotangents: one batched backward (``is_grads_batched``), no replay per sample."""
+    values, outs = _replay(op, wrt)
+    used = [k for k, c in enumerate(cots) if c is not None]
+    n, v = cots[used[0]].shape[:2]
+    grads = torch.autograd.grad([outs[k] for k in used], [values[k] for k in wrt],
+                                [cots[k].flatten(0, 1) for k in used], is_grads_batched=True,
+                                allow_unused=True, materialize_grads=True)
+    return [g.unflatten(0, (n, v)) for g in grads]
+
+
+def summed_vjp(op: Any, g: Tensor, wrt: list[int]) -> list[Tensor]:
+    """The VJP of a recorded single-output op for one cotangent ``g`` (the output's own
+    shape, e.g. backprops already scaled per sample), with respect to its leaves ``wrt``:
+    the op replayed on the values it read, then one backward. Nothing of the model's
+    autograd graph is needed (DP book-keeping: the clipped sum of an op without a
+    weighted-sum rule, after the graph was freed). Returns one tensor per ``wrt``, its
+    leaf's shape."""
+    values, outs = _replay(op, wrt)
+    return list(torch.autograd.grad(outs[0], [values[k] for k in wrt], g,
+                                    allow_unused=True, materialize_grads=True))
+
+
+def _replay(op: Any, wrt: list[int]) -> tuple[list[Tensor], list[Tensor]]:
+    """Run a recorded op again, out of place, on the values it read (detached; the
+    leaves ``wrt`` requiring grad). Returns the values and the output tensors."""
     func, kwargs = _out_of_place(op.func, op.kwargs)
     flat, spec = tree_flatten((op.args, kwargs))
     position = {id(t): k for k, t in enumerate(op.leaves)}
@@ -128,13 +152,7 @@ def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tenso
     args, kw = tree_unflatten(leaves, spec)
     with torch.enable_grad():
         out = func(*args, **kw)
-    outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
-    used = [k for k, c in enumerate(cots) if c is not None]
-    n, v = cots[used[0]].shape[:2]
-    grads = torch.autograd.grad([outs[k] for k in used], [values[k] for k in wrt],
-                                [cots[k].flatten(0, 1) for k in used], is_grads_batched=True,
-                                allow_unused=True, materialize_grads=True)
-    return [g.unflatten(0, (n, v)) for g in grads]
+    return values, [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
 
 
 def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int

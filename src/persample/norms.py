@@ -46,9 +46,9 @@ def squared_norms(
         for op in cap.plan.uses:
             direct = [k for k, pids in op.sources.items() if id(op.leaves[k]) in pids]
             pids = {id(op.leaves[k]) for k in direct}
-            if (not pids or len(direct) != len(op.sources)
+            if (not pids or len(direct) != len(op.sources) or op.changed()
                     or any(sites.get(pid) != 1 for pid in pids)):
-                continue
+                continue  # materialised (an input changed in place: the rules say so)
             norm = find_op_norm(op.func)
             g = cap.backprops(op.edges, op.out_layouts)
             if norm is None or len(g) != 1 or g[0] is None:

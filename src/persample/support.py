@@ -164,7 +164,7 @@ def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
                   and t.is_floating_point()]
         return sum((t.sum() for t in leaves), torch.zeros(()))
 
-    def backward(total: Tensor, edges: list) -> tuple:
+    def backward(total: Tensor, edges: list, _: Any) -> tuple:
         grads = torch.autograd.grad(total, edges, allow_unused=True)
         return tuple(None if g is None else g.unsqueeze(0) for g in grads)
 

@@ -216,7 +216,8 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
 def torch_func(w: Workload) -> Method:
     """``vmap(grad(compute_loss))`` with ``functional_call``, as torch.func's tutorial has it.
 
-    Returns ``{name: (B, *param.shape)}``. Each sample is a batch of one
+    Returns ``{name: (B, *param.shape)}`` for the trainable parameters (frozen ones, as
+    under LoRA, are passed as constants). Each sample is a batch of one
     (``unsqueeze(0)``). For a dict of inputs with an all-ones ``attention_mask`` (no
     padding), the mask is left out (noted): transformers tests it with data-dependent
     control flow, which ``vmap`` refuses, and without padding the model computes the
@@ -231,7 +232,8 @@ def torch_func(w: Workload) -> Method:
     Source: torch.func's "Per-sample-gradients" tutorial (seed 001).
     """
     model, loss_fn = w.model, w.loss_fn
-    params = {k: v.detach() for k, v in model.named_parameters()}
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
     inputs, note = w.inputs, ""
     if isinstance(inputs, dict) and "attention_mask" in inputs \
             and bool((inputs["attention_mask"] == 1).all()):
@@ -240,9 +242,9 @@ def torch_func(w: Workload) -> Method:
                 "with data-dependent control flow, which vmap refuses")
 
     def compute_loss(params: dict[str, Tensor], x: Any, y: Tensor) -> Tensor:
-        batch = tree_map(lambda t: t.unsqueeze(0), x)
-        out = (functional_call(model, params, (), batch) if isinstance(batch, dict)
-               else functional_call(model, params, (batch,)))
+        batch, weights = tree_map(lambda t: t.unsqueeze(0), x), {**frozen, **params}
+        out = (functional_call(model, weights, (), batch) if isinstance(batch, dict)
+               else functional_call(model, weights, (batch,)))
         return loss_fn(out, y.unsqueeze(0)).sum()
 
     per_sample = vmap(grad(compute_loss), in_dims=(None, 0, 0))

@@ -26,9 +26,10 @@ from .. import checks
 from ..api import FALLBACK_ERRORS
 from ..batch import Batched
 from ..engine import loss_backprops
+from ..fallback import summed_vjp
 from ..norms import squared_norms
-from ..plan import Captured
-from ..rules import OpCall, find_op_sum
+from ..plan import Captured, Plan
+from ..rules import OpCall, find_norm_rule, find_op_sum
 from .noise import gaussian_like
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
@@ -125,7 +126,7 @@ def _add_clipped_sums(model, batch, targets, loss_fn, loss_reduction, params, ma
     watched = {id(p): p for p in params.values()}
     try:
         cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction, watched,
-                             retain_graph=True)
+                             retain_graph=_keeps_graph)
         sq, mats, ghosted, by_module = squared_norms(cap, params)
     except FALLBACK_ERRORS as err:  # as method="auto" does: exact, slower
         warnings.warn(f"{err} Falling back to per-sample gradients by method='vmap' (the "
@@ -146,6 +147,14 @@ def _add_clipped_sums(model, batch, targets, loss_fn, loss_reduction, params, ma
     if cap is not None:
         _book_keeping(cap, ghosted, factors, into, done)
     return norms
+
+
+def _keeps_graph(plan: Plan) -> bool:
+    """Whether the model's autograd graph must outlive the backward: only for the module
+    calls a module norm rule may norm (their clipped sums come from a backward through
+    the graph). Everything else is summed from the captured values, so the graph's saved
+    activations are freed as the backward goes, as in a plain step."""
+    return any(find_norm_rule(call.rule) is not None for call, _ in plan.module_jobs)
 
 
 def _materialised(model, batch, targets, loss_fn, loss_reduction, params
@@ -203,14 +212,26 @@ def _book_keeping(cap: Captured, ghosted: set, factors: dict[int, Tensor],
 
 
 def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:
-    """``d/dW <c * G, out>`` from the op's own autograd node, for ``group``'s parameters."""
+    """``d/dW <c * G, out>`` for ``group``'s parameters: the op replayed on the values it
+    read (unchanged since: ``squared_norms`` ghosts no other) and one backward of it
+    alone (the model's graph is not kept for this)."""
     (edge,), (lay,) = op.edges, op.out_layouts
-    return _edge_backward(cap, edge, lay, group, c)
+    g = cap.grad(edge)[0]  # (*out)
+    scaled = g * lay.scale(c, g) if isinstance(lay, Batched) else g
+    wanted = {id(p) for p in group}
+    wrt = [k for k, t in enumerate(op.leaves) if id(t) in wanted]
+    found: dict[int, Tensor] = {}
+    for k, got in zip(wrt, summed_vjp(op, scaled, wrt)):
+        pid = id(op.leaves[k])
+        found[pid] = got if pid not in found else found[pid] + got
+    return found
 
 
 def _edge_backward(cap: Captured, edge, lay, group: list, c: Tensor) -> dict[int, Tensor]:
-    """``d/dW <c * G, out>`` for the output at ``edge`` (layout ``lay``): the gradient of
-    ``group``'s parameters for that output's backprops scaled per sample."""
+    """``d/dW <c * G, out>`` for the output at ``edge`` (layout ``lay``) of a module call
+    normed by a module norm rule: the gradient of ``group``'s parameters for that
+    output's backprops scaled per sample, through the model's graph (kept for this:
+    :func:`_keeps_graph`)."""
     g = cap.grad(edge)
     scaled = g[0] * lay.scale(c, g[0]) if isinstance(lay, Batched) else g[0]
     grads = torch.autograd.grad([edge.edge], group, [edge.place(scaled)], retain_graph=True)
