@@ -182,3 +182,35 @@ def test_privacy_accountant_rejects_bad_input():
     with pytest.raises(ValueError, match="accountant"):
         acct.epsilon(1e-5, accountant="gdp")
     assert acct.steps == 0  # nothing recorded by the refused calls
+
+
+def test_prv_is_opacus_prv_and_as_tight_as_pld():
+    """accountant="prv" composes through Opacus's PRV accountant: its own figure, within a
+    percent of PLD's (both tight) and below RDP's, for one run or several."""
+    from opacus.accountants import PRVAccountant
+
+    prv = epsilon(1.1, 256 / 60000, 14063, 1e-5, accountant="prv")
+    direct = PRVAccountant()
+    direct.history = [(1.1, 256 / 60000, 14063)]
+    assert prv == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+    assert prv == pytest.approx(2.381778812581751, rel=0.01) and prv < 2.596655529521983
+    acct = PrivacyAccountant("prv")
+    acct.step(1.0, 0.01, count=100)
+    acct.step(1.2, 0.02, count=50)
+    assert acct.epsilon(1e-5) == pytest.approx(acct.epsilon(1e-5, "pld"), rel=0.02)
+    assert acct.epsilon(1e-5) < acct.epsilon(1e-5, "rdp")
+
+
+def test_noise_multiplier_for_prv_meets_the_target():
+    sigma = noise_multiplier_for(3.0, 1e-5, sample_rate=0.04, steps=1000, accountant="prv")
+    assert epsilon(sigma, 0.04, 1000, 1e-5, accountant="prv") <= 3.0
+    assert epsilon(sigma - 0.01, 0.04, 1000, 1e-5, accountant="prv") > 3.0
+    assert sigma == pytest.approx(noise_multiplier_for(3.0, 1e-5, 0.04, 1000, "pld"), rel=0.02)
+
+
+def test_prv_without_opacus_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "opacus.accountants", None)  # import fails
+    with pytest.raises(ValueError, match="pip install opacus"):
+        epsilon(1.0, 0.01, 10, 1e-5, accountant="prv")

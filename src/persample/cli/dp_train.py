@@ -487,8 +487,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"SGD momentum (default {d.momentum})")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="initial weights, batches and noise; the split is fixed (default 0)")
-    p.add_argument("--accountant", choices=("rdp", "pld"), default=d.accountant,
-                   help="privacy accountant: RDP (default) or PLD (tighter, slower)")
+    p.add_argument("--accountant", choices=("rdp", "pld", "prv"), default=d.accountant,
+                   help="privacy accountant: RDP (default), PLD (tighter, slower) or PRV "
+                        "(Opacus's, where Opacus is installed)")
     p.add_argument("--compare-nonprivate", action="store_true",
                    help="also train the same model without DP and compare")
     p.add_argument("--subset", type=int, default=None,
