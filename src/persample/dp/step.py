@@ -49,7 +49,8 @@ class PrivateStep:
         per_layer: clip each parameter's gradient to ``C / sqrt(K)`` instead of the
             whole gradient to ``C``.
         loss_reduction: ``"mean"`` or ``"sum"``, for a scalar ``loss_fn``.
-        timeout: seconds :meth:`release` waits for the other processes (distributed).
+        timeout: seconds :meth:`release` waits for the other processes (distributed,
+            gloo; with NCCL the process group's own timeout applies).
 
     Distributed (``torch.distributed`` initialised, any backend; gloo on CPUs, NCCL on
     GPUs): every process accumulates its own samples; ``release()`` sums the clipped
@@ -61,7 +62,9 @@ class PrivateStep:
     parameter shapes and ``expected_batch_size`` and whether any saw a non-finite
     gradient (``accumulate`` then defers its ``FloatingPointError`` to ``release``,
     where every rank raises it): a mismatch is an error on every rank with ``p.grad``
-    unchanged; a rank that does not arrive within ``timeout`` is named in the error.
+    unchanged; a rank that does not arrive within ``timeout`` is named in the error (gloo's
+    monitored barrier; NCCL has none, and its collectives time out as the process group
+    was set up to).
     Step the accountant once per release (each rank's, identically).
 
     Raises:
@@ -188,13 +191,10 @@ class PrivateStep:
         import torch.distributed as dist
 
         size, rank = world
-        try:
-            dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)
-        except (RuntimeError, NotImplementedError, ValueError) as err:
-            if "monitored_barrier" in str(err) and "not" in str(err).lower() and "support" in \
-                    str(err).lower():
-                pass  # NCCL has no monitored barrier: the collectives' own timeout applies
-            else:
+        if dist.get_backend() == dist.Backend.GLOO:  # NCCL has none: its own timeout applies
+            try:
+                dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)
+            except RuntimeError as err:
                 raise RuntimeError(f"release(): not every process arrived within "
                                    f"{self.timeout.total_seconds():.0f} s ({err})") from err
         mine = {"shapes": [(name, tuple(p.shape)) for name, p in self.params.items()],
