@@ -216,8 +216,7 @@ def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tens
     read (unchanged since: ``squared_norms`` ghosts no other) and one backward of it
     alone (the model's graph is not kept for this)."""
     (edge,), (lay,) = op.edges, op.out_layouts
-    g = cap.grad(edge)[0]  # (*out)
-    scaled = g * lay.scale(c, g) if isinstance(lay, Batched) else g
+    scaled = _scaled(cap.grad(edge)[0], lay, c)  # (*out)
     wanted = {id(p) for p in group}
     wrt = [k for k, t in enumerate(op.leaves) if id(t) in wanted]
     found: dict[int, Tensor] = {}
@@ -232,10 +231,15 @@ def _edge_backward(cap: Captured, edge, lay, group: list, c: Tensor) -> dict[int
     normed by a module norm rule: the gradient of ``group``'s parameters for that
     output's backprops scaled per sample, through the model's graph (kept for this:
     :func:`_keeps_graph`)."""
-    g = cap.grad(edge)
-    scaled = g[0] * lay.scale(c, g[0]) if isinstance(lay, Batched) else g[0]
+    scaled = _scaled(cap.grad(edge)[0], lay, c)
     grads = torch.autograd.grad([edge.edge], group, [edge.place(scaled)], retain_graph=True)
     return {id(p): got for p, got in zip(group, grads)}
+
+
+def _scaled(g: Tensor, lay, c: Tensor) -> Tensor:
+    """Backprops ``g`` (an output's own shape, layout ``lay``) times each sample's clip
+    factor ``c (n,)``; a free output (no samples) as it is."""
+    return g * lay.scale(c, g) if isinstance(lay, Batched) else g
 
 
 def _check_finite(norms: Tensor) -> None:
