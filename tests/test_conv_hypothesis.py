@@ -81,7 +81,7 @@ def build(cfg):
 def test_conv_rule_matches_loop(cfg):
     conv, x, y = build(cfg)
     loss_fn = nn.MSELoss(reduction=cfg["reduction"])
-    got = per_sample_grads(conv, x, y, loss_fn, loss_reduction=cfg["reduction"], method="rules")
+    got = per_sample_grads(conv, x, y, loss_fn, method="rules")
     want = loop_per_sample_grads(conv, x, y, loss_fn)
     assert list(got) == (["weight", "bias"] if cfg["bias"] else ["weight"])
     for name, g in want.items():
@@ -97,7 +97,7 @@ def test_conv_rule_flat_and_chunked(cfg):
     loss_fn = nn.MSELoss(reduction="sum")
     want = loop_per_sample_grads(conv, x, y, loss_fn)
     want = torch.cat([g.flatten(1) for g in want.values()], dim=1)
-    got = per_sample_grads(conv, x, y, loss_fn, loss_reduction="sum", method="rules",
+    got = per_sample_grads(conv, x, y, loss_fn, method="rules",
                            flat=True, chunk_size=2)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 

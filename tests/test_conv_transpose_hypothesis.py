@@ -107,8 +107,7 @@ def test_conv_transpose_rule_matches_loop(cfg):
     loss_fn = nn.MSELoss(reduction=cfg["reduction"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback, no vmap "performance drop"
-        got = per_sample_grads(model, x, y, loss_fn, loss_reduction=cfg["reduction"],
-                               method="rules")
+        got = per_sample_grads(model, x, y, loss_fn, method="rules")
     want = loop_per_sample_grads(model, x, y, loss_fn)
     assert list(got) == list(want)
     for name, g in want.items():
@@ -123,7 +122,7 @@ def test_conv_transpose_rule_flat_and_chunked(cfg):
     loss_fn = nn.MSELoss(reduction="sum")
     want = loop_per_sample_grads(model, x, y, loss_fn)
     want = torch.cat([g.flatten(1) for g in want.values()], dim=1)
-    got = per_sample_grads(model, x, y, loss_fn, loss_reduction="sum", method="rules",
+    got = per_sample_grads(model, x, y, loss_fn, method="rules",
                            flat=True, chunk_size=2)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 

@@ -99,7 +99,7 @@ def test_matches_clipping_by_hand(case_id, reduction, regime, per_layer):
     assert (norms > 0).all() and len(set(norms.tolist())) == N  # the reference is not trivial
     c = regime_norm(norms, regime)
     got = private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0,
-                       loss_reduction=reduction, per_layer=per_layer)
+                       per_layer=per_layer)
     torch.testing.assert_close(got, norms, **TOL)
     assert_grads(model, clip_by_hand(g, c, per_layer, N))
 

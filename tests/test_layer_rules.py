@@ -104,8 +104,7 @@ def test_rules_are_used_without_vmap(c):
     loss_fn = c["loss_fn"]("sum")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*performance drop")
-        got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction="sum",
-                               method="rules")
+        got = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
         jac = param_jacobian(model, inputs, method="rules")
     assert_on_rules(model, inputs)
     assert_close(got, loop_per_sample_grads(model, inputs, targets, loss_fn))

@@ -116,8 +116,7 @@ def test_matches_loop(c, reduction, method):
     model, inputs, targets, loss_fn, want = reference(c, N, reduction)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*Falling back to method='loop'")
-        got = per_sample_grad_norms(model, inputs, targets, loss_fn, loss_reduction=reduction,
-                                    method=method)
+        got = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method)
     assert isinstance(got, Tensor)
     assert got.shape == (N,) and got.dtype == torch.float64
     torch.testing.assert_close(got, total_norm(want), **TOL)
@@ -194,8 +193,7 @@ def test_linear_sequence_paths(shape, ghost, reduction, paths):
     y = randn(5, *shape, 12)
     loss_fn = nn.MSELoss(reduction=reduction)
     want = loop_per_sample_grads(model, x, y, loss_fn)
-    total, layers = per_sample_grad_norms(model, x, y, loss_fn, loss_reduction=reduction,
-                                          per_layer=True)
+    total, layers = per_sample_grad_norms(model, x, y, loss_fn, per_layer=True)
     torch.testing.assert_close(total, total_norm(want), **TOL)
     for name, norm in layer_norms(want).items():
         torch.testing.assert_close(layers[name], norm, **TOL)

@@ -52,9 +52,8 @@ def test_matches_loop(c, reduction, method):
     model, inputs, targets, loss_fn, want = reference(c, N, reduction)
     with warnings.catch_warnings():
         # "auto" must not give up on the rules for any case.
-        warnings.filterwarnings("error", message=".*Falling back to method='loop'")
-        got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=reduction,
-                               method=method)
+        warnings.filterwarnings("error", message=".*Falling back")
+        got = per_sample_grads(model, inputs, targets, loss_fn, method=method)
     assert isinstance(got, dict)
     assert_grads_equal(got, want)
 
@@ -65,8 +64,7 @@ def test_matches_loop(c, reduction, method):
 def test_edge_case_matches_loop(c, reduction, method):
     """Models whose structure a capture engine can misread; see cases.EDGE_CASES."""
     model, inputs, targets, loss_fn, want = reference(c, N, reduction)
-    got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=reduction,
-                           method=method)
+    got = per_sample_grads(model, inputs, targets, loss_fn, method=method)
     assert_grads_equal(got, want)
 
 
@@ -87,8 +85,7 @@ def test_dict_targets_are_split_per_sample_or_refused(method, chunk_size):
         return ((out - t["y"]) ** 2).sum()
 
     try:
-        got = per_sample_grads(model, x, y, loss_fn, loss_reduction="sum", method=method,
-                               chunk_size=chunk_size)
+        got = per_sample_grads(model, x, y, loss_fn, method=method, chunk_size=chunk_size)
     except (TypeError, ValueError) as err:
         assert "targets" in str(err)
         return
@@ -116,37 +113,56 @@ def test_rows_are_each_samples_own_gradient():
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_per_sample_loss_ignores_loss_reduction(reduction):
+def test_loss_reduction_is_deprecated_and_changes_nothing(reduction):
     c = BY_ID["linear-seq-nobias-persample"]
     model, inputs, targets, loss_fn, want = reference(c)
-    got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=reduction)
+    with pytest.warns(FutureWarning, match="loss_reduction is deprecated"):
+        got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=reduction)
     assert_grads_equal(got, want)
 
 
-@pytest.mark.parametrize("declared", ["mean", "sum"])
-def test_scalar_loss_is_evaluated_per_sample_whatever_the_declared_reduction(declared):
-    """A vmappable scalar loss is re-evaluated per sample, so loss_reduction cannot be wrong."""
-    model, inputs, targets, loss_fn, want = reference(BY_ID["mlp"], 4, "mean")
-    got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=declared)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_scalar_loss_is_evaluated_per_sample_whatever_its_reduction(reduction):
+    """A vmappable scalar loss is re-evaluated per sample, so its reduction cannot matter."""
+    model, inputs, targets, loss_fn, want = reference(BY_ID["mlp"], 4, reduction)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = per_sample_grads(model, inputs, targets, loss_fn)
     assert_grads_equal(got, want)
 
 
-def _not_vmappable_mean_loss(output, targets):
-    """Cross-entropy, mean over the batch, with a Python branch on a value (vmap refuses)."""
-    loss = F.cross_entropy(output, targets)
-    return loss if float(loss) == float(loss) else loss * 0
+def _not_vmappable(reduction: str):
+    """Cross-entropy reduced over the batch, with a Python branch on a value (vmap refuses,
+    as for any loss calling .item())."""
+    def loss_fn(output, targets):
+        loss = F.cross_entropy(output, targets, reduction=reduction)
+        return loss if loss.item() == loss.item() else loss * 0
+    return loss_fn
 
 
-def test_not_vmappable_loss_undoes_the_declared_reduction():
-    """If loss_fn cannot be vmapped, loss_reduction undoes the reduction: "sum" is off by B."""
+@pytest.mark.parametrize("method", ["auto", "rules"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_a_loss_that_cannot_be_vmapped_is_evaluated_sample_by_sample(reduction, method):
+    """Whatever its reduction: nothing is undone, each sample's slice gets its own call."""
     model, inputs, targets, _, _ = reference(BY_ID["mlp"], 4, "mean")
-    want = loop_per_sample_grads(model, inputs, targets, _not_vmappable_mean_loss)
-    right = per_sample_grads(model, inputs, targets, _not_vmappable_mean_loss)
-    wrong = per_sample_grads(model, inputs, targets, _not_vmappable_mean_loss,
-                             loss_reduction="sum")
-    assert_grads_equal(right, want)
-    for name in want:
-        torch.testing.assert_close(wrong[name] * 4, want[name])
+    loss_fn = _not_vmappable(reduction)
+    want = loop_per_sample_grads(model, inputs, targets, loss_fn)
+    got = per_sample_grads(model, inputs, targets, loss_fn, method=method)
+    assert_grads_equal(got, want)
+    assert float(want["0.weight"].abs().max()) > 0
+
+
+def test_a_per_sample_loss_that_mixes_samples_gets_the_loops_answer():
+    """A (B,) loss whose entries read other samples (centred by the batch mean) is not
+    summed as it is: each sample's loss is evaluated on its own slice, as the loop does."""
+    model, inputs, targets, _, _ = reference(BY_ID["mlp"], 4, "mean")
+
+    def centred(out, y):  # (B,): each entry depends on every sample through the mean
+        return ((out - out.mean(0)) ** 2).sum(1) + F.cross_entropy(out, y, reduction="none")
+
+    want = loop_per_sample_grads(model, inputs, targets, centred)
+    for method in ("rules", "auto"):
+        assert_grads_equal(per_sample_grads(model, inputs, targets, centred, method=method), want)
 
 
 @pytest.mark.parametrize("method", METHODS + ["loop"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -12,21 +11,14 @@ from torch import Tensor, nn
 
 from . import checks
 from .engine import rules_grads, rules_param_jacobian
-from .errors import (
-    InPlaceModificationError,
-    LossNotPerSampleError,
-    NeedsWholeModel,
-    UnsupportedModuleError,
-)
+from .errors import REFUSALS, InternalError
 from .inputs import Batch
 from .memory import result_empty
+from .methods import Taken, answer
 from .reference import loop_param_jacobian, loop_per_sample_grads, rows
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 
-# What makes method="auto" leave the rules for torch.func over the whole model (or the
-# loop): each says which module or op and why, and the fallback is exact.
-FALLBACK_ERRORS = (UnsupportedModuleError, InPlaceModificationError, NeedsWholeModel,
-                   LossNotPerSampleError)
+FALLBACK_ERRORS = REFUSALS + (InternalError,)  # until every caller uses methods.answer
 
 
 @checks.keeps_buffers
@@ -36,11 +28,11 @@ def per_sample_grads(
     targets: Any,
     loss_fn: Callable[[Any, Any], Tensor],
     *,
-    loss_reduction: str = "mean",
     method: str = "auto",
     flat: bool = False,
     chunk_size: int | None = None,
     out: Tensor | None = None,
+    loss_reduction: str | None = None,
 ) -> dict[str, Tensor] | Tensor:
     """Per-sample gradients of a loss w.r.t. every trainable parameter.
 
@@ -108,28 +100,32 @@ def per_sample_grads(
         >>> persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss(), flat=True).shape
         torch.Size([16, 67])
     """
-    batch, n, params = checks.validate_call(model, inputs, targets, method, loss_reduction,
-                                           chunk_size)
+    return grads_taken(model, inputs, targets, loss_fn, method=method, flat=flat,
+                       chunk_size=chunk_size, out=out, loss_reduction=loss_reduction)[0]
+
+
+def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
+                method: str = "auto", flat: bool = False, chunk_size: int | None = None,
+                out: Tensor | None = None, loss_reduction: str | None = None
+                ) -> tuple[dict[str, Tensor] | Tensor, Taken]:
+    """:func:`per_sample_grads`, and the method that answered (:class:`Taken`)."""
+    batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
+                                           loss_reduction, chunk_size)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
     watched = {id(p): p for p in params.values()}
-    step = chunk_size or max(n, 1)
+    step, taken = chunk_size or max(n, 1), Taken()
     for start in range(0, n, step):
-        part = batch.rows(start, start + step), rows(targets, start, start + step)
-        _dispatch(
+        a, t = batch.rows(start, start + step), rows(targets, start, start + step)
+        d = {key: part[start : start + step] for key, part in dest.items()}
+        answer(
             method,
-            rules=lambda d, a=part: rules_grads(model, a[0], a[1], loss_fn, loss_reduction, d,
-                                                watched),
-            vmap=lambda a=part: vmap_per_sample_grads(model, a[0], a[1], loss_fn, params),
-            loop=lambda a=part: loop_per_sample_grads(model, _as_inputs(a[0]), a[1], loss_fn),
-            params=params,
-            dest={key: t[start : start + step] for key, t in dest.items()},
-        )
-    return result
-
-
-def _as_inputs(batch: Batch) -> Any:
-    """A batch back in the ``inputs`` form the loop takes: ``(args, kwargs)``."""
-    return (batch.args, batch.kwargs)
+            rules=lambda a=a, t=t, d=d: rules_grads(model, a, t, loss_fn, d, watched),
+            vmap=lambda a=a, t=t, d=d: _copy(
+                vmap_per_sample_grads(model, a, t, loss_fn, params), params, d),
+            loop=lambda a=a, t=t, d=d: _copy(
+                loop_per_sample_grads(model, a.as_inputs(), t, loss_fn), params, d),
+            taken=taken)
+    return result, taken
 
 
 @checks.keeps_buffers
@@ -185,7 +181,7 @@ def param_jacobian(
         >>> persample.param_jacobian(net, torch.randn(8, 784), flat=True).shape
         torch.Size([8, 10, 15910])
     """
-    batch, n, params = checks.validate_call(model, inputs, None, method, "mean", chunk_size)
+    batch, n, params = checks.validate_call(model, inputs, None, None, method, None, chunk_size)
     watched = {id(p): p for p in params.values()}
     out_shape = _output_shape(model, batch)
     num_out = out_shape.numel()
@@ -193,21 +189,20 @@ def param_jacobian(
     # vmap and loop compute all outputs at once: chunking them would repeat the work
     step_out = num_out if method in ("vmap", "loop") else min(num_out, chunk_size or num_out)
     step = max(1, (chunk_size or num_out * max(n, 1)) // step_out)
+    taken = Taken()
     for start in range(0, n, step):
-        part = batch.rows(start, start + step)
+        a = batch.rows(start, start + step)
         for first in range(0, num_out, step_out):
-            outputs = range(first, min(first + step_out, num_out))
-            _dispatch(
+            o = range(first, min(first + step_out, num_out))
+            d = {k: t[start : start + step, o.start : o.stop] for k, t in dest.items()}
+            answer(
                 method,
-                rules=lambda d, a=part, o=outputs: rules_param_jacobian(model, a, o, d, watched),
-                vmap=lambda a=part, o=outputs: _select(
-                    vmap_param_jacobian(model, a, params), o, params),
-                loop=lambda a=part, o=outputs: _select(
-                    loop_param_jacobian(model, _as_inputs(a)), o, params),
-                params=params,
-                dest={k: t[start : start + step, outputs.start : outputs.stop]
-                      for k, t in dest.items()},
-            )
+                rules=lambda a=a, o=o, d=d: rules_param_jacobian(model, a, o, d, watched),
+                vmap=lambda a=a, o=o, d=d: _copy(
+                    _select(vmap_param_jacobian(model, a, params), o, params), params, d),
+                loop=lambda a=a, o=o, d=d: _copy(
+                    _select(loop_param_jacobian(model, a.as_inputs()), o, params), params, d),
+                taken=taken)
     if isinstance(result, dict):
         return {name: t.view(n, *out_shape, *t.shape[2:]) for name, t in result.items()}
     return result
@@ -299,39 +294,6 @@ def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     step = max(1, 64 // itemsize)
     padded = -(-shape[-1] // step) * step
     return torch.empty((*shape[:-1], padded), dtype=dtype, device=device)[..., : shape[-1]]
-
-
-def _dispatch(method: str, rules, vmap, loop, params: dict, dest: dict[int, Tensor]) -> None:
-    """Run ``method`` on one chunk, writing into ``dest`` (id(param) -> tensor).
-
-    ``rules(dest)`` writes itself; ``vmap()`` and ``loop()`` return dicts by name.
-    ``auto`` is ``rules``; where the rules cannot split some parameter's gradient by
-    sample, with a warning naming it, ``vmap``, and where ``torch.func`` cannot run
-    the model either, ``loop``.
-    """
-    if any(t.shape[0] == 0 for t in dest.values()):
-        return
-    if method in ("auto", "rules"):
-        try:
-            rules(dest)
-            return
-        except FALLBACK_ERRORS as err:
-            if method == "rules":
-                raise
-            reason = err
-        warnings.warn(f"{reason} Falling back to method='vmap' (torch.func over the whole "
-                      "model; the loop if that fails).", stacklevel=4)
-        try:
-            _copy(vmap(), params, dest)
-            return
-        except Exception:  # torch.func cannot run this model: the loop always can
-            try:
-                _copy(loop(), params, dest)
-            except Exception as err:  # nor the loop: say why the rules did not either
-                err.add_note(f"(method='auto' fell back to the loop because: {reason})")
-                raise
-            return
-    _copy(vmap() if method == "vmap" else loop(), params, dest)
 
 
 def _copy(got: dict[str, Tensor], params: dict, dest: dict[int, Tensor]) -> None:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from .batch import FREE, Batched, Ctx, Flow, Layout, Mixed, Unknown, in_place, op_leaves, propagate
+from .batch.flow import name_of
+from .errors import raise_internal
 
 
 @dataclass(eq=False)
@@ -174,8 +177,16 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs)
         expansion = EXPANSIONS.get(func)
         if expansion is not None:
-            with self:
-                out = expansion(*args, **kwargs)
+            failed = None
+            try:
+                with self:
+                    out = expansion(*args, **kwargs)
+            except Exception as err:
+                failed = err
+            if failed is not None:
+                with torch._C.DisableTorchFunction():
+                    func(*args, **kwargs)  # the op itself raises too: the user's error
+                raise_internal(failed, f"the expansion of {name_of(func)}")
             if out is not NotImplemented:
                 return out
         return cap.record(func, args, kwargs)
@@ -216,10 +227,12 @@ class Capture:
     """Context manager recording one forward (see the module docstring).
 
     Args:
-        model: the model; its parameters, buffers and tensor attributes are free.
+        model: the model; its parameters, buffers and tensor attributes are free
+            (``None`` for a plain function: no module calls are kept).
         watched: the trainable parameters to follow (``id`` -> parameter).
         n: the batch size.
-        batched: the input tensors that carry the samples in dim 0.
+        batched: the input tensors that carry the samples: a tensor (samples in dim 0)
+            or a pair ``(tensor, layout)`` (packed rows, a packed sequence's data).
         shared: the other input tensors (free).
         module_rule: ``module -> rule or None``.
 
@@ -241,8 +254,8 @@ class Capture:
         0
     """
 
-    def __init__(self, model: nn.Module, watched: dict[int, nn.Parameter], n: int,
-                 batched: list[Tensor], shared: tuple = (),
+    def __init__(self, model: nn.Module | None, watched: dict[int, nn.Parameter], n: int,
+                 batched: list[Tensor | tuple[Tensor, Layout]], shared: tuple = (),
                  module_rule: Callable[[nn.Module], Any] | None = None):
         self.model, self.watched, self.n = model, watched, n
         self.layouts = _Layouts()
@@ -262,15 +275,41 @@ class Capture:
         self._mode = _Mode(weakref.proxy(self))
         for t in self._free_tensors(model, shared):
             self.layouts[t] = FREE
-        for t in batched:
-            self.layouts[t] = Batched(0)
+        for item in batched:
+            t, lay = item if isinstance(item, tuple) else (item, Batched(0))
+            self.layouts[t] = lay
+
+    def add_inputs(self, located: list[tuple[Tensor, Layout]]) -> None:
+        """More tensors whose samples are known (the loss's targets)."""
+        for t, lay in located:
+            self.layouts[t] = lay
+
+    @contextmanager
+    def follow(self) -> Iterator[None]:
+        """Inside: ops are followed (layouts) as during the forward, without the module
+        hooks (the loss, after the model's forward)."""
+        self._mode.__enter__()
+        try:
+            yield
+        finally:
+            self._mode.__exit__(None, None, None)
 
     @staticmethod
-    def _free_tensors(model: nn.Module, shared: tuple) -> list[Tensor]:
-        found = list(model.parameters()) + list(model.buffers())
-        for m in model.modules():  # plain tensor attributes (masks, constants)
-            found += [v for v in vars(m).values() if isinstance(v, Tensor)]
-        return found + [t for t in tree_leaves(shared) if isinstance(t, Tensor)]
+    def _free_tensors(model: nn.Module | None, shared: tuple) -> list[Tensor]:
+        """The model's parameters and buffers, the tensors its modules hold as attributes
+        (also in lists, tuples and dicts: masks, constants, caches made before the call),
+        and the shared inputs."""
+        found = [t for t in tree_leaves(shared) if isinstance(t, Tensor)]
+        if model is None:
+            return found
+        found += list(model.parameters()) + list(model.buffers())
+        for m in model.modules():
+            for value in vars(m).values():
+                if isinstance(value, Tensor):
+                    found.append(value)
+                elif isinstance(value, (list, tuple, dict)) and value:
+                    found += _held_tensors(value)
+        return found
 
     # -- layouts --------------------------------------------------------------
 
@@ -290,7 +329,8 @@ class Capture:
         try:
             # a module with no trainable parameter inside is not hooked: its parent's call
             # stands for it
-            for name, module in _holders(self.model, self.watched):
+            holders = _holders(self.model, self.watched) if self.model is not None else []
+            for name, module in holders:
                 self._handles.append(module.register_forward_pre_hook(
                     self._pre_hook(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
@@ -329,11 +369,14 @@ class Capture:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if threading.get_ident() != self.thread:
                 return
-            rule = self._module_rule(module) if self._module_rule else None
-            call = Call(name, module, args, kwargs, parent=self.stack[-1] if self.stack else None,
-                        rule=rule)
-            with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
-                call.versions = [t._version for t in _tensor_leaves((args, kwargs))]
+            try:
+                rule = self._module_rule(module) if self._module_rule else None
+                call = Call(name, module, args, kwargs, rule=rule,
+                            parent=self.stack[-1] if self.stack else None)
+                with torch._C.DisableTorchFunction():  # reading tensors here is no op of
+                    call.versions = [t._version for t in _tensor_leaves((args, kwargs))]
+            except Exception as err:
+                raise_internal(err, f"the call of module '{name or '<root>'}'")
             self.stack.append(call)
 
         return pre_hook
@@ -342,23 +385,40 @@ class Capture:
         if threading.get_ident() != self.thread:
             return
         call = self.stack.pop()
-        call.output = output
-        with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
-            call.edges = [_edge(t) for t in _tensor_leaves(output)]
+        try:
+            call.output = output
+            with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
+                call.edges = [_edge(t) for t in _tensor_leaves(output)]
+        except Exception as err:
+            raise_internal(err, f"the output of module {call.describe()}")
         self.calls.append(call)
 
     # -- ops ------------------------------------------------------------------
 
     def record(self, func, args: tuple, kwargs: dict) -> Any:
-        """Run one op; record its outputs' layouts, and the op if it reads parameters."""
-        leaves = op_leaves(args, kwargs)
-        layouts = [self._seen(t) for t in leaves]
-        sources = self._sources(leaves)
-        mutates = in_place(func, kwargs)
-        before = None
-        if sources and mutates and leaves and leaves[0] is args[0] and 0 not in sources:
-            before = args[0].detach().clone()  # the rule needs the value it overwrites
+        """Run one op (the model's own: its errors propagate as they are); record its
+        outputs' layouts, and the op if it reads parameters (persample's work: an error
+        there is an :class:`~persample.errors.InternalError` naming the op)."""
+        try:
+            leaves = op_leaves(args, kwargs)
+            layouts = [self._seen(t) for t in leaves]
+            sources = self._sources(leaves)
+            mutates = in_place(func, kwargs)
+            before = None
+            if sources and mutates and leaves and leaves[0] is args[0] and 0 not in sources:
+                before = args[0].detach().clone()  # the rule needs the value it overwrites
+        except Exception as err:
+            raise_internal(err, f"the capture of {name_of(func)}")
         out = func(*args, **kwargs)
+        try:
+            return self._follow(func, args, kwargs, out, leaves, layouts, sources, mutates,
+                                before)
+        except Exception as err:
+            raise_internal(err, f"the data flow of {name_of(func)}")
+
+    def _follow(self, func, args, kwargs, out, leaves, layouts, sources, mutates, before
+                ) -> Any:
+        """The layouts of an op's outputs, and the op recorded if it reads parameters."""
         if func is torch.Tensor.__setitem__:
             self._set_layout(args[0], self._setitem(args), None)
             if sources:  # a parameter written into a tensor: no rule follows it
@@ -478,6 +538,16 @@ def _located_in(outputs: Any, call: Call) -> Any:
 
 
 _PLAIN = (int, float, bool, str, type(None))
+
+
+def _held_tensors(value: Any, depth: int = 3) -> list[Tensor]:
+    """The tensors in nested lists, tuples and dicts (a module attribute), to ``depth``."""
+    if isinstance(value, Tensor):
+        return [value]
+    if depth == 0 or not isinstance(value, (list, tuple, dict)):
+        return []
+    items = value.values() if isinstance(value, dict) else value
+    return [t for item in items for t in _held_tensors(item, depth - 1)]
 
 
 def _tensor_leaves(tree: Any) -> list[Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,8 +13,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from .inputs import Batch, as_batch
+from .methods import METHODS, user_stacklevel
 
-METHODS = ("auto", "rules", "vmap", "loop")
 REDUCTIONS = ("mean", "sum")
 
 
@@ -27,16 +28,56 @@ def check_targets(targets: Any, n: int) -> None:
             )
 
 
-def check_options(method: str, loss_reduction: str, chunk_size: int | None) -> None:
+def check_options(method: str, loss_reduction: str | None, chunk_size: int | None) -> None:
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
+    check_loss_reduction(loss_reduction)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
+            chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def check_loss_reduction(loss_reduction: str | None) -> None:
+    """``loss_reduction`` is deprecated: each sample's own loss is evaluated on its slice of
+    the output, so how a scalar loss reduces over the batch never matters."""
+    if loss_reduction is None:
+        return
     if loss_reduction not in REDUCTIONS:
         raise ValueError(
-            f"loss_reduction={loss_reduction!r} is not one of {REDUCTIONS}: say how a scalar "
-            "loss was reduced over the batch (a loss returning shape (B,) needs nothing)"
-        )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+            f"loss_reduction={loss_reduction!r} is not one of {REDUCTIONS} (and it is "
+            "deprecated: leave it out; each sample's loss is evaluated on its own)")
+    warnings.warn(
+        "loss_reduction is deprecated and has no effect: persample evaluates each sample's "
+        "own loss (a scalar loss on that sample's slice of the output), whatever the loss's "
+        "reduction. Leave it out.", FutureWarning, stacklevel=user_stacklevel())
+
+
+def check_loss_fn(loss_fn: Any, targets: Any) -> None:
+    """A loss class instead of an instance, ``targets`` and ``loss_fn`` swapped, or a
+    ``loss_fn`` that cannot be called: one line naming the argument and the fix."""
+    if isinstance(loss_fn, Tensor) and callable(targets) and not isinstance(targets, Tensor):
+        raise TypeError(
+            "targets and loss_fn are swapped: loss_fn got a tensor and targets got "
+            f"{_name(targets)}. The order is (model, inputs, targets, loss_fn).")
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, "
+            f"loss_fn={loss_fn.__name__}() (with its options).")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, targets), got "
+                        f"{_name(loss_fn)}")
+    if isinstance(targets, (nn.Module, type)) or (callable(targets) and not isinstance(
+            targets, Tensor) and getattr(targets, "__module__", "").startswith("torch.nn")):
+        raise TypeError(
+            f"targets is {_name(targets)}, a loss, not targets: the order is (model, inputs, "
+            "targets, loss_fn).")
+
+
+def _name(x: Any) -> str:
+    if isinstance(x, type):
+        return f"the class {x.__name__}"
+    return f"a {type(x).__name__}" if not callable(x) else getattr(
+        x, "__qualname__", type(x).__name__)
 
 
 def mixing_reason(module: nn.Module) -> str | None:
@@ -110,15 +151,47 @@ def common_dtype_device(params: dict[str, nn.Parameter]) -> tuple[torch.dtype, t
 
 
 def validate_call(
-    model: nn.Module, inputs: Any, targets: Any, method: str, loss_reduction: str,
-    chunk_size: int | None,
+    model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, method: str,
+    loss_reduction: str | None, chunk_size: int | None,
 ) -> tuple[Batch, int, dict[str, nn.Parameter]]:
-    """Validate the arguments every per-sample function shares: ``(batch, size, params)``."""
+    """Validate the arguments every per-sample function shares: ``(batch, size, params)``.
+    ``loss_fn=None``: a function without a loss (the parameter Jacobian)."""
     check_options(method, loss_reduction, chunk_size)
     check_per_sample_model(model)
+    if loss_fn is not None or targets is not None:
+        check_loss_fn(loss_fn, targets)
     batch = as_batch(inputs)
     check_targets(targets, batch.n)
-    return batch, batch.n, trainable_parameters(model)
+    params = trainable_parameters(model)
+    check_devices(batch, params)
+    return batch, batch.n, params
+
+
+def check_devices(batch: Batch, params: dict[str, nn.Parameter]) -> None:
+    """Floating-point inputs on another device than the parameters (all on one device)."""
+    devices = {p.device for p in params.values()}
+    if len(devices) != 1:
+        return
+    (device,) = devices
+    for name, t in batch.named_tensors():
+        if t.is_floating_point() and t.dim() > 0 and t.device != device:
+            raise ValueError(
+                f"{name} is on {t.device} but the model's parameters are on {device}: move it "
+                f"with .to({str(device)!r}) (or the model with model.to({str(t.device)!r})).")
+
+
+def dtype_note(batch: Batch, params: dict[str, nn.Parameter]) -> str | None:
+    """A note for an error of the model's forward: a floating-point input whose dtype is
+    not the parameters' (the usual cause of 'expected scalar type' errors)."""
+    dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
+    for name, t in batch.named_tensors():
+        if t.is_floating_point() and t.dtype != dtype:
+            return (f"({name} is {t.dtype} but the model's parameters are {dtype}: convert it "
+                    f"with .to({dtype}), or the model with model.to({t.dtype}).)")
+    return None
 
 
 @contextmanager

@@ -24,8 +24,8 @@ from torch.overrides import TorchFunctionMode
 
 from .batch import Batched, Layout, op_leaves
 from .capture import Capture
-from .errors import NeedsWholeModel
-from .inputs import Batch
+from .errors import NeedsWholeModel, internal
+from .inputs import Batch, located_of
 from .plan import Captured, Path, Plan, edge_key, param_name, plan
 from .pullback import write_per_sample
 from .rules import module_rule
@@ -37,25 +37,33 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
                       backward: Backward, watched: dict[int, nn.Parameter], v: int) -> Captured:
     """Capture a forward, plan, and pull the cotangents back to every planned edge.
 
+    The model's ``forward`` and the user's part of ``root`` (the loss) run as they are:
+    their errors propagate unchanged. persample's own work (the capture's data flow,
+    the planning, the backward to the planned edges) raises
+    :class:`~persample.errors.InternalError` if it fails, or a refusal
+    (:data:`~persample.errors.REFUSALS`) where the rules cannot split the model.
     A batch of one needs no capture: its per-sample gradient is the gradient.
     """
     if batch.n == 1:
         return _one_sample(model, batch, root, backward, watched, v)
     with torch.enable_grad():
-        with Capture(model, watched, batch.n, batch.batched, batch.shared, module_rule) as cap:
+        with Capture(model, watched, batch.n, batch.located, batch.shared, module_rule) as cap:
             output = batch.call(model)
         value = root(output, cap)
     del output  # the model's output holds nothing the backward needs beyond `value`
-    result = plan(cap, watched)
-    cap.release_calls([call for call, _ in result.module_jobs + result.fallback_jobs])
-    edges = result.edges()
+    with internal("planning the per-sample work"):
+        result = plan(cap, watched)
+        cap.release_calls([call for call, _ in result.module_jobs + result.fallback_jobs])
+        edges = result.edges()
     if edges and not value.requires_grad:
         raise RuntimeError(
             "the result does not depend on any parameter through autograd (was the "
             "model's output detached?)")
-    got = backward(value, edges, result) if edges else ()
-    grads = {edge_key(e): g for e, g in zip(edges, got)}
-    hidden = [p for p in result.reach if grads.get(edge_key(get_gradient_edge(p))) is not None]
+    with internal("the backward to the captured ops"):
+        got = backward(value, edges, result) if edges else ()
+        grads = {edge_key(e): g for e, g in zip(edges, got)}
+        hidden = [p for p in result.reach if grads.get(edge_key(get_gradient_edge(p)))
+                  is not None]
     if hidden:
         raise NeedsWholeModel(
             f"parameter {param_name(model, id(hidden[0]))} gets gradient through ops the "
@@ -86,7 +94,7 @@ def _one_sample(model, batch, root, backward, watched, v) -> Captured:
 
 
 def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
-                   loss_reduction: str, watched: dict[int, nn.Parameter],
+                   watched: dict[int, nn.Parameter],
                    retain_graph: bool | Callable[[Plan], bool] = False) -> Captured:
     """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss;
     ``retain_graph``: keep the model's autograd graph after the backward (or a function
@@ -94,8 +102,11 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
     from .loss import total_loss
 
     def root(output: Any, cap: Capture) -> Tensor:
+        follow = getattr(cap, "follow", None)
+        if follow is not None:  # the targets' samples, for the loss's data flow
+            cap.add_inputs(located_of(targets, batch.n))
         with _ReadCheck(cap):
-            return total_loss(output, targets, loss_fn, batch.n, loss_reduction, cap.layout)
+            return total_loss(output, targets, loss_fn, batch.n, cap.layout, follow)
 
     def backward(total: Tensor, edges: list, planned: Plan) -> tuple:
         retain = retain_graph(planned) if callable(retain_graph) else retain_graph
@@ -125,11 +136,11 @@ class _ReadCheck(TorchFunctionMode):
 
 
 def rules_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
-                loss_reduction: str, dest: dict[int, Tensor],
-                watched: dict[int, nn.Parameter]) -> Captured:
+                dest: dict[int, Tensor], watched: dict[int, nn.Parameter]) -> Captured:
     """Per-sample gradients of one batch into ``dest`` (``id(param) -> (n, *shape)``)."""
-    cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction, watched)
-    write_per_sample(cap, {k: t.unsqueeze(1) for k, t in dest.items()})
+    cap = loss_backprops(model, batch, targets, loss_fn, watched)
+    with internal("the rules"):
+        write_per_sample(cap, {k: t.unsqueeze(1) for k, t in dest.items()})
     return cap
 
 
@@ -162,5 +173,6 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
         return torch.autograd.grad(output, edges, cot, is_grads_batched=True, allow_unused=True)
 
     cap = capture_backprops(model, batch, root, backward, watched, len(outputs))
-    write_per_sample(cap, dest)
+    with internal("the rules"):
+        write_per_sample(cap, dest)
     return cap

@@ -2,10 +2,17 @@
 
 ``method="auto"`` answers :class:`NeedsWholeModel`, :class:`UnsupportedModuleError`,
 :class:`InPlaceModificationError` and :class:`LossNotPerSampleError` with a warning
-and the exact whole-model methods (``torch.func``, then the loop).
+and the exact whole-model methods (``torch.func``, then the loop), and
+:class:`InternalError` (an exception inside persample's own machinery: a bug) likewise,
+with a warning that asks for a report. An exception raised by the user's own
+``forward`` or ``loss_fn`` is none of these: it propagates unchanged.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
 
 
 class NeedsWholeModel(RuntimeError):
@@ -23,3 +30,36 @@ class InPlaceModificationError(RuntimeError):
 
 class LossNotPerSampleError(ValueError):
     """``loss_fn`` read a model output that mixes the samples (a batch-wide mean)."""
+
+
+class InternalError(RuntimeError):
+    """persample's own machinery (a data-flow handler, a rule, a pullback, the planning)
+    raised on this model: a bug in persample, not in the model. ``method="auto"`` warns,
+    asking for a report, and answers with the next exact method; the original exception
+    is the ``__cause__``."""
+
+
+# What the rules raise to refuse a model they cannot split by sample; the exact slower
+# methods answer it (``method="auto"``).
+REFUSALS = (NeedsWholeModel, UnsupportedModuleError, InPlaceModificationError,
+            LossNotPerSampleError)
+
+
+def raise_internal(err: Exception, where: str) -> NoReturn:
+    """Raise ``err`` (raised inside persample while doing ``where``) as an
+    :class:`InternalError`; persample's own refusals are raised unchanged."""
+    if isinstance(err, REFUSALS + (InternalError,)):
+        raise err
+    raise InternalError(
+        f"persample failed in {where}: {type(err).__name__}: {err}. This is a bug in "
+        "persample, not in your model; please report it with this message.") from err
+
+
+@contextmanager
+def internal(where: str) -> Iterator[None]:
+    """Inside: persample's own work (``where``: what it is doing). An exception raised
+    there, other than a refusal, is an :class:`InternalError`."""
+    try:
+        yield
+    except Exception as err:
+        raise_internal(err, where)

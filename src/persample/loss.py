@@ -1,12 +1,15 @@
 """The sum over samples of each sample's own loss, from the model's output as it is.
 
 ``loss_fn(output, targets)`` gets the model's output unchanged (a tensor, a tuple, a
-dict, a Hugging Face ``ModelOutput``). It may return per-sample losses ``(B,)``, or
-a scalar reduced over the batch: that scalar is evaluated again per sample with
-``torch.func.vmap`` over batches of one (each output tensor cut along the dim the
-capture found its samples in), which is exact for any reduction, class weights or
-``ignore_index``; only a loss that cannot be vmapped falls back to undoing the
-stated ``loss_reduction``.
+dict, a Hugging Face ``ModelOutput``), and runs under the capture's data flow. It may
+return per-sample losses ``(B,)``: if each entry holds its own sample alone (the data
+flow says so) they are summed as they are. Otherwise (a scalar reduced over the
+batch, or a ``(B,)`` loss that mixes samples) the loss is evaluated again for each
+sample on that sample's slice of the output (each output tensor cut along the dim the
+capture found its samples in, as a batch of one): with ``torch.func.vmap`` where the
+loss can be vmapped, else one call per sample. That is the loop's answer for any
+loss (any reduction, class weights, ``ignore_index``, a ``.item()`` inside); nothing is
+"undone".
 
 A scalar the model computed over the whole batch (``out.loss`` when ``labels`` go
 into the model) cannot be split by sample: reading such an output raises
@@ -18,6 +21,7 @@ an output whose samples the capture could not locate raises ``NeedsWholeModel``
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import Tensor
@@ -31,7 +35,8 @@ from torch.utils._pytree import (
 )
 
 from .batch import FREE, Batched, Layout, Mixed, Unknown, front
-from .errors import LossNotPerSampleError, NeedsWholeModel
+from .errors import LossNotPerSampleError, NeedsWholeModel, internal
+from .inputs import rows_of
 
 FIX = """Compute each sample's own loss from the logits and pass the labels as targets, e.g. for a
 causal LM:
@@ -97,44 +102,70 @@ def _regular(lay: Batched, n: int) -> bool:
     return lay.index is None or (lay.index.numel() == n and len(set(lay.index.tolist())) == n)
 
 
-def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int, reduction: str,
-               layout_of: Callable[[Tensor], Layout] | None = None) -> Tensor:
+def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int,
+               layout_of: Callable[[Tensor], Layout] | None = None,
+               follow: Callable[[], AbstractContextManager] | None = None) -> Tensor:
     """The sum over samples of each sample's own loss ``loss_fn(output_i, targets_i)``.
 
-    ``layout_of`` gives where each output tensor holds its samples (the capture's data
-    flow); without it every output tensor has them in dim 0.
+    ``layout_of`` gives where each tensor holds its samples (the capture's data flow;
+    without it every output tensor has them in dim 0, and a ``(n,)`` loss is taken as
+    per-sample); ``follow()`` is the context in which the loss's own ops are followed.
     """
     layout_of = layout_of or (lambda t: Batched(0))
-    guarded = _guarded(output, layout_of, n)
-    loss = loss_fn(guarded, targets)
+    with internal("guarding the model's output"):
+        guarded = _guarded(output, layout_of, n)
+    with follow() if follow is not None else nullcontext():
+        loss = loss_fn(guarded, targets)
     if isinstance(loss, _Unsplittable):
         raise loss.error()
     if not isinstance(loss, Tensor):
         raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
-    if loss.shape == (n,):
+    if n == 1 and loss.numel() == 1:  # a batch of one: the loss is that sample's
         return loss.sum()
-    if n == 1 and loss.dim() == 0:  # a batch of one: the loss is that sample's
-        return loss
-    if loss.dim() != 0:
+    if loss.shape == (n,) and _one_per_row(layout_of(loss)):
+        return loss.sum()
+    if loss.dim() != 0 and loss.shape != (n,):
         raise ValueError(
             f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
-            f"shape ({n},) or a scalar reduced over the batch (say how with loss_reduction=). "
-            "For a torch.nn loss, use reduction='none' and reduce extra dims per sample, "
-            "or reduction='mean'/'sum'.")
-    flat, spec = tree_flatten(guarded)
-    # each sample's outputs as a batch of one: (n, *per_sample) views, cut along dim 0
-    # (merged positions, as (B*T, V) logits, come out as that sample's (T, V))
-    cut = [front(t, lay, n) if isinstance(lay := _layout(t, layout_of), Batched) else t
-           for t in flat]
-    dims = [0 if c is not t else None for c, t in zip(cut, flat)]
-    target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
-    try:
-        return vmap(_one_sample_loss(loss_fn, spec), in_dims=(dims, target_dims))(
-            cut, targets).sum()
-    except (LossNotPerSampleError, NeedsWholeModel):
-        raise
-    except Exception:  # loss_fn is not vmappable: undo the stated reduction
-        return loss * n if reduction == "mean" else loss
+            f"shape ({n},) or a scalar. For a torch.nn loss, use reduction='none' and reduce "
+            "extra dims per sample, or reduction='mean'/'sum'.")
+    return _each_sample(guarded, targets, loss_fn, n, layout_of)
+
+
+def _one_per_row(lay: Layout) -> bool:
+    return isinstance(lay, Batched) and lay.dim == 0 and lay.plain
+
+
+def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
+                 layout_of: Callable[[Tensor], Layout]) -> Tensor:
+    """``sum_i loss_fn(output_i, targets_i)``: each sample's outputs as a batch of one
+    (merged positions, as ``(B*T, V)`` logits, come out as that sample's ``(T, V)``)."""
+    with internal("cutting the model's output by sample"):
+        flat, spec = tree_flatten(guarded)
+        cut = [front(t, lay, n) if isinstance(lay := _layout(t, layout_of), Batched) else t
+               for t in flat]
+        dims = [0 if c is not t else None for c, t in zip(cut, flat)]
+    if _plain_tree(targets):
+        target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
+        try:
+            return vmap(_one_sample_loss(loss_fn, spec), in_dims=(dims, target_dims))(
+                cut, targets).sum()
+        except (LossNotPerSampleError, NeedsWholeModel):
+            raise
+        except Exception:  # loss_fn cannot be vmapped (.item(), data-dependent code)
+            pass
+    total = None
+    for i in range(n):  # one call per sample, as the loop over samples makes it
+        flat_i = [c[i] if d == 0 else c for c, d in zip(cut, dims)]
+        value = loss_fn(tree_unflatten(flat_i, spec), rows_of(targets, i, i + 1)).sum()
+        total = value if total is None else total + value
+    return total
+
+
+def _plain_tree(x: Any) -> bool:
+    """Only tensors and plain values in ``x`` (vmap's in_dims can describe it)."""
+    leaves, _ = tree_flatten(x)
+    return all(isinstance(t, (Tensor, int, float, bool, str, type(None))) for t in leaves)
 
 
 def _layout(t: Any, layout_of: Callable[[Tensor], Layout]) -> Layout:

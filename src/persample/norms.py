@@ -11,7 +11,6 @@ norm of the summed contribution is not the sum of the norms.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,13 +18,15 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .api import FALLBACK_ERRORS
 from .capture import Op
 from .engine import loss_backprops
+from .errors import internal
+from .methods import Taken, answer
 from .plan import Captured
 from .pullback import module_front, module_inputs, write_per_sample
-from .reference import rows
+from .reference import loop_per_sample_grads, rows
 from .rules import OpCall, find_norm_rule, find_op_norm
+from .vmap import vmap_per_sample_grads
 
 
 def squared_norms(
@@ -111,22 +112,16 @@ def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -
     return normed
 
 
-def _rules_norms(model, batch, targets, loss_fn, loss_reduction, params, method
-                 ) -> dict[str, Tensor] | None:
-    """``{name: (n,)}`` by the rules; ``None`` for vmap/loop (or auto where the rules
-    cannot split a gradient by sample, with a warning)."""
-    if method not in ("auto", "rules"):
-        return None
-    try:
-        cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction,
-                             {id(p): p for p in params.values()})
+def _rules_norms(model, batch, targets, loss_fn, params) -> dict[str, Tensor]:
+    """``{name: (n,)}`` by the rules."""
+    cap = loss_backprops(model, batch, targets, loss_fn, {id(p): p for p in params.values()})
+    with internal("the norm rules"):
         sq, _, _, _ = squared_norms(cap, params)
-    except FALLBACK_ERRORS as err:
-        if method == "rules":
-            raise
-        warnings.warn(f"{err} Falling back to method='loop'.", stacklevel=4)
-        return None
     return {name: sq[id(p)].sqrt() for name, p in params.items()}
+
+
+def _norms_of(grads: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {name: g.flatten(1).norm(dim=1) for name, g in grads.items()}
 
 
 @checks.keeps_buffers
@@ -136,10 +131,10 @@ def per_sample_grad_norms(
     targets: Any,
     loss_fn: Callable[[Any, Any], Tensor],
     *,
-    loss_reduction: str = "mean",
     method: str = "auto",
     per_layer: bool = False,
     chunk_size: int | None = None,
+    loss_reduction: str | None = None,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """L2 norm of each sample's gradient over all trainable parameters.
 
@@ -177,20 +172,18 @@ def per_sample_grad_norms(
         >>> torch.allclose(norms, g.norm(dim=1), atol=1e-6)
         True
     """
-    from .api import per_sample_grads  # the non-rules methods
-
-    batch, n, params = checks.validate_call(model, inputs, targets, method, loss_reduction,
-                                           chunk_size)
+    batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
+                                           loss_reduction, chunk_size)
     layers = {name: p.new_zeros(n) for name, p in params.items()}
-    step = chunk_size or max(n, 1)
+    step, taken = chunk_size or max(n, 1), Taken()
     for start in range(0, n, step):
         a, t = batch.rows(start, start + step), rows(targets, start, start + step)
-        chunk = _rules_norms(model, a, t, loss_fn, loss_reduction, params, method)
-        if chunk is None:  # vmap or loop: the norms of their per-sample gradients
-            grads = per_sample_grads(model, (a.args, a.kwargs), t, loss_fn,
-                                     loss_reduction=loss_reduction,
-                                     method="loop" if method == "auto" else method)
-            chunk = {name: g.flatten(1).norm(dim=1) for name, g in grads.items()}
+        chunk = answer(
+            method,
+            rules=lambda a=a, t=t: _rules_norms(model, a, t, loss_fn, params),
+            vmap=lambda a=a, t=t: _norms_of(vmap_per_sample_grads(model, a, t, loss_fn, params)),
+            loop=lambda a=a, t=t: _norms_of(loop_per_sample_grads(model, a, t, loss_fn)),
+            taken=taken)
         for name, norms in chunk.items():
             layers[name][start : start + step] = norms
     total = torch.stack(list(layers.values())).square().sum(0).sqrt()  # (B,)

@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from .checks import keeps_buffers, trainable_parameters
-from .inputs import as_batch
+from .inputs import as_batch, rows_of
 
 
 def rows(x: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of every tensor in ``x`` (a tensor, or any nest of them, or None)."""
-    return tree_map(lambda t: t[start:stop] if isinstance(t, Tensor) else t, x)
+    """Rows ``start:stop`` of every tensor in ``x`` (a tensor, or any nest of them, or
+    None; dataclasses and the packed forms of :mod:`persample.inputs` included)."""
+    return rows_of(x, start, stop)
 
 
 @keeps_buffers

@@ -9,7 +9,6 @@ largest error per parameter.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +18,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from . import checks
-from .api import FALLBACK_ERRORS
 from .engine import capture_backprops, loss_backprops
+from .errors import REFUSALS, InternalError, internal
 from .inputs import Batch, as_batch
 from .plan import Path
 from .pullback import write_per_sample
@@ -172,10 +171,11 @@ def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
         if loss_fn is None:
             cap = capture_backprops(model, batch, root, backward, params, 1)
         else:
-            cap = loss_backprops(model, batch, targets, loss_fn, "mean", params)
-        write_per_sample(cap, {pid: p.new_empty((batch.n, 1, *p.shape))
-                               for pid, p in params.items()})
-    except FALLBACK_ERRORS as err:
+            cap = loss_backprops(model, batch, targets, loss_fn, params)
+        with internal("the rules"):
+            write_per_sample(cap, {pid: p.new_empty((batch.n, 1, *p.shape))
+                                   for pid, p in params.items()})
+    except REFUSALS + (InternalError,) as err:
         why = (f"{err} method='auto' runs torch.func over the whole model (the loop if "
                "that fails)")
         return {pid: Path("vmap", "", why) for pid in params}
@@ -240,9 +240,9 @@ def verify(
     loss_fn: Callable[[Any, Any], Tensor],
     samples: int = 4,
     *,
-    loss_reduction: str = "mean",
     method: str = "auto",
     rtol: float | None = None,
+    loss_reduction: str | None = None,
 ) -> Verification:
     """Check the fast per-sample gradients against the loop on the first ``samples`` samples.
 
@@ -283,25 +283,16 @@ def verify(
     Source: the loop over samples is the reference of every test here (the
     obviously correct method, seed 001).
     """
-    from .api import per_sample_grads
+    from .api import grads_taken
 
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive int, got {samples!r}")
     batch = as_batch(inputs)
     k = min(samples, batch.n)
     part, t = batch.rows(0, k), rows(targets, 0, k)
-    a = (part.args, part.kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fast = per_sample_grads(model, a, t, loss_fn, loss_reduction=loss_reduction,
-                                method=method)
-    for w in caught:  # show them as the call would
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    taken = method
-    if method == "auto":
-        fell = [str(w.message) for w in caught if "Falling back to method=" in str(w.message)]
-        taken = "rules" if not fell else ("vmap or loop: " + fell[0])
-    slow = loop_per_sample_grads(model, a, t, loss_fn)
+    fast, taken = grads_taken(model, part, t, loss_fn, method=method,
+                              loss_reduction=loss_reduction)
+    slow = loop_per_sample_grads(model, part, t, loss_fn)
     abs_error, rel_error = {}, {}
     for name, want in slow.items():
         err = (fast[name] - want).abs().max().item() if want.numel() else 0.0
@@ -309,4 +300,5 @@ def verify(
         abs_error[name] = err
         rel_error[name] = err / scale if scale > 0 else err
     dtype = next(iter(slow.values())).dtype
-    return Verification(abs_error, rel_error, rtol or _DEFAULT_RTOL.get(dtype, 1e-2), k, taken)
+    return Verification(abs_error, rel_error, rtol or _DEFAULT_RTOL.get(dtype, 1e-2), k,
+                        taken.describe())

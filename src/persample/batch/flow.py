@@ -98,10 +98,7 @@ def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
     handler = _handler(func)
     if handler is None:
         return Flow(every(out, Unknown(f"no data-flow rule for {name_of(func)}")))
-    try:
-        got = handler(ctx, func, args, kwargs, out)
-    except (IndexError, TypeError, ValueError, RuntimeError) as err:  # an unforeseen form
-        return Flow(every(out, Unknown(f"{name_of(func)}: {err}")))
+    got = handler(ctx, func, args, kwargs, out)  # raising here is a bug of the handler
     return got if isinstance(got, Flow) else Flow(got)
 
 

@@ -15,7 +15,6 @@ with the factors directly.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,13 +22,16 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks
-from ..api import FALLBACK_ERRORS
 from ..batch import Batched
 from ..engine import loss_backprops
+from ..errors import internal
 from ..fallback import summed_vjp
+from ..methods import answer
 from ..norms import squared_norms
 from ..plan import Captured, Plan
+from ..reference import loop_per_sample_grads
 from ..rules import OpCall, find_norm_rule, find_op_sum
+from ..vmap import vmap_per_sample_grads
 from .noise import gaussian_like
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
@@ -45,9 +47,9 @@ def private_grad(
     max_grad_norm: float,
     noise_multiplier: float,
     generator: torch.Generator | None = None,
-    loss_reduction: str = "mean",
     per_layer: bool = False,
     expected_batch_size: float | None = None,
+    loss_reduction: str | None = None,
 ) -> Tensor:
     """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
 
@@ -98,8 +100,8 @@ def private_grad(
         torch.Size([16])
     """
     _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
-    batch, n, params = checks.validate_call(model, inputs, targets, "auto", loss_reduction,
-                                           None)
+    batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, "auto",
+                                           loss_reduction, None)
     if n == 0 and expected_batch_size is None:
         raise ValueError(
             "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
@@ -108,32 +110,41 @@ def private_grad(
     # the noise first, in the new p.grad's memory; each clipped sum is added as it is made
     noise = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm, generator)
     grads = {id(p): t for p, t in zip(params.values(), noise)}
-    norms = _add_clipped_sums(model, batch, targets, loss_fn, loss_reduction, params,
-                              max_grad_norm, per_layer, grads)
+    norms = _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per_layer,
+                              grads)
     divisor = expected_batch_size or n
     for p in params.values():
         p.grad = grads[id(p)].div_(divisor)
     return norms
 
 
-def _add_clipped_sums(model, batch, targets, loss_fn, loss_reduction, params, max_grad_norm,
-                      per_layer, into: dict[int, Tensor]) -> Tensor:
+def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per_layer,
+                      into: dict[int, Tensor]) -> Tensor:
     """Add ``sum_i c_i g_i`` of every parameter into ``into[id(p)]``; return the ``(n,)``
-    norms. One forward and backward; an unused parameter gets nothing added."""
+    norms. One forward and backward (or, where the rules cannot split the model, the
+    per-sample gradients of ``torch.func`` or the loop); an unused parameter gets nothing
+    added."""
     n = batch.n
     if n == 0:
         return next(iter(params.values())).new_zeros(0)
     watched = {id(p): p for p in params.values()}
-    try:
-        cap = loss_backprops(model, batch, targets, loss_fn, loss_reduction, watched,
-                             retain_graph=_keeps_graph)
-        sq, mats, ghosted, by_module = squared_norms(cap, params)
-    except FALLBACK_ERRORS as err:  # as method="auto" does: exact, slower
-        warnings.warn(f"{err} Falling back to per-sample gradients by method='vmap' (the "
-                      "loop if that fails).", stacklevel=3)
-        cap, ghosted, by_module = None, set(), []
-        mats = _materialised(model, batch, targets, loss_fn, loss_reduction, params)
-        sq = {pid: m.flatten(1).square().sum(1) for pid, m in mats.items()}
+
+    def by_rules() -> tuple:
+        cap = loss_backprops(model, batch, targets, loss_fn, watched, retain_graph=_keeps_graph)
+        with internal("the norm rules"):
+            return (cap, *squared_norms(cap, params))
+
+    def by(method: Callable) -> Callable[[], tuple]:
+        def materialised() -> tuple:
+            grads = method(model, batch, targets, loss_fn, params)
+            mats = {id(params[name]): g.unsqueeze(1) for name, g in grads.items()}
+            return None, {pid: m.flatten(1).square().sum(1) for pid, m in mats.items()}, \
+                mats, set(), []
+        return materialised
+
+    cap, sq, mats, ghosted, by_module = answer(
+        "auto", rules=by_rules, vmap=by(vmap_per_sample_grads),
+        loop=by(lambda m, b, t, f, _: loop_per_sample_grads(m, b, t, f)))
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
     _check_finite(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
@@ -141,11 +152,12 @@ def _add_clipped_sums(model, batch, targets, loss_fn, loss_reduction, params, ma
     for pid, m in mats.items():  # (n, 1, *shape) materialised
         into[pid].add_(torch.tensordot(factors[pid], m[:, 0], dims=1))
     del mats
-    for _call, edge, layout, normed in by_module:  # module norm rules: the module's backward
-        for p in normed.values():
-            into[id(p)].add_(_edge_backward(cap, edge, layout, [p], factors[id(p)])[id(p)])
-    if cap is not None:
-        _book_keeping(cap, ghosted, factors, into, done)
+    with internal("the clipped sums"):
+        for _call, edge, layout, normed in by_module:  # module norm rules: their backward
+            for p in normed.values():
+                into[id(p)].add_(_edge_backward(cap, edge, layout, [p], factors[id(p)])[id(p)])
+        if cap is not None:
+            _book_keeping(cap, ghosted, factors, into, done)
     return norms
 
 
@@ -155,21 +167,6 @@ def _keeps_graph(plan: Plan) -> bool:
     the graph). Everything else is summed from the captured values, so the graph's saved
     activations are freed as the backward goes, as in a plain step."""
     return any(find_norm_rule(call.rule) is not None for call, _ in plan.module_jobs)
-
-
-def _materialised(model, batch, targets, loss_fn, loss_reduction, params
-                  ) -> dict[int, Tensor]:
-    """``{id(p): (n, 1, *shape)}`` by ``torch.func`` over the whole model, or the loop."""
-    from ..api import per_sample_grads
-
-    inputs = (batch.args, batch.kwargs)
-    try:
-        grads = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=loss_reduction,
-                                 method="vmap")
-    except Exception:  # torch.func cannot run this model: the loop always can
-        grads = per_sample_grads(model, inputs, targets, loss_fn,
-                                 loss_reduction=loss_reduction, method="loop")
-    return {id(params[name]): g.unsqueeze(1) for name, g in grads.items()}
 
 
 def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tensor]:

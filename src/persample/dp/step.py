@@ -39,8 +39,8 @@ class PrivateStep:
     Args:
         model: the ``nn.Module``; its trainable parameters at construction are the
             step's (``named_parameters()`` order). Nothing is stored on it.
-        loss_fn: ``loss_fn(output, targets)``, per-sample ``(b,)`` or a scalar reduced
-            over the micro-batch as ``loss_reduction`` says (see ``per_sample_grads``).
+        loss_fn: ``loss_fn(output, targets)``, per-sample ``(b,)`` or a scalar (see
+            ``per_sample_grads``).
         max_grad_norm: the clipping norm ``C > 0`` (loss units per parameter unit).
         noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * C``.
         expected_batch_size: ``B' > 0``, the divisor: with Poisson sampling ``q * N``
@@ -48,9 +48,9 @@ class PrivateStep:
         generator: ``torch.Generator`` (on the parameters' device) for the noise.
         per_layer: clip each parameter's gradient to ``C / sqrt(K)`` instead of the
             whole gradient to ``C``.
-        loss_reduction: ``"mean"`` or ``"sum"``, for a scalar ``loss_fn``.
         timeout: seconds :meth:`release` waits for the other processes (distributed,
             gloo; with NCCL the process group's own timeout applies).
+        loss_reduction: deprecated, no effect (each sample's own loss is evaluated).
 
     Distributed (``torch.distributed`` initialised, any backend; gloo on CPUs, NCCL on
     GPUs): every process accumulates its own samples; ``release()`` sums the clipped
@@ -69,7 +69,7 @@ class PrivateStep:
 
     Raises:
         ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
-            ``expected_batch_size`` or ``loss_reduction``, a model without trainable
+            ``expected_batch_size``, a model without trainable
             parameters.
 
     Example:
@@ -96,18 +96,19 @@ class PrivateStep:
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], *,
                  max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
                  generator: torch.Generator | None = None, per_layer: bool = False,
-                 loss_reduction: str = "mean", timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, loss_reduction: str | None = None) -> None:
         _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
         if expected_batch_size is None:
             raise ValueError("expected_batch_size is required: the divisor of the noised sum "
                              "(q * N with Poisson sampling)")
-        checks.check_options("auto", loss_reduction, None)
+        checks.check_loss_reduction(loss_reduction)
+        checks.check_loss_fn(loss_fn, None)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module  # its own gradient all-reduce must not run: release reduces
         self.model, self.loss_fn = model, loss_fn
         self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
-        self.generator, self.per_layer, self.loss_reduction = generator, per_layer, loss_reduction
+        self.generator, self.per_layer = generator, per_layer
         self.params = checks.trainable_parameters(model)  # name -> parameter
         self.sums: dict[str, Tensor] | None = None  # allocated at the first accumulate
         self.samples = 0  # accumulated since the last release
@@ -133,8 +134,8 @@ class PrivateStep:
             FloatingPointError: a sample's gradient is not finite (nothing is added).
         """
         self._check_parameters()
-        batch, n, _ = checks.validate_call(self.model, inputs, targets, "auto",
-                                          self.loss_reduction, None)
+        batch, n, _ = checks.validate_call(self.model, inputs, targets, self.loss_fn, "auto",
+                                          None, None)
         params = list(self.params.values())
         if self.sums is None:
             self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_())))
@@ -142,8 +143,7 @@ class PrivateStep:
         try:
             with checks.kept_buffers(self.model):
                 norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
-                                          self.loss_reduction, self.params, self.max_grad_norm,
-                                          self.per_layer, into)
+                                          self.params, self.max_grad_norm, self.per_layer, into)
         except FloatingPointError as err:
             if _world() is None:
                 raise

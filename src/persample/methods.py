@@ -1,0 +1,100 @@
+"""``method=``: the one policy that picks who answers a call.
+
+Every public function that differentiates a model per sample (per-sample gradients,
+the parameter Jacobian, the norms, the DP step and :class:`persample.dp.PrivateStep`)
+has three exact ways to answer: the engine's rules (one captured forward and
+backward), ``torch.func`` over the whole model, and the loop over samples.
+``method="auto"`` is the rules; where they refuse a model (an op that cannot be
+split by sample: :data:`~persample.errors.REFUSALS`) or where persample's own
+machinery fails on it (:class:`~persample.errors.InternalError`, a bug), it warns
+once, naming the op or module, and answers with ``torch.func``, then the loop. An
+exception from the user's own ``forward`` or ``loss_fn`` is not caught: it
+propagates as it is. :func:`answer` is that policy; :class:`Taken` records which
+method answered, for :func:`persample.verify` and :func:`persample.supported`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import REFUSALS, InternalError
+
+METHODS = ("auto", "rules", "vmap", "loop")
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Taken:
+    """Which method answered a call (``"rules"``, ``"vmap"`` or ``"loop"``), and why
+    ``auto`` left the rules (empty if it did not). Shared by the chunks of one call, so
+    that the warning is given once."""
+
+    method: str = "rules"
+    reason: str = ""
+    bug: bool = False
+
+    def describe(self) -> str:
+        """``"rules"``, or the method taken and why."""
+        if not self.reason:
+            return self.method
+        return f"{self.method}: {self.reason}"
+
+
+def answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None,
+           loop: Callable[[], Any], taken: Taken | None = None) -> Any:
+    """The result of ``method`` (see the module docstring); ``vmap=None`` where
+    ``torch.func`` has no form for the quantity (``auto`` then goes to the loop)."""
+    taken = taken if taken is not None else Taken()
+    if method == "vmap":
+        taken.method = "vmap"
+        return vmap()
+    if method == "loop":
+        taken.method = "loop"
+        return loop()
+    if taken.method == "rules":
+        try:
+            return rules()
+        except REFUSALS as err:
+            if method == "rules":
+                raise
+            _leave_rules(taken, err, bug=False)
+        except InternalError as err:
+            if method == "rules":
+                raise
+            _leave_rules(taken, err, bug=True)
+    if vmap is not None and taken.method in ("rules", "vmap"):
+        try:
+            result = vmap()
+            taken.method = "vmap"
+            return result
+        except Exception:  # torch.func cannot run this model: the loop always can
+            pass
+    taken.method = "loop"
+    try:
+        return loop()
+    except Exception as err:  # nor the loop: the model's own error; say why not the rules
+        err.add_note(f"(method='auto' left the rules because: {taken.reason})")
+        raise
+
+
+def _leave_rules(taken: Taken, err: Exception, bug: bool) -> None:
+    taken.reason, taken.bug = str(err), bug
+    what = ("persample's own code failed on this model (a bug; please report it with "
+            "this message)" if bug else "the rules cannot split this model by sample")
+    warnings.warn(f"{what}: {err} Falling back to method='vmap' (torch.func over the whole "
+                  "model; the loop if that fails); the result is exact.",
+                  stacklevel=user_stacklevel())
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of ``warnings.warn`` that points at the first frame outside
+    persample (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
