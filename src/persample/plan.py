@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves
 
 from .batch import FREE, Batched, Layout, Mixed, Unknown, front_cotangents
@@ -95,7 +96,9 @@ def plan(cap: Capture, watched: dict[int, nn.Parameter]) -> Plan:
 
 def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
     """Module-rule calls whose inputs and outputs have plain layouts: they take the ops
-    reading their own parameters inside them."""
+    reading their own parameters inside them. A call whose ops also read other
+    parameters (a learned initial state expanded to the batch, a parametrized weight)
+    is left to those ops' paths: the module rule gives its own parameters only."""
     owned: set[Op] = set()
     by_call: dict[int, list[Op]] = {}
     for op in cap.ops:
@@ -106,6 +109,8 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
         if not ops or call.rule is None or not _plain_layouts(cap, call):
             continue
         own = {id(p) for p in call.module.parameters(recurse=False)}
+        if any(not op.sources_all <= own for op in ops):
+            continue
         params = {name: p for name, p in call.module.named_parameters(recurse=False)
                   if id(p) in own and any(id(p) in op.sources_all for op in ops)}
         result.module_jobs.append((call, params))
@@ -116,21 +121,19 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
 
 def _plain_layouts(cap: Capture, call: Call) -> bool:
     """Can a module rule take the call: every input and output tensor plainly batched
-    or free (a packed sequence's tensors are taken as they are)?"""
-    ins = [t for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)
-           and not _in_packed(t, call.args)]
+    (its batch dim holding one position per sample, in any order) or free? Of a packed
+    sequence only the rows count (its sizes and orders are positions): batched, one
+    or more rows per sample, or free."""
+    leaves = tree_leaves((call.args, call.kwargs),
+                         is_leaf=lambda a: isinstance(a, PackedSequence))
+    ins = [t for a in leaves for t in ((a.data,) if isinstance(a, PackedSequence) else (a,))
+           if isinstance(t, Tensor)]
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
     return all(_plain(cap.layout(t)) for t in ins + outs)
 
 
 def _plain(lay: Layout) -> bool:
     return lay is FREE or (isinstance(lay, Batched) and lay.outer == lay.inner == 1)
-
-
-def _in_packed(t: Tensor, args: tuple) -> bool:
-    from torch.nn.utils.rnn import PackedSequence
-
-    return any(isinstance(a, PackedSequence) and any(t is x for x in a) for a in args)
 
 
 def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[int, list[Op]],

@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from .batch import FREE, Batched, Ctx, Layout, front_cotangents, propagate
+from .batch.layouts import in_sample_order, one_per_sample, sample_of_positions
 from .batch.ops_views import reshaped
 from .capture import Call, Derived, Op
 from .errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
@@ -306,14 +308,21 @@ def _carries(op: Op, k: int, lay: Batched, want: Batched, n: int) -> bool:
 
 
 def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:
-    """For module rules: the batch dim moved to the front (and removed from its place);
-    irregular layouts (a packed sequence's rows) padded per sample."""
+    """For module rules: the batch dim (``lead`` dims in) moved to the front in sample
+    order and removed from its place, ``(n, *rest)``; a permuted batch dim (a packed
+    sequence's final states) likewise. An irregular one (a packed sequence's rows,
+    several per sample) is padded per sample: that dim then holds the most positions
+    of one sample, each sample's in their order (zeros after its own)."""
     if not isinstance(lay, Batched):
         return g
+    d = lay.dim + lead
     if lay.index is None:
-        return g.movedim(lay.dim + lead, 0)
-    fronted = front_cotangents(g, lay, n) if lead else lay.front(g, n)
-    return fronted
+        if not lay.plain:
+            raise ValueError(f"a module rule got a merged batch dim ({lay})")
+        return g.movedim(d, 0)
+    if one_per_sample(lay.index, n):
+        return in_sample_order(g, lay.index.to(g.device), d)
+    return front_cotangents(g, lay, n) if lead else lay.front(g, n)
 
 
 def _module_rule(cap: Captured, call: Call, params: dict[str, nn.Parameter],
@@ -344,19 +353,39 @@ def module_inputs(cap: Captured, call: Call) -> tuple | None:
     args = positional(call)
     if args is None:
         return None
-    return tuple(_front_value(cap, a) for a in args)
+    return tuple(_front_value(cap, a, call) for a in args)
 
 
-def _front_value(cap: Captured, x: Any) -> Any:
-    from torch.nn.utils.rnn import PackedSequence
-
+def _front_value(cap: Captured, x: Any, call: Call) -> Any:
+    """One input of a module-rule call with its samples in dim 0 (in sample order); a
+    packed sequence re-labelled so that unpacking it gives its sequences in sample
+    order."""
     if isinstance(x, PackedSequence):
-        return x
+        lay = _paired(cap, x.data, call)
+        if not isinstance(lay, Batched):
+            return x
+        rows = sample_of_positions(lay, x.data.shape[0], cap.n, x.data.device)
+        first = rows[: int(x.batch_sizes[0])]  # the sample of each sequence
+        return PackedSequence(x.data, x.batch_sizes, first, torch.argsort(first))
     if isinstance(x, (tuple, list)):
-        return type(x)(_front_value(cap, xi) for xi in x)
+        return type(x)(_front_value(cap, xi, call) for xi in x)
     if isinstance(x, Tensor):
-        return module_front(x, cap.cap.layout(x), cap.n, 0)
+        return module_front(x, _paired(cap, x, call), cap.n, 0)
     return x
+
+
+def _paired(cap: Captured, x: Tensor, call: Call) -> Layout:
+    """``x``'s layout; for a free input, how the call's own ops pair it with the samples
+    (the recurrent kernel pairs zeros made for the batch by their batch dim)."""
+    lay = cap.cap.layout(x)
+    if lay is not FREE:
+        return lay
+    for op in cap.cap.ops:
+        if op.claimed is call:
+            for k, t in enumerate(op.leaves):
+                if t is x and isinstance(op.align(k), Batched):
+                    return op.align(k)
+    return lay
 
 
 def positional(call: Call) -> tuple | None:

@@ -129,9 +129,8 @@ def _front_indexed(x: Tensor, index: Tensor, n: int, d: int) -> Tensor:
     """Positions along ``d`` grouped by sample: ``(n, ..., L, ...)``, ``L`` the most
     positions of one sample, zero-padded (zeros add nothing to the sums rules take)."""
     counts = torch.bincount(index, minlength=n)  # (n,)
-    if index.numel() == n and bool((counts == 1).all()):  # a permutation
-        order = torch.argsort(index)
-        return x.index_select(d, order).movedim(d, 0).unsqueeze(d + 1)
+    if one_per_sample(index, n):  # a permutation
+        return in_sample_order(x, index, d).unsqueeze(d + 1)
     length = int(counts.max()) if counts.numel() else 0
     order = torch.argsort(index, stable=True)  # positions sorted by sample
     starts = torch.cumsum(counts, 0) - counts
@@ -140,6 +139,37 @@ def _front_indexed(x: Tensor, index: Tensor, n: int, d: int) -> Tensor:
     out = x.new_zeros((n, length, *moved.shape[1:]))
     out[index[order], slot] = moved[order]
     return out.movedim(1, d + 1)  # (n, ..., L, ...)
+
+
+def indexed(dim: int, index: Tensor, n: int) -> Batched:
+    """Batched in ``dim`` with ``index`` the sample of each position; the plain
+    ``Batched(dim)`` where ``index`` is ``arange(n)`` (one position per sample, in
+    order: a permutation undone, the final states of a packed sequence in sample
+    order), so that such a tensor meets every rule as the plain layout it is. Every
+    data-flow rule that names the samples by position builds its layout here."""
+    if index.numel() == n and bool((index == torch.arange(n, device=index.device)).all()):
+        return Batched(dim)
+    return Batched(dim, index=index)
+
+
+def one_per_sample(index: Tensor, n: int) -> bool:
+    """``index`` (the sample of each position) is a permutation of ``arange(n)``."""
+    if index.numel() != n:
+        return False
+    return bool((torch.bincount(index, minlength=n) == 1).all())
+
+
+def in_sample_order(x: Tensor, index: Tensor, d: int) -> Tensor:
+    """A dim ``d`` holding each sample once (``index`` a permutation) -> ``(n, ...)``,
+    sample ``i`` first: the dim moved to the front in sample order."""
+    return x.index_select(d, torch.argsort(index)).movedim(d, 0)
+
+
+def sample_of_positions(lay: Batched, size: int, n: int, device: torch.device) -> Tensor:
+    """``(size,)``: the sample of each position along ``lay``'s batch dim."""
+    if lay.index is not None:
+        return lay.index.to(device)
+    return torch.arange(size, device=device) // lay.inner % n
 
 
 Layout = Free | Batched | Mixed | Unknown

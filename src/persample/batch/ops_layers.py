@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .flow import (
     VALUE_READERS,
+    Flow,
     aliases,
     arg,
     dim_of,
@@ -23,7 +24,15 @@ from .flow import (
     op_leaves,
     register,
 )
-from .layouts import FREE, Batched, Mixed, Unknown
+from .layouts import (
+    FREE,
+    Batched,
+    Mixed,
+    Unknown,
+    indexed,
+    one_per_sample,
+    sample_of_positions,
+)
 from .ops_elementwise import broadcast
 
 # ---------------------------------------------------------------------------
@@ -261,24 +270,71 @@ register(_cosine, *aliases("cosine_similarity", "pairwise_distance"))
 
 def _rnn(ctx, func, args, kwargs, out) -> Any:
     """``_VF.lstm/gru/rnn_tanh/rnn_relu``: padded input ``(T, B, I)`` (or batch first) or a
-    packed ``(data, batch_sizes)``; output like the input, states ``(L*D, B, H)``."""
-    x = args[0]
-    lay = ctx.layout(x)
+    packed ``(data, batch_sizes)``; output like the input, states ``(L*D, B, H)``.
+
+    The kernel pairs sequence ``j`` (the batch dim's position ``j``; a packed sequence's
+    column ``j``) with column ``j`` of the initial and final states. A free input or
+    state (zeros made for the batch, a learned state expanded to it) is paired by that
+    position; a batched one must hold the samples that pairing gives it. ``align``
+    says how each input pairs with the samples (the recurrent rule reads its inputs
+    by it)."""
     packed = isinstance(args[1], Tensor) and args[1].dim() == 1 and not args[1].is_floating_point()
-    outs = list(out)
-    if not isinstance(lay, Batched):
-        return every(out, lay)
-    if packed:
-        if lay.index is None:
-            return every(out, Unknown("a packed sequence without its samples' rows"))
-        batch = int(args[1][0])
-        state = Batched(1, index=lay.index[:batch])
-        return (lay, *[state] * (len(outs) - 1))
-    batch_first = bool(args[-1])
-    want = 0 if batch_first else 1
-    if x.dim() != 3 or lay.dim != want or not lay.plain:
+    x = args[0]
+    hx, weights = (args[2], args[3]) if packed else (args[1], args[2])
+    states = [t for t in (hx if isinstance(hx, (tuple, list)) else (hx,)) if isinstance(t, Tensor)]
+    if any(ctx.layout(w) is not FREE for w in weights):
+        return every(out, Unknown(f"{name_of(func)} with per-sample weights"))
+    found = (_packed_pairing(ctx, func, x, args[1], states) if packed
+             else _padded_pairing(ctx, func, x, bool(args[-1])))
+    if not isinstance(found, tuple):
+        return every(out, found)
+    seq, state = found
+    if ctx.layout(x) not in (FREE, seq):
         return every(out, mixed(func, "runs its recurrence over the samples' dim"))
-    return (lay, *[Batched(1)] * (len(outs) - 1))
+    if any(ctx.layout(t) not in (FREE, state) for t in states):
+        return every(out, mixed(func, "pairs initial states with other samples' sequences"))
+    align = tuple(seq if t is x else state if any(t is s for s in states) else None
+                  for t in op_leaves(args, kwargs))
+    return Flow((seq, *[state] * (len(out) - 1)), align)
+
+
+def _padded_pairing(ctx, func, x: Tensor, batch_first: bool) -> tuple | Mixed:
+    """The layouts a padded kernel input and the states pair with the samples."""
+    lay = ctx.layout(x)
+    d = 0 if batch_first else 1
+    if isinstance(lay, Batched) and (x.dim() != 3 or lay.dim != d or not lay.plain):
+        return mixed(func, "runs its recurrence over the samples' dim")
+    return Batched(d), Batched(1)
+
+
+def _packed_pairing(ctx, func, data: Tensor, sizes: Tensor, states: list[Tensor]
+                    ) -> tuple | Unknown:
+    """The layouts packed rows and the states pair with the samples: each sample one
+    sequence; its column ``j`` of the first step names the sample of column ``j`` of
+    every later step, and of the states. Rows of a batched ``data`` are read from its
+    layout, those of a free one from a batched state's."""
+    lay = ctx.layout(data)
+    if isinstance(lay, Batched):
+        if lay.dim != 0 or lay.outer != 1 or lay.inner != 1:
+            return Unknown(f"{name_of(func)} on packed rows of an unlike layout")
+        rows = sample_of_positions(lay, data.shape[0], ctx.n, data.device)
+        first = rows[: int(sizes[0])]
+    else:
+        lays = [ctx.layout(t) for t in states if isinstance(ctx.layout(t), Batched)]
+        if not lays or lays[0].dim != 1 or lays[0].outer != 1 or lays[0].inner != 1:
+            return Unknown(f"{name_of(func)}: a shared packed sequence with unlike states")
+        first = sample_of_positions(lays[0], int(sizes[0]), ctx.n, data.device)
+        rows = packed_rows(first, sizes)
+    if not one_per_sample(first, ctx.n) or not torch.equal(rows, packed_rows(first, sizes)):
+        return Unknown(f"{name_of(func)} on a packed sequence that is not one sequence per "
+                       "sample")
+    return indexed(0, rows, ctx.n), indexed(1, first, ctx.n)
+
+
+def packed_rows(first: Tensor, sizes: Tensor) -> Tensor:
+    """The sample of every row of a packed sequence whose first step's columns hold the
+    samples ``first``: step ``t`` has the first ``sizes[t]`` of them, time-major."""
+    return torch.cat([first[: int(k)] for k in sizes])
 
 
 register(_rnn, *aliases("lstm", "gru", "rnn_tanh", "rnn_relu",
@@ -293,10 +349,8 @@ def _pack(ctx, func, args, kwargs, out) -> Any:
     want = 0 if batch_first else 1
     if not isinstance(lay, Batched) or lay.dim != want or lay.outer != 1 or lay.inner != 1:
         return (Unknown("pack_padded_sequence of an unlike layout"), FREE)
-    order = lay.index if lay.index is not None else torch.arange(ctx.n, device=x.device)
-    sizes = out[1]  # (T,) number of sequences still running at each step
-    rows = torch.cat([order[: int(s)] for s in sizes])
-    return (Batched(0, index=rows), FREE)
+    order = sample_of_positions(lay, x.shape[want], ctx.n, x.device)
+    return (indexed(0, packed_rows(order, out[1]), ctx.n), FREE)
 
 
 register(_pack, *aliases("_pack_padded_sequence", where=(torch._VF,
@@ -306,17 +360,17 @@ VALUE_READERS.update(aliases("_pack_padded_sequence", where=(torch._VF,
 
 
 def _unpack(ctx, func, args, kwargs, out) -> Any:
-    """``_pad_packed_sequence(data, batch_sizes, batch_first, ...)``: positions in the
-    order of the packed rows' first step."""
+    """``_pad_packed_sequence(data, batch_sizes, batch_first, ...)``: position ``j`` of the
+    padded batch dim is column ``j`` of the packed rows' first step."""
     data, sizes, batch_first = args[0], args[1], args[2]
     lay = ctx.layout(data)
-    if not isinstance(lay, Batched) or lay.index is None:
+    if not isinstance(lay, Batched) or lay.dim != 0 or lay.outer != 1 or lay.inner != 1:
         return (Unknown("pad_packed_sequence of an unlike layout"), FREE)
-    order = lay.index[: int(sizes[0])]
-    d = 0 if batch_first else 1
-    if order.numel() == ctx.n and bool((order == torch.arange(ctx.n, device=order.device)).all()):
-        return (Batched(d), FREE)
-    return (Batched(d, index=order), FREE)
+    rows = sample_of_positions(lay, data.shape[0], ctx.n, data.device)
+    first = rows[: int(sizes[0])]
+    if not torch.equal(rows, packed_rows(first, sizes)):
+        return (Unknown("pad_packed_sequence of rows whose samples change column"), FREE)
+    return (indexed(0 if batch_first else 1, first, ctx.n), FREE)
 
 
 register(_unpack, *aliases("_pad_packed_sequence", where=(torch._VF,

@@ -133,8 +133,9 @@ def _unrolled(layer: nn.RNNBase, x: Tensor, valid: Tensor | None, h0: Tensor,
 def _inputs(layer: nn.RNNBase, activations: tuple, v: int):
     """Padded input ``(n * v, T, I)``, valid-step mask ``(n * v, T)`` (packed input) or
     ``None``, ``h0 (n * v, L * D, H_out)`` and ``c0`` (LSTM), each sample repeated ``v``
-    times. ``activations`` are batch-first (``layout.py``): input ``(n, T, I)`` or a
-    ``PackedSequence``, ``hx`` ``(n, L * D, H)`` or a tuple of them, or absent."""
+    times. ``activations`` are batch-first, in sample order: input ``(n, T, I)`` or a
+    ``PackedSequence`` that unpacks in sample order, ``hx`` ``(n, L * D, H)`` or a tuple
+    of them, or absent."""
     x, hx = activations[0], activations[1] if len(activations) > 1 else None
     valid = None
     if isinstance(x, PackedSequence):
@@ -177,13 +178,17 @@ def _wanted(layer: nn.RNNBase, trace: _Trace) -> list[Tensor]:
 
 @register_rule(nn.RNN, nn.LSTM, nn.GRU, multi_output=True)
 def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], out: dict):
-    """Per-sample gradients of every weight of ``layer``; backprops ``[output, h_n, (c_n)]``.
+    """Per-sample gradients of every weight of ``layer``; backprops ``[output, h_n, (c_n)]``,
+    a packed output's ``(n, v, T, H)`` padded per sample (``(n, v, H)`` where each sample
+    has one row).
 
     The recurrence is recomputed rather than captured: keeping the unrolled steps in
     the main forward instead of the fused kernel measured no faster (lstm-grads).
     """
     _check_dropout(layer)
     n, v = backprops[0].shape[:2]
+    if isinstance(activations[0], PackedSequence) and backprops[0].dim() == 3:
+        backprops = [backprops[0].unsqueeze(2), *backprops[1:]]  # one row per sample: T = 1
     x, valid, h0, c0 = _inputs(layer, activations, v)
     with torch.enable_grad():
         traces, results = _unrolled(layer, x, valid, h0, c0)
