@@ -21,7 +21,7 @@ from .flow import (
     register,
     worst,
 )
-from .layouts import FREE, Batched, Layout, Mixed, Unknown
+from .layouts import FREE, Batched, Layout, Mixed, Unknown, indexed
 
 # ---------------------------------------------------------------------------
 # indexing
@@ -152,10 +152,7 @@ def _masked(ctx, lay: Batched, x: Tensor, items: list, advanced: list, out: Tens
     if (advanced != [0] or not lay.plain or lay.dim >= mask.dim()
             or any(i != slice(None) for i in items[1:])):
         return None
-    index = mask.nonzero()[:, lay.dim]
-    if index.numel() == ctx.n and bool((index == torch.arange(ctx.n, device=index.device)).all()):
-        return Batched(0)
-    return Batched(0, index=index)
+    return indexed(0, mask.nonzero()[:, lay.dim], ctx.n)
 
 
 def _index_pairs(ctx, t: Tensor, shape: torch.Size, k: int) -> bool:
@@ -214,10 +211,7 @@ def _index_select(ctx, func, args, kwargs, out) -> Any:
         torch.arange(ctx.n, device=x.device) if lay.plain else None)
     if base is None:
         return Unknown("index_select of a merged batch dim")
-    index = base[_dim_index(idx, x.shape[d])]
-    if index.numel() == ctx.n and bool((index == torch.arange(ctx.n, device=index.device)).all()):
-        return Batched(d)
-    return Batched(d, index=index)
+    return indexed(d, base[_dim_index(idx, x.shape[d])], ctx.n)
 
 
 register(_index_select, *aliases("index_select"))
