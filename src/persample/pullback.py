@@ -104,8 +104,14 @@ def write_per_sample(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | No
 
 
 def _needs_values(op: Op) -> bool:
-    """An add (a shift) needs only the backprops; other rules read the inputs."""
-    return op.func not in ADD_OPS
+    """An add (a shift) needs only the backprops; other rules read the inputs, except
+    those the op itself overwrites (the running statistics of a norm that uses the
+    input's own: a later call updating them again changes nothing the rule reads)."""
+    if op.func in ADD_OPS:
+        return False
+    written = {id(t) for t, _ in op.flow.writes}
+    return any(t._version != v and id(t) not in written
+               for t, v in zip(op.leaves, op.versions))
 
 
 class Pullbacks:

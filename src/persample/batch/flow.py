@@ -49,10 +49,13 @@ class Ctx:
 class Flow:
     """An op's result: one layout per output tensor, and per input tensor how the op
     pairs it with the samples (``align``: ``None`` for the default: batched inputs
-    by their own layout, free ones shared)."""
+    by their own layout, free ones shared); ``writes``: inputs other than an in-place
+    op's first that the op overwrites, with their layouts afterwards (the running
+    statistics BatchNorm updates)."""
 
     outputs: Any  # a Layout, or a tuple of them for a tuple output
     align: tuple | None = None  # per input tensor (op_leaves order): Layout or None
+    writes: tuple = ()  # (tensor, layout) pairs
 
 
 def op_leaves(args: tuple, kwargs: dict) -> list:

@@ -74,7 +74,7 @@ for _k, _names in {1: ["conv1d", "conv_transpose1d", "max_pool1d", "avg_pool1d",
                        "max_pool3d_with_indices", "adaptive_max_pool3d_with_indices",
                        "fractional_max_pool3d"]}.items():
     register(lambda c, f, a, k, o, s=_k: _leading(c, f, a, k, o, s), *aliases(*_names))
-register(_leading, *aliases("group_norm", "instance_norm", "interpolate", "upsample",
+register(_leading, *aliases("group_norm", "interpolate", "upsample",
                               "upsample_nearest", "upsample_bilinear", "local_response_norm",
                               "convolution", "_convolution"), F.unfold, F.fold)
 
@@ -108,22 +108,60 @@ def _trailing(ctx, func, args, kwargs, out) -> Any:
 register(_trailing, *aliases("layer_norm", "rms_norm"))
 
 
-def _batch_norm(ctx, func, args, kwargs, out) -> Any:
-    """Eval mode: a per-channel affine map (channels in dim 1); training mode
-    normalises with the batch's statistics, which mixes samples."""
-    x = arg(args, kwargs, 0, "input")
+def _stats(func, args, kwargs) -> tuple:
+    """``(x, weight, bias, running_mean, running_var, batch_stats)`` of ``F.batch_norm``,
+    ``F.instance_norm`` or their ``torch.`` forms; ``batch_stats``: the op normalises
+    with the input's own statistics (``training``, ``use_input_stats``)."""
+    if func in _TORCH_FORMS:  # (input, weight, bias, running_mean, running_var, flag, ...)
+        names = ("input", "weight", "bias", "running_mean", "running_var")
+        x, w, b, mean, var = (arg(args, kwargs, i, k) for i, k in enumerate(names))
+        flag = arg(args, kwargs, 5, "use_input_stats" if func is torch.instance_norm
+                   else "training", False)
+    else:  # (input, running_mean, running_var, weight, bias, flag, ...)
+        names = ("input", "running_mean", "running_var", "weight", "bias")
+        x, mean, var, w, b = (arg(args, kwargs, i, k) for i, k in enumerate(names))
+        flag = arg(args, kwargs, 5, "training", False) if func is F.batch_norm else arg(
+            args, kwargs, 5, "use_input_stats", True)
+    return x, w, b, mean, var, bool(flag)
+
+
+_TORCH_FORMS = {torch.batch_norm, torch.instance_norm}
+
+
+def _norm_with_stats(ctx, func, args, kwargs, out) -> Any:
+    """``batch_norm``/``instance_norm(x, running_mean, running_var, w, b, flag)``. With the
+    input's own statistics (BatchNorm in training mode: over the batch, which mixes
+    samples; InstanceNorm: each row's own) the running statistics are only written,
+    not read: their layout does not reach the output, and afterwards they hold means
+    over the batch (mixed). Otherwise (eval mode) they are read, and must be shared
+    like the affine parameters."""
+    x, w, b, mean, var, batch_stats = _stats(func, args, kwargs)
+    read = [w, b] if batch_stats else [w, b, mean, var]
+    for t in read:
+        lay = ctx.layout(t)
+        if isinstance(lay, (Mixed, Unknown)):
+            return lay
+        if lay is not FREE:
+            return mixed(func, "has per-sample statistics or affine parameters (one per "
+                               "channel)")
     lay = ctx.layout(x)
-    training = arg(args, kwargs, 5, "training", False)
-    if not isinstance(lay, Batched):
-        return lay
-    if training:
-        return mixed(func, "normalises with the batch's statistics (training mode)")
-    if x.dim() > 1 and lay.dim == 1:
-        return mixed(func, "has the batch in the channel dim")
-    return lay
+    if func in (F.instance_norm, torch.instance_norm):
+        found = _leading(ctx, func, args, kwargs, out)
+    elif isinstance(lay, Batched) and lay.dim == 1 and x.dim() > 1:
+        found = mixed(func, "has the batch in the channel dim")
+    elif batch_stats and isinstance(lay, Batched):
+        found = mixed(func, "normalises with the batch's statistics (training mode)")
+    else:
+        found = lay
+    written = [t for t in (mean, var) if isinstance(t, Tensor)] if batch_stats else []
+    if not written or lay is FREE:
+        return found
+    means = mixed(func, "updated its running statistics with the batch's statistics")
+    return Flow(found, writes=tuple((t, means) for t in written))
 
 
-register(_batch_norm, F.batch_norm, torch.batch_norm)
+register(_norm_with_stats, F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_norm)
+VALUE_READERS.update({F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_norm})
 
 
 def _embedding(ctx, func, args, kwargs, out) -> Any:
