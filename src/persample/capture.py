@@ -428,13 +428,15 @@ class Capture:
             return out
         flow = propagate(self.ctx, func, args, kwargs, out, layouts)
         if self.stack and _new_trouble(flow.outputs, layouts):
-            flow = Flow(_located_in(flow.outputs, self.stack[-1]), flow.align)
+            flow = Flow(_located_in(flow.outputs, self.stack[-1]), flow.align, flow.writes)
         target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
         if target is not None and isinstance(out, Tensor):
             self._set_layout(target, flow.outputs, out)
         else:
             self._set_outputs(out, flow.outputs)
+        for t, lay in flow.writes:  # other inputs the op overwrote (running statistics)
+            self._set_layout(t, lay, None)
         if sources:
             self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before)
         return out
