@@ -150,14 +150,15 @@ def test_the_dp_backward_frees_activations_as_a_plain_backward_does():
             lambda m, a, out, name=name: seen.__setitem__(
                 name, StorageWeakRef(out.untyped_storage())))
     x, y = _data()
-    batch, _, params = checks.validate_call(net, x, y, "auto", "mean", None)
+    batch, _, params = checks.validate_call(net, x, y, nn.CrossEntropyLoss(), "auto", None,
+                                            None)
     watched = {id(p): p for p in params.values()}
     with Capture(net, watched, batch.n, batch.batched, batch.shared) as capture:
         out = batch.call(net)  # a frozen module's output is not kept by the capture
     assert capture.calls and seen["frozen"].expired() and not seen["tanh"].expired()
     del out, capture
-    cap = loss_backprops(net, batch, y, nn.CrossEntropyLoss(), "mean",
-                         watched, retain_graph=clip._keeps_graph)
+    cap = loss_backprops(net, batch, y, nn.CrossEntropyLoss(), watched,
+                         retain_graph=clip._keeps_graph)
     assert cap.grads and seen["frozen"].expired() and seen["tanh"].expired()
     del cap
     norms = persample.dp.private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=0.01,

@@ -3,12 +3,14 @@
 The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 :func:`input_jacobian`, :func:`jacobian_diagonal`, :func:`per_sample_grad_norms`,
 the loop references, :func:`register_rule` to add a layer rule, and
-:func:`supported` / :func:`verify` to check a custom model, and
-:func:`empty_cache` to free the result memory persample keeps for reuse.
+:func:`supported` / :func:`verify` to check a custom model,
+:func:`empty_cache` to free the result memory persample keeps for reuse, and
+:class:`PackedRows` to pass the rows of several samples packed into one tensor.
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
-from .errors import LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
+from .errors import InternalError, LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
+from .inputs import PackedRows
 from .jacobian import input_jacobian, jacobian_diagonal
 from .memory import empty_cache
 from .norms import per_sample_grad_norms
@@ -23,6 +25,7 @@ __all__ = [
     "input_jacobian",
     "jacobian_diagonal",
     "aligned_empty",
+    "PackedRows",
     "empty_cache",
     "loop_param_jacobian",
     "loop_per_sample_grads",
@@ -34,5 +37,6 @@ __all__ = [
     "UnsupportedModuleError",
     "LossNotPerSampleError",
     "NeedsWholeModel",
+    "InternalError",
 ]
 __version__ = "0.1.0"

@@ -11,14 +11,11 @@ from torch import Tensor, nn
 
 from . import checks
 from .engine import rules_grads, rules_param_jacobian
-from .errors import REFUSALS, InternalError
 from .inputs import Batch
 from .memory import result_empty
 from .methods import Taken, answer
 from .reference import loop_param_jacobian, loop_per_sample_grads, rows
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
-
-FALLBACK_ERRORS = REFUSALS + (InternalError,)  # until every caller uses methods.answer
 
 
 @checks.keeps_buffers
@@ -124,7 +121,7 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
                 vmap_per_sample_grads(model, a, t, loss_fn, params), params, d),
             loop=lambda a=a, t=t, d=d: _copy(
                 loop_per_sample_grads(model, a.as_inputs(), t, loss_fn), params, d),
-            taken=taken)
+            taken=taken, hint=lambda: checks.dtype_note(batch, params))
     return result, taken
 
 
@@ -202,7 +199,7 @@ def param_jacobian(
                     _select(vmap_param_jacobian(model, a, params), o, params), params, d),
                 loop=lambda a=a, o=o, d=d: _copy(
                     _select(loop_param_jacobian(model, a.as_inputs()), o, params), params, d),
-                taken=taken)
+                taken=taken, hint=lambda: checks.dtype_note(batch, params))
     if isinstance(result, dict):
         return {name: t.view(n, *out_shape, *t.shape[2:]) for name, t in result.items()}
     return result

@@ -235,6 +235,10 @@ class Capture:
             or a pair ``(tensor, layout)`` (packed rows, a packed sequence's data).
         shared: the other input tensors (free).
         module_rule: ``module -> rule or None``.
+        constant: ``constant(t)`` for a tensor the capture never saw made: is it free
+            (made before the call, so shared by every sample) rather than unknown (made
+            by code the capture cannot see, from sample data perhaps)? Default
+            :func:`user_leaf`.
 
     After the block: ``ops`` (every op reading a watched parameter, in order),
     ``derived`` (id of a derived tensor -> :class:`Derived`), ``calls`` (finished
@@ -256,8 +260,10 @@ class Capture:
 
     def __init__(self, model: nn.Module | None, watched: dict[int, nn.Parameter], n: int,
                  batched: list[Tensor | tuple[Tensor, Layout]], shared: tuple = (),
-                 module_rule: Callable[[nn.Module], Any] | None = None):
+                 module_rule: Callable[[nn.Module], Any] | None = None,
+                 constant: Callable[[Tensor], bool] | None = None):
         self.model, self.watched, self.n = model, watched, n
+        self.constant = constant or user_leaf
         self.layouts = _Layouts()
         self.derived: dict[int, Derived] = {}
         self.ops: list[Op] = []
@@ -446,6 +452,9 @@ class Capture:
         with the module where it is first read."""
         lay = self.layouts.get(t)
         if lay is None:
+            if self.constant(t):
+                self.layouts[t] = FREE
+                return FREE
             where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
             self.layouts[t] = Unknown(f"{self.layout(t).why}{where}")
         return self.layout(t)
@@ -520,6 +529,12 @@ class Capture:
                     id(p) in pids for p in call.module.parameters(recurse=False)):
                 return call
         return None
+
+
+def user_leaf(t: Tensor) -> bool:
+    """A leaf tensor that requires grad: made by the user, never computed (from sample
+    data or anything else), so shared by every sample."""
+    return t.requires_grad and t.grad_fn is None
 
 
 def _new_trouble(outputs: Any, inputs: list[Layout]) -> bool:

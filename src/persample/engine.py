@@ -59,8 +59,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
         raise RuntimeError(
             "the result does not depend on any parameter through autograd (was the "
             "model's output detached?)")
-    with internal("the backward to the captured ops"):
-        got = backward(value, edges, result) if edges else ()
+    got = backward(value, edges, result) if edges else ()  # the model's own backward code
+    with internal("reading the backward's gradients"):
         grads = {edge_key(e): g for e, g in zip(edges, got)}
         hidden = [p for p in result.reach if grads.get(edge_key(get_gradient_edge(p)))
                   is not None]

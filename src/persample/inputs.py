@@ -322,6 +322,17 @@ class Batch:
         it is: which leaves carry samples is not decided again)."""
         return self
 
+    def leaves(self) -> list[Any]:
+        """The tensors and special forms of the inputs, in order."""
+        return [leaf for _, leaf in self.named_leaves()]
+
+    def rebuilt(self, values: list[Any]) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with the leaves replaced by ``values``, in order."""
+        found = iter(values)
+        args = _walk(self.args, lambda leaf, _: next(found), "args")
+        kwargs = _walk(self.kwargs, lambda leaf, _: next(found), "kwargs")
+        return args, kwargs
+
     def rows(self, start: int, stop: int) -> Batch:
         """Samples ``start:stop``; shared tensors stay whole."""
         counter = iter(range(1 << 62))

@@ -18,14 +18,19 @@ backward, or all ``D`` one-hot tangents through one batched ``torch.func.jvp``
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
+from .batch import FREE, Batched, Mixed
+from .capture import Capture
 from .checks import kept_buffers
+from .errors import InternalError
 from .memory import result_empty
+from .methods import Taken, leave_rules, user_stacklevel
 
 MODES = ("auto", "reverse", "forward")
 _CHUNK_NUMBERS = 2**22  # jacobian_diagonal's default: tangents of a chunk, in numbers
@@ -107,8 +112,10 @@ def input_jacobian(
         if check_independence:
             _check_independence(model, x)
         xg = x.detach().requires_grad_()
-        with torch.enable_grad():
-            out = _checked_output(model(xg), x.shape[0])  # (B, *out_shape)
+        out, why = _followed_forward(model, xg)  # (B, *out_shape)
+        if why is not None:  # samples not one per row: the diagonal blocks one by one
+            _warn_blockwise(why)
+            return _blockwise_jacobian(out, xg, chunk_size)
         forward = mode == "forward" or (
             mode == "auto" and math.prod(x.shape[1:]) < math.prod(out.shape[1:]))
         if forward:
@@ -169,6 +176,13 @@ def jacobian_diagonal(
             with torch.no_grad():
                 out = _check_square(_checked_output(fn(x), n).unsqueeze(0), x)[0]
             return out.new_zeros(x.shape)
+        xg = x.detach().requires_grad_()
+        out, why = _followed_forward(fn, xg)
+        _check_square(out.unsqueeze(0), x)
+        if why is not None:  # samples not one per row: each entry's own derivative
+            _warn_blockwise(why)
+            return _blockwise_jacobian(out, xg, chunk_size, diagonal=True)
+        del out, xg
         step = chunk_size or min(d, max(4, _CHUNK_NUMBERS // (n * d)))
         diag = None
         for start, stop in _chunks(d, step):
@@ -229,6 +243,79 @@ def _forward_jacobian(model: Callable, x: Tensor, chunk_size: int | None) -> Ten
     parts = (_push(model, x, one_hot(s, e, x)) for s, e in _chunks(d, step))
     jac = _stack(parts, d, step)  # (D, B, *out_shape)
     return _result(jac.movedim(0, -1), (*jac.shape[1:], *x.shape[1:]))
+
+
+def _followed_forward(model: Callable, xg: Tensor) -> tuple[Tensor, str | None]:
+    """``model(xg)`` ``(B, *out_shape)`` with its data flow followed, and ``None`` if each
+    output row holds its own sample alone (or no sample at all), else why not.
+
+    Raises:
+        ValueError: the model mixes samples (the op or module is named): the diagonal
+            blocks are not the whole Jacobian, and no per-sample answer exists.
+    """
+    n = xg.shape[0]
+    if n < 2:  # nothing to mix
+        with torch.enable_grad():
+            return _checked_output(model(xg), n), None
+    module = model if isinstance(model, nn.Module) else None
+    named = {id(p): p for p in module.parameters()} if module is not None else {}
+    try:  # the parameters "watched" so that the modules reading them name where
+        with torch.enable_grad(), Capture(module, named, n, [xg],
+                                          constant=_no_path_to_inputs) as cap:
+            out = model(xg)
+    except InternalError as err:  # persample's bug: the exact way that assumes nothing
+        leave_rules(Taken(), err, bug=True)
+        with torch.enable_grad():
+            return _checked_output(model(xg), n), str(err)
+    out = _checked_output(out, n)
+    lay = cap.layout(out)
+    if lay is FREE or (isinstance(lay, Batched) and lay.dim == 0 and lay.plain):
+        return out, None
+    if isinstance(lay, Mixed):
+        raise ValueError(
+            f"the model mixes samples ({lay.why}), so the output of one sample depends on "
+            "the inputs of others and the diagonal blocks are not the whole Jacobian. Call "
+            "model.eval() or remove the mixing, or use torch.autograd.functional.jacobian "
+            "for the full one.")
+    return out, getattr(lay, "why", None) or f"the output's samples are not one per row ({lay})"
+
+
+def _no_path_to_inputs(t: Tensor) -> bool:
+    """A tensor the capture never saw made, with no autograd path to the inputs (which
+    require grad): a constant for the Jacobian (a parameter, a tensor made before)."""
+    return not t.requires_grad or t.grad_fn is None
+
+
+def _warn_blockwise(why: str) -> None:
+    warnings.warn(
+        f"the samples of the output cannot be followed ({why}); each sample's diagonal "
+        "block is computed on its own (exact, about B times slower).",
+        stacklevel=user_stacklevel())
+
+
+def _blockwise_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None,
+                        diagonal: bool = False) -> Tensor:
+    """The diagonal blocks ``(B, *out_shape, *in_shape)`` without assuming that samples
+    are independent: one cotangent per (sample, output entry), each read at its own
+    sample only. With ``diagonal``: entry ``[i, j]`` is ``d out[i, j] / d x[i, j]``."""
+    n, y = out.shape[0], math.prod(out.shape[1:])
+    d = math.prod(xg.shape[1:])
+    result = out.new_zeros((n, y) if diagonal else (n, y, d))
+    if not out.requires_grad or n * y == 0:
+        return result.view(xg.shape if diagonal else (*out.shape, *xg.shape[1:]))
+    pairs = torch.arange(n * y, device=out.device)  # flat (sample, entry)
+    step = chunk_size or max(1, min(n * y, _CHUNK_NUMBERS // max(1, n * y)))
+    for start, stop in _chunks(n * y, step):
+        k = pairs[start:stop]
+        cot = out.new_zeros((stop - start, n * y))
+        cot[torch.arange(stop - start), k] = 1
+        g = _pull(out, xg, cot.view(stop - start, *out.shape), stop < n * y)  # (c, B, *in)
+        rows = g.reshape(stop - start, n, d)[torch.arange(stop - start), k // y]  # (c, D)
+        if diagonal:
+            result.view(-1)[k] = rows[torch.arange(stop - start), k % y]
+        else:
+            result.view(n * y, d)[k] = rows.to(result.dtype)
+    return result.view(xg.shape if diagonal else (*out.shape, *xg.shape[1:]))
 
 
 def _pull(out: Tensor, xg: Tensor, cotangents: Tensor, retain: bool, strict: bool = False

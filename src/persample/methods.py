@@ -46,10 +46,23 @@ class Taken:
 
 
 def answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None,
-           loop: Callable[[], Any], taken: Taken | None = None) -> Any:
+           loop: Callable[[], Any], taken: Taken | None = None,
+           hint: Callable[[], str | None] | None = None) -> Any:
     """The result of ``method`` (see the module docstring); ``vmap=None`` where
-    ``torch.func`` has no form for the quantity (``auto`` then goes to the loop)."""
-    taken = taken if taken is not None else Taken()
+    ``torch.func`` has no form for the quantity (``auto`` then goes to the loop).
+    ``hint()``: a note for an error that propagates (the likely cause in the user's
+    inputs)."""
+    try:
+        return _answer(method, rules, vmap, loop, taken if taken is not None else Taken())
+    except Exception as err:
+        note = hint() if hint is not None else None
+        if note:
+            err.add_note(note)
+        raise
+
+
+def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None,
+            loop: Callable[[], Any], taken: Taken) -> Any:
     if method == "vmap":
         taken.method = "vmap"
         return vmap()
@@ -62,11 +75,11 @@ def answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None
         except REFUSALS as err:
             if method == "rules":
                 raise
-            _leave_rules(taken, err, bug=False)
+            leave_rules(taken, err, bug=False)
         except InternalError as err:
             if method == "rules":
                 raise
-            _leave_rules(taken, err, bug=True)
+            leave_rules(taken, err, bug=True)
     if vmap is not None and taken.method in ("rules", "vmap"):
         try:
             result = vmap()
@@ -82,7 +95,16 @@ def answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None
         raise
 
 
-def _leave_rules(taken: Taken, err: Exception, bug: bool) -> None:
+def slower(vmap: Callable[[], Any], loop: Callable[[], Any]) -> Any:
+    """``torch.func`` over the whole model, or where it cannot run the model, the loop."""
+    try:
+        return vmap()
+    except Exception:
+        return loop()
+
+
+def leave_rules(taken: Taken, err: Exception, bug: bool) -> None:
+    """Record and say (once per call) why ``auto`` leaves the rules."""
     taken.reason, taken.bug = str(err), bug
     what = ("persample's own code failed on this model (a bug; please report it with "
             "this message)" if bug else "the rules cannot split this model by sample")

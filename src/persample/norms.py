@@ -183,7 +183,7 @@ def per_sample_grad_norms(
             rules=lambda a=a, t=t: _rules_norms(model, a, t, loss_fn, params),
             vmap=lambda a=a, t=t: _norms_of(vmap_per_sample_grads(model, a, t, loss_fn, params)),
             loop=lambda a=a, t=t: _norms_of(loop_per_sample_grads(model, a, t, loss_fn)),
-            taken=taken)
+            taken=taken, hint=lambda: checks.dtype_note(batch, params))
         for name, norms in chunk.items():
             layers[name][start : start + step] = norms
     total = torch.stack(list(layers.values())).square().sum(0).sqrt()  # (B,)

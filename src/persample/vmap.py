@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from .errors import UnsupportedModuleError
 from .inputs import Batch
@@ -39,17 +39,24 @@ def refuse_recurrent(model: nn.Module) -> None:
             )
 
 
-def _mapped(batch: Batch) -> tuple[list, Any, list, Callable]:
-    """The flat inputs, their spec, their in_dims, and ``call(th, flat_i)``."""
-    flat, spec = tree_flatten((batch.args, batch.kwargs))
+def _mapped(batch: Batch) -> tuple[list, None, list, Callable]:
+    """The flat inputs (tensors, dataclasses opened), their in_dims, and
+    ``call(th, flat_i)``. A packed form (its samples are not slices of dim 0) cannot be
+    mapped: ``torch.func`` then refuses, and ``method="auto"`` takes the loop."""
+    flat = batch.leaves()
+    if any(not isinstance(t, Tensor) for t in flat):
+        raise UnsupportedModuleError(
+            "method='vmap': torch.func maps over dim 0 of tensors, and these inputs hold a "
+            "packed form (PackedSequence, PackedRows, a graph batch) whose samples are not "
+            "slices of dim 0. Use method='rules', 'auto' or 'loop'.")
     dims = [0 if k in batch.sample_leaves else None for k in range(len(flat))]
 
     def call(model: nn.Module, th: dict, flat_i: list) -> Any:
         leaves = [t.unsqueeze(0) if d is not None else t for t, d in zip(flat_i, dims)]
-        args, kwargs = tree_unflatten(leaves, spec)
+        args, kwargs = batch.rebuilt(leaves)
         return functional_call(model, th, tuple(args), kwargs)
 
-    return flat, spec, dims, call
+    return flat, None, dims, call
 
 
 def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,

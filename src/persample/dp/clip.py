@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from .. import checks
 from ..batch import Batched
 from ..engine import loss_backprops
-from ..errors import internal
+from ..errors import InternalError, internal
 from ..fallback import summed_vjp
-from ..methods import answer
+from ..methods import Taken, answer, leave_rules, slower
 from ..norms import squared_norms
 from ..plan import Captured, Plan
 from ..reference import loop_per_sample_grads
@@ -144,7 +144,8 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
 
     cap, sq, mats, ghosted, by_module = answer(
         "auto", rules=by_rules, vmap=by(vmap_per_sample_grads),
-        loop=by(lambda m, b, t, f, _: loop_per_sample_grads(m, b, t, f)))
+        loop=by(lambda m, b, t, f, _: loop_per_sample_grads(m, b, t, f)),
+        hint=lambda: checks.dtype_note(batch, params))
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
     _check_finite(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
@@ -152,12 +153,23 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     for pid, m in mats.items():  # (n, 1, *shape) materialised
         into[pid].add_(torch.tensordot(factors[pid], m[:, 0], dims=1))
     del mats
-    with internal("the clipped sums"):
-        for _call, edge, layout, normed in by_module:  # module norm rules: their backward
-            for p in normed.values():
-                into[id(p)].add_(_edge_backward(cap, edge, layout, [p], factors[id(p)])[id(p)])
-        if cap is not None:
-            _book_keeping(cap, ghosted, factors, into, done)
+    try:
+        with internal("the clipped sums"):
+            for _call, edge, layout, normed in by_module:  # module norm rules: their backward
+                for p in normed.values():
+                    got = _edge_backward(cap, edge, layout, [p], factors[id(p)])[id(p)]
+                    into[id(p)].add_(got)
+                    done.add(id(p))
+            if cap is not None:
+                _book_keeping(cap, ghosted, factors, into, done)
+    except InternalError as err:  # the norms are right: the rest from per-sample gradients
+        leave_rules(Taken(), err, bug=True)
+        rest = {name: p for name, p in params.items() if id(p) not in done}
+        grads = slower(lambda: vmap_per_sample_grads(model, batch, targets, loss_fn, rest),
+                       lambda: loop_per_sample_grads(model, batch, targets, loss_fn))
+        with torch.no_grad():
+            for name, p in rest.items():
+                into[id(p)].add_(torch.tensordot(factors[id(p)], grads[name], dims=1))
     return norms
 
 

@@ -1,0 +1,569 @@
+"""Never a silent wrong number, never a raw crash from inside persample.
+
+- Every function that assumes independent samples (the input Jacobian, its diagonal,
+  the parameter Jacobian) refuses, or answers exactly, on every mixing model that
+  ``per_sample_grads`` refuses.
+- ``method="auto"`` answers wherever a slower exact method does: a fault injected in
+  turn into each data-flow handler, op rule, norm rule, weighted-sum rule, module rule
+  and expansion that a model uses must leave every public function's answer the loop's,
+  with a warning naming the fault as persample's bug. An error in the user's own
+  ``forward`` or ``loss_fn`` propagates as it is.
+- Inputs persample cannot slice are refused by name; dataclasses are opened.
+- Common mistakes get one line naming the argument and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import persample
+from persample import (
+    input_jacobian,
+    jacobian_diagonal,
+    loop_param_jacobian,
+    loop_per_sample_grads,
+    param_jacobian,
+    per_sample_grad_norms,
+    per_sample_grads,
+)
+from persample.dp import PrivateStep, private_grad
+from persample.errors import InternalError
+
+TOL = {"rtol": 1e-8, "atol": 1e-12}
+B = 4
+
+
+def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+
+
+def flat(grads: dict[str, Tensor]) -> Tensor:
+    return torch.cat([g.flatten(1) for g in grads.values()], 1)
+
+
+def clipped_sum(grads: dict[str, Tensor], c: float) -> dict[str, Tensor]:
+    norms = flat(grads).norm(dim=1)
+    factors = (c / (norms + 1e-6)).clamp(max=1.0)
+    return {name: torch.tensordot(factors, g, dims=1) for name, g in grads.items()}
+
+
+# ---------------------------------------------------------------------------
+# models that mix samples
+
+
+class Centre(nn.Module):
+    """Subtracts the batch mean: every output reads every sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return torch.tanh(h - h.mean(0))
+
+
+class ShiftOneWay(nn.Module):
+    """Sample i's output reads sample i - 1's input (one way only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return h + torch.cat([h[:1] * 0, h[:-1]]) ** 2
+
+
+class AttendAcrossBatch(nn.Module):
+    """Each sample attends to every sample of the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)  # (B, 3)
+        return torch.softmax(h @ h.T, -1) @ h
+
+
+def batchnorm_train() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Tanh(), nn.Linear(3, 3)).train()
+
+
+MIXING = {"centre": Centre, "shift-one-way": ShiftOneWay, "attend-across-batch": AttendAcrossBatch,
+          "batchnorm-train": batchnorm_train}
+
+
+@pytest.mark.parametrize("make", MIXING.values(), ids=MIXING.keys())
+def test_per_sample_grads_refuses_every_mixing_model_on_the_rules(make):
+    model, x, y = make(), torch.randn(B, 3), torch.randn(B, 3)
+    with pytest.raises((ValueError, persample.NeedsWholeModel), match="mix|batch"):
+        per_sample_grads(model, x, y, F.mse_loss, method="rules")
+
+
+@pytest.mark.parametrize("fn", [input_jacobian, jacobian_diagonal],
+                         ids=["input_jacobian", "jacobian_diagonal"])
+@pytest.mark.parametrize("make", MIXING.values(), ids=MIXING.keys())
+def test_input_jacobians_refuse_or_are_exact_on_every_mixing_model(make, fn, snapshot):
+    """Refused where the data flow sees samples mixed; where it cannot follow them,
+    the exact diagonal blocks of the full Jacobian, one sample at a time."""
+    model, x = make(), torch.randn(B, 3)
+    state = snapshot(model)
+    try:
+        with warnings.catch_warnings(record=True):
+            got = fn(model, x)
+    except ValueError as err:
+        assert "mixes samples" in str(err) and "module" in str(err)  # names where
+    else:
+        full = torch.autograd.functional.jacobian(model, x)  # (B, 3, B, 3)
+        blocks = torch.stack([full[i, :, i] for i in range(B)])
+        want = blocks if fn is input_jacobian else blocks.diagonal(0, 1, 2)
+        torch.testing.assert_close(got, want, **TOL)
+    state.assert_unchanged()
+
+
+@pytest.mark.parametrize("make", MIXING.values(), ids=MIXING.keys())
+def test_param_jacobian_refuses_or_is_exact_on_every_mixing_model(make):
+    model, x = make(), torch.randn(B, 3)
+    try:
+        got = param_jacobian(model, x)
+    except ValueError as err:
+        assert "mix" in str(err)
+        return
+    assert_grads(got, loop_param_jacobian(model, x))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
+                                  lambda: nn.Sequential(nn.Conv1d(1, 2, 2), nn.Flatten())],
+                         ids=["mlp", "conv"])
+def test_input_jacobians_of_independent_models_are_the_diagonal_blocks(make):
+    model, x = make(), torch.randn(B, 3)
+    if isinstance(model[0], nn.Conv1d):
+        x = x[:, None]
+    full = torch.autograd.functional.jacobian(model, x)  # (B, *out, B, *in)
+    blocks = torch.stack([full[i, ..., i, :, :] if x.dim() == 3 else full[i, :, i]
+                          for i in range(B)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(input_jacobian(model, x), blocks, **TOL)
+
+
+def test_unfollowed_outputs_get_the_exact_diagonal_blocks_with_a_warning():
+    """TorchScript code the capture cannot see: each sample's block on its own."""
+    scripted = torch.jit.script(nn.Linear(3, 3))
+
+    def model(x: Tensor) -> Tensor:
+        return torch.tanh(scripted(x))
+
+    x = torch.randn(B, 3)
+    full = torch.autograd.functional.jacobian(model, x)
+    with pytest.warns(UserWarning, match="on its own"):
+        got = input_jacobian(model, x)
+    torch.testing.assert_close(got, torch.stack([full[i, :, i] for i in range(B)]), **TOL)
+    with pytest.warns(UserWarning, match="on its own"):
+        diag = jacobian_diagonal(model, x)
+    torch.testing.assert_close(diag, got.diagonal(0, 1, 2), **TOL)
+
+
+# ---------------------------------------------------------------------------
+# fault injection: persample's own failures are answered by the next method
+
+
+class Tokens(nn.Module):
+    """Embedding, position parameter, Linear, LayerNorm, GELU, mean over positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.pos = nn.Parameter(torch.randn(B, 4) * 0.1)  # T == B
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.emb(ids) + self.pos
+        h = F.gelu(self.norm(self.fc(h)))
+        return self.head(h.mean(1))
+
+
+class Images(nn.Module):
+    """Conv2d, GroupNorm, ReLU, max pool, Linear; float inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.norm = nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4 * 2 * 2, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)
+        return self.head(h.flatten(1))
+
+
+class Attending(nn.Module):
+    """A Transformer encoder layer (multi-head attention expanded into its ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layer(x).mean(1))
+
+
+class Recurrent(nn.Module):
+    """An LSTM (a module rule) and a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+FAULT_MODELS = {
+    "tokens": (Tokens, lambda: torch.randint(0, 7, (B, B))),
+    "images": (Images, lambda: torch.randn(B, 1, 6, 6)),
+    "attending": (Attending, lambda: torch.randn(B, B, 4)),
+    "recurrent": (Recurrent, lambda: torch.randn(B, B, 3)),
+}
+
+
+def _tables() -> dict[str, dict]:
+    """Every registry of persample's own code, by name."""
+    from persample import capture, rules
+    from persample.batch import flow
+
+    return {"data-flow handler": flow.HANDLERS, "op rule": rules._OP_RULES,
+            "norm rule": rules._OP_NORMS, "weighted-sum rule": rules._OP_SUMS,
+            "module rule": rules._RULES, "expansion": capture.EXPANSIONS}
+
+
+def _fn_of(entry):
+    return entry.fn if dataclasses.is_dataclass(entry) else entry
+
+
+def _with_fn(entry, fn):
+    return dataclasses.replace(entry, fn=fn) if dataclasses.is_dataclass(entry) else fn
+
+
+def _used(run: Callable[[], None]) -> list[tuple[str, Callable]]:
+    """The (table, function) pairs that ``run`` calls."""
+    used: dict[tuple[str, int], tuple[str, Callable]] = {}
+    saved = {name: dict(table) for name, table in _tables().items()}
+
+    def spy(kind: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            used[(kind, id(fn))] = (kind, fn)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    try:
+        for kind, table in _tables().items():
+            for key, entry in list(table.items()):
+                table[key] = _with_fn(entry, spy(kind, _fn_of(entry)))
+        run()
+    finally:
+        for kind, table in _tables().items():
+            table.clear()
+            table.update(saved[kind])
+    return list(used.values())
+
+
+class _Injected(Exception):
+    pass
+
+
+def _inject(kind: str, fn: Callable):
+    """A context in which every entry of ``kind`` calling ``fn`` raises."""
+    table = _tables()[kind]
+
+    def boom(*args, **kwargs):
+        raise _Injected(f"fault injected into {fn.__name__}")
+
+    class Context:
+        def __enter__(self):
+            self.saved = dict(table)
+            for key, entry in table.items():
+                if _fn_of(entry) is fn:
+                    table[key] = _with_fn(entry, boom)
+
+        def __exit__(self, *exc):
+            table.clear()
+            table.update(self.saved)
+
+    return Context()
+
+
+def _answers(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, object]:
+    """Every public function's answer on one batch."""
+    loss = nn.CrossEntropyLoss()
+    found = {"grads": per_sample_grads(model, x, y, loss),
+             "norms": per_sample_grad_norms(model, x, y, loss)}
+    for p in model.parameters():
+        p.grad = None
+    private_grad(model, x, y, loss, max_grad_norm=0.5, noise_multiplier=0.0)
+    found["private"] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    step = PrivateStep(model, loss, max_grad_norm=0.5, noise_multiplier=0.0,
+                       expected_batch_size=B)
+    step.accumulate(x[:2], y[:2])
+    step.accumulate(x[2:], y[2:])
+    step.release()
+    found["step"] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    found["jacobian"] = param_jacobian(model, x)
+    if x.is_floating_point():
+        found["input_jacobian"] = input_jacobian(model, x)
+    return found
+
+
+def _expected(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, object]:
+    grads = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    clipped = {name: g / B for name, g in clipped_sum(grads, 0.5).items()}
+    found = {"grads": grads, "norms": flat(grads).norm(dim=1), "private": clipped,
+             "step": clipped, "jacobian": loop_param_jacobian(model, x)}
+    if x.is_floating_point():
+        full = torch.autograd.functional.jacobian(model, x)  # (B, Y, B, *in)
+        found["input_jacobian"] = torch.stack([full[i, :, i] for i in range(B)])
+    return found
+
+
+def _compare(got: dict, want: dict) -> None:
+    for key, value in want.items():
+        if isinstance(value, dict):
+            assert_grads(got[key], value)
+        else:
+            torch.testing.assert_close(got[key], value, **TOL, msg=key)
+
+
+def _faults() -> list:
+    found = []
+    for name, (make, data) in FAULT_MODELS.items():
+        torch.manual_seed(0)
+        model, x = make(), data()
+        y = torch.randint(0, 3, (B,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            used = _used(lambda m=model, x=x, y=y: _answers(m, x, y))
+        found += [pytest.param(name, kind, fn, id=f"{name}-{kind}-{fn.__name__}")
+                  for kind, fn in used]
+    return found
+
+
+@pytest.mark.parametrize("name, kind, fn", _faults())
+def test_a_fault_in_persample_is_answered_by_the_next_method(name, kind, fn, snapshot):
+    make, data = FAULT_MODELS[name]
+    model, x = make(), data()
+    y = torch.randint(0, 3, (B,))
+    want = _expected(model, x, y)
+    state = snapshot(model)
+    with _inject(kind, fn), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _answers(model, x, y)
+    _compare(got, want)
+    state.assert_unchanged()
+    said = [str(w.message) for w in caught]
+    assert any("bug" in m and "fault injected" in m for m in said), said[:3]
+
+
+def test_the_rules_method_raises_persamples_bug_as_such():
+    with _inject("op rule", _fn_of(__import__("persample").rules._OP_RULES[F.linear])):
+        with pytest.raises(InternalError, match="bug in persample") as err:
+            per_sample_grads(Images(), torch.randn(B, 1, 6, 6), torch.randint(0, 3, (B,)),
+                             nn.CrossEntropyLoss(), method="rules")
+    assert isinstance(err.value.__cause__, _Injected)
+
+
+class Faulty(nn.Module):
+    """A forward that raises on its own (the user's bug)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise KeyError("the user's own error")
+
+
+@pytest.mark.parametrize("call", [
+    lambda m, x, y: per_sample_grads(m, x, y, nn.CrossEntropyLoss()),
+    lambda m, x, y: per_sample_grad_norms(m, x, y, nn.CrossEntropyLoss()),
+    lambda m, x, y: private_grad(m, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
+                                 noise_multiplier=0.0),
+    lambda m, x, y: param_jacobian(m, x),
+], ids=["grads", "norms", "private", "jacobian"])
+def test_the_users_own_errors_propagate_unchanged(call, snapshot):
+    model = Faulty()
+    state = snapshot(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(KeyError, match="the user's own error"):
+            call(model, torch.randn(B, 3), torch.randint(0, 3, (B,)))
+    state.assert_unchanged()
+
+
+def test_the_users_loss_errors_propagate_unchanged():
+    def loss_fn(out, y):
+        raise ArithmeticError("the loss's own error")
+
+    with pytest.raises(ArithmeticError, match="the loss's own error"):
+        per_sample_grads(nn.Linear(3, 3), torch.randn(B, 3), torch.randn(B, 3), loss_fn)
+
+
+def test_verify_reports_the_path_the_call_took():
+    with _inject("op rule", _fn_of(__import__("persample").rules._OP_RULES[F.linear])):
+        with pytest.warns(UserWarning, match="bug"):
+            report = persample.verify(Images(), torch.randn(B, 1, 6, 6),
+                                      torch.randint(0, 3, (B,)), nn.CrossEntropyLoss())
+    assert report.ok and report.method.startswith("vmap: ")
+    assert persample.verify(Images(), torch.randn(B, 1, 6, 6), torch.randint(0, 3, (B,)),
+                            nn.CrossEntropyLoss()).method == "rules"
+
+
+# ---------------------------------------------------------------------------
+# inputs persample cannot slice, and dataclasses
+
+
+@dataclass
+class Pair:
+    a: Tensor
+    b: Tensor
+
+
+class ReadsPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, pair: Pair, z: Tensor) -> Tensor:
+        return self.fc(pair.a * pair.b + z)
+
+
+class Opaque:
+    """An object holding tensors in a form persample does not open."""
+
+    def __init__(self, a: Tensor, b: Tensor):
+        self.a, self.b = a, b
+
+
+@pytest.mark.parametrize("method", ["auto", "rules", "vmap", "loop"])
+def test_a_dataclass_input_is_opened_and_sliced(method):
+    model = ReadsPair()
+    inputs = (Pair(torch.randn(B, 3), torch.randn(B, 3)), torch.randn(B, 3))
+    y = torch.randint(0, 2, (B,))
+    want = {"fc.weight": [], "fc.bias": []}
+    for i in range(B):  # by hand: the pair's rows of sample i
+        out = model(Pair(inputs[0].a[i:i + 1], inputs[0].b[i:i + 1]), inputs[1][i:i + 1])
+        grads = torch.autograd.grad(F.cross_entropy(out, y[i:i + 1]), list(model.parameters()))
+        for name, g in zip(want, grads):
+            want[name].append(g)
+    want = {name: torch.stack(g) for name, g in want.items()}
+    assert_grads(per_sample_grads(model, inputs, y, nn.CrossEntropyLoss(), method=method), want)
+    torch.testing.assert_close(
+        per_sample_grad_norms(model, inputs, y, nn.CrossEntropyLoss(), method=method),
+        flat(want).norm(dim=1), **TOL)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m, i, y: per_sample_grads(m, i, y, nn.CrossEntropyLoss()),
+    lambda m, i, y: per_sample_grad_norms(m, i, y, nn.CrossEntropyLoss()),
+    lambda m, i, y: private_grad(m, i, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
+                                 noise_multiplier=0.0),
+    lambda m, i, y: param_jacobian(m, i),
+    lambda m, i, y: loop_per_sample_grads(m, i, y, nn.CrossEntropyLoss()),
+], ids=["grads", "norms", "private", "jacobian", "loop"])
+def test_an_object_holding_tensors_is_refused_by_name(call, snapshot):
+    class ReadsOpaque(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, obj: Opaque, z: Tensor) -> Tensor:
+            return self.fc(obj.a + obj.b + z)
+
+    model = ReadsOpaque()
+    state = snapshot(model)
+    inputs = (Opaque(torch.randn(B, 3), torch.randn(B, 3)), torch.randn(B, 3))
+    with pytest.raises(TypeError, match=r"inputs\[0\] is a Opaque that holds tensors"):
+        call(model, inputs, torch.randint(0, 2, (B,)))
+    state.assert_unchanged()
+
+
+def test_an_object_in_targets_is_refused_by_name():
+    with pytest.raises(TypeError, match="targets is a Opaque that holds tensors"):
+        per_sample_grads(nn.Linear(3, 2), torch.randn(B, 3),
+                         Opaque(torch.randn(B, 2), torch.randn(B, 2)), lambda o, t: o.sum())
+
+
+# ---------------------------------------------------------------------------
+# common mistakes
+
+
+@pytest.mark.parametrize("fn", [per_sample_grads, per_sample_grad_norms])
+def test_a_loss_class_instead_of_an_instance(fn, snapshot):
+    model = nn.Linear(3, 2)
+    state = snapshot(model)
+    with pytest.raises(TypeError, match=r"loss_fn=CrossEntropyLoss\(\)"):
+        fn(model, torch.randn(B, 3), torch.randint(0, 2, (B,)), nn.CrossEntropyLoss)
+    state.assert_unchanged()
+
+
+def test_a_loss_class_in_private_grad_and_private_step():
+    model, x, y = nn.Linear(3, 2), torch.randn(B, 3), torch.randint(0, 2, (B,))
+    with pytest.raises(TypeError, match=r"loss_fn=CrossEntropyLoss\(\)"):
+        private_grad(model, x, y, nn.CrossEntropyLoss, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(TypeError, match=r"loss_fn=MSELoss\(\)"):
+        PrivateStep(model, nn.MSELoss, max_grad_norm=1.0, noise_multiplier=0.0,
+                    expected_batch_size=4)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("fn", [per_sample_grads, per_sample_grad_norms])
+def test_targets_and_loss_fn_swapped(fn, snapshot):
+    model = nn.Linear(3, 2)
+    state = snapshot(model)
+    with pytest.raises(TypeError, match=r"targets and loss_fn are swapped.*\(model, inputs, "
+                                        r"targets, loss_fn\)"):
+        fn(model, torch.randn(B, 3), nn.CrossEntropyLoss(), torch.randint(0, 2, (B,)))
+    state.assert_unchanged()
+
+
+def test_loss_fn_that_is_not_callable():
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        per_sample_grads(nn.Linear(3, 2), torch.randn(B, 3), None, "cross_entropy")
+
+
+def test_inputs_on_another_device_are_named_before_the_model_runs(snapshot):
+    model = nn.Linear(3, 2)
+    state = snapshot(model)
+    x = torch.randn(B, 3, device="meta")
+    with pytest.raises(ValueError, match=r"inputs is on meta but the model's parameters are "
+                                         r"on cpu: move it with \.to\('cpu'\)"):
+        per_sample_grads(model, x, None, lambda o, t: o.sum(1))
+    state.assert_unchanged()
+
+
+def test_inputs_in_another_dtype_are_named_when_the_model_fails():
+    model = nn.Linear(3, 2).float()
+    x = torch.randn(B, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as err:
+        per_sample_grads(model, x, torch.randint(0, 2, (B,)), nn.CrossEntropyLoss())
+    assert "inputs is torch.float64 but the model's parameters are torch.float32" in "\n".join(
+        getattr(err.value, "__notes__", []))
