@@ -43,28 +43,37 @@ def per_sample_grads(
             attributes, ``p.grad`` and ``training`` untouched.
         inputs: a tensor ``(B, *in_shape)`` (``model(inputs)``), a tuple
             (``model(*inputs)``), a dict such as a tokenizer's ``BatchEncoding``
-            (``model(**inputs)``), or a pair ``(args, kwargs)``. ``B`` is dim 0 of the
-            first tensor; tensors with ``B`` in dim 0 are per-sample inputs, the others
-            are shared by all samples. Any dtype the model accepts.
-        targets: tensor ``(B, ...)``, tuple of tensors, or ``None``; passed to
+            (``model(**inputs)``), or a pair ``(args, kwargs)``; tuples, lists, dicts
+            and dataclasses inside are opened. ``B`` is dim 0 of the first tensor;
+            tensors with ``B`` in dim 0 are per-sample inputs, the others are shared by
+            all samples. Samples packed in other forms: a ``PackedSequence`` (``B`` its
+            sequences), :class:`persample.PackedRows` (rows of several samples with the
+            sample of each row), a torch_geometric graph batch (``B`` its graphs). Any
+            other object holding tensors is refused. Any dtype the model accepts.
+        targets: tensor ``(B, ...)``, a nest of them, or ``None``; passed to
             ``loss_fn`` as the second argument.
         loss_fn: ``loss_fn(output, targets)`` with the model's output as it is (a
             tensor, a tuple, a dict, a ``ModelOutput``), returning per-sample losses
-            ``(B,)`` or a scalar reduced over the batch as ``loss_reduction`` says.
-        loss_reduction: ``"mean"`` or ``"sum"``: how a scalar loss was reduced over
-            the batch, so that it can be undone. Ignored for ``(B,)`` losses.
+            ``(B,)`` or a scalar reduced over the batch in any way: where the loss's
+            entries are not each one sample's own (a scalar, or a ``(B,)`` loss that
+            reads other samples), it is evaluated again on each sample's slice of the
+            output, as the loop does (``torch.func.vmap``, else one call per sample).
         method: ``"rules"`` (capture by data flow + op rules, exact per-sample VJPs
-            where no rule applies; Goodfellow 2015, seed 004), ``"vmap"``
-            (``torch.func`` over the whole model, seed 001), ``"loop"`` (the
-            reference), or ``"auto"``: ``"rules"``, and where the rules cannot split
-            some parameter's gradient by sample, with a warning naming the module and
-            the reason, ``"vmap"``, then ``"loop"``.
+            where no rule applies; Goodfellow 2015, "Efficient per-example gradient
+            computations"), ``"vmap"`` (``torch.func`` over the whole model), ``"loop"``
+            (the reference), or ``"auto"``: ``"rules"``; where the rules cannot split
+            some parameter's gradient by sample, or persample's own code fails on the
+            model (a bug, reported as such), a warning naming the op or module, then
+            ``"vmap"``, then ``"loop"``. Errors of the model's own ``forward`` and of
+            ``loss_fn`` propagate unchanged.
         flat: return one ``(B, P)`` tensor, columns in ``named_parameters()`` order,
             each parameter flattened row-major.
         chunk_size: process at most this many samples at a time, to bound the
             memory of activations and backprops (the result is still whole).
         out: a caller-owned ``(B, P)`` buffer, the parameters' dtype and device, to
             write the flat result into (implies ``flat=True``).
+        loss_reduction: deprecated, no effect (a ``FutureWarning``): each sample's
+            own loss is evaluated, whatever the loss's reduction.
 
     Returns:
         ``{name: (B, *param.shape)}`` over the trainable parameters in
@@ -74,16 +83,22 @@ def per_sample_grads(
         without running the model.
 
     Raises:
+        TypeError: ``loss_fn`` a loss class rather than an instance, not callable, or
+            swapped with ``targets``; an input or target that holds tensors in an
+            object persample does not open (named).
         ValueError: targets whose dim 0 is not the batch size; a module that mixes
-            samples (BatchNorm in training mode); no trainable parameters; a loss
-            that is neither ``(B,)`` nor a scalar; ``out`` of the wrong shape, dtype
-            or device; a parameter read in ``loss_fn``.
+            samples (BatchNorm in training mode); no trainable parameters; a
+            floating-point input on another device than the parameters; a loss that is
+            neither ``(B,)`` nor a scalar; ``out`` of the wrong shape, dtype or device;
+            a parameter read in ``loss_fn``.
         LossNotPerSampleError: ``loss_fn`` reads an output the model computed over
             the whole batch (``out.loss`` with ``labels`` in the inputs); the message
             shows a per-sample loss. ``method="auto"`` warns and runs the loop.
         NeedsWholeModel, UnsupportedModuleError: ``method="rules"`` and a parameter
             whose gradient the rules cannot split by sample (an op mixing samples, a
             custom ``autograd.Function``): the message names it; ``"auto"`` falls back.
+        InternalError: ``method="rules"`` and persample's own code failed on the model
+            (a bug; the original error is its ``__cause__``); ``"auto"`` falls back.
 
     Example:
         >>> import torch
@@ -147,10 +162,11 @@ def param_jacobian(
             ``(args, kwargs)``).
         method: ``"rules"``: one forward with capture, then all ``Y`` one-hot output
             cotangents in one batched backward and the layer rules with a leading
-            cotangent dim (DESIGN.md point 4); ``"vmap"``: ``vmap(jacrev(functional_call))``
-            (seed 000's answer); ``"loop"``: one ``autograd.grad`` per sample and output;
-            ``"auto"``: ``"rules"``, and with a warning ``"vmap"``, then ``"loop"``,
-            where the rules cannot split a parameter's gradient by sample.
+            cotangent dim; ``"vmap"``: ``vmap(jacrev(functional_call))``; ``"loop"``: one
+            ``autograd.grad`` per sample and output; ``"auto"``: ``"rules"``, and with a
+            warning ``"vmap"``, then ``"loop"``, where the rules cannot split a
+            parameter's gradient by sample or persample's own code fails on the model
+            (as for :func:`per_sample_grads`).
         flat: return one ``(B, Y, P)`` tensor, columns in ``named_parameters()`` order.
         chunk_size: at most this many (sample, output) pairs go through one batched
             backward, to bound memory (activations' backprops take ``chunk_size``

@@ -48,10 +48,18 @@ def input_jacobian(
 
     Entry ``[i, *k, *j]`` is ``d model(x)[i, *k] / d x[i, *j]``: the diagonal blocks
     of the full ``(B, *out_shape, B, *in_shape)`` Jacobian. This is all of it when
-    samples do not interact (no BatchNorm in training mode, no attention across the
-    batch): an assumption, checked only with ``check_independence=True``.
+    samples do not interact. The forward's data flow is followed (as
+    :func:`persample.per_sample_grads` does): a model that mixes samples (BatchNorm in
+    training mode, a mean or attention over the batch) is refused with the op and module
+    named; where the output's samples cannot be followed (code the capture cannot see,
+    as TorchScript), each sample's diagonal block is computed on its own, exactly,
+    about ``B`` times slower, with a warning.
 
-    Method (DESIGN.md point 4; seeds 002 and 003): ``mode="reverse"`` runs one
+    Method (vector-Jacobian products with one-hot vectors that "sample" the wanted
+    entries, the accepted answer to the Stack Overflow question "Is there a way to
+    calculate only the diagonals of the Jacobian?"; the question "How to compute
+    derivative of matrix output with respect to matrix input most efficiently?"):
+    ``mode="reverse"`` runs one
     forward, then all ``Y`` vector-Jacobian products in one batched backward
     (``is_grads_batched=True``), each cotangent one-hot over the output index and
     the same for every sample. ``mode="forward"`` computes the ``D`` Jacobian-vector
@@ -72,9 +80,9 @@ def input_jacobian(
         chunk_size: at most this many of the ``Y`` (reverse) or ``D`` (forward)
             one-hot vectors at once, to bound the memory of intermediates;
             ``None`` takes all at once.
-        check_independence: first check on samples 0 and 1 that each one's output
-            does not depend on the other one's input (one extra forward and two
-            backwards of 2 samples; a batch of one is not checked).
+        check_independence: also check numerically on samples 0 and 1 that each
+            one's output does not depend on the other one's input (one extra forward
+            and two backwards of 2 samples; a batch of one is not checked).
 
     Returns:
         ``(B, *out_shape, *in_shape)`` in the model output's dtype and device. It is
@@ -86,8 +94,8 @@ def input_jacobian(
         TypeError: ``inputs`` is not a floating tensor; the model does not return
             a tensor.
         ValueError: ``inputs`` has no batch dim; the output's dim 0 is not ``B``;
-            an unknown ``mode``; ``chunk_size`` not a positive int; with
-            ``check_independence=True``, a model that mixes samples.
+            an unknown ``mode``; ``chunk_size`` not a positive int; a model that mixes
+            samples.
         NotImplementedError, RuntimeError: from ``torch.func`` with
             ``mode="forward"``, for a model it cannot run (an op without a
             forward-mode formula, ``.item()``, data-dependent control flow): use
@@ -139,7 +147,7 @@ def jacobian_diagonal(
     ``(B, D, D)`` Jacobian: the ``D`` tangents one-hot over ``j`` (the same for every
     sample) go through ``torch.func.jvp`` in chunks, and of each chunk's products
     only the diagonal entries are kept (seed 002's title; DESIGN.md point 4).
-    Samples are assumed independent, as in :func:`input_jacobian`.
+    Samples are independent or refused, as in :func:`input_jacobian`.
 
     Args:
         fn: a callable or ``nn.Module`` mapping ``(B, *in_shape)`` to a tensor of
@@ -154,7 +162,8 @@ def jacobian_diagonal(
     Raises:
         TypeError: ``inputs`` is not a floating tensor; ``fn`` does not return a tensor.
         ValueError: ``inputs`` has no batch dim; ``fn``'s output shape differs from
-            the input's; ``chunk_size`` not a positive int.
+            the input's; ``chunk_size`` not a positive int; ``fn`` mixes samples (as
+            for :func:`input_jacobian`, whose data-flow check it shares).
 
     Example:
         >>> import torch

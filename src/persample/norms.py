@@ -148,8 +148,8 @@ def per_sample_grad_norms(
             :func:`persample.per_sample_grads`.
         method: ``"rules"`` (one forward, one backward, norm rules); ``"vmap"`` or
             ``"loop"``: the norms of those methods' per-sample gradients; ``"auto"``:
-            the rules, and the loop (with a warning) if a module is unsupported or
-            an activation the rules need was modified in place.
+            the rules, and where they cannot split the model by sample (or persample's
+            own code fails on it), with a warning, ``"vmap"``, then ``"loop"``.
         per_layer: also return the norm of each parameter's per-sample gradient.
         chunk_size: process at most this many samples at a time.
 
@@ -158,8 +158,8 @@ def per_sample_grad_norms(
         with ``per_layer=True`` a tuple ``((B,), {name: (B,)})``.
 
     Raises:
-        ValueError, RuntimeError, UnsupportedModuleError: as
-        :func:`persample.per_sample_grads`.
+        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError:
+        as :func:`persample.per_sample_grads`.
 
     Example:
         >>> import torch

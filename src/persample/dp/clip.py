@@ -79,9 +79,10 @@ def private_grad(
     Raises:
         ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
             ``expected_batch_size``, an empty batch without ``expected_batch_size``,
-            and the errors of ``per_sample_grads``.
-        LossNotPerSampleError: ``loss_fn`` reads an output the model computed over
-            the whole batch; the message shows a per-sample loss.
+            and the errors of ``per_sample_grads`` (TypeError too). Where the rules
+            cannot split the model by sample, or persample's own code fails on it, the
+            clipped sums come from the per-sample gradients of ``torch.func`` or the
+            loop, with a warning.
         FloatingPointError: a sample's gradient is not finite (NaN or Inf); the
             message lists the samples and every ``p.grad`` is left as it was, so no
             NaN reaches the weights. Drop those samples and call again.
