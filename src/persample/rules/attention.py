@@ -11,18 +11,25 @@ the one main backward: nothing is recomputed, and no module rule is needed.
 
 Cases left whole (static keys, dropout in training mode, unbatched inputs) take
 the exact per-sample vector-Jacobian product of the op.
+
+``nn.TransformerEncoder`` in eval mode may turn a padded batch into a nested tensor
+on a path the capture never takes; where a sample alone would take it, the engine
+refuses (:func:`nested_fast_path`).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..capture import register_expansion
+from ..errors import NeedsWholeModel
 
 
 def _mask(mask: Tensor | None, like: Tensor) -> Tensor | None:
@@ -109,3 +116,56 @@ def multi_head_attention(*args, **kwargs):
 def _biases(a: dict, e: int) -> list:
     bias = a["in_proj_bias"]
     return [None] * 3 if bias is None else list(bias.split(e))
+
+
+@register_expansion(torch._nested_tensor_from_mask_left_aligned)
+def nested_fast_path(src: Tensor, keep: Tensor, *args, **kwargs):
+    """``nn.TransformerEncoder`` asks this before turning a padded batch into a nested
+    tensor (eval mode, ``enable_nested_tensor``, a padding mask ``keep`` ``(B, T)``, True
+    where kept). It converts only where no tensor of its fast path has a torch-function
+    override, which persample's capture gives every tensor: under the capture the
+    encoder takes its ordinary path, while the loop's sample alone takes the nested one,
+    whose output is zero at the padded positions. Where the loop would (every condition
+    of ``TransformerEncoder.forward`` met for some sample alone), the engine refuses;
+    otherwise the call runs as it is."""
+    frame = _caller(nn.TransformerEncoder.forward.__code__)
+    if frame is None or not _fast_path_for_one(frame.f_locals, keep):
+        return NotImplemented
+    raise NeedsWholeModel(
+        "nn.TransformerEncoder in eval mode with a src_key_padding_mask: PyTorch runs a "
+        "sample whose padding is at its end through its fast path, which makes a nested "
+        "tensor and gives zeros at the padded positions, but a batch under persample's "
+        "capture takes the ordinary path (values at those positions), so the per-sample "
+        "gradients would differ from the loop's. Build the encoder with "
+        "enable_nested_tensor=False (or call torch.backends.mha.set_fastpath_enabled(False)) "
+        "to use the rules; method='auto' takes the loop.")
+
+
+def _caller(code) -> Any:
+    """The nearest frame up the stack running ``code``, or ``None``."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None or frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _fast_path_for_one(found: dict, keep: Tensor) -> bool:
+    """Would ``TransformerEncoder.forward`` (its locals ``found``) make a nested tensor
+    for some sample alone: no attention mask, no autocast, no tensor of the first layer's
+    fast path needing grad, and that sample's kept positions a prefix of its sequence?"""
+    layer, src = found.get("first_layer"), found.get("src")
+    if found.get("mask") is not None or torch.is_autocast_enabled() or not isinstance(
+            src, Tensor) or keep.dim() != 2:
+        return False
+    attn = layer.self_attn
+    tensors = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+               attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.norm2.weight,
+               layer.norm2.bias, layer.linear1.weight, layer.linear1.bias,
+               layer.linear2.weight, layer.linear2.bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    with torch._C.DisableTorchFunction():
+        prefix = torch.arange(keep.shape[1], device=keep.device) < keep.sum(1, keepdim=True)
+        return bool((keep == prefix).all(1).any())
