@@ -235,7 +235,34 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
+class Assorted(nn.Module):
+    """EmbeddingBag, Bilinear, PReLU, a Conv1D-style addmm, RMSNorm, a transposed
+    convolution, BatchNorm in eval mode and scaled dot-product attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(7, 4, mode="mean")
+        self.bilinear = nn.Bilinear(4, 4, 4)
+        self.prelu = nn.PReLU()
+        self.w = nn.Parameter(torch.randn(4, 8) * 0.3)  # addmm(b, x, w), as GPT-2's Conv1D
+        self.b = nn.Parameter(torch.zeros(8))
+        self.norm = nn.RMSNorm(8)
+        self.up = nn.ConvTranspose1d(2, 2, 2, stride=2)
+        self.bn = nn.BatchNorm1d(2).eval()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.bag(ids)  # (B, 4)
+        h = self.prelu(self.bilinear(h, h))
+        h = self.norm(torch.addmm(self.b, h, self.w))  # (B, 8)
+        h = self.bn(self.up(h.view(-1, 2, 4)))  # (B, 2, 8)
+        q = h.view(-1, 1, 4, 4)  # (B, heads, T, E), T == E == B
+        h = F.scaled_dot_product_attention(q, q, q)
+        return self.head(h.flatten(1))
+
+
 FAULT_MODELS = {
+    "assorted": (Assorted, lambda: torch.randint(0, 7, (B, 3))),
     "tokens": (Tokens, lambda: torch.randint(0, 7, (B, B))),
     "images": (Images, lambda: torch.randn(B, 1, 6, 6)),
     "attending": (Attending, lambda: torch.randn(B, B, 4)),
@@ -567,3 +594,55 @@ def test_inputs_in_another_dtype_are_named_when_the_model_fails():
         per_sample_grads(model, x, torch.randint(0, 2, (B,)), nn.CrossEntropyLoss())
     assert "inputs is torch.float64 but the model's parameters are torch.float32" in "\n".join(
         getattr(err.value, "__notes__", []))
+
+
+# ---------------------------------------------------------------------------
+# samples packed in other forms
+
+
+class OnPacked(nn.Module):
+    """A recurrent layer given a PackedSequence as the model's own input."""
+
+    def __init__(self, rnn: nn.RNNBase):
+        super().__init__()
+        self.rnn = rnn
+        width = rnn.hidden_size * (2 if rnn.bidirectional else 1)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, packed) -> Tensor:
+        out, _ = self.rnn(packed)
+        padded, lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return self.head(padded.sum(1) / lengths[:, None])
+
+
+@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("make", [
+    lambda: nn.LSTM(3, 4, batch_first=True),
+    lambda: nn.GRU(3, 4, num_layers=2, batch_first=True),
+    lambda: nn.RNN(3, 4, bidirectional=True, batch_first=True),
+], ids=["lstm", "gru-2-layers", "rnn-bidirectional"])
+def test_a_packed_sequence_as_the_models_input(make, sort, snapshot):
+    """Its samples are its sequences (B = batch_sizes[0], not the number of rows), each
+    given to the loop as a one-sequence packed sequence; lengths up to T == B."""
+    lengths = torch.tensor([4, 3, 3, 1]) if sort else torch.tensor([3, 1, 4, 3])
+    x = torch.randn(B, B, 3)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                     enforce_sorted=sort)
+    model, y = OnPacked(make()), torch.randint(0, 3, (B,))
+    state = snapshot(model)
+    want = loop_per_sample_grads(model, packed, y, nn.CrossEntropyLoss())
+    assert want["head.bias"].shape == (B, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_grads(per_sample_grads(model, packed, y, nn.CrossEntropyLoss()), want)
+        torch.testing.assert_close(per_sample_grad_norms(model, packed, y,
+                                                         nn.CrossEntropyLoss()),
+                                   flat(want).norm(dim=1), **TOL)
+        private_grad(model, packed, y, nn.CrossEntropyLoss(), max_grad_norm=0.5,
+                     noise_multiplier=0.0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, clipped_sum(want, 0.5)[name] / B, **TOL)
+        p.grad = None
+    state.assert_unchanged()
+    assert {r.path for r in persample.supported(model, packed, y, nn.CrossEntropyLoss())} \
+        == {"module rule", "rule"}
