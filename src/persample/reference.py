@@ -63,7 +63,7 @@ def loop_per_sample_grads(
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, _), g in zip(params.items(), grads):
             if g is not None:
-                result[name][i] = g
+                result[name][i] = g.to_dense() if g.is_sparse else g  # nn.Embedding(sparse=True)
     return result
 
 
@@ -105,7 +105,7 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
                 for k in out.reshape(-1)
             ]
         per_sample.append({
-            name: torch.stack([p.new_zeros(p.shape) if g[j] is None else g[j]
+            name: torch.stack([p.new_zeros(p.shape) if g[j] is None else g[j].to_dense()
                                for g in per_output]).view(*out.shape, *p.shape)
             for j, (name, p) in enumerate(params.items())
         })
