@@ -646,3 +646,25 @@ def test_a_packed_sequence_as_the_models_input(make, sort, snapshot):
     state.assert_unchanged()
     assert {r.path for r in persample.supported(model, packed, y, nn.CrossEntropyLoss())} \
         == {"module rule", "rule"}
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_loss_that_cannot_be_vmapped_in_norms_and_the_dp_step(reduction):
+    """A scalar loss calling .item(): each sample's own loss, whatever its reduction."""
+    def loss_fn(out, y):
+        loss = F.cross_entropy(out, y, reduction=reduction)
+        return loss if loss.item() == loss.item() else loss * 0
+
+    model, x, y = Images(), torch.randn(B, 1, 6, 6), torch.randint(0, 3, (B,))
+    want = loop_per_sample_grads(model, x, y, loss_fn)
+    torch.testing.assert_close(per_sample_grad_norms(model, x, y, loss_fn),
+                               flat(want).norm(dim=1), **TOL)
+    private_grad(model, x, y, loss_fn, max_grad_norm=0.5, noise_multiplier=0.0)
+    step = PrivateStep(model, loss_fn, max_grad_norm=0.5, noise_multiplier=0.0,
+                       expected_batch_size=B)
+    private = {name: p.grad.clone() for name, p in model.named_parameters()}
+    step.accumulate(x, y)
+    step.release()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(private[name], clipped_sum(want, 0.5)[name] / B, **TOL)
+        torch.testing.assert_close(p.grad, private[name], **TOL)
