@@ -12,46 +12,109 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import (
+    PackedSequence,
+    pack_padded_sequence,
+    pack_sequence,
+    pad_packed_sequence,
+)
 
 from cases import N, case, classes, cross_entropy, ids, per_sample_squares, randn, regression
 
 
-class Recurrent(nn.Module):
-    """``rnn`` over a batch-first ``(B, T, F)`` input (optionally packed, optionally
-    with an initial state), then a Linear head on the summed outputs and final states."""
+def lengths_of(x: Tensor) -> Tensor:
+    """Each sample's own length, from its data: 1 to T steps."""
+    return 1 + (x[:, 0, 0].detach().abs() * 7).long() % x.shape[1]
 
-    def __init__(self, rnn: nn.RNNBase, packed: bool = False, initial_state: bool = False):
+
+def sorted_by_length(x: Tensor) -> Tensor:
+    """The samples of ``x`` reordered longest first (``enforce_sorted=True`` needs it)."""
+    return x[torch.argsort(lengths_of(x), descending=True, stable=True)]
+
+
+class Recurrent(nn.Module):
+    """``rnn`` over a batch-first ``(B, T, F)`` input, then a Linear head on the summed
+    outputs and final states.
+
+    ``packed``: ``""`` (padded), ``"unsorted"`` (``enforce_sorted=False``), ``"sorted"``
+    (``enforce_sorted=True``: the batch comes longest first) or ``"by-hand"`` (the
+    model sorts the samples itself with ``index_select``, packs them sorted, and puts
+    the outputs and final states back in order). ``initial_state``: ``""`` (none),
+    ``"sample"`` (from each sample's data), ``"zeros"`` (made for the batch, shared)
+    or ``"learned"`` (a parameter expanded to the batch)."""
+
+    def __init__(self, rnn: nn.RNNBase, packed: str = "", initial_state: str = ""):
         super().__init__()
         self.rnn, self.packed, self.initial_state = rnn, packed, initial_state
         directions = 2 if rnn.bidirectional else 1
         width = (rnn.proj_size or rnn.hidden_size) * directions
         self.head = nn.Linear(width, 3)
+        if initial_state == "learned":
+            self.h0 = nn.Parameter(torch.randn(rnn.num_layers * directions, 1,
+                                               rnn.proj_size or rnn.hidden_size))
 
     def forward(self, x: Tensor) -> Tensor:
-        # each sample's own length, from its data: 1 to T steps
-        lengths = 1 + (x[:, 0, 0].detach().abs() * 7).long() % x.shape[1]
+        lengths, order = lengths_of(x), None
+        if self.packed == "by-hand":
+            order = torch.argsort(lengths, descending=True, stable=True)
+            x, lengths = x.index_select(0, order), lengths[order]
         seq = x if self.rnn.batch_first else x.transpose(0, 1)
         if self.packed:
             seq = pack_padded_sequence(seq, lengths, batch_first=self.rnn.batch_first,
-                                       enforce_sorted=False)
-        hx = self._initial_state(x) if self.initial_state else None
-        out, state = self.rnn(seq, hx)
+                                       enforce_sorted=self.packed != "unsorted")
+        out, state = self.rnn(seq, self._initial_state(x))
         if self.packed:
             out = pad_packed_sequence(out, batch_first=True)[0]
         elif not self.rnn.batch_first:
             out = out.transpose(0, 1)
         h_n = state[0] if isinstance(state, tuple) else state  # (L * D, B, H_out)
+        if order is not None:  # back to the samples' order
+            back = torch.argsort(order)
+            out, h_n = out.index_select(0, back), h_n.index_select(1, back)
         return self.head(out.sum(1)) + h_n.transpose(0, 1).sum((1, 2))[:, None]
 
     def _initial_state(self, x: Tensor) -> Any:
-        r = self.rnn
+        r, kind = self.rnn, self.initial_state
         stack = r.num_layers * (2 if r.bidirectional else 1)
-        h0 = torch.tanh(x[:, :1, :1]).reshape(1, -1, 1).expand(stack, -1, r.proj_size
-                                                               or r.hidden_size)
+        width = r.proj_size or r.hidden_size
+        if not kind:
+            return None
+        if kind == "sample":
+            h0 = torch.tanh(x[:, :1, :1]).reshape(1, -1, 1).expand(stack, -1, width)
+        elif kind == "zeros":
+            h0 = torch.zeros(stack, x.shape[0], width, dtype=x.dtype)
+        else:
+            h0 = self.h0.expand(-1, x.shape[0], -1)
         if isinstance(r, nn.LSTM):
             return h0, 0.5 * h0[..., :1].expand(-1, -1, r.hidden_size)
         return h0
+
+
+class PackedInput(nn.Module):
+    """``rnn`` on a ``PackedSequence`` given to the model itself (Opacus' recurrent
+    tests): the head reads the padded outputs and the final states."""
+
+    def __init__(self, rnn: nn.RNNBase):
+        super().__init__()
+        self.rnn = rnn
+        directions = 2 if rnn.bidirectional else 1
+        self.head = nn.Linear(rnn.hidden_size * directions, 3)
+
+    def forward(self, packed: PackedSequence) -> Tensor:
+        out, state = self.rnn(packed)
+        padded = pad_packed_sequence(out, batch_first=True)[0]  # (B, T, D * H)
+        h_n = state[0] if isinstance(state, tuple) else state
+        return self.head(padded.sum(1)) + h_n.sum(0).sum(1, keepdim=True)
+
+
+def packed_sequences(n: int, features: int, longest_first: bool) -> tuple[PackedSequence]:
+    """``(PackedSequence,)`` of ``n`` sequences of lengths 1 to ``N``, in no order of
+    length unless ``longest_first``."""
+    lengths = [1 + (2 * i + 1) % N for i in range(n)]
+    if longest_first:
+        lengths.sort(reverse=True)
+    return (pack_sequence([randn(t, features) for t in lengths],
+                          enforce_sorted=longest_first),)
 
 
 class LSTMClassifier(nn.Module):
@@ -68,7 +131,7 @@ class LSTMClassifier(nn.Module):
         return self.out(torch.cat([h[-2], h[-1]], 1))
 
 
-def recurrent(cls: type, packed: bool = False, initial_state: bool = False, **kwargs):
+def recurrent(cls: type, packed: str = "", initial_state: str = "", **kwargs):
     return lambda: Recurrent(cls(3, 4, **kwargs), packed, initial_state)
 
 
@@ -179,21 +242,42 @@ RECURRENT_CASES: list[dict[str, Any]] = [
     rnn_case("lstm-batch-first-2-layers", recurrent(nn.LSTM, batch_first=True, num_layers=2),
          lambda n: randn(n, 5, 3)),
     rnn_case("lstm-bidirectional-initial-state",
-         recurrent(nn.LSTM, initial_state=True, bidirectional=True), lambda n: randn(n, 4, 3)),
+         recurrent(nn.LSTM, initial_state="sample", bidirectional=True), lambda n: randn(n, 4, 3)),
     rnn_case("lstm-proj-size-2-layers-bidirectional",
          recurrent(nn.LSTM, proj_size=2, num_layers=2, bidirectional=True, batch_first=True),
          lambda n: randn(n, 4, 3)),
-    rnn_case("lstm-packed", recurrent(nn.LSTM, packed=True), lambda n: randn(n, 4, 3)),
+    rnn_case("lstm-packed", recurrent(nn.LSTM, packed="unsorted"), lambda n: randn(n, 4, 3)),
     rnn_case("lstm-packed-bidirectional-2-layers-batch-first",
-         recurrent(nn.LSTM, packed=True, bidirectional=True, num_layers=2, batch_first=True),
+         recurrent(nn.LSTM, packed="unsorted", bidirectional=True, num_layers=2,
+                   batch_first=True),
          lambda n: randn(n, 4, 3), classes, cross_entropy),
     rnn_case("gru", recurrent(nn.GRU), lambda n: randn(n, N, 3)),
     rnn_case("gru-batch-first-bidirectional-nobias",
          recurrent(nn.GRU, batch_first=True, bidirectional=True, bias=False),
          lambda n: randn(n, 4, 3), regression, per_sample_squares),
     rnn_case("gru-packed-initial-state-2-layers",
-         recurrent(nn.GRU, packed=True, initial_state=True, num_layers=2),
+         recurrent(nn.GRU, packed="unsorted", initial_state="sample", num_layers=2),
          lambda n: randn(n, 5, 3)),
+    # packed sorted (enforce_sorted=True: the final states come in the packed order), sorted
+    # by the model itself, zeros or learned initial states, the PackedSequence as the input
+    rnn_case("gru-packed-sorted-batch-first", recurrent(nn.GRU, packed="sorted", batch_first=True),
+             lambda n: sorted_by_length(randn(n, N, 3))),
+    rnn_case("rnn-packed-sorted-bidirectional",
+             recurrent(nn.RNN, packed="sorted", bidirectional=True),
+             lambda n: sorted_by_length(randn(n, 4, 3))),
+    rnn_case("lstm-packed-sorted-2-layers-zeros-state",
+             recurrent(nn.LSTM, packed="sorted", num_layers=2, initial_state="zeros"),
+             lambda n: sorted_by_length(randn(n, N, 3)), classes, cross_entropy),
+    rnn_case("lstm-packed-by-hand-bidirectional-sample-state",
+             recurrent(nn.LSTM, packed="by-hand", bidirectional=True, initial_state="sample",
+                       batch_first=True),
+             lambda n: randn(n, N, 3)),
+    rnn_case("gru-zeros-state-2-layers-bidirectional",
+             recurrent(nn.GRU, initial_state="zeros", num_layers=2, bidirectional=True),
+             lambda n: randn(n, N, 3)),
+    rnn_case("rnn-learned-state-batch-first", recurrent(nn.RNN, initial_state="learned",
+                                                        batch_first=True),
+             lambda n: randn(n, 4, 3)),
     rnn_case("lstm-text-classifier", LSTMClassifier, lambda n: ids(13, n, 6), classes,
          cross_entropy),
     # nn.MultiheadAttention, both layouts, masks, separate key/value projections
@@ -223,4 +307,17 @@ RECURRENT_CASES: list[dict[str, Any]] = [
          lambda n: randn(n, N, 8)),
     case("transformer-decoder-layer-batch-first", lambda: Decoder(True), lambda n: randn(n, 4, 8)),
     case("transformer-full-sequence-first", FullTransformer, lambda n: randn(n, N, 8)),
+]
+
+# The PackedSequence as the model's own input (``model(packed)``): tests that slice or
+# measure a tensor input do not apply, so these are run by ``test_stock_layers.py``.
+PACKED_INPUT_CASES: list[dict[str, Any]] = [
+    rnn_case("lstm-packed-input-2-layers", lambda: PackedInput(nn.LSTM(3, 4, num_layers=2)),
+             lambda n: packed_sequences(n, 3, longest_first=False)),
+    rnn_case("gru-packed-input-sorted-bidirectional",
+             lambda: PackedInput(nn.GRU(3, 4, bidirectional=True)),
+             lambda n: packed_sequences(n, 3, longest_first=True)),
+    rnn_case("rnn-packed-input-2-layers-bidirectional-nobias",
+             lambda: PackedInput(nn.RNN(3, 4, num_layers=2, bidirectional=True, bias=False)),
+             lambda n: packed_sequences(n, 3, longest_first=False), classes, cross_entropy),
 ]
