@@ -254,22 +254,25 @@ def _forward_jacobian(model: Callable, x: Tensor, chunk_size: int | None) -> Ten
     return _result(jac.movedim(0, -1), (*jac.shape[1:], *x.shape[1:]))
 
 
-def _followed_forward(model: Callable, xg: Tensor) -> tuple[Tensor, str | None]:
+def _followed_forward(model: Callable, xg: Tensor, name: bool = False
+                      ) -> tuple[Tensor, str | None]:
     """``model(xg)`` ``(B, *out_shape)`` with its data flow followed, and ``None`` if each
-    output row holds its own sample alone (or no sample at all), else why not.
+    output row holds its own sample alone (or no sample at all), else why not. The
+    capture keeps no module calls (cheaper) unless ``name``: a model found mixing runs
+    once more to name the module in the error.
 
     Raises:
-        ValueError: the model mixes samples (the op or module is named): the diagonal
+        ValueError: the model mixes samples (the op and module are named): the diagonal
             blocks are not the whole Jacobian, and no per-sample answer exists.
     """
     n = xg.shape[0]
     if n < 2:  # nothing to mix
         with torch.enable_grad():
             return _checked_output(model(xg), n), None
-    module = model if isinstance(model, nn.Module) else None
-    named = {id(p): p for p in module.parameters()} if module is not None else {}
-    try:  # the parameters "watched" so that the modules reading them name where
-        with torch.enable_grad(), Capture(module, named, n, [xg],
+    module = model if isinstance(model, nn.Module) and name else None
+    watched = {id(p): p for p in module.parameters()} if module is not None else {}
+    try:
+        with torch.enable_grad(), Capture(module, watched, n, [xg],
                                           constant=_no_path_to_inputs) as cap:
             out = model(xg)
     except InternalError as err:  # persample's bug: the exact way that assumes nothing
@@ -281,6 +284,8 @@ def _followed_forward(model: Callable, xg: Tensor) -> tuple[Tensor, str | None]:
     if lay is FREE or (isinstance(lay, Batched) and lay.dim == 0 and lay.plain):
         return out, None
     if isinstance(lay, Mixed):
+        if not name and isinstance(model, nn.Module):
+            return _followed_forward(model, xg, name=True)
         raise ValueError(
             f"the model mixes samples ({lay.why}), so the output of one sample depends on "
             "the inputs of others and the diagonal blocks are not the whole Jacobian. Call "
