@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .batch import Batched, Layout
+from .batch.layouts import indexed
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,6 @@ def _count(x: Any) -> int:
     if isinstance(x, PackedRows):
         return int(x.num_samples)
     return int(x.num_graphs)
-
-
-def indexed(dim: int, index: Tensor, n: int) -> Batched:
-    """``Batched(dim, index=index)``, or plain ``Batched(dim)`` when ``index`` is
-    ``arange(n)``."""
-    if index.numel() == n and bool((index == torch.arange(n, device=index.device)).all()):
-        return Batched(dim)
-    return Batched(dim, index=index)
 
 
 def _special_layouts(x: Any, n: int) -> tuple[list[tuple[Tensor, Layout]], list[Tensor]]:
@@ -426,5 +419,4 @@ def named_tensors(x: Any, path: str) -> list[tuple[str, Tensor]]:
     return found
 
 
-__all__ = ["Batch", "PackedRows", "as_batch", "indexed", "located_of", "named_tensors",
-           "rows_of"]
+__all__ = ["Batch", "PackedRows", "as_batch", "located_of", "named_tensors", "rows_of"]
