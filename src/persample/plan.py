@@ -106,7 +106,7 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
             by_call.setdefault(id(op.claimed), []).append(op)
     for call in cap.calls:
         ops = by_call.get(id(call))
-        if not ops or call.rule is None or not _plain_layouts(cap, call):
+        if not ops or call.rule is None or not _plain_layouts(cap, call, ops):
             continue
         own = {id(p) for p in call.module.parameters(recurse=False)}
         if any(not op.sources_all <= own for op in ops):
@@ -119,17 +119,27 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
     return owned
 
 
-def _plain_layouts(cap: Capture, call: Call) -> bool:
+def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
     """Can a module rule take the call: every input and output tensor plainly batched
     (its batch dim holding one position per sample, in any order) or free? Of a packed
     sequence only the rows count (its sizes and orders are positions): batched, one
-    or more rows per sample, or free."""
+    or more rows per sample, or free. A free input reaches the rule as the call's ops
+    pair it with the samples (zeros given as a recurrent layer's initial state); where
+    they pair a free tensor made inside the call instead (the layer reordered it)
+    while a free input is not read by them, how that input pairs is not known."""
     leaves = tree_leaves((call.args, call.kwargs),
                          is_leaf=lambda a: isinstance(a, PackedSequence))
     ins = [t for a in leaves for t in ((a.data,) if isinstance(a, PackedSequence) else (a,))
            if isinstance(t, Tensor)]
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
-    return all(_plain(cap.layout(t)) for t in ins + outs)
+    if not all(_plain(cap.layout(t)) for t in ins + outs):
+        return False
+    read = {id(t) for op in ops for t in op.leaves}
+    free = [t for t in ins if cap.layout(t) is FREE]
+    paired_inside = any(
+        isinstance(op.align(k), Batched) and cap.layout(t) is FREE
+        and not any(t is x for x in ins) for op in ops for k, t in enumerate(op.leaves))
+    return not (paired_inside and any(id(t) not in read for t in free))
 
 
 def _plain(lay: Layout) -> bool:
