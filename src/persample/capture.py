@@ -29,7 +29,9 @@ exist only inside the ``with`` block: they are removed in ``finally``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -45,6 +47,7 @@ from torch.utils._pytree import tree_leaves
 
 from .batch import FREE, Batched, Ctx, Flow, Layout, Mixed, Unknown, in_place, op_leaves, propagate
 from .batch.flow import name_of
+from .batch.ops_indexing import setitem_layout
 from .errors import raise_internal
 
 
@@ -192,6 +195,79 @@ class _Mode(TorchFunctionMode):
         return cap.record(func, args, kwargs)
 
 
+def _hidden(fn: Callable) -> Callable:
+    """``fn`` hidden from TorchDynamo where ``torch.compile`` is in use (its module is
+    loaded): a compiled module's forward under a capture then runs the capture's own
+    work as plain Python between its graphs, instead of tracing it and recompiling it
+    for every capture (``torch._dynamo.disable``)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo.disable(fn) if dynamo is not None else fn
+
+
+_HIDDEN_MODE: list[type] = []
+
+
+def _mode_class() -> type:
+    """``_Mode``, or once ``torch.compile`` is in use, ``_Mode`` with its
+    ``__torch_function__`` hidden from TorchDynamo."""
+    if "torch._dynamo" not in sys.modules:
+        return _Mode
+    if not _HIDDEN_MODE:
+        _HIDDEN_MODE.append(type("_HiddenMode", (_Mode,), {
+            "__torch_function__": _hidden(_Mode.__torch_function__)}))
+    return _HIDDEN_MODE[0]
+
+
+class _PlainCheckpoints:
+    """While a capture runs in a thread, ``torch.utils.checkpoint``'s reentrant form
+    (``use_reentrant=True``: a custom ``autograd.Function`` that runs the function under
+    ``no_grad`` and runs it again in the backward) runs the function as it is, with
+    autograd, in that thread: the capture then sees its ops with their gradient edges,
+    and the backward needs no second forward (which ``torch.autograd.grad`` refuses).
+    Its gradients are the checkpoint's: those of the function, where an input requires
+    grad; where none does, the checkpoint itself runs (no gradient reaches inside).
+    The patch is on ``CheckpointFunction`` only while some capture is open; other
+    threads get the original."""
+
+    lock = threading.Lock()
+    local = threading.local()
+    users = 0
+    saved: Any = None
+
+    @classmethod
+    def enter(cls) -> None:
+        cls.local.depth = getattr(cls.local, "depth", 0) + 1
+        with cls.lock:
+            cls.users += 1
+            if cls.users == 1:
+                from torch.utils.checkpoint import CheckpointFunction
+
+                cls.saved = CheckpointFunction.__dict__.get("apply")
+                original = CheckpointFunction.apply
+                CheckpointFunction.apply = classmethod(
+                    lambda _, *args: cls.run(original, *args))
+
+    @classmethod
+    def exit(cls) -> None:
+        cls.local.depth -= 1
+        with cls.lock:
+            cls.users -= 1
+            if cls.users == 0:
+                from torch.utils.checkpoint import CheckpointFunction
+
+                if cls.saved is None:
+                    del CheckpointFunction.apply
+                else:
+                    CheckpointFunction.apply = cls.saved
+
+    @classmethod
+    def run(cls, original: Callable, function: Callable, preserve_rng_state: bool, *args):
+        if (getattr(cls.local, "depth", 0) and torch.is_grad_enabled()
+                and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
+            return function(*args)
+        return original(function, preserve_rng_state, *args)
+
+
 def _holders(model: nn.Module, watched: dict[int, Tensor]) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of the modules holding a watched parameter at any
     depth, in ``named_modules()`` order; one walk of the tree (``named_parameters`` per
@@ -278,7 +354,7 @@ class Capture:
         self.ctx = Ctx(n, lambda t: this().layout(t))
         self._module_rule = module_rule
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._mode = _Mode(weakref.proxy(self))
+        self._mode = _mode_class()(weakref.proxy(self))
         for t in self._free_tensors(model, shared):
             self.layouts[t] = FREE
         for item in batched:
@@ -338,10 +414,11 @@ class Capture:
             holders = _holders(self.model, self.watched) if self.model is not None else []
             for name, module in holders:
                 self._handles.append(module.register_forward_pre_hook(
-                    self._pre_hook(name), with_kwargs=True))
+                    _hidden(self._pre_hook(name)), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
-                    self._post_hook, with_kwargs=True))
+                    _hidden(self._post_hook), with_kwargs=True))
             self._mode.__enter__()
+            _PlainCheckpoints.enter()
         except BaseException:
             self._remove()
             raise
@@ -349,6 +426,7 @@ class Capture:
 
     def __exit__(self, _type, exc, _tb) -> None:
         try:
+            _PlainCheckpoints.exit()
             self._mode.__exit__(None, None, None)
         finally:
             self._remove()
@@ -493,6 +571,9 @@ class Capture:
         """``x[index] = value``: ``x`` keeps its layout if the value's samples land where
         ``x``'s are (or the value is free); else it becomes Unknown."""
         x, index, value = args[0], args[1], args[2]
+        found = setitem_layout(self.ctx, x, index, value)  # an index tensor on the batch dim
+        if found is not None:
+            return found
         lx = self.layout(x)
         lv = self.layout(value) if isinstance(value, Tensor) else FREE
         if lv is FREE or isinstance(lx, (Mixed, Unknown)):
@@ -515,7 +596,8 @@ class Capture:
         outs, lays = op.outputs, op.out_layouts
         op.edges = [_edge(o) for o in outs]
         op.claimed = self._claim(op.sources_all)
-        if not any(o.requires_grad for o in outs):
+        if not any(o.requires_grad for o in outs) and any(
+                o.is_floating_point() or o.is_complex() for o in outs):
             self.unseen_reads |= op.sources_all  # read without autograd (or only .detach())
         self.ops.append(op)
         for k, (o, lay) in enumerate(zip(outs, lays)):
@@ -549,8 +631,8 @@ def _located_in(outputs: Any, call: Call) -> Any:
     """The layouts, with the module the trouble started in named in their reason."""
     if isinstance(outputs, tuple):
         return tuple(_located_in(o, call) for o in outputs)
-    if isinstance(outputs, (Mixed, Unknown)):
-        return type(outputs)(f"{outputs.why}, in module {call.describe()}")
+    if isinstance(outputs, (Mixed, Unknown)):  # (replace keeps a subclass's fields)
+        return dataclasses.replace(outputs, why=f"{outputs.why}, in module {call.describe()}")
     return outputs
 
 

@@ -122,8 +122,11 @@ def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tenso
     n, v = cots[used[0]].shape[:2]
     grads = torch.autograd.grad([outs[k] for k in used], [values[k] for k in wrt],
                                 [cots[k].flatten(0, 1) for k in used], is_grads_batched=True,
-                                allow_unused=True, materialize_grads=True)
-    return [g.unflatten(0, (n, v)) for g in grads]
+                                allow_unused=True)
+    # a leaf the replay did not read (the same tensor twice, ``A * A``: read as its last
+    # position) gets zeros with the (n, v) dims, which materialize_grads would not give
+    return [values[k].new_zeros((n, v, *values[k].shape)) if g is None else
+            g.unflatten(0, (n, v)) for k, g in zip(wrt, grads)]
 
 
 def summed_vjp(op: Any, g: Tensor, wrt: list[int]) -> list[Tensor]:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .flow import (
+    VALUE_READERS,
     Ctx,
     Flow,
     aliases,
@@ -25,6 +26,16 @@ from .flow import (
     register,
 )
 from .layouts import FREE, Batched, Layout, Unknown
+from .ops_indexing import (
+    Partly,
+    as_located,
+    located,
+    merge,
+    partly,
+    rows_of,
+    trouble,
+    where_positions,
+)
 
 # ---------------------------------------------------------------------------
 # elementwise ops: broadcasting right-aligns the inputs
@@ -32,20 +43,33 @@ from .layouts import FREE, Batched, Layout, Unknown
 
 def self_only(ctx: Ctx, func, args, kwargs, out) -> Any:
     """Unary ops and ops whose other tensors are references only (``x.to(y)``)."""
-    return every(out, ctx.layout(args[0] if args else kwargs.get("input")))
+    x = args[0] if args else kwargs.get("input")
+    lay = ctx.layout(x)
+    if isinstance(lay, Partly):
+        if partly(ctx, x) is None or not isinstance(out, Tensor):
+            return every(out, Unknown(lay.why))
+        return as_located(ctx, out, lay)
+    return every(out, lay)
 
 
 def broadcast(ctx: Ctx, func, args, kwargs, out) -> Flow:
     """Elementwise ops: each batched input's batch dim lands on the output dim
-    broadcasting aligns it with. Inputs disagreeing on that dim mix samples."""
+    broadcasting aligns it with. Inputs disagreeing on that dim mix samples. Positions
+    that hold no sample's data (:class:`~persample.batch.ops_indexing.Partly`) take
+    the sample of the other inputs' data there."""
     shape = (args[0].shape if in_place(func, kwargs) and isinstance(args[0], Tensor)
              else _out_shape(out))
     if shape is None:
         return Flow(every(out, Unknown(f"{name_of(func)} returned no tensor")))
     leaves = op_leaves(args, kwargs)
+    lays = [ctx.layout(t) for t in leaves]
+    bad = trouble(lays)
+    if bad is not None:
+        return Flow(every(out, bad))
+    if any(isinstance(lay, Partly) for lay in lays):
+        return _with_free_positions(ctx, func, leaves, lays, shape, out)
     rank, found = len(shape), None
-    for t in leaves:
-        lay = ctx.layout(t)
+    for t, lay in zip(leaves, lays):
         if not isinstance(lay, Batched):
             continue
         d = lay.dim + rank - t.dim()
@@ -58,15 +82,39 @@ def broadcast(ctx: Ctx, func, args, kwargs, out) -> Flow:
             return Flow(every(out, mixed(func, "combines samples from different dims")))
     if found is None:
         return Flow(every(out, FREE))
-    align = tuple(_aligned(ctx, t, found, rank) for t in leaves)
+    align = tuple(_aligned(t, own, found, rank) for t, own in zip(leaves, lays))
     return Flow(every(out, found), align if any(a is not None for a in align) else None)
 
 
-def _aligned(ctx: Ctx, t: Tensor, lay: Batched, rank: int) -> Layout | None:
+def _with_free_positions(ctx: Ctx, func, leaves: list, lays: list, shape, out) -> Flow:
+    """``broadcast`` where an input has positions holding no sample's data: the samples
+    of each position along the one batch dim, merged over the inputs."""
+    rank, dim, rows = len(shape), None, None
+    for t, lay in zip(leaves, lays):
+        found = rows_of(ctx, t, partly(ctx, t) or lay)
+        if found is None:
+            continue
+        d = found[0] + rank - t.dim()
+        if t.shape[found[0]] != shape[d]:
+            return Flow(every(out, mixed(func, "spreads one sample's data over others")))
+        if dim is not None and d != dim:
+            return Flow(every(out, mixed(func, "combines samples from different dims")))
+        dim, rows = d, found[1] if rows is None else merge(rows, found[1])
+        if rows is None:
+            return Flow(every(out, mixed(func, "combines different samples' positions")))
+    target = out if isinstance(out, Tensor) else next(o for o in out if isinstance(o, Tensor))
+    got = located(dim, rows, ctx.n, target, name_of(func))
+    if not isinstance(got, Batched):
+        return Flow(every(out, got))
+    align = tuple(got.moved(lay.dim + rank - t.dim()) if isinstance(lay, Partly) else
+                  _aligned(t, lay, got, rank) for t, lay in zip(leaves, lays))
+    return Flow(every(out, got), align)
+
+
+def _aligned(t: Tensor, own: Layout, lay: Batched, rank: int) -> Layout | None:
     """How a broadcast input pairs with the samples: its own layout, a free input of
     full size along the batch dim (``cls.expand(B, 1, E)`` in ``cat``) as batched
     there, else shared."""
-    own = ctx.layout(t)
     if own is not FREE:
         return own
     d = lay.dim - (rank - t.dim())
@@ -122,29 +170,30 @@ def _free(ctx, func, args, kwargs, out) -> Any:
     return every(out, FREE)
 
 
-register(broadcast, *aliases(*_BINARY))
-register(self_only, *aliases(*[u for u in _UNARY if u not in ("clamp", "clip", "clamp_",
-                                                                 "clip_")]))
-register(broadcast, *aliases("clamp", "clip", "clamp_", "clip_"))
+_SELF_ONLY_OPS = aliases(*[u for u in _UNARY if u not in ("clamp", "clip", "clamp_", "clip_")])
+_BROADCAST_OPS = aliases(*_BINARY, "clamp", "clip", "clamp_", "clip_")
+register(broadcast, *_BROADCAST_OPS)
+register(self_only, *_SELF_ONLY_OPS)
 register(_free, *aliases(*_FREE_DATA))
+VALUE_READERS.update(_SELF_ONLY_OPS + _BROADCAST_OPS)  # they carry Partly themselves
 
 
 def _where(ctx, func, args, kwargs, out) -> Any:
-    if len(args) + len(kwargs) == 1:  # where(cond): nonzero
-        return _positions_of(ctx, func, args[0], out)
+    if len(args) + len(kwargs) == 1:  # where(cond): nonzero(cond, as_tuple=True)
+        return where_positions(ctx, func, args, kwargs, out)
     return broadcast(ctx, func, args, kwargs, out)
 
 
 register(_where, *aliases("where"), override=True)
 
 
-def _positions_of(ctx, func, x, out) -> Any:
-    lay = ctx.layout(x)
+def _positions_of(ctx, func, args, kwargs, out) -> Any:
+    """``unique``: values from several samples merged into one list."""
+    lay = ctx.layout(args[0])
     return every(out, FREE if lay is FREE else Unknown(f"{name_of(func)} lists positions"))
 
 
-register(lambda c, f, a, k, o: _positions_of(c, f, a[0], o),
-          *aliases("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"))
+register(_positions_of, *aliases("unique", "unique_consecutive"))
 
 
 # ---------------------------------------------------------------------------
@@ -212,9 +261,7 @@ def _along(ctx, func, args, kwargs, out, pos: int = 1) -> Any:
 
 register(_along, *aliases(
     "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin",
-    "logcumsumexp", "sort", "argsort", "normalize", "gumbel_softmax", "cumsum_", "cumprod_",
-    "diff", "msort"))
-register(lambda c, f, a, k, o: _along(c, f, a, k, o, pos=2), *aliases("topk"))
+    "logcumsumexp", "normalize", "gumbel_softmax", "cumsum_", "cumprod_", "diff", "msort"))
 register(lambda c, f, a, k, o: _along(c, f, a, k, o, pos=1), *aliases("flip"))
 
 

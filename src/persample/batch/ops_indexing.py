@@ -1,11 +1,33 @@
-"""Indexing: basic indices move the batch dim; index tensors on it name the
-samples by their values.
+"""Indexing, gathers, scatters, ``nonzero`` and sorts: positions named by values.
+
+An index tensor names positions by its values, and where those positions carry
+samples, the data read or written there tells each result position its sample:
+``logits[arange(B), last]`` keeps the samples in order; ``h[rows]`` with ``rows``
+from ``nonzero`` over a ``(B*T, E)`` routing mask gives each row the sample of the
+token it reads; ``zeros(N, F).index_add_(0, dst, messages)`` gives each node the
+sample of the messages added into it; ``argsort`` of a ``(B*T,)`` tensor permutes
+the tokens, each keeping its sample. An index tensor computed from a sample's data
+is that sample's too (its own layout): its entries must agree with the data they
+read, or the op mixes samples. Every such layout is built from the sample of each
+position (:func:`located`): the plain or merged layout where the samples form one
+(``Batched(0, inner=T)``), else an index layout.
+
+A position holding only data shared by all samples has no sample of its own (a row
+no scatter has written yet; a self-loop edge appended to a graph's edges, its node
+ids from ``arange``). A tensor with such positions has the layout :class:`Partly`,
+an :class:`~persample.batch.layouts.Unknown` to every other rule; the rules here,
+the views and the elementwise ops carry it, and complete it where its free
+positions meet one sample's data (the scatters that fill them, a residual added,
+an index that reads batched rows). Nothing is decided from a size: a position's
+sample comes from data flow, or the position stays free.
 
 Registered with :func:`persample.batch.flow.register`; see that module.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,205 +35,412 @@ from torch import Tensor
 
 from .flow import (
     VALUE_READERS,
+    Ctx,
     aliases,
     arg,
     dim_of,
+    every,
     mixed,
     name_of,
     register,
-    worst,
 )
-from .layouts import FREE, Batched, Layout, Mixed, Unknown, indexed
+from .layouts import FREE, Batched, Layout, Mixed, Unknown, indexed, sample_of_positions
+
+NO_SAMPLE = -1  # a position holding only data shared by all samples
+
+
+@dataclass(frozen=True, eq=False)
+class Partly(Unknown):
+    """Positions along ``dim`` each hold one sample's data (``rows[p]``, the sample) or
+    only shared data (``rows[p] == -1``); see the module docstring. It describes the
+    tensor ``ref`` refers to only: a rule that passes a layout on unchanged to another
+    tensor passes an :class:`Unknown`."""
+
+    dim: int = 0
+    rows: Tensor | None = None  # (size of dim,) int64
+    ref: Any = None  # weakref.ref of the tensor described
+
+    def __repr__(self) -> str:
+        rows = self.rows.tolist() if self.rows is not None else None
+        return f"Partly(dim={self.dim}, rows={rows})"
+
+
+@dataclass(frozen=True, eq=False)
+class Sorted(Batched):
+    """A batch dim whose positions are in the order of a sort key (``argsort`` of the
+    tokens' experts), ``keys`` the key at each position: a layout like any other to the
+    other rules (it equals the same layout without keys); ``split`` may cut it where
+    every piece holds one key, the piece's own number (``split(bincount(keys))``), so
+    which piece a position goes to depends on its own key alone."""
+
+    keys: Tensor | None = None
+
+
+def partly(ctx: Ctx, t: Any) -> Partly | None:
+    """``t``'s layout if it is a :class:`Partly` made for ``t`` itself."""
+    if not isinstance(t, Tensor):
+        return None
+    lay = ctx.layout(t)
+    if isinstance(lay, Partly) and lay.ref is not None and lay.ref() is t:
+        return lay
+    return None
+
+
+def followed(ctx: Ctx, t: Any) -> Layout:
+    """``t``'s layout, a :class:`Partly` made for another tensor as a plain Unknown."""
+    lay = ctx.layout(t)
+    if isinstance(lay, Partly) and partly(ctx, t) is None:
+        return Unknown(lay.why)
+    return lay
+
+
+def trouble(layouts: list[Layout]) -> Layout | None:
+    """Mixed over Unknown (a :class:`Partly` counts as located); ``None`` if neither."""
+    found = None
+    for lay in layouts:
+        if isinstance(lay, Mixed):
+            return lay
+        if isinstance(lay, Unknown) and not isinstance(lay, Partly) and found is None:
+            found = lay
+    return found
+
+
+def rows_of(ctx: Ctx, t: Tensor, lay: Layout) -> tuple[int, Tensor] | None:
+    """``(dim, samples (size,))`` of a batched or :class:`Partly` tensor; ``None`` else."""
+    if isinstance(lay, Partly):
+        return lay.dim, lay.rows
+    if isinstance(lay, Batched):
+        rows = sample_of_positions(lay, t.shape[lay.dim], ctx.n, t.device)
+        return lay.dim, rows.long()
+    return None
+
+
+def element_samples(ctx: Ctx, t: Tensor, lay: Layout) -> Tensor:
+    """The sample of every entry of ``t`` (``NO_SAMPLE`` where free), broadcastable to
+    ``t.shape``."""
+    found = rows_of(ctx, t, lay)
+    if found is None:
+        return torch.full((), NO_SAMPLE, dtype=torch.long, device=t.device)
+    d, rows = found
+    shape = [1] * t.dim()
+    shape[d] = rows.shape[0]
+    return rows.view(shape)
+
+
+def merge(a: Tensor, b: Tensor) -> Tensor | None:
+    """Samples of the same positions from two sources (broadcast): one where only one
+    names a sample, ``None`` where they name different ones."""
+    both = (a >= 0) & (b >= 0)
+    if bool((both & (a != b)).any()):
+        return None
+    return torch.where(a >= 0, a, b)
+
+
+def located(dim: int, rows: Tensor, n: int, out: Tensor, why: str) -> Layout:
+    """The layout of ``out`` whose positions along ``dim`` hold the samples ``rows``:
+    free (no position holds a sample's data), :class:`Partly` (some do not), the plain
+    or merged layout the samples form, else an index layout."""
+    rows = rows.long()
+    if rows.numel() and bool((rows < 0).all()):
+        return FREE
+    if bool((rows < 0).any()):
+        return Partly(f"{why}: some positions hold no sample's data", dim, rows,
+                      weakref.ref(out))
+    return regular(dim, rows, n)
+
+
+def regular(dim: int, rows: Tensor, n: int) -> Batched:
+    """``Batched(dim, outer, inner)`` if ``rows`` is that layout's sample of each
+    position (``(o * n + i) * inner + k`` holds sample ``i``), else the index layout."""
+    size = rows.numel()
+    if size and size % n == 0:
+        k = size // n
+        position = torch.arange(size, device=rows.device)
+        for inner in (d for d in range(1, k + 1) if k % d == 0):
+            if torch.equal(rows, position // inner % n):
+                return Batched(dim, k // inner, inner)
+    return indexed(dim, rows, n)
+
+
+def along_one_dim(samples: Tensor) -> tuple[int, Tensor] | None:
+    """``(k, rows)`` if ``samples`` depends on its dim ``k`` alone (the first such dim
+    where it depends on none); ``None`` if on several."""
+    if samples.dim() == 0:
+        return None
+    for k in range(samples.dim()):
+        first = samples.movedim(k, 0).reshape(samples.shape[k], -1)
+        if first.shape[1] == 0:
+            return k, samples.new_full((samples.shape[k],), NO_SAMPLE)
+        rows = first[:, 0]
+        if bool((first == rows[:, None]).all()):
+            return k, rows
+    return None
+
+
+def as_located(ctx: Ctx, out: Tensor, lay: Layout, moved_to: int | None = None) -> Layout:
+    """``lay`` (of a view's input) for ``out``: a :class:`Partly` is made again for
+    ``out`` (at ``moved_to``), anything else is returned as it is (moved)."""
+    if isinstance(lay, Partly):
+        return Partly(lay.why, lay.dim if moved_to is None else moved_to, lay.rows,
+                      weakref.ref(out))
+    if isinstance(lay, Batched) and moved_to is not None:
+        return lay.moved(moved_to)
+    return lay
+
+
+def follows_partly(handler):
+    """A view or unary rule that also carries :class:`Partly`: run on the positions as an
+    index layout, the result made :class:`Partly` again for the op's output."""
+
+    def run(ctx: Ctx, func, args, kwargs, out) -> Any:
+        x = args[0] if args else kwargs.get("input")
+        found = partly(ctx, x)
+        if found is None:
+            return handler(ctx, func, args, kwargs, out)
+        stand_in = Batched(found.dim, index=found.rows)
+        inner = Ctx(ctx.n, lambda t: stand_in if t is x else ctx.layout(t))
+        got = handler(inner, func, args, kwargs, out)
+
+        def back(lay: Any, o: Any) -> Any:
+            if isinstance(lay, Batched) and lay.index is stand_in.index and isinstance(
+                    o, Tensor):
+                return Partly(found.why, lay.dim, found.rows, weakref.ref(o))
+            return Unknown(found.why) if isinstance(lay, Batched) else lay
+
+        if isinstance(got, tuple) and isinstance(out, (tuple, list)):
+            return tuple(back(lay, o) for lay, o in zip(got, out))
+        return back(got.outputs if hasattr(got, "outputs") else got, out)
+
+    run.__doc__ = handler.__doc__
+    run.__name__ = getattr(handler, "__name__", "run")
+    return run
+
 
 # ---------------------------------------------------------------------------
-# indexing
+# x[index]
+
+
+@dataclass
+class _Adv:
+    """One advanced index of ``x[...]``: its positions (int64, broadcastable to the
+    block) and their own samples (``None``: free), for input dim ``dim``."""
+
+    dim: int
+    values: Tensor
+    own: Tensor | None
 
 
 def _getitem(ctx, func, args, kwargs, out) -> Any:
-    """``x[...]``: basic indices move the batch dim; an index tensor on the batch dim
-    gives the samples by its values (``logits[arange(B), last]`` keeps them in order)."""
+    """``x[...]``: basic indices move the batch dim; index tensors and masks name
+    positions by their values (see the module docstring)."""
     x, index = args[0], args[1]
-    lay = ctx.layout(x)
-    if not isinstance(lay, Batched) or not isinstance(out, Tensor):
-        lay_i = worst([ctx.layout(t) for t in _index_tensors(index)])
-        if lay_i is not None and lay is FREE:
-            return _indexed_by_batched(ctx, func, x, index, out)
-        return lay
-    return indexed_layout(ctx, lay, x, index, out) or Unknown(
-        f"indexing {tuple(x.shape)} with {_describe(index)} moves the samples irregularly")
+    if not isinstance(out, Tensor):
+        return followed(ctx, x)
+    items = list(index) if isinstance(index, tuple) else [index]
+    return indexed_layout(ctx, x, items, out, name_of(func)) or Unknown(
+        f"indexing {tuple(x.shape)} with {_describe(items)} moves the samples irregularly")
 
 
-def _index_tensors(index: Any) -> list[Tensor]:
-    items = index if isinstance(index, tuple) else (index,)
-    return [i for i in items if isinstance(i, Tensor)]
-
-
-def _describe(index: Any) -> str:
-    items = index if isinstance(index, tuple) else (index,)
+def _describe(items: list) -> str:
     return "[" + ", ".join(f"tensor{tuple(i.shape)}" if isinstance(i, Tensor) else repr(i)
                            for i in items) + "]"
 
 
-def _indexed_by_batched(ctx, func, x: Tensor, index: Any, out: Tensor) -> Any:
-    """A free tensor indexed by batched ids (a table lookup): the ids' samples, if the
-    one index tensor indexes dim 0 and the rest is basic."""
-    items = index if isinstance(index, tuple) else (index,)
-    if (len(items) >= 1 and isinstance(items[0], Tensor) and items[0].dtype != torch.bool
-            and not any(isinstance(i, Tensor) for i in items[1:])
-            and all(i == slice(None) or i is Ellipsis for i in items[1:])):
-        lay = ctx.layout(items[0])
-        return lay
-    return Unknown("a table indexed by per-sample ids in a form not followed")
+def _is_tensor_like(item: Any) -> bool:
+    return isinstance(item, Tensor) or (isinstance(item, (list, tuple)) and not any(
+        isinstance(i, (Tensor, slice, type(Ellipsis), type(None))) for i in _flat(item)))
 
 
-def indexed_layout(ctx, lay: Batched, x: Tensor, index: Any, out: Tensor) -> Layout | None:
-    """The layout of ``x[index]`` for ``x`` batched at ``lay.dim``; ``None`` if not exact."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    # expand the ellipsis and count dims consumed
-    consumed = sum(1 if (isinstance(i, (int, slice)) or (isinstance(i, Tensor) and
-                                                        i.dtype != torch.bool))
-                   else i.dim() if isinstance(i, Tensor) else 0 for i in items
-                   if i is not None and i is not Ellipsis)
+def _flat(item: Any) -> list:
+    if isinstance(item, (list, tuple)):
+        return [y for i in item for y in _flat(i)]
+    return [item]
+
+
+def _width(item: Any) -> int:
+    """Input dims an index item consumes."""
+    if item is None or item is Ellipsis:
+        return 0
+    if isinstance(item, Tensor) and item.dtype in (torch.bool, torch.uint8):
+        return max(item.dim(), 1) if item.dim() else 0
+    return 1
+
+
+def indexed_layout(ctx: Ctx, x: Tensor, items: list, out: Tensor, what: str,
+                   mixed_index_ok: bool = False) -> Layout | None:
+    """The layout of ``x[items]`` (``None`` where the form is not followed).
+    ``mixed_index_ok``: an index tensor mixing samples is read as positions only."""
+    lay = followed(ctx, x)
+    if any(isinstance(i, (list, tuple)) and not _is_tensor_like(i) for i in items):
+        return None
+    literal = {k: torch.as_tensor(i) for k, i in enumerate(items) if isinstance(i, (list, tuple))}
+    if literal:  # lists of ints or bools: shared by all samples
+        items = [literal.get(k, i) for k, i in enumerate(items)]
+        known, outer = {id(t) for t in literal.values()}, ctx
+        ctx = Ctx(ctx.n, lambda t: FREE if id(t) in known else outer.layout(t))
+    tensors = [i for i in items if isinstance(i, Tensor)]
+    lays = [followed(ctx, t) for t in tensors]
+    bad = trouble([lay] + [la for la in lays
+                           if not (mixed_index_ok and isinstance(la, Mixed))])
+    if bad is not None:
+        return bad
+    consumed = sum(_width(i) for i in items)
+    if consumed > x.dim():
+        return None
     if any(i is Ellipsis for i in items):
         k = items.index(Ellipsis)
         items = items[:k] + [slice(None)] * (x.dim() - consumed) + items[k + 1:]
     else:
         items = items + [slice(None)] * (x.dim() - consumed)
-    advanced = [k for k, i in enumerate(items) if isinstance(i, (Tensor, list))]
-    # walk the items: which input dim each consumes, where basic dims land
-    in_dim, out_basic, batch_item = 0, [], None
-    for k, item in enumerate(items):
-        if item is None:
-            out_basic.append(("new", k))
-            continue
-        width = item.dim() if isinstance(item, Tensor) and item.dtype == torch.bool else 1
-        covers = range(in_dim, in_dim + width)
-        if lay.dim in covers:
-            batch_item = k
-        if isinstance(item, slice):
-            out_basic.append(("dim", k, in_dim))
-        in_dim += width
-    if not advanced:
-        return _basic_indexed(lay, x, items, out)
-    if any(isinstance(items[k], Tensor) and items[k].dtype == torch.bool for k in advanced):
-        return _masked(ctx, lay, x, items, advanced, out)
-    index_tensors = [torch.as_tensor(items[k]) for k in advanced]
-    shape = torch.broadcast_shapes(*[t.shape for t in index_tensors])
-    adjacent = advanced == list(range(advanced[0], advanced[-1] + 1))
-    # result dims: basic dims before the advanced block, the block, the basic dims after
-    before = [b for b in out_basic if b[1] < advanced[0]] if adjacent else []
-    start = sum(1 for b in before)
-    if batch_item is None or batch_item not in advanced:
-        if any(ctx.layout(t) is not FREE for t in index_tensors):
-            return None
-        # the batch dim is a basic dim: find where it lands
-        pos = 0
-        basics = [b for b in out_basic]
-        if adjacent:
-            order = [b for b in basics if b[1] < advanced[0]] + ["adv"] + [
-                b for b in basics if b[1] > advanced[-1]]
-        else:
-            order = ["adv"] + basics
-        for b in order:
-            if b == "adv":
-                pos += len(shape)
-                continue
-            if b[0] == "dim" and b[2] == lay.dim:
-                if items[b[1]] != slice(None) and out.shape[pos] != x.shape[lay.dim]:
-                    return None
-                return lay.moved(pos)
-            pos += 1
-        return None
-    # the batch dim is indexed by a tensor: its values name the samples
-    if not lay.plain:
-        return None
-    where = advanced.index(batch_item)
-    samples = index_tensors[where]
-    if ctx.layout(samples) is not FREE or samples.dtype == torch.bool:
-        return None
-    samples = _dim_index(samples, x.shape[lay.dim]).expand(shape)
-    other = [t for k, t in enumerate(index_tensors) if k != where]
-    # find the one dim of the block along which the samples vary as arange(n)
-    for k in range(len(shape)):
-        if shape[k] != ctx.n:
-            continue
-        ref = torch.arange(ctx.n, device=samples.device).view(
-            [ctx.n if j == k else 1 for j in range(len(shape))])
-        if not bool((samples == ref).all()):
-            continue
-        if all(_index_pairs(ctx, t, shape, k) for t in other):
-            return Batched(start + k)
-    return None
+    if not tensors:
+        return _basic(ctx, lay, x, items, out)
+    return _advanced(ctx, lay, x, items, out, what, tensors)
 
 
-def _masked(ctx, lay: Batched, x: Tensor, items: list, advanced: list, out: Tensor
-            ) -> Layout | None:
-    """``x[mask]`` with one boolean mask over the leading dims, the batch among them:
-    the kept positions, in row-major order, each of its sample (``mask.nonzero()``)."""
-    mask = items[advanced[0]]
-    if (advanced != [0] or not lay.plain or lay.dim >= mask.dim()
-            or any(i != slice(None) for i in items[1:])):
-        return None
-    return indexed(0, mask.nonzero()[:, lay.dim], ctx.n)
-
-
-def _index_pairs(ctx, t: Tensor, shape: torch.Size, k: int) -> bool:
-    """Another index tensor of the block: free, or batched along block dim ``k`` plainly."""
-    lay = ctx.layout(t)
-    if lay is FREE:
-        return True
-    return isinstance(lay, Batched) and lay.plain and lay.dim + len(shape) - t.dim() == k
-
-
-def _dim_index(t: Tensor, size: int) -> Tensor:
-    t = t.long()
-    return torch.where(t < 0, t + size, t)
-
-
-def _basic_indexed(lay: Batched, x: Tensor, items: list, out: Tensor) -> Layout | None:
+def _basic(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor) -> Layout | None:
+    """Ints, slices and ``None``: the batch dim moves, or a plain one is sliced."""
+    if not isinstance(lay, (Batched, Partly)):
+        return lay
     pos, in_dim = 0, 0
     for item in items:
         if item is None:
             pos += 1
             continue
         if in_dim == lay.dim:
-            if isinstance(item, int):
+            if not isinstance(item, slice):
                 return None  # one position of the batch dim: not a batch any more
             if item != slice(None) and out.shape[pos] != x.shape[lay.dim]:
-                start, stop, step = item.indices(x.shape[lay.dim])
-                if lay.plain:
-                    return Batched(pos, index=torch.arange(start, stop, step,
-                                                           device=x.device))
+                if isinstance(lay, Batched) and lay.plain:
+                    start, stop, step = item.indices(x.shape[lay.dim])
+                    return indexed(pos, torch.arange(start, stop, step, device=x.device),
+                                   ctx.n)
                 return None
-            return lay.moved(pos)
+            return as_located(ctx, out, lay, pos)
         if isinstance(item, slice):
             pos += 1
         in_dim += 1
     return None
 
 
+def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: str,
+              tensors: list) -> Layout | None:
+    """Index tensors (masks as their nonzero positions): ints select first, the block of
+    broadcast index dims lands where the first one is if they are adjacent, else in
+    front (torch's rules); the predicted shape is checked against ``out``."""
+    advs, post, in_dim = [], [], 0  # post: the result's dims, in order
+    for item in items:
+        if item is None:
+            post.append(("new", None, None))
+        elif isinstance(item, slice):
+            post.append(("dim", in_dim, item))
+            in_dim += 1
+        elif isinstance(item, Tensor) and item.dtype in (torch.bool, torch.uint8):
+            if item.dim() == 0:
+                return None
+            own = _own(ctx, item)
+            where = item.bool().nonzero()  # (K, item.dim())
+            sel = None if own is None else own.expand(item.shape)[item.bool()]
+            for j in range(item.dim()):
+                advs.append(_Adv(in_dim + j, where[:, j], sel))
+                post.append(("adv", len(advs) - 1, None))
+            in_dim += item.dim()
+        elif isinstance(item, Tensor):
+            if item.is_floating_point() or item.is_complex():
+                return None
+            values = item.long()
+            values = torch.where(values < 0, values + x.shape[in_dim], values)
+            advs.append(_Adv(in_dim, values, _own(ctx, item)))
+            post.append(("adv", len(advs) - 1, None))
+            in_dim += 1
+        else:  # an int: selects
+            in_dim += 1
+    try:
+        block = tuple(torch.broadcast_shapes(*[a.values.shape for a in advs]))
+    except RuntimeError:
+        return None
+    places = [k for k, p in enumerate(post) if p[0] == "adv"]
+    start = places[0] if places == list(range(places[0], places[-1] + 1)) else 0
+    basics = [p for p in post if p[0] != "adv"]
+    shape = [1 if p[0] == "new" else len(range(*p[2].indices(x.shape[p[1]]))) for p in basics]
+    if tuple(shape[:start]) + block + tuple(shape[start:]) != tuple(out.shape):
+        return None
+    samples = torch.full(block, NO_SAMPLE, dtype=torch.long, device=x.device)
+    for a in advs:
+        if a.own is not None:
+            samples = merge(samples, a.own.expand(a.values.shape).expand(block))
+            if samples is None:
+                return Mixed(f"{what} reads with one sample's index tensor another "
+                             "sample's positions")
+    found = rows_of(ctx, x, lay)
+    if found is not None:
+        d, rows = found
+        on_batch = [a for a in advs if a.dim == d]
+        if not on_batch:  # the batch dim is a basic dim: index tensors must be shared
+            if bool((samples >= 0).any()):
+                return Mixed(f"{what} indexes one sample's rows with another sample's "
+                             "index tensor")
+            here = next(p for p in basics if p[0] == "dim" and p[1] == d)
+            k = basics.index(here)
+            pos = k if k < start else k + len(block)
+            if here[2] != slice(None) and out.shape[pos] != x.shape[d]:
+                if isinstance(lay, Batched) and lay.plain:
+                    begin, stop, step = here[2].indices(x.shape[d])
+                    return indexed(pos, torch.arange(begin, stop, step, device=x.device),
+                                   ctx.n)
+                return None
+            return as_located(ctx, out, lay, pos)
+        values = on_batch[0].values.expand(block)
+        if isinstance(lay, Batched) and lay.index is not None and not _read_by_value(
+                samples, values, x.shape[d]):
+            return None
+        samples = merge(samples, rows[values])
+        if samples is None:
+            return Mixed(f"{what} reads one sample's rows at positions another sample's "
+                         "index gives")
+    got = along_one_dim(samples)
+    if got is None:
+        return Unknown(f"{what} spreads the samples over several dims")
+    k, rows = got
+    keys = [lay.keys for lay in (followed(ctx, t) for t in tensors) if isinstance(lay, Sorted)]
+    return _with_keys(located(start + k, rows, ctx.n, out, what),
+                      keys[0] if len(block) == 1 and len(keys) == 1 else None)
+
+
+def _own(ctx: Ctx, t: Tensor) -> Tensor | None:
+    """The own samples of an index tensor's entries (broadcastable), or ``None`` if it
+    is free (or mixes samples and is read as positions only)."""
+    lay = followed(ctx, t)
+    if lay is FREE or isinstance(lay, Mixed):
+        return None
+    return element_samples(ctx, t, lay)
+
+
+def _read_by_value(samples: Tensor, values: Tensor, size: int) -> bool:
+    """Positions of an irregular batch dim (an index layout: packed rows, rows gathered
+    or sorted by value) are read by index entries that carry samples; free entries must
+    visit every position once (a permutation undone, a self loop per node): other free
+    positions would pick rows by where other samples' rows happen to lie."""
+    free = samples < 0
+    if not bool(free.any()):
+        return True
+    picked = values[free]
+    return picked.numel() == size and bool(
+        (torch.bincount(picked, minlength=size) == 1).all())
+
+
 register(_getitem, torch.Tensor.__getitem__)
+VALUE_READERS.add(torch.Tensor.__getitem__)
 
 
 def _index_select(ctx, func, args, kwargs, out) -> Any:
-    """``index_select(dim, idx)``: on the batch dim the samples follow ``idx``'s values."""
+    """``index_select(x, dim, idx)``: ``x[:, ..., idx]``; an index that mixes samples
+    (a sort over the batch) is read as positions."""
     x = args[0]
-    lay = ctx.layout(x)
     d = dim_of(arg(args, kwargs, 1, "dim"), x.dim())
     idx = arg(args, kwargs, 2, "index")
-    if not isinstance(lay, Batched):
-        if lay is FREE and ctx.layout(idx) is not FREE:
-            return Unknown("a free tensor indexed by per-sample positions")
-        return lay
-    if d != lay.dim:
-        return lay if ctx.layout(idx) is FREE else Unknown("index_select by per-sample ids")
-    if ctx.layout(idx) not in (FREE,) and not isinstance(ctx.layout(idx), Mixed):
-        return Unknown("index_select of the batch dim by per-sample ids")
-    base = lay.index if lay.index is not None else (
-        torch.arange(ctx.n, device=x.device) if lay.plain else None)
-    if base is None:
-        return Unknown("index_select of a merged batch dim")
-    return indexed(d, base[_dim_index(idx, x.shape[d])], ctx.n)
+    items = [slice(None)] * d + [idx]
+    return indexed_layout(ctx, x, items, out, name_of(func), mixed_index_ok=True) or Unknown(
+        f"{name_of(func)} of dim {d} moves the samples irregularly")
 
 
 register(_index_select, *aliases("index_select"))
@@ -219,21 +448,313 @@ VALUE_READERS.update(aliases("index_select"))
 
 
 def _gather(ctx, func, args, kwargs, out) -> Any:
-    """``gather(x, dim, index)``: the output has ``index``'s shape; along dims other than
-    ``dim`` it pairs positions with ``x``; the batch must not be the gathered dim."""
+    """``gather(x, dim, index)``: the output has ``index``'s shape; along ``dim`` it reads
+    ``x`` at ``index``'s values, along the other dims it pairs positions with ``x``."""
+    x = args[0]
+    d = arg(args, kwargs, 1, "dim")
+    idx = arg(args, kwargs, 2, "index") if func not in _TAKE else arg(args, kwargs, 1,
+                                                                        "indices")
+    if func in _TAKE:
+        d = arg(args, kwargs, 2, "dim")
+        if d is None or idx.dim() != x.dim():
+            return Unknown(f"{name_of(func)} without a dim, or broadcasting")
+    d = dim_of(d, x.dim())
+    lx, li = followed(ctx, x), followed(ctx, idx)
+    bad = trouble([lx, li])
+    if bad is not None:
+        return bad
+    found = [(t, lay) for t, lay in ((x, lx), (idx, li)) if lay is not FREE]
+    dims = {rows_of(ctx, t, lay)[0] for t, lay in found}
+    if len(dims) > 1:
+        return mixed(func, "pairs samples from different dims")
+    b = dims.pop()
+    if b != d:  # positions paired along the batch dim
+        if idx.shape[b] != x.shape[b]:
+            return Unknown(f"{name_of(func)} with an index not covering the batch")
+        rows = merge(*[element_samples(ctx, t, lay).reshape(-1) if lay is not FREE else
+                       torch.full((idx.shape[b],), NO_SAMPLE, dtype=torch.long,
+                                  device=idx.device)
+                       for t, lay in ((x, lx), (idx, li))])
+        if rows is None:
+            return mixed(func, "pairs rows of different samples")
+        return located(b, rows, ctx.n, out, name_of(func))
+    samples = element_samples(ctx, idx, li).expand(idx.shape)
+    if lx is not FREE:
+        values = torch.where(idx < 0, idx + x.shape[d], idx).long()
+        if isinstance(lx, Batched) and lx.index is not None and not _read_by_value(
+                samples, values, x.shape[d]):
+            return Unknown(f"{name_of(func)} picks free positions of an irregular batch dim")
+        samples = merge(samples, rows_of(ctx, x, lx)[1][values])
+        if samples is None:
+            return mixed(func, "reads one sample's rows at another sample's positions")
+    got = along_one_dim(samples)
+    if got is None:
+        return Unknown(f"{name_of(func)} spreads the samples over several dims")
+    return located(got[0], got[1], ctx.n, out, name_of(func))
+
+
+_TAKE = set(aliases("take_along_dim"))
+register(_gather, *aliases("gather", "take_along_dim"))
+VALUE_READERS.update(aliases("gather", "take_along_dim"))
+
+
+# ---------------------------------------------------------------------------
+# scatters: index_add, index_copy, index_fill, index_reduce, scatter, scatter_add,
+# scatter_reduce (and their in-place forms)
+
+
+def _scatter(ctx, func, args, kwargs, out) -> Any:
+    """``x.index_add_(dim, index, source)`` and kin: every position of the result holds
+    its old data and what lands there. Along the scatter dim, each row's sample is
+    that of the rows landing in it (the source's, and the index entries' own; several
+    samples mix), else the row's own (a free row stays free). An index whose values
+    are its entries' own samples (``zeros(B, F).index_add_(0, sample_index, h)``)
+    makes row ``g`` sample ``g``, rows nothing landed in included. Along another dim
+    the op is per sample, positions paired as they are."""
     x = args[0]
     d = dim_of(arg(args, kwargs, 1, "dim"), x.dim())
     idx = arg(args, kwargs, 2, "index")
-    lx, li = ctx.layout(x), ctx.layout(idx)
-    found = [lay for lay in (lx, li) if isinstance(lay, Batched)]
-    if any(lay.dim == d for lay in found):
-        return Unknown(f"{name_of(func)} along the batch dim")
-    if len(found) == 2 and found[0] != found[1]:
+    src = arg(args, kwargs, 3, _SOURCE_NAME.get(func, "src"))
+    if not isinstance(src, Tensor):
+        src = kwargs.get("value") if isinstance(kwargs.get("value"), Tensor) else None
+    named = [(t, followed(ctx, t)) for t in (x, idx, src) if isinstance(t, Tensor)]
+    bad = trouble([lay for _, lay in named])
+    if bad is not None:
+        return bad
+    if func in _INDEX_OPS and idx.dim() != 1:
+        return Unknown(f"{name_of(func)} with an index that is not one-dimensional")
+    dims = {d if t is idx and func in _INDEX_OPS else rows_of(ctx, t, lay)[0]
+            for t, lay in named if lay is not FREE and t.dim()}
+    if not dims:
+        return FREE
+    if len(dims) > 1:
         return mixed(func, "pairs samples from different dims")
-    lay = found[0]
-    if idx.shape[lay.dim] != x.shape[lay.dim]:
-        return Unknown(f"{name_of(func)} with an index not covering the batch")
-    return lay
+    b = dims.pop()
+    if b != d:
+        return _per_sample(ctx, func, named, x, b, out)
+    return _along_scatter_dim(ctx, func, x, d, idx, src, out)
 
 
-register(_gather, *aliases("gather", "take_along_dim"))
+def _per_sample(ctx: Ctx, func, named: list, x: Tensor, b: int, out: Tensor) -> Any:
+    """The batch along a dim other than the scatter dim: each row of the result is the
+    row of the same position of every input."""
+    size = x.shape[b]
+    rows = torch.full((size,), NO_SAMPLE, dtype=torch.long, device=x.device)
+    for t, lay in named:
+        if lay is FREE or not t.dim() or (t is named[1][0] and func in _INDEX_OPS):
+            continue
+        own = rows_of(ctx, t, lay)[1]
+        if own.shape[0] > size:
+            return Unknown(f"{name_of(func)} of more rows than its result has")
+        part = merge(rows[: own.shape[0]], own)
+        if part is None:
+            return mixed(func, "pairs rows of different samples")
+        rows[: own.shape[0]] = part
+    return located(b, rows, ctx.n, out, name_of(func))
+
+
+def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tensor | None,
+                       out: Tensor) -> Any:
+    li = followed(ctx, idx)
+    own = element_samples(ctx, idx, li).expand(idx.shape)
+    if func in _INDEX_OPS:  # index (J,): slice j of the source lands in row idx[j]
+        if src is not None and src.dim():
+            ls = followed(ctx, src)
+            along = element_samples(ctx, src, ls)
+            along = along.expand(src.shape).movedim(d, 0).reshape(src.shape[d], -1)
+            if not bool((along == along[:, :1]).all()):
+                return mixed(func, "adds a source whose rows mix samples")
+            own = merge(own, along[:, 0]) if along.shape[1] else own
+    else:  # index as src: entry c lands in row index[c] of dim d
+        if src is not None and src.dim():
+            region = tuple(slice(0, s) for s in idx.shape)
+            ls = followed(ctx, src)
+            own = merge(own, element_samples(ctx, src, ls).expand(src.shape)[region])
+    if own is None:
+        return mixed(func, "pairs an index with a source of other samples")
+    return _landed(ctx, name_of(func), x, d, idx, li, own, out)
+
+
+def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own: Tensor,
+            out: Tensor) -> Layout:
+    """The layout of ``x`` after entries with samples ``own`` landed in its rows ``idx``
+    along ``d`` (same shape): each row's sample is that of what landed there and its own;
+    an index whose values are its entries' own samples names the rows by sample."""
+    size = x.shape[d]
+    landing = idx.long()
+    landing = torch.where(landing < 0, landing + size, landing).reshape(-1)
+    own = own.reshape(-1)
+    keep = own >= 0
+    hi = torch.full((size,), NO_SAMPLE, dtype=torch.long, device=x.device)
+    lo = torch.full((size,), ctx.n, dtype=torch.long, device=x.device)
+    hi.scatter_reduce_(0, landing[keep], own[keep], "amax")
+    lo.scatter_reduce_(0, landing[keep], own[keep], "amin")
+    if bool(((hi >= 0) & (lo != hi)).any()):
+        return Mixed(f"{what} puts several samples' data into one position")
+    rows = hi
+    named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
+    if li is not FREE and bool((named >= 0).all()) and torch.equal(landing, named):
+        position = torch.arange(size, device=x.device)  # index values are the samples
+        rows = merge(rows, torch.where(position < ctx.n, position, NO_SAMPLE))
+        if rows is None:
+            return Mixed(f"{what} puts a sample's rows in another sample's place")
+    lx = followed(ctx, x)
+    if lx is not FREE:
+        rows = merge(rows, rows_of(ctx, x, lx)[1])
+        if rows is None:
+            return Mixed(f"{what} puts one sample's data into another sample's rows")
+    return located(d, rows, ctx.n, out, what)
+
+
+def setitem_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout | None:
+    """``x[index] = value`` with one index tensor (or a 1-d mask) picking positions of
+    ``x``'s dim ``d``, slices elsewhere, where ``x`` is free or batched in ``d``
+    (``out = empty_like(y); out[order] = y`` undoing a sort): ``index_copy_`` along
+    ``d``. ``None`` for any other form (the capture's own rule)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    items = [torch.as_tensor(i) if isinstance(i, (list, tuple)) and _is_tensor_like(i) else i
+             for i in items]
+    if any(i is Ellipsis for i in items):
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (x.dim() - len(items) + 1) + items[k + 1:]
+    items += [slice(None)] * (x.dim() - len(items))
+    picks = [k for k, i in enumerate(items) if isinstance(i, Tensor)]
+    if len(picks) != 1 or len(items) != x.dim() or any(
+            i != slice(None) for k, i in enumerate(items) if k != picks[0]):
+        return None
+    d, idx = picks[0], items[picks[0]]
+    if idx.dim() != 1 or idx.is_floating_point():
+        return None
+    li = followed(ctx, idx)
+    lx = followed(ctx, x)
+    if trouble([li, lx]) is not None or (lx is not FREE and rows_of(ctx, x, lx)[0] != d):
+        return None
+    own = element_samples(ctx, idx, li).expand(idx.shape)
+    if idx.dtype in (torch.bool, torch.uint8):
+        own, idx = own[idx.bool()], idx.bool().nonzero()[:, 0]
+    if isinstance(value, Tensor) and value.dim():
+        lv = followed(ctx, value)
+        if trouble([lv]) is not None:
+            return None
+        shape = list(x.shape)
+        shape[d] = idx.shape[0]
+        along = element_samples(ctx, value, lv).expand(value.shape).expand(shape)
+        along = along.movedim(d, 0).reshape(shape[d], -1)
+        if along.shape[1] and not bool((along == along[:, :1]).all()):
+            return None
+        own = merge(own, along[:, 0]) if along.shape[1] else own
+        if own is None:
+            return Mixed("x[index] = value pairs an index with a value of other samples")
+    if not bool((own >= 0).any()):
+        return None
+    return _landed(ctx, "x[index] = value", x, d, idx, li, own, x)
+
+
+_INDEX_OPS = set(aliases("index_add", "index_add_", "index_copy", "index_copy_",
+                         "index_fill", "index_fill_", "index_reduce", "index_reduce_"))
+_SOURCE_NAME = {f: "source" for f in _INDEX_OPS}
+_SCATTERS = list(_INDEX_OPS) + aliases("scatter", "scatter_", "scatter_add", "scatter_add_",
+                                       "scatter_reduce", "scatter_reduce_")
+register(_scatter, *_SCATTERS)
+VALUE_READERS.update(_SCATTERS)
+
+
+# ---------------------------------------------------------------------------
+# nonzero, where(cond), argwhere, masked_select: positions of a sample's entries
+
+
+def _nonzero(ctx, func, args, kwargs, out) -> Any:
+    """The positions of the nonzero entries: each is the sample's whose entry it is."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("condition"))
+    lay = followed(ctx, x)
+    bad = trouble([lay])
+    if bad is not None or lay is FREE:
+        return every(out, bad or FREE)
+    found = rows_of(ctx, x, lay)
+    if x.dim() == 0 or found is None:
+        return every(out, Unknown(f"{name_of(func)} of a scalar"))
+    d, rows = found
+    coords = out[d] if isinstance(out, (tuple, list)) else out[:, d]
+    samples = rows[coords.long()]
+    if isinstance(out, (tuple, list)):
+        return tuple(located(0, samples, ctx.n, o, name_of(func)) for o in out)
+    return located(0, samples, ctx.n, out, name_of(func))
+
+
+def _masked_select(ctx, func, args, kwargs, out) -> Any:
+    """``masked_select(x, mask)``: the kept entries in row-major order of the broadcast."""
+    x, mask = args[0], arg(args, kwargs, 1, "mask")
+    lays = [followed(ctx, x), followed(ctx, mask)]
+    bad = trouble(lays)
+    if bad is not None:
+        return bad
+    shape = torch.broadcast_shapes(x.shape, mask.shape)
+    samples = merge(element_samples(ctx, x, lays[0]).expand(x.shape).expand(shape),
+                    element_samples(ctx, mask, lays[1]).expand(mask.shape).expand(shape))
+    if samples is None:
+        return mixed(func, "combines samples from different dims")
+    return located(0, samples[mask.expand(shape).bool()], ctx.n, out, name_of(func))
+
+
+def where_positions(ctx, func, args, kwargs, out) -> Any:
+    """``torch.where(condition)``: ``nonzero(condition, as_tuple=True)``."""
+    return _nonzero(ctx, func, args, kwargs, out)
+
+
+_NONZERO = aliases("nonzero", "argwhere")
+register(_nonzero, *_NONZERO)
+register(_masked_select, *aliases("masked_select"))
+VALUE_READERS.update(_NONZERO + aliases("masked_select"))
+
+
+# ---------------------------------------------------------------------------
+# sorts along the batch dim: a permutation (or a selection) of the positions
+
+
+def _sort(ctx, func, args, kwargs, out) -> Any:
+    """``sort``/``argsort``/``topk`` along a dim: along another dim than the batch's the
+    layout stays; along the batch dim each result position is the sample's whose entry
+    it holds, read from the indices (the same for every other coordinate, or the samples
+    are spread over several dims)."""
+    x = args[0] if args else kwargs["input"]
+    lay = followed(ctx, x)
+    bad = trouble([lay])
+    if bad is not None:
+        return every(out, bad)
+    default = -1
+    pos = 2 if func in _TOPK else 1
+    d = dim_of(arg(args, kwargs, pos, "dim", default), max(x.dim(), 1))
+    found = rows_of(ctx, x, lay)
+    if found is None:
+        return every(out, lay)
+    if found[0] != d:
+        if isinstance(out, (tuple, list)):
+            return tuple(as_located(ctx, o, lay) if isinstance(o, Tensor) else lay
+                         for o in out)
+        return as_located(ctx, out, lay)
+    indices = out if isinstance(out, Tensor) else out[1]
+    if indices.shape[d] != x.shape[d]:  # a selection across the samples, not a permutation
+        return every(out, mixed(func, "selects positions of several samples by value"))
+    samples = found[1][indices.long()]
+    got = along_one_dim(samples.movedim(d, 0)) if samples.dim() else None
+    if got is None or got[0] != 0:
+        return every(out, Unknown(f"{name_of(func)} along the batch dim permutes each "
+                                  "column differently"))
+    keys = None
+    if x.numel() == x.shape[d]:  # one key per position
+        keys = x.reshape(-1)[indices.reshape(-1).long()]  # the sorted values
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    found = [_with_keys(located(d, got[1], ctx.n, o, name_of(func)), keys) for o in outs]
+    return tuple(found) if isinstance(out, (tuple, list)) else found[0]
+
+
+def _with_keys(lay: Layout, keys: Tensor | None) -> Layout:
+    if keys is None or not isinstance(lay, Batched):
+        return lay
+    return Sorted(lay.dim, lay.outer, lay.inner, lay.index, keys)
+
+
+_TOPK = set(aliases("topk"))
+_SORTS = aliases("sort", "argsort", "topk")
+register(_sort, *_SORTS)
+VALUE_READERS.update(_SORTS)

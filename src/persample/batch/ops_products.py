@@ -46,7 +46,14 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
     or a broadcast dim stays; in the contracted dim it mixes samples. A free operand of
     full size in the batch's broadcast dim is paired with the samples
     (DeBERTa's relative keys repeated to ``(B*H, ...)``)."""
-    a, b = (args[0], args[1]) if func not in _ADDMM else (args[1], args[2])
+    if func in _ADDMM:  # addmm(input, mat1, mat2), baddbmm(input, batch1, batch2), addmv
+        names = _OPERANDS.get(getattr(func, "__name__", ""), ("mat1", "mat2"))
+        a, b = arg(args, kwargs, 1, names[0]), arg(args, kwargs, 2, names[1])
+        bias_in = arg(args, kwargs, 0, "input")
+    else:
+        a = arg(args, kwargs, 0, "input")
+        b = args[1] if len(args) > 1 else next(kwargs[k] for k in ("other", "mat2", "vec")
+                                               if k in kwargs)
     la, lb = ctx.layout(a), ctx.layout(b)
     rank = out.dim()
     place = []
@@ -72,8 +79,8 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
         return mixed(func, "pairs samples of its two operands")
     found = place[0] if place else FREE
     if func in _ADDMM:
-        bias = ctx.layout(args[0])
-        if isinstance(bias, Batched) and bias.moved(bias.dim + rank - args[0].dim()) != found:
+        bias = ctx.layout(bias_in)
+        if isinstance(bias, Batched) and bias.moved(bias.dim + rank - bias_in.dim()) != found:
             return mixed(func, "adds samples from different dims")
     if not isinstance(found, Batched) or found.dim >= rank - 2:
         return found
@@ -91,6 +98,8 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
 
 
 _ADDMM = set(aliases("addmm", "baddbmm", "addmm_", "baddbmm_", "addmv"))
+_OPERANDS = {"baddbmm": ("batch1", "batch2"), "baddbmm_": ("batch1", "batch2"),
+             "addmv": ("mat", "vec")}
 register(_matmul, *aliases("matmul", "mm", "bmm", "__matmul__", "addmm", "baddbmm", "mv",
                              "addmv", "addmm_", "baddbmm_"))
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .flow import (
     GETTERS,
+    VALUE_READERS,
     Flow,
     aliases,
     arg,
@@ -24,8 +25,18 @@ from .flow import (
     name_of,
     register,
 )
-from .layouts import FREE, Batched, Unknown
+from .layouts import FREE, Batched, Unknown, sample_of_positions
 from .ops_elementwise import SELF_ONLY, dims_arg, self_only
+from .ops_indexing import (
+    NO_SAMPLE,
+    Partly,
+    Sorted,
+    follows_partly,
+    located,
+    partly,
+    rows_of,
+    trouble,
+)
 
 # ---------------------------------------------------------------------------
 # views: the batch moves with its dim
@@ -72,8 +83,10 @@ def reshaped(lay: Batched, before: tuple, after: tuple, n: int) -> Batched | Non
     return None
 
 
-register(_reshape, *aliases("view", "reshape", "flatten", "unflatten", "ravel",
-                              "view_as", "reshape_as", "_reshape_alias"))
+_RESHAPES = aliases("view", "reshape", "flatten", "unflatten", "ravel", "view_as", "reshape_as",
+                    "_reshape_alias")
+register(follows_partly(_reshape), *_RESHAPES)
+VALUE_READERS.update(_RESHAPES)
 register(self_only, *aliases(*SELF_ONLY))
 
 
@@ -87,7 +100,7 @@ def _view_or_dtype(ctx, func, args, kwargs, out) -> Any:
     return _reshape(ctx, func, args, kwargs, out)
 
 
-register(_view_or_dtype, torch.Tensor.view, override=True)
+register(follows_partly(_view_or_dtype), torch.Tensor.view, override=True)
 
 
 def _permute(ctx, func, args, kwargs, out) -> Any:
@@ -103,7 +116,7 @@ def _permute(ctx, func, args, kwargs, out) -> Any:
     return lay.moved(order.index(lay.dim))
 
 
-register(_permute, *aliases("permute"))
+register(follows_partly(_permute), *aliases("permute"))
 
 
 def _transpose(ctx, func, args, kwargs, out) -> Any:
@@ -117,7 +130,7 @@ def _transpose(ctx, func, args, kwargs, out) -> Any:
     return lay.moved(b if d == a else a if d == b else d)
 
 
-register(_transpose, *aliases("transpose", "swapaxes", "swapdims", "transpose_"))
+register(follows_partly(_transpose), *aliases("transpose", "swapaxes", "swapdims", "transpose_"))
 
 
 def _t(ctx, func, args, kwargs, out) -> Any:
@@ -136,7 +149,7 @@ def _last_two(ctx, func, args, kwargs, out) -> Any:
     return lay
 
 
-register(_t, *aliases("t", "t_"))
+register(follows_partly(_t), *aliases("t", "t_"))
 GETTERS.update({"T": _t, "mT": _last_two, "H": _t, "mH": _last_two,
                  "data": self_only, "real": self_only, "imag": self_only})
 
@@ -160,7 +173,7 @@ def _movedim(ctx, func, args, kwargs, out) -> Any:
     return lay.moved(order.index(lay.dim))
 
 
-register(_movedim, *aliases("movedim", "moveaxis"))
+register(follows_partly(_movedim), *aliases("movedim", "moveaxis"))
 
 
 def _squeeze(ctx, func, args, kwargs, out) -> Any:
@@ -182,8 +195,8 @@ def _unsqueeze(ctx, func, args, kwargs, out) -> Any:
     return lay.moved(lay.dim + (1 if d <= lay.dim else 0))
 
 
-register(_squeeze, *aliases("squeeze", "squeeze_"))
-register(_unsqueeze, *aliases("unsqueeze", "unsqueeze_"))
+register(follows_partly(_squeeze), *aliases("squeeze", "squeeze_"))
+register(follows_partly(_unsqueeze), *aliases("unsqueeze", "unsqueeze_"))
 
 
 def _expand(ctx, func, args, kwargs, out) -> Any:
@@ -198,7 +211,7 @@ def _expand(ctx, func, args, kwargs, out) -> Any:
     return lay.moved(d)
 
 
-register(_expand, *aliases("expand", "broadcast_to"))
+register(follows_partly(_expand), *aliases("expand", "broadcast_to", "expand_as"))
 
 
 def _repeat(ctx, func, args, kwargs, out) -> Any:
@@ -250,22 +263,47 @@ def _narrow(ctx, func, args, kwargs, out) -> Any:
     return lay
 
 
-register(_narrow, *aliases("narrow", "select"))
+register(follows_partly(_narrow), *aliases("narrow", "select"))
 
 
 def _pieces(ctx, func, args, kwargs, out) -> Any:
-    """``split``/``chunk``/``tensor_split``/``unbind`` along a dim other than the batch."""
+    """``split``/``chunk``/``tensor_split``/``unbind``: along another dim than the batch
+    each piece keeps the layout; along the batch dim each piece holds the samples of its
+    positions where the cut follows each position's own sort key
+    (:class:`~persample.batch.ops_indexing.Sorted`). Other cuts of the batch dim are not
+    followed: where the cut falls in a sample's positions depends on other samples, or
+    on sizes computed from their data."""
     x = args[0]
     lay = ctx.layout(x)
     if not isinstance(lay, Batched):
-        return every(out, lay)
+        return every(out, lay if not isinstance(lay, Partly) else Unknown(lay.why))
     pos = 1 if func in _UNBINDS else 2  # unbind(x, dim); split(x, sizes, dim)
     d = dim_of(kwargs.get("dim", args[pos] if len(args) > pos else 0), x.dim())
     if d == lay.dim:
-        return every(out, Unknown(f"{name_of(func)} cuts the batch dim"))
+        if not isinstance(lay, Sorted) or func in _UNBINDS or not _by_key(lay.keys, out, d):
+            return every(out, Unknown(f"{name_of(func)} cuts the batch dim"))
+        rows = sample_of_positions(lay, x.shape[d], ctx.n, x.device)
+        found, start = [], 0
+        for piece in out:
+            found.append(located(d, rows[start:start + piece.shape[d]], ctx.n, piece,
+                                 name_of(func)))
+            start += piece.shape[d]
+        return tuple(found)
     if func in _UNBINDS:
         return every(out, lay.moved(lay.dim - (1 if d < lay.dim else 0)))
     return every(out, lay)
+
+
+def _by_key(keys: Tensor, pieces: Any, d: int) -> bool:
+    """Every position of piece ``j`` has key ``j`` (``split(bincount(keys))`` of positions
+    sorted by key): a position's piece is its own key's."""
+    start = 0
+    for j, piece in enumerate(pieces):
+        size = piece.shape[d]
+        if size and not bool((keys[start:start + size] == j).all()):
+            return False
+        start += size
+    return start == keys.numel()
 
 
 _UNBINDS = set(aliases("unbind"))
@@ -275,24 +313,41 @@ register(_pieces, *aliases("split", "chunk", "tensor_split", "split_with_sizes",
 
 def _cat(ctx, func, args, kwargs, out) -> Flow:
     """``cat``: along another dim the batched inputs must agree (free inputs of full
-    size are paired with the samples); along the batch dim, ``k`` plain batched
-    inputs give ``outer = k``."""
+    size are paired with the samples); along the batch dim each position keeps its
+    sample, a free input's positions holding none (``k`` plain inputs give
+    ``outer = k``; a graph's self-loop edges appended to its edges are free)."""
     tensors = [t for t in (args[0] if args else kwargs["tensors"]) if isinstance(t, Tensor)]
     rank = out.dim()
     d = dim_of(kwargs.get("dim", arg(args, kwargs, 1, "axis", 0)), rank)
-    lays = [ctx.layout(t) for t in tensors if t.dim() == rank]
+    joined = [t for t in tensors if t.dim() == rank]  # 1-d empty tensors join nothing
+    lays = [ctx.layout(t) for t in joined]
+    bad = trouble(lays)
+    if bad is not None:
+        return Flow(bad)
+    found = [rows_of(ctx, t, partly(ctx, t) or lay) for t, lay in zip(joined, lays)]
+    if any(f is not None and f[0] == d for f in found):
+        return Flow(_joined_along(ctx, func, joined, found, d, out))
+    if any(isinstance(lay, Partly) for lay in lays):
+        return Flow(Unknown("cat of tensors with positions holding no sample's data"))
     batched = [lay for lay in lays if isinstance(lay, Batched)]
     first = batched[0]
-    if first.dim == d:
-        if len(batched) == len(lays) and all(lay.plain for lay in batched):
-            return Flow(Batched(d, len(batched), 1))
-        return Flow(Unknown("cat along the batch dim of unlike tensors"))
     if any(lay != first for lay in batched):
         return Flow(mixed(func, "joins tensors with samples in different dims"))
     align = tuple(ctx.layout(t) if ctx.layout(t) is not FREE else (
         first if t.dim() == rank and t.shape[first.dim] == out.shape[first.dim] else None)
         for t in tensors)
     return Flow(first, align)
+
+
+def _joined_along(ctx, func, joined: list, found: list, d: int, out: Tensor) -> Any:
+    """``cat`` along the batch dim: the samples of the positions, in order."""
+    rows = []
+    for t, f in zip(joined, found):
+        if f is not None and f[0] != d:
+            return mixed(func, "joins tensors with samples in different dims")
+        rows.append(f[1] if f is not None else torch.full(
+            (t.shape[d],), NO_SAMPLE, dtype=torch.long, device=out.device))
+    return located(d, torch.cat(rows), ctx.n, out, name_of(func))
 
 
 def _stack(ctx, func, args, kwargs, out) -> Any:
@@ -311,6 +366,13 @@ def _stack(ctx, func, args, kwargs, out) -> Any:
 
 register(_cat, *aliases("cat", "concat", "concatenate"))
 register(_stack, *aliases("stack"))
+# views and joins carry positions that hold no sample's data (ops_indexing.Partly)
+VALUE_READERS.update(aliases("permute", "transpose", "swapaxes", "swapdims", "transpose_", "t",
+                             "t_", "movedim", "moveaxis", "squeeze", "squeeze_", "unsqueeze",
+                             "unsqueeze_", "expand", "broadcast_to", "expand_as", "narrow",
+                             "select", "split", "chunk", "tensor_split", "split_with_sizes",
+                             "unbind", "unsafe_split", "unsafe_chunk", "cat", "concat",
+                             "concatenate"))
 
 
 def _pad(ctx, func, args, kwargs, out) -> Any:

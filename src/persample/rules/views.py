@@ -22,8 +22,19 @@ def _dim(d: int, rank: int) -> int:
 
 
 def _input(call: OpCall, out: dict) -> Tensor | None:
+    """The one tensor the op moves; another tensor it reads only for its shape, dtype or
+    device (``reshape_as(w)``, ``type_as(w)``, ``to(w)``: NFNet's standardised weight
+    ``batch_norm(w.reshape(1, C, -1)).reshape_as(w)``) gets a zero cotangent."""
     x = call.args[0] if call.args else call.kwargs.get("input")
-    return x if isinstance(x, Tensor) and set(out) == {id(x)} else None
+    if not isinstance(x, Tensor) or id(x) not in out:
+        return None
+    if set(out) != {id(x)}:
+        if call.func not in _REFERENCES:
+            return None
+        for key, dst in out.items():
+            if key != id(x):
+                dst.zero_()
+    return x
 
 
 @register_op_rule(torch.Tensor.transpose, torch.transpose, torch.swapaxes, torch.swapdims,
@@ -60,6 +71,8 @@ def permute(call: OpCall, g: Tensor, out: dict) -> str | None:
     return None
 
 
+_REFERENCES = (torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.type_as,
+               torch.Tensor.to)
 _RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten,
              torch.flatten, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as,
              torch.Tensor.reshape_as, torch.Tensor.unsqueeze, torch.unsqueeze,
