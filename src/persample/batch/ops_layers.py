@@ -210,8 +210,7 @@ def _embedding_bag(ctx, func, args, kwargs, out) -> Any:
     if bags != ctx.n:
         return every(out, Unknown("embedding_bag whose bags are not one per sample"))
     positions = ids.shape[0]
-    sample = lay.index if lay.index is not None else (
-        torch.arange(positions, device=ids.device) // lay.inner % ctx.n)
+    sample = sample_of_positions(lay, positions, ctx.n, ids.device)
     t = torch.arange(positions, dtype=offsets.dtype, device=offsets.device)
     bag = (torch.searchsorted(offsets[:bags].contiguous(), t, right=True) - 1).clamp(0, bags - 1)
     if not bool((sample.to(bag.device) == bag).all()):
