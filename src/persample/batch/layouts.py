@@ -11,7 +11,8 @@ The layout of every tensor of a captured forward is decided once, by data flow
   is ``inner = T``; Swin's windows ``(B*nW, N, C)`` likewise; a ``(T*B, E)``
   reshape of a sequence-first tensor is ``outer = T``). ``index`` instead gives
   the sample of every position along ``dim`` (a permutation, or irregular: the rows of
-  a packed sequence).
+  a packed sequence); :func:`indexed` builds it, and gives the plain layout where the
+  index is ``arange(n)``, so that no rule meets the identity as an index.
 - :class:`Mixed`: entries depend on several samples (a sum over the batch, a
   batch-wide mean loss computed inside the model, BatchNorm's batch statistics).
 - :class:`Unknown`: sample data flows in, but where it is cannot be established (a
