@@ -1,0 +1,654 @@
+"""The configurations of three peer suites, run with persample under test.
+
+Each configuration is a model, a batch and a loss that another per-sample gradient
+library tests itself on; here each is checked against the loop over samples
+(:func:`persample.loop_per_sample_grads`) in float64: ``per_sample_grads`` with
+``method="auto"`` (which must not leave the rules on these stock layers) and
+``"rules"``, the norms of ``per_sample_grad_norms`` (total and per layer), the clipped
+sums of ``persample.dp.private_grad`` without noise, the path ``supported`` reports,
+and the model left as it was.
+
+1. PyTorch's OpInfo samples of the ops with expanded-weight support
+   (``op.supports_expanded_weight``: linear, conv1d/2d/3d, embedding, group_norm,
+   instance_norm, layer_norm) and the module tests of ``common_nn`` for the same
+   layers, as torch's own expanded-weights test reads them: the sample's ``input`` is
+   the batch (dim 0), every other tensor that requires grad a parameter, the loss each
+   sample's ``op(...).sum()``; a module called twice on the same input too.
+2. Opacus's ``grad_samples`` layer configurations, drawn with hypothesis over the same
+   spaces (batch size including 0, channels, kernel, stride, padding, dilation, groups,
+   affine, ``batch_first``), with an L1 loss against zeros reduced by sum or mean:
+   Conv1d/2d/3d, Embedding, EmbeddingBag, GroupNorm, InstanceNorm1d/2d/3d, LayerNorm,
+   Linear, RMSNorm.
+3. BackPACK's ``batch_grad`` problems: Linear stacks (with extra dims), Conv1d/2d/3d and
+   ConvTranspose1d/2d/3d under a frozen head, BatchNorm1d/2d/3d in eval mode,
+   Embedding, RNN and LSTM, a torchvision ResNet-18 in eval mode, with
+   CrossEntropyLoss or MSELoss, summed or averaged.
+
+Sizes coincide where the peers' do (batch = channels = groups = sequence length), so a
+guess of where the batch is from a size would show.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import persample
+from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
+from persample.dp import private_grad
+from zoo import require
+
+RTOL, ATOL = 1e-8, 1e-12
+FALLBACK = "Falling back to method="
+ON_RULES = {"rule", "module rule"}  # op rules; a recurrent layer's rule
+HYPOTHESIS = settings(max_examples=25, deadline=None,
+                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+# ---------------------------------------------------------------------------
+# every public function against the loop
+
+
+def assert_same(got: Tensor, want: Tensor, what: str) -> None:
+    """``got`` equals the loop's ``want``: max error <= RTOL x its largest entry, or ATOL."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, loop {tuple(want.shape)}"
+    if want.numel() == 0:
+        return
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    assert err <= max(ATOL, RTOL * scale), (
+        f"{what}: max error {err:.3e} against the loop's largest entry {scale:.3e}")
+
+
+def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor], what: str) -> None:
+    assert list(got) == list(want), what
+    for name in want:
+        assert_same(got[name], want[name], f"{what} {name}")
+
+
+def flat(grads: dict[str, Tensor]) -> Tensor:
+    return torch.cat([g.flatten(1) for g in grads.values()], 1)  # (B, P)
+
+
+def paths(model: nn.Module, x: Any, y: Any, loss_fn: Callable) -> dict[str, str]:
+    """``{parameter: path}`` as ``supported`` reports the call."""
+    return {(f"{r.module}.{p}" if r.module else p): r.path
+            for r in persample.supported(model, x, y, loss_fn) for p in r.params}
+
+
+def on_rules(run: Callable[[], Any], what: str) -> Any:
+    """``run()``, which must answer from the rules: no warning that ``auto`` left them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run()
+    left = [str(w.message) for w in caught if FALLBACK in str(w.message)]
+    assert not left, f"{what}: {left[0]}"
+    return result
+
+
+def check_norms(model, x, y, loss_fn, want: dict[str, Tensor]) -> None:
+    total, layers = on_rules(lambda: per_sample_grad_norms(model, x, y, loss_fn, per_layer=True),
+                             "per_sample_grad_norms")
+    assert_same(total, flat(want).norm(dim=1), "per_sample_grad_norms")
+    for name, g in want.items():
+        assert_same(layers[name], g.flatten(1).norm(dim=1), f"per_sample_grad_norms {name}")
+
+
+def check_private_grad(model, x, y, loss_fn, want: dict[str, Tensor]) -> None:
+    """``private_grad`` without noise against the loop's clipped sum, clipped at the
+    median norm (some samples clipped, some not), on a copy of the model."""
+    norms = flat(want).norm(dim=1)  # (B,)
+    n = norms.numel()
+    c = norms.median().item() if n and norms.max() > 0 else 1.0
+    factors = (c / (norms + 1e-6)).clamp(max=1.0)  # (B,)
+    twin = copy.deepcopy(model)
+    got = on_rules(lambda: private_grad(twin, x, y, loss_fn, max_grad_norm=c, noise_multiplier=0.0,
+                                        expected_batch_size=None if n else 1.0), "private_grad")
+    assert_same(got, norms, "private_grad norms")
+    for name, p in twin.named_parameters():
+        if p.requires_grad:
+            want_sum = torch.tensordot(factors, want[name], dims=1) / max(n, 1)
+            assert_same(p.grad, want_sum, f"private_grad {name}")
+
+
+def check_against_loop(model: nn.Module, x: Any, y: Any, loss_fn: Callable, snapshot
+                       ) -> dict[str, Tensor]:
+    """Every public function on ``model`` against the loop, each answered from the rules:
+    ``supported`` says "rule" (or "module rule", a recurrent layer's) for every trainable
+    parameter, ``method="rules"`` answers, and ``auto`` never leaves the rules."""
+    state = snapshot(model)
+    want = loop_per_sample_grads(model, x, y, loss_fn)
+    got = on_rules(lambda: per_sample_grads(model, x, y, loss_fn), "per_sample_grads(auto)")
+    assert_grads(got, want, "per_sample_grads(auto)")
+    assert_grads(per_sample_grads(model, x, y, loss_fn, method="rules"), want,
+                 "per_sample_grads(rules)")
+    if flat(want).shape[0]:
+        assert set(paths(model, x, y, loss_fn).values()) <= ON_RULES
+    check_norms(model, x, y, loss_fn, want)
+    check_private_grad(model, x, y, loss_fn, want)
+    state.assert_unchanged()
+    return want
+
+
+def out_sum(out: Tensor, _: Any) -> Tensor:
+    """Each sample's ``out.sum()``: ``(B,)``."""
+    return out.flatten(1).sum(1)
+
+
+# ---------------------------------------------------------------------------
+# 1. PyTorch: OpInfo samples of the ops with expanded-weight support, common_nn modules
+
+OPINFO_OPS = ["nn.functional.conv1d", "nn.functional.conv2d", "nn.functional.conv3d",
+              "nn.functional.embedding", "nn.functional.group_norm",
+              "nn.functional.instance_norm", "nn.functional.layer_norm",
+              "nn.functional.linear"]
+COMMON_NN = ("Linear", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LayerNorm", "GroupNorm")
+
+
+@functools.cache
+def torch_testing() -> tuple[dict, list[dict]]:
+    """``({op name: OpInfo}, common_nn module tests)`` from torch's own test utilities.
+
+    Importing them loads their hypothesis profile (10 examples, no database) and
+    forbids setting ``torch.backends`` flags outside a context manager; both are put
+    back as they were, for the rest of the session."""
+    profile, frozen = hypothesis.settings.default, torch.backends.flags_frozen()
+    from torch.testing._internal import common_nn  # needs expecttest (the test extra)
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    hypothesis.settings.register_profile("persample-tests", profile)
+    hypothesis.settings.load_profile("persample-tests")
+    if not frozen:
+        vars(torch.backends)["__allow_nonbracketed_mutation_flag"] = True
+    ops = {op.name: op for op in op_db if op.supports_expanded_weight}
+    tests = [t for t in common_nn.module_tests + common_nn.get_new_module_tests()
+             if t.get("module_name") in COMMON_NN]
+    return ops, tests
+
+
+class Slot:
+    """Where a parameter of :class:`OpCall` goes in the op's arguments."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class OpCall(nn.Module):
+    """``fn(x, *args, **kwargs)`` with the arguments that require grad held as parameters
+    (``p0``, ``p1``, ... in argument order) and the others (running statistics, sizes)
+    passed as they are."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        super().__init__()
+        self.fn = fn
+        self.args = [self._hold(a) for a in args]
+        self.kwargs = {k: self._hold(a) for k, a in kwargs.items()}
+
+    def _hold(self, a: Any) -> Any:
+        if isinstance(a, Tensor) and a.requires_grad:
+            slot = Slot(f"p{len(self._parameters)}")
+            self.register_parameter(slot.name, nn.Parameter(a.detach().clone()))
+            return slot
+        return a
+
+    def _value(self, a: Any) -> Any:
+        return getattr(self, a.name) if isinstance(a, Slot) else a
+
+    def forward(self, x: Tensor) -> Tensor:
+        kwargs = {k: self._value(a) for k, a in self.kwargs.items()}
+        return self.fn(x, *map(self._value, self.args), **kwargs)
+
+
+def opinfo_call(op, sample) -> tuple[Callable, Tensor, tuple] | None:
+    """``(fn, batch, args)`` of an OpInfo sample, or None where its input has no batch
+    dim (a single vector for linear, ``(C, *size)`` for a convolution, a scalar index, a
+    layer_norm whose normalized shape is the whole input) or nothing requires grad."""
+    fn, x, args = op.op, sample.input, sample.args
+    if op.name == "nn.functional.embedding":  # OpInfo passes (weight, indices)
+        fn, x, args = F.embedding, args[0], (x,)
+    needs_grad = [a for a in (*args, *sample.kwargs.values())
+                  if isinstance(a, Tensor) and a.requires_grad]
+    return (fn, x, args) if needs_grad and batched(op.name, x, args) else None
+
+
+def batched(name: str, x: Tensor, args: tuple) -> bool:
+    """Whether dim 0 of an OpInfo sample's input is a batch dim."""
+    if name == "nn.functional.linear":
+        return x.dim() >= 2
+    if name == "nn.functional.embedding":
+        return x.dim() >= 1
+    if name == "nn.functional.layer_norm":
+        return x.dim() > len(args[0])
+    if "conv" in name:
+        return x.dim() == args[0].dim()  # (N, C, *size) against weight (O, C/g, *kernel)
+    return True
+
+
+def test_opinfo_covers_every_op_with_expanded_weights():
+    """A torch that adds an op with expanded-weight support adds it to the tests below."""
+    ops, _ = torch_testing()
+    assert sorted(ops) == sorted(OPINFO_OPS)
+
+
+@pytest.mark.parametrize("name", OPINFO_OPS)
+def test_opinfo_samples_match_the_loop(name, snapshot):
+    """Every batched OpInfo sample of the op (float64, requires_grad): per-sample
+    gradients of each sample's ``op(...).sum()`` over the tensors that require grad."""
+    ops, _ = torch_testing()
+    checked = 0
+    for k, sample in enumerate(ops[name].sample_inputs("cpu", torch.float64,
+                                                        requires_grad=True)):
+        call = opinfo_call(ops[name], sample)
+        if call is None:
+            continue
+        fn, x, args = call
+        model = OpCall(fn, args, sample.kwargs)
+        try:
+            check_against_loop(model, x, None, out_sum, snapshot)
+        except AssertionError as err:
+            raise AssertionError(f"sample {k}: {sample}: {err}") from err
+        checked += 1
+    assert checked >= 2
+
+
+class Twice(nn.Module):
+    """The module called twice on the same input, the outputs added."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.module(x) + self.module(x)
+
+
+def common_nn_case(test: dict) -> tuple[nn.Module, Tensor] | None:
+    """``(module, input)`` of a common_nn module test, or None where the module has no
+    parameter or its input no batch dim."""
+    cls = test.get("constructor", getattr(nn, test["module_name"]))
+    module = cls(*test.get("constructor_args", ())).double()
+    x = test["input_fn"]() if "input_fn" in test else torch.randn(test["input_size"])
+    x = x if module.__class__ is nn.Embedding else x.double()
+    batched = x.dim() >= 2 or (module.__class__ is nn.Embedding and x.dim() >= 1)
+    return (module, x) if batched and list(module.parameters()) else None
+
+
+def test_common_nn_module_tests_match_the_loop(snapshot):
+    """torch's module tests of the layers with expanded-weight support, each module once
+    and called twice; batches of 0 samples included."""
+    _, tests = torch_testing()
+    checked = 0
+    for test in tests:
+        case = common_nn_case(test)
+        if case is None:
+            continue
+        module, x = case
+        for model in (module, Twice(module)):
+            try:
+                check_against_loop(model, x, None, out_sum, snapshot)
+            except AssertionError as err:
+                raise AssertionError(f"{test['module_name']} {test.get('desc')}: {err}") from err
+        checked += 1
+    assert checked >= 20
+
+
+# ---------------------------------------------------------------------------
+# 2. Opacus: grad_samples layer configurations (hypothesis)
+
+
+def l1(reduction: str) -> Callable:
+    """Opacus's test loss: L1 against zeros, each sample's own, summed or averaged."""
+    loss = nn.L1Loss(reduction=reduction)
+    return lambda out, _: loss(out, torch.zeros_like(out))
+
+
+class BatchInDim1(nn.Module):
+    """``layer(x.transpose(0, 1))``: the samples (dim 0 of the input as given) are dim 1
+    of the layer's input and output, as Opacus's ``batch_first=False``."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x.transpose(0, 1))
+
+
+def divisors(n: int, most: int) -> list[int]:
+    return [g for g in range(1, most + 1) if n % g == 0]
+
+
+@st.composite
+def conv_configs(draw, d: int):
+    """Opacus's Conv{d}d space: batch 0-4, channels 1/3/32, out 2C or C//2, groups
+    dividing both, padding int, tuple, "same" (stride 1) or "valid"."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    c = draw(st.sampled_from([1, 3, 32]))
+    out = draw(st.sampled_from([2 * c, max(1, c // 2)]))
+    groups = draw(st.sampled_from(divisors(c, 16 if d > 1 else 12)))
+    if out % groups:
+        groups = 1
+    kernel = draw(st.sampled_from({1: [2, 3], 2: [2, 3, 4], 3: [2, 3, (1, 2, 3)]}[d]))
+    stride = draw(st.sampled_from({1: [1, 2], 2: [1, 2], 3: [1, 2, (1, 2, 3)]}[d]))
+    pads = {1: [0, 1, 2, "valid"], 2: [0, 2, "valid"], 3: [0, 2, (1, 2, 3), "valid"]}[d]
+    padding = draw(st.sampled_from(pads + (["same"] if stride == 1 else [])))
+    dilation = draw(st.sampled_from({1: [1, 2], 2: [1, 2, 3], 3: [1, (1, 2, 2)]}[d]))
+    size = {1: [draw(st.integers(6, 10))],
+            2: [draw(st.integers(11, 17)), draw(st.integers(11, 17))],
+            3: [draw(st.integers(3, 6)), draw(st.integers(6, 10)), draw(st.integers(6, 10))]}[d]
+    layer = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1](
+        c, out, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return layer, torch.randn(draw(st.integers(0, 4)), c, *size)
+
+
+@st.composite
+def embedding_configs(draw):
+    """Opacus's Embedding space: ids ``(N, T[, Q[, R]])``, batch_first either way (with
+    batch_first=False the samples are dim 1, of size T). N = 0 there (T samples without
+    an id) is test_opacus_embedding_samples_without_ids."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    batch_first = draw(st.booleans())
+    n = draw(st.integers(0 if batch_first else 1, 4))
+    t, q, r = (draw(st.integers(*b)) for b in ((1, 5), (1, 4), (1, 2)))
+    dim = draw(st.integers(2, 4))
+    vocab, width = draw(st.integers(2, 32)), draw(st.integers(10, 17))
+    ids = torch.randint(0, vocab, [n, t, q, r][:dim])
+    if batch_first:
+        return nn.Embedding(vocab, width), ids
+    return BatchInDim1(nn.Embedding(vocab, width)), ids.transpose(0, 1)
+
+
+@st.composite
+def linear_configs(draw):
+    """Opacus's Linear space: ``(N, W)``, ``(N, Z, W)``, ``(N, Z, H, W)``, bias or not,
+    batch_first either way (batch_first=False: the layer's input is ``(Z, N, ...)``)."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    n, z, h, w = (draw(st.integers(*b)) for b in ((0, 4), (1, 4), (1, 3), (10, 17)))
+    dim = draw(st.integers(2, 4))
+    x = torch.randn([n, z, h, w][:dim - 1] + [w])
+    layer = nn.Linear(w, w + 2, bias=draw(st.booleans()))
+    if dim > 2 and not draw(st.booleans()):
+        return BatchInDim1(layer), x
+    return layer, x
+
+
+@st.composite
+def group_norm_configs(draw):
+    """Opacus's GroupNorm space: batch 0-4, channels 1-8, 1, 4 or C groups, affine."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    n, c = draw(st.integers(0, 4)), draw(st.integers(1, 8))
+    groups = draw(st.sampled_from([g for g in (1, 4, c) if c % g == 0]))
+    x = torch.randn(n, c, draw(st.integers(5, 10)), draw(st.integers(4, 8)))
+    return nn.GroupNorm(groups, c, affine=True), x
+
+
+@st.composite
+def instance_norm_configs(draw):
+    """InstanceNorm1d/2d/3d, affine, no running statistics: batch 1-4, channels 1-3."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    d = draw(st.integers(1, 3))
+    n, c = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    size = [draw(st.integers(1, 4)), draw(st.integers(4, 8)), draw(st.integers(5, 10))][-d:]
+    layer = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[d - 1]
+    return layer(c, affine=True, track_running_stats=False), torch.randn(n, c, *size)
+
+
+@st.composite
+def last_dims_norm_configs(draw, layer: type):
+    """LayerNorm or RMSNorm over the last 1-3 dims of a 2-4 dim input: batch 1-4."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    n, z, h, w = (draw(st.integers(*b)) for b in ((1, 4), (1, 4), (1, 3), (5, 10)))
+    dim = draw(st.integers(2, 4))
+    shape = [n, z, h][:dim - 1] + [w]
+    normalized = shape[-draw(st.integers(1, dim - 1)):]
+    return layer(normalized, elementwise_affine=True), torch.randn(shape)
+
+
+OPACUS_LAYERS = {
+    "conv1d": conv_configs(1), "conv2d": conv_configs(2), "conv3d": conv_configs(3),
+    "embedding": embedding_configs(), "linear": linear_configs(),
+    "group_norm": group_norm_configs(), "instance_norm": instance_norm_configs(),
+    "layer_norm": last_dims_norm_configs(nn.LayerNorm),
+    "rms_norm": last_dims_norm_configs(nn.RMSNorm),
+}
+
+
+@pytest.mark.parametrize("layer", list(OPACUS_LAYERS))
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@HYPOTHESIS
+@given(data=st.data())
+def test_opacus_layer_configurations(layer, reduction, data, snapshot):
+    """A drawn configuration of the layer, under Opacus's L1 loss."""
+    model, x = data.draw(OPACUS_LAYERS[layer])
+    check_against_loop(model.double(), x, None, l1(reduction), snapshot)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "rules/embedding.py embedding_norm: g.reshape(n, t, -1) with t = 0 ids per sample "
+    "cannot infer -1 from 0 elements (RuntimeError, an InternalError: auto falls back to "
+    "torch.func with a 'bug' warning, method='rules' raises); g.reshape(n, t, w[0].numel()) "
+    "fixes it"))
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_opacus_embedding_samples_without_ids(reduction, snapshot):
+    """Opacus's Embedding with batch_first=False and N = 0: ids ``(0, T)``, so the T
+    samples (dim 1) hold no id; every gradient is zero."""
+    ids = torch.randint(0, 5, (0, 3))  # (N, T)
+    model = BatchInDim1(nn.Embedding(5, 10))
+    check_against_loop(model, ids.transpose(0, 1), None, l1(reduction), snapshot)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "batch/ops_views.py reshaped: out.flatten(1) of an output with a 0-size dim after the "
+    "batch dim gives place = 0, and (suffix * size) % (place * n) divides by zero "
+    "(ZeroDivisionError, an InternalError: auto falls back with a 'bug' warning, "
+    "method='rules' raises); a tensor of 0 elements needs the batch dim matched by the "
+    "unchanged dims around it instead of the index arithmetic"))
+@pytest.mark.parametrize("layer", [nn.Linear, nn.LayerNorm])
+def test_samples_without_rows_under_a_summed_output(layer, snapshot):
+    """Opacus's Linear and LayerNorm with Z = 0 rows per sample, under PyTorch's
+    per-sample ``out.sum()`` loss (which flattens each sample's output)."""
+    model = nn.Linear(4, 2) if layer is nn.Linear else nn.LayerNorm(4)
+    check_against_loop(model, torch.randn(3, 0, 4), None, out_sum, snapshot)
+
+
+class Bags(nn.Module):
+    """``model(PackedRows(ids, bag of each id, N))``: sample i's ids are its bag, given
+    to the EmbeddingBag as flat ids with offsets (Opacus's input form)."""
+
+    def __init__(self, vocab: int, width: int, mode: str):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(vocab, width, mode=mode)
+
+    def forward(self, rows: PackedRows) -> Tensor:
+        counts = torch.bincount(rows.sample_index, minlength=rows.num_samples)  # (N,)
+        return self.bag(rows.data, counts.cumsum(0) - counts)  # (N, width)
+
+
+@st.composite
+def bag_configs(draw):
+    """Opacus's EmbeddingBag space: 4-8 bags of 1-sz distinct ids, sum or mean."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    n, most = draw(st.integers(4, 8)), draw(st.integers(3, 7))
+    vocab, width = draw(st.integers(10, 32)), draw(st.integers(10, 17))
+    sizes = torch.randint(1, most + 1, (n,))
+    ids = torch.cat([torch.randperm(vocab)[:s] for s in sizes.tolist()])  # (R,)
+    rows = PackedRows(ids, torch.arange(n).repeat_interleave(sizes), n)
+    return Bags(vocab, width, draw(st.sampled_from(["sum", "mean"]))), rows
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@HYPOTHESIS
+@given(config=bag_configs())
+def test_opacus_embedding_bag_configurations(reduction, config, snapshot):
+    """Drawn bags of distinct ids, as PackedRows (the loop gives each sample its bag)."""
+    model, rows = config
+    check_against_loop(model.double(), rows, None, l1(reduction), snapshot)
+
+
+# ---------------------------------------------------------------------------
+# 3. BackPACK: the batch_grad problems
+
+
+def frozen(layer: nn.Module) -> nn.Module:
+    return layer.requires_grad_(False)
+
+
+def simple_cnn(conv: nn.Module, shape: tuple[int, ...]) -> nn.Module:
+    """BackPACK's simple CNN: the convolution, ReLU, Flatten and a frozen Linear to 5."""
+    width = conv(torch.zeros(shape)).numel() // shape[0]
+    return nn.Sequential(conv, nn.ReLU(), nn.Flatten(), frozen(nn.Linear(width, 5)))
+
+
+def batch_norm_eval(model: nn.Module) -> nn.Module:
+    """Every BatchNorm with random running statistics and affine parameters, eval mode."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(0, 1)
+            m.running_var.uniform_(0, 1)
+            nn.init.uniform_(m.weight)
+            nn.init.uniform_(m.bias)
+    return model.eval()
+
+
+class First(nn.Module):
+    """The first element of a recurrent layer's output tuple, optionally permuted."""
+
+    def __init__(self, *dims: int):
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, out: tuple) -> Tensor:
+        return out[0].permute(*self.dims) if self.dims else out[0]
+
+
+def resnet18() -> nn.Module:
+    return require("torchvision").models.resnet18(num_classes=4).eval()
+
+
+def ce(reduction: str = "mean") -> nn.Module:
+    return nn.CrossEntropyLoss(reduction=reduction)
+
+
+def mse(reduction: str = "mean") -> nn.Module:
+    return nn.MSELoss(reduction=reduction)
+
+
+def classes(shape: tuple[int, ...], n: int) -> Callable[[], Tensor]:
+    return lambda: torch.randint(0, n, shape)
+
+
+def reals(shape: tuple[int, ...]) -> Callable[[], Tensor]:
+    return lambda: torch.rand(shape)
+
+
+def rand(*shape: int) -> Callable[[], Tensor]:
+    return lambda: torch.rand(shape)
+
+
+def conv_problems() -> list[tuple]:
+    """BackPACK's convolution settings: ``(input shape, layer class, its arguments)``."""
+    table = [
+        ((3, 3, 7), nn.Conv1d, (3, 2, 2)),
+        ((3, 2, 7), nn.Conv1d, (2, 3, 2, 2, 0, 2)),
+        ((3, 3, 7), nn.Conv1d, (3, 2, 2, 2, 1)),
+        ((3, 3, 8), nn.Conv1d, (3, 6, 2, 4, 2, 3)),
+        ((3, 3, 7), nn.Conv1d, (3, 2, 2, 4, 2, 1, 1, False)),
+        ((3, 3, 7, 7), nn.Conv2d, (3, 2, 2)),
+        ((3, 2, 7, 7), nn.Conv2d, (2, 3, 2, 2, 0, 2)),
+        ((3, 3, 7, 7), nn.Conv2d, (3, 2, 2, 2, 1)),
+        ((3, 3, 8, 8), nn.Conv2d, (3, 6, 2, 4, 2, 3)),
+        ((3, 3, 7, 7), nn.Conv2d, (3, 2, 2, 4, 2, 1, 1, False)),
+        ((3, 3, 2, 7, 7), nn.Conv3d, (3, 2, 2)),
+        ((3, 2, 3, 7, 7), nn.Conv3d, (2, 3, 2, 2, 0, 2)),
+        ((3, 3, 2, 7, 7), nn.Conv3d, (3, 2, 2, 3, 2)),
+        ((3, 3, 4, 8, 8), nn.Conv3d, (3, 6, 2, 4, 2, 3)),
+        ((3, 3, 2, 7, 7), nn.Conv3d, (3, 2, 2, 4, 2, 1, 1, False)),
+        ((3, 3, 7), nn.ConvTranspose1d, (3, 2, 2)),
+        ((3, 2, 7), nn.ConvTranspose1d, (2, 3, 2, 2, 0, 0, 1, True, 2)),
+        ((3, 3, 7), nn.ConvTranspose1d, (3, 2, 2, 2, 1)),
+        ((3, 3, 8), nn.ConvTranspose1d, (3, 6, 2, 4, 2, 0, 1, True, 3)),
+        ((3, 3, 7), nn.ConvTranspose1d, (3, 2, 2, 4, 2, 0, 1, False)),
+        ((3, 3, 7, 7), nn.ConvTranspose2d, (3, 2, 2)),
+        ((3, 2, 9, 9), nn.ConvTranspose2d, (2, 4, 2, 1, 0, 0, 1, True, 2)),
+        ((3, 3, 7, 7), nn.ConvTranspose2d, (3, 2, 2, 2, 1)),
+        ((3, 3, 7, 7), nn.ConvTranspose2d, (3, 2, 2, 4, 2, 0, 1, False)),
+        ((3, 3, 2, 7, 7), nn.ConvTranspose3d, (3, 2, 2)),
+        ((3, 2, 3, 5, 5), nn.ConvTranspose3d, (2, 3, 2, 2, 2, 0, 1, True, 2)),
+        ((3, 3, 2, 7, 7), nn.ConvTranspose3d, (3, 2, 2, 4, 2, 0, 1, False)),
+    ]
+    return [(f"{cls.__name__}{args}",
+             (lambda s=shape, c=cls, a=args: simple_cnn(c(*a), s)),
+             rand(*shape), classes((3,), 5), lambda: ce("sum"))
+            for shape, cls, args in table]
+
+
+# (id, model, input, target, loss): each made after torch.manual_seed(0)
+BACKPACK_PROBLEMS = [
+    ("linear", lambda: nn.Sequential(nn.Linear(10, 5)), rand(3, 10), classes((3,), 5),
+     lambda: ce("sum")),
+    ("linear-linear", lambda: nn.Sequential(nn.Linear(10, 7), nn.Linear(7, 5)), rand(3, 10),
+     classes((3,), 5), ce),
+    ("linear-relu-linear", lambda: nn.Sequential(nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 5)),
+     rand(3, 10), classes((3,), 5), lambda: ce("sum")),
+    ("linear-sigmoid-linear-mse",
+     lambda: nn.Sequential(nn.Linear(10, 7), nn.Sigmoid(), nn.Linear(7, 5)), rand(3, 10),
+     reals((3, 5)), mse),
+    ("one-additional-mse", lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2)),
+     rand(3, 4, 5), reals((3, 4, 2)), mse),
+    ("two-additional-mse", lambda: nn.Sequential(nn.Linear(5, 3), nn.Sigmoid(), nn.Linear(3, 2)),
+     rand(3, 4, 2, 5), reals((3, 4, 2, 2)), mse),
+    ("three-additional-mse", lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2)),
+     rand(3, 4, 2, 3, 5), reals((3, 4, 2, 3, 2)), lambda: mse("sum")),
+    ("one-additional-ce", lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2), nn.Flatten()),
+     rand(3, 4, 5), classes((3,), 8), ce),
+    ("two-additional-ce",
+     lambda: nn.Sequential(nn.Linear(5, 3), nn.Sigmoid(), nn.Linear(3, 2), nn.Flatten()),
+     rand(3, 4, 2, 5), classes((3,), 16), ce),
+    ("three-additional-ce",
+     lambda: nn.Sequential(nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2), nn.Flatten()),
+     rand(3, 4, 2, 3, 5), classes((3,), 48), lambda: ce("sum")),
+    *conv_problems(),
+    ("batchnorm1d-eval", lambda: batch_norm_eval(nn.BatchNorm1d(3)), rand(2, 3, 4),
+     classes((2, 4), 3), ce),
+    ("batchnorm2d-eval", lambda: batch_norm_eval(nn.BatchNorm2d(2)), rand(3, 2, 4, 3),
+     classes((3, 4, 3), 2), ce),
+    ("batchnorm3d-eval", lambda: batch_norm_eval(nn.BatchNorm3d(3)), rand(3, 3, 4, 1, 2),
+     classes((3, 4, 1, 2), 3), ce),
+    ("batchnorm3d-linear-eval",
+     lambda: batch_norm_eval(nn.Sequential(nn.BatchNorm3d(3), nn.Linear(2, 3), nn.BatchNorm3d(3),
+                                           nn.ReLU(), nn.BatchNorm3d(3))),
+     rand(3, 3, 4, 1, 2), classes((3, 4, 1, 3), 3), ce),
+    ("rnn-ce", lambda: nn.Sequential(nn.RNN(6, 3, batch_first=True), First(0, 2, 1)),
+     rand(8, 5, 6), classes((8, 5), 3), ce),
+    ("rnn-mse", lambda: nn.Sequential(nn.RNN(6, 3, batch_first=True), First(0, 2, 1),
+                                      nn.Flatten()),
+     rand(8, 5, 6), reals((8, 15)), mse),
+    ("lstm-ce", lambda: nn.Sequential(nn.LSTM(3, 4, batch_first=True), First(), nn.Flatten()),
+     rand(4, 5, 3), classes((4,), 20), ce),
+    ("embedding-1d", lambda: nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 4)),
+     lambda: torch.randint(0, 5, (6,)), classes((6,), 4), ce),
+    ("embedding-3d", lambda: nn.Sequential(nn.Embedding(3, 5), nn.Flatten()),
+     lambda: torch.randint(0, 3, (4, 2, 2)), classes((4,), 10), ce),
+    ("resnet18-eval", resnet18, rand(2, 3, 7, 7), reals((2, 4)), mse),
+]
+
+
+@pytest.mark.parametrize("problem", BACKPACK_PROBLEMS, ids=[p[0] for p in BACKPACK_PROBLEMS])
+def test_backpack_batch_grad_problems(problem, snapshot):
+    """One of BackPACK's problems, as its settings build it, in float64."""
+    _, make_model, make_input, make_target, make_loss = problem
+    torch.manual_seed(0)
+    model, x, y = make_model().double(), make_input(), make_target()
+    x = x.double() if x.is_floating_point() else x
+    y = y.double() if y.is_floating_point() else y
+    check_against_loop(model, x, y, make_loss(), snapshot)
