@@ -120,14 +120,15 @@ def test_packed_input_param_jacobian_and_chunks(c):
 
 
 def test_zeros_reordered_by_an_unsorted_packing_are_refused_then_exact():
-    """Zeros given as the initial state of an unsorted packed sequence are reordered by
-    the layer with the sort's indices (values of every sample): the rules refuse,
-    naming it; ``auto`` takes an exact method."""
+    """Zeros given as the initial state of an unsorted packed sequence reach the kernel
+    reordered by the layer (the sort's indices): the module rule cannot tell how the
+    input it gets pairs with the samples, so the rules refuse, naming the layer, and
+    ``auto`` takes an exact method."""
     torch.manual_seed(0)
     model = Recurrent(nn.GRU(3, 4, num_layers=2), packed="unsorted", initial_state="zeros")
     x, y = randn(3, 3, 3), randn(3, 3)
     want = loop_per_sample_grads(model, x, y, per_sample_loss)
-    with pytest.raises(NeedsWholeModel, match="free tensor indexed by per-sample positions"):
+    with pytest.raises(NeedsWholeModel, match="module 'rnn'"):
         per_sample_grads(model, x, y, per_sample_loss, method="rules")
     with pytest.warns(UserWarning, match="rules cannot"):
         got = per_sample_grads(model, x, y, per_sample_loss)

@@ -125,8 +125,8 @@ def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
     sequence only the rows count (its sizes and orders are positions): batched, one
     or more rows per sample, or free. A free input reaches the rule as the call's ops
     pair it with the samples (zeros given as a recurrent layer's initial state); where
-    they pair a free tensor made inside the call instead (the layer reordered it)
-    while a free input is not read by them, how that input pairs is not known."""
+    they pair a tensor made inside the call instead (the layer reordered it) while a
+    free input is not read by them, how that input pairs is not known."""
     leaves = tree_leaves((call.args, call.kwargs),
                          is_leaf=lambda a: isinstance(a, PackedSequence))
     ins = [t for a in leaves for t in ((a.data,) if isinstance(a, PackedSequence) else (a,))
@@ -137,8 +137,8 @@ def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
     read = {id(t) for op in ops for t in op.leaves}
     free = [t for t in ins if cap.layout(t) is FREE]
     paired_inside = any(
-        isinstance(op.align(k), Batched) and cap.layout(t) is FREE
-        and not any(t is x for x in ins) for op in ops for k, t in enumerate(op.leaves))
+        isinstance(op.align(k), Batched) and not any(t is x for x in ins)
+        for op in ops for k, t in enumerate(op.leaves))
     return not (paired_inside and any(id(t) not in read for t in free))
 
 
