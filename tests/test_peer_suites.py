@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import persample
+import persample.rules as rules_module
 from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
 from persample.dp import private_grad
 from zoo import require
@@ -240,6 +241,7 @@ def test_opinfo_covers_every_op_with_expanded_weights():
     assert sorted(ops) == sorted(OPINFO_OPS)
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 @pytest.mark.parametrize("name", OPINFO_OPS)
 def test_opinfo_samples_match_the_loop(name, snapshot):
     """Every batched OpInfo sample of the op (float64, requires_grad): per-sample
@@ -300,6 +302,28 @@ def test_common_nn_module_tests_match_the_loop(snapshot):
                 raise AssertionError(f"{test['module_name']} {test.get('desc')}: {err}") from err
         checked += 1
     assert checked >= 20
+
+
+@pytest.mark.parametrize("options", [
+    {"max_norm": 1.0, "padding_idx": 0},
+    {"max_norm": 1.0, "padding_idx": 0, "sparse": True},
+    {"max_norm": 1.0, "padding_idx": 0, "scale_grad_by_freq": True},
+], ids=["max-norm", "max-norm-sparse", "max-norm-freq"])
+def test_embedding_options_of_torchs_expanded_weights_tests(options, snapshot):
+    """torch's embedding tests: rows of norm above ``max_norm``, which the forward renorms
+    in place (a plain forward changes the weight; once renormed it stays), a padding row,
+    sparse gradients, gradients scaled by the ids' frequency in the batch... and in each
+    sample, which is what the loop's each-sample forward sees."""
+    model = nn.Embedding(5, 5, **options)
+    with torch.no_grad():
+        model.weight.add_(2)
+    ids = torch.randint(5, (3, 3))
+    fresh = copy.deepcopy(model)
+    want = loop_per_sample_grads(copy.deepcopy(fresh), ids, None, out_sum)
+    assert_grads(per_sample_grads(fresh, ids, None, out_sum, method="rules"), want, "fresh")
+    model(ids)  # renormed: the forward no longer changes the weight
+    assert torch.equal(model.weight, fresh.weight)
+    check_against_loop(model, ids, None, out_sum, snapshot)
 
 
 # ---------------------------------------------------------------------------
@@ -459,6 +483,63 @@ def test_samples_without_rows_under_a_summed_output(layer, snapshot):
     per-sample ``out.sum()`` loss (which flattens each sample's output)."""
     model = nn.Linear(4, 2) if layer is nn.Linear else nn.LayerNorm(4)
     check_against_loop(model, torch.randn(3, 0, 4), None, out_sum, snapshot)
+
+
+# Opacus's embedding norm-sample cases: ids and the backprops of the embedding's output,
+# with repeated ids within a sample; the expected norms are Opacus's (4 decimals)
+EMBEDDING_NORM_CASES = [
+    ([[1, 1], [2, 0], [2, 0]], [[[0.2], [0.2]], [[0.3], [0.1]], [[0.3], [0.1]]],
+     [0.4, 0.3162, 0.3162]),
+    ([[[1]], [[1]], [[2]], [[0]], [[2]], [[0]]],
+     [[[[0.2, 0.2]]], [[[0.2, 0.2]]], [[[0.3, 0.3]]], [[[0.1, 0.1]]], [[[0.3, 0.3]]],
+      [[[0.1, 0.1]]]],
+     [0.2828, 0.2828, 0.4243, 0.1414, 0.4243, 0.1414]),
+    ([[[0], [0], [0], [0], [0], [0]], [[1], [0], [0], [0], [0], [0]],
+      [[2], [3], [4], [5], [6], [7]], [[4], [3], [0], [0], [0], [0]],
+      [[8], [7], [9], [6], [5], [0]]],
+     [[[[b]]] * 6 for b in (0.0025, -0.0014, -0.0002, 0.0019, -0.0016)],
+     [0.0150, 0.0071, 0.0005, 0.0081, 0.0039]),
+]
+
+
+@pytest.fixture
+def embedding_ghosts(monkeypatch) -> list[bool]:
+    """Wrap the norm rule of ``F.embedding``: one entry per call, whether it gave norms
+    (the ghost norm) rather than ``None`` (materialised)."""
+    took: list[bool] = []
+    norm = rules_module._OP_NORMS[F.embedding]
+
+    def spy(call, g, wanted):
+        got = norm(call, g, wanted)
+        took.append(got is not None)
+        return got
+
+    monkeypatch.setitem(rules_module._OP_NORMS, F.embedding, spy)
+    return took
+
+
+@pytest.mark.parametrize("vocab", [None, 64], ids=["opacus-vocab", "vocab-64"])
+@pytest.mark.parametrize("case", range(len(EMBEDDING_NORM_CASES)))
+def test_opacus_embedding_norm_sample_cases(case, vocab, embedding_ghosts, snapshot):
+    """Each sample's loss is ``<embedding(ids), backprops>``, so the embedding's backprops
+    are Opacus's; the norms are theirs and the loop's. Opacus's tables (3, 3 and 10 rows)
+    take the ghost norm where T^2 < rows (the second case) and are materialised elsewhere;
+    a table of 64 rows takes the ghost norm in every case."""
+    ids, backprops, norms = EMBEDDING_NORM_CASES[case]
+    ids, backprops = torch.tensor(ids), torch.tensor(backprops)
+    rows = vocab or int(ids.max()) + 1
+    model = nn.Embedding(rows, backprops.shape[-1])
+    with torch.no_grad():
+        model.weight.copy_(torch.arange(1, rows + 1).unsqueeze(1) / 10)
+
+    def inner(out: Tensor, bp: Tensor) -> Tensor:
+        return (out * bp).flatten(1).sum(1)  # (B,)
+
+    check_against_loop(model, ids, backprops, inner, snapshot)
+    got = per_sample_grad_norms(model, ids, backprops, inner, method="rules")
+    torch.testing.assert_close(got, torch.tensor(norms), rtol=0, atol=1e-4)
+    t = ids[0].numel()  # ids per sample
+    assert embedding_ghosts[-1] == (t * t < rows)
 
 
 class Bags(nn.Module):
