@@ -457,11 +457,6 @@ def test_opacus_layer_configurations(layer, reduction, data, snapshot):
     check_against_loop(model.double(), x, None, l1(reduction), snapshot)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rules/embedding.py embedding_norm: g.reshape(n, t, -1) with t = 0 ids per sample "
-    "cannot infer -1 from 0 elements (RuntimeError, an InternalError: auto falls back to "
-    "torch.func with a 'bug' warning, method='rules' raises); g.reshape(n, t, w[0].numel()) "
-    "fixes it"))
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_opacus_embedding_samples_without_ids(reduction, snapshot):
     """Opacus's Embedding with batch_first=False and N = 0: ids ``(0, T)``, so the T

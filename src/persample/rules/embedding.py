@@ -115,7 +115,7 @@ def embedding_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
     n, t = i.shape
     if t * t >= w.shape[0]:
         return None
-    gt = g.reshape(n, t, -1)  # (n, t, d)
+    gt = g.reshape(n, t, w[0].numel())  # (n, t, d); t may be 0
     padding_idx = call.arg(2, "padding_idx")
     if padding_idx is not None:
         gt = gt * (i != padding_idx % w.shape[0]).unsqueeze(2)
