@@ -466,12 +466,6 @@ def test_opacus_embedding_samples_without_ids(reduction, snapshot):
     check_against_loop(model, ids.transpose(0, 1), None, l1(reduction), snapshot)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "batch/ops_views.py reshaped: out.flatten(1) of an output with a 0-size dim after the "
-    "batch dim gives place = 0, and (suffix * size) % (place * n) divides by zero "
-    "(ZeroDivisionError, an InternalError: auto falls back with a 'bug' warning, "
-    "method='rules' raises); a tensor of 0 elements needs the batch dim matched by the "
-    "unchanged dims around it instead of the index arithmetic"))
 @pytest.mark.parametrize("layer", [nn.Linear, nn.LayerNorm])
 def test_samples_without_rows_under_a_summed_output(layer, snapshot):
     """Opacus's Linear and LayerNorm with Z = 0 rows per sample, under PyTorch's

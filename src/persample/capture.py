@@ -346,7 +346,9 @@ class Capture:
         self.calls: list[Call] = []
         self.stack: list[Call] = []
         self.unseen_reads: set[int] = set()
-        self.contaminated: set[int] = set()  # storages of free tensors written with samples
+        # storages of free tensors written with samples, kept alive (so that no new tensor
+        # is allocated at their address during the capture)
+        self.contaminated: dict[int, Any] = {}
         self.thread = threading.get_ident()
         # no reference cycle back to the capture (its graph would live until the cyclic
         # GC runs: gigabytes in a training loop of many micro-batches)
@@ -562,7 +564,7 @@ class Capture:
         tensor that now holds sample data are marked too)."""
         old = self.layout(target)
         if old is FREE and layout is not FREE:
-            self.contaminated.add(_storage(target))
+            self.contaminated[_storage(target)] = target.untyped_storage()
         self.layouts[target] = layout
         if out is not None and out is not target:
             self.layouts[out] = layout

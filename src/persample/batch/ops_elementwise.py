@@ -28,7 +28,9 @@ from .flow import (
 from .layouts import FREE, Batched, Layout, Unknown
 from .ops_indexing import (
     Partly,
+    agree,
     as_located,
+    followed,
     located,
     merge,
     partly,
@@ -62,7 +64,7 @@ def broadcast(ctx: Ctx, func, args, kwargs, out) -> Flow:
     if shape is None:
         return Flow(every(out, Unknown(f"{name_of(func)} returned no tensor")))
     leaves = op_leaves(args, kwargs)
-    lays = [ctx.layout(t) for t in leaves]
+    lays = [followed(ctx, t) for t in leaves]
     bad = trouble(lays)
     if bad is not None:
         return Flow(every(out, bad))
@@ -78,6 +80,8 @@ def broadcast(ctx: Ctx, func, args, kwargs, out) -> Flow:
         here = lay.moved(d)
         if found is None:
             found = here
+        elif found != here and (same := agree(found, here, shape[d], ctx.n)) is not None:
+            found = same
         elif found != here:
             return Flow(every(out, mixed(func, "combines samples from different dims")))
     if found is None:
@@ -91,7 +95,7 @@ def _with_free_positions(ctx: Ctx, func, leaves: list, lays: list, shape, out) -
     of each position along the one batch dim, merged over the inputs."""
     rank, dim, rows = len(shape), None, None
     for t, lay in zip(leaves, lays):
-        found = rows_of(ctx, t, partly(ctx, t) or lay)
+        found = rows_of(ctx, t, lay)
         if found is None:
             continue
         d = found[0] + rank - t.dim()

@@ -162,6 +162,19 @@ def regular(dim: int, rows: Tensor, n: int) -> Batched:
     return indexed(dim, rows, n)
 
 
+def agree(a: Batched, b: Batched, size: int, n: int) -> Batched | None:
+    """``a`` and ``b`` (of a dim of ``size`` positions) hold the same sample at every
+    position: the one to keep (a plain or merged layout over an index layout that is
+    the same: graphs of equal sizes come as index layouts); ``None`` if they differ."""
+    if a == b:
+        return a
+    if a.dim != b.dim or (a.index is None and b.index is None):
+        return None
+    same = torch.equal(sample_of_positions(a, size, n, torch.device("cpu")).long().cpu(),
+                       sample_of_positions(b, size, n, torch.device("cpu")).long().cpu())
+    return (b if a.index is not None else a) if same else None
+
+
 def along_one_dim(samples: Tensor) -> tuple[int, Tensor] | None:
     """``(k, rows)`` if ``samples`` depends on its dim ``k`` alone (the first such dim
     where it depends on none); ``None`` if on several."""
@@ -205,6 +218,8 @@ def follows_partly(handler):
             if isinstance(lay, Batched) and lay.index is stand_in.index and isinstance(
                     o, Tensor):
                 return Partly(found.why, lay.dim, found.rows, weakref.ref(o))
+            if isinstance(lay, Unknown) and not isinstance(lay, Partly):
+                return Unknown(f"{lay.why} ({found.why})")
             return Unknown(found.why) if isinstance(lay, Batched) else lay
 
         if isinstance(got, tuple) and isinstance(out, (tuple, list)):
@@ -650,6 +665,20 @@ def setitem_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout | None
     return _landed(ctx, "x[index] = value", x, d, idx, li, own, x)
 
 
+def _index_put(ctx, func, args, kwargs, out) -> Any:
+    """``x.index_put_((index,), values, accumulate)``: ``x[index] = values`` (or ``+=``)."""
+    x = args[0]
+    indices, values = arg(args, kwargs, 1, "indices"), arg(args, kwargs, 2, "values")
+    found = setitem_layout(ctx, x, tuple(indices), values)
+    if found is not None:
+        return found
+    lays = [followed(ctx, t) for t in (x, values, *indices) if isinstance(t, Tensor)]
+    bad = trouble(lays)
+    if bad is not None:
+        return bad
+    return Unknown(f"{name_of(func)} writes per-sample data in a form not followed")
+
+
 _INDEX_OPS = set(aliases("index_add", "index_add_", "index_copy", "index_copy_",
                          "index_fill", "index_fill_", "index_reduce", "index_reduce_"))
 _SOURCE_NAME = {f: "source" for f in _INDEX_OPS}
@@ -657,6 +686,8 @@ _SCATTERS = list(_INDEX_OPS) + aliases("scatter", "scatter_", "scatter_add", "sc
                                        "scatter_reduce", "scatter_reduce_")
 register(_scatter, *_SCATTERS)
 VALUE_READERS.update(_SCATTERS)
+register(_index_put, *aliases("index_put", "index_put_"))
+VALUE_READERS.update(aliases("index_put", "index_put_"))
 
 
 # ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from .flow import (
     register,
 )
 from .layouts import FREE, Batched, Unknown
+from .ops_indexing import agree
 
 # ---------------------------------------------------------------------------
 # matrix products
@@ -76,11 +77,16 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
             return mixed(func, "spreads one sample's data over others")
         place.append(lay.moved(d))
     if len(place) == 2 and place[0] != place[1]:
+        same = agree(place[0], place[1], out.shape[place[0].dim], ctx.n)
+        place = [same] if same is not None else place
+    if len(place) == 2 and place[0] != place[1]:
         return mixed(func, "pairs samples of its two operands")
     found = place[0] if place else FREE
     if func in _ADDMM:
         bias = ctx.layout(bias_in)
-        if isinstance(bias, Batched) and bias.moved(bias.dim + rank - bias_in.dim()) != found:
+        if isinstance(bias, Batched) and (not isinstance(found, Batched) or agree(
+                bias.moved(bias.dim + rank - bias_in.dim()), found, out.shape[found.dim],
+                ctx.n) is None):
             return mixed(func, "adds samples from different dims")
     if not isinstance(found, Batched) or found.dim >= rank - 2:
         return found

@@ -31,9 +31,11 @@ from .ops_indexing import (
     NO_SAMPLE,
     Partly,
     Sorted,
+    agree,
+    followed,
     follows_partly,
     located,
-    partly,
+    regular,
     rows_of,
     trouble,
 )
@@ -49,6 +51,8 @@ def _reshape(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched) or not isinstance(out, Tensor):
         return lay
+    if lay.index is not None and not isinstance(lay, Sorted) and bool((lay.index >= 0).all()):
+        lay = regular(lay.dim, lay.index.long(), ctx.n)  # graphs of equal sizes: merged
     return reshaped(lay, tuple(x.shape), tuple(out.shape), ctx.n) or Unknown(
         f"{name_of(func)} {tuple(x.shape)} -> {tuple(out.shape)} splits the batch dim")
 
@@ -60,8 +64,13 @@ def reshaped(lay: Batched, before: tuple, after: tuple, n: int) -> Batched | Non
     In the row-major index the sample is a digit of radix ``n`` and place value
     ``P = inner * prod(before[dim+1:])``. Output dim ``k`` holds the place values
     ``S_k .. S_k * after[k]`` (``S_k = prod(after[k+1:])``); the digit fits in it iff
-    ``S_k`` divides ``P`` and ``P * n`` divides ``S_k * after[k]``.
+    ``S_k`` divides ``P`` and ``P * n`` divides ``S_k * after[k]``. A tensor of no
+    entries (a dim of size 0) has no index arithmetic: the batch dim must stay where it
+    is, with the same dims before it.
     """
+    if math.prod(before) == 0:
+        d = lay.dim
+        return lay if tuple(after[:d + 1]) == tuple(before[:d + 1]) else None
     if lay.index is not None:  # irregular: only if the batch dim itself is untouched
         d = lay.dim
         prefix = math.prod(before[:d])
@@ -320,18 +329,20 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
     rank = out.dim()
     d = dim_of(kwargs.get("dim", arg(args, kwargs, 1, "axis", 0)), rank)
     joined = [t for t in tensors if t.dim() == rank]  # 1-d empty tensors join nothing
-    lays = [ctx.layout(t) for t in joined]
+    lays = [followed(ctx, t) for t in joined]
     bad = trouble(lays)
     if bad is not None:
         return Flow(bad)
-    found = [rows_of(ctx, t, partly(ctx, t) or lay) for t, lay in zip(joined, lays)]
+    found = [rows_of(ctx, t, lay) for t, lay in zip(joined, lays)]
     if any(f is not None and f[0] == d for f in found):
         return Flow(_joined_along(ctx, func, joined, found, d, out))
     if any(isinstance(lay, Partly) for lay in lays):
         return Flow(Unknown("cat of tensors with positions holding no sample's data"))
     batched = [lay for lay in lays if isinstance(lay, Batched)]
     first = batched[0]
-    if any(lay != first for lay in batched):
+    for lay in batched[1:]:
+        first = agree(first, lay, out.shape[first.dim], ctx.n) if first is not None else None
+    if first is None:
         return Flow(mixed(func, "joins tensors with samples in different dims"))
     align = tuple(ctx.layout(t) if ctx.layout(t) is not FREE else (
         first if t.dim() == rank and t.shape[first.dim] == out.shape[first.dim] else None)

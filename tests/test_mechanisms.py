@@ -1,0 +1,829 @@
+"""Mechanisms real models use, each exact and on the fast path: parametrizations,
+checkpointing (reentrant or not), multiple-choice reshapes, mixture-of-experts routing
+(top-k gates, tokens picked with ``nonzero``/``where``/masks and scattered back with
+``index_add_``; tokens sorted by expert), a fused qkv indexed with a list, ALiBi
+attention (``baddbmm``), NFNet's standardised weights, ``torch.compile``, graph batches
+(``PackedRows``, torch_geometric's ``Batch``: message passing by node ids, pooling by
+the batch vector), and the same mechanisms in transformers' BLOOM, MPT, Mixtral and
+Qwen2-MoE built from small configs.
+
+Every model is checked against the loop over samples in float64 (relative error <= 1e-8
+per parameter; absolute below 1e-12 is exact) through ``per_sample_grads``,
+``per_sample_grad_norms`` and ``private_grad`` (noise 0, against the loop's clipped
+sum), with no fallback warning, ``supported`` reporting the path of every parameter,
+and the model left as it was. Sizes coincide on purpose: batch = sequence length =
+heads = experts = choices = nodes per graph.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrizations
+from torch.utils.checkpoint import CheckpointFunction, checkpoint
+
+import persample
+from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
+from persample.batch import FREE, Batched, Ctx, Mixed, Unknown, propagate
+from persample.batch.ops_indexing import Partly, Sorted
+from persample.dp import private_grad
+
+B = T = H = EXPERTS = CHOICES = 4  # coinciding on purpose
+E = 8
+ABS, REL = 1e-12, 1e-8
+
+
+def assert_exact(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, w in want.items():
+        err = (got[name] - w).abs().max().item() if w.numel() else 0.0
+        scale = w.abs().max().item() if w.numel() else 0.0
+        assert err <= ABS or err <= REL * scale, f"{name}: error {err:.3e}, scale {scale:.3e}"
+
+
+def flat(grads: dict[str, Tensor]) -> Tensor:
+    return torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1)
+
+
+def mse(out, y):
+    return ((out - y) ** 2).flatten(1).sum(1)
+
+
+def ce(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def check(model: nn.Module, inputs, targets, loss_fn, snapshot, want=None,
+          paths=frozenset({"rule"})) -> None:
+    """``per_sample_grads``, the norms and the DP step against the loop (``want``, by
+    default ``loop_per_sample_grads``), no fallback, ``supported`` giving ``paths`` for
+    every trainable parameter, and the model unchanged."""
+    state = snapshot(model)
+    if want is None:
+        want = loop_per_sample_grads(model, inputs, targets, loss_fn)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(Falling back|rules cannot|performance)")
+        assert_exact(per_sample_grads(model, inputs, targets, loss_fn), want)
+        norms = per_sample_grad_norms(model, inputs, targets, loss_fn)
+        assert_exact({"norms": norms}, {"norms": flat(want).norm(dim=1)})
+        c = norms.median().item()
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        try:
+            private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0)
+            got = {n: p.grad.clone() for n, p in params.items()}
+        finally:
+            for p in params.values():
+                p.grad = None
+    factors = (c / (flat(want).norm(dim=1) + 1e-6)).clamp(max=1.0)
+    assert_exact(got, {n: torch.tensordot(factors, g, dims=1) / len(factors)
+                       for n, g in want.items()})
+    routes = persample.supported(model, inputs, targets, loss_fn)
+    assert {r.path for r in routes} == set(paths), [(r.module, r.path, r.reason) for r in routes]
+    covered = {f"{r.module}.{p}" if r.module else p for r in routes for p in r.params}
+    assert covered == set(params)
+    state.assert_unchanged()
+
+
+# ---------------------------------------------------------------------------
+# parametrizations, checkpointing, multiple choice
+
+
+def parametrized() -> nn.Module:
+    """weight_norm, spectral_norm (eval: no power iteration) and orthogonal
+    (Householder, its sign read through ``.int()``) on three Linear layers."""
+    torch.manual_seed(0)
+    return nn.Sequential(parametrizations.weight_norm(nn.Linear(E, E)), nn.Tanh(),
+                         parametrizations.spectral_norm(nn.Linear(E, E)), nn.Tanh(),
+                         parametrizations.orthogonal(nn.Linear(E, 3))).eval()
+
+
+def test_parametrizations(snapshot):
+    check(parametrized(), torch.randn(B, E), torch.randn(B, 3), mse, snapshot)
+
+
+class Checkpointed(nn.Module):
+    """A block run through ``torch.utils.checkpoint`` between two Linear layers."""
+
+    def __init__(self, reentrant: bool, first: bool = True):
+        super().__init__()
+        self.first = nn.Linear(E, E) if first else nn.Identity()
+        self.block = nn.Sequential(nn.Linear(E, E), nn.LayerNorm(E), nn.GELU())
+        self.head = nn.Linear(E, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = checkpoint(self.block, self.first(x), use_reentrant=self.reentrant)
+        return self.head(h).sum(1)
+
+
+def backward_loop(model: nn.Module, x: Tensor, y: Tensor, loss_fn) -> dict[str, Tensor]:
+    """Each sample's ``loss.backward()`` into ``p.grad``: the reference where
+    ``autograd.grad`` cannot run (a reentrant checkpoint refuses it)."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    found = {n: p.new_zeros((len(x), *p.shape)) for n, p in params.items()}
+    for i in range(len(x)):
+        loss_fn(model(x[i:i + 1]), y[i:i + 1]).sum().backward()
+        for n, p in params.items():
+            if p.grad is not None:
+                found[n][i] = p.grad
+            p.grad = None
+    return found
+
+
+def test_checkpoint_non_reentrant(snapshot):
+    torch.manual_seed(0)
+    check(Checkpointed(reentrant=False), torch.randn(B, T, E), torch.randn(B, 3), mse,
+          snapshot)
+
+
+def test_checkpoint_reentrant_is_on_the_rules(snapshot):
+    """The reentrant checkpoint runs its function under ``no_grad`` inside a custom
+    autograd Function and again in the backward (which ``autograd.grad`` refuses): while
+    persample captures, it runs as the function itself, so every parameter is on a rule;
+    the checkpoint is itself again afterwards."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=True)
+    x, y = torch.randn(B, T, E), torch.randn(B, 3)
+    check(model, x, y, mse, snapshot, want=backward_loop(model, x, y, mse))
+    assert "apply" not in CheckpointFunction.__dict__
+    with pytest.raises(RuntimeError, match="use_reentrant=True"):  # plain autograd.grad
+        torch.autograd.grad(mse(model(x), y).sum(), list(model.parameters()))
+
+
+def test_checkpoint_reentrant_without_inputs_requiring_grad(snapshot):
+    """No input requires grad: the checkpoint passes no gradient inside (the block's
+    parameters get zeros), exactly as in plain training."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=True, first=False)
+    x, y = torch.randn(B, T, E), torch.randn(B, 3)
+    want = backward_loop(model, x, y, mse)
+    assert all(not bool(want[n].any()) for n in want if n.startswith("block"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")
+        assert_exact(per_sample_grads(model, x, y, mse), want)
+        routes = {r.module: r.path for r in persample.supported(model, x, y, mse)}
+    assert routes == {"block.0": "fallback", "block.1": "fallback", "head": "rule"}
+
+
+class MultipleChoice(nn.Module):
+    """SWAG-style ``(B, C, T)`` token ids scored as ``(B*C, T)`` rows, back to ``(B, C)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, E)
+        self.mix = nn.Linear(E, E)
+        self.score = nn.Linear(E, 1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        b, c, t = ids.shape
+        h = torch.tanh(self.mix(self.emb(ids.view(b * c, t))))  # (B*C, T, E)
+        return self.score(h.mean(1)).view(b, c)
+
+
+def test_multiple_choice(snapshot):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 10, (B, CHOICES, T))
+    check(MultipleChoice(), ids, torch.tensor([0, 3, 1, 2]), ce, snapshot)
+
+
+# ---------------------------------------------------------------------------
+# mixture of experts
+
+
+class TopKMoE(nn.Module):
+    """Top-2 of 4 experts by softmax gates over the merged ``(B*T, E)`` tokens; each
+    expert's tokens picked by ``where`` (Mixtral), ``nonzero`` or a boolean mask, its
+    output weighted by its gate and scattered back with ``index_add_`` into zeros made
+    from sizes (``zeros(B*T, E)``) or from the tokens (``zeros_like``)."""
+
+    def __init__(self, pick: str, target: str = "zeros"):
+        super().__init__()
+        self.gate = nn.Linear(E, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(),
+                                                   nn.Linear(2 * E, E)) for _ in range(EXPERTS))
+        self.out = nn.Linear(E, 3)
+        self.pick, self.target = pick, target
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, e = x.shape
+        h = x.reshape(-1, e)  # (B*T, E)
+        weights, chosen = self.gate(h).softmax(-1).topk(2, dim=-1)  # (B*T, 2)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros(b * t, e) if self.target == "zeros" else torch.zeros_like(h)
+        mask = F.one_hot(chosen, EXPERTS).permute(2, 1, 0)  # (EXPERTS, 2, B*T)
+        for k, expert in enumerate(self.experts):
+            if self.pick == "where":
+                slot, rows = torch.where(mask[k])
+            elif self.pick == "nonzero":
+                rows, slot = (chosen == k).nonzero(as_tuple=True)
+            else:
+                hit = chosen == k  # (B*T, 2)
+                rows = torch.arange(b * t)[hit.any(-1)]
+                slot = hit[rows].long().argmax(-1)
+            out.index_add_(0, rows, expert(h[rows]) * weights[rows, slot, None])
+        return self.out(torch.tanh(out.view(b, t, e) + x)).sum(1)
+
+
+@pytest.mark.parametrize("pick, target", [("where", "zeros"), ("nonzero", "zeros_like"),
+                                          ("mask", "zeros")])
+def test_top_k_mixture_of_experts(pick, target, snapshot):
+    torch.manual_seed(0)
+    check(TopKMoE(pick, target), torch.randn(B, T, E), torch.randn(B, 3), mse, snapshot)
+
+
+class SortedMoE(nn.Module):
+    """Top-1 routing with the tokens sorted by expert (``argsort``), cut into the
+    experts' groups with ``split(bincount)``, and put back in order by assignment
+    (``out[order] = y``) or by the inverse permutation (``y[order.argsort()]``)."""
+
+    def __init__(self, unsort: str):
+        super().__init__()
+        self.gate = nn.Linear(E, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(E, E) for _ in range(EXPERTS))
+        self.out = nn.Linear(E, 3)
+        self.unsort = unsort
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, e = x.shape
+        h = x.reshape(-1, e)
+        weight, chosen = self.gate(h).softmax(-1).max(-1)  # (B*T,)
+        order = chosen.argsort()
+        counts = torch.bincount(chosen, minlength=EXPERTS).tolist()
+        y = torch.cat([ex(part) for ex, part in zip(self.experts, h[order].split(counts))])
+        if self.unsort == "assign":
+            back = torch.empty_like(y)
+            back[order] = y
+        else:
+            back = y[order.argsort()]
+        return self.out(back.view(b, t, e) * weight.view(b, t, 1)).sum(1)
+
+
+@pytest.mark.parametrize("unsort", ["assign", "inverse"])
+def test_mixture_of_experts_sorted_by_expert(unsort, snapshot):
+    torch.manual_seed(0)
+    check(SortedMoE(unsort), torch.randn(B, T, E), torch.randn(B, 3), mse, snapshot)
+
+
+class ExpertChoice(nn.Module):
+    """Each expert picks its top tokens across the whole batch: a sample's tokens are
+    chosen by comparing them with other samples' (the samples interact)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(E, 2, bias=False)
+        self.expert = nn.Linear(E, E)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, e = x.shape
+        h = x.reshape(-1, e)
+        scores = self.gate(h)[:, 0]  # (B*T,)
+        _, top = scores.topk(b * t // 2)
+        out = torch.zeros_like(h).index_add_(0, top, self.expert(h[top]))
+        return out.view(b, t, e).sum(1)
+
+
+def test_routing_that_compares_samples_is_refused_and_auto_takes_the_loop():
+    torch.manual_seed(0)
+    model = ExpertChoice()
+    x, y = torch.randn(B, T, E), torch.randn(B, E)
+    with pytest.raises(ValueError, match="topk selects positions of several samples"):
+        per_sample_grads(model, x, y, mse, method="rules")
+    with pytest.warns(UserWarning, match="topk selects positions"):
+        got = per_sample_grads(model, x, y, mse)
+    assert_exact(got, loop_per_sample_grads(model, x, y, mse))
+
+
+# ---------------------------------------------------------------------------
+# attention: a fused qkv indexed with a list, ALiBi
+
+
+class FusedQKV(nn.Module):
+    """A fused ``(B, T, 3, H, d)`` projection; queries picked with a list in a later dim
+    (``qkv[..., [0], :, :]``) and the last position with ``o[..., [-1], :]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.out = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, 3, H, E // H)
+        q = qkv[..., [0], :, :].squeeze(2)
+        k, v = qkv[:, :, 1], qkv[:, :, 2]
+        att = torch.einsum("bthd,bshd->bhts", q, k).softmax(-1)
+        o = torch.einsum("bhts,bshd->bthd", att, v).reshape(b, t, E)
+        return self.out(o[..., [-1], :]).sum(1)
+
+
+class ALiBi(nn.Module):
+    """BLOOM-style attention with linear biases (Press et al. 2022, "Train Short, Test
+    Long"): a slope per head times the key positions made from the padding mask,
+    ``(B*H, 1, T)``, added by ``baddbmm`` with its operands by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.out = nn.Linear(E, 3)
+        self.register_buffer("slopes", torch.tensor([2.0 ** (-8 * (i + 1) / H)
+                                                     for i in range(H)]))
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        b, t, e = x.shape
+        d = e // H
+        positions = ((mask.cumsum(-1) - 1) * mask)[:, None, :]  # (B, 1, T)
+        alibi = (self.slopes[None, :, None] * positions).reshape(b * H, 1, t)
+        q, k, v = self.qkv(x).view(b, t, 3, H, d).permute(2, 0, 3, 1, 4).reshape(
+            3, b * H, t, d).unbind(0)
+        scores = alibi.baddbmm(batch1=q, batch2=k.transpose(1, 2), beta=1.0,
+                               alpha=1 / math.sqrt(d))  # (B*H, T, T)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        o = torch.bmm(scores.softmax(-1), v).view(b, H, t, d).transpose(1, 2).reshape(b, t, e)
+        return self.out(o).sum(1)
+
+
+def test_fused_qkv_indexed_with_a_list(snapshot):
+    torch.manual_seed(0)
+    check(FusedQKV(), torch.randn(B, T, E), torch.randn(B, 3), mse, snapshot)
+
+
+def test_alibi_attention(snapshot):
+    torch.manual_seed(0)
+    mask = torch.ones(B, T)
+    mask[0, -1] = 0
+    check(ALiBi(), (torch.randn(B, T, E), mask), torch.randn(B, 3), mse, snapshot)
+
+
+# ---------------------------------------------------------------------------
+# weight standardisation (NFNets)
+
+
+class ScaledStdConv(nn.Module):
+    """NFNet's ``ScaledStdConv2d`` (Brock et al. 2021) by hand: the weight standardised
+    per output channel with ``batch_norm`` in the forward, times a learned gain."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.gain = nn.Parameter(torch.rand(4, 1, 1, 1) + 0.5)
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = F.batch_norm(self.weight.reshape(1, 4, -1), None, None,
+                         weight=(self.gain * 27 ** -0.5).view(-1), training=True,
+                         momentum=0.0, eps=1e-6).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, padding=1).flatten(1)
+
+
+def timm_scaled_std_conv() -> nn.Module:
+    from zoo import require
+
+    timm = require("timm")
+    torch.manual_seed(0)
+    return nn.Sequential(timm.layers.ScaledStdConv2d(3, 4, 3, padding=1), nn.Flatten())
+
+
+@pytest.mark.parametrize("make", [ScaledStdConv, timm_scaled_std_conv], ids=["hand", "timm"])
+def test_scaled_std_conv(make, snapshot):
+    torch.manual_seed(0)
+    check(make(), torch.randn(B, 3, T, T), torch.randn(B, 4 * T * T), mse, snapshot)
+
+
+# ---------------------------------------------------------------------------
+# torch.compile
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(E, E)
+        self.norm = nn.LayerNorm(E)
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.norm(self.fc(x)))).sum(1)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["compiled-block", "compiled-model"])
+def test_compiled_module_is_exact_without_recompiling(whole, snapshot):
+    """persample's capture is hidden from TorchDynamo: the compiled code runs its ops
+    one by one under the capture, the same compiled graphs serve every call (no
+    recompilation, no warning), and every parameter is on a rule."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(E, E), torch.compile(Block(), backend="eager"))
+    if whole:
+        model = torch.compile(nn.Sequential(nn.Linear(E, E), Block()), backend="eager")
+    x, y = torch.randn(B, T, E), torch.randn(B, 3)
+    want = loop_per_sample_grads(model, x, y, mse)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert_exact(per_sample_grads(model, x, y, mse), want)
+        model(x)
+    assert not caught, [str(w.message) for w in caught]
+    assert counters["stats"]["unique_graphs"] <= 1
+    assert not counters["recompiles"]
+    check(model, x, y, mse, snapshot, want=want)
+
+
+# ---------------------------------------------------------------------------
+# graph batches and packed rows
+
+
+class DeepSets(nn.Module):
+    """A set model (Zaheer et al. 2017) on ``PackedRows``: rows of every sample, summed
+    per sample with ``index_add_`` into ``(num_samples, F)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.phi = nn.Sequential(nn.Linear(3, E), nn.Tanh())
+        self.rho = nn.Linear(E, 2)
+
+    def forward(self, rows: PackedRows) -> Tensor:
+        h = self.phi(rows.data)
+        return self.rho(torch.zeros(rows.num_samples, E).index_add_(0, rows.sample_index, h))
+
+
+def test_packed_rows(snapshot):
+    torch.manual_seed(0)
+    index = torch.tensor([0, 0, 1, 2, 2, 2, 3, 0, 1, 3])  # unsorted, counts 3, 2, 3, 2
+    check(DeepSets(), PackedRows(torch.randn(10, 3), index, B), torch.randn(B, 2), mse,
+          snapshot)
+
+
+def graph_batch(directed: bool = False):
+    """torch_geometric's ``Batch`` of 4 graphs of 4 nodes (= batch size): a ring, both
+    ways unless ``directed`` (then node 0 of each graph receives no message), and two
+    random edges."""
+    from zoo import require
+
+    require("torch_geometric")
+    from torch_geometric.data import Batch, Data
+
+    g = torch.Generator().manual_seed(1)
+    graphs = []
+    for _ in range(B):
+        ring = torch.arange(4)
+        edges = [torch.stack([ring, (ring + 1) % 4])]
+        if directed:
+            edges = [torch.tensor([[0, 1, 2, 1], [1, 2, 3, 3]])]
+        else:
+            edges += [torch.stack([(ring + 1) % 4, ring]), torch.randint(0, 4, (2, 2), generator=g)]
+        graphs.append(Data(x=torch.randn(4, 3, generator=g, dtype=torch.float64),
+                           edge_index=torch.cat(edges, 1)))
+    return Batch.from_data_list(graphs)
+
+
+class HandGIN(nn.Module):
+    """GIN (Xu et al. 2019) by hand: messages gathered by source node ids, summed into
+    their target nodes with ``index_add_``, ``(1 + eps) x + sum``, pooled per graph by the
+    batch vector."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(3, E), nn.ReLU(), nn.Linear(E, E))
+        self.eps = nn.Parameter(torch.tensor(0.1))
+        self.head = nn.Linear(E, 2)
+
+    def forward(self, data) -> Tensor:
+        x, (src, dst) = data.x, data.edge_index
+        summed = torch.zeros_like(x).index_add_(0, dst, x.index_select(0, src))
+        h = self.mlp((1 + self.eps) * x + summed)
+        return self.head(torch.zeros(data.num_graphs, E).index_add_(0, data.batch, h))
+
+
+class PyGNet(nn.Module):
+    """torch_geometric's own ``GCNConv`` (self loops, symmetric degree normalisation) or
+    ``GINConv``, then ``global_mean_pool``."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        from torch_geometric.nn import GCNConv, GINConv
+
+        self.conv = GCNConv(3, E) if kind == "gcn" else GINConv(
+            nn.Sequential(nn.Linear(3, E), nn.ReLU(), nn.Linear(E, E)), train_eps=True)
+        self.head = nn.Linear(E, 2)
+
+    def forward(self, data) -> Tensor:
+        from torch_geometric.nn import global_mean_pool
+
+        h = torch.relu(self.conv(data.x, data.edge_index))
+        return self.head(global_mean_pool(h, data.batch))
+
+
+@pytest.mark.parametrize("make, directed", [
+    (HandGIN, False), (HandGIN, True), (lambda: PyGNet("gcn"), False),
+    (lambda: PyGNet("gin"), False), (lambda: PyGNet("gin"), True)],
+    ids=["hand-gin", "hand-gin-directed", "pyg-gcn", "pyg-gin", "pyg-gin-directed"])
+def test_graph_batches(make, directed, snapshot):
+    """Per-graph gradients: each graph a sample, its nodes and edges found by data flow
+    from the batch's ``batch`` vector and per-graph offsets (nodes that receive no
+    message take their sample where their own features are added)."""
+    batch = graph_batch(directed)
+    torch.manual_seed(0)
+    check(make(), batch, torch.randn(B, 2), mse, snapshot)
+
+
+# ---------------------------------------------------------------------------
+# the data-flow rules themselves
+
+
+def flow(func, args, kwargs, out, layouts):
+    ctx = Ctx(B, lambda t: next((lay for x, lay in layouts if x is t), FREE))
+    return propagate(ctx, func, args, kwargs, out).outputs
+
+
+def test_nonzero_gives_each_position_its_sample():
+    chosen = torch.tensor([0, 1, 1, 2, 3, 1, 0, 0, 2, 2, 1, 3, 0, 3, 3, 1])  # (B*T,)
+    merged = Batched(0, inner=T)
+    hit = chosen == 1
+    rows = hit.nonzero(as_tuple=True)[0]  # positions 1, 2, 5, 10, 15
+    got = flow(torch.Tensor.nonzero, (hit,), {"as_tuple": True}, (rows,), [(hit, merged)])
+    assert got[0] == Batched(0, index=torch.tensor([0, 0, 1, 2, 3]))
+    hidden = torch.randn(B * T, E)
+    picked = hidden[rows]
+    assert flow(torch.Tensor.__getitem__, (hidden, rows), {}, picked,
+                [(hidden, merged), (rows, got[0])]) == got[0]
+    # the same rows named by another sample's index entries: mixed
+    wrong = Batched(0, index=torch.tensor([0, 1, 1, 2, 3]))
+    assert isinstance(flow(torch.Tensor.__getitem__, (hidden, rows), {}, picked,
+                           [(hidden, merged), (rows, wrong)]), Mixed)
+
+
+def test_index_add_rows_get_the_samples_landing_in_them():
+    merged = Batched(0, inner=T)
+    rows = torch.tensor([1, 2, 5, 10, 15])
+    own = Batched(0, index=torch.tensor([0, 0, 1, 2, 3]))
+    src = torch.randn(5, E)
+    target = torch.zeros(B * T, E)
+    out = target.clone().index_add_(0, rows, src)
+    got = flow(torch.Tensor.index_add, (target, 0, rows, src), {}, out, [(rows, own), (src, own)])
+    assert isinstance(got, Partly) and got.rows.tolist()[:6] == [-1, 0, 0, -1, -1, 1]
+    # every row reached: the merged layout; a row written by two samples: mixed
+    everything, hidden = torch.arange(B * T), torch.randn(B * T, E)
+    assert flow(torch.Tensor.index_add, (target, 0, everything, hidden), {}, hidden,
+                [(everything, merged), (hidden, merged)]) == merged
+    two = Batched(0, index=torch.tensor([0, 0, 1, 2, 2]))
+    clash = torch.tensor([1, 2, 5, 10, 10])
+    assert isinstance(flow(torch.Tensor.index_add, (target, 0, clash, src), {}, out,
+                           [(clash, two), (src, Batched(0, index=torch.tensor([0, 1, 1, 2, 3])))]),
+                      Mixed)
+
+
+def test_an_index_naming_samples_makes_rows_samples():
+    """``zeros(B, F).index_add_(0, sample_index, h)``: row g is sample g, also a sample
+    with no rows (sample 3 here); the same values naming rows of another kind do not."""
+    index = torch.tensor([0, 0, 1, 2, 2])
+    packed = Batched(0, index=index)
+    h = torch.randn(5, E)
+    out = torch.zeros(B, E).index_add_(0, index, h)
+    got = flow(torch.Tensor.index_add, (torch.zeros(B, E), 0, index, h), {}, out,
+               [(index, packed), (h, packed)])
+    assert got == Batched(0)
+    node_ids = torch.tensor([1, 1, 2, 3, 3])  # values are positions, not samples
+    got = flow(torch.Tensor.index_add, (torch.zeros(B, E), 0, node_ids, h), {}, out,
+               [(node_ids, packed), (h, packed)])
+    assert isinstance(got, Partly) and got.rows.tolist() == [-1, 0, 1, 2]  # row 0: none
+
+
+def test_gathers_and_scatters_by_node_ids():
+    """Graph batches: node rows gathered by the source ids of edges (``gather``,
+    ``index_select``), reduced into target nodes (``scatter_reduce``, PyG's max
+    aggregation), written back by ``index_put_``; each edge or node is its graph's."""
+    nodes = Batched(0, index=torch.tensor([0, 0, 1, 1, 2, 3, 3, 3]))
+    edges = Batched(0, index=torch.tensor([0, 1, 1, 2, 3, 3]))
+    src = torch.tensor([1, 2, 3, 4, 5, 7])
+    x = torch.randn(8, E)
+    ids = src[:, None].expand(6, E)
+    lays = [(x, nodes), (src, edges), (ids, edges)]
+    assert flow(torch.gather, (x, 0, ids), {}, x.gather(0, ids), lays) == edges
+    assert flow(torch.Tensor.index_select, (x, 0, src), {}, x.index_select(0, src), lays) == edges
+    wrong = torch.tensor([1, 2, 3, 4, 5, 0])  # the last edge of graph 3 reads graph 0's node
+    assert isinstance(flow(torch.Tensor.index_select, (x, 0, wrong), {}, x.index_select(0, wrong),
+                           [(x, nodes), (wrong, edges)]), Mixed)
+    dst = torch.tensor([0, 3, 2, 4, 6, 6])[:, None].expand(6, E)
+    msg = torch.randn(6, E)
+    out = torch.zeros(8, E).scatter_reduce(0, dst, msg, "amax", include_self=False)
+    got = flow(torch.scatter_reduce, (torch.zeros(8, E), 0, dst, msg, "amax"),
+               {"include_self": False}, out, [(dst, edges), (msg, edges)])
+    assert isinstance(got, Partly) and got.rows.tolist() == [0, -1, 1, 1, 2, -1, 3, -1]
+    full = torch.zeros(8, E)
+    put = full.clone().index_put_((torch.arange(8),), x)
+    assert flow(torch.Tensor.index_put_, (full, (torch.arange(8),), x), {}, put,
+                [(x, nodes)]) == nodes
+    mask = x[:, 0] > 0
+    picked = x.masked_select(mask[:, None])
+    got = flow(torch.masked_select, (x, mask[:, None]), {}, picked,
+               [(x, nodes), (mask, nodes)])
+    assert got == Batched(0, index=nodes.index[mask].repeat_interleave(E))
+
+
+def test_a_sort_keeps_each_position_its_sample():
+    keys = torch.tensor([3, 0, 2, 1, 0, 0, 3, 2])  # (B*T,) with T = 2
+    merged = Batched(0, inner=2)
+    values, order = keys.sort()
+    got = flow(torch.Tensor.sort, (keys,), {}, (values, order), [(keys, merged)])
+    assert isinstance(got[1], Sorted) and got[1] == Batched(0, index=order // 2)
+    # topk over the batch picks some samples' positions by comparing them: mixed
+    top = keys.topk(3)
+    assert isinstance(flow(torch.Tensor.topk, (keys, 3), {}, top, [(keys, merged)])[1], Mixed)
+
+
+def test_cuts_of_the_batch_dim_follow_only_sort_keys():
+    """``split(bincount)`` of positions sorted by key cuts where each piece holds one
+    key; other cuts of an irregular batch dim, or of a plain one, are not followed."""
+    keys = torch.tensor([2, 0, 0, 1, 2, 0, 1, 1])
+    values, order = keys.sort()
+    lay = Sorted(0, index=order // 2, keys=values)
+    x = torch.randn(8, E)
+    counts = torch.bincount(keys).tolist()  # [3, 3, 2]
+    pieces = x.split(counts)
+    got = flow(torch.Tensor.split, (x, counts), {}, pieces, [(x, lay)])
+    assert [g.index.tolist() for g in got] == [[0, 1, 2], [1, 3, 3], [0, 2]]
+    for cut, lay_x in (([4, 4], lay), ([4, 4], Batched(0, inner=2)),
+                       ([4, 4], Batched(0, index=order // 2))):
+        assert all(isinstance(g, Unknown) for g in flow(torch.Tensor.split, (x, cut), {},
+                                                        x.split(cut), [(x, lay_x)]))
+
+
+def test_free_positions_of_an_irregular_dim_are_not_picked():
+    """Rows of packed samples picked by free positions depend on where other samples'
+    rows lie: not followed, except a permutation of all of them."""
+    packed = Batched(0, index=torch.tensor([0, 0, 1, 2, 2, 3]))
+    x = torch.randn(6, E)
+    first = torch.tensor([0, 1, 2])
+    assert isinstance(flow(torch.Tensor.__getitem__, (x, first), {}, x[first], [(x, packed)]),
+                      Unknown)
+    perm = torch.tensor([5, 4, 3, 2, 1, 0])
+    assert flow(torch.Tensor.__getitem__, (x, perm), {}, x[perm], [(x, packed)]) == Batched(
+        0, index=torch.tensor([3, 2, 2, 1, 0, 0]))
+
+
+def test_free_rows_are_completed_by_the_data_added_to_them():
+    """A row nothing landed in holds no sample's data; adding a batched tensor there
+    gives it that tensor's sample (GIN's ``(1 + eps) x + sum`` at a node with no
+    incoming edge)."""
+    rows = torch.tensor([0, 1, 1, 2])
+    partial = Partly("a scatter", 0, torch.tensor([0, -1, 1, 2]))
+    x = torch.randn(4, E)
+    agg = torch.randn(4, E)
+    out = agg + x
+    lay = Partly(partial.why, 0, partial.rows, weakref.ref(agg))
+    got = flow(torch.Tensor.add, (agg, x), {}, out, [(agg, lay), (x, Batched(0, index=rows))])
+    assert got == Batched(0, index=rows)
+    # the layout describes its own tensor only: passed on to another, it is unknown
+    assert isinstance(flow(torch.Tensor.add, (agg, x), {}, out, [(agg, partial),
+                                                                 (x, Batched(0, index=rows))]),
+                      Unknown)
+
+
+def test_rows_no_sample_reaches_are_never_guessed():
+    """Scattered into rows of a tensor built from sizes, with some rows never written
+    (a node no edge reaches, nothing added later): the output cannot be split by sample,
+    supported says so, and auto is exact."""
+
+    class Scattered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(E, E)
+
+        def forward(self, x: Tensor) -> Tensor:
+            b = x.shape[0]
+            dst = torch.arange(b) * 2  # rows 0, 2, 4, 6 of 2B: odd rows stay empty
+            return torch.zeros(2 * b, E).index_add_(0, dst, self.fc(x)).view(b, 2 * E)
+
+    torch.manual_seed(0)
+    model = Scattered()
+    x, y = torch.randn(B, E), torch.randn(B, 2 * E)
+    assert {r.path for r in persample.supported(model, x, y, mse)} == {"vmap"}
+    with pytest.warns(UserWarning, match="no sample's data"):
+        got = per_sample_grads(model, x, y, mse)
+    assert_exact(got, loop_per_sample_grads(model, x, y, mse))
+
+
+# ---------------------------------------------------------------------------
+# the same mechanisms in transformers models (small configs, random weights)
+
+
+def _hf(name: str, config):
+    from zoo import _hf as build
+
+    return build(name, config)
+
+
+def text():
+    from zoo import VOCAB, _text
+
+    inputs, labels = _text()
+    return inputs, labels, VOCAB
+
+
+def causal_lm_loss(out, labels):
+    from zoo import causal_lm_loss as loss
+
+    return loss(out, labels)
+
+
+def bloom():
+    from zoo import require
+
+    transformers = require("transformers")
+    inputs, labels, vocab = text()
+    config = transformers.BloomConfig(vocab_size=vocab, hidden_size=16, n_layer=2, n_head=H)
+    return _hf("BloomForCausalLM", config), inputs, labels
+
+
+def mpt():
+    from zoo import require
+
+    transformers = require("transformers")
+    inputs, labels, vocab = text()
+    config = transformers.MptConfig(vocab_size=vocab, d_model=16, n_layers=2, n_heads=H,
+                                    max_seq_len=16, expansion_ratio=2)
+    return _hf("MptForCausalLM", config), inputs, labels
+
+
+def mixtral(experts: str = "batched_mm"):
+    from zoo import require
+
+    transformers = require("transformers")
+    inputs, labels, vocab = text()
+    config = transformers.MixtralConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=H, num_key_value_heads=2, num_local_experts=EXPERTS,
+        num_experts_per_tok=2, max_position_embeddings=16, experts_implementation=experts)
+    return _hf("MixtralForCausalLM", config), inputs, labels
+
+
+def qwen2_moe(experts: str = "batched_mm"):
+    from zoo import require
+
+    transformers = require("transformers")
+    inputs, labels, vocab = text()
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=H,
+        num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=2,
+        max_position_embeddings=16, experts_implementation=experts)
+    return _hf("Qwen2MoeForCausalLM", config), inputs, labels
+
+
+def gpt2_reentrant_checkpointing():
+    """GPT-2 with ``gradient_checkpointing_enable(use_reentrant=True)`` (the default of
+    older transformers), in training mode (checkpointing is off in eval) without dropout."""
+    from zoo import gpt2_config
+
+    inputs, labels, _ = text()
+    model = _hf("GPT2LMHeadModel", gpt2_config(resid_pdrop=0.0, embd_pdrop=0.0,
+                                               attn_pdrop=0.0))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model.train(), inputs, labels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [bloom, mpt, mixtral, qwen2_moe],
+                         ids=["bloom-alibi", "mpt-alibi", "mixtral", "qwen2-moe"])
+def test_transformers_models(make, snapshot):
+    """ALiBi (BLOOM's ``baddbmm`` by keyword, MPT's bias table) and mixture-of-experts
+    layers (experts' weights gathered per token by the router's choices) on the rules."""
+    model, inputs, labels = make()
+    check(model, inputs, labels, causal_lm_loss, snapshot)
+
+
+@pytest.mark.slow
+def test_transformers_reentrant_gradient_checkpointing(snapshot):
+    model, inputs, labels = gpt2_reentrant_checkpointing()
+    rows = [{k: v[i:i + 1] for k, v in inputs.items()} for i in range(B)]
+    want = {n: p.new_zeros((B, *p.shape)) for n, p in model.named_parameters()}
+    for i, row in enumerate(rows):  # loss.backward() per sample: autograd.grad is refused
+        causal_lm_loss(model(**row), labels[i:i + 1]).sum().backward()
+        for n, p in model.named_parameters():
+            want[n][i] = p.grad if p.grad is not None else 0
+            p.grad = None
+    check(model, inputs, labels, causal_lm_loss, snapshot, want=want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [mixtral, qwen2_moe], ids=["mixtral", "qwen2-moe"])
+def test_transformers_eager_experts_loop_is_exact_and_named(make):
+    """transformers' default eager experts loop over the experts some token chose, a set
+    made from every sample's routing: the rules do not follow it (supported says so and
+    why), and auto's answer is the loop's."""
+    model, inputs, labels = make("eager")
+    routes = persample.supported(model, inputs, labels, causal_lm_loss)
+    assert {r.path for r in routes} == {"vmap"}
+    assert "reduces over the batch" in routes[0].reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = per_sample_grads(model, inputs, labels, causal_lm_loss)
+    assert_exact(got, loop_per_sample_grads(model, inputs, labels, causal_lm_loss))
