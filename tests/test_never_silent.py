@@ -668,3 +668,38 @@ def test_a_loss_that_cannot_be_vmapped_in_norms_and_the_dp_step(reduction):
     for name, p in model.named_parameters():
         torch.testing.assert_close(private[name], clipped_sum(want, 0.5)[name] / B, **TOL)
         torch.testing.assert_close(p.grad, private[name], **TOL)
+
+
+class PackedOut(nn.Module):
+    """Returns the LSTM's packed output as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+
+    def forward(self, packed):
+        return self.rnn(packed)[0]
+
+
+def _packed_loss(out, _) -> Tensor:  # (B,): each sequence's own mean square
+    padded, lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+    return (padded.sum(2) ** 2).sum(1) / lengths
+
+
+@pytest.mark.parametrize("reduce", [False, True], ids=["per-sample", "scalar"])
+def test_a_packed_output_read_by_the_loss(reduce):
+    """Per-sample losses from a packed output stay on the rules; a scalar loss over it
+    cannot be cut by sample there, and auto gives the loop's answer."""
+    x = torch.randn(B, B, 3)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([3, 1, 4, 2]),
+                                                     batch_first=True, enforce_sorted=False)
+    loss_fn = (lambda out, y: _packed_loss(out, y).mean()) if reduce else _packed_loss
+    model = PackedOut()
+    want = loop_per_sample_grads(model, packed, None, loss_fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_grads(per_sample_grads(model, packed, None, loss_fn), want)
+    assert bool(caught) == reduce
+    if reduce:
+        with pytest.raises(persample.NeedsWholeModel, match="rows are packed"):
+            per_sample_grads(model, packed, None, loss_fn, method="rules")

@@ -80,20 +80,25 @@ class _Unsplittable(Tensor):
 
 
 def _guarded(output: Any, layout_of: Callable[[Tensor], Layout], n: int) -> Any:
-    """``output`` with each tensor that cannot be cut by sample replaced by a stand-in
-    that raises when read."""
+    """``output`` with each tensor whose samples are mixed or not located replaced by a
+    stand-in that raises when read. (Packed rows, a sample's positions in any order, are
+    read as they are: the loss's own data flow says whether its result is per sample.)"""
     flat, spec = tree_flatten_with_path(output)
     leaves = []
     for path, leaf in flat:
         lay = layout_of(leaf) if isinstance(leaf, Tensor) else FREE
-        if isinstance(lay, (Mixed, Unknown)) or (isinstance(lay, Batched) and not _regular(lay, n)):
+        if isinstance(lay, (Mixed, Unknown)):
             stand_in = Tensor._make_subclass(_Unsplittable, leaf.detach())
-            stand_in.name = f"output{keystr(path)}" if path else "output"
-            stand_in.why = getattr(lay, "why", "a packed or partial batch")
+            stand_in.name = _output_name(path)
+            stand_in.why = lay.why
             stand_in.mixed = isinstance(lay, Mixed)
             leaf = stand_in
         leaves.append(leaf)
     return tree_unflatten(leaves, spec)
+
+
+def _output_name(path: tuple) -> str:
+    return f"output{keystr(path)}" if path else "output"
 
 
 def _regular(lay: Batched, n: int) -> bool:
@@ -141,7 +146,16 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
     """``sum_i loss_fn(output_i, targets_i)``: each sample's outputs as a batch of one
     (merged positions, as ``(B*T, V)`` logits, come out as that sample's ``(T, V)``)."""
     with internal("cutting the model's output by sample"):
-        flat, spec = tree_flatten(guarded)
+        paths, spec = tree_flatten_with_path(guarded)
+        flat = [t for _, t in paths]
+        for path, t in paths:
+            lay = _layout(t, layout_of)
+            if isinstance(lay, Batched) and not _regular(lay, n):
+                raise NeedsWholeModel(
+                    f"loss_fn reduces over the samples of the model's {_output_name(path)}, "
+                    "whose rows are packed (a sample's rows are not one slice), so each "
+                    "sample's loss cannot be evaluated on its own slice; return per-sample "
+                    f"losses ({n},) instead")
         cut = [front(t, lay, n) if isinstance(lay := _layout(t, layout_of), Batched) else t
                for t in flat]
         dims = [0 if c is not t else None for c, t in zip(cut, flat)]
