@@ -24,6 +24,8 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
@@ -827,3 +829,127 @@ def test_transformers_eager_experts_loop_is_exact_and_named(make):
         warnings.simplefilter("ignore")
         got = per_sample_grads(model, inputs, labels, causal_lm_loss)
     assert_exact(got, loop_per_sample_grads(model, inputs, labels, causal_lm_loss))
+
+
+# ---------------------------------------------------------------------------
+# indexing drawn at random: the layout said is the truth, or no layout is said
+
+
+def _samples_of(lay: Batched, shape: tuple) -> Tensor:
+    """The sample of every entry of a tensor of ``shape`` with layout ``lay``."""
+    from persample.batch.layouts import sample_of_positions
+
+    rows = sample_of_positions(lay, shape[lay.dim], B, torch.device("cpu")).long()
+    view = [1] * len(shape)
+    view[lay.dim] = shape[lay.dim]
+    return rows.view(view).expand(shape)
+
+
+@st.composite
+def indexed_batches(draw):
+    """A tensor with its batch in some dim (plain, merged with other positions, or an
+    index layout), and an index: ints, slices, ``None``, ``...``, lists, free index
+    tensors and masks, in any order torch accepts."""
+    rank = draw(st.integers(2, 4))
+    dim = draw(st.integers(0, rank - 1))
+    kind = draw(st.sampled_from(["plain", "inner", "outer", "index"]))
+    shape = [draw(st.integers(1, 3)) for _ in range(rank)]
+    shape[dim] = B if kind in ("plain", "index") else 2 * B
+    lay = {"plain": Batched(dim), "inner": Batched(dim, inner=2), "outer": Batched(dim, outer=2),
+           "index": Batched(dim, index=torch.tensor([2, 0, 3, 1]))}[kind]
+    items, in_dim = [], 0
+    while in_dim < rank and draw(st.booleans()):
+        size = shape[in_dim]
+        item = draw(st.sampled_from(["int", "slice", "none", "list", "tensor", "mask"]))
+        if item == "none":
+            items.append(None)
+            continue
+        if item == "int":
+            items.append(draw(st.integers(-size, size - 1)))
+        elif item == "slice":
+            items.append(slice(draw(st.integers(0, size)), None, draw(st.integers(1, 2))))
+        elif item == "list":
+            items.append(draw(st.lists(st.integers(-size, size - 1), min_size=1, max_size=3)))
+        elif item == "tensor":
+            items.append(torch.tensor(draw(st.lists(st.integers(0, size - 1), min_size=1,
+                                                    max_size=3))))
+        else:
+            items.append(torch.tensor(draw(st.lists(st.booleans(), min_size=size,
+                                                    max_size=size))))
+        in_dim += 1
+    if draw(st.booleans()) and in_dim < rank:
+        items.insert(draw(st.integers(0, len(items))), Ellipsis)
+    return tuple(shape), lay, tuple(items)
+
+
+@settings(max_examples=150, deadline=None)
+@given(indexed_batches())
+def test_indexing_says_the_truth_or_nothing(case):
+    """Whatever the index, the layout given to ``x[index]`` names the sample of every
+    entry (checked by indexing a tensor of the samples themselves), or is unknown."""
+    shape, lay, index = case
+    x = torch.randn(shape)
+    try:
+        out = x[index]
+    except IndexError:
+        return  # torch refuses this index itself
+    truth = _samples_of(lay, shape)[index]
+    got = flow(torch.Tensor.__getitem__, (x, index), {}, out, [(x, lay)])
+    if isinstance(got, Batched):
+        assert torch.equal(_samples_of(got, tuple(out.shape)), truth), (got, index)
+    else:
+        assert isinstance(got, Unknown), got
+
+
+@st.composite
+def scatters(draw):
+    """``target.index_add_(0, index, source)``: a free or batched target, a source whose
+    rows carry samples (plain or an index layout), an index free or with its own samples."""
+    rows = draw(st.integers(1, 6))
+    size = draw(st.integers(1, 6))
+    source = draw(st.lists(st.integers(0, B - 1), min_size=rows, max_size=rows))
+    index = draw(st.lists(st.integers(0, size - 1), min_size=rows, max_size=rows))
+    target = draw(st.one_of(st.none(), st.lists(st.integers(0, B - 1), min_size=size,
+                                                max_size=size)))
+    own = draw(st.sampled_from(["free", "source", "values"]))
+    return source, index, target, own
+
+
+@settings(max_examples=150, deadline=None)
+@given(scatters())
+def test_scatters_say_the_truth_or_nothing(case):
+    """Each row of ``index_add_``'s result holds the samples of what landed in it and
+    its own: one sample, the layout says it; several, mixed; none, the row is free (or,
+    for an index naming samples, the sample it names)."""
+    source, index, target, own = case
+    idx = torch.tensor(index)
+    if own == "values":
+        idx = torch.tensor(source)
+        index = source
+    size = max(len(target) if target is not None else 0, max(index) + 1)
+    target = None if target is None else target + [0] * (size - len(target))
+    src, x = torch.randn(len(source), 2), torch.zeros(size, 2)
+    lays = [(src, Batched(0, index=torch.tensor(source)))]
+    if target is not None:
+        lays.append((x, Batched(0, index=torch.tensor(target))))
+    if own != "free":
+        lays.append((idx, Batched(0, index=torch.tensor(source))))
+    out = x.clone().index_add_(0, idx, src)
+    got = flow(torch.Tensor.index_add, (x, 0, idx, src), {}, out, lays)
+    truth = [set() if target is None else {target[r]} for r in range(size)]
+    for s, r in zip(source, index):
+        truth[r].add(s)
+    if own != "free" and index == source:  # the index names samples (by draw or by chance)
+        for r in range(min(size, B)):
+            truth[r].add(r)
+    if any(len(t) > 1 for t in truth):
+        assert isinstance(got, Mixed), (got, truth)
+    elif all(len(t) == 0 for t in truth):
+        assert got is FREE
+    else:
+        rows = torch.tensor([next(iter(t)) if t else -1 for t in truth])
+        if isinstance(got, Partly):
+            assert torch.equal(got.rows, rows)
+        else:
+            assert isinstance(got, Batched) and bool((rows >= 0).all())
+            assert torch.equal(_samples_of(got, (size,)), rows), (got, truth)

@@ -130,6 +130,7 @@ def element_samples(ctx: Ctx, t: Tensor, lay: Layout) -> Tensor:
 def merge(a: Tensor, b: Tensor) -> Tensor | None:
     """Samples of the same positions from two sources (broadcast): one where only one
     names a sample, ``None`` where they name different ones."""
+    b = b.to(a.device)  # an index tensor may live on the CPU beside CUDA data
     both = (a >= 0) & (b >= 0)
     if bool((both & (a != b)).any()):
         return None
@@ -180,6 +181,8 @@ def along_one_dim(samples: Tensor) -> tuple[int, Tensor] | None:
     where it depends on none); ``None`` if on several."""
     if samples.dim() == 0:
         return None
+    if samples.numel() == 0:  # no entry: no sample anywhere
+        return 0, samples.new_full((samples.shape[0],), NO_SAMPLE)
     for k in range(samples.dim()):
         first = samples.movedim(k, 0).reshape(samples.shape[k], -1)
         if first.shape[1] == 0:
@@ -394,7 +397,9 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
             if bool((samples >= 0).any()):
                 return Mixed(f"{what} indexes one sample's rows with another sample's "
                              "index tensor")
-            here = next(p for p in basics if p[0] == "dim" and p[1] == d)
+            here = next((p for p in basics if p[0] == "dim" and p[1] == d), None)
+            if here is None:
+                return None  # an int picks one position of the batch dim
             k = basics.index(here)
             pos = k if k < start else k + len(block)
             if here[2] != slice(None) and out.shape[pos] != x.shape[d]:
