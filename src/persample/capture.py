@@ -218,21 +218,29 @@ def _mode_class() -> type:
     return _HIDDEN_MODE[0]
 
 
-class _PlainCheckpoints:
-    """While a capture runs in a thread, ``torch.utils.checkpoint``'s reentrant form
-    (``use_reentrant=True``: a custom ``autograd.Function`` that runs the function under
-    ``no_grad`` and runs it again in the backward) runs the function as it is, with
-    autograd, in that thread: the capture then sees its ops with their gradient edges,
-    and the backward needs no second forward (which ``torch.autograd.grad`` refuses).
-    Its gradients are the checkpoint's: those of the function, where an input requires
-    grad; where none does, the checkpoint itself runs (no gradient reaches inside).
-    The patch is on ``CheckpointFunction`` only while some capture is open; other
-    threads get the original."""
+class _WhileCapturing:
+    """What a capture changes outside itself while any capture is open (counted over
+    threads, undone when the last one closes):
+
+    - ``torch.utils.checkpoint``'s reentrant form (``use_reentrant=True``: a custom
+      ``autograd.Function`` that runs the function under ``no_grad`` and runs it again
+      in the backward) runs the function as it is, with autograd, in a capturing
+      thread: the capture then sees its ops with their gradient edges, and the backward
+      needs no second forward (which ``torch.autograd.grad`` refuses). Its gradients
+      are the checkpoint's: those of the function where an input requires grad; where
+      none does, the checkpoint itself runs (no gradient reaches inside). Other threads
+      get the original.
+    - once ``torch.compile`` is in use, compiled code runs eagerly
+      (``torch.compiler.set_stance("force_eager")``): the capture must see every op,
+      and TorchDynamo must not trace the capture's own work (``fullgraph=True`` would
+      refuse the graph breaks); compiled code in other threads runs eagerly meanwhile.
+    """
 
     lock = threading.Lock()
     local = threading.local()
     users = 0
     saved: Any = None
+    stance: Any = None
 
     @classmethod
     def enter(cls) -> None:
@@ -246,6 +254,11 @@ class _PlainCheckpoints:
                 original = CheckpointFunction.apply
                 CheckpointFunction.apply = classmethod(
                     lambda _, *args: cls.run(original, *args))
+                if "torch._dynamo" in sys.modules:
+                    try:
+                        cls.stance = torch.compiler.set_stance("force_eager")
+                    except RuntimeError:  # inside a compiled region: the hidden mode copes
+                        cls.stance = None
 
     @classmethod
     def exit(cls) -> None:
@@ -259,6 +272,9 @@ class _PlainCheckpoints:
                     del CheckpointFunction.apply
                 else:
                     CheckpointFunction.apply = cls.saved
+                if cls.stance is not None:
+                    cls.stance.__exit__(None, None, None)
+                    cls.stance = None
 
     @classmethod
     def run(cls, original: Callable, function: Callable, preserve_rng_state: bool, *args):
@@ -420,7 +436,7 @@ class Capture:
                 self._handles.append(module.register_forward_hook(
                     _hidden(self._post_hook), with_kwargs=True))
             self._mode.__enter__()
-            _PlainCheckpoints.enter()
+            _WhileCapturing.enter()
         except BaseException:
             self._remove()
             raise
@@ -428,7 +444,7 @@ class Capture:
 
     def __exit__(self, _type, exc, _tb) -> None:
         try:
-            _PlainCheckpoints.exit()
+            _WhileCapturing.exit()
             self._mode.__exit__(None, None, None)
         finally:
             self._remove()
