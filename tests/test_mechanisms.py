@@ -618,6 +618,9 @@ def test_gathers_and_scatters_by_node_ids():
     wrong = torch.tensor([1, 2, 3, 4, 5, 0])  # the last edge of graph 3 reads graph 0's node
     assert isinstance(flow(torch.Tensor.index_select, (x, 0, wrong), {}, x.index_select(0, wrong),
                            [(x, nodes), (wrong, edges)]), Mixed)
+    best = x[:, 0].argmax(0, keepdim=True)  # a row chosen by comparing every sample's data
+    assert isinstance(flow(torch.Tensor.index_select, (x, 0, best), {}, x.index_select(0, best),
+                           [(x, nodes), (best, Mixed("argmax over the batch"))]), Mixed)
     dst = torch.tensor([0, 3, 2, 4, 6, 6])[:, None].expand(6, E)
     msg = torch.randn(6, E)
     out = torch.zeros(8, E).scatter_reduce(0, dst, msg, "amax", include_self=False)

@@ -284,10 +284,11 @@ def _width(item: Any) -> int:
     return 1
 
 
-def indexed_layout(ctx: Ctx, x: Tensor, items: list, out: Tensor, what: str,
-                   mixed_index_ok: bool = False) -> Layout | None:
-    """The layout of ``x[items]`` (``None`` where the form is not followed).
-    ``mixed_index_ok``: an index tensor mixing samples is read as positions only."""
+def indexed_layout(ctx: Ctx, x: Tensor, items: list, out: Tensor, what: str
+                   ) -> Layout | None:
+    """The layout of ``x[items]`` (``None`` where the form is not followed). An index
+    tensor that mixes samples mixes the result: which rows it picks depends on several
+    samples (a sort's indices are not mixed: each entry is its position's sample's)."""
     lay = followed(ctx, x)
     if any(isinstance(i, (list, tuple)) and not _is_tensor_like(i) for i in items):
         return None
@@ -298,8 +299,7 @@ def indexed_layout(ctx: Ctx, x: Tensor, items: list, out: Tensor, what: str,
         ctx = Ctx(ctx.n, lambda t: FREE if id(t) in known else outer.layout(t))
     tensors = [i for i in items if isinstance(i, Tensor)]
     lays = [followed(ctx, t) for t in tensors]
-    bad = trouble([lay] + [la for la in lays
-                           if not (mixed_index_ok and isinstance(la, Mixed))])
+    bad = trouble([lay] + lays)
     if bad is not None:
         return bad
     consumed = sum(_width(i) for i in items)
@@ -428,9 +428,9 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
 
 def _own(ctx: Ctx, t: Tensor) -> Tensor | None:
     """The own samples of an index tensor's entries (broadcastable), or ``None`` if it
-    is free (or mixes samples and is read as positions only)."""
+    is free."""
     lay = followed(ctx, t)
-    if lay is FREE or isinstance(lay, Mixed):
+    if lay is FREE:
         return None
     return element_samples(ctx, t, lay)
 
@@ -453,13 +453,12 @@ VALUE_READERS.add(torch.Tensor.__getitem__)
 
 
 def _index_select(ctx, func, args, kwargs, out) -> Any:
-    """``index_select(x, dim, idx)``: ``x[:, ..., idx]``; an index that mixes samples
-    (a sort over the batch) is read as positions."""
+    """``index_select(x, dim, idx)``: ``x[:, ..., idx]``."""
     x = args[0]
     d = dim_of(arg(args, kwargs, 1, "dim"), x.dim())
     idx = arg(args, kwargs, 2, "index")
     items = [slice(None)] * d + [idx]
-    return indexed_layout(ctx, x, items, out, name_of(func), mixed_index_ok=True) or Unknown(
+    return indexed_layout(ctx, x, items, out, name_of(func)) or Unknown(
         f"{name_of(func)} of dim {d} moves the samples irregularly")
 
 
