@@ -152,8 +152,11 @@ def test_checkpoint_reentrant_is_on_the_rules(snapshot):
     torch.manual_seed(0)
     model = Checkpointed(reentrant=True)
     x, y = torch.randn(B, T, E), torch.randn(B, 3)
-    check(model, x, y, mse, snapshot, want=backward_loop(model, x, y, mse))
-    assert "apply" not in CheckpointFunction.__dict__
+    want = backward_loop(model, x, y, mse)
+    check(model, x, y, mse, snapshot, want=want)
+    for method in ("loop", "vmap"):  # the slower methods run it as the function too
+        assert_exact(per_sample_grads(model, x, y, mse, method=method), want)
+        assert "apply" not in CheckpointFunction.__dict__
     with pytest.raises(RuntimeError, match="use_reentrant=True"):  # plain autograd.grad
         torch.autograd.grad(mse(model(x), y).sum(), list(model.parameters()))
 

@@ -284,6 +284,19 @@ class _WhileCapturing:
         return original(function, preserve_rng_state, *args)
 
 
+@contextmanager
+def plain_checkpoints() -> Iterator[None]:
+    """Inside: reentrant checkpoints run their function as it is, as during a capture
+    (see :class:`_WhileCapturing`), so that the loop and ``torch.func`` can differentiate
+    a model that uses them (``torch.autograd.grad`` and ``vmap`` refuse the reentrant
+    checkpoint's second forward); the gradients are the checkpoint's."""
+    _WhileCapturing.enter()
+    try:
+        yield
+    finally:
+        _WhileCapturing.exit()
+
+
 def _holders(model: nn.Module, watched: dict[int, Tensor]) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of the modules holding a watched parameter at any
     depth, in ``named_modules()`` order; one walk of the tree (``named_parameters`` per

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .capture import plain_checkpoints
 from .checks import keeps_buffers, trainable_parameters
 from .inputs import as_batch, rows_of
 
@@ -58,7 +59,7 @@ def loop_per_sample_grads(
     n = batch.n
     result = {name: p.new_zeros((n, *p.shape)) for name, p in params.items()}
     for i in range(n):
-        with torch.enable_grad():
+        with torch.enable_grad(), plain_checkpoints():
             loss = loss_fn(batch.rows(i, i + 1).call(model), rows(targets, i, i + 1)).sum()
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, _), g in zip(params.items(), grads):
@@ -97,7 +98,7 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
         raise ValueError("the loop reference needs at least one sample to know the output shape")
     per_sample = []
     for i in range(batch.n):
-        with torch.enable_grad():
+        with torch.enable_grad(), plain_checkpoints():
             out = batch.rows(i, i + 1).call(model)[0]  # (*out_shape)
             per_output = [
                 torch.autograd.grad(k, list(params.values()), retain_graph=True,

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.utils._pytree import tree_map
 
+from .capture import plain_checkpoints
 from .errors import UnsupportedModuleError
 from .inputs import Batch
 
@@ -69,8 +70,9 @@ def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn:
     def sample_loss(th: dict[str, Tensor], flat_i: list, targets_i: Any) -> Tensor:
         return loss_fn(call(model, th, flat_i), unsqueeze(targets_i)).sum()
 
-    return vmap(grad(sample_loss), in_dims=(None, dims, batch_dims(targets)))(
-        theta, flat, targets)
+    with plain_checkpoints():
+        return vmap(grad(sample_loss), in_dims=(None, dims, batch_dims(targets)))(
+            theta, flat, targets)
 
 
 def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter]
@@ -94,4 +96,5 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
     def sample_output(th: dict[str, Tensor], flat_i: list) -> Tensor:
         return call(model, th, flat_i)[0]  # (*out_shape)
 
-    return vmap(jacrev(sample_output), in_dims=(None, dims))(theta, flat)
+    with plain_checkpoints():
+        return vmap(jacrev(sample_output), in_dims=(None, dims))(theta, flat)
