@@ -654,3 +654,14 @@ def assert_grads_equal(
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def assert_exact(got: dict[str, Tensor], want: dict[str, Tensor], rel: float = 1e-8,
+                 abs_: float = 1e-12) -> None:
+    """Same names in the same order; per parameter, the largest error at most ``rel``
+    times the reference's largest entry, or below ``abs_`` (exact)."""
+    assert list(got) == list(want)
+    for name, w in want.items():
+        err = (got[name] - w).abs().max().item() if w.numel() else 0.0
+        scale = w.abs().max().item() if w.numel() else 0.0
+        assert err <= abs_ or err <= rel * scale, f"{name}: error {err:.3e}, scale {scale:.3e}"

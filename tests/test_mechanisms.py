@@ -31,6 +31,7 @@ from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import persample
+from cases import assert_exact
 from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
 from persample.batch import FREE, Batched, Ctx, Mixed, Unknown, propagate
 from persample.batch.ops_indexing import Partly, Sorted
@@ -38,15 +39,6 @@ from persample.dp import private_grad
 
 B = T = H = EXPERTS = CHOICES = 4  # coinciding on purpose
 E = 8
-ABS, REL = 1e-12, 1e-8
-
-
-def assert_exact(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
-    assert list(got) == list(want)
-    for name, w in want.items():
-        err = (got[name] - w).abs().max().item() if w.numel() else 0.0
-        scale = w.abs().max().item() if w.numel() else 0.0
-        assert err <= ABS or err <= REL * scale, f"{name}: error {err:.3e}, scale {scale:.3e}"
 
 
 def flat(grads: dict[str, Tensor]) -> Tensor:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
+from cases import assert_exact
 from persample import (
     input_jacobian,
     jacobian_diagonal,
@@ -42,9 +43,7 @@ B = 4
 
 
 def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+    assert_exact(got, want)
 
 
 def flat(grads: dict[str, Tensor]) -> Tensor:

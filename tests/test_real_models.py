@@ -18,23 +18,15 @@ import torch
 from torch import Tensor
 
 import persample
+from cases import assert_exact
 from persample.dp import private_grad
 from zoo import ZOO
 
-ABS, REL = 1e-12, 1e-8
 # small outputs: the per-sample parameter Jacobian (B, Y, P) is tested on these
 SMALL_OUTPUT = {"gpt2-cls", "bert", "distilbert", "deberta-v2", "vit", "resnet18",
                 "mobilenet-v3", "densenet", "convnext", "swin", "timm-vit-layerscale",
                 "timm-resnet", "timm-convnext", "timm-levit", "timm-mobilevit"}
 SLOW = {"resnet18", "efficientnet-b0", "timm-efficientnet"}
-
-
-def assert_exact(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
-    assert list(got) == list(want)
-    for name, w in want.items():
-        err = (got[name] - w).abs().max().item() if w.numel() else 0.0
-        scale = w.abs().max().item() if w.numel() else 0.0
-        assert err <= ABS or err <= REL * scale, f"{name}: error {err:.3e}, scale {scale:.3e}"
 
 
 def masked_loop(model, inputs, targets, loss_fn) -> dict[str, Tensor]:
