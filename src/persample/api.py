@@ -177,7 +177,7 @@ def param_jacobian(
     Returns:
         ``{name: (B, *out_shape, *param.shape)}`` over the trainable parameters, or
         ``(B, Y, P)`` with ``flat=True``. Its size is ``B * Y * P * itemsize`` bytes
-        (seed 000's MLP 784->20->10 at B=256 in float32: 163 MB).
+        (an MLP 784->20->10 at B=256 in float32: 163 MB).
 
     Raises:
         ValueError: a model whose output is not one tensor with the batch in dim 0,

@@ -1,7 +1,7 @@
 """Record one forward pass: where the samples are in every tensor, and every op
 that reads a trainable parameter.
 
-DESIGN.md points 1, 7, 8 and 9. Inside the ``with`` block, a ``TorchFunctionMode``
+Inside the ``with`` block, a ``TorchFunctionMode``
 sees every op of the forward:
 
 - it decides the layout of every output from the layouts of the inputs

@@ -1,4 +1,4 @@
-"""The capture + rule engine (DESIGN.md points 1 to 3 and 7 to 9).
+"""The capture + rule engine: the batch by data flow, rules by op.
 
 1. One forward under :class:`~persample.capture.Capture` records the layout of
    every tensor (by data flow) and every op that reads a trainable parameter.
@@ -148,7 +148,7 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
                          dest: dict[int, Tensor], watched: dict[int, nn.Parameter]) -> Captured:
     """Rows ``outputs`` of the per-sample parameter Jacobian of one batch into ``dest``.
 
-    DESIGN.md point 4: the cotangents are one-hot over the (flattened) output index
+    The cotangents are one-hot over the (flattened) output index
     and the same for every sample; since samples are independent, one batched
     backward (``is_grads_batched=True``) gives all ``n * v`` rows. ``dest`` maps
     ``id(param)`` to ``(n, v, *param.shape)`` with ``v = len(outputs)``.

@@ -1,8 +1,9 @@
 """Memory for the results persample allocates: touched pages, not page faults.
 
-A per-sample result is large (seed 004's MLP at B=100: 1.8 GB) and written once.
+A per-sample result is large (a 50-layer MLP of width 300 at B=100: 1.8 GB) and
+written once.
 Fresh host memory costs a page fault per 4 KB page the first time it is written:
-on the 2-core machines of PERFORMANCE.md, filling a fresh 1.8 GB tensor takes
+on this project's 2-core machines, filling a fresh 1.8 GB tensor takes
 about 600 ms against 40 ms for memory already touched, ten times the rest of the
 computation. (Transparent huge pages did not help there: the kernel's
 ``defrag=madvise`` mode compacts memory on every fault, and the fill took longer.)

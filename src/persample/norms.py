@@ -1,4 +1,4 @@
-"""Per-sample gradient norms without materialising the gradients (DESIGN.md point 5).
+"""Per-sample gradient norms without materialising the gradients.
 
 From one captured forward and backward, each call's squared per-sample gradient
 norms come from its layer's norm rule ("ghost norm": Goodfellow 2015; Lee &

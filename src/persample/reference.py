@@ -1,6 +1,7 @@
 """The obviously correct reference: one forward and one ``autograd.grad`` per sample.
 
-This is seed 001's ``compute_sample_grads``. Every fast path is tested against
+This is ``compute_sample_grads`` of PyTorch's "Per-sample-gradients" tutorial.
+Every fast path is tested against
 it; it is also ``method="loop"``.
 """
 

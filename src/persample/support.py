@@ -129,7 +129,7 @@ def supported(model: nn.Module, inputs: Any = None, targets: Any = None,
         ...                                        torch.randn(4, 2))]
         [('0', 'rule'), ('1', 'rule')]
 
-    Source: the engine of this library (DESIGN.md points 1 to 3 and 7 to 9).
+    Source: the engine of this library (the batch by data flow, rules by op).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -281,7 +281,7 @@ def verify(
         (True, 4)
 
     Source: the loop over samples is the reference of every test here (the
-    obviously correct method, seed 001).
+    obviously correct method of PyTorch's "Per-sample-gradients" tutorial).
     """
     from .api import grads_taken
 

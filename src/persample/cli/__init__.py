@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a smoke run: no warm-up, 2 rounds, a slow method's first run is "
                        "its time (with --no-memory and a small --batch, 5-25 s a workload)")
     bench.add_argument("--batch", type=int, default=None,
-                       help="override the workloads' batch size (default: PERFORMANCE.md's)")
+                       help="override the workloads' batch size (default: each workload's own)")
     bench.add_argument("--threads", type=int, default=2,
                        help="torch CPU threads on --device cpu (default 2)")
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"),

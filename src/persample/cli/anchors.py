@@ -155,7 +155,8 @@ def grads_case(w: Workload) -> Case:
         >>> case.result_shape, [m.name for m in case.methods][-3:]
         ((2, 1199882), ['persample', 'persample (flat=True)', 'persample (out=)'])
 
-    Source: the loop is seed 001's ``compute_sample_grads``; the rest as each library's
+    Source: the loop is ``compute_sample_grads`` of torch.func's "Per-sample-gradients"
+    tutorial; the rest as each library's
     documentation shows it.
     """
     model = w.model
@@ -187,7 +188,7 @@ def grads_case(w: Workload) -> Case:
 def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
     """The plain forward (autograd on) and the same forward under persample's capture
     (:class:`persample.capture.Capture`: the data-flow rule of every op, the module
-    calls): issue 10's capture overhead, timed beside the methods.
+    calls): the capture's overhead, timed beside the methods.
 
     Example:
         >>> from persample.cli.workloads import grads_workload
@@ -229,7 +230,7 @@ def torch_func(w: Workload) -> Method:
         >>> m.fn(None)["conv1.weight"].shape
         torch.Size([2, 32, 1, 3, 3])
 
-    Source: torch.func's "Per-sample-gradients" tutorial (seed 001).
+    Source: torch.func's "Per-sample-gradients" tutorial.
     """
     model, loss_fn = w.model, w.loss_fn
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
@@ -358,7 +359,8 @@ def param_jacobian_case(w: Workload) -> Case:
         >>> param_jacobian_case(jacobian_workload("mlp-param-jac", 2)).result_shape
         (2, 10, 15910)
 
-    Source: seed 000 (``calculate_gradients`` and its ``vmap(jacrev)`` answer).
+    Source: the question "How to efficiently calculate gradients of all outputs with
+    respect to parameters?" (its ``calculate_gradients`` and the ``vmap(jacrev)`` answer).
     """
     model, x = w.model, w.inputs
     n, y, p = x.shape[0], model(x[:1]).shape[1:].numel(), num_params(model)
@@ -369,7 +371,7 @@ def param_jacobian_case(w: Workload) -> Case:
             q.grad = None
         model(x).sum().backward()
 
-    def seed_loop(_: Tensor) -> dict[str, Tensor]:  # seed 000's calculate_gradients
+    def question_loop(_: Tensor) -> dict[str, Tensor]:  # the question's calculate_gradients
         return loop_param_jacobian(model, x)
 
     def sample_output(th: dict[str, Tensor], xi: Tensor) -> Tensor:
@@ -377,16 +379,16 @@ def param_jacobian_case(w: Workload) -> Case:
 
     def transform(jac_fn) -> Callable[[Tensor], dict[str, Tensor]]:
         per_sample = vmap(jac_fn(sample_output), in_dims=(None, 0))
-        return lambda _: per_sample(params, x)  # seed 000's answer
+        return lambda _: per_sample(params, x)  # the accepted answer
 
     # jacfwd pushes P one-hot tangents; under vmap over the batch its largest
     # intermediate is about (B, P, largest parameter) numbers.
     need = n * p * max(q.numel() for q in params.values()) * x.element_size()
     fwd = (Method("vmap(jacfwd)", transform(jacfwd)) if need <= MEMORY_LIMIT_BYTES else
            Method("vmap(jacfwd)", None, f"skipped: would need about {need / 1e9:,.0f} GB"))
-    return Case(w, "one backward", one_backward, (n, y, p), "seed 000 loop",
-                lambda: seed_loop(None), [
-        Method("seed 000 loop", seed_loop),
+    return Case(w, "one backward", one_backward, (n, y, p), "calculate_gradients loop",
+                lambda: question_loop(None), [
+        Method("calculate_gradients loop", question_loop),
         Method("vmap(jacrev)", transform(jacrev)),
         fwd,
         Method("persample", lambda _: param_jacobian(model, x), ours=True),
@@ -399,9 +401,9 @@ def param_jacobian_case(w: Workload) -> Case:
 
 
 def input_jacobian_case(w: Workload) -> Case:
-    """The seed's own code (the reference), ``vmap(jacrev)``, ``vmap(jacfwd)`` and
+    """The question's own code (the reference), ``vmap(jacrev)``, ``vmap(jacfwd)`` and
     persample's ``input_jacobian``; all return ``(B, Y, D)`` tensors. For the classifier
-    (seed 003) the floor is the one ``(B*Y, H) x (H, D)`` product every method needs
+    the floor is the one ``(B*Y, H) x (H, D)`` product every method needs
     (``H`` the first layer's width), into touched memory.
 
     Example:
@@ -409,7 +411,9 @@ def input_jacobian_case(w: Workload) -> Case:
         >>> input_jacobian_case(jacobian_workload("clf-input-jac", 2)).floor_label
         '(20, 256) x (256, 784) product'
 
-    Source: seeds 002 and 003 (their own code is the reference).
+    Source: the Stack Overflow questions on only the diagonals of a batched Jacobian and
+    "How to compute derivative of matrix output with respect to matrix input most
+    efficiently?" (their own code is the reference).
     """
     from ..jacobian import input_jacobian
 
@@ -423,11 +427,11 @@ def input_jacobian_case(w: Workload) -> Case:
     def sample_fn(xi: Tensor) -> Tensor:
         return model(xi.unsqueeze(0))[0]
 
-    def seed_002(_: Tensor) -> Tensor:  # the full (B, Y, B, D) Jacobian, then its diagonal blocks
+    def full_jacobian(_: Tensor) -> Tensor:  # the full (B, Y, B, D) one, then its diagonal blocks
         full = torch.autograd.functional.jacobian(model, x)  # (B, Y, B, D)
         return torch.diagonal(full, dim1=0, dim2=2).permute(2, 0, 1)
 
-    def seed_003(_: Tensor) -> Tensor:  # a loop over the classes
+    def class_loop(_: Tensor) -> Tensor:  # a loop over the classes
         xg = x.detach().requires_grad_()
         out = model(xg)
         ones = torch.ones(n, dtype=out.dtype, device=out.device)
@@ -435,16 +439,17 @@ def input_jacobian_case(w: Workload) -> Case:
                 for k in range(y)]
         return torch.stack(rows, dim=1)
 
-    seed_fn = seed_002 if w.seed == "002" else seed_003
-    seed_label = f"seed {w.seed}'s code"
-    case = Case(w, "one backward", one_backward, (n, y, d), seed_label, lambda: seed_fn(None), [
-        Method(seed_label, seed_fn),
+    classifier = w.name == "clf-input-jac"
+    own_fn = class_loop if classifier else full_jacobian
+    own_label = "loop over classes" if classifier else "autograd.functional.jacobian"
+    case = Case(w, "one backward", one_backward, (n, y, d), own_label, lambda: own_fn(None), [
+        Method(own_label, own_fn),
         Method("vmap(jacrev)", lambda _: vmap(jacrev(sample_fn))(x)),
         Method("vmap(jacfwd)", lambda _: vmap(jacfwd(sample_fn))(x)),
         Method("persample", lambda _: input_jacobian(model, x), ours=True),
     ])
     first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
-    if w.seed == "003" and first is not None:
+    if classifier and first is not None:
         h = first.out_features
         g = torch.Generator(device=x.device).manual_seed(0)
         cotangents = torch.randn(n * y, h, generator=g, device=x.device, dtype=x.dtype)

@@ -1,6 +1,6 @@
 """``persample bench``: every method side by side on the workloads, in one run.
 
-PERFORMANCE.md's protocol ("Measuring fairly"): same process, same inputs,
+Measured fairly: same process, same inputs,
 warm-up, then the median of several interleaved rounds; every method is timed as
 its users call it and returns what they get (persample's default call and
 ``torch.func`` both return a fresh dict; persample's ``out=`` row is labelled).

@@ -1,4 +1,4 @@
-"""``persample dp-train``: DP-SGD on seed 001's SimpleCNN and scikit-learn's digits.
+"""``persample dp-train``: DP-SGD on a SimpleCNN and scikit-learn's digits.
 
 DP-SGD (Abadi et al. 2016, "Deep Learning with Differential Privacy"): each
 step Poisson-samples a batch (each training example with probability
@@ -287,7 +287,7 @@ def run(cfg: DPTrainConfig) -> dict:
     total_steps = cfg.epochs * steps_per_epoch
     sigma = resolve_sigma(cfg, q, total_steps)
     procs = f", {cfg.nproc} processes" if cfg.nproc > 1 else ""
-    print(f"dp-train: SimpleCNN (seed 001) on digits 1x28x28, {n} train / {len(data[3])} test; "
+    print(f"dp-train: SimpleCNN on digits 1x28x28, {n} train / {len(data[3])} test; "
           f"DP-SGD with sigma {sigma:.3f}, C {cfg.max_grad_norm:g}, expected batch "
           f"{q * n:.0f} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta {cfg.delta:g}{procs}")
     torch.manual_seed(cfg.seed)
@@ -458,8 +458,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     d = DPTrainConfig()
     p = subparsers.add_parser(
         "dp-train",
-        help="train seed 001's SimpleCNN with DP-SGD on scikit-learn's digits",
-        description="DP-SGD (Abadi et al. 2016) on seed 001's SimpleCNN and scikit-learn's "
+        help="train a SimpleCNN with DP-SGD on scikit-learn's digits",
+        description="DP-SGD (Abadi et al. 2016) on a SimpleCNN and scikit-learn's "
         "digits (1x28x28, fixed stratified 80/20 split): Poisson-sampled batches, "
         "persample.dp.private_grad (per-sample clipping and Gaussian noise from one forward "
         "and one backward), SGD with momentum, privacy accounting with Google's dp-accounting.",

@@ -1,4 +1,5 @@
-"""The benchmark's workloads: PERFORMANCE.md's seed workloads on scikit-learn's digits,
+"""The benchmark's workloads: the models of the questions and tutorials persample
+answers, on scikit-learn's digits,
 and real models (torchvision resnet18, timm ViT, transformers GPT-2) on real data.
 
 The real models' packages are imported only when their workload is built
@@ -86,7 +87,7 @@ class Workload:
 
     Attributes:
         name: the workload's name on the command line (``cnn-grads``, ...).
-        seed: where it comes from (a seed task's number, or an issue).
+        source: where it comes from (a tutorial, a question, a library).
         model: the ``nn.Module``, converted to float32 (parameters and buffers).
         inputs: what the model is called with as its users call it: a tensor
             ``(B, ...)`` (``model(inputs)``) or a dict of ``(B, ...)`` tensors such as a
@@ -99,7 +100,7 @@ class Workload:
     """
 
     name: str
-    seed: str
+    source: str
     model: nn.Module
     inputs: Any
     targets: Tensor | None
@@ -149,8 +150,10 @@ class Workload:
 def grads_workload(name: str, batch: int | None = None) -> Workload:
     """A per-sample gradients workload on the CPU (see :data:`GRAD_WORKLOADS`).
 
-    ``cnn-grads`` (seed 001's SimpleCNN, B=64, digits 28x28), ``deep-mlp-grads``
-    (seed 004's 50x300 MLP, B=100, digits projected to 300 features, 2 classes),
+    ``cnn-grads`` (the SimpleCNN of torch.func's "Per-sample-gradients" tutorial, B=64,
+    digits 28x28), ``deep-mlp-grads`` (the 50x300 MLP of the benchmark of Goodfellow's
+    trick in "fast-individual-gradients-with-autodiff", B=100, digits projected to 300
+    features, 2 classes),
     ``lstm-grads`` (:class:`RowLSTM`, B=64), ``vit-grads`` (timm ``VisionTransformer``,
     4x4 patches of the 28x28 digits, 2 layers of width 64, B=64), ``resnet18-grads``
     (torchvision ``resnet18(num_classes=10)``, digits 32x32 repeated to 3 channels,
@@ -178,41 +181,41 @@ def grads_workload(name: str, batch: int | None = None) -> Workload:
     if name == "cnn-grads":
         x, y = digits_images()
         b = batch or 64
-        return Workload(name, "001", simple_cnn().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
+        return Workload(name, "tutorial", simple_cnn().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"SimpleCNN, batch {b}, digits 1x28x28, cross-entropy")
     if name == "deep-mlp-grads":
         x, y = digits_features()
         b = batch or 100
-        return Workload(name, "004", deep_mlp().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
+        return Workload(name, "goodfellow", deep_mlp().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"MLP 50x300 ReLU, batch {b}, digits projected to 300, 2 classes")
     if name == "lstm-grads":
         x, y = digits_images()
         b = batch or 64
-        return Workload(name, "issue 5", RowLSTM().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
+        return Workload(name, "rnn", RowLSTM().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"LSTM(28, 128) over image rows, batch {b}, digits 1x28x28, "
                         "cross-entropy")
     if name == "vit-grads":
         model = real_models.timm_vit(img_size=28, in_chans=1)
         x, y = digits_images()
         b = batch or 64
-        return Workload(name, "issue 5", model, x[:b], y[:b], nn.CrossEntropyLoss(),
+        return Workload(name, "timm", model, x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"timm ViT: 4x4 patches, 2 layers of width 64, 4 heads, batch {b}, "
                         "digits 1x28x28, cross-entropy")
     if name == "resnet18-grads":
         model = real_models.resnet18(classes=10)
         x, y = digits_images(32, channels=3)
         b = batch or 32
-        return Workload(name, "issue 10", model, x[:b], y[:b], nn.CrossEntropyLoss(),
+        return Workload(name, "torchvision", model, x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"torchvision resnet18 (eval), batch {b}, digits 3x32x32, "
                         "cross-entropy")
     if name in ("gpt2-grads", "gpt2-lora-grads"):
         b, t = batch or 16, 64
         model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t)
         what = "GPT-2 4x256 (eval)"
-        if name == "gpt2-lora-grads":  # issue 11: LoRA adapters (peft) only are trained
+        if name == "gpt2-lora-grads":  # LoRA adapters (peft) only are trained
             model, what = real_models.with_lora(model, 8), "GPT-2 4x256 + LoRA r=8 (eval)"
         inputs, labels = docstring_batch(b, t)
-        return Workload(name, "issue 10", model, inputs, labels, real_models.causal_lm_loss,
+        return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
                         f"transformers {what}, batch {b}, T={t}, stdlib docstrings "
                         "as bytes, per-sample next-token cross-entropy")
     raise ValueError(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
@@ -236,10 +239,12 @@ def mlp(sizes: list[int], activation: type[nn.Module]) -> nn.Sequential:
 def jacobian_workload(name: str, batch: int | None = None) -> Workload:
     """A Jacobian workload on the CPU (see :data:`JACOBIAN_WORKLOADS`); no targets, no loss.
 
-    ``mlp-param-jac`` (seed 000: MLP 784-20-10, B=256, per-sample parameter Jacobian
-    ``(B, 10, P)``), ``pinn-input-jac`` (seed 002: MLP 1-20-20-400 tanh, B=100, input
-    Jacobian ``(B, 400, 1)``), ``clf-input-jac`` (seed 003: MLP 784-256-256-10, B=256,
-    input Jacobian ``(B, 10, 784)``). float32, ``torch.manual_seed(0)``.
+    ``mlp-param-jac`` (the question on the gradients of all outputs: MLP 784-20-10,
+    B=256, per-sample parameter Jacobian ``(B, 10, P)``), ``pinn-input-jac`` (the
+    question on a Jacobian's diagonals: MLP 1-20-20-400 tanh, B=100, input Jacobian
+    ``(B, 400, 1)``), ``clf-input-jac`` (the question on the derivative of a matrix
+    output: MLP 784-256-256-10, B=256, input Jacobian ``(B, 10, 784)``). float32,
+    ``torch.manual_seed(0)``.
 
     Raises:
         ValueError: an unknown name.
@@ -252,17 +257,17 @@ def jacobian_workload(name: str, batch: int | None = None) -> Workload:
     if name == "mlp-param-jac":
         x, _ = digits_images()
         b = batch or 256
-        return Workload(name, "000", mlp([784, 20, 10], nn.ReLU), x[:b].flatten(1), None, None,
+        return Workload(name, "forum", mlp([784, 20, 10], nn.ReLU), x[:b].flatten(1), None, None,
                         f"MLP 784-20-10 ReLU, batch {b}, digits 28x28 flattened, (B, Y, P)")
     if name == "pinn-input-jac":
         b = batch or 100
         t = torch.rand(b, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
-        return Workload(name, "002", mlp([1, 20, 20, 400], nn.Tanh), t, None, None,
+        return Workload(name, "forum", mlp([1, 20, 20, 400], nn.Tanh), t, None, None,
                         f"MLP 1-20-20-400 tanh, batch {b}, t ~ U(0, 1), (B, 400, 1)")
     if name == "clf-input-jac":
         x, _ = digits_images()
         b = batch or 256
-        return Workload(name, "003", mlp([784, 256, 256, 10], nn.ReLU), x[:b].flatten(1), None,
+        return Workload(name, "forum", mlp([784, 256, 256, 10], nn.ReLU), x[:b].flatten(1), None,
                         None, f"MLP 784-256-256-10 ReLU, batch {b}, digits 28x28, (B, 10, 784)")
     raise ValueError(f"unknown workload {name!r}; choose from {JACOBIAN_WORKLOADS}")
 

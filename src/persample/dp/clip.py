@@ -3,7 +3,7 @@
 Abadi et al. (2016), "Deep learning with differential privacy": clip each
 sample's gradient to norm ``C``, sum, add ``N(0, sigma^2 C^2 I)``, divide by the
 batch size. Done here without the ``(B, P)`` tensor (Bu et al. 2023,
-"book-keeping"; DESIGN.md point 6): the captured activations and backprops give
+"book-keeping"): the captured activations and backprops give
 the per-sample norms (``persample.norms``), then the clipped sum of every layer
 whose norms came from the ghost norm is that layer's ordinary weight gradient
 with each sample's backprops scaled by its clip factor ``c_i`` (one local

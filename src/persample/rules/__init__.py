@@ -1,6 +1,6 @@
 """Rules: per-sample parameter gradients from captured activations and backprops.
 
-**Op rules** (DESIGN.md point 8) are keyed by the op a parameter enters, whatever
+**Op rules** are keyed by the op a parameter enters, whatever
 module class wraps it: ``F.linear``, ``torch.addmm`` (GPT-2's ``Conv1D``),
 ``matmul``, the convolutions, ``F.embedding``, the norms, an elementwise scale or
 shift, ``torch.cat``. One file per family, each registered with

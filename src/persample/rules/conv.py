@@ -21,7 +21,7 @@ Two methods, chosen per call by a cost model measured on real shapes (:func:`cho
   input's patches ``(n, c*k, t)`` (``F.unfold``; a 1x1 convolution's patches are
   the input itself, strided), so its per-sample weight gradient is the linear
   rule's ``sum_t g_t^T patch_t``, one batched GEMM written straight into the
-  result (Goodfellow 2015; seed 004). It wins when the patch tensor is small
+  result (Goodfellow 2015). It wins when the patch tensor is small
   beside the result: few positions, tiny patches, 1x1 kernels.
 
 Transposed convolutions take the same route: the weight gradient of a
@@ -109,8 +109,8 @@ def choose(g: Tensor, weight_shape: torch.Size, groups: int) -> str:
 
 # Measured (2-core x86, float32; per-sample weight gradients into touched memory, ms):
 #   layer (B, c->o, k, output)          patches  grouped
-#   seed 001 conv1 (64, 1->32, 3, 26^2)     0.8      1.1   patch of 9 numbers
-#   seed 001 conv2 (64, 32->64, 3, 24^2)   25.4     10.5
+#   tutorial CNN conv1 (64, 1->32, 3, 26^2) 0.8    1.1   patch of 9 numbers
+#   tutorial CNN conv2 (64, 32->64, 3, 24^2) 25.4  10.5
 #   resnet18 layer1 (32, 64->64, 3, 8^2)    1.6      1.0
 #   resnet18 layer2 (32, 128->128, 3, 4^2)  1.6     15.7
 #   resnet18 layer3 (32, 256->256, 3, 2^2)  4.3     66.6
@@ -137,7 +137,7 @@ def _patches(x: Tensor, kernel: list[int], stride, padding, dilation) -> Tensor:
 
 def _by_patches(x, g, weight_shape, stride, padding, dilation, dst) -> None:
     """``dst[n, v, o] = sum_{a, t} g[n, v, a, o, t] patches[n, a, :, t]``: a linear map
-    at every position (seed 004's rule over the patches); one group."""
+    at every position (Goodfellow's rule over the patches); one group."""
     n, v, a, o = g.shape[:4]
     patches = _patches(x, list(weight_shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
     ck, t = patches.shape[2:]

@@ -7,7 +7,7 @@ of the per-sample input but the features, flattened: a sequence, the rows of a
 ``(B*T, E)`` reshape that belong to one sample, windows), ``i`` input feature,
 ``o`` output feature.
 
-Goodfellow (2015), "Efficient per-example gradient computations"; seed 004:
+Goodfellow (2015), "Efficient per-example gradient computations":
 ``grad_W[n, v] = sum_t g[n, v, t, :] outer a[n, t, :]`` and
 ``grad_b[n, v] = sum_t g[n, v, t, :]``. An activation shared by all samples (a
 derived parameter's input) broadcasts: ``grad_W[n, v] = g[n, v]^T a``.

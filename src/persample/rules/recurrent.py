@@ -6,7 +6,7 @@ over samples (the equations of PyTorch's documentation), keeping each step's
 pre-activations in the graph. One backward of the captured backprops through
 that unrolled recurrence gives the backprops of the pre-activations; the weight
 gradients are then sums over time of outer products, as for a Linear layer on
-sequences (Goodfellow 2015, seed 004, applied per gate):
+sequences (Goodfellow 2015, applied per gate):
 
 - ``grad W_ih[n] = sum_t dgi[n, t]^T x[n, t]``, ``grad b_ih[n] = sum_t dgi[n, t]``
 - ``grad W_hh[n] = sum_t dgh[n, t]^T h[n, t - 1]``, ``grad b_hh[n] = sum_t dgh[n, t]``
