@@ -532,6 +532,26 @@ def test_an_object_holding_tensors_is_refused_by_name(call, snapshot):
     state.assert_unchanged()
 
 
+@dataclass
+class Targets:
+    y: Tensor
+
+
+@pytest.mark.parametrize("method", ["auto", "rules", "vmap", "loop"])
+def test_dataclass_targets_are_sliced_in_every_method(method):
+    """torch.func's in_dims cannot describe a dataclass: it must not see it whole."""
+    model, x = nn.Linear(3, 2), torch.randn(B, 3)
+    targets = Targets(torch.randn(B, 2))
+
+    def loss_fn(out, t):
+        return ((out - t.y) ** 2).sum()
+
+    residual = 2 * (model(x).detach() - targets.y)  # (B, 2), by hand
+    got = per_sample_grads(model, x, targets, loss_fn, method=method)
+    torch.testing.assert_close(got["weight"], torch.einsum("no,ni->noi", residual, x), **TOL)
+    torch.testing.assert_close(got["bias"], residual, **TOL)
+
+
 def test_an_object_in_targets_is_refused_by_name():
     with pytest.raises(TypeError, match="targets is a Opaque that holds tensors"):
         per_sample_grads(nn.Linear(3, 2), torch.randn(B, 3),

@@ -102,9 +102,10 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
     from .loss import total_loss
 
     def root(output: Any, cap: Capture) -> Tensor:
-        follow = getattr(cap, "follow", None)
-        if follow is not None:  # the targets' samples, for the loss's data flow
-            cap.add_inputs(located_of(targets, batch.n))
+        follow = None
+        if isinstance(cap, Capture):  # (a batch of one has none) the targets' samples, and
+            cap.add_inputs(located_of(targets, batch.n))  # the loss's ops followed
+            follow = cap.follow
         with _ReadCheck(cap):
             return total_loss(output, targets, loss_fn, batch.n, cap.layout, follow)
 

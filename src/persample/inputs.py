@@ -290,8 +290,6 @@ class Batch:
                 found += _special_layouts(leaf, _count(leaf))[0]
         return found
 
-    batched = located
-
     @property
     def shared(self) -> list[Tensor]:
         """The tensors shared by all samples."""
@@ -322,9 +320,7 @@ class Batch:
     def rebuilt(self, values: list[Any]) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with the leaves replaced by ``values``, in order."""
         found = iter(values)
-        args = _walk(self.args, lambda leaf, _: next(found), "args")
-        kwargs = _walk(self.kwargs, lambda leaf, _: next(found), "kwargs")
-        return args, kwargs
+        return _walk((self.args, self.kwargs), lambda leaf, _: next(found), "inputs")
 
     def rows(self, start: int, stop: int) -> Batch:
         """Samples ``start:stop``; shared tensors stay whole."""
@@ -395,6 +391,25 @@ def rows_of(x: Any, start: int, stop: int) -> Any:
     return _walk(x, cut, "targets")
 
 
+def mapped_targets(targets: Any) -> tuple[list[Tensor], list[int | None],
+                                          Callable[[list[Tensor]], Any]] | None:
+    """``targets`` for ``torch.func.vmap`` over the samples: its tensors (dataclasses and
+    containers opened), their ``in_dims`` (0, or ``None`` for a 0-dim tensor), and
+    ``one(rows)`` that rebuilds one sample's targets from its rows (each a batch of one).
+    ``None`` where the targets hold a packed form, whose samples are not slices of dim 0
+    (the caller then cuts them with :func:`rows_of`)."""
+    leaves = [leaf for _, leaf in _leaves(targets, "targets")]
+    if any(not isinstance(t, Tensor) for t in leaves):
+        return None
+    dims = [0 if t.dim() else None for t in leaves]
+
+    def one(rows: list[Tensor]) -> Any:
+        found = iter([t.unsqueeze(0) if d == 0 else t for t, d in zip(rows, dims)])
+        return _walk(targets, lambda leaf, _: next(found), "targets")
+
+    return leaves, dims, one
+
+
 def located_of(x: Any, n: int) -> list[tuple[Tensor, Layout]]:
     """The tensors of ``x`` (targets) that carry samples, with their layouts: those with
     ``n`` rows in dim 0, and the special forms' per-sample tensors."""
@@ -419,4 +434,5 @@ def named_tensors(x: Any, path: str) -> list[tuple[str, Tensor]]:
     return found
 
 
-__all__ = ["Batch", "PackedRows", "as_batch", "located_of", "named_tensors", "rows_of"]
+__all__ = ["Batch", "PackedRows", "as_batch", "located_of", "mapped_targets", "named_tensors",
+           "rows_of"]

@@ -278,7 +278,7 @@ def _followed_forward(model: Callable, xg: Tensor, name: bool = False
                                           constant=_no_path_to_inputs) as cap:
             out = model(xg)
     except InternalError as err:  # persample's bug: the exact way that assumes nothing
-        leave_rules(Taken(), err, bug=True)
+        leave_rules(Taken(), err)
         with torch.enable_grad():
             return _checked_output(model(xg), n), str(err)
     out = _checked_output(out, n)

@@ -28,15 +28,13 @@ from torch import Tensor
 from torch.func import vmap
 from torch.utils._pytree import (
     keystr,
-    tree_flatten,
     tree_flatten_with_path,
-    tree_map,
     tree_unflatten,
 )
 
 from .batch import FREE, Batched, Layout, Mixed, Unknown, front
 from .errors import LossNotPerSampleError, NeedsWholeModel, internal
-from .inputs import rows_of
+from .inputs import mapped_targets, rows_of
 
 FIX = """Compute each sample's own loss from the logits and pass the labels as targets, e.g. for a
 causal LM:
@@ -159,11 +157,15 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
         cut = [front(t, lay, n) if isinstance(lay := _layout(t, layout_of), Batched) else t
                for t in flat]
         dims = [0 if c is not t else None for c, t in zip(cut, flat)]
-    if _plain_tree(targets):
-        target_dims = tree_map(lambda t: 0 if isinstance(t, Tensor) else None, targets)
+    mapped = mapped_targets(targets)
+    if mapped is not None:
+        rows, target_dims, one_target = mapped
+
+        def one(flat_i: list, rows_i: list) -> Tensor:
+            return loss_fn(tree_unflatten(flat_i, spec), one_target(rows_i)).sum()
+
         try:
-            return vmap(_one_sample_loss(loss_fn, spec), in_dims=(dims, target_dims))(
-                cut, targets).sum()
+            return vmap(one, in_dims=(dims, target_dims))(cut, rows).sum()
         except (LossNotPerSampleError, NeedsWholeModel):
             raise
         except Exception:  # loss_fn cannot be vmapped (.item(), data-dependent code)
@@ -176,21 +178,7 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
     return total
 
 
-def _plain_tree(x: Any) -> bool:
-    """Only tensors and plain values in ``x`` (vmap's in_dims can describe it)."""
-    leaves, _ = tree_flatten(x)
-    return all(isinstance(t, (Tensor, int, float, bool, str, type(None))) for t in leaves)
-
-
 def _layout(t: Any, layout_of: Callable[[Tensor], Layout]) -> Layout:
     if not isinstance(t, Tensor) or isinstance(t, _Unsplittable):
         return FREE
     return layout_of(t)
-
-
-def _one_sample_loss(loss_fn: Callable, spec: Any) -> Callable:
-    def one(flat_i: list, targets_i: Any) -> Tensor:
-        return loss_fn(tree_unflatten(flat_i, spec), tree_map(
-            lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, targets_i)).sum()
-
-    return one

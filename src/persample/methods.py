@@ -36,7 +36,6 @@ class Taken:
 
     method: str = "rules"
     reason: str = ""
-    bug: bool = False
 
     def describe(self) -> str:
         """``"rules"``, or the method taken and why."""
@@ -72,14 +71,10 @@ def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | Non
     if taken.method == "rules":
         try:
             return rules()
-        except REFUSALS as err:
+        except REFUSALS + (InternalError,) as err:
             if method == "rules":
                 raise
-            leave_rules(taken, err, bug=False)
-        except InternalError as err:
-            if method == "rules":
-                raise
-            leave_rules(taken, err, bug=True)
+            leave_rules(taken, err)
     if vmap is not None and taken.method in ("rules", "vmap"):
         try:
             result = vmap()
@@ -103,11 +98,13 @@ def slower(vmap: Callable[[], Any], loop: Callable[[], Any]) -> Any:
         return loop()
 
 
-def leave_rules(taken: Taken, err: Exception, bug: bool) -> None:
-    """Record and say (once per call) why ``auto`` leaves the rules."""
-    taken.reason, taken.bug = str(err), bug
+def leave_rules(taken: Taken, err: Exception) -> None:
+    """Record and say (once per call) why ``auto`` leaves the rules: a refusal, or
+    persample's own failure (an :class:`InternalError`, a bug)."""
+    taken.reason = str(err)
     what = ("persample's own code failed on this model (a bug; please report it with "
-            "this message)" if bug else "the rules cannot split this model by sample")
+            "this message)" if isinstance(err, InternalError)
+            else "the rules cannot split this model by sample")
     warnings.warn(f"{what}: {err} Falling back to method='vmap' (torch.func over the whole "
                   "model; the loop if that fails); the result is exact.",
                   stacklevel=user_stacklevel())

@@ -12,21 +12,10 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
-from torch.utils._pytree import tree_map
 
 from .capture import plain_checkpoints
 from .errors import UnsupportedModuleError
-from .inputs import Batch
-
-
-def unsqueeze(x: Any) -> Any:
-    """Every tensor in ``x`` (any nest) with a new leading dim of 1: one sample as a batch."""
-    return tree_map(lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t, x)
-
-
-def batch_dims(x: Any) -> Any:
-    """``vmap`` in_dims for ``x``: 0 for every tensor leaf, None for the rest."""
-    return tree_map(lambda t: 0 if isinstance(t, Tensor) else None, x)
+from .inputs import Batch, mapped_targets
 
 
 def refuse_recurrent(model: nn.Module) -> None:
@@ -40,7 +29,7 @@ def refuse_recurrent(model: nn.Module) -> None:
             )
 
 
-def _mapped(batch: Batch) -> tuple[list, None, list, Callable]:
+def _mapped(batch: Batch) -> tuple[list, list, Callable]:
     """The flat inputs (tensors, dataclasses opened), their in_dims, and
     ``call(th, flat_i)``. A packed form (its samples are not slices of dim 0) cannot be
     mapped: ``torch.func`` then refuses, and ``method="auto"`` takes the loop."""
@@ -57,7 +46,7 @@ def _mapped(batch: Batch) -> tuple[list, None, list, Callable]:
         args, kwargs = batch.rebuilt(leaves)
         return functional_call(model, th, tuple(args), kwargs)
 
-    return flat, None, dims, call
+    return flat, dims, call
 
 
 def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
@@ -65,14 +54,19 @@ def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn:
     """Per-sample gradients ``{name: (B, *param.shape)}`` via ``torch.func``."""
     refuse_recurrent(model)
     theta = {name: p.detach() for name, p in params.items()}
-    flat, _, dims, call = _mapped(batch)
+    flat, dims, call = _mapped(batch)
+    mapped = mapped_targets(targets)
+    if mapped is None:
+        raise UnsupportedModuleError(
+            "method='vmap': the targets hold a packed form whose samples are not slices of "
+            "dim 0. Use method='rules', 'auto' or 'loop'.")
+    rows, target_dims, one_target = mapped
 
-    def sample_loss(th: dict[str, Tensor], flat_i: list, targets_i: Any) -> Tensor:
-        return loss_fn(call(model, th, flat_i), unsqueeze(targets_i)).sum()
+    def sample_loss(th: dict[str, Tensor], flat_i: list, rows_i: list) -> Tensor:
+        return loss_fn(call(model, th, flat_i), one_target(rows_i)).sum()
 
     with plain_checkpoints():
-        return vmap(grad(sample_loss), in_dims=(None, dims, batch_dims(targets)))(
-            theta, flat, targets)
+        return vmap(grad(sample_loss), in_dims=(None, dims, target_dims))(theta, flat, rows)
 
 
 def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter]
@@ -91,7 +85,7 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
                 "method='rules' or 'auto', or 'loop'."
             )
     theta = {name: p.detach() for name, p in params.items()}
-    flat, _, dims, call = _mapped(batch)
+    flat, dims, call = _mapped(batch)
 
     def sample_output(th: dict[str, Tensor], flat_i: list) -> Tensor:
         return call(model, th, flat_i)[0]  # (*out_shape)

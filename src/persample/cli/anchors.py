@@ -207,7 +207,7 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
             return w.call()
 
     def captured() -> object:
-        with torch.enable_grad(), Capture(w.model, watched, batch.n, batch.batched,
+        with torch.enable_grad(), Capture(w.model, watched, batch.n, batch.located,
                                           batch.shared, module_rule):
             return batch.call(w.model)
 

@@ -164,7 +164,7 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
             if cap is not None:
                 _book_keeping(cap, ghosted, factors, into, done)
     except InternalError as err:  # the norms are right: the rest from per-sample gradients
-        leave_rules(Taken(), err, bug=True)
+        leave_rules(Taken(), err)
         rest = {name: p for name, p in params.items() if id(p) not in done}
         grads = slower(lambda: vmap_per_sample_grads(model, batch, targets, loss_fn, rest),
                        lambda: loop_per_sample_grads(model, batch, targets, loss_fn))
