@@ -49,6 +49,7 @@ from .batch import FREE, Batched, Ctx, Flow, Layout, Mixed, Unknown, in_place, o
 from .batch.flow import name_of
 from .batch.ops_indexing import setitem_layout
 from .errors import raise_internal
+from .precision import AutocastState, autocast_state
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class Call:
     rule: Any = None  # the module's module rule (rules.ModuleRule), if it has one
     versions: list[int] = field(default_factory=list)  # of its input tensors, at the call
     edges: list[Edge | None] = field(default_factory=list)  # per output tensor
+    autocast: AutocastState | None = None  # the autocast state it ran under
 
     def describe(self) -> str:
         return f"'{self.name or '<root>'}' ({type(self.module).__name__})"
@@ -88,6 +90,7 @@ class Op:
     claimed: Call | None = None  # a module-rule call that owns its parameters
     index: int = 0  # creation order
     sources_all: frozenset[int] = frozenset()  # every parameter it reads
+    autocast: AutocastState | None = None  # the autocast state it ran under
 
     @property
     def outputs(self) -> list[Tensor]:
@@ -487,7 +490,8 @@ class Capture:
             try:
                 rule = self._module_rule(module) if self._module_rule else None
                 call = Call(name, module, args, kwargs, rule=rule,
-                            parent=self.stack[-1] if self.stack else None)
+                            parent=self.stack[-1] if self.stack else None,
+                            autocast=autocast_state())
                 with torch._C.DisableTorchFunction():  # reading tensors here is no op of
                     call.versions = [t._version for t in _tensor_leaves((args, kwargs))]
             except Exception as err:
@@ -623,6 +627,7 @@ class Capture:
         op = Op(func, args, kwargs, out, leaves, layouts, flow, sources,
                 self.stack[-1] if self.stack else None, before=before, index=len(self.ops))
         op.sources_all = frozenset().union(*sources.values())
+        op.autocast = autocast_state()
         op.versions = [t._version for t in leaves]
         outs, lays = op.outputs, op.out_layouts
         op.edges = [_edge(o) for o in outs]

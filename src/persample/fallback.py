@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from .batch import Batched, front
 from .errors import UnsupportedModuleError
+from .precision import replaying
 
 
 def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, aligns: list,
@@ -109,8 +110,9 @@ def op_vjp(op: Any, cots: list[Tensor | None], out_aligns: list, aligns: list, w
         return tuple(outs[k] for k in used)
 
     values = [op.value(k) for k in range(len(op.leaves))]
-    return per_sample_vjp(fn, values, aligns, wrt, [cots[k] for k in used],
-                          [out_aligns[k] for k in used], n)
+    with replaying(op.autocast):
+        return per_sample_vjp(fn, values, aligns, wrt, [cots[k] for k in used],
+                              [out_aligns[k] for k in used], n)
 
 
 def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tensor]:
@@ -153,7 +155,7 @@ def _replay(op: Any, wrt: list[int]) -> tuple[list[Tensor], list[Tensor]]:
     leaves = [values[position[id(x)]] if isinstance(x, Tensor) and id(x) in position else x
               for x in flat]
     args, kw = tree_unflatten(leaves, spec)
-    with torch.enable_grad():
+    with torch.enable_grad(), replaying(op.autocast):
         out = func(*args, **kw)
     return values, [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
 
@@ -189,7 +191,7 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
     leaves = [values[position[id(x)]] if isinstance(x, Tensor) and id(x) in position else x
               for x in flat]
     args, kw = tree_unflatten(leaves, spec)
-    with torch.enable_grad():
+    with torch.enable_grad(), replaying(op.autocast):
         result = func(*args, **kw)
     result = result if isinstance(result, Tensor) else result[0]
     v = g.shape[0]
@@ -227,8 +229,9 @@ def module_vjp(call: Any, params: dict[str, nn.Parameter], in_aligns: list, cots
     values = [params[m] for m in names] + [flat[k] for k in tensor_slots]
     aligns = [None] * len(names) + list(in_aligns)
     try:
-        got = per_sample_vjp(fn, values, aligns, list(range(len(names))),
-                             [cots[k] for k in used], [out_aligns[k] for k in used], n)
+        with replaying(call.autocast):
+            got = per_sample_vjp(fn, values, aligns, list(range(len(names))),
+                                 [cots[k] for k in used], [out_aligns[k] for k in used], n)
     except Exception as err:  # torch.func raises many kinds of errors
         raise UnsupportedModuleError(
             f"module {call.describe()} could not be followed op by op and torch.func could "

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from . import checks
 from .capture import Op
@@ -23,27 +24,31 @@ from .engine import loss_backprops
 from .errors import internal
 from .methods import Taken, answer
 from .plan import Captured
+from .precision import accumulate_dtype, cast, without_autocast
 from .pullback import module_front, module_inputs, write_per_sample
 from .reference import loop_per_sample_grads, rows
-from .rules import OpCall, find_norm_rule, find_op_norm
+from .rules import OpCall, find_norm_rule, find_op_factors, find_op_norm
+from .rules.ghost import ghost_cost, materialise_cost, squared_norm
 from .vmap import vmap_per_sample_grads
 
 
 def squared_norms(
     cap: Captured, params: dict[str, nn.Parameter]
-) -> tuple[dict[int, Tensor], dict[int, Tensor], set[Op], list[tuple]]:
-    """Squared per-sample gradient norms ``{id(param): (n,)}`` of one captured batch.
+) -> tuple[dict[int, Tensor], dict[int, Tensor], dict[Op, set[int]], list[tuple]]:
+    """Squared per-sample gradient norms ``{id(param): (n,)}`` of one captured batch,
+    accumulated in at least float32 (:func:`persample.precision.accumulate_dtype`).
 
     Also returns the per-sample gradients ``{id(param): (n, 1, *shape)}`` of the
-    parameters that had to be materialised, the ops whose parameters got ghost
-    norms, and the module calls whose parameters got norms from a module norm rule
-    (``(call, output edge, its layout, {name: param})``).
+    parameters that had to be materialised, the ops whose parameters got ghost norms
+    (``{op: ids of those parameters}``; a parameter several ops read is in each), and
+    the module calls whose parameters got norms from a module norm rule (``(call,
+    output edge, its layout, {name: param})``).
     """
     n = cap.n
-    sites = _sites(cap)
     sq: dict[int, Tensor] = {}
-    ghosted: set[Op] = set()
-    with torch.no_grad():
+    ghosted: dict[Op, set[int]] = {}
+    with torch.no_grad(), without_autocast():
+        sites = _sites(cap)
         for op in cap.plan.uses:
             direct = [k for k, pids in op.sources.items() if id(op.leaves[k]) in pids]
             pids = {id(op.leaves[k]) for k in direct}
@@ -51,23 +56,74 @@ def squared_norms(
                     or any(sites.get(pid) != 1 for pid in pids)):
                 continue  # materialised (an input changed in place: the rules say so)
             norm = find_op_norm(op.func)
-            g = cap.backprops(op.edges, op.out_layouts)
-            if norm is None or len(g) != 1 or g[0] is None:
+            if norm is None or len(op.edges) != 1:
                 continue
-            found = norm(OpCall(op, n), g[0], pids)
+            g, call = _backprops(cap, op)
+            if g is None:
+                continue
+            found = norm(call, g, pids)
             if found is not None:
                 sq.update(found)
-                ghosted.add(op)
+                ghosted[op] = set(found)
+        _shared_norms(cap, sites, sq, ghosted)
         by_module = _module_norms(cap, sq, sites)
         rest = [p for p in params.values() if id(p) not in sq]
         mats = {id(p): p.new_empty((n, 1, *p.shape)) for p in rest}
         if mats:
             write_per_sample(cap, mats)
-        sq.update({pid: m.flatten(1).square().sum(1) for pid, m in mats.items()})
+        for pid, m in mats.items():
+            sq[pid] = sum_of_squares(m.flatten(1))
     for p in params.values():
         if id(p) not in sq:
-            sq[id(p)] = p.new_zeros(n)
+            sq[id(p)] = p.new_zeros(n, dtype=accumulate_dtype(p.dtype))
     return sq, mats, ghosted, by_module
+
+
+def sum_of_squares(rows: Tensor) -> Tensor:
+    """``(n,)`` sums of squares of ``(n, m)`` rows, accumulated in at least float32,
+    with no ``(n, m)`` temporary."""
+    dtype = accumulate_dtype(rows.dtype)
+    return torch.linalg.vector_norm(rows, dim=1, dtype=dtype).square()
+
+
+def _backprops(cap: Captured, op: Op) -> tuple[Tensor | None, OpCall]:
+    """The op's backprops ``(n, 1, *out)`` and its :class:`OpCall`, both in the dtype its
+    norms accumulate in."""
+    dtype = accumulate_dtype(*(op.leaves[k].dtype for k in op.sources))
+    (g,) = cap.backprops(op.edges, op.out_layouts)
+    return cast(g, dtype), OpCall(op, cap.n, dtype)
+
+
+def _shared_norms(cap: Captured, sites: dict[int, int], sq: dict[int, Tensor],
+                  ghosted: dict[Op, set[int]]) -> None:
+    """Parameters several ops read directly (tied embedding and output layer, a layer
+    called twice, weights shared across depth): ``|sum_k G_k|^2`` from each use's
+    factors and their cross terms (``rules.ghost``), where every use has factors and
+    that is cheaper than materialising the sum."""
+    readers: dict[int, list[Op]] = {}
+    for op in cap.plan.uses:
+        for k, pids in op.sources.items():
+            pid = id(op.leaves[k])
+            if sites.get(pid, 0) > 1 and pids == {pid} and pid not in sq:
+                readers.setdefault(pid, []).append(op)
+    for pid, ops in readers.items():
+        if (len(ops) != sites[pid] or len(set(ops)) != len(ops)  # an op reading it twice
+                or any(op.changed() or len(op.edges) != 1 for op in ops)):
+            continue
+        uses = []
+        for op in ops:
+            rule = find_op_factors(op.func)
+            g, call = _backprops(cap, op) if rule is not None else (None, None)
+            found = rule(call, g, {pid}) if g is not None else None
+            if not found or pid not in found:
+                break
+            uses.append(found[pid])
+        else:
+            rows = cap.cap.watched[pid].shape[0]
+            if ghost_cost(uses) < materialise_cost(uses, rows):
+                sq[pid] = squared_norm(uses)
+                for op in ops:
+                    ghosted.setdefault(op, set()).add(pid)
 
 
 def _sites(cap: Captured) -> dict[int, int]:
@@ -88,9 +144,6 @@ def _sites(cap: Captured) -> dict[int, int]:
 
 def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -> list[tuple]:
     """Norm rules of module rules (``register_norm_rule``); the calls they normed."""
-    from torch.utils._pytree import tree_leaves
-
-
     normed = []
     for call, params in cap.plan.module_jobs:
         norm = find_norm_rule(call.rule)
@@ -103,8 +156,10 @@ def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -
         g = cap.grad(e)
         if g is None:
             continue
-        backprops = module_front(g, cap.cap.layout(outs[0]), cap.n, 1)
-        found = norm(call.module, module_inputs(cap, call), backprops, set(params))
+        dtype = accumulate_dtype(*(p.dtype for p in params.values()))
+        backprops = cast(module_front(g, cap.cap.layout(outs[0]), cap.n, 1), dtype)
+        inputs = tuple(cast(x, dtype) for x in module_inputs(cap, call))
+        found = norm(call.module, inputs, backprops, set(params))
         if found is not None:
             sq.update({id(params[name]): v for name, v in found.items()})
             normed.append((call, e, cap.cap.layout(outs[0]),
@@ -121,7 +176,7 @@ def _rules_norms(model, batch, targets, loss_fn, params) -> dict[str, Tensor]:
 
 
 def _norms_of(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {name: g.flatten(1).norm(dim=1) for name, g in grads.items()}
+    return {name: sum_of_squares(g.flatten(1)).sqrt() for name, g in grads.items()}
 
 
 @checks.keeps_buffers
@@ -154,8 +209,9 @@ def per_sample_grad_norms(
         chunk_size: process at most this many samples at a time.
 
     Returns:
-        ``(B,)`` norms in the parameters' dtype (loss units per parameter unit);
-        with ``per_layer=True`` a tuple ``((B,), {name: (B,)})``.
+        ``(B,)`` norms (loss units per parameter unit) in the parameters' dtype, at
+        least float32 (accumulated there for bfloat16 and float16 parameters); with
+        ``per_layer=True`` a tuple ``((B,), {name: (B,)})``.
 
     Raises:
         TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError:
@@ -174,7 +230,7 @@ def per_sample_grad_norms(
     """
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
                                            loss_reduction, chunk_size)
-    layers = {name: p.new_zeros(n) for name, p in params.items()}
+    layers = {name: p.new_zeros(n, dtype=accumulate_dtype(p.dtype)) for name, p in params.items()}
     step, taken = chunk_size or max(n, 1), Taken()
     for start in range(0, n, step):
         a, t = batch.rows(start, start + step), rows(targets, start, start + step)

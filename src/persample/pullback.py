@@ -27,6 +27,7 @@ from .capture import Call, Derived, Op
 from .errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
 from .fallback import expand_vjp, module_vjp, op_vjp, shared_vjp
 from .plan import Captured, Path
+from .precision import cast, without_autocast
 from .rules import OpCall, Rule, find_op_rule
 from .rules.elementwise import ADD_OPS
 
@@ -71,6 +72,11 @@ def write_per_sample(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | No
                      ) -> None:
     """The planned rules into ``dest`` (``id(param) -> (n, v, *shape)``), for the
     parameters in it (``uses``: only these ops; default all)."""
+    with without_autocast():  # the rules choose their dtypes (persample.precision)
+        _write(cap, dest, uses)
+
+
+def _write(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> None:
     sink = GradSink(dest)
     pulls = Pullbacks(cap, sink)
     wanted = set(dest)
@@ -148,7 +154,8 @@ class Pullbacks:
             found = self.sink.target(id(t), shapes[k]) if direct else None
             out[id(t)] = found if found is not None else t.new_empty((n, v, *shapes[k]))
         rule = find_op_rule(op.func)
-        single = [c for c in cots if c is not None]
+        call.dtype = next(iter(out.values())).dtype  # the results' (the parameter's)
+        single = [cast(c, call.dtype) for c in cots if c is not None]
         reason = "no rule" if rule is None or len(cots) != 1 or len(single) != 1 else rule(
             call, single[0], out)
         kind = "rule"
@@ -349,9 +356,20 @@ def _module_rule(cap: Captured, call: Call, params: dict[str, nn.Parameter],
     for name, p in params.items():
         found = sink.target(id(p), p.shape)
         out[name] = found if found is not None else p.new_empty((cap.n, cap.v, *p.shape))
+    dtype = next(iter(out.values())).dtype  # under autocast: the parameters', not the op's
+    backprops = [cast(g, dtype) for g in backprops]
+    inputs = tuple(_cast_input(x, dtype) for x in inputs)
     rule.fn(call.module, inputs, backprops if rule.multi_output else backprops[0], out)
     for name, p in params.items():
         sink.commit(id(p), out[name])
+
+
+def _cast_input(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, PackedSequence):
+        return x._replace(data=cast(x.data, dtype))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast_input(xi, dtype) for xi in x)
+    return cast(x, dtype)
 
 
 def module_inputs(cap: Captured, call: Call) -> tuple | None:

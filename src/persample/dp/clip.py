@@ -27,8 +27,9 @@ from ..engine import loss_backprops
 from ..errors import InternalError, internal
 from ..fallback import summed_vjp
 from ..methods import Taken, answer, leave_rules, slower
-from ..norms import squared_norms
+from ..norms import squared_norms, sum_of_squares
 from ..plan import Captured, Plan
+from ..precision import accumulate_dtype, cast, without_autocast
 from ..reference import loop_per_sample_grads
 from ..rules import OpCall, find_norm_rule, find_op_sum
 from ..vmap import vmap_per_sample_grads
@@ -109,13 +110,14 @@ def private_grad(
             "(q * N) so that the noise is scaled as for every other step"
         )
     # the noise first, in the new p.grad's memory; each clipped sum is added as it is made
-    noise = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm, generator)
+    noise = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm, generator,
+                          accumulate=True)  # float32 at least: the sums accumulate there
     grads = {id(p): t for p, t in zip(params.values(), noise)}
     norms = _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per_layer,
                               grads)
     divisor = expected_batch_size or n
-    for p in params.values():
-        p.grad = grads[id(p)].div_(divisor)
+    for p in params.values():  # in the parameter's dtype, as autograd gives it
+        p.grad = grads[id(p)].div_(divisor).to(p.dtype)
     return norms
 
 
@@ -139,8 +141,8 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
         def materialised() -> tuple:
             grads = method(model, batch, targets, loss_fn, params)
             mats = {id(params[name]): g.unsqueeze(1) for name, g in grads.items()}
-            return None, {pid: m.flatten(1).square().sum(1) for pid, m in mats.items()}, \
-                mats, set(), []
+            return None, {pid: sum_of_squares(m.flatten(1)) for pid, m in mats.items()}, \
+                mats, {}, []
         return materialised
 
     cap, sq, mats, ghosted, by_module = answer(
@@ -152,7 +154,7 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
     done = set(mats)
     for pid, m in mats.items():  # (n, 1, *shape) materialised
-        into[pid].add_(torch.tensordot(factors[pid], m[:, 0], dims=1))
+        into[pid].add_(torch.tensordot(factors[pid].to(m.dtype), m[:, 0], dims=1))
     del mats
     try:
         with internal("the clipped sums"):
@@ -170,7 +172,8 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
                        lambda: loop_per_sample_grads(model, batch, targets, loss_fn))
         with torch.no_grad():
             for name, p in rest.items():
-                into[id(p)].add_(torch.tensordot(factors[id(p)], grads[name], dims=1))
+                into[id(p)].add_(torch.tensordot(factors[id(p)].to(grads[name].dtype),
+                                                 grads[name], dims=1))
     return norms
 
 
@@ -191,34 +194,59 @@ def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tens
             for p in params.values()}
 
 
-def _book_keeping(cap: Captured, ghosted: set, factors: dict[int, Tensor],
+def _book_keeping(cap: Captured, ghosted: dict, factors: dict[int, Tensor],
                   into: dict[int, Tensor], done: set[int]) -> None:
     """Add the clipped sums of the ghost-normed parameters into ``into``, op by op
-    (``done``: parameters already summed from their materialised gradients).
+    (``ghosted``: op -> the parameters it sums; ``done``: parameters already summed from
+    their materialised gradients).
 
     ``sum_i c_i g_i`` is the op's ordinary weight gradient for backprops scaled by
     the clip factors: the op's weighted-sum rule where it has one (one GEMM for a
-    linear map), else one local backward from the op's own autograd node.
+    linear map), else one local backward from the op's own autograd node. A
+    parameter several ops read gets the sum of their sums, added once all are made
+    (so that a failure part way adds nothing).
     """
-    for op in ghosted:
-        params = [op.leaves[k] for k in op.sources if id(op.leaves[k]) not in done]
-        groups: dict[int, list] = {}  # same factors -> one pass
-        for p in params:
+    readers: dict[int, int] = {}
+    for pids in ghosted.values():
+        for pid in pids:
+            readers[pid] = readers.get(pid, 0) + 1
+    partial: dict[int, Tensor] = {}
+    with without_autocast():
+        for op, pids in ghosted.items():
+            for pid, got in _op_sums(cap, op, pids - done, factors).items():
+                if readers[pid] == 1:
+                    into[pid].add_(got)
+                    done.add(pid)
+                else:
+                    partial[pid] = got if pid not in partial else partial[pid].add_(got)
+    for pid, got in partial.items():
+        into[pid].add_(got)
+        done.add(pid)
+
+
+def _op_sums(cap: Captured, op, pids: set[int], factors: dict[int, Tensor]
+             ) -> dict[int, Tensor]:
+    """``{id(p): sum_i c_i g_i}`` of one op's share of the parameters ``pids``, in the
+    dtype of the sums (at least float32)."""
+    groups: dict[int, list] = {}  # same factors -> one pass
+    for k in op.sources:
+        p = op.leaves[k]
+        if id(p) in pids and all(p is not q for q in groups.get(id(factors[id(p)]), [])):
             groups.setdefault(id(factors[id(p)]), []).append(p)
-        summed = find_op_sum(op.func)
-        for group in groups.values():
-            c = factors[id(group[0])]  # (n,)
-            got = None
-            if summed is not None:
-                (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
-                scaled = g[:, 0] * c.view(-1, *[1] * (g.dim() - 2))
-                with torch.no_grad():
-                    got = summed(OpCall(op, cap.n), scaled, {id(p) for p in group})
-            if got is None:
-                got = _local_backward(cap, op, group, c)
-            for p in group:
-                into[id(p)].add_(got[id(p)])
-                done.add(id(p))
+    summed, found = find_op_sum(op.func), {}
+    for group in groups.values():
+        c = factors[id(group[0])]  # (n,)
+        got = None
+        if summed is not None:
+            dtype = accumulate_dtype(*(p.dtype for p in group))
+            (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
+            scaled = cast(g[:, 0], dtype) * c.view(-1, *[1] * (g.dim() - 2))
+            with torch.no_grad():
+                got = summed(OpCall(op, cap.n, dtype), scaled, {id(p) for p in group})
+        if got is None:
+            got = _local_backward(cap, op, group, c)
+        found.update({id(p): got[id(p)] for p in group})
+    return found
 
 
 def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:

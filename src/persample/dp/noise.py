@@ -21,14 +21,15 @@ import torch
 from torch import Tensor, nn
 
 from ..memory import result_empty
+from ..precision import accumulate_dtype
 
 PARALLEL_MIN = 1 << 20  # numbers: smaller draws stay on one thread
 CHUNKS = 4  # a large CPU draw's chunks, each from its own seeded generator
 
 
 def gaussian_like(params: list[nn.Parameter], std: float,
-                  generator: torch.Generator | None, blocks: list[Tensor] | None = None
-                  ) -> list[Tensor]:
+                  generator: torch.Generator | None, blocks: list[Tensor] | None = None,
+                  accumulate: bool = False) -> list[Tensor]:
     """One noise tensor per parameter, ``N(0, std^2)`` entries, views of one buffer per
     dtype and device.
 
@@ -39,6 +40,8 @@ def gaussian_like(params: list[nn.Parameter], std: float,
         generator: the caller's ``torch.Generator`` on the parameters' device, or
             ``None`` for torch's default one.
         blocks: if given, the 1-d blocks the tensors view are appended to it.
+        accumulate: draw in the dtype sums accumulate in (float32 for bfloat16 and
+            float16 parameters: :func:`persample.precision.accumulate_dtype`).
 
     Returns:
         A list of tensors in ``params`` order, contiguous, the caller's to keep (e.g. as
@@ -52,13 +55,14 @@ def gaussian_like(params: list[nn.Parameter], std: float,
         >>> [t.shape for t in gaussian_like(ps, 1.0, torch.Generator().manual_seed(0))]
         [torch.Size([3, 2]), torch.Size([4])]
     """
-    return pooled_like(params, lambda buf: _draw(buf, std, generator), blocks)
+    return pooled_like(params, lambda buf: _draw(buf, std, generator), blocks, accumulate)
 
 
 def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None = None,
-                blocks: list[Tensor] | None = None) -> list[Tensor]:
+                blocks: list[Tensor] | None = None, accumulate: bool = False) -> list[Tensor]:
     """One tensor per parameter (its shape, dtype and device), views of one block of
-    persample's result memory per dtype and device (:mod:`persample.memory`);
+    persample's result memory per dtype and device (:mod:`persample.memory`; with
+    ``accumulate``, in the dtype sums accumulate in);
     ``fill(block)`` initialises each 1-d block, else it is left uninitialised; the
     blocks are appended to ``blocks`` if given (to reduce them in one collective).
 
@@ -68,8 +72,9 @@ def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None
         [[0.0, 0.0], [0.0, 0.0, 0.0]]
     """
     out: list[Tensor | None] = [None] * len(params)
-    for kind in dict.fromkeys((p.dtype, p.device) for p in params):
-        picked = [k for k, p in enumerate(params) if (p.dtype, p.device) == kind]
+    kinds = [(accumulate_dtype(p.dtype) if accumulate else p.dtype, p.device) for p in params]
+    for kind in dict.fromkeys(kinds):
+        picked = [k for k in range(len(params)) if kinds[k] == kind]
         buf = result_empty(sum(params[k].numel() for k in picked), *kind)
         if fill is not None:
             fill(buf)

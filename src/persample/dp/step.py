@@ -138,8 +138,10 @@ class PrivateStep:
                                           None, None)
         params = list(self.params.values())
         if self.sums is None:
-            self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_())))
-        into = dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_())))
+            self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_(),
+                                                          accumulate=True)))
+        into = dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_(),
+                                                      accumulate=True)))
         try:
             with checks.kept_buffers(self.model):
                 norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
@@ -170,9 +172,9 @@ class PrivateStep:
         blocks: list[Tensor] = []  # the 1-d blocks the new p.grad tensors view
         if world is None or world[1] == 0:  # the noise, drawn once (rank 0 when distributed)
             grads = gaussian_like(params, self.noise_multiplier * self.max_grad_norm,
-                                  self.generator, blocks)
+                                  self.generator, blocks, accumulate=True)
         else:
-            grads = pooled_like(params, lambda b: b.zero_(), blocks)
+            grads = pooled_like(params, lambda b: b.zero_(), blocks, accumulate=True)
         for name, grad in zip(self.params, grads):
             if self.sums is not None:
                 grad.add_(self.sums[name])
@@ -181,8 +183,8 @@ class PrivateStep:
 
             for block in blocks:  # every rank's sums, plus rank 0's noise, once
                 dist.all_reduce(block)
-        for p, grad in zip(params, grads):
-            p.grad = grad.div_(self.expected_batch_size)
+        for p, grad in zip(params, grads):  # in the parameter's dtype, as autograd gives it
+            p.grad = grad.div_(self.expected_batch_size).to(p.dtype)
         self.sums, self.samples, self.versions = None, 0, {}
 
     def _agree(self, world: tuple[int, int]) -> None:

@@ -34,9 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..batch import Batched, front
+from ..precision import cast
 
 
 class OpCall:
@@ -48,8 +50,8 @@ class OpCall:
     is the batch size.
     """
 
-    def __init__(self, op: Any, n: int):
-        self.op, self.n = op, n
+    def __init__(self, op: Any, n: int, dtype: torch.dtype | None = None):
+        self.op, self.n, self.dtype = op, n, dtype
         self.func, self.args, self.kwargs = op.func, op.args, op.kwargs
         self._pos = {}
         for k, t in enumerate(op.leaves):
@@ -75,7 +77,7 @@ class OpCall:
         if not isinstance(t, Tensor):
             return t
         k = self._k(t)
-        value = self.op.value(k).detach()
+        value = cast(self.op.value(k).detach(), self.dtype)
         lay = self.op.align(k)
         return value if lay is None else front(value, lay, self.n)
 
@@ -141,6 +143,29 @@ def register_op_sum(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:
         return fn
 
     return decorate
+
+
+# Factor rules by op, for a parameter several ops read (tied weights, a layer called
+# twice): ``factors(call, g (n, 1, *out), wanted) -> {id(t): rules.ghost.Factors}``, each
+# use's per-sample gradient of ``t`` (seen as ``(t.shape[0], -1)``) as a sum of outer
+# products, or ``None`` where the op's form has none.
+_OP_FACTORS: dict[Any, Callable] = {}
+
+
+def register_op_factors(*funcs: Any) -> Callable[[Callable], Callable]:
+    """Register a factor rule (see ``rules.ghost``) for ops that have an op rule."""
+
+    def decorate(fn: Callable) -> Callable:
+        for f in funcs:
+            if f is not None:
+                _OP_FACTORS[f] = fn
+        return fn
+
+    return decorate
+
+
+def find_op_factors(func: Any) -> Callable | None:
+    return _OP_FACTORS.get(func)
 
 
 def find_op_sum(func: Any) -> OpNormFn | None:

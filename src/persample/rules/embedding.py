@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import OpCall, register_op_norm, register_op_rule
+from . import OpCall, register_op_factors, register_op_norm, register_op_rule, register_op_sum
+from .ghost import Factors
 
 
 def scatter_rows(ids: Tensor, g: Tensor, dst: Tensor, padding_idx: int | None = None,
@@ -121,6 +122,45 @@ def embedding_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
         gt = gt * (i != padding_idx % w.shape[0]).unsqueeze(2)
     same = i.unsqueeze(2) == i.unsqueeze(1)  # (n, t, t)
     return {id(w): (torch.bmm(gt, gt.transpose(1, 2)) * same).sum((1, 2))}
+
+
+def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A plain lookup's ids ``(n, t)``, backprops ``(n, t, d)`` zeroed where the id is
+    ``padding_idx``, and its table; ``None`` for shared ids or ``scale_grad_by_freq``."""
+    ids, w = call.arg(0, "input"), call.arg(1, "weight")
+    if call.shared(ids) or not call.shared(w) or call.arg(5, "scale_grad_by_freq", False):
+        return None
+    i = _ids(call, ids)  # (n, t)
+    gt = g.reshape(i.shape[0], i.shape[1], w[0].numel())  # (n, t, d)
+    padding_idx = call.arg(2, "padding_idx")
+    if padding_idx is not None:
+        gt = gt * (i != padding_idx % w.shape[0]).unsqueeze(2)
+    return i, gt, w
+
+
+@register_op_factors(F.embedding)
+def embedding_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
+    """``W (r, d)``: ``L`` the one-hot rows of the ids, ``R`` the backprops."""
+    found = _lookup(call, g)
+    if found is None:
+        return None
+    i, gt, w = found
+    return {id(w): Factors(i, gt)} if id(w) in wanted else {}
+
+
+@register_op_sum(F.embedding)
+def embedding_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
+    """``sum_n grad_n`` for backprops ``g (n, *out)`` scaled per sample: the rows of
+    ``g`` added at their ids (``padding_idx`` none)."""
+    found = _lookup(call, g)
+    if found is None:
+        return None
+    i, gt, w = found
+    if id(w) not in wanted:
+        return {}
+    summed = gt.new_zeros(w.shape[0], gt.shape[2])  # (r, d)
+    summed.index_add_(0, i.reshape(-1), gt.reshape(-1, gt.shape[2]))
+    return {id(w): summed.view(w.shape)}
 
 
 _MAX_MODE = 2  # torch.embedding_bag's code for mode="max"

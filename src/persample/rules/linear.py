@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import OpCall, register_op_norm, register_op_rule, register_op_sum
+from . import OpCall, register_op_factors, register_op_norm, register_op_rule, register_op_sum
+from .ghost import Factors, inner
 
 # Measured on a 2-core x86 CPU (persample bench): an elementwise outer product
 # writes at fill_ speed when each (sample, cotangent) block starts on a 64-byte
@@ -128,15 +129,60 @@ def linear_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] |
 
 def ghost_norm(a: Tensor, g: Tensor) -> Tensor | None:
     """``|sum_t g_t outer a_t|^2`` per sample for ``a (n, t, i)``, ``g (n, t, o)``, or
-    ``None`` when materialising is cheaper."""
+    ``None`` when materialising is cheaper. The ``(n, t, t)`` grams are made in blocks
+    of positions (``rules.ghost``)."""
     t, i, o = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
         return a.square().sum((1, 2)) * g.square().sum((1, 2))
     if t * (i + o) <= i * o:
-        gram_a = torch.bmm(a, a.transpose(1, 2))  # (n, t, t)
-        gram_g = torch.bmm(g, g.transpose(1, 2))  # (n, t, t)
-        return (gram_a * gram_g).sum((1, 2))
+        one = Factors(g, a)
+        return inner(one, one)
     return None
+
+
+def _expanded(call: OpCall, x: Tensor, features: int, n: int) -> Tensor:
+    """An input as ``(n, t, features)``, a shared one expanded to the samples."""
+    a = rows(call, x, features)
+    return a.expand(n, *a.shape) if call.shared(x) else a
+
+
+def _bias_factors(gt: Tensor) -> Factors:
+    """A bias's gradient ``sum_t g_t``: ``g_t outer 1``."""
+    return Factors(gt, gt.new_ones(*gt.shape[:2], 1))
+
+
+@register_op_factors(F.linear, torch._C._nn.linear)
+def linear_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factors] | None:
+    """``W (o, i)``: ``L = g``, ``R = x``; ``b``: ``L = g``, ``R = 1``."""
+    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    if w.dim() != 2 or not call.shared(w) or (b is not None and not call.shared(b)):
+        return None
+    o, i = w.shape
+    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
+    found = {}
+    if id(w) in wanted:
+        found[id(w)] = Factors(gt, _expanded(call, x, i, gt.shape[0]))
+    if b is not None and id(b) in wanted:
+        found[id(b)] = _bias_factors(gt)
+    return found
+
+
+@register_op_factors(torch.addmm, torch.Tensor.addmm)
+def addmm_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factors] | None:
+    """``W (i, o)``: ``L = x``, ``R = alpha g``; ``b``: ``L = beta g``, ``R = 1``."""
+    b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
+    beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
+    if b.dim() != 1 or not call.shared(w) or not call.shared(b) or id(x) in wanted:
+        return None
+    i, o = w.shape
+    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
+    found = {}
+    if id(w) in wanted:
+        found[id(w)] = Factors(_expanded(call, x, i, gt.shape[0]), gt if alpha == 1 else
+                               gt * alpha)
+    if id(b) in wanted:
+        found[id(b)] = _bias_factors(gt if beta == 1 else gt * beta)
+    return found
 
 
 @register_op_rule(torch.addmm, torch.Tensor.addmm)
