@@ -29,7 +29,7 @@ from ..fallback import summed_vjp
 from ..methods import Taken, answer, leave_rules, slower
 from ..norms import squared_norms, sum_of_squares
 from ..plan import Captured, Plan
-from ..precision import accumulate_dtype, cast, without_autocast
+from ..precision import cast, without_autocast
 from ..reference import loop_per_sample_grads
 from ..rules import OpCall, find_norm_rule, find_op_sum
 from ..vmap import vmap_per_sample_grads
@@ -152,7 +152,7 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
     _check_finite(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
-    done = set(mats)
+    done, started = set(mats), set()
     for pid, m in mats.items():  # (n, 1, *shape) materialised
         into[pid].add_(torch.tensordot(factors[pid].to(m.dtype), m[:, 0], dims=1))
     del mats
@@ -164,8 +164,10 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
                     into[id(p)].add_(got)
                     done.add(id(p))
             if cap is not None:
-                _book_keeping(cap, ghosted, factors, into, done)
+                _book_keeping(cap, ghosted, factors, into, done, started)
     except InternalError as err:  # the norms are right: the rest from per-sample gradients
+        if started - done:  # part of a parameter's uses added: the rest cannot be told apart
+            raise
         leave_rules(Taken(), err)
         rest = {name: p for name, p in params.items() if id(p) not in done}
         grads = slower(lambda: vmap_per_sample_grads(model, batch, targets, loss_fn, rest),
@@ -195,58 +197,53 @@ def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tens
 
 
 def _book_keeping(cap: Captured, ghosted: dict, factors: dict[int, Tensor],
-                  into: dict[int, Tensor], done: set[int]) -> None:
+                  into: dict[int, Tensor], done: set[int], started: set[int]) -> None:
     """Add the clipped sums of the ghost-normed parameters into ``into``, op by op
-    (``ghosted``: op -> the parameters it sums; ``done``: parameters already summed from
-    their materialised gradients).
+    (``ghosted``: op -> the parameters it sums; ``done``: parameters whose sums are
+    complete, those summed from materialised gradients already in it; ``started``: the
+    parameters something was added to, for the caller to know what a failure left).
 
     ``sum_i c_i g_i`` is the op's ordinary weight gradient for backprops scaled by
     the clip factors: the op's weighted-sum rule where it has one (one GEMM for a
     linear map), else one local backward from the op's own autograd node. A
-    parameter several ops read gets the sum of their sums, added once all are made
-    (so that a failure part way adds nothing).
+    parameter several ops read gets each one's sum.
     """
-    readers: dict[int, int] = {}
+    left: dict[int, int] = {}  # ops still to add to each parameter
     for pids in ghosted.values():
-        for pid in pids:
-            readers[pid] = readers.get(pid, 0) + 1
-    partial: dict[int, Tensor] = {}
+        for pid in pids - done:
+            left[pid] = left.get(pid, 0) + 1
     with without_autocast():
         for op, pids in ghosted.items():
-            for pid, got in _op_sums(cap, op, pids - done, factors).items():
-                if readers[pid] == 1:
-                    into[pid].add_(got)
+            todo = [pid for pid in pids if pid in left]
+            started.update(todo)
+            _add_op_sums(cap, op, todo, factors, into)
+            for pid in todo:
+                left[pid] -= 1
+                if not left[pid]:
                     done.add(pid)
-                else:
-                    partial[pid] = got if pid not in partial else partial[pid].add_(got)
-    for pid, got in partial.items():
-        into[pid].add_(got)
-        done.add(pid)
 
 
-def _op_sums(cap: Captured, op, pids: set[int], factors: dict[int, Tensor]
-             ) -> dict[int, Tensor]:
-    """``{id(p): sum_i c_i g_i}`` of one op's share of the parameters ``pids``, in the
-    dtype of the sums (at least float32)."""
+def _add_op_sums(cap: Captured, op, pids: list[int], factors: dict[int, Tensor],
+                 into: dict[int, Tensor]) -> None:
+    """Add one op's share of ``sum_i c_i g_i`` of the parameters ``pids`` into ``into``."""
     groups: dict[int, list] = {}  # same factors -> one pass
     for k in op.sources:
         p = op.leaves[k]
         if id(p) in pids and all(p is not q for q in groups.get(id(factors[id(p)]), [])):
             groups.setdefault(id(factors[id(p)]), []).append(p)
-    summed, found = find_op_sum(op.func), {}
+    summed = find_op_sum(op.func)
     for group in groups.values():
         c = factors[id(group[0])]  # (n,)
-        got = None
+        targets = {id(p): into[id(p)] for p in group}
+        dtype = targets[id(group[0])].dtype
         if summed is not None:
-            dtype = accumulate_dtype(*(p.dtype for p in group))
             (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
-            scaled = cast(g[:, 0], dtype) * c.view(-1, *[1] * (g.dim() - 2))
             with torch.no_grad():
-                got = summed(OpCall(op, cap.n, dtype), scaled, {id(p) for p in group})
-        if got is None:
-            got = _local_backward(cap, op, group, c)
-        found.update({id(p): got[id(p)] for p in group})
-    return found
+                if summed(OpCall(op, cap.n, dtype), cast(g[:, 0], dtype), c.to(dtype), targets):
+                    continue
+        got = _local_backward(cap, op, group, c)
+        for p in group:
+            into[id(p)].add_(got[id(p)])
 
 
 def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:

@@ -100,10 +100,12 @@ _OP_RULES: dict[Any, OpRuleFn] = {}
 OpNormFn = Callable[[OpCall, Tensor, set[int]], "dict[int, Tensor] | None"]
 _OP_NORMS: dict[Any, OpNormFn] = {}
 
-# Weighted-sum rules by op, for DP book-keeping: ``sum(call, g (n, *out), wanted) ->
-# {id(t): (*t.shape)}``, the gradient summed over the samples for backprops already
-# scaled per sample (``c_i g_i``): the clipped sum, with no autograd call.
-_OP_SUMS: dict[Any, OpNormFn] = {}
+# Weighted-sum rules by op, for DP book-keeping: ``sum(call, g (n, *out), c (n,), into:
+# {id(t): tensor of t's shape}) -> bool`` adds ``sum_i c_i g_i`` (the gradient summed
+# over the samples for backprops scaled by the clip factors ``c``) to each tensor of
+# ``into``, with no autograd call, or returns False having added nothing.
+OpSumFn = Callable[[OpCall, Tensor, Tensor, dict[int, Tensor]], bool]
+_OP_SUMS: dict[Any, OpSumFn] = {}
 
 
 def register_op_rule(*funcs: Any) -> Callable[[OpRuleFn], OpRuleFn]:
@@ -132,11 +134,11 @@ def register_op_norm(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:
     return decorate
 
 
-def register_op_sum(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:
+def register_op_sum(*funcs: Any) -> Callable[[OpSumFn], OpSumFn]:
     """Register a weighted-sum rule (the clipped sum of DP book-keeping) for ops that
     have a norm rule."""
 
-    def decorate(fn: OpNormFn) -> OpNormFn:
+    def decorate(fn: OpSumFn) -> OpSumFn:
         for f in funcs:
             if f is not None:
                 _OP_SUMS[f] = fn
@@ -168,7 +170,7 @@ def find_op_factors(func: Any) -> Callable | None:
     return _OP_FACTORS.get(func)
 
 
-def find_op_sum(func: Any) -> OpNormFn | None:
+def find_op_sum(func: Any) -> OpSumFn | None:
     return _OP_SUMS.get(func)
 
 

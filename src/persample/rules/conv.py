@@ -284,9 +284,18 @@ def conv_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | 
 
 
 @register_op_sum(*_PLAIN_CONVS)
-def conv_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
-    """``sum_n grad_n`` for backprops ``g (n, *out)`` scaled per sample: the ordinary
-    weight gradient of the convolution backward over all images at once."""
+def conv_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bool:
+    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``: the
+    ordinary weight gradient of the convolution backward over all images at once, for
+    the backprops scaled per sample."""
+    g = g * c.view(-1, *[1] * (g.dim() - 1))
+    found = _summed(call, g, set(into))
+    for pid, value in (found or {}).items():
+        into[pid].add_(value.view(into[pid].shape))
+    return found is not None
+
+
+def _summed(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
     spatial = _CONVS[call.func][0]
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     found = _images(call, x, g.unsqueeze(1), spatial)

@@ -149,18 +149,17 @@ def embedding_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
 
 
 @register_op_sum(F.embedding)
-def embedding_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
-    """``sum_n grad_n`` for backprops ``g (n, *out)`` scaled per sample: the rows of
-    ``g`` added at their ids (``padding_idx`` none)."""
+def embedding_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bool:
+    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``: the
+    rows of ``c g`` added at their ids (``padding_idx`` none)."""
     found = _lookup(call, g)
     if found is None:
-        return None
+        return False
     i, gt, w = found
-    if id(w) not in wanted:
-        return {}
-    summed = gt.new_zeros(w.shape[0], gt.shape[2])  # (r, d)
-    summed.index_add_(0, i.reshape(-1), gt.reshape(-1, gt.shape[2]))
-    return {id(w): summed.view(w.shape)}
+    if id(w) in into:
+        rows = (gt * c.view(-1, 1, 1)).reshape(-1, gt.shape[2])  # (n*t, d)
+        into[id(w)].view(w.shape[0], -1).index_add_(0, i.reshape(-1), rows)
+    return True
 
 
 _MAX_MODE = 2  # torch.embedding_bag's code for mode="max"

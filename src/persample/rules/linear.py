@@ -111,20 +111,27 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] 
 
 
 @register_op_sum(F.linear, torch._C._nn.linear)
-def linear_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
-    """``sum_n grad_n`` for backprops ``g (n, *out)`` scaled per sample: ``W (o, i)`` gets
-    ``g^T x`` over samples and positions (one GEMM), ``b`` the summed ``g``."""
+def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bool:
+    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``:
+    ``W (o, i)`` gets ``g^T (c x)`` over samples and positions (one GEMM, the factors on
+    the smaller operand), ``b`` ``c^T sum_t g``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     if call.shared(x) or w.dim() != 2:
-        return None
+        return False
     o, i = w.shape
-    gt = g.reshape(-1, o)  # (n*t, o)
-    found = {}
-    if id(w) in wanted:
-        found[id(w)] = gt.T @ rows(call, x, i).reshape(-1, i)  # (o, n*t) @ (n*t, i)
-    if b is not None and id(b) in wanted:
-        found[id(b)] = gt.sum(0)
-    return found
+    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
+    if id(w) in into:
+        a, gw = _scaled_smaller(rows(call, x, i), gt, c)
+        into[id(w)].addmm_(gw.reshape(-1, o).T, a.reshape(-1, i))  # (o, n*t) @ (n*t, i)
+    if b is not None and id(b) in into:
+        into[id(b)].add_(c @ gt.sum(1))  # (n,) @ (n, o)
+    return True
+
+
+def _scaled_smaller(a: Tensor, g: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``a (n, t, i)``, ``g (n, t, o)`` with the one of fewer features times ``c (n,)``."""
+    c = c.view(-1, 1, 1)
+    return (a * c, g) if a.shape[2] <= g.shape[2] else (a, g * c)
 
 
 def ghost_norm(a: Tensor, g: Tensor) -> Tensor | None:
@@ -231,20 +238,21 @@ def addmm_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] |
 
 
 @register_op_sum(torch.addmm, torch.Tensor.addmm)
-def addmm_sum(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
-    """``beta * b + alpha * x @ W``: ``W (i, o)`` gets ``alpha x^T g``, ``b`` ``beta sum g``."""
+def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bool:
+    """``beta * b + alpha * x @ W``: ``W (i, o)`` gets ``alpha (c x)^T g``, ``b``
+    ``beta c^T sum_t g``."""
     b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
     beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
     if call.shared(x) or b.dim() != 1:
-        return None
+        return False
     i, o = w.shape
-    gt = g.reshape(-1, o)  # (n*t, o)
-    found = {}
-    if id(w) in wanted:
-        found[id(w)] = (rows(call, x, i).reshape(-1, i).T @ gt) * alpha  # (i, o)
-    if id(b) in wanted:
-        found[id(b)] = gt.sum(0) * beta
-    return found
+    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
+    if id(w) in into:
+        a, gw = _scaled_smaller(rows(call, x, i), gt, c)
+        into[id(w)].addmm_(a.reshape(-1, i).T, gw.reshape(-1, o), alpha=alpha)  # (i, o)
+    if id(b) in into:
+        into[id(b)].add_(c @ gt.sum(1), alpha=beta)
+    return True
 
 
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm,
