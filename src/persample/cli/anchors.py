@@ -28,7 +28,8 @@ from ..api import param_jacobian, per_sample_grads
 from ..reference import loop_param_jacobian, loop_per_sample_grads
 from .workloads import DP_MAX_GRAD_NORM, Workload
 
-MEMORY_LIMIT_BYTES = 8e9  # a method estimated to need more is skipped with a note
+MEMORY_LIMIT_BYTES = 8e9  # a method estimated to need more is skipped with a note (CPU)
+GPU_MEMORY_SHARE = 0.8  # on a GPU, the limit is this share of its memory
 
 
 @dataclass
@@ -140,6 +141,128 @@ def _note_failure(name: str, err: Exception) -> Method:
     return Method(name, None, f"failed: {type(err).__name__}: {err}"[:200])
 
 
+# --- how much memory a per-sample method needs, before it runs ----------------------------
+
+
+def memory_limit(device: torch.device) -> float:
+    """The most bytes a method may be estimated to need: :data:`MEMORY_LIMIT_BYTES` on the
+    CPU, :data:`GPU_MEMORY_SHARE` of the GPU's memory on a GPU.
+
+    Example:
+        >>> memory_limit(torch.device("cpu")) == MEMORY_LIMIT_BYTES
+        True
+    """
+    if device.type == "cuda":
+        return GPU_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
+    return MEMORY_LIMIT_BYTES
+
+
+def saved_bytes_per_sample(w: Workload) -> int:
+    """The bytes autograd keeps for the backward of the first sample's loss: one forward
+    of a batch of one under ``saved_tensors_hooks``, each distinct storage counted once,
+    the parameters' own not counted. Outside the timed calls.
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> saved_bytes_per_sample(grads_workload("deep-mlp-grads", 2)) > 0
+        True
+    """
+    from ..reference import rows
+
+    own = {p.untyped_storage().data_ptr() for p in w.model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        w.loss_fn(w.call(inputs=rows(w.inputs, 0, 1)), rows(w.targets, 0, 1))
+    return sum(seen.values())
+
+
+@dataclass
+class MemoryEstimate:
+    """What a per-sample gradients method needs besides the model, in bytes, from the
+    result's size ``R = B * P * itemsize``, one sample's saved activations ``A``
+    (:func:`saved_bytes_per_sample`) and the largest parameter's per-sample gradients
+    ``G = B * itemsize * max numel``; compared with :func:`memory_limit` before a method
+    is built. Rough (within a factor of about two), but it tells 3 GB from 30 GB.
+
+    Example:
+        >>> e = MemoryEstimate(result=4e9, per_sample=1e8, largest=2e9, n=8, limit=8e9)
+        >>> e.skip("loop") is None, e.skip("torch.func vmap")
+        (True, 'skipped: would need about 10 GB (over the 8 GB limit)')
+    """
+
+    result: float  # R: the per-sample gradients, B * P * itemsize
+    per_sample: float  # A: one sample's saved activations
+    largest: float  # G: the largest parameter's per-sample gradients
+    n: int  # B
+    limit: float
+
+    def need(self, method: str) -> float:
+        """The loop keeps the result and one sample's graph and gradients; ``torch.func``
+        the result, the batch's activations and their gradients under ``vmap``, and the
+        largest parameter's per-sample gradient twice (a tied weight's two uses);
+        Opacus's and BackPACK's hooks the result, the batch's activations and the
+        largest layer's per-sample product."""
+        r, a, g, n = self.result, self.per_sample, self.largest, self.n
+        if method.startswith("loop"):
+            return r + a + r / n
+        if method.startswith("torch.func"):
+            return r + 2 * n * a + 2 * g
+        return r + n * a + g  # Opacus hooks, BackPACK
+
+    def skip(self, method: str) -> str | None:
+        """``"skipped: ..."`` where ``method`` would need over the limit, else ``None``."""
+        need = self.need(method)
+        if need <= self.limit:
+            return None
+        return (f"skipped: would need about {need / 1e9:,.0f} GB (over the "
+                f"{self.limit / 1e9:,.0f} GB limit)")
+
+
+def memory_estimate(w: Workload) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of a per-sample gradients workload on its device.
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> e = memory_estimate(grads_workload("cnn-grads", 2))
+        >>> e.result == 2 * 1199882 * 4, e.skip("torch.func vmap")
+        (True, None)
+    """
+    trainable = [p for p in w.model.parameters() if p.requires_grad]
+    size = trainable[0].element_size()
+    return MemoryEstimate(w.n * num_params(w.model) * size, saved_bytes_per_sample(w),
+                          w.n * size * max(p.numel() for p in trainable), w.n,
+                          memory_limit(w.device))
+
+
+def _reference_fits(w: Workload) -> MemoryEstimate:
+    """The workload's :class:`MemoryEstimate`, once the loop (the reference every row is
+    checked against) is found to fit.
+
+    Raises:
+        MemoryError: the loop would need over the limit; the message names the workload.
+    """
+    estimate = memory_estimate(w)
+    why = estimate.skip("loop")
+    if why:
+        raise MemoryError(f"{w.name}: the loop, the reference, {why.removeprefix('skipped: ')}"
+                          "; run it with a smaller --batch")
+    return estimate
+
+
+def _unless_too_big(name: str, estimate: MemoryEstimate | None,
+                    build: Callable[[], Method]) -> Method:
+    """``build()``, unless ``estimate`` says ``name`` would need over the limit."""
+    why = estimate.skip(name) if estimate is not None else None
+    return Method(name, None, why) if why else build()
+
+
 # --- per-sample gradients (cnn-grads, deep-mlp-grads, resnet18-grads, gpt2-grads, ...) ------
 
 
@@ -147,7 +270,11 @@ def grads_case(w: Workload) -> Case:
     """The per-sample gradients rows: loop (the reference), ``torch.func``, Opacus, BackPACK,
     persample's default call (a dict), ``flat=True`` and ``out=``. Result ``(B, P)``,
     ``P`` the trainable parameters' entries; the baseline is a plain backward of the
-    mean loss.
+    mean loss. A competitor whose :class:`MemoryEstimate` is over
+    :func:`memory_limit` is skipped with a note.
+
+    Raises:
+        MemoryError: the loop, the reference, would need over the limit.
 
     Example:
         >>> from persample.cli.workloads import grads_workload
@@ -169,11 +296,12 @@ def grads_case(w: Workload) -> Case:
     def loop(_: Tensor) -> dict[str, Tensor]:
         return loop_per_sample_grads(model, w.inputs, w.targets, w.loss_fn)
 
+    estimate = _reference_fits(w)
     case = Case(w, "plain backward", plain, (w.n, num_params(model)), "loop", lambda: loop(None), [
         Method("loop", loop),
-        torch_func(w),
-        opacus(w),
-        backpack(w),
+        _unless_too_big("torch.func vmap", estimate, lambda: torch_func(w)),
+        _unless_too_big("Opacus hooks", estimate, lambda: opacus(w)),
+        _unless_too_big("BackPACK BatchGrad", estimate, lambda: backpack(w)),
         Method("persample", lambda _: per_sample_grads(model, w.inputs, w.targets, w.loss_fn),
                ours=True),
         Method("persample (flat=True)", lambda _: per_sample_grads(
@@ -270,10 +398,13 @@ def opacus_ready(model: nn.Module) -> nn.Module:
 
 
 def opacus(w: Workload) -> Method:
-    """Opacus ``GradSampleModule`` (hooks mode): ``{name: p.grad_sample}`` after one
-    backward of the mean loss (``loss_reduction="mean"``, so that the rows are each
-    sample's own gradient). A model Opacus refuses gives ``fn=None`` with
-    ``"failed: ..."``; Opacus missing, ``"not installed ..."``.
+    """Opacus ``GradSampleModule`` (hooks mode): ``{name: p.grad_sample}`` for the
+    trainable parameters after one backward of the mean loss
+    (``loss_reduction="mean"``, so that the rows are each sample's own gradient), the
+    model called with the inputs as Opacus's users pass them
+    (:meth:`~persample.cli.workloads.Workload.opacus_call`: per-sample position ids).
+    A model Opacus refuses gives ``fn=None`` with ``"failed: ..."``; Opacus missing,
+    ``"not installed ..."``.
 
     Example:
         >>> from persample.cli.workloads import grads_workload
@@ -294,8 +425,9 @@ def opacus(w: Workload) -> Method:
 
     def run(_: Tensor) -> dict[str, Tensor]:
         model.zero_grad(set_to_none=True)
-        scalar_loss(w.loss_fn(w.call(model), w.targets)).backward()
-        return {k: p.grad_sample for k, p in model._module.named_parameters()}
+        scalar_loss(w.loss_fn(w.opacus_call(model), w.targets)).backward()
+        return {k: p.grad_sample for k, p in model._module.named_parameters()
+                if p.requires_grad}
 
     return Method(name, run)
 
@@ -349,7 +481,7 @@ def backpack(w: Workload) -> Method:
 
 
 def param_jacobian_case(w: Workload) -> Case:
-    """Seed 000's loop (the reference), ``vmap(jacrev)``, ``vmap(jacfwd)`` (dicts), and
+    """The question's loop (the reference), ``vmap(jacrev)``, ``vmap(jacfwd)`` (dicts), and
     persample's ``param_jacobian`` default (a dict), ``flat=True`` and ``out=``.
     Result ``(B, Y, P)``; the baseline is one backward of ``model(x).sum()``.
     ``vmap(jacfwd)`` is skipped when it would need over ``MEMORY_LIMIT_BYTES``.
@@ -552,7 +684,14 @@ def dp_step_case(w: Workload) -> Case:
     it (per parameter, no concatenation), Opacus ``DPOptimizer`` with hooks or ghost
     clipping, and persample's ``dp.private_grad``. The baseline is a plain SGD step.
     Noise is off while the results are checked, then ``sigma = 1``; ``lr = 0``, so
-    that the weights stay as they are.
+    that the weights stay as they are. Opacus is called with the inputs as its users
+    pass them (:meth:`~persample.cli.workloads.Workload.opacus_call`), its ghost
+    clipping given the loss as an ``nn.CrossEntropyLoss`` of the logits where the
+    workload says how (``opacus_ce``). The loop, ``torch.func`` and Opacus hooks are
+    subject to :class:`MemoryEstimate` as in :func:`grads_case`.
+
+    Raises:
+        MemoryError: the loop, the reference, would need over :func:`memory_limit`.
 
     Example:
         >>> from persample.cli.workloads import dp_workload
@@ -603,13 +742,18 @@ def dp_step_case(w: Workload) -> Case:
         own_opt.step()
         return {k: p.grad for k, p in own.named_parameters() if p.requires_grad}
 
-    grads = {m.name: m for m in grads_case(w).methods}
-    func = grads["torch.func vmap"]
+    def loop(_: Tensor | None) -> dict[str, Tensor]:
+        return loop_per_sample_grads(model, w.inputs, w.targets, w.loss_fn)
+
+    estimate = _reference_fits(w)
+    func = _unless_too_big("torch.func vmap", estimate, lambda: torch_func(w))
+    hooks = _unless_too_big("Opacus hooks", estimate,
+                            lambda: _opacus_dp_method(w, noise, ghost=False))
     case = Case(w, "plain SGD step", plain_step, (num_params(model),), "loop + clipping",
-                lambda: manual(grads["loop"].fn)(None), [
-        Method("loop + clipping", manual(grads["loop"].fn)),
-        Method("torch.func vmap + clipping", manual(func.fn), func.note),
-        _opacus_dp_method(w, noise, ghost=False),
+                lambda: manual(loop)(None), [
+        Method("loop + clipping", manual(loop)),
+        Method("torch.func vmap + clipping", manual(func.fn) if func.fn else None, func.note),
+        hooks,
         _opacus_dp_method(w, noise, ghost=True),
         Method("persample", persample_step, ours=True),
     ])
@@ -628,7 +772,7 @@ def _opacus_dp_method(w: Workload, noise: dict, ghost: bool) -> Method:
         import opacus  # noqa: F401
     except ImportError:
         return Method(name, None, "not installed (pip install -e '.[bench]')")
-    if ghost and not isinstance(w.loss_fn, nn.CrossEntropyLoss):
+    if ghost and not isinstance(w.loss_fn, nn.CrossEntropyLoss) and w.opacus_ce is None:
         return Method(name, None, "not applicable: it takes an nn.CrossEntropyLoss")
     try:
         step = _opacus_ghost_step(w, noise) if ghost else _opacus_hooks_step(w, noise)
@@ -653,7 +797,7 @@ def _opacus_hooks_step(w: Workload, noise: dict):
             state["sigma"] = noise["sigma"]
         opt = state["opt"]
         opt.zero_grad(set_to_none=True)
-        scalar_loss(w.loss_fn(w.call(model), w.targets)).backward()
+        scalar_loss(w.loss_fn(w.opacus_call(model), w.targets)).backward()
         opt.step()
         return {k: p.grad for k, p in model._module.named_parameters() if p.requires_grad}
 
@@ -679,7 +823,12 @@ def _opacus_ghost_step(w: Workload, noise: dict | None = None):
                 model, opt, nn.CrossEntropyLoss(), "mean"))
         opt = state["opt"]
         opt.zero_grad(set_to_none=True)
-        loss = state["loss"](w.call(model), w.targets)
+        out = w.opacus_call(model)
+        if w.opacus_ce is None:  # the loss is an nn.CrossEntropyLoss of the output
+            loss = state["loss"](out, w.targets)
+        else:  # logits (N, C), labels (N,), and (B, L) for the per-sample mean
+            logits, labels, shape = w.opacus_ce(out, w.targets)
+            loss = state["loss"](logits, labels, shape=shape)
         if norms:  # the first of Opacus's two backwards gives the norms
             torch.mean(loss.loss_per_sample).backward()
             return model.get_norm_sample()

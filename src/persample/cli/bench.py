@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,11 +288,10 @@ def _prepare(method: Method, buf: torch.Tensor, reference: torch.Tensor, repeats
                 result, first, memory = _first_call(run, device)
             _note_warnings(row, caught)
         row.peak_mb, row.peak_total_mb = memory.get("peak_mb"), memory.get("peak_total_mb")
-        flat = as_flat(result, tuple(reference.shape))
-        row.max_abs_diff = (flat - reference).abs().max().item() if flat.numel() else 0.0
-        scale = reference.abs().max().item() if reference.numel() else 0.0
+        row.max_abs_diff = max_abs_diff(result, reference)
+        scale = _chunked_max(reference, None)
         row.agrees = row.max_abs_diff <= AGREE_TOLERANCE * max(1.0, scale)
-        del result, flat
+        del result
         for _ in range(1 if first < 1.0 and not quick else 0):  # a second warm-up
             run()
     except Exception as err:  # a competitor failing must not stop the benchmark
@@ -302,6 +301,56 @@ def _prepare(method: Method, buf: torch.Tensor, reference: torch.Tensor, repeats
         row.times_ms.append(first * 1e3)
         return _Timer(row, run, 0)
     return _Timer(row, run, min(repeats, 3) if first > 1.0 else repeats)
+
+
+CHUNK_NUMEL = 1 << 24  # entries compared at a time: 64 MB of float32 temporaries
+
+
+def max_abs_diff(result: Any, reference: torch.Tensor) -> float:
+    """The largest ``|result - reference|``, ``result`` in any form :func:`as_flat` takes,
+    without concatenating it or making a temporary of the reference's size: each entry
+    of a dict is compared with its own columns of the reference (the last dim, in the
+    dict's order), a few rows at a time. Results of gigabytes stay at their size.
+
+    Raises:
+        ValueError: a dict entry whose leading dims are not the reference's.
+        RuntimeError: the numbers do not fit the reference's shape.
+
+    Example:
+        >>> ref = torch.zeros(2, 5)
+        >>> max_abs_diff({"w": torch.ones(2, 2, 2), "b": torch.zeros(2, 1)}, ref)
+        1.0
+    """
+    shape = tuple(reference.shape)
+    if not isinstance(result, Mapping):
+        return _chunked_max(result.reshape(shape), reference)
+    lead, start, worst = shape[:-1], 0, 0.0
+    for name, t in result.items():
+        if tuple(t.shape[: len(lead)]) != lead:
+            as_flat({name: t}, shape)  # raises the ValueError naming it
+        part = t.reshape(*lead, -1)
+        width = part.shape[-1]
+        worst = max(worst, _chunked_max(part, reference[..., start:start + width]))
+        start += width
+    if start != shape[-1]:
+        raise RuntimeError(f"the result has {start} numbers per row, the reference "
+                           f"{shape[-1]}")
+    return worst
+
+
+def _chunked_max(a: torch.Tensor, b: torch.Tensor | None) -> float:
+    """``max |a - b|`` (``max |a|`` where ``b`` is None) over dim-0 slices of about
+    :data:`CHUNK_NUMEL` entries; 0 for an empty tensor."""
+    if a.numel() == 0:
+        return 0.0
+    per_row = max(1, a[0].numel()) if a.ndim > 1 else 1
+    step = max(1, CHUNK_NUMEL // per_row)
+    worst = 0.0
+    for i in range(0, a.shape[0] if a.ndim else 1, step):
+        x = a[i:i + step] if a.ndim else a
+        d = x if b is None else x - (b[i:i + step] if b.ndim else b)
+        worst = max(worst, d.abs().max().item())
+    return worst
 
 
 def _ignore_noise() -> None:
@@ -418,16 +467,23 @@ def plot_reports(reports: list[Report], path: str) -> None:
     plt.close(fig)
 
 
-def build_case(name: str, batch: int | None, device: torch.device | str = "cpu") -> Case:
+def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
+               size: str = "full") -> Case:
     """The :class:`~persample.cli.anchors.Case` of workload ``name`` on ``device``.
 
     Args:
         name: one of :data:`~persample.cli.workloads.WORKLOADS`.
         batch: overrides the workload's batch size.
-        device: where the model and the data go (``"cpu"`` or ``"cuda"``).
+        device: where the model and the data go (``"cpu"`` or ``"cuda"``); on a GPU,
+            ``gpt2-768-*`` has GPT-2 small's 12 layers (4 on the CPU).
+        size: ``"tiny"``: a real-size workload (:data:`~persample.cli.workloads.
+            REAL_WORKLOADS`) built at test size, same data, loss and trainable
+            parameters (:func:`~persample.cli.workloads.real_workload`).
 
     Raises:
         SystemExit: an unknown workload.
+        ValueError: ``size="tiny"`` for a workload of one size.
+        MemoryError: the reference would need over the memory limit.
         persample.cli.real_models.NotInstalled: the workload's model package is missing.
 
     Example:
@@ -436,15 +492,17 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu")
         ((2, 4515602), ['persample'])
     """
     if name in GRAD_WORKLOADS:
-        return anchors.grads_case(grads_workload(name, batch).to(device))
+        return anchors.grads_case(grads_workload(name, batch, size, device).to(device))
+    if name in JACOBIAN_WORKLOADS and size != "full":
+        raise ValueError(f"{name} has one size, 'full'")
     if name == "mlp-param-jac":
         return anchors.param_jacobian_case(jacobian_workload(name, batch).to(device))
     if name in JACOBIAN_WORKLOADS:
         return anchors.input_jacobian_case(jacobian_workload(name, batch).to(device))
     if name == "cnn-norms":
-        return anchors.norms_case(dp_workload(name, batch).to(device))
+        return anchors.norms_case(dp_workload(name, batch, size, device).to(device))
     if name in DP_WORKLOADS:
-        return anchors.dp_step_case(dp_workload(name, batch).to(device))
+        return anchors.dp_step_case(dp_workload(name, batch, size, device).to(device))
     raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 

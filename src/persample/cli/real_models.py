@@ -1,4 +1,5 @@
-"""Real models for ``persample bench``, imported lazily: torchvision, timm, transformers.
+"""Real models for ``persample bench``, imported lazily: torchvision, timm, transformers,
+peft.
 
 None of these packages is a dependency of persample (the ``test`` extra installs
 them); the benchmark imports one only when a workload that needs it runs, and a
@@ -169,6 +170,121 @@ def gpt2(vocab_size: int, seq_len: int = 64, layers: int = 4, width: int = 256,
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def bert_classifier(vocab_size: int = 30522, layers: int = 4, width: int = 768,
+                    heads: int = 12, intermediate: int = 3072, classes: int = 2,
+                    max_positions: int = 512) -> nn.Module:
+    """transformers' ``BertForSequenceClassification(BertConfig(...))``: ``layers``
+    blocks of ``width`` with ``heads`` heads and an MLP of ``intermediate``, absolute
+    positions up to ``max_positions``, the pooler and a ``classes``-way ``classifier``;
+    the other settings BERT-base's (``BertConfig`` defaults). Random weights
+    (``torch.manual_seed(0)``), eval mode; float32, on the CPU. Called as
+    ``model(input_ids=..., token_type_ids=..., attention_mask=...)``; returns a
+    ``ModelOutput`` with ``.logits (B, classes)``.
+
+    Raises:
+        NotInstalled: transformers is missing.
+
+    Example:
+        >>> model = bert_classifier(100, layers=1, width=16, heads=2, intermediate=32)
+        >>> model(input_ids=torch.zeros(3, 8, dtype=torch.long)).logits.shape
+        torch.Size([3, 2])
+
+    Source: Devlin et al. 2019 (BERT); transformers' ``BertConfig``.
+    """
+    transformers = require("transformers")
+    config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=width,
+                                     num_hidden_layers=layers, num_attention_heads=heads,
+                                     intermediate_size=intermediate,
+                                     max_position_embeddings=max_positions, num_labels=classes)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config).eval()
+
+
+def llama(vocab_size: int = 32000, layers: int = 4, width: int = 1024, heads: int = 16,
+          kv_heads: int = 4, intermediate: int = 2816, max_positions: int = 2048) -> nn.Module:
+    """transformers' ``LlamaForCausalLM(LlamaConfig(...))``: ``layers`` blocks of
+    ``width``, grouped-query attention (``heads`` query heads sharing ``kv_heads``
+    key/value heads), rotary positions, RMSNorm, a SwiGLU MLP of ``intermediate``, an
+    output layer of its own (not tied to the embedding, as Llama ships). Random weights
+    (``torch.manual_seed(0)``), eval mode; float32, on the CPU. Called as
+    ``model(input_ids=..., attention_mask=...)``; returns a ``ModelOutput`` with
+    ``.logits (B, T, vocab_size)``.
+
+    Raises:
+        NotInstalled: transformers is missing.
+
+    Example:
+        >>> model = llama(100, layers=1, width=16, heads=4, kv_heads=2, intermediate=32)
+        >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape
+        torch.Size([1, 8, 100])
+
+    Source: Touvron et al. 2023 (Llama 2: grouped-query attention); transformers'
+    ``LlamaConfig``.
+    """
+    transformers = require("transformers")
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=width,
+                                      intermediate_size=intermediate, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=max_positions)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def lora(model: nn.Module, rank: int, targets: list[str],
+         modules_to_save: list[str] | None = None, task_type: str | None = None,
+         b_std: float = 0.0) -> nn.Module:
+    """``peft``'s LoRA adapters of rank ``rank`` (``lora_alpha = 2 * rank``, no dropout)
+    on the modules named ``targets``; ``modules_to_save`` (e.g. a classifier head)
+    trained in full beside them; every other parameter frozen. ``fan_in_fan_out`` is
+    set where the targets are transformers' ``Conv1D`` (GPT-2). ``task_type`` as peft's
+    ``LoraConfig`` takes it (``"SEQ_CLS"``, ``"CAUSAL_LM"``).
+
+    peft starts ``lora_B`` at zero, so that the adapted model is the base model and
+    every ``lora_A`` gets a zero gradient; ``b_std > 0`` draws ``lora_B`` from
+    ``N(0, b_std^2)`` instead (``torch.manual_seed(1)``), as after some fine-tuning.
+
+    Returns:
+        The ``PeftModel``, called as the model was.
+
+    Raises:
+        NotInstalled: peft is missing.
+
+    Example:
+        >>> net = lora(llama(100, layers=1, width=16, heads=4, kv_heads=2, intermediate=32),
+        ...            2, ["q_proj", "v_proj"])
+        >>> sorted({n.split(".")[-3] for n, p in net.named_parameters() if p.requires_grad})
+        ['lora_A', 'lora_B']
+
+    Source: Hu et al. 2021 (LoRA); peft's ``LoraConfig``.
+    """
+    peft = require("peft")
+    conv1d = _transformers_conv1d()
+    fan_in_fan_out = conv1d is not None and any(
+        isinstance(m, conv1d) for name, m in model.named_modules()
+        if name.split(".")[-1] in targets)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                             target_modules=list(targets), fan_in_fan_out=fan_in_fan_out,
+                             modules_to_save=modules_to_save, task_type=task_type)
+    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
+        warnings.simplefilter("ignore", FutureWarning)
+        wrapped = peft.get_peft_model(model, config)
+    if b_std > 0:
+        torch.manual_seed(1)
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0.0, b_std)
+    return wrapped
+
+
+def _transformers_conv1d() -> type | None:
+    """transformers' ``Conv1D`` (GPT-2's linear layers, weight stored ``(in, out)``)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
 def with_lora(model: nn.Module, rank: int = 8) -> nn.Module:
     """``peft``'s LoRA adapters of rank ``rank`` on GPT-2's attention input projection
     (``c_attn``, a ``Conv1D``: ``fan_in_fan_out=True``), no dropout; only the adapters
@@ -178,18 +294,13 @@ def with_lora(model: nn.Module, rank: int = 8) -> nn.Module:
         NotInstalled: peft is missing.
 
     Example:
-        >>> lora = with_lora(gpt2(257, seq_len=8, layers=1, width=16, heads=2), rank=2)
-        >>> sum(p.numel() for p in lora.parameters() if p.requires_grad)
+        >>> net = with_lora(gpt2(257, seq_len=8, layers=1, width=16, heads=2), rank=2)
+        >>> sum(p.numel() for p in net.parameters() if p.requires_grad)
         128
 
     Source: Hu et al. 2021 (LoRA); peft's ``LoraConfig``.
     """
-    peft = require("peft")
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                             target_modules=["c_attn"], fan_in_fan_out=True)
-    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
-        warnings.simplefilter("ignore", FutureWarning)
-        return peft.get_peft_model(model, config)
+    return lora(model, rank, ["c_attn"])
 
 
 def timm_vit(img_size: int = 28, in_chans: int = 1, classes: int = 10) -> nn.Module:

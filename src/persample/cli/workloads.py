@@ -8,21 +8,31 @@ The real models' packages are imported only when their workload is built
 
 from __future__ import annotations
 
+import re
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from ..data import ByteTokenizer, digits_features, digits_images, docstring_batch
+from ..data import (
+    ByteTokenizer,
+    digits_features,
+    digits_images,
+    docstring_batch,
+    stdlib_docstrings,
+)
 from . import real_models
 
 
 def simple_cnn() -> nn.Sequential:
-    """Seed 001's SimpleCNN (conv 1->32 k3, conv 32->64 k3, maxpool 2, fc 9216->128->10).
+    """The SimpleCNN of torch.func's "Per-sample-gradients" tutorial (conv 1->32 k3,
+    conv 32->64 k3, maxpool 2, fc 9216->128->10).
 
     Takes ``(B, 1, 28, 28)``, returns logits ``(B, 10)``; 1,199,882 parameters.
 
@@ -46,7 +56,8 @@ def simple_cnn() -> nn.Sequential:
 
 
 def deep_mlp(depth: int = 50, width: int = 300, classes: int = 2) -> nn.Sequential:
-    """Seed 004's benchmark MLP: ``depth`` ReLU layers of ``width`` units, then the classes.
+    """The MLP of the "fast-individual-gradients-with-autodiff" benchmark: ``depth`` ReLU
+    layers of ``width`` units, then the classes.
 
     Takes ``(B, width)``, returns logits ``(B, classes)``.
 
@@ -97,6 +108,18 @@ class Workload:
         loss_fn: ``loss_fn(model_output, targets)``: a scalar (mean over the batch) or
             ``(B,)`` per-sample losses; ``None`` for Jacobian workloads.
         description: one line for the table.
+        opacus_inputs: the same batch as Opacus's users pass it, or ``None`` (then
+            ``inputs``): a dict with ``position_ids`` (and ``token_type_ids``) spelled
+            out per sample, ``(B, T)``, so that Opacus's embedding grad samplers see
+            batch-first ids.
+        opacus_ce: for a loss that is a per-sample mean cross-entropy written from the
+            logits: ``opacus_ce(model_output, targets) -> (logits (N, C), labels (N,),
+            shape)``, where ``nn.CrossEntropyLoss(reduction="none")`` of the first two,
+            viewed as ``shape = (B, L)`` and averaged over its non-ignored entries per
+            row (Opacus's ``DPLossFastGradientClipping(..., shape=...)``), gives
+            ``loss_fn``'s ``(B,)``; ``shape`` is ``None`` where ``N = B``. How Opacus's
+            ghost clipping, which takes an ``nn.CrossEntropyLoss`` only, is given the
+            loss; ``None``: ``loss_fn`` is an ``nn.CrossEntropyLoss`` or it cannot be.
     """
 
     name: str
@@ -106,6 +129,8 @@ class Workload:
     targets: Tensor | None
     loss_fn: Callable[[Any, Tensor], Tensor] | None
     description: str
+    opacus_inputs: Any = None
+    opacus_ce: Callable[[Any, Tensor], tuple[Tensor, Tensor, tuple | None]] | None = None
 
     def __post_init__(self) -> None:
         self.model = self.model.float()  # whatever torch's default dtype is
@@ -126,10 +151,17 @@ class Workload:
         """The dtype of the model's parameters (float32), hence of every result."""
         return next(self.model.parameters()).dtype
 
-    def call(self, model: nn.Module | None = None) -> Any:
-        """``model(inputs)`` or ``model(**inputs)`` (default: the workload's model)."""
+    def call(self, model: nn.Module | None = None, inputs: Any = None) -> Any:
+        """``model(inputs)`` or ``model(**inputs)`` (default: the workload's model and
+        inputs)."""
         model = self.model if model is None else model
-        return model(**self.inputs) if isinstance(self.inputs, dict) else model(self.inputs)
+        inputs = self.inputs if inputs is None else inputs
+        return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+    def opacus_call(self, model: nn.Module) -> Any:
+        """``model`` called with the inputs as Opacus's users pass them
+        (:attr:`opacus_inputs`, else :attr:`inputs`)."""
+        return self.call(model, self.opacus_inputs)
 
     def to(self, device: torch.device | str) -> Workload:
         """Move the model, inputs and targets to ``device`` (in place); returns ``self``.
@@ -140,14 +172,16 @@ class Workload:
             (2, 'cpu')
         """
         self.model = self.model.to(device)
-        self.inputs = tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t,
-                               self.inputs)
+        move = lambda t: t.to(device) if isinstance(t, Tensor) else t  # noqa: E731
+        self.inputs, self.opacus_inputs = tree_map(move, self.inputs), tree_map(
+            move, self.opacus_inputs)
         if self.targets is not None:
             self.targets = self.targets.to(device)
         return self
 
 
-def grads_workload(name: str, batch: int | None = None) -> Workload:
+def grads_workload(name: str, batch: int | None = None, size: str = "full",
+                   device: torch.device | str = "cpu") -> Workload:
     """A per-sample gradients workload on the CPU (see :data:`GRAD_WORKLOADS`).
 
     ``cnn-grads`` (the SimpleCNN of torch.func's "Per-sample-gradients" tutorial, B=64,
@@ -161,14 +195,19 @@ def grads_workload(name: str, batch: int | None = None) -> Workload:
     ``GPT2LMHeadModel``, 4 layers x 256, 4 heads, byte vocabulary of 257, T=64, B=16,
     on the standard library's docstrings, inputs ``{"input_ids", "attention_mask"}``,
     per-sample next-token cross-entropy ``(B,)``). Models in eval mode, float32,
-    ``torch.manual_seed(0)``.
+    ``torch.manual_seed(0)``. The real-size transformers (:data:`REAL_GRAD_WORKLOADS`)
+    are :func:`real_workload`'s.
 
     Args:
         name: one of :data:`GRAD_WORKLOADS`.
         batch: overrides the batch size ``B``.
+        size: ``"tiny"`` builds a real-size workload at test size (:func:`real_workload`);
+            the other workloads have one size, ``"full"``.
+        device: where the workload will run (GPT-2 768 has 12 layers on a GPU); it is
+            built on the CPU.
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name, or ``size="tiny"`` for a workload of one size.
         persample.cli.real_models.NotInstalled: timm, torchvision or transformers is
             needed and missing.
 
@@ -177,6 +216,11 @@ def grads_workload(name: str, batch: int | None = None) -> Workload:
         >>> w.inputs.shape, w.targets.shape
         (torch.Size([4, 1, 28, 28]), torch.Size([4]))
     """
+    if name in REAL_GRAD_WORKLOADS:
+        return real_workload(name, batch, size, device)
+    if size != "full":
+        raise ValueError(f"{name} has one size, 'full'; size={size!r} exists for "
+                         f"{REAL_GRAD_WORKLOADS}")
     torch.manual_seed(0)
     if name == "cnn-grads":
         x, y = digits_images()
@@ -219,6 +263,252 @@ def grads_workload(name: str, batch: int | None = None) -> Workload:
                         f"transformers {what}, batch {b}, T={t}, stdlib docstrings "
                         "as bytes, per-sample next-token cross-entropy")
     raise ValueError(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
+
+
+# --- real-size transformers: word ids hashed into a real vocabulary ----------------------
+
+GPT2_PIECES = re.compile(r"'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+")
+"""GPT-2's pre-tokenizer pattern (contractions, words and numbers with their leading
+space, runs of punctuation, whitespace) in the standard library's ``re``: ``\\p{L}``
+as ``[^\\W\\d_]``, ``\\p{N}`` as ``\\d``."""
+
+BERT_PIECES = re.compile(r"\w+|[^\w\s]")
+"""BERT's basic tokenizer on lowercased text: runs of word characters, and each
+punctuation mark on its own."""
+
+
+def hashed_ids(text: str, pieces: re.Pattern, first: int, stop: int) -> list[int]:
+    """``text`` cut into pieces as a tokenizer's pre-tokenizer cuts it, each piece's id
+    ``first + crc32(piece's UTF-8 bytes) mod (stop - first)``: a word-level vocabulary
+    of ``stop - first`` ids without a table (the hashing trick), the same piece always
+    the same id, the ids spread over ``first..stop-1``. Stands in for a trained BPE or
+    WordPiece vocabulary, which would need a download.
+
+    Example:
+        >>> ids = hashed_ids("the cat, the hat", GPT2_PIECES, 0, 50256)
+        >>> len(ids), ids[0] == ids[3], ids[1] != ids[4], all(0 <= i < 50256 for i in ids)
+        (5, False, True, True)
+        >>> ids[2] == hashed_ids(",", GPT2_PIECES, 0, 50256)[0]
+        True
+
+    Source: Weinberger et al. 2009 (feature hashing); GPT-2's pre-tokenization pattern
+    (Radford et al. 2019).
+    """
+    span = stop - first
+    return [first + zlib.crc32(piece.encode("utf-8")) % span for piece in pieces.findall(text)]
+
+
+def hashed_text_batch(batch: int, seq_len: int, first: int, stop: int, eos: int,
+                      bos: int | None = None) -> tuple[dict[str, Tensor], Tensor]:
+    """Consecutive windows of the standard library's docstrings for a causal LM whose
+    vocabulary has ``stop`` ids: each docstring's pieces (:data:`GPT2_PIECES`) hashed
+    into ``first..stop-1`` (:func:`hashed_ids`), after ``bos`` (if given) and before
+    ``eos``, joined and cut into windows of ``seq_len``; the first ``batch`` windows.
+    Nothing is padded (the attention mask is all ones).
+
+    Returns:
+        ``({"input_ids": (B, T) int64, "attention_mask": (B, T) int64}, labels)``,
+        ``labels`` a copy of ``input_ids``.
+
+    Raises:
+        ValueError: the corpus has fewer than ``batch * seq_len`` tokens.
+
+    Example:
+        >>> inputs, labels = hashed_text_batch(2, 8, 0, 50256, eos=50256)
+        >>> inputs["input_ids"].shape, bool((labels == inputs["input_ids"]).all())
+        (torch.Size([2, 8]), True)
+    """
+    ids: list[int] = []
+    for text in stdlib_docstrings():
+        ids += ([] if bos is None else [bos]) + hashed_ids(text, GPT2_PIECES, first, stop)
+        ids.append(eos)
+        if len(ids) >= batch * seq_len:
+            break
+    if len(ids) < batch * seq_len:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than "
+                         f"batch * seq_len = {batch * seq_len}")
+    input_ids = torch.tensor(ids[: batch * seq_len], dtype=torch.int64).view(batch, seq_len)
+    mask = torch.ones_like(input_ids)
+    return {"input_ids": input_ids, "attention_mask": mask}, input_ids.clone()
+
+
+BERT_PAD, BERT_CLS, BERT_SEP, BERT_FIRST_WORD = 0, 101, 102, 999  # bert-base-uncased's ids
+
+
+def padded_docstring_batch(batch: int, seq_len: int, vocab: int
+                           ) -> tuple[dict[str, Tensor], Tensor]:
+    """The first ``batch`` docstrings of the standard library as a BERT tokenizer pads
+    them: ``[CLS]``, the lowercased pieces (:data:`BERT_PIECES`) hashed into
+    ``999..vocab-1`` (:func:`hashed_ids`; below 999 are bert-base-uncased's special and
+    unused ids), ``[SEP]``, truncated to ``seq_len`` and right-padded with ``[PAD]``
+    (id 0): each sample its own length. Label: 1 where the docstring has more than one
+    paragraph (a summary line and a body), else 0.
+
+    Returns:
+        ``({"input_ids", "token_type_ids" (zeros: one segment), "attention_mask" (1 on
+        each sample's own tokens)}, labels (B,))``, all int64.
+
+    Example:
+        >>> inputs, labels = padded_docstring_batch(4, 16, 30522)
+        >>> inputs["attention_mask"].sum(1).tolist(), labels.tolist()
+        ([13, 16, 16, 11], [0, 0, 1, 0])
+    """
+    texts = stdlib_docstrings()[:batch]
+    ids = torch.zeros(batch, seq_len, dtype=torch.int64)  # [PAD] everywhere
+    mask = torch.zeros_like(ids)
+    for i, text in enumerate(texts):
+        words = hashed_ids(text.lower(), BERT_PIECES, BERT_FIRST_WORD, vocab)[: seq_len - 2]
+        row = [BERT_CLS, *words, BERT_SEP]
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    labels = torch.tensor([int("\n\n" in text) for text in texts], dtype=torch.int64)
+    inputs = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask}
+    return inputs, labels
+
+
+def logits_cross_entropy(out: Any, labels: Tensor) -> Tensor:
+    """``(B,)`` cross-entropies of a classifier's ``out.logits (B, C)`` against ``labels``.
+
+    Example:
+        >>> out = type("Out", (), {"logits": torch.zeros(2, 4)})()
+        >>> logits_cross_entropy(out, torch.tensor([0, 3]))  # log(4) each
+        tensor([1.3863, 1.3863])
+    """
+    return F.cross_entropy(out.logits, labels, reduction="none")
+
+
+def classifier_ce(out: Any, labels: Tensor) -> tuple[Tensor, Tensor, None]:
+    """:func:`logits_cross_entropy` as Opacus's ghost clipping takes it: the logits
+    ``(B, C)`` and the labels for ``nn.CrossEntropyLoss``."""
+    return out.logits, labels, None
+
+
+def causal_lm_ce(out: Any, labels: Tensor) -> tuple[Tensor, Tensor, tuple[int, int]]:
+    """:func:`~persample.cli.real_models.causal_lm_loss` as Opacus's ghost clipping
+    takes it: the shifted logits flattened to ``(B * (T-1), V)``, the next tokens
+    ``(B * (T-1),)`` and ``shape = (B, T-1)`` (Opacus's per-sequence mean).
+
+    Example:
+        >>> out = type("Out", (), {"logits": torch.zeros(2, 5, 7)})()
+        >>> [tuple(t.shape) if isinstance(t, Tensor) else t
+        ...  for t in causal_lm_ce(out, torch.ones(2, 5, dtype=torch.long))]
+        [(8, 7), (8,), (2, 4)]
+    """
+    logits, labels = out.logits[:, :-1], labels[:, 1:]  # (B, T-1, V), (B, T-1)
+    return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), tuple(labels.shape)
+
+
+def per_sample_positions(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``inputs`` with ``position_ids = 0..T-1`` for every sample, ``(B, T)``: how
+    Opacus's users pass a batch, so that its embedding grad samplers see batch-first
+    ids (a model builds ``(1, T)`` positions itself otherwise). Right-padded samples
+    keep positions counted from their first token, as the model counts them.
+
+    Example:
+        >>> per_sample_positions({"input_ids": torch.zeros(2, 3)})["position_ids"]
+        tensor([[0, 1, 2],
+                [0, 1, 2]])
+    """
+    b, t = inputs["input_ids"].shape
+    return {**inputs, "position_ids": torch.arange(t).expand(b, t).contiguous()}
+
+
+GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary; its last id is <|endoftext|>
+BERT_VOCAB = 30522  # bert-base-uncased's WordPiece vocabulary
+LLAMA_VOCAB, LLAMA_BOS, LLAMA_EOS = 32000, 1, 2  # Llama's SentencePiece vocabulary
+
+REAL_GRAD_WORKLOADS = ("gpt2-768-grads", "bert-lora-grads", "llama-lora-grads")
+SIZES = ("full", "tiny")
+
+
+def real_workload(name: str, batch: int | None = None, size: str = "full",
+                  device: torch.device | str = "cpu") -> Workload:
+    """A real-size transformer with its real vocabulary, on the CPU (see
+    :data:`REAL_GRAD_WORKLOADS`); random weights (``torch.manual_seed(0)``), eval mode,
+    nothing downloaded; the text is the standard library's docstrings, each piece of it
+    hashed into the model's vocabulary (:func:`hashed_ids`).
+
+    ``gpt2-768-grads``: transformers ``GPT2LMHeadModel`` as ``GPT2Config()`` ships it
+    (vocabulary 50257, width 768, 12 heads, 1024 positions, the output layer tied to
+    the token embedding) with 4 layers, or the full 12 when ``device`` is a GPU; every
+    parameter trained; B=8, T=128, per-sample next-token cross-entropy.
+    ``bert-lora-grads``: ``BertForSequenceClassification``, vocabulary 30522, width
+    768, 12 heads, 4 layers, 2 classes; peft LoRA r=8 on ``query``/``value`` with the
+    classifier trained in full (``modules_to_save``), nothing else; B=16, T=128, each
+    docstring padded to 128 (:func:`padded_docstring_batch`), cross-entropy per sample.
+    ``llama-lora-grads``: ``LlamaForCausalLM``, vocabulary 32000, width 1024, 16 query
+    heads sharing 4 key/value heads, 4 layers, MLP 2816, rotary positions, RMSNorm;
+    peft LoRA r=16 on ``q_proj``/``k_proj``/``v_proj``/``o_proj``; B=8, T=128,
+    per-sample next-token cross-entropy. The LoRA ``lora_B`` are drawn ``N(0, 0.02^2)``
+    (as after some fine-tuning) instead of peft's zeros, so that every adapter's
+    gradient is nonzero.
+
+    ``size="tiny"`` builds the same workload (same vocabulary, data, loss, adapters
+    and trainable parameters) at width 16, 2 layers, 4 heads (2 key/value heads for
+    Llama), B = T = 4 (T = 16 for BERT, so that its samples have their own lengths),
+    LoRA r=2: for tests.
+
+    Args:
+        name: one of :data:`REAL_GRAD_WORKLOADS`.
+        batch: overrides the batch size ``B``.
+        size: ``"full"`` or ``"tiny"``.
+        device: where the workload will run: GPT-2 has 12 layers on a GPU, 4 elsewhere
+            (the model is built on the CPU; :meth:`Workload.to` moves it).
+
+    Raises:
+        ValueError: an unknown name or size.
+        persample.cli.real_models.NotInstalled: transformers or peft is missing.
+
+    Example:
+        >>> w = real_workload("llama-lora-grads", size="tiny")
+        >>> w.n, w.inputs["input_ids"].shape[1], int(w.inputs["input_ids"].max()) < 32000
+        (4, 4, True)
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {SIZES}")
+    tiny = size == "tiny"
+    dims = dict(width=16, heads=4, layers=2) if tiny else None
+    torch.manual_seed(0)
+    if name == "gpt2-768-grads":
+        gpu = torch.device(device).type == "cuda"
+        b, t = batch or (4 if tiny else 8), 4 if tiny else 128
+        layers = 2 if tiny else (12 if gpu else 4)
+        model = real_models.gpt2(GPT2_VOCAB, seq_len=1024, **(dims or dict(
+            width=768, heads=12, layers=layers)))
+        inputs, labels = hashed_text_batch(b, t, 0, GPT2_VOCAB - 1, eos=GPT2_VOCAB - 1)
+        what = (f"GPT-2 small {'tiny test size' if tiny else f'{layers} layers (12 on a GPU)'}"
+                ", vocabulary 50257 tied to the output layer, every parameter trained")
+        return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
+                        f"transformers {what}, batch {b}, T={t}, stdlib docstrings hashed "
+                        "to GPT-2's vocabulary, per-sample next-token cross-entropy",
+                        per_sample_positions(inputs), causal_lm_ce)
+    if name == "bert-lora-grads":
+        b, t, rank = batch or (4 if tiny else 16), 16 if tiny else 128, 2 if tiny else 8
+        model = real_models.bert_classifier(BERT_VOCAB, **(dict(dims, intermediate=32) if tiny
+                                                         else {}))
+        model = real_models.lora(model, rank, ["query", "value"], modules_to_save=["classifier"],
+                                 task_type="SEQ_CLS", b_std=0.02)
+        inputs, labels = padded_docstring_batch(b, t, BERT_VOCAB)
+        lengths = inputs["attention_mask"].sum(1)
+        return Workload(name, "peft", model, inputs, labels, logits_cross_entropy,
+                        f"transformers BERT {'tiny' if tiny else '4x768, 12 heads'}, "
+                        f"vocabulary 30522 + peft LoRA r={rank} on query/value, classifier "
+                        f"trained, batch {b}, T={t} padded (lengths {int(lengths.min())}-"
+                        f"{int(lengths.max())}), stdlib docstrings, 2 classes, cross-entropy",
+                        per_sample_positions(inputs), classifier_ce)
+    if name == "llama-lora-grads":
+        b, t, rank = batch or (4 if tiny else 8), 4 if tiny else 128, 2 if tiny else 16
+        model = real_models.llama(LLAMA_VOCAB, **(dict(dims, kv_heads=2, intermediate=32)
+                                                  if tiny else {}))
+        model = real_models.lora(model, rank, ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                 task_type="CAUSAL_LM", b_std=0.02)
+        inputs, labels = hashed_text_batch(b, t, 3, LLAMA_VOCAB, eos=LLAMA_EOS, bos=LLAMA_BOS)
+        return Workload(name, "peft", model, inputs, labels, real_models.causal_lm_loss,
+                        f"transformers Llama {'tiny' if tiny else '4x1024, 16 heads / 4 kv'}"
+                        f", vocabulary 32000 + peft LoRA r={rank} on q/k/v/o_proj, batch {b}, "
+                        f"T={t}, stdlib docstrings hashed to the vocabulary, per-sample "
+                        "next-token cross-entropy", per_sample_positions(inputs), causal_lm_ce)
+    raise ValueError(f"unknown workload {name!r}; choose from {REAL_GRAD_WORKLOADS}")
 
 
 def mlp(sizes: list[int], activation: type[nn.Module]) -> nn.Sequential:
@@ -275,12 +565,14 @@ def jacobian_workload(name: str, batch: int | None = None) -> Workload:
 DP_MAX_GRAD_NORM = 1.0  # C of the DP-SGD step workloads; sigma = 1
 
 
-def dp_workload(name: str, batch: int | None = None) -> Workload:
+def dp_workload(name: str, batch: int | None = None, size: str = "full",
+                device: torch.device | str = "cpu") -> Workload:
     """``cnn-norms`` (per-sample gradient norms of ``cnn-grads``) or one DP-SGD step
-    (``X-dp-step``) on the per-sample gradients workload ``X-grads``.
+    (``X-dp-step``) on the per-sample gradients workload ``X-grads`` (``size`` and
+    ``device`` as :func:`grads_workload` takes them).
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name or size.
         persample.cli.real_models.NotInstalled: as :func:`grads_workload`.
 
     Example:
@@ -288,19 +580,25 @@ def dp_workload(name: str, batch: int | None = None) -> Workload:
         'one DP-SGD step (C = 1.0, sigma = 1)'
     """
     if name == "cnn-norms":
-        w = grads_workload("cnn-grads", batch)
+        w = grads_workload("cnn-grads", batch, size, device)
         what = "per-sample gradient norms"
     elif name in DP_WORKLOADS:
-        w = grads_workload(name.replace("-dp-step", "-grads"), batch)
+        w = grads_workload(name.replace("-dp-step", "-grads"), batch, size, device)
         what = f"one DP-SGD step (C = {DP_MAX_GRAD_NORM}, sigma = 1)"
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {DP_WORKLOADS}")
     return replace(w, name=name, description=f"{w.description}; {what}")
 
 
+REAL_DP_WORKLOADS = tuple(name.replace("-grads", "-dp-step") for name in REAL_GRAD_WORKLOADS)
+REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS) for w in pair)
+"""The real-size transformers with their real vocabularies (``persample bench --real``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
-                  "gpt2-grads")
+                  "gpt2-grads") + REAL_GRAD_WORKLOADS
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
-                "gpt2-dp-step", "gpt2-lora-dp-step")
-WORKLOADS = GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS
+                "gpt2-dp-step", "gpt2-lora-dp-step") + REAL_DP_WORKLOADS
+SMALL_WORKLOADS = tuple(w for w in GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS
+                        if w not in REAL_WORKLOADS)
+"""The workloads of small models (seconds each; ``persample bench --no-real``)."""
+WORKLOADS = SMALL_WORKLOADS + REAL_WORKLOADS
