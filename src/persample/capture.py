@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from .batch import FREE, Batched, Ctx, Flow, Layout, Mixed, Unknown, in_place, op_leaves, propagate
-from .batch.flow import name_of
+from .batch.flow import name_of, unbroadcast
 from .batch.ops_indexing import setitem_layout
 from .errors import raise_internal
 from .precision import AutocastState, autocast_state
@@ -136,6 +136,7 @@ class Derived:
     tensor: Tensor
     op: Op
     out: int  # which output of op
+    version: int = 0  # the tensor's, when the op made it
 
 
 Expansion = Callable[..., Any]
@@ -162,6 +163,9 @@ class _Layouts:
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[weakref.ref, Layout]] = {}
+        # storages of free tensors written with samples, kept alive (so that no new tensor
+        # is allocated at their address during the capture)
+        self.contaminated: dict[int, Any] = {}
 
     def get(self, t: Tensor) -> Layout | None:
         entry = self._by_id.get(id(t))
@@ -169,6 +173,21 @@ class _Layouts:
 
     def __setitem__(self, t: Tensor, layout: Layout) -> None:
         self._by_id[id(t)] = (weakref.ref(t), layout)
+
+    def layout(self, t: Tensor) -> Layout:
+        """``t``'s layout (:data:`_MISSING` if never set; a free tensor whose storage was
+        later written with sample data is Unknown)."""
+        entry = self._by_id.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return _MISSING
+        lay = entry[1]
+        if lay is FREE and self.contaminated and _storage(t) in self.contaminated:
+            return Unknown("a free tensor later written in place with per-sample data")
+        return lay
+
+
+_MISSING = Unknown("a tensor made outside the captured ops (a custom autograd Function, "
+                   "TorchScript, or a tensor kept from before)")
 
 
 class _Mode(TorchFunctionMode):
@@ -210,10 +229,17 @@ def _hidden(fn: Callable) -> Callable:
 _HIDDEN_MODE: list[type] = []
 
 
-def _mode_class() -> type:
-    """``_Mode``, or once ``torch.compile`` is in use, ``_Mode`` with its
-    ``__torch_function__`` hidden from TorchDynamo."""
-    if "torch._dynamo" not in sys.modules:
+def _must_hide() -> bool:
+    """Must the capture's own code be hidden from TorchDynamo now? Once ``torch.compile``
+    is in use, unless compiled code runs eagerly anyway (an open capture set that
+    stance: see :class:`_WhileCapturing`); hiding costs a few microseconds per op."""
+    return "torch._dynamo" in sys.modules and _WhileCapturing.stance is None
+
+
+def _mode_class(hide: bool) -> type:
+    """``_Mode``, or with ``hide``, ``_Mode`` with its ``__torch_function__`` hidden from
+    TorchDynamo."""
+    if not hide or "torch._dynamo" not in sys.modules:
         return _Mode
     if not _HIDDEN_MODE:
         _HIDDEN_MODE.append(type("_HiddenMode", (_Mode,), {
@@ -378,17 +404,14 @@ class Capture:
         self.calls: list[Call] = []
         self.stack: list[Call] = []
         self.unseen_reads: set[int] = set()
-        # storages of free tensors written with samples, kept alive (so that no new tensor
-        # is allocated at their address during the capture)
-        self.contaminated: dict[int, Any] = {}
+        self.contaminated = self.layouts.contaminated
         self.thread = threading.get_ident()
         # no reference cycle back to the capture (its graph would live until the cyclic
         # GC runs: gigabytes in a training loop of many micro-batches)
-        this = weakref.ref(self)
-        self.ctx = Ctx(n, lambda t: this().layout(t))
+        self.ctx = Ctx(n, self.layouts.layout)
         self._module_rule = module_rule
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._mode = _mode_class()(weakref.proxy(self))
+        self._mode: TorchFunctionMode | None = None  # made on entering
         for t in self._free_tensors(model, shared):
             self.layouts[t] = FREE
         for item in batched:
@@ -404,11 +427,12 @@ class Capture:
     def follow(self) -> Iterator[None]:
         """Inside: ops are followed (layouts) as during the forward, without the module
         hooks (the loss, after the model's forward)."""
-        self._mode.__enter__()
+        mode = _mode_class(_must_hide())(weakref.proxy(self))
+        mode.__enter__()
         try:
             yield
         finally:
-            self._mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)
 
     @staticmethod
     def _free_tensors(model: nn.Module | None, shared: tuple) -> list[Tensor]:
@@ -418,12 +442,13 @@ class Capture:
         found = [t for t in tree_leaves(shared) if isinstance(t, Tensor)]
         if model is None:
             return found
-        found += list(model.parameters()) + list(model.buffers())
         for m in model.modules():
-            for value in vars(m).values():
+            found += [t for t in m._parameters.values() if t is not None]
+            found += [t for t in m._buffers.values() if t is not None]
+            for key, value in vars(m).items():
                 if isinstance(value, Tensor):
                     found.append(value)
-                elif isinstance(value, (list, tuple, dict)) and value:
+                elif isinstance(value, (list, tuple, dict)) and value and key not in _INTERNALS:
                     found += _held_tensors(value)
         return found
 
@@ -431,39 +456,39 @@ class Capture:
 
     def layout(self, t: Tensor) -> Layout:
         """The layout of ``t``; a tensor the capture never saw created is Unknown."""
-        lay = self.layouts.get(t)
-        if lay is None:
-            return Unknown("a tensor made outside the captured ops (a custom autograd "
-                           "Function, TorchScript, or a tensor kept from before)")
-        if lay is FREE and self.contaminated and _storage(t) in self.contaminated:
-            return Unknown("a free tensor later written in place with per-sample data")
-        return lay
+        return self.layouts.layout(t)
 
     # -- the context manager --------------------------------------------------
 
     def __enter__(self) -> Capture:
+        _WhileCapturing.enter()
         try:
+            hide = _must_hide()  # (after the stance is set)
             # a module with no trainable parameter inside is not hooked: its parent's call
             # stands for it
             holders = _holders(self.model, self.watched) if self.model is not None else []
+            post = _hidden(self._post_hook) if hide else self._post_hook
             for name, module in holders:
+                pre = self._pre_hook(name)
                 self._handles.append(module.register_forward_pre_hook(
-                    _hidden(self._pre_hook(name)), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(
-                    _hidden(self._post_hook), with_kwargs=True))
+                    _hidden(pre) if hide else pre, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(post, with_kwargs=True))
+            self._mode = _mode_class(hide)(weakref.proxy(self))
             self._mode.__enter__()
-            _WhileCapturing.enter()
         except BaseException:
             self._remove()
+            _WhileCapturing.exit()
             raise
         return self
 
     def __exit__(self, _type, exc, _tb) -> None:
         try:
-            _WhileCapturing.exit()
             self._mode.__exit__(None, None, None)
         finally:
-            self._remove()
+            try:
+                _WhileCapturing.exit()
+            finally:
+                self._remove()
         if exc is not None and self.stack:  # raised inside a module's forward: name it
             exc.add_note(where(self.stack[-1], exc))
 
@@ -520,8 +545,14 @@ class Capture:
         there is an :class:`~persample.errors.InternalError` naming the op)."""
         try:
             leaves = op_leaves(args, kwargs)
-            layouts = [self._seen(t) for t in leaves]
             sources = self._sources(leaves)
+            if sources:  # a derived tensor the op broadcasts anyway: its narrow form
+                narrowed = unbroadcast(func, args, kwargs, self._unexpanded)
+                if narrowed is not None:
+                    args, kwargs = narrowed
+                    leaves = op_leaves(args, kwargs)
+                    sources = self._sources(leaves)
+            layouts = [self._seen(t) for t in leaves]
             mutates = in_place(func, kwargs)
             before = None
             if sources and mutates and leaves and leaves[0] is args[0] and 0 not in sources:
@@ -563,14 +594,15 @@ class Capture:
     def _seen(self, t: Tensor) -> Layout:
         """``t``'s layout; a tensor the capture never saw made becomes Unknown, named
         with the module where it is first read."""
-        lay = self.layouts.get(t)
-        if lay is None:
-            if self.constant(t):
-                self.layouts[t] = FREE
-                return FREE
-            where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
-            self.layouts[t] = Unknown(f"{self.layout(t).why}{where}")
-        return self.layout(t)
+        lay = self.layouts.layout(t)
+        if lay is not _MISSING:
+            return lay
+        if self.constant(t):
+            self.layouts[t] = FREE
+            return FREE
+        where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
+        lay = self.layouts[t] = Unknown(f"{_MISSING.why}{where}")
+        return lay
 
     def _sources(self, leaves: list) -> dict[int, frozenset[int]]:
         found = {}
@@ -582,6 +614,25 @@ class Capture:
                 if d is not None and d.tensor is t:
                     found[k] = d.op.sources_all
         return found
+
+    def _unexpanded(self, t: Tensor) -> Tensor | None:
+        """The tensor a derived ``t`` repeats along new or size-1 dims (``bias.expand(B,
+        H, T, T)``, ``cls.repeat(B, 1, 1)``, ``pos.expand_as(x)``), if neither changed
+        since: ``t`` is it broadcast, entry for entry. An op that broadcasts ``t`` anyway
+        reads it instead (:func:`persample.batch.flow.unbroadcast`): its per-sample
+        cotangent then has that tensor's shape, shared by the samples, and the op's own
+        backward gives it, where ``t``, as wide as the batch, would need one row per
+        sample of a per-sample VJP."""
+        found = None
+        while True:
+            d = self.derived.get(id(t))
+            if (d is None or d.tensor is not t or d.op.func not in _WIDENINGS
+                    or 0 not in d.op.sources or t._version != d.version or d.op.changed()):
+                return found
+            src = d.op.args[0]
+            if src.dim() == 0 or src.dtype != t.dtype or not _broadcasts(src.shape, t.shape):
+                return found  # (a 0-dim tensor would change the type promotion)
+            found = t = src
 
     def _set_outputs(self, out: Any, layouts: Any) -> None:
         if isinstance(out, Tensor):
@@ -638,7 +689,9 @@ class Capture:
         self.ops.append(op)
         for k, (o, lay) in enumerate(zip(outs, lays)):
             if lay is FREE and o.requires_grad and not any(o is t for t in leaves):
-                self.derived[id(o)] = Derived(o, op, k)  # (x.to() may be x itself)
+                self.derived[id(o)] = Derived(o, op, k, o._version)  # (x.to() may be x)
+        op.output = _shapes_only(out, op.flow.outputs)
+
 
     def _claim(self, pids: frozenset[int]) -> Call | None:
         """The innermost module-rule call under way that holds one of these parameters."""
@@ -647,6 +700,39 @@ class Capture:
                     id(p) in pids for p in call.module.parameters(recurse=False)):
                 return call
         return None
+
+
+def _shapes_only(out: Any, layouts: Any) -> Any:
+    """An op's output with each tensor carrying samples replaced by a stand-in of its
+    shape, strides and dtype on the meta device: what comes later reads its gradient
+    (through its edge) and its layout, never its values, and the values (GPT-2's
+    logits: ``(B, T, 50257)``) are freed as in a plain step."""
+    if isinstance(out, Tensor):
+        if not isinstance(layouts, Batched):
+            return out
+        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+    if isinstance(out, (tuple, list)) and isinstance(layouts, tuple) and len(out) == len(
+            layouts):
+        return type(out)(_shapes_only(o, lay) for o, lay in zip(out, layouts)) \
+            if type(out) in (tuple, list) else out
+    return out
+
+
+# what nn.Module keeps in its instance dict (parameters and buffers are read on their own)
+_INTERNALS = frozenset(vars(nn.Module()))
+
+# ops whose output is their first argument repeated along new or size-1 dims, where its
+# shape broadcasts to the output's
+_WIDENINGS = frozenset(f for f in (
+    torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to, torch.Tensor.broadcast_to,
+    torch.Tensor.repeat, torch.tile, torch.Tensor.tile) if f is not None)
+
+
+def _broadcasts(small: torch.Size, big: torch.Size) -> bool:
+    """``small`` broadcasts to ``big`` (right-aligned, each dim equal or 1)."""
+    if len(small) > len(big):
+        return False
+    return all(a == b or a == 1 for a, b in zip(reversed(small), reversed(big)))
 
 
 def user_leaf(t: Tensor) -> bool:

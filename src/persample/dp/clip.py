@@ -29,7 +29,7 @@ from ..fallback import summed_vjp
 from ..methods import Taken, answer, leave_rules, slower
 from ..norms import squared_norms, sum_of_squares
 from ..plan import Captured, Plan
-from ..precision import cast, without_autocast
+from ..precision import LOW, cast, without_autocast
 from ..reference import loop_per_sample_grads
 from ..rules import OpCall, find_norm_rule, find_op_sum
 from ..vmap import vmap_per_sample_grads
@@ -109,12 +109,14 @@ def private_grad(
             "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
             "(q * N) so that the noise is scaled as for every other step"
         )
-    # the noise first, in the new p.grad's memory; each clipped sum is added as it is made
-    noise = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm, generator,
-                          accumulate=True)  # float32 at least: the sums accumulate there
-    grads = {id(p): t for p, t in zip(params.values(), noise)}
-    norms = _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per_layer,
-                              grads)
+    def noise() -> dict[int, Tensor]:  # the new p.grad's memory, drawn once the backward is
+        # done (the activations freed); float32 at least: the clipped sums are added to it
+        drawn = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm,
+                              generator, accumulate=True)
+        return {id(p): t for p, t in zip(params.values(), drawn)}
+
+    norms, grads = _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm,
+                                     per_layer, noise)
     divisor = expected_batch_size or n
     for p in params.values():  # in the parameter's dtype, as autograd gives it
         p.grad = grads[id(p)].div_(divisor).to(p.dtype)
@@ -122,14 +124,16 @@ def private_grad(
 
 
 def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per_layer,
-                      into: dict[int, Tensor]) -> Tensor:
-    """Add ``sum_i c_i g_i`` of every parameter into ``into[id(p)]``; return the ``(n,)``
-    norms. One forward and backward (or, where the rules cannot split the model, the
-    per-sample gradients of ``torch.func`` or the loop); an unused parameter gets nothing
-    added."""
+                      make_into: Callable[[], dict[int, Tensor]]
+                      ) -> tuple[Tensor, dict[int, Tensor]]:
+    """Add ``sum_i c_i g_i`` of every parameter into ``into[id(p)]``, ``into =
+    make_into()`` called once the norms are known (after the backward: its memory is not
+    held while the activations are); return the ``(n,)`` norms and ``into``. One forward
+    and backward (or, where the rules cannot split the model, the per-sample gradients
+    of ``torch.func`` or the loop); an unused parameter gets nothing added."""
     n = batch.n
     if n == 0:
-        return next(iter(params.values())).new_zeros(0)
+        return next(iter(params.values())).new_zeros(0), make_into()
     watched = {id(p): p for p in params.values()}
 
     def by_rules() -> tuple:
@@ -152,6 +156,7 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
     _check_finite(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
+    into = make_into()
     done, started = set(mats), set()
     for pid, m in mats.items():  # (n, 1, *shape) materialised
         into[pid].add_(torch.tensordot(factors[pid].to(m.dtype), m[:, 0], dims=1))
@@ -176,7 +181,7 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
             for name, p in rest.items():
                 into[id(p)].add_(torch.tensordot(factors[id(p)].to(grads[name].dtype),
                                                  grads[name], dims=1))
-    return norms
+    return norms, into
 
 
 def _keeps_graph(plan: Plan) -> bool:
@@ -235,15 +240,22 @@ def _add_op_sums(cap: Captured, op, pids: list[int], factors: dict[int, Tensor],
     for group in groups.values():
         c = factors[id(group[0])]  # (n,)
         targets = {id(p): into[id(p)] for p in group}
-        dtype = targets[id(group[0])].dtype
         if summed is not None:
             (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
+            dtype = _sum_dtype(g.dtype, targets[id(group[0])].dtype)
             with torch.no_grad():
                 if summed(OpCall(op, cap.n, dtype), cast(g[:, 0], dtype), c.to(dtype), targets):
                     continue
         got = _local_backward(cap, op, group, c)
         for p in group:
             into[id(p)].add_(got[id(p)])
+
+
+def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an op's clipped sum is computed in: the op's own under autocast (its
+    backprops are bfloat16: the GEMM runs there, as autograd's weight gradient would,
+    and is added to the float32 sums), else the sums'."""
+    return op_dtype if op_dtype in LOW and into_dtype not in LOW else into_dtype
 
 
 def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:

@@ -140,12 +140,15 @@ class PrivateStep:
         if self.sums is None:
             self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_(),
                                                           accumulate=True)))
-        into = dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_(),
-                                                      accumulate=True)))
+        def zeros() -> dict[int, Tensor]:
+            return dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_(),
+                                                         accumulate=True)))
+
         try:
             with checks.kept_buffers(self.model):
-                norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
-                                          self.params, self.max_grad_norm, self.per_layer, into)
+                norms, into = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
+                                                self.params, self.max_grad_norm,
+                                                self.per_layer, zeros)
         except FloatingPointError as err:
             if _world() is None:
                 raise

@@ -158,7 +158,8 @@ def embedding_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -
     i, gt, w = found
     if id(w) in into:
         rows = (gt * c.view(-1, 1, 1)).reshape(-1, gt.shape[2])  # (n*t, d)
-        into[id(w)].view(w.shape[0], -1).index_add_(0, i.reshape(-1), rows)
+        table = into[id(w)].view(w.shape[0], -1)
+        table.index_add_(0, i.reshape(-1), rows.to(table.dtype))
     return True
 
 

@@ -122,7 +122,7 @@ def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> b
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     if id(w) in into:
         a, gw = _scaled_smaller(rows(call, x, i), gt, c)
-        into[id(w)].addmm_(gw.reshape(-1, o).T, a.reshape(-1, i))  # (o, n*t) @ (n*t, i)
+        add_product(into[id(w)], gw.reshape(-1, o).T, a.reshape(-1, i))  # (o, n*t) @ (n*t, i)
     if b is not None and id(b) in into:
         into[id(b)].add_(c @ gt.sum(1))  # (n,) @ (n, o)
     return True
@@ -132,6 +132,15 @@ def _scaled_smaller(a: Tensor, g: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """``a (n, t, i)``, ``g (n, t, o)`` with the one of fewer features times ``c (n,)``."""
     c = c.view(-1, 1, 1)
     return (a * c, g) if a.shape[2] <= g.shape[2] else (a, g * c)
+
+
+def add_product(into: Tensor, m1: Tensor, m2: Tensor, alpha: float = 1) -> None:
+    """``into += alpha * m1 @ m2``; a product in a lower precision than ``into`` (an op
+    under autocast: its GEMM runs in bfloat16 as autograd's would) is added after."""
+    if m1.dtype == into.dtype:
+        into.addmm_(m1, m2, alpha=alpha)
+    else:
+        into.add_(m1 @ m2, alpha=alpha)
 
 
 def ghost_norm(a: Tensor, g: Tensor) -> Tensor | None:
@@ -249,7 +258,7 @@ def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bo
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     if id(w) in into:
         a, gw = _scaled_smaller(rows(call, x, i), gt, c)
-        into[id(w)].addmm_(a.reshape(-1, i).T, gw.reshape(-1, o), alpha=alpha)  # (i, o)
+        add_product(into[id(w)], a.reshape(-1, i).T, gw.reshape(-1, o), alpha)  # (i, o)
     if id(b) in into:
         into[id(b)].add_(c @ gt.sum(1), alpha=beta)
     return True
