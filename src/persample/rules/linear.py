@@ -292,6 +292,18 @@ def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     return _paired(call, a, b, g, out)
 
 
+@register_op_factors(*_MATMULS)
+def matmul_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factors] | None:
+    """``x @ W`` with ``W (k, p)`` shared: ``L = x``, ``R = g`` over the other dims."""
+    a, b = (call.args[1], call.args[0]) if call.func is torch.Tensor.__rmatmul__ else (
+        call.arg(0, "input"), call.kwargs.get("mat2", call.arg(1, "other")))
+    if set(wanted) != {id(b)} or id(a) == id(b) or not call.shared(b) or b.dim() != 2:
+        return None
+    k, p = b.shape
+    n = g.shape[0]
+    return {id(b): Factors(_expanded(call, a, k, n), g.reshape(n, -1, p))}
+
+
 def _paired(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> str | None:
     """Both operands per sample (one of them computed from parameters and paired with
     the samples, as DeBERTa's relative keys): per-sample products, no broadcasting."""

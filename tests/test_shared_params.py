@@ -1,0 +1,251 @@
+"""Parameters several ops read (a tied embedding and output layer, a layer called twice,
+weights shared across depth as in ALBERT): their per-sample gradient norms come from
+each use's factors and the cross terms, ``|G1 + G2|^2 = |G1|^2 + |G2|^2 + 2 <G1, G2>``,
+without materialising, and their clipped sums from each use's weighted sum. Checked
+against the loop in float64, with the path each parameter took."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import persample
+from cases import assert_exact
+from persample import loop_per_sample_grads
+from persample.dp import PrivateStep, clip, private_grad
+from persample.engine import loss_backprops
+from persample.inputs import as_batch
+from persample.norms import squared_norms
+from persample.rules import ghost
+
+B = T = 6  # sizes chosen to coincide
+V, D = 97, 8  # a vocabulary large enough that the ghost norm is the cheaper
+
+
+class TiedLM(nn.Module):
+    """An embedding whose table is also the output layer (GPT-2's tying), with a
+    padding id and repeated ids."""
+
+    def __init__(self, padding_idx: int | None = None):
+        super().__init__()
+        self.emb = nn.Embedding(V, D, padding_idx=padding_idx)
+        self.mix = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:  # (B, T) -> (B, T, V)
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+class TwiceCalled(nn.Module):
+    """One Linear called at two depths, with its bias (ALBERT shares whole layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 32)
+        self.shared = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 4) -> (B, 3)
+        h = torch.tanh(self.shared(torch.tanh(self.inp(x))))
+        return self.out(torch.tanh(self.shared(h)).mean(1))
+
+
+class SharedConv1D(nn.Module):
+    """GPT-2's Conv1D form (addmm over merged rows) with one weight used twice, once
+    with alpha and beta not 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32) / 6)
+        self.bias = nn.Parameter(torch.randn(32))
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 32)
+        n, t, e = x.shape
+        h = torch.tanh(torch.addmm(self.bias, x.reshape(-1, e), self.weight))
+        h = torch.addmm(self.bias, h, self.weight, beta=0.5, alpha=2.0)
+        return self.head(torch.tanh(h).view(n, t, e).sum(1))
+
+
+class TwoLookups(nn.Module):
+    """One table looked up twice (two id streams) and read by a linear map."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(V, width) / 4)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:  # (B, T)
+        h = F.embedding(ids, self.table) + F.embedding(ids.flip(1), self.table)
+        return self.head(F.linear(torch.tanh(h), self.table).softmax(-1) @ self.table).sum(1)
+
+
+class SquaredWeight(nn.Module):
+    """One op reading the same parameter twice (``h @ W @ W`` as ``W @ W`` first): not a
+    sum of factored uses; materialised."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 8)
+        return self.head(torch.tanh(x @ torch.matmul(self.w, self.w)))
+
+
+def _lm_loss(out: Tensor, ids: Tensor) -> Tensor:
+    return F.cross_entropy(out.transpose(1, 2), ids, reduction="none").mean(1)
+
+
+def _case(make):
+    torch.manual_seed(0)
+    if make in (TiedLM, TwoLookups):
+        model = make()
+        ids = torch.randint(1, V, (B, T))
+        ids[:, T // 2:] = ids[:, : T - T // 2]  # repeated ids within each sample
+        ids[0, 1] = 0  # the padding id where there is one
+        if make is TiedLM:
+            return model, ids, ids, _lm_loss
+        return model, ids, torch.randint(0, 3, (B,)), nn.CrossEntropyLoss()
+    x = {TwiceCalled: torch.randn(B, T, 4), SharedConv1D: torch.randn(B, T, 32),
+         SquaredWeight: torch.randn(B, 8)}[make]
+    return make(), x, torch.randint(0, 3, (B,)), nn.CrossEntropyLoss()
+
+
+def _ghosted(model, x, y, loss_fn) -> set[str]:
+    """The parameters whose norms did not need their per-sample gradients."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    cap = loss_backprops(model, as_batch(x), y, loss_fn, {id(p): p for p in params.values()})
+    _, mats, _, _ = squared_norms(cap, params)
+    return {k for k, p in params.items() if id(p) not in mats}
+
+
+def _by_hand(model, x, y, loss_fn, c: float):
+    grads = loop_per_sample_grads(model, x, y, loss_fn)
+    norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    factor = (c / (norms + clip.STABILITY)).clamp(max=1.0)
+    return norms, {k: torch.tensordot(factor, g, dims=1) / len(norms) for k, g in grads.items()}
+
+
+SHARED = {TiedLM: "emb.weight", TwiceCalled: "shared.weight", SharedConv1D: "weight",
+          TwoLookups: "table"}
+
+
+@pytest.mark.parametrize("make", [TiedLM, TwiceCalled, SharedConv1D, TwoLookups])
+def test_shared_parameter_norms_and_clipped_sums_without_materialising(make, snapshot):
+    model, x, y, loss_fn = _case(make)
+    assert SHARED[make] in _ghosted(model, x, y, loss_fn)  # (a bias is cheaper summed)
+    before = snapshot(model)
+    norms, want = _by_hand(model, x, y, loss_fn, c=0.05)  # clips every sample
+    got = persample.per_sample_grad_norms(model, x, y, loss_fn)
+    torch.testing.assert_close(got, norms, rtol=1e-10, atol=1e-13)
+    before.assert_unchanged()
+    got_norms = private_grad(model, x, y, loss_fn, max_grad_norm=0.05, noise_multiplier=0.0)
+    torch.testing.assert_close(got_norms, norms, rtol=1e-10, atol=1e-13)
+    assert_exact({k: p.grad for k, p in model.named_parameters()}, want)
+
+
+def test_padding_id_of_a_tied_table_gets_no_lookup_gradient():
+    model, ids, _, _ = _case(TiedLM)
+    model = TiedLM(padding_idx=0)
+    norms, want = _by_hand(model, ids, ids, _lm_loss, c=0.05)
+    assert "emb.weight" in _ghosted(model, ids, ids, _lm_loss)
+    torch.testing.assert_close(persample.per_sample_grad_norms(model, ids, ids, _lm_loss),
+                               norms, rtol=1e-10, atol=1e-13)
+    private_grad(model, ids, ids, _lm_loss, max_grad_norm=0.05, noise_multiplier=0.0)
+    assert_exact({k: p.grad for k, p in model.named_parameters()}, want)
+
+
+def test_one_op_reading_a_parameter_twice_is_materialised_and_exact():
+    model, x, y, loss_fn = _case(SquaredWeight)
+    assert "w" not in _ghosted(model, x, y, loss_fn)
+    norms, want = _by_hand(model, x, y, loss_fn, c=0.05)
+    torch.testing.assert_close(persample.per_sample_grad_norms(model, x, y, loss_fn), norms,
+                               rtol=1e-10, atol=1e-13)
+    private_grad(model, x, y, loss_fn, max_grad_norm=0.05, noise_multiplier=0.0)
+    assert_exact({k: p.grad for k, p in model.named_parameters()}, want)
+
+
+def test_materialising_stays_where_cheaper():
+    """A small table read over long sequences: the cost model materialises it."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.emb = nn.Embedding(5, D)
+    model.head = nn.Linear(D, 5, bias=False)
+    model.head.weight = model.emb.weight
+    ids = torch.randint(0, 5, (B, 40))
+    assert "emb.weight" not in _ghosted(model, ids, ids, _lm_loss)
+    norms, _ = _by_hand(model, ids, ids, _lm_loss, c=1.0)
+    torch.testing.assert_close(persample.per_sample_grad_norms(model, ids, ids, _lm_loss),
+                               norms, rtol=1e-10, atol=1e-13)
+
+
+def test_private_step_over_micro_batches_with_a_tied_table():
+    model, ids, _, _ = _case(TiedLM)
+    _, want = _by_hand(model, ids, ids, _lm_loss, c=0.05)
+    step = PrivateStep(model, _lm_loss, max_grad_norm=0.05, noise_multiplier=0.0,
+                       expected_batch_size=B)
+    for part in (slice(0, 2), slice(2, B)):
+        step.accumulate(ids[part], ids[part])
+    step.release()
+    assert_exact({k: p.grad for k, p in model.named_parameters()}, want)
+
+
+@pytest.mark.parametrize("layers", [2])
+def test_albert_shares_its_layer_across_depth(layers):
+    """transformers' ALBERT: one layer group applied at every depth; its weights' norms
+    are the norms of the summed uses."""
+    from zoo import require
+
+    transformers = require("transformers")
+    config = transformers.AlbertConfig(vocab_size=V, embedding_size=8, hidden_size=16,
+                                       num_hidden_layers=layers, num_attention_heads=2,
+                                       intermediate_size=32, max_position_embeddings=T,
+                                       hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.AlbertForSequenceClassification(config).eval().double()
+    ids = torch.randint(0, V, (B, T))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long)}
+    y = torch.randint(0, 3, (B,))
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.logits, target, reduction="none")
+
+    ghosted = _ghosted(model, inputs, y, loss_fn)
+    shared = "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn.weight"  # 16 -> 32
+    assert shared in ghosted
+    norms, want = _by_hand(model, inputs, y, loss_fn, c=0.05)
+    torch.testing.assert_close(persample.per_sample_grad_norms(model, inputs, y, loss_fn),
+                               norms, rtol=1e-9, atol=1e-12)
+    private_grad(model, inputs, y, loss_fn, max_grad_norm=0.05, noise_multiplier=0.0)
+    assert_exact({k: p.grad for k, p in model.named_parameters()}, want, rel=1e-8)
+
+
+def test_inner_products_of_factors_match_the_materialised_gradients():
+    """``ghost.inner`` for every pairing (dense-dense, ids-dense, dense-ids, ids-ids),
+    computed in blocks of positions."""
+    torch.manual_seed(0)
+    n, r, c = 3, 11, 5
+    dense = ghost.Factors(torch.randn(n, 7, r), torch.randn(n, 7, c))
+    ids = ghost.Factors(torch.randint(0, r, (n, 9)), torch.randn(n, 9, c))
+
+    def full(f: ghost.Factors) -> Tensor:
+        left = F.one_hot(f.left, r).to(f.right.dtype) if f.ids else f.left
+        return torch.einsum("ntr,ntc->nrc", left, f.right)
+
+    old = ghost.BLOCK_BYTES
+    for block in (old, 64):  # one block, and one position per block
+        ghost.BLOCK_BYTES = block
+        try:
+            for a in (dense, ids):
+                for b in (dense, ids):
+                    want = (full(a) * full(b)).sum((1, 2))
+                    torch.testing.assert_close(ghost.inner(a, b), want, rtol=1e-12, atol=1e-12)
+        finally:
+            ghost.BLOCK_BYTES = old
+    total = full(dense) + full(ids)
+    torch.testing.assert_close(ghost.squared_norm([dense, ids]), total.square().sum((1, 2)))
