@@ -133,7 +133,7 @@ def input_jacobian(
                 return _double_backward_jacobian(out, xg, chunk_size)
             except (RuntimeError, NotImplementedError):  # an op without a double backward
                 try:
-                    return _forward_jacobian(model, x, chunk_size)
+                    return _forward_jacobian(model, x, chunk_size, out.dtype)
                 except (RuntimeError, NotImplementedError):  # nor a forward-mode formula
                     if mode == "forward":
                         raise
@@ -193,13 +193,14 @@ def jacobian_diagonal(
         if why is not None:  # samples not one per row: each entry's own derivative
             _warn_blockwise(why)
             return _blockwise_jacobian(out, xg, chunk_size, diagonal=True)
+        dtype = out.dtype  # the result's (under autocast the tangents may be wider)
         del out, xg
         step = chunk_size or min(d, max(4, _CHUNK_NUMBERS // (n * d)))
         diag = None
         for start, stop in _chunks(d, step):
             jv = _check_square(_push(fn, x, one_hot(start, stop, x)), x)  # (c, B, *in_shape)
             if diag is None:
-                diag = jv.new_empty((n, d))
+                diag = jv.new_empty((n, d), dtype=dtype)
             diag[:, start:stop] = jv.reshape(stop - start, n, d).diagonal(start, 0, 2)  # (B, c)
     return diag.view(x.shape)
 
@@ -245,14 +246,15 @@ def _reverse_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None) -> Tensor
     return _result(jac.movedim(0, 1), (*out.shape, *xg.shape[1:]))
 
 
-def _forward_jacobian(model: Callable, x: Tensor, chunk_size: int | None) -> Tensor:
-    """``(B, *out_shape, *in_shape)`` by batched JVPs."""
+def _forward_jacobian(model: Callable, x: Tensor, chunk_size: int | None,
+                      dtype: torch.dtype) -> Tensor:
+    """``(B, *out_shape, *in_shape)`` by batched JVPs, in ``dtype`` (the output's)."""
     d = math.prod(x.shape[1:])
     if x.shape[0] == 0 or d == 0:
         return _empty_jacobian(model, x)
     step = chunk_size or d
     parts = (_push(model, x, one_hot(s, e, x)) for s, e in _chunks(d, step))
-    jac = _stack(parts, d, step)  # (D, B, *out_shape)
+    jac = _stack(parts, d, step).to(dtype)  # (D, B, *out_shape)
     return _result(jac.movedim(0, -1), (*jac.shape[1:], *x.shape[1:]))
 
 
@@ -328,7 +330,7 @@ def _blockwise_jacobian(out: Tensor, xg: Tensor, chunk_size: int | None,
         g = _pull(out, xg, cot.view(stop - start, *out.shape), stop < n * y)  # (c, B, *in)
         rows = g.reshape(stop - start, n, d)[torch.arange(stop - start), k // y]  # (c, D)
         if diagonal:
-            result.view(-1)[k] = rows[torch.arange(stop - start), k % y]
+            result.view(-1)[k] = rows[torch.arange(stop - start), k % y].to(result.dtype)
         else:
             result.view(n * y, d)[k] = rows.to(result.dtype)
     return result.view(xg.shape if diagonal else (*out.shape, *xg.shape[1:]))

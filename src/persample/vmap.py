@@ -3,19 +3,32 @@
 Seed 001's tutorial: ``vmap(grad(compute_loss), in_dims=(None, None, 0, 0))``
 with ``functional_call``; each sample is run as a batch of one. Per-sample inputs
 (:class:`persample.inputs.Batch`) are mapped over dim 0, shared ones passed whole.
+
+Under ``torch.autocast`` the model runs as autocast runs it. Two kernels need help:
+``torch.func`` cannot batch ``batch_norm`` (hence ``instance_norm`` and the BatchNorm
+layers in eval mode) nor the backward of ``layer_norm`` to its input when they read a
+bfloat16 or float16 input with float32 parameters, the mixed form autocast gives them
+after a convolution or a linear layer ("expected scalar type BFloat16 but found
+Float"); :func:`_unmixed_norms` runs those calls as the mixed kernels compute them:
+the input in the parameters' dtype, the output cast back to the input's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
+from torch.overrides import TorchFunctionMode
 
 from .capture import plain_checkpoints
 from .errors import UnsupportedModuleError
 from .inputs import Batch, mapped_targets
+from .precision import autocast_state
 
 
 def refuse_recurrent(model: nn.Module) -> None:
@@ -65,7 +78,7 @@ def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn:
     def sample_loss(th: dict[str, Tensor], flat_i: list, rows_i: list) -> Tensor:
         return loss_fn(call(model, th, flat_i), one_target(rows_i)).sum()
 
-    with plain_checkpoints():
+    with plain_checkpoints(), _unmixed_norms():
         return vmap(grad(sample_loss), in_dims=(None, dims, target_dims))(theta, flat, rows)
 
 
@@ -90,5 +103,36 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
     def sample_output(th: dict[str, Tensor], flat_i: list) -> Tensor:
         return call(model, th, flat_i)[0]  # (*out_shape)
 
-    with plain_checkpoints():
+    with plain_checkpoints(), _unmixed_norms():
         return vmap(jacrev(sample_output), in_dims=(None, dims))(theta, flat)
+
+
+# the input first, then the shape, running statistics, weight and bias
+_NORMS = (F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_norm,
+          F.layer_norm, torch.layer_norm)
+
+
+class _UnmixedNorms(TorchFunctionMode):
+    """``batch_norm``/``instance_norm``/``layer_norm`` on a low-precision input with
+    parameters (or running statistics) in a wider dtype, as
+    ``norm(x.to(wide)).to(x.dtype)``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NORMS and args and isinstance(args[0], Tensor):
+            x = args[0]
+            wide = [t.dtype for t in (*args[1:], *kwargs.values())
+                    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != x.dtype]
+            if x.is_floating_point() and wide:
+                return func(x.to(wide[0]), *args[1:], **kwargs).to(x.dtype)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _unmixed_norms() -> Iterator[None]:
+    """Under autocast, :class:`_UnmixedNorms` for the block; else nothing."""
+    if not any(enabled for _, enabled, _ in autocast_state()):
+        yield
+        return
+    with _UnmixedNorms():
+        yield

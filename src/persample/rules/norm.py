@@ -13,7 +13,9 @@ All these ops compute ``y = xhat * weight (+ bias)`` with ``xhat`` normalised
 per sample (or with fixed running statistics), so
 ``grad_weight[n, v] = sum_s g[n, v, s] * xhat[n, s]`` and
 ``grad_bias[n, v] = sum_s g[n, v, s]``. ``xhat`` is recomputed from the captured
-input by the same op without its affine parameters.
+input by the same op without its affine parameters. For bfloat16 and float16
+parameters ``xhat``, the products and the sums are computed in float32 (as the ops'
+own kernels do) and the results written in the parameters' dtype.
 
 RMSNorm classes written by hand (Llama's, T5's ``weight * hidden``) are an
 elementwise scale of a per-sample tensor: ``elementwise.py``.
@@ -27,15 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..precision import accumulate_dtype, cast
 from . import OpCall, register_op_rule
 
 
 def _reduce_into(x: Tensor, dims: tuple[int, ...], dst: Tensor) -> None:
-    """Sum ``x`` over ``dims`` into ``dst`` (a copy when there is nothing to sum)."""
-    if dims:
+    """Sum ``x`` over ``dims`` into ``dst`` (a copy when there is nothing to sum, or when
+    ``dst`` is in a narrower dtype)."""
+    if dims and dst.dtype == x.dtype:
         torch.sum(x, dim=dims, out=dst)
     else:
-        dst.copy_(x.reshape(dst.shape))
+        dst.copy_((x.sum(dims) if dims else x).reshape(dst.shape))
 
 
 def _affine_into(call: OpCall, normalised: Callable[[], Tensor], g: Tensor, w, b,
@@ -46,15 +50,21 @@ def _affine_into(call: OpCall, normalised: Callable[[], Tensor], g: Tensor, w, b
     for t in (w, b):
         if t is not None and id(t) in out and not call.shared(t):
             return "an affine parameter paired with the samples"
+    work = accumulate_dtype(g.dtype)  # float32 for bfloat16 / float16 results
+    g = g.to(work)
     if w is not None and id(w) in out:
-        _reduce_into(g * normalised().unsqueeze(1), dims, out[id(w)])
+        _reduce_into(g * normalised().to(work).unsqueeze(1), dims, out[id(w)])
     if b is not None and id(b) in out:
         _reduce_into(g, dims, out[id(b)])
     return None
 
 
 def _per_sample_input(call: OpCall, x: Tensor) -> Tensor | None:
-    return None if call.shared(x) else call.front(x)
+    """The input ``(n, a, ...)`` in at least float32 (the dtype ``xhat`` is made in)."""
+    if call.shared(x):
+        return None
+    xf = call.front(x)
+    return xf.to(accumulate_dtype(xf.dtype))
 
 
 @register_op_rule(F.layer_norm, torch.layer_norm)
@@ -118,7 +128,8 @@ def instance_norm(call: OpCall, g: Tensor, out: dict) -> str | None:
     def normalised() -> Tensor:
         if use_input_stats:  # without the running statistics: they are not updated again
             return back(F.instance_norm(rows, eps=eps))
-        return back(F.batch_norm(rows, mean, var, training=False, eps=eps))
+        return back(F.batch_norm(rows, cast(mean, rows.dtype), cast(var, rows.dtype),
+                                 training=False, eps=eps))
 
     return _affine_into(call, normalised, g, w, b, (2, *range(4, g.dim())), out)
 
@@ -135,5 +146,6 @@ def batch_norm(call: OpCall, g: Tensor, out: dict) -> str | None:
     if xf is None:
         return "a shared input"
     rows, back = _channels(xf)
+    mean, var = cast(mean, rows.dtype), cast(var, rows.dtype)
     normalised = lambda: back(F.batch_norm(rows, mean, var, training=False, eps=eps))  # noqa: E731
     return _affine_into(call, normalised, g, w, b, (2, *range(4, g.dim())), out)

@@ -17,6 +17,11 @@ GRU's new gate multiplies ``gh`` by its reset gate). Index conventions: ``n``
 sample (times ``v`` cotangents, folded into one batch ``N``), ``t`` time step,
 ``g`` gate unit. Packed sequences are padded and each sample's state is frozen
 past its length, which is exactly what the packed kernels compute.
+
+Precision: the recurrence is recomputed in at least float32 (the fused kernels keep
+their gates and states in float32 for bfloat16 weights, and each of the step's many
+small ops rounding to bfloat16 would drift from them over time); the gradients are
+written in the results' dtype at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from ..precision import accumulate_dtype, cast
 from . import register_rule
 from .linear import sum_outer_into
 
@@ -66,15 +72,16 @@ def _gru_cell(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
     return (1 - z) * torch.tanh(in_ + r * hn) + z * h
 
 
-def _weights(layer: nn.RNNBase, name: str) -> Tensor | None:
+def _weights(layer: nn.RNNBase, name: str, dtype: torch.dtype) -> Tensor | None:
+    """The layer's weight ``name`` (detached) in the dtype the recurrence runs in."""
     w = getattr(layer, name, None)
-    return None if w is None else w.detach()
+    return None if w is None else cast(w.detach(), dtype)
 
 
 def _direction(layer: nn.RNNBase, trace: _Trace, valid: Tensor | None, h: Tensor,
                c: Tensor | None, reverse: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """Run one layer in one direction: outputs ``(N, T, H_out)``, final ``h`` and ``c``."""
-    w_hh, b_hh, w_hr = (_weights(layer, name + trace.suffix)
+    w_hh, b_hh, w_hr = (_weights(layer, name + trace.suffix, h.dtype)
                         for name in ("weight_hh", "bias_hh", "weight_hr"))
     steps = trace.gi.unbind(1)  # T x (N, G)
     order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
@@ -110,9 +117,9 @@ def _unrolled(layer: nn.RNNBase, x: Tensor, valid: Tensor | None, h0: Tensor,
         outs = []
         for d in range(directions):
             suffix = f"_l{k}" + ("_reverse" if d else "")
-            gi = F.linear(x, _weights(layer, "weight_ih" + suffix),
-                          _weights(layer, "bias_ih" + suffix))  # (N, T, G)
-            b_hh = _weights(layer, "bias_hh" + suffix)
+            gi = F.linear(x, _weights(layer, "weight_ih" + suffix, x.dtype),
+                          _weights(layer, "bias_ih" + suffix, x.dtype))  # (N, T, G)
+            b_hh = _weights(layer, "bias_hh" + suffix, x.dtype)
             if layer.mode != "GRU" and b_hh is not None:
                 gi = gi + b_hh  # the steps then add only h W_hh^T
             trace = _Trace(suffix, x, gi)
@@ -130,12 +137,12 @@ def _unrolled(layer: nn.RNNBase, x: Tensor, valid: Tensor | None, h0: Tensor,
     return traces, results
 
 
-def _inputs(layer: nn.RNNBase, activations: tuple, v: int):
+def _inputs(layer: nn.RNNBase, activations: tuple, v: int, dtype: torch.dtype):
     """Padded input ``(n * v, T, I)``, valid-step mask ``(n * v, T)`` (packed input) or
     ``None``, ``h0 (n * v, L * D, H_out)`` and ``c0`` (LSTM), each sample repeated ``v``
-    times. ``activations`` are batch-first, in sample order: input ``(n, T, I)`` or a
-    ``PackedSequence`` that unpacks in sample order, ``hx`` ``(n, L * D, H)`` or a tuple
-    of them, or absent."""
+    times, in ``dtype``. ``activations`` are batch-first, in sample order: input ``(n, T,
+    I)`` or a ``PackedSequence`` that unpacks in sample order, ``hx`` ``(n, L * D, H)`` or
+    a tuple of them, or absent."""
     x, hx = activations[0], activations[1] if len(activations) > 1 else None
     valid = None
     if isinstance(x, PackedSequence):
@@ -149,7 +156,8 @@ def _inputs(layer: nn.RNNBase, activations: tuple, v: int):
     if layer.mode == "LSTM" and c0 is None:
         c0 = x.new_zeros(n, stack, layer.hidden_size)
     # leaves of the unrolled graph, so that every pre-activation is in it
-    x, h0, c0 = [None if t is None else t.detach().repeat_interleave(v, 0).requires_grad_()
+    x, h0, c0 = [None if t is None else
+                 cast(t.detach(), dtype).repeat_interleave(v, 0).requires_grad_()
                  for t in (x, h0, c0)]
     return x, valid, h0, c0
 
@@ -189,12 +197,13 @@ def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], ou
     n, v = backprops[0].shape[:2]
     if isinstance(activations[0], PackedSequence) and backprops[0].dim() == 3:
         backprops = [backprops[0].unsqueeze(2), *backprops[1:]]  # one row per sample: T = 1
-    x, valid, h0, c0 = _inputs(layer, activations, v)
+    work = accumulate_dtype(backprops[0].dtype)  # float32 for bfloat16 / float16 results
+    x, valid, h0, c0 = _inputs(layer, activations, v, work)
     with torch.enable_grad():
         traces, results = _unrolled(layer, x, valid, h0, c0)
         wrt = [t for trace in traces for t in _wanted(layer, trace)]
         grads = torch.autograd.grad(
-            results, wrt, [g.flatten(0, 1) for g in backprops], allow_unused=True)
+            results, wrt, [cast(g, work).flatten(0, 1) for g in backprops], allow_unused=True)
     grads = [(torch.zeros_like(w) if g is None else g).unflatten(0, (n, v))
              for g, w in zip(grads, wrt)]  # (n, v, ...)
     for trace in traces:  # the inputs and states were repeated v times: take one copy
@@ -223,10 +232,15 @@ def _write_traces(layer: nn.RNNBase, traces: list[_Trace], grads: Any, out: dict
 
 
 def _write(out: dict, name: str, g: Tensor, a: Tensor | None) -> None:
-    """``out[name] (n, v, ...)`` = ``sum_t g^T a`` (a weight) or ``sum_t g`` (a bias)."""
+    """``out[name] (n, v, ...)`` = ``sum_t g^T a`` (a weight) or ``sum_t g`` (a bias),
+    summed in ``g``'s dtype and written in ``out[name]``'s."""
     if name not in out:
         return
+    dst = out[name]
+    into = dst if dst.dtype == g.dtype else g.new_empty(dst.shape)
     if a is None:
-        torch.sum(g, dim=2, out=out[name])  # g (n, v, T, G) -> (n, v, G)
+        torch.sum(g, dim=2, out=into)  # g (n, v, T, G) -> (n, v, G)
     else:
-        sum_outer_into(g, a.detach(), out[name])  # (n, v, G, I)
+        sum_outer_into(g, a.detach(), into)  # (n, v, G, I)
+    if into is not dst:
+        dst.copy_(into)
