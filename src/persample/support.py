@@ -22,6 +22,7 @@ from .engine import capture_backprops, loss_backprops
 from .errors import REFUSALS, InternalError, internal
 from .inputs import Batch, as_batch
 from .plan import Path
+from .precision import autocast_state
 from .pullback import write_per_sample
 from .reference import loop_per_sample_grads, rows
 from .rules import find_rule
@@ -230,7 +231,7 @@ class Verification:
         return "\n".join(lines)
 
 
-_DEFAULT_RTOL = {torch.float64: 1e-8, torch.float32: 1e-4}
+_DEFAULT_RTOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def verify(
@@ -258,7 +259,9 @@ def verify(
         samples: how many samples (from the start of the batch) to check; the
             whole batch if it has fewer.
         rtol: the relative error accepted by ``.ok``; default ``1e-8`` for
-            float64 models, ``1e-4`` for float32, ``1e-2`` for lower precisions.
+            float64 models, ``1e-4`` for float32, ``2e-2`` for bfloat16 (8 significand
+            bits), ``1e-2`` for float16; under ``torch.autocast``, its dtype's (the loop
+            then rounds as autocast does).
 
     Returns:
         :class:`Verification` with ``method`` (``"rules"``, or why ``auto`` fell back
@@ -300,5 +303,6 @@ def verify(
         abs_error[name] = err
         rel_error[name] = err / scale if scale > 0 else err
     dtype = next(iter(slow.values())).dtype
+    dtype = next((low for _, enabled, low in autocast_state() if enabled), dtype)
     return Verification(abs_error, rel_error, rtol or _DEFAULT_RTOL.get(dtype, 1e-2), k,
                         taken.describe())
