@@ -249,3 +249,39 @@ def test_inner_products_of_factors_match_the_materialised_gradients():
             ghost.BLOCK_BYTES = old
     total = full(dense) + full(ids)
     torch.testing.assert_close(ghost.squared_norm([dense, ids]), total.square().sum((1, 2)))
+
+
+class TiedWithIndexing(TiedLM):
+    """The tied table also read as ``table[ids]`` (the lookup rule for indexing)."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return super().forward(ids) + self.emb.weight[ids.flip(1)].sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("make,padding_idx", [(TiedLM, None), (TiedLM, 0),
+                                              (TiedWithIndexing, 0)])
+def test_per_sample_grads_of_a_tied_table_add_the_lookups_in_place(make, padding_idx,
+                                                                   monkeypatch):
+    """The output layer's dense per-sample gradient is written first and the lookups add
+    their rows to it (no second (B, V, D) buffer): exact against the loop, the padding
+    row keeping the output layer's part."""
+    from persample import rules
+
+    added = []
+    for func in (F.embedding, torch.Tensor.__getitem__):
+        rule = rules.find_op_rule(func)
+
+        def spy(call, g, out, rule=rule):
+            added.append(bool(call.adding))
+            return rule(call, g, out)
+
+        monkeypatch.setitem(rules._OP_RULES, func, spy)
+    torch.manual_seed(0)
+    model = make(padding_idx)
+    ids = torch.randint(1, V, (B, T))
+    ids[0, 1] = 0
+    want = loop_per_sample_grads(model, ids, ids, _lm_loss)
+    got = persample.per_sample_grads(model, ids, ids, _lm_loss, method="rules")
+    assert_exact(got, want)
+    assert added and all(added)
+    assert got["emb.weight"][:, 0].abs().sum() > 0  # the output layer's row 0 is there

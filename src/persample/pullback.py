@@ -28,7 +28,7 @@ from .errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModule
 from .fallback import expand_vjp, module_vjp, op_vjp, shared_vjp
 from .plan import Captured, Path
 from .precision import cast, without_autocast
-from .rules import OpCall, Rule, find_op_rule
+from .rules import OpCall, Rule, find_op_rule, rule_adds
 from .rules.elementwise import ADD_OPS
 
 
@@ -51,6 +51,10 @@ class GradSink:
         if d is None:
             return None
         return torch.empty_like(d) if pid in self.written else d
+
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid``'s destination already holds a contribution."""
+        return pid in self.written
 
     def commit(self, pid: int, value: Tensor) -> None:
         if pid not in self.dest:
@@ -88,7 +92,8 @@ def _write(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> Non
         for call, params in cap.plan.module_jobs:
             if any(id(p) in wanted for p in params.values()):
                 _module_rule(cap, call, params, sink)
-        for op in cap.plan.uses if uses is None else uses:
+        ops = cap.plan.uses if uses is None else uses
+        for op in sorted(ops, key=lambda op: rule_adds(op.func)):  # adding rules last
             if op.sources_all.isdisjoint(wanted):
                 continue
             if op.changed() and _needs_values(op):
@@ -150,6 +155,10 @@ class Pullbacks:
             if id(t) in out:
                 continue
             direct = self._param(t) is not None and call.op.align(k) is None
+            if direct and rule_adds(op.func) and self.sink.holds(id(t)):
+                out[id(t)] = self.sink.dest[id(t)]  # the rule adds to what is there
+                call.adding.add(id(t))
+                continue
             v = self.cap.v
             found = self.sink.target(id(t), shapes[k]) if direct else None
             out[id(t)] = found if found is not None else t.new_empty((n, v, *shapes[k]))
@@ -158,6 +167,10 @@ class Pullbacks:
         single = [cast(c, call.dtype) for c in cots if c is not None]
         reason = "no rule" if rule is None or len(cots) != 1 or len(single) != 1 else rule(
             call, single[0], out)
+        if reason is not None and call.adding:  # declined before writing: the others write
+            for pid in call.adding:  # into a temporary, added below
+                out[pid] = torch.empty_like(out[pid])
+            call.adding = set()
         kind = "rule"
         if reason is not None and not self._broadcast(op, call, wrt, out_aligns, out):
             kind = self._taps(op, call, cots, out_aligns, wrt, out)
@@ -168,6 +181,8 @@ class Pullbacks:
             if id(t) in done:
                 continue
             done.add(id(t))
+            if id(t) in call.adding:
+                continue  # added in place
             if self._param(t) is not None and call.op.align(k) is None:
                 self.sink.commit(id(t), out[id(t)])
             elif self._param(t) is not None:

@@ -52,6 +52,7 @@ class OpCall:
 
     def __init__(self, op: Any, n: int, dtype: torch.dtype | None = None):
         self.op, self.n, self.dtype = op, n, dtype
+        self.adding: set[int] = set()  # outputs to add to, not overwrite (``adds`` rules)
         self.func, self.args, self.kwargs = op.func, op.args, op.kwargs
         self._pos = {}
         for k, t in enumerate(op.leaves):
@@ -108,18 +109,33 @@ OpSumFn = Callable[[OpCall, Tensor, Tensor, dict[int, Tensor]], bool]
 _OP_SUMS: dict[Any, OpSumFn] = {}
 
 
-def register_op_rule(*funcs: Any) -> Callable[[OpRuleFn], OpRuleFn]:
+def register_op_rule(*funcs: Any, adds: bool = False) -> Callable[[OpRuleFn], OpRuleFn]:
     """Register the decorated function as the per-sample rule of the ops ``funcs``
     (function objects as the ``TorchFunctionMode`` sees them: ``F.linear``,
-    ``torch.Tensor.mul``, ...). See the module docstring for the signature."""
+    ``torch.Tensor.mul``, ...). See the module docstring for the signature.
+
+    ``adds``: the rule can add its result to a destination that already holds another
+    op's contribution (the tensors whose ids are in ``call.adding``) instead of
+    overwriting it; such rules run after the others, so that a tied table's lookup
+    adds its few rows to the output layer's dense gradient in place."""
 
     def decorate(fn: OpRuleFn) -> OpRuleFn:
         for f in funcs:
             if f is not None:
                 _OP_RULES[f] = fn
+                if adds:
+                    _ADDING.add(f)
         return fn
 
     return decorate
+
+
+_ADDING: set[Any] = set()
+
+
+def rule_adds(func: Any) -> bool:
+    """Whether the op's rule can add into a destination (``register_op_rule(adds=True)``)."""
+    return func in _ADDING
 
 
 def register_op_norm(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:

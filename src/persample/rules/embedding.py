@@ -36,13 +36,19 @@ from .ghost import Factors
 
 
 def scatter_rows(ids: Tensor, g: Tensor, dst: Tensor, padding_idx: int | None = None,
-                 by_freq: bool = False) -> None:
+                 by_freq: bool = False, add: bool = False) -> None:
     """``dst (n, v, r, *d) = sum_t onehot(ids[n, t]) g[n, v, t]``; ``ids (n, t)`` or
-    shared ``(t,)``, ``g (n, v, t, *d)``."""
+    shared ``(t,)``, ``g (n, v, t, *d)``; with ``add``, ``+=`` (not with ``by_freq``)."""
     n, v, t = g.shape[:3]
     ids = ids.reshape(1, 1, t).expand(n, 1, t) if ids.dim() == 1 else ids.reshape(n, 1, t)
     rows = torch.arange(n, device=ids.device).view(n, 1, 1)  # (n, 1, 1)
     cots = torch.arange(v, device=ids.device).view(1, v, 1)  # (1, v, 1)
+    if add:  # the padding row keeps what the other contributions gave it
+        assert not by_freq
+        if padding_idx is not None:
+            g = g * (ids != padding_idx).view(n, 1, t, *[1] * (g.dim() - 3))
+        dst.index_put_((rows, cots, ids), g, accumulate=True)
+        return
     dst.zero_()
     dst.index_put_((rows, cots, ids), g, accumulate=True)
     if by_freq:  # each row divided by how often the sample used it
@@ -59,7 +65,7 @@ def _ids(call: OpCall, ids: Tensor) -> Tensor:
     return front.reshape(-1) if call.shared(ids) else front.reshape(front.shape[0], -1)
 
 
-@register_op_rule(F.embedding)
+@register_op_rule(F.embedding, adds=True)
 def embedding(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``F.embedding(ids, W, padding_idx, max_norm, norm_type, scale_grad_by_freq)``;
     ``max_norm`` renormalises ``W`` in place before the lookup and does not change the
@@ -76,12 +82,16 @@ def embedding(call: OpCall, g: Tensor, out: dict) -> str | None:
         padding_idx += w.shape[0]
     i = _ids(call, ids)
     n, v = g.shape[:2]
+    by_freq = bool(call.arg(5, "scale_grad_by_freq", False))
+    if by_freq and id(w) in call.adding:
+        return "scale_grad_by_freq with another contribution to add to"
     scatter_rows(i, g.reshape(n, v, i.shape[-1], *w.shape[1:]), out[id(w)], padding_idx,
-                 bool(call.arg(5, "scale_grad_by_freq", False)))
+                 by_freq, add=id(w) in call.adding)
     return None
 
 
-@register_op_rule(torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select)
+@register_op_rule(torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
+                  adds=True)
 def gather_rows(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``table[ids]`` and ``index_select(table, 0, ids)`` with one integer id tensor on dim
     0 of a parameter: the lookup rule."""
@@ -99,7 +109,7 @@ def gather_rows(call: OpCall, g: Tensor, out: dict) -> str | None:
     i = _ids(call, ids)
     n, v = g.shape[:2]
     scatter_rows(i % table.shape[0], g.reshape(n, v, i.shape[-1], *table.shape[1:]),
-                 out[id(table)])
+                 out[id(table)], add=id(table) in call.adding)
     return None
 
 
