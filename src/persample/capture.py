@@ -446,9 +446,11 @@ class Capture:
             found += [t for t in m._parameters.values() if t is not None]
             found += [t for t in m._buffers.values() if t is not None]
             for key, value in vars(m).items():
+                if key in _INTERNALS or type(value) in _PLAIN:
+                    continue
                 if isinstance(value, Tensor):
                     found.append(value)
-                elif isinstance(value, (list, tuple, dict)) and value and key not in _INTERNALS:
+                elif isinstance(value, (list, tuple, dict)) and value:
                     found += _held_tensors(value)
         return found
 
@@ -606,11 +608,13 @@ class Capture:
 
     def _sources(self, leaves: list) -> dict[int, frozenset[int]]:
         found = {}
+        watched, derived = self.watched, self.derived
         for k, t in enumerate(leaves):
-            if id(t) in self.watched and t is self.watched[id(t)]:
-                found[k] = frozenset((id(t),))
-            else:
-                d = self.derived.get(id(t))
+            key = id(t)
+            if watched.get(key) is t:
+                found[k] = frozenset((key,))
+            elif derived:
+                d = derived.get(key)
                 if d is not None and d.tensor is t:
                     found[k] = d.op.sources_all
         return found

@@ -194,9 +194,22 @@ def _traced_routes(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
         if path is None:
             continue
         owner, _, name = qualified.rpartition(".")
-        merged.setdefault((owner, path.kind, path.reason or path.where), []).append(name)
+        merged.setdefault((owner, path.kind, _reason(path)), []).append(name)
     return [Route(owner, type(modules[owner]).__name__, tuple(names), kind, reason)
             for (owner, kind, reason), names in merged.items()]
+
+
+def _reason(path: Path) -> str:
+    """A route's reason: the ops for ``rule``; for ``taps`` the op whose per-sample
+    vector-Jacobian product ``torch.func`` computes (the first one the run recorded),
+    why its rule did not apply, and the other ops; else the path's own reason."""
+    if path.kind != "taps":
+        return path.reason or path.where
+    first, _, rest = path.where.partition("; ")
+    why = path.reason or "no rule"
+    also = f"; also {rest}" if rest else ""
+    return (f"{first}: {why}, so its exact per-sample vector-Jacobian product comes from "
+            f"torch.func (slower than a rule){also}")
 
 
 @dataclass

@@ -62,11 +62,17 @@ def op_leaves(args: tuple, kwargs: dict) -> list:
     """The tensors an op reads: its arguments and the items of list/tuple arguments
     (``torch.cat([a, b])``, the LSTM's weight list), in order."""
     leaves = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            leaves += [x for x in a if isinstance(x, Tensor)]
-        elif isinstance(a, Tensor):
+    for a in args:
+        if isinstance(a, Tensor):
             leaves.append(a)
+        elif isinstance(a, (list, tuple)):
+            leaves += [x for x in a if isinstance(x, Tensor)]
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                leaves.append(a)
+            elif isinstance(a, (list, tuple)):
+                leaves += [x for x in a if isinstance(x, Tensor)]
     return leaves
 
 
@@ -103,6 +109,23 @@ def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
         return Flow(every(out, Unknown(f"no data-flow rule for {name_of(func)}")))
     got = handler(ctx, func, args, kwargs, out)  # raising here is a bug of the handler
     return got if isinstance(got, Flow) else Flow(got)
+
+
+Narrow = Callable[[Tensor], "Tensor | None"]
+# ops that broadcast some tensor operands right-aligned: func -> (func, args, kwargs,
+# narrow) -> the same call with operands replaced by the smaller tensors ``narrow`` gives
+# for them, or ``None`` where the op's output would change (see :func:`unbroadcast`)
+UNBROADCASTS: dict[Any, Callable[[Any, tuple, dict, Narrow], tuple | None]] = {}
+
+
+def unbroadcast(func: Any, args: tuple, kwargs: dict, narrow: Narrow) -> tuple | None:
+    """``(args, kwargs)`` of the same op, with operands that the op broadcasts anyway
+    replaced by ``narrow(t)``: a smaller tensor that broadcasts to ``t`` (a tensor an
+    ``expand`` made is read as the tensor it expanded). The output is the same, entry for
+    entry; ``None`` where the op broadcasts nothing, ``narrow`` gives nothing, or the
+    output's shape would change."""
+    found = UNBROADCASTS.get(func)
+    return None if found is None else found(func, args, kwargs, narrow)
 
 
 def _handler(func: Any) -> Handler | None:

@@ -90,6 +90,8 @@ class Batched:
         return self.outer == 1 and self.inner == 1 and self.index is None
 
     def moved(self, dim: int) -> Batched:
+        if dim == self.dim and type(self) is Batched:  # (a subclass's extras are dropped)
+            return self
         return Batched(dim, self.outer, self.inner, self.index)
 
     # -- bringing the samples to the front ------------------------------------

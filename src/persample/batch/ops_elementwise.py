@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .flow import (
+    UNBROADCASTS,
     VALUE_READERS,
     Ctx,
     Flow,
@@ -189,6 +190,39 @@ def _where(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_where, *aliases("where"), override=True)
+
+
+def _unbroadcast(func, args: tuple, kwargs: dict, narrow) -> tuple | None:
+    """Elementwise ops read every tensor operand broadcast against the others: one that
+    ``narrow`` gives a smaller stand-in for (a tensor an ``expand`` made) may be read as
+    that stand-in where the operands still broadcast to the same shape. An in-place op's
+    target and an ``out=`` tensor are written, never replaced."""
+    if kwargs.get("out") is not None:
+        return None
+    skip = 0 if in_place(func, kwargs) else -1
+    new_args = [_narrowed(a, narrow) if k != skip else a for k, a in enumerate(args)]
+    new_kwargs = {key: _narrowed(a, narrow) for key, a in kwargs.items()}
+    if all(a is b for a, b in zip(new_args, args)) and all(
+            new_kwargs[key] is kwargs[key] for key in kwargs):
+        return None
+    before = [t.shape for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+    after = [t.shape for t in (*new_args, *new_kwargs.values()) if isinstance(t, Tensor)]
+    try:
+        same = torch.broadcast_shapes(*before) == torch.broadcast_shapes(*after)
+    except RuntimeError:  # the op itself will say what is wrong
+        return None
+    return (tuple(new_args), new_kwargs) if same else None
+
+
+def _narrowed(a: Any, narrow) -> Any:
+    if not isinstance(a, Tensor):
+        return a
+    found = narrow(a)
+    return a if found is None else found
+
+
+for _f in _BROADCAST_OPS + aliases("where"):
+    UNBROADCASTS[_f] = _unbroadcast
 
 
 def _positions_of(ctx, func, args, kwargs, out) -> Any:

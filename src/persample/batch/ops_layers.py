@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .flow import (
+    UNBROADCASTS,
     VALUE_READERS,
     Flow,
     aliases,
@@ -250,6 +251,22 @@ def _sdpa(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_sdpa, *aliases("scaled_dot_product_attention"))
+
+
+def _sdpa_unbroadcast(func, args: tuple, kwargs: dict, narrow) -> tuple | None:
+    """The attention mask is broadcast against the attention weights: one ``narrow``
+    gives a smaller stand-in for (a bias ``expand``-ed to the batch) is read as it."""
+    if len(args) > 3:
+        mask = args[3]
+        found = narrow(mask) if isinstance(mask, Tensor) else None
+        return None if found is None else ((*args[:3], found, *args[4:]), kwargs)
+    mask = kwargs.get("attn_mask")
+    found = narrow(mask) if isinstance(mask, Tensor) else None
+    return None if found is None else (args, {**kwargs, "attn_mask": found})
+
+
+for _f in aliases("scaled_dot_product_attention"):
+    UNBROADCASTS[_f] = _sdpa_unbroadcast
 
 
 def _losses(ctx, func, args, kwargs, out) -> Any:

@@ -333,8 +333,8 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
     bad = trouble(lays)
     if bad is not None:
         return Flow(bad)
-    found = [rows_of(ctx, t, lay) for t, lay in zip(joined, lays)]
-    if any(f is not None and f[0] == d for f in found):
+    if any(isinstance(lay, (Batched, Partly)) and lay.dim == d for lay in lays):
+        found = [rows_of(ctx, t, lay) for t, lay in zip(joined, lays)]  # (rows_of's dims)
         return Flow(_joined_along(ctx, func, joined, found, d, out))
     if any(isinstance(lay, Partly) for lay in lays):
         return Flow(Unknown("cat of tensors with positions holding no sample's data"))
