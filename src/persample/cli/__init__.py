@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import dp_finetune, dp_train
-from .workloads import WORKLOADS
+from .workloads import REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,14 +21,21 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="time every per-sample method side by side on the workloads (real data)",
         description="Per-sample gradients, Jacobians and DP-SGD steps on real data (the "
-        "digits, the standard library's docstrings), seed models and real ones (torchvision "
-        "resnet18, timm ViT, transformers GPT-2): the plain backward and the floor, the "
+        "digits, the standard library's docstrings), small models and real ones (torchvision "
+        "resnet18, timm ViT, transformers GPT-2; real-size GPT-2 small, BERT and Llama with "
+        "LoRA and their real vocabularies): the plain backward and the floor, the "
         "loop, torch.func, Opacus and BackPACK when installed, and persample, each called "
         "as its users call it; medians after warm-up, ratios to the floor, peak memory, and "
         "each result's largest difference from the reference.",
     )
     bench.add_argument("--workload", action="append", choices=WORKLOADS,
                        help="run only this workload (repeatable); default: all")
+    group = bench.add_mutually_exclusive_group()
+    group.add_argument("--real", action="store_true",
+                       help="the real-size transformers only (with --workload: those too): "
+                       + ", ".join(REAL_WORKLOADS) + "; seconds per call on a CPU")
+    group.add_argument("--no-real", action="store_true",
+                       help="leave the real-size transformers out")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: no warm-up, 2 rounds, a slow method's first run is "
                        "its time (with --no-memory and a small --batch, 5-25 s a workload)")
@@ -51,6 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def selected_workloads(args: argparse.Namespace) -> list[str]:
+    """The workloads ``persample bench`` runs, in :data:`WORKLOADS`' order: those named
+    by ``--workload``, plus the real-size ones with ``--real``; with neither, all of
+    them, or all but the real-size ones with ``--no-real``.
+
+    Example:
+        >>> parse = build_parser().parse_args
+        >>> selected_workloads(parse(["bench", "--real"]))[:2]
+        ['gpt2-768-grads', 'gpt2-768-dp-step']
+        >>> selected_workloads(parse(["bench", "--workload", "cnn-grads", "--no-real"]))
+        ['cnn-grads']
+    """
+    named = set(args.workload or ())
+    if args.real:
+        named |= set(REAL_WORKLOADS)
+    if not named:
+        return list(SMALL_WORKLOADS if args.no_real else WORKLOADS)
+    return [w for w in WORKLOADS if w in named and not (args.no_real and w in REAL_WORKLOADS)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns 0.
 
@@ -70,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench":
         from .bench import run
 
-        run(args.workload or list(WORKLOADS), args.quick, args.batch, args.threads,
+        run(selected_workloads(args), args.quick, args.batch, args.threads,
             args.json, args.plot, device=args.device, memory=not args.no_memory)
     elif args.command == "dp-train":
         dp_train.run_from_args(args)

@@ -268,7 +268,8 @@ def _unless_too_big(name: str, estimate: MemoryEstimate | None,
 
 def grads_case(w: Workload) -> Case:
     """The per-sample gradients rows: loop (the reference), ``torch.func``, Opacus, BackPACK,
-    persample's default call (a dict), ``flat=True`` and ``out=``. Result ``(B, P)``,
+    persample's default call (a dict), ``flat=True`` and ``out=`` (where the workload
+    has ``layout_rows``). Result ``(B, P)``,
     ``P`` the trainable parameters' entries; the baseline is a plain backward of the
     mean loss. A competitor whose :class:`MemoryEstimate` is over
     :func:`memory_limit` is skipped with a note.
@@ -304,11 +305,14 @@ def grads_case(w: Workload) -> Case:
         _unless_too_big("BackPACK BatchGrad", estimate, lambda: backpack(w)),
         Method("persample", lambda _: per_sample_grads(model, w.inputs, w.targets, w.loss_fn),
                ours=True),
-        Method("persample (flat=True)", lambda _: per_sample_grads(
-            model, w.inputs, w.targets, w.loss_fn, flat=True)),
-        Method("persample (out=)", lambda buf: per_sample_grads(
-            model, w.inputs, w.targets, w.loss_fn, out=buf)),
     ])
+    if w.layout_rows:
+        case.methods += [
+            Method("persample (flat=True)", lambda _: per_sample_grads(
+                model, w.inputs, w.targets, w.loss_fn, flat=True)),
+            Method("persample (out=)", lambda buf: per_sample_grads(
+                model, w.inputs, w.targets, w.loss_fn, out=buf)),
+        ]
     case.diagnostics = capture_overhead(w)
     return case
 

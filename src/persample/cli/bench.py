@@ -33,6 +33,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,8 @@ from .workloads import (
 )
 
 AGREE_TOLERANCE = 1e-4  # max |diff| <= this * max(1, max |reference|): the result agrees
+SLOW_S = 1.0  # a timer whose first call takes longer joins only the first 3 rounds
+VERY_SLOW_S = 5.0  # ... and one this slow only the first round (real-size models on a CPU)
 MB = 1e6  # bytes; peak memory and result sizes are in MB (10^6 bytes)
 
 
@@ -177,9 +180,13 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     Each method runs once first (its result is flattened and compared with the
     reference, and that run is a warm-up; on a GPU its peak memory is taken
     then), then all methods are timed in interleaved rounds, so that the
-    machine's drift hits them alike. A method whose first run takes over a
-    second joins only the first 3 rounds; with ``quick``, its first run is its
-    only time. The reference method's first run is the reference itself.
+    machine's drift hits them alike. A method whose first run takes over
+    :data:`SLOW_S` (a second) joins only the first 3 rounds, one over
+    :data:`VERY_SLOW_S` only the first round; with ``quick``, a slow method's first
+    run is its only time. The baseline, the write and the diagnostics warm up with
+    their first call, and a slow one skips the second warm-up and joins as few
+    rounds. The reference method's first run is the reference itself. The
+    reference and the ``out=`` buffer are freed before the memory probes.
 
     Args:
         case: the workload and its methods (:mod:`persample.cli.anchors`).
@@ -211,7 +218,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     if device.type == "cuda":
         _, _, memory = _first_call(case.base, device)
         base.peak_mb, base.peak_total_mb = memory["peak_mb"], memory["peak_total_mb"]
-    timers = [_Timer(base, case.base, repeats), _Timer(fill, lambda: buf.fill_(1.0), repeats)]
+    timers = [_Timer(base, case.base, repeats), _Timer(fill, partial(buf.fill_, 1.0), repeats)]
     product = None
     if case.floor is not None:
         product = Measured(case.floor_label)
@@ -225,8 +232,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     del first_run
     case.after_check()
     for timer in timers[:fixed]:
-        for _ in range(warmup):
-            timer.run()
+        _warm_up(timer, warmup, repeats, sync)
     for r in range(repeats):
         step(f"round {r + 1} of {repeats}")
         for timer in timers:
@@ -243,6 +249,9 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
             timer.row.median_ms = statistics.median(timer.row.times_ms)
     w.model.zero_grad(set_to_none=True)
     rows = [t.row for t in timers[fixed:]]
+    bytes_out = buf.numel() * buf.element_size()
+    del timers, buf, reference  # a real-size result is gigabytes: not held during the probes
+    gc.collect()
     if probe is not None:
         for row in [base] + [r for r in rows if r.status == "ok"]:
             step(f"memory: {row.method}")
@@ -253,7 +262,6 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     for row in rows:
         if row.median_ms is not None:
             row.ratio_to_floor = row.median_ms / floor
-    bytes_out = buf.numel() * buf.element_size()
     ours = next(m.name for m in case.methods if m.ours)
     report = Report(
         w.name, w.description, str(device), list(case.result_shape), bytes_out,
@@ -292,15 +300,38 @@ def _prepare(method: Method, buf: torch.Tensor, reference: torch.Tensor, repeats
         scale = _chunked_max(reference, None)
         row.agrees = row.max_abs_diff <= AGREE_TOLERANCE * max(1.0, scale)
         del result
-        for _ in range(1 if first < 1.0 and not quick else 0):  # a second warm-up
+        for _ in range(1 if first < SLOW_S and not quick else 0):  # a second warm-up
             run()
     except Exception as err:  # a competitor failing must not stop the benchmark
         row.status = f"failed: {type(err).__name__}: {err}"[:200]
         return _Timer(row, lambda: None, 0)
-    if first > 1.0 and quick:
+    if first > SLOW_S and quick:
         row.times_ms.append(first * 1e3)
         return _Timer(row, run, 0)
-    return _Timer(row, run, min(repeats, 3) if first > 1.0 else repeats)
+    return _Timer(row, run, _rounds(first, repeats))
+
+
+def _rounds(first_s: float, repeats: int) -> int:
+    """How many of the ``repeats`` rounds a timer whose first call took ``first_s``
+    joins: all, 3 when it is slow, 1 when it is very slow."""
+    if first_s > VERY_SLOW_S:
+        return 1
+    return min(repeats, 3) if first_s > SLOW_S else repeats
+
+
+def _warm_up(timer: _Timer, warmup: int, repeats: int, sync: Callable[[], None]) -> None:
+    """``warmup`` untimed calls of a fixed timer (the baseline, the write, the floor, a
+    diagnostic); the first is clocked, and a slow one ends the warm-up and joins fewer
+    rounds (:func:`_rounds`)."""
+    for k in range(warmup):
+        sync()
+        start = time.perf_counter()
+        timer.run()
+        sync()
+        seconds = time.perf_counter() - start
+        if k == 0 and seconds > SLOW_S:
+            timer.rounds = _rounds(seconds, repeats)
+            return
 
 
 CHUNK_NUMEL = 1 << 24  # entries compared at a time: 64 MB of float32 temporaries

@@ -1,9 +1,14 @@
 """The benchmark's workloads: the models of the questions and tutorials persample
-answers, on scikit-learn's digits,
-and real models (torchvision resnet18, timm ViT, transformers GPT-2) on real data.
+answers, on scikit-learn's digits, real models (torchvision resnet18, timm ViT,
+transformers GPT-2) on real data, and real-size transformers with their real
+vocabularies (:data:`REAL_WORKLOADS`: GPT-2 small, BERT with LoRA, Llama with
+grouped-query attention and LoRA) on the standard library's docstrings, each
+piece of text hashed into the model's vocabulary (:func:`hashed_ids`).
 
 The real models' packages are imported only when their workload is built
-(:mod:`persample.cli.real_models`).
+(:mod:`persample.cli.real_models`). The real-size workloads also build at a
+tiny test size (``size="tiny"``: same vocabulary, data, loss and trainable
+parameters).
 """
 
 from __future__ import annotations
@@ -120,6 +125,10 @@ class Workload:
             ``loss_fn``'s ``(B,)``; ``shape`` is ``None`` where ``N = B``. How Opacus's
             ghost clipping, which takes an ``nn.CrossEntropyLoss`` only, is given the
             loss; ``None``: ``loss_fn`` is an ``nn.CrossEntropyLoss`` or it cannot be.
+        layout_rows: whether the per-sample gradients table has persample's
+            ``flat=True`` and ``out=`` rows, the same call with the result in another
+            layout; left out where the result is a few MB of LoRA adapters beside
+            seconds of compute, so that they would time the default call again.
     """
 
     name: str
@@ -131,6 +140,7 @@ class Workload:
     description: str
     opacus_inputs: Any = None
     opacus_ce: Callable[[Any, Tensor], tuple[Tensor, Tensor, tuple | None]] | None = None
+    layout_rows: bool = True
 
     def __post_init__(self) -> None:
         self.model = self.model.float()  # whatever torch's default dtype is
@@ -327,7 +337,8 @@ def hashed_text_batch(batch: int, seq_len: int, first: int, stop: int, eos: int,
     if len(ids) < batch * seq_len:
         raise ValueError(f"the corpus has {len(ids)} tokens, fewer than "
                          f"batch * seq_len = {batch * seq_len}")
-    input_ids = torch.tensor(ids[: batch * seq_len], dtype=torch.int64).view(batch, seq_len)
+    input_ids = torch.tensor(ids[: batch * seq_len], dtype=torch.int64, device="cpu")
+    input_ids = input_ids.view(batch, seq_len)
     mask = torch.ones_like(input_ids)
     return {"input_ids": input_ids, "attention_mask": mask}, input_ids.clone()
 
@@ -354,14 +365,15 @@ def padded_docstring_batch(batch: int, seq_len: int, vocab: int
         ([13, 16, 16, 11], [0, 0, 1, 0])
     """
     texts = stdlib_docstrings()[:batch]
-    ids = torch.zeros(batch, seq_len, dtype=torch.int64)  # [PAD] everywhere
+    ids = torch.zeros(batch, seq_len, dtype=torch.int64, device="cpu")  # [PAD] everywhere
     mask = torch.zeros_like(ids)
     for i, text in enumerate(texts):
         words = hashed_ids(text.lower(), BERT_PIECES, BERT_FIRST_WORD, vocab)[: seq_len - 2]
         row = [BERT_CLS, *words, BERT_SEP]
-        ids[i, : len(row)] = torch.tensor(row)
+        ids[i, : len(row)] = torch.tensor(row, device="cpu")
         mask[i, : len(row)] = 1
-    labels = torch.tensor([int("\n\n" in text) for text in texts], dtype=torch.int64)
+    labels = torch.tensor([int("\n\n" in text) for text in texts], dtype=torch.int64,
+                          device="cpu")
     inputs = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask}
     return inputs, labels
 
@@ -409,8 +421,9 @@ def per_sample_positions(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         tensor([[0, 1, 2],
                 [0, 1, 2]])
     """
-    b, t = inputs["input_ids"].shape
-    return {**inputs, "position_ids": torch.arange(t).expand(b, t).contiguous()}
+    ids = inputs["input_ids"]  # (B, T)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
+    return {**inputs, "position_ids": positions}
 
 
 GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary; its last id is <|endoftext|>
@@ -476,8 +489,10 @@ def real_workload(name: str, batch: int | None = None, size: str = "full",
         model = real_models.gpt2(GPT2_VOCAB, seq_len=1024, **(dims or dict(
             width=768, heads=12, layers=layers)))
         inputs, labels = hashed_text_batch(b, t, 0, GPT2_VOCAB - 1, eos=GPT2_VOCAB - 1)
-        what = (f"GPT-2 small {'tiny test size' if tiny else f'{layers} layers (12 on a GPU)'}"
-                ", vocabulary 50257 tied to the output layer, every parameter trained")
+        depth = ("tiny test size" if tiny else "12 layers x 768" if gpu else
+                 "4 layers x 768 (12 with --device cuda)")
+        what = (f"GPT-2 small, {depth}, 12 heads, vocabulary 50257 tied to the output layer, "
+                "every parameter trained")
         return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
                         f"transformers {what}, batch {b}, T={t}, stdlib docstrings hashed "
                         "to GPT-2's vocabulary, per-sample next-token cross-entropy",
@@ -495,7 +510,7 @@ def real_workload(name: str, batch: int | None = None, size: str = "full",
                         f"vocabulary 30522 + peft LoRA r={rank} on query/value, classifier "
                         f"trained, batch {b}, T={t} padded (lengths {int(lengths.min())}-"
                         f"{int(lengths.max())}), stdlib docstrings, 2 classes, cross-entropy",
-                        per_sample_positions(inputs), classifier_ce)
+                        per_sample_positions(inputs), classifier_ce, layout_rows=False)
     if name == "llama-lora-grads":
         b, t, rank = batch or (4 if tiny else 8), 4 if tiny else 128, 2 if tiny else 16
         model = real_models.llama(LLAMA_VOCAB, **(dict(dims, kv_heads=2, intermediate=32)
@@ -507,7 +522,8 @@ def real_workload(name: str, batch: int | None = None, size: str = "full",
                         f"transformers Llama {'tiny' if tiny else '4x1024, 16 heads / 4 kv'}"
                         f", vocabulary 32000 + peft LoRA r={rank} on q/k/v/o_proj, batch {b}, "
                         f"T={t}, stdlib docstrings hashed to the vocabulary, per-sample "
-                        "next-token cross-entropy", per_sample_positions(inputs), causal_lm_ce)
+                        "next-token cross-entropy", per_sample_positions(inputs), causal_lm_ce,
+                        layout_rows=False)
     raise ValueError(f"unknown workload {name!r}; choose from {REAL_GRAD_WORKLOADS}")
 
 
