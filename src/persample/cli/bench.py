@@ -250,7 +250,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     w.model.zero_grad(set_to_none=True)
     rows = [t.row for t in timers[fixed:]]
     bytes_out = buf.numel() * buf.element_size()
-    del timers, buf, reference  # a real-size result is gigabytes: not held during the probes
+    del timers, timer, buf, reference  # a real-size result is gigabytes: freed for the probes
     gc.collect()
     if probe is not None:
         for row in [base] + [r for r in rows if r.status == "ok"]:
