@@ -285,3 +285,21 @@ def test_per_sample_grads_of_a_tied_table_add_the_lookups_in_place(make, padding
     assert_exact(got, want)
     assert added and all(added)
     assert got["emb.weight"][:, 0].abs().sum() > 0  # the output layer's row 0 is there
+
+
+@pytest.mark.parametrize("func", [F.linear, F.embedding], ids=["output layer", "lookup"])
+def test_a_fault_in_one_use_of_a_tied_table_leaves_the_clipped_sums_exact(func, monkeypatch):
+    """A weighted-sum rule failing after (output layer) or before (lookup) the tied
+    table's other use was added: the uses left come from each op's own backward, or the
+    whole parameter from per-sample gradients; a warning names persample's bug."""
+    from persample import rules
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setitem(rules._OP_SUMS, func, broken)
+    model, ids, _, _ = _case(TiedLM)
+    _, want = _by_hand(model, ids, ids, _lm_loss, c=0.05)
+    with pytest.warns(UserWarning, match="injected"):
+        private_grad(model, ids, ids, _lm_loss, max_grad_norm=0.05, noise_multiplier=0.0)
+    assert_exact({k: p.grad for k, p in model.named_parameters()}, want)

@@ -157,7 +157,7 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     _check_finite(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
     into = make_into()
-    done, started = set(mats), set()
+    done, left = set(mats), {}
     for pid, m in mats.items():  # (n, 1, *shape) materialised
         into[pid].add_(torch.tensordot(factors[pid].to(m.dtype), m[:, 0], dims=1))
     del mats
@@ -169,11 +169,11 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
                     into[id(p)].add_(got)
                     done.add(id(p))
             if cap is not None:
-                _book_keeping(cap, ghosted, factors, into, done, started)
+                _book_keeping(cap, ghosted, factors, into, done, left)
     except InternalError as err:  # the norms are right: the rest from per-sample gradients
-        if started - done:  # part of a parameter's uses added: the rest cannot be told apart
-            raise
         leave_rules(Taken(), err)
+        with internal("the clipped sums of the uses left"):
+            _complete(cap, ghosted, left, factors, into, done)
         rest = {name: p for name, p in params.items() if id(p) not in done}
         grads = slower(lambda: vmap_per_sample_grads(model, batch, targets, loss_fn, rest),
                        lambda: loop_per_sample_grads(model, batch, targets, loss_fn))
@@ -202,53 +202,57 @@ def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tens
 
 
 def _book_keeping(cap: Captured, ghosted: dict, factors: dict[int, Tensor],
-                  into: dict[int, Tensor], done: set[int], started: set[int]) -> None:
+                  into: dict[int, Tensor], done: set[int], left: dict[int, list]) -> None:
     """Add the clipped sums of the ghost-normed parameters into ``into``, op by op
     (``ghosted``: op -> the parameters it sums; ``done``: parameters whose sums are
-    complete, those summed from materialised gradients already in it; ``started``: the
-    parameters something was added to, for the caller to know what a failure left).
+    complete, those summed from materialised gradients already in it; ``left``: filled
+    here with each parameter's ops not yet added, for :func:`_complete` after a failure).
 
     ``sum_i c_i g_i`` is the op's ordinary weight gradient for backprops scaled by
     the clip factors: the op's weighted-sum rule where it has one (one GEMM for a
     linear map), else one local backward from the op's own autograd node. A
     parameter several ops read gets each one's sum.
     """
-    left: dict[int, int] = {}  # ops still to add to each parameter
-    for pids in ghosted.values():
+    for op, pids in ghosted.items():
         for pid in pids - done:
-            left[pid] = left.get(pid, 0) + 1
+            left.setdefault(pid, []).append(op)
     with without_autocast():
         for op, pids in ghosted.items():
-            todo = [pid for pid in pids if pid in left]
-            started.update(todo)
-            _add_op_sums(cap, op, todo, factors, into)
-            for pid in todo:
-                left[pid] -= 1
+            for pid in [pid for pid in pids if pid in left]:  # one at a time: a failure
+                _add_op_sum(cap, op, pid, factors[pid], into[pid])  # adds nothing
+                left[pid].remove(op)
                 if not left[pid]:
                     done.add(pid)
 
 
-def _add_op_sums(cap: Captured, op, pids: list[int], factors: dict[int, Tensor],
-                 into: dict[int, Tensor]) -> None:
-    """Add one op's share of ``sum_i c_i g_i`` of the parameters ``pids`` into ``into``."""
-    groups: dict[int, list] = {}  # same factors -> one pass
-    for k in op.sources:
-        p = op.leaves[k]
-        if id(p) in pids and all(p is not q for q in groups.get(id(factors[id(p)]), [])):
-            groups.setdefault(id(factors[id(p)]), []).append(p)
+def _complete(cap: Captured, ghosted: dict, left: dict[int, list],
+              factors: dict[int, Tensor], into: dict[int, Tensor], done: set[int]) -> None:
+    """After a failure: a parameter some of whose uses were added gets the other uses'
+    sums from each op's own backward (exact, and apart from the rules)."""
+    for pid, ops in left.items():
+        uses = sum(pid in pids for pids in ghosted.values())
+        if pid in done or not ops or len(ops) == uses:
+            continue  # complete, or nothing added: summed from per-sample gradients
+        with without_autocast():
+            for op in ops:
+                p = next(t for t in op.leaves if id(t) == pid)
+                into[pid].add_(_local_backward(cap, op, [p], factors[pid])[pid])
+        done.add(pid)
+
+
+def _add_op_sum(cap: Captured, op, pid: int, c: Tensor, into: Tensor) -> None:
+    """Add one op's share of ``sum_i c_i g_i`` of the parameter ``pid`` (clip factors
+    ``c (n,)``) into ``into``: its weighted-sum rule, else one local backward."""
     summed = find_op_sum(op.func)
-    for group in groups.values():
-        c = factors[id(group[0])]  # (n,)
-        targets = {id(p): into[id(p)] for p in group}
-        if summed is not None:
-            (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
-            dtype = _sum_dtype(g.dtype, targets[id(group[0])].dtype)
-            with torch.no_grad():
-                if summed(OpCall(op, cap.n, dtype), cast(g[:, 0], dtype), c.to(dtype), targets):
-                    continue
-        got = _local_backward(cap, op, group, c)
-        for p in group:
-            into[id(p)].add_(got[id(p)])
+    if summed is not None:
+        (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
+        dtype = _sum_dtype(g.dtype, into.dtype)
+        with torch.no_grad():
+            if summed(OpCall(op, cap.n, dtype), cast(g[:, 0], dtype), c.to(dtype),
+                      {pid: into}):
+                return
+    p = next(t for t in op.leaves if id(t) == pid)
+    into.add_(_local_backward(cap, op, [p], c)[pid])
 
 
 def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
