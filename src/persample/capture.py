@@ -433,6 +433,7 @@ class Capture:
             yield
         finally:
             mode.__exit__(None, None, None)
+        self._stale_derived()
 
     @staticmethod
     def _free_tensors(model: nn.Module | None, shared: tuple) -> list[Tensor]:
@@ -491,8 +492,19 @@ class Capture:
                 _WhileCapturing.exit()
             finally:
                 self._remove()
+        self._stale_derived()
         if exc is not None and self.stack:  # raised inside a module's forward: name it
             exc.add_note(where(self.stack[-1], exc))
+
+    def _stale_derived(self) -> None:
+        """A derived tensor whose op's inputs changed in place since the op ran (through
+        any alias: a view, a ``detach()``) cannot be pulled back through that op, which
+        would read their new values: its parameters' reads cannot be followed. (A derived
+        tensor read after it changed is caught where it is read, :meth:`_sources`.)"""
+        with torch._C.DisableTorchFunction():  # reading versions is no op of the model
+            for d in self.derived.values():
+                if d.op.changed():
+                    self.unseen_reads |= d.op.sources_all
 
     def release_calls(self, keep: list[Call]) -> None:
         """Forget the inputs, outputs and gradient edges of the module calls other than
@@ -585,6 +597,9 @@ class Capture:
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
         if target is not None and isinstance(out, Tensor):
             self._set_layout(target, flow.outputs, out)
+            if sources and flow.outputs is FREE:  # parameters written into a free tensor:
+                # what shares its storage no longer holds what the ops that made it computed
+                self.unseen_reads |= frozenset().union(*sources.values())
         else:
             self._set_outputs(out, flow.outputs)
         for t, lay in flow.writes:  # other inputs the op overwrote (running statistics)
@@ -616,7 +631,16 @@ class Capture:
             elif derived:
                 d = derived.get(key)
                 if d is not None and d.tensor is t:
-                    found[k] = d.op.sources_all
+                    with torch._C.DisableTorchFunction():
+                        stale = t._version != d.version
+                    if not stale:
+                        found[k] = d.op.sources_all
+                    elif self.layouts.layout(t) is FREE:  # changed in place since its op
+                        # made it (through any alias): that op no longer made what is read
+                        found[k] = d.op.sources_all
+                        self.unseen_reads |= d.op.sources_all
+                    # else an in-place op wrote sample data into it since: what is read is
+                    # that op's output, followed from its own gradient edge
         return found
 
     def _unexpanded(self, t: Tensor) -> Tensor | None:

@@ -67,7 +67,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     if hidden:
         raise NeedsWholeModel(
             f"parameter {param_name(model, id(hidden[0]))} gets gradient through ops the "
-            "capture cannot follow (a custom autograd.Function or TorchScript code)")
+            "capture cannot follow (a custom autograd.Function, TorchScript code, or a "
+            "tensor it was written into in place)")
     return Captured(cap, result, grads, batch.n, v)
 
 

@@ -234,14 +234,14 @@ def _sdpa(ctx, func, args, kwargs, out) -> Any:
     mask = arg(args, kwargs, 3, "attn_mask", None)
     rank = out.dim()
     found = None
-    for t in (q, k, v, mask):
+    for role, t in (("query", q), ("key", k), ("value", v), ("mask", mask)):
         lay = ctx.layout(t) if isinstance(t, Tensor) else FREE
         if not isinstance(lay, Batched):
             continue
         d = lay.dim + rank - t.dim()
-        if t is not q and d >= rank - 2:
+        if role != "query" and d >= rank - 2:  # (by role: q, k and v may be one tensor)
             return mixed(func, "attends across samples")
-        if t is q and d == rank - 1:
+        if role == "query" and d == rank - 1:
             return mixed(func, "contracts the batch dim")
         here = lay.moved(d)
         if found is not None and found != here:
