@@ -14,6 +14,10 @@ sees every op of the forward:
   output carries samples it is a *use*: its per-sample gradient comes from that
   op's rule, with the backprops of its output. Otherwise its output is derived,
   and the op is pulled back later from the per-sample cotangents its consumers give.
+  A derived tensor widened to the batch (``bias.expand(B, H, T, T)``) is read as the
+  tensor it widens by the ops that broadcast it anyway. Parameter data written in
+  place into a free tensor, and a derived tensor read after it changed in place, are
+  reads the rules cannot follow (``unseen_reads``): no recorded op made what is read.
 - each use keeps the :class:`~torch.autograd.graph.GradientEdge` of its output,
   taken right after the op: the gradient flowing into the node that produced it,
   which stays valid when the output is later modified in place
