@@ -238,3 +238,15 @@ def test_workload_groups_and_sizes():
         bench.build_case("cnn-grads", 2, "cpu", size="tiny")
     with pytest.raises(ValueError, match="unknown size"):
         real_workload("gpt2-768-grads", size="small")
+
+
+@pytest.mark.parametrize(("name", "built"), [("llama-lora-grads", ["loop", "persample"]),
+                                           ("llama-lora-dp-step", ["persample"])])
+def test_a_memory_probe_builds_only_its_row(name, built):
+    """The rows no probe asked for are not built (no model copies, no Opacus), except
+    the loop and persample's rows of a gradients case, which build nothing."""
+    case = bench.build_case(name, None, "cpu", size="tiny", only="persample")
+    assert [m.name for m in case.methods if m.fn is not None] == built
+    for m in case.methods:
+        if m.fn is None:
+            assert m.note == "not built: only 'persample' was asked for", m

@@ -256,6 +256,14 @@ def _reference_fits(w: Workload) -> MemoryEstimate:
     return estimate
 
 
+def _built(name: str, only: str | None, build: Callable[[], Method]) -> Method:
+    """``build()``, unless ``only`` names another row: a memory probe builds only the row
+    it measures (no other model copies, no other library imported)."""
+    if only is None or only == name:
+        return build()
+    return Method(name, None, f"not built: only {only!r} was asked for")
+
+
 def _unless_too_big(name: str, estimate: MemoryEstimate | None,
                     build: Callable[[], Method]) -> Method:
     """``build()``, unless ``estimate`` says ``name`` would need over the limit."""
@@ -266,13 +274,14 @@ def _unless_too_big(name: str, estimate: MemoryEstimate | None,
 # --- per-sample gradients (cnn-grads, deep-mlp-grads, resnet18-grads, gpt2-grads, ...) ------
 
 
-def grads_case(w: Workload) -> Case:
+def grads_case(w: Workload, only: str | None = None) -> Case:
     """The per-sample gradients rows: loop (the reference), ``torch.func``, Opacus, BackPACK,
     persample's default call (a dict), ``flat=True`` and ``out=`` (where the workload
     has ``layout_rows``). Result ``(B, P)``,
     ``P`` the trainable parameters' entries; the baseline is a plain backward of the
     mean loss. A competitor whose :class:`MemoryEstimate` is over
-    :func:`memory_limit` is skipped with a note.
+    :func:`memory_limit` is skipped with a note. ``only``: build that row only (and
+    estimate nothing), for a memory probe of a row that ran.
 
     Raises:
         MemoryError: the loop, the reference, would need over the limit.
@@ -297,12 +306,13 @@ def grads_case(w: Workload) -> Case:
     def loop(_: Tensor) -> dict[str, Tensor]:
         return loop_per_sample_grads(model, w.inputs, w.targets, w.loss_fn)
 
-    estimate = _reference_fits(w)
+    estimate = _reference_fits(w) if only is None else None
     case = Case(w, "plain backward", plain, (w.n, num_params(model)), "loop", lambda: loop(None), [
         Method("loop", loop),
-        _unless_too_big("torch.func vmap", estimate, lambda: torch_func(w)),
-        _unless_too_big("Opacus hooks", estimate, lambda: opacus(w)),
-        _unless_too_big("BackPACK BatchGrad", estimate, lambda: backpack(w)),
+        *(_built(name, only, lambda name=name, build=build: _unless_too_big(
+            name, estimate, lambda: build(w))) for name, build in (
+                ("torch.func vmap", torch_func), ("Opacus hooks", opacus),
+                ("BackPACK BatchGrad", backpack))),
         Method("persample", lambda _: per_sample_grads(model, w.inputs, w.targets, w.loss_fn),
                ours=True),
     ])
@@ -681,7 +691,7 @@ def _backpack_l2(w: Workload):
     return run
 
 
-def dp_step_case(w: Workload) -> Case:
+def dp_step_case(w: Workload, only: str | None = None) -> Case:
     """One DP-SGD step (clip to ``C``, sum, add noise, divide by ``B``, SGD step) on any
     gradients workload. Every row returns the noised gradients ``{name: p.grad}``
     (result ``(P,)``): the loop or ``torch.func`` followed by clipping as users write
@@ -692,7 +702,7 @@ def dp_step_case(w: Workload) -> Case:
     pass them (:meth:`~persample.cli.workloads.Workload.opacus_call`), its ghost
     clipping given the loss as an ``nn.CrossEntropyLoss`` of the logits where the
     workload says how (``opacus_ce``). The loop, ``torch.func`` and Opacus hooks are
-    subject to :class:`MemoryEstimate` as in :func:`grads_case`.
+    subject to :class:`MemoryEstimate` as in :func:`grads_case`; ``only`` as there.
 
     Raises:
         MemoryError: the loop, the reference, would need over :func:`memory_limit`.
@@ -709,7 +719,7 @@ def dp_step_case(w: Workload) -> Case:
 
     n, model = w.n, w.model
     noise = {"sigma": 0.0}  # 0 while results are checked, then 1.0 for the timed rounds
-    plain_model = copy.deepcopy(model)
+    plain_model = copy.deepcopy(model) if only in (None, "plain SGD step") else model
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.0)
 
     def plain_step() -> None:
@@ -736,30 +746,36 @@ def dp_step_case(w: Workload) -> Case:
 
         return run
 
-    own = copy.deepcopy(model)
-    own_opt = torch.optim.SGD(own.parameters(), lr=0.0)
+    def persample_method() -> Method:
+        own = copy.deepcopy(model)
+        own_opt = torch.optim.SGD(own.parameters(), lr=0.0)
 
-    def persample_step(_: Tensor) -> dict[str, Tensor]:
-        own_opt.zero_grad(set_to_none=True)  # as the plain step does
-        private_grad(own, w.inputs, w.targets, w.loss_fn, max_grad_norm=DP_MAX_GRAD_NORM,
-                     noise_multiplier=noise["sigma"])
-        own_opt.step()
-        return {k: p.grad for k, p in own.named_parameters() if p.requires_grad}
+        def persample_step(_: Tensor) -> dict[str, Tensor]:
+            own_opt.zero_grad(set_to_none=True)  # as the plain step does
+            private_grad(own, w.inputs, w.targets, w.loss_fn, max_grad_norm=DP_MAX_GRAD_NORM,
+                         noise_multiplier=noise["sigma"])
+            own_opt.step()
+            return {k: p.grad for k, p in own.named_parameters() if p.requires_grad}
+
+        return Method("persample", persample_step, ours=True)
 
     def loop(_: Tensor | None) -> dict[str, Tensor]:
         return loop_per_sample_grads(model, w.inputs, w.targets, w.loss_fn)
 
-    estimate = _reference_fits(w)
-    func = _unless_too_big("torch.func vmap", estimate, lambda: torch_func(w))
-    hooks = _unless_too_big("Opacus hooks", estimate,
-                            lambda: _opacus_dp_method(w, noise, ghost=False))
+    def func_method() -> Method:
+        func = _unless_too_big("torch.func vmap", estimate, lambda: torch_func(w))
+        return Method("torch.func vmap + clipping", manual(func.fn) if func.fn else None,
+                      func.note)
+
+    estimate = _reference_fits(w) if only is None else None
     case = Case(w, "plain SGD step", plain_step, (num_params(model),), "loop + clipping",
                 lambda: manual(loop)(None), [
-        Method("loop + clipping", manual(loop)),
-        Method("torch.func vmap + clipping", manual(func.fn) if func.fn else None, func.note),
-        hooks,
-        _opacus_dp_method(w, noise, ghost=True),
-        Method("persample", persample_step, ours=True),
+        _built("loop + clipping", only, lambda: Method("loop + clipping", manual(loop))),
+        _built("torch.func vmap + clipping", only, func_method),
+        _built("Opacus hooks", only, lambda: _unless_too_big(
+            "Opacus hooks", estimate, lambda: _opacus_dp_method(w, noise, ghost=False))),
+        _built("Opacus ghost clipping", only, lambda: _opacus_dp_method(w, noise, ghost=True)),
+        _built("persample", only, persample_method),
     ])
     case.after_check = lambda: noise.update(sigma=1.0)
     # every DP-SGD step also draws P Gaussian numbers: the floor is the plain step and that

@@ -499,7 +499,7 @@ def plot_reports(reports: list[Report], path: str) -> None:
 
 
 def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
-               size: str = "full") -> Case:
+               size: str = "full", only: str | None = None) -> Case:
     """The :class:`~persample.cli.anchors.Case` of workload ``name`` on ``device``.
 
     Args:
@@ -510,6 +510,8 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
         size: ``"tiny"``: a real-size workload (:data:`~persample.cli.workloads.
             REAL_WORKLOADS`) built at test size, same data, loss and trainable
             parameters (:func:`~persample.cli.workloads.real_workload`).
+        only: build only this row of a gradients or DP-step case (or none but the
+            baseline, when it names the baseline), for a memory probe.
 
     Raises:
         SystemExit: an unknown workload.
@@ -523,7 +525,7 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
         ((2, 4515602), ['persample'])
     """
     if name in GRAD_WORKLOADS:
-        return anchors.grads_case(grads_workload(name, batch, size, device).to(device))
+        return anchors.grads_case(grads_workload(name, batch, size, device).to(device), only)
     if name in JACOBIAN_WORKLOADS and size != "full":
         raise ValueError(f"{name} has one size, 'full'")
     if name == "mlp-param-jac":
@@ -533,7 +535,7 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
     if name == "cnn-norms":
         return anchors.norms_case(dp_workload(name, batch, size, device).to(device))
     if name in DP_WORKLOADS:
-        return anchors.dp_step_case(dp_workload(name, batch, size, device).to(device))
+        return anchors.dp_step_case(dp_workload(name, batch, size, device).to(device), only)
     raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 
@@ -678,7 +680,7 @@ def memory_probe(workload: str, method: str, batch: int | None, threads: int,
     if dev.type == "cpu":
         torch.set_num_threads(threads)
     _ignore_noise()
-    case = build_case(workload, batch, dev)
+    case = build_case(workload, batch, dev, only=method)
     case.after_check()
     buf = aligned_empty(case.result_shape, case.workload.dtype, dev).zero_()
     if method == case.base_label:
