@@ -229,6 +229,22 @@ def test_slow_calls_join_fewer_rounds():
     assert bench._rounds(bench.VERY_SLOW_S + 0.1, 7) == 1
 
 
+@pytest.mark.keep_default_dtype
+def test_very_slow_baseline_and_methods_are_timed_in_one_round(monkeypatch):
+    """Every call is made very slow: the baseline warms up once (no second warm-up) and
+    joins one round, and every method its first (checked) call and one round."""
+    monkeypatch.setattr(bench, "SLOW_S", 0.0)
+    monkeypatch.setattr(bench, "VERY_SLOW_S", 0.0)
+    rounds = 1
+    case = bench.build_case("llama-lora-grads", None, "cpu", size="tiny")
+    calls, base = [], case.base
+    case.base = lambda: (calls.append(1), base())
+    report = bench.bench_case(case, False, lambda label: None)
+    assert len(calls) == 1 + rounds
+    for m in report.methods:
+        assert m.status != "ok" or len(m.times_ms) == rounds, m
+
+
 def test_workload_groups_and_sizes():
     assert set(SMALL_WORKLOADS).isdisjoint(REAL_WORKLOADS)
     assert WORKLOADS == SMALL_WORKLOADS + REAL_WORKLOADS
