@@ -46,6 +46,7 @@ MUST_AGREE = {
     "llama-lora-grads": {"loop", "torch.func vmap", "Opacus hooks", "persample"},
     "llama-lora-dp-step": {"loop + clipping", "torch.func vmap + clipping", "Opacus hooks",
                            "Opacus ghost clipping", "persample"},
+    "gpt2-768-bf16-dp-step": {"loop + clipping", "torch.func vmap + clipping", "persample"},
 }
 
 
@@ -79,7 +80,8 @@ def test_every_row_agrees_with_the_reference(name):
     for m in report.methods:
         if m.method in want_ok or m.status == "ok":
             assert m.status == "ok" and m.agrees, m
-            assert m.max_abs_diff <= 1e-5 and m.median_ms > 0, m
+            bound = 2e-3 if case.workload.autocast else 1e-5  # bf16: rounding of the loop
+            assert m.max_abs_diff <= bound and m.median_ms > 0, m
         else:  # a competitor that cannot run here says why
             assert m.status.startswith(("not installed", "not applicable", "failed")), m
     layout = {"persample (flat=True)", "persample (out=)"}  # only where results are large
@@ -249,7 +251,8 @@ def test_workload_groups_and_sizes():
     assert set(SMALL_WORKLOADS).isdisjoint(REAL_WORKLOADS)
     assert WORKLOADS == SMALL_WORKLOADS + REAL_WORKLOADS
     assert REAL_WORKLOADS == ("gpt2-768-grads", "gpt2-768-dp-step", "bert-lora-grads",
-                              "bert-lora-dp-step", "llama-lora-grads", "llama-lora-dp-step")
+                              "bert-lora-dp-step", "llama-lora-grads", "llama-lora-dp-step",
+                              "gpt2-768-bf16-dp-step")
     with pytest.raises(ValueError, match="one size"):
         bench.build_case("cnn-grads", 2, "cpu", size="tiny")
     with pytest.raises(ValueError, match="unknown size"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -82,6 +82,40 @@ class Case:
     floor_label: str | None = None
     floor: Callable[[], object] | None = None
     diagnostics: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
+
+
+def under_autocast(case: Case) -> Case:
+    """The case with its baseline, floor, reference, diagnostics and every method run
+    under ``torch.autocast`` with the workload's ``autocast`` dtype (as they are without
+    one); returns ``case``, changed in place.
+
+    Example:
+        >>> from persample.cli.workloads import dp_workload
+        >>> w = dp_workload("deep-mlp-dp-step", 2)
+        >>> w.autocast = torch.bfloat16
+        >>> case = under_autocast(dp_step_case(w))
+        >>> case.base() is None
+        True
+    """
+    dtype = case.workload.autocast
+    if dtype is None:
+        return case
+    device = case.workload.device.type
+
+    def wrap(fn):
+        if fn is None:
+            return None
+
+        def run(*args):
+            with torch.autocast(device, dtype=dtype):
+                return fn(*args)
+        return run
+
+    case.base, case.reference, case.floor = wrap(case.base), wrap(case.reference), wrap(
+        case.floor)
+    case.diagnostics = [(label, wrap(fn)) for label, fn in case.diagnostics]
+    case.methods = [replace(m, fn=wrap(m.fn)) for m in case.methods]
+    return case
 
 
 def as_flat(result: Any, shape: tuple[int, ...]) -> Tensor:
@@ -736,11 +770,12 @@ def dp_step_case(w: Workload, only: str | None = None) -> Case:
         def run(_: Tensor) -> dict[str, Tensor]:
             opt.zero_grad(set_to_none=True)  # as the plain step does
             grads = per_sample_fn(None)
-            clip = (DP_MAX_GRAD_NORM / (grad_norms(grads) + 1e-6)).clamp(max=1.0)  # (B,)
-            for name, g in grads.items():
-                total = torch.tensordot(clip, g, dims=1)
-                total += torch.randn_like(total) * (noise["sigma"] * DP_MAX_GRAD_NORM)
-                params[name].grad = total.div_(n)
+            with torch.autocast(w.device.type, enabled=False):  # clipped in the grads' dtype
+                clip = (DP_MAX_GRAD_NORM / (grad_norms(grads) + 1e-6)).clamp(max=1.0)  # (B,)
+                for name, g in grads.items():
+                    total = torch.tensordot(clip.to(g.dtype), g, dims=1)
+                    total += torch.randn_like(total) * (noise["sigma"] * DP_MAX_GRAD_NORM)
+                    params[name].grad = total.div_(n)
             opt.step()
             return {k: p.grad for k, p in params.items() if p.requires_grad}
 

@@ -129,6 +129,8 @@ class Workload:
             ``flat=True`` and ``out=`` rows, the same call with the result in another
             layout; left out where the result is a few MB of LoRA adapters beside
             seconds of compute, so that they would time the default call again.
+        autocast: every method (and the plain step) runs under ``torch.autocast`` with
+            this dtype (``None``: float32 throughout).
     """
 
     name: str
@@ -141,6 +143,7 @@ class Workload:
     opacus_inputs: Any = None
     opacus_ce: Callable[[Any, Tensor], tuple[Tensor, Tensor, tuple | None]] | None = None
     layout_rows: bool = True
+    autocast: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self.model = self.model.float()  # whatever torch's default dtype is
@@ -598,6 +601,11 @@ def dp_workload(name: str, batch: int | None = None, size: str = "full",
     if name == "cnn-norms":
         w = grads_workload("cnn-grads", batch, size, device)
         what = "per-sample gradient norms"
+    elif name in BF16_DP_WORKLOADS:
+        w = grads_workload(name.replace("-bf16-dp-step", "-grads"), batch, size, device)
+        w.autocast = torch.bfloat16
+        what = (f"one DP-SGD step (C = {DP_MAX_GRAD_NORM}, sigma = 1), every method and the "
+                "plain step under torch.autocast(bfloat16)")
     elif name in DP_WORKLOADS:
         w = grads_workload(name.replace("-dp-step", "-grads"), batch, size, device)
         what = f"one DP-SGD step (C = {DP_MAX_GRAD_NORM}, sigma = 1)"
@@ -606,8 +614,11 @@ def dp_workload(name: str, batch: int | None = None, size: str = "full",
     return replace(w, name=name, description=f"{w.description}; {what}")
 
 
-REAL_DP_WORKLOADS = tuple(name.replace("-grads", "-dp-step") for name in REAL_GRAD_WORKLOADS)
-REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS) for w in pair)
+BF16_DP_WORKLOADS = ("gpt2-768-bf16-dp-step",)
+REAL_DP_WORKLOADS = tuple(name.replace("-grads", "-dp-step") for name in REAL_GRAD_WORKLOADS
+                          ) + BF16_DP_WORKLOADS
+REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS) for w in pair
+                       ) + BF16_DP_WORKLOADS
 """The real-size transformers with their real vocabularies (``persample bench --real``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
                   "gpt2-grads") + REAL_GRAD_WORKLOADS
