@@ -138,29 +138,27 @@ def rule_adds(func: Any) -> bool:
     return func in _ADDING
 
 
-def register_op_norm(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:
-    """Register a squared-norm rule ("ghost norm") for ops that have an op rule."""
+def _registering(table: dict[Any, Callable], funcs: tuple) -> Callable[[Callable], Callable]:
+    """A decorator putting its function in ``table`` under each of ``funcs``."""
 
-    def decorate(fn: OpNormFn) -> OpNormFn:
+    def decorate(fn: Callable) -> Callable:
         for f in funcs:
             if f is not None:
-                _OP_NORMS[f] = fn
+                table[f] = fn
         return fn
 
     return decorate
+
+
+def register_op_norm(*funcs: Any) -> Callable[[OpNormFn], OpNormFn]:
+    """Register a squared-norm rule ("ghost norm") for ops that have an op rule."""
+    return _registering(_OP_NORMS, funcs)
 
 
 def register_op_sum(*funcs: Any) -> Callable[[OpSumFn], OpSumFn]:
     """Register a weighted-sum rule (the clipped sum of DP book-keeping) for ops that
     have a norm rule."""
-
-    def decorate(fn: OpSumFn) -> OpSumFn:
-        for f in funcs:
-            if f is not None:
-                _OP_SUMS[f] = fn
-        return fn
-
-    return decorate
+    return _registering(_OP_SUMS, funcs)
 
 
 # Factor rules by op, for a parameter several ops read (tied weights, a layer called
@@ -172,14 +170,7 @@ _OP_FACTORS: dict[Any, Callable] = {}
 
 def register_op_factors(*funcs: Any) -> Callable[[Callable], Callable]:
     """Register a factor rule (see ``rules.ghost``) for ops that have an op rule."""
-
-    def decorate(fn: Callable) -> Callable:
-        for f in funcs:
-            if f is not None:
-                _OP_FACTORS[f] = fn
-        return fn
-
-    return decorate
+    return _registering(_OP_FACTORS, funcs)
 
 
 def find_op_factors(func: Any) -> Callable | None:
