@@ -4,9 +4,11 @@ From one captured forward and backward, each call's squared per-sample gradient
 norms come from its layer's norm rule ("ghost norm": Goodfellow 2015; Lee &
 Kifer 2021; Li et al. 2022), or, where no norm rule applies or materialising is
 cheaper (convolutions, norm layers, the fallback), from its per-sample gradients,
-which are then kept for the clipped sum of ``persample.dp``. A parameter fed by
-several calls (tied weights, a module called twice) is always materialised: the
-norm of the summed contribution is not the sum of the norms.
+which are then kept for the clipped sum of ``persample.dp``. The norm of a parameter
+several ops read directly (tied weights, a module called twice) is not the sum of
+its uses' norms: it comes from the uses' factors and their cross terms
+(``rules.ghost``) where every use has them and that is cheaper, else from its
+materialised per-sample gradient.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import torch
 
@@ -96,8 +97,13 @@ def accumulate_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return found
 
 
-def cast(t, dtype: torch.dtype | None):
-    """A floating tensor in ``dtype`` (no copy when it already is); anything else as it is."""
+def cast(t: Any, dtype: torch.dtype | None) -> Any:
+    """A floating tensor in ``dtype`` (no copy when it already is); anything else as it is.
+
+    Example:
+        >>> cast(torch.ones(2, dtype=torch.bfloat16), torch.float32).dtype, cast(3, None)
+        (torch.float32, 3)
+    """
     if dtype is None or not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return t
     return t if t.dtype == dtype else t.to(dtype)

@@ -218,8 +218,10 @@ def _book_keeping(cap: Captured, ghosted: dict, factors: dict[int, Tensor],
             left.setdefault(pid, []).append(op)
     with without_autocast():
         for op, pids in ghosted.items():
+            summed = find_op_sum(op.func)
+            g = cap.backprops(op.edges, op.out_layouts)[0][:, 0] if summed else None  # (n, *out)
             for pid in [pid for pid in pids if pid in left]:  # one at a time: a failure
-                _add_op_sum(cap, op, pid, factors[pid], into[pid])  # adds nothing
+                _add_op_sum(cap, op, pid, factors[pid], into[pid], g)  # adds nothing
                 left[pid].remove(op)
                 if not left[pid]:
                     done.add(pid)
@@ -240,16 +242,16 @@ def _complete(cap: Captured, ghosted: dict, left: dict[int, list],
         done.add(pid)
 
 
-def _add_op_sum(cap: Captured, op, pid: int, c: Tensor, into: Tensor) -> None:
+def _add_op_sum(cap: Captured, op, pid: int, c: Tensor, into: Tensor, g: Tensor | None
+                ) -> None:
     """Add one op's share of ``sum_i c_i g_i`` of the parameter ``pid`` (clip factors
-    ``c (n,)``) into ``into``: its weighted-sum rule, else one local backward."""
-    summed = find_op_sum(op.func)
-    if summed is not None:
-        (g,) = cap.backprops(op.edges, op.out_layouts)  # (n, 1, *out)
+    ``c (n,)``) into ``into``: its weighted-sum rule with the op's backprops ``g (n,
+    *out)`` (``None``: it has none), else one local backward."""
+    if g is not None:
         dtype = _sum_dtype(g.dtype, into.dtype)
         with torch.no_grad():
-            if summed(OpCall(op, cap.n, dtype), cast(g[:, 0], dtype), c.to(dtype),
-                      {pid: into}):
+            if find_op_sum(op.func)(OpCall(op, cap.n, dtype), cast(g, dtype), c.to(dtype),
+                                    {pid: into}):
                 return
     p = next(t for t in op.leaves if id(t) == pid)
     into.add_(_local_backward(cap, op, [p], c)[pid])

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import OpCall, register_op_factors, register_op_norm, register_op_rule, register_op_sum
-from .ghost import Factors
+from .ghost import Factors, inner
 
 
 def scatter_rows(ids: Tensor, g: Tensor, dst: Tensor, padding_idx: int | None = None,
@@ -43,8 +43,9 @@ def scatter_rows(ids: Tensor, g: Tensor, dst: Tensor, padding_idx: int | None = 
     ids = ids.reshape(1, 1, t).expand(n, 1, t) if ids.dim() == 1 else ids.reshape(n, 1, t)
     rows = torch.arange(n, device=ids.device).view(n, 1, 1)  # (n, 1, 1)
     cots = torch.arange(v, device=ids.device).view(1, v, 1)  # (1, v, 1)
+    if add and by_freq:
+        raise ValueError("scale_grad_by_freq divides the whole destination: nothing to add to")
     if add:  # the padding row keeps what the other contributions gave it
-        assert not by_freq
         if padding_idx is not None:
             g = g * (ids != padding_idx).view(n, 1, t, *[1] * (g.dim() - 3))
         dst.index_put_((rows, cots, ids), g, accumulate=True)
@@ -117,21 +118,14 @@ def gather_rows(call: OpCall, g: Tensor, out: dict) -> str | None:
 def embedding_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
     """``|grad_W[n]|^2 = sum_{t,s: ids_t = ids_s} g_t . g_s`` (cost ``n T^2 d``), or
     ``None`` (materialise, ``n r d``) when the table is smaller than ``T^2``."""
-    ids, w = call.arg(0, "input"), call.arg(1, "weight")
+    w = call.arg(1, "weight")
     if id(w) not in wanted:
         return {}
-    if call.shared(ids) or call.arg(5, "scale_grad_by_freq", False):
+    found = _lookup(call, g)
+    if found is None or found[0].shape[1] ** 2 >= w.shape[0]:
         return None
-    i = _ids(call, ids)  # (n, t)
-    n, t = i.shape
-    if t * t >= w.shape[0]:
-        return None
-    gt = g.reshape(n, t, w[0].numel())  # (n, t, d); t may be 0
-    padding_idx = call.arg(2, "padding_idx")
-    if padding_idx is not None:
-        gt = gt * (i != padding_idx % w.shape[0]).unsqueeze(2)
-    same = i.unsqueeze(2) == i.unsqueeze(1)  # (n, t, t)
-    return {id(w): (torch.bmm(gt, gt.transpose(1, 2)) * same).sum((1, 2))}
+    one = Factors(found[0], found[1])
+    return {id(w): inner(one, one)}
 
 
 def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:

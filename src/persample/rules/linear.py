@@ -268,12 +268,18 @@ _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.
             torch.Tensor.bmm, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__)
 
 
+def _operands(call: OpCall) -> tuple[Tensor, Tensor]:
+    """``(A, B)`` of ``A @ B`` in any of the matmul spellings."""
+    if call.func is torch.Tensor.__rmatmul__:
+        return call.args[1], call.args[0]
+    return call.arg(0, "input"), call.kwargs.get("mat2", call.arg(1, "other"))
+
+
 @register_op_rule(*_MATMULS)
 def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     """``y = A @ B`` with one operand a (shared) matrix parameter: ``x @ W`` gives
     ``W`` ``sum_t x^T g``; ``W @ x`` gives ``W`` ``sum g x^T`` over the other dims."""
-    a, b = (call.args[1], call.args[0]) if call.func is torch.Tensor.__rmatmul__ else (
-        call.arg(0, "input"), call.kwargs.get("mat2", call.arg(1, "other")))
+    a, b = _operands(call)
     n, v = g.shape[:2]
     if id(b) in out and id(a) not in out and call.shared(b) and b.dim() == 2:
         k, p = b.shape
@@ -295,8 +301,7 @@ def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
 @register_op_factors(*_MATMULS)
 def matmul_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factors] | None:
     """``x @ W`` with ``W (k, p)`` shared: ``L = x``, ``R = g`` over the other dims."""
-    a, b = (call.args[1], call.args[0]) if call.func is torch.Tensor.__rmatmul__ else (
-        call.arg(0, "input"), call.kwargs.get("mat2", call.arg(1, "other")))
+    a, b = _operands(call)
     if set(wanted) != {id(b)} or id(a) == id(b) or not call.shared(b) or b.dim() != 2:
         return None
     k, p = b.shape
