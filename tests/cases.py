@@ -665,3 +665,13 @@ def assert_exact(got: dict[str, Tensor], want: dict[str, Tensor], rel: float = 1
         err = (got[name] - w).abs().max().item() if w.numel() else 0.0
         scale = w.abs().max().item() if w.numel() else 0.0
         assert err <= abs_ or err <= rel * scale, f"{name}: error {err:.3e}, scale {scale:.3e}"
+
+
+def clipped_mean(grads: dict[str, Tensor], max_grad_norm: float
+                 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """DP-SGD's step without noise, by hand from per-sample gradients ``{name: (B,
+    ...)}``: their total norms ``(B,)`` and ``sum_i c_i g_i / B`` per parameter, with
+    ``c_i = min(1, C / (|g_i| + 1e-6))`` as ``private_grad`` clips."""
+    norms = torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1).norm(dim=1)
+    factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    return norms, {k: torch.tensordot(factors, g, dims=1) / len(norms) for k, g in grads.items()}

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
-from cases import assert_exact
+from cases import assert_exact, clipped_mean
 from persample import pullback
 from persample.batch import FREE, Batched
 from persample.batch.flow import unbroadcast
@@ -89,9 +89,7 @@ def check(model: nn.Module, inputs, targets, loss_fn, snapshot,
         finally:
             for p in params.values():
                 p.grad = None
-    factors = (c / (flat(want).norm(dim=1) + 1e-6)).clamp(max=1.0)
-    assert_exact(summed, {n: torch.tensordot(factors, g, dims=1) / len(factors)
-                          for n, g in want.items()})
+    assert_exact(summed, clipped_mean(want, c)[1])
     by_id = {id(p): n for n, p in params.items()}
     assert {by_id[i] for i in seen["taps"] if i in by_id} == {
         n for n, kind in slower.items() if kind == "taps"}

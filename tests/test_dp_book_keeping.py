@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from cases import clipped_mean
 from persample import loop_per_sample_grads
 from persample.dp import clip, private_grad
 from persample.dp.noise import PARALLEL_MIN, gaussian_like
@@ -78,10 +79,7 @@ class Lookups(nn.Module):
 
 
 def _clipped_by_hand(model, x, y, loss_fn, c: float) -> dict[str, Tensor]:
-    grads = loop_per_sample_grads(model, x, y, loss_fn)
-    norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
-    factor = (c / (norms + clip.STABILITY)).clamp(max=1.0)
-    return {k: torch.tensordot(factor, g, dims=1) / len(x) for k, g in grads.items()}
+    return clipped_mean(loop_per_sample_grads(model, x, y, loss_fn), c)[1]
 
 
 @pytest.mark.parametrize("make", [SequenceLinear, ScaledAddmm, SmallConvs, Lookups])

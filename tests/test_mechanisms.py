@@ -31,7 +31,7 @@ from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import persample
-from cases import assert_exact
+from cases import assert_exact, clipped_mean
 from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
 from persample.batch import FREE, Batched, Ctx, Mixed, Unknown, propagate
 from persample.batch.ops_indexing import Partly, Sorted
@@ -74,9 +74,7 @@ def check(model: nn.Module, inputs, targets, loss_fn, snapshot, want=None,
         finally:
             for p in params.values():
                 p.grad = None
-    factors = (c / (flat(want).norm(dim=1) + 1e-6)).clamp(max=1.0)
-    assert_exact(got, {n: torch.tensordot(factors, g, dims=1) / len(factors)
-                       for n, g in want.items()})
+    assert_exact(got, clipped_mean(want, c)[1])
     routes = persample.supported(model, inputs, targets, loss_fn)
     assert {r.path for r in routes} == set(paths), [(r.module, r.path, r.reason) for r in routes]
     covered = {f"{r.module}.{p}" if r.module else p for r in routes for p in r.params}

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
-from cases import assert_exact
+from cases import assert_exact, clipped_mean
 from persample import loop_per_sample_grads
-from persample.dp import PrivateStep, clip, private_grad
+from persample.dp import PrivateStep, private_grad
 from persample.engine import loss_backprops
 from persample.inputs import as_batch
 from persample.norms import squared_norms
@@ -124,10 +124,7 @@ def _ghosted(model, x, y, loss_fn) -> set[str]:
 
 
 def _by_hand(model, x, y, loss_fn, c: float):
-    grads = loop_per_sample_grads(model, x, y, loss_fn)
-    norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
-    factor = (c / (norms + clip.STABILITY)).clamp(max=1.0)
-    return norms, {k: torch.tensordot(factor, g, dims=1) / len(norms) for k, g in grads.items()}
+    return clipped_mean(loop_per_sample_grads(model, x, y, loss_fn), c)
 
 
 SHARED = {TiedLM: "emb.weight", TwiceCalled: "shared.weight", SharedConv1D: "weight",
