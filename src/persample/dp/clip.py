@@ -75,7 +75,10 @@ def private_grad(
 
     Returns:
         ``(B,)`` per-sample gradient norms before clipping (over all parameters),
-        for logging.
+        for logging, in the parameters' dtype or float32 if that is lower (bfloat16,
+        float16: norms, clip factors and sums accumulate in float32; ``p.grad`` comes
+        in the parameter's dtype). Under ``torch.autocast`` the gradients are those of
+        the model as autocast runs it.
 
     Raises:
         ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad

@@ -123,7 +123,8 @@ class PrivateStep:
             inputs, targets: as for ``per_sample_grads``; ``b`` samples (0 is fine).
 
         Returns:
-            ``(b,)`` per-sample gradient norms before clipping (over all parameters).
+            ``(b,)`` per-sample gradient norms before clipping (over all parameters),
+            in at least float32 (the sums accumulate there too).
 
         Raises:
             ValueError: the model's trainable parameters are not those of the step
