@@ -95,6 +95,7 @@ class Op:
     index: int = 0  # creation order
     sources_all: frozenset[int] = frozenset()  # every parameter it reads
     autocast: AutocastState | None = None  # the autocast state it ran under
+    gather: Callable[[list[Tensor]], None] | None = None  # makes freed leaves readable (FSDP)
 
     @property
     def outputs(self) -> list[Tensor]:
@@ -120,6 +121,8 @@ class Op:
 
     def value(self, k: int) -> Tensor:
         """Leaf ``k`` as the op read it (the saved value if the op overwrote it)."""
+        if self.gather is not None:  # a sharded model's parameters, freed after use
+            self.gather(self.leaves)
         if k == 0 and self.before is not None:
             return self.before
         return self.leaves[k]

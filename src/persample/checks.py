@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from .inputs import Batch, as_batch
 from .methods import METHODS, user_stacklevel
+from .sharded import Sharding, fsdp_units, reshard_all
 
 REDUCTIONS = ("mean", "sum")
 
@@ -163,6 +164,9 @@ def validate_call(
     batch = as_batch(inputs)
     check_targets(targets, batch.n)
     params = trainable_parameters(model)
+    units = fsdp_units(model)
+    if units:  # FSDP2: the engine follows the unsharded parameters the forward reads
+        params = Sharding(model, units).working
     check_devices(batch, params)
     return batch, batch.n, params
 
@@ -196,7 +200,8 @@ def dtype_note(batch: Batch, params: dict[str, nn.Parameter]) -> str | None:
 
 @contextmanager
 def kept_buffers(model: Any) -> Iterator[None]:
-    """Restore a module's buffers (running statistics updated by a forward) on exit."""
+    """Restore a module's buffers (running statistics updated by a forward) on exit, and
+    free the unsharded parameters of an FSDP2 model that the call gathered again."""
     saved = [(b, b.clone()) for b in model.buffers()] if isinstance(model, nn.Module) else []
     try:
         yield
@@ -204,6 +209,8 @@ def kept_buffers(model: Any) -> Iterator[None]:
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
+        if isinstance(model, nn.Module) and fsdp_units(model):
+            reshard_all(model)
 
 
 def keeps_buffers(fn: Callable) -> Callable:

@@ -29,6 +29,7 @@ from .inputs import Batch, located_of
 from .plan import Captured, Path, Plan, edge_key, param_name, plan
 from .pullback import write_per_sample
 from .rules import module_rule
+from .sharded import fsdp_units, gatherer
 
 Backward = Callable[[Tensor, list[GradientEdge], Plan], tuple]
 
@@ -44,12 +45,16 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     (:data:`~persample.errors.REFUSALS`) where the rules cannot split the model.
     A batch of one needs no capture: its per-sample gradient is the gradient.
     """
-    if batch.n == 1:
+    units = fsdp_units(model)
+    if batch.n == 1 and not units:  # (sharded: every rank replays the same ops, below)
         return _one_sample(model, batch, root, backward, watched, v)
     with torch.enable_grad():
         with Capture(model, watched, batch.n, batch.located, batch.shared, module_rule) as cap:
             output = batch.call(model)
         value = root(output, cap)
+    gather = gatherer(units)
+    for op in cap.ops if gather is not None else ():  # FSDP frees what the ops read
+        op.gather = gather
     del output  # the model's output holds nothing the backward needs beyond `value`
     with internal("planning the per-sample work"):
         result = plan(cap, watched)

@@ -32,6 +32,7 @@ from ..plan import Captured, Plan
 from ..precision import LOW, cast, without_autocast
 from ..reference import loop_per_sample_grads
 from ..rules import OpCall, find_norm_rule, find_op_sum
+from ..sharded import fsdp_units
 from ..vmap import vmap_per_sample_grads
 from .noise import gaussian_like
 
@@ -112,14 +113,29 @@ def private_grad(
             "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
             "(q * N) so that the noise is scaled as for every other step"
         )
-    def noise() -> dict[int, Tensor]:  # the new p.grad's memory, drawn once the backward is
-        # done (the activations freed); float32 at least: the clipped sums are added to it
+    if fsdp_units(model):  # one step of PrivateStep: the sums reduced to the shards
+        from .step import PrivateStep
+
+        if expected_batch_size is None:
+            expected_batch_size = _total_samples(n)
+        step = PrivateStep(model, loss_fn, max_grad_norm=max_grad_norm,
+                           noise_multiplier=noise_multiplier, generator=generator,
+                           per_layer=per_layer, expected_batch_size=expected_batch_size)
+        norms = step.accumulate(inputs, targets)
+        step.release()
+        return norms
+    grads: dict[int, Tensor] = {}
+
+    def noise(group: list[int]) -> dict[int, Tensor]:  # the new p.grad's memory, drawn once
+        # the backward is done (the activations freed); float32 at least: the clipped sums
+        # are added to it
         drawn = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm,
                               generator, accumulate=True)
-        return {id(p): t for p, t in zip(params.values(), drawn)}
+        grads.update({id(p): t for p, t in zip(params.values(), drawn)})
+        return grads
 
-    norms, grads = _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm,
-                                     per_layer, noise)
+    norms = _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm,
+                              per_layer, noise)
     divisor = expected_batch_size or n
     for p in params.values():  # in the parameter's dtype, as autograd gives it
         p.grad = grads[id(p)].div_(divisor).to(p.dtype)
@@ -127,17 +143,32 @@ def private_grad(
 
 
 def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per_layer,
-                      make_into: Callable[[], dict[int, Tensor]]
-                      ) -> tuple[Tensor, dict[int, Tensor]]:
-    """Add ``sum_i c_i g_i`` of every parameter into ``into[id(p)]``, ``into =
-    make_into()`` called once the norms are known (after the backward: its memory is not
-    held while the activations are); return the ``(n,)`` norms and ``into``. One forward
-    and backward (or, where the rules cannot split the model, the per-sample gradients
-    of ``torch.func`` or the loop); an unused parameter gets nothing added."""
+                      make_into: Callable[[list[int]], dict[int, Tensor]],
+                      groups: list[list[int]] | None = None,
+                      flush: Callable[[dict[int, Tensor]], None] | None = None,
+                      checked: Callable[[Tensor], None] | None = None) -> Tensor:
+    """Add ``sum_i c_i g_i`` of every parameter into memory ``make_into(ids)`` gives
+    (``{id(p): tensor}``, called once the norms are known: after the backward, so that
+    its memory is not held while the activations are); return the ``(n,)`` norms.
+
+    ``groups``: lists of parameter ids summed in turn (an FSDP unit's parameters: one
+    unit's sums in full at a time), each handed to ``flush`` once complete (default:
+    all parameters in one group, kept in ``make_into``'s tensors). ``checked(norms)``
+    raises before anything is summed (default: non-finite norms raise
+    ``FloatingPointError``). One forward and backward (or, where the rules cannot split
+    the model, the per-sample gradients of ``torch.func`` or the loop; not for a sharded
+    model, which has no whole-model fallback); an unused parameter gets nothing added."""
     n = batch.n
+    groups = groups if groups is not None else [[id(p) for p in params.values()]]
+    flush = flush or (lambda into: None)
+    checked = checked or _check_finite
     if n == 0:
-        return next(iter(params.values())).new_zeros(0), make_into()
+        checked(next(iter(params.values())).new_zeros(0))
+        for group in groups:
+            flush(make_into(group))
+        return next(iter(params.values())).new_zeros(0)
     watched = {id(p): p for p in params.values()}
+    sharded = bool(fsdp_units(model))
 
     def by_rules() -> tuple:
         cap = loss_backprops(model, batch, targets, loss_fn, watched, retain_graph=_keeps_graph)
@@ -153,38 +184,63 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
         return materialised
 
     cap, sq, mats, ghosted, by_module = answer(
-        "auto", rules=by_rules, vmap=by(vmap_per_sample_grads),
+        "rules" if sharded else "auto", rules=by_rules, vmap=by(vmap_per_sample_grads),
         loop=by(lambda m, b, t, f, _: loop_per_sample_grads(m, b, t, f)),
         hint=lambda: checks.dtype_note(batch, params))
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
-    _check_finite(norms)
+    checked(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
-    into = make_into()
-    done, left = set(mats), {}
-    for pid, m in mats.items():  # (n, 1, *shape) materialised
+    by_id = {id(p): name for name, p in params.items()}
+    for group in groups:
+        into = make_into(group)
+        _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_module,
+                   factors, into, set(group), by_id, sharded)
+        flush(into)
+    return norms
+
+
+def _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_module,
+               factors, into, group: set[int], by_id, sharded: bool) -> None:
+    """The clipped sums of the parameters ``group`` (ids) into ``into``."""
+    done, left = {pid for pid in mats if pid in group}, {}
+    for pid in done:  # (n, 1, *shape) materialised
+        m = mats[pid]
         into[pid].add_(torch.tensordot(factors[pid].to(m.dtype), m[:, 0], dims=1))
-    del mats
     try:
         with internal("the clipped sums"):
             for _call, edge, layout, normed in by_module:  # module norm rules: their backward
                 for p in normed.values():
-                    got = _edge_backward(cap, edge, layout, [p], factors[id(p)])[id(p)]
-                    into[id(p)].add_(got)
-                    done.add(id(p))
+                    if id(p) in group:
+                        got = _edge_backward(cap, edge, layout, [p], factors[id(p)])[id(p)]
+                        into[id(p)].add_(got)
+                        done.add(id(p))
             if cap is not None:
-                _book_keeping(cap, ghosted, factors, into, done, left)
+                _book_keeping(cap, {op: pids & group for op, pids in ghosted.items()
+                                    if pids & group}, factors, into, done, left)
     except InternalError as err:  # the norms are right: the rest from per-sample gradients
+        if sharded:
+            raise
         leave_rules(Taken(), err)
         with internal("the clipped sums of the uses left"):
             _complete(cap, ghosted, left, factors, into, done)
-        rest = {name: p for name, p in params.items() if id(p) not in done}
+        rest = {by_id[pid]: params[by_id[pid]] for pid in group if pid not in done}
         grads = slower(lambda: vmap_per_sample_grads(model, batch, targets, loss_fn, rest),
                        lambda: loop_per_sample_grads(model, batch, targets, loss_fn))
         with torch.no_grad():
             for name, p in rest.items():
                 into[id(p)].add_(torch.tensordot(factors[id(p)].to(grads[name].dtype),
                                                  grads[name], dims=1))
-    return norms, into
+
+
+def _total_samples(n: int) -> int:
+    """The number of samples of all processes (``n`` on this one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return n
+    total = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total)
 
 
 def _keeps_graph(plan: Plan) -> bool:

@@ -2,13 +2,20 @@
 
 Drawing ``P`` normal numbers is the one cost of a DP step that a plain SGD step
 does not have (a 50x300 MLP: 4.5 M parameters, 12 ms for ``normal_`` on one
-CPU thread against 22 ms for the whole plain step). ``torch``'s CPU ``normal_``
-runs on one thread, so on the CPU a large draw is split into chunks drawn in
-parallel, each from its own ``torch.Generator`` seeded from the caller's
-generator: the noise is still i.i.d. ``N(0, std^2)`` and reproducible from the
-caller's seed. The buffer comes from persample's result memory
-(:mod:`persample.memory`), so the ``p.grad`` of one step reuses the pages of the
-step before instead of faulting fresh ones.
+CPU thread against 22 ms for the whole plain step). The noise of one release is a
+function of one seed: each release takes one 62-bit seed from the caller's
+``torch.Generator``, and the noise of parameter ``j`` (its flattened entries, in
+blocks of :data:`BLOCK`) comes block by block from generators seeded by ``(seed, j,
+block)``. So any part of the noise can be drawn alone: a process of a sharded model
+draws the blocks of its own shard only, and the whole noise is the same for one
+process or any number of them (the same seed gives the same ``p.grad``). On the CPU
+the blocks are drawn in parallel (``torch``'s CPU ``normal_`` runs on one thread).
+The buffer comes from persample's result memory (:mod:`persample.memory`), so the
+``p.grad`` of one step reuses the pages of the step before instead of faulting
+fresh ones.
+
+Source: the counter-based streams of Salmon et al. 2011 ("Parallel random numbers:
+as easy as 1, 2, 3"), here with one seeded generator per block.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from ..memory import result_empty
 from ..precision import accumulate_dtype
 
 PARALLEL_MIN = 1 << 20  # numbers: smaller draws stay on one thread
-CHUNKS = 4  # a large CPU draw's chunks, each from its own seeded generator
+BLOCK = 1 << 20  # numbers of one parameter drawn from one seeded generator
 
 
 def gaussian_like(params: list[nn.Parameter], std: float,
@@ -55,7 +62,75 @@ def gaussian_like(params: list[nn.Parameter], std: float,
         >>> [t.shape for t in gaussian_like(ps, 1.0, torch.Generator().manual_seed(0))]
         [torch.Size([3, 2]), torch.Size([4])]
     """
-    return pooled_like(params, lambda buf: _draw(buf, std, generator), blocks, accumulate)
+    out = pooled_like(params, None, blocks, accumulate)
+    seed = release_seed(generator)
+    _in_parallel([(t.view(-1), std, seed, j, 0, t.numel()) for j, t in enumerate(out)])
+    return out
+
+
+def release_seed(generator: torch.Generator | None) -> int:
+    """The one seed of a release, taken from ``generator`` (``None``: torch's default
+    generator of the CPU)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator,
+                             device=generator.device if generator is not None else "cpu"))
+
+
+def noise_range(out: Tensor, std: float, seed: int, index: int, start: int, numel: int
+                ) -> None:
+    """Fill the 1-d ``out`` with entries ``start .. start + out.numel()`` of the
+    flattened noise (``N(0, std^2)``) of parameter ``index`` (``numel`` entries in all)
+    of the release ``seed``."""
+    _in_parallel([(out, std, seed, index, start, numel)])
+
+
+def _in_parallel(jobs: list[tuple[Tensor, float, int, int, int, int]]) -> None:
+    pieces = [piece for job in jobs for piece in _pieces(*job)]
+    total = sum(piece[0].numel() for piece in pieces)
+    threads = min(torch.get_num_threads(), len(pieces))
+    cpu = all(piece[0].device.type == "cpu" for piece in pieces)
+    if threads < 2 or total < PARALLEL_MIN or not cpu:
+        for piece in pieces:
+            _draw_piece(*piece)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda piece: _draw_piece(*piece), pieces))
+
+
+def _pieces(out: Tensor, std: float, seed: int, index: int, start: int, numel: int
+            ) -> list[tuple]:
+    """The blocks ``out`` (entries ``start ..`` of parameter ``index`` of ``numel``)
+    overlaps: ``(part of out, std, block seed, offset in the block, block length)``."""
+    found, done = [], 0
+    while done < out.numel():
+        block, offset = divmod(start + done, BLOCK)
+        length = min(BLOCK, numel - block * BLOCK)
+        size = min(length - offset, out.numel() - done)
+        found.append((out[done : done + size], std, _mix(seed, index, block), offset, length))
+        done += size
+    return found
+
+
+def _draw_piece(out: Tensor, std: float, seed: int, offset: int, length: int) -> None:
+    """Entries ``offset ..`` of a block of ``length`` numbers: a part of a block is cut
+    from the whole block drawn (``normal_`` draws in groups whose values depend on the
+    length drawn)."""
+    gen = torch.Generator(device=out.device).manual_seed(seed)
+    if offset == 0 and out.numel() == length:
+        out.normal_(0.0, std, generator=gen)
+        return
+    block = torch.empty(length, dtype=out.dtype, device=out.device)
+    out.copy_(block.normal_(0.0, std, generator=gen)[offset : offset + out.numel()])
+
+
+def _mix(seed: int, index: int, block: int) -> int:
+    """A 62-bit seed for block ``block`` of parameter ``index`` (splitmix64 steps)."""
+    x = seed & (2**64 - 1)
+    for part in (index, block):
+        x = (x ^ part) * 0x9E3779B97F4A7C15 & (2**64 - 1)
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & (2**64 - 1)
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & (2**64 - 1)
+        x ^= x >> 31
+    return x >> 2
 
 
 def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None = None,
@@ -86,26 +161,3 @@ def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None
             out[k] = buf[offset : offset + size].view(params[k].shape)
             offset += size
     return out
-
-
-def _draw(buf: Tensor, std: float, generator: torch.Generator | None) -> None:
-    """Fill ``buf`` (1-d) with ``N(0, std^2)``; on the CPU a large draw in
-    :data:`CHUNKS` chunks, drawn in parallel. The chunks (and so the numbers) depend on
-    the generator alone, not on the thread count: the same seed gives the same noise
-    in one process or in several with fewer threads each."""
-    if buf.device.type != "cpu" or buf.numel() < PARALLEL_MIN:
-        buf.normal_(0.0, std, generator=generator)
-        return
-    seeds = torch.randint(0, 2**62, (CHUNKS,), generator=generator).tolist()
-    chunks = buf.chunk(CHUNKS)
-
-    def draw(k: int) -> None:
-        chunks[k].normal_(0.0, std, generator=torch.Generator().manual_seed(seeds[k]))
-
-    threads = min(torch.get_num_threads(), len(chunks))
-    if threads < 2:
-        for k in range(len(chunks)):
-            draw(k)
-        return
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(draw, range(len(chunks))))

@@ -23,7 +23,9 @@ from torch import Tensor, nn
 
 from .. import checks
 from .clip import _add_clipped_sums, _check_dp_options
-from .noise import gaussian_like, pooled_like
+from ..precision import accumulate_dtype
+from ..sharded import Sharding, as_sharded_grad, fsdp_units, reduce_to_shards, shard_rows
+from .noise import gaussian_like, noise_range, pooled_like, release_seed
 
 
 class PrivateStep:
@@ -105,11 +107,13 @@ class PrivateStep:
         checks.check_loss_fn(loss_fn, None)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module  # its own gradient all-reduce must not run: release reduces
+        units = fsdp_units(model)
+        self.sharding = Sharding(model, units) if units else None  # FSDP2
         self.model, self.loss_fn = model, loss_fn
         self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.generator, self.per_layer = generator, per_layer
-        self.params = checks.trainable_parameters(model)  # name -> parameter
+        self.params = self._trainable()  # name -> parameter (sharded: the DTensor)
         self.sums: dict[str, Tensor] | None = None  # allocated at the first accumulate
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
@@ -135,21 +139,26 @@ class PrivateStep:
             FloatingPointError: a sample's gradient is not finite (nothing is added).
         """
         self._check_parameters()
+        if self.sharding is not None:
+            return self._accumulate_sharded(inputs, targets)
         batch, n, _ = checks.validate_call(self.model, inputs, targets, self.loss_fn, "auto",
                                           None, None)
         params = list(self.params.values())
         if self.sums is None:
             self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_(),
                                                           accumulate=True)))
-        def zeros() -> dict[int, Tensor]:
-            return dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_(),
+        into: dict[int, Tensor] = {}
+
+        def zeros(group: list[int]) -> dict[int, Tensor]:
+            into.update(zip(map(id, params), pooled_like(params, lambda b: b.zero_(),
                                                          accumulate=True)))
+            return into
 
         try:
             with checks.kept_buffers(self.model):
-                norms, into = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
-                                                self.params, self.max_grad_norm,
-                                                self.per_layer, zeros)
+                norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
+                                          self.params, self.max_grad_norm,
+                                          self.per_layer, zeros)
         except FloatingPointError as err:
             if _world() is None:
                 raise
@@ -173,6 +182,8 @@ class PrivateStep:
         world = _world()
         if world is not None:
             self._agree(world)
+        if self.sharding is not None:
+            return self._release_sharded()
         blocks: list[Tensor] = []  # the 1-d blocks the new p.grad tensors view
         if world is None or world[1] == 0:  # the noise, drawn once (rank 0 when distributed)
             grads = gaussian_like(params, self.noise_multiplier * self.max_grad_norm,
@@ -191,25 +202,100 @@ class PrivateStep:
             p.grad = grad.div_(self.expected_batch_size).to(p.dtype)
         self.sums, self.samples, self.versions = None, 0, {}
 
-    def _agree(self, world: tuple[int, int]) -> None:
+    def _trainable(self) -> dict[str, nn.Parameter]:
+        """The trainable parameters by name (sharded: as the optimizer holds them)."""
+        if self.sharding is None:
+            return checks.trainable_parameters(self.model)
+        found = Sharding(self.model, self.sharding.units).sharded
+        if not found:
+            checks.trainable_parameters(self.model)  # raises: nothing to differentiate
+        return found
+
+    def _accumulate_sharded(self, inputs: Any, targets: Any) -> Tensor:
+        """``accumulate`` on an FSDP2 model: this rank's clipped sums, unit by unit,
+        reduce-scattered to the shards (every rank calls it alike)."""
+        world = _world()
+        if world is None:
+            raise ValueError("the model is sharded with FSDP2 but torch.distributed is not "
+                             "initialised: call torch.distributed.init_process_group first")
+        self._arrived("accumulate()")
+        batch, n, working = checks.validate_call(self.model, inputs, targets, self.loss_fn,
+                                                "rules", None, None)
+        sharding = self.sharding
+        names = {id(p): name for name, p in working.items()}
+        groups = sharding.groups()
+        if self.sums is None:
+            locals_ = [sharding.local_like(name) for name in self.params]
+            self.sums = dict(zip(self.params, pooled_like(locals_, lambda b: b.zero_(),
+                                                          accumulate=True)))
+        staged: dict[str, Tensor] = {}
+
+        def make(group: list[int]) -> dict[int, Tensor]:
+            ps = [working[names[pid]] for pid in group]
+            return dict(zip(group, pooled_like(ps, lambda b: b.zero_(), accumulate=True)))
+
+        def flush(into: dict[int, Tensor]) -> None:
+            staged.update(reduce_to_shards(sharding, {names[k]: t for k, t in into.items()}))
+
+        def checked(norms: Tensor) -> None:
+            bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+            mine = f"rank {world[1]}: samples {bad[:10]} are not finite" if bad else None
+            self._agree(world, mine)
+
+        with checks.kept_buffers(self.model):
+            norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn, working,
+                                      self.max_grad_norm, self.per_layer, make, groups,
+                                      flush, checked)
+        for name, t in staged.items():
+            self.sums[name].add_(t)
+        if not self.versions:
+            self.versions = {name: p._version for name, p in self.params.items()}
+        self.samples += n
+        return norms
+
+    def _release_sharded(self) -> None:
+        """``release`` on an FSDP2 model: each rank adds the noise of its own shards (the
+        blocks of the release's noise that fall in them) and writes ``p.grad`` as the
+        sharded ``DTensor`` FSDP gives."""
+        std = self.noise_multiplier * self.max_grad_norm
+        seed = release_seed(self.generator)
+        for index, (name, p) in enumerate(self.params.items()):
+            local = self.sharding.local_like(name).to(accumulate_dtype(p.dtype))
+            _add_shard_noise(self.sharding, name, local, std, seed, index)
+            if self.sums is not None:
+                local.add_(self.sums[name])
+            p.grad = as_sharded_grad(p, local.div_(self.expected_batch_size))
+        self.sums, self.samples, self.versions = None, 0, {}
+
+    def _arrived(self, where: str) -> None:
+        """Every rank reached ``where`` within the timeout (gloo's monitored barrier names
+        the ones that did not; NCCL has none: its own timeout applies)."""
+        import torch.distributed as dist
+
+        if dist.get_backend() == dist.Backend.GLOO:
+            try:
+                dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)
+            except RuntimeError as err:
+                raise RuntimeError(f"{where}: not every process arrived within "
+                                   f"{self.timeout.total_seconds():.0f} s ({err})") from err
+
+    def _agree(self, world: tuple[int, int], failed: str | None = None) -> None:
         """Every rank checks that all ranks hold the same parameters and divisor, and
         that none saw a non-finite gradient; raises on every rank if not."""
         import torch.distributed as dist
 
         size, rank = world
-        if dist.get_backend() == dist.Backend.GLOO:  # NCCL has none: its own timeout applies
-            try:
-                dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)
-            except RuntimeError as err:
-                raise RuntimeError(f"release(): not every process arrived within "
-                                   f"{self.timeout.total_seconds():.0f} s ({err})") from err
+        self._arrived("release()" if failed is None else "accumulate()")
         mine = {"shapes": [(name, tuple(p.shape)) for name, p in self.params.items()],
-                "expected_batch_size": self.expected_batch_size, "failed": self.failed}
+                "expected_batch_size": self.expected_batch_size,
+                "failed": failed or self.failed, "noise": _stream(self.generator)}
         every: list[Any] = [None] * size
         dist.all_gather_object(every, mine)
         failed = [e["failed"] for e in every if e["failed"]]
         if failed:
-            self.sums, self.samples, self.versions, self.failed = None, 0, {}, None
+            if self.sharding is None or self.failed:
+                self.sums, self.samples, self.versions = None, 0, {}
+            self.failed = None
             raise FloatingPointError(
                 f"a per-sample gradient was not finite ({failed[0]}); p.grad was left "
                 "unchanged on every rank and this step's sums dropped. Drop those samples "
@@ -227,6 +313,12 @@ class PrivateStep:
                 raise ValueError(
                     f"the ranks hold different models: parameter {name!r} is "
                     f"{ours.get(name)} on rank {rank} and {theirs.get(name)} on rank {k}")
+            if self.sharding is not None and e["noise"] != mine["noise"]:
+                raise ValueError(
+                    f"the noise generator's state differs between rank {rank} and rank {k}: "
+                    "with a sharded model every rank draws the noise of its own shards from "
+                    "one stream, so give every rank the same generator, e.g. "
+                    "torch.Generator().manual_seed(seed) with the same seed")
 
     def state_dict(self) -> dict[str, Any]:
         """The step's state for a checkpoint: the sums (``{name: tensor}`` or ``None``),
@@ -269,7 +361,7 @@ class PrivateStep:
     def _check_parameters(self) -> None:
         """The model's trainable parameters are still the step's, and unchanged since the
         first micro-batch of this step."""
-        now = checks.trainable_parameters(self.model)
+        now = self._trainable()
         for name, p in self.params.items():
             q = now.get(name)
             if q is not p:
@@ -286,6 +378,37 @@ class PrivateStep:
         if extra:
             raise ValueError(f"parameter {extra[0]!r} is trainable but not part of this "
                              "PrivateStep: make a new PrivateStep for the new model")
+
+
+def _add_shard_noise(sharding: Sharding, name: str, local: Tensor, std: float, seed: int,
+                     index: int) -> None:
+    """Add to ``local`` (``sharding.local_like(name)``) this rank's part of the noise of
+    parameter ``index`` of the release ``seed`` (:mod:`persample.dp.noise`): for a shard
+    of rows, only the blocks of the rows it holds are drawn."""
+    p, fp = sharding.sharded[name], sharding.fsdp.get(name)
+    numel = p.numel()
+    if fp is not None and fp.fsdp_placement.dim == 0:
+        start, length = shard_rows(fp)
+        row = p.shape[1:].numel()
+        part = torch.empty(length * row, dtype=local.dtype, device=local.device)
+        noise_range(part, std, seed, index, start * row, numel)
+        local.add_(part.view_as(local))
+        return
+    full = torch.empty(numel, dtype=local.dtype, device=local.device)
+    noise_range(full, std, seed, index, 0, numel)
+    full = full.view(p.shape)
+    if fp is not None:
+        start, length = shard_rows(fp)
+        full = full.narrow(fp.fsdp_placement.dim, start, length)
+    local.add_(full)
+
+
+def _stream(generator: torch.Generator | None) -> str:
+    """A digest of the noise generator's state (torch's default CPU one for ``None``)."""
+    import hashlib
+
+    state = (generator.get_state() if generator is not None else torch.get_rng_state())
+    return hashlib.sha1(state.numpy().tobytes()).hexdigest()
 
 
 def _world() -> tuple[int, int] | None:

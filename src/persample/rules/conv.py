@@ -270,7 +270,7 @@ def conv_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | 
     gm = gi.reshape(n, a, o, -1).transpose(2, 3).reshape(n, -1, o)  # (n, a*t, o)
     result = {}
     if id(w) in wanted:
-        t, ck = gm.shape[1], w[0].numel()
+        t, ck = gm.shape[1], w.shape[1:].numel()
         if t > 1 and t * (ck + o) > ck * o:
             return None  # materialising is cheaper (before unfolding anything)
         xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
@@ -307,7 +307,7 @@ def _summed(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | No
     images = gi[:, 0].flatten(0, 1)  # (n*a, o, *s')
     result = {}
     if id(w) in wanted and spatial <= 2 and choose(gi, w.shape, groups) == "patches":
-        o, ck = w.shape[0], w[0].numel()  # few positions: one GEMM over all patches
+        o, ck = w.shape[0], w.shape[1:].numel()  # few positions: one GEMM over all patches
         cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
         gm = images.flatten(2).transpose(1, 2).reshape(-1, o)  # (n*a*t, o)
         result[id(w)] = (gm.T @ cols.transpose(2, 3).reshape(-1, ck)).view(w.shape)

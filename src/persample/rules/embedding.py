@@ -135,7 +135,7 @@ def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     if call.shared(ids) or not call.shared(w) or call.arg(5, "scale_grad_by_freq", False):
         return None
     i = _ids(call, ids)  # (n, t)
-    gt = g.reshape(i.shape[0], i.shape[1], w[0].numel())  # (n, t, d)
+    gt = g.reshape(i.shape[0], i.shape[1], w.shape[1:].numel())  # (n, t, d)
     padding_idx = call.arg(2, "padding_idx")
     if padding_idx is not None:
         gt = gt * (i != padding_idx % w.shape[0]).unsqueeze(2)
