@@ -771,9 +771,10 @@ def _broadcasts(small: torch.Size, big: torch.Size) -> bool:
 
 
 def user_leaf(t: Tensor) -> bool:
-    """A leaf tensor that requires grad: made by the user, never computed (from sample
-    data or anything else), so shared by every sample."""
-    return t.requires_grad and t.grad_fn is None
+    """A leaf tensor that requires grad, or a parameter: made by the user, never computed
+    (from sample data or anything else), so shared by every sample (FSDP2 gathers a
+    sharded model's parameters, frozen ones too, into new parameters in the forward)."""
+    return (t.requires_grad or isinstance(t, nn.Parameter)) and t.grad_fn is None
 
 
 def _new_trouble(outputs: Any, inputs: list[Layout]) -> bool:
