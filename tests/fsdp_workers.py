@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 import persample
@@ -220,24 +223,64 @@ def scenarios(rank: int, world: int) -> dict:
     return saved
 
 
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of the distinct storages alive among the tensors the ops read and
+    made (storages resized in place, as FSDP frees and refills its gathered parameters,
+    counted at their size of the moment): the process's tensor memory as its allocator
+    sees it, without the C library's caching that makes the resident set size noisy."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors: dict[int, weakref.ref] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((args, kwargs, out)):
+            if type(t) in (Tensor, nn.Parameter) and t.device.type == "cpu":  # (a DTensor
+                self.tensors[id(t)] = weakref.ref(t)  # is a wrapper: its local tensor counts)
+        sizes: dict[int, int] = {}
+        for key, ref in list(self.tensors.items()):
+            t = ref()
+            if t is None:
+                del self.tensors[key]
+                continue
+            storage = t.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+        self.peak = max(self.peak, sum(sizes.values()))
+        return out
+
+
 def memory(rank: int, world: int) -> dict:
-    """One DP step of a GPT-2 (8 blocks of width 256) over this rank's samples: the
-    process's peak RSS (MB), sharded over the ranks, or whole in a world of one."""
+    """Two DP steps of a GPT-2 (8 blocks of width 512) over this rank's samples: the
+    process's peak RSS (MB), sharded over the ranks, or whole in a world of one. The
+    sharded model is built on the meta device and its shards allocated after
+    ``fully_shard``, as large models are."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=500, n_positions=32, n_embd=256, n_layer=8,
+    config = transformers.GPT2Config(vocab_size=500, n_positions=32, n_embd=512, n_layer=8,
                                      n_head=4, bos_token_id=1, eos_token_id=1)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    if world > 1:
+    if world == 1:
+        model = transformers.GPT2LMHeadModel(config).eval()
+    else:
+        with torch.device("meta"):
+            model = transformers.GPT2LMHeadModel(config).eval()
         shard(model)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(0.0, 0.02)
     ids, y = data(500)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mine = slice(rank * N // world, (rank + 1) * N // world)
     step = PrivateStep(model, lm_loss, max_grad_norm=C, noise_multiplier=1.0,
                        expected_batch_size=N, generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        step.accumulate(ids[mine], y[mine])
-        step.release()
-        opt.step()
-    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    live = LiveBytes()
+    with live:
+        for _ in range(2):
+            step.accumulate(ids[mine], y[mine])
+            step.release()
+            opt.step()
+    return {"peak_mb": live.peak / 1e6,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

@@ -177,7 +177,7 @@ def test_fsdp1_is_refused_with_fully_shard_as_the_fix(call):
 
     legacy = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
     nn.Module.__init__(legacy)
-    legacy.inner = fw.net()
+    legacy._fsdp_wrapped_module = fw.net()
     ids, y = fw.data()
     run = {"per_sample_grads": lambda: persample.per_sample_grads(legacy, ids, y, fw.lm_loss),
            "private_grad": lambda: private_grad(legacy, ids, y, fw.lm_loss, max_grad_norm=1.0,
@@ -194,9 +194,11 @@ def test_a_rank_that_never_arrives_is_named(ranks):
 
 
 def test_each_ranks_peak_memory_is_below_the_unsharded_runs(tmp_path_factory):
-    whole = _spawn(tmp_path_factory, "memory", 1)[0]["peak_rss_mb"]
-    sharded = [seen["peak_rss_mb"] for seen in _spawn(tmp_path_factory, "memory", WORLD)]
-    # GPT-2, 8 blocks of 256: 6.6 M parameters, 26 MB in float32; whole, a rank holds
-    # them, their p.grad and the clipped sums; sharded, half of those and one block
-    assert max(sharded) < whole - 15, (sharded, whole)
+    whole = _spawn(tmp_path_factory, "memory", 1)[0]["peak_mb"]
+    sharded = [seen["peak_mb"] for seen in _spawn(tmp_path_factory, "memory", WORLD)]
+    print(f"peak tensor memory of a DP step: {whole:.0f} MB whole, {sharded} MB per rank")
+    # GPT-2, 8 blocks of 512: 25 M parameters, 102 MB in float32; whole, a process holds
+    # them, their p.grad and the clipped sums; sharded, half of the parameters and p.grad,
+    # and one block's sums
+    assert max(sharded) < whole - 60, (sharded, whole)
     assert math.isfinite(whole)

@@ -121,11 +121,15 @@ class Op:
 
     def value(self, k: int) -> Tensor:
         """Leaf ``k`` as the op read it (the saved value if the op overwrote it)."""
-        if self.gather is not None:  # a sharded model's parameters, freed after use
-            self.gather(self.leaves)
         if k == 0 and self.before is not None:
             return self.before
         return self.leaves[k]
+
+    def ready(self) -> None:
+        """Before the op is replayed: a sharded model's parameters it read, which FSDP
+        freed after use, gathered again (rules read their shapes only)."""
+        if self.gather is not None:
+            self.gather(self.leaves)
 
     def changed(self) -> bool:
         """Was a leaf modified in place after the op ran?"""

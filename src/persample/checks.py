@@ -202,6 +202,7 @@ def dtype_note(batch: Batch, params: dict[str, nn.Parameter]) -> str | None:
 def kept_buffers(model: Any) -> Iterator[None]:
     """Restore a module's buffers (running statistics updated by a forward) on exit, and
     free the unsharded parameters of an FSDP2 model that the call gathered again."""
+    units = fsdp_units(model) if isinstance(model, nn.Module) else []  # (refuses FSDP1)
     saved = [(b, b.clone()) for b in model.buffers()] if isinstance(model, nn.Module) else []
     try:
         yield
@@ -209,7 +210,7 @@ def kept_buffers(model: Any) -> Iterator[None]:
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
-        if isinstance(model, nn.Module) and fsdp_units(model):
+        if units:
             reshard_all(model)
 
 

@@ -109,6 +109,7 @@ def op_vjp(op: Any, cots: list[Tensor | None], out_aligns: list, aligns: list, w
         outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
         return tuple(outs[k] for k in used)
 
+    op.ready()
     values = [op.value(k) for k in range(len(op.leaves))]
     with replaying(op.autocast):
         return per_sample_vjp(fn, values, aligns, wrt, [cots[k] for k in used],
@@ -149,6 +150,7 @@ def _replay(op: Any, wrt: list[int]) -> tuple[list[Tensor], list[Tensor]]:
     func, kwargs = _out_of_place(op.func, op.kwargs)
     flat, spec = tree_flatten((op.args, kwargs))
     position = {id(t): k for k, t in enumerate(op.leaves)}
+    op.ready()
     values = [op.value(k).detach() for k in range(len(op.leaves))]
     for k in wrt:
         values[k] = values[k].requires_grad_()
@@ -175,6 +177,7 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
     func, kwargs = _out_of_place(op.func, op.kwargs)
     flat, spec = tree_flatten((op.args, kwargs))
     position = {id(t): k for k, t in enumerate(op.leaves)}
+    op.ready()
     values = [op.value(k).detach() for k in range(len(op.leaves))]
     out = op.outputs[0]
     size, copies = out.shape[out_layout.dim], []
