@@ -9,6 +9,12 @@ micro-batches (:class:`persample.dp.PrivateStep`). The same loop without privacy
 held-out text before and after, epsilon, time per logical step and the loop's peak
 memory. Li et al. 2022 ("Large language models can be strong differentially
 private learners") and Yu et al. 2022 (DP LoRA) describe this use.
+
+With ``--nproc N --fsdp`` the private run is sharded over ``N`` processes (gloo): the
+model is sharded with FSDP2's ``fully_shard`` per GPT-2 block and at the root, each
+process accumulates its share of every logical batch, and the table shows its
+perplexity and epsilon beside the same run in one process, with each process's peak
+memory.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class FinetuneConfig:
     lr: float = 5e-4  # Adam
     seed: int = 0
     threads: int = 2
+    nproc: int = 1  # processes of the private run (gloo); each gets threads // nproc
+    fsdp: bool = False  # shard the private run's model with FSDP2 over the processes
     json: str | None = None
 
 
@@ -107,14 +115,23 @@ def _reset_peak() -> None:
 
 
 def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
-             data: tuple[dict[str, Tensor], Tensor]) -> dict[str, Any]:
+             data: tuple[dict[str, Tensor], Tensor], world: tuple[int, int] = (1, 0)
+             ) -> dict[str, Any]:
     """One fine-tuning run, private (``PrivateStep``) or not, from the same weights and
-    the same Poisson-sampled logical batches; returns its figures."""
+    the same Poisson-sampled logical batches; returns its figures. ``world``: ``(size,
+    rank)`` of this process among those of a distributed private run (sharded with FSDP2
+    if ``cfg.fsdp``), which takes its share of every logical batch."""
     from ..dp import PoissonBatchSampler, PrivacyAccountant, PrivateStep
 
     inputs, labels = data
     n = len(labels)
     model, trainable, total = build_model(cfg)
+    if cfg.fsdp and world[0] > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in [m for m in model.modules() if type(m).__name__ == "GPT2Block"]:
+            fully_shard(block)
+        fully_shard(model)
     params = [p for p in model.parameters() if p.requires_grad]
     test = {k: v[n - cfg.test_windows :] for k, v in inputs.items()}, labels[n - cfg.test_windows :]
     train_n = n - cfg.test_windows
@@ -133,7 +150,7 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     for logical in sampler:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        for part in torch.tensor(logical, dtype=torch.long).split(cfg.physical):
+        for part in _my_parts(logical, cfg.physical, world):
             micro = {k: v[part] for k, v in inputs.items()}
             if step is not None:
                 step.accumulate(micro, labels[part])
@@ -151,6 +168,53 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
             "ms_per_step": statistics.median(times) * 1e3,
             "peak_mb": None if peak is None or rss_before is None else peak - rss_before,
             "steps": len(times)}
+
+
+def _my_parts(logical: list[int], physical: int, world: tuple[int, int]) -> list[Tensor]:
+    """This process's micro-batches of a logical batch: its contiguous share, cut in as
+    many parts as every process cuts its share in (each runs the same collectives)."""
+    size, rank = world
+    mine = torch.tensor(logical, dtype=torch.long).tensor_split(size)[rank]
+    count = max(1, -(-len(logical) // (size * physical)))
+    return list(mine.tensor_split(count))
+
+
+def _spawned(cfg: FinetuneConfig, sigma: float) -> list[dict[str, Any]]:
+    """The private run in ``cfg.nproc`` processes (gloo, a rendezvous file in a
+    temporary folder): every process's figures."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        init = f"file://{os.path.join(folder, 'rendezvous')}"
+        mp.start_processes(_rank_main, args=(cfg, sigma, folder, init), nprocs=cfg.nproc,
+                           join=True, start_method="spawn")
+        found = []
+        for rank in range(cfg.nproc):
+            with open(os.path.join(folder, f"rank{rank}.json")) as f:
+                found.append(json.load(f))
+        return found
+
+
+def _rank_main(rank: int, cfg: FinetuneConfig, sigma: float, folder: str, init: str) -> None:
+    """One process of :func:`_spawned`: its share of the threads and of every batch."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=cfg.nproc,
+                            timeout=timedelta(minutes=10))
+    try:
+        torch.set_num_threads(max(1, cfg.threads // cfg.nproc))
+        data = docstring_batch(cfg.train_windows + cfg.test_windows, cfg.seq_len)
+        result = finetune(cfg, True, sigma, data, (cfg.nproc, rank))
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
 def _pretrain(model: nn.Module, inputs: dict[str, Tensor], labels: Tensor, train_n: int,
@@ -193,7 +257,8 @@ def run(cfg: FinetuneConfig) -> dict:
     from ..dp import noise_multiplier_for
 
     for name in ("layers", "width", "heads", "seq_len", "train_windows", "test_windows",
-                 "steps", "batch_size", "physical", "max_grad_norm", "lr", "threads", "rank"):
+                 "steps", "batch_size", "physical", "max_grad_norm", "lr", "threads", "rank",
+                 "nproc"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     if cfg.test_windows >= cfg.train_windows + cfg.test_windows:
@@ -203,8 +268,16 @@ def run(cfg: FinetuneConfig) -> dict:
     q = min(1.0, cfg.batch_size / cfg.train_windows)
     sigma = cfg.sigma if cfg.sigma is not None else noise_multiplier_for(
         cfg.target_epsilon, cfg.delta, q, cfg.steps)
+    if cfg.fsdp and cfg.nproc < 2:
+        raise ValueError("--fsdp shards the model over processes: give --nproc 2 or more")
     runs = [finetune(cfg, True, sigma, data), finetune(cfg, False, sigma, data)]
     private, plain = runs
+    if cfg.nproc > 1:
+        ranks = _spawned(cfg, sigma)
+        how = "FSDP2" if cfg.fsdp else "whole model"
+        runs.insert(0, {**ranks[0], "name": f"private x{cfg.nproc}",
+                        "peak_mb_per_rank": [r["peak_mb"] for r in ranks],
+                        "sharding": how})
     what = f"LoRA r={cfg.rank} on c_attn" if cfg.lora else "full"
     print(f"dp-finetune: GPT-2 {cfg.layers}x{cfg.width} ({what}: {private['trainable']:,} of "
           f"{private['total']:,} parameters trained), T={cfg.seq_len}, "
@@ -221,6 +294,10 @@ def run(cfg: FinetuneConfig) -> dict:
               f"{eps:>9}{r['ms_per_step']:>10.1f}{peak:>9}")
     ratio = private["ms_per_step"] / plain["ms_per_step"]
     print(f"  a DP step takes {ratio:.2f}x a non-private one (delta {cfg.delta:g})")
+    if cfg.nproc > 1:
+        per_rank = ", ".join("?" if m is None else f"{m:.0f}" for m in runs[0]["peak_mb_per_rank"])
+        print(f"  private x{cfg.nproc}: {cfg.nproc} gloo processes ({runs[0]['sharding']}), "
+              f"peak MB per process: {per_rank}; one process: {private['peak_mb']:.0f}")
     result = {"config": asdict(cfg), "sigma": sigma, "sample_rate": q, "runs": runs,
               "time_ratio": ratio}
     if cfg.json:
@@ -247,6 +324,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     for name in ("sigma", "target_epsilon", "delta", "max_grad_norm", "lr"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name),
                        help=f"default {getattr(d, name)}")
+    p.add_argument("--nproc", type=int, default=d.nproc,
+                   help="also run the private fine-tuning in this many processes (gloo), "
+                   f"each on its share of every logical batch (default {d.nproc})")
+    p.add_argument("--fsdp", action="store_true",
+                   help="with --nproc: shard that run's model with FSDP2 (fully_shard per "
+                   "GPT-2 block and at the root)")
     p.add_argument("--json", metavar="FILE", help="write all figures as JSON")
     return p
 
