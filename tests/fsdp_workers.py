@@ -170,6 +170,8 @@ def scenarios(rank: int, world: int) -> dict:
     saved["norms"] = persample.per_sample_grad_norms(model, ids, y, lm_loss, method="rules")
     saved["grads"] = persample.per_sample_grads(model, ids, y, lm_loss, method="rules")
     saved["one"] = persample.per_sample_grad_norms(model, ids[:1], y[:1], lm_loss)
+    saved["loop"] = _error(lambda: persample.per_sample_grads(model, ids, y, lm_loss,
+                                                              method="loop"))
     saved["step"] = _step(model, ids, y)
     torch.optim.SGD(model.parameters(), lr=0.5).step()  # the optimizer on the shards
     saved["stepped"] = {k: full(p) for k, p in model.named_parameters()}
@@ -214,6 +216,15 @@ def scenarios(rank: int, world: int) -> dict:
     step = PrivateStep(nan_model, lm_loss, max_grad_norm=C, noise_multiplier=0.0,
                        expected_batch_size=N)
     saved["nan"] = _error(lambda: step.accumulate(nan_ids, y)), grads(nan_model)
+
+    empty = shard(net())  # rank 0 has no sample in the first micro-batch
+    step = PrivateStep(empty, lm_loss, max_grad_norm=C, noise_multiplier=0.0,
+                       expected_batch_size=N)
+    first = 0 if rank == 0 else len(ids) // 2
+    step.accumulate(ids[:first], y[:first])
+    step.accumulate(ids[first:], y[first:])
+    step.release()
+    saved["empty"] = grads(empty)
 
     late = shard(net())  # last: rank 1 never accumulates; rank 0 must not hang
     step = PrivateStep(late, lm_loss, max_grad_norm=C, noise_multiplier=0.0,

@@ -34,3 +34,26 @@ def test_a_few_private_steps_lower_the_held_out_loss(mode, tmp_path, capsys):
     else:  # LoRA: the adapters only
         assert 0 < private["trainable"] < private["total"] / 10
     assert figures["time_ratio"] > 0 and "a DP step takes" in out
+
+
+@pytest.mark.parametrize("mode", [[], ["--full"]], ids=["lora", "full"])
+def test_sharded_over_two_processes_gives_one_processs_perplexity_and_epsilon(
+        mode, tmp_path, capsys):
+    """FSDP2 over two gloo processes: the same noise stream and the same clipped sums, so
+    the same model (to rounding) and the same epsilon; each process's peak memory shown."""
+    path = tmp_path / "ft.json"
+    assert main(["dp-finetune", *TINY, *mode, "--nproc", "2", "--fsdp", "--json",
+                 str(path)]) == 0
+    out = capsys.readouterr().out
+    sharded, private, plain = json.loads(path.read_text())["runs"]
+    assert sharded["name"] == "private x2" and sharded["sharding"] == "FSDP2"
+    assert sharded["epsilon"] == private["epsilon"]
+    assert sharded["steps"] == private["steps"] == 6
+    assert math.isclose(sharded["perplexity_after"], private["perplexity_after"], rel_tol=1e-4)
+    assert sharded["perplexity_after"] != pytest.approx(plain["perplexity_after"], rel=1e-3)
+    assert len(sharded["peak_mb_per_rank"]) == 2 and "peak MB per process" in out
+
+
+def test_fsdp_needs_several_processes():
+    with pytest.raises(SystemExit, match="--nproc 2 or more"):
+        main(["dp-finetune", *TINY, "--fsdp"])

@@ -92,6 +92,17 @@ def test_private_step_over_each_ranks_half_equals_one_process(ranks, kind):
         _close(seen[key]["grads"], ref["mean"], rtol=1e-10, atol=1e-13)
 
 
+def test_an_empty_micro_batch_on_one_rank(ranks):
+    ref = _loop()
+    for seen in ranks:
+        _close(seen["empty"], ref["mean"], rtol=1e-10, atol=1e-13)
+
+
+def test_the_loop_and_vmap_refuse_a_sharded_model(ranks):
+    for seen in ranks:
+        assert "method='loop' cannot run on a model sharded with FSDP2" in seen["loop"]
+
+
 def test_gpt2_norms(ranks):
     ref = _loop("gpt2")
     for r, seen in enumerate(ranks):

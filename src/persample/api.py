@@ -40,7 +40,10 @@ def per_sample_grads(
     Args:
         model: an ``nn.Module``; samples must not interact (BatchNorm in training
             mode is refused). Its state is left exactly as it was: no hooks, no
-            attributes, ``p.grad`` and ``training`` untouched.
+            attributes, ``p.grad`` and ``training`` untouched. Sharded with FSDP2
+            (``fully_shard``): each rank gets its own samples' gradients as full
+            (unsharded) plain tensors, in FSDP's compute dtype (every rank calls it
+            alike; FSDP1 is refused).
         inputs: a tensor ``(B, *in_shape)`` (``model(inputs)``), a tuple
             (``model(*inputs)``), a dict such as a tokenizer's ``BatchEncoding``
             (``model(**inputs)``), or a pair ``(args, kwargs)``; tuples, lists, dicts

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .capture import plain_checkpoints
 from .checks import keeps_buffers, trainable_parameters
+from .sharded import refuse_sharded
 from .inputs import as_batch, rows_of
 
 
@@ -55,6 +56,7 @@ def loop_per_sample_grads(
         >>> g["weight"].shape
         torch.Size([4, 2, 3])
     """
+    refuse_sharded(model, 'loop')
     batch = as_batch(inputs)
     params = trainable_parameters(model)
     n = batch.n
@@ -93,6 +95,7 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
         >>> loop_param_jacobian(net, torch.randn(4, 3))["weight"].shape
         torch.Size([4, 2, 2, 3])
     """
+    refuse_sharded(model, 'loop')
     batch = as_batch(inputs)
     params = trainable_parameters(model)
     if batch.n == 0:

@@ -53,6 +53,20 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+def refuse_sharded(model: nn.Module, method: str) -> None:
+    """``torch.func`` and the loop differentiate the model as a whole, which a sharded
+    model is not on any rank: a clear error instead of gradients of the wrong tensors.
+
+    Raises:
+        ValueError: ``model`` has FSDP2 units.
+    """
+    if fsdp_units(model):
+        raise ValueError(
+            f"method={method!r} cannot run on a model sharded with FSDP2 (each rank holds "
+            "a shard of each parameter): only the rules split it by sample. Use "
+            "method='rules' (or 'auto'), or compare with the loop on an unsharded copy")
+
+
 class Sharding:
     """The trainable parameters of an FSDP2 model in their two forms.
 

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from .capture import plain_checkpoints
 from .errors import UnsupportedModuleError
+from .sharded import refuse_sharded
 from .inputs import Batch, mapped_targets
 from .precision import autocast_state
 
@@ -65,6 +66,7 @@ def _mapped(batch: Batch) -> tuple[list, list, Callable]:
 def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
                           params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
     """Per-sample gradients ``{name: (B, *param.shape)}`` via ``torch.func``."""
+    refuse_sharded(model, 'vmap')
     refuse_recurrent(model)
     theta = {name: p.detach() for name, p in params.items()}
     flat, dims, call = _mapped(batch)
@@ -88,6 +90,7 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
 
     Seed 000's answer: ``vmap(jacrev(functional_call))`` over the samples.
     """
+    refuse_sharded(model, 'vmap')
     refuse_recurrent(model)
     for name, module in model.named_modules():
         if isinstance(module, nn.PReLU):  # torch 2.13: shape errors or wrong rows

@@ -74,6 +74,10 @@ def private_grad(
             privacy analysis assumes) pass ``q * N`` so that the divisor does not
             depend on the data.
 
+    A model sharded with FSDP2 (``fully_shard``): one :class:`PrivateStep` step over
+    every rank's batch (each rank calls it with its own samples; the default divisor is
+    the number of samples of all ranks); ``p.grad`` is a sharded ``DTensor``.
+
     Returns:
         ``(B,)`` per-sample gradient norms before clipping (over all parameters),
         for logging, in the parameters' dtype or float32 if that is lower (bfloat16,
@@ -162,13 +166,15 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     groups = groups if groups is not None else [[id(p) for p in params.values()]]
     flush = flush or (lambda into: None)
     checked = checked or _check_finite
+    sharded = bool(fsdp_units(model))
     if n == 0:
+        if sharded:  # the other ranks' all-gathers wait for this rank's forward and backward
+            _empty_pass(model, batch, params)
         checked(next(iter(params.values())).new_zeros(0))
         for group in groups:
             flush(make_into(group))
         return next(iter(params.values())).new_zeros(0)
     watched = {id(p): p for p in params.values()}
-    sharded = bool(fsdp_units(model))
 
     def by_rules() -> tuple:
         cap = loss_backprops(model, batch, targets, loss_fn, watched, retain_graph=_keeps_graph)
@@ -230,6 +236,19 @@ def _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_mo
             for name, p in rest.items():
                 into[id(p)].add_(torch.tensordot(factors[id(p)].to(grads[name].dtype),
                                                  grads[name], dims=1))
+
+
+def _empty_pass(model, batch, params) -> None:
+    """A rank of an FSDP2 model without samples in this micro-batch runs the forward and
+    backward of its empty batch all the same: FSDP's all-gathers are collectives."""
+    from torch.utils._pytree import tree_leaves
+
+    with torch.enable_grad():
+        out = batch.call(model)
+    outs = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+    if outs:
+        torch.autograd.grad(torch.stack([t.sum() for t in outs]).sum(), list(params.values()),
+                            allow_unused=True)
 
 
 def _total_samples(n: int) -> int:

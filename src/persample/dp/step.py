@@ -69,10 +69,23 @@ class PrivateStep:
     was set up to).
     Step the accountant once per release (each rank's, identically).
 
+    Sharded with FSDP2 (``fully_shard`` per block and at the root): each ``accumulate``
+    computes its samples' clipped sums one FSDP unit at a time and reduce-scatters them
+    over FSDP's process group (each rank keeps the sums of its shards: never the whole
+    model's); the ranks agree (shapes, ``expected_batch_size``, generator, finiteness)
+    before each reduction, so every rank calls ``accumulate`` and ``release`` alike.
+    ``release()`` adds to each shard its part of the noise, drawn from a counter-based
+    stream (one seed per release from ``generator``, the same on every rank; blocks of
+    2^20 entries per parameter seeded by ``(seed, parameter, block)``): the noise is the
+    one a single process draws from that seed, whatever the number of ranks. ``p.grad``
+    is a ``DTensor`` sharded as the parameter, in its dtype (``MixedPrecisionPolicy``:
+    the sums in float32), for the optimizer on the sharded model. FSDP1 is refused.
+
     Raises:
         ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
             ``expected_batch_size``, a model without trainable
-            parameters.
+            parameters, a model wrapped in FSDP1's ``FullyShardedDataParallel`` (the
+            message names ``fully_shard`` as the fix).
 
     Example:
         >>> import torch
@@ -92,7 +105,7 @@ class PrivateStep:
         (torch.Size([8, 4]), 0)
 
     Source: Abadi et al. 2016 (DP-SGD, lots); Bu et al. 2023 (book-keeping); Opacus's
-    virtual steps.
+    virtual steps; Zhao et al. 2023 (PyTorch FSDP).
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], *,
