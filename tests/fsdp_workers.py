@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 import persample
+from dist_workers import _error
 from persample.dp import PrivateStep, private_grad
 
 V, D, T, LAYERS = 40, 12, 6, 2
@@ -68,7 +69,8 @@ def lm_loss(out: Any, y: Tensor) -> Tensor:
 
 def data(vocab: int = V) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab, (N, T), generator=g), torch.randint(0, vocab, (N, T), generator=g)
+    return (torch.randint(0, vocab, (N, T), generator=g),
+            torch.randint(0, vocab, (N, T), generator=g))
 
 
 def net(kind: str = "plain") -> nn.Module:
@@ -127,14 +129,6 @@ def grads(model: nn.Module) -> dict[str, Tensor | None]:
     return {k: full(p.grad) for k, p in model.named_parameters() if p.requires_grad}
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # the scenario expects one: its message is the result
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def worker(rank: int, world: int, out: str, init: str, job: str) -> None:
     from persample.cli.real_models import load_torchvision
 
@@ -153,7 +147,8 @@ def _step(model: nn.Module, ids: Tensor, y: Tensor, **options: Any) -> dict:
     step = PrivateStep(model, lm_loss, max_grad_norm=C, noise_multiplier=0.0,
                        expected_batch_size=N, **options)
     half = len(ids) // 2
-    norms = torch.cat([step.accumulate(ids[:half], y[:half]), step.accumulate(ids[half:], y[half:])])
+    norms = torch.cat([step.accumulate(ids[:half], y[:half]),
+                       step.accumulate(ids[half:], y[half:])])
     step.release()
     return {"norms": norms, "grads": grads(model),
             "dtensor": all(type(p.grad).__name__ == "DTensor" for p in model.parameters()

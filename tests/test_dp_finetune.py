@@ -36,17 +36,18 @@ def test_a_few_private_steps_lower_the_held_out_loss(mode, tmp_path, capsys):
     assert figures["time_ratio"] > 0 and "a DP step takes" in out
 
 
-@pytest.mark.parametrize("mode", [[], ["--full"]], ids=["lora", "full"])
-def test_sharded_over_two_processes_gives_one_processs_perplexity_and_epsilon(
-        mode, tmp_path, capsys):
-    """FSDP2 over two gloo processes: the same noise stream and the same clipped sums, so
-    the same model (to rounding) and the same epsilon; each process's peak memory shown."""
+@pytest.mark.parametrize("mode", [["--fsdp"], ["--full", "--fsdp"], []],
+                         ids=["lora-fsdp", "full-fsdp", "lora-whole"])
+def test_two_processes_give_one_processs_perplexity_and_epsilon(mode, tmp_path, capsys):
+    """Over two gloo processes, sharded with FSDP2 or each holding the whole model: the
+    same noise stream and the same clipped sums, so the same model (to rounding) and the
+    same epsilon; each process's peak memory shown."""
     path = tmp_path / "ft.json"
-    assert main(["dp-finetune", *TINY, *mode, "--nproc", "2", "--fsdp", "--json",
-                 str(path)]) == 0
+    assert main(["dp-finetune", *TINY, *mode, "--nproc", "2", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     sharded, private, plain = json.loads(path.read_text())["runs"]
-    assert sharded["name"] == "private x2" and sharded["sharding"] == "FSDP2"
+    assert sharded["name"] == "private x2"
+    assert sharded["sharding"] == ("FSDP2" if "--fsdp" in mode else "whole model")
     assert sharded["epsilon"] == private["epsilon"]
     assert sharded["steps"] == private["steps"] == 6
     assert math.isclose(sharded["perplexity_after"], private["perplexity_after"], rel_tol=1e-4)

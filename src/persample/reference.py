@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from .capture import plain_checkpoints
 from .checks import keeps_buffers, trainable_parameters
-from .sharded import refuse_sharded
 from .inputs import as_batch, rows_of
+from .sharded import refuse_sharded
 
 
 def rows(x: Any, start: int, stop: int) -> Any:

@@ -22,6 +22,7 @@ parallel"; the FSDP2 design in ``torch.distributed.fsdp.fully_shard``'s document
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -70,63 +71,52 @@ def refuse_sharded(model: nn.Module, method: str) -> None:
 class Sharding:
     """The trainable parameters of an FSDP2 model in their two forms.
 
-    Attributes:
-        names: the trainable parameters' names, ``named_parameters()`` order.
+    Attributes (``{name: ...}``, ``named_parameters()`` order):
         sharded: ``{name: parameter}`` as the optimizer holds it (a ``DTensor`` for a
             parameter FSDP manages, else the plain parameter every rank holds whole).
         working: ``{name: parameter}`` as the forward reads it (the unsharded plain
             tensor, in ``MixedPrecisionPolicy.param_dtype``, or the plain parameter).
-        unit_of: ``{id(working parameter): FSDP unit}`` for the managed ones.
+        fsdp, unit_of: FSDP's record of each managed parameter, and its unit.
     """
 
     def __init__(self, model: nn.Module, units: list[nn.Module]):
         self.units = units
         _initialise(units)
-        managed = {}  # id of either form -> FSDPParam
-        for unit in units:
-            for group in _groups(unit):
-                for fp in group.fsdp_params:
-                    managed[id(fp.sharded_param)] = (fp, unit)
-                    managed[id(fp._unsharded_param)] = (fp, unit)
+        managed = {}  # id of either form -> (FSDPParam, unit)
+        for fp, unit in _fsdp_params(units):
+            managed[id(fp.sharded_param)] = managed[id(fp._unsharded_param)] = (fp, unit)
         self.sharded: dict[str, nn.Parameter] = {}
         self.working: dict[str, nn.Parameter] = {}
-        self.unit_of: dict[int, nn.Module] = {}
         self.fsdp: dict[str, Any] = {}  # name -> FSDPParam
+        self.unit_of: dict[str, nn.Module] = {}
         for name, p in model.named_parameters():
             if id(p) in managed:
                 fp, unit = managed[id(p)]
                 if not fp.sharded_param.requires_grad:
                     continue
                 self.sharded[name], self.working[name] = fp.sharded_param, fp._unsharded_param
-                self.unit_of[id(fp._unsharded_param)] = unit
-                self.fsdp[name] = fp
+                self.fsdp[name], self.unit_of[name] = fp, unit
             elif p.requires_grad:
                 self.sharded[name] = self.working[name] = p
-        self.names = list(self.sharded)
 
     def groups(self) -> list[list[int]]:
         """The ids of the working parameters, one list per unit (in the units' order),
         then one of those every rank holds whole: the order every rank sums and reduces
         them in."""
-        found = []
-        for unit in self.units:
-            mine = [id(self.working[n]) for n in self.names
-                    if self.unit_of.get(id(self.working[n])) is unit]
-            if mine:
-                found.append(mine)
-        plain = [id(self.working[n]) for n in self.names if n not in self.fsdp]
-        return found + ([plain] if plain else [])
+        found = [[id(p) for n, p in self.working.items() if self.unit_of.get(n) is unit]
+                 for unit in self.units]
+        found.append([id(p) for n, p in self.working.items() if n not in self.fsdp])
+        return [group for group in found if group]
 
-    def local_like(self, name: str) -> Tensor:
-        """Zeros of this rank's part of parameter ``name`` (its shard's local shape; the
-        whole shape for a parameter every rank holds), in the sharded parameter's dtype."""
+    def local_like(self, name: str, dtype: torch.dtype) -> Tensor:
+        """Zeros for this rank's part of parameter ``name`` (its shard's local shape; the
+        whole shape for a parameter every rank holds), in ``dtype``."""
         p = self.sharded[name]
-        fp = self.fsdp.get(name)
-        if fp is None:
-            return torch.zeros_like(p)
         shape = list(p.shape)
-        shape[fp.fsdp_placement.dim] = shard_rows(fp)[1]
-        return torch.zeros(shape, dtype=p.dtype, device=fp.sharded_param.to_local().device)
+        fp = self.fsdp.get(name)
+        if fp is not None:
+            shape[fp.fsdp_placement.dim] = shard_rows(fp)[1]
+        return torch.zeros(shape, dtype=dtype, device=p.device)
 
 
 def shard_rows(fp: Any) -> tuple[int, int]:
@@ -147,8 +137,8 @@ def gatherer(units: list[nn.Module]) -> Any:
     (they stay gathered until :func:`reshard_all`). ``None`` without units."""
     if not units:
         return None
-    unit_of = {id(fp._unsharded_param): unit for unit in units for g in _groups(unit)
-               for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")}
+    unit_of = {id(fp._unsharded_param): unit for fp, unit in _fsdp_params(units)
+               if hasattr(fp, "_unsharded_param")}
 
     def gather(leaves: list[Tensor]) -> None:
         for t in leaves:
@@ -165,9 +155,10 @@ def reshard_all(model: nn.Module) -> None:
         unit.reshard()
 
 
-def _groups(unit: nn.Module) -> list[Any]:
-    state = unit._get_fsdp_state()
-    return list(state._fsdp_param_groups)
+def _fsdp_params(units: list[nn.Module]) -> list[tuple[Any, nn.Module]]:
+    """FSDP's record (``FSDPParam``) of every parameter the units manage, with its unit."""
+    return [(fp, unit) for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups
+            for fp in group.fsdp_params]
 
 
 def _freed(t: Tensor) -> bool:
@@ -178,8 +169,7 @@ def _initialise(units: list[nn.Module]) -> None:
     """FSDP creates the unsharded parameters at a unit's first all-gather: before the
     model's first forward, gather and free each unit once (the root's lazy
     initialisation first, as its forward would do)."""
-    if all(hasattr(fp, "_unsharded_param") for u in units for g in _groups(u)
-           for fp in g.fsdp_params):
+    if all(hasattr(fp, "_unsharded_param") for fp, _ in _fsdp_params(units)):
         return
     for unit in units:
         state = unit._get_fsdp_state()
@@ -190,8 +180,7 @@ def _initialise(units: list[nn.Module]) -> None:
         unit.reshard()
 
 
-def reduce_to_shards(sharding: Sharding, sums: dict[str, Tensor], world_group: Any = None
-                     ) -> dict[str, Tensor]:
+def reduce_to_shards(sharding: Sharding, sums: dict[str, Tensor]) -> dict[str, Tensor]:
     """Sum full-shape tensors ``{name: tensor}`` over the ranks, leaving each rank
     with its shard of each (``{name: local tensor}``, the sharded parameter's local
     shape): one reduce-scatter per dtype over FSDP's mesh for the managed parameters,
@@ -199,55 +188,44 @@ def reduce_to_shards(sharding: Sharding, sums: dict[str, Tensor], world_group: A
     import torch.distributed as dist
 
     out: dict[str, Tensor] = {}
-    managed = [n for n in sums if n in sharding.fsdp]
     by_kind: dict[tuple, list[str]] = {}
-    for name in managed:
-        fp = sharding.fsdp[name]
-        key = (sums[name].dtype, id(fp.mesh_info.shard_process_group))
-        by_kind.setdefault(key, []).append(name)
+    for name in sums:
+        if name in sharding.fsdp:
+            group = sharding.fsdp[name].mesh_info.shard_process_group
+            by_kind.setdefault((sums[name].dtype, id(group)), []).append(name)
+        else:  # every rank holds it whole
+            if dist.is_initialized():
+                dist.all_reduce(sums[name])
+            out[name] = sums[name]
     for names in by_kind.values():
-        fps = [sharding.fsdp[n] for n in names]
-        world = fps[0].mesh_info.shard_mesh_size
-        group = fps[0].mesh_info.shard_process_group
-        chunks = [_padded_chunks(sums[n], fp, world) for n, fp in zip(names, fps)]  # (world, m)
-        flat = torch.cat(chunks, dim=1)  # (world, sum m): rank r's inputs in row r
-        mine = flat.new_empty(flat.shape[1])
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        scatter(mine, flat.reshape(-1), group=group)
+        info = sharding.fsdp[names[0]].mesh_info
+        world = info.shard_mesh_size
+        shapes = [_chunk_shape(sharding.fsdp[n], world) for n in names]  # each rank's
+        sizes = [math.prod(shape) for shape in shapes]
+        packed = sums[names[0]].new_zeros(world, sum(sizes))  # rank r's inputs in row r
         offset = 0
-        for name, fp, c in zip(names, fps, chunks):
-            size = c.shape[1]
-            _, length = shard_rows(fp)
-            dim = fp.fsdp_placement.dim
-            padded = mine[offset : offset + size].view(_chunk_shape(sums[name].shape, dim, world))
-            out[name] = padded.narrow(dim, 0, length)
+        for name, shape, size in zip(names, shapes, sizes):
+            dim = sharding.fsdp[name].fsdp_placement.dim
+            for r, piece in enumerate(torch.chunk(sums[name], world, dim=dim)):
+                if piece.numel():
+                    slot = packed[r, offset : offset + size].view(shape)
+                    slot.narrow(dim, 0, piece.shape[dim]).copy_(piece)
             offset += size
-    plain = [n for n in sums if n not in sharding.fsdp]
-    if plain and world_group is not False and dist.is_initialized():
-        for name in plain:
-            dist.all_reduce(sums[name])
-    for name in plain:
-        out[name] = sums[name]
+        mine = packed.new_empty(packed.shape[1])
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(mine, packed.view(-1), group=info.shard_process_group)
+        for name, shape, piece in zip(names, shapes, mine.split(sizes)):
+            fp = sharding.fsdp[name]
+            out[name] = piece.view(shape).narrow(fp.fsdp_placement.dim, 0, shard_rows(fp)[1])
     return out
 
 
-def _chunk_shape(shape: torch.Size, dim: int, world: int) -> tuple[int, ...]:
-    s = list(shape)
-    s[dim] = -(-s[dim] // world)
-    return tuple(s)
-
-
-def _padded_chunks(full: Tensor, fp: Any, world: int) -> Tensor:
-    """``(world, m)``: row ``r`` the flattened chunk of ``full`` rank ``r`` keeps, padded
-    with zeros to FSDP's padded shard shape."""
+def _chunk_shape(fp: Any, world: int) -> tuple[int, ...]:
+    """FSDP's padded shard shape of a parameter: its sharded dim cut in ``world``."""
+    shape = list(fp._orig_size)
     dim = fp.fsdp_placement.dim
-    shape = _chunk_shape(full.shape, dim, world)
-    out = full.new_zeros((world, *shape))
-    for r, piece in enumerate(torch.chunk(full, world, dim=dim)):
-        if piece.shape[dim] == 0:
-            continue
-        out[r].narrow(dim, 0, piece.shape[dim]).copy_(piece)
-    return out.view(world, -1)
+    shape[dim] = -(-shape[dim] // world)
+    return tuple(shape)
 
 
 def as_sharded_grad(p: nn.Parameter, local: Tensor) -> Tensor:

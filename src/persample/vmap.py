@@ -27,9 +27,9 @@ from torch.overrides import TorchFunctionMode
 
 from .capture import plain_checkpoints
 from .errors import UnsupportedModuleError
-from .sharded import refuse_sharded
 from .inputs import Batch, mapped_targets
 from .precision import autocast_state
+from .sharded import refuse_sharded
 
 
 def refuse_recurrent(model: nn.Module) -> None:

@@ -128,18 +128,16 @@ def private_grad(
         norms = step.accumulate(inputs, targets)
         step.release()
         return norms
-    grads: dict[int, Tensor] = {}
-
     def noise(group: list[int]) -> dict[int, Tensor]:  # the new p.grad's memory, drawn once
         # the backward is done (the activations freed); float32 at least: the clipped sums
         # are added to it
         drawn = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm,
                               generator, accumulate=True)
-        grads.update({id(p): t for p, t in zip(params.values(), drawn)})
-        return grads
+        return {id(p): t for p, t in zip(params.values(), drawn)}
 
+    grads: dict[int, Tensor] = {}
     norms = _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm,
-                              per_layer, noise)
+                              per_layer, noise, grads.update)
     divisor = expected_batch_size or n
     for p in params.values():  # in the parameter's dtype, as autograd gives it
         p.grad = grads[id(p)].div_(divisor).to(p.dtype)
@@ -148,23 +146,22 @@ def private_grad(
 
 def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per_layer,
                       make_into: Callable[[list[int]], dict[int, Tensor]],
+                      flush: Callable[[dict[int, Tensor]], None],
                       groups: list[list[int]] | None = None,
-                      flush: Callable[[dict[int, Tensor]], None] | None = None,
                       checked: Callable[[Tensor], None] | None = None) -> Tensor:
     """Add ``sum_i c_i g_i`` of every parameter into memory ``make_into(ids)`` gives
     (``{id(p): tensor}``, called once the norms are known: after the backward, so that
-    its memory is not held while the activations are); return the ``(n,)`` norms.
+    its memory is not held while the activations are), hand it to ``flush`` when
+    complete; return the ``(n,)`` norms.
 
     ``groups``: lists of parameter ids summed in turn (an FSDP unit's parameters: one
-    unit's sums in full at a time), each handed to ``flush`` once complete (default:
-    all parameters in one group, kept in ``make_into``'s tensors). ``checked(norms)``
+    unit's sums in full at a time; default: all parameters in one). ``checked(norms)``
     raises before anything is summed (default: non-finite norms raise
     ``FloatingPointError``). One forward and backward (or, where the rules cannot split
     the model, the per-sample gradients of ``torch.func`` or the loop; not for a sharded
     model, which has no whole-model fallback); an unused parameter gets nothing added."""
     n = batch.n
     groups = groups if groups is not None else [[id(p) for p in params.values()]]
-    flush = flush or (lambda into: None)
     checked = checked or _check_finite
     sharded = bool(fsdp_units(model))
     if n == 0:
@@ -196,17 +193,16 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
     checked(norms)
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
-    by_id = {id(p): name for name, p in params.items()}
     for group in groups:
         into = make_into(group)
         _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_module,
-                   factors, into, set(group), by_id, sharded)
+                   factors, into, set(group), sharded)
         flush(into)
     return norms
 
 
 def _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_module,
-               factors, into, group: set[int], by_id, sharded: bool) -> None:
+               factors, into, group: set[int], sharded: bool) -> None:
     """The clipped sums of the parameters ``group`` (ids) into ``into``."""
     done, left = {pid for pid in mats if pid in group}, {}
     for pid in done:  # (n, 1, *shape) materialised
@@ -229,7 +225,7 @@ def _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_mo
         leave_rules(Taken(), err)
         with internal("the clipped sums of the uses left"):
             _complete(cap, ghosted, left, factors, into, done)
-        rest = {by_id[pid]: params[by_id[pid]] for pid in group if pid not in done}
+        rest = {name: p for name, p in params.items() if id(p) in group and id(p) not in done}
         grads = slower(lambda: vmap_per_sample_grads(model, batch, targets, loss_fn, rest),
                        lambda: loop_per_sample_grads(model, batch, targets, loss_fn))
         with torch.no_grad():

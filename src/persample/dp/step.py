@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks
-from .clip import _add_clipped_sums, _check_dp_options
 from ..precision import accumulate_dtype
 from ..sharded import Sharding, as_sharded_grad, fsdp_units, reduce_to_shards, shard_rows
+from .clip import _add_clipped_sums, _check_dp_options
 from .noise import gaussian_like, noise_range, pooled_like, release_seed
 
 
@@ -160,18 +160,16 @@ class PrivateStep:
         if self.sums is None:
             self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_(),
                                                           accumulate=True)))
-        into: dict[int, Tensor] = {}
-
         def zeros(group: list[int]) -> dict[int, Tensor]:
-            into.update(zip(map(id, params), pooled_like(params, lambda b: b.zero_(),
+            return dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_(),
                                                          accumulate=True)))
-            return into
 
+        into: dict[int, Tensor] = {}
         try:
             with checks.kept_buffers(self.model):
                 norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
                                           self.params, self.max_grad_norm,
-                                          self.per_layer, zeros)
+                                          self.per_layer, zeros, into.update)
         except FloatingPointError as err:
             if _world() is None:
                 raise
@@ -194,6 +192,7 @@ class PrivateStep:
         params = list(self.params.values())
         world = _world()
         if world is not None:
+            self._arrived("release()")
             self._agree(world)
         if self.sharding is not None:
             return self._release_sharded()
@@ -238,9 +237,8 @@ class PrivateStep:
         names = {id(p): name for name, p in working.items()}
         groups = sharding.groups()
         if self.sums is None:
-            locals_ = [sharding.local_like(name) for name in self.params]
-            self.sums = dict(zip(self.params, pooled_like(locals_, lambda b: b.zero_(),
-                                                          accumulate=True)))
+            self.sums = {name: sharding.local_like(name, accumulate_dtype(p.dtype))
+                         for name, p in self.params.items()}
         staged: dict[str, Tensor] = {}
 
         def make(group: list[int]) -> dict[int, Tensor]:
@@ -257,8 +255,8 @@ class PrivateStep:
 
         with checks.kept_buffers(self.model):
             norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn, working,
-                                      self.max_grad_norm, self.per_layer, make, groups,
-                                      flush, checked)
+                                      self.max_grad_norm, self.per_layer, make, flush,
+                                      groups, checked)
         for name, t in staged.items():
             self.sums[name].add_(t)
         if not self.versions:
@@ -273,8 +271,8 @@ class PrivateStep:
         std = self.noise_multiplier * self.max_grad_norm
         seed = release_seed(self.generator)
         for index, (name, p) in enumerate(self.params.items()):
-            local = self.sharding.local_like(name).to(accumulate_dtype(p.dtype))
-            _add_shard_noise(self.sharding, name, local, std, seed, index)
+            local = self.sharding.local_like(name, accumulate_dtype(p.dtype))
+            _shard_noise(self.sharding, name, local, std, seed, index)
             if self.sums is not None:
                 local.add_(self.sums[name])
             p.grad = as_sharded_grad(p, local.div_(self.expected_batch_size))
@@ -293,12 +291,12 @@ class PrivateStep:
                                    f"{self.timeout.total_seconds():.0f} s ({err})") from err
 
     def _agree(self, world: tuple[int, int], failed: str | None = None) -> None:
-        """Every rank checks that all ranks hold the same parameters and divisor, and
-        that none saw a non-finite gradient; raises on every rank if not."""
+        """Every rank checks that all ranks hold the same parameters and divisor (and,
+        sharded, noise generator), and that none saw a non-finite gradient (``failed``:
+        this rank's, in a sharded ``accumulate``); raises on every rank if not."""
         import torch.distributed as dist
 
         size, rank = world
-        self._arrived("release()" if failed is None else "accumulate()")
         mine = {"shapes": [(name, tuple(p.shape)) for name, p in self.params.items()],
                 "expected_batch_size": self.expected_batch_size,
                 "failed": failed or self.failed, "noise": _stream(self.generator)}
@@ -306,13 +304,15 @@ class PrivateStep:
         dist.all_gather_object(every, mine)
         failed = [e["failed"] for e in every if e["failed"]]
         if failed:
-            if self.sharding is None or self.failed:
+            kept = self.sharding is not None  # (sharded: before this micro-batch is added)
+            if not kept:
                 self.sums, self.samples, self.versions = None, 0, {}
             self.failed = None
             raise FloatingPointError(
                 f"a per-sample gradient was not finite ({failed[0]}); p.grad was left "
-                "unchanged on every rank and this step's sums dropped. Drop those samples "
-                "and accumulate again.")
+                "unchanged on every rank and " + (
+                    "nothing of this micro-batch was added on any rank" if kept else
+                    "this step's sums dropped") + ". Drop those samples and accumulate again.")
         for k, e in enumerate(every):
             if e["expected_batch_size"] != mine["expected_batch_size"]:
                 raise ValueError(
@@ -393,27 +393,23 @@ class PrivateStep:
                              "PrivateStep: make a new PrivateStep for the new model")
 
 
-def _add_shard_noise(sharding: Sharding, name: str, local: Tensor, std: float, seed: int,
-                     index: int) -> None:
-    """Add to ``local`` (``sharding.local_like(name)``) this rank's part of the noise of
-    parameter ``index`` of the release ``seed`` (:mod:`persample.dp.noise`): for a shard
-    of rows, only the blocks of the rows it holds are drawn."""
+def _shard_noise(sharding: Sharding, name: str, local: Tensor, std: float, seed: int,
+                 index: int) -> None:
+    """Fill ``local`` (``sharding.local_like(name, ...)``) with this rank's part of the
+    noise of parameter ``index`` of the release ``seed`` (:mod:`persample.dp.noise`): for
+    a shard of rows, only the blocks of the rows it holds are drawn."""
     p, fp = sharding.sharded[name], sharding.fsdp.get(name)
-    numel = p.numel()
-    if fp is not None and fp.fsdp_placement.dim == 0:
-        start, length = shard_rows(fp)
-        row = p.shape[1:].numel()
-        part = torch.empty(length * row, dtype=local.dtype, device=local.device)
-        noise_range(part, std, seed, index, start * row, numel)
-        local.add_(part.view_as(local))
+    if fp is not None and fp.fsdp_placement.dim == 0:  # rows: a contiguous range
+        start = shard_rows(fp)[0] * p.shape[1:].numel()
+        noise_range(local.view(-1), std, seed, index, start, p.numel())
         return
-    full = torch.empty(numel, dtype=local.dtype, device=local.device)
-    noise_range(full, std, seed, index, 0, numel)
+    full = torch.empty(p.numel(), dtype=local.dtype, device=local.device)
+    noise_range(full, std, seed, index, 0, p.numel())
     full = full.view(p.shape)
     if fp is not None:
         start, length = shard_rows(fp)
         full = full.narrow(fp.fsdp_placement.dim, start, length)
-    local.add_(full)
+    local.copy_(full)
 
 
 def _stream(generator: torch.Generator | None) -> str:
