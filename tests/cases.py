@@ -675,3 +675,19 @@ def clipped_mean(grads: dict[str, Tensor], max_grad_norm: float
     norms = torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1).norm(dim=1)
     factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     return norms, {k: torch.tensordot(factors, g, dims=1) / len(norms) for k, g in grads.items()}
+
+
+def dp_grads(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
+             max_grad_norm: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """``private_grad`` without noise: its norms ``(B,)`` and the ``p.grad`` it wrote
+    (``{name: tensor}`` over the trainable parameters), ``p.grad`` then reset to None."""
+    from persample.dp import private_grad
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    try:
+        norms = private_grad(model, inputs, targets, loss_fn, max_grad_norm=max_grad_norm,
+                             noise_multiplier=0.0)
+        return norms, {n: p.grad.clone() for n, p in params.items()}
+    finally:
+        for p in params.values():
+            p.grad = None

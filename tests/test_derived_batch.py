@@ -23,12 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
-from cases import assert_exact, clipped_mean
+from cases import assert_exact, clipped_mean, dp_grads
 from persample import pullback
 from persample.batch import FREE, Batched
 from persample.batch.flow import unbroadcast
 from persample.capture import Capture
-from persample.dp import private_grad
 
 B = T = H = 4  # coinciding on purpose
 E, V = 8, 11
@@ -83,12 +82,7 @@ def check(model: nn.Module, inputs, targets, loss_fn, snapshot,
         norms = persample.per_sample_grad_norms(model, inputs, targets, loss_fn)
         assert_exact({"norms": norms}, {"norms": flat(want).norm(dim=1)})
         c = norms.median().item()
-        try:
-            private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0)
-            summed = {n: p.grad.clone() for n, p in params.items()}
-        finally:
-            for p in params.values():
-                p.grad = None
+        summed = dp_grads(model, inputs, targets, loss_fn, c)[1]
     assert_exact(summed, clipped_mean(want, c)[1])
     by_id = {id(p): n for n, p in params.items()}
     assert {by_id[i] for i in seen["taps"] if i in by_id} == {

@@ -31,11 +31,10 @@ from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import persample
-from cases import assert_exact, clipped_mean
+from cases import assert_exact, clipped_mean, dp_grads
 from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
 from persample.batch import FREE, Batched, Ctx, Mixed, Unknown, propagate
 from persample.batch.ops_indexing import Partly, Sorted
-from persample.dp import private_grad
 
 B = T = H = EXPERTS = CHOICES = 4  # coinciding on purpose
 E = 8
@@ -67,18 +66,12 @@ def check(model: nn.Module, inputs, targets, loss_fn, snapshot, want=None,
         norms = per_sample_grad_norms(model, inputs, targets, loss_fn)
         assert_exact({"norms": norms}, {"norms": flat(want).norm(dim=1)})
         c = norms.median().item()
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        try:
-            private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0)
-            got = {n: p.grad.clone() for n, p in params.items()}
-        finally:
-            for p in params.values():
-                p.grad = None
+        got = dp_grads(model, inputs, targets, loss_fn, c)[1]
     assert_exact(got, clipped_mean(want, c)[1])
     routes = persample.supported(model, inputs, targets, loss_fn)
     assert {r.path for r in routes} == set(paths), [(r.module, r.path, r.reason) for r in routes]
     covered = {f"{r.module}.{p}" if r.module else p for r in routes for p in r.params}
-    assert covered == set(params)
+    assert covered == {n for n, p in model.named_parameters() if p.requires_grad}
     state.assert_unchanged()
 
 

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 import persample
-from cases import assert_exact
-from persample.dp import private_grad
+from cases import assert_exact, dp_grads
 from zoo import ZOO
 
 # small outputs: the per-sample parameter Jacobian (B, Y, P) is tested on these
@@ -119,16 +118,11 @@ def test_private_grad_without_noise_is_the_clipped_sum(name, snapshot):
     norms = torch.cat([g.flatten(1) for g in want.values()], 1).norm(dim=1)
     c = norms.median().item()
     factors = (c / (norms + 1e-6)).clamp(max=1.0)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     ctx = no_fallback()
     try:
-        got = private_grad(model, inputs, targets, loss_fn, max_grad_norm=c,
-                           noise_multiplier=0.0)
-        grads = {n: p.grad.clone() for n, p in params.items()}
+        got, grads = dp_grads(model, inputs, targets, loss_fn, c)
     finally:
         ctx.__exit__(None, None, None)
-        for p in params.values():
-            p.grad = None
     assert_exact({"norms": got}, {"norms": norms})
     assert_exact(grads, {n: torch.tensordot(factors, g, dims=1) / len(norms)
                          for n, g in want.items()})
