@@ -4,7 +4,7 @@ changes no answer.
 - While a capture is open, compiled code runs eagerly (``torch.compiler.set_stance``), so
   the capture's per-op hook and module hooks are not wrapped for TorchDynamo (a few
   microseconds per op); where that stance cannot be set they are.
-- The free tensors (parameters, buffers, tensors held as attributes, in lists, tuples
+- The shared tensors (parameters, buffers, tensors held as attributes, in lists, tuples
   and dicts) are gathered in one walk of the modules.
 - Frozen parts that mix samples are still found where they do it, with the adapters
   (the only trainable parameters) after them: the rules refuse, naming the op, and
@@ -129,7 +129,7 @@ def test_free_tensors_are_every_tensor_the_modules_hold():
 
 
 def test_free_tensors_are_free_in_the_capture():
-    """A held tensor that requires no grad (a mask, a buffer) is free, not unknown."""
+    """A held tensor that requires no grad (a mask, a buffer) is shared, not unknown."""
 
     class Masked(nn.Module):
         def __init__(self):

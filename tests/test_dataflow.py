@@ -25,7 +25,7 @@ from persample import (
     per_sample_grads,
     supported,
 )
-from persample.batch import FREE, Batched, Ctx, Mixed, Unknown, propagate
+from persample.batch import SHARED, Batched, Ctx, Mixed, Unknown, propagate
 from persample.dp import private_grad
 
 B = T = H = 4  # coinciding on purpose
@@ -526,7 +526,7 @@ def test_mixing_samples_is_named_and_auto_takes_the_loop():
 
 
 def flow(func, args, kwargs, out, layouts):
-    ctx = Ctx(B, lambda t: next((lay for x, lay in layouts if x is t), FREE))
+    ctx = Ctx(B, lambda t: next((lay for x, lay in layouts if x is t), SHARED))
     return propagate(ctx, func, args, kwargs, out).outputs
 
 
@@ -552,7 +552,7 @@ def test_transpose_and_broadcast_follow_the_dims():
     x = torch.randn(B, T, E)
     assert flow(torch.Tensor.transpose, (x, 0, 1), {}, x.transpose(0, 1),
                 [(x, Batched(0))]) == Batched(1)
-    pos = torch.randn(1, T, E)  # free, shaped like one sample
+    pos = torch.randn(1, T, E)  # shared, shaped like one sample
     assert flow(torch.Tensor.add, (x, pos), {}, x + pos, [(x, Batched(0))]) == Batched(0)
     y = torch.randn(T, B, E)
     assert isinstance(flow(torch.Tensor.add, (x, y), {}, x + y,
@@ -576,7 +576,7 @@ def test_reductions_over_the_batch_mix():
     x = torch.randn(B, T)
     assert isinstance(flow(torch.Tensor.sum, (x, 0), {}, x.sum(0), [(x, Batched(0))]), Mixed)
     assert flow(torch.Tensor.sum, (x, 1), {}, x.sum(1), [(x, Batched(0))]) == Batched(0)
-    assert flow(torch.Tensor.sum, (x, 0), {}, x.sum(0), []) is FREE
+    assert flow(torch.Tensor.sum, (x, 0), {}, x.sum(0), []) is SHARED
 
 
 class FlatLogits(nn.Module):

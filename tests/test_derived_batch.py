@@ -3,7 +3,7 @@ the batch inside ``forward`` (``arange(T).expand_as(ids)``, BERT's buffered toke
 ids, a learned bias or a class token expanded or repeated to ``B`` rows) stay at rule
 speed and exact, and ``supported`` says which path each parameter really takes.
 
-Such a tensor has a dim of size ``B`` but its rows are identical: it is free (shared)
+Such a tensor has a dim of size ``B`` but its rows are identical: it is shared (shared)
 data, and nothing may read its size as the batch. Sizes coincide on purpose
 (batch = sequence length = heads). Every model is checked against the loop over samples
 in float64 through ``per_sample_grads``, ``per_sample_grad_norms`` and ``private_grad``
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 import persample
 from cases import assert_exact, clipped_mean, dp_grads
 from persample import pullback
-from persample.batch import FREE, Batched
+from persample.batch import SHARED, Batched
 from persample.batch.flow import unbroadcast
 from persample.capture import Capture
 
@@ -270,7 +270,7 @@ class ChangedCopy(nn.Module):
 
 
 class ComputedFromWidened(nn.Module):
-    """``-g`` of a widened ``g`` is a new free tensor as wide as the batch (its rows
+    """``-g`` of a widened ``g`` is a new shared tensor as wide as the batch (its rows
     identical, but no longer made by widening): ``maximum`` has no rule for it, so its
     per-sample VJP comes from torch.func, exactly, and ``supported`` says so."""
 
@@ -293,12 +293,12 @@ def test_a_widened_tensor_changed_since_is_not_read_as_its_source(make, snapshot
 
 
 # ---------------------------------------------------------------------------
-# the data flow: a widened tensor stays free; an op reads its narrow form only where the
+# the data flow: a widened tensor stays shared; an op reads its narrow form only where the
 # output is the same
 
 
 def test_widened_tensor_is_free_and_never_taken_for_the_batch():
-    """``arange(T).expand(B, T)`` (B == T) and a parameter repeated to ``B`` rows are free;
+    """``arange(T).expand(B, T)`` (B == T) and a parameter repeated to ``B`` rows are shared;
     joined with per-sample data along another dim of the same size they do not become
     the batch."""
     emb = nn.Embedding(T, E)
@@ -309,7 +309,8 @@ def test_widened_tensor_is_free_and_never_taken_for_the_batch():
         looked = emb(ids.t())  # (T, B, E): its dim 1 has size B too
         mixed_dims = x.transpose(0, 1) + looked  # (T, B, E): samples in dim 1
         y = x + table
-    assert cap.layout(ids) is FREE and cap.layout(table) is FREE and cap.layout(looked) is FREE
+    assert cap.layout(ids) is SHARED and cap.layout(table) is SHARED
+    assert cap.layout(looked) is SHARED
     assert cap.layout(mixed_dims) == Batched(1) and cap.layout(y) == Batched(0)
 
 
@@ -325,7 +326,7 @@ class Loop(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         g = self.g.expand(x.shape[0], T, E)
-        both = g * self.s.expand(x.shape[0], T, E)  # free (B, T, E): nothing to broadcast
+        both = g * self.s.expand(x.shape[0], T, E)  # shared (B, T, E): nothing to broadcast
         return torch.where(x > 0, x, g) + both
 
 
@@ -338,7 +339,7 @@ def test_only_ops_that_broadcast_read_the_narrow_form():
               for op in cap.ops}
     assert shapes["where"] == [(B, T, E), (B, T, E), (T, E)]  # cond, x, g read as (T, E)
     assert shapes["mul"] == [(B, T, E), (B, T, E)]  # g * s kept: narrowed, (T, 1) would shrink
-    # ``+`` reads the free (B, T, E) product as it is: it was made by mul, not widened
+    # ``+`` reads the shared (B, T, E) product as it is: it was made by mul, not widened
     add = next(op for op in cap.ops if getattr(op.func, "__name__", "").endswith("add__")
                or getattr(op.func, "__name__", "") in ("add", "__add__"))
     assert [tuple(t.shape) for t in add.leaves] == [(B, T, E), (B, T, E)]
@@ -470,12 +471,12 @@ def test_supported_reports_taps_where_any_use_takes_it(snapshot):
 
 
 # ---------------------------------------------------------------------------
-# parameters written in place into free tensors: no op the capture recorded made what
+# parameters written in place into shared tensors: no op the capture recorded made what
 # such a tensor holds afterwards
 
 
 class IntoFree(nn.Module):
-    """``buf.add_(g)`` on a fresh free tensor."""
+    """``buf.add_(g)`` on a fresh shared tensor."""
 
     def __init__(self):
         super().__init__()
@@ -566,7 +567,7 @@ def test_sample_data_written_into_a_derived_tensor_stays_on_the_rules(twice, sna
 
 
 @pytest.mark.parametrize("make, name", [(IntoFree, "g"), (IntoDerived, "h")],
-                         ids=["into-free", "into-derived"])
+                         ids=["into-shared", "into-derived"])
 def test_a_parameter_written_into_a_free_tensor_is_refused_and_auto_is_exact(make, name):
     """Where no module around the reads can be replayed per sample, the rules refuse,
     naming the parameter; ``auto`` answers with torch.func over the whole model, exactly,

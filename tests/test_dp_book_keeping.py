@@ -49,7 +49,7 @@ class ScaledAddmm(nn.Module):
 
 class SmallConvs(nn.Module):
     """Convolutions whose outputs have few positions (ghost norms and the summed
-    backward) and one with many (materialised), a strided one with "same"-free padding."""
+    backward) and one with many (materialised), a strided one with "same"-shared padding."""
 
     def __init__(self):
         super().__init__()

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import CheckpointFunction, checkpoint
 import persample
 from cases import assert_exact, clipped_mean, dp_grads
 from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
-from persample.batch import FREE, Batched, Ctx, Mixed, Unknown, propagate
+from persample.batch import SHARED, Batched, Ctx, Mixed, Unknown, propagate
 from persample.batch.ops_indexing import Partly, Sorted
 
 B = T = H = EXPERTS = CHOICES = 4  # coinciding on purpose
@@ -532,7 +532,7 @@ def test_graph_batches(make, directed, snapshot):
 
 
 def flow(func, args, kwargs, out, layouts):
-    ctx = Ctx(B, lambda t: next((lay for x, lay in layouts if x is t), FREE))
+    ctx = Ctx(B, lambda t: next((lay for x, lay in layouts if x is t), SHARED))
     return propagate(ctx, func, args, kwargs, out).outputs
 
 
@@ -653,7 +653,7 @@ def test_cuts_of_the_batch_dim_follow_only_sort_keys():
 
 
 def test_free_positions_of_an_irregular_dim_are_not_picked():
-    """Rows of packed samples picked by free positions depend on where other samples'
+    """Rows of packed samples picked by shared positions depend on where other samples'
     rows lie: not followed, except a permutation of all of them."""
     packed = Batched(0, index=torch.tensor([0, 0, 1, 2, 2, 3]))
     x = torch.randn(6, E)
@@ -842,7 +842,7 @@ def _samples_of(lay: Batched, shape: tuple) -> Tensor:
 @st.composite
 def indexed_batches(draw):
     """A tensor with its batch in some dim (plain, merged with other positions, or an
-    index layout), and an index: ints, slices, ``None``, ``...``, lists, free index
+    index layout), and an index: ints, slices, ``None``, ``...``, lists, shared index
     tensors and masks, in any order torch accepts."""
     rank = draw(st.integers(2, 4))
     dim = draw(st.integers(0, rank - 1))
@@ -897,15 +897,15 @@ def test_indexing_says_the_truth_or_nothing(case):
 
 @st.composite
 def scatters(draw):
-    """``target.index_add_(0, index, source)``: a free or batched target, a source whose
-    rows carry samples (plain or an index layout), an index free or with its own samples."""
+    """``target.index_add_(0, index, source)``: a shared or batched target, a source whose
+    rows carry samples (plain or an index layout), an index shared or with its own samples."""
     rows = draw(st.integers(1, 6))
     size = draw(st.integers(1, 6))
     source = draw(st.lists(st.integers(0, B - 1), min_size=rows, max_size=rows))
     index = draw(st.lists(st.integers(0, size - 1), min_size=rows, max_size=rows))
     target = draw(st.one_of(st.none(), st.lists(st.integers(0, B - 1), min_size=size,
                                                 max_size=size)))
-    own = draw(st.sampled_from(["free", "source", "values"]))
+    own = draw(st.sampled_from(["shared", "source", "values"]))
     return source, index, target, own
 
 
@@ -913,7 +913,7 @@ def scatters(draw):
 @given(scatters())
 def test_scatters_say_the_truth_or_nothing(case):
     """Each row of ``index_add_``'s result holds the samples of what landed in it and
-    its own: one sample, the layout says it; several, mixed; none, the row is free (or,
+    its own: one sample, the layout says it; several, mixed; none, the row is shared (or,
     for an index naming samples, the sample it names)."""
     source, index, target, own = case
     idx = torch.tensor(index)
@@ -926,20 +926,20 @@ def test_scatters_say_the_truth_or_nothing(case):
     lays = [(src, Batched(0, index=torch.tensor(source)))]
     if target is not None:
         lays.append((x, Batched(0, index=torch.tensor(target))))
-    if own != "free":
+    if own != "shared":
         lays.append((idx, Batched(0, index=torch.tensor(source))))
     out = x.clone().index_add_(0, idx, src)
     got = flow(torch.Tensor.index_add, (x, 0, idx, src), {}, out, lays)
     truth = [set() if target is None else {target[r]} for r in range(size)]
     for s, r in zip(source, index):
         truth[r].add(s)
-    if own != "free" and index == source:  # the index names samples (by draw or by chance)
+    if own != "shared" and index == source:  # the index names samples (by draw or by chance)
         for r in range(min(size, B)):
             truth[r].add(r)
     if any(len(t) > 1 for t in truth):
         assert isinstance(got, Mixed), (got, truth)
     elif all(len(t) == 0 for t in truth):
-        assert got is FREE
+        assert got is SHARED
     else:
         rows = torch.tensor([next(iter(t)) if t else -1 for t in truth])
         if isinstance(got, Partly):

@@ -6,17 +6,17 @@ sees every op of the forward:
 
 - it decides the layout of every output from the layouts of the inputs
   (:func:`persample.batch.propagate`), starting from the model's inputs (their
-  per-sample tensors batched in dim 0, the rest free), its parameters and
-  buffers (free), so the samples are followed by data flow;
+  per-sample tensors batched in dim 0, the rest shared), its parameters and
+  buffers (shared), so the samples are followed by data flow;
 - an op reading a watched parameter, directly or through *derived* tensors
-  (free tensors computed from parameters: ``W.t()``, ``pos[:, :T]``, a position
+  (shared tensors computed from parameters: ``W.t()``, ``pos[:, :T]``, a position
   embedding looked up with ``arange`` ids) is recorded as an :class:`Op`. If its
   output carries samples it is a *use*: its per-sample gradient comes from that
   op's rule, with the backprops of its output. Otherwise its output is derived,
   and the op is pulled back later from the per-sample cotangents its consumers give.
   A derived tensor widened to the batch (``bias.expand(B, H, T, T)``) is read as the
   tensor it widens by the ops that broadcast it anyway. Parameter data written in
-  place into a free tensor, and a derived tensor read after it changed in place, are
+  place into a shared tensor, and a derived tensor read after it changed in place, are
   reads the rules cannot follow (``unseen_reads``): no recorded op made what is read.
 - each use keeps the :class:`~torch.autograd.graph.GradientEdge` of its output,
   taken right after the op: the gradient flowing into the node that produced it,
@@ -49,7 +49,18 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .batch import FREE, Batched, Ctx, Flow, Layout, Mixed, Unknown, in_place, op_leaves, propagate
+from .batch import (
+    SHARED,
+    Batched,
+    Ctx,
+    Flow,
+    Layout,
+    Mixed,
+    Unknown,
+    in_place,
+    op_leaves,
+    propagate,
+)
 from .batch.flow import name_of, unbroadcast
 from .batch.ops_indexing import setitem_layout
 from .errors import raise_internal
@@ -112,10 +123,10 @@ class Op:
         items = list(out) if isinstance(out, (tuple, list)) else [out]
         return [lay for o, lay in zip(items, lays) if isinstance(o, Tensor)]
 
-    def align(self, k: int) -> Layout | None:
+    def pairing(self, k: int) -> Layout | None:
         """How leaf ``k`` pairs with the samples: a batched layout, or ``None`` (shared)."""
-        if self.flow.align is not None:
-            return self.flow.align[k]
+        if self.flow.pairing is not None:
+            return self.flow.pairing[k]
         lay = self.layouts[k]
         return lay if isinstance(lay, Batched) else None
 
@@ -142,7 +153,7 @@ class Op:
 
 @dataclass(eq=False)
 class Derived:
-    """A free tensor computed from watched parameters, and the op that made it."""
+    """A shared tensor computed from watched parameters, and the op that made it."""
 
     tensor: Tensor
     op: Op
@@ -174,7 +185,7 @@ class _Layouts:
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[weakref.ref, Layout]] = {}
-        # storages of free tensors written with samples, kept alive (so that no new tensor
+        # storages of shared tensors written with samples, kept alive (so that no new tensor
         # is allocated at their address during the capture)
         self.contaminated: dict[int, Any] = {}
 
@@ -186,14 +197,14 @@ class _Layouts:
         self._by_id[id(t)] = (weakref.ref(t), layout)
 
     def layout(self, t: Tensor) -> Layout:
-        """``t``'s layout (:data:`_MISSING` if never set; a free tensor whose storage was
+        """``t``'s layout (:data:`_MISSING` if never set; a shared tensor whose storage was
         later written with sample data is Unknown)."""
         entry = self._by_id.get(id(t))
         if entry is None or entry[0]() is not t:
             return _MISSING
         lay = entry[1]
-        if lay is FREE and self.contaminated and _storage(t) in self.contaminated:
-            return Unknown("a free tensor later written in place with per-sample data")
+        if lay is SHARED and self.contaminated and _storage(t) in self.contaminated:
+            return Unknown("a shared tensor later written in place with per-sample data")
         return lay
 
 
@@ -372,15 +383,15 @@ class Capture:
     """Context manager recording one forward (see the module docstring).
 
     Args:
-        model: the model; its parameters, buffers and tensor attributes are free
+        model: the model; its parameters, buffers and tensor attributes are shared
             (``None`` for a plain function: no module calls are kept).
         watched: the trainable parameters to follow (``id`` -> parameter).
         n: the batch size.
         batched: the input tensors that carry the samples: a tensor (samples in dim 0)
             or a pair ``(tensor, layout)`` (packed rows, a packed sequence's data).
-        shared: the other input tensors (free).
+        shared: the other input tensors (shared).
         module_rule: ``module -> rule or None``.
-        constant: ``constant(t)`` for a tensor the capture never saw made: is it free
+        constant: ``constant(t)`` for a tensor the capture never saw made: is it shared
             (made before the call, so shared by every sample) rather than unknown (made
             by code the capture cannot see, from sample data perhaps)? Default
             :func:`user_leaf`.
@@ -424,7 +435,7 @@ class Capture:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._mode: TorchFunctionMode | None = None  # made on entering
         for t in self._free_tensors(model, shared):
-            self.layouts[t] = FREE
+            self.layouts[t] = SHARED
         for item in batched:
             t, lay = item if isinstance(item, tuple) else (item, Batched(0))
             self.layouts[t] = lay
@@ -603,12 +614,12 @@ class Capture:
             return out
         flow = propagate(self.ctx, func, args, kwargs, out, layouts)
         if self.stack and _new_trouble(flow.outputs, layouts):
-            flow = Flow(_located_in(flow.outputs, self.stack[-1]), flow.align, flow.writes)
+            flow = Flow(_located_in(flow.outputs, self.stack[-1]), flow.pairing, flow.writes)
         target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
         if target is not None and isinstance(out, Tensor):
             self._set_layout(target, flow.outputs, out)
-            if sources and flow.outputs is FREE:  # parameters written into a free tensor:
+            if sources and flow.outputs is SHARED:  # parameters written into a shared tensor:
                 # what shares its storage no longer holds what the ops that made it computed
                 self.unseen_reads |= frozenset().union(*sources.values())
         else:
@@ -626,8 +637,8 @@ class Capture:
         if lay is not _MISSING:
             return lay
         if self.constant(t):
-            self.layouts[t] = FREE
-            return FREE
+            self.layouts[t] = SHARED
+            return SHARED
         where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
         lay = self.layouts[t] = Unknown(f"{_MISSING.why}{where}")
         return lay
@@ -646,7 +657,7 @@ class Capture:
                         stale = t._version != d.version
                     if not stale:
                         found[k] = d.op.sources_all
-                    elif self.layouts.layout(t) is FREE:  # changed in place since its op
+                    elif self.layouts.layout(t) is SHARED:  # changed in place since its op
                         # made it (through any alias): that op no longer made what is read
                         found[k] = d.op.sources_all
                         self.unseen_reads |= d.op.sources_all
@@ -683,10 +694,10 @@ class Capture:
                     self.layouts[o] = lay
 
     def _set_layout(self, target: Tensor, layout: Layout, out: Tensor | None) -> None:
-        """An in-place op changed ``target``'s data: its new layout (aliases of a free
+        """An in-place op changed ``target``'s data: its new layout (aliases of a shared
         tensor that now holds sample data are marked too)."""
         old = self.layout(target)
-        if old is FREE and layout is not FREE:
+        if old is SHARED and layout is not SHARED:
             self.contaminated[_storage(target)] = target.untyped_storage()
         self.layouts[target] = layout
         if out is not None and out is not target:
@@ -694,14 +705,14 @@ class Capture:
 
     def _setitem(self, args: tuple) -> Layout:
         """``x[index] = value``: ``x`` keeps its layout if the value's samples land where
-        ``x``'s are (or the value is free); else it becomes Unknown."""
+        ``x``'s are (or the value is shared); else it becomes Unknown."""
         x, index, value = args[0], args[1], args[2]
         found = setitem_layout(self.ctx, x, index, value)  # an index tensor on the batch dim
         if found is not None:
             return found
         lx = self.layout(x)
-        lv = self.layout(value) if isinstance(value, Tensor) else FREE
-        if lv is FREE or isinstance(lx, (Mixed, Unknown)):
+        lv = self.layout(value) if isinstance(value, Tensor) else SHARED
+        if lv is SHARED or isinstance(lx, (Mixed, Unknown)):
             return lx
         if isinstance(lv, (Mixed, Unknown)):
             return lv
@@ -727,7 +738,7 @@ class Capture:
             self.unseen_reads |= op.sources_all  # read without autograd (or only .detach())
         self.ops.append(op)
         for k, (o, lay) in enumerate(zip(outs, lays)):
-            if lay is FREE and o.requires_grad and not any(o is t for t in leaves):
+            if lay is SHARED and o.requires_grad and not any(o is t for t in leaves):
                 self.derived[id(o)] = Derived(o, op, k, o._version)  # (x.to() may be x)
         op.output = _shapes_only(out, op.flow.outputs)
 

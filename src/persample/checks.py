@@ -201,7 +201,7 @@ def dtype_note(batch: Batch, params: dict[str, nn.Parameter]) -> str | None:
 @contextmanager
 def kept_buffers(model: Any) -> Iterator[None]:
     """Restore a module's buffers (running statistics updated by a forward) on exit, and
-    free the unsharded parameters of an FSDP2 model that the call gathered again."""
+    shared the unsharded parameters of an FSDP2 model that the call gathered again."""
     units = fsdp_units(model) if isinstance(model, nn.Module) else []  # (refuses FSDP1)
     saved = [(b, b.clone()) for b in model.buffers()] if isinstance(model, nn.Module) else []
     try:

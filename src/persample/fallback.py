@@ -32,20 +32,20 @@ from .errors import UnsupportedModuleError
 from .precision import replaying
 
 
-def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, aligns: list,
-                   wrt: list[int], cots: list[Tensor], out_aligns: list, n: int
+def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings: list,
+                   wrt: list[int], cots: list[Tensor], out_pairings: list, n: int
                    ) -> list[Tensor]:
     """Per-sample VJPs of ``fn(*values)`` with respect to ``values[k]`` for ``k`` in ``wrt``.
 
-    ``aligns[k]``: how value ``k`` pairs with the samples (a layout; each sample gets
+    ``pairings[k]``: how value ``k`` pairs with the samples (a layout; each sample gets
     its own view ``front(value)[i]``), or ``None`` (shared). ``cots``: per output of
     ``fn``, ``(n, v, *per_sample_out)``. An output that ``fn`` returns whole (all its
-    inputs shared) is cut to sample ``i`` by ``out_aligns``. Returns per ``k`` in
+    inputs shared) is cut to sample ``i`` by ``out_pairings``. Returns per ``k`` in
     ``wrt``: ``(n, v, *shape)``, ``shape`` the value's own shape if shared, else its
     per-sample shape.
     """
-    mapped = [k for k, a in enumerate(aligns) if a is not None]
-    fronted = [front(values[k].detach(), aligns[k], n) for k in mapped]
+    mapped = [k for k, a in enumerate(pairings) if a is not None]
+    fronted = [front(values[k].detach(), pairings[k], n) for k in mapped]
     shared = [v.detach() if isinstance(v, Tensor) else v for v in values]
     shapes = [tuple(c.shape[2:]) for c in cots]
 
@@ -58,7 +58,7 @@ def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, aligns: 
             for k, t in zip(wrt, theta):
                 vals[k] = t
             outs = fn(*vals)
-            return tuple(_sample(o, s, a, index, n) for o, s, a in zip(outs, shapes, out_aligns))
+            return tuple(_sample(o, s, a, index, n) for o, s, a in zip(outs, shapes, out_pairings))
 
         _, pull = vjp(f, *[vals[k] for k in wrt])
         return vmap(pull)(tuple(cots_i))  # over the v cotangents
@@ -67,12 +67,12 @@ def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, aligns: 
     return list(vmap(one)(fronted, index, cots))
 
 
-def _sample(out: Tensor, shape: tuple, align: Any, index: Tensor, n: int) -> Tensor:
+def _sample(out: Tensor, shape: tuple, pairing: Any, index: Tensor, n: int) -> Tensor:
     """One sample's output: as it is, or sample ``index`` of a whole output."""
     if tuple(out.shape) == shape:
         return out
-    if isinstance(align, Batched):
-        return front(out, align, n).index_select(0, index.reshape(1)).squeeze(0)
+    if isinstance(pairing, Batched):
+        return front(out, pairing, n).index_select(0, index.reshape(1)).squeeze(0)
     raise ValueError(f"a per-sample output of shape {tuple(out.shape)}, expected {shape}")
 
 
@@ -92,7 +92,7 @@ def _out_of_place(func: Any, kwargs: dict) -> tuple[Any, dict]:
     return func, kwargs
 
 
-def op_vjp(op: Any, cots: list[Tensor | None], out_aligns: list, aligns: list, wrt: list[int],
+def op_vjp(op: Any, cots: list[Tensor | None], out_pairings: list, pairings: list, wrt: list[int],
            n: int) -> list[Tensor]:
     """Per-sample VJPs of one recorded op (:class:`persample.capture.Op`) with respect to
     its leaves ``wrt``; ``cots`` per output tensor (``None``: no cotangent)."""
@@ -112,8 +112,8 @@ def op_vjp(op: Any, cots: list[Tensor | None], out_aligns: list, aligns: list, w
     op.ready()
     values = [op.value(k) for k in range(len(op.leaves))]
     with replaying(op.autocast):
-        return per_sample_vjp(fn, values, aligns, wrt, [cots[k] for k in used],
-                              [out_aligns[k] for k in used], n)
+        return per_sample_vjp(fn, values, pairings, wrt, [cots[k] for k in used],
+                              [out_pairings[k] for k in used], n)
 
 
 def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tensor]:
@@ -209,10 +209,10 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
     return found
 
 
-def module_vjp(call: Any, params: dict[str, nn.Parameter], in_aligns: list, cots: list,
-               out_aligns: list, n: int) -> dict[str, Tensor]:
+def module_vjp(call: Any, params: dict[str, nn.Parameter], in_pairings: list, cots: list,
+               out_pairings: list, n: int) -> dict[str, Tensor]:
     """Per-sample VJPs ``{name: (n, v, *param.shape)}`` of one module call with respect to
-    ``params`` (names relative to ``call.module``); ``in_aligns`` per tensor leaf of
+    ``params`` (names relative to ``call.module``); ``in_pairings`` per tensor leaf of
     ``(call.args, call.kwargs)``; ``cots`` per output tensor (``None``: none)."""
     flat, spec = tree_flatten((call.args, call.kwargs))
     tensor_slots = [k for k, x in enumerate(flat) if isinstance(x, Tensor)]
@@ -230,11 +230,11 @@ def module_vjp(call: Any, params: dict[str, nn.Parameter], in_aligns: list, cots
         return tuple(outs[k] for k in used)
 
     values = [params[m] for m in names] + [flat[k] for k in tensor_slots]
-    aligns = [None] * len(names) + list(in_aligns)
+    pairings = [None] * len(names) + list(in_pairings)
     try:
         with replaying(call.autocast):
-            got = per_sample_vjp(fn, values, aligns, list(range(len(names))),
-                                 [cots[k] for k in used], [out_aligns[k] for k in used], n)
+            got = per_sample_vjp(fn, values, pairings, list(range(len(names))),
+                                 [cots[k] for k in used], [out_pairings[k] for k in used], n)
     except Exception as err:  # torch.func raises many kinds of errors
         raise UnsupportedModuleError(
             f"module {call.describe()} could not be followed op by op and torch.func could "

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
-from .batch import FREE, Batched, Mixed
+from .batch import SHARED, Batched, Mixed
 from .capture import Capture
 from .checks import kept_buffers
 from .errors import InternalError
@@ -285,7 +285,7 @@ def _followed_forward(model: Callable, xg: Tensor, name: bool = False
             return _checked_output(model(xg), n), str(err)
     out = _checked_output(out, n)
     lay = cap.layout(out)
-    if lay is FREE or (isinstance(lay, Batched) and lay.dim == 0 and lay.plain):
+    if lay is SHARED or (isinstance(lay, Batched) and lay.dim == 0 and lay.plain):
         return out, None
     if isinstance(lay, Mixed):
         if not name and isinstance(model, nn.Module):

@@ -32,7 +32,7 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-from .batch import FREE, Batched, Layout, Mixed, Unknown, front
+from .batch import SHARED, Batched, Layout, Mixed, Unknown, front
 from .errors import LossNotPerSampleError, NeedsWholeModel, internal
 from .inputs import mapped_targets, rows_of
 
@@ -84,7 +84,7 @@ def _guarded(output: Any, layout_of: Callable[[Tensor], Layout], n: int) -> Any:
     flat, spec = tree_flatten_with_path(output)
     leaves = []
     for path, leaf in flat:
-        lay = layout_of(leaf) if isinstance(leaf, Tensor) else FREE
+        lay = layout_of(leaf) if isinstance(leaf, Tensor) else SHARED
         if isinstance(lay, (Mixed, Unknown)):
             stand_in = Tensor._make_subclass(_Unsplittable, leaf.detach())
             stand_in.name = _output_name(path)
@@ -180,5 +180,5 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
 
 def _layout(t: Any, layout_of: Callable[[Tensor], Layout]) -> Layout:
     if not isinstance(t, Tensor) or isinstance(t, _Unsplittable):
-        return FREE
+        return SHARED
     return layout_of(t)

@@ -18,7 +18,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves
 
-from .batch import FREE, Batched, Layout, Mixed, Unknown, front_cotangents
+from .batch import SHARED, Batched, Layout, Mixed, Unknown, front_cotangents
 from .capture import Call, Capture, Edge, Op
 from .errors import NeedsWholeModel
 from .rules import find_op_rule
@@ -74,7 +74,7 @@ def plan(cap: Capture, watched: dict[int, nn.Parameter]) -> Plan:
         if op in owned:
             continue
         lays = op.out_layouts
-        if all(lay is FREE for lay in lays):
+        if all(lay is SHARED for lay in lays):
             continue  # makes a derived tensor: pulled back from its consumers
         bad = next((lay for lay in lays if isinstance(lay, (Mixed, Unknown))), None)
         if bad is not None:
@@ -121,12 +121,12 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
 
 def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
     """Can a module rule take the call: every input and output tensor plainly batched
-    (its batch dim holding one position per sample, in any order) or free? Of a packed
+    (its batch dim holding one position per sample, in any order) or shared? Of a packed
     sequence only the rows count (its sizes and orders are positions): batched, one
-    or more rows per sample, or free. A free input reaches the rule as the call's ops
+    or more rows per sample, or shared. A shared input reaches the rule as the call's ops
     pair it with the samples (zeros given as a recurrent layer's initial state); where
     they pair a tensor made inside the call instead (the layer reordered it) while a
-    free input is not read by them, how that input pairs is not known."""
+    shared input is not read by them, how that input pairs is not known."""
     leaves = tree_leaves((call.args, call.kwargs),
                          is_leaf=lambda a: isinstance(a, PackedSequence))
     ins = [t for a in leaves for t in ((a.data,) if isinstance(a, PackedSequence) else (a,))
@@ -135,15 +135,15 @@ def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
     if not all(_plain(cap.layout(t)) for t in ins + outs):
         return False
     read = {id(t) for op in ops for t in op.leaves}
-    free = [t for t in ins if cap.layout(t) is FREE]
+    shared = [t for t in ins if cap.layout(t) is SHARED]
     paired_inside = any(
-        isinstance(op.align(k), Batched) and not any(t is x for x in ins)
+        isinstance(op.pairing(k), Batched) and not any(t is x for x in ins)
         for op in ops for k, t in enumerate(op.leaves))
-    return not (paired_inside and any(id(t) not in read for t in free))
+    return not (paired_inside and any(id(t) not in read for t in shared))
 
 
 def _plain(lay: Layout) -> bool:
-    return lay is FREE or (isinstance(lay, Batched) and lay.outer == lay.inner == 1)
+    return lay is SHARED or (isinstance(lay, Batched) and lay.outer == lay.inner == 1)
 
 
 def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[int, list[Op]],
@@ -202,7 +202,7 @@ def _replayable(cap: Capture, call: Call) -> bool:
 
 
 def _located(lay: Layout) -> bool:
-    return lay is FREE or (isinstance(lay, Batched) and lay.index is None)
+    return lay is SHARED or (isinstance(lay, Batched) and lay.index is None)
 
 
 def param_name(model: nn.Module, pid: int) -> str:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-from .batch import FREE, Batched, Ctx, Layout, front_cotangents, propagate
+from .batch import SHARED, Batched, Ctx, Layout, front_cotangents, propagate
 from .batch.layouts import in_sample_order, one_per_sample, sample_of_positions
 from .batch.ops_views import reshaped
 from .capture import Call, Derived, Op
@@ -135,9 +135,9 @@ class Pullbacks:
         self.seen: set[int] = set()  # parameters whose path this run has recorded
         self.pending: dict[int, list[tuple[Tensor, Batched | None]]] = {}
 
-    def apply(self, op: Op, cots: list[Tensor | None], out_aligns: list,
-              aligns: list | None = None) -> None:
-        """``cots`` per output ``(n, v, *per_sample)``; ``aligns`` overrides how the
+    def apply(self, op: Op, cots: list[Tensor | None], out_pairings: list,
+              pairings: list | None = None) -> None:
+        """``cots`` per output ``(n, v, *per_sample)``; ``pairings`` overrides how the
         op's leaves pair with the samples (derived ops pulled back per sample)."""
         n, handled = self.cap.n, self.cap.plan.handled
         wrt = [k for k, pids in op.sources.items()
@@ -145,16 +145,16 @@ class Pullbacks:
         if not wrt or all(c is None for c in cots):
             return
         call = OpCall(op, n)
-        if aligns is not None:
-            call.op = _Aligned(op, aligns)
-        shapes = {k: tuple(op.leaves[k].shape) if call.op.align(k) is None else
-                  tuple(_front_shape(op.leaves[k], call.op.align(k), n)) for k in wrt}
+        if pairings is not None:
+            call.op = _Paired(op, pairings)
+        shapes = {k: tuple(op.leaves[k].shape) if call.op.pairing(k) is None else
+                  tuple(_front_shape(op.leaves[k], call.op.pairing(k), n)) for k in wrt}
         out = {}
         for k in wrt:
             t = op.leaves[k]
             if id(t) in out:
                 continue
-            direct = self._param(t) is not None and call.op.align(k) is None
+            direct = self._param(t) is not None and call.op.pairing(k) is None
             if direct and rule_adds(op.func) and self.sink.holds(id(t)):
                 out[id(t)] = self.sink.dest[id(t)]  # the rule adds to what is there
                 call.adding.add(id(t))
@@ -172,8 +172,8 @@ class Pullbacks:
                 out[pid] = torch.empty_like(out[pid])
             call.adding = set()
         kind = "rule"
-        if reason is not None and not self._broadcast(op, call, wrt, out_aligns, out):
-            kind = self._taps(op, call, cots, out_aligns, wrt, out)
+        if reason is not None and not self._broadcast(op, call, wrt, out_pairings, out):
+            kind = self._taps(op, call, cots, out_pairings, wrt, out)
         self.note(op, wrt, kind, reason)
         done = set()
         for k in wrt:
@@ -183,30 +183,30 @@ class Pullbacks:
             done.add(id(t))
             if id(t) in call.adding:
                 continue  # added in place
-            if self._param(t) is not None and call.op.align(k) is None:
+            if self._param(t) is not None and call.op.pairing(k) is None:
                 self.sink.commit(id(t), out[id(t)])
             elif self._param(t) is not None:
                 raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
             else:
-                self.pending.setdefault(id(t), []).append((out[id(t)], call.op.align(k)))
+                self.pending.setdefault(id(t), []).append((out[id(t)], call.op.pairing(k)))
 
     def _param(self, t: Tensor) -> nn.Parameter | None:
         p = self.cap.cap.watched.get(id(t))
         return p if p is t else None
 
-    def _broadcast(self, op: Op, call: OpCall, wrt: list[int], out_aligns: list, out: dict
+    def _broadcast(self, op: Op, call: OpCall, wrt: list[int], out_pairings: list, out: dict
                    ) -> bool:
         """Shared inputs of an op that broadcasts them over the samples: the op's own
         backward on per-sample copies (``fallback.expand_vjp``)."""
-        if (len(op.outputs) != 1 or not isinstance(out_aligns[0], Batched)
-                or any(call.op.align(k) is not None for k in wrt)
+        if (len(op.outputs) != 1 or not isinstance(out_pairings[0], Batched)
+                or any(call.op.pairing(k) is not None for k in wrt)
                 or not _broadcasting(op.func) or op.edges[0] is None):
             return False
         g = self.cap.grad(op.edges[0])
         if g is None:
             return False
         try:
-            got = expand_vjp(op, wrt, g, out_aligns[0], self.cap.n)
+            got = expand_vjp(op, wrt, g, out_pairings[0], self.cap.n)
         except (ValueError, RuntimeError):
             return False
         for k, value in zip(wrt, got):
@@ -229,14 +229,14 @@ class Pullbacks:
                     paths[pid] = Path(old.kind, f"{old.where}; {where}", old.reason)
                 self.seen.add(pid)
 
-    def _taps(self, op: Op, call: OpCall, cots, out_aligns, wrt, out) -> str:
-        aligns = [call.op.align(k) for k in range(len(op.leaves))]
+    def _taps(self, op: Op, call: OpCall, cots, out_pairings, wrt, out) -> str:
+        pairings = [call.op.pairing(k) for k in range(len(op.leaves))]
         kind = "rule"
         try:
-            if all(a is None for a in aligns) and all(a is None for a in out_aligns):
+            if all(a is None for a in pairings) and all(a is None for a in out_pairings):
                 got = shared_vjp(op, cots, wrt)  # the same op for every sample
             else:
-                got = op_vjp(op, cots, out_aligns, aligns, wrt, self.cap.n)
+                got = op_vjp(op, cots, out_pairings, pairings, wrt, self.cap.n)
                 kind = "taps"
         except Exception as err:  # torch.func raises many kinds of errors
             raise NeedsWholeModel(
@@ -252,12 +252,12 @@ class Pullbacks:
         while self.pending:
             key = max(self.pending, key=lambda i: derived[i].op.index)
             d: Derived = derived[key]
-            for cot, align in _merge(self.pending.pop(key)):
+            for cot, pairing in _merge(self.pending.pop(key)):
                 cots = [None] * len(d.op.outputs)
                 cots[d.out] = cot
-                aligns = [None] * len(d.op.outputs)
-                aligns[d.out] = align
-                self.apply(d.op, cots, aligns, _producer_aligns(d.op, align, self.cap.n))
+                pairings = [None] * len(d.op.outputs)
+                pairings[d.out] = pairing
+                self.apply(d.op, cots, pairings, _producer_pairings(d.op, pairing, self.cap.n))
 
 
 def _broadcasting(func: Any) -> bool:
@@ -273,13 +273,13 @@ def _broadcasting(func: Any) -> bool:
 def _merge(items: list[tuple[Tensor, Batched | None]]) -> list[tuple[Tensor, Batched | None]]:
     """Sum the cotangents that share a form (own shape, or the same pairing)."""
     merged: list[tuple[Tensor, Batched | None]] = []
-    for cot, align in items:
+    for cot, pairing in items:
         for k, (c, a) in enumerate(merged):
-            if a == align and c.shape == cot.shape:
+            if a == pairing and c.shape == cot.shape:
                 merged[k] = (c + cot, a)
                 break
         else:
-            merged.append((cot, align))
+            merged.append((cot, pairing))
     return merged
 
 
@@ -289,20 +289,20 @@ def _front_shape(t: Tensor, lay: Batched, n: int) -> torch.Size:
     return front(t.new_empty(()).expand(t.shape), lay, n).shape[1:]  # no data read
 
 
-class _Aligned:
+class _Paired:
     """An op seen with other pairings of its leaves (a derived op pulled back per sample)."""
 
-    def __init__(self, op: Op, aligns: list):
-        self._op, self._aligns = op, aligns
+    def __init__(self, op: Op, pairings: list):
+        self._op, self._pairings = op, pairings
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._op, name)
 
-    def align(self, k: int) -> Any:
-        return self._aligns[k]
+    def pairing(self, k: int) -> Any:
+        return self._pairings[k]
 
 
-def _producer_aligns(op: Op, out_align: Batched | None, n: int) -> list:
+def _producer_pairings(op: Op, out_align: Batched | None, n: int) -> list:
     """How a derived op's leaves pair with the samples when its output is paired at
     ``out_align`` (a class token expanded to the batch, DeBERTa's repeated keys): each
     leaf is paired with the one layout that the op's own data-flow rule carries to
@@ -329,7 +329,7 @@ def _carries(op: Op, k: int, lay: Batched, want: Batched, n: int) -> bool:
         return False
     if lay.index is not None and t.shape[lay.dim] != lay.index.numel():
         return False
-    ctx = Ctx(n, lambda x: lay if x is t else FREE)
+    ctx = Ctx(n, lambda x: lay if x is t else SHARED)
     got = propagate(ctx, op.func, op.args, op.kwargs, op.output).outputs
     got = got[0] if isinstance(got, tuple) else got
     return isinstance(got, Batched) and got == want
@@ -414,16 +414,16 @@ def _front_value(cap: Captured, x: Any, call: Call) -> Any:
 
 
 def _paired(cap: Captured, x: Tensor, call: Call) -> Layout:
-    """``x``'s layout; for a free input, how the call's own ops pair it with the samples
+    """``x``'s layout; for a shared input, how the call's own ops pair it with the samples
     (the recurrent kernel pairs zeros made for the batch by their batch dim)."""
     lay = cap.cap.layout(x)
-    if lay is not FREE:
+    if lay is not SHARED:
         return lay
     for op in cap.cap.ops:
         if op.claimed is call:
             for k, t in enumerate(op.leaves):
-                if t is x and isinstance(op.align(k), Batched):
-                    return op.align(k)
+                if t is x and isinstance(op.pairing(k), Batched):
+                    return op.pairing(k)
     return lay
 
 
@@ -446,16 +446,16 @@ def positional(call: Call) -> tuple | None:
 def _fallback(cap: Captured, call: Call, params: dict[str, nn.Parameter], sink: GradSink
               ) -> None:
     leaves = [t for t in tree_flatten((call.args, call.kwargs))[0] if isinstance(t, Tensor)]
-    in_aligns = [_align_of(cap.cap.layout(t)) for t in leaves]
+    in_pairings = [_pairing_of(cap.cap.layout(t)) for t in leaves]
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
     out_lays = [cap.cap.layout(t) for t in outs]
     cots = cap.backprops(call.edges, out_lays)
     if all(c is None for c in cots):  # no gradient reaches the call: zeros
         return
-    got = module_vjp(call, params, in_aligns, cots, [_align_of(lay) for lay in out_lays], cap.n)
+    got = module_vjp(call, params, in_pairings, cots, [_pairing_of(lay) for lay in out_lays], cap.n)
     for name, p in params.items():
         sink.commit(id(p), got[name])
 
 
-def _align_of(lay: Layout) -> Batched | None:
+def _pairing_of(lay: Layout) -> Batched | None:
     return lay if isinstance(lay, Batched) else None

@@ -6,16 +6,16 @@ to the front; :mod:`~persample.batch.flow` propagates layouts through every op.
 
 from .flow import Ctx, Flow, in_place, op_leaves, propagate
 from .layouts import (
-    FREE,
+    SHARED,
     Batched,
-    Free,
     Layout,
     Mixed,
+    Shared,
     Unknown,
     front,
     front_cotangents,
     is_batched,
 )
 
-__all__ = ["Ctx", "Flow", "in_place", "op_leaves", "propagate", "FREE", "Batched", "Free",
+__all__ = ["Ctx", "Flow", "in_place", "op_leaves", "propagate", "SHARED", "Batched", "Shared",
            "Layout", "Mixed", "Unknown", "front", "front_cotangents", "is_batched"]

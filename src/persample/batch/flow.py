@@ -8,7 +8,7 @@ semantics: an elementwise op keeps the batch where broadcasting puts it, a
 values, a reduction over it mixes samples. Nothing is inferred from a size that
 happens to equal the batch size. An op the table does not know gives
 :class:`Unknown` for a tensor that sample data flows into (the parameters it
-meets then take an exact slower path, and say so), and :data:`FREE` when none does.
+meets then take an exact slower path, and say so), and :data:`SHARED` when none does.
 
 Ops are matched by the function object the ``TorchFunctionMode`` receives
 (``torch.add``, ``torch.Tensor.add``, ``torch.Tensor.__add__``, ...). The rules
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layouts import FREE, Layout, Mixed, Unknown
+from .layouts import SHARED, Layout, Mixed, Unknown
 
 Handler = Callable[["Ctx", Any, tuple, dict, Any], Any]
 HANDLERS: dict[Any, Handler] = {}
@@ -42,19 +42,19 @@ class Ctx:
     layout_of: Callable[[Tensor], Layout]
 
     def layout(self, t: Any) -> Layout:
-        return self.layout_of(t) if isinstance(t, Tensor) else FREE
+        return self.layout_of(t) if isinstance(t, Tensor) else SHARED
 
 
 @dataclass(frozen=True)
 class Flow:
     """An op's result: one layout per output tensor, and per input tensor how the op
-    pairs it with the samples (``align``: ``None`` for the default: batched inputs
-    by their own layout, free ones shared); ``writes``: inputs other than an in-place
+    pairs it with the samples (``pairing``: ``None`` for the default: batched inputs
+    by their own layout, shared ones by none); ``writes``: inputs other than an in-place
     op's first that the op overwrites, with their layouts afterwards (the running
     statistics BatchNorm updates)."""
 
     outputs: Any  # a Layout, or a tuple of them for a tuple output
-    align: tuple | None = None  # per input tensor (op_leaves order): Layout or None
+    pairing: tuple | None = None  # per input tensor (op_leaves order): Layout or None
     writes: tuple = ()  # (tensor, layout) pairs
 
 
@@ -101,7 +101,7 @@ def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
         layouts = [ctx.layout(t) for t in op_leaves(args, kwargs)]
     bad = worst(layouts)
     if bad is None:
-        return Flow(every(out, FREE))
+        return Flow(every(out, SHARED))
     if isinstance(bad, (Mixed, Unknown)) and not _reads_values(func):
         return Flow(every(out, bad))
     handler = _handler(func)
@@ -152,12 +152,12 @@ def name_of(func: Any) -> str:
 
 
 def worst(layouts: list[Layout]) -> Layout | None:
-    """Mixed over Unknown over batched; ``None`` when every input is free."""
+    """Mixed over Unknown over batched; ``None`` when every input is shared."""
     found = None
     for lay in layouts:
         if isinstance(lay, Mixed):
             return lay
-        if isinstance(lay, Unknown) or (lay is not FREE and found is None):
+        if isinstance(lay, Unknown) or (lay is not SHARED and found is None):
             found = lay
     return found
 

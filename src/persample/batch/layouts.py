@@ -3,7 +3,7 @@
 The layout of every tensor of a captured forward is decided once, by data flow
 (:mod:`persample.batch.flow`), never by a size that happens to equal the batch size:
 
-- :data:`FREE`: no sample's data flows into it (parameters, buffers, position ids
+- :data:`SHARED`: no sample's data flows into it (parameters, buffers, position ids
   built with ``arange``, masks built from sizes); shared by all samples.
 - :class:`Batched`: dim ``dim`` carries the samples. That dim may also hold other
   positions merged with them: its size is ``outer * n * inner`` and position
@@ -31,14 +31,14 @@ import torch
 from torch import Tensor
 
 
-class Free:
+class Shared:
     """No sample data flows into the tensor: shared by every sample."""
 
     def __repr__(self) -> str:
-        return "FREE"
+        return "SHARED"
 
 
-FREE = Free()
+SHARED = Shared()
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def sample_of_positions(lay: Batched, size: int, n: int, device: torch.device) -
     return torch.arange(size, device=device) // lay.inner % n
 
 
-Layout = Free | Batched | Mixed | Unknown
+Layout = Shared | Batched | Mixed | Unknown
 
 
 def is_batched(layout: Layout) -> bool:

@@ -26,7 +26,7 @@ from .flow import (
     op_leaves,
     register,
 )
-from .layouts import FREE, Batched, Layout, Unknown
+from .layouts import SHARED, Batched, Layout, Unknown
 from .ops_indexing import (
     Partly,
     agree,
@@ -86,9 +86,9 @@ def broadcast(ctx: Ctx, func, args, kwargs, out) -> Flow:
         elif found != here:
             return Flow(every(out, mixed(func, "combines samples from different dims")))
     if found is None:
-        return Flow(every(out, FREE))
-    align = tuple(_aligned(t, own, found, rank) for t, own in zip(leaves, lays))
-    return Flow(every(out, found), align if any(a is not None for a in align) else None)
+        return Flow(every(out, SHARED))
+    pairing = tuple(_paired(t, own, found, rank) for t, own in zip(leaves, lays))
+    return Flow(every(out, found), pairing if any(a is not None for a in pairing) else None)
 
 
 def _with_free_positions(ctx: Ctx, func, leaves: list, lays: list, shape, out) -> Flow:
@@ -111,16 +111,16 @@ def _with_free_positions(ctx: Ctx, func, leaves: list, lays: list, shape, out) -
     got = located(dim, rows, ctx.n, target, name_of(func))
     if not isinstance(got, Batched):
         return Flow(every(out, got))
-    align = tuple(got.moved(lay.dim + rank - t.dim()) if isinstance(lay, Partly) else
-                  _aligned(t, lay, got, rank) for t, lay in zip(leaves, lays))
-    return Flow(every(out, got), align)
+    pairing = tuple(got.moved(lay.dim + rank - t.dim()) if isinstance(lay, Partly) else
+                  _paired(t, lay, got, rank) for t, lay in zip(leaves, lays))
+    return Flow(every(out, got), pairing)
 
 
-def _aligned(t: Tensor, own: Layout, lay: Batched, rank: int) -> Layout | None:
-    """How a broadcast input pairs with the samples: its own layout, a free input of
+def _paired(t: Tensor, own: Layout, lay: Batched, rank: int) -> Layout | None:
+    """How a broadcast input pairs with the samples: its own layout, a shared input of
     full size along the batch dim (``cls.expand(B, 1, E)`` in ``cat``) as batched
     there, else shared."""
-    if own is not FREE:
+    if own is not SHARED:
         return own
     d = lay.dim - (rank - t.dim())
     if d >= 0 and t.shape[d] > 1:
@@ -172,7 +172,7 @@ new_zeros new_ones new_full new_empty new_tensor""".split()
 
 def _free(ctx, func, args, kwargs, out) -> Any:
     """Ops whose data does not come from their tensor arguments (``zeros_like``)."""
-    return every(out, FREE)
+    return every(out, SHARED)
 
 
 _SELF_ONLY_OPS = aliases(*[u for u in _UNARY if u not in ("clamp", "clip", "clamp_", "clip_")])
@@ -228,7 +228,7 @@ for _f in _BROADCAST_OPS + aliases("where"):
 def _positions_of(ctx, func, args, kwargs, out) -> Any:
     """``unique``: values from several samples merged into one list."""
     lay = ctx.layout(args[0])
-    return every(out, FREE if lay is FREE else Unknown(f"{name_of(func)} lists positions"))
+    return every(out, SHARED if lay is SHARED else Unknown(f"{name_of(func)} lists positions"))
 
 
 register(_positions_of, *aliases("unique", "unique_consecutive"))

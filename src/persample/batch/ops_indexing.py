@@ -16,10 +16,10 @@ A position holding only data shared by all samples has no sample of its own (a r
 no scatter has written yet; a self-loop edge appended to a graph's edges, its node
 ids from ``arange``). A tensor with such positions has the layout :class:`Partly`,
 an :class:`~persample.batch.layouts.Unknown` to every other rule; the rules here,
-the views and the elementwise ops carry it, and complete it where its free
+the views and the elementwise ops carry it, and complete it where its shared
 positions meet one sample's data (the scatters that fill them, a residual added,
 an index that reads batched rows). Nothing is decided from a size: a position's
-sample comes from data flow, or the position stays free.
+sample comes from data flow, or the position stays shared.
 
 Registered with :func:`persample.batch.flow.register`; see that module.
 """
@@ -44,7 +44,7 @@ from .flow import (
     name_of,
     register,
 )
-from .layouts import FREE, Batched, Layout, Mixed, Unknown, indexed, sample_of_positions
+from .layouts import SHARED, Batched, Layout, Mixed, Unknown, indexed, sample_of_positions
 
 NO_SAMPLE = -1  # a position holding only data shared by all samples
 
@@ -116,7 +116,7 @@ def rows_of(ctx: Ctx, t: Tensor, lay: Layout) -> tuple[int, Tensor] | None:
 
 
 def element_samples(ctx: Ctx, t: Tensor, lay: Layout) -> Tensor:
-    """The sample of every entry of ``t`` (``NO_SAMPLE`` where free), broadcastable to
+    """The sample of every entry of ``t`` (``NO_SAMPLE`` where shared), broadcastable to
     ``t.shape``."""
     found = rows_of(ctx, t, lay)
     if found is None:
@@ -139,11 +139,11 @@ def merge(a: Tensor, b: Tensor) -> Tensor | None:
 
 def located(dim: int, rows: Tensor, n: int, out: Tensor, why: str) -> Layout:
     """The layout of ``out`` whose positions along ``dim`` hold the samples ``rows``:
-    free (no position holds a sample's data), :class:`Partly` (some do not), the plain
+    shared (no position holds a sample's data), :class:`Partly` (some do not), the plain
     or merged layout the samples form, else an index layout."""
     rows = rows.long()
     if rows.numel() and bool((rows < 0).all()):
-        return FREE
+        return SHARED
     if bool((rows < 0).any()):
         return Partly(f"{why}: some positions hold no sample's data", dim, rows,
                       weakref.ref(out))
@@ -241,7 +241,7 @@ def follows_partly(handler):
 @dataclass
 class _Adv:
     """One advanced index of ``x[...]``: its positions (int64, broadcastable to the
-    block) and their own samples (``None``: free), for input dim ``dim``."""
+    block) and their own samples (``None``: shared), for input dim ``dim``."""
 
     dim: int
     values: Tensor
@@ -296,7 +296,7 @@ def indexed_layout(ctx: Ctx, x: Tensor, items: list, out: Tensor, what: str
     if literal:  # lists of ints or bools: shared by all samples
         items = [literal.get(k, i) for k, i in enumerate(items)]
         known, outer = {id(t) for t in literal.values()}, ctx
-        ctx = Ctx(ctx.n, lambda t: FREE if id(t) in known else outer.layout(t))
+        ctx = Ctx(ctx.n, lambda t: SHARED if id(t) in known else outer.layout(t))
     tensors = [i for i in items if isinstance(i, Tensor)]
     lays = [followed(ctx, t) for t in tensors]
     bad = trouble([lay] + lays)
@@ -428,22 +428,22 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
 
 def _own(ctx: Ctx, t: Tensor) -> Tensor | None:
     """The own samples of an index tensor's entries (broadcastable), or ``None`` if it
-    is free."""
+    is shared."""
     lay = followed(ctx, t)
-    if lay is FREE:
+    if lay is SHARED:
         return None
     return element_samples(ctx, t, lay)
 
 
 def _read_by_value(samples: Tensor, values: Tensor, size: int) -> bool:
     """Positions of an irregular batch dim (an index layout: packed rows, rows gathered
-    or sorted by value) are read by index entries that carry samples; free entries must
-    visit every position once (a permutation undone, a self loop per node): other free
+    or sorted by value) are read by index entries that carry samples; shared entries must
+    visit every position once (a permutation undone, a self loop per node): other shared
     positions would pick rows by where other samples' rows happen to lie."""
-    free = samples < 0
-    if not bool(free.any()):
+    unpaired = samples < 0
+    if not bool(unpaired.any()):
         return True
-    picked = values[free]
+    picked = values[unpaired]
     return picked.numel() == size and bool(
         (torch.bincount(picked, minlength=size) == 1).all())
 
@@ -482,7 +482,7 @@ def _gather(ctx, func, args, kwargs, out) -> Any:
     bad = trouble([lx, li])
     if bad is not None:
         return bad
-    found = [(t, lay) for t, lay in ((x, lx), (idx, li)) if lay is not FREE]
+    found = [(t, lay) for t, lay in ((x, lx), (idx, li)) if lay is not SHARED]
     dims = {rows_of(ctx, t, lay)[0] for t, lay in found}
     if len(dims) > 1:
         return mixed(func, "pairs samples from different dims")
@@ -490,7 +490,7 @@ def _gather(ctx, func, args, kwargs, out) -> Any:
     if b != d:  # positions paired along the batch dim
         if idx.shape[b] != x.shape[b]:
             return Unknown(f"{name_of(func)} with an index not covering the batch")
-        rows = merge(*[element_samples(ctx, t, lay).reshape(-1) if lay is not FREE else
+        rows = merge(*[element_samples(ctx, t, lay).reshape(-1) if lay is not SHARED else
                        torch.full((idx.shape[b],), NO_SAMPLE, dtype=torch.long,
                                   device=idx.device)
                        for t, lay in ((x, lx), (idx, li))])
@@ -498,11 +498,11 @@ def _gather(ctx, func, args, kwargs, out) -> Any:
             return mixed(func, "pairs rows of different samples")
         return located(b, rows, ctx.n, out, name_of(func))
     samples = element_samples(ctx, idx, li).expand(idx.shape)
-    if lx is not FREE:
+    if lx is not SHARED:
         values = torch.where(idx < 0, idx + x.shape[d], idx).long()
         if isinstance(lx, Batched) and lx.index is not None and not _read_by_value(
                 samples, values, x.shape[d]):
-            return Unknown(f"{name_of(func)} picks free positions of an irregular batch dim")
+            return Unknown(f"{name_of(func)} picks shared positions of an irregular batch dim")
         samples = merge(samples, rows_of(ctx, x, lx)[1][values])
         if samples is None:
             return mixed(func, "reads one sample's rows at another sample's positions")
@@ -526,7 +526,7 @@ def _scatter(ctx, func, args, kwargs, out) -> Any:
     """``x.index_add_(dim, index, source)`` and kin: every position of the result holds
     its old data and what lands there. Along the scatter dim, each row's sample is
     that of the rows landing in it (the source's, and the index entries' own; several
-    samples mix), else the row's own (a free row stays free). An index whose values
+    samples mix), else the row's own (a shared row stays shared). An index whose values
     are its entries' own samples (``zeros(B, F).index_add_(0, sample_index, h)``)
     makes row ``g`` sample ``g``, rows nothing landed in included. Along another dim
     the op is per sample, positions paired as they are."""
@@ -543,9 +543,9 @@ def _scatter(ctx, func, args, kwargs, out) -> Any:
     if func in _INDEX_OPS and idx.dim() != 1:
         return Unknown(f"{name_of(func)} with an index that is not one-dimensional")
     dims = {d if t is idx and func in _INDEX_OPS else rows_of(ctx, t, lay)[0]
-            for t, lay in named if lay is not FREE and t.dim()}
+            for t, lay in named if lay is not SHARED and t.dim()}
     if not dims:
-        return FREE
+        return SHARED
     if len(dims) > 1:
         return mixed(func, "pairs samples from different dims")
     b = dims.pop()
@@ -560,7 +560,7 @@ def _per_sample(ctx: Ctx, func, named: list, x: Tensor, b: int, out: Tensor) -> 
     size = x.shape[b]
     rows = torch.full((size,), NO_SAMPLE, dtype=torch.long, device=x.device)
     for t, lay in named:
-        if lay is FREE or not t.dim() or (t is named[1][0] and func in _INDEX_OPS):
+        if lay is SHARED or not t.dim() or (t is named[1][0] and func in _INDEX_OPS):
             continue
         own = rows_of(ctx, t, lay)[1]
         if own.shape[0] > size:
@@ -612,13 +612,13 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
         return Mixed(f"{what} puts several samples' data into one position")
     rows = hi
     named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
-    if li is not FREE and bool((named >= 0).all()) and torch.equal(landing, named):
+    if li is not SHARED and bool((named >= 0).all()) and torch.equal(landing, named):
         position = torch.arange(size, device=x.device)  # index values are the samples
         rows = merge(rows, torch.where(position < ctx.n, position, NO_SAMPLE))
         if rows is None:
             return Mixed(f"{what} puts a sample's rows in another sample's place")
     lx = followed(ctx, x)
-    if lx is not FREE:
+    if lx is not SHARED:
         rows = merge(rows, rows_of(ctx, x, lx)[1])
         if rows is None:
             return Mixed(f"{what} puts one sample's data into another sample's rows")
@@ -627,7 +627,7 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
 
 def setitem_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout | None:
     """``x[index] = value`` with one index tensor (or a 1-d mask) picking positions of
-    ``x``'s dim ``d``, slices elsewhere, where ``x`` is free or batched in ``d``
+    ``x``'s dim ``d``, slices elsewhere, where ``x`` is shared or batched in ``d``
     (``out = empty_like(y); out[order] = y`` undoing a sort): ``index_copy_`` along
     ``d``. ``None`` for any other form (the capture's own rule)."""
     items = list(index) if isinstance(index, tuple) else [index]
@@ -646,7 +646,7 @@ def setitem_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout | None
         return None
     li = followed(ctx, idx)
     lx = followed(ctx, x)
-    if trouble([li, lx]) is not None or (lx is not FREE and rows_of(ctx, x, lx)[0] != d):
+    if trouble([li, lx]) is not None or (lx is not SHARED and rows_of(ctx, x, lx)[0] != d):
         return None
     own = element_samples(ctx, idx, li).expand(idx.shape)
     if idx.dtype in (torch.bool, torch.uint8):
@@ -703,8 +703,8 @@ def _nonzero(ctx, func, args, kwargs, out) -> Any:
     x = args[0] if args else kwargs.get("input", kwargs.get("condition"))
     lay = followed(ctx, x)
     bad = trouble([lay])
-    if bad is not None or lay is FREE:
-        return every(out, bad or FREE)
+    if bad is not None or lay is SHARED:
+        return every(out, bad or SHARED)
     found = rows_of(ctx, x, lay)
     if x.dim() == 0 or found is None:
         return every(out, Unknown(f"{name_of(func)} of a scalar"))

@@ -26,7 +26,7 @@ from .flow import (
     register,
 )
 from .layouts import (
-    FREE,
+    SHARED,
     Batched,
     Mixed,
     Unknown,
@@ -99,7 +99,7 @@ def _trailing(ctx, func, args, kwargs, out) -> Any:
     shape = arg(args, kwargs, 1, "normalized_shape")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     lay = ctx.layout(x)
-    if any(ctx.layout(t) is not FREE for t in op_leaves(args[2:], {})):
+    if any(ctx.layout(t) is not SHARED for t in op_leaves(args[2:], {})):
         return Unknown(f"{name_of(func)} with a per-sample weight")
     if isinstance(lay, Batched) and lay.dim >= x.dim() - len(shape):
         return mixed(func, "normalises over the batch dim")
@@ -142,7 +142,7 @@ def _norm_with_stats(ctx, func, args, kwargs, out) -> Any:
         lay = ctx.layout(t)
         if isinstance(lay, (Mixed, Unknown)):
             return lay
-        if lay is not FREE:
+        if lay is not SHARED:
             return mixed(func, "has per-sample statistics or affine parameters (one per "
                                "channel)")
     lay = ctx.layout(x)
@@ -155,7 +155,7 @@ def _norm_with_stats(ctx, func, args, kwargs, out) -> Any:
     else:
         found = lay
     written = [t for t in (mean, var) if isinstance(t, Tensor)] if batch_stats else []
-    if not written or lay is FREE:
+    if not written or lay is SHARED:
         return found
     means = mixed(func, "updated its running statistics with the batch's statistics")
     return Flow(found, writes=tuple((t, means) for t in written))
@@ -170,7 +170,7 @@ def _embedding(ctx, func, args, kwargs, out) -> Any:
     trailing embedding dim more."""
     ids = arg(args, kwargs, 0, "input") if func is F.embedding else args[1]
     weight = arg(args, kwargs, 1, "weight") if func is F.embedding else args[0]
-    if ctx.layout(weight) is not FREE:
+    if ctx.layout(weight) is not SHARED:
         return Unknown("embedding with a per-sample table")
     return ctx.layout(ids)
 
@@ -196,7 +196,7 @@ def _embedding_bag(ctx, func, args, kwargs, out) -> Any:
     weights = arg(args, kwargs, 8, "per_sample_weights", None)
     lay = ctx.layout(ids)
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    if ctx.layout(arg(args, kwargs, 1, "weight")) is not FREE:
+    if ctx.layout(arg(args, kwargs, 1, "weight")) is not SHARED:
         return every(out, Unknown("embedding_bag with a per-sample table"))
     if weights is not None and isinstance(ctx.layout(weights), (Mixed, Unknown)):
         return every(out, ctx.layout(weights))
@@ -235,7 +235,7 @@ def _sdpa(ctx, func, args, kwargs, out) -> Any:
     rank = out.dim()
     found = None
     for role, t in (("query", q), ("key", k), ("value", v), ("mask", mask)):
-        lay = ctx.layout(t) if isinstance(t, Tensor) else FREE
+        lay = ctx.layout(t) if isinstance(t, Tensor) else SHARED
         if not isinstance(lay, Batched):
             continue
         d = lay.dim + rank - t.dim()
@@ -327,29 +327,29 @@ def _rnn(ctx, func, args, kwargs, out) -> Any:
     packed ``(data, batch_sizes)``; output like the input, states ``(L*D, B, H)``.
 
     The kernel pairs sequence ``j`` (the batch dim's position ``j``; a packed sequence's
-    column ``j``) with column ``j`` of the initial and final states. A free input or
+    column ``j``) with column ``j`` of the initial and final states. A shared input or
     state (zeros made for the batch, a learned state expanded to it) is paired by that
-    position; a batched one must hold the samples that pairing gives it. ``align``
+    position; a batched one must hold the samples that pairing gives it. ``pairing``
     says how each input pairs with the samples (the recurrent rule reads its inputs
     by it)."""
     packed = isinstance(args[1], Tensor) and args[1].dim() == 1 and not args[1].is_floating_point()
     x = args[0]
     hx, weights = (args[2], args[3]) if packed else (args[1], args[2])
     states = [t for t in (hx if isinstance(hx, (tuple, list)) else (hx,)) if isinstance(t, Tensor)]
-    if any(ctx.layout(w) is not FREE for w in weights):
+    if any(ctx.layout(w) is not SHARED for w in weights):
         return every(out, Unknown(f"{name_of(func)} with per-sample weights"))
     found = (_packed_pairing(ctx, func, x, args[1], states) if packed
              else _padded_pairing(ctx, func, x, bool(args[-1])))
     if not isinstance(found, tuple):
         return every(out, found)
     seq, state = found
-    if ctx.layout(x) not in (FREE, seq):
+    if ctx.layout(x) not in (SHARED, seq):
         return every(out, mixed(func, "runs its recurrence over the samples' dim"))
-    if any(ctx.layout(t) not in (FREE, state) for t in states):
+    if any(ctx.layout(t) not in (SHARED, state) for t in states):
         return every(out, mixed(func, "pairs initial states with other samples' sequences"))
-    align = tuple(seq if t is x else state if any(t is s for s in states) else None
+    pairing = tuple(seq if t is x else state if any(t is s for s in states) else None
                   for t in op_leaves(args, kwargs))
-    return Flow((seq, *[state] * (len(out) - 1)), align)
+    return Flow((seq, *[state] * (len(out) - 1)), pairing)
 
 
 def _padded_pairing(ctx, func, x: Tensor, batch_first: bool) -> tuple | Mixed:
@@ -366,7 +366,7 @@ def _packed_pairing(ctx, func, data: Tensor, sizes: Tensor, states: list[Tensor]
     """The layouts packed rows and the states pair with the samples: each sample one
     sequence; its column ``j`` of the first step names the sample of column ``j`` of
     every later step, and of the states. Rows of a batched ``data`` are read from its
-    layout, those of a free one from a batched state's."""
+    layout, those of a shared one from a batched state's."""
     lay = ctx.layout(data)
     if isinstance(lay, Batched):
         if lay.dim != 0 or lay.outer != 1 or lay.inner != 1:
@@ -402,9 +402,9 @@ def _pack(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     want = 0 if batch_first else 1
     if not isinstance(lay, Batched) or lay.dim != want or lay.outer != 1 or lay.inner != 1:
-        return (Unknown("pack_padded_sequence of an unlike layout"), FREE)
+        return (Unknown("pack_padded_sequence of an unlike layout"), SHARED)
     order = sample_of_positions(lay, x.shape[want], ctx.n, x.device)
-    return (indexed(0, packed_rows(order, out[1]), ctx.n), FREE)
+    return (indexed(0, packed_rows(order, out[1]), ctx.n), SHARED)
 
 
 register(_pack, *aliases("_pack_padded_sequence", where=(torch._VF,
@@ -419,12 +419,12 @@ def _unpack(ctx, func, args, kwargs, out) -> Any:
     data, sizes, batch_first = args[0], args[1], args[2]
     lay = ctx.layout(data)
     if not isinstance(lay, Batched) or lay.dim != 0 or lay.outer != 1 or lay.inner != 1:
-        return (Unknown("pad_packed_sequence of an unlike layout"), FREE)
+        return (Unknown("pad_packed_sequence of an unlike layout"), SHARED)
     rows = sample_of_positions(lay, data.shape[0], ctx.n, data.device)
     first = rows[: int(sizes[0])]
     if not torch.equal(rows, packed_rows(first, sizes)):
-        return (Unknown("pad_packed_sequence of rows whose samples change column"), FREE)
-    return (indexed(0 if batch_first else 1, first, ctx.n), FREE)
+        return (Unknown("pad_packed_sequence of rows whose samples change column"), SHARED)
+    return (indexed(0 if batch_first else 1, first, ctx.n), SHARED)
 
 
 register(_unpack, *aliases("_pad_packed_sequence", where=(torch._VF,
@@ -436,7 +436,7 @@ def _mha(ctx, func, args, kwargs, out) -> Any:
     q = args[0] if args else kwargs["query"]
     lay = ctx.layout(q)
     if isinstance(lay, Batched) and q.dim() == 3 and lay.dim == 1 and lay.plain:
-        return (lay, Batched(0) if isinstance(out[1], Tensor) else FREE)
+        return (lay, Batched(0) if isinstance(out[1], Tensor) else SHARED)
     return every(out, Unknown("multi_head_attention_forward on an unlike layout"))
 
 

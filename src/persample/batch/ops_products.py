@@ -19,7 +19,7 @@ from .flow import (
     op_leaves,
     register,
 )
-from .layouts import FREE, Batched, Unknown
+from .layouts import SHARED, Batched, Unknown
 from .ops_indexing import agree
 
 # ---------------------------------------------------------------------------
@@ -32,7 +32,7 @@ def _linear(ctx, func, args, kwargs, out) -> Any:
     w = arg(args, kwargs, 1, "weight", None)
     lay = ctx.layout(x)
     others = [ctx.layout(t) for t in (w, arg(args, kwargs, 2, "bias", None))]
-    if any(o is not FREE for o in others):
+    if any(o is not SHARED for o in others):
         return Unknown(f"{name_of(func)} with a per-sample weight")
     if isinstance(lay, Batched) and lay.dim == x.dim() - 1:
         return mixed(func, "contracts the batch dim")
@@ -44,7 +44,7 @@ register(_linear, *aliases("linear"))
 
 def _matmul(ctx, func, args, kwargs, out) -> Any:
     """``a @ b`` with broadcasting batch dims: a batch in ``a``'s rows or ``b``'s columns
-    or a broadcast dim stays; in the contracted dim it mixes samples. A free operand of
+    or a broadcast dim stays; in the contracted dim it mixes samples. A shared operand of
     full size in the batch's broadcast dim is paired with the samples
     (DeBERTa's relative keys repeated to ``(B*H, ...)``)."""
     if func in _ADDMM:  # addmm(input, mat1, mat2), baddbmm(input, batch1, batch2), addmv
@@ -81,7 +81,7 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
         place = [same] if same is not None else place
     if len(place) == 2 and place[0] != place[1]:
         return mixed(func, "pairs samples of its two operands")
-    found = place[0] if place else FREE
+    found = place[0] if place else SHARED
     if func in _ADDMM:
         bias = ctx.layout(bias_in)
         if isinstance(bias, Batched) and (not isinstance(found, Batched) or agree(
@@ -90,17 +90,17 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
             return mixed(func, "adds samples from different dims")
     if not isinstance(found, Batched) or found.dim >= rank - 2:
         return found
-    align = []
+    pairing = []
     for t in op_leaves(args, kwargs):
         own = ctx.layout(t)
         d = found.dim - (rank - t.dim())
-        if own is not FREE:
-            align.append(own)
+        if own is not SHARED:
+            pairing.append(own)
         elif 0 <= d < t.dim() - 2 and t.shape[d] == out.shape[found.dim] > 1:
-            align.append(found.moved(d))
+            pairing.append(found.moved(d))
         else:
-            align.append(None)
-    return Flow(found, tuple(align))
+            pairing.append(None)
+    return Flow(found, tuple(pairing))
 
 
 _ADDMM = set(aliases("addmm", "baddbmm", "addmm_", "baddbmm_", "addmv"))
@@ -136,7 +136,7 @@ def _einsum(ctx, func, args, kwargs, out) -> Any:
         if found is not None and found != here:
             return mixed(func, "pairs samples of its operands")
         found = here
-    return found or FREE
+    return found or SHARED
 
 
 register(_einsum, *aliases("einsum"))

@@ -25,7 +25,7 @@ from .flow import (
     name_of,
     register,
 )
-from .layouts import FREE, Batched, Unknown, sample_of_positions
+from .layouts import SHARED, Batched, Unknown, sample_of_positions
 from .ops_elementwise import SELF_ONLY, dims_arg, self_only
 from .ops_indexing import (
     NO_SAMPLE,
@@ -321,10 +321,10 @@ register(_pieces, *aliases("split", "chunk", "tensor_split", "split_with_sizes",
 
 
 def _cat(ctx, func, args, kwargs, out) -> Flow:
-    """``cat``: along another dim the batched inputs must agree (free inputs of full
+    """``cat``: along another dim the batched inputs must agree (shared inputs of full
     size are paired with the samples); along the batch dim each position keeps its
-    sample, a free input's positions holding none (``k`` plain inputs give
-    ``outer = k``; a graph's self-loop edges appended to its edges are free)."""
+    sample, a shared input's positions holding none (``k`` plain inputs give
+    ``outer = k``; a graph's self-loop edges appended to its edges are shared)."""
     tensors = [t for t in (args[0] if args else kwargs["tensors"]) if isinstance(t, Tensor)]
     rank = out.dim()
     d = dim_of(kwargs.get("dim", arg(args, kwargs, 1, "axis", 0)), rank)
@@ -344,10 +344,10 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
         first = agree(first, lay, out.shape[first.dim], ctx.n) if first is not None else None
     if first is None:
         return Flow(mixed(func, "joins tensors with samples in different dims"))
-    align = tuple(ctx.layout(t) if ctx.layout(t) is not FREE else (
+    pairing = tuple(ctx.layout(t) if ctx.layout(t) is not SHARED else (
         first if t.dim() == rank and t.shape[first.dim] == out.shape[first.dim] else None)
         for t in tensors)
-    return Flow(first, align)
+    return Flow(first, pairing)
 
 
 def _joined_along(ctx, func, joined: list, found: list, d: int, out: Tensor) -> Any:
@@ -371,7 +371,7 @@ def _stack(ctx, func, args, kwargs, out) -> Any:
     if any(lay != first for lay in batched):
         return mixed(func, "joins tensors with samples in different dims")
     if len(batched) != len(lays):
-        return Unknown("stack of batched and free tensors")
+        return Unknown("stack of batched and shared tensors")
     return first.moved(first.dim + (1 if d <= first.dim else 0))
 
 

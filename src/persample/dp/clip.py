@@ -365,7 +365,7 @@ def _edge_backward(cap: Captured, edge, lay, group: list, c: Tensor) -> dict[int
 
 def _scaled(g: Tensor, lay, c: Tensor) -> Tensor:
     """Backprops ``g`` (an output's own shape, layout ``lay``) times each sample's clip
-    factor ``c (n,)``; a free output (no samples) as it is."""
+    factor ``c (n,)``; a shared output (no samples) as it is."""
     return g * lay.scale(c, g) if isinstance(lay, Batched) else g
 
 

@@ -66,11 +66,11 @@ class OpCall:
     def _k(self, t: Tensor) -> int:
         return self._pos[id(t)]
 
-    def align(self, t: Tensor) -> Batched | None:
-        return self.op.align(self._k(t))
+    def pairing(self, t: Tensor) -> Batched | None:
+        return self.op.pairing(self._k(t))
 
     def shared(self, t: Tensor) -> bool:
-        return self.align(t) is None
+        return self.pairing(t) is None
 
     def front(self, t: Tensor) -> Tensor:
         """``(n, *per_sample)`` for an input carrying samples; a shared input as it is.
@@ -79,7 +79,7 @@ class OpCall:
             return t
         k = self._k(t)
         value = cast(self.op.value(k).detach(), self.dtype)
-        lay = self.op.align(k)
+        lay = self.op.pairing(k)
         return value if lay is None else front(value, lay, self.n)
 
     def where(self) -> str:

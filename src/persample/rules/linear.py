@@ -29,7 +29,7 @@ from .ghost import Factors, inner
 _BMM_MIN_BLOCK = 1 << 18
 
 
-def _aligned(dst: Tensor) -> bool:
+def _cache_aligned(dst: Tensor) -> bool:
     step = 64 // dst.element_size() or 1
     return dst.data_ptr() % 64 == 0 and all(s % step == 0 for s in dst.stride()[:-2])
 
@@ -37,7 +37,7 @@ def _aligned(dst: Tensor) -> bool:
 def outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
     """``dst[n, v] = outer(g[n, v], a[n])``; ``g (n, v, o)``, ``a (n, i)``, ``dst (n, v, o, i)``."""
     n, v, o = g.shape
-    if v == 1 and not _aligned(dst) and dst[0, 0].numel() >= _BMM_MIN_BLOCK:
+    if v == 1 and not _cache_aligned(dst) and dst[0, 0].numel() >= _BMM_MIN_BLOCK:
         torch.bmm(g.view(n, o, 1), a.unsqueeze(1), out=dst[:, 0])  # (n, o, 1) @ (n, 1, i)
     else:
         torch.mul(g.unsqueeze(3), a.view(n, 1, 1, -1), out=dst)  # (n,v,o,1) * (n,1,1,i)
