@@ -191,7 +191,8 @@ class Attention(nn.Module):
 
 
 class SimpleCNN(nn.Module):
-    """Seed 001's SimpleCNN, shrunk: conv, conv, maxpool, flatten, fc, fc."""
+    """The SimpleCNN of PyTorch's per-sample-gradients tutorial, shrunk: conv, conv,
+    maxpool, flatten, fc, fc."""
 
     def __init__(self):
         super().__init__()
@@ -595,9 +596,10 @@ EDGE_CASES: list[dict[str, Any]] = [
 
 # More layer families, one file each (they import the helpers above).
 from cases_layers import LAYER_CASES  # noqa: E402
+from cases_ops import OP_CASES  # noqa: E402
 from cases_recurrent import RECURRENT_CASES  # noqa: E402
 
-CASES += LAYER_CASES + RECURRENT_CASES
+CASES += LAYER_CASES + RECURRENT_CASES + OP_CASES
 CASE_IDS = [c["id"] for c in CASES]
 EDGE_CASE_IDS = [c["id"] for c in EDGE_CASES]
 BY_ID = {c["id"]: c for c in CASES + EDGE_CASES}
@@ -620,7 +622,7 @@ class _Gate(torch.autograd.Function):
 
 class OpaqueGate(nn.Module):
     """A parameter used through a custom autograd.Function: no rule, and neither torch.func
-    (the per-module fallback) nor the op-level taps can differentiate it per sample."""
+    (the per-module fallback) nor the op's per-sample VJP can differentiate it per sample."""
 
     def __init__(self):
         super().__init__()

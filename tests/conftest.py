@@ -1,7 +1,7 @@
 """Shared fixtures: float64 by default, a seeded RNG, and a snapshot of a model's state.
 
 ``snapshot(model)`` records everything ``per_sample_grads`` promises to leave
-alone (DESIGN.md, "Nothing is left behind on the model"); ``.assert_unchanged()``
+alone (nothing is left behind on the model); ``.assert_unchanged()``
 compares the model with it afterwards.
 """
 

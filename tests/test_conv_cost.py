@@ -63,8 +63,8 @@ def test_patches_write_into_a_column_slice_of_a_flat_result():
 
 
 @pytest.mark.parametrize(("layer", "want"), [
-    ((64, 1, 32, 3, 26), "patches"),   # seed 001 conv1: a patch of 9 numbers
-    ((64, 32, 64, 3, 24), "grouped"),  # seed 001 conv2: patches 9x the result
+    ((64, 1, 32, 3, 26), "patches"),   # the tutorial's SimpleCNN conv1: a patch of 9 numbers
+    ((64, 32, 64, 3, 24), "grouped"),  # the tutorial's SimpleCNN conv2: patches 9x the result
     ((32, 64, 64, 3, 8), "grouped"),   # resnet18 layer1 at 32x32
     ((32, 128, 128, 3, 4), "patches"),  # resnet18 layer2
     ((32, 512, 512, 3, 1), "patches"),  # resnet18 layer4: grouped takes 27x the write

@@ -24,10 +24,10 @@ from torch import Tensor, nn
 
 import persample
 from cases import assert_exact, clipped_mean, dp_grads
-from persample import pullback
 from persample.batch import SHARED, Batched
 from persample.batch.flow import unbroadcast
 from persample.capture import Capture
+from persample.engine import pullback
 
 B = T = H = 4  # coinciding on purpose
 E, V = 8, 11
@@ -44,20 +44,20 @@ def flat(grads: dict[str, Tensor]) -> Tensor:
 @contextlib.contextmanager
 def per_sample_vjps():
     """Inside: the parameters whose per-sample gradient took an op's per-sample VJP from
-    ``torch.func`` ("taps") or the per-module fallback, as ``{"taps": ids, "fallback":
+    ``torch.func`` ("op vjp") or the per-module fallback, as ``{"op vjp": ids, "fallback":
     calls}``."""
-    seen: dict[str, set] = {"taps": set(), "fallback": set()}
+    seen: dict[str, set] = {"op vjp": set(), "fallback": set()}
     op_vjp, module_vjp = pullback.op_vjp, pullback.module_vjp
 
-    def taps(op, *args, **kwargs):
-        seen["taps"] |= set(op.sources_all)
+    def op_vjps(op, *args, **kwargs):
+        seen["op vjp"] |= set(op.sources_all)
         return op_vjp(op, *args, **kwargs)
 
     def whole(call, *args, **kwargs):
         seen["fallback"].add(call.describe())
         return module_vjp(call, *args, **kwargs)
 
-    pullback.op_vjp, pullback.module_vjp = taps, whole
+    pullback.op_vjp, pullback.module_vjp = op_vjps, whole
     try:
         yield seen
     finally:
@@ -67,9 +67,9 @@ def per_sample_vjps():
 def check(model: nn.Module, inputs, targets, loss_fn, snapshot,
           slower: dict[str, str] | None = None) -> None:
     """Exact against the loop (gradients, norms, the DP step), no warning, ``supported``
-    saying ``rule`` for every parameter but those in ``slower`` (name -> "taps" or
+    saying ``rule`` for every parameter but those in ``slower`` (name -> "op vjp" or
     "fallback"), and the call taking torch.func's per-sample VJP of an op exactly for the
-    ``taps`` ones, the per-module fallback exactly where a ``fallback`` is expected; the
+    ``op vjp`` ones, the per-module fallback exactly where a ``fallback`` is expected; the
     model unchanged."""
     slower = slower or {}
     state = snapshot(model)
@@ -85,8 +85,8 @@ def check(model: nn.Module, inputs, targets, loss_fn, snapshot,
         summed = dp_grads(model, inputs, targets, loss_fn, c)[1]
     assert_exact(summed, clipped_mean(want, c)[1])
     by_id = {id(p): n for n, p in params.items()}
-    assert {by_id[i] for i in seen["taps"] if i in by_id} == {
-        n for n, kind in slower.items() if kind == "taps"}
+    assert {by_id[i] for i in seen["op vjp"] if i in by_id} == {
+        n for n, kind in slower.items() if kind == "op vjp"}
     assert bool(seen["fallback"]) == ("fallback" in slower.values())
     paths = {(f"{r.module}.{p}" if r.module else p): r.path
              for r in persample.supported(model, inputs, targets, loss_fn) for p in r.params}
@@ -282,7 +282,7 @@ class ComputedFromWidened(nn.Module):
         return self.head(torch.maximum(x, -self.g.expand(x.shape[0], T, E))).sum(1)
 
 
-SLOWER = {ChangedAfterRepeat: "fallback", ChangedCopy: "fallback", ComputedFromWidened: "taps"}
+SLOWER = {ChangedAfterRepeat: "fallback", ChangedCopy: "fallback", ComputedFromWidened: "op vjp"}
 
 
 @pytest.mark.parametrize("make", list(SLOWER), ids=[m.__name__ for m in SLOWER])
@@ -442,9 +442,9 @@ class NoRule(nn.Module):
 def test_supported_names_the_op_without_a_rule(snapshot):
     torch.manual_seed(0)
     model, x = NoRule(), torch.randn(B, T, E)
-    check(model, x, torch.tensor([0, 2, 1, 2]), ce, snapshot, slower={"w": "taps"})
+    check(model, x, torch.tensor([0, 2, 1, 2]), ce, snapshot, slower={"w": "op vjp"})
     (route,) = [r for r in persample.supported(model, x) if r.params == ("w",)]
-    assert route.path == "taps"
+    assert route.path == "op vjp"
     assert route.reason.startswith("einsum in module '<root>' (NoRule): no rule")
     assert "torch.func" in route.reason
 
@@ -462,10 +462,10 @@ class TwoOps(nn.Module):
         return self.head(torch.einsum("btd,de->bte", h, self.w)).sum(1)
 
 
-def test_supported_reports_taps_where_any_use_takes_it(snapshot):
+def test_supported_reports_op_vjp_where_any_use_takes_it(snapshot):
     torch.manual_seed(0)
     model, x = TwoOps(), torch.randn(B, T, E)
-    check(model, x, torch.tensor([0, 2, 1, 2]), ce, snapshot, slower={"w": "taps"})
+    check(model, x, torch.tensor([0, 2, 1, 2]), ce, snapshot, slower={"w": "op vjp"})
     (route,) = [r for r in persample.supported(model, x) if r.params == ("w",)]
     assert route.reason.startswith("einsum") and "also matmul" in route.reason
 

@@ -144,7 +144,7 @@ def test_conv_ghost_norms_match_the_loop():
     torch.manual_seed(0)
     model = SmallConvs()
     x, y = torch.randn(B, 2, 4, 4), torch.randint(0, 3, (B,))
-    from persample.rules import _OP_NORMS
+    from persample.rules.registry import OP_NORMS as _OP_NORMS
     saved = dict(_OP_NORMS)
     try:
         for f in conv._PLAIN_CONVS:
@@ -184,8 +184,8 @@ def test_a_module_norm_rule_gets_its_clipped_sum(monkeypatch):
     module's own backward (not zeros)."""
     from persample import rules
 
-    monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))
-    monkeypatch.setattr(rules, "_NORM_RULES", dict(rules._NORM_RULES))
+    monkeypatch.setattr(rules.registry, "MODULE_RULES", dict(rules.registry.MODULE_RULES))
+    monkeypatch.setattr(rules.registry, "MODULE_NORMS", dict(rules.registry.MODULE_NORMS))
     normed = []
 
     @rules.register_rule(Gain)

@@ -687,7 +687,7 @@ class AddsInPlace(nn.Module):
 
 @pytest.mark.parametrize("method", ["rules", "auto"])
 def test_parameter_added_in_place_is_not_replayed_in_place(method, snapshot):
-    """The op-level taps must not replay an in-place op on captured tensors: the
+    """The op's per-sample VJP must not replay an in-place op on captured tensors: the
     parameter takes the per-module fallback, the results match the loop, and the
     inputs are not modified."""
     model = AddsInPlace()

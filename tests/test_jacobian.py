@@ -70,9 +70,9 @@ def mlp(sizes: list[int], act: type[nn.Module]) -> nn.Module:
 CASES = [
     {"id": "mlp-tanh", "module_fn": lambda: mlp([3, 16, 5], nn.Tanh), "in_shape": (3,)},
     {"id": "mlp-relu", "module_fn": lambda: mlp([6, 8, 8, 2], nn.ReLU), "in_shape": (6,)},
-    # seed 002's PINN, small: (B, 1) -> (B, 40)
+    # a PINN's Jacobian diagonal blocks, small: (B, 1) -> (B, 40)
     {"id": "pinn", "module_fn": lambda: mlp([1, 20, 20, 40], nn.Tanh), "in_shape": (1,)},
-    # seed 003's classifier, small: (B, 49) -> (B, 10)
+    # a classifier's input Jacobian, small: (B, 49) -> (B, 10)
     {"id": "clf", "module_fn": lambda: mlp([49, 16, 16, 10], nn.ReLU), "in_shape": (49,)},
     {"id": "conv-image", "module_fn": lambda: conv_image(4), "in_shape": (3, 4, 4)},
     {"id": "bn-eval", "module_fn": bn_eval, "in_shape": (3,)},

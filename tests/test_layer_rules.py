@@ -67,7 +67,7 @@ def ghosts(monkeypatch):
     weight of each op whose norm rule returned norms (not ``None``)."""
     took: list[Tensor] = []
     for func in (F.bilinear, F.embedding_bag):
-        norm = rules_module._OP_NORMS[func]
+        norm = rules_module.registry.OP_NORMS[func]
 
         def spy(call, g, wanted, norm=norm):
             got = norm(call, g, wanted)
@@ -76,7 +76,7 @@ def ghosts(monkeypatch):
                             else call.arg(1, "weight"))
             return got
 
-        monkeypatch.setitem(rules_module._OP_NORMS, func, spy)
+        monkeypatch.setitem(rules_module.registry.OP_NORMS, func, spy)
     return took
 
 
@@ -113,12 +113,12 @@ def test_rules_are_used_without_vmap(c):
 
 @pytest.mark.parametrize("case_id", list(FALLBACK))
 def test_fallback_configurations(case_id):
-    """The configurations the op rule leaves to the op's exact per-sample VJP ("taps"),
+    """The configurations the op rule leaves to the op's exact per-sample VJP ("op vjp"),
     which gets them right."""
     c = BY_ID[case_id]
     model, inputs, targets = build(c)
     (route,) = persample.supported(model, inputs)  # the bag is the model
-    assert route.path == "taps" and FALLBACK[case_id] in route.reason
+    assert route.path == "op vjp" and FALLBACK[case_id] in route.reason
     loss_fn = c["loss_fn"]("mean")
     got = per_sample_grads(model, inputs, targets, loss_fn, method="rules")
     assert_close(got, loop_per_sample_grads(model, inputs, targets, loss_fn))

@@ -50,6 +50,36 @@ BF16, FP16 = torch.bfloat16, torch.float16
 RTOL = {BF16: 2e-2, FP16: 5e-3}
 
 
+def _onednn_runs_low_precision_lstm() -> bool:
+    """Does torch's own oneDNN LSTM kernel run under CPU autocast on this machine? On CPUs
+    whose oneDNN has no low-precision RNN primitive (AMD EPYC here) a plain
+    ``lstm(x)`` under ``torch.autocast("cpu")`` raises "could not create a primitive
+    descriptor for the LSTM forward propagation primitive", persample or not."""
+    lstm = nn.LSTM(2, 3)
+    try:
+        for dtype in (BF16, FP16):
+            with torch.autocast("cpu", dtype=dtype):
+                lstm(torch.randn(2, 1, 2))
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _lstm_kernel_that_runs():
+    """Where torch's oneDNN LSTM kernel cannot run under autocast, the tests run torch's
+    native kernels instead (``torch.backends.mkldnn`` off), for the model and the
+    reference alike: what is tested is persample, not oneDNN's coverage of this CPU."""
+    if _ONEDNN_LSTM:
+        yield
+    else:
+        with torch.backends.mkldnn.flags(enabled=False):
+            yield
+
+
+_ONEDNN_LSTM = _onednn_runs_low_precision_lstm()
+
+
 # ---------------------------------------------------------------------------
 # models: each builder returns (model, inputs, targets, loss_fn) in float32
 

@@ -271,12 +271,10 @@ FAULT_MODELS = {
 
 def _tables() -> dict[str, dict]:
     """Every registry of persample's own code, by name."""
-    from persample import capture, rules
     from persample.batch import flow
+    from persample.rules import registry
 
-    return {"data-flow handler": flow.HANDLERS, "op rule": rules._OP_RULES,
-            "norm rule": rules._OP_NORMS, "weighted-sum rule": rules._OP_SUMS,
-            "module rule": rules._RULES, "expansion": capture.EXPANSIONS}
+    return {"data-flow handler": flow.HANDLERS, **registry.TABLES}
 
 
 def _fn_of(entry):
@@ -410,7 +408,7 @@ def test_a_fault_in_persample_is_answered_by_the_next_method(name, kind, fn, sna
 
 
 def test_the_rules_method_raises_persamples_bug_as_such():
-    with _inject("op rule", _fn_of(__import__("persample").rules._OP_RULES[F.linear])):
+    with _inject("op rule", _fn_of(__import__("persample").rules.registry.OP_RULES[F.linear])):
         with pytest.raises(InternalError, match="bug in persample") as err:
             per_sample_grads(Images(), torch.randn(B, 1, 6, 6), torch.randint(0, 3, (B,)),
                              nn.CrossEntropyLoss(), method="rules")
@@ -454,7 +452,7 @@ def test_the_users_loss_errors_propagate_unchanged():
 
 
 def test_verify_reports_the_path_the_call_took():
-    with _inject("op rule", _fn_of(__import__("persample").rules._OP_RULES[F.linear])):
+    with _inject("op rule", _fn_of(__import__("persample").rules.registry.OP_RULES[F.linear])):
         with pytest.warns(UserWarning, match="bug"):
             report = persample.verify(Images(), torch.randn(B, 1, 6, 6),
                                       torch.randint(0, 3, (B,)), nn.CrossEntropyLoss())

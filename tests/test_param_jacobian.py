@@ -1,4 +1,5 @@
-"""``param_jacobian`` against seed 000's loop (``loop_param_jacobian``), in float64.
+"""``param_jacobian`` against the loop of ``autograd.grad`` over samples and outputs
+(``loop_param_jacobian``), in float64.
 
 Every case of ``cases.py`` whose model returns one tensor with the batch in dim 0
 is used; the rules get a leading cotangent dim of ``Y`` one-hot output directions.
@@ -85,8 +86,9 @@ def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def test_seed_000_shape_and_values():
-    """Seed 000's MLP 784 -> 20 -> 10: (B, Y, P) = (B, 10, 15910)."""
+def test_the_questions_mlp_shape_and_values():
+    """The MLP 784 -> 20 -> 10 of the question of computing (B, Y, P) Jacobians:
+    (B, Y, P) = (B, 10, 15910)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(784, 20), nn.ReLU(), nn.Linear(20, 10))
     x = torch.randn(4, 784)

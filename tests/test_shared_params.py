@@ -272,7 +272,7 @@ def test_per_sample_grads_of_a_tied_table_add_the_lookups_in_place(make, padding
             added.append(bool(call.adding))
             return rule(call, g, out)
 
-        monkeypatch.setitem(rules._OP_RULES, func, spy)
+        monkeypatch.setitem(rules.registry.OP_RULES, func, spy)
     torch.manual_seed(0)
     model = make(padding_idx)
     ids = torch.randint(1, V, (B, T))
@@ -294,7 +294,7 @@ def test_a_fault_in_one_use_of_a_tied_table_leaves_the_clipped_sums_exact(func, 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setitem(rules._OP_SUMS, func, broken)
+    monkeypatch.setitem(rules.registry.OP_SUMS, func, broken)
     model, ids, _, _ = _case(TiedLM)
     _, want = _by_hand(model, ids, ids, _lm_loss, c=0.05)
     with pytest.warns(UserWarning, match="injected"):

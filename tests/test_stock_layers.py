@@ -36,7 +36,7 @@ from persample.batch import Batched, Mixed
 from persample.batch.layouts import indexed
 from persample.capture import Capture
 from persample.dp import private_grad
-from persample.pullback import module_front
+from persample.rules import module_front
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 

@@ -11,10 +11,10 @@ from torch import Tensor, nn
 
 from . import checks
 from .engine import rules_grads, rules_param_jacobian
-from .inputs import Batch
+from .inputs import Batch, samples_of
 from .memory import result_empty
 from .methods import Taken, answer
-from .reference import loop_param_jacobian, loop_per_sample_grads, rows
+from .reference import loop_param_jacobian, loop_per_sample_grads
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 
 
@@ -130,7 +130,7 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
     watched = {id(p): p for p in params.values()}
     step, taken = chunk_size or max(n, 1), Taken()
     for start in range(0, n, step):
-        a, t = batch.rows(start, start + step), rows(targets, start, start + step)
+        a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
         d = {key: part[start : start + step] for key, part in dest.items()}
         answer(
             method,
@@ -155,8 +155,8 @@ def param_jacobian(
 ) -> dict[str, Tensor] | Tensor:
     """Per-sample Jacobian of the model's outputs w.r.t. its parameters.
 
-    Seed 000's ``calculate_gradients(model, X) -> (B, Y, P)``: entry ``[i, k, p]``
-    is ``d model(X)[i].flatten()[k] / d theta_p``. Samples must not interact.
+    The ``(B, Y, P)`` Jacobian of the question ``calculate_gradients(model, X)``: entry
+    ``[i, k, p]`` is ``d model(X)[i].flatten()[k] / d theta_p``. Samples must not interact.
 
     Args:
         model: an ``nn.Module`` mapping a batch ``(B, *in_shape)`` to one tensor
@@ -207,7 +207,7 @@ def param_jacobian(
     step = max(1, (chunk_size or num_out * max(n, 1)) // step_out)
     taken = Taken()
     for start in range(0, n, step):
-        a = batch.rows(start, start + step)
+        a = batch.samples(start, start + step)
         for first in range(0, num_out, step_out):
             o = range(first, min(first + step_out, num_out))
             d = {k: t[start : start + step, o.start : o.stop] for k, t in dest.items()}
@@ -229,7 +229,7 @@ def _output_shape(model: nn.Module, batch: Batch) -> torch.Size:
     if batch.n == 0:
         raise ValueError("param_jacobian needs at least one sample to know the output shape")
     with torch.no_grad():
-        output = batch.rows(0, 1).call(model)
+        output = batch.samples(0, 1).call(model)
     if not isinstance(output, Tensor) or output.dim() == 0 or output.shape[0] != 1:
         raise ValueError(
             "the model must return one tensor with the batch in dim 0; for a sample of one "

@@ -161,23 +161,6 @@ class Derived:
     version: int = 0  # the tensor's, when the op made it
 
 
-Expansion = Callable[..., Any]
-EXPANSIONS: dict[Any, Expansion] = {}  # func -> a decomposition run under the capture
-
-
-def register_expansion(*funcs: Any) -> Callable[[Expansion], Expansion]:
-    """Run ``fn(*args, **kwargs)`` instead of ``func`` during the capture, with its ops
-    captured one by one (``F.multi_head_attention_forward`` as the linear maps and the
-    attention it is made of). ``fn`` returns ``NotImplemented`` to leave a call whole."""
-
-    def decorate(fn: Expansion) -> Expansion:
-        for f in funcs:
-            EXPANSIONS[f] = fn
-        return fn
-
-    return decorate
-
-
 class _Layouts:
     """Layouts by tensor identity, holding no tensor alive: ``id -> (weak ref, layout)``,
     an entry valid while its tensor lives (a dead tensor's id may be reused). A plain
@@ -222,7 +205,7 @@ class _Mode(TorchFunctionMode):
         cap = self.capture
         if threading.get_ident() != cap.thread:
             return func(*args, **kwargs)
-        expansion = EXPANSIONS.get(func)
+        expansion = cap.expansions.get(func)
         if expansion is not None:
             failed = None
             try:
@@ -391,6 +374,9 @@ class Capture:
             or a pair ``(tensor, layout)`` (packed rows, a packed sequence's data).
         shared: the other input tensors (shared).
         module_rule: ``module -> rule or None``.
+        expansions: ``{func: fn}``, ops run as their decomposition ``fn(*args,
+            **kwargs)`` under the capture (``fn`` returns ``NotImplemented`` to leave a
+            call whole); the engine passes :data:`persample.rules.registry.EXPANSIONS`.
         constant: ``constant(t)`` for a tensor the capture never saw made: is it shared
             (made before the call, so shared by every sample) rather than unknown (made
             by code the capture cannot see, from sample data perhaps)? Default
@@ -417,9 +403,11 @@ class Capture:
     def __init__(self, model: nn.Module | None, watched: dict[int, nn.Parameter], n: int,
                  batched: list[Tensor | tuple[Tensor, Layout]], shared: tuple = (),
                  module_rule: Callable[[nn.Module], Any] | None = None,
-                 constant: Callable[[Tensor], bool] | None = None):
+                 constant: Callable[[Tensor], bool] | None = None,
+                 expansions: dict[Any, Callable] | None = None):
         self.model, self.watched, self.n = model, watched, n
         self.constant = constant or user_leaf
+        self.expansions = expansions or {}
         self.layouts = _Layouts()
         self.derived: dict[int, Derived] = {}
         self.ops: list[Op] = []
@@ -712,9 +700,9 @@ class Capture:
             return found
         lx = self.layout(x)
         lv = self.layout(value) if isinstance(value, Tensor) else SHARED
-        if lv is SHARED or isinstance(lx, (Mixed, Unknown)):
+        if lv.shared or not lx.known:
             return lx
-        if isinstance(lv, (Mixed, Unknown)):
+        if not lv.known:
             return lv
         if isinstance(lx, Batched):
             with torch._C.DisableTorchFunction():
@@ -795,9 +783,9 @@ def user_leaf(t: Tensor) -> bool:
 def _new_trouble(outputs: Any, inputs: list[Layout]) -> bool:
     """An output mixes samples or loses them here, and no input did already."""
     outs = outputs if isinstance(outputs, tuple) else (outputs,)
-    if not any(isinstance(o, (Mixed, Unknown)) for o in outs):
+    if all(isinstance(o, tuple) or o.known for o in outs):  # (a nested output: left alone)
         return False
-    return not any(isinstance(lay, (Mixed, Unknown)) for lay in inputs)
+    return all(lay.known for lay in inputs)
 
 
 def _located_in(outputs: Any, call: Call) -> Any:

@@ -2,7 +2,8 @@
 
 Images: scikit-learn's 1,797 handwritten 8x8 digits (``sklearn.datasets.load_digits``
 reads a file shipped in the scikit-learn wheel), as images of any size and channels
-or as feature vectors. Text: the docstrings of Python's standard library, with a
+or as feature vectors; scikit-learn comes with the ``cli`` extra, not with
+``import persample``. Text: the docstrings of Python's standard library, with a
 byte-level tokenizer built in code.
 """
 
@@ -11,6 +12,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+def _load_digits(caller: str):
+    """``sklearn.datasets.load_digits()``; where scikit-learn is not installed, a
+    :class:`ModuleNotFoundError` that names it and says how to install it."""
+    try:
+        from sklearn.datasets import load_digits
+    except ModuleNotFoundError as err:
+        if (err.name or "sklearn").partition(".")[0] != "sklearn":
+            raise  # scikit-learn is there but something it imports is not
+        raise ModuleNotFoundError(
+            f"persample.data.{caller} needs scikit-learn (not installed): install the "
+            'command line\'s extra, pip install "persample[cli]" (or pip install -e ".[cli]" '
+            "from a checkout)", name="sklearn") from err
+    return load_digits()
 
 
 def digits_images(size: int = 28, dtype: torch.dtype = torch.float32,
@@ -28,7 +44,8 @@ def digits_images(size: int = 28, dtype: torch.dtype = torch.float32,
         the whole set (contiguous), and ``labels (1797,)`` int64 in ``0..9``.
 
     Raises:
-        ImportError: scikit-learn is not installed (it is a core dependency).
+        ImportError: scikit-learn is not installed (it comes with the ``cli`` extra:
+            ``pip install "persample[cli]"``).
 
     Example:
         >>> x, y = digits_images()
@@ -37,9 +54,7 @@ def digits_images(size: int = 28, dtype: torch.dtype = torch.float32,
         >>> digits_images(32, channels=3)[0].shape
         torch.Size([1797, 3, 32, 32])
     """
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
+    digits = _load_digits("digits_images")
     x = torch.as_tensor(digits.images, dtype=torch.float64).unsqueeze(1)  # (N, 1, 8, 8)
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     x = (x - x.mean()) / x.std()
@@ -60,16 +75,15 @@ def digits_features(
         or more, else 0.
 
     Raises:
-        ImportError: scikit-learn is not installed (it is a core dependency).
+        ImportError: scikit-learn is not installed (it comes with the ``cli`` extra:
+            ``pip install "persample[cli]"``).
 
     Example:
         >>> x, y = digits_features()
         >>> x.shape, int(y.max())
         (torch.Size([1797, 300]), 1)
     """
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
+    digits = _load_digits("digits_features")
     pixels = torch.as_tensor(digits.data, dtype=torch.float64)  # (N, 64)
     pixels = (pixels - pixels.mean(0)) / (pixels.std(0) + 1e-8)
     gen = torch.Generator().manual_seed(seed)

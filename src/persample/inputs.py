@@ -90,7 +90,7 @@ class PackedRows:
                                           or int(self.sample_index.max()) >= n):
             raise ValueError(f"PackedRows: sample_index must be in [0, {n}) (num_samples={n})")
 
-    def rows(self, start: int, stop: int) -> PackedRows:
+    def samples(self, start: int, stop: int) -> PackedRows:
         """Samples ``start:stop``, renumbered from 0."""
         keep = (self.sample_index >= start) & (self.sample_index < stop)
         return PackedRows(self.data[keep], self.sample_index[keep] - start,
@@ -172,7 +172,7 @@ def _graph_keys(x: Any) -> list[str]:
 def _special_rows(x: Any, start: int, stop: int) -> Any:
     """Samples ``start:stop`` of a special form, in the same form."""
     if isinstance(x, PackedRows):
-        return x.rows(start, stop)
+        return x.samples(start, stop)
     if isinstance(x, PackedSequence):
         padded, lengths = pad_packed_sequence(x, batch_first=True)  # (n, T, *f), (n,)
         part = lengths[start:stop]
@@ -322,7 +322,7 @@ class Batch:
         found = iter(values)
         return _walk((self.args, self.kwargs), lambda leaf, _: next(found), "inputs")
 
-    def rows(self, start: int, stop: int) -> Batch:
+    def samples(self, start: int, stop: int) -> Batch:
         """Samples ``start:stop``; shared tensors stay whole."""
         counter = iter(range(1 << 62))
 
@@ -380,7 +380,7 @@ def as_batch(inputs: Any) -> Batch:
     return Batch(args, kwargs, n, sample, form)
 
 
-def rows_of(x: Any, start: int, stop: int) -> Any:
+def samples_of(x: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` of every tensor in ``x`` (targets: a tensor, or any nest of
     them, dataclasses and the packed forms included; ``None`` stays ``None``)."""
     def cut(leaf: Any, _: str) -> Any:
@@ -397,7 +397,7 @@ def mapped_targets(targets: Any) -> tuple[list[Tensor], list[int | None],
     containers opened), their ``in_dims`` (0, or ``None`` for a 0-dim tensor), and
     ``one(rows)`` that rebuilds one sample's targets from its rows (each a batch of one).
     ``None`` where the targets hold a packed form, whose samples are not slices of dim 0
-    (the caller then cuts them with :func:`rows_of`)."""
+    (the caller then cuts them with :func:`samples_of`)."""
     leaves = [leaf for _, leaf in _leaves(targets, "targets")]
     if any(not isinstance(t, Tensor) for t in leaves):
         return None
@@ -435,4 +435,4 @@ def named_tensors(x: Any, path: str) -> list[tuple[str, Tensor]]:
 
 
 __all__ = ["Batch", "PackedRows", "as_batch", "located_of", "mapped_targets", "named_tensors",
-           "rows_of"]
+           "samples_of"]

@@ -27,12 +27,14 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
-from .batch import SHARED, Batched, Mixed
+from .batch import Batched, Mixed
 from .capture import Capture
 from .checks import kept_buffers
+from .engine.backward import one_hot
 from .errors import InternalError
 from .memory import result_empty
 from .methods import Taken, leave_rules, user_stacklevel
+from .rules.registry import EXPANSIONS
 
 MODES = ("auto", "reverse", "forward")
 _CHUNK_NUMBERS = 2**22  # jacobian_diagonal's default: tangents of a chunk, in numbers
@@ -276,8 +278,8 @@ def _followed_forward(model: Callable, xg: Tensor, name: bool = False
     module = model if isinstance(model, nn.Module) and name else None
     watched = {id(p): p for p in module.parameters()} if module is not None else {}
     try:
-        with torch.enable_grad(), Capture(module, watched, n, [xg],
-                                          constant=_no_path_to_inputs) as cap:
+        with torch.enable_grad(), Capture(module, watched, n, [xg], constant=_no_path_to_inputs,
+                                          expansions=EXPANSIONS) as cap:
             out = model(xg)
     except InternalError as err:  # persample's bug: the exact way that assumes nothing
         leave_rules(Taken(), err)
@@ -285,7 +287,7 @@ def _followed_forward(model: Callable, xg: Tensor, name: bool = False
             return _checked_output(model(xg), n), str(err)
     out = _checked_output(out, n)
     lay = cap.layout(out)
-    if lay is SHARED or (isinstance(lay, Batched) and lay.dim == 0 and lay.plain):
+    if lay.shared or lay == Batched(0):
         return out, None
     if isinstance(lay, Mixed):
         if not name and isinstance(model, nn.Module):
@@ -384,15 +386,6 @@ def _result(jac: Tensor, shape: tuple) -> Tensor:
         return jac.view(shape)
     buf = result_empty(jac.numel(), jac.dtype, jac.device)
     return buf.view(jac.shape).copy_(jac).view(shape)
-
-
-def one_hot(start: int, stop: int, like: Tensor) -> Tensor:
-    """``(stop - start, B, *rest)`` for ``like`` ``(B, *rest)``: vector ``k`` is one-hot
-    at flat index ``start + k`` of every sample (a broadcast view, not copied)."""
-    n, rest = like.shape[0], like.shape[1:]
-    v = like.new_zeros((stop - start, math.prod(rest)))
-    v.diagonal(start).fill_(1)
-    return v.view(stop - start, 1, *rest).expand(stop - start, n, *rest)
 
 
 def _chunks(total: int, step: int) -> Iterator[tuple[int, int]]:

@@ -32,9 +32,9 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-from .batch import SHARED, Batched, Layout, Mixed, Unknown, front
+from .batch import SHARED, Batched, Layout, Mixed, front
 from .errors import LossNotPerSampleError, NeedsWholeModel, internal
-from .inputs import mapped_targets, rows_of
+from .inputs import mapped_targets, samples_of
 
 FIX = """Compute each sample's own loss from the logits and pass the labels as targets, e.g. for a
 causal LM:
@@ -85,7 +85,7 @@ def _guarded(output: Any, layout_of: Callable[[Tensor], Layout], n: int) -> Any:
     leaves = []
     for path, leaf in flat:
         lay = layout_of(leaf) if isinstance(leaf, Tensor) else SHARED
-        if isinstance(lay, (Mixed, Unknown)):
+        if not lay.known:
             stand_in = Tensor._make_subclass(_Unsplittable, leaf.detach())
             stand_in.name = _output_name(path)
             stand_in.why = lay.why
@@ -97,12 +97,6 @@ def _guarded(output: Any, layout_of: Callable[[Tensor], Layout], n: int) -> Any:
 
 def _output_name(path: tuple) -> str:
     return f"output{keystr(path)}" if path else "output"
-
-
-def _regular(lay: Batched, n: int) -> bool:
-    """Each sample cut out as it is, without padding: a structured layout or a
-    permutation of the samples."""
-    return lay.index is None or (lay.index.numel() == n and len(set(lay.index.tolist())) == n)
 
 
 def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int,
@@ -148,7 +142,7 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
         flat = [t for _, t in paths]
         for path, t in paths:
             lay = _layout(t, layout_of)
-            if isinstance(lay, Batched) and not _regular(lay, n):
+            if isinstance(lay, Batched) and not lay.sliceable(n):
                 raise NeedsWholeModel(
                     f"loss_fn reduces over the samples of the model's {_output_name(path)}, "
                     "whose rows are packed (a sample's rows are not one slice), so each "
@@ -173,7 +167,7 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
     total = None
     for i in range(n):  # one call per sample, as the loop over samples makes it
         flat_i = [c[i] if d == 0 else c for c, d in zip(cut, dims)]
-        value = loss_fn(tree_unflatten(flat_i, spec), rows_of(targets, i, i + 1)).sum()
+        value = loss_fn(tree_unflatten(flat_i, spec), samples_of(targets, i, i + 1)).sum()
         total = value if total is None else total + value
     return total
 

@@ -22,20 +22,26 @@ from torch.utils._pytree import tree_leaves
 
 from . import checks
 from .capture import Op
-from .engine import loss_backprops
+from .engine import Captured, loss_backprops, write_per_sample
 from .errors import internal
+from .inputs import samples_of
 from .methods import Taken, answer
-from .plan import Captured
 from .precision import accumulate_dtype, cast, without_autocast
-from .pullback import module_front, module_inputs, write_per_sample
-from .reference import loop_per_sample_grads, rows
-from .rules import OpCall, find_norm_rule, find_op_factors, find_op_norm
+from .reference import loop_per_sample_grads
+from .rules import (
+    OpCall,
+    find_norm_rule,
+    find_op_factors,
+    find_op_norm,
+    module_front,
+    module_inputs,
+)
 from .rules.ghost import ghost_cost, materialise_cost, squared_norm
 from .vmap import vmap_per_sample_grads
 
 
 def squared_norms(
-    cap: Captured, params: dict[str, nn.Parameter]
+    captured: Captured, params: dict[str, nn.Parameter]
 ) -> tuple[dict[int, Tensor], dict[int, Tensor], dict[Op, set[int]], list[tuple]]:
     """Squared per-sample gradient norms ``{id(param): (n,)}`` of one captured batch,
     accumulated in at least float32 (:func:`persample.precision.accumulate_dtype`).
@@ -46,12 +52,12 @@ def squared_norms(
     the module calls whose parameters got norms from a module norm rule (``(call,
     output edge, its layout, {name: param})``).
     """
-    n = cap.n
+    n = captured.n
     sq: dict[int, Tensor] = {}
     ghosted: dict[Op, set[int]] = {}
     with torch.no_grad(), without_autocast():
-        sites = _sites(cap)
-        for op in cap.plan.uses:
+        sites = _sites(captured)
+        for op in captured.plan.uses:
             direct = [k for k, pids in op.sources.items() if id(op.leaves[k]) in pids]
             pids = {id(op.leaves[k]) for k in direct}
             if (not pids or len(direct) != len(op.sources) or op.changed()
@@ -60,19 +66,19 @@ def squared_norms(
             norm = find_op_norm(op.func)
             if norm is None or len(op.edges) != 1:
                 continue
-            g, call = _backprops(cap, op)
+            g, call = _backprops(captured, op)
             if g is None:
                 continue
             found = norm(call, g, pids)
             if found is not None:
                 sq.update(found)
                 ghosted[op] = set(found)
-        _shared_norms(cap, sites, sq, ghosted)
-        by_module = _module_norms(cap, sq, sites)
+        _shared_norms(captured, sites, sq, ghosted)
+        by_module = _module_norms(captured, sq, sites)
         rest = [p for p in params.values() if id(p) not in sq]
         mats = {id(p): p.new_empty((n, 1, *p.shape)) for p in rest}
         if mats:
-            write_per_sample(cap, mats)
+            write_per_sample(captured, mats)
         for pid, m in mats.items():
             sq[pid] = sum_of_squares(m.flatten(1))
     for p in params.values():
@@ -88,22 +94,22 @@ def sum_of_squares(rows: Tensor) -> Tensor:
     return torch.linalg.vector_norm(rows, dim=1, dtype=dtype).square()
 
 
-def _backprops(cap: Captured, op: Op) -> tuple[Tensor | None, OpCall]:
+def _backprops(captured: Captured, op: Op) -> tuple[Tensor | None, OpCall]:
     """The op's backprops ``(n, 1, *out)`` and its :class:`OpCall`, both in the dtype its
     norms accumulate in."""
     dtype = accumulate_dtype(*(op.leaves[k].dtype for k in op.sources))
-    (g,) = cap.backprops(op.edges, op.out_layouts)
-    return cast(g, dtype), OpCall(op, cap.n, dtype)
+    (g,) = captured.backprops(op.edges, op.out_layouts)
+    return cast(g, dtype), OpCall(op, captured.n, dtype)
 
 
-def _shared_norms(cap: Captured, sites: dict[int, int], sq: dict[int, Tensor],
+def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tensor],
                   ghosted: dict[Op, set[int]]) -> None:
     """Parameters several ops read directly (tied embedding and output layer, a layer
     called twice, weights shared across depth): ``|sum_k G_k|^2`` from each use's
     factors and their cross terms (``rules.ghost``), where every use has factors and
     that is cheaper than materialising the sum."""
     readers: dict[int, list[Op]] = {}
-    for op in cap.plan.uses:
+    for op in captured.plan.uses:
         for k, pids in op.sources.items():
             pid = id(op.leaves[k])
             if sites.get(pid, 0) > 1 and pids == {pid} and pid not in sq:
@@ -115,27 +121,27 @@ def _shared_norms(cap: Captured, sites: dict[int, int], sq: dict[int, Tensor],
         uses = []
         for op in ops:
             rule = find_op_factors(op.func)
-            g, call = _backprops(cap, op) if rule is not None else (None, None)
+            g, call = _backprops(captured, op) if rule is not None else (None, None)
             found = rule(call, g, {pid}) if g is not None else None
             if not found or pid not in found:
                 break
             uses.append(found[pid])
         else:
-            rows = cap.cap.watched[pid].shape[0]
+            rows = captured.capture.watched[pid].shape[0]
             if ghost_cost(uses) < materialise_cost(uses, rows):
                 sq[pid] = squared_norm(uses)
                 for op in ops:
                     ghosted.setdefault(op, set()).add(pid)
 
 
-def _sites(cap: Captured) -> dict[int, int]:
+def _sites(captured: Captured) -> dict[int, int]:
     """How many ops or module calls contribute to each parameter."""
     count: dict[int, int] = {}
-    plan = cap.plan
+    plan = captured.plan
     for _call, params in plan.module_jobs + plan.fallback_jobs:
         for p in params.values():
             count[id(p)] = count.get(id(p), 0) + 1
-    derived = cap.cap.derived
+    derived = captured.capture.derived
     for op in plan.uses:
         for k, pids in op.sources.items():
             through = 2 if id(op.leaves[k]) in derived else 1  # a derived tensor: materialise
@@ -144,10 +150,10 @@ def _sites(cap: Captured) -> dict[int, int]:
     return count
 
 
-def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -> list[tuple]:
+def _module_norms(captured: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -> list[tuple]:
     """Norm rules of module rules (``register_norm_rule``); the calls they normed."""
     normed = []
-    for call, params in cap.plan.module_jobs:
+    for call, params in captured.plan.module_jobs:
         norm = find_norm_rule(call.rule)
         outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
         if norm is None or len(outs) != 1 or any(sites.get(id(p)) != 1
@@ -155,25 +161,25 @@ def _module_norms(cap: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -
             continue
         e = next(e for t, e in zip([t for t in tree_leaves(call.output)
                                     if isinstance(t, Tensor)], call.edges) if t is outs[0])
-        g = cap.grad(e)
+        g = captured.grad(e)
         if g is None:
             continue
         dtype = accumulate_dtype(*(p.dtype for p in params.values()))
-        backprops = cast(module_front(g, cap.cap.layout(outs[0]), cap.n, 1), dtype)
-        inputs = tuple(cast(x, dtype) for x in module_inputs(cap, call))
+        backprops = cast(module_front(g, captured.layout(outs[0]), captured.n, 1), dtype)
+        inputs = tuple(cast(x, dtype) for x in module_inputs(captured.capture, call))
         found = norm(call.module, inputs, backprops, set(params))
         if found is not None:
             sq.update({id(params[name]): v for name, v in found.items()})
-            normed.append((call, e, cap.cap.layout(outs[0]),
+            normed.append((call, e, captured.layout(outs[0]),
                            {name: params[name] for name in found}))
     return normed
 
 
 def _rules_norms(model, batch, targets, loss_fn, params) -> dict[str, Tensor]:
     """``{name: (n,)}`` by the rules."""
-    cap = loss_backprops(model, batch, targets, loss_fn, {id(p): p for p in params.values()})
+    captured = loss_backprops(model, batch, targets, loss_fn, {id(p): p for p in params.values()})
     with internal("the norm rules"):
-        sq, _, _, _ = squared_norms(cap, params)
+        sq, _, _, _ = squared_norms(captured, params)
     return {name: sq[id(p)].sqrt() for name, p in params.items()}
 
 
@@ -235,7 +241,7 @@ def per_sample_grad_norms(
     layers = {name: p.new_zeros(n, dtype=accumulate_dtype(p.dtype)) for name, p in params.items()}
     step, taken = chunk_size or max(n, 1), Taken()
     for start in range(0, n, step):
-        a, t = batch.rows(start, start + step), rows(targets, start, start + step)
+        a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
         chunk = answer(
             method,
             rules=lambda a=a, t=t: _rules_norms(model, a, t, loss_fn, params),

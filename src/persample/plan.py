@@ -3,7 +3,7 @@
 After the captured forward (:mod:`persample.capture`), :func:`plan` gives every
 parameter the forward read its path: the module rule of a call that claims it
 (the recurrent layers), else the rules of the ops that read it (checked and
-recorded as they run, ``pullback.py``), else the per-module fallback over the
+recorded as they run, :mod:`persample.engine.pullback`), else the per-module fallback over the
 innermost call around all its reads whose inputs and outputs have known layouts.
 What cannot be followed at all raises :class:`~persample.errors.NeedsWholeModel`.
 The plan lists the gradient edges the one backward must reach.
@@ -18,8 +18,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves
 
-from .batch import SHARED, Batched, Layout, Mixed, Unknown, front_cotangents
-from .capture import Call, Capture, Edge, Op
+from .batch import Batched
+from .capture import Call, Capture, Op
 from .errors import NeedsWholeModel
 from .rules import find_op_rule
 
@@ -28,7 +28,7 @@ from .rules import find_op_rule
 class Path:
     """How one parameter's per-sample gradient is computed."""
 
-    kind: str  # "rule", "module rule", "taps", "fallback", "unused"
+    kind: str  # "rule", "module rule", "op vjp", "fallback", "unused"
     where: str  # the ops or the module call
     reason: str = ""
 
@@ -43,7 +43,6 @@ class Plan:
     handled: set[int] = field(default_factory=set)  # params handled by module/fallback jobs
     paths: dict[int, Path] = field(default_factory=dict)
     reach: list[nn.Parameter] = field(default_factory=list)  # params to check for hidden paths
-    whole: list[nn.Parameter] = field(default_factory=list)  # a batch of one: plain gradients
 
     def edges(self) -> list[GradientEdge]:
         """Every gradient edge the backward must reach, without repeats."""
@@ -74,9 +73,9 @@ def plan(cap: Capture, watched: dict[int, nn.Parameter]) -> Plan:
         if op in owned:
             continue
         lays = op.out_layouts
-        if all(lay is SHARED for lay in lays):
+        if all(lay.shared for lay in lays):
             continue  # makes a derived tensor: pulled back from its consumers
-        bad = next((lay for lay in lays if isinstance(lay, (Mixed, Unknown))), None)
+        bad = next((lay for lay in lays if not lay.known), None)
         if bad is not None:
             for pid in op.sources_all:
                 needs_fallback.setdefault(pid, f"{bad.why} (at {op.where()})")
@@ -132,18 +131,14 @@ def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
     ins = [t for a in leaves for t in ((a.data,) if isinstance(a, PackedSequence) else (a,))
            if isinstance(t, Tensor)]
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
-    if not all(_plain(cap.layout(t)) for t in ins + outs):
+    if not all(cap.layout(t).one_position_each() for t in ins + outs):
         return False
     read = {id(t) for op in ops for t in op.leaves}
-    shared = [t for t in ins if cap.layout(t) is SHARED]
+    shared = [t for t in ins if cap.layout(t).shared]
     paired_inside = any(
         isinstance(op.pairing(k), Batched) and not any(t is x for x in ins)
         for op in ops for k, t in enumerate(op.leaves))
     return not (paired_inside and any(id(t) not in read for t in shared))
-
-
-def _plain(lay: Layout) -> bool:
-    return lay is SHARED or (isinstance(lay, Batched) and lay.outer == lay.inner == 1)
 
 
 def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[int, list[Op]],
@@ -198,11 +193,7 @@ def _replayable(cap: Capture, call: Call) -> bool:
     if [t._version for t in leaves] != call.versions:
         return False
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
-    return all(_located(cap.layout(t)) for t in leaves + outs)
-
-
-def _located(lay: Layout) -> bool:
-    return lay is SHARED or (isinstance(lay, Batched) and lay.index is None)
+    return all(cap.layout(t).located() for t in leaves + outs)
 
 
 def param_name(model: nn.Module, pid: int) -> str:
@@ -218,33 +209,7 @@ def _paths(cap: Capture, result: Plan, reads: dict[int, list[Op]],
         for p in params.values():
             result.paths[id(p)] = Path("module rule", call.describe(),
                                        f"{call.rule.base.__name__} rule")
-    for op in result.uses:  # provisional: the rules run decide (Pullbacks.note)
-        kind = "rule" if find_op_rule(op.func) is not None else "taps"
+    for op in result.uses:  # provisional: the rules as they run decide (Captured.taken)
+        kind = "rule" if find_op_rule(op.func) is not None else "op vjp"
         for pid in op.sources_all - result.handled:
             result.paths.setdefault(pid, Path(kind, op.where()))
-
-
-@dataclass
-class Captured:
-    """One batch: its capture, plan and backprops."""
-
-    cap: Capture
-    plan: Plan
-    grads: dict[tuple[int, int], Tensor | None]  # per edge: (v, *shape) or None
-    n: int
-    v: int
-
-    def grad(self, e: Edge | None) -> Tensor | None:
-        """``(v, *output.shape)``: the backward's gradient at ``e`` (``None``: none)."""
-        g = None if e is None else self.grads.get(edge_key(e.edge))
-        return None if g is None else e.take(g)
-
-    def backprops(self, edges: list[Edge | None], layouts: list[Layout]) -> list[Tensor | None]:
-        """Per output: ``(n, v, *per_sample)`` cotangents (``None`` where no gradient
-        reaches it)."""
-        found = []
-        for e, lay in zip(edges, layouts):
-            g = self.grad(e)
-            found.append(front_cotangents(g, lay, self.n) if g is not None
-                         and isinstance(lay, Batched) else None)
-        return found

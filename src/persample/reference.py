@@ -15,14 +15,8 @@ from torch import Tensor, nn
 
 from .capture import plain_checkpoints
 from .checks import keeps_buffers, trainable_parameters
-from .inputs import as_batch, rows_of
+from .inputs import as_batch, samples_of
 from .sharded import refuse_sharded
-
-
-def rows(x: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of every tensor in ``x`` (a tensor, or any nest of them, or
-    None; dataclasses and the packed forms of :mod:`persample.inputs` included)."""
-    return rows_of(x, start, stop)
 
 
 @keeps_buffers
@@ -63,7 +57,7 @@ def loop_per_sample_grads(
     result = {name: p.new_zeros((n, *p.shape)) for name, p in params.items()}
     for i in range(n):
         with torch.enable_grad(), plain_checkpoints():
-            loss = loss_fn(batch.rows(i, i + 1).call(model), rows(targets, i, i + 1)).sum()
+            loss = loss_fn(batch.samples(i, i + 1).call(model), samples_of(targets, i, i + 1)).sum()
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, _), g in zip(params.items(), grads):
             if g is not None:
@@ -75,7 +69,8 @@ def loop_per_sample_grads(
 def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, Tensor]:
     """Per-sample parameter Jacobian by a loop over samples and outputs (the reference).
 
-    Seed 000's ``calculate_gradients``: one ``autograd.grad`` per sample and output.
+    The plain answer to the question of computing ``(B, Y, P)`` Jacobians
+    (``calculate_gradients(model, X)``): one ``autograd.grad`` per sample and output.
 
     Args:
         model: maps a batch ``(B, *in_shape)`` to ``(B, *out_shape)``.
@@ -103,7 +98,7 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
     per_sample = []
     for i in range(batch.n):
         with torch.enable_grad(), plain_checkpoints():
-            out = batch.rows(i, i + 1).call(model)[0]  # (*out_shape)
+            out = batch.samples(i, i + 1).call(model)[0]  # (*out_shape)
             per_output = [
                 torch.autograd.grad(k, list(params.values()), retain_graph=True,
                                     allow_unused=True)

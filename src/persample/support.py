@@ -18,13 +18,12 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from . import checks
-from .engine import capture_backprops, loss_backprops
+from .engine import capture_backprops, loss_backprops, write_per_sample
 from .errors import REFUSALS, InternalError, internal
-from .inputs import Batch, as_batch
+from .inputs import Batch, as_batch, samples_of
 from .plan import Path
 from .precision import autocast_state
-from .pullback import write_per_sample
-from .reference import loop_per_sample_grads, rows
+from .reference import loop_per_sample_grads
 from .rules import find_rule
 from .rules.recurrent import training_dropout
 
@@ -36,7 +35,7 @@ class Route:
     module: str  # qualified name of the module holding them, "" for the root
     type: str  # the module's class name
     params: tuple[str, ...]  # its trainable parameters on this path
-    path: str  # "rule", "module rule", "taps", "fallback", "vmap", "unused", "unsupported"
+    path: str  # "rule", "module rule", "op vjp", "fallback", "vmap", "unused", "unsupported"
     reason: str  # the ops (or call) that compute them, or why there is no fast path
 
 
@@ -79,14 +78,14 @@ def _static_route(name: str, module: nn.Module, params: tuple[str, ...]) -> Rout
 @checks.keeps_buffers
 def supported(model: nn.Module, inputs: Any = None, targets: Any = None,
               loss_fn: Callable[[Any, Any], Tensor] | None = None) -> Routes:
-    """Which path each trainable parameter takes, by module: rule, taps, fallback, ...
+    """Which path each trainable parameter takes, by module: rule, op vjp, fallback, ...
 
     With ``inputs`` (a batch as for :func:`persample.per_sample_grads`) the model
     runs once, forward and one backward (of ``loss_fn(output, targets)`` if given,
     else of the sum of its outputs), through the same capture, planning and rules as
     a real call, and the answer is what that call does: ``"rule"`` (the op rules of
     the ops reading the parameter, whatever module class wraps them), ``"module
-    rule"`` (a recurrent layer's rule), ``"taps"`` (the exact per-sample VJP of an op
+    rule"`` (a recurrent layer's rule), ``"op vjp"`` (the exact per-sample VJP of an op
     without a rule, slower), ``"fallback"`` (the
     per-module ``torch.func`` fallback over the call named in ``reason``), ``"vmap"``
     (the engine cannot split this model's gradients: ``method="auto"`` runs
@@ -156,8 +155,8 @@ def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
     reason = checks.mixing_reason_of(model)
     if reason:
         return {pid: Path("unsupported", "", reason) for pid in params}
-    if batch.n < 2:
-        return {pid: Path("rule", "", "a batch of one: the ordinary gradient") for pid in params}
+    if batch.n == 0:
+        return {pid: Path("rule", "", "an empty batch: nothing to compute") for pid in params}
 
     def root(output: Any, cap) -> Tensor:
         leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad
@@ -170,18 +169,18 @@ def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
 
     try:
         if loss_fn is None:
-            cap = capture_backprops(model, batch, root, backward, params, 1)
+            captured = capture_backprops(model, batch, root, backward, params, 1)
         else:
-            cap = loss_backprops(model, batch, targets, loss_fn, params)
+            captured = loss_backprops(model, batch, targets, loss_fn, params)
         with internal("the rules"):
-            write_per_sample(cap, {pid: p.new_empty((batch.n, 1, *p.shape))
+            write_per_sample(captured, {pid: p.new_empty((batch.n, 1, *p.shape))
                                    for pid, p in params.items()})
     except REFUSALS + (InternalError,) as err:
         why = (f"{err} method='auto' runs torch.func over the whole model (the loop if "
                "that fails)")
         return {pid: Path("vmap", "", why) for pid in params}
-    return {pid: cap.plan.paths.get(pid, Path("unused", "", "never read in this forward: "
-                                             "zero per-sample gradients")) for pid in params}
+    return {pid: captured.paths.get(pid, Path("unused", "", "never read in this forward: "
+                                                  "zero per-sample gradients")) for pid in params}
 
 
 def _traced_routes(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable | None
@@ -200,10 +199,10 @@ def _traced_routes(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
 
 
 def _reason(path: Path) -> str:
-    """A route's reason: the ops for ``rule``; for ``taps`` the op whose per-sample
+    """A route's reason: the ops for ``rule``; for ``op vjp`` the op whose per-sample
     vector-Jacobian product ``torch.func`` computes (the first one the run recorded),
     why its rule did not apply, and the other ops; else the path's own reason."""
-    if path.kind != "taps":
+    if path.kind != "op vjp":
         return path.reason or path.where
     first, _, rest = path.where.partition("; ")
     why = path.reason or "no rule"
@@ -305,7 +304,7 @@ def verify(
         raise ValueError(f"samples must be a positive int, got {samples!r}")
     batch = as_batch(inputs)
     k = min(samples, batch.n)
-    part, t = batch.rows(0, k), rows(targets, 0, k)
+    part, t = batch.samples(0, k), samples_of(targets, 0, k)
     fast, taken = grads_taken(model, part, t, loss_fn, method=method,
                               loss_reduction=loss_reduction)
     slow = loop_per_sample_grads(model, part, t, loss_fn)

@@ -1,8 +1,9 @@
 """``method="vmap"``: ``torch.func.vmap(grad(...))`` over the whole model.
 
-Seed 001's tutorial: ``vmap(grad(compute_loss), in_dims=(None, None, 0, 0))``
-with ``functional_call``; each sample is run as a batch of one. Per-sample inputs
-(:class:`persample.inputs.Batch`) are mapped over dim 0, shared ones passed whole.
+PyTorch's per-sample-gradients tutorial (torch.func):
+``vmap(grad(compute_loss), in_dims=(None, None, 0, 0))`` with ``functional_call``; each
+sample is run as a batch of one. Per-sample inputs (:class:`persample.inputs.Batch`) are
+mapped over dim 0, shared ones passed whole.
 
 Under ``torch.autocast`` the model runs as autocast runs it. Two kernels need help:
 ``torch.func`` cannot batch ``batch_norm`` (hence ``instance_norm`` and the BatchNorm
@@ -88,7 +89,8 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
                         ) -> dict[str, Tensor]:
     """Per-sample parameter Jacobian ``{name: (B, *out_shape, *param.shape)}``.
 
-    Seed 000's answer: ``vmap(jacrev(functional_call))`` over the samples.
+    The usual answer to computing ``(B, Y, P)`` Jacobians: ``vmap(jacrev(functional_call))``
+    over the samples.
     """
     refuse_sharded(model, 'vmap')
     refuse_recurrent(model)

@@ -4,7 +4,7 @@
 to the front; :mod:`~persample.batch.flow` propagates layouts through every op.
 """
 
-from .flow import Ctx, Flow, in_place, op_leaves, propagate
+from .flow import Ctx, Flow, broadcasts, in_place, op_leaves, propagate
 from .layouts import (
     SHARED,
     Batched,
@@ -17,5 +17,6 @@ from .layouts import (
     is_batched,
 )
 
-__all__ = ["Ctx", "Flow", "in_place", "op_leaves", "propagate", "SHARED", "Batched", "Shared",
-           "Layout", "Mixed", "Unknown", "front", "front_cotangents", "is_batched"]
+__all__ = ["Ctx", "Flow", "broadcasts", "in_place", "op_leaves", "propagate", "SHARED",
+           "Batched", "Shared", "Layout", "Mixed", "Unknown", "front", "front_cotangents",
+           "is_batched"]

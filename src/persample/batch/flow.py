@@ -169,6 +169,17 @@ def every(out: Any, layout: Layout) -> Any:
     return layout
 
 
+# handlers of ops that broadcast their inputs right-aligned against the output
+# (elementwise ops, ``where``, the mask of ``scaled_dot_product_attention``)
+BROADCASTING: set[Handler] = set()
+
+
+def broadcasts(func: Any) -> bool:
+    """Does the op broadcast its inputs right-aligned against its output (its handler is
+    in :data:`BROADCASTING`)?"""
+    return HANDLERS.get(func) in BROADCASTING
+
+
 def register(handler: Handler, *funcs: Any, override: bool = False) -> None:
     for f in funcs:
         if f is None:

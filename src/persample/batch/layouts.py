@@ -31,33 +31,61 @@ import torch
 from torch import Tensor
 
 
-class Shared:
+class _Questions:
+    """What the engine asks of a layout, answered by each kind (no caller tests kinds)."""
+
+    shared = False  # no sample's data flows in
+    known = False  # where the samples are is known: shared or batched
+
+    def one_position_each(self) -> bool:
+        """Each sample's positions are one position (in any order), or none: a module
+        rule can take the tensor with the samples in dim 0."""
+        return False
+
+    def located(self) -> bool:
+        """Each sample's positions follow from the sizes alone (no index): a module
+        call can be replayed on one sample's slices."""
+        return False
+
+
+class Shared(_Questions):
     """No sample data flows into the tensor: shared by every sample."""
+
+    shared = True
+    known = True
 
     def __repr__(self) -> str:
         return "SHARED"
+
+    def one_position_each(self) -> bool:
+        return True
+
+    def located(self) -> bool:
+        return True
 
 
 SHARED = Shared()
 
 
 @dataclass(frozen=True)
-class Mixed:
+class Mixed(_Questions):
     """Entries depend on several samples (``why`` names the op)."""
 
     why: str
 
 
 @dataclass(frozen=True)
-class Unknown:
+class Unknown(_Questions):
     """Sample data flows in, but where it is is not known (``why`` names the op)."""
 
     why: str
 
 
 @dataclass(frozen=True, eq=False)
-class Batched:
+class Batched(_Questions):
     """Dim ``dim`` holds the samples (see the module docstring)."""
+
+    known = True  # (a class attribute: not a field)
 
     dim: int
     outer: int = 1
@@ -89,6 +117,18 @@ class Batched:
         """One position per sample, in sample order."""
         return self.outer == 1 and self.inner == 1 and self.index is None
 
+    def one_position_each(self) -> bool:
+        return self.outer == 1 and self.inner == 1
+
+    def located(self) -> bool:
+        return self.index is None
+
+    def sliceable(self, n: int) -> bool:
+        """Each sample cut out as it is, without padding: positions by arithmetic, or a
+        permutation of the samples."""
+        return self.index is None or (self.index.numel() == n
+                                      and len(set(self.index.tolist())) == n)
+
     def moved(self, dim: int) -> Batched:
         if dim == self.dim and type(self) is Batched:  # (a subclass's extras are dropped)
             return self
@@ -99,6 +139,10 @@ class Batched:
     def front(self, x: Tensor, n: int) -> Tensor:
         """``x`` -> ``(n, *per_sample)``; a view unless the layout is irregular."""
         return _front(x, self, n, 0)
+
+    def per_sample_shape(self, x: Tensor, n: int) -> torch.Size:
+        """The shape of one sample's part of ``x`` (``front(x)[i]``), no data read."""
+        return self.front(x.new_empty(()).expand(x.shape), n).shape[1:]
 
     def front_cotangents(self, g: Tensor, n: int) -> Tensor:
         """Cotangents ``(v, *shape)`` -> ``(n, v, *per_sample)``."""

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .flow import (
+    BROADCASTING,
     UNBROADCASTS,
     VALUE_READERS,
     Ctx,
@@ -35,7 +36,7 @@ from .ops_indexing import (
     located,
     merge,
     partly,
-    rows_of,
+    samples_along,
     trouble,
     where_positions,
 )
@@ -96,7 +97,7 @@ def _with_free_positions(ctx: Ctx, func, leaves: list, lays: list, shape, out) -
     of each position along the one batch dim, merged over the inputs."""
     rank, dim, rows = len(shape), None, None
     for t, lay in zip(leaves, lays):
-        found = rows_of(ctx, t, lay)
+        found = samples_along(ctx, t, lay)
         if found is None:
             continue
         d = found[0] + rank - t.dim()
@@ -190,6 +191,7 @@ def _where(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_where, *aliases("where"), override=True)
+BROADCASTING.update((broadcast, _where))
 
 
 def _unbroadcast(func, args: tuple, kwargs: dict, narrow) -> tuple | None:

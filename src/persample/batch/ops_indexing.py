@@ -105,7 +105,7 @@ def trouble(layouts: list[Layout]) -> Layout | None:
     return found
 
 
-def rows_of(ctx: Ctx, t: Tensor, lay: Layout) -> tuple[int, Tensor] | None:
+def samples_along(ctx: Ctx, t: Tensor, lay: Layout) -> tuple[int, Tensor] | None:
     """``(dim, samples (size,))`` of a batched or :class:`Partly` tensor; ``None`` else."""
     if isinstance(lay, Partly):
         return lay.dim, lay.rows
@@ -118,7 +118,7 @@ def rows_of(ctx: Ctx, t: Tensor, lay: Layout) -> tuple[int, Tensor] | None:
 def element_samples(ctx: Ctx, t: Tensor, lay: Layout) -> Tensor:
     """The sample of every entry of ``t`` (``NO_SAMPLE`` where shared), broadcastable to
     ``t.shape``."""
-    found = rows_of(ctx, t, lay)
+    found = samples_along(ctx, t, lay)
     if found is None:
         return torch.full((), NO_SAMPLE, dtype=torch.long, device=t.device)
     d, rows = found
@@ -389,7 +389,7 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
             if samples is None:
                 return Mixed(f"{what} reads with one sample's index tensor another "
                              "sample's positions")
-    found = rows_of(ctx, x, lay)
+    found = samples_along(ctx, x, lay)
     if found is not None:
         d, rows = found
         on_batch = [a for a in advs if a.dim == d]
@@ -483,7 +483,7 @@ def _gather(ctx, func, args, kwargs, out) -> Any:
     if bad is not None:
         return bad
     found = [(t, lay) for t, lay in ((x, lx), (idx, li)) if lay is not SHARED]
-    dims = {rows_of(ctx, t, lay)[0] for t, lay in found}
+    dims = {samples_along(ctx, t, lay)[0] for t, lay in found}
     if len(dims) > 1:
         return mixed(func, "pairs samples from different dims")
     b = dims.pop()
@@ -503,7 +503,7 @@ def _gather(ctx, func, args, kwargs, out) -> Any:
         if isinstance(lx, Batched) and lx.index is not None and not _read_by_value(
                 samples, values, x.shape[d]):
             return Unknown(f"{name_of(func)} picks shared positions of an irregular batch dim")
-        samples = merge(samples, rows_of(ctx, x, lx)[1][values])
+        samples = merge(samples, samples_along(ctx, x, lx)[1][values])
         if samples is None:
             return mixed(func, "reads one sample's rows at another sample's positions")
     got = along_one_dim(samples)
@@ -542,7 +542,7 @@ def _scatter(ctx, func, args, kwargs, out) -> Any:
         return bad
     if func in _INDEX_OPS and idx.dim() != 1:
         return Unknown(f"{name_of(func)} with an index that is not one-dimensional")
-    dims = {d if t is idx and func in _INDEX_OPS else rows_of(ctx, t, lay)[0]
+    dims = {d if t is idx and func in _INDEX_OPS else samples_along(ctx, t, lay)[0]
             for t, lay in named if lay is not SHARED and t.dim()}
     if not dims:
         return SHARED
@@ -562,7 +562,7 @@ def _per_sample(ctx: Ctx, func, named: list, x: Tensor, b: int, out: Tensor) -> 
     for t, lay in named:
         if lay is SHARED or not t.dim() or (t is named[1][0] and func in _INDEX_OPS):
             continue
-        own = rows_of(ctx, t, lay)[1]
+        own = samples_along(ctx, t, lay)[1]
         if own.shape[0] > size:
             return Unknown(f"{name_of(func)} of more rows than its result has")
         part = merge(rows[: own.shape[0]], own)
@@ -619,7 +619,7 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
             return Mixed(f"{what} puts a sample's rows in another sample's place")
     lx = followed(ctx, x)
     if lx is not SHARED:
-        rows = merge(rows, rows_of(ctx, x, lx)[1])
+        rows = merge(rows, samples_along(ctx, x, lx)[1])
         if rows is None:
             return Mixed(f"{what} puts one sample's data into another sample's rows")
     return located(d, rows, ctx.n, out, what)
@@ -646,7 +646,7 @@ def setitem_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout | None
         return None
     li = followed(ctx, idx)
     lx = followed(ctx, x)
-    if trouble([li, lx]) is not None or (lx is not SHARED and rows_of(ctx, x, lx)[0] != d):
+    if trouble([li, lx]) is not None or (lx is not SHARED and samples_along(ctx, x, lx)[0] != d):
         return None
     own = element_samples(ctx, idx, li).expand(idx.shape)
     if idx.dtype in (torch.bool, torch.uint8):
@@ -705,7 +705,7 @@ def _nonzero(ctx, func, args, kwargs, out) -> Any:
     bad = trouble([lay])
     if bad is not None or lay is SHARED:
         return every(out, bad or SHARED)
-    found = rows_of(ctx, x, lay)
+    found = samples_along(ctx, x, lay)
     if x.dim() == 0 or found is None:
         return every(out, Unknown(f"{name_of(func)} of a scalar"))
     d, rows = found
@@ -759,7 +759,7 @@ def _sort(ctx, func, args, kwargs, out) -> Any:
     default = -1
     pos = 2 if func in _TOPK else 1
     d = dim_of(arg(args, kwargs, pos, "dim", default), max(x.dim(), 1))
-    found = rows_of(ctx, x, lay)
+    found = samples_along(ctx, x, lay)
     if found is None:
         return every(out, lay)
     if found[0] != d:

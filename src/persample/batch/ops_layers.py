@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .flow import (
+    BROADCASTING,
     UNBROADCASTS,
     VALUE_READERS,
     Flow,
@@ -251,6 +252,7 @@ def _sdpa(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_sdpa, *aliases("scaled_dot_product_attention"))
+BROADCASTING.add(_sdpa)
 
 
 def _sdpa_unbroadcast(func, args: tuple, kwargs: dict, narrow) -> tuple | None:

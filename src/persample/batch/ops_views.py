@@ -36,7 +36,7 @@ from .ops_indexing import (
     follows_partly,
     located,
     regular,
-    rows_of,
+    samples_along,
     trouble,
 )
 
@@ -334,7 +334,7 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
     if bad is not None:
         return Flow(bad)
     if any(isinstance(lay, (Batched, Partly)) and lay.dim == d for lay in lays):
-        found = [rows_of(ctx, t, lay) for t, lay in zip(joined, lays)]  # (rows_of's dims)
+        found = [samples_along(ctx, t, lay) for t, lay in zip(joined, lays)]  # (dims: each its own)
         return Flow(_joined_along(ctx, func, joined, found, d, out))
     if any(isinstance(lay, Partly) for lay in lays):
         return Flow(Unknown("cat of tensors with positions holding no sample's data"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import dp_finetune, dp_train
+from . import _deps, dp_finetune, dp_train
 from .workloads import REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
 
 
@@ -82,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns 0.
 
     Raises:
-        SystemExit: bad arguments (argparse), an unknown workload, or ``--device cuda``
-            without CUDA.
+        SystemExit: bad arguments (argparse), an unknown workload, ``--device cuda``
+            without CUDA, or a package the command needs from the ``cli`` extra (tqdm,
+            scikit-learn, matplotlib for ``--plot``) is not installed: checked before
+            the command starts.
     """
     args = build_parser().parse_args(argv)
+    _deps.require(args)
     if args.command == "bench" and args._memory_probe:
         import json
 

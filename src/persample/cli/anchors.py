@@ -201,7 +201,7 @@ def saved_bytes_per_sample(w: Workload) -> int:
         >>> saved_bytes_per_sample(grads_workload("deep-mlp-grads", 2)) > 0
         True
     """
-    from ..reference import rows
+    from ..inputs import samples_of
 
     own = {p.untyped_storage().data_ptr() for p in w.model.parameters()}
     seen: dict[int, int] = {}
@@ -213,7 +213,7 @@ def saved_bytes_per_sample(w: Workload) -> int:
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        w.loss_fn(w.call(inputs=rows(w.inputs, 0, 1)), rows(w.targets, 0, 1))
+        w.loss_fn(w.call(inputs=samples_of(w.inputs, 0, 1)), samples_of(w.targets, 0, 1))
     return sum(seen.values())
 
 
@@ -374,6 +374,7 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
     from ..capture import Capture
     from ..inputs import as_batch
     from ..rules import module_rule
+    from ..rules.registry import EXPANSIONS
 
     batch = as_batch(w.inputs)
     watched = {id(p): p for p in w.model.parameters() if p.requires_grad}
@@ -384,7 +385,7 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
 
     def captured() -> object:
         with torch.enable_grad(), Capture(w.model, watched, batch.n, batch.located,
-                                          batch.shared, module_rule):
+                                          batch.shared, module_rule, expansions=EXPANSIONS):
             return batch.call(w.model)
 
     return [("plain forward", plain), ("forward under capture", captured)]

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from .workloads import simple_cnn
 
@@ -187,6 +186,8 @@ def train(
     clipping, the noise, and the learning rate (``cfg.lr`` or ``cfg.nonprivate_lr``).
     ``accountant`` (private only) records every step, empty batches included.
     """
+    from tqdm import tqdm  # the cli extra: imported here, so --help works without it
+
     from ..dp import PrivateStep
     from ..dp.sampling import poisson_batches
     from ..dp.step import _world

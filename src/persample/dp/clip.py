@@ -23,15 +23,15 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..batch import Batched
-from ..engine import loss_backprops
+from ..engine import Captured, loss_backprops
 from ..errors import InternalError, internal
-from ..fallback import summed_vjp
 from ..methods import Taken, answer, leave_rules, slower
 from ..norms import squared_norms, sum_of_squares
-from ..plan import Captured, Plan
+from ..plan import Plan
 from ..precision import LOW, cast, without_autocast
 from ..reference import loop_per_sample_grads
 from ..rules import OpCall, find_norm_rule, find_op_sum
+from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
 from ..vmap import vmap_per_sample_grads
 from .noise import gaussian_like
@@ -174,9 +174,10 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     watched = {id(p): p for p in params.values()}
 
     def by_rules() -> tuple:
-        cap = loss_backprops(model, batch, targets, loss_fn, watched, retain_graph=_keeps_graph)
+        captured = loss_backprops(model, batch, targets, loss_fn, watched,
+                                  retain_graph=_keeps_graph)
         with internal("the norm rules"):
-            return (cap, *squared_norms(cap, params))
+            return (captured, *squared_norms(captured, params))
 
     def by(method: Callable) -> Callable[[], tuple]:
         def materialised() -> tuple:
@@ -186,7 +187,7 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
                 mats, {}, []
         return materialised
 
-    cap, sq, mats, ghosted, by_module = answer(
+    captured, sq, mats, ghosted, by_module = answer(
         "rules" if sharded else "auto", rules=by_rules, vmap=by(vmap_per_sample_grads),
         loop=by(lambda m, b, t, f, _: loop_per_sample_grads(m, b, t, f)),
         hint=lambda: checks.dtype_note(batch, params))
@@ -195,13 +196,13 @@ def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per
     factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
     for group in groups:
         into = make_into(group)
-        _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_module,
+        _add_group(model, batch, targets, loss_fn, params, captured, mats, ghosted, by_module,
                    factors, into, set(group), sharded)
         flush(into)
     return norms
 
 
-def _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_module,
+def _add_group(model, batch, targets, loss_fn, params, captured, mats, ghosted, by_module,
                factors, into, group: set[int], sharded: bool) -> None:
     """The clipped sums of the parameters ``group`` (ids) into ``into``."""
     done, left = {pid for pid in mats if pid in group}, {}
@@ -213,18 +214,18 @@ def _add_group(model, batch, targets, loss_fn, params, cap, mats, ghosted, by_mo
             for _call, edge, layout, normed in by_module:  # module norm rules: their backward
                 for p in normed.values():
                     if id(p) in group:
-                        got = _edge_backward(cap, edge, layout, [p], factors[id(p)])[id(p)]
+                        got = _edge_backward(captured, edge, layout, [p], factors[id(p)])[id(p)]
                         into[id(p)].add_(got)
                         done.add(id(p))
-            if cap is not None:
-                _book_keeping(cap, {op: pids & group for op, pids in ghosted.items()
+            if captured is not None:
+                _book_keeping(captured, {op: pids & group for op, pids in ghosted.items()
                                     if pids & group}, factors, into, done, left)
     except InternalError as err:  # the norms are right: the rest from per-sample gradients
         if sharded:
             raise
         leave_rules(Taken(), err)
         with internal("the clipped sums of the uses left"):
-            _complete(cap, ghosted, left, factors, into, done)
+            _complete(captured, ghosted, left, factors, into, done)
         rest = {name: p for name, p in params.items() if id(p) in group and id(p) not in done}
         grads = slower(lambda: vmap_per_sample_grads(model, batch, targets, loss_fn, rest),
                        lambda: loop_per_sample_grads(model, batch, targets, loss_fn))
@@ -275,7 +276,7 @@ def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tens
             for p in params.values()}
 
 
-def _book_keeping(cap: Captured, ghosted: dict, factors: dict[int, Tensor],
+def _book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
                   into: dict[int, Tensor], done: set[int], left: dict[int, list]) -> None:
     """Add the clipped sums of the ghost-normed parameters into ``into``, op by op
     (``ghosted``: op -> the parameters it sums; ``done``: parameters whose sums are
@@ -293,15 +294,16 @@ def _book_keeping(cap: Captured, ghosted: dict, factors: dict[int, Tensor],
     with without_autocast():
         for op, pids in ghosted.items():
             summed = find_op_sum(op.func)
-            g = cap.backprops(op.edges, op.out_layouts)[0][:, 0] if summed else None  # (n, *out)
+            g = (captured.backprops(op.edges, op.out_layouts)[0][:, 0]  # (n, *out)
+                 if summed else None)
             for pid in [pid for pid in pids if pid in left]:  # one at a time: a failure
-                _add_op_sum(cap, op, pid, factors[pid], into[pid], g)  # adds nothing
+                _add_op_sum(captured, op, pid, factors[pid], into[pid], g)  # adds nothing
                 left[pid].remove(op)
                 if not left[pid]:
                     done.add(pid)
 
 
-def _complete(cap: Captured, ghosted: dict, left: dict[int, list],
+def _complete(captured: Captured, ghosted: dict, left: dict[int, list],
               factors: dict[int, Tensor], into: dict[int, Tensor], done: set[int]) -> None:
     """After a failure: a parameter some of whose uses were added gets the other uses'
     sums from each op's own backward (exact, and apart from the rules)."""
@@ -312,11 +314,11 @@ def _complete(cap: Captured, ghosted: dict, left: dict[int, list],
         with without_autocast():
             for op in ops:
                 p = next(t for t in op.leaves if id(t) == pid)
-                into[pid].add_(_local_backward(cap, op, [p], factors[pid])[pid])
+                into[pid].add_(_local_backward(captured, op, [p], factors[pid])[pid])
         done.add(pid)
 
 
-def _add_op_sum(cap: Captured, op, pid: int, c: Tensor, into: Tensor, g: Tensor | None
+def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor, g: Tensor | None
                 ) -> None:
     """Add one op's share of ``sum_i c_i g_i`` of the parameter ``pid`` (clip factors
     ``c (n,)``) into ``into``: its weighted-sum rule with the op's backprops ``g (n,
@@ -324,11 +326,11 @@ def _add_op_sum(cap: Captured, op, pid: int, c: Tensor, into: Tensor, g: Tensor 
     if g is not None:
         dtype = _sum_dtype(g.dtype, into.dtype)
         with torch.no_grad():
-            if find_op_sum(op.func)(OpCall(op, cap.n, dtype), cast(g, dtype), c.to(dtype),
+            if find_op_sum(op.func)(OpCall(op, captured.n, dtype), cast(g, dtype), c.to(dtype),
                                     {pid: into}):
                 return
     p = next(t for t in op.leaves if id(t) == pid)
-    into.add_(_local_backward(cap, op, [p], c)[pid])
+    into.add_(_local_backward(captured, op, [p], c)[pid])
 
 
 def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
@@ -338,12 +340,12 @@ def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
     return op_dtype if op_dtype in LOW and into_dtype not in LOW else into_dtype
 
 
-def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:
+def _local_backward(captured: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:
     """``d/dW <c * G, out>`` for ``group``'s parameters: the op replayed on the values it
     read (unchanged since: ``squared_norms`` ghosts no other) and one backward of it
     alone (the model's graph is not kept for this)."""
     (edge,), (lay,) = op.edges, op.out_layouts
-    scaled = _scaled(cap.grad(edge)[0], lay, c)  # (*out)
+    scaled = _scaled(captured.grad(edge)[0], lay, c)  # (*out)
     wanted = {id(p) for p in group}
     wrt = [k for k, t in enumerate(op.leaves) if id(t) in wanted]
     found: dict[int, Tensor] = {}
@@ -353,12 +355,12 @@ def _local_backward(cap: Captured, op, group: list, c: Tensor) -> dict[int, Tens
     return found
 
 
-def _edge_backward(cap: Captured, edge, lay, group: list, c: Tensor) -> dict[int, Tensor]:
+def _edge_backward(captured: Captured, edge, lay, group: list, c: Tensor) -> dict[int, Tensor]:
     """``d/dW <c * G, out>`` for the output at ``edge`` (layout ``lay``) of a module call
     normed by a module norm rule: the gradient of ``group``'s parameters for that
     output's backprops scaled per sample, through the model's graph (kept for this:
     :func:`_keeps_graph`)."""
-    scaled = _scaled(cap.grad(edge)[0], lay, c)
+    scaled = _scaled(captured.grad(edge)[0], lay, c)
     grads = torch.autograd.grad([edge.edge], group, [edge.place(scaled)], retain_graph=True)
     return {id(p): got for p, got in zip(group, grads)}
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..capture import register_expansion
 from ..errors import NeedsWholeModel
+from .registry import register_expansion
 
 
 def _mask(mask: Tensor | None, like: Tensor) -> Tensor | None:

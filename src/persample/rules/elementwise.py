@@ -36,7 +36,7 @@ def _target(call: OpCall, p: Tensor) -> tuple[int, ...]:
     return tuple(p.shape) if call.shared(p) else tuple(call.front(p).shape[1:])
 
 
-def _operand(call: OpCall, x, rank: int):
+def operand(call: OpCall, x, rank: int):
     """``x`` broadcastable against ``g (n, v, *s)`` with ``len(s) == rank``."""
     if not isinstance(x, Tensor):
         return x
@@ -54,7 +54,9 @@ def _two(call: OpCall) -> tuple:
     return (b, a) if name.startswith("__r") else (a, b)
 
 
-def _write(call: OpCall, out: dict, p, value: Tensor) -> None:
+def write_reduced(call: OpCall, out: dict, p, value: Tensor) -> None:
+    """``value (n, v, *s)`` summed over the dims ``p`` was broadcast over, into ``p``'s
+    result (``p``'s own shape, or its per-sample shape where the op pairs it)."""
     out[id(p)].copy_(reduce_to(value, _target(call, p)))
 
 
@@ -71,7 +73,7 @@ def mul(call: OpCall, g: Tensor, out: dict) -> str | None:
     rank = g.dim() - 2
     for p, other in ((a, b), (b, a)):
         if isinstance(p, Tensor) and id(p) in out:
-            _write(call, out, p, g * _operand(call, other, rank))
+            write_reduced(call, out, p, g * operand(call, other, rank))
     return None
 
 
@@ -92,7 +94,7 @@ def add(call: OpCall, g: Tensor, out: dict) -> str | None:
     sign = ADD_OPS[call.func]
     for p, scale in ((a, 1), (b, sign * alpha)):
         if isinstance(p, Tensor) and id(p) in out:
-            _write(call, out, p, g if scale == 1 else g * scale)
+            write_reduced(call, out, p, g if scale == 1 else g * scale)
     return None
 
 
@@ -110,11 +112,11 @@ def div(call: OpCall, g: Tensor, out: dict) -> str | None:
     if a is b or call.only(out, a, b):
         return "the same tensor on both sides, or other inputs"
     rank = g.dim() - 2
-    af, bf = _operand(call, a, rank), _operand(call, b, rank)
+    af, bf = operand(call, a, rank), operand(call, b, rank)
     if isinstance(a, Tensor) and id(a) in out:
-        _write(call, out, a, g / bf)
+        write_reduced(call, out, a, g / bf)
     if isinstance(b, Tensor) and id(b) in out:
-        _write(call, out, b, -g * af / (bf * bf))
+        write_reduced(call, out, b, -g * af / (bf * bf))
     return None
 
 

@@ -57,7 +57,7 @@ def sum_outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
         torch.matmul(g.transpose(2, 3), a.unsqueeze(1), out=dst)  # (n, v, o, i)
 
 
-def rows(call: OpCall, x: Tensor, features: int) -> Tensor:
+def as_rows(call: OpCall, x: Tensor, features: int) -> Tensor:
     """An input as ``(n, t, features)``, or ``(t, features)`` when shared."""
     a = call.front(x)
     return a.reshape(-1, features) if call.shared(x) else a.reshape(a.shape[0], -1, features)
@@ -77,7 +77,7 @@ def linear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     if id(w) in out:
         if w.dim() != 2:
             return "a 1-d weight"
-        sum_outer_into(gt, rows(call, x, i), out[id(w)])  # (n, v, o, i)
+        sum_outer_into(gt, as_rows(call, x, i), out[id(w)])  # (n, v, o, i)
     if b is not None and id(b) in out:
         if b.dim() != 1:
             return "a bias that is not a vector"
@@ -98,7 +98,7 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] 
     if call.shared(x) or w.dim() != 2:
         return None
     o, i = w.shape
-    a = rows(call, x, i)  # (n, t, i)
+    a = as_rows(call, x, i)  # (n, t, i)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if id(w) in wanted:
@@ -121,7 +121,7 @@ def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> b
     o, i = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     if id(w) in into:
-        a, gw = _scaled_smaller(rows(call, x, i), gt, c)
+        a, gw = _scaled_smaller(as_rows(call, x, i), gt, c)
         add_product(into[id(w)], gw.reshape(-1, o).T, a.reshape(-1, i))  # (o, n*t) @ (n*t, i)
     if b is not None and id(b) in into:
         into[id(b)].add_(c @ gt.sum(1))  # (n,) @ (n, o)
@@ -158,7 +158,7 @@ def ghost_norm(a: Tensor, g: Tensor) -> Tensor | None:
 
 def _expanded(call: OpCall, x: Tensor, features: int, n: int) -> Tensor:
     """An input as ``(n, t, features)``, a shared one expanded to the samples."""
-    a = rows(call, x, features)
+    a = as_rows(call, x, features)
     return a.expand(n, *a.shape) if call.shared(x) else a
 
 
@@ -216,7 +216,7 @@ def addmm(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
     if id(w) in out:
         dst = out[id(w)].transpose(2, 3)  # (n, v, o, i) view of (n, v, i, o)
-        sum_outer_into(gt if alpha == 1 else gt * alpha, rows(call, x, i), dst)
+        sum_outer_into(gt if alpha == 1 else gt * alpha, as_rows(call, x, i), dst)
     if id(b) in out:
         if b.dim() == 1:
             torch.sum(gt, dim=2, out=out[id(b)])
@@ -237,7 +237,7 @@ def addmm_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] |
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if id(w) in wanted:
-        norm = ghost_norm(rows(call, x, i), gt)
+        norm = ghost_norm(as_rows(call, x, i), gt)
         if norm is None:
             return None
         found[id(w)] = norm * alpha**2
@@ -257,7 +257,7 @@ def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bo
     i, o = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     if id(w) in into:
-        a, gw = _scaled_smaller(rows(call, x, i), gt, c)
+        a, gw = _scaled_smaller(as_rows(call, x, i), gt, c)
         add_product(into[id(w)], a.reshape(-1, i).T, gw.reshape(-1, o), alpha)  # (i, o)
     if id(b) in into:
         into[id(b)].add_(c @ gt.sum(1), alpha=beta)
@@ -284,7 +284,7 @@ def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     if id(b) in out and id(a) not in out and call.shared(b) and b.dim() == 2:
         k, p = b.shape
         gt = g.reshape(n, v, -1, p)  # (n, v, t, p)
-        sum_outer_into(gt, rows(call, a, k), out[id(b)].transpose(2, 3))  # (n, v, p, k)
+        sum_outer_into(gt, as_rows(call, a, k), out[id(b)].transpose(2, 3))  # (n, v, p, k)
         return None
     if id(a) in out and id(b) not in out and call.shared(a) and a.dim() == 2 and b.dim() >= 2:
         m, k = a.shape
@@ -336,7 +336,7 @@ def bilinear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     o, i, j = w.shape
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
     if id(w) in out:
-        z = (rows(call, x1, i).unsqueeze(-1) * rows(call, x2, j).unsqueeze(-2)).flatten(-2)
+        z = (as_rows(call, x1, i).unsqueeze(-1) * as_rows(call, x2, j).unsqueeze(-2)).flatten(-2)
         dst = out[id(w)]
         flat = dst.view(n, v, o, i * j) if dst.is_contiguous() else dst.new_empty(n, v, o, i * j)
         sum_outer_into(gt, z, flat)
@@ -360,7 +360,7 @@ def bilinear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor
     gt = g.reshape(n, -1, o)  # (n, t, o)
     found = {}
     if id(w) in wanted:
-        a1, a2 = rows(call, x1, i), rows(call, x2, j)
+        a1, a2 = as_rows(call, x1, i), as_rows(call, x2, j)
         t = gt.shape[1]
         if t == 1:
             found[id(w)] = (gt.square().sum((1, 2)) * a1.square().sum((1, 2))

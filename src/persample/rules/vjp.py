@@ -1,10 +1,10 @@
 """The exact paths for what no rule covers: per-sample vector-Jacobian products with
 ``torch.func``, of one op or of one module call.
 
-Seed 001's method (``vmap`` over samples of ``vjp``), applied to the smallest
-piece that needs it:
+The method of PyTorch's per-sample-gradients tutorial (``vmap`` over samples of
+``vjp``), applied to the smallest piece that needs it:
 
-- :func:`op_vjp` ("taps"): one op reading a parameter in a form no rule knows (a
+- :func:`op_vjp` ("op vjp"): one op reading a parameter in a form no rule knows (a
   class token joined with ``cat`` in a custom way, a parameter through an op
   without a rule), or a derived parameter's producing op. Each sample's inputs
   are its own views (``front``, a batch of one in the op's own layout), shared
@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from .batch import Batched, front
-from .errors import UnsupportedModuleError
-from .precision import replaying
+from ..batch import Batched, front
+from ..errors import UnsupportedModuleError
+from ..precision import replaying
 
 
 def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings: list,
@@ -172,7 +172,7 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
     row. ``g``: the backprops ``(v, *out)`` in the output's own layout. Returns
     ``(n, v, *input.shape)`` per input of ``wrt``.
     """
-    from .rules.elementwise import reduce_to
+    from .elementwise import reduce_to
 
     func, kwargs = _out_of_place(op.func, op.kwargs)
     flat, spec = tree_flatten((op.args, kwargs))

@@ -1,19 +1,16 @@
-"""The capture + rule engine: the batch by data flow, rules by op.
+"""Capture, plan and backward: one batch's backprops at every planned edge.
 
-1. One forward under :class:`~persample.capture.Capture` records the layout of
-   every tensor (by data flow) and every op that reads a trainable parameter.
-2. :func:`~persample.plan.plan` gives every parameter its path (``plan.py``).
-3. One ``torch.autograd.grad`` from the summed per-sample losses to the gradient
-   edges of the planned ops' outputs gives their backprops; the summed weight
-   gradients are never computed.
-4. :func:`~persample.pullback.write_per_sample` runs the rules into the result
-   (``pullback.py``).
-
-A batch of one needs no capture: its per-sample gradient is the gradient.
+:func:`capture_backprops` runs the forward under a :class:`~persample.capture.Capture`,
+plans the per-sample work (:func:`persample.plan.plan`), and pulls the cotangents back
+to the planned gradient edges in one backward; :func:`loss_backprops` does it for the
+per-sample losses, :func:`rules_grads` and :func:`rules_param_jacobian` then run the
+rules (:mod:`persample.engine.pullback`). A batch of one needs no capture: its
+per-sample gradient is the gradient (:func:`_one_sample`, the only place that knows).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,14 +19,17 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .batch import Batched, Layout, op_leaves
-from .capture import Capture
-from .errors import NeedsWholeModel, internal
-from .inputs import Batch, located_of
-from .plan import Captured, Path, Plan, edge_key, param_name, plan
+from ..batch import Batched, Layout, op_leaves
+from ..capture import Capture
+from ..errors import NeedsWholeModel, internal
+from ..inputs import Batch, located_of
+from ..loss import total_loss
+from ..plan import Path, Plan, edge_key, param_name, plan
+from ..rules import module_rule
+from ..rules.registry import EXPANSIONS
+from ..sharded import fsdp_units, gatherer
+from .captured import Captured
 from .pullback import write_per_sample
-from .rules import module_rule
-from .sharded import fsdp_units, gatherer
 
 Backward = Callable[[Tensor, list[GradientEdge], Plan], tuple]
 
@@ -49,7 +49,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     if batch.n == 1 and not units:  # (sharded: every rank replays the same ops, below)
         return _one_sample(model, batch, root, backward, watched, v)
     with torch.enable_grad():
-        with Capture(model, watched, batch.n, batch.located, batch.shared, module_rule) as cap:
+        with Capture(model, watched, batch.n, batch.located, batch.shared, module_rule,
+                     expansions=EXPANSIONS) as cap:
             output = batch.call(model)
         value = root(output, cap)
     gather = gatherer(units)
@@ -91,12 +92,12 @@ def _one_sample(model, batch, root, backward, watched, v) -> Captured:
     whole = _Whole(model, watched)
     with torch.enable_grad():
         value = root(batch.call(model), whole)
-    result = Plan(whole=list(watched.values()))
-    result.paths = {pid: Path("rule", "", "a batch of one: the ordinary gradient")
-                    for pid in watched}
-    edges = [get_gradient_edge(p) for p in result.whole]
-    got = backward(value, edges, result) if value.requires_grad else [None] * len(edges)
-    return Captured(whole, result, {id(p): g for p, g in zip(result.whole, got)}, 1, v)
+    params = list(watched.values())
+    edges = [get_gradient_edge(p) for p in params]
+    got = backward(value, edges, Plan()) if value.requires_grad else [None] * len(edges)
+    taken = {pid: Path("rule", "", "a batch of one: the ordinary gradient") for pid in watched}
+    return Captured(whole, Plan(), {id(p): g for p, g in zip(params, got)}, 1, v, params,
+                    taken)
 
 
 def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
@@ -105,8 +106,6 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
     """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss;
     ``retain_graph``: keep the model's autograd graph after the backward (or a function
     of the plan that says whether to)."""
-    from .loss import total_loss
-
     def root(output: Any, cap: Capture) -> Tensor:
         follow = None
         if isinstance(cap, Capture):  # (a batch of one has none) the targets' samples, and
@@ -160,8 +159,6 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
     backward (``is_grads_batched=True``) gives all ``n * v`` rows. ``dest`` maps
     ``id(param)`` to ``(n, v, *param.shape)`` with ``v = len(outputs)``.
     """
-    from .jacobian import one_hot
-
     n = batch.n
 
     def root(output: Any, cap: Capture) -> Tensor:
@@ -183,3 +180,12 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
     with internal("the rules"):
         write_per_sample(cap, dest)
     return cap
+
+
+def one_hot(start: int, stop: int, like: Tensor) -> Tensor:
+    """``(stop - start, B, *rest)`` for ``like`` ``(B, *rest)``: vector ``k`` is one-hot
+    at flat index ``start + k`` of every sample (a broadcast view, not copied)."""
+    n, rest = like.shape[0], like.shape[1:]
+    v = like.new_zeros((stop - start, math.prod(rest)))
+    v.diagonal(start).fill_(1)
+    return v.view(stop - start, 1, *rest).expand(stop - start, n, *rest)

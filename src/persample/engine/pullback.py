@@ -1,11 +1,11 @@
 """From backprops to per-sample results: the rules run, and what they give for
 tensors computed from parameters is pulled back to the parameters.
 
-:func:`write_per_sample` runs, for one captured batch (:class:`~persample.plan.Captured`),
+:func:`write_per_sample` runs, for one captured batch (:class:`Captured`),
 the module rules, then each op's rule with the backprops of its output (or, where
 no rule applies, the op's own backward on per-sample copies of the inputs it
-broadcasts, ``fallback.expand_vjp``, or its exact per-sample VJP,
-``fallback.op_vjp``), then the derived tensors newest first through the ops that
+broadcasts, :func:`persample.rules.vjp.expand_vjp`, or its exact per-sample VJP,
+:func:`persample.rules.vjp.op_vjp`), then the derived tensors newest first through the ops that
 made them, then the per-module fallbacks. Results go to :class:`GradSink`: the first
 contribution to a parameter is written in place, later ones (tied weights, several
 calls) are added.
@@ -17,19 +17,19 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-from .batch import SHARED, Batched, Ctx, Layout, front_cotangents, propagate
-from .batch.layouts import in_sample_order, one_per_sample, sample_of_positions
-from .batch.ops_views import reshaped
-from .capture import Call, Derived, Op
-from .errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
-from .fallback import expand_vjp, module_vjp, op_vjp, shared_vjp
-from .plan import Captured, Path
-from .precision import cast, without_autocast
-from .rules import OpCall, Rule, find_op_rule, rule_adds
-from .rules.elementwise import ADD_OPS
+from ..batch import SHARED, Batched, Ctx, Layout, broadcasts, propagate
+from ..batch.ops_views import reshaped
+from ..capture import Call, Derived, Op
+from ..errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
+from ..plan import Path
+from ..precision import cast, without_autocast
+from ..rules import OpCall, Rule, find_op_rule, module_front, module_inputs, rule_adds
+from ..rules.calls import cast_input
+from ..rules.elementwise import ADD_OPS
+from ..rules.vjp import expand_vjp, module_vjp, op_vjp, shared_vjp
+from .captured import Captured
 
 
 class GradSink:
@@ -72,27 +72,27 @@ class GradSink:
                 tensor.zero_()
 
 
-def write_per_sample(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | None = None
+def write_per_sample(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None = None
                      ) -> None:
     """The planned rules into ``dest`` (``id(param) -> (n, v, *shape)``), for the
     parameters in it (``uses``: only these ops; default all)."""
     with without_autocast():  # the rules choose their dtypes (persample.precision)
-        _write(cap, dest, uses)
+        _write(captured, dest, uses)
 
 
-def _write(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> None:
+def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> None:
     sink = GradSink(dest)
-    pulls = Pullbacks(cap, sink)
+    pulls = Pullbacks(captured, sink)
     wanted = set(dest)
-    for p in cap.plan.whole:  # a batch of one: grads by parameter
-        g = cap.grads.get(id(p))
+    for p in captured.whole:  # a batch of one: grads by parameter
+        g = captured.grads.get(id(p))
         if id(p) in dest and g is not None:
             sink.commit(id(p), g.unsqueeze(0))  # (1, v, *shape)
     with torch.no_grad():
-        for call, params in cap.plan.module_jobs:
+        for call, params in captured.plan.module_jobs:
             if any(id(p) in wanted for p in params.values()):
-                _module_rule(cap, call, params, sink)
-        ops = cap.plan.uses if uses is None else uses
+                _module_rule(captured, call, params, sink)
+        ops = captured.plan.uses if uses is None else uses
         for op in sorted(ops, key=lambda op: rule_adds(op.func)):  # adding rules last
             if op.sources_all.isdisjoint(wanted):
                 continue
@@ -101,15 +101,15 @@ def _write(cap: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> Non
                     f"an input of {op.where()} was modified in place after the op ran, and "
                     "its rule needs it. Make that operation out of place, or use "
                     "method='vmap'.")
-            pulls.apply(op, cap.backprops(op.edges, op.out_layouts),
+            pulls.apply(op, captured.backprops(op.edges, op.out_layouts),
                         op.out_layouts)
         pulls.pull_derived()
-        for call, params in cap.plan.fallback_jobs:
+        for call, params in captured.plan.fallback_jobs:
             if any(id(p) in wanted for p in params.values()):
-                _fallback(cap, call, params, sink)
-    for pid in set() if cap.plan.whole else wanted - pulls.seen - cap.plan.handled:
-        if pid in cap.plan.paths:  # read, but no gradient of the loss reaches it
-            cap.plan.paths[pid] = Path("unused", cap.plan.paths[pid].where,
+                _fallback(captured, call, params, sink)
+    for pid in set() if captured.whole else wanted - pulls.seen - captured.plan.handled:
+        if pid in captured.plan.paths:  # read, but no gradient of the loss reaches it
+            captured.taken[pid] = Path("unused", captured.plan.paths[pid].where,
                                        "no gradient of the loss reaches it: zeros")
     sink.zero_unwritten()
 
@@ -129,8 +129,8 @@ class Pullbacks:
     """Per-sample cotangents of ops' inputs, into the sink (parameters) or onto the
     derived tensors, which are then pulled back through the ops that made them."""
 
-    def __init__(self, cap: Captured, sink: GradSink):
-        self.cap, self.sink = cap, sink
+    def __init__(self, captured: Captured, sink: GradSink):
+        self.captured, self.sink = captured, sink
         self.only = set(sink.dest)
         self.seen: set[int] = set()  # parameters whose path this run has recorded
         self.pending: dict[int, list[tuple[Tensor, Batched | None]]] = {}
@@ -139,7 +139,7 @@ class Pullbacks:
               pairings: list | None = None) -> None:
         """``cots`` per output ``(n, v, *per_sample)``; ``pairings`` overrides how the
         op's leaves pair with the samples (derived ops pulled back per sample)."""
-        n, handled = self.cap.n, self.cap.plan.handled
+        n, handled = self.captured.n, self.captured.plan.handled
         wrt = [k for k, pids in op.sources.items()
                if not pids <= handled and not pids.isdisjoint(self.only)]
         if not wrt or all(c is None for c in cots):
@@ -148,7 +148,7 @@ class Pullbacks:
         if pairings is not None:
             call.op = _Paired(op, pairings)
         shapes = {k: tuple(op.leaves[k].shape) if call.op.pairing(k) is None else
-                  tuple(_front_shape(op.leaves[k], call.op.pairing(k), n)) for k in wrt}
+                  tuple(call.op.pairing(k).per_sample_shape(op.leaves[k], n)) for k in wrt}
         out = {}
         for k in wrt:
             t = op.leaves[k]
@@ -159,7 +159,7 @@ class Pullbacks:
                 out[id(t)] = self.sink.dest[id(t)]  # the rule adds to what is there
                 call.adding.add(id(t))
                 continue
-            v = self.cap.v
+            v = self.captured.v
             found = self.sink.target(id(t), shapes[k]) if direct else None
             out[id(t)] = found if found is not None else t.new_empty((n, v, *shapes[k]))
         rule = find_op_rule(op.func)
@@ -173,7 +173,7 @@ class Pullbacks:
             call.adding = set()
         kind = "rule"
         if reason is not None and not self._broadcast(op, call, wrt, out_pairings, out):
-            kind = self._taps(op, call, cots, out_pairings, wrt, out)
+            kind = self._op_vjp(op, call, cots, out_pairings, wrt, out)
         self.note(op, wrt, kind, reason)
         done = set()
         for k in wrt:
@@ -191,8 +191,7 @@ class Pullbacks:
                 self.pending.setdefault(id(t), []).append((out[id(t)], call.op.pairing(k)))
 
     def _param(self, t: Tensor) -> nn.Parameter | None:
-        p = self.cap.cap.watched.get(id(t))
-        return p if p is t else None
+        return self.captured.watched_param(t)
 
     def _broadcast(self, op: Op, call: OpCall, wrt: list[int], out_pairings: list, out: dict
                    ) -> bool:
@@ -200,13 +199,13 @@ class Pullbacks:
         backward on per-sample copies (``fallback.expand_vjp``)."""
         if (len(op.outputs) != 1 or not isinstance(out_pairings[0], Batched)
                 or any(call.op.pairing(k) is not None for k in wrt)
-                or not _broadcasting(op.func) or op.edges[0] is None):
+                or not broadcasts(op.func) or op.edges[0] is None):
             return False
-        g = self.cap.grad(op.edges[0])
+        g = self.captured.grad(op.edges[0])
         if g is None:
             return False
         try:
-            got = expand_vjp(op, wrt, g, out_pairings[0], self.cap.n)
+            got = expand_vjp(op, wrt, g, out_pairings[0], self.captured.n)
         except (ValueError, RuntimeError):
             return False
         for k, value in zip(wrt, got):
@@ -214,30 +213,30 @@ class Pullbacks:
         return True
 
     def note(self, op: Op, wrt: list[int], kind: str, reason: str | None) -> None:
-        """Record the path the parameters behind ``wrt`` took here (``taps`` outweighs
+        """Record the path the parameters behind ``wrt`` took here (``op vjp`` outweighs
         ``rule``; the ops are listed)."""
-        paths = self.cap.plan.paths
+        paths = self.captured.taken
         for k in wrt:
             for pid in op.sources[k]:
                 old = paths.get(pid)
                 where = op.where()
                 if old is None or pid not in self.seen:
                     paths[pid] = Path(kind, where, "" if kind == "rule" else f"{reason}")
-                elif kind == "taps" and old.kind == "rule":
-                    paths[pid] = Path("taps", f"{where}; {old.where}", f"{reason}")
+                elif kind == "op vjp" and old.kind == "rule":
+                    paths[pid] = Path("op vjp", f"{where}; {old.where}", f"{reason}")
                 elif where not in old.where:
                     paths[pid] = Path(old.kind, f"{old.where}; {where}", old.reason)
                 self.seen.add(pid)
 
-    def _taps(self, op: Op, call: OpCall, cots, out_pairings, wrt, out) -> str:
+    def _op_vjp(self, op: Op, call: OpCall, cots, out_pairings, wrt, out) -> str:
         pairings = [call.op.pairing(k) for k in range(len(op.leaves))]
         kind = "rule"
         try:
             if all(a is None for a in pairings) and all(a is None for a in out_pairings):
                 got = shared_vjp(op, cots, wrt)  # the same op for every sample
             else:
-                got = op_vjp(op, cots, out_pairings, pairings, wrt, self.cap.n)
-                kind = "taps"
+                got = op_vjp(op, cots, out_pairings, pairings, wrt, self.captured.n)
+                kind = "op vjp"
         except Exception as err:  # torch.func raises many kinds of errors
             raise NeedsWholeModel(
                 f"no rule for {op.where()} and torch.func could not differentiate it per "
@@ -248,7 +247,7 @@ class Pullbacks:
 
     def pull_derived(self) -> None:
         """Derived tensors, newest first: their cotangents back through their ops."""
-        derived = self.cap.cap.derived
+        derived = self.captured.capture.derived
         while self.pending:
             key = max(self.pending, key=lambda i: derived[i].op.index)
             d: Derived = derived[key]
@@ -257,17 +256,7 @@ class Pullbacks:
                 cots[d.out] = cot
                 pairings = [None] * len(d.op.outputs)
                 pairings[d.out] = pairing
-                self.apply(d.op, cots, pairings, _producer_pairings(d.op, pairing, self.cap.n))
-
-
-def _broadcasting(func: Any) -> bool:
-    """Ops that broadcast their inputs right-aligned against the output (elementwise,
-    ``where``, the mask of ``scaled_dot_product_attention``)."""
-    from .batch.flow import HANDLERS
-    from .batch.ops_elementwise import _where, broadcast
-    from .batch.ops_layers import _sdpa
-
-    return HANDLERS.get(func) in (broadcast, _where, _sdpa)
+                self.apply(d.op, cots, pairings, _producer_pairings(d.op, pairing, self.captured.n))
 
 
 def _merge(items: list[tuple[Tensor, Batched | None]]) -> list[tuple[Tensor, Batched | None]]:
@@ -281,12 +270,6 @@ def _merge(items: list[tuple[Tensor, Batched | None]]) -> list[tuple[Tensor, Bat
         else:
             merged.append((cot, pairing))
     return merged
-
-
-def _front_shape(t: Tensor, lay: Batched, n: int) -> torch.Size:
-    from .batch import front
-
-    return front(t.new_empty(()).expand(t.shape), lay, n).shape[1:]  # no data read
 
 
 class _Paired:
@@ -335,124 +318,43 @@ def _carries(op: Op, k: int, lay: Batched, want: Batched, n: int) -> bool:
     return isinstance(got, Batched) and got == want
 
 
-def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:
-    """For module rules: the batch dim (``lead`` dims in) moved to the front in sample
-    order and removed from its place, ``(n, *rest)``; a permuted batch dim (a packed
-    sequence's final states) likewise. An irregular one (a packed sequence's rows,
-    several per sample) is padded per sample: that dim then holds the most positions
-    of one sample, each sample's in their order (zeros after its own)."""
-    if not isinstance(lay, Batched):
-        return g
-    d = lay.dim + lead
-    if lay.index is None:
-        if not lay.plain:
-            raise ValueError(f"a module rule got a merged batch dim ({lay})")
-        return g.movedim(d, 0)
-    if one_per_sample(lay.index, n):
-        return in_sample_order(g, lay.index.to(g.device), d)
-    return front_cotangents(g, lay, n) if lead else lay.front(g, n)
-
-
-def _module_rule(cap: Captured, call: Call, params: dict[str, nn.Parameter],
+def _module_rule(captured: Captured, call: Call, params: dict[str, nn.Parameter],
                  sink: GradSink) -> None:
     rule: Rule = call.rule
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
     pairs = [(t, e) for t, e in zip(outs, call.edges) if t.requires_grad]
     backprops = []
     for t, e in pairs:
-        g = cap.grad(e)
-        g = t.new_zeros((cap.v, *t.shape)) if g is None else g
-        lay = cap.cap.layout(t)
-        backprops.append(module_front(g, lay, cap.n, 1) if isinstance(lay, Batched) else g)
-    inputs = module_inputs(cap, call)
+        g = captured.grad(e)
+        g = t.new_zeros((captured.v, *t.shape)) if g is None else g
+        lay = captured.layout(t)
+        backprops.append(module_front(g, lay, captured.n, 1) if isinstance(lay, Batched) else g)
+    inputs = module_inputs(captured.capture, call)
     if inputs is None:
         raise UnsupportedModuleError(f"module {call.describe()}: inputs not positional")
     out = {}
     for name, p in params.items():
         found = sink.target(id(p), p.shape)
-        out[name] = found if found is not None else p.new_empty((cap.n, cap.v, *p.shape))
+        out[name] = found if found is not None else p.new_empty((captured.n, captured.v, *p.shape))
     dtype = next(iter(out.values())).dtype  # under autocast: the parameters', not the op's
     backprops = [cast(g, dtype) for g in backprops]
-    inputs = tuple(_cast_input(x, dtype) for x in inputs)
+    inputs = tuple(cast_input(x, dtype) for x in inputs)
     rule.fn(call.module, inputs, backprops if rule.multi_output else backprops[0], out)
     for name, p in params.items():
         sink.commit(id(p), out[name])
 
 
-def _cast_input(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, PackedSequence):
-        return x._replace(data=cast(x.data, dtype))
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cast_input(xi, dtype) for xi in x)
-    return cast(x, dtype)
-
-
-def module_inputs(cap: Captured, call: Call) -> tuple | None:
-    """The call's inputs as positional arguments, samples in dim 0."""
-    args = positional(call)
-    if args is None:
-        return None
-    return tuple(_front_value(cap, a, call) for a in args)
-
-
-def _front_value(cap: Captured, x: Any, call: Call) -> Any:
-    """One input of a module-rule call with its samples in dim 0 (in sample order); a
-    packed sequence re-labelled so that unpacking it gives its sequences in sample
-    order."""
-    if isinstance(x, PackedSequence):
-        lay = _paired(cap, x.data, call)
-        if not isinstance(lay, Batched):
-            return x
-        rows = sample_of_positions(lay, x.data.shape[0], cap.n, x.data.device)
-        first = rows[: int(x.batch_sizes[0])]  # the sample of each sequence
-        return PackedSequence(x.data, x.batch_sizes, first, torch.argsort(first))
-    if isinstance(x, (tuple, list)):
-        return type(x)(_front_value(cap, xi, call) for xi in x)
-    if isinstance(x, Tensor):
-        return module_front(x, _paired(cap, x, call), cap.n, 0)
-    return x
-
-
-def _paired(cap: Captured, x: Tensor, call: Call) -> Layout:
-    """``x``'s layout; for a shared input, how the call's own ops pair it with the samples
-    (the recurrent kernel pairs zeros made for the batch by their batch dim)."""
-    lay = cap.cap.layout(x)
-    if lay is not SHARED:
-        return lay
-    for op in cap.cap.ops:
-        if op.claimed is call:
-            for k, t in enumerate(op.leaves):
-                if t is x and isinstance(op.pairing(k), Batched):
-                    return op.pairing(k)
-    return lay
-
-
-def positional(call: Call) -> tuple | None:
-    """The call's inputs as positional arguments of the module's ``forward`` (keyword
-    inputs moved to their place); ``None`` if impossible (keyword-only arguments)."""
-    import inspect
-
-    if not call.kwargs:
-        return call.args
-    try:
-        bound = inspect.signature(type(call.module).forward).bind(
-            call.module, *call.args, **call.kwargs)
-    except (TypeError, ValueError):
-        return None
-    bound.apply_defaults()
-    return None if bound.kwargs else bound.args[1:]
-
-
-def _fallback(cap: Captured, call: Call, params: dict[str, nn.Parameter], sink: GradSink
+def _fallback(captured: Captured, call: Call, params: dict[str, nn.Parameter], sink: GradSink
               ) -> None:
     leaves = [t for t in tree_flatten((call.args, call.kwargs))[0] if isinstance(t, Tensor)]
-    in_pairings = [_pairing_of(cap.cap.layout(t)) for t in leaves]
+    in_pairings = [_pairing_of(captured.layout(t)) for t in leaves]
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
-    out_lays = [cap.cap.layout(t) for t in outs]
-    cots = cap.backprops(call.edges, out_lays)
+    out_lays = [captured.layout(t) for t in outs]
+    cots = captured.backprops(call.edges, out_lays)
     if all(c is None for c in cots):  # no gradient reaches the call: zeros
         return
-    got = module_vjp(call, params, in_pairings, cots, [_pairing_of(lay) for lay in out_lays], cap.n)
+    out_pairings = [_pairing_of(lay) for lay in out_lays]
+    got = module_vjp(call, params, in_pairings, cots, out_pairings, captured.n)
     for name, p in params.items():
         sink.commit(id(p), got[name])
 

@@ -1,0 +1,62 @@
+"""What the backward of one captured batch produced: :class:`Captured`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..batch import Batched, Layout, front_cotangents
+from ..capture import Capture, Edge
+from ..plan import Path, Plan, edge_key
+
+
+@dataclass
+class Captured:
+    """One batch after its backward: the capture, the plan, and the gradients at the
+    planned edges.
+
+    ``grads``: per gradient edge (:func:`persample.plan.edge_key`), ``(v, *shape)`` or
+    ``None``. A batch of one takes no capture: ``whole`` lists the parameters, whose
+    plain gradients ``grads`` holds by ``id(param)`` (the per-sample gradient of a batch
+    of one is the gradient). ``taken``: the paths the rules actually took, recorded as
+    they ran (:mod:`persample.engine.pullback`); :attr:`paths` is the plan's, updated
+    by them.
+    """
+
+    capture: Capture | Any  # a Capture, or a batch of one's stand-in (engine.backward)
+    plan: Plan
+    grads: dict[Any, Tensor | None]
+    n: int
+    v: int
+    whole: list[nn.Parameter] = field(default_factory=list)
+    taken: dict[int, Path] = field(default_factory=dict)
+
+    @property
+    def paths(self) -> dict[int, Path]:
+        """``id(param) -> Path``: how each parameter's per-sample gradient was computed."""
+        return {**self.plan.paths, **self.taken}
+
+    def layout(self, t: Tensor) -> Layout:
+        return self.capture.layout(t)
+
+    def watched_param(self, t: Tensor) -> nn.Parameter | None:
+        """``t`` if it is a watched parameter, else ``None``."""
+        p = self.capture.watched.get(id(t))
+        return p if p is t else None
+
+    def grad(self, e: Edge | None) -> Tensor | None:
+        """``(v, *output.shape)``: the backward's gradient at ``e`` (``None``: none)."""
+        g = None if e is None else self.grads.get(edge_key(e.edge))
+        return None if g is None else e.take(g)
+
+    def backprops(self, edges: list[Edge | None], layouts: list[Layout]) -> list[Tensor | None]:
+        """Per output: ``(n, v, *per_sample)`` cotangents (``None`` where no gradient
+        reaches it)."""
+        found = []
+        for e, lay in zip(edges, layouts):
+            g = self.grad(e)
+            found.append(front_cotangents(g, lay, self.n) if g is not None
+                         and isinstance(lay, Batched) else None)
+        return found

@@ -1,0 +1,149 @@
+"""The calls rules read: one op as a rule sees it (:class:`OpCall`), and the inputs
+and backprops of a module-rule call with the samples in front (:func:`module_inputs`,
+:func:`module_front`), for the module rules and their norm rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+from ..batch import SHARED, Batched, Layout, front, front_cotangents
+from ..batch.layouts import in_sample_order, one_per_sample, sample_of_positions
+from ..capture import Call, Capture
+from ..precision import cast
+
+
+class OpCall:
+    """One recorded op (:class:`persample.capture.Op`) as a rule sees it.
+
+    ``args``/``kwargs`` as the op received them; ``arg(i, name, default)`` reads one
+    by position or keyword; ``front(t)`` brings the samples of input ``t`` to the
+    front; ``shared(t)`` tells whether ``t`` is the same for every sample; ``n``
+    is the batch size.
+    """
+
+    def __init__(self, op: Any, n: int, dtype: torch.dtype | None = None):
+        self.op, self.n, self.dtype = op, n, dtype
+        self.adding: set[int] = set()  # outputs to add to, not overwrite (``adds`` rules)
+        self.func, self.args, self.kwargs = op.func, op.args, op.kwargs
+        self._pos = {}
+        for k, t in enumerate(op.leaves):
+            self._pos.setdefault(id(t), k)
+
+    def arg(self, i: int, name: str | None = None, default: Any = None) -> Any:
+        if name is not None and name in self.kwargs:
+            return self.kwargs[name]
+        return self.args[i] if i < len(self.args) else default
+
+    def _k(self, t: Tensor) -> int:
+        return self._pos[id(t)]
+
+    def pairing(self, t: Tensor) -> Batched | None:
+        return self.op.pairing(self._k(t))
+
+    def shared(self, t: Tensor) -> bool:
+        return self.pairing(t) is None
+
+    def front(self, t: Tensor) -> Tensor:
+        """``(n, *per_sample)`` for an input carrying samples; a shared input as it is.
+        The value the op read (the saved one if the op overwrote it in place)."""
+        if not isinstance(t, Tensor):
+            return t
+        k = self._k(t)
+        value = cast(self.op.value(k).detach(), self.dtype)
+        lay = self.op.pairing(k)
+        return value if lay is None else front(value, lay, self.n)
+
+    def where(self) -> str:
+        return self.op.where()
+
+    def only(self, out: dict, *tensors: Any) -> str | None:
+        """A reason to decline if ``out`` asks for inputs other than ``tensors`` (a
+        derived input the rule does not differentiate: the engine then does)."""
+        mine = {id(t) for t in tensors if isinstance(t, Tensor)}
+        return None if set(out) <= mine else "asked for an input the rule does not cover"
+
+
+def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:
+    """For module rules: the batch dim (``lead`` dims in) moved to the front in sample
+    order and removed from its place, ``(n, *rest)``; a permuted batch dim (a packed
+    sequence's final states) likewise. An irregular one (a packed sequence's rows,
+    several per sample) is padded per sample: that dim then holds the most positions
+    of one sample, each sample's in their order (zeros after its own)."""
+    if not isinstance(lay, Batched):
+        return g
+    d = lay.dim + lead
+    if lay.index is None:
+        if not lay.plain:
+            raise ValueError(f"a module rule got a merged batch dim ({lay})")
+        return g.movedim(d, 0)
+    if one_per_sample(lay.index, n):
+        return in_sample_order(g, lay.index.to(g.device), d)
+    return front_cotangents(g, lay, n) if lead else lay.front(g, n)
+
+
+def cast_input(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, PackedSequence):
+        return x._replace(data=cast(x.data, dtype))
+    if isinstance(x, (tuple, list)):
+        return type(x)(cast_input(xi, dtype) for xi in x)
+    return cast(x, dtype)
+
+
+def module_inputs(capture: Capture, call: Call) -> tuple | None:
+    """The call's inputs as positional arguments, samples in dim 0."""
+    args = positional(call)
+    if args is None:
+        return None
+    return tuple(_front_value(capture, a, call) for a in args)
+
+
+def _front_value(capture: Capture, x: Any, call: Call) -> Any:
+    """One input of a module-rule call with its samples in dim 0 (in sample order); a
+    packed sequence re-labelled so that unpacking it gives its sequences in sample
+    order."""
+    if isinstance(x, PackedSequence):
+        lay = _paired(capture, x.data, call)
+        if not isinstance(lay, Batched):
+            return x
+        rows = sample_of_positions(lay, x.data.shape[0], capture.n, x.data.device)
+        first = rows[: int(x.batch_sizes[0])]  # the sample of each sequence
+        return PackedSequence(x.data, x.batch_sizes, first, torch.argsort(first))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_front_value(capture, xi, call) for xi in x)
+    if isinstance(x, Tensor):
+        return module_front(x, _paired(capture, x, call), capture.n, 0)
+    return x
+
+
+def _paired(capture: Capture, x: Tensor, call: Call) -> Layout:
+    """``x``'s layout; for a shared input, how the call's own ops pair it with the samples
+    (the recurrent kernel pairs zeros made for the batch by their batch dim)."""
+    lay = capture.layout(x)
+    if lay is not SHARED:
+        return lay
+    for op in capture.ops:
+        if op.claimed is call:
+            for k, t in enumerate(op.leaves):
+                if t is x and isinstance(op.pairing(k), Batched):
+                    return op.pairing(k)
+    return lay
+
+
+def positional(call: Call) -> tuple | None:
+    """The call's inputs as positional arguments of the module's ``forward`` (keyword
+    inputs moved to their place); ``None`` if impossible (keyword-only arguments)."""
+    import inspect
+
+    if not call.kwargs:
+        return call.args
+    try:
+        bound = inspect.signature(type(call.module).forward).bind(
+            call.module, *call.args, **call.kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return None if bound.kwargs else bound.args[1:]

@@ -1,0 +1,53 @@
+"""Cases (see ``cases.py``) for op rules written one op per file in ``persample/rules/``.
+
+A new op rule adds one case here: a small model whose parameters enter that op. Every
+case runs through the whole battery of ``cases.py`` (per-sample gradients, parameter
+Jacobians, norms and the DP step against the loop over samples, in float64), and
+``test_op_rules.py`` checks that each parameter of it really takes the rule.
+Sizes coincide on purpose (the batch size ``N = 3`` is also a feature size), so a
+rule that found the batch by a size would be caught.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from cases import N, case, per_sample_squares, randn
+
+
+class ScaleShift(nn.Module):
+    """``torch.addcmul(shift, x, scale)``: a shift per position and a scale per feature,
+    both broadcast over the samples."""
+
+    def __init__(self, positions: int = N, features: int = 4, value: float = 0.5):
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(positions, features))
+        self.scale = nn.Parameter(torch.randn(features))
+        self.value = value
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, positions, features)
+        return torch.addcmul(self.shift, x, self.scale, value=self.value)
+
+
+class ScaleOfInput(nn.Module):
+    """``x.addcmul(w, h)``: the parameter is the first factor, ``h`` carries the samples
+    and the op's own input is computed from them (the method form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1, N))
+        self.lin = nn.Linear(N, N)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N)
+        h = self.lin(x).tanh()
+        return h.addcmul(self.w, h)
+
+
+OP_CASES: list[dict[str, Any]] = [
+    case("addcmul-scale-shift", ScaleShift, lambda n: randn(n, N, 4)),
+    case("addcmul-method-one-factor", ScaleOfInput, lambda n: randn(n, N),
+         loss_fn=per_sample_squares),
+]

@@ -1,0 +1,99 @@
+"""The package is a strict stack: each module imports only its own layer and those below.
+
+``batch`` (layouts and data flow) -> ``capture`` (one forward recorded) -> ``rules``
+(per-sample results from activations and backprops, and the exact per-op VJPs) ->
+``plan`` (which path each parameter takes) -> ``engine`` (capture, plan, backward, the
+rules run) -> the public functions -> what is built on them (DP-SGD) -> the command
+line. An AST scan of every module of ``src/persample`` (imports inside functions too)
+keeps it so.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import persample
+
+ROOT = Path(persample.__file__).parent
+
+# lowest first; a module may import its own layer and those below it
+LAYERS: list[tuple[str, set[str]]] = [
+    ("base", {"errors", "precision", "memory", "sharded"}),
+    ("batch", {"batch"}),
+    ("capture", {"capture", "inputs", "loss"}),
+    ("rules", {"rules"}),
+    ("plan", {"plan"}),
+    ("engine", {"engine"}),
+    ("public", {"checks", "methods", "reference", "vmap", "api", "norms", "jacobian",
+                "support", "__init__"}),
+    ("applications", {"dp", "data"}),
+    ("cli", {"cli", "__main__"}),
+]
+RANK = {top: k for k, (_, tops) in enumerate(LAYERS) for top in tops}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _exists(module: str) -> bool:
+    rel = Path(*module.split(".")[1:])
+    return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` for every persample module ``path`` imports."""
+    return _imports_of(path.read_text(), _module_name(path), path.name == "__init__.py")
+
+
+def _imports_of(source: str, name: str, is_package: bool) -> list[tuple[int, str]]:
+    package = name if is_package else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("persample")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            elif (node.module or "").startswith("persample"):
+                base = node.module
+            else:
+                continue
+            subs = [f"{base}.{a.name}" for a in node.names if _exists(f"{base}.{a.name}")]
+            found += [(node.lineno, m) for m in subs or [base]]
+    return found
+
+
+def test_every_module_has_a_layer():
+    tops = {_top(_module_name(p)) for p in ROOT.rglob("*.py")}
+    assert tops <= set(RANK), f"modules with no layer: {sorted(tops - set(RANK))}"
+
+
+def test_modules_import_only_their_layer_and_below():
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = _module_name(path)
+        mine = RANK[_top(name)]
+        for line, target in _imports(path):
+            if RANK[_top(target)] > mine:
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line}: {name} "
+                             f"({LAYERS[mine][0]}) imports {target} "
+                             f"({LAYERS[RANK[_top(target)]][0]})")
+    assert not wrong, "imports up the stack:\n" + "\n".join(wrong)
+
+
+def test_the_scan_sees_imports_up_the_stack():
+    """The scan itself: an import inside a function, two levels up, is found and is
+    above the importing module's layer."""
+    found = _imports_of("def f():\n    from ..engine import pullback\n",
+                        "persample.rules.probe", False)
+    assert found == [(2, "persample.engine.pullback")]
+    assert RANK[_top(found[0][1])] > RANK[_top("persample.rules.probe")]
