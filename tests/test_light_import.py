@@ -56,7 +56,7 @@ def test_persample_imports_and_runs_without_the_cli_extra():
         "model = torch.nn.Linear(3, 2)\n"
         "x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))\n"
         "loss = torch.nn.CrossEntropyLoss(reduction='none')\n"
-        "grads = persample.per_sample_grads(model, loss, x, y)\n"
+        "grads = persample.per_sample_grads(model, x, y, loss)\n"
         "print(tuple(grads['weight'].shape))\n")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "(4, 2, 3)"
