@@ -61,7 +61,8 @@ def reference(c: dict, n: int = N, reduction: str = "mean"):
 class Paths:
     """Spy on the engine: which parameters took the ghost norm, which were materialised.
 
-    ``ghost``: ids of parameters whose op norm rule returned squared norms;
+    ``ghost``: ids of parameters whose op norm rule returned squared norms (the rule gets
+    and returns the parameters themselves);
     ``declined``: whose norm rule returned ``None``; ``materialised``: whose per-sample
     gradients were computed. A module took a path if its weight did.
     """
@@ -79,7 +80,7 @@ class Paths:
 
             def spied(call, g, wanted):
                 got = norm(call, g, wanted)
-                (self.declined if got is None else self.ghost).update(wanted)
+                (self.declined if got is None else self.ghost).update(id(t) for t in wanted)
                 return got
 
             return spied

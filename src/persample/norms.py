@@ -69,10 +69,10 @@ def squared_norms(
             g, call = _backprops(captured, op)
             if g is None:
                 continue
-            found = norm(call, g, pids)
+            found = norm(call, g, {op.leaves[k] for k in direct})  # {param: (n,)}
             if found is not None:
-                sq.update(found)
-                ghosted[op] = set(found)
+                sq.update({id(t): v for t, v in found.items()})
+                ghosted[op] = {id(t) for t in found}
         _shared_norms(captured, sites, sq, ghosted)
         by_module = _module_norms(captured, sq, sites)
         rest = [p for p in params.values() if id(p) not in sq]
@@ -122,10 +122,11 @@ def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tenso
         for op in ops:
             rule = find_op_factors(op.func)
             g, call = _backprops(captured, op) if rule is not None else (None, None)
-            found = rule(call, g, {pid}) if g is not None else None
-            if not found or pid not in found:
+            p = captured.capture.watched[pid]
+            found = rule(call, g, {p}) if g is not None else None
+            if not found or p not in found:
                 break
-            uses.append(found[pid])
+            uses.append(found[p])
         else:
             rows = captured.capture.watched[pid].shape[0]
             if ghost_cost(uses) < materialise_cost(uses, rows):

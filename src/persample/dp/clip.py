@@ -323,13 +323,13 @@ def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor, g: Te
     """Add one op's share of ``sum_i c_i g_i`` of the parameter ``pid`` (clip factors
     ``c (n,)``) into ``into``: its weighted-sum rule with the op's backprops ``g (n,
     *out)`` (``None``: it has none), else one local backward."""
+    p = next(t for t in op.leaves if id(t) == pid)
     if g is not None:
         dtype = _sum_dtype(g.dtype, into.dtype)
         with torch.no_grad():
             if find_op_sum(op.func)(OpCall(op, captured.n, dtype), cast(g, dtype), c.to(dtype),
-                                    {pid: into}):
+                                    {p: into}):
                 return
-    p = next(t for t in op.leaves if id(t) == pid)
     into.add_(_local_backward(captured, op, [p], c)[pid])
 
 

@@ -152,24 +152,24 @@ class Pullbacks:
         out = {}
         for k in wrt:
             t = op.leaves[k]
-            if id(t) in out:
+            if t in out:
                 continue
             direct = self._param(t) is not None and call.op.pairing(k) is None
             if direct and rule_adds(op.func) and self.sink.holds(id(t)):
-                out[id(t)] = self.sink.dest[id(t)]  # the rule adds to what is there
-                call.adding.add(id(t))
+                out[t] = self.sink.dest[id(t)]  # the rule adds to what is there
+                call.adding.add(t)
                 continue
             v = self.captured.v
             found = self.sink.target(id(t), shapes[k]) if direct else None
-            out[id(t)] = found if found is not None else t.new_empty((n, v, *shapes[k]))
+            out[t] = found if found is not None else t.new_empty((n, v, *shapes[k]))
         rule = find_op_rule(op.func)
         call.dtype = next(iter(out.values())).dtype  # the results' (the parameter's)
         single = [cast(c, call.dtype) for c in cots if c is not None]
         reason = "no rule" if rule is None or len(cots) != 1 or len(single) != 1 else rule(
             call, single[0], out)
         if reason is not None and call.adding:  # declined before writing: the others write
-            for pid in call.adding:  # into a temporary, added below
-                out[pid] = torch.empty_like(out[pid])
+            for t in call.adding:  # into a temporary, added below
+                out[t] = torch.empty_like(out[t])
             call.adding = set()
         kind = "rule"
         if reason is not None and not self._broadcast(op, call, wrt, out_pairings, out):
@@ -181,14 +181,14 @@ class Pullbacks:
             if id(t) in done:
                 continue
             done.add(id(t))
-            if id(t) in call.adding:
+            if t in call.adding:
                 continue  # added in place
             if self._param(t) is not None and call.op.pairing(k) is None:
-                self.sink.commit(id(t), out[id(t)])
+                self.sink.commit(id(t), out[t])
             elif self._param(t) is not None:
                 raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
             else:
-                self.pending.setdefault(id(t), []).append((out[id(t)], call.op.pairing(k)))
+                self.pending.setdefault(id(t), []).append((out[t], call.op.pairing(k)))
 
     def _param(self, t: Tensor) -> nn.Parameter | None:
         return self.captured.watched_param(t)
@@ -209,7 +209,7 @@ class Pullbacks:
         except (ValueError, RuntimeError):
             return False
         for k, value in zip(wrt, got):
-            out[id(op.leaves[k])].copy_(value)
+            out[op.leaves[k]].copy_(value)
         return True
 
     def note(self, op: Op, wrt: list[int], kind: str, reason: str | None) -> None:
@@ -242,7 +242,7 @@ class Pullbacks:
                 f"no rule for {op.where()} and torch.func could not differentiate it per "
                 f"sample: {err}") from err
         for k, g in zip(wrt, got):
-            out[id(op.leaves[k])].copy_(g)
+            out[op.leaves[k]].copy_(g)
         return kind
 
     def pull_derived(self) -> None:

@@ -23,14 +23,14 @@ def prelu(call: OpCall, g: Tensor, out: dict) -> str | None:
     x, w = call.arg(0, "input"), call.arg(1, "weight")
     if call.only(out, w):
         return call.only(out, w)
-    if id(w) not in out:
+    if w not in out:
         return None
-    if call.shared(x) or id(x) in out:
+    if call.shared(x) or x in out:
         return "a shared input, or the input is a parameter"
     xf = call.front(x)  # (n, *per_sample): the op's batch dim, channels at 1
     n, v = g.shape[:2]
     part = g * xf.clamp(max=0).unsqueeze(1)  # (n, v, *per_sample)
-    dst = out[id(w)]
+    dst = out[w]
     if w.numel() == 1:
         torch.sum(part.reshape(n, v, -1), dim=2, keepdim=True, out=dst.view(n, v, 1))
     elif part.dim() < 4:

@@ -23,7 +23,7 @@ from .elementwise import operand, write_reduced
 
 @register_op_rule(torch.addcmul, torch.Tensor.addcmul)
 def addcmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
-    """``g (n, v, *s)`` -> ``out[id(t)] (n, v, *shape)`` for the parameter inputs ``t``."""
+    """``g (n, v, *s)`` -> ``out[t] (n, v, *shape)`` for the parameter inputs ``t``."""
     x, a, b = call.arg(0, "input"), call.arg(1, "tensor1"), call.arg(2, "tensor2")
     value = call.arg(3, "value", 1)
     if len({id(x), id(a), id(b)}) < 3 or call.only(out, x, a, b):
@@ -33,6 +33,6 @@ def addcmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
               (a, lambda: value * g * operand(call, b, rank)),
               (b, lambda: value * g * operand(call, a, rank))]
     for t, grad in wanted:
-        if isinstance(t, Tensor) and id(t) in out:
+        if isinstance(t, Tensor) and t in out:
             write_reduced(call, out, t, grad())
     return None

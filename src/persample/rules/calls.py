@@ -27,7 +27,7 @@ class OpCall:
 
     def __init__(self, op: Any, n: int, dtype: torch.dtype | None = None):
         self.op, self.n, self.dtype = op, n, dtype
-        self.adding: set[int] = set()  # outputs to add to, not overwrite (``adds`` rules)
+        self.adding: set[Tensor] = set()  # inputs whose result to add to (``adds`` rules)
         self.func, self.args, self.kwargs = op.func, op.args, op.kwargs
         self._pos = {}
         for k, t in enumerate(op.leaves):
@@ -63,8 +63,10 @@ class OpCall:
     def only(self, out: dict, *tensors: Any) -> str | None:
         """A reason to decline if ``out`` asks for inputs other than ``tensors`` (a
         derived input the rule does not differentiate: the engine then does)."""
-        mine = {id(t) for t in tensors if isinstance(t, Tensor)}
-        return None if set(out) <= mine else "asked for an input the rule does not cover"
+        mine = [t for t in tensors if isinstance(t, Tensor)]
+        if all(any(k is t for t in mine) for k in out):
+            return None
+        return "asked for an input the rule does not cover"
 
 
 def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:

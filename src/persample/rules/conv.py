@@ -231,16 +231,16 @@ def conv(call: OpCall, g: Tensor, out: dict) -> str | None:
     if found is None or call.only(out, w, b):
         return "an unbatched input, or the input is a parameter"
     xf, gi = found
-    if id(w) in out:
+    if w in out:
         dilation = call.arg(7, "dilation", 1) if transposed else call.arg(5, "dilation", 1)
         args = (xf, gi, w.shape, call.arg(3, "stride", 1), call.arg(4, "padding", 0),
                 dilation, call.arg(6, "groups", 1))
         if transposed:
-            out[id(w)].copy_(conv_transpose_weight_per_sample(*args))
+            out[w].copy_(conv_transpose_weight_per_sample(*args))
         else:
-            conv_weight_per_sample(*args, out[id(w)])
-    if b is not None and id(b) in out:
-        torch.sum(gi, dim=(2, *range(4, gi.dim())), out=out[id(b)])  # (n, v, o)
+            conv_weight_per_sample(*args, out[w])
+    if b is not None and b in out:
+        torch.sum(gi, dim=(2, *range(4, gi.dim())), out=out[b])  # (n, v, o)
     return None
 
 
@@ -269,17 +269,17 @@ def conv_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | 
     n, a, o = gi.shape[0], gi.shape[2], gi.shape[3]
     gm = gi.reshape(n, a, o, -1).transpose(2, 3).reshape(n, -1, o)  # (n, a*t, o)
     result = {}
-    if id(w) in wanted:
+    if w in wanted:
         t, ck = gm.shape[1], w.shape[1:].numel()
         if t > 1 and t * (ck + o) > ck * o:
             return None  # materialising is cheaper (before unfolding anything)
         xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
         cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
-        result[id(w)] = ghost_norm(cols.transpose(2, 3).reshape(n, -1, ck), gm)
-        if result[id(w)] is None:
+        result[w] = ghost_norm(cols.transpose(2, 3).reshape(n, -1, ck), gm)
+        if result[w] is None:
             return None
-    if b is not None and id(b) in wanted:
-        result[id(b)] = gm.sum(1).square().sum(1)  # (n,)
+    if b is not None and b in wanted:
+        result[b] = gm.sum(1).square().sum(1)  # (n,)
     return result
 
 
@@ -306,15 +306,15 @@ def _summed(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | No
     xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
     images = gi[:, 0].flatten(0, 1)  # (n*a, o, *s')
     result = {}
-    if id(w) in wanted and spatial <= 2 and choose(gi, w.shape, groups) == "patches":
+    if w in wanted and spatial <= 2 and choose(gi, w.shape, groups) == "patches":
         o, ck = w.shape[0], w.shape[1:].numel()  # few positions: one GEMM over all patches
         cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
         gm = images.flatten(2).transpose(1, 2).reshape(-1, o)  # (n*a*t, o)
-        result[id(w)] = (gm.T @ cols.transpose(2, 3).reshape(-1, ck)).view(w.shape)
-    elif id(w) in wanted:
-        result[id(w)] = torch.ops.aten.convolution_backward(
+        result[w] = (gm.T @ cols.transpose(2, 3).reshape(-1, ck)).view(w.shape)
+    elif w in wanted:
+        result[w] = torch.ops.aten.convolution_backward(
             images, xp.flatten(0, 1), w, None, stride, padding, dilation, False,
             [0] * spatial, groups, [False, True, False])[1]
-    if b is not None and id(b) in wanted:
-        result[id(b)] = images.sum((0, *range(2, images.dim())))
+    if b is not None and b in wanted:
+        result[b] = images.sum((0, *range(2, images.dim())))
     return result

@@ -57,7 +57,7 @@ def _two(call: OpCall) -> tuple:
 def write_reduced(call: OpCall, out: dict, p, value: Tensor) -> None:
     """``value (n, v, *s)`` summed over the dims ``p`` was broadcast over, into ``p``'s
     result (``p``'s own shape, or its per-sample shape where the op pairs it)."""
-    out[id(p)].copy_(reduce_to(value, _target(call, p)))
+    out[p].copy_(reduce_to(value, _target(call, p)))
 
 
 _MUL = [torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply, torch.Tensor.mul_,
@@ -72,7 +72,7 @@ def mul(call: OpCall, g: Tensor, out: dict) -> str | None:
         return "the same tensor on both sides, or other inputs"
     rank = g.dim() - 2
     for p, other in ((a, b), (b, a)):
-        if isinstance(p, Tensor) and id(p) in out:
+        if isinstance(p, Tensor) and p in out:
             write_reduced(call, out, p, g * operand(call, other, rank))
     return None
 
@@ -93,7 +93,7 @@ def add(call: OpCall, g: Tensor, out: dict) -> str | None:
     alpha = call.kwargs.get("alpha", 1)
     sign = ADD_OPS[call.func]
     for p, scale in ((a, 1), (b, sign * alpha)):
-        if isinstance(p, Tensor) and id(p) in out:
+        if isinstance(p, Tensor) and p in out:
             write_reduced(call, out, p, g if scale == 1 else g * scale)
     return None
 
@@ -113,9 +113,9 @@ def div(call: OpCall, g: Tensor, out: dict) -> str | None:
         return "the same tensor on both sides, or other inputs"
     rank = g.dim() - 2
     af, bf = operand(call, a, rank), operand(call, b, rank)
-    if isinstance(a, Tensor) and id(a) in out:
+    if isinstance(a, Tensor) and a in out:
         write_reduced(call, out, a, g / bf)
-    if isinstance(b, Tensor) and id(b) in out:
+    if isinstance(b, Tensor) and b in out:
         write_reduced(call, out, b, -g * af / (bf * bf))
     return None
 
@@ -133,9 +133,9 @@ def cat(call: OpCall, g: Tensor, out: dict) -> str | None:
         if t.dim() == 1 and t.numel() == 0 and rank > 1:  # legacy empty input
             continue
         size = t.shape[dim]
-        if id(t) in out:
+        if t in out:
             part = g.narrow(2 + dim, start, size)
-            out[id(t)].copy_(reduce_to(part, _target(call, t)))
+            out[t].copy_(reduce_to(part, _target(call, t)))
         start += size
     return None
 
@@ -146,7 +146,7 @@ def expand(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``y = x.expand(...)`` (a class token ``cls.expand(B, -1, -1)``): ``grad_x`` is ``g``
     summed over the expanded dims, for each sample's slice or the whole output."""
     x = call.args[0]
-    if id(x) not in out or not call.shared(x) or call.only(out, x):
+    if x not in out or not call.shared(x) or call.only(out, x):
         return "not a shared tensor expanded"
-    out[id(x)].copy_(reduce_to(g, tuple(x.shape)))
+    out[x].copy_(reduce_to(g, tuple(x.shape)))
     return None

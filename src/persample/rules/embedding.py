@@ -74,7 +74,7 @@ def embedding(call: OpCall, g: Tensor, out: dict) -> str | None:
     ids, w = call.arg(0, "input"), call.arg(1, "weight")
     if call.only(out, w):
         return call.only(out, w)
-    if id(w) not in out:
+    if w not in out:
         return None
     if not call.shared(w):
         return "a table paired with the samples"
@@ -84,10 +84,10 @@ def embedding(call: OpCall, g: Tensor, out: dict) -> str | None:
     i = _ids(call, ids)
     n, v = g.shape[:2]
     by_freq = bool(call.arg(5, "scale_grad_by_freq", False))
-    if by_freq and id(w) in call.adding:
+    if by_freq and w in call.adding:
         return "scale_grad_by_freq with another contribution to add to"
-    scatter_rows(i, g.reshape(n, v, i.shape[-1], *w.shape[1:]), out[id(w)], padding_idx,
-                 by_freq, add=id(w) in call.adding)
+    scatter_rows(i, g.reshape(n, v, i.shape[-1], *w.shape[1:]), out[w], padding_idx,
+                 by_freq, add=w in call.adding)
     return None
 
 
@@ -97,7 +97,7 @@ def gather_rows(call: OpCall, g: Tensor, out: dict) -> str | None:
     """``table[ids]`` and ``index_select(table, 0, ids)`` with one integer id tensor on dim
     0 of a parameter: the lookup rule."""
     table = call.args[0]
-    if id(table) not in out or not call.shared(table) or call.only(out, table):
+    if table not in out or not call.shared(table) or call.only(out, table):
         return "not a parameter table indexed by ids"
     if call.func is torch.Tensor.__getitem__:
         ids = call.args[1]
@@ -110,7 +110,7 @@ def gather_rows(call: OpCall, g: Tensor, out: dict) -> str | None:
     i = _ids(call, ids)
     n, v = g.shape[:2]
     scatter_rows(i % table.shape[0], g.reshape(n, v, i.shape[-1], *table.shape[1:]),
-                 out[id(table)], add=id(table) in call.adding)
+                 out[table], add=table in call.adding)
     return None
 
 
@@ -119,13 +119,13 @@ def embedding_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
     """``|grad_W[n]|^2 = sum_{t,s: ids_t = ids_s} g_t . g_s`` (cost ``n T^2 d``), or
     ``None`` (materialise, ``n r d``) when the table is smaller than ``T^2``."""
     w = call.arg(1, "weight")
-    if id(w) not in wanted:
+    if w not in wanted:
         return {}
     found = _lookup(call, g)
     if found is None or found[0].shape[1] ** 2 >= w.shape[0]:
         return None
     one = Factors(found[0], found[1])
-    return {id(w): inner(one, one)}
+    return {w: inner(one, one)}
 
 
 def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -149,7 +149,7 @@ def embedding_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
     if found is None:
         return None
     i, gt, w = found
-    return {id(w): Factors(i, gt)} if id(w) in wanted else {}
+    return {w: Factors(i, gt)} if w in wanted else {}
 
 
 @register_op_sum(F.embedding)
@@ -160,9 +160,9 @@ def embedding_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -
     if found is None:
         return False
     i, gt, w = found
-    if id(w) in into:
+    if w in into:
         rows = (gt * c.view(-1, 1, 1)).reshape(-1, gt.shape[2])  # (n*t, d)
-        table = into[id(w)].view(w.shape[0], -1)
+        table = into[w].view(w.shape[0], -1)
         table.index_add_(0, i.reshape(-1), rows.to(table.dtype))
     return True
 
@@ -227,14 +227,14 @@ def embedding_bag(call: OpCall, g: Tensor, out: dict) -> str | None:
     w = a["weight"]
     if call.only(out, w):
         return call.only(out, w)
-    if id(w) not in out:
+    if w not in out:
         return None
     reason = _bags_ok(call, a)
     if reason:
         return reason
     n, v = g.shape[:2]
     g = g.reshape(n, v, -1)
-    dst = out[id(w)]
+    dst = out[w]
     dst.zero_()
     if a["input"].numel() == 0:
         return None
@@ -259,20 +259,20 @@ def embedding_bag_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None
     ``O(T log T)`` for ``T`` positions instead of ``O(n r d)``."""
     a = _bag_args(call)
     w = a["weight"]
-    if id(w) not in wanted:
+    if w not in wanted:
         return {}
     if _bags_ok(call, a):
         return None
     n = g.shape[0]
     g2 = g.reshape(n, -1).square().sum(1)  # (n,)
     if a["input"].numel() == 0:
-        return {id(w): torch.zeros_like(g2)}
+        return {w: torch.zeros_like(g2)}
     bag, ids, coef, size = _bag_weights(a, n, g.dtype)
     if a["mode"] == "max":
-        return {id(w): g2 * (size > 0)}
+        return {w: g2 * (size > 0)}
     rows = w.shape[0]
     pairs, which = torch.unique(bag * rows + ids, return_inverse=True)
     weights = torch.zeros(len(pairs), dtype=coef.dtype, device=coef.device).index_add_(
         0, which, coef)
     a2 = torch.zeros_like(g2).index_add_(0, pairs // rows, weights.square())
-    return {id(w): g2 * a2}
+    return {w: g2 * a2}

@@ -74,14 +74,14 @@ def linear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     n, v = g.shape[:2]
     o, i = w.shape if w.dim() == 2 else (1, w.shape[0])
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
-    if id(w) in out:
+    if w in out:
         if w.dim() != 2:
             return "a 1-d weight"
-        sum_outer_into(gt, as_rows(call, x, i), out[id(w)])  # (n, v, o, i)
-    if b is not None and id(b) in out:
+        sum_outer_into(gt, as_rows(call, x, i), out[w])  # (n, v, o, i)
+    if b is not None and b in out:
         if b.dim() != 1:
             return "a bias that is not a vector"
-        torch.sum(gt, dim=2, out=out[id(b)])  # (n, v, o)
+        torch.sum(gt, dim=2, out=out[b])  # (n, v, o)
     return None
 
 
@@ -101,12 +101,12 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] 
     a = as_rows(call, x, i)  # (n, t, i)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
-    if id(w) in wanted:
-        found[id(w)] = ghost_norm(a, gt)
-        if found[id(w)] is None:
+    if w in wanted:
+        found[w] = ghost_norm(a, gt)
+        if found[w] is None:
             return None
-    if b is not None and id(b) in wanted:
-        found[id(b)] = gt.sum(1).square().sum(1)  # (n,)
+    if b is not None and b in wanted:
+        found[b] = gt.sum(1).square().sum(1)  # (n,)
     return found
 
 
@@ -120,11 +120,11 @@ def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> b
         return False
     o, i = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
-    if id(w) in into:
+    if w in into:
         a, gw = _scaled_smaller(as_rows(call, x, i), gt, c)
-        add_product(into[id(w)], gw.reshape(-1, o).T, a.reshape(-1, i))  # (o, n*t) @ (n*t, i)
-    if b is not None and id(b) in into:
-        into[id(b)].add_(c @ gt.sum(1))  # (n,) @ (n, o)
+        add_product(into[w], gw.reshape(-1, o).T, a.reshape(-1, i))  # (o, n*t) @ (n*t, i)
+    if b is not None and b in into:
+        into[b].add_(c @ gt.sum(1))  # (n,) @ (n, o)
     return True
 
 
@@ -176,10 +176,10 @@ def linear_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Facto
     o, i = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
-    if id(w) in wanted:
-        found[id(w)] = Factors(gt, _expanded(call, x, i, gt.shape[0]))
-    if b is not None and id(b) in wanted:
-        found[id(b)] = _bias_factors(gt)
+    if w in wanted:
+        found[w] = Factors(gt, _expanded(call, x, i, gt.shape[0]))
+    if b is not None and b in wanted:
+        found[b] = _bias_factors(gt)
     return found
 
 
@@ -188,16 +188,16 @@ def addmm_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factor
     """``W (i, o)``: ``L = x``, ``R = alpha g``; ``b``: ``L = beta g``, ``R = 1``."""
     b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
     beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
-    if b.dim() != 1 or not call.shared(w) or not call.shared(b) or id(x) in wanted:
+    if b.dim() != 1 or not call.shared(w) or not call.shared(b) or x in wanted:
         return None
     i, o = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
-    if id(w) in wanted:
-        found[id(w)] = Factors(_expanded(call, x, i, gt.shape[0]), gt if alpha == 1 else
+    if w in wanted:
+        found[w] = Factors(_expanded(call, x, i, gt.shape[0]), gt if alpha == 1 else
                                gt * alpha)
-    if id(b) in wanted:
-        found[id(b)] = _bias_factors(gt if beta == 1 else gt * beta)
+    if b in wanted:
+        found[b] = _bias_factors(gt if beta == 1 else gt * beta)
     return found
 
 
@@ -209,19 +209,19 @@ def addmm(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
     if call.only(out, b, w):
         return call.only(out, b, w)
-    if any(id(t) in out and not call.shared(t) for t in (b, w)) or id(x) in out:
+    if any(t in out and not call.shared(t) for t in (b, w)) or x in out:
         return "the first matrix or a paired operand is a parameter"
     n, v = g.shape[:2]
     i, o = w.shape
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
-    if id(w) in out:
-        dst = out[id(w)].transpose(2, 3)  # (n, v, o, i) view of (n, v, i, o)
+    if w in out:
+        dst = out[w].transpose(2, 3)  # (n, v, o, i) view of (n, v, i, o)
         sum_outer_into(gt if alpha == 1 else gt * alpha, as_rows(call, x, i), dst)
-    if id(b) in out:
+    if b in out:
         if b.dim() == 1:
-            torch.sum(gt, dim=2, out=out[id(b)])
+            torch.sum(gt, dim=2, out=out[b])
             if beta != 1:
-                out[id(b)].mul_(beta)
+                out[b].mul_(beta)
         else:
             return "a bias with rows"
     return None
@@ -236,13 +236,13 @@ def addmm_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] |
     i, o = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
-    if id(w) in wanted:
+    if w in wanted:
         norm = ghost_norm(as_rows(call, x, i), gt)
         if norm is None:
             return None
-        found[id(w)] = norm * alpha**2
-    if id(b) in wanted:
-        found[id(b)] = gt.sum(1).square().sum(1) * beta**2
+        found[w] = norm * alpha**2
+    if b in wanted:
+        found[b] = gt.sum(1).square().sum(1) * beta**2
     return found
 
 
@@ -256,11 +256,11 @@ def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bo
         return False
     i, o = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
-    if id(w) in into:
+    if w in into:
         a, gw = _scaled_smaller(as_rows(call, x, i), gt, c)
-        add_product(into[id(w)], a.reshape(-1, i).T, gw.reshape(-1, o), alpha)  # (i, o)
-    if id(b) in into:
-        into[id(b)].add_(c @ gt.sum(1), alpha=beta)
+        add_product(into[w], a.reshape(-1, i).T, gw.reshape(-1, o), alpha)  # (i, o)
+    if b in into:
+        into[b].add_(c @ gt.sum(1), alpha=beta)
     return True
 
 
@@ -281,19 +281,19 @@ def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     ``W`` ``sum_t x^T g``; ``W @ x`` gives ``W`` ``sum g x^T`` over the other dims."""
     a, b = _operands(call)
     n, v = g.shape[:2]
-    if id(b) in out and id(a) not in out and call.shared(b) and b.dim() == 2:
+    if b in out and a not in out and call.shared(b) and b.dim() == 2:
         k, p = b.shape
         gt = g.reshape(n, v, -1, p)  # (n, v, t, p)
-        sum_outer_into(gt, as_rows(call, a, k), out[id(b)].transpose(2, 3))  # (n, v, p, k)
+        sum_outer_into(gt, as_rows(call, a, k), out[b].transpose(2, 3))  # (n, v, p, k)
         return None
-    if id(a) in out and id(b) not in out and call.shared(a) and a.dim() == 2 and b.dim() >= 2:
+    if a in out and b not in out and call.shared(a) and a.dim() == 2 and b.dim() >= 2:
         m, k = a.shape
         bx = call.front(b)  # (n, *lead, k, p) or shared (*lead, k, p)
         # grad A = sum over lead and columns of g (m, p) x^T (p, k)
         gm = g.reshape(n, v, -1, m, g.shape[-1]).transpose(3, 4).reshape(n, v, -1, m)
         xs = bx.transpose(-1, -2).reshape(-1, k) if call.shared(b) else (
             bx.transpose(-1, -2).reshape(n, -1, k))  # (n, t, k) with t = lead * p
-        sum_outer_into(gm, xs, out[id(a)])  # (n, v, m, k)
+        sum_outer_into(gm, xs, out[a])  # (n, v, m, k)
         return None
     return _paired(call, a, b, g, out)
 
@@ -302,11 +302,11 @@ def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
 def matmul_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factors] | None:
     """``x @ W`` with ``W (k, p)`` shared: ``L = x``, ``R = g`` over the other dims."""
     a, b = _operands(call)
-    if set(wanted) != {id(b)} or id(a) == id(b) or not call.shared(b) or b.dim() != 2:
+    if set(wanted) != {b} or a is b or not call.shared(b) or b.dim() != 2:
         return None
     k, p = b.shape
     n = g.shape[0]
-    return {id(b): Factors(_expanded(call, a, k, n), g.reshape(n, -1, p))}
+    return {b: Factors(_expanded(call, a, k, n), g.reshape(n, -1, p))}
 
 
 def _paired(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> str | None:
@@ -317,10 +317,10 @@ def _paired(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> str | N
     af, bf = call.front(a), call.front(b)  # (n, ..., m, k), (n, ..., k, p)
     if af.shape[:-2] != bf.shape[:-2] or g.shape[2:-2] != af.shape[1:-2]:
         return "operands broadcast against each other"
-    if id(a) in out:
-        torch.matmul(g, bf.unsqueeze(1).transpose(-1, -2), out=out[id(a)])  # (n, v, ..., m, k)
-    if id(b) in out:
-        torch.matmul(af.unsqueeze(1).transpose(-1, -2), g, out=out[id(b)])  # (n, v, ..., k, p)
+    if a in out:
+        torch.matmul(g, bf.unsqueeze(1).transpose(-1, -2), out=out[a])  # (n, v, ..., m, k)
+    if b in out:
+        torch.matmul(af.unsqueeze(1).transpose(-1, -2), g, out=out[b])  # (n, v, ..., k, p)
     return None
 
 
@@ -335,15 +335,15 @@ def bilinear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
     n, v = g.shape[:2]
     o, i, j = w.shape
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
-    if id(w) in out:
+    if w in out:
         z = (as_rows(call, x1, i).unsqueeze(-1) * as_rows(call, x2, j).unsqueeze(-2)).flatten(-2)
-        dst = out[id(w)]
+        dst = out[w]
         flat = dst.view(n, v, o, i * j) if dst.is_contiguous() else dst.new_empty(n, v, o, i * j)
         sum_outer_into(gt, z, flat)
         if flat.data_ptr() != dst.data_ptr():
             dst.copy_(flat.view(dst.shape))
-    if b is not None and id(b) in out:
-        torch.sum(gt, dim=2, out=out[id(b)])
+    if b is not None and b in out:
+        torch.sum(gt, dim=2, out=out[b])
     return None
 
 
@@ -359,17 +359,17 @@ def bilinear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor
     o, i, j = w.shape
     gt = g.reshape(n, -1, o)  # (n, t, o)
     found = {}
-    if id(w) in wanted:
+    if w in wanted:
         a1, a2 = as_rows(call, x1, i), as_rows(call, x2, j)
         t = gt.shape[1]
         if t == 1:
-            found[id(w)] = (gt.square().sum((1, 2)) * a1.square().sum((1, 2))
+            found[w] = (gt.square().sum((1, 2)) * a1.square().sum((1, 2))
                             * a2.square().sum((1, 2)))
         elif t * (o + i + j) <= o * i * j:
             grams = [torch.bmm(a, a.transpose(1, 2)) for a in (gt, a1, a2)]  # 3 x (n, t, t)
-            found[id(w)] = (grams[0] * grams[1] * grams[2]).sum((1, 2))
+            found[w] = (grams[0] * grams[1] * grams[2]).sum((1, 2))
         else:
             return None
-    if b is not None and id(b) in wanted:
-        found[id(b)] = gt.sum(1).square().sum(1)
+    if b is not None and b in wanted:
+        found[b] = gt.sum(1).square().sum(1)
     return found

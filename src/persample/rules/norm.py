@@ -48,14 +48,14 @@ def _affine_into(call: OpCall, normalised: Callable[[], Tensor], g: Tensor, w, b
     if call.only(out, w, b):
         return call.only(out, w, b)
     for t in (w, b):
-        if t is not None and id(t) in out and not call.shared(t):
+        if t is not None and t in out and not call.shared(t):
             return "an affine parameter paired with the samples"
     work = accumulate_dtype(g.dtype)  # float32 for bfloat16 / float16 results
     g = g.to(work)
-    if w is not None and id(w) in out:
-        _reduce_into(g * normalised().to(work).unsqueeze(1), dims, out[id(w)])
-    if b is not None and id(b) in out:
-        _reduce_into(g, dims, out[id(b)])
+    if w is not None and w in out:
+        _reduce_into(g * normalised().to(work).unsqueeze(1), dims, out[w])
+    if b is not None and b in out:
+        _reduce_into(g, dims, out[b])
     return None
 
 
