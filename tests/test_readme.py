@@ -33,6 +33,15 @@ def test_readme_python_examples_run():
     assert all(p.grad is not None for p in namespace["net"].parameters())
 
 
+def test_readme_op_rule_is_the_file():
+    """The op rule "Adding an op" shows is ``rules/addcmul.py`` as it is."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "@register_op_rule" in b]
+    source = (README.parent / "src" / "persample" / "rules" / "addcmul.py").read_text()
+    rule = block[block.index("@register_op_rule"):]
+    assert rule in source
+
+
 def test_readme_fsdp_example_runs_as_a_file(tmp_path):
     """The FSDP2 training loop, copied to a file and run as a reader would: two gloo
     processes, three DP steps on the sharded model."""

@@ -22,7 +22,7 @@ from .elementwise import operand, write_reduced
 
 
 @register_op_rule(torch.addcmul, torch.Tensor.addcmul)
-def addcmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+def addcmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
     """``g (n, v, *s)`` -> ``out[t] (n, v, *shape)`` for the parameter inputs ``t``."""
     x, a, b = call.arg(0, "input"), call.arg(1, "tensor1"), call.arg(2, "tensor2")
     value = call.arg(3, "value", 1)

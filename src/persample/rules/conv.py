@@ -254,7 +254,7 @@ def _conv_args(call: OpCall) -> tuple:
 
 
 @register_op_norm(*_PLAIN_CONVS)
-def conv_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+def conv_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
     """Squared per-sample gradient norms over the patches ("ghost norm"): a convolution
     is a linear map at every position, so the linear rule's Gram form applies with
     ``t`` positions and ``c*k`` inputs, where it is cheaper than materialising (few
@@ -284,7 +284,7 @@ def conv_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | 
 
 
 @register_op_sum(*_PLAIN_CONVS)
-def conv_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bool:
+def conv_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> bool:
     """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``: the
     ordinary weight gradient of the convolution backward over all images at once, for
     the backprops scaled per sample."""
@@ -295,7 +295,7 @@ def conv_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> boo
     return found is not None
 
 
-def _summed(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+def _summed(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
     spatial = _CONVS[call.func][0]
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     found = _images(call, x, g.unsqueeze(1), spatial)

@@ -115,7 +115,7 @@ def gather_rows(call: OpCall, g: Tensor, out: dict) -> str | None:
 
 
 @register_op_norm(F.embedding)
-def embedding_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
+def embedding_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict | None:
     """``|grad_W[n]|^2 = sum_{t,s: ids_t = ids_s} g_t . g_s`` (cost ``n T^2 d``), or
     ``None`` (materialise, ``n r d``) when the table is smaller than ``T^2``."""
     w = call.arg(1, "weight")
@@ -143,7 +143,7 @@ def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
 
 
 @register_op_factors(F.embedding)
-def embedding_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
+def embedding_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict | None:
     """``W (r, d)``: ``L`` the one-hot rows of the ids, ``R`` the backprops."""
     found = _lookup(call, g)
     if found is None:
@@ -153,7 +153,7 @@ def embedding_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
 
 
 @register_op_sum(F.embedding)
-def embedding_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bool:
+def embedding_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> bool:
     """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``: the
     rows of ``c g`` added at their ids (``padding_idx`` none)."""
     found = _lookup(call, g)
@@ -254,7 +254,7 @@ def embedding_bag(call: OpCall, g: Tensor, out: dict) -> str | None:
 
 
 @register_op_norm(F.embedding_bag)
-def embedding_bag_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict | None:
+def embedding_bag_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict | None:
     """``|grad_W[n]|^2 = |g[n]|^2 sum_r a[n, r]^2`` (max mode: ``|g[n]|^2``), in
     ``O(T log T)`` for ``T`` positions instead of ``O(n r d)``."""
     a = _bag_args(call)

@@ -64,7 +64,7 @@ def as_rows(call: OpCall, x: Tensor, features: int) -> Tensor:
 
 
 @register_op_rule(F.linear, torch._C._nn.linear)
-def linear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+def linear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
     """``y = x W^T + b``: ``W (o, i)`` gets ``sum_t g^T x``, ``b (o,)`` gets ``sum_t g``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     if call.only(out, w, b):
@@ -86,7 +86,7 @@ def linear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
 
 
 @register_op_norm(F.linear, torch._C._nn.linear)
-def linear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+def linear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
     """Squared per-sample gradient norms without the gradients ("ghost norm").
 
     ``T = 1``: ``|grad_W[n]|^2 = |a_n|^2 |g_n|^2``. ``T > 1``:
@@ -111,7 +111,7 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] 
 
 
 @register_op_sum(F.linear, torch._C._nn.linear)
-def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bool:
+def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> bool:
     """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``:
     ``W (o, i)`` gets ``g^T (c x)`` over samples and positions (one GEMM, the factors on
     the smaller operand), ``b`` ``c^T sum_t g``."""
@@ -168,7 +168,7 @@ def _bias_factors(gt: Tensor) -> Factors:
 
 
 @register_op_factors(F.linear, torch._C._nn.linear)
-def linear_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factors] | None:
+def linear_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors] | None:
     """``W (o, i)``: ``L = g``, ``R = x``; ``b``: ``L = g``, ``R = 1``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     if w.dim() != 2 or not call.shared(w) or (b is not None and not call.shared(b)):
@@ -184,7 +184,7 @@ def linear_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Facto
 
 
 @register_op_factors(torch.addmm, torch.Tensor.addmm)
-def addmm_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factors] | None:
+def addmm_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors] | None:
     """``W (i, o)``: ``L = x``, ``R = alpha g``; ``b``: ``L = beta g``, ``R = 1``."""
     b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
     beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
@@ -202,7 +202,7 @@ def addmm_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factor
 
 
 @register_op_rule(torch.addmm, torch.Tensor.addmm)
-def addmm(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+def addmm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
     """``y = beta * b + alpha * x @ W`` (GPT-2's ``Conv1D``: ``W (i, o)``, rows of
     ``(B*T, i)``): ``W`` gets ``alpha * sum_t x^T g``, ``b`` ``beta * sum_t g``."""
     b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
@@ -228,7 +228,7 @@ def addmm(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
 
 
 @register_op_norm(torch.addmm, torch.Tensor.addmm)
-def addmm_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+def addmm_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
     b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
     beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
     if call.shared(x) or b.dim() != 1:
@@ -247,7 +247,7 @@ def addmm_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] |
 
 
 @register_op_sum(torch.addmm, torch.Tensor.addmm)
-def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[int, Tensor]) -> bool:
+def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> bool:
     """``beta * b + alpha * x @ W``: ``W (i, o)`` gets ``alpha (c x)^T g``, ``b``
     ``beta c^T sum_t g``."""
     b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
@@ -276,7 +276,7 @@ def _operands(call: OpCall) -> tuple[Tensor, Tensor]:
 
 
 @register_op_rule(*_MATMULS)
-def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+def matmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
     """``y = A @ B`` with one operand a (shared) matrix parameter: ``x @ W`` gives
     ``W`` ``sum_t x^T g``; ``W @ x`` gives ``W`` ``sum g x^T`` over the other dims."""
     a, b = _operands(call)
@@ -299,7 +299,7 @@ def matmul(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
 
 
 @register_op_factors(*_MATMULS)
-def matmul_factors(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Factors] | None:
+def matmul_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors] | None:
     """``x @ W`` with ``W (k, p)`` shared: ``L = x``, ``R = g`` over the other dims."""
     a, b = _operands(call)
     if set(wanted) != {b} or a is b or not call.shared(b) or b.dim() != 2:
@@ -325,7 +325,7 @@ def _paired(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> str | N
 
 
 @register_op_rule(F.bilinear, torch.bilinear)
-def bilinear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
+def bilinear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
     """``y[t, o] = sum_ij x1[t, i] W[o, i, j] x2[t, j] + b[o]``: a linear map of the
     outer products ``z[t] = x1[t] outer x2[t]``."""
     x1, x2, w, b = (call.arg(0, "input1"), call.arg(1, "input2"), call.arg(2, "weight"),
@@ -348,7 +348,7 @@ def bilinear(call: OpCall, g: Tensor, out: dict[int, Tensor]) -> str | None:
 
 
 @register_op_norm(F.bilinear, torch.bilinear)
-def bilinear_norm(call: OpCall, g: Tensor, wanted: set[int]) -> dict[int, Tensor] | None:
+def bilinear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
     """``|grad_W[n]|^2 = |g|^2 |x1|^2 |x2|^2`` for ``T = 1``, ``sum_{t,s} (g_t . g_s)
     (x1_t . x1_s)(x2_t . x2_s)`` when ``T^2 (o + i + j)`` is below ``T o i j``."""
     x1, x2, w, b = (call.arg(0, "input1"), call.arg(1, "input2"), call.arg(2, "weight"),
