@@ -199,13 +199,14 @@ class _Mode(TorchFunctionMode):
     def __init__(self, capture: Capture):
         super().__init__()
         self.capture = capture
+        self.expansions = capture.expansions  # (read per op: not through the proxy)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         cap = self.capture
         if threading.get_ident() != cap.thread:
             return func(*args, **kwargs)
-        expansion = cap.expansions.get(func)
+        expansion = self.expansions.get(func) if self.expansions else None
         if expansion is not None:
             failed = None
             try:

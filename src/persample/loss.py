@@ -130,7 +130,7 @@ def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int,
 
 
 def _one_per_row(lay: Layout) -> bool:
-    return isinstance(lay, Batched) and lay.dim == 0 and lay.plain
+    return lay == Batched(0)
 
 
 def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,

@@ -122,13 +122,13 @@ def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tenso
         for op in ops:
             rule = find_op_factors(op.func)
             g, call = _backprops(captured, op) if rule is not None else (None, None)
-            p = captured.capture.watched[pid]
+            p = captured.param(pid)
             found = rule(call, g, {p}) if g is not None else None
             if not found or p not in found:
                 break
             uses.append(found[p])
         else:
-            rows = captured.capture.watched[pid].shape[0]
+            rows = captured.param(pid).shape[0]
             if ghost_cost(uses) < materialise_cost(uses, rows):
                 sq[pid] = squared_norm(uses)
                 for op in ops:
@@ -142,7 +142,7 @@ def _sites(captured: Captured) -> dict[int, int]:
     for _call, params in plan.module_jobs + plan.fallback_jobs:
         for p in params.values():
             count[id(p)] = count.get(id(p), 0) + 1
-    derived = captured.capture.derived
+    derived = captured.derived
     for op in plan.uses:
         for k, pids in op.sources.items():
             through = 2 if id(op.leaves[k]) in derived else 1  # a derived tensor: materialise

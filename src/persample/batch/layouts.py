@@ -140,6 +140,11 @@ class Batched(_Questions):
         """``x`` -> ``(n, *per_sample)``; a view unless the layout is irregular."""
         return _front(x, self, n, 0)
 
+    def size(self, n: int) -> int:
+        """The size of the batch dim: ``outer * n * inner``, or one position per entry of
+        ``index``."""
+        return self.outer * n * self.inner if self.index is None else self.index.numel()
+
     def per_sample_shape(self, x: Tensor, n: int) -> torch.Size:
         """The shape of one sample's part of ``x`` (``front(x)[i]``), no data read."""
         return self.front(x.new_empty(()).expand(x.shape), n).shape[1:]

@@ -167,8 +167,7 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
             raise ValueError(
                 f"the model must return one tensor with the batch size {n} in dim 0, got "
                 f"{tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__}")
-        if n > 1 and not (isinstance(lay, Batched) and lay.dim == 0 and lay.outer == lay.inner == 1
-                and lay.index is None):
+        if n > 1 and lay != Batched(0):
             raise NeedsWholeModel(f"the model's output does not hold one sample per row ({lay})")
         return output
 

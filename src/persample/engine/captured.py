@@ -41,6 +41,15 @@ class Captured:
     def layout(self, t: Tensor) -> Layout:
         return self.capture.layout(t)
 
+    @property
+    def derived(self) -> dict:
+        """``id -> Derived``: the shared tensors computed from parameters, and their ops."""
+        return self.capture.derived
+
+    def param(self, pid: int) -> nn.Parameter:
+        """The watched parameter whose ``id`` is ``pid``."""
+        return self.capture.watched[pid]
+
     def watched_param(self, t: Tensor) -> nn.Parameter | None:
         """``t`` if it is a watched parameter, else ``None``."""
         p = self.capture.watched.get(id(t))

@@ -196,7 +196,7 @@ class Pullbacks:
     def _broadcast(self, op: Op, call: OpCall, wrt: list[int], out_pairings: list, out: dict
                    ) -> bool:
         """Shared inputs of an op that broadcasts them over the samples: the op's own
-        backward on per-sample copies (``fallback.expand_vjp``)."""
+        backward on per-sample copies (:func:`persample.rules.vjp.expand_vjp`)."""
         if (len(op.outputs) != 1 or not isinstance(out_pairings[0], Batched)
                 or any(call.op.pairing(k) is not None for k in wrt)
                 or not broadcasts(op.func) or op.edges[0] is None):
@@ -247,7 +247,7 @@ class Pullbacks:
 
     def pull_derived(self) -> None:
         """Derived tensors, newest first: their cotangents back through their ops."""
-        derived = self.captured.capture.derived
+        derived = self.captured.derived
         while self.pending:
             key = max(self.pending, key=lambda i: derived[i].op.index)
             d: Derived = derived[key]
@@ -308,9 +308,7 @@ def _carries(op: Op, k: int, lay: Batched, want: Batched, n: int) -> bool:
     """Does the op's data-flow rule take leaf ``k`` at ``lay`` (the others shared) to
     ``want``?"""
     t = op.leaves[k]
-    if lay.index is None and t.shape[lay.dim] != lay.outer * n * lay.inner:
-        return False
-    if lay.index is not None and t.shape[lay.dim] != lay.index.numel():
+    if t.shape[lay.dim] != lay.size(n):
         return False
     ctx = Ctx(n, lambda x: lay if x is t else SHARED)
     got = propagate(ctx, op.func, op.args, op.kwargs, op.output).outputs
