@@ -46,6 +46,15 @@ def test_the_check_names_a_norm_rule_without_an_op_rule(monkeypatch):
         registry.check_tables()
 
 
+def test_a_rule_without_a_data_flow_handler_is_refused_when_registered():
+    def unknown_op(x):
+        return x
+
+    with pytest.raises(ValueError, match="unknown_op has no data-flow handler.*flow=handler"):
+        registry.register_op_rule(unknown_op)
+    assert unknown_op not in registry.OP_RULES and unknown_op not in HANDLERS
+
+
 def test_a_rule_declares_its_data_flow_handler_with_it():
     """An op the data flow does not know yet is declared in one place: its rule names the
     handler, which lands in the data-flow table."""

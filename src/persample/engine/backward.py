@@ -106,6 +106,7 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
     """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss;
     ``retain_graph``: keep the model's autograd graph after the backward (or a function
     of the plan that says whether to)."""
+
     def root(output: Any, cap: Capture) -> Tensor:
         follow = None
         if isinstance(cap, Capture):  # (a batch of one has none) the targets' samples, and

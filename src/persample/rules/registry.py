@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..batch.flow import HANDLERS, Handler, register
+from ..batch.flow import HANDLERS, Handler, name_of, register
 
 OP_RULES: dict[Any, Callable] = {}
 OP_NORMS: dict[Any, Callable] = {}
@@ -48,6 +48,10 @@ def _registrar(table: dict, kind: str) -> Callable[..., Callable[[Callable], Cal
         present = [f for f in funcs if f is not None]
         if flow is not None:
             register(flow, *present)
+        lost = [f for f in present if table is OP_RULES and f not in HANDLERS]
+        if lost:  # its output would have an unknown layout: the rule would never run
+            raise ValueError(f"{name_of(lost[0])} has no data-flow handler: declare how it "
+                             "carries the samples with register_op_rule(..., flow=handler)")
         if adds and table is not OP_RULES:
             raise TypeError(f"adds=True is for op rules, not for a {kind}")
 
@@ -73,9 +77,12 @@ ops ``funcs`` (function objects as the ``TorchFunctionMode`` sees them: ``F.line
 ``flow``: the op's data-flow handler (how the op carries the samples from its inputs
 to its outputs, :mod:`persample.batch.flow`) if the op has none yet: a new op is then
 declared in one file. ``adds``: the rule can add its result to a destination that
-already holds another op's contribution (the tensors whose ids are in
+already holds another op's contribution (the tensors in
 ``call.adding``) instead of overwriting it; such rules run after the others, so that a
-tied table's lookup adds its few rows to the output layer's dense gradient in place."""
+tied table's lookup adds its few rows to the output layer's dense gradient in place.
+
+Raises ``ValueError`` naming the op if it has no data-flow handler and ``flow`` is not
+given (the capture would give its output an unknown layout, and the rule never run)."""
 register_op_norm = _registrar(OP_NORMS, "norm rule")
 register_op_sum = _registrar(OP_SUMS, "weighted-sum rule")
 register_op_factors = _registrar(OP_FACTORS, "factor rule")
@@ -113,8 +120,6 @@ def find_op_factors(func: Any) -> Callable | None:
 def check_tables() -> None:
     """Every op with a rule has a data-flow handler; every other kind of op rule belongs
     to an op with a rule. Raises ``AssertionError`` naming the ops otherwise."""
-    from ..batch.flow import name_of
-
     missing = [name_of(f) for f in OP_RULES if f not in HANDLERS]
     if missing:
         raise AssertionError(f"op rules without a data-flow handler: {missing} (declare "
