@@ -37,7 +37,7 @@ ADDING: set[Any] = set()  # ops whose rule can add into a destination (``adds=Tr
 EXPANSIONS: dict[Any, Callable] = {}  # func -> a decomposition run under the capture
 
 
-def _registrar(table: dict, kind: str) -> Callable[..., Callable[[Callable], Callable]]:
+def _registrar(table: dict, kind: str, name: str) -> Callable[..., Callable[[Callable], Callable]]:
     """A decorator factory putting its function in ``table`` under each of ``funcs``
     (``None`` entries, ops this torch lacks, are skipped). ``flow``: the op's data-flow
     handler (``persample.batch.flow``), for an op whose handler is not there yet;
@@ -64,12 +64,12 @@ def _registrar(table: dict, kind: str) -> Callable[..., Callable[[Callable], Cal
 
         return decorate
 
-    registration.__name__ = f"register_{kind.replace(' ', '_').replace('-', '_')}"
+    registration.__name__ = registration.__qualname__ = name
     registration.__doc__ = f"Register the decorated function as the {kind} of the ops ``funcs``."
     return registration
 
 
-register_op_rule = _registrar(OP_RULES, "op rule")
+register_op_rule = _registrar(OP_RULES, "op rule", "register_op_rule")
 register_op_rule.__doc__ = """Register the decorated function as the per-sample rule of the
 ops ``funcs`` (function objects as the ``TorchFunctionMode`` sees them: ``F.linear``,
 ``torch.Tensor.mul``, ...). See :mod:`persample.rules` for the signature.
@@ -83,10 +83,10 @@ tied table's lookup adds its few rows to the output layer's dense gradient in pl
 
 Raises ``ValueError`` naming the op if it has no data-flow handler and ``flow`` is not
 given (the capture would give its output an unknown layout, and the rule never run)."""
-register_op_norm = _registrar(OP_NORMS, "norm rule")
-register_op_sum = _registrar(OP_SUMS, "weighted-sum rule")
-register_op_factors = _registrar(OP_FACTORS, "factor rule")
-register_expansion = _registrar(EXPANSIONS, "expansion")
+register_op_norm = _registrar(OP_NORMS, "norm rule", "register_op_norm")
+register_op_sum = _registrar(OP_SUMS, "weighted-sum rule", "register_op_sum")
+register_op_factors = _registrar(OP_FACTORS, "factor rule", "register_op_factors")
+register_expansion = _registrar(EXPANSIONS, "expansion", "register_expansion")
 register_expansion.__doc__ = """Run ``fn(*args, **kwargs)`` instead of ``func`` during the
 capture, with its ops captured one by one (``F.multi_head_attention_forward`` as the
 linear maps and the attention it is made of). ``fn`` returns ``NotImplemented`` to
