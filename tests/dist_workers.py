@@ -93,18 +93,20 @@ def run_all(rank: int, world: int) -> dict:
     noisy = nn.Linear(30, 20).double()  # releases with nothing accumulated: noise only
     gen = torch.Generator().manual_seed(rank + 1)  # different per rank: rank 0's counts
     step = PrivateStep(noisy, nn.MSELoss(), max_grad_norm=0.5, noise_multiplier=1.3,
-                       expected_batch_size=10, generator=gen)
+                       expected_batch_size=10, generator=gen, sample_rate=0.1)
     draws = []
     for _ in range(100):
         step.release()
         draws.append(torch.cat([noisy.weight.grad.flatten(), noisy.bias.grad]))
     saved["noise"] = torch.stack(draws)
+    saved["accounted"] = step.accountant.steps, step.epsilon(1e-5)
 
     bad = model()
     step = PrivateStep(bad, loss_fn, max_grad_norm=C, noise_multiplier=0.0,
-                       expected_batch_size=N + rank)  # differs between ranks
+                       expected_batch_size=N + rank, sample_rate=0.5)  # differs between ranks
     step.accumulate(x[mine], y[mine])
     saved["mismatch"] = _error(step.release), grads(bad)
+    saved["mismatch accounted"] = step.accountant.steps
 
     nan_net = model()
     step = PrivateStep(nan_net, loss_fn, max_grad_norm=C, noise_multiplier=0.0,

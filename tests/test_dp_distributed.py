@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import dist_workers
-from persample.dp import PoissonBatchSampler, private_grad
+from persample.dp import PoissonBatchSampler, epsilon, private_grad
 
 WORLD = 2
 
@@ -64,6 +64,14 @@ def test_mismatched_expected_batch_size_raises_on_every_rank(ranks):
         message, grads = ranks[r]["mismatch"]
         assert message.startswith("ValueError: expected_batch_size differs between ranks")
         assert all(g is None for g in grads.values())  # p.grad unchanged
+        assert ranks[r]["mismatch accounted"] == 0  # a failed release is no step
+
+
+def test_every_rank_accounts_each_release_alike(ranks):
+    want = epsilon(1.3, 0.1, 100, 1e-5)
+    for r in range(WORLD):
+        steps, eps = ranks[r]["accounted"]
+        assert steps == 100 and eps == pytest.approx(want, rel=1e-9)
 
 
 def test_a_non_finite_gradient_on_one_rank_raises_on_every_rank(ranks):

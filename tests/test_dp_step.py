@@ -172,3 +172,53 @@ def test_bad_options(bad):
     opts = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8) | bad
     with pytest.raises(ValueError):
         PrivateStep(nn.Linear(2, 1), nn.MSELoss(), **opts)
+
+
+def test_each_release_is_one_accounted_step():
+    """With ``sample_rate`` the step accounts its releases itself: epsilon after k releases
+    is epsilon(sigma, q, k), whatever the micro-batches; a given accountant continues."""
+    from persample.dp import epsilon
+
+    model, loss_fn = Net(), nn.CrossEntropyLoss()
+    step = PrivateStep(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.1,
+                       expected_batch_size=8, sample_rate=0.02)
+    assert step.epsilon(1e-5) == 0.0
+    for k in range(3):
+        for part in range(k):  # 0, 1 and 2 micro-batches: a release is one step
+            step.accumulate(*_data(B, part))
+        step.release()
+    assert step.accountant.steps == 3
+    assert step.epsilon(1e-5) == pytest.approx(epsilon(1.1, 0.02, 3, 1e-5), rel=1e-12)
+
+    earlier = PrivacyAccountant("pld")
+    earlier.step(1.1, 0.02, count=7)
+    more = PrivateStep(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.1,
+                       expected_batch_size=8, sample_rate=0.02, accountant=earlier)
+    more.release()
+    assert more.accountant is earlier and earlier.steps == 8
+
+
+def test_the_accounted_steps_travel_in_the_state_dict():
+    opts = dict(max_grad_norm=1.0, noise_multiplier=1.1, expected_batch_size=8,
+                sample_rate=0.02)
+    model, loss_fn = Net(), nn.CrossEntropyLoss()
+    step = PrivateStep(model, loss_fn, **opts)
+    for _ in range(5):
+        step.release()
+    resumed = PrivateStep(model, loss_fn, **opts)
+    resumed.load_state_dict(step.state_dict())
+    assert resumed.accountant.steps == 5 and resumed.epsilon(1e-5) == step.epsilon(1e-5)
+    plain = PrivateStep(model, loss_fn, max_grad_norm=1.0, noise_multiplier=1.1,
+                        expected_batch_size=8)
+    assert "accountant" not in plain.state_dict() and plain.accountant is None
+    with pytest.raises(ValueError, match="pass sample_rate=q"):
+        plain.epsilon(1e-5)
+
+
+@pytest.mark.parametrize("bad", [dict(sample_rate=0.0), dict(sample_rate=1.5),
+                                 dict(sample_rate=True), dict(accountant="rdp"),
+                                 dict(sample_rate=0.1, accountant="moments")])
+def test_bad_accounting_options(bad):
+    opts = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8) | bad
+    with pytest.raises(ValueError, match="sample_rate|accountant"):
+        PrivateStep(nn.Linear(2, 1), nn.MSELoss(), **opts)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..precision import accumulate_dtype
 from ..sharded import Sharding, as_sharded_grad, fsdp_units, reduce_to_shards, shard_rows
+from .accounting import PrivacyAccountant
 from .clip import _add_clipped_sums, _check_dp_options
 from .noise import gaussian_like, noise_range, pooled_like, release_seed
 
@@ -52,6 +53,13 @@ class PrivateStep:
             whole gradient to ``C``.
         timeout: seconds :meth:`release` waits for the other processes (distributed,
             gloo; with NCCL the process group's own timeout applies).
+        sample_rate: ``q`` in ``(0, 1]``, the Poisson sampling rate of the logical
+            batches: each :meth:`release` then records one step of ``(sigma, q)`` in
+            :attr:`accountant`, and :meth:`epsilon` is the privacy spent so far. Without
+            it nothing is accounted (as before).
+        accountant: ``"rdp"`` (default), ``"pld"``, ``"prv"`` or a
+            :class:`~persample.dp.PrivacyAccountant` to continue (its steps so far
+            count); only with ``sample_rate``.
         loss_reduction: deprecated, no effect (each sample's own loss is evaluated).
 
     Distributed (``torch.distributed`` initialised, any backend; gloo on CPUs, NCCL on
@@ -67,7 +75,7 @@ class PrivateStep:
     unchanged; a rank that does not arrive within ``timeout`` is named in the error (gloo's
     monitored barrier; NCCL has none, and its collectives time out as the process group
     was set up to).
-    Step the accountant once per release (each rank's, identically).
+    With ``sample_rate`` every rank's accountant records each release alike.
 
     Sharded with FSDP2 (``fully_shard`` per block and at the root): each ``accumulate``
     computes its samples' clipped sums one FSDP unit at a time and reduce-scatters them
@@ -83,7 +91,8 @@ class PrivateStep:
 
     Raises:
         ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
-            ``expected_batch_size``, a model without trainable
+            ``expected_batch_size``, ``sample_rate`` outside ``(0, 1]``, an
+            ``accountant`` without ``sample_rate`` or of an unknown kind, a model without trainable
             parameters, a model wrapped in FSDP1's ``FullyShardedDataParallel`` (the
             message names ``fully_shard`` as the fix).
 
@@ -103,6 +112,13 @@ class PrivateStep:
         >>> opt.step()
         >>> net[0].weight.grad.shape, step.samples
         (torch.Size([8, 4]), 0)
+        >>> step = PrivateStep(net, nn.CrossEntropyLoss(), max_grad_norm=1.0,
+        ...                    noise_multiplier=1.1, expected_batch_size=64, sample_rate=0.064)
+        >>> for _ in range(3):
+        ...     _ = step.accumulate(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+        ...     step.release()
+        >>> step.accountant.steps, 0 < step.epsilon(delta=1e-5) < 10
+        (3, True)
 
     Source: Abadi et al. 2016 (DP-SGD, lots); Bu et al. 2023 (book-keeping); Opacus's
     virtual steps; Zhao et al. 2023 (PyTorch FSDP).
@@ -111,8 +127,11 @@ class PrivateStep:
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], *,
                  max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
                  generator: torch.Generator | None = None, per_layer: bool = False,
-                 timeout: float = 300.0, loss_reduction: str | None = None) -> None:
+                 timeout: float = 300.0, loss_reduction: str | None = None,
+                 sample_rate: float | None = None,
+                 accountant: str | PrivacyAccountant | None = None) -> None:
         _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
+        self.sample_rate, self.accountant = _accounting(sample_rate, accountant)
         if expected_batch_size is None:
             raise ValueError("expected_batch_size is required: the divisor of the noised sum "
                              "(q * N with Poisson sampling)")
@@ -195,7 +214,8 @@ class PrivateStep:
             self._arrived("release()")
             self._agree(world)
         if self.sharding is not None:
-            return self._release_sharded()
+            self._release_sharded()
+            return self._account()
         blocks: list[Tensor] = []  # the 1-d blocks the new p.grad tensors view
         if world is None or world[1] == 0:  # the noise, drawn once (rank 0 when distributed)
             grads = gaussian_like(params, self.noise_multiplier * self.max_grad_norm,
@@ -213,6 +233,27 @@ class PrivateStep:
         for p, grad in zip(params, grads):  # in the parameter's dtype, as autograd gives it
             p.grad = grad.div_(self.expected_batch_size).to(p.dtype)
         self.sums, self.samples, self.versions = None, 0, {}
+        self._account()
+
+    def _account(self) -> None:
+        """One release done: one step of ``(sigma, q)`` for the accountant, if any."""
+        if self.accountant is not None:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    def epsilon(self, delta: float) -> float:
+        """The privacy spent by the releases so far: epsilon at ``delta`` (0 before the
+        first), from :attr:`accountant` (Abadi et al. 2016's moments accountant as RDP,
+        Mironov 2017; or PLD, PRV).
+
+        Raises:
+            ValueError: the step was made without ``sample_rate`` (nothing is
+                accounted), or ``delta`` outside ``(0, 1)``.
+        """
+        if self.accountant is None:
+            raise ValueError("this PrivateStep accounts nothing: pass sample_rate=q (the "
+                             "Poisson sampling rate) to PrivateStep to have each release "
+                             "accounted")
+        return self.accountant.epsilon(delta)
 
     def _trainable(self) -> dict[str, nn.Parameter]:
         """The trainable parameters by name (sharded: as the optimizer holds them)."""
@@ -346,8 +387,11 @@ class PrivateStep:
             >>> sorted(step.state_dict())
             ['generator', 'samples', 'sums']
         """
-        return {"sums": self.sums, "samples": self.samples,
-                "generator": None if self.generator is None else self.generator.get_state()}
+        state = {"sums": self.sums, "samples": self.samples,
+                 "generator": None if self.generator is None else self.generator.get_state()}
+        if self.accountant is not None:  # the steps released so far
+            state["accountant"] = self.accountant.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s state (the same model's parameter names and shapes).
@@ -370,6 +414,8 @@ class PrivateStep:
         self.versions = {}  # the weights were loaded with the checkpoint: compare from now
         if state.get("generator") is not None and self.generator is not None:
             self.generator.set_state(state["generator"])
+        if self.accountant is not None and state.get("accountant") is not None:
+            self.accountant.load_state_dict(state["accountant"])
 
     def _check_parameters(self) -> None:
         """The model's trainable parameters are still the step's, and unchanged since the
@@ -391,6 +437,23 @@ class PrivateStep:
         if extra:
             raise ValueError(f"parameter {extra[0]!r} is trainable but not part of this "
                              "PrivateStep: make a new PrivateStep for the new model")
+
+
+def _accounting(sample_rate: float | None, accountant: str | PrivacyAccountant | None
+                ) -> tuple[float | None, PrivacyAccountant | None]:
+    """``(q, accountant)`` for :class:`PrivateStep` (``(None, None)``: no accounting)."""
+    if sample_rate is None:
+        if accountant is not None:
+            raise ValueError("accountant= needs sample_rate= (the Poisson sampling rate q "
+                             "of the logical batches): each release is one step of (sigma, q)")
+        return None, None
+    if not (isinstance(sample_rate, (int, float)) and not isinstance(sample_rate, bool)
+            and 0 < sample_rate <= 1):
+        raise ValueError(f"sample_rate (the Poisson sampling rate q) must be in (0, 1], "
+                         f"got {sample_rate!r}")
+    if isinstance(accountant, PrivacyAccountant):
+        return float(sample_rate), accountant
+    return float(sample_rate), PrivacyAccountant(accountant or "rdp")
 
 
 def _shard_noise(sharding: Sharding, name: str, local: Tensor, std: float, seed: int,
