@@ -22,6 +22,7 @@ def test_readme_python_examples_run():
         found.update(namespace)
     namespace = found
     assert namespace["lm_grads"]["transformer.wte.weight"].shape == (8, 100, 32)
+    assert list(namespace["head"]) == ["3.weight", "3.bias"]
     assert namespace["set_grads"]["phi.weight"].shape == (4, 16, 3)
     assert namespace["graph_grads"]["conv.lin.weight"].shape == (6, 16, 3)
     assert namespace["jac"].shape == (256, 10, 15910)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ def per_sample_grads(
     chunk_size: int | None = None,
     out: Tensor | None = None,
     loss_reduction: str | None = None,
+    params: Iterable[str | Tensor] | None = None,
 ) -> dict[str, Tensor] | Tensor:
     """Per-sample gradients of a loss w.r.t. every trainable parameter.
 
@@ -77,6 +78,10 @@ def per_sample_grads(
             write the flat result into (implies ``flat=True``).
         loss_reduction: deprecated, no effect (a ``FutureWarning``): each sample's
             own loss is evaluated, whatever the loss's reduction.
+        params: the parameters to differentiate, as names (``"0.weight"``) or the
+            parameters themselves (default: every trainable one). The rest of the model
+            is left untouched (not frozen) and costs no per-sample work; the result has
+            the selected ones only, in ``named_parameters()`` order.
 
     Returns:
         ``{name: (B, *param.shape)}`` over the trainable parameters in
@@ -116,16 +121,18 @@ def per_sample_grads(
         torch.Size([16, 67])
     """
     return grads_taken(model, inputs, targets, loss_fn, method=method, flat=flat,
-                       chunk_size=chunk_size, out=out, loss_reduction=loss_reduction)[0]
+                       chunk_size=chunk_size, out=out, loss_reduction=loss_reduction,
+                       params=params)[0]
 
 
 def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
                 method: str = "auto", flat: bool = False, chunk_size: int | None = None,
-                out: Tensor | None = None, loss_reduction: str | None = None
+                out: Tensor | None = None, loss_reduction: str | None = None,
+                params: Iterable[str | Tensor] | None = None
                 ) -> tuple[dict[str, Tensor] | Tensor, Taken]:
     """:func:`per_sample_grads`, and the method that answered (:class:`Taken`)."""
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
-                                           loss_reduction, chunk_size)
+                                           loss_reduction, chunk_size, params)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
     watched = {id(p): p for p in params.values()}
     step, taken = chunk_size or max(n, 1), Taken()
@@ -152,6 +159,7 @@ def param_jacobian(
     flat: bool = False,
     chunk_size: int | None = None,
     out: Tensor | None = None,
+    params: Iterable[str | Tensor] | None = None,
 ) -> dict[str, Tensor] | Tensor:
     """Per-sample Jacobian of the model's outputs w.r.t. its parameters.
 
@@ -176,6 +184,10 @@ def param_jacobian(
             times the memory of one sample's). The result is still whole.
         out: a caller-owned ``(B, Y, P)`` buffer (the parameters' dtype and device)
             to write into; implies ``flat=True``.
+        params: the parameters to differentiate, as names (``"0.weight"``) or the
+            parameters themselves (default: every trainable one). The rest of the model
+            is left untouched (not frozen) and costs no per-sample work; the result (and ``P``)
+            has the selected ones only, in ``named_parameters()`` order.
 
     Returns:
         ``{name: (B, *out_shape, *param.shape)}`` over the trainable parameters, or
@@ -197,7 +209,8 @@ def param_jacobian(
         >>> persample.param_jacobian(net, torch.randn(8, 784), flat=True).shape
         torch.Size([8, 10, 15910])
     """
-    batch, n, params = checks.validate_call(model, inputs, None, None, method, None, chunk_size)
+    batch, n, params = checks.validate_call(model, inputs, None, None, method, None, chunk_size,
+                                           params)
     watched = {id(p): p for p in params.values()}
     out_shape = _output_shape(model, batch)
     num_out = out_shape.numel()
@@ -240,9 +253,9 @@ def _output_shape(model: nn.Module, batch: Batch) -> torch.Size:
 
 def _select(jac: dict[str, Tensor], outputs: range, params: dict) -> dict[str, Tensor]:
     """``{name: (n, *out_shape, *shape)}`` -> rows ``outputs`` of the flattened outputs."""
-    return {
-        name: t.reshape(t.shape[0], -1, *params[name].shape)[:, outputs.start : outputs.stop]
-        for name, t in jac.items()
+    return {  # (the loop gives every trainable parameter's: the selected ones are kept)
+        name: jac[name].reshape(jac[name].shape[0], -1, *p.shape)[:, outputs.start : outputs.stop]
+        for name, p in params.items()
     }
 
 

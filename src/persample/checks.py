@@ -123,6 +123,40 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
+def selected_parameters(model: nn.Module, params: dict[str, nn.Parameter], selected: Any
+                        ) -> dict[str, nn.Parameter]:
+    """The trainable parameters ``params`` that ``selected`` names (``None``: all), in
+    ``named_parameters()`` order: parameter names (``"0.weight"``), the parameters
+    themselves, or a mix. Raises ``ValueError`` naming an unknown or frozen one, or an
+    empty selection; ``TypeError`` for anything else."""
+    if selected is None:
+        return params
+    if isinstance(selected, (str, Tensor)):
+        selected = [selected]
+    names_of = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    wanted = set()
+    for item in selected:
+        if isinstance(item, Tensor):
+            name = names_of.get(id(item))
+            if name is None:
+                raise ValueError(f"params: a tensor of shape {tuple(item.shape)} is not a "
+                                 f"parameter of the {type(model).__name__}")
+        elif isinstance(item, str):
+            name = item
+        else:
+            raise TypeError(f"params: names or parameters, got {type(item).__name__}")
+        if name not in params:
+            frozen = any(n == name for n, _ in model.named_parameters())
+            raise ValueError(
+                f"params: {name!r} is " + ("frozen (requires_grad=False): unfreeze it or "
+                                           "leave it out" if frozen else
+                                           f"not a parameter of the {type(model).__name__}"))
+        wanted.add(name)
+    if not wanted:
+        raise ValueError("params is empty: name at least one parameter (or pass None: all)")
+    return {name: p for name, p in params.items() if name in wanted}
+
+
 def check_out(out: Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     """``out`` must be a ``(batch, [outputs,] num_params)`` buffer like the parameters."""
     if not isinstance(out, Tensor):
@@ -153,10 +187,11 @@ def common_dtype_device(params: dict[str, nn.Parameter]) -> tuple[torch.dtype, t
 
 def validate_call(
     model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, method: str,
-    loss_reduction: str | None, chunk_size: int | None,
+    loss_reduction: str | None, chunk_size: int | None, selected: Any = None,
 ) -> tuple[Batch, int, dict[str, nn.Parameter]]:
     """Validate the arguments every per-sample function shares: ``(batch, size, params)``.
-    ``loss_fn=None``: a function without a loss (the parameter Jacobian)."""
+    ``loss_fn=None``: a function without a loss (the parameter Jacobian); ``selected``:
+    the ``params=`` argument (:func:`selected_parameters`)."""
     check_options(method, loss_reduction, chunk_size)
     check_per_sample_model(model)
     if loss_fn is not None or targets is not None:
@@ -167,6 +202,7 @@ def validate_call(
     units = fsdp_units(model)
     if units:  # FSDP2: the engine follows the unsharded parameters the forward reads
         params = Sharding(model, units).working
+    params = selected_parameters(model, params, selected)
     check_devices(batch, params)
     return batch, batch.n, params
 

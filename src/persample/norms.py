@@ -13,7 +13,7 @@ materialised per-sample gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -199,6 +199,7 @@ def per_sample_grad_norms(
     per_layer: bool = False,
     chunk_size: int | None = None,
     loss_reduction: str | None = None,
+    params: Iterable[str | Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """L2 norm of each sample's gradient over all trainable parameters.
 
@@ -216,6 +217,9 @@ def per_sample_grad_norms(
             own code fails on it), with a warning, ``"vmap"``, then ``"loop"``.
         per_layer: also return the norm of each parameter's per-sample gradient.
         chunk_size: process at most this many samples at a time.
+        params: the parameters whose gradient the norms are of, as names or the
+            parameters themselves (default: every trainable one); the rest of the model
+            is left untouched and costs no per-sample work.
 
     Returns:
         ``(B,)`` norms (loss units per parameter unit) in the parameters' dtype, at
@@ -238,7 +242,7 @@ def per_sample_grad_norms(
         True
     """
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
-                                           loss_reduction, chunk_size)
+                                           loss_reduction, chunk_size, params)
     layers = {name: p.new_zeros(n, dtype=accumulate_dtype(p.dtype)) for name, p in params.items()}
     step, taken = chunk_size or max(n, 1), Taken()
     for start in range(0, n, step):
@@ -247,7 +251,9 @@ def per_sample_grad_norms(
             method,
             rules=lambda a=a, t=t: _rules_norms(model, a, t, loss_fn, params),
             vmap=lambda a=a, t=t: _norms_of(vmap_per_sample_grads(model, a, t, loss_fn, params)),
-            loop=lambda a=a, t=t: _norms_of(loop_per_sample_grads(model, a, t, loss_fn)),
+            loop=lambda a=a, t=t: _norms_of(
+                {name: g for name, g in loop_per_sample_grads(model, a, t, loss_fn).items()
+                 if name in params}),
             taken=taken, hint=lambda: checks.dtype_note(batch, params))
         for name, norms in chunk.items():
             layers[name][start : start + step] = norms
