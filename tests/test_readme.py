@@ -32,6 +32,9 @@ def test_readme_python_examples_run():
     assert namespace["checkpoint"]["accountant"]["history"] == [  # one step per release
         [1.1, 0.256, len(namespace["sampler"])]]
     assert 0 < namespace["spent"] < 100
+    private = namespace["private"]  # make_private: every planned step taken, within target
+    assert private.step.accountant.steps == 2 * private.steps_per_epoch
+    assert private.epsilon(1e-5) <= 3.0
     assert all(p.grad is not None for p in namespace["net"].parameters())
 
 

@@ -4,6 +4,9 @@
   forward and one backward, written to ``p.grad`` for any ``torch.optim`` optimizer.
 - :class:`PrivateStep`: the same over a logical batch of many micro-batches
   (``accumulate`` each, then ``release``), with a ``state_dict`` for checkpoints.
+- :func:`make_private`: a DP-SGD run set up from a privacy target in one call (the
+  noise multiplier, Poisson-sampled logical batches split into physical ones, the
+  step and its accountant), the model and the optimizer left as they are.
 - :mod:`persample.dp.sampling`: Poisson sampling of batches.
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
 """
@@ -12,10 +15,13 @@ from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .clip import private_grad
 from .sampling import EmptySafeCollate, PoissonBatchSampler, poisson_batches, poisson_loader
 from .step import PrivateStep
+from .training import PrivateTraining, make_private
 
 __all__ = [
     "private_grad",
     "PrivateStep",
+    "make_private",
+    "PrivateTraining",
     "PrivacyAccountant",
     "epsilon",
     "noise_multiplier_for",
