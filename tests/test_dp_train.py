@@ -54,7 +54,7 @@ def test_short_run_figures_json_and_plot(tmp_path, capsys):
     assert 0 < private["epsilon"][0] < private["epsilon"][1] == p["epsilon"]
     assert plain["epsilon"] == []
     assert "non-private" in out and f"{p['epsilon']:.2f}" in out and "s/epoch" in out
-    assert "eps=" in err and "loss=" in err and "acc=" in err  # the progress bars
+    assert "eps=" in err and "train loss=" in err and "train acc=" in err  # the progress bars
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

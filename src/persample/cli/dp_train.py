@@ -156,7 +156,7 @@ class _Tally:
         return self.correct / max(self.seen, 1)
 
     def postfix(self) -> dict[str, str]:
-        return {"loss": f"{self.loss:.3f}", "acc": f"{self.accuracy:.3f}"}
+        return {"train loss": f"{self.loss:.3f}", "train acc": f"{self.accuracy:.3f}"}
 
 
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 512) -> float:
@@ -231,7 +231,7 @@ def train(
             postfix = tally.postfix()
             if accountant is not None:
                 accountant.step(sigma, q)
-                if (k + 1) % EPS_EVERY == 0 or k + 1 == steps:
+                if k == 0 or (k + 1) % EPS_EVERY == 0 or k + 1 == steps:  # from the first
                     t = time.perf_counter()
                     eps = accountant.epsilon(cfg.delta)
                     accounting_s += time.perf_counter() - t
