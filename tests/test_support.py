@@ -185,3 +185,24 @@ def test_supported_with_the_loss_of_the_call():
     routes = supported(model, {"x": x, "labels": y}, None, lambda out, _: out["loss"])
     assert {r.path for r in routes} == {"vmap"}
     assert "per-sample terms" in routes[0].reason
+
+
+def test_verify_checks_every_sample_by_default(monkeypatch):
+    """A fast path wrong in one late sample only is caught by default; four would miss it."""
+    import persample.api as api
+
+    real = api.grads_taken
+
+    def wrong_in_sample_24(*args, **kwargs):
+        grads, taken = real(*args, **kwargs)
+        for g in grads.values():
+            if g.shape[0] > 24:
+                g[24] += 1.0
+        return grads, taken
+
+    monkeypatch.setattr(api, "grads_taken", wrong_in_sample_24)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    x, y = torch.randn(32, 4, dtype=torch.float64), torch.randn(32, 2, dtype=torch.float64)
+    report = verify(net, x, y, nn.MSELoss())
+    assert report.samples == 32 and not report.ok
+    assert verify(net, x, y, nn.MSELoss(), samples=4).ok
