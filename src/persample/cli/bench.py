@@ -434,6 +434,26 @@ def _speedup(report: Report) -> None:
         report.speedup_over_best_other = best.median_ms / ours.median_ms
 
 
+def _spread(times: list[float]) -> str:
+    """The rounds' range relative to their median (``"12%"``): how much to trust a row on
+    a loaded machine; blank for one round."""
+    if len(times) < 2:
+        return ""
+    return f"{(max(times) - min(times)) / statistics.median(times):.0%}"
+
+
+def _round_range(r: Report) -> str:
+    """The speed-up round by round (the rounds are interleaved, so each pair ran under
+    the same load): ``" (per round 0.95-1.40x)"``; blank without paired rounds."""
+    ours = next(m for m in r.methods if m.method == r.ours)
+    best = next(m for m in r.methods if m.method == r.best_other)
+    pairs = list(zip(best.times_ms, ours.times_ms))
+    if len(pairs) < 2 or len(best.times_ms) != len(ours.times_ms):
+        return ""
+    ratios = [b / o for b, o in pairs]
+    return f" (per round {min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
 def _fmt(value: float | None, spec: str, width: int) -> str:
     return f"{value:>{width}{spec}}" if value is not None else " " * width
 
@@ -457,12 +477,13 @@ def format_report(r: Report) -> str:
         f"  result {tuple(r.result_shape)}, {r.bytes_out / MB:,.1f} MB; "
         f"write bandwidth {r.bandwidth_gb_s:.1f} GB/s; results checked against {r.reference}",
         f"  peak MB: {r.memory}",
-        f"  {'method':<{w}}{'median ms':>11}{'x floor':>9}{'peak MB':>10}{'max |diff|':>12}",
-        f"  {r.base_label + ' (t_plain)':<{w}}{r.t_plain_ms:>11.2f}{'':>9}"
+        f"  {'method':<{w}}{'median ms':>11}{'spread':>8}{'x floor':>9}{'peak MB':>10}"
+        f"{'max |diff|':>12}",
+        f"  {r.base_label + ' (t_plain)':<{w}}{r.t_plain_ms:>11.2f}{'':>17}"
         f"{_fmt(r.plain_peak_mb, ',.1f', 10)}",
         f"  {'write result (fill_)':<{w}}{r.t_fill_ms:>11.2f}",
     ]
-    lines.append(f"  {floor_row:<{w}}{r.floor_ms:>11.2f}{1.0:>9.2f}")
+    lines.append(f"  {floor_row:<{w}}{r.floor_ms:>11.2f}{'':>8}{1.0:>9.2f}")
     notes = []
     for m in r.methods:
         label = m.method + (" *" if m.note else "")
@@ -471,13 +492,14 @@ def format_report(r: Report) -> str:
         if m.median_ms is None:
             lines.append(f"  {label:<{w}}  {m.status}")
             continue
-        lines.append(f"  {label:<{w}}{m.median_ms:>11.2f}{m.ratio_to_floor:>9.2f}"
+        lines.append(f"  {label:<{w}}{m.median_ms:>11.2f}{_spread(m.times_ms):>8}"
+                     f"{m.ratio_to_floor:>9.2f}"
                      f"{_fmt(m.peak_mb, ',.1f', 10)}{_fmt(m.max_abs_diff, '.1e', 12)}"
                      + ("  DIFFERS from the reference" if m.agrees is False else ""))
     lines += notes
     if r.speedup_over_best_other:
         lines.append(f"  {r.ours} (default call) is {r.speedup_over_best_other:.2f}x as fast "
-                     f"as the best other method ({r.best_other})")
+                     f"as the best other method ({r.best_other}){_round_range(r)}")
     plain, captured = (r.diagnostics.get(k) for k in ("plain forward", "forward under capture"))
     if plain and captured:
         lines.append(f"  capture overhead: forward under capture {captured:.2f} ms, plain "
