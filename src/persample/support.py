@@ -179,8 +179,9 @@ def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
         why = (f"{err} method='auto' runs torch.func over the whole model (the loop if "
                "that fails)")
         return {pid: Path("vmap", "", why) for pid in params}
-    return {pid: captured.paths.get(pid, Path("unused", "", "never read in this forward: "
-                                                  "zero per-sample gradients")) for pid in params}
+    paths = captured.paths  # (merged once: the plan's, updated by what the rules took)
+    unread = Path("unused", "", "never read in this forward: zero per-sample gradients")
+    return {pid: paths.get(pid, unread) for pid in params}
 
 
 def _traced_routes(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable | None

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from .accounting import noise_multiplier_for
-from .sampling import EmptySafeCollate, PoissonBatchSampler
+from .sampling import PoissonBatchSampler
 from .step import PrivateStep
 
 
@@ -84,7 +84,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Da
     steps, and the noise multiplier is the smallest that keeps them within the target
     (``noise_multiplier_for``). Neither the model nor the optimizer is wrapped or
     changed: the loop calls ``accumulate`` per physical batch and ``release`` per
-    logical one.
+    logical one. One process: with several, give each rank its share of every logical
+    batch (``PoissonBatchSampler(..., rank=r, world_size=W)``) and a :class:`PrivateStep`.
 
     Args:
         model: the ``nn.Module`` (plain, or wrapped in ``DistributedDataParallel``).
@@ -102,7 +103,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Da
         generator: a CPU ``torch.Generator`` for the batches (seed it to reproduce a
             run); the noise's generator, on the parameters' device, is seeded from it.
         collate_fn: how samples become a batch (default ``default_collate``); an empty
-            batch is collated as empty tensors.
+            logical batch has no physical batch to collate (its release is noise only).
         per_layer: clip each parameter's gradient to ``C / sqrt(K)``.
 
     Returns:
@@ -158,5 +159,5 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Da
                        per_layer=per_layer, sample_rate=q, accountant=accountant)
     sampler = PoissonBatchSampler(n, q, steps_per_epoch, generator)
     return PrivateTraining(step, optimizer, dataset, sampler,
-                           EmptySafeCollate(dataset, collate_fn), physical_batch_size,
+                           collate_fn or default_collate, physical_batch_size,
                            sigma, q, steps_per_epoch, epochs)
