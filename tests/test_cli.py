@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from persample.cli import main
+from persample.cli.real_models import require
 
 pytestmark = pytest.mark.keep_default_dtype  # the benchmark workloads are float32
 
@@ -77,7 +78,7 @@ def test_bench_gpt2_on_text(tmp_path, capsys):
 
 
 def test_bench_resnet18_on_digits(tmp_path):
-    pytest.importorskip("torchvision")
+    require("torchvision")
     figures = bench(tmp_path, "--workload", "resnet18-grads", "--batch", "2", "--no-memory")
     (report,) = figures["workloads"]
     assert report["result_shape"] == [2, 11_181_642]

@@ -1,62 +1,103 @@
-"""The README's examples run as written."""
+"""The README runs as written: every Python block in a fresh process of the environment
+the README's set-up makes, and the set-up and test commands are those CI runs."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from zoo import load_torchvision
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+# What a block must have computed, checked in the block's own process when the block
+# defines the name (each check prints its name; the test asserts every check ran).
+CHECKS = {
+    "lm_grads": 'lm_grads["transformer.wte.weight"].shape == (8, 100, 32)',
+    "head": 'list(head) == ["3.weight", "3.bias"]',
+    "set_grads": 'set_grads["phi.weight"].shape == (4, 16, 3)',
+    "graph_grads": 'graph_grads["conv.lin.weight"].shape == (6, 16, 3)',
+    "jac": "jac.shape == (256, 10, 15910)",
+    "dx": "dx.shape == (100, 400, 1)",
+    "dclf": "dclf.shape == (256, 10, 784)",
+    "norms": "norms.shape == (32,)",
+    # one accounted step per release, with the step's own noise and sample rate
+    "checkpoint": 'checkpoint["accountant"]["history"] == [[1.1, 0.256, len(sampler)]]',
+    "spent": "0 < spent < 100",
+    # make_private: every planned step taken, within the target
+    "private": ("private.step.accountant.steps == 2 * private.steps_per_epoch"
+                " and private.epsilon(1e-5) <= 3.0"),
+    "net": "all(p.grad is not None for p in net.parameters())",
+}
 
 
-@pytest.mark.keep_default_dtype
-def test_readme_python_examples_run():
-    load_torchvision()  # transformers imports it (see zoo.py)
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "the README has no python example"
-    found: dict = {}
-    for block in blocks:
-        namespace: dict = {}
-        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
-        found.update(namespace)
-    namespace = found
-    assert namespace["lm_grads"]["transformer.wte.weight"].shape == (8, 100, 32)
-    assert list(namespace["head"]) == ["3.weight", "3.bias"]
-    assert namespace["set_grads"]["phi.weight"].shape == (4, 16, 3)
-    assert namespace["graph_grads"]["conv.lin.weight"].shape == (6, 16, 3)
-    assert namespace["jac"].shape == (256, 10, 15910)
-    assert namespace["dx"].shape == (100, 400, 1)
-    assert namespace["dclf"].shape == (256, 10, 784)
-    assert namespace["norms"].shape == (32,)
-    assert namespace["checkpoint"]["accountant"]["history"] == [  # one step per release
-        [1.1, 0.256, len(namespace["sampler"])]]
-    assert 0 < namespace["spent"] < 100
-    private = namespace["private"]  # make_private: every planned step taken, within target
-    assert private.step.accountant.steps == 2 * private.steps_per_epoch
-    assert private.epsilon(1e-5) <= 3.0
-    assert all(p.grad is not None for p in namespace["net"].parameters())
+def _checked(block: str) -> str:
+    """The block, then each check whose name it assigns."""
+    lines = [block]
+    for name, check in CHECKS.items():
+        if re.search(rf"^{name}\s*=", block, flags=re.M):
+            lines.append(f"assert {check}, {name!r}\nprint('checked', {name!r})")
+    return "\n".join(lines)
+
+
+def _fresh_env() -> dict:
+    """The environment a reader's shell has: nothing of this test process's sys.path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return env
+
+
+def _label(block: str) -> str:
+    first = next(line for line in block.splitlines()
+                 if line.strip() and not line.startswith(("import", "from")))
+    return re.sub(r"\W+", "_", first)[:40]
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[_label(b) for b in BLOCKS])
+def test_readme_block_runs_in_a_fresh_process(block, tmp_path):
+    """Each block copied into a file and run by the environment's python in an empty
+    folder, as a reader would (``import transformers`` included: torchvision is kept out
+    of the environment, see the README's set-up)."""
+    script = tmp_path / "block.py"
+    script.write_text(_checked(block))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_fresh_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = [n for n in CHECKS if re.search(rf"^{n}\s*=", block, flags=re.M)]
+    assert re.findall(r"^checked (\w+)$", done.stdout, flags=re.M) == expected
+
+
+def test_every_check_has_its_block():
+    """No check is left without the block that defines its name (a renamed variable
+    would otherwise drop its check silently)."""
+    defined = {n for n in CHECKS for b in BLOCKS if re.search(rf"^{n}\s*=", b, flags=re.M)}
+    assert defined == set(CHECKS)
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run's set-up and test commands are the README's, character for character."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    bash = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    setup, test = bash[0].strip(), bash[1].strip()
+    assert setup in ci and f"{test}\n" in ci.replace("set +e\n", "")
+
+
+def test_transformers_imports_after_the_set_up():
+    """The environment the README makes imports transformers' models in a fresh process,
+    and torchvision is not importable in it without :data:`VISION_DIR` on the path."""
+    code = ("import importlib.util\nfrom transformers import GPT2LMHeadModel\n"
+            "print(importlib.util.find_spec('torchvision') is None)")
+    done = subprocess.run([sys.executable, "-c", code], env=_fresh_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "True"
 
 
 def test_readme_op_rule_is_the_file():
     """The op rule "Adding an op" shows is ``rules/addcmul.py`` as it is."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (block,) = [b for b in blocks if "@register_op_rule" in b]
+    (block,) = [b for b in BLOCKS if "@register_op_rule" in b]
     source = (README.parent / "src" / "persample" / "rules" / "addcmul.py").read_text()
     rule = block[block.index("@register_op_rule"):]
     assert rule in source
-
-
-def test_readme_fsdp_example_runs_as_a_file(tmp_path):
-    """The FSDP2 training loop, copied to a file and run as a reader would: two gloo
-    processes, three DP steps on the sharded model."""
-    import subprocess
-    import sys
-
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (block,) = [b for b in blocks if "fully_shard" in b]
-    script = tmp_path / "train.py"
-    script.write_text(block)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]

@@ -9,13 +9,18 @@ nothing is downloaded, and each is in eval mode as shipped.
 
 ``torchvision``: the only wheel that matches torch 2.13 here is a CUDA build, whose
 compiled ops do not load beside a CPU torch; its Python model code imports once its
-two op schemas exist (:func:`load_torchvision`).
+two op schemas exist (:func:`load_torchvision`). So that ``import transformers`` (which
+imports torchvision whenever it is importable) works in the environment the README's
+set-up makes, that set-up installs torchvision, and timm (which needs it), beside the
+environment in ``<venv>/vision`` (:data:`VISION_DIR`), not in it; the benchmark and the
+tests put that folder on ``sys.path`` only after defining the schemas.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -23,7 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+VISION_DIR = Path(sys.prefix) / "vision"
+"""Where the README's set-up installs torchvision and timm: beside the environment."""
+
 INSTALL_HINT = "pip install -e '.[test]'"
+VISION_HINT = ("pip install --no-deps --target <venv>/vision 'timm>=1.0,<2' torchvision==0.28.0, "
+               "or both into the environment where torchvision's compiled ops load")
 
 _LIB = None  # the torch.library fragment defining torchvision's op schemas, kept alive
 
@@ -35,6 +45,10 @@ class NotInstalled(ImportError):
 def load_torchvision() -> ModuleType | None:
     """``import torchvision``, defining ``torchvision::nms``/``::qnms`` first if its
     compiled ops did not load (a CUDA build beside a CPU torch).
+
+    torchvision is taken from the environment, or else from :data:`VISION_DIR`
+    (appended to ``sys.path``; the README's set-up installs torchvision and timm there,
+    out of the environment, so that ``import transformers`` works without this call).
 
     When ``import torchvision`` raises a ``RuntimeError`` naming a ``torchvision::``
     operator, the half-imported ``torchvision`` modules are dropped from
@@ -62,7 +76,10 @@ def load_torchvision() -> ModuleType | None:
 
         return torchvision
     except ImportError:
-        return None
+        if not VISION_DIR.is_dir() or str(VISION_DIR) in sys.path:
+            return None
+        sys.path.append(str(VISION_DIR))
+        return load_torchvision()
     except RuntimeError as err:
         if "torchvision::" not in str(err):
             raise
@@ -100,12 +117,13 @@ def require(name: str) -> ModuleType:
     found = load_torchvision()
     if name == "torchvision":
         if found is None:
-            raise NotInstalled(f"torchvision is not installed ({INSTALL_HINT})")
+            raise NotInstalled(f"torchvision is not installed ({VISION_HINT})")
         return found
     try:
         return importlib.import_module(name)
     except ImportError as err:
-        raise NotInstalled(f"{name} is not installed ({INSTALL_HINT})") from err
+        hint = VISION_HINT if name == "timm" else INSTALL_HINT
+        raise NotInstalled(f"{name} is not installed ({hint})") from err
 
 
 def causal_lm_loss(out: Any, labels: Tensor) -> Tensor:
