@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("public", {"checks", "methods", "reference", "vmap", "api", "norms", "jacobian",
                 "support", "__init__"}),
     ("applications", {"dp", "data"}),
+    ("integrations", {"integrations"}),
     ("cli", {"cli", "__main__"}),
 ]
 RANK = {top: k for k, (_, tops) in enumerate(LAYERS) for top in tops}

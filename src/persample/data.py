@@ -245,3 +245,65 @@ def docstring_batch(batch: int = 16, seq_len: int = 64,
     input_ids = input_ids.view(batch, seq_len)
     mask = torch.ones_like(input_ids)
     return {"input_ids": input_ids, "attention_mask": mask}, input_ids.clone()
+
+
+CLASSIFIED_MODULES = ("inspect", "logging", "pathlib", "typing")
+"""The modules :func:`docstring_examples` labels in its ``"module"`` task (358 texts)."""
+
+
+def docstring_examples(task: str = "causal", seq_len: int = 64, count: int | None = None,
+                       modules: tuple[str, ...] = CLASSIFIED_MODULES) -> list[dict[str, Tensor]]:
+    """Real text as a list of examples, the form a Hugging Face ``Trainer`` takes as its
+    ``train_dataset`` (each a dict of equal-length tensors, stacked by its default
+    collator).
+
+    ``task="causal"``: :func:`docstring_batch`'s windows of ``seq_len`` tokens, each
+    with ``labels`` a copy of its ``input_ids`` (a causal LM shifts them). ``task=
+    "module"``: one example per docstring of ``modules`` (sequence classification:
+    which module it documents, ``labels`` its index in ``modules``), the text's first
+    ``seq_len`` bytes, padded with the end-of-document id (256) and masked.
+
+    Args:
+        task: ``"causal"`` or ``"module"``.
+        seq_len: tokens per example ``T`` (bytes, :class:`ByteTokenizer`; ids ``0..256``).
+        count: the first ``count`` examples (default: 64 windows for ``"causal"``, every
+            docstring for ``"module"``).
+        modules: the standard library modules of the ``"module"`` task (their order
+            gives the labels).
+
+    Returns:
+        a list of dicts ``{"input_ids": (T,) int64, "attention_mask": (T,) int64,
+        "labels": (T,) int64 or () int64}``.
+
+    Raises:
+        ValueError: an unknown ``task``, or more examples asked for than there are.
+
+    Example:
+        >>> train = docstring_examples("module", seq_len=32)
+        >>> len(train), train[0]["input_ids"].shape, int(train[-1]["labels"])
+        (358, torch.Size([32]), 3)
+        >>> docstring_examples("causal", seq_len=16, count=2)[1]["labels"].shape
+        torch.Size([16])
+
+    Source: the standard library's docstrings (:func:`stdlib_docstrings`), as bytes.
+    """
+    if task == "causal":
+        inputs, labels = docstring_batch(64 if count is None else count, seq_len)
+        return [{"input_ids": ids, "attention_mask": mask, "labels": lab}
+                for ids, mask, lab in zip(inputs["input_ids"], inputs["attention_mask"], labels)]
+    if task != "module":
+        raise ValueError(f"task must be 'causal' or 'module', got {task!r}")
+    tok = ByteTokenizer()
+    examples = []
+    for label, module in enumerate(modules):
+        for text in stdlib_docstrings((module,)):
+            ids = tok.encode(text)[:seq_len]
+            pad = seq_len - len(ids)
+            examples.append({
+                "input_ids": torch.tensor(ids + [tok.eod] * pad, dtype=torch.int64),
+                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad, dtype=torch.int64),
+                "labels": torch.tensor(label, dtype=torch.int64)})
+    if count is not None and count > len(examples):
+        raise ValueError(f"the {len(modules)} modules have {len(examples)} docstrings, fewer "
+                         f"than count = {count}")
+    return examples[:count]

@@ -1,0 +1,10 @@
+"""persample inside the training loops people already use.
+
+- :mod:`persample.integrations.transformers`: :class:`PrivateTrainer`, a Hugging Face
+  ``transformers.Trainer`` that trains with DP-SGD (per-sample clipping, Poisson-sampled
+  logical batches, noise once per logical step, epsilon in its logs), configured with
+  :class:`PrivacyArguments`.
+
+Nothing here is imported by ``import persample``: import the submodule (it imports
+``transformers``).
+"""

@@ -1,0 +1,522 @@
+"""DP-SGD inside the Hugging Face ``Trainer``: :class:`PrivateTrainer` and
+:class:`PrivacyArguments`.
+
+``PrivateTrainer`` is a ``transformers.Trainer``: the model, ``TrainingArguments``,
+datasets, collators, optimizers, schedulers, callbacks, logging and evaluation are
+the ``Trainer``'s own. What changes is the training step: each optimizer step is one
+Poisson-sampled logical batch (Abadi et al. 2016) of expected size
+``per_device_train_batch_size * gradient_accumulation_steps * world_size``, whose
+share on each process is split into ``gradient_accumulation_steps`` micro-batches;
+each micro-batch adds its samples' clipped gradients to a
+:class:`~persample.dp.PrivateStep`, and the last one releases the noised sum into
+``p.grad`` (noise drawn once per logical step, on rank 0 when distributed) before the
+``Trainer`` steps its optimizer. The accountant records each release;
+:meth:`PrivateTrainer.epsilon` is the privacy spent and is logged beside the loss.
+
+The same design for the ``Trainer`` as dp-transformers (Microsoft, Opacus inside the
+``Trainer``) and Opacus's virtual steps; per-sample gradients from persample's rules
+(any model it runs: peft adapters, tied embeddings, several processes).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Sampler
+
+from ..dp import PoissonBatchSampler, PrivateStep, noise_multiplier_for
+
+PRIVACY_STATE = "privacy_state.pt"
+"""The file in each checkpoint folder that holds the accountant's steps (resuming needs it)."""
+
+_ACCOUNTANTS = ("rdp", "pld", "prv")
+
+
+@dataclass
+class PrivacyArguments:
+    """The privacy settings of a :class:`PrivateTrainer` (``privacy_args=``).
+
+    Give ``target_epsilon`` (the noise multiplier is then the smallest that spends at
+    most ``(target_epsilon, target_delta)`` over the planned optimizer steps: the
+    ``TrainingArguments``' ``max_steps``, or ``num_train_epochs`` epochs of
+    ``round(N / expected batch)`` steps) or ``noise_multiplier`` (then epsilon is only
+    reported), not both.
+
+    Args:
+        target_epsilon: the epsilon budget of the whole run, ``> 0``.
+        target_delta: ``delta`` in ``(0, 1)``, for the calibration and the logged
+            epsilon (below ``1 / N`` as a rule).
+        noise_multiplier: ``sigma >= 0``: the noise's std is ``sigma * max_grad_norm``.
+        max_grad_norm: the clipping norm ``C > 0`` of each sample's gradient (loss units
+            per parameter unit). The ``TrainingArguments``' own ``max_grad_norm`` (a clip of
+            the summed gradient) is not applied.
+        per_layer: clip each parameter's gradient to ``C / sqrt(K)`` (``K`` parameters).
+        accountant: ``"rdp"`` (default), ``"pld"`` or ``"prv"``.
+        seed: seeds the Poisson sampling (the same on every process) and the noise;
+            default: the sampling from ``TrainingArguments.data_seed`` (else ``seed``)
+            and the noise from torch's global generator, which the ``Trainer`` seeds.
+
+    Raises:
+        ValueError: neither or both of ``target_epsilon`` and ``noise_multiplier``, or a
+            value outside its range.
+
+    Example:
+        >>> PrivacyArguments(target_epsilon=8.0).max_grad_norm
+        1.0
+        >>> PrivacyArguments()
+        Traceback (most recent call last):
+        ...
+        ValueError: give target_epsilon (the noise is calibrated to it) or noise_multiplier, not neither
+
+    Source: Abadi et al. 2016 (DP-SGD and its accounting).
+    """  # noqa: E501
+
+    target_epsilon: float | None = None
+    target_delta: float = 1e-5
+    noise_multiplier: float | None = None
+    max_grad_norm: float = 1.0
+    per_layer: bool = False
+    accountant: str = "rdp"
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        given = (self.target_epsilon is not None, self.noise_multiplier is not None)
+        if given == (False, False) or given == (True, True):
+            which = "neither" if given == (False, False) else "both"
+            raise ValueError("give target_epsilon (the noise is calibrated to it) or "
+                             f"noise_multiplier, not {which}")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon!r}")
+        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
+        if not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta!r}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+        if self.accountant not in _ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {_ACCOUNTANTS}, got "
+                             f"{self.accountant!r}")
+
+
+# ---------------------------------------------------------------------------
+# the default per-sample loss
+
+def default_per_sample_loss(model: nn.Module) -> Callable[[Any, Mapping[str, Tensor]], Tensor]:
+    """Each sample's own loss from a ``transformers`` model's ``logits`` and the batch's
+    ``labels``, as the model's loss computes it for the batch.
+
+    - Token-level (``logits`` ``(B, T, V)``, ``labels`` ``(B, T)``): the cross-entropy
+      of each token whose label is not ``-100``, averaged over the sample's tokens (0 for
+      a sample without any); shifted by one position for causal language models
+      (``logits[:, t]`` predicts ``labels[:, t + 1]``; a model of transformers' causal-LM
+      mapping, or whose ``loss_type`` is the causal one, not encoder-decoder).
+    - Sequence-level (``logits`` ``(B, C)``): by the config's ``problem_type``, or as
+      transformers infers it: ``num_labels == 1`` regression (squared error), integer
+      labels single-label (cross-entropy), else multi-label (binary cross-entropy with
+      logits, averaged over the labels).
+
+    Args:
+        model: the model (a ``PreTrainedModel``, or a peft model around one).
+
+    Returns:
+        ``loss(outputs, inputs) -> (B,)``: ``outputs`` the model's output (``.logits``
+        or ``["logits"]``), ``inputs`` the batch (``inputs["labels"]``); float32 or
+        wider, in nats (or squared label units).
+
+    Example:
+        >>> from transformers import BertConfig, BertForSequenceClassification
+        >>> bert = BertForSequenceClassification(BertConfig(
+        ...     vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        ...     intermediate_size=16, num_labels=3))
+        >>> loss = default_per_sample_loss(bert)
+        >>> batch = {"input_ids": torch.randint(0, 30, (4, 5)), "labels": torch.tensor([0, 2, 1, 0])}
+        >>> loss(bert(input_ids=batch["input_ids"]), batch).shape
+        torch.Size([4])
+
+    Source: transformers' own losses (``ForCausalLMLoss``, the sequence classifiers'),
+    per sample instead of over the batch.
+    """  # noqa: E501
+    shifts = _shifts_labels(model)
+    config = getattr(_base(model), "config", None)
+    problem = getattr(config, "problem_type", None)
+    num_labels = getattr(config, "num_labels", None)
+
+    def per_sample_loss(outputs: Any, inputs: Mapping[str, Tensor]) -> Tensor:
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
+        labels = inputs["labels"]
+        if logits.dim() >= 3 and labels.dim() == 2:  # (B, T, V) against (B, T)
+            return _token_loss(logits, labels, shifts)
+        return _sequence_loss(logits, labels, problem, num_labels)
+
+    return per_sample_loss
+
+
+def _token_loss(logits: Tensor, labels: Tensor, shifts: bool) -> Tensor:
+    """(B,) mean cross-entropy over each sample's labelled tokens."""
+    if shifts:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    per_token = F.cross_entropy(_wide(logits).transpose(1, 2), labels, reduction="none",
+                                ignore_index=-100)  # (B, T)
+    return per_token.sum(1) / (labels != -100).sum(1).clamp(min=1)
+
+
+def _sequence_loss(logits: Tensor, labels: Tensor, problem: str | None,
+                   num_labels: int | None) -> Tensor:
+    """(B,) as transformers' sequence classifiers compute it, per sample."""
+    if problem is None:
+        problem = ("regression" if num_labels == 1 else "single_label_classification"
+                   if not labels.is_floating_point() else "multi_label_classification")
+    logits = _wide(logits)
+    if problem == "regression":
+        if num_labels == 1:
+            return (logits.squeeze(-1) - labels.to(logits.dtype)) ** 2
+        return ((logits - labels.to(logits.dtype)) ** 2).flatten(1).mean(1)
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(labels.shape[0], -1), labels.view(-1),
+                               reduction="none")
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype),
+                                              reduction="none").flatten(1).mean(1)
+
+
+def _wide(logits: Tensor) -> Tensor:
+    """float16/bfloat16 logits in float32 (the loss's precision); float32/64 as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _shifts_labels(model: nn.Module) -> bool:
+    """Whether the model is a causal LM whose loss shifts its labels by one position."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = _base(model)
+    if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        return False
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+             for n in ((v,) if isinstance(v, str) else v)}
+    if type(base).__name__ in names:
+        return True
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return False
+    return LOSS_MAPPING.get(getattr(base, "loss_type", None)) is ForCausalLMLoss
+
+
+class _Recorded:
+    """The per-sample loss, keeping what it returns (detached) for the logs."""
+
+    def __init__(self, loss: Callable[[Any, Any], Tensor]):
+        self.loss, self.seen = loss, []
+
+    def __call__(self, outputs: Any, inputs: Any) -> Tensor:
+        out = self.loss(outputs, inputs)
+        if (isinstance(out, Tensor) and out.device.type != "meta"
+                and not torch._C._functorch.is_functorch_wrapped_tensor(out)):
+            self.seen.append(out.detach())
+        return out
+
+    def take(self, n: int) -> Tensor | None:
+        """The (n,) losses of the micro-batch just accumulated (the last whole-batch
+        call, or the per-sample calls of a loop), or None."""
+        seen, self.seen = self.seen, []
+        whole = [t for t in seen if t.dim() == 1 and t.shape[0] == n]
+        if whole:
+            return whole[-1]
+        if seen and sum(t.numel() for t in seen) == n:
+            return torch.cat([t.reshape(-1) for t in seen])
+        return None
+
+
+# ---------------------------------------------------------------------------
+# the batches
+
+class _MicroBatches(Sampler[list[int]]):
+    """Each Poisson logical batch (this process's share) as ``parts`` micro-batches of
+    near-equal size (consecutive, possibly empty)."""
+
+    def __init__(self, logical: PoissonBatchSampler, parts: int):
+        self.logical, self.parts = logical, parts
+
+    def __len__(self) -> int:
+        return len(self.logical) * self.parts
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices in self.logical:
+            n = len(indices)
+            for k in range(self.parts):
+                yield indices[k * n // self.parts : (k + 1) * n // self.parts]
+
+
+class _EmptyAware:
+    """The Trainer's collator, and for an empty micro-batch (Poisson sampling draws
+    them) the collated first example cut to 0 rows, so that every process steps alike."""
+
+    def __init__(self, collate: Callable[[list], Any], dataset: Any):
+        self.collate, self.dataset = collate, dataset
+
+    def __call__(self, examples: list) -> Any:
+        if examples:
+            return self.collate(examples)
+        one = self.collate([self.dataset[0]])
+        empty = {}
+        for key, value in dict(one).items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"the collator returned {key!r} as a {type(value).__name__}, "
+                                "not a tensor: PrivateTrainer needs a batch of tensors with "
+                                "the samples in dim 0 (an empty micro-batch keeps 0 rows)")
+            empty[key] = value[:0]
+        return empty
+
+
+# ---------------------------------------------------------------------------
+
+class PrivateTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains with DP-SGD.
+
+    Takes every ``Trainer`` argument, plus ``privacy_args`` (:class:`PrivacyArguments`)
+    and ``per_sample_loss``. The ``TrainingArguments`` keep their meaning, except:
+    an optimizer step is one Poisson-sampled logical batch (each example included with
+    probability ``q = E / N``, ``E = per_device_train_batch_size *
+    gradient_accumulation_steps * world_size``), an epoch ``round(N / E)`` such steps;
+    each process's share of a logical batch is split into ``gradient_accumulation_steps``
+    micro-batches (about ``per_device_train_batch_size`` each, empty ones included);
+    the gradient the optimizer steps with is ``(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) /
+    E`` (:class:`~persample.dp.PrivateStep`; ``g_i`` sample ``i``'s gradient of its own
+    loss); ``max_grad_norm`` of the ``TrainingArguments`` is not applied (the per-sample
+    clip is ``privacy_args.max_grad_norm``; the ``args`` object you pass is not
+    changed). The logged ``loss`` is the sum of the logical batch's per-sample losses
+    over ``E``; ``epsilon`` is logged with it. Checkpoints hold the accountant's steps
+    (``privacy_state.pt``): resuming continues the accounting, and a checkpoint
+    without them is refused. Evaluation and prediction are the ``Trainer``'s.
+
+    With several processes (``torchrun``; DDP as the ``Trainer`` sets it up), every
+    process draws the same Poisson sample (seeded alike) and takes its own part of it;
+    the clipped sums of all processes and rank 0's noise are summed with one
+    all-reduce (DDP's own gradient reduction does not run), and every process
+    accounts each step.
+
+    Args:
+        model, args, ...: as for ``transformers.Trainer`` (the model may be a peft model:
+            only its trainable parameters are trained, privately).
+        privacy_args: the :class:`PrivacyArguments` (required).
+        per_sample_loss: ``per_sample_loss(outputs, inputs) -> (B,)``: each sample's own
+            loss from the model's output and the micro-batch (a dict with the labels);
+            default :func:`default_per_sample_loss` of the model. The model is called
+            without the label columns (``label_names``), so it computes no loss of its
+            own.
+
+    Raises:
+        ValueError: fp16 mixed precision (its loss scaling would rescale the noised
+            gradient: use ``bf16=True``), DeepSpeed, FSDP through the ``Trainer``,
+            several GPUs in one process (``DataParallel``), label smoothing or a
+            ``compute_loss_func`` (write them into ``per_sample_loss``), a training
+            dataset without ``len()``; at ``train()``, an expected logical batch larger
+            than the dataset, or a checkpoint to resume without its privacy state.
+
+    Example:
+        >>> from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+        >>> from persample.data import docstring_examples
+        >>> bert = BertForSequenceClassification(BertConfig(
+        ...     vocab_size=257, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...     intermediate_size=32, num_labels=4))
+        >>> args = TrainingArguments("/tmp/persample-doctest", per_device_train_batch_size=32,
+        ...                          max_steps=2, use_cpu=True, report_to=[], save_strategy="no")
+        >>> trainer = PrivateTrainer(bert, args, train_dataset=docstring_examples("module"),
+        ...                          privacy_args=PrivacyArguments(target_epsilon=8.0))
+        >>> _ = trainer.train()  # doctest: +ELLIPSIS
+        {...'epsilon'...}
+        >>> trainer.private_step.accountant.steps, 0 < trainer.epsilon() <= 8.0
+        (2, True)
+
+    Source: Abadi et al. 2016 (DP-SGD, Poisson lots, the moments accountant); Li et al.
+    2022 (private fine-tuning of transformers); dp-transformers' ``OpacusDPTrainer``.
+    """  # noqa: E501
+
+    def __init__(self, model: nn.Module | None = None, args: Any = None, *more: Any,
+                 privacy_args: PrivacyArguments | None = None,
+                 per_sample_loss: Callable[[Any, Any], Tensor] | None = None,
+                 **kwargs: Any) -> None:
+        if not isinstance(privacy_args, PrivacyArguments):
+            raise ValueError("PrivateTrainer needs privacy_args=PrivacyArguments(target_"
+                             "epsilon=..., target_delta=..., max_grad_norm=...)")
+        if args is not None:  # the per-sample clip replaces the Trainer's: on a copy
+            args = copy.copy(args)
+            args.max_grad_norm = 0.0
+        super().__init__(model, args, *more, **kwargs)
+        self.args.max_grad_norm = 0.0  # (the Trainer's default arguments, when none given)
+        self._refuse_unsupported()
+        self.privacy_args = privacy_args
+        self._loss = _Recorded(per_sample_loss or default_per_sample_loss(self.model))
+        self.private_step: PrivateStep | None = None
+        self._resume_from: str | None = None
+        self.add_callback(_SavePrivacyState(self))
+
+    def _refuse_unsupported(self) -> None:
+        args = self.args
+        reasons = {
+            "fp16=True: its loss scaling would rescale the noised gradient (use bf16=True)":
+                args.fp16,
+            "DeepSpeed": self.is_deepspeed_enabled,
+            "FSDP through the Trainer (shard with fully_shard and use persample.dp."
+            "PrivateStep)": self.is_fsdp_enabled,
+            "several GPUs in one process (DataParallel): run one process per GPU with "
+            "torchrun": args.n_gpu > 1,
+            "label_smoothing_factor: write the smoothing into per_sample_loss":
+                args.label_smoothing_factor != 0,
+            "compute_loss_func: pass a per_sample_loss(outputs, inputs) -> (B,) instead":
+                self.compute_loss_func is not None,
+        }
+        for reason, present in reasons.items():
+            if present:
+                raise ValueError(f"PrivateTrainer does not support {reason}")
+        if self.train_dataset is not None and not hasattr(self.train_dataset, "__len__"):
+            raise ValueError("PrivateTrainer's train_dataset must have len() and be "
+                             "indexable: Poisson sampling picks each example by index")
+
+    # -- the plan, the batches and the step -------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """``Trainer.train``; resuming from a checkpoint also restores the accountant's
+        steps from its ``privacy_state.pt``."""
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        self._resume_from = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Poisson-sampled logical batches, this process's share of each split into
+        ``gradient_accumulation_steps`` micro-batches; builds the :class:`PrivateStep`
+        (the noise multiplier for the planned steps when a target epsilon is given)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, args = self.train_dataset, self.args
+        collate = self._get_collator_with_removed_columns(self.data_collator, "training")
+        n, parts = len(dataset), args.gradient_accumulation_steps
+        expected = args.per_device_train_batch_size * parts * args.world_size
+        if expected > n:
+            raise ValueError(f"the expected logical batch, per_device_train_batch_size * "
+                             f"gradient_accumulation_steps * world_size = {expected}, is "
+                             f"larger than the training set ({n} examples)")
+        q = expected / n
+        steps_per_epoch = max(1, round(1 / q))
+        seed = self.privacy_args.seed
+        if seed is None:
+            seed = args.data_seed if args.data_seed is not None else args.seed
+        logical = PoissonBatchSampler(n, q, steps_per_epoch,
+                                      torch.Generator().manual_seed(seed),
+                                      rank=args.process_index, world_size=args.world_size)
+        planned = (args.max_steps if args.max_steps > 0
+                   else math.ceil(args.num_train_epochs * steps_per_epoch))
+        self.private_step = self._make_step(q, expected, planned)
+        return DataLoader(dataset, batch_sampler=_MicroBatches(logical, parts),
+                          collate_fn=_EmptyAware(collate, dataset),
+                          num_workers=args.dataloader_num_workers,
+                          pin_memory=args.dataloader_pin_memory)
+
+    def _make_step(self, q: float, expected: int, planned: int) -> PrivateStep:
+        privacy = self.privacy_args
+        sigma = privacy.noise_multiplier
+        if sigma is None:
+            sigma = noise_multiplier_for(privacy.target_epsilon, privacy.target_delta, q,
+                                         planned, privacy.accountant)
+        noise = None
+        if privacy.seed is not None:
+            device = next(p for p in self.model.parameters() if p.requires_grad).device
+            noise = torch.Generator(device=device).manual_seed(privacy.seed + 1)
+        # a second train() continues the accounting of the first
+        accountant = privacy.accountant if self.private_step is None else \
+            self.private_step.accountant
+        step = PrivateStep(self.model, self._loss, max_grad_norm=privacy.max_grad_norm,
+                           noise_multiplier=sigma, expected_batch_size=expected,
+                           generator=noise, per_layer=privacy.per_layer, sample_rate=q,
+                           accountant=accountant)
+        if self._resume_from is not None:
+            path = os.path.join(self._resume_from, PRIVACY_STATE)
+            if not os.path.isfile(path):
+                raise ValueError(f"{self._resume_from} has no {PRIVACY_STATE}: without the "
+                                 "steps already taken, epsilon would restart at 0. Resume "
+                                 "from a checkpoint PrivateTrainer saved")
+            step.accountant.load_state_dict(torch.load(path, weights_only=False))
+        return step
+
+    # -- one micro-batch -----------------------------------------------------------------
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> Tensor:
+        """Add the micro-batch's clipped per-sample gradients to the step; on the
+        logical batch's last micro-batch, release the noised sum into ``p.grad``.
+        Returns the micro-batch's share of the logged loss (its per-sample losses
+        summed, over the expected logical batch size)."""
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        labels = set(self.label_names or ["labels"])
+        features = {k: v for k, v in inputs.items() if k not in labels}
+        n = next(v.shape[0] for v in inputs.values() if isinstance(v, Tensor))
+        with self.compute_loss_context_manager():
+            self.private_step.accumulate(features, inputs)
+        losses = self._loss.take(n)
+        if self.accelerator.sync_gradients:  # the Trainer steps its optimizer next
+            self.private_step.release()
+        total = losses.sum() if losses is not None else torch.zeros(())
+        share = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        return (total.float() / share).detach().to(self.args.device)
+
+    # -- what it reports -----------------------------------------------------------------
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """The privacy spent by the optimizer steps so far (0 before the first).
+
+        Args:
+            delta: default ``privacy_args.target_delta``.
+
+        Returns:
+            epsilon (a float), from the accountant of ``privacy_args.accountant``.
+        """
+        if self.private_step is None:
+            return 0.0
+        return self.private_step.epsilon(delta or self.privacy_args.target_delta)
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """``sigma`` of the run (known once ``train()`` has planned it)."""
+        return None if self.private_step is None else self.private_step.noise_multiplier
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """``Trainer.log``, with ``epsilon`` beside the training loss."""
+        if "loss" in logs or "train_loss" in logs:
+            logs["epsilon"] = self.epsilon()
+        super().log(logs, *args, **kwargs)
+
+
+class _SavePrivacyState(transformers.TrainerCallback):
+    """Writes the accountant's steps into each checkpoint the Trainer saves."""
+
+    def __init__(self, trainer: PrivateTrainer):
+        self.trainer = trainer
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = self.trainer.private_step
+        if step is None or not args.should_save:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder):
+            torch.save(step.accountant.state_dict(), os.path.join(folder, PRIVACY_STATE))
