@@ -325,7 +325,7 @@ def test_torchrun_two_processes_equal_one(tmp_path):
                             capture_output=True, text=True, timeout=300, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                          "2", "--master_port", "0", str(script), "4", str(tmp_path)],
+                          "2", "--standalone", str(script), "4", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "steps 3" in single.stdout and "steps 3" in two.stdout

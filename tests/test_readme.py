@@ -31,6 +31,10 @@ CHECKS = {
     "private": ("private.step.accountant.steps == 2 * private.steps_per_epoch"
                 " and private.epsilon(1e-5) <= 3.0"),
     "net": "all(p.grad is not None for p in net.parameters())",
+    # PrivateTrainer: within the target after the planned steps; the LoRA run accounted
+    "trainer": ("trainer.private_step.accountant.steps == trainer.state.global_step == 48"
+                " and 7.9 < trainer.epsilon() <= 8.0"),
+    "lm_trainer": "lm_trainer.private_step.accountant.steps == 10 and lm_trainer.epsilon() > 0",
 }
 
 
