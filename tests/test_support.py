@@ -206,3 +206,41 @@ def test_verify_checks_every_sample_by_default(monkeypatch):
     report = verify(net, x, y, nn.MSELoss())
     assert report.samples == 32 and not report.ok
     assert verify(net, x, y, nn.MSELoss(), samples=4).ok
+
+
+def _perturbed_in(dtypes: tuple[torch.dtype, ...]):
+    """grads_taken with sample 24 off by 1e-3 of its scale when the model is in ``dtypes``:
+    a stand-in for a float32 near-tie (``(torch.float32,)``) or a real fault (both)."""
+    import persample.api as api
+
+    real = api.grads_taken
+
+    def perturbed(model, *args, **kwargs):
+        grads, taken = real(model, *args, **kwargs)
+        for g in grads.values():
+            if g.dtype in dtypes and g.shape[0] > 24:
+                g[24] += 1e-3 * g.abs().max()
+        return grads, taken
+
+    return perturbed
+
+
+def test_verify_says_when_a_difference_is_float32_rounding(monkeypatch):
+    """A difference in one float32 sample that the float64 copy does not have is
+    reported as rounding (naming the model's max-pool); one that stays in float64 is
+    not explained away; the model is left in float32."""
+    import persample.api as api
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(2), nn.Flatten(),
+                        nn.Linear(2 * 3 * 3, 3)).float()
+    x, y = torch.randn(32, 1, 8, 8, dtype=torch.float32), torch.randint(0, 3, (32,))
+    monkeypatch.setattr(api, "grads_taken", _perturbed_in((torch.float32,)))
+    report = verify(net, x, y, nn.CrossEntropyLoss())
+    assert not report.ok and report.mismatched == [24]
+    assert report.note.startswith("rounding, not an error: in float64")
+    assert "MaxPool2d '1'" in report.note and report.note in str(report)
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    monkeypatch.setattr(api, "grads_taken", _perturbed_in((torch.float32, torch.float64)))
+    report = verify(net, x, y, nn.CrossEntropyLoss())
+    assert report.mismatched == [24] and report.note is None
+    assert "samples beyond rtol: 24" in str(report)
