@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from zoo import require
 
 from persample.data import docstring_examples
 from persample.dp import PoissonBatchSampler, PrivacyAccountant, PrivateStep
+from zoo import require
 
 transformers = require("transformers")
 from transformers import (  # noqa: E402
@@ -53,9 +53,9 @@ def bert(num_labels: int = 4) -> nn.Module:
 
 def gpt2(lora: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=32, n_embd=16, n_layer=1,
-                                       n_head=2, bos_token_id=256, eos_token_id=256, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0)).double()
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=257, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=256,
+        eos_token_id=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).double()
     if lora:
         peft = require("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(
