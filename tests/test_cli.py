@@ -48,6 +48,7 @@ def test_bench_quick_deep_mlp(tmp_path, capsys):
     assert "deep-mlp-grads" in printed and "floor" in printed
     assert "persample (default call) is" in printed
     assert figures["machine"]["device"] == "cpu" and figures["machine"]["threads"] == 1
+    assert figures["machine"]["load_average_max"] >= 0  # and a warning when above the cores
     (report,) = figures["workloads"]
     assert report["result_shape"] == [4, 50 * 300 * 301 + 301 * 2]
     assert report["bytes_out"] == 4 * report["result_shape"][1] * 4

@@ -583,6 +583,41 @@ def _device(device: str | torch.device) -> torch.device:
     return device
 
 
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _load() -> float:
+    """The 1-minute load average (0 where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def load_warning(loads: list[float], cores: int | None = None) -> str | None:
+    """A warning when the load average exceeded the cores during the run, else None.
+
+    Example:
+        >>> load_warning([0.5, 1.2], cores=2) is None
+        True
+        >>> load_warning([0.5, 3.4], cores=2)[:60]
+        'warning: the load average reached 3.4 on 2 cores during the '
+    """
+    cores = cores or _cores()
+    worst = max(loads)
+    if worst <= cores:
+        return None
+    return (f"warning: the load average reached {worst:.1f} on {cores} cores during the run: "
+            "other processes competed for the CPU, so the times are inflated and noisy "
+            "(see each method's spread); ratios measured in the same round hold better. "
+            "Rerun on an idle machine for figures to publish.")
+
+
 def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
         json_path: str | None, plot_path: str | None, device: str = "cpu",
         memory: bool = True) -> list[Report]:
@@ -621,8 +656,10 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
         torch.set_num_threads(threads)
     _ignore_noise()
     reports, not_run = [], []
+    loads = [_load()]  # the 1-minute load average before each workload and at the end
     with tqdm(total=len(workloads), desc="persample bench", unit="workload") as bar:
         for name in workloads:
+            loads.append(_load())
             def step(label: str, name=name) -> None:
                 bar.set_postfix_str(f"{name}: {label}")
 
@@ -640,13 +677,18 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
             del case
             bar.update(1)
             gc.collect()
+    loads.append(_load())
     for r in reports:
         print(format_report(r), end="\n\n")
     for skipped in not_run:
         print(f"{skipped['workload']}: {skipped['status']}")
+    busy = load_warning(loads)
+    if busy:
+        print(busy)
     if json_path:
+        machine = {**machine_info(threads, dev), "load_average_max": max(loads)}
         with open(json_path, "w") as f:
-            json.dump({"machine": machine_info(threads, dev), "quick": quick,
+            json.dump({"machine": machine, "quick": quick,
                        "workloads": [asdict(r) for r in reports], "not_run": not_run},
                       f, indent=2)
         print(f"wrote {json_path}")
