@@ -101,3 +101,27 @@ def test_the_digits_without_scikit_learn_say_to_install_the_extra(monkeypatch):
         with pytest.raises(ModuleNotFoundError, match=r"needs scikit-learn") as info:
             load()
         assert INSTALL in str(info.value) and info.value.name == "sklearn"
+
+
+def test_first_call_loads_no_heavy_machinery():
+    """The first per_sample_grads with a mean-reduced torch.nn loss and a first PrivateStep
+    release, in a fresh process, import neither FSDP (nothing is sharded) nor the
+    decompositions torch.func's first vmap of a loss pulls in (sympy): together about a
+    second that the first call no longer pays."""
+    done = python(
+        "import json, sys, torch, persample\n"
+        "from torch import nn\n"
+        "from persample.dp import PrivateStep\n"
+        "model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))\n"
+        "x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,))\n"
+        "before = {m for m in ('sympy', 'torch.distributed.fsdp') if m in sys.modules}\n"
+        "persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss())\n"
+        "step = PrivateStep(model, nn.CrossEntropyLoss(), max_grad_norm=1.0,\n"
+        "                   noise_multiplier=1.0, expected_batch_size=8)\n"
+        "step.accumulate(x, y)\n"
+        "step.release()\n"
+        "after = {m for m in ('sympy', 'torch.distributed.fsdp') if m in sys.modules}\n"
+        "print(json.dumps([sorted(before), sorted(after)]))\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, after = json.loads(done.stdout.splitlines()[-1])
+    assert after == before, f"the first call imported {sorted(set(after) - set(before))}"

@@ -20,11 +20,12 @@ an output whose samples the capture could not locate raises ``NeedsWholeModel``
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import vmap
 from torch.utils._pytree import (
     keystr,
@@ -126,7 +127,52 @@ def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int,
             f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
             f"shape ({n},) or a scalar. For a torch.nn loss, use reduction='none' and reduce "
             "extra dims per sample, or reduction='mean'/'sum'.")
+    if isinstance(guarded, Tensor) and _one_per_row(layout_of(guarded)):
+        stock = stock_per_sample(loss_fn, guarded, targets, n)
+        if stock is not None:
+            return stock.sum()
     return _each_sample(guarded, targets, loss_fn, n, layout_of)
+
+
+_ELEMENTWISE = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
+                nn.BCEWithLogitsLoss, nn.SoftMarginLoss)
+
+
+def stock_per_sample(loss_fn: Callable, output: Tensor, targets: Any, n: int
+                     ) -> Tensor | None:
+    """``(n,)`` each sample's own loss for a ``torch.nn`` loss with ``reduction="mean"``
+    or ``"sum"``, from a copy with ``reduction="none"`` reduced per sample: what
+    ``loss_fn(output[i:i+1], targets[i:i+1])`` gives, without ``torch.func`` (whose first
+    call costs about half a second). ``None`` where this form is not known exact (class
+    weights, label smoothing, probability targets, broadcasting, other losses): the
+    caller then evaluates ``loss_fn`` sample by sample.
+
+    Cross-entropy and NLL average over the sample's positions whose target is not
+    ``ignore_index`` (``nan`` when there are none, as ``loss_fn`` gives); the
+    elementwise losses over the sample's elements.
+    """
+    kind = type(loss_fn)
+    if (getattr(loss_fn, "reduction", None) not in ("mean", "sum") or not isinstance(
+            targets, Tensor) or output.dim() == 0 or targets.shape[:1] != (n,)
+            or output.shape[0] != n):
+        return None
+    none = copy.copy(loss_fn)
+    none.reduction = "none"
+    if kind in (nn.CrossEntropyLoss, nn.NLLLoss):
+        if (loss_fn.weight is not None or getattr(loss_fn, "label_smoothing", 0.0) != 0
+                or targets.is_floating_point() or output.dim() < 2):
+            return None
+        per = none(output, targets).reshape(n, -1)  # (n, positions)
+        if loss_fn.reduction == "sum":
+            return per.sum(1)
+        return per.sum(1) / (targets != loss_fn.ignore_index).reshape(n, -1).sum(1)
+    if kind in _ELEMENTWISE:
+        if (output.shape != targets.shape or getattr(loss_fn, "weight", None) is not None
+                or getattr(loss_fn, "pos_weight", None) is not None):
+            return None
+        per = none(output, targets).reshape(n, -1)  # (n, elements)
+        return per.sum(1) if loss_fn.reduction == "sum" else per.mean(1)
+    return None
 
 
 def _one_per_row(lay: Layout) -> bool:

@@ -23,6 +23,7 @@ parallel"; the FSDP2 design in ``torch.distributed.fsdp.fully_shard``'s document
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -36,6 +37,10 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     Raises:
         ValueError: ``model`` is or contains an FSDP1 ``FullyShardedDataParallel``.
     """
+    if "torch.distributed.fsdp" not in sys.modules:
+        # nothing was sharded in this process (importing FSDP costs ~1 s: not on a
+        # first call that does not need it)
+        return []
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     except ImportError:  # a torch built without distributed support
