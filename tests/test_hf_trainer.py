@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,20 @@ def sgd(model: nn.Module, lr: float = 0.5):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
+def drawn(data: list, expected: int, steps: int) -> list[list[dict]]:
+    """The micro-batches PrivateTrainer trains on: the seeded Poisson sampler's logical
+    batches, each split in two (the first half, then the rest)."""
+    n = len(data)
+    draws = iter(PoissonBatchSampler(n, expected / n, round(n / expected),
+                                     torch.Generator().manual_seed(SEED)))
+    micro = []
+    for _ in range(steps):
+        logical = next(draws)
+        half = len(logical) // 2
+        micro += [[data[i] for i in logical[:half]], [data[i] for i in logical[half:]]]
+    return micro
+
+
 def by_hand(model: nn.Module, micro: list[list[dict]], parts: int, expected: int, q: float,
             loss_fn, privacy: PrivacyArguments) -> PrivateStep:
     """The same micro-batches through PrivateStep, released every ``parts``."""
@@ -126,13 +141,7 @@ def test_same_update_as_private_step_by_hand(tmp_path, which):
     trainer.train()
     expected, n = 16, len(data)
     q = expected / n
-    draws = iter(PoissonBatchSampler(n, q, round(n / expected),
-                                     torch.Generator().manual_seed(SEED)))
-    micro = []
-    for _ in range(3):
-        logical = next(draws)
-        half = len(logical) // 2
-        micro += [[data[i] for i in logical[:half]], [data[i] for i in logical[half:]]]
+    micro = drawn(data, expected, 3)
     seen = [b for b in collate.batches if len(b) > 0]
     assert [_keys(b) for b in seen] == [_keys(b) for b in micro if b]
 
@@ -273,13 +282,7 @@ def test_empty_micro_batches(tmp_path):
                              optimizers=sgd(model), privacy_args=privacy)
     trainer.train()
     n, expected = len(data), 2
-    draws = iter(PoissonBatchSampler(n, expected / n, round(n / expected),
-                                     torch.Generator().manual_seed(SEED)))
-    micro = []
-    for _ in range(6):
-        logical = next(draws)
-        half = len(logical) // 2
-        micro += [[data[i] for i in logical[:half]], [data[i] for i in logical[half:]]]
+    micro = drawn(data, expected, 6)
     assert sum(not b for b in micro) >= 3  # the case is exercised
     reference = bert()
     by_hand(reference, micro, 2, expected, expected / n, default_per_sample_loss(reference),
@@ -314,19 +317,31 @@ if args.process_index == 0:
 '''
 
 
+def _run(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``argv`` in its own process group; on a timeout kill the whole group (torchrun's
+    workers too), then fail."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def test_torchrun_two_processes_equal_one(tmp_path):
     """torchrun with 2 gloo processes (DDP as the Trainer sets it up), 4 examples per
     process per micro-batch, gives the LoRA update of one process with 8: the same
     Poisson sample split between the ranks, their clipped sums all-reduced once."""
     script = tmp_path / "train.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, str(script), "8", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env=env)
+    single = _run([sys.executable, str(script), "8", str(tmp_path)])
     assert single.returncode == 0, single.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                          "2", "--standalone", str(script), "4", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, env=env)
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--standalone", str(script), "4", str(tmp_path)])
     assert two.returncode == 0, two.stderr[-3000:]
     assert "steps 3" in single.stdout and "steps 3" in two.stdout
     one, both = torch.load(tmp_path / "params-1.pt"), torch.load(tmp_path / "params-2.pt")
@@ -335,3 +350,30 @@ def test_torchrun_two_processes_equal_one(tmp_path):
         torch.testing.assert_close(both[name], one[name], rtol=1e-9, atol=1e-12, msg=name)
     start = {k: v for k, v in gpt2(lora=True).state_dict().items() if "lora" in k}
     assert any(not torch.equal(one[k], start[k]) for k in one)  # it trained
+
+
+@pytest.mark.keep_default_dtype
+def test_bf16_runs_under_autocast_as_private_step_by_hand(tmp_path):
+    """bf16=True: the micro-batches run under the Trainer's autocast (the classifier's
+    output is bfloat16) and give PrivateStep's update under torch.autocast by hand, to
+    bfloat16's rounding (2e-2 of the step's largest entry: autocast covers the forward in
+    one and the forward and loss in the other)."""
+    data = docstring_examples("module", seq_len=16)
+    privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, seed=SEED)
+    model, start = bert().float(), bert().float()
+    seen = []
+    model.classifier.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    trainer = PrivateTrainer(model, args(tmp_path, bf16=True), train_dataset=data,
+                             optimizers=sgd(model), privacy_args=privacy)
+    trainer.train()
+    assert seen and set(seen) == {torch.bfloat16}
+    reference = bert().float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        by_hand(reference, drawn(data, 16, 3), 2, 16, 16 / len(data),
+                default_per_sample_loss(reference), privacy)
+    updates = [((p - p0).detach(), (r - p0).detach(), name) for (name, p), (_, r), (_, p0)
+               in zip(model.named_parameters(), reference.named_parameters(),
+                      start.named_parameters())]
+    scale = max(want.abs().max().item() for _, want, _ in updates)
+    for update, want, name in updates:
+        torch.testing.assert_close(update, want, rtol=0, atol=2e-2 * scale, msg=name)
