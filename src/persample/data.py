@@ -169,8 +169,17 @@ def _add_module(module, name: str, add) -> None:
         if inspect.isclass(obj):
             for method in sorted(vars(obj)):
                 member = vars(obj)[method]
-                if inspect.isfunction(member):
+                # the standard library's own: not a function another package set on
+                # the class (transformers adds Logger.warning_advice to logging's Logger)
+                if inspect.isfunction(member) and _in_stdlib(member):
                     add(member.__doc__)
+
+
+def _in_stdlib(function) -> bool:
+    import sys
+
+    top = (function.__module__ or "").partition(".")[0]
+    return top in sys.stdlib_module_names
 
 
 class ByteTokenizer:
