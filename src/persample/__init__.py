@@ -2,6 +2,7 @@
 
 The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 :func:`input_jacobian`, :func:`jacobian_diagonal`, :func:`per_sample_grad_norms`,
+:func:`per_sample_grad_dots` (inner products of per-sample gradients, for attribution),
 the loop references, :func:`register_rule` to add a layer rule, and
 :func:`supported` / :func:`verify` to check a custom model,
 :func:`empty_cache` to free the result memory persample keeps for reuse, and
@@ -9,6 +10,7 @@ the loop references, :func:`register_rule` to add a layer rule, and
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
+from .dots import per_sample_grad_dots
 from .errors import InternalError, LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
 from .inputs import PackedRows
 from .jacobian import input_jacobian, jacobian_diagonal
@@ -22,6 +24,7 @@ __all__ = [
     "per_sample_grads",
     "param_jacobian",
     "per_sample_grad_norms",
+    "per_sample_grad_dots",
     "input_jacobian",
     "jacobian_diagonal",
     "aligned_empty",

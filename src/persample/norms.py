@@ -108,14 +108,31 @@ def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tenso
     called twice, weights shared across depth): ``|sum_k G_k|^2`` from each use's
     factors and their cross terms (``rules.ghost``), where every use has factors and
     that is cheaper than materialising the sum."""
+    shared = {pid for pid, count in sites.items() if count > 1 and pid not in sq}
+    for pid, (ops, uses) in use_factors(captured, shared, sites).items():
+        rows = captured.param(pid).shape[0]
+        if ghost_cost(uses) < materialise_cost(uses, rows):
+            sq[pid] = squared_norm(uses)
+            for op in ops:
+                ghosted.setdefault(op, set()).add(pid)
+
+
+def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | None = None
+                ) -> dict[int, tuple[list[Op], list]]:
+    """``{id(p): (ops, [Factors of each op's use])}`` for the parameters ``wanted`` (ids)
+    every one of whose uses is an op with a factor rule (``register_op_factors``): read
+    directly (not through a derived tensor), by ops not changed in place since, with one
+    output each. The factors are in the dtype the norms accumulate in."""
+    sites = _sites(captured) if sites is None else sites
     readers: dict[int, list[Op]] = {}
     for op in captured.plan.uses:
         for k, pids in op.sources.items():
             pid = id(op.leaves[k])
-            if sites.get(pid, 0) > 1 and pids == {pid} and pid not in sq:
+            if pid in wanted and pids == {pid}:
                 readers.setdefault(pid, []).append(op)
+    found: dict[int, tuple[list[Op], list]] = {}
     for pid, ops in readers.items():
-        if (len(ops) != sites[pid] or len(set(ops)) != len(ops)  # an op reading it twice
+        if (len(ops) != sites.get(pid) or len(set(ops)) != len(ops)  # an op reading it twice
                 or any(op.changed() or len(op.edges) != 1 for op in ops)):
             continue
         uses = []
@@ -123,16 +140,13 @@ def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tenso
             rule = find_op_factors(op.func)
             g, call = _backprops(captured, op) if rule is not None else (None, None)
             p = captured.param(pid)
-            found = rule(call, g, {p}) if g is not None else None
-            if not found or p not in found:
+            got = rule(call, g, {p}) if g is not None else None
+            if not got or p not in got:
                 break
-            uses.append(found[p])
+            uses.append(got[p])
         else:
-            rows = captured.param(pid).shape[0]
-            if ghost_cost(uses) < materialise_cost(uses, rows):
-                sq[pid] = squared_norm(uses)
-                for op in ops:
-                    ghosted.setdefault(op, set()).add(pid)
+            found[pid] = (ops, uses)
+    return found
 
 
 def _sites(captured: Captured) -> dict[int, int]:

@@ -126,3 +126,59 @@ def materialise_cost(uses: list[Factors], rows: int) -> int:
     and squaring it."""
     c = uses[0].right.shape[2]
     return rows * c * (1 + sum(1 if u.ids else u.positions for u in uses))
+
+
+def cross_inner(a: Factors, b: Factors) -> Tensor:
+    """``<G_i, G'_j>`` for every sample ``i`` of ``a`` and ``j`` of ``b``: ``(n, m)``, in
+    ``a.right``'s dtype, as ``sum_{t, s} (L[i, t] . L'[j, s]) (R[i, t] . R'[j, s])``.
+
+    Computed in blocks of ``a``'s samples, at most :data:`BLOCK_BYTES` of
+    ``(samples, T, m, T')`` products at once.
+
+    Example:
+        >>> L, R = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+        >>> ids, R2 = torch.randint(0, 4, (3, 2)), torch.randn(3, 2, 5)
+        >>> G = torch.einsum("ntr,ntc->nrc", L, R)
+        >>> G2 = torch.einsum("ntr,ntc->nrc", torch.nn.functional.one_hot(ids, 4).float(), R2)
+        >>> got = cross_inner(Factors(L, R), Factors(ids, R2))
+        >>> torch.allclose(got, G.flatten(1) @ G2.flatten(1).T, rtol=1e-4, atol=1e-5)
+        True
+    """
+    n, ta, c = a.right.shape
+    m, tb = b.right.shape[:2]
+    out = a.right.new_zeros(n, m)
+    step = max(1, BLOCK_BYTES // max(1, ta * m * tb * a.right.element_size() * 2))
+    right_b = b.right.reshape(m * tb, c)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        rr = (a.right[start:stop].reshape(-1, c) @ right_b.T).view(stop - start, ta, m, tb)
+        rr.mul_(_cross_left(a, b, start, stop))
+        out[start:stop] = rr.sum((1, 3))
+    return out
+
+
+def _cross_left(a: Factors, b: Factors, start: int, stop: int) -> Tensor:
+    """``L[i, t] . L'[j, s]`` for ``a``'s samples ``[start, stop)``: ``(k, T, m, T')``."""
+    la = a.left[start:stop]
+    k, ta = la.shape[:2]
+    m, tb = b.left.shape[:2]
+    if a.ids and b.ids:
+        return (la[:, :, None, None] == b.left[None, None]).to(a.right.dtype)
+    if a.ids:  # L'[j, s, ids_it]
+        picked = b.left[:, :, la.reshape(-1)]  # (m, T', k T)
+        return picked.permute(2, 0, 1).reshape(k, ta, m, tb)
+    if b.ids:  # L[i, t, ids'_js]
+        return la[:, :, b.left.reshape(-1)].view(k, ta, m, tb)
+    r = la.shape[2]
+    return (la.reshape(-1, r) @ b.left.reshape(m * tb, r).T).view(k, ta, m, tb)
+
+
+def cross_cost(a: Factors, b: Factors) -> int:
+    """Multiply-adds per pair of samples of :func:`cross_inner`."""
+    return a.cost(b)
+
+
+def forming_cost(uses: list[Factors], rows: int) -> int:
+    """Multiply-adds per sample of forming ``sum_k G_k`` of ``(rows, c)``."""
+    c = uses[0].right.shape[2]
+    return rows * c * sum(1 if u.ids else u.positions for u in uses)

@@ -1,0 +1,205 @@
+"""Inner products of per-sample gradients, without the ``(B, P)`` tensors.
+
+``<g_i, g'_j>`` for every sample ``i`` of one batch and ``j`` of another (or of the
+same batch: the Gram matrix) is what training-data attribution scores are made of
+(TracIn, Pruthi et al. 2020: a training sample's influence on a test sample is the
+inner product of their loss gradients, summed over checkpoints; the Gram matrix of
+a batch for data selection and In-run Data Shapley, Wang et al. 2024). Per parameter
+it is a sum over the ops that read it:
+
+- an op with factors (a linear map at ``T`` positions, a table lookup: ``G_i = sum_t
+  L[i, t] outer R[i, t]``, ``rules.ghost``): ``sum_{t, s} (L[i, t] . L'[j, s])
+  (R[i, t] . R'[j, s])``, i.e. ``(a_i . a'_j)(g_i . g'_j)`` for ``T = 1``, ids compared
+  for lookups, with the cross terms of a parameter read by several ops (tied weights);
+  chosen where it costs fewer multiply-adds than forming the gradients;
+- every other parameter (convolutions, normalisation layers, scales, what the rules
+  answer by module or by ``torch.func``) from its per-sample gradients, a few
+  parameters at a time (at most :data:`GROUP_BYTES` of them per batch at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import checks
+from .engine import Captured, loss_backprops, write_per_sample
+from .errors import internal
+from .methods import Taken, answer
+from .norms import use_factors
+from .precision import accumulate_dtype, cast, without_autocast
+from .reference import loop_per_sample_grads
+from .rules.ghost import cross_cost, cross_inner, forming_cost
+from .vmap import vmap_per_sample_grads
+
+GROUP_BYTES = 1 << 28
+"""At most this many bytes of materialised per-sample gradients per batch at once."""
+
+
+def per_sample_grad_dots(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], Tensor],
+    *,
+    other: tuple[Any, Any] | None = None,
+    params: Iterable[str | Tensor] | None = None,
+    method: str = "auto",
+    loss_reduction: str | None = None,
+) -> Tensor:
+    """Inner products ``<g_i, g'_j>`` of the per-sample gradients of one batch with those
+    of another (``other``), or with each other (the Gram matrix), without forming them
+    where a rule has a cheaper form.
+
+    ``g_i`` is sample ``i``'s gradient of its own loss (as :func:`per_sample_grads`
+    gives it) over the parameters ``params``; the result equals
+    ``per_sample_grads(..., flat=True) @ per_sample_grads(other..., flat=True).T``.
+
+    Args:
+        model, inputs, targets, loss_fn, loss_reduction: as for
+            :func:`persample.per_sample_grads` (``B`` samples).
+        other: ``(inputs', targets')`` of a second batch of ``B'`` samples for the same
+            model and ``loss_fn``; default ``None``, the batch with itself.
+        params: the parameters whose gradients are multiplied, as names or the
+            parameters themselves (default: every trainable one).
+        method: ``"rules"``, ``"vmap"``, ``"loop"`` or ``"auto"`` (the rules, and where
+            they cannot split the model, with a warning, ``torch.func``, then the loop),
+            as for :func:`persample.per_sample_grads`.
+
+    Returns:
+        ``(B, B')`` (``(B, B)`` without ``other``): loss units squared per parameter
+        unit squared, in the parameters' dtype, at least float32 (accumulated there).
+
+    Raises:
+        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError:
+        as :func:`persample.per_sample_grads`, for either batch; ``ValueError`` for an
+        ``other`` that is not an ``(inputs, targets)`` pair.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import persample
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> x2, y2 = torch.randn(5, 4), torch.randint(0, 3, (5,))
+        >>> dots = persample.per_sample_grad_dots(net, x, y, nn.CrossEntropyLoss(),
+        ...                                       other=(x2, y2))
+        >>> g = persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss(), flat=True)
+        >>> g2 = persample.per_sample_grads(net, x2, y2, nn.CrossEntropyLoss(), flat=True)
+        >>> dots.shape, torch.allclose(dots, g @ g2.T, rtol=1e-4, atol=1e-6)
+        (torch.Size([16, 5]), True)
+
+    Source: Pruthi et al. 2020 (TracIn); Goodfellow 2015 and Li et al. 2022 (per-sample
+    gradients of linear layers from activations and backprops, whose inner products
+    need neither gradient); Wang et al. 2024 (In-run Data Shapley's "ghost" dot
+    products).
+    """
+    batch, n, chosen = checks.validate_call(model, inputs, targets, loss_fn, method,
+                                           loss_reduction, None, params)
+    if other is not None:
+        if not (isinstance(other, tuple) and len(other) == 2):
+            raise ValueError("other must be a pair (inputs, targets) of a second batch, got "
+                             f"{type(other).__name__}")
+        batch2, _, _ = checks.validate_call(model, other[0], other[1], loss_fn, method,
+                                           loss_reduction, None, params)
+        targets2 = other[1]
+    else:
+        batch2, targets2 = None, None
+    side = (batch, targets)
+    second = None if batch2 is None else (batch2, targets2)
+    return answer(
+        method,
+        rules=lambda: _rules_dots(model, side, second, loss_fn, chosen),
+        vmap=lambda: _materialised_dots(
+            lambda b, t: vmap_per_sample_grads(model, b, t, loss_fn, chosen), side, second),
+        loop=lambda: _materialised_dots(
+            lambda b, t: {k: g for k, g in loop_per_sample_grads(model, b, t, loss_fn).items()
+                          if k in chosen}, side, second),
+        taken=Taken(), hint=lambda: checks.dtype_note(batch, chosen))
+
+
+def _materialised_dots(grads_of: Callable[[Any, Any], dict[str, Tensor]],
+                       side: tuple, second: tuple | None) -> Tensor:
+    """``G @ G'^T`` from the per-sample gradients of a whole-model method."""
+    a = grads_of(*side)
+    b = a if second is None else grads_of(*second)
+    total = None
+    for name, g in a.items():
+        dtype = accumulate_dtype(g.dtype)
+        term = cast(g.flatten(1), dtype) @ cast(b[name].flatten(1), dtype).T
+        total = term if total is None else total + term
+    return total
+
+
+class _Side:
+    """One batch's capture: the factors of the parameters that have them, and the
+    per-sample gradients of the others on demand."""
+
+    def __init__(self, model: nn.Module, batch: Any, targets: Any, loss_fn: Callable,
+                 params: dict[str, nn.Parameter]):
+        watched = {id(p): p for p in params.values()}
+        self.captured: Captured = loss_backprops(model, batch, targets, loss_fn, watched)
+        self.n = self.captured.n
+        with torch.no_grad(), without_autocast(), internal("the factor rules"):
+            self.factors = {pid: uses for pid, (_, uses) in
+                            use_factors(self.captured, set(watched)).items()}
+
+    def grads(self, group: list[nn.Parameter]) -> dict[int, Tensor]:
+        """``{id(p): (n, numel)}`` per-sample gradients of ``group``, accumulate dtype."""
+        dest = {id(p): p.new_zeros((self.n, 1, *p.shape)) for p in group}
+        with internal("the rules"):
+            write_per_sample(self.captured, dest)
+        return {pid: cast(g.flatten(1), accumulate_dtype(g.dtype)) for pid, g in dest.items()}
+
+
+def _rules_dots(model: nn.Module, side: tuple, second: tuple | None, loss_fn: Callable,
+                params: dict[str, nn.Parameter]) -> Tensor:
+    a = _Side(model, *side, loss_fn, params)
+    b = a if second is None else _Side(model, *second, loss_fn, params)
+    dtype = accumulate_dtype(*(p.dtype for p in params.values()))
+    total = torch.zeros(a.n, b.n, dtype=dtype, device=next(iter(params.values())).device)
+    rest = []
+    with torch.no_grad(), internal("the factor rules"):
+        for p in params.values():
+            fa, fb = a.factors.get(id(p)), b.factors.get(id(p))
+            if fa and fb and _factors_cheaper(fa, fb, a.n, b.n, p):
+                for u in fa:
+                    for v in fb:
+                        total += cross_inner(u, v).to(dtype)
+            else:
+                rest.append(p)
+    for group in _groups(rest, a.n + (0 if b is a else b.n)):
+        ga = a.grads(group)
+        gb = ga if b is a else b.grads(group)
+        for pid, g in ga.items():
+            total += (g @ gb[pid].T).to(dtype)
+    return total
+
+
+def _factors_cheaper(fa: list, fb: list, n: int, m: int, p: nn.Parameter) -> bool:
+    """Multiply-adds of the factors' cross products against forming both sides'
+    gradients and multiplying them."""
+    rows = p.shape[0] if p.dim() else 1
+    cols = p.numel() // max(rows, 1)
+    by_factors = n * m * sum(cross_cost(u, v) for u in fa for v in fb)
+    by_forming = n * forming_cost(fa, rows) + m * forming_cost(fb, rows) + n * m * rows * cols
+    return by_factors < by_forming
+
+
+def _groups(params: list[nn.Parameter], samples: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters whose per-sample gradients for ``samples`` rows fit in
+    :data:`GROUP_BYTES` (a larger one alone)."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        bytes_ = samples * p.numel() * max(p.element_size(), 4)
+        if groups and size + bytes_ <= GROUP_BYTES:
+            groups[-1].append(p)
+            size += bytes_
+        else:
+            groups.append([p])
+            size = bytes_
+    return groups
