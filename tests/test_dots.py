@@ -76,7 +76,7 @@ def test_linear_layers_take_the_factors(monkeypatch):
     def forbidden(self, group):
         raise AssertionError(f"materialised {len(group)} parameters")
 
-    monkeypatch.setattr(dots_module._Side, "grads", forbidden)
+    monkeypatch.setattr(dots_module.CapturedBatch, "grads", forbidden)
     model = nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 5))
     x, y = torch.randn(7, 30), torch.randint(0, 5, (7,))
     x2, y2 = torch.randn(4, 30), torch.randint(0, 5, (4,))

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("plan", {"plan"}),
     ("engine", {"engine"}),
     ("public", {"checks", "methods", "reference", "vmap", "api", "norms", "dots",
-                "jacobian", "support", "__init__"}),
+                "projection", "jacobian", "support", "__init__"}),
     ("applications", {"dp", "data"}),
     ("integrations", {"integrations"}),
     ("cli", {"cli", "__main__"}),

@@ -2,7 +2,8 @@
 
 The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 :func:`input_jacobian`, :func:`jacobian_diagonal`, :func:`per_sample_grad_norms`,
-:func:`per_sample_grad_dots` (inner products of per-sample gradients, for attribution),
+:func:`per_sample_grad_dots` and :class:`GradientProjector` (inner products and random
+projections of per-sample gradients, for data attribution),
 the loop references, :func:`register_rule` to add a layer rule, and
 :func:`supported` / :func:`verify` to check a custom model,
 :func:`empty_cache` to free the result memory persample keeps for reuse, and
@@ -16,6 +17,7 @@ from .inputs import PackedRows
 from .jacobian import input_jacobian, jacobian_diagonal
 from .memory import empty_cache
 from .norms import per_sample_grad_norms
+from .projection import GradientProjector
 from .reference import loop_param_jacobian, loop_per_sample_grads
 from .rules import register_rule
 from .support import Route, Verification, supported, verify
@@ -25,6 +27,7 @@ __all__ = [
     "param_jacobian",
     "per_sample_grad_norms",
     "per_sample_grad_dots",
+    "GradientProjector",
     "input_jacobian",
     "jacobian_diagonal",
     "aligned_empty",

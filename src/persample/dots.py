@@ -134,7 +134,7 @@ def _materialised_dots(grads_of: Callable[[Any, Any], dict[str, Tensor]],
     return total
 
 
-class _Side:
+class CapturedBatch:
     """One batch's capture: the factors of the parameters that have them, and the
     per-sample gradients of the others on demand."""
 
@@ -157,8 +157,8 @@ class _Side:
 
 def _rules_dots(model: nn.Module, side: tuple, second: tuple | None, loss_fn: Callable,
                 params: dict[str, nn.Parameter]) -> Tensor:
-    a = _Side(model, *side, loss_fn, params)
-    b = a if second is None else _Side(model, *second, loss_fn, params)
+    a = CapturedBatch(model, *side, loss_fn, params)
+    b = a if second is None else CapturedBatch(model, *second, loss_fn, params)
     dtype = accumulate_dtype(*(p.dtype for p in params.values()))
     total = torch.zeros(a.n, b.n, dtype=dtype, device=next(iter(params.values())).device)
     rest = []

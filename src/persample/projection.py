@@ -1,0 +1,278 @@
+"""Random projections of per-sample gradients, without the ``(B, P)`` tensor.
+
+Data attribution at scale works on projected gradients: TRAK (Park et al. 2023)
+projects each per-sample gradient to a few thousand dimensions with a dense random
+(Johnson-Lindenstrauss) matrix; LoGra (Choe et al. 2024) and LESS (Xia et al. 2024)
+project each layer's gradient ``G = sum_t g_t a_t^T`` as ``P_out^T G P_in``, which
+needs only the projected backprops ``P_out^T g_t`` and activations ``P_in^T a_t``.
+
+:class:`GradientProjector` does both on any model persample runs:
+
+- ``kind="kronecker"``: every parameter seen as a matrix ``(rows, cols)`` (its first
+  dim by the rest) gets ``P_out (rows, d_out)`` and ``P_in (cols, d_in)`` with
+  Gaussian entries of variance ``1/d_out`` and ``1/d_in``; ``dim`` is split across the
+  parameters (equal shares, capped by each one's size; :attr:`GradientProjector.dims`
+  says the split). Where an op gives the parameter's per-sample gradient as factors
+  (linear maps at ``T`` positions, table lookups: ``rules.ghost``), the projection is
+  ``sum_t (P_out^T L_t) (P_in^T R_t)^T`` from them; elsewhere from the per-sample
+  gradients, a few parameters at a time.
+- ``kind="gaussian"`` / ``"rademacher"``: one dense matrix ``(P, dim)`` over all the
+  parameters (entries ``N(0, 1/dim)`` or ``+-1/sqrt(dim)``), never stored whole: each
+  parameter's block of rows is drawn in chunks from ``(seed, parameter, chunk)``
+  whenever it is applied, to the per-sample gradients of a few parameters at a time.
+
+The matrices are the same for the same seed, parameters and device type.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import checks
+from .dots import CapturedBatch, _groups
+from .errors import internal
+from .methods import Taken, answer
+from .precision import accumulate_dtype, cast
+from .reference import loop_per_sample_grads
+from .rules.ghost import Factors
+from .vmap import vmap_per_sample_grads
+
+KINDS = ("kronecker", "gaussian", "rademacher")
+CHUNK_BYTES = 1 << 26
+"""At most this many bytes of a dense projection's rows are drawn at once."""
+
+
+class GradientProjector:
+    """A seeded random linear map from per-sample gradients to ``dim`` numbers each.
+
+    Args:
+        model: the ``nn.Module`` whose per-sample gradients are projected.
+        dim: the number of projected coordinates per sample, ``>= 1`` (at most the
+            number of parameter entries). With ``kind="kronecker"`` it is split across
+            the parameters and may come out a little smaller (``proj.dim``; each
+            parameter's ``d_out * d_in`` in ``proj.dims``).
+        kind: ``"kronecker"`` (default; per parameter ``P_out^T G P_in``, LoGra's form),
+            ``"gaussian"`` or ``"rademacher"`` (one dense JL matrix, TRAK's).
+        seed: the seed of every random matrix (an ``int``).
+        params: the parameters projected, as names or the parameters (default: every
+            trainable one, in ``named_parameters()`` order).
+
+    Raises:
+        ValueError: an unknown ``kind``, ``dim < 1`` or larger than the parameters'
+            entries, and ``params`` errors as for :func:`persample.per_sample_grads`.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import persample
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> proj = persample.GradientProjector(net, 20, seed=0)
+        >>> z = proj(x, y, nn.CrossEntropyLoss())  # (16, proj.dim), no (16, P) tensor
+        >>> grads = persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss())
+        >>> z.shape, torch.allclose(z, proj.project(grads), atol=1e-5)
+        (torch.Size([16, 20]), True)
+
+    Source: Johnson & Lindenstrauss 1984; Park et al. 2023 (TRAK); Choe et al. 2024
+    (LoGra: Kronecker-structured gradient projection); Xia et al. 2024 (LESS).
+    """
+
+    def __init__(self, model: nn.Module, dim: int, *, kind: str = "kronecker", seed: int = 0,
+                 params: Iterable[str | Tensor] | None = None) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.params = checks.selected_parameters(model, trainable, params)
+        total = sum(p.numel() for p in self.params.values())
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= total:
+            raise ValueError(f"dim must be an int in [1, {total}] (the entries of the "
+                             f"parameters projected), got {dim!r}")
+        self.model, self.kind, self.seed = model, kind, int(seed)
+        self.index = {name: k for k, name in enumerate(self.params)}
+        if kind == "kronecker":
+            self.dims = _split(dim, {n: _matrix_shape(p) for n, p in self.params.items()})
+            self.dim = sum(a * b for a, b in self.dims.values())
+        else:
+            self.dims, self.dim = {}, dim
+        self._kron: dict[str, tuple[Tensor, Tensor]] = {}
+
+    # -- the maps ---------------------------------------------------------------------
+
+    def kronecker_factors(self, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(P_out (rows, d_out), P_in (cols, d_in))`` of parameter ``name``."""
+        key = (name, dtype)
+        if key not in self._kron:
+            p = self.params[name]
+            rows, cols = _matrix_shape(p)
+            d_out, d_in = self.dims[name]
+            gen = _generator(p.device, self.seed, self.index[name], 0)
+            # drawn in float32 whatever the dtype: the same matrices for every precision
+            p_out = torch.randn(rows, d_out, generator=gen, device=p.device)
+            p_in = torch.randn(cols, d_in, generator=gen, device=p.device)
+            self._kron[key] = ((p_out / math.sqrt(max(d_out, 1))).to(dtype),
+                               (p_in / math.sqrt(max(d_in, 1))).to(dtype))
+        return self._kron[key]
+
+    def _dense_rows(self, name: str, dtype: torch.dtype) -> Iterable[tuple[int, Tensor]]:
+        """Parameter ``name``'s block of the dense matrix: ``(first row, (k, dim))`` chunks."""
+        p = self.params[name]
+        step = max(1, CHUNK_BYTES // (self.dim * 4))  # rows per chunk: not by dtype
+        for chunk, start in enumerate(range(0, p.numel(), step)):
+            rows = min(step, p.numel() - start)
+            gen = _generator(p.device, self.seed, self.index[name], chunk)
+            if self.kind == "gaussian":  # float32 draws: the same matrix for every dtype
+                block = torch.randn(rows, self.dim, generator=gen, device=p.device)
+            else:
+                block = torch.randint(0, 2, (rows, self.dim), generator=gen,
+                                      device=p.device).float().mul_(2).sub_(1)
+            yield start, block.div_(math.sqrt(self.dim)).to(dtype)
+
+    def _project_one(self, name: str, g: Tensor) -> Tensor:
+        """One parameter's per-sample gradients ``(n, numel)`` projected: ``(n, d)``."""
+        if self.kind == "kronecker":
+            p_out, p_in = self.kronecker_factors(name, g.dtype)
+            m = g.view(g.shape[0], p_out.shape[0], p_in.shape[0])
+            return torch.einsum("nrc,rd,ce->nde", m, p_out, p_in).flatten(1)
+        out = g.new_zeros(g.shape[0], self.dim)
+        for start, block in self._dense_rows(name, g.dtype):
+            out.addmm_(g[:, start : start + block.shape[0]], block)
+        return out
+
+    def _project_factors(self, name: str, uses: list[Factors], dtype: torch.dtype) -> Tensor:
+        """``sum_uses sum_t (P_out^T L_t) (P_in^T R_t)^T`` per sample: ``(n, d_out d_in)``."""
+        p_out, p_in = self.kronecker_factors(name, dtype)
+        total = None
+        for u in uses:
+            left = p_out[u.left] if u.ids else u.left @ p_out  # (n, t, d_out)
+            term = torch.bmm(left.transpose(1, 2), u.right @ p_in).flatten(1)
+            total = term if total is None else total + term
+        return total
+
+    # -- what users call --------------------------------------------------------------
+
+    def project(self, grads: dict[str, Tensor]) -> Tensor:
+        """The same map applied to per-sample gradients given whole.
+
+        Args:
+            grads: ``{name: (B, *param.shape)}`` for every projected parameter (as
+                :func:`persample.per_sample_grads` returns them; other names ignored).
+
+        Returns:
+            ``(B, proj.dim)`` in the gradients' dtype, at least float32.
+
+        Raises:
+            ValueError: a projected parameter missing from ``grads``.
+        """
+        missing = [n for n in self.params if n not in grads]
+        if missing:
+            raise ValueError(f"grads lacks the projected parameters {missing}")
+        parts = []
+        for name in self.params:
+            g = grads[name]
+            parts.append(self._project_one(name, cast(g.flatten(1), accumulate_dtype(
+                g.dtype))))
+        return self._joined(parts)
+
+    def _joined(self, parts: list[Tensor]) -> Tensor:
+        if self.kind == "kronecker":
+            return torch.cat(parts, dim=1)
+        return torch.stack(parts).sum(0)
+
+    def __call__(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
+                 method: str = "auto", loss_reduction: str | None = None) -> Tensor:
+        """The projected per-sample gradients of a batch, ``(B, proj.dim)``.
+
+        Args:
+            inputs, targets, loss_fn, method, loss_reduction: as for
+                :func:`persample.per_sample_grads`.
+
+        Returns:
+            ``(B, proj.dim)`` in the parameters' dtype, at least float32: row ``i`` is
+            ``project`` of sample ``i``'s gradient of its own loss.
+
+        Raises:
+            as :func:`persample.per_sample_grads`.
+        """
+        batch, _, params = checks.validate_call(self.model, inputs, targets, loss_fn, method,
+                                               loss_reduction, None, list(self.params))
+        return answer(
+            method,
+            rules=lambda: self._by_rules(batch, targets, loss_fn),
+            vmap=lambda: self.project(vmap_per_sample_grads(self.model, batch, targets,
+                                                            loss_fn, params)),
+            loop=lambda: self.project(loop_per_sample_grads(self.model, batch, targets,
+                                                            loss_fn)),
+            taken=Taken(), hint=lambda: checks.dtype_note(batch, params))
+
+    def _by_rules(self, batch: Any, targets: Any, loss_fn: Callable) -> Tensor:
+        side = CapturedBatch(self.model, batch, targets, loss_fn, self.params)
+        dtype = accumulate_dtype(*(p.dtype for p in self.params.values()))
+        parts: dict[str, Tensor] = {}
+        rest = []
+        with torch.no_grad(), internal("the projection of factors"):
+            for name, p in self.params.items():
+                uses = side.factors.get(id(p))
+                if self.kind == "kronecker" and uses:
+                    parts[name] = self._project_factors(name, uses, dtype)
+                else:
+                    rest.append(p)
+        names = {id(p): n for n, p in self.params.items()}
+        for group in _groups(rest, side.n):
+            for pid, g in side.grads(group).items():
+                with torch.no_grad():
+                    parts[names[pid]] = self._project_one(names[pid], g)
+        return self._joined([parts[n].to(dtype) for n in self.params])
+
+
+def _matrix_shape(p: Tensor) -> tuple[int, int]:
+    """A parameter as a matrix: its first dim by the rest (a 1-d one as a column)."""
+    rows = p.shape[0] if p.dim() else 1
+    return rows, p.numel() // max(rows, 1)
+
+
+def _split(dim: int, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """``{name: (d_out, d_in)}``: from the smallest parameter up, an equal share of what
+    is left (capped at the parameter's size), as the largest ``d_out * d_in`` within it
+    (``d_out <= rows``, ``d_in <= cols``); what a share could not use passes on, and the
+    largest parameter takes the rest."""
+    dims, left = {}, dim
+    order = sorted(shapes, key=lambda n: shapes[n][0] * shapes[n][1])
+    for k, name in enumerate(order):
+        rows, cols = shapes[name]
+        share = left if k == len(order) - 1 else left // (len(order) - k)
+        dims[name] = _factor(min(rows * cols, share), rows, cols)
+        left -= dims[name][0] * dims[name][1]
+    for name in reversed(order):  # what the last could not use, to the others
+        if left == 0:
+            break
+        a, b = dims[name]
+        more = _factor(min(shapes[name][0] * shapes[name][1], a * b + left), *shapes[name])
+        left -= more[0] * more[1] - a * b
+        dims[name] = more
+    return {name: dims[name] for name in shapes}
+
+
+def _factor(share: int, rows: int, cols: int) -> tuple[int, int]:
+    """The ``(d_out, d_in)`` with ``d_out * d_in <= share`` largest, then most balanced
+    relative to ``(rows, cols)``; ``(0, 0)`` for a share of 0."""
+    if share == 0:
+        return 0, 0
+    best = (0, 0, 0.0)
+    for d_out in range(1, min(rows, share) + 1):
+        d_in = min(cols, share // d_out)
+        balance = -abs(math.log(d_out / rows) - math.log(d_in / cols))
+        if (d_out * d_in, balance) > (best[0] * best[1], best[2]):
+            best = (d_out, d_in, balance)
+    return best[0], best[1]
+
+
+def _generator(device: torch.device, seed: int, parameter: int, chunk: int) -> torch.Generator:
+    """A generator on ``device`` seeded from ``(seed, parameter, chunk)``."""
+    mixed = (seed * 1_000_003 + parameter) * 1_000_003 + chunk
+    return torch.Generator(device=device).manual_seed(mixed % (1 << 63))
+
