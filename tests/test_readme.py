@@ -35,6 +35,9 @@ CHECKS = {
     "trainer": ("trainer.private_step.accountant.steps == trainer.state.global_step == 48"
                 " and 7.9 < trainer.epsilon() <= 8.0"),
     "lm_trainer": "lm_trainer.private_step.accountant.steps == 10 and lm_trainer.epsilon() > 0",
+    # TracIn: scores of the training set against the test set; flipped labels found
+    "flagged": ("(flagged < 100).float().mean() > 0.5 and tracin.shape == (1500, 297)"
+                " and bool(torch.isfinite(tracin).all())"),
 }
 
 
