@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _deps, dp_finetune, dp_train
+from . import _deps, attribute, dp_finetune, dp_train
 from .workloads import REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
 
 
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", help="draw the times as a bar chart")
     dp_train.add_parser(sub)
     dp_finetune.add_parser(sub)
+    attribute.add_parser(sub)
     return parser
 
 
@@ -106,4 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         dp_train.run_from_args(args)
     elif args.command == "dp-finetune":
         dp_finetune.run_from_args(args)
+    elif args.command == "attribute":
+        attribute.run_from_args(args)
     return 0
