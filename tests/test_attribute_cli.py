@@ -17,6 +17,6 @@ def test_attribute_finds_the_flipped_labels(tmp_path, capsys):
     assert auc["self-influence (TracIn)"] >= 0.9
     assert auc["TRAK-style (harmful to validation)"] >= 0.85
     assert figures["projection_rel_difference_materialised"] < 1e-4  # the same map
-    assert len(figures["phases"]) == 5 and png.stat().st_size > 0
+    assert len(figures["phases"]) >= 5 and png.stat().st_size > 0  # 6 with dattri
     printed = capsys.readouterr().out
     assert "AUC of finding the flipped labels" in printed

@@ -14,7 +14,9 @@ two ways:
 
 Each score's AUC of finding the flipped labels (scikit-learn's ``roc_auc_score``), the
 time and peak RSS of each phase, and the same projections by materialising the
-per-sample gradients first (``per_sample_grads`` then ``proj.project``).
+per-sample gradients first (``per_sample_grads`` then ``proj.project``). Where dattri
+is installed, its TracIn self-influence (``torch.func`` per-sample gradients, projected
+to 512 dimensions) beside.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
             norms = torch.cat([persample.per_sample_grad_norms(model, xb, yb, loss_fn)
                                for xb, yb in _chunks(x, y, cfg.chunk)])
             self_influence += cfg.lr * norms.square()
+    others = _dattri_self_influence(model, checkpoints, x, y, cfg, phases)
     model.load_state_dict(final)
 
     proj = persample.GradientProjector(model, cfg.dim, kind=cfg.kind, seed=cfg.seed)
@@ -166,12 +169,15 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
     auc = {"self-influence (TracIn)": float(roc_auc_score(labels, self_influence.numpy())),
            "TRAK-style (harmful to validation)": float(roc_auc_score(labels,
                                                                       (-influence).numpy()))}
+    if isinstance(others, Tensor):
+        auc[DATTRI] = float(roc_auc_score(labels, others.numpy()))
     figures = {"config": asdict(cfg), "train_samples": len(y), "flipped": int(flipped.sum()),
                "validation_samples": len(y_val), "validation_accuracy": val_accuracy,
                "projected_dim": proj.dim, "parameters": sum(p.numel() for p in
                                                             model.parameters()),
                "auc": auc, "phases": phases,
-               "projection_rel_difference_materialised": same}
+               "projection_rel_difference_materialised": same,
+               "dattri": "ran" if isinstance(others, Tensor) else others}
     print(format_figures(figures))
     if cfg.json:
         with open(cfg.json, "w") as f:
@@ -182,6 +188,35 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
                                   "harm to validation (TRAK-style)": -influence})
         print(f"wrote {cfg.plot}")
     return figures
+
+
+DATTRI = "dattri TracInAttributor (projected to 512)"
+
+
+def _dattri_self_influence(model: nn.Module, checkpoints: list[dict], x: Tensor, y: Tensor,
+                           cfg: AttributeConfig, phases: dict) -> Tensor | str:
+    """The same TracIn self-influence by dattri (``torch.func`` per-sample gradients,
+    randomly projected to 512 dimensions, its default), where dattri is installed;
+    else why not."""
+    try:
+        from dattri.algorithm.tracin import TracInAttributor
+        from dattri.task import AttributionTask
+    except ImportError as err:
+        return f"not installed ({err})"
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def loss_func(params, data):  # one sample, as dattri vmaps it
+        image, label = data
+        out = torch.func.functional_call(model, params, image.unsqueeze(0))
+        return nn.functional.cross_entropy(out, label.unsqueeze(0))
+
+    task = AttributionTask(loss_func=loss_func, model=model, checkpoints=checkpoints)
+    attributor = TracInAttributor(task=task, weight_list=torch.full((len(checkpoints),), cfg.lr),
+                                  normalized_grad=False,
+                                  projector_kwargs={"proj_dim": 512, "device": "cpu"})
+    loader = DataLoader(TensorDataset(x, y), batch_size=cfg.chunk, shuffle=False)
+    with _Phase(f"self-influence ({DATTRI})", phases):
+        return attributor.self_attribute(loader)
 
 
 def _trak(phi: Tensor, phi_val: Tensor, ridge: float) -> Tensor:
@@ -209,13 +244,15 @@ def format_figures(f: dict) -> str:
              f"parameters, validation accuracy {f['validation_accuracy']:.2f}; gradients "
              f"projected to {f['projected_dim']} dimensions",
              "", "AUC of finding the flipped labels:"]
-    lines += [f"  {name:<40}{value:6.3f}" for name, value in f["auc"].items()]
+    lines += [f"  {name:<46}{value:6.3f}" for name, value in f["auc"].items()]
     lines += ["", f"  {'phase':<58}{'seconds':>9}{'peak RSS MB':>13}"]
     for name, p in f["phases"].items():
         peak = "n/a" if p["peak_rss_mb"] is None else f"{p['peak_rss_mb']:.0f}"
         lines.append(f"  {name:<58}{p['seconds']:9.2f}{peak:>13}")
     agree = f["projection_rel_difference_materialised"]
     lines.append(f"  (the two projections agree to {agree:.1e} relative)")
+    if f.get("dattri", "ran") != "ran":
+        lines.append(f"  dattri: {f['dattri']}")
     return "\n".join(lines)
 
 
