@@ -120,3 +120,16 @@ def test_a_missing_package_is_reported_not_raised(tmp_path, monkeypatch, capsys)
     assert skipped["workload"] == "gpt2-grads"
     assert "not installed (pip install -e '.[test]')" in skipped["status"]
     assert "gpt2-grads: not installed" in capsys.readouterr().out
+
+
+def test_bench_gram_workload(tmp_path):
+    """deep-mlp-gram: the (B, B) Gram by every gradients method then G G^T, and by
+    per_sample_grad_dots; all agree with the loop's."""
+    figures = bench(tmp_path, "--workload", "deep-mlp-gram", "--batch", "6", "--no-memory")
+    (report,) = figures["workloads"]
+    assert report["result_shape"] == [6, 6]
+    by_name = {m["method"]: m for m in report["methods"]}
+    assert {"persample", "persample per_sample_grads, then G G^T", "loop"} <= set(by_name)
+    for m in report["methods"]:
+        assert m["status"] != "ok" or (m["agrees"] and m["max_abs_diff"] < 1e-4), m
+    assert by_name["persample"]["status"] == "ok"

@@ -689,6 +689,50 @@ def norms_case(w: Workload) -> Case:
     ])
 
 
+def gram_case(w: Workload) -> Case:
+    """The ``(B, B)`` Gram matrix of per-sample gradients (TracIn's inner products):
+    each gradients method followed by ``G @ G.T``, and persample's
+    ``per_sample_grad_dots``, which forms no gradient where a rule has factors.
+
+    Example:
+        >>> from persample.cli.workloads import attribution_workload
+        >>> gram_case(attribution_workload("deep-mlp-gram", 2)).result_shape
+        (2, 2)
+    """
+    from ..dots import per_sample_grad_dots
+
+    grads = grads_case(w)
+    by_name = {m.name: m for m in grads.methods}
+
+    def gram_of(method: Method, name: str | None = None) -> Method:
+        if method.fn is None:
+            return method
+        return Method(name or method.name, lambda buf: grad_gram(method.fn(None)),
+                      method.note)
+
+    return Case(w, "plain backward", grads.base, (w.n, w.n), "loop",
+                lambda: grad_gram(by_name["loop"].fn(None)), [
+        gram_of(by_name["loop"]),
+        gram_of(by_name["torch.func vmap"]),
+        gram_of(by_name["Opacus hooks"]),
+        gram_of(by_name["persample"], "persample per_sample_grads, then G G^T"),
+        Method("persample", lambda _: per_sample_grad_dots(
+            w.model, w.inputs, w.targets, w.loss_fn), ours=True),
+    ])
+
+
+def grad_gram(grads: Mapping[str, Tensor]) -> Tensor:
+    """``(B, B)`` inner products of per-sample gradients ``{name: (B, ...)}``, summed
+    per parameter (no concatenation).
+
+    Example:
+        >>> grad_gram({"a": torch.ones(2, 3), "b": torch.ones(2)})
+        tensor([[4., 4.],
+                [4., 4.]])
+    """
+    return sum(g.reshape(len(g), -1) @ g.reshape(len(g), -1).T for g in grads.values())
+
+
 def _optional(build: Callable[[], Any], name: str, module: str, w: Workload,
               call: Callable[[Any], Tensor]) -> Method:
     """A method built once by ``build()`` (outside the timed calls), run as ``call(built)``."""

@@ -45,10 +45,12 @@ from . import anchors
 from .anchors import Case, Method, as_flat
 from .real_models import NotInstalled
 from .workloads import (
+    ATTRIBUTION_WORKLOADS,
     DP_WORKLOADS,
     GRAD_WORKLOADS,
     JACOBIAN_WORKLOADS,
     WORKLOADS,
+    attribution_workload,
     dp_workload,
     grads_workload,
     jacobian_workload,
@@ -570,6 +572,8 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
         return anchors.input_jacobian_case(jacobian_workload(name, batch).to(device))
     if name == "cnn-norms":
         return anchors.norms_case(dp_workload(name, batch, size, device).to(device))
+    if name in ATTRIBUTION_WORKLOADS:
+        return anchors.gram_case(attribution_workload(name, batch, size, device).to(device))
     if name in DP_WORKLOADS:
         w = dp_workload(name, batch, size, device).to(device)
         return anchors.under_autocast(anchors.dp_step_case(w, only))

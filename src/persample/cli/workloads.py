@@ -614,6 +614,26 @@ def dp_workload(name: str, batch: int | None = None, size: str = "full",
     return replace(w, name=name, description=f"{w.description}; {what}")
 
 
+def attribution_workload(name: str, batch: int | None = None, size: str = "full",
+                         device: torch.device | str = "cpu") -> Workload:
+    """``X-gram``: the ``(B, B)`` Gram matrix of the per-sample gradients of the
+    workload ``X-grads`` (TracIn's inner products); ``deep-mlp-gram`` at B = 100.
+
+    Raises:
+        ValueError: an unknown name.
+
+    Example:
+        >>> attribution_workload("deep-mlp-gram", 4).description.split("; ")[-1]
+        'the (B, B) Gram matrix of the per-sample gradients'
+    """
+    if name not in ATTRIBUTION_WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {ATTRIBUTION_WORKLOADS}")
+    w = grads_workload(name.replace("-gram", "-grads"), batch or 100, size, device)
+    what = "the (B, B) Gram matrix of the per-sample gradients"
+    return replace(w, name=name, description=f"{w.description}; {what}")
+
+
+ATTRIBUTION_WORKLOADS = ("deep-mlp-gram", "cnn-gram")
 BF16_DP_WORKLOADS = ("gpt2-768-bf16-dp-step",)
 REAL_DP_WORKLOADS = tuple(name.replace("-grads", "-dp-step") for name in REAL_GRAD_WORKLOADS
                           ) + BF16_DP_WORKLOADS
@@ -626,6 +646,6 @@ JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
                 "gpt2-dp-step", "gpt2-lora-dp-step") + REAL_DP_WORKLOADS
 SMALL_WORKLOADS = tuple(w for w in GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS
-                        if w not in REAL_WORKLOADS)
+                        + ATTRIBUTION_WORKLOADS if w not in REAL_WORKLOADS)
 """The workloads of small models (seconds each; ``persample bench --no-real``)."""
 WORKLOADS = SMALL_WORKLOADS + REAL_WORKLOADS
