@@ -133,3 +133,16 @@ def test_bench_gram_workload(tmp_path):
     for m in report["methods"]:
         assert m["status"] != "ok" or (m["agrees"] and m["max_abs_diff"] < 1e-4), m
     assert by_name["persample"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("workload", ["deep-mlp-project", "gpt2-project"])
+def test_bench_projection_workloads(tmp_path, workload):
+    """The per-sample gradients projected by every gradients method then proj.project,
+    and by GradientProjector: the same (B, 1024) map, agreeing with the loop's."""
+    figures = bench(tmp_path, "--workload", workload, "--batch", "3", "--no-memory")
+    (report,) = figures["workloads"]
+    assert report["result_shape"] == [3, 1024]
+    by_name = {m["method"]: m for m in report["methods"]}
+    assert by_name["persample"]["status"] == "ok" and by_name["persample"]["agrees"]
+    for m in report["methods"]:
+        assert m["status"] != "ok" or m["agrees"], m

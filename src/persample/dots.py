@@ -171,7 +171,7 @@ def _rules_dots(model: nn.Module, side: tuple, second: tuple | None, loss_fn: Ca
                         total += cross_inner(u, v).to(dtype)
             else:
                 rest.append(p)
-    for group in _groups(rest, a.n + (0 if b is a else b.n)):
+    for group in parameter_groups(rest, a.n + (0 if b is a else b.n)):
         ga = a.grads(group)
         gb = ga if b is a else b.grads(group)
         for pid, g in ga.items():
@@ -189,7 +189,7 @@ def _factors_cheaper(fa: list, fb: list, n: int, m: int, p: nn.Parameter) -> boo
     return by_factors < by_forming
 
 
-def _groups(params: list[nn.Parameter], samples: int) -> list[list[nn.Parameter]]:
+def parameter_groups(params: list[nn.Parameter], samples: int) -> list[list[nn.Parameter]]:
     """Consecutive parameters whose per-sample gradients for ``samples`` rows fit in
     :data:`GROUP_BYTES` (a larger one alone)."""
     groups: list[list[nn.Parameter]] = []

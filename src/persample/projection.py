@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .dots import CapturedBatch, _groups
+from .dots import CapturedBatch, parameter_groups
 from .errors import internal
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
@@ -222,7 +222,7 @@ class GradientProjector:
                 else:
                     rest.append(p)
         names = {id(p): n for n, p in self.params.items()}
-        for group in _groups(rest, side.n):
+        for group in parameter_groups(rest, side.n):
             for pid, g in side.grads(group).items():
                 with torch.no_grad():
                     parts[names[pid]] = self._project_one(names[pid], g)

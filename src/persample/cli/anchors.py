@@ -721,6 +721,43 @@ def gram_case(w: Workload) -> Case:
     ])
 
 
+PROJECTED_DIM = 1024
+"""The projected dimensions of the ``-project`` workloads."""
+
+
+def project_case(w: Workload, dim: int = PROJECTED_DIM) -> Case:
+    """Per-sample gradients projected to ``dim`` numbers (``(B, dim)``, LoGra's Kronecker
+    map of :class:`persample.GradientProjector`): each gradients method followed by
+    ``proj.project``, and the projector itself, which forms no gradient where an op
+    has factors.
+
+    Example:
+        >>> from persample.cli.workloads import attribution_workload
+        >>> project_case(attribution_workload("deep-mlp-project", 2), 64).result_shape
+        (2, 64)
+    """
+    from ..projection import GradientProjector
+
+    grads = grads_case(w)
+    by_name = {m.name: m for m in grads.methods}
+    proj = GradientProjector(w.model, dim, seed=0)
+
+    def projected(method: Method, name: str | None = None) -> Method:
+        if method.fn is None:
+            return method
+        return Method(name or method.name, lambda buf: proj.project(method.fn(None)),
+                      method.note)
+
+    return Case(w, "plain backward", grads.base, (w.n, proj.dim), "loop",
+                lambda: proj.project(by_name["loop"].fn(None)), [
+        projected(by_name["loop"]),
+        projected(by_name["torch.func vmap"]),
+        projected(by_name["Opacus hooks"]),
+        projected(by_name["persample"], "persample per_sample_grads, then project"),
+        Method("persample", lambda _: proj(w.inputs, w.targets, w.loss_fn), ours=True),
+    ])
+
+
 def grad_gram(grads: Mapping[str, Tensor]) -> Tensor:
     """``(B, B)`` inner products of per-sample gradients ``{name: (B, ...)}``, summed
     per parameter (no concatenation).

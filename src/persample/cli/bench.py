@@ -573,7 +573,8 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
     if name == "cnn-norms":
         return anchors.norms_case(dp_workload(name, batch, size, device).to(device))
     if name in ATTRIBUTION_WORKLOADS:
-        return anchors.gram_case(attribution_workload(name, batch, size, device).to(device))
+        w = attribution_workload(name, batch, size, device).to(device)
+        return anchors.gram_case(w) if name.endswith("-gram") else anchors.project_case(w)
     if name in DP_WORKLOADS:
         w = dp_workload(name, batch, size, device).to(device)
         return anchors.under_autocast(anchors.dp_step_case(w, only))

@@ -617,7 +617,9 @@ def dp_workload(name: str, batch: int | None = None, size: str = "full",
 def attribution_workload(name: str, batch: int | None = None, size: str = "full",
                          device: torch.device | str = "cpu") -> Workload:
     """``X-gram``: the ``(B, B)`` Gram matrix of the per-sample gradients of the
-    workload ``X-grads`` (TracIn's inner products); ``deep-mlp-gram`` at B = 100.
+    workload ``X-grads`` (TracIn's inner products), at B = 100 unless ``batch``;
+    ``X-project``: those gradients projected to 1,024 numbers each (LoGra's Kronecker
+    map), at ``X-grads``' own batch size.
 
     Raises:
         ValueError: an unknown name.
@@ -628,12 +630,16 @@ def attribution_workload(name: str, batch: int | None = None, size: str = "full"
     """
     if name not in ATTRIBUTION_WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {ATTRIBUTION_WORKLOADS}")
-    w = grads_workload(name.replace("-gram", "-grads"), batch or 100, size, device)
-    what = "the (B, B) Gram matrix of the per-sample gradients"
+    if name.endswith("-gram"):
+        w = grads_workload(name.replace("-gram", "-grads"), batch or 100, size, device)
+        what = "the (B, B) Gram matrix of the per-sample gradients"
+    else:
+        w = grads_workload(name.replace("-project", "-grads"), batch, size, device)
+        what = "the per-sample gradients projected to 1024 numbers (Kronecker)"
     return replace(w, name=name, description=f"{w.description}; {what}")
 
 
-ATTRIBUTION_WORKLOADS = ("deep-mlp-gram", "cnn-gram")
+ATTRIBUTION_WORKLOADS = ("deep-mlp-gram", "cnn-gram", "deep-mlp-project", "gpt2-project")
 BF16_DP_WORKLOADS = ("gpt2-768-bf16-dp-step",)
 REAL_DP_WORKLOADS = tuple(name.replace("-grads", "-dp-step") for name in REAL_GRAD_WORKLOADS
                           ) + BF16_DP_WORKLOADS
