@@ -142,3 +142,19 @@ def test_poisson_batches_rejects_bad_input():
         next(poisson_batches((torch.zeros(3), torch.zeros(4)), 0.5))
     with pytest.raises(ValueError, match="must be a tensor"):
         next(poisson_batches([], 0.5))
+
+
+def test_empty_batch_of_a_mapping_collator_has_zero_rows():
+    """A collator returning a UserDict (as a tokenizer's BatchEncoding is): the empty
+    batch is a dict of 0-row tensors, not the one example collated."""
+    from collections import UserDict
+
+    examples = [{"input_ids": torch.arange(4) + i, "labels": torch.tensor(i)} for i in range(3)]
+
+    def collate(batch):
+        return UserDict({k: torch.stack([b[k] for b in batch]) for k in batch[0]})
+
+    empty = EmptySafeCollate(examples, collate)([])
+    assert isinstance(empty, dict)
+    assert empty["input_ids"].shape == (0, 4) and empty["labels"].shape == (0,)
+    assert EmptySafeCollate(examples, collate)(examples[:2])["input_ids"].shape == (2, 4)

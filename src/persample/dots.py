@@ -32,7 +32,7 @@ from .methods import Taken, answer
 from .norms import use_factors
 from .precision import accumulate_dtype, cast, without_autocast
 from .reference import loop_per_sample_grads
-from .rules.ghost import cross_cost, cross_inner, forming_cost
+from .rules.ghost import cross_inner, forming_cost
 from .vmap import vmap_per_sample_grads
 
 GROUP_BYTES = 1 << 28
@@ -182,11 +182,16 @@ def _rules_dots(model: nn.Module, side: tuple, second: tuple | None, loss_fn: Ca
 def _factors_cheaper(fa: list, fb: list, n: int, m: int, p: nn.Parameter) -> bool:
     """Multiply-adds of the factors' cross products against forming both sides'
     gradients and multiplying them."""
-    rows = p.shape[0] if p.dim() else 1
-    cols = p.numel() // max(rows, 1)
-    by_factors = n * m * sum(cross_cost(u, v) for u in fa for v in fb)
+    rows, cols = matrix_shape(p)
+    by_factors = n * m * sum(u.cost(v) for u in fa for v in fb)  # cross_inner's
     by_forming = n * forming_cost(fa, rows) + m * forming_cost(fb, rows) + n * m * rows * cols
     return by_factors < by_forming
+
+
+def matrix_shape(p: Tensor) -> tuple[int, int]:
+    """A parameter as a matrix: its first dim by the rest (a 1-d one as a column)."""
+    rows = p.shape[0] if p.dim() else 1
+    return rows, p.numel() // max(rows, 1)
 
 
 def parameter_groups(params: list[nn.Parameter], samples: int) -> list[list[nn.Parameter]]:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .dots import CapturedBatch, parameter_groups
+from .dots import CapturedBatch, matrix_shape, parameter_groups
 from .errors import internal
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
@@ -95,7 +95,7 @@ class GradientProjector:
         self.model, self.kind, self.seed = model, kind, int(seed)
         self.index = {name: k for k, name in enumerate(self.params)}
         if kind == "kronecker":
-            self.dims = _split(dim, {n: _matrix_shape(p) for n, p in self.params.items()})
+            self.dims = _split(dim, {n: matrix_shape(p) for n, p in self.params.items()})
             self.dim = sum(a * b for a, b in self.dims.values())
         else:
             self.dims, self.dim = {}, dim
@@ -108,7 +108,7 @@ class GradientProjector:
         key = (name, dtype)
         if key not in self._kron:
             p = self.params[name]
-            rows, cols = _matrix_shape(p)
+            rows, cols = matrix_shape(p)
             d_out, d_in = self.dims[name]
             gen = _generator(p.device, self.seed, self.index[name], 0)
             # drawn in float32 whatever the dtype: the same matrices for every precision
@@ -227,12 +227,6 @@ class GradientProjector:
                 with torch.no_grad():
                     parts[names[pid]] = self._project_one(names[pid], g)
         return self._joined([parts[n].to(dtype) for n in self.params])
-
-
-def _matrix_shape(p: Tensor) -> tuple[int, int]:
-    """A parameter as a matrix: its first dim by the rest (a 1-d one as a column)."""
-    rows = p.shape[0] if p.dim() else 1
-    return rows, p.numel() // max(rows, 1)
 
 
 def _split(dim: int, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:

@@ -25,7 +25,7 @@ from .engine import capture_backprops, loss_backprops, write_per_sample
 from .errors import REFUSALS, InternalError, internal
 from .inputs import Batch, as_batch, samples_of
 from .plan import Path
-from .precision import autocast_state
+from .precision import autocast_state, without_autocast
 from .reference import loop_per_sample_grads
 from .rules import find_rule
 from .rules.recurrent import training_dropout
@@ -374,7 +374,7 @@ def _rounding_note(model, part, targets, loss_fn, method, loss_reduction, bad: l
         to64 = partial(tree_map, lambda t: t.double() if isinstance(t, Tensor)
                        and t.is_floating_point() else t)
         part64 = dataclasses.replace(part, args=to64(part.args), kwargs=to64(part.kwargs))
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        with without_autocast():
             fast, _ = grads_taken(wide, part64, to64(targets), loss_fn, method=method,
                                   loss_reduction=loss_reduction)
             slow = loop_per_sample_grads(wide, part64, to64(targets), loss_fn)

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._rss import reset_peak_rss, status_kib
+
 
 @dataclass
 class AttributeConfig:
@@ -50,28 +52,6 @@ class AttributeConfig:
     plot: str | None = None
 
 
-def _reset_peak() -> bool:
-    """Reset the process's peak RSS (Linux: ``/proc/self/clear_refs``)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_mb() -> float | None:
-    """The peak RSS since the last reset, in MB (Linux), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 class _Phase:
     """Times a phase and reads its peak RSS."""
 
@@ -79,13 +59,14 @@ class _Phase:
         self.name, self.figures = name, figures
 
     def __enter__(self):
-        self.measured = _reset_peak()
+        self.measured = reset_peak_rss()
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         seconds = time.perf_counter() - self.start
-        peak = _peak_mb() if self.measured else None
+        peak_kib = status_kib("VmHWM") if self.measured else None
+        peak = None if peak_kib is None else peak_kib / 1024
         self.figures[self.name] = {"seconds": seconds, "peak_rss_mb": peak}
 
 

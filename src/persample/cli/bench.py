@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from ..api import aligned_empty
 from . import anchors
+from ._rss import reset_peak_rss, status_kib
 from .anchors import Case, Method, as_flat
 from .real_models import NotInstalled
 from .workloads import (
@@ -706,28 +707,6 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
 # --- peak memory on the CPU: one call in a fresh process ----------------------------------
 
 
-def _status_kib(field_name: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), or None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the peak RSS (``VmHWM``) to the current RSS (Linux >= 4.0); False if not."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _maxrss_bytes() -> int:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024
@@ -775,11 +754,11 @@ def memory_probe(workload: str, method: str, batch: int | None, threads: int,
             raise SystemExit(f"{workload} has no runnable method {method!r}")
         fn = lambda: found[0].fn(buf)  # noqa: E731
     gc.collect()
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     before_bytes = before * 1024 if before is not None else _maxrss_bytes()
-    reset = _reset_peak_rss() and before is not None
+    reset = reset_peak_rss() and before is not None
     result = fn()
-    peak_kib = _status_kib("VmHWM") if reset else None
+    peak_kib = status_kib("VmHWM") if reset else None
     peak = peak_kib * 1024 if peak_kib is not None else _maxrss_bytes()
     del result
     return {"workload": workload, "method": method, "rss_before_mb": before_bytes / MB,

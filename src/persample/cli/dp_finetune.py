@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data import ByteTokenizer, docstring_batch
+from ._rss import reset_peak_rss, status_kib
 from .real_models import causal_lm_loss, gpt2, with_lora
 
 
@@ -96,22 +97,8 @@ def perplexity(model: nn.Module, inputs: dict[str, Tensor], labels: Tensor,
 
 
 def _rss_mb(field_name: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) / 1e3
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS (Linux)
-    except OSError:
-        pass
+    kib = status_kib(field_name)
+    return None if kib is None else kib / 1e3
 
 
 def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
@@ -146,7 +133,7 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
                        generator=torch.Generator().manual_seed(cfg.seed + 1)) if private else None
     accountant = PrivacyAccountant()
     times, rss_before = [], _rss_mb("VmRSS")
-    _reset_peak()
+    reset_peak_rss()
     for logical in sampler:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)

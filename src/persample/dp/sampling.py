@@ -20,7 +20,7 @@ batches exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -213,8 +213,9 @@ class EmptySafeCollate:
     """A ``collate_fn`` that turns an empty batch into empty tensors of the right shape.
 
     Non-empty batches go to ``collate_fn`` (default ``default_collate``). An empty
-    one collates ``dataset[0]`` and keeps 0 rows of every tensor in the result,
-    so the model sees ``(0, *sample_shape)`` with the right dtype.
+    one collates ``dataset[0]`` and keeps 0 rows of every tensor in the result (a
+    mapping such as a tokenizer's ``BatchEncoding`` comes back as a ``dict``), so the
+    model sees ``(0, *sample_shape)`` with the right dtype.
 
     Args:
         dataset: the dataset being loaded (indexed once, at the first empty batch).
@@ -237,6 +238,8 @@ class EmptySafeCollate:
             return self.collate_fn(batch)
         if self._empty is None:
             one = self.collate_fn([self.dataset[0]])
+            if isinstance(one, Mapping) and not isinstance(one, dict):
+                one = dict(one)  # a BatchEncoding (a UserDict) is no pytree node: open it
             self._empty = tree_map(
                 lambda t: t[:0] if isinstance(t, Tensor) else t, one)
         return self._empty

@@ -33,7 +33,7 @@ import transformers
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
-from ..dp import PoissonBatchSampler, PrivateStep, noise_multiplier_for
+from ..dp import EmptySafeCollate, PoissonBatchSampler, PrivateStep, noise_multiplier_for
 
 PRIVACY_STATE = "privacy_state.pt"
 """The file in each checkpoint folder that holds the accountant's steps (resuming needs it)."""
@@ -261,27 +261,6 @@ class _MicroBatches(Sampler[list[int]]):
                 yield indices[k * n // self.parts : (k + 1) * n // self.parts]
 
 
-class _EmptyAware:
-    """The Trainer's collator, and for an empty micro-batch (Poisson sampling draws
-    them) the collated first example cut to 0 rows, so that every process steps alike."""
-
-    def __init__(self, collate: Callable[[list], Any], dataset: Any):
-        self.collate, self.dataset = collate, dataset
-
-    def __call__(self, examples: list) -> Any:
-        if examples:
-            return self.collate(examples)
-        one = self.collate([self.dataset[0]])
-        empty = {}
-        for key, value in dict(one).items():
-            if not isinstance(value, Tensor):
-                raise TypeError(f"the collator returned {key!r} as a {type(value).__name__}, "
-                                "not a tensor: PrivateTrainer needs a batch of tensors with "
-                                "the samples in dim 0 (an empty micro-batch keeps 0 rows)")
-            empty[key] = value[:0]
-        return empty
-
-
 # ---------------------------------------------------------------------------
 
 class PrivateTrainer(transformers.Trainer):
@@ -426,7 +405,7 @@ class PrivateTrainer(transformers.Trainer):
                    else math.ceil(args.num_train_epochs * steps_per_epoch))
         self.private_step = self._make_step(q, expected, planned)
         return DataLoader(dataset, batch_sampler=_MicroBatches(logical, parts),
-                          collate_fn=_EmptyAware(collate, dataset),
+                          collate_fn=EmptySafeCollate(dataset, collate),
                           num_workers=args.dataloader_num_workers,
                           pin_memory=args.dataloader_pin_memory)
 

@@ -121,11 +121,16 @@ def ghost_cost(uses: list[Factors]) -> int:
     return sum(a.cost(uses[j]) for k, a in enumerate(uses) for j in range(k, len(uses)))
 
 
+def forming_cost(uses: list[Factors], rows: int) -> int:
+    """Multiply-adds per sample of forming ``sum_k G_k`` of ``(rows, c)``."""
+    c = uses[0].right.shape[2]
+    return rows * c * sum(1 if u.ids else u.positions for u in uses)
+
+
 def materialise_cost(uses: list[Factors], rows: int) -> int:
     """Multiply-adds (and writes) per sample of forming ``sum_k G_k`` of ``(rows, c)``
     and squaring it."""
-    c = uses[0].right.shape[2]
-    return rows * c * (1 + sum(1 if u.ids else u.positions for u in uses))
+    return forming_cost(uses, rows) + rows * uses[0].right.shape[2]
 
 
 def cross_inner(a: Factors, b: Factors) -> Tensor:
@@ -171,14 +176,3 @@ def _cross_left(a: Factors, b: Factors, start: int, stop: int) -> Tensor:
         return la[:, :, b.left.reshape(-1)].view(k, ta, m, tb)
     r = la.shape[2]
     return (la.reshape(-1, r) @ b.left.reshape(m * tb, r).T).view(k, ta, m, tb)
-
-
-def cross_cost(a: Factors, b: Factors) -> int:
-    """Multiply-adds per pair of samples of :func:`cross_inner`."""
-    return a.cost(b)
-
-
-def forming_cost(uses: list[Factors], rows: int) -> int:
-    """Multiply-adds per sample of forming ``sum_k G_k`` of ``(rows, c)``."""
-    c = uses[0].right.shape[2]
-    return rows * c * sum(1 if u.ids else u.positions for u in uses)
