@@ -125,11 +125,34 @@ def test_jl_preserves_norms():
     assert ((squares / g.square().sum(1) - 1).abs() < 0.1).all()
 
 
+def test_kronecker_sides_kept_whole_are_exact():
+    """A side kept whole is the identity: a bias is projected exactly (not scaled by one
+    random number, whose square would have variance 2), a small parameter kept whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    x, y = torch.randn(7, 6, dtype=torch.float64), torch.randint(0, 2, (7,))
+    proj = GradientProjector(model, 40, seed=3)
+    assert proj.dims["2.bias"] == (2, 1) and proj.dims["2.weight"] == (2, 5)
+    p_out, p_in = proj.kronecker_factors("2.bias", torch.float64)
+    eye = lambda n: torch.eye(n, dtype=torch.float64)  # noqa: E731
+    assert torch.equal(p_out, eye(2)) and torch.equal(p_in, eye(1))
+    grads = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    z, at = proj(x, y, nn.CrossEntropyLoss()), 0
+    for name in proj.params:  # the blocks of z, in the parameters' order
+        d = proj.dims[name][0] * proj.dims[name][1]
+        if name.startswith("2."):  # kept whole: the gradient itself
+            torch.testing.assert_close(z[:, at:at + d], grads[name].flatten(1), rtol=1e-12,
+                                       atol=1e-14)
+        at += d
+
+
 def test_split_and_bad_arguments():
     model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 3))
     proj = GradientProjector(model, 50)  # equal shares from the smallest; the rest passes on
-    assert proj.dims["1.bias"] == (3, 1) and proj.dims["1.weight"] == (3, 7)  # 23: 3 x 7
-    assert proj.dim == 50 and proj.dims["0.weight"][0] * proj.dims["0.weight"][1] == 26
+    # 1.bias whole (3 of 16); 1.weight's 23 as 3 x 7 (rows whole); 0.weight's 26 as 3 x 8
+    # (columns whole: less spread than 5 x 5); the 2 left over fit no pair with less spread
+    assert proj.dims == {"0.weight": (3, 8), "1.weight": (3, 7), "1.bias": (3, 1)}
+    assert proj.dim == 48
     assert GradientProjector(model, 24, params=["1.weight"]).dims == {"1.weight": (3, 8)}
     with pytest.raises(ValueError, match="kind must be one of"):
         GradientProjector(model, 10, kind="sparse")

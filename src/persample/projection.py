@@ -10,12 +10,14 @@ needs only the projected backprops ``P_out^T g_t`` and activations ``P_in^T a_t`
 
 - ``kind="kronecker"``: every parameter seen as a matrix ``(rows, cols)`` (its first
   dim by the rest) gets ``P_out (rows, d_out)`` and ``P_in (cols, d_in)`` with
-  Gaussian entries of variance ``1/d_out`` and ``1/d_in``; ``dim`` is split across the
-  parameters (equal shares, capped by each one's size; :attr:`GradientProjector.dims`
-  says the split). Where an op gives the parameter's per-sample gradient as factors
-  (linear maps at ``T`` positions, table lookups: ``rules.ghost``), the projection is
-  ``sum_t (P_out^T L_t) (P_in^T R_t)^T`` from them; elsewhere from the per-sample
-  gradients, a few parameters at a time.
+  Gaussian entries of variance ``1/d_out`` and ``1/d_in`` (the identity for a side kept
+  whole: a bias's ``P_in``, a small parameter's both); ``dim`` is split across the
+  parameters in equal shares, capped by each one's size, and each share taken as the
+  pair ``d_out * d_in`` near its square root
+  (:attr:`GradientProjector.dims` says the split). Where an op gives the parameter's
+  per-sample gradient as factors (linear maps at ``T`` positions, table lookups:
+  ``rules.ghost``), the projection is ``sum_t (P_out^T L_t) (P_in^T R_t)^T`` from
+  them; elsewhere from the per-sample gradients, a few parameters at a time.
 - ``kind="gaussian"`` / ``"rademacher"``: one dense matrix ``(P, dim)`` over all the
   parameters (entries ``N(0, 1/dim)`` or ``+-1/sqrt(dim)``), never stored whole: each
   parameter's block of rows is drawn in chunks from ``(seed, parameter, chunk)``
@@ -111,11 +113,8 @@ class GradientProjector:
             rows, cols = matrix_shape(p)
             d_out, d_in = self.dims[name]
             gen = _generator(p.device, self.seed, self.index[name], 0)
-            # drawn in float32 whatever the dtype: the same matrices for every precision
-            p_out = torch.randn(rows, d_out, generator=gen, device=p.device)
-            p_in = torch.randn(cols, d_in, generator=gen, device=p.device)
-            self._kron[key] = ((p_out / math.sqrt(max(d_out, 1))).to(dtype),
-                               (p_in / math.sqrt(max(d_in, 1))).to(dtype))
+            self._kron[key] = (_side(rows, d_out, gen, p.device).to(dtype),
+                               _side(cols, d_in, gen, p.device).to(dtype))
         return self._kron[key]
 
     def _dense_rows(self, name: str, dtype: torch.dtype) -> Iterable[tuple[int, Tensor]]:
@@ -231,9 +230,13 @@ class GradientProjector:
 
 def _split(dim: int, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """``{name: (d_out, d_in)}``: from the smallest parameter up, an equal share of what
-    is left (capped at the parameter's size), as the largest ``d_out * d_in`` within it
-    (``d_out <= rows``, ``d_in <= cols``); what a share could not use passes on, and the
-    largest parameter takes the rest."""
+    is left (capped at the parameter's size), as :func:`_factor`'s pair within it; what
+    a share could not use passes on, and the largest parameter takes the rest.
+
+    Example:
+        >>> _split(100, {"bias": (8, 1), "weight": (300, 300)})
+        {'bias': (8, 1), 'weight': (9, 10)}
+    """
     dims, left = {}, dim
     order = sorted(shapes, key=lambda n: shapes[n][0] * shapes[n][1])
     for k, name in enumerate(order):
@@ -252,17 +255,42 @@ def _split(dim: int, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int,
 
 
 def _factor(share: int, rows: int, cols: int) -> tuple[int, int]:
-    """The ``(d_out, d_in)`` with ``d_out * d_in <= share`` largest, then most balanced
-    relative to ``(rows, cols)``; ``(0, 0)`` for a share of 0."""
+    """The ``(d_out, d_in)`` with ``d_out * d_in <= share`` (``d_out <= rows``,
+    ``d_in <= cols``) whose projection of a rank-one gradient ``u v^T`` varies least:
+    ``||P_out^T u||^2 ||P_in^T v||^2 / (||u||^2 ||v||^2)`` is a product of independent
+    ``chi^2_d / d`` (exactly 1 for a side kept whole), of relative variance
+    ``(1 + 2/d_out)(1 + 2/d_in) - 1``, so the pair is near ``sqrt(share)`` each (not
+    ``(share, 1)``, which keeps one direction of the activations); ties to the larger
+    product. ``(0, 0)`` for a share of 0.
+
+    Example:
+        >>> _factor(79, 50257, 768), _factor(79, 30, 1)
+        ((7, 11), (30, 1))
+    """
     if share == 0:
         return 0, 0
-    best = (0, 0, 0.0)
+    best, best_key = (0, 0), None
     for d_out in range(1, min(rows, share) + 1):
         d_in = min(cols, share // d_out)
-        balance = -abs(math.log(d_out / rows) - math.log(d_in / cols))
-        if (d_out * d_in, balance) > (best[0] * best[1], best[2]):
-            best = (d_out, d_in, balance)
-    return best[0], best[1]
+        key = (_spread(d_out, rows) * _spread(d_in, cols), -d_out * d_in)
+        if best_key is None or key < best_key:
+            best, best_key = (d_out, d_in), key
+    return best
+
+
+def _side(size: int, d: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """One side of a Kronecker map, ``(size, d)``: the identity where ``d = size`` (that
+    side kept whole, exactly), else Gaussian entries of variance ``1/d``, drawn in float32
+    whatever the dtype (the same matrix for every precision)."""
+    if d == size:
+        return torch.eye(size, device=device)
+    return torch.randn(size, d, generator=gen, device=device) / math.sqrt(max(d, 1))
+
+
+def _spread(d: int, size: int) -> float:
+    """``E[X^2]`` of ``X = ||P^T u||^2 / ||u||^2`` for one side ``P (size, d)`` of the map:
+    ``1 + 2/d`` for Gaussian ``P``, 1 for the identity (``d = size``)."""
+    return 1.0 if d == size else 1 + 2 / d
 
 
 def _generator(device: torch.device, seed: int, parameter: int, chunk: int) -> torch.Generator:

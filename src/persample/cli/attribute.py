@@ -6,11 +6,12 @@ two ways:
 
 - self-influence, TracIn over checkpoints (Pruthi et al. 2020): ``sum_c lr |g_i|^2``
   at the checkpoints ``c`` (:func:`persample.per_sample_grad_norms`);
-- TRAK-style influence on a clean validation set (Park et al. 2023, one model, no
-  ensemble): ``phi_i = P g_i`` the projected gradients
-  (:class:`persample.GradientProjector`), and the influence of training sample ``i``
-  on the validation loss ``sum_j phi_j^T (Phi^T Phi + lambda I)^-1 phi_i``; a
-  harmful sample (negative influence) is flagged.
+- TRAK-style influence on a clean validation set (Park et al. 2023): ``phi_i = P g_i``
+  the projected gradients (:class:`persample.GradientProjector`), and the influence
+  of training sample ``i`` on the validation loss
+  ``sum_j phi_j^T (Phi^T Phi + lambda I)^-1 phi_i``, summed over TRAK's ensemble: the
+  same checkpoints, each with its own projection; a harmful sample (negative
+  influence) is flagged.
 
 Each score's AUC of finding the flipped labels (scikit-learn's ``roc_auc_score``), the
 time and peak RSS of each phase, and the same projections by materialising the
@@ -42,7 +43,7 @@ class AttributeConfig:
     checkpoints: int = 3  # the last epochs whose end is a TracIn checkpoint
     lr: float = 0.1
     batch_size: int = 50
-    dim: int = 256  # projected dimensions (below the training samples: a ridge regression)
+    dim: int = 128  # projected dimensions (below the training samples: a ridge regression)
     kind: str = "kronecker"
     ridge: float = 0.1  # lambda, relative to the mean diagonal of Phi^T Phi
     chunk: int = 250  # samples per per-sample call
@@ -53,7 +54,8 @@ class AttributeConfig:
 
 
 class _Phase:
-    """Times a phase and reads its peak RSS."""
+    """Times a phase and reads its peak RSS (a phase entered again: the seconds added,
+    the larger peak)."""
 
     def __init__(self, name: str, figures: dict):
         self.name, self.figures = name, figures
@@ -67,6 +69,11 @@ class _Phase:
         seconds = time.perf_counter() - self.start
         peak_kib = status_kib("VmHWM") if self.measured else None
         peak = None if peak_kib is None else peak_kib / 1024
+        before = self.figures.get(self.name)  # a phase run again (per checkpoint) adds up
+        if before is not None:
+            seconds += before["seconds"]
+            peak = max((p for p in (peak, before["peak_rss_mb"]) if p is not None),
+                       default=None)
         self.figures[self.name] = {"seconds": seconds, "peak_rss_mb": peak}
 
 
@@ -132,19 +139,22 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
                                for xb, yb in _chunks(x, y, cfg.chunk)])
             self_influence += cfg.lr * norms.square()
     others = _dattri_self_influence(model, checkpoints, x, y, cfg, phases)
-    model.load_state_dict(final)
 
-    proj = persample.GradientProjector(model, cfg.dim, kind=cfg.kind, seed=cfg.seed)
-    phi_val = torch.cat([proj(xb, yb, loss_fn) for xb, yb in _chunks(x_val, y_val,
-                                                                     cfg.chunk)])
-    with _Phase(f"training set projected ({cfg.kind}, GradientProjector)", phases):
-        phi = torch.cat([proj(xb, yb, loss_fn) for xb, yb in _chunks(x, y, cfg.chunk)])
-    with _Phase("training set projected (per_sample_grads, then project)", phases):
-        phi_m = torch.cat([proj.project(persample.per_sample_grads(model, xb, yb, loss_fn))
-                           for xb, yb in _chunks(x, y, cfg.chunk)])
-    same = (phi - phi_m).abs().max().item() / phi_m.abs().max().item()
-    with _Phase("TRAK-style influence (ridge solve)", phases):
-        influence = _trak(phi.double(), phi_val.double(), cfg.ridge)
+    influence, same = torch.zeros(len(y), dtype=torch.float64), 0.0
+    for c, state in enumerate(checkpoints):  # TRAK's ensemble: a projection per checkpoint
+        model.load_state_dict(state)
+        proj = persample.GradientProjector(model, cfg.dim, kind=cfg.kind, seed=cfg.seed + c)
+        phi_val = torch.cat([proj(xb, yb, loss_fn) for xb, yb in _chunks(x_val, y_val,
+                                                                         cfg.chunk)])
+        with _Phase(f"training set projected ({cfg.kind}, GradientProjector)", phases):
+            phi = torch.cat([proj(xb, yb, loss_fn) for xb, yb in _chunks(x, y, cfg.chunk)])
+        with _Phase("training set projected (per_sample_grads, then project)", phases):
+            phi_m = torch.cat([proj.project(persample.per_sample_grads(model, xb, yb, loss_fn))
+                               for xb, yb in _chunks(x, y, cfg.chunk)])
+        same = max(same, (phi - phi_m).abs().max().item() / phi_m.abs().max().item())
+        with _Phase("TRAK-style influence (ridge solve)", phases):
+            influence += _trak(phi.double(), phi_val.double(), cfg.ridge)
+    model.load_state_dict(final)
 
     labels = flipped.numpy()
     auc = {"self-influence (TracIn)": float(roc_auc_score(labels, self_influence.numpy())),
