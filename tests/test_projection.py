@@ -144,6 +144,15 @@ def test_kronecker_sides_kept_whole_are_exact():
             torch.testing.assert_close(z[:, at:at + d], grads[name].flatten(1), rtol=1e-12,
                                        atol=1e-14)
         at += d
+    # every parameter whole (dim = all entries): the gradients themselves, through the
+    # factors of the embedding's ids and the linear map's positions
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2)).double()
+    ids, y = torch.randint(0, 5, (4, 6)), torch.randn(4, 6, 2, dtype=torch.float64)
+    proj = GradientProjector(model, 3 * 5 + 2 * 3 + 2)
+    assert all(proj.dims[n] == dots_module.matrix_shape(p) for n, p in proj.params.items())
+    want = torch.cat([g.flatten(1) for g in loop_per_sample_grads(
+        model, ids, y, nn.MSELoss()).values()], dim=1)
+    torch.testing.assert_close(proj(ids, y, nn.MSELoss()), want, rtol=1e-12, atol=1e-14)
 
 
 def test_split_and_bad_arguments():

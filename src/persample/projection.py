@@ -106,15 +106,24 @@ class GradientProjector:
     # -- the maps ---------------------------------------------------------------------
 
     def kronecker_factors(self, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``(P_out (rows, d_out), P_in (cols, d_in))`` of parameter ``name``."""
+        """``(P_out (rows, d_out), P_in (cols, d_in))`` of parameter ``name`` (a side kept
+        whole is the identity)."""
+        rows, cols = matrix_shape(self.params[name])
+        p_out, p_in = self._sides(name, dtype)
+        eye = lambda n: torch.eye(n, dtype=dtype, device=self.params[name].device)  # noqa: E731
+        return (eye(rows) if p_out is None else p_out), (eye(cols) if p_in is None else p_in)
+
+    def _sides(self, name: str, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+        """:meth:`kronecker_factors` with ``None`` for a side kept whole (never formed: a
+        bias of 50,000 entries would make a 10 GB identity)."""
         key = (name, dtype)
         if key not in self._kron:
             p = self.params[name]
             rows, cols = matrix_shape(p)
             d_out, d_in = self.dims[name]
             gen = _generator(p.device, self.seed, self.index[name], 0)
-            self._kron[key] = (_side(rows, d_out, gen, p.device).to(dtype),
-                               _side(cols, d_in, gen, p.device).to(dtype))
+            self._kron[key] = (_side(rows, d_out, gen, p.device, dtype),
+                               _side(cols, d_in, gen, p.device, dtype))
         return self._kron[key]
 
     def _dense_rows(self, name: str, dtype: torch.dtype) -> Iterable[tuple[int, Tensor]]:
@@ -134,9 +143,13 @@ class GradientProjector:
     def _project_one(self, name: str, g: Tensor) -> Tensor:
         """One parameter's per-sample gradients ``(n, numel)`` projected: ``(n, d)``."""
         if self.kind == "kronecker":
-            p_out, p_in = self.kronecker_factors(name, g.dtype)
-            m = g.view(g.shape[0], p_out.shape[0], p_in.shape[0])
-            return torch.einsum("nrc,rd,ce->nde", m, p_out, p_in).flatten(1)
+            p_out, p_in = self._sides(name, g.dtype)
+            m = g.view(g.shape[0], *matrix_shape(self.params[name]))  # (n, rows, cols)
+            if p_in is not None:
+                m = m @ p_in  # (n, rows, d_in)
+            if p_out is not None:
+                m = p_out.T @ m  # (n, d_out, d_in)
+            return m.flatten(1)
         out = g.new_zeros(g.shape[0], self.dim)
         for start, block in self._dense_rows(name, g.dtype):
             out.addmm_(g[:, start : start + block.shape[0]], block)
@@ -144,11 +157,14 @@ class GradientProjector:
 
     def _project_factors(self, name: str, uses: list[Factors], dtype: torch.dtype) -> Tensor:
         """``sum_uses sum_t (P_out^T L_t) (P_in^T R_t)^T`` per sample: ``(n, d_out d_in)``."""
-        p_out, p_in = self.kronecker_factors(name, dtype)
+        p_out, p_in = self._sides(name, dtype)
+        if p_out is None and any(u.ids for u in uses):
+            p_out = self.kronecker_factors(name, dtype)[0]  # ids gather rows: a small table
         total = None
         for u in uses:
-            left = p_out[u.left] if u.ids else u.left @ p_out  # (n, t, d_out)
-            term = torch.bmm(left.transpose(1, 2), u.right @ p_in).flatten(1)
+            left = u.left if p_out is None else p_out[u.left] if u.ids else u.left @ p_out
+            right = u.right if p_in is None else u.right @ p_in  # (n, t, d_in)
+            term = torch.bmm(left.transpose(1, 2), right).flatten(1)  # left: (n, t, d_out)
             total = term if total is None else total + term
         return total
 
@@ -278,13 +294,14 @@ def _factor(share: int, rows: int, cols: int) -> tuple[int, int]:
     return best
 
 
-def _side(size: int, d: int, gen: torch.Generator, device: torch.device) -> Tensor:
-    """One side of a Kronecker map, ``(size, d)``: the identity where ``d = size`` (that
-    side kept whole, exactly), else Gaussian entries of variance ``1/d``, drawn in float32
-    whatever the dtype (the same matrix for every precision)."""
+def _side(size: int, d: int, gen: torch.Generator, device: torch.device,
+          dtype: torch.dtype) -> Tensor | None:
+    """One side of a Kronecker map, ``(size, d)``: ``None`` for the identity where
+    ``d = size`` (that side kept whole, exactly), else Gaussian entries of variance
+    ``1/d``, drawn in float32 whatever the dtype (the same matrix for every precision)."""
     if d == size:
-        return torch.eye(size, device=device)
-    return torch.randn(size, d, generator=gen, device=device) / math.sqrt(max(d, 1))
+        return None
+    return (torch.randn(size, d, generator=gen, device=device) / math.sqrt(max(d, 1))).to(dtype)
 
 
 def _spread(d: int, size: int) -> float:
