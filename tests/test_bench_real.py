@@ -47,6 +47,8 @@ MUST_AGREE = {
     "llama-lora-dp-step": {"loop + clipping", "torch.func vmap + clipping", "Opacus hooks",
                            "Opacus ghost clipping", "persample"},
     "gpt2-768-bf16-dp-step": {"loop + clipping", "torch.func vmap + clipping", "persample"},
+    "gpt2-768-project": {"loop", "torch.func vmap", "persample per_sample_grads, then project",
+                         "persample"},
 }
 
 
@@ -252,20 +254,26 @@ def test_workload_groups_and_sizes():
     assert WORKLOADS == SMALL_WORKLOADS + REAL_WORKLOADS
     assert REAL_WORKLOADS == ("gpt2-768-grads", "gpt2-768-dp-step", "bert-lora-grads",
                               "bert-lora-dp-step", "llama-lora-grads", "llama-lora-dp-step",
-                              "gpt2-768-bf16-dp-step")
+                              "gpt2-768-bf16-dp-step", "gpt2-768-project")
     with pytest.raises(ValueError, match="one size"):
         bench.build_case("cnn-grads", 2, "cpu", size="tiny")
     with pytest.raises(ValueError, match="unknown size"):
         real_workload("gpt2-768-grads", size="small")
 
 
-@pytest.mark.parametrize(("name", "built"), [("llama-lora-grads", ["loop", "persample"]),
-                                           ("llama-lora-dp-step", ["persample"])])
-def test_a_memory_probe_builds_only_its_row(name, built):
+@pytest.mark.parametrize(("name", "only", "built"), [
+    ("llama-lora-grads", "persample", ["loop", "persample"]),
+    ("llama-lora-dp-step", "persample", ["persample"]),
+    ("gpt2-768-project", "persample", ["loop", "persample per_sample_grads, then project",
+                                       "persample"]),
+    ("gpt2-768-project", "torch.func vmap", ["loop", "torch.func vmap",
+                                             "persample per_sample_grads, then project",
+                                             "persample"])])
+def test_a_memory_probe_builds_only_its_row(name, only, built):
     """The rows no probe asked for are not built (no model copies, no Opacus), except
     the loop and persample's rows of a gradients case, which build nothing."""
-    case = bench.build_case(name, None, "cpu", size="tiny", only="persample")
+    case = bench.build_case(name, None, "cpu", size="tiny", only=only)
     assert [m.name for m in case.methods if m.fn is not None] == built
     for m in case.methods:
         if m.fn is None:
-            assert m.note == "not built: only 'persample' was asked for", m
+            assert m.note.startswith("not built: only "), m

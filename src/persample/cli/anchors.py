@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 
 from ..api import param_jacobian, per_sample_grads
 from ..reference import loop_param_jacobian, loop_per_sample_grads
-from .workloads import DP_MAX_GRAD_NORM, Workload
+from .workloads import DP_MAX_GRAD_NORM, PROJECTED_DIM, Workload
 
 MEMORY_LIMIT_BYTES = 8e9  # a method estimated to need more is skipped with a note (CPU)
 GPU_MEMORY_SHARE = 0.8  # on a GPU, the limit is this share of its memory
@@ -689,10 +689,11 @@ def norms_case(w: Workload) -> Case:
     ])
 
 
-def gram_case(w: Workload) -> Case:
+def gram_case(w: Workload, only: str | None = None) -> Case:
     """The ``(B, B)`` Gram matrix of per-sample gradients (TracIn's inner products):
     each gradients method followed by ``G @ G.T``, and persample's
     ``per_sample_grad_dots``, which forms no gradient where a rule has factors.
+    ``only``: build that row's gradients method only, for a memory probe.
 
     Example:
         >>> from persample.cli.workloads import attribution_workload
@@ -701,7 +702,7 @@ def gram_case(w: Workload) -> Case:
     """
     from ..dots import per_sample_grad_dots
 
-    grads = grads_case(w)
+    grads = grads_case(w, _gradients_row(only))
     by_name = {m.name: m for m in grads.methods}
 
     def gram_of(method: Method, name: str | None = None) -> Method:
@@ -721,15 +722,11 @@ def gram_case(w: Workload) -> Case:
     ])
 
 
-PROJECTED_DIM = 1024
-"""The projected dimensions of the ``-project`` workloads."""
-
-
-def project_case(w: Workload, dim: int = PROJECTED_DIM) -> Case:
+def project_case(w: Workload, dim: int = PROJECTED_DIM, only: str | None = None) -> Case:
     """Per-sample gradients projected to ``dim`` numbers (``(B, dim)``, LoGra's Kronecker
     map of :class:`persample.GradientProjector`): each gradients method followed by
     ``proj.project``, and the projector itself, which forms no gradient where an op
-    has factors.
+    has factors. ``only``: build that row's gradients method only, for a memory probe.
 
     Example:
         >>> from persample.cli.workloads import attribution_workload
@@ -738,7 +735,7 @@ def project_case(w: Workload, dim: int = PROJECTED_DIM) -> Case:
     """
     from ..projection import GradientProjector
 
-    grads = grads_case(w)
+    grads = grads_case(w, _gradients_row(only))
     by_name = {m.name: m for m in grads.methods}
     proj = GradientProjector(w.model, dim, seed=0)
 
@@ -756,6 +753,12 @@ def project_case(w: Workload, dim: int = PROJECTED_DIM) -> Case:
         projected(by_name["persample"], "persample per_sample_grads, then project"),
         Method("persample", lambda _: proj(w.inputs, w.targets, w.loss_fn), ours=True),
     ])
+
+
+def _gradients_row(only: str | None) -> str | None:
+    """The per-sample gradients row an attribution row (``only``, for a memory probe)
+    is built on: the same name, or persample's for its own rows."""
+    return "persample" if only is not None and only.startswith("persample") else only
 
 
 def grad_gram(grads: Mapping[str, Tensor]) -> Tensor:

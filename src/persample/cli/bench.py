@@ -55,6 +55,7 @@ from .workloads import (
     dp_workload,
     grads_workload,
     jacobian_workload,
+    projected_dim,
 )
 
 AGREE_TOLERANCE = 1e-4  # max |diff| <= this * max(1, max |reference|): the result agrees
@@ -575,7 +576,9 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
         return anchors.norms_case(dp_workload(name, batch, size, device).to(device))
     if name in ATTRIBUTION_WORKLOADS:
         w = attribution_workload(name, batch, size, device).to(device)
-        return anchors.gram_case(w) if name.endswith("-gram") else anchors.project_case(w)
+        if name.endswith("-gram"):
+            return anchors.gram_case(w, only)
+        return anchors.project_case(w, projected_dim(name), only)
     if name in DP_WORKLOADS:
         w = dp_workload(name, batch, size, device).to(device)
         return anchors.under_autocast(anchors.dp_step_case(w, only))

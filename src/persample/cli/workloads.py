@@ -614,12 +614,28 @@ def dp_workload(name: str, batch: int | None = None, size: str = "full",
     return replace(w, name=name, description=f"{w.description}; {what}")
 
 
+PROJECTED_DIM = 1024
+"""The projected dimensions of the ``-project`` workloads of small models."""
+REAL_PROJECTED_DIM = 4096
+"""... and of the real-size ones (LoGra's 64 x 64 per layer)."""
+
+
+def projected_dim(name: str) -> int:
+    """The projected dimensions of the workload ``name``.
+
+    Example:
+        >>> projected_dim("gpt2-project"), projected_dim("gpt2-768-project")
+        (1024, 4096)
+    """
+    return REAL_PROJECTED_DIM if name in REAL_WORKLOADS else PROJECTED_DIM
+
+
 def attribution_workload(name: str, batch: int | None = None, size: str = "full",
                          device: torch.device | str = "cpu") -> Workload:
     """``X-gram``: the ``(B, B)`` Gram matrix of the per-sample gradients of the
     workload ``X-grads`` (TracIn's inner products), at B = 100 unless ``batch``;
-    ``X-project``: those gradients projected to 1,024 numbers each (LoGra's Kronecker
-    map), at ``X-grads``' own batch size.
+    ``X-project``: those gradients projected to :func:`projected_dim` numbers each
+    (LoGra's Kronecker map), at ``X-grads``' own batch size (and ``size``, ``device``).
 
     Raises:
         ValueError: an unknown name.
@@ -635,16 +651,18 @@ def attribution_workload(name: str, batch: int | None = None, size: str = "full"
         what = "the (B, B) Gram matrix of the per-sample gradients"
     else:
         w = grads_workload(name.replace("-project", "-grads"), batch, size, device)
-        what = "the per-sample gradients projected to 1024 numbers (Kronecker)"
+        what = f"the per-sample gradients projected to {projected_dim(name)} numbers (Kronecker)"
     return replace(w, name=name, description=f"{w.description}; {what}")
 
 
-ATTRIBUTION_WORKLOADS = ("deep-mlp-gram", "cnn-gram", "deep-mlp-project", "gpt2-project")
+REAL_ATTRIBUTION_WORKLOADS = ("gpt2-768-project",)
+ATTRIBUTION_WORKLOADS = ("deep-mlp-gram", "cnn-gram", "deep-mlp-project", "gpt2-project"
+                         ) + REAL_ATTRIBUTION_WORKLOADS
 BF16_DP_WORKLOADS = ("gpt2-768-bf16-dp-step",)
 REAL_DP_WORKLOADS = tuple(name.replace("-grads", "-dp-step") for name in REAL_GRAD_WORKLOADS
                           ) + BF16_DP_WORKLOADS
 REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS) for w in pair
-                       ) + BF16_DP_WORKLOADS
+                       ) + BF16_DP_WORKLOADS + REAL_ATTRIBUTION_WORKLOADS
 """The real-size transformers with their real vocabularies (``persample bench --real``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
                   "gpt2-grads") + REAL_GRAD_WORKLOADS
