@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacfwd, jacrev, vmap
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..api import param_jacobian, per_sample_grads
 from ..reference import loop_param_jacobian, loop_per_sample_grads
@@ -712,7 +712,8 @@ def gram_case(w: Workload, only: str | None = None) -> Case:
                       method.note)
 
     return Case(w, "plain backward", grads.base, (w.n, w.n), "loop",
-                lambda: grad_gram(by_name["loop"].fn(None)), [
+                lambda: grad_gram(by_name["loop"].fn(None)), floor_label=BACKPROPS_FLOOR,
+                floor=backprops(w), methods=[
         gram_of(by_name["loop"]),
         gram_of(by_name["torch.func vmap"]),
         gram_of(by_name["Opacus hooks"]),
@@ -746,13 +747,46 @@ def project_case(w: Workload, dim: int = PROJECTED_DIM, only: str | None = None)
                       method.note)
 
     return Case(w, "plain backward", grads.base, (w.n, proj.dim), "loop",
-                lambda: proj.project(by_name["loop"].fn(None)), [
+                lambda: proj.project(by_name["loop"].fn(None)), floor_label=BACKPROPS_FLOOR,
+                floor=backprops(w), methods=[
         projected(by_name["loop"]),
         projected(by_name["torch.func vmap"]),
         projected(by_name["Opacus hooks"]),
         projected(by_name["persample"], "persample per_sample_grads, then project"),
         Method("persample", lambda _: proj(w.inputs, w.targets, w.loss_fn), ours=True),
     ])
+
+
+BACKPROPS_FLOOR = "forward + backprops"
+
+
+def backprops(w: Workload) -> Callable[[], object]:
+    """The forward and the backprops every per-sample method needs, and nothing else: the
+    loss's gradient with respect to the output of every module that holds a trained
+    parameter (``torch.autograd.grad`` with those outputs as ``inputs``, so no parameter's
+    gradient is formed). What a method that never forms the gradients (the Gram, the
+    projections from factors) costs at least.
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> backprops(grads_workload("deep-mlp-grads", 2))() is None
+        True
+    """
+    owners = [m for m in w.model.modules()
+              if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    def run() -> None:
+        outputs: list[Tensor] = []
+        keep = lambda module, args, out: outputs.extend(  # noqa: E731
+            t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad)
+        handles = [m.register_forward_hook(keep) for m in owners]
+        try:
+            loss = scalar_loss(w.loss_fn(w.call(), w.targets))
+        finally:
+            for h in handles:
+                h.remove()
+        torch.autograd.grad(loss, outputs, allow_unused=True)
+    return run
 
 
 def _gradients_row(only: str | None) -> str | None:
