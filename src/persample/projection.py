@@ -106,8 +106,31 @@ class GradientProjector:
     # -- the maps ---------------------------------------------------------------------
 
     def kronecker_factors(self, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``(P_out (rows, d_out), P_in (cols, d_in))`` of parameter ``name`` (a side kept
-        whole is the identity)."""
+        """The Kronecker map of parameter ``name``: its per-sample gradient, as a matrix
+        ``G (rows, cols)`` (the first dim by the rest), is projected to
+        ``P_out^T G P_in (d_out, d_in)``, flattened into its block of ``proj.dim``.
+
+        Args:
+            name: a projected parameter's name (a key of ``proj.params``).
+            dtype: the dtype of the matrices returned (drawn in float32 whatever it is).
+
+        Returns:
+            ``(P_out (rows, d_out), P_in (cols, d_in))`` on the parameter's device:
+            Gaussian entries of variance ``1/d``, or the identity for a side kept whole
+            (``d = rows`` or ``d = cols``; ``(d_out, d_in) = proj.dims[name]``).
+
+        Raises:
+            KeyError: ``name`` is not projected; ValueError for a dense ``kind``.
+
+        Example:
+            >>> from torch import nn
+            >>> proj = GradientProjector(nn.Linear(300, 10), 60)
+            >>> p_out, p_in = proj.kronecker_factors("weight", torch.float32)
+            >>> proj.dims["weight"], p_out.shape, p_in.shape, torch.equal(p_out, torch.eye(10))
+            ((10, 5), torch.Size([10, 10]), torch.Size([300, 5]), True)
+        """
+        if self.kind != "kronecker":
+            raise ValueError(f"kronecker_factors: this projector's kind is {self.kind!r}")
         rows, cols = matrix_shape(self.params[name])
         p_out, p_in = self._sides(name, dtype)
         eye = lambda n: torch.eye(n, dtype=dtype, device=self.params[name].device)  # noqa: E731
