@@ -181,13 +181,16 @@ class GradientProjector:
     def _project_factors(self, name: str, uses: list[Factors], dtype: torch.dtype) -> Tensor:
         """``sum_uses sum_t (P_out^T L_t) (P_in^T R_t)^T`` per sample: ``(n, d_out d_in)``."""
         p_out, p_in = self._sides(name, dtype)
-        if p_out is None and any(u.ids for u in uses):
-            p_out = self.kronecker_factors(name, dtype)[0]  # ids gather rows: a small table
         total = None
         for u in uses:
-            left = u.left if p_out is None else p_out[u.left] if u.ids else u.left @ p_out
             right = u.right if p_in is None else u.right @ p_in  # (n, t, d_in)
-            term = torch.bmm(left.transpose(1, 2), right).flatten(1)  # left: (n, t, d_out)
+            if u.ids and p_out is None:  # rows kept whole: each position's row, added
+                n, t, d_in = right.shape
+                term = right.new_zeros(n, self.dims[name][0], d_in).scatter_add_(
+                    1, u.left.unsqueeze(-1).expand(n, t, d_in), right).flatten(1)
+            else:
+                left = u.left if p_out is None else p_out[u.left] if u.ids else u.left @ p_out
+                term = torch.bmm(left.transpose(1, 2), right).flatten(1)  # (n, t, d_out)^T
             total = term if total is None else total + term
         return total
 
