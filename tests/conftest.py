@@ -150,6 +150,27 @@ class ModelState:
 
 
 @pytest.fixture
+def patch_spec(monkeypatch):
+    """``patch_spec(func, **changes)`` replaces the spec of the op ``func`` (for every
+    function it covers) by a copy with ``changes`` (``grad=spy``, ``norm=None``...) for
+    the test; returns the spec it replaced."""
+    import dataclasses
+
+    from persample.rules import spec as table
+
+    def patch(func, **changes):
+        old = table.SPECS[func]
+        new = dataclasses.replace(old, **changes)
+        for f in old.funcs:
+            monkeypatch.setitem(table.SPECS, f, new)
+            if new.expand is not None:
+                monkeypatch.setitem(table.EXPANSIONS, f, new.expand)
+        return old
+
+    return patch
+
+
+@pytest.fixture
 def snapshot():
     """``snapshot(model)`` -> a :class:`ModelState` with ``assert_unchanged()``."""
     return ModelState

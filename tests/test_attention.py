@@ -9,22 +9,22 @@ import torch.nn.functional as F
 
 import persample
 from cases import BY_ID, assert_grads_equal, build
-from persample.rules import registry
+from persample.rules import spec_of
 
 
 @pytest.mark.parametrize("case_id", ["mha-sequence-first-3d-mask-bias-kv",
                                      "transformer-decoder-layer-sequence-first",
                                      "mha-per-head-weights-bool-mask-eval-dropout"])
-def test_attention_runs_as_its_ops(case_id, monkeypatch):
+def test_attention_runs_as_its_ops(case_id, patch_spec):
     expanded = []
-    real = registry.EXPANSIONS[F.multi_head_attention_forward]
+    real = spec_of(F.multi_head_attention_forward).expand
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         expanded.append(out is not NotImplemented)
         return out
 
-    monkeypatch.setitem(registry.EXPANSIONS, F.multi_head_attention_forward, spy)
+    patch_spec(F.multi_head_attention_forward, expand=spy)
     c = BY_ID[case_id]
     model, inputs, targets = build(c)
     loss_fn = c["loss_fn"]("mean")

@@ -269,26 +269,31 @@ FAULT_MODELS = {
 }
 
 
-def _tables() -> dict[str, dict]:
-    """Every registry of persample's own code, by name."""
+def _tables() -> dict[str, tuple[dict, str | None]]:
+    """Every registry of persample's own code, by name: ``(table, field)``, the function
+    being the entry itself (``field`` ``None``) or that field of it (a spec's)."""
     from persample.batch import flow
-    from persample.rules import registry
+    from persample.rules import spec
 
-    return {"data-flow handler": flow.HANDLERS, **registry.TABLES}
+    return {"data-flow handler": (flow.HANDLERS, None), "op rule": (spec.SPECS, "grad"),
+            "norm rule": (spec.SPECS, "norm"), "weighted-sum rule": (spec.SPECS, "sum"),
+            "factor rule": (spec.SPECS, "factors"), "expansion": (spec.EXPANSIONS, None),
+            "module rule": (spec.MODULE_SPECS, "grad"),
+            "module norm rule": (spec.MODULE_SPECS, "norm")}
 
 
-def _fn_of(entry):
-    return entry.fn if dataclasses.is_dataclass(entry) else entry
+def _fn_of(entry, field: str | None):
+    return entry if field is None else getattr(entry, field)
 
 
-def _with_fn(entry, fn):
-    return dataclasses.replace(entry, fn=fn) if dataclasses.is_dataclass(entry) else fn
+def _with_fn(entry, field: str | None, fn):
+    return fn if field is None else dataclasses.replace(entry, **{field: fn})
 
 
 def _used(run: Callable[[], None]) -> list[tuple[str, Callable]]:
     """The (table, function) pairs that ``run`` calls."""
     used: dict[tuple[str, int], tuple[str, Callable]] = {}
-    saved = {name: dict(table) for name, table in _tables().items()}
+    saved = {name: dict(table) for name, (table, _) in _tables().items()}
 
     def spy(kind: str, fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
@@ -297,15 +302,23 @@ def _used(run: Callable[[], None]) -> list[tuple[str, Callable]]:
         return wrapper
 
     try:
-        for kind, table in _tables().items():
+        for kind, (table, field) in _tables().items():
             for key, entry in list(table.items()):
-                table[key] = _with_fn(entry, spy(kind, _fn_of(entry)))
+                fn = _fn_of(entry, field)
+                if fn is not None:
+                    table[key] = _with_fn(entry, field, spy(kind, fn))
         run()
     finally:
-        for kind, table in _tables().items():
+        for kind, (table, _) in _tables().items():
             table.clear()
             table.update(saved[kind])
     return list(used.values())
+
+
+def _linear_rule() -> Callable:
+    from persample.rules import spec_of
+
+    return spec_of(F.linear).grad
 
 
 class _Injected(Exception):
@@ -314,7 +327,7 @@ class _Injected(Exception):
 
 def _inject(kind: str, fn: Callable):
     """A context in which every entry of ``kind`` calling ``fn`` raises."""
-    table = _tables()[kind]
+    table, field = _tables()[kind]
 
     def boom(*args, **kwargs):
         raise _Injected(f"fault injected into {fn.__name__}")
@@ -323,8 +336,8 @@ def _inject(kind: str, fn: Callable):
         def __enter__(self):
             self.saved = dict(table)
             for key, entry in table.items():
-                if _fn_of(entry) is fn:
-                    table[key] = _with_fn(entry, boom)
+                if _fn_of(entry, field) is fn:
+                    table[key] = _with_fn(entry, field, boom)
 
         def __exit__(self, *exc):
             table.clear()
@@ -408,7 +421,7 @@ def test_a_fault_in_persample_is_answered_by_the_next_method(name, kind, fn, sna
 
 
 def test_the_rules_method_raises_persamples_bug_as_such():
-    with _inject("op rule", _fn_of(__import__("persample").rules.registry.OP_RULES[F.linear])):
+    with _inject("op rule", _linear_rule()):
         with pytest.raises(InternalError, match="bug in persample") as err:
             per_sample_grads(Images(), torch.randn(B, 1, 6, 6), torch.randint(0, 3, (B,)),
                              nn.CrossEntropyLoss(), method="rules")
@@ -452,7 +465,7 @@ def test_the_users_loss_errors_propagate_unchanged():
 
 
 def test_verify_reports_the_path_the_call_took():
-    with _inject("op rule", _fn_of(__import__("persample").rules.registry.OP_RULES[F.linear])):
+    with _inject("op rule", _linear_rule()):
         with pytest.warns(UserWarning, match="bug"):
             report = persample.verify(Images(), torch.randn(B, 1, 6, 6),
                                       torch.randint(0, 3, (B,)), nn.CrossEntropyLoss())

@@ -10,6 +10,7 @@ one and zero; nothing left on the model.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 import persample
 import persample.norms as norms_module
+import persample.rules as rules
 from cases import (
     BY_ID,
     CASE_IDS,
@@ -33,7 +35,7 @@ from cases import (
     randn,
 )
 from persample import loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
-from persample.rules.linear import ghost_norm
+from persample.rules.outer import ghost_norm
 
 REDUCTIONS = ["mean", "sum"]
 METHODS = ["rules", "auto", "vmap", "loop"]
@@ -63,7 +65,7 @@ class Paths:
 
     ``ghost``: ids of parameters whose op norm rule returned squared norms (the rule gets
     and returns the parameters themselves);
-    ``declined``: whose norm rule returned ``None``; ``materialised``: whose per-sample
+    ``declined``: whose norm rule declined; ``materialised``: whose per-sample
     gradients were computed. A module took a path if its weight did.
     """
 
@@ -71,25 +73,29 @@ class Paths:
         self.ghost: set[int] = set()
         self.declined: set[int] = set()
         self.materialised: set[int] = set()
-        find, write = norms_module.find_op_norm, norms_module.write_per_sample
+        write = norms_module.write_per_sample
+        table = rules.spec.SPECS
 
-        def spy_find(func):
-            norm = find(func)
-            if norm is None:
-                return None
-
-            def spied(call, g, wanted):
-                got = norm(call, g, wanted)
-                (self.declined if got is None else self.ghost).update(id(t) for t in wanted)
+        def spied(norm):
+            def spy(call, g, wanted):
+                try:
+                    got = norm(call, g, wanted)
+                except rules.Decline:
+                    self.declined.update(id(t) for t in wanted)
+                    raise
+                self.ghost.update(id(t) for t in wanted)
                 return got
 
-            return spied
+            return spy
+
+        for func, spec in list(table.items()):
+            if spec.norm is not None:
+                monkeypatch.setitem(table, func, dataclasses.replace(spec, norm=spied(spec.norm)))
 
         def spy_write(cap, dest, *args):
             self.materialised.update(dest)
             return write(cap, dest, *args)
 
-        monkeypatch.setattr(norms_module, "find_op_norm", spy_find)
         monkeypatch.setattr(norms_module, "write_per_sample", spy_write)
 
     def took_ghost(self, module: nn.Module) -> bool:

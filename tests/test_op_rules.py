@@ -8,42 +8,41 @@ loaded, and each case of ``cases_ops.py`` really takes its op rule.
 
 from __future__ import annotations
 
-import pkgutil
-import sys
-
 import pytest
 import torch
+import torch.nn.functional as F
 
 import persample
 import persample.rules as rules
 from cases import as_tuple, assert_grads_equal, build
 from cases_ops import OP_CASES
 from persample.batch.flow import HANDLERS, name_of
-from persample.rules import registry
+from persample.batch.forms import forms
+from persample.rules.spec import SPECS, OpSpec, register, unregister
 
 
 def test_every_op_with_a_rule_has_a_data_flow_handler():
     """Without one the capture gives the op's output an unknown layout, and the rule never
     runs (the parameter would quietly take a slower path)."""
-    assert [name_of(f) for f in registry.OP_RULES if f not in HANDLERS] == []
-    for kind, table in registry.OP_TABLES.items():
-        assert [name_of(f) for f in table if f not in registry.OP_RULES] == [], kind
-    registry.check_tables()
+    assert [name_of(f) for f, spec in SPECS.items() if spec.grad and f not in HANDLERS] == []
 
 
-def test_the_check_names_an_op_rule_without_a_handler(monkeypatch):
-    def lonely(x):
-        return x
+def test_each_function_has_one_spec_covering_every_form_of_its_ops():
+    for f, spec in SPECS.items():
+        assert f in spec.funcs
+        for op in spec.ops:
+            assert set(forms(op)) <= set(spec.funcs), name_of(op)
+    assert SPECS[torch.Tensor.__rmul__] is SPECS[torch.mul] is SPECS[torch.multiply]
+    assert SPECS[torch.Tensor.__isub__] is SPECS[torch.sub] is not SPECS[torch.add]
 
-    monkeypatch.setitem(registry.OP_RULES, lonely, lambda call, g, out: None)
-    with pytest.raises(AssertionError, match="lonely.*flow=handler"):
-        registry.check_tables()
 
-
-def test_the_check_names_a_norm_rule_without_an_op_rule(monkeypatch):
-    monkeypatch.setitem(registry.OP_NORMS, torch.cumsum, lambda call, g, wanted: None)
-    with pytest.raises(AssertionError, match="norm rules of ops without an op rule.*cumsum"):
-        registry.check_tables()
+def test_forms_keep_only_ops_with_the_same_arguments():
+    """``torch.batch_norm`` takes ``(input, weight, bias, running_mean, ...)``, not
+    ``F.batch_norm``'s ``(input, running_mean, running_var, ...)``: another op."""
+    assert torch.batch_norm not in forms(F.batch_norm)
+    assert torch.embedding not in forms(F.embedding)  # (weight, indices)
+    assert torch.layer_norm in forms(F.layer_norm)
+    assert {torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.div_} <= set(forms(torch.div))
 
 
 def test_a_rule_without_a_data_flow_handler_is_refused_when_registered():
@@ -51,12 +50,23 @@ def test_a_rule_without_a_data_flow_handler_is_refused_when_registered():
         return x
 
     with pytest.raises(ValueError, match="unknown_op has no data-flow handler.*flow=handler"):
-        registry.register_op_rule(unknown_op)
-    assert unknown_op not in registry.OP_RULES and unknown_op not in HANDLERS
+        register(OpSpec((unknown_op,), grad=lambda call, g, out: None))
+    assert unknown_op not in SPECS and unknown_op not in HANDLERS
 
 
-def test_a_rule_declares_its_data_flow_handler_with_it():
-    """An op the data flow does not know yet is declared in one place: its rule names the
+def test_a_spec_is_refused_where_another_covers_the_op():
+    with pytest.raises(ValueError, match="already covered by the spec of"):
+        register(OpSpec((torch.Tensor.__mul__,), grad=lambda call, g, out: None))
+
+
+def test_a_norm_rule_needs_a_gradient_rule():
+    with pytest.raises(ValueError, match="norm rule but no gradient rule"):
+        register(OpSpec((torch.cumsum,), norm=lambda call, g, wanted: {}))
+    assert torch.cumsum not in SPECS
+
+
+def test_a_spec_declares_its_data_flow_handler_with_it():
+    """An op the data flow does not know yet is declared in one place: its spec names the
     handler, which lands in the data-flow table."""
 
     def new_op(x):
@@ -66,21 +76,22 @@ def test_a_rule_declares_its_data_flow_handler_with_it():
         return ctx.layout(args[0])
 
     try:
-        @registry.register_op_rule(new_op, flow=flow)
-        def rule(call, g, out):
-            return None
-
-        assert HANDLERS[new_op] is flow and registry.OP_RULES[new_op] is rule
-        registry.check_tables()
+        spec = register(OpSpec((new_op,), grad=lambda call, g, out: None, flow=flow))
+        assert HANDLERS[new_op] is flow and SPECS[new_op] is spec
     finally:
         HANDLERS.pop(new_op, None)
-        registry.OP_RULES.pop(new_op, None)
+        unregister(spec)
 
 
-def test_every_rule_file_is_loaded():
-    """A new file in ``persample/rules/`` is imported with the package: nothing to list."""
-    for found in pkgutil.iter_modules(rules.__path__):
-        assert f"persample.rules.{found.name}" in sys.modules
+def test_every_rule_family_is_listed():
+    """Each module of ``persample/rules/`` that registers specs is imported by the package,
+    listed in its ``__init__``."""
+    families = {spec.grad.__module__ if spec.grad else spec.expand.__module__
+                for spec in SPECS.values()}
+    listed = {f"persample.rules.{name}" for name in ("activation", "addcmul", "attention",
+              "conv", "elementwise", "embedding", "linear", "norm", "recurrent", "views")}
+    assert families <= listed
+    assert rules.recurrent.RECURRENT.grad.__module__ in listed
 
 
 @pytest.mark.parametrize("c", OP_CASES, ids=[c["id"] for c in OP_CASES])

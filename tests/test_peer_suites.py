@@ -492,18 +492,22 @@ EMBEDDING_NORM_CASES = [
 
 
 @pytest.fixture
-def embedding_ghosts(monkeypatch) -> list[bool]:
+def embedding_ghosts(patch_spec) -> list[bool]:
     """Wrap the norm rule of ``F.embedding``: one entry per call, whether it gave norms
-    (the ghost norm) rather than ``None`` (materialised)."""
+    (the ghost norm) rather than declining (materialised)."""
     took: list[bool] = []
-    norm = rules_module.registry.OP_NORMS[F.embedding]
+    norm = rules_module.spec_of(F.embedding).norm
 
     def spy(call, g, wanted):
-        got = norm(call, g, wanted)
-        took.append(got is not None)
+        try:
+            got = norm(call, g, wanted)
+        except rules_module.Decline:
+            took.append(False)
+            raise
+        took.append(True)
         return got
 
-    monkeypatch.setitem(rules_module.registry.OP_NORMS, F.embedding, spy)
+    patch_spec(F.embedding, norm=spy)
     return took
 
 

@@ -258,7 +258,7 @@ class TiedWithIndexing(TiedLM):
 @pytest.mark.parametrize("make,padding_idx", [(TiedLM, None), (TiedLM, 0),
                                               (TiedWithIndexing, 0)])
 def test_per_sample_grads_of_a_tied_table_add_the_lookups_in_place(make, padding_idx,
-                                                                   monkeypatch):
+                                                                   patch_spec):
     """The output layer's dense per-sample gradient is written first and the lookups add
     their rows to it (no second (B, V, D) buffer): exact against the loop, the padding
     row keeping the output layer's part."""
@@ -266,13 +266,13 @@ def test_per_sample_grads_of_a_tied_table_add_the_lookups_in_place(make, padding
 
     added = []
     for func in (F.embedding, torch.Tensor.__getitem__):
-        rule = rules.find_op_rule(func)
+        rule = rules.spec_of(func).grad
 
         def spy(call, g, out, rule=rule):
             added.append(bool(call.adding))
             return rule(call, g, out)
 
-        monkeypatch.setitem(rules.registry.OP_RULES, func, spy)
+        patch_spec(func, grad=spy)
     torch.manual_seed(0)
     model = make(padding_idx)
     ids = torch.randint(1, V, (B, T))
@@ -285,16 +285,14 @@ def test_per_sample_grads_of_a_tied_table_add_the_lookups_in_place(make, padding
 
 
 @pytest.mark.parametrize("func", [F.linear, F.embedding], ids=["output layer", "lookup"])
-def test_a_fault_in_one_use_of_a_tied_table_leaves_the_clipped_sums_exact(func, monkeypatch):
+def test_a_fault_in_one_use_of_a_tied_table_leaves_the_clipped_sums_exact(func, patch_spec):
     """A weighted-sum rule failing after (output layer) or before (lookup) the tied
     table's other use was added: the uses left come from each op's own backward, or the
     whole parameter from per-sample gradients; a warning names persample's bug."""
-    from persample import rules
-
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setitem(rules.registry.OP_SUMS, func, broken)
+    patch_spec(func, sum=broken)
     model, ids, _, _ = _case(TiedLM)
     _, want = _by_hand(model, ids, ids, _lm_loss, c=0.05)
     with pytest.warns(UserWarning, match="injected"):

@@ -28,13 +28,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
 from .batch import Batched, Mixed
-from .capture import Capture
 from .checks import kept_buffers
 from .engine.backward import one_hot
 from .errors import InternalError
 from .memory import result_empty
 from .methods import Taken, leave_rules, user_stacklevel
-from .rules.registry import EXPANSIONS
+from .rules import open_capture
 
 MODES = ("auto", "reverse", "forward")
 _CHUNK_NUMBERS = 2**22  # jacobian_diagonal's default: tangents of a chunk, in numbers
@@ -278,8 +277,8 @@ def _followed_forward(model: Callable, xg: Tensor, name: bool = False
     module = model if isinstance(model, nn.Module) and name else None
     watched = {id(p): p for p in module.parameters()} if module is not None else {}
     try:
-        with torch.enable_grad(), Capture(module, watched, n, [xg], constant=_no_path_to_inputs,
-                                          expansions=EXPANSIONS) as cap:
+        with torch.enable_grad(), open_capture(module, watched, n, [xg], module_rules=False,
+                                               constant=_no_path_to_inputs) as cap:
             out = model(xg)
     except InternalError as err:  # persample's bug: the exact way that assumes nothing
         leave_rules(Taken(), err)

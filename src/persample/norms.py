@@ -28,14 +28,7 @@ from .inputs import samples_of
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast, without_autocast
 from .reference import loop_per_sample_grads
-from .rules import (
-    OpCall,
-    find_norm_rule,
-    find_op_factors,
-    find_op_norm,
-    module_front,
-    module_inputs,
-)
+from .rules import Decline, OpCall, module_front, module_inputs, spec_of
 from .rules.ghost import ghost_cost, materialise_cost, squared_norm
 from .vmap import vmap_per_sample_grads
 
@@ -63,16 +56,18 @@ def squared_norms(
             if (not pids or len(direct) != len(op.sources) or op.changed()
                     or any(sites.get(pid) != 1 for pid in pids)):
                 continue  # materialised (an input changed in place: the rules say so)
-            norm = find_op_norm(op.func)
-            if norm is None or len(op.edges) != 1:
+            spec = spec_of(op.func)
+            if spec is None or spec.norm is None or len(op.edges) != 1:
                 continue
             g, call = _backprops(captured, op)
             if g is None:
                 continue
-            found = norm(call, g, {op.leaves[k] for k in direct})  # {param: (n,)}
-            if found is not None:
-                sq.update({id(t): v for t, v in found.items()})
-                ghosted[op] = {id(t) for t in found}
+            try:
+                found = spec.norm(call, g, {op.leaves[k] for k in direct})  # {param: (n,)}
+            except Decline:
+                continue  # materialised
+            sq.update({id(t): v for t, v in found.items()})
+            ghosted[op] = {id(t) for t in found}
         _shared_norms(captured, sites, sq, ghosted)
         by_module = _module_norms(captured, sq, sites)
         rest = [p for p in params.values() if id(p) not in sq]
@@ -137,16 +132,27 @@ def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | No
             continue
         uses = []
         for op in ops:
-            rule = find_op_factors(op.func)
-            g, call = _backprops(captured, op) if rule is not None else (None, None)
-            p = captured.param(pid)
-            got = rule(call, g, {p}) if g is not None else None
-            if not got or p not in got:
+            got = _factors(captured, op, captured.param(pid))
+            if got is None:
                 break
-            uses.append(got[p])
+            uses.append(got)
         else:
             found[pid] = (ops, uses)
     return found
+
+
+def _factors(captured: Captured, op: Op, p: Tensor) -> Any:
+    """The factors of ``op``'s use of ``p`` (its factor rule), or ``None``."""
+    spec = spec_of(op.func)
+    if spec is None or spec.factors is None:
+        return None
+    g, call = _backprops(captured, op)
+    if g is None:
+        return None
+    try:
+        return spec.factors(call, g, {p}).get(p)
+    except Decline:
+        return None
 
 
 def _sites(captured: Captured) -> dict[int, int]:
@@ -169,7 +175,7 @@ def _module_norms(captured: Captured, sq: dict[int, Tensor], sites: dict[int, in
     """Norm rules of module rules (``register_norm_rule``); the calls they normed."""
     normed = []
     for call, params in captured.plan.module_jobs:
-        norm = find_norm_rule(call.rule)
+        norm = call.rule.spec.norm
         outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
         if norm is None or len(outs) != 1 or any(sites.get(id(p)) != 1
                                                   for p in params.values()):
@@ -182,11 +188,12 @@ def _module_norms(captured: Captured, sq: dict[int, Tensor], sites: dict[int, in
         dtype = accumulate_dtype(*(p.dtype for p in params.values()))
         backprops = cast(module_front(g, captured.layout(outs[0]), captured.n, 1), dtype)
         inputs = tuple(cast(x, dtype) for x in module_inputs(captured.capture, call))
-        found = norm(call.module, inputs, backprops, set(params))
-        if found is not None:
-            sq.update({id(params[name]): v for name, v in found.items()})
-            normed.append((call, e, captured.layout(outs[0]),
-                           {name: params[name] for name in found}))
+        try:
+            found = norm(call.module, inputs, backprops, set(params))
+        except Decline:
+            continue  # materialised
+        sq.update({id(params[name]): v for name, v in found.items()})
+        normed.append((call, e, captured.layout(outs[0]), {name: params[name] for name in found}))
     return normed
 
 

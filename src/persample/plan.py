@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from .batch import Batched
 from .capture import Call, Capture, Op
 from .errors import NeedsWholeModel
-from .rules import find_op_rule
+from .rules import spec_of
 
 
 @dataclass
@@ -210,6 +210,7 @@ def _paths(cap: Capture, result: Plan, reads: dict[int, list[Op]],
             result.paths[id(p)] = Path("module rule", call.describe(),
                                        f"{call.rule.base.__name__} rule")
     for op in result.uses:  # provisional: the rules as they run decide (Captured.taken)
-        kind = "rule" if find_op_rule(op.func) is not None else "op vjp"
+        spec = spec_of(op.func)
+        kind = "rule" if spec is not None and spec.grad is not None else "op vjp"
         for pid in op.sources_all - result.handled:
             result.paths.setdefault(pid, Path(kind, op.where()))

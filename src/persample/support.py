@@ -27,8 +27,7 @@ from .inputs import Batch, as_batch, samples_of
 from .plan import Path
 from .precision import autocast_state, without_autocast
 from .reference import loop_per_sample_grads
-from .rules import find_rule
-from .rules.recurrent import training_dropout
+from .rules import module_rule_of
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,11 @@ _STOCK = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.Embe
 
 def _static_route(name: str, module: nn.Module, params: tuple[str, ...]) -> Route:
     kind = type(module).__name__
-    reason = checks.mixing_reason(module) or (
-        training_dropout(module) if isinstance(module, nn.RNNBase) else None)
+    rule, _ = module_rule_of(module)
+    refusal = rule.spec.refusal if rule is not None else None
+    reason = checks.mixing_reason(module) or (refusal(module) if refusal else None)
     if reason:
         return Route(name, kind, params, "unsupported", reason)
-    rule, why = find_rule(module)
     if rule is not None:
         return Route(name, kind, params, "module rule", f"{rule.base.__name__} rule")
     forward = type(module).forward

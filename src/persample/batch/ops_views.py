@@ -25,6 +25,7 @@ from .flow import (
     name_of,
     register,
 )
+from .forms import forms
 from .layouts import SHARED, Batched, Unknown, sample_of_positions
 from .ops_elementwise import SELF_ONLY, dims_arg, self_only
 from .ops_indexing import (
@@ -139,7 +140,7 @@ def _transpose(ctx, func, args, kwargs, out) -> Any:
     return lay.moved(b if d == a else a if d == b else d)
 
 
-register(follows_partly(_transpose), *aliases("transpose", "swapaxes", "swapdims", "transpose_"))
+register(follows_partly(_transpose), *forms(torch.transpose))
 
 
 def _t(ctx, func, args, kwargs, out) -> Any:

@@ -30,7 +30,7 @@ from ..norms import squared_norms, sum_of_squares
 from ..plan import Plan
 from ..precision import LOW, cast, without_autocast
 from ..reference import loop_per_sample_grads
-from ..rules import OpCall, find_norm_rule, find_op_sum
+from ..rules import Decline, OpCall, spec_of
 from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
 from ..vmap import vmap_per_sample_grads
@@ -264,7 +264,7 @@ def _keeps_graph(plan: Plan) -> bool:
     calls a module norm rule may norm (their clipped sums come from a backward through
     the graph). Everything else is summed from the captured values, so the graph's saved
     activations are freed as the backward goes, as in a plain step."""
-    return any(find_norm_rule(call.rule) is not None for call, _ in plan.module_jobs)
+    return any(call.rule.spec.norm is not None for call, _ in plan.module_jobs)
 
 
 def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tensor]:
@@ -293,8 +293,8 @@ def _book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
             left.setdefault(pid, []).append(op)
     with without_autocast():
         for op, pids in ghosted.items():
-            summed = find_op_sum(op.func)
-            g = (captured.backprops(op.edges, op.out_layouts)[0][:, 0]  # (n, *out)
+            summed = _sum_rule(op)
+            g = (captured.backprops(op.edges, op.out_layouts)[0]  # (n, 1, *out)
                  if summed else None)
             for pid in [pid for pid in pids if pid in left]:  # one at a time: a failure
                 _add_op_sum(captured, op, pid, factors[pid], into[pid], g)  # adds nothing
@@ -321,16 +321,26 @@ def _complete(captured: Captured, ghosted: dict, left: dict[int, list],
 def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor, g: Tensor | None
                 ) -> None:
     """Add one op's share of ``sum_i c_i g_i`` of the parameter ``pid`` (clip factors
-    ``c (n,)``) into ``into``: its weighted-sum rule with the op's backprops ``g (n,
-    *out)`` (``None``: it has none), else one local backward."""
+    ``c (n,)``) into ``into``: its weighted-sum rule with the op's backprops ``g (n, 1,
+    *out)`` (``None``: it has none), else (it has none, or it declines, having added
+    nothing) one local backward."""
     p = next(t for t in op.leaves if id(t) == pid)
     if g is not None:
         dtype = _sum_dtype(g.dtype, into.dtype)
-        with torch.no_grad():
-            if find_op_sum(op.func)(OpCall(op, captured.n, dtype), cast(g, dtype), c.to(dtype),
-                                    {p: into}):
-                return
+        try:
+            with torch.no_grad():
+                _sum_rule(op)(OpCall(op, captured.n, dtype), cast(g, dtype), c.to(dtype),
+                              {p: into})
+            return
+        except Decline:
+            pass
     into.add_(_local_backward(captured, op, [p], c)[pid])
+
+
+def _sum_rule(op) -> Callable | None:
+    """The op's weighted-sum rule (``OpSpec.sum``), or ``None``."""
+    spec = spec_of(op.func)
+    return None if spec is None else spec.sum
 
 
 def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:

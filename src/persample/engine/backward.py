@@ -25,8 +25,7 @@ from ..errors import NeedsWholeModel, internal
 from ..inputs import Batch, located_of
 from ..loss import total_loss
 from ..plan import Path, Plan, edge_key, param_name, plan
-from ..rules import module_rule
-from ..rules.registry import EXPANSIONS
+from ..rules import open_capture
 from ..sharded import fsdp_units, gatherer
 from .captured import Captured
 from .pullback import write_per_sample
@@ -49,8 +48,7 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     if batch.n == 1 and not units:  # (sharded: every rank replays the same ops, below)
         return _one_sample(model, batch, root, backward, watched, v)
     with torch.enable_grad():
-        with Capture(model, watched, batch.n, batch.located, batch.shared, module_rule,
-                     expansions=EXPANSIONS) as cap:
+        with open_capture(model, watched, batch.n, batch.located, batch.shared) as cap:
             output = batch.call(model)
         value = root(output, cap)
     gather = gatherer(units)

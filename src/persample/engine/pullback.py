@@ -25,9 +25,8 @@ from ..capture import Call, Derived, Op
 from ..errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
 from ..plan import Path
 from ..precision import cast, without_autocast
-from ..rules import OpCall, Rule, find_op_rule, module_front, module_inputs, rule_adds
+from ..rules import Decline, ModuleRule, OpCall, module_front, module_inputs, spec_of
 from ..rules.calls import cast_input
-from ..rules.elementwise import ADD_OPS
 from ..rules.vjp import expand_vjp, module_vjp, op_vjp, shared_vjp
 from .captured import Captured
 
@@ -93,7 +92,7 @@ def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
             if any(id(p) in wanted for p in params.values()):
                 _module_rule(captured, call, params, sink)
         ops = captured.plan.uses if uses is None else uses
-        for op in sorted(ops, key=lambda op: rule_adds(op.func)):  # adding rules last
+        for op in sorted(ops, key=_adds):  # adding rules last
             if op.sources_all.isdisjoint(wanted):
                 continue
             if op.changed() and _needs_values(op):
@@ -114,11 +113,19 @@ def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
     sink.zero_unwritten()
 
 
+def _adds(op: Op) -> bool:
+    """Can the op's gradient rule add into what another op wrote (``OpSpec.adds``)?"""
+    spec = spec_of(op.func)
+    return spec is not None and spec.adds
+
+
 def _needs_values(op: Op) -> bool:
-    """An add (a shift) needs only the backprops; other rules read the inputs, except
-    those the op itself overwrites (the running statistics of a norm that uses the
-    input's own: a later call updating them again changes nothing the rule reads)."""
-    if op.func in ADD_OPS:
+    """A shift needs only the backprops (``OpSpec.reads_inputs``); other rules read the
+    inputs, except those the op itself overwrites (the running statistics of a norm that
+    uses the input's own: a later call updating them again changes nothing the rule
+    reads)."""
+    spec = spec_of(op.func)
+    if spec is not None and not spec.reads_inputs:
         return False
     written = {id(t) for t, _ in op.flow.writes}
     return any(t._version != v and id(t) not in written
@@ -155,18 +162,16 @@ class Pullbacks:
             if t in out:
                 continue
             direct = self._param(t) is not None and call.op.pairing(k) is None
-            if direct and rule_adds(op.func) and self.sink.holds(id(t)):
+            if direct and _adds(op) and self.sink.holds(id(t)):
                 out[t] = self.sink.dest[id(t)]  # the rule adds to what is there
                 call.adding.add(t)
                 continue
             v = self.captured.v
             found = self.sink.target(id(t), shapes[k]) if direct else None
             out[t] = found if found is not None else t.new_empty((n, v, *shapes[k]))
-        rule = find_op_rule(op.func)
         call.dtype = next(iter(out.values())).dtype  # the results' (the parameter's)
         single = [cast(c, call.dtype) for c in cots if c is not None]
-        reason = "no rule" if rule is None or len(cots) != 1 or len(single) != 1 else rule(
-            call, single[0], out)
+        reason = _run_rule(op, call, cots, single, out)
         if reason is not None and call.adding:  # declined before writing: the others write
             for t in call.adding:  # into a temporary, added below
                 out[t] = torch.empty_like(out[t])
@@ -259,6 +264,18 @@ class Pullbacks:
                 self.apply(d.op, cots, pairings, _producer_pairings(d.op, pairing, self.captured.n))
 
 
+def _run_rule(op: Op, call: OpCall, cots: list, single: list[Tensor], out: dict) -> str | None:
+    """The op's gradient rule into ``out``; the reason it declined (``None``: done)."""
+    spec = spec_of(op.func)
+    if spec is None or spec.grad is None or len(cots) != 1 or len(single) != 1:
+        return "no rule"
+    try:
+        spec.grad(call, single[0], out)
+    except Decline as why:
+        return str(why)
+    return None
+
+
 def _merge(items: list[tuple[Tensor, Batched | None]]) -> list[tuple[Tensor, Batched | None]]:
     """Sum the cotangents that share a form (own shape, or the same pairing)."""
     merged: list[tuple[Tensor, Batched | None]] = []
@@ -318,7 +335,7 @@ def _carries(op: Op, k: int, lay: Batched, want: Batched, n: int) -> bool:
 
 def _module_rule(captured: Captured, call: Call, params: dict[str, nn.Parameter],
                  sink: GradSink) -> None:
-    rule: Rule = call.rule
+    rule: ModuleRule = call.rule
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
     pairs = [(t, e) for t, e in zip(outs, call.edges) if t.requires_grad]
     backprops = []
@@ -337,7 +354,8 @@ def _module_rule(captured: Captured, call: Call, params: dict[str, nn.Parameter]
     dtype = next(iter(out.values())).dtype  # under autocast: the parameters', not the op's
     backprops = [cast(g, dtype) for g in backprops]
     inputs = tuple(cast_input(x, dtype) for x in inputs)
-    rule.fn(call.module, inputs, backprops if rule.multi_output else backprops[0], out)
+    spec = rule.spec
+    spec.grad(call.module, inputs, backprops if spec.multi_output else backprops[0], out)
     for name, p in params.items():
         sink.commit(id(p), out[name])
 

@@ -14,19 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import OpCall, register_op_rule
+from .calls import OpCall
+from .spec import Decline, OpSpec, register
 
 
-@register_op_rule(F.prelu, torch.prelu)
-def prelu(call: OpCall, g: Tensor, out: dict) -> str | None:
+def prelu(call: OpCall, g: Tensor, out: dict) -> None:
     """``out[w] (n, v, c)`` (or ``(n, v, 1)``) ``= sum g * min(0, x)`` per slope."""
     x, w = call.arg(0, "input"), call.arg(1, "weight")
-    if call.only(out, w):
-        return call.only(out, w)
+    call.only(out, w)
     if w not in out:
-        return None
+        return
     if call.shared(x) or x in out:
-        return "a shared input, or the input is a parameter"
+        raise Decline("a shared input, or the input is a parameter")
     xf = call.front(x)  # (n, *per_sample): the op's batch dim, channels at 1
     n, v = g.shape[:2]
     part = g * xf.clamp(max=0).unsqueeze(1)  # (n, v, *per_sample)
@@ -34,8 +33,10 @@ def prelu(call: OpCall, g: Tensor, out: dict) -> str | None:
     if w.numel() == 1:
         torch.sum(part.reshape(n, v, -1), dim=2, keepdim=True, out=dst.view(n, v, 1))
     elif part.dim() < 4:
-        return "per-channel slopes on an input without channels"
+        raise Decline("per-channel slopes on an input without channels")
     else:
         channels = part.movedim(3, 2).reshape(n, v, w.numel(), -1)
         torch.sum(channels, dim=3, out=dst)
-    return None
+
+
+PRELU = register(OpSpec((F.prelu,), grad=prelu))

@@ -17,17 +17,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import OpCall, register_op_rule
-from .elementwise import operand, write_reduced
+from .calls import OpCall, operand, write_reduced
+from .spec import Decline, OpSpec, register
 
 
-@register_op_rule(torch.addcmul, torch.Tensor.addcmul)
-def addcmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
+def addcmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     """``g (n, v, *s)`` -> ``out[t] (n, v, *shape)`` for the parameter inputs ``t``."""
     x, a, b = call.arg(0, "input"), call.arg(1, "tensor1"), call.arg(2, "tensor2")
     value = call.arg(3, "value", 1)
-    if len({id(x), id(a), id(b)}) < 3 or call.only(out, x, a, b):
-        return "the same tensor twice, or other inputs"  # the op's exact per-sample VJP
+    if len({id(x), id(a), id(b)}) < 3:
+        raise Decline("the same tensor twice")  # the engine takes the op's exact VJP
+    call.only(out, x, a, b)
     rank = g.dim() - 2
     wanted = [(x, lambda: g),
               (a, lambda: value * g * operand(call, b, rank)),
@@ -35,4 +35,6 @@ def addcmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
     for t, grad in wanted:
         if isinstance(t, Tensor) and t in out:
             write_reduced(call, out, t, grad())
-    return None
+
+
+ADDCMUL = register(OpSpec((torch.addcmul,), grad=addcmul))

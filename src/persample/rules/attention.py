@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import NeedsWholeModel
-from .registry import register_expansion
+from .spec import OpSpec, register
 
 
 def _mask(mask: Tensor | None, like: Tensor) -> Tensor | None:
@@ -83,7 +83,6 @@ def _attend(heads: int, q: Tensor, k: Tensor, v: Tensor, bias_k, bias_v, zero_at
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
-@register_expansion(F.multi_head_attention_forward)
 def multi_head_attention(*args, **kwargs):
     """``F.multi_head_attention_forward`` as its equations (sequence-first inputs
     ``(T, N, E)``), or ``NotImplemented`` for the cases left whole."""
@@ -118,7 +117,6 @@ def _biases(a: dict, e: int) -> list:
     return [None] * 3 if bias is None else list(bias.split(e))
 
 
-@register_expansion(torch._nested_tensor_from_mask_left_aligned)
 def nested_fast_path(src: Tensor, keep: Tensor, *args, **kwargs):
     """``nn.TransformerEncoder`` asks this before turning a padded batch into a nested
     tensor (eval mode, ``enable_nested_tensor``, a padding mask ``keep`` ``(B, T)``, True
@@ -169,3 +167,9 @@ def _fast_path_for_one(found: dict, keep: Tensor) -> bool:
     with torch._C.DisableTorchFunction():
         prefix = torch.arange(keep.shape[1], device=keep.device) < keep.sum(1, keepdim=True)
         return bool((keep == prefix).all(1).any())
+
+
+MULTI_HEAD_ATTENTION = register(OpSpec((F.multi_head_attention_forward,),
+                                       expand=multi_head_attention))
+NESTED_FAST_PATH = register(OpSpec((torch._nested_tensor_from_mask_left_aligned,),
+                                   expand=nested_fast_path))

@@ -1,5 +1,6 @@
-"""The calls rules read: one op as a rule sees it (:class:`OpCall`), and the inputs
-and backprops of a module-rule call with the samples in front (:func:`module_inputs`,
+"""The calls rules read: one op as a rule sees it (:class:`OpCall`), the operands of an
+op that broadcasts them (:func:`operand`, :func:`write_reduced`), and the inputs and
+backprops of a module-rule call with the samples in front (:func:`module_inputs`,
 :func:`module_front`), for the module rules and their norm rules."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ..batch import SHARED, Batched, Layout, front, front_cotangents
 from ..batch.layouts import in_sample_order, one_per_sample, sample_of_positions
 from ..capture import Call, Capture
 from ..precision import cast
+from .spec import Decline
 
 
 class OpCall:
@@ -60,13 +62,51 @@ class OpCall:
     def where(self) -> str:
         return self.op.where()
 
-    def only(self, out: dict, *tensors: Any) -> str | None:
-        """A reason to decline if ``out`` asks for inputs other than ``tensors`` (a
-        derived input the rule does not differentiate: the engine then does)."""
+    def only(self, out: dict, *tensors: Any) -> None:
+        """Raise :class:`~persample.rules.spec.Decline` if ``out`` asks for inputs other
+        than ``tensors`` (a derived input the rule does not differentiate: the engine
+        then does)."""
         mine = [t for t in tensors if isinstance(t, Tensor)]
-        if all(any(k is t for t in mine) for k in out):
-            return None
-        return "asked for an input the rule does not cover"
+        if not all(any(k is t for t in mine) for k in out):
+            raise Decline("asked for an input the rule does not cover")
+
+    def operands(self) -> tuple[Any, Any]:
+        """The two operands of a binary op in the op's own order (``__r*__`` methods,
+        ``w * x`` seen as ``x.__rmul__(w)``, swap them)."""
+        a, b = self.arg(0, "input"), self.arg(1, "other")
+        return (b, a) if self.func.__name__.startswith("__r") else (a, b)
+
+
+def reduce_to(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``t (n, v, *s)`` summed over the dims broadcasting gave it beyond ``shape``:
+    ``(n, v, *shape)``."""
+    extra = t.dim() - 2 - len(shape)
+    dims = list(range(2, 2 + extra)) + [
+        2 + extra + k for k, size in enumerate(shape) if size == 1 and t.shape[2 + extra + k] != 1]
+    if dims:
+        t = t.sum(dims, keepdim=True)
+    return t.reshape(*t.shape[:2], *shape)
+
+
+def target_shape(call: OpCall, p: Tensor) -> tuple[int, ...]:
+    """The shape of ``p``'s per-sample cotangent: its own, or per sample when paired."""
+    return tuple(p.shape) if call.shared(p) else tuple(call.front(p).shape[1:])
+
+
+def operand(call: OpCall, x: Any, rank: int) -> Any:
+    """``x`` broadcastable against ``g (n, v, *s)`` with ``len(s) == rank``."""
+    if not isinstance(x, Tensor):
+        return x
+    if call.shared(x):
+        return x.detach()
+    xf = call.front(x)  # (n, *per_sample)
+    return xf.view(xf.shape[0], 1, *[1] * (rank - (xf.dim() - 1)), *xf.shape[1:])
+
+
+def write_reduced(call: OpCall, out: dict, p: Tensor, value: Tensor) -> None:
+    """``value (n, v, *s)`` summed over the dims ``p`` was broadcast over, into ``p``'s
+    result (``p``'s own shape, or its per-sample shape where the op pairs it)."""
+    out[p].copy_(reduce_to(value, target_shape(call, p)))
 
 
 def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:

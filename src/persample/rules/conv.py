@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import OpCall, register_op_norm, register_op_rule, register_op_sum
-from .linear import ghost_norm, sum_outer_into
+from .calls import OpCall
+from .outer import ghost_norm, sum_outer_into
+from .spec import Decline, OpSpec, register
 
 
 def _tuple(x, d: int) -> list[int]:
@@ -165,10 +166,10 @@ def _grouped(x, g, weight_shape, stride, padding, dilation, groups) -> Tensor:
     return grad.transpose(1, 2).reshape(n, v, *weight_shape)  # (n, v, o, c/G, *k)
 
 
-def _images(call: OpCall, x: Tensor, g: Tensor, spatial: int) -> tuple[Tensor, Tensor] | None:
+def _images(call: OpCall, x: Tensor, g: Tensor, spatial: int) -> tuple[Tensor, Tensor]:
     """``x (n, a, c, *s)`` and ``g (n, v, a, o, *s')`` from the per-sample views."""
     if call.shared(x) or x.dim() != spatial + 2:
-        return None
+        raise Decline("an unbatched input")
     xf = call.front(x)  # (n, a, c, *s)
     n, v = g.shape[:2]
     return xf, g.reshape(n, v, xf.shape[1], *g.shape[3:])
@@ -219,18 +220,15 @@ _CONVS = {F.conv1d: (1, False), F.conv2d: (2, False), F.conv3d: (3, False),
           F.conv_transpose3d: (3, True)}
 
 
-@register_op_rule(*_CONVS)
-def conv(call: OpCall, g: Tensor, out: dict) -> str | None:
+def conv(call: OpCall, g: Tensor, out: dict) -> None:
     """``F.conv*d(x, W, b, stride, padding, dilation, groups)`` and
     ``F.conv_transpose*d(x, W, b, stride, padding, output_padding, groups, dilation)``:
     the weight from the folded backward, the bias ``(n, v, o)``: ``g`` summed over
     images and positions."""
     spatial, transposed = _CONVS[call.func]
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    found = _images(call, x, g, spatial)
-    if found is None or call.only(out, w, b):
-        return "an unbatched input, or the input is a parameter"
-    xf, gi = found
+    xf, gi = _images(call, x, g, spatial)
+    call.only(out, w, b)
     if w in out:
         dilation = call.arg(7, "dilation", 1) if transposed else call.arg(5, "dilation", 1)
         args = (xf, gi, w.shape, call.arg(3, "stride", 1), call.arg(4, "padding", 0),
@@ -241,10 +239,6 @@ def conv(call: OpCall, g: Tensor, out: dict) -> str | None:
             conv_weight_per_sample(*args, out[w])
     if b is not None and b in out:
         torch.sum(gi, dim=(2, *range(4, gi.dim())), out=out[b])  # (n, v, o)
-    return None
-
-
-_PLAIN_CONVS = [f for f, (_, transposed) in _CONVS.items() if not transposed]
 
 
 def _conv_args(call: OpCall) -> tuple:
@@ -253,55 +247,48 @@ def _conv_args(call: OpCall) -> tuple:
             call.arg(6, "groups", 1))
 
 
-@register_op_norm(*_PLAIN_CONVS)
-def conv_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
+def conv_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor]:
     """Squared per-sample gradient norms over the patches ("ghost norm"): a convolution
     is a linear map at every position, so the linear rule's Gram form applies with
     ``t`` positions and ``c*k`` inputs, where it is cheaper than materialising (few
     positions: resnet18's later layers at 32x32; Li et al. 2022, Bu et al. 2023)."""
     spatial = _CONVS[call.func][0]
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    found = _images(call, x, g, spatial)
     stride, padding, dilation, groups = _conv_args(call)
-    if found is None or groups != 1 or spatial > 2:
-        return None
-    xf, gi = found  # (n, a, c, *s), (n, 1, a, o, *s')
+    if groups != 1 or spatial > 2:
+        raise Decline("a grouped or 3-d convolution")
+    xf, gi = _images(call, x, g, spatial)  # (n, a, c, *s), (n, 1, a, o, *s')
     n, a, o = gi.shape[0], gi.shape[2], gi.shape[3]
     gm = gi.reshape(n, a, o, -1).transpose(2, 3).reshape(n, -1, o)  # (n, a*t, o)
     result = {}
     if w in wanted:
         t, ck = gm.shape[1], w.shape[1:].numel()
         if t > 1 and t * (ck + o) > ck * o:
-            return None  # materialising is cheaper (before unfolding anything)
+            raise Decline("materialising is cheaper")  # (before unfolding anything)
         xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
         cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
         result[w] = ghost_norm(cols.transpose(2, 3).reshape(n, -1, ck), gm)
         if result[w] is None:
-            return None
+            raise Decline("materialising is cheaper")
     if b is not None and b in wanted:
         result[b] = gm.sum(1).square().sum(1)  # (n,)
     return result
 
 
-@register_op_sum(*_PLAIN_CONVS)
-def conv_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> bool:
-    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``: the
-    ordinary weight gradient of the convolution backward over all images at once, for
-    the backprops scaled per sample."""
+def conv_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> None:
+    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, 1, *out)`` and factors ``c (n,)``:
+    the ordinary weight gradient of the convolution backward over all images at once,
+    for the backprops scaled per sample."""
     g = g * c.view(-1, *[1] * (g.dim() - 1))
-    found = _summed(call, g, set(into))
-    for pid, value in (found or {}).items():
-        into[pid].add_(value.view(into[pid].shape))
-    return found is not None
+    for t, value in _summed(call, g, set(into)).items():
+        into[t].add_(value.view(into[t].shape))
 
 
-def _summed(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
+def _summed(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor]:
+    """The summed weight and bias gradients for backprops ``g (n, 1, *out)``."""
     spatial = _CONVS[call.func][0]
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    found = _images(call, x, g.unsqueeze(1), spatial)
-    if found is None:
-        return None
-    xf, gi = found  # (n, a, c, *s), (n, 1, a, o, *s')
+    xf, gi = _images(call, x, g, spatial)  # (n, a, c, *s), (n, 1, a, o, *s')
     stride, padding, dilation, groups = _conv_args(call)
     xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
     images = gi[:, 0].flatten(0, 1)  # (n*a, o, *s')
@@ -318,3 +305,8 @@ def _summed(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor
     if b is not None and b in wanted:
         result[b] = images.sum((0, *range(2, images.dim())))
     return result
+
+
+CONV = register(OpSpec(tuple(f for f, (_, t) in _CONVS.items() if not t), grad=conv,
+                       norm=conv_norm, sum=conv_sum))
+CONV_TRANSPOSE = register(OpSpec(tuple(f for f, (_, t) in _CONVS.items() if t), grad=conv))

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import OpCall, register_op_factors, register_op_norm, register_op_rule, register_op_sum
+from .calls import OpCall
 from .ghost import Factors, inner
+from .spec import Decline, OpSpec, register
 
 
 def scatter_rows(ids: Tensor, g: Tensor, dst: Tensor, padding_idx: int | None = None,
@@ -66,74 +67,68 @@ def _ids(call: OpCall, ids: Tensor) -> Tensor:
     return front.reshape(-1) if call.shared(ids) else front.reshape(front.shape[0], -1)
 
 
-@register_op_rule(F.embedding, adds=True)
-def embedding(call: OpCall, g: Tensor, out: dict) -> str | None:
+def embedding(call: OpCall, g: Tensor, out: dict) -> None:
     """``F.embedding(ids, W, padding_idx, max_norm, norm_type, scale_grad_by_freq)``;
     ``max_norm`` renormalises ``W`` in place before the lookup and does not change the
     gradient's form."""
     ids, w = call.arg(0, "input"), call.arg(1, "weight")
-    if call.only(out, w):
-        return call.only(out, w)
+    call.only(out, w)
     if w not in out:
-        return None
+        return
     if not call.shared(w):
-        return "a table paired with the samples"
+        raise Decline("a table paired with the samples")
     padding_idx = call.arg(2, "padding_idx")
     if padding_idx is not None and padding_idx < 0:
         padding_idx += w.shape[0]
-    i = _ids(call, ids)
-    n, v = g.shape[:2]
     by_freq = bool(call.arg(5, "scale_grad_by_freq", False))
     if by_freq and w in call.adding:
-        return "scale_grad_by_freq with another contribution to add to"
+        raise Decline("scale_grad_by_freq with another contribution to add to")
+    i = _ids(call, ids)
+    n, v = g.shape[:2]
     scatter_rows(i, g.reshape(n, v, i.shape[-1], *w.shape[1:]), out[w], padding_idx,
                  by_freq, add=w in call.adding)
-    return None
 
 
-@register_op_rule(torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select,
-                  adds=True)
-def gather_rows(call: OpCall, g: Tensor, out: dict) -> str | None:
+def gather_rows(call: OpCall, g: Tensor, out: dict) -> None:
     """``table[ids]`` and ``index_select(table, 0, ids)`` with one integer id tensor on dim
     0 of a parameter: the lookup rule."""
     table = call.args[0]
-    if table not in out or not call.shared(table) or call.only(out, table):
-        return "not a parameter table indexed by ids"
-    if call.func is torch.Tensor.__getitem__:
+    if table not in out or not call.shared(table):
+        raise Decline("not a parameter table indexed by ids")
+    call.only(out, table)
+    if call.func.__name__ == "__getitem__":
         ids = call.args[1]
         if not isinstance(ids, Tensor) or ids.dtype in (torch.bool, torch.uint8):
-            return "not one integer id tensor"
+            raise Decline("not one integer id tensor")
     else:
         if call.arg(1, "dim") not in (0, -table.dim()):
-            return "index_select along another dim than 0"
+            raise Decline("index_select along another dim than 0")
         ids = call.arg(2, "index")
     i = _ids(call, ids)
     n, v = g.shape[:2]
     scatter_rows(i % table.shape[0], g.reshape(n, v, i.shape[-1], *table.shape[1:]),
                  out[table], add=table in call.adding)
-    return None
 
 
-@register_op_norm(F.embedding)
-def embedding_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict | None:
-    """``|grad_W[n]|^2 = sum_{t,s: ids_t = ids_s} g_t . g_s`` (cost ``n T^2 d``), or
-    ``None`` (materialise, ``n r d``) when the table is smaller than ``T^2``."""
+def embedding_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict:
+    """``|grad_W[n]|^2 = sum_{t,s: ids_t = ids_s} g_t . g_s`` (cost ``n T^2 d``); declines
+    (materialise, ``n r d``) when the table is smaller than ``T^2``."""
     w = call.arg(1, "weight")
     if w not in wanted:
         return {}
-    found = _lookup(call, g)
-    if found is None or found[0].shape[1] ** 2 >= w.shape[0]:
-        return None
-    one = Factors(found[0], found[1])
+    i, gt, _ = _lookup(call, g)
+    if i.shape[1] ** 2 >= w.shape[0]:
+        raise Decline("materialising is cheaper")
+    one = Factors(i, gt)
     return {w: inner(one, one)}
 
 
-def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A plain lookup's ids ``(n, t)``, backprops ``(n, t, d)`` zeroed where the id is
-    ``padding_idx``, and its table; ``None`` for shared ids or ``scale_grad_by_freq``."""
+    ``padding_idx``, and its table; declines for shared ids or ``scale_grad_by_freq``."""
     ids, w = call.arg(0, "input"), call.arg(1, "weight")
     if call.shared(ids) or not call.shared(w) or call.arg(5, "scale_grad_by_freq", False):
-        return None
+        raise Decline("shared ids, a paired table, or scale_grad_by_freq")
     i = _ids(call, ids)  # (n, t)
     gt = g.reshape(i.shape[0], i.shape[1], w.shape[1:].numel())  # (n, t, d)
     padding_idx = call.arg(2, "padding_idx")
@@ -142,29 +137,20 @@ def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     return i, gt, w
 
 
-@register_op_factors(F.embedding)
-def embedding_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict | None:
+def embedding_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict:
     """``W (r, d)``: ``L`` the one-hot rows of the ids, ``R`` the backprops."""
-    found = _lookup(call, g)
-    if found is None:
-        return None
-    i, gt, w = found
+    i, gt, w = _lookup(call, g)
     return {w: Factors(i, gt)} if w in wanted else {}
 
 
-@register_op_sum(F.embedding)
-def embedding_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> bool:
-    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``: the
-    rows of ``c g`` added at their ids (``padding_idx`` none)."""
-    found = _lookup(call, g)
-    if found is None:
-        return False
-    i, gt, w = found
+def embedding_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> None:
+    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, 1, *out)`` and factors ``c (n,)``:
+    the rows of ``c g`` added at their ids (``padding_idx`` none)."""
+    i, gt, w = _lookup(call, g)
     if w in into:
         rows = (gt * c.view(-1, 1, 1)).reshape(-1, gt.shape[2])  # (n*t, d)
         table = into[w].view(w.shape[0], -1)
         table.index_add_(0, i.reshape(-1), rows.to(table.dtype))
-    return True
 
 
 _MAX_MODE = 2  # torch.embedding_bag's code for mode="max"
@@ -212,32 +198,27 @@ def _bag_weights(a: dict, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, T
     return bag[keep], ids[keep], coef[keep], size
 
 
-def _bags_ok(call: OpCall, a: dict) -> str | None:
+def _check_bags(call: OpCall, a: dict) -> None:
     if a["scale_grad_by_freq"]:
-        return "scale_grad_by_freq=True"
+        raise Decline("scale_grad_by_freq=True")
     if call.shared(a["input"]) or not call.shared(a["weight"]):
-        return "bags shared by all samples, or a paired table"
-    return None
+        raise Decline("bags shared by all samples, or a paired table")
 
 
-@register_op_rule(F.embedding_bag)
-def embedding_bag(call: OpCall, g: Tensor, out: dict) -> str | None:
+def embedding_bag(call: OpCall, g: Tensor, out: dict) -> None:
     """``g (n, v, d)`` for the ``n`` bags (one per sample); ``out[W] (n, v, r, d)``."""
     a = _bag_args(call)
     w = a["weight"]
-    if call.only(out, w):
-        return call.only(out, w)
+    call.only(out, w)
     if w not in out:
-        return None
-    reason = _bags_ok(call, a)
-    if reason:
-        return reason
+        return
+    _check_bags(call, a)
     n, v = g.shape[:2]
     g = g.reshape(n, v, -1)
     dst = out[w]
     dst.zero_()
     if a["input"].numel() == 0:
-        return None
+        return
     bag, ids, coef, size = _bag_weights(a, n, g.dtype)
     if a["mode"] == "max":
         ids_, offsets, _, last = flat_bags(a["input"], a["offsets"], None,
@@ -246,23 +227,20 @@ def embedding_bag(call: OpCall, g: Tensor, out: dict) -> str | None:
                                      last, a["padding_idx"])[3]  # (n, d) rows
         gm = g * (size > 0).view(n, 1, 1)  # an empty bag's argmax is meaningless
         dst.scatter_add_(2, argmax.view(n, 1, 1, -1).expand(n, v, 1, -1), gm.unsqueeze(2))
-        return None
+        return
     cots = torch.arange(v, device=ids.device).view(1, v)
     values = g[bag] * coef.view(-1, 1, 1)  # (T', v, d)
     dst.index_put_((bag.view(-1, 1), cots, ids.view(-1, 1)), values, accumulate=True)
-    return None
 
 
-@register_op_norm(F.embedding_bag)
-def embedding_bag_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict | None:
+def embedding_bag_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict:
     """``|grad_W[n]|^2 = |g[n]|^2 sum_r a[n, r]^2`` (max mode: ``|g[n]|^2``), in
     ``O(T log T)`` for ``T`` positions instead of ``O(n r d)``."""
     a = _bag_args(call)
     w = a["weight"]
     if w not in wanted:
         return {}
-    if _bags_ok(call, a):
-        return None
+    _check_bags(call, a)
     n = g.shape[0]
     g2 = g.reshape(n, -1).square().sum(1)  # (n,)
     if a["input"].numel() == 0:
@@ -276,3 +254,10 @@ def embedding_bag_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict | N
         0, which, coef)
     a2 = torch.zeros_like(g2).index_add_(0, pairs // rows, weights.square())
     return {w: g2 * a2}
+
+
+EMBEDDING = register(OpSpec((F.embedding,), grad=embedding, norm=embedding_norm,
+                            sum=embedding_sum, factors=embedding_factors, adds=True))
+ROWS = register(OpSpec((torch.Tensor.__getitem__, torch.index_select), grad=gather_rows,
+                       adds=True))
+EMBEDDING_BAG = register(OpSpec((F.embedding_bag,), grad=embedding_bag, norm=embedding_bag_norm))

@@ -19,42 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import OpCall, register_op_factors, register_op_norm, register_op_rule, register_op_sum
-from .ghost import Factors, inner
-
-# Measured on a 2-core x86 CPU (persample bench): an elementwise outer product
-# writes at fill_ speed when each (sample, cotangent) block starts on a 64-byte
-# boundary, and about 1.5x slower when not; bmm with k = 1 loses less to
-# misalignment but has a high cost per block, so it only pays for big blocks.
-_BMM_MIN_BLOCK = 1 << 18
-
-
-def _cache_aligned(dst: Tensor) -> bool:
-    step = 64 // dst.element_size() or 1
-    return dst.data_ptr() % 64 == 0 and all(s % step == 0 for s in dst.stride()[:-2])
-
-
-def outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
-    """``dst[n, v] = outer(g[n, v], a[n])``; ``g (n, v, o)``, ``a (n, i)``, ``dst (n, v, o, i)``."""
-    n, v, o = g.shape
-    if v == 1 and not _cache_aligned(dst) and dst[0, 0].numel() >= _BMM_MIN_BLOCK:
-        torch.bmm(g.view(n, o, 1), a.unsqueeze(1), out=dst[:, 0])  # (n, o, 1) @ (n, 1, i)
-    else:
-        torch.mul(g.unsqueeze(3), a.view(n, 1, 1, -1), out=dst)  # (n,v,o,1) * (n,1,1,i)
-
-
-def sum_outer_into(g: Tensor, a: Tensor, dst: Tensor) -> None:
-    """``dst[n, v] = sum_t outer(g[n, v, t], a[n, t])``; ``g (n, v, t, o)``, ``a (n, t, i)``
-    or shared ``(t, i)``, ``dst (n, v, o, i)`` (a view of the result is fine). The
-    per-sample weight gradient of any linear map applied at ``t`` positions."""
-    if a.dim() == 2:  # shared by all samples
-        torch.matmul(g.transpose(2, 3), a, out=dst)  # (n, v, o, t) @ (t, i)
-    elif a.shape[1] == 1:
-        outer_into(g[:, :, 0], a[:, 0], dst)
-    elif g.shape[1] == 1:
-        torch.bmm(g[:, 0].transpose(1, 2), a, out=dst[:, 0])  # (n, o, t) @ (n, t, i)
-    else:
-        torch.matmul(g.transpose(2, 3), a.unsqueeze(1), out=dst)  # (n, v, o, i)
+from .calls import OpCall
+from .ghost import Factors
+from .outer import add_product, ghost_norm, sum_outer_into
+from .spec import Decline, OpSpec, register
 
 
 def as_rows(call: OpCall, x: Tensor, features: int) -> Tensor:
@@ -63,30 +31,47 @@ def as_rows(call: OpCall, x: Tensor, features: int) -> Tensor:
     return a.reshape(-1, features) if call.shared(x) else a.reshape(a.shape[0], -1, features)
 
 
-@register_op_rule(F.linear, torch._C._nn.linear)
-def linear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
+def _expanded(call: OpCall, x: Tensor, features: int, n: int) -> Tensor:
+    """An input as ``(n, t, features)``, a shared one expanded to the samples."""
+    a = as_rows(call, x, features)
+    return a.expand(n, *a.shape) if call.shared(x) else a
+
+
+def _scaled_smaller(a: Tensor, g: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``a (n, t, i)``, ``g (n, t, o)`` with the one of fewer features times ``c (n,)``."""
+    c = c.view(-1, 1, 1)
+    return (a * c, g) if a.shape[2] <= g.shape[2] else (a, g * c)
+
+
+def _bias_factors(gt: Tensor) -> Factors:
+    """A bias's gradient ``sum_t g_t``: ``g_t outer 1``."""
+    return Factors(gt, gt.new_ones(*gt.shape[:2], 1))
+
+
+# ---------------------------------------------------------------------------
+# F.linear: y = x W^T + b
+
+
+def linear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     """``y = x W^T + b``: ``W (o, i)`` gets ``sum_t g^T x``, ``b (o,)`` gets ``sum_t g``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    if call.only(out, w, b):
-        return call.only(out, w, b)
+    call.only(out, w, b)
     if not call.shared(w) or (b is not None and not call.shared(b)):
-        return "a weight paired with the samples"
+        raise Decline("a weight paired with the samples")
+    if w in out and w.dim() != 2:
+        raise Decline("a 1-d weight")
+    if b is not None and b in out and b.dim() != 1:
+        raise Decline("a bias that is not a vector")
     n, v = g.shape[:2]
     o, i = w.shape if w.dim() == 2 else (1, w.shape[0])
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
     if w in out:
-        if w.dim() != 2:
-            return "a 1-d weight"
         sum_outer_into(gt, as_rows(call, x, i), out[w])  # (n, v, o, i)
     if b is not None and b in out:
-        if b.dim() != 1:
-            return "a bias that is not a vector"
         torch.sum(gt, dim=2, out=out[b])  # (n, v, o)
-    return None
 
 
-@register_op_norm(F.linear, torch._C._nn.linear)
-def linear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
+def linear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor]:
     """Squared per-sample gradient norms without the gradients ("ghost norm").
 
     ``T = 1``: ``|grad_W[n]|^2 = |a_n|^2 |g_n|^2``. ``T > 1``:
@@ -96,28 +81,26 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Te
     """
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     if call.shared(x) or w.dim() != 2:
-        return None
+        raise Decline("a shared input, or a 1-d weight")
     o, i = w.shape
-    a = as_rows(call, x, i)  # (n, t, i)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if w in wanted:
-        found[w] = ghost_norm(a, gt)
+        found[w] = ghost_norm(as_rows(call, x, i), gt)
         if found[w] is None:
-            return None
+            raise Decline("materialising is cheaper")
     if b is not None and b in wanted:
         found[b] = gt.sum(1).square().sum(1)  # (n,)
     return found
 
 
-@register_op_sum(F.linear, torch._C._nn.linear)
-def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> bool:
-    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, *out)`` and factors ``c (n,)``:
+def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> None:
+    """Adds ``sum_n c_n grad_n`` for backprops ``g (n, 1, *out)`` and factors ``c (n,)``:
     ``W (o, i)`` gets ``g^T (c x)`` over samples and positions (one GEMM, the factors on
     the smaller operand), ``b`` ``c^T sum_t g``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     if call.shared(x) or w.dim() != 2:
-        return False
+        raise Decline("a shared input, or a 1-d weight")
     o, i = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     if w in into:
@@ -125,54 +108,13 @@ def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -
         add_product(into[w], gw.reshape(-1, o).T, a.reshape(-1, i))  # (o, n*t) @ (n*t, i)
     if b is not None and b in into:
         into[b].add_(c @ gt.sum(1))  # (n,) @ (n, o)
-    return True
 
 
-def _scaled_smaller(a: Tensor, g: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-    """``a (n, t, i)``, ``g (n, t, o)`` with the one of fewer features times ``c (n,)``."""
-    c = c.view(-1, 1, 1)
-    return (a * c, g) if a.shape[2] <= g.shape[2] else (a, g * c)
-
-
-def add_product(into: Tensor, m1: Tensor, m2: Tensor, alpha: float = 1) -> None:
-    """``into += alpha * m1 @ m2``; a product in a lower precision than ``into`` (an op
-    under autocast: its GEMM runs in bfloat16 as autograd's would) is added after."""
-    if m1.dtype == into.dtype:
-        into.addmm_(m1, m2, alpha=alpha)
-    else:
-        into.add_(m1 @ m2, alpha=alpha)
-
-
-def ghost_norm(a: Tensor, g: Tensor) -> Tensor | None:
-    """``|sum_t g_t outer a_t|^2`` per sample for ``a (n, t, i)``, ``g (n, t, o)``, or
-    ``None`` when materialising is cheaper. The ``(n, t, t)`` grams are made in blocks
-    of positions (``rules.ghost``)."""
-    t, i, o = a.shape[1], a.shape[2], g.shape[2]
-    if t == 1:
-        return a.square().sum((1, 2)) * g.square().sum((1, 2))
-    if t * (i + o) <= i * o:
-        one = Factors(g, a)
-        return inner(one, one)
-    return None
-
-
-def _expanded(call: OpCall, x: Tensor, features: int, n: int) -> Tensor:
-    """An input as ``(n, t, features)``, a shared one expanded to the samples."""
-    a = as_rows(call, x, features)
-    return a.expand(n, *a.shape) if call.shared(x) else a
-
-
-def _bias_factors(gt: Tensor) -> Factors:
-    """A bias's gradient ``sum_t g_t``: ``g_t outer 1``."""
-    return Factors(gt, gt.new_ones(*gt.shape[:2], 1))
-
-
-@register_op_factors(F.linear, torch._C._nn.linear)
-def linear_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors] | None:
+def linear_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors]:
     """``W (o, i)``: ``L = g``, ``R = x``; ``b``: ``L = g``, ``R = 1``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     if w.dim() != 2 or not call.shared(w) or (b is not None and not call.shared(b)):
-        return None
+        raise Decline("a 1-d weight, or a weight paired with the samples")
     o, i = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
@@ -183,34 +125,25 @@ def linear_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor,
     return found
 
 
-@register_op_factors(torch.addmm, torch.Tensor.addmm)
-def addmm_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors] | None:
-    """``W (i, o)``: ``L = x``, ``R = alpha g``; ``b``: ``L = beta g``, ``R = 1``."""
-    b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
-    beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
-    if b.dim() != 1 or not call.shared(w) or not call.shared(b) or x in wanted:
-        return None
-    i, o = w.shape
-    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
-    found = {}
-    if w in wanted:
-        found[w] = Factors(_expanded(call, x, i, gt.shape[0]), gt if alpha == 1 else
-                               gt * alpha)
-    if b in wanted:
-        found[b] = _bias_factors(gt if beta == 1 else gt * beta)
-    return found
+# ---------------------------------------------------------------------------
+# torch.addmm: y = beta * b + alpha * x @ W (GPT-2's Conv1D)
 
 
-@register_op_rule(torch.addmm, torch.Tensor.addmm)
-def addmm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
+def _addmm_args(call: OpCall) -> tuple:
+    """``(b, x, W, beta, alpha)`` of ``torch.addmm(b, x, W, beta=, alpha=)``."""
+    return (call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2"),
+            call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1))
+
+
+def addmm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     """``y = beta * b + alpha * x @ W`` (GPT-2's ``Conv1D``: ``W (i, o)``, rows of
     ``(B*T, i)``): ``W`` gets ``alpha * sum_t x^T g``, ``b`` ``beta * sum_t g``."""
-    b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
-    beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
-    if call.only(out, b, w):
-        return call.only(out, b, w)
-    if any(t in out and not call.shared(t) for t in (b, w)) or x in out:
-        return "the first matrix or a paired operand is a parameter"
+    b, x, w, beta, alpha = _addmm_args(call)
+    call.only(out, b, w)
+    if any(t in out and not call.shared(t) for t in (b, w)):
+        raise Decline("a paired operand is a parameter")
+    if b in out and b.dim() != 1:
+        raise Decline("a bias with rows")
     n, v = g.shape[:2]
     i, o = w.shape
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
@@ -218,42 +151,35 @@ def addmm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
         dst = out[w].transpose(2, 3)  # (n, v, o, i) view of (n, v, i, o)
         sum_outer_into(gt if alpha == 1 else gt * alpha, as_rows(call, x, i), dst)
     if b in out:
-        if b.dim() == 1:
-            torch.sum(gt, dim=2, out=out[b])
-            if beta != 1:
-                out[b].mul_(beta)
-        else:
-            return "a bias with rows"
-    return None
+        torch.sum(gt, dim=2, out=out[b])
+        if beta != 1:
+            out[b].mul_(beta)
 
 
-@register_op_norm(torch.addmm, torch.Tensor.addmm)
-def addmm_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
-    b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
-    beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
+def addmm_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor]:
+    """The ghost norms of :func:`linear_norm`, times ``alpha^2`` and ``beta^2``."""
+    b, x, w, beta, alpha = _addmm_args(call)
     if call.shared(x) or b.dim() != 1:
-        return None
+        raise Decline("a shared input, or a bias with rows")
     i, o = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if w in wanted:
         norm = ghost_norm(as_rows(call, x, i), gt)
         if norm is None:
-            return None
+            raise Decline("materialising is cheaper")
         found[w] = norm * alpha**2
     if b in wanted:
         found[b] = gt.sum(1).square().sum(1) * beta**2
     return found
 
 
-@register_op_sum(torch.addmm, torch.Tensor.addmm)
-def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> bool:
+def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> None:
     """``beta * b + alpha * x @ W``: ``W (i, o)`` gets ``alpha (c x)^T g``, ``b``
     ``beta c^T sum_t g``."""
-    b, x, w = call.arg(0, "input"), call.arg(1, "mat1"), call.arg(2, "mat2")
-    beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)
+    b, x, w, beta, alpha = _addmm_args(call)
     if call.shared(x) or b.dim() != 1:
-        return False
+        raise Decline("a shared input, or a bias with rows")
     i, o = w.shape
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     if w in into:
@@ -261,22 +187,35 @@ def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) ->
         add_product(into[w], a.reshape(-1, i).T, gw.reshape(-1, o), alpha)  # (i, o)
     if b in into:
         into[b].add_(c @ gt.sum(1), alpha=beta)
-    return True
 
 
-_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.bmm,
-            torch.Tensor.bmm, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__)
+def addmm_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors]:
+    """``W (i, o)``: ``L = x``, ``R = alpha g``; ``b``: ``L = beta g``, ``R = 1``."""
+    b, x, w, beta, alpha = _addmm_args(call)
+    if b.dim() != 1 or not call.shared(w) or not call.shared(b) or x in wanted:
+        raise Decline("a bias with rows, a paired operand, or the first matrix wanted")
+    i, o = w.shape
+    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
+    found = {}
+    if w in wanted:
+        found[w] = Factors(_expanded(call, x, i, gt.shape[0]), gt if alpha == 1 else gt * alpha)
+    if b in wanted:
+        found[b] = _bias_factors(gt if beta == 1 else gt * beta)
+    return found
+
+
+# ---------------------------------------------------------------------------
+# matmul, mm, bmm, @: y = A @ B
 
 
 def _operands(call: OpCall) -> tuple[Tensor, Tensor]:
-    """``(A, B)`` of ``A @ B`` in any of the matmul spellings."""
-    if call.func is torch.Tensor.__rmatmul__:
+    """``(A, B)`` of ``A @ B`` in any of the matmul spellings (``__rmatmul__`` swaps)."""
+    if call.func.__name__ == "__rmatmul__":
         return call.args[1], call.args[0]
     return call.arg(0, "input"), call.kwargs.get("mat2", call.arg(1, "other"))
 
 
-@register_op_rule(*_MATMULS)
-def matmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
+def matmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     """``y = A @ B`` with one operand a (shared) matrix parameter: ``x @ W`` gives
     ``W`` ``sum_t x^T g``; ``W @ x`` gives ``W`` ``sum g x^T`` over the other dims."""
     a, b = _operands(call)
@@ -285,8 +224,7 @@ def matmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
         k, p = b.shape
         gt = g.reshape(n, v, -1, p)  # (n, v, t, p)
         sum_outer_into(gt, as_rows(call, a, k), out[b].transpose(2, 3))  # (n, v, p, k)
-        return None
-    if a in out and b not in out and call.shared(a) and a.dim() == 2 and b.dim() >= 2:
+    elif a in out and b not in out and call.shared(a) and a.dim() == 2 and b.dim() >= 2:
         m, k = a.shape
         bx = call.front(b)  # (n, *lead, k, p) or shared (*lead, k, p)
         # grad A = sum over lead and columns of g (m, p) x^T (p, k)
@@ -294,44 +232,47 @@ def matmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
         xs = bx.transpose(-1, -2).reshape(-1, k) if call.shared(b) else (
             bx.transpose(-1, -2).reshape(n, -1, k))  # (n, t, k) with t = lead * p
         sum_outer_into(gm, xs, out[a])  # (n, v, m, k)
-        return None
-    return _paired(call, a, b, g, out)
+    else:
+        _paired(call, a, b, g, out)
 
 
-@register_op_factors(*_MATMULS)
-def matmul_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors] | None:
+def _paired(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> None:
+    """Both operands per sample (one of them computed from parameters and paired with
+    the samples, as DeBERTa's relative keys): per-sample products, no broadcasting."""
+    if call.shared(a) or call.shared(b) or a.dim() < 2 or b.dim() < 2:
+        raise Decline("not a matrix parameter times per-sample data")
+    af, bf = call.front(a), call.front(b)  # (n, ..., m, k), (n, ..., k, p)
+    if af.shape[:-2] != bf.shape[:-2] or g.shape[2:-2] != af.shape[1:-2]:
+        raise Decline("operands broadcast against each other")
+    if a in out:
+        torch.matmul(g, bf.unsqueeze(1).transpose(-1, -2), out=out[a])  # (n, v, ..., m, k)
+    if b in out:
+        torch.matmul(af.unsqueeze(1).transpose(-1, -2), g, out=out[b])  # (n, v, ..., k, p)
+
+
+def matmul_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors]:
     """``x @ W`` with ``W (k, p)`` shared: ``L = x``, ``R = g`` over the other dims."""
     a, b = _operands(call)
     if set(wanted) != {b} or a is b or not call.shared(b) or b.dim() != 2:
-        return None
+        raise Decline("not a shared matrix parameter on the right")
     k, p = b.shape
     n = g.shape[0]
     return {b: Factors(_expanded(call, a, k, n), g.reshape(n, -1, p))}
 
 
-def _paired(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> str | None:
-    """Both operands per sample (one of them computed from parameters and paired with
-    the samples, as DeBERTa's relative keys): per-sample products, no broadcasting."""
-    if call.shared(a) or call.shared(b) or a.dim() < 2 or b.dim() < 2:
-        return "not a matrix parameter times per-sample data"
-    af, bf = call.front(a), call.front(b)  # (n, ..., m, k), (n, ..., k, p)
-    if af.shape[:-2] != bf.shape[:-2] or g.shape[2:-2] != af.shape[1:-2]:
-        return "operands broadcast against each other"
-    if a in out:
-        torch.matmul(g, bf.unsqueeze(1).transpose(-1, -2), out=out[a])  # (n, v, ..., m, k)
-    if b in out:
-        torch.matmul(af.unsqueeze(1).transpose(-1, -2), g, out=out[b])  # (n, v, ..., k, p)
-    return None
+# ---------------------------------------------------------------------------
+# F.bilinear: y[t, o] = sum_ij x1[t, i] W[o, i, j] x2[t, j] + b[o]
 
 
-@register_op_rule(F.bilinear, torch.bilinear)
-def bilinear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
-    """``y[t, o] = sum_ij x1[t, i] W[o, i, j] x2[t, j] + b[o]``: a linear map of the
-    outer products ``z[t] = x1[t] outer x2[t]``."""
-    x1, x2, w, b = (call.arg(0, "input1"), call.arg(1, "input2"), call.arg(2, "weight"),
-                    call.arg(3, "bias"))
-    if call.only(out, w, b):
-        return "an input that is a parameter"
+def _bilinear_args(call: OpCall) -> tuple:
+    return (call.arg(0, "input1"), call.arg(1, "input2"), call.arg(2, "weight"),
+            call.arg(3, "bias"))
+
+
+def bilinear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
+    """A linear map of the outer products ``z[t] = x1[t] outer x2[t]``."""
+    x1, x2, w, b = _bilinear_args(call)
+    call.only(out, w, b)
     n, v = g.shape[:2]
     o, i, j = w.shape
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
@@ -344,17 +285,14 @@ def bilinear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> str | None:
             dst.copy_(flat.view(dst.shape))
     if b is not None and b in out:
         torch.sum(gt, dim=2, out=out[b])
-    return None
 
 
-@register_op_norm(F.bilinear, torch.bilinear)
-def bilinear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor] | None:
+def bilinear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor]:
     """``|grad_W[n]|^2 = |g|^2 |x1|^2 |x2|^2`` for ``T = 1``, ``sum_{t,s} (g_t . g_s)
     (x1_t . x1_s)(x2_t . x2_s)`` when ``T^2 (o + i + j)`` is below ``T o i j``."""
-    x1, x2, w, b = (call.arg(0, "input1"), call.arg(1, "input2"), call.arg(2, "weight"),
-                    call.arg(3, "bias"))
+    x1, x2, w, b = _bilinear_args(call)
     if call.shared(x1) or call.shared(x2):
-        return None
+        raise Decline("a shared input")
     n = g.shape[0]
     o, i, j = w.shape
     gt = g.reshape(n, -1, o)  # (n, t, o)
@@ -364,12 +302,21 @@ def bilinear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, 
         t = gt.shape[1]
         if t == 1:
             found[w] = (gt.square().sum((1, 2)) * a1.square().sum((1, 2))
-                            * a2.square().sum((1, 2)))
+                        * a2.square().sum((1, 2)))
         elif t * (o + i + j) <= o * i * j:
             grams = [torch.bmm(a, a.transpose(1, 2)) for a in (gt, a1, a2)]  # 3 x (n, t, t)
             found[w] = (grams[0] * grams[1] * grams[2]).sum((1, 2))
         else:
-            return None
+            raise Decline("materialising is cheaper")
     if b is not None and b in wanted:
         found[b] = gt.sum(1).square().sum(1)
     return found
+
+
+LINEAR = register(OpSpec((F.linear,), grad=linear, norm=linear_norm, sum=linear_sum,
+                         factors=linear_factors))
+ADDMM = register(OpSpec((torch.addmm,), grad=addmm, norm=addmm_norm, sum=addmm_sum,
+                        factors=addmm_factors))
+MATMUL = register(OpSpec((torch.matmul, torch.mm, torch.bmm), grad=matmul,
+                         factors=matmul_factors))
+BILINEAR = register(OpSpec((F.bilinear,), grad=bilinear, norm=bilinear_norm))

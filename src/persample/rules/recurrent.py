@@ -35,8 +35,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..precision import accumulate_dtype, cast
-from . import register_rule
-from .linear import sum_outer_into
+from .outer import sum_outer_into
+from .spec import ModuleSpec, register_module
 
 
 @dataclass
@@ -184,7 +184,6 @@ def _wanted(layer: nn.RNNBase, trace: _Trace) -> list[Tensor]:
     return ([trace.gi] if layer.mode == "GRU" else []) + trace.gh + trace.projected
 
 
-@register_rule(nn.RNN, nn.LSTM, nn.GRU, multi_output=True)
 def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], out: dict):
     """Per-sample gradients of every weight of ``layer``; backprops ``[output, h_n, (c_n)]``,
     a packed output's ``(n, v, T, H)`` padded per sample (``(n, v, H)`` where each sample
@@ -244,3 +243,7 @@ def _write(out: dict, name: str, g: Tensor, a: Tensor | None) -> None:
         sum_outer_into(g, a.detach(), into)  # (n, v, G, I)
     if into is not dst:
         dst.copy_(into)
+
+
+RECURRENT = register_module(ModuleSpec((nn.RNN, nn.LSTM, nn.GRU), grad=recurrent,
+                                       refusal=training_dropout, multi_output=True))

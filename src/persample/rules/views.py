@@ -14,96 +14,84 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import OpCall, register_op_rule
+from .calls import OpCall
+from .spec import Decline, OpSpec, register
 
 
 def _dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
 
-def _input(call: OpCall, out: dict) -> Tensor | None:
+def _input(call: OpCall, out: dict) -> Tensor:
     """The one tensor the op moves; another tensor it reads only for its shape, dtype or
     device (``reshape_as(w)``, ``type_as(w)``, ``to(w)``: NFNet's standardised weight
     ``batch_norm(w.reshape(1, C, -1)).reshape_as(w)``) gets a zero cotangent."""
     x = call.args[0] if call.args else call.kwargs.get("input")
     if not isinstance(x, Tensor) or x not in out:
-        return None
+        raise Decline("not one tensor")
     if len(out) > 1:
         if call.func not in _REFERENCES:
-            return None
+            raise Decline("not one tensor")
         for key, dst in out.items():
             if key is not x:
                 dst.zero_()
     return x
 
 
-@register_op_rule(torch.Tensor.transpose, torch.transpose, torch.swapaxes, torch.swapdims,
-                  torch.Tensor.swapaxes, torch.Tensor.swapdims)
-def transpose(call: OpCall, g: Tensor, out: dict) -> str | None:
+def transpose(call: OpCall, g: Tensor, out: dict) -> None:
     x = _input(call, out)
-    if x is None:
-        return "not one tensor"
     a = _dim(call.arg(1, "dim0"), x.dim())
     b = _dim(call.arg(2, "dim1"), x.dim())
     out[x].copy_(g.transpose(a + 2, b + 2))
-    return None
 
 
-@register_op_rule(torch.Tensor.t, torch.t)
-def t(call: OpCall, g: Tensor, out: dict) -> str | None:
+def t(call: OpCall, g: Tensor, out: dict) -> None:
     x = _input(call, out)
-    if x is None:
-        return "not one tensor"
     out[x].copy_(g.transpose(-1, -2) if x.dim() == 2 else g)
-    return None
 
 
-@register_op_rule(torch.Tensor.permute, torch.permute)
-def permute(call: OpCall, g: Tensor, out: dict) -> str | None:
+def permute(call: OpCall, g: Tensor, out: dict) -> None:
     x = _input(call, out)
-    if x is None:
-        return "not one tensor"
     dims = call.kwargs.get("dims", call.args[1] if len(call.args) == 2 and isinstance(
         call.args[1], (tuple, list)) else call.args[1:])
     order = [_dim(d, x.dim()) for d in dims]
     inverse = [order.index(k) for k in range(len(order))]
     out[x].copy_(g.permute(0, 1, *[k + 2 for k in inverse]))
-    return None
 
 
 _REFERENCES = (torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.type_as,
                torch.Tensor.to)
-_RESHAPES = (torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten,
-             torch.flatten, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as,
-             torch.Tensor.reshape_as, torch.Tensor.unsqueeze, torch.unsqueeze,
-             torch.Tensor.squeeze, torch.squeeze, torch.Tensor.contiguous, torch.Tensor.clone,
-             torch.clone, torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float,
-             torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16)
+_RESHAPES = (torch.Tensor.view, torch.reshape, torch.flatten, torch.unflatten,
+             torch.Tensor.view_as, torch.Tensor.reshape_as, torch.unsqueeze, torch.squeeze,
+             torch.Tensor.contiguous, torch.clone, torch.Tensor.to, torch.Tensor.type_as,
+             torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16)
 
 
-@register_op_rule(*_RESHAPES)
-def reshape(call: OpCall, g: Tensor, out: dict) -> str | None:
+def reshape(call: OpCall, g: Tensor, out: dict) -> None:
     """Reshapes and casts: the same entries in row-major order."""
+    if (call.func is torch.Tensor.view and len(call.args) == 2
+            and isinstance(call.args[1], torch.dtype)):
+        raise Decline("a view as another dtype")
     x = _input(call, out)
-    if x is None or (call.func is torch.Tensor.view and len(call.args) == 2
-                     and isinstance(call.args[1], torch.dtype)):
-        return "not one tensor reshaped"
     dst = out[x]
     if dst[0, 0].numel() != g[0, 0].numel():
-        return "the sample's part changed size"
+        raise Decline("the sample's part changed size")
     dst.copy_(g.reshape(dst.shape))
-    return None
 
 
-@register_op_rule(torch.Tensor.repeat)
-def repeat(call: OpCall, g: Tensor, out: dict) -> str | None:
+def repeat(call: OpCall, g: Tensor, out: dict) -> None:
     """``x.repeat(...)`` whose output is paired with the samples one whole copy of ``x``
     each (DeBERTa's ``pos_key.repeat(B, 1, 1)``): a sample's slice is ``x``."""
     x = _input(call, out)
-    if x is None or not call.shared(x):
-        return "not a shared tensor repeated"
-    dst = out[x]
-    if tuple(g.shape[2:]) == tuple(x.shape):
-        dst.copy_(g)
-        return None
-    return "a repeat whose sample slices are not one copy each"
+    if not call.shared(x):
+        raise Decline("not a shared tensor repeated")
+    if tuple(g.shape[2:]) != tuple(x.shape):
+        raise Decline("a repeat whose sample slices are not one copy each")
+    out[x].copy_(g)
+
+
+TRANSPOSE = register(OpSpec((torch.transpose,), grad=transpose))
+T = register(OpSpec((torch.t,), grad=t))
+PERMUTE = register(OpSpec((torch.permute,), grad=permute))
+RESHAPE = register(OpSpec(_RESHAPES, grad=reshape))
+REPEAT = register(OpSpec((torch.Tensor.repeat,), grad=repeat))

@@ -172,7 +172,7 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
     row. ``g``: the backprops ``(v, *out)`` in the output's own layout. Returns
     ``(n, v, *input.shape)`` per input of ``wrt``.
     """
-    from .elementwise import reduce_to
+    from .calls import reduce_to
 
     func, kwargs = _out_of_place(op.func, op.kwargs)
     flat, spec = tree_flatten((op.args, kwargs))
