@@ -98,3 +98,50 @@ def test_the_scan_sees_imports_up_the_stack():
                         "persample.rules.probe", False)
     assert found == [(2, "persample.engine.pullback")]
     assert RANK[_top(found[0][1])] > RANK[_top("persample.rules.probe")]
+
+
+# the rule families (one file per family of ops, listed in persample/rules/__init__.py)
+# and what they may share
+RULE_FAMILIES = {"activation", "addcmul", "attention", "conv", "elementwise", "embedding",
+                 "linear", "norm", "recurrent", "views"}
+RULES_SHARED = {"spec", "calls", "outer", "ghost", "vjp"}
+
+
+def _rules_module(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "rules" else None
+
+
+def test_rule_families_import_no_other_family():
+    rules = ROOT / "rules"
+    assert {p.stem for p in rules.glob("*.py")} == RULE_FAMILIES | RULES_SHARED | {"__init__"}
+    wrong = []
+    for path in sorted(rules.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        for line, target in _imports(path):
+            other = _rules_module(target)
+            if other is not None and other != path.stem and other not in RULES_SHARED:
+                wrong.append(f"rules/{path.name}:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_rules_package_names_a_family():
+    """The engine, the public functions and DP reach the rules through their specs
+    (``persample.rules``), never a family's own names."""
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.parent.name == "rules":
+            continue
+        for line, target in _imports(path):
+            if _rules_module(target) in RULE_FAMILIES:
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_data_flow_table_imports_no_handler_family():
+    """``batch/flow.py`` (the table) is imported by the handler families, never the other
+    way: the package lists them."""
+    for name in ("flow", "layouts", "forms"):
+        targets = [t for _, t in _imports(ROOT / "batch" / f"{name}.py")]
+        assert not [t for t in targets if t.split(".")[-1].startswith("ops_")], name

@@ -4,6 +4,13 @@
 to the front; :mod:`~persample.batch.flow` propagates layouts through every op.
 """
 
+from . import (  # noqa: F401  (the handler families: importing one registers its handlers)
+    ops_elementwise,
+    ops_indexing,
+    ops_layers,
+    ops_products,
+    ops_views,
+)
 from .flow import Ctx, Flow, broadcasts, in_place, op_leaves, propagate
 from .layouts import (
     SHARED,

@@ -11,10 +11,11 @@ happens to equal the batch size. An op the table does not know gives
 meets then take an exact slower path, and say so), and :data:`SHARED` when none does.
 
 Ops are matched by the function object the ``TorchFunctionMode`` receives
-(``torch.add``, ``torch.Tensor.add``, ``torch.Tensor.__add__``, ...). The rules
+(``torch.add``, ``torch.Tensor.add``, ``torch.Tensor.__add__``, ...). The handlers
 live by family in ``ops_elementwise.py``, ``ops_views.py``, ``ops_indexing.py``,
-``ops_products.py`` and ``ops_layers.py``; each registers, with :func:`register`,
-every alias of its ops that exists in this torch, and an op has one rule only.
+``ops_products.py`` and ``ops_layers.py``, which the package lists (its
+``__init__``); each registers, with :func:`register`, every alias of its ops that
+exists in this torch, and an op has one handler only. This module imports none of them.
 """
 
 from __future__ import annotations
@@ -216,13 +217,3 @@ def dim_of(d: int, rank: int) -> int:
 
 def mixed(func: Any, what: str) -> Mixed:
     return Mixed(f"{name_of(func)} {what}")
-
-
-# Importing the families registers their rules.
-from . import (  # noqa: E402,F401
-    ops_elementwise,
-    ops_indexing,
-    ops_layers,
-    ops_products,
-    ops_views,
-)
