@@ -25,11 +25,13 @@ from torch import Tensor, nn
 
 import persample
 from cases import assert_exact
-from persample import capture as capture_module
 from persample.batch import Batched
 from persample.batch.flow import op_leaves
 from persample.batch.ops_indexing import Sorted
 from persample.capture import Capture
+from persample.capture.mode import Mode
+from persample.capture.tensors import free_tensors
+from persample.patches import WhileCapturing
 
 B = T = H = 4
 E = 8
@@ -65,8 +67,8 @@ def test_no_wrapping_for_dynamo_while_compiled_code_runs_eagerly():
     x = torch.randn(B, T, E)
     with Capture(model, {id(p): p for p in model.parameters() if p.requires_grad}, B,
                  [x]) as cap:
-        assert capture_module._WhileCapturing.stance is not None
-        assert type(cap._mode) is capture_module._Mode
+        assert WhileCapturing.stance is not None
+        assert type(cap._mode) is Mode
         assert hooks(model) and not any(hasattr(h, "_torchdynamo_disable")
                                         for h in hooks(model))
         model(x)
@@ -88,8 +90,8 @@ def test_wrapped_for_dynamo_where_compiled_code_may_run(monkeypatch, snapshot):
     x, y = torch.randn(B, T, E), torch.tensor([0, 2, 1, 2])
     with Capture(model, {id(p): p for p in model.parameters() if p.requires_grad}, B,
                  [x]) as cap:
-        assert type(cap._mode) is not capture_module._Mode
-        assert isinstance(cap._mode, capture_module._Mode)
+        assert type(cap._mode) is not Mode
+        assert isinstance(cap._mode, Mode)
         assert hooks(model) and all(hasattr(h, "_torchdynamo_disable") for h in hooks(model))
         model(x)
     state = snapshot(model)
@@ -124,7 +126,7 @@ def test_free_tensors_are_every_tensor_the_modules_hold():
             want |= {id(m.mask), id(m._private), id(m.table[0]), id(m.table[1][0]),
                      id(m.table[1][1]["deep"]), id(m.by_name["a"])}
     shared = (torch.randn(2),)
-    got = {id(t) for t in Capture._free_tensors(model, shared)}
+    got = {id(t) for t in free_tensors(model, shared)}
     assert got == want | {id(shared[0])}
 
 

@@ -19,9 +19,9 @@ ROOT = Path(persample.__file__).parent
 
 # lowest first; a module may import its own layer and those below it
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"errors", "precision", "memory", "sharded"}),
+    ("base", {"errors", "precision", "memory", "sharded", "patches", "inputs"}),
     ("batch", {"batch"}),
-    ("capture", {"capture", "inputs", "loss"}),
+    ("capture", {"capture", "loss"}),
     ("rules", {"rules"}),
     ("plan", {"plan"}),
     ("engine", {"engine"}),
@@ -145,3 +145,27 @@ def test_the_data_flow_table_imports_no_handler_family():
     for name in ("flow", "layouts", "forms"):
         targets = [t for _, t in _imports(ROOT / "batch" / f"{name}.py")]
         assert not [t for t in targets if t.split(".")[-1].startswith("ops_")], name
+
+
+def _closure(module: str) -> set[str]:
+    """Every persample module ``module`` imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        rel = Path(*name.split(".")[1:])
+        path = (ROOT / rel).with_suffix(".py")
+        path = path if path.exists() else ROOT / rel / "__init__.py"
+        for _, target in _imports(path):
+            if target not in seen and _exists(target):
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_reference_depends_on_nothing_it_checks():
+    """The loop over samples (the oracle every fast path is tested against) imports none
+    of the machinery it checks: the data flow, the capture, the rules, the plan, the
+    engine, the per-sample loss."""
+    checked = {"batch", "capture", "rules", "plan", "engine", "loss", "vmap", "api", "norms"}
+    found = sorted(m for m in _closure("persample.reference") if _top(m) in checked)
+    assert not found, found

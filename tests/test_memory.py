@@ -123,6 +123,7 @@ def test_the_dp_backward_frees_activations_as_a_plain_backward_does():
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from persample import checks
+    from persample.batch import located
     from persample.capture import Capture
     from persample.dp import clip
     from persample.engine import loss_backprops
@@ -153,7 +154,7 @@ def test_the_dp_backward_frees_activations_as_a_plain_backward_does():
     batch, _, params = checks.validate_call(net, x, y, nn.CrossEntropyLoss(), "auto", None,
                                             None)
     watched = {id(p): p for p in params.values()}
-    with Capture(net, watched, batch.n, batch.located, batch.shared) as capture:
+    with Capture(net, watched, batch.n, located(batch), batch.shared) as capture:
         out = batch.call(net)  # a frozen module's output is not kept by the capture
     assert capture.calls and seen["frozen"].expired() and not seen["tanh"].expired()
     del out, capture

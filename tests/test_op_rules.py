@@ -30,8 +30,10 @@ def test_every_op_with_a_rule_has_a_data_flow_handler():
 def test_each_function_has_one_spec_covering_every_form_of_its_ops():
     for f, spec in SPECS.items():
         assert f in spec.funcs
-        for op in spec.ops:
-            assert set(forms(op)) <= set(spec.funcs), name_of(op)
+        for op in spec.ops:  # (less what other libraries put in torch's place since:
+            found = {f for f in forms(op)  # torch_geometric's torch.index_select)
+                     if (getattr(f, "__module__", None) or "torch").startswith("torch")}
+            assert found <= set(spec.funcs), name_of(op)
     assert SPECS[torch.Tensor.__rmul__] is SPECS[torch.mul] is SPECS[torch.multiply]
     assert SPECS[torch.Tensor.__isub__] is SPECS[torch.sub] is not SPECS[torch.add]
 

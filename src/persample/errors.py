@@ -63,3 +63,25 @@ def internal(where: str) -> Iterator[None]:
         yield
     except Exception as err:
         raise_internal(err, where)
+
+
+def module_note(where: str, module: object, args: tuple, exc: BaseException) -> str:
+    """A note for an exception raised inside a module's call (``where``: the module's
+    name and class): the module, and for ids out of an embedding's range, the range.
+
+    Example:
+        >>> import torch
+        >>> note = module_note("'emb' (Embedding)", torch.nn.Embedding(5, 2),
+        ...                    (torch.tensor([7]),), IndexError("index out of range"))
+        >>> note.endswith("every id must be in [0, 5). Fix the tokenizer or vocabulary size.")
+        True
+    """
+    note = f"(raised inside module {where})"
+    ids = args[0] if args else None
+    size = getattr(module, "num_embeddings", None)
+    if isinstance(exc, IndexError) and size is not None and hasattr(ids, "is_floating_point"):
+        if ids.numel() and not ids.is_floating_point():
+            note = (f"module {where} got ids from {int(ids.min())} to {int(ids.max())}, but "
+                    f"num_embeddings={size}: every id must be in [0, {size}). Fix the "
+                    "tokenizer or vocabulary size.")
+    return note

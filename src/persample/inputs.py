@@ -34,8 +34,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .batch import Batched, Layout
-from .batch.layouts import indexed
+# Where the samples are in a tensor of the inputs, before any layout is made of it:
+# ``(tensor, dim, rows)``, the samples along ``dim``, one per row in order where ``rows``
+# is ``None``, else ``rows[r]`` the sample of row ``r`` (packed forms). persample.batch
+# makes layouts of them (``persample.batch.located``).
+Part = tuple[Tensor, int, "Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -122,24 +125,24 @@ def _count(x: Any) -> int:
     return int(x.num_graphs)
 
 
-def _special_layouts(x: Any, n: int) -> tuple[list[tuple[Tensor, Layout]], list[Tensor]]:
-    """The special form's per-sample tensors with their layouts, and its other tensors."""
+def _special_parts(x: Any, n: int) -> tuple[list[Part], list[Tensor]]:
+    """The special form's per-sample tensors with where their samples are, and its other
+    tensors."""
     if isinstance(x, PackedSequence):
         order = x.sorted_indices if x.sorted_indices is not None else torch.arange(
             n, device=x.data.device)
         rows = torch.cat([order[: int(s)] for s in x.batch_sizes]) if n else order[:0]
         extra = [t for t in (x.sorted_indices, x.unsorted_indices) if t is not None]
-        return [(x.data, indexed(0, rows.to(x.data.device), n))], [x.batch_sizes, *extra]
+        return [(x.data, 0, rows.to(x.data.device))], [x.batch_sizes, *extra]
     if isinstance(x, PackedRows):
-        lay = indexed(0, x.sample_index, n)
-        return [(x.data, lay), (x.sample_index, lay)], []
-    return _graph_layouts(x, n)
+        return [(x.data, 0, x.sample_index), (x.sample_index, 0, x.sample_index)], []
+    return _graph_parts(x, n)
 
 
-def _graph_layouts(x: Any, n: int) -> tuple[list[tuple[Tensor, Layout]], list[Tensor]]:
+def _graph_parts(x: Any, n: int) -> tuple[list[Part], list[Tensor]]:
     """Every tensor attribute of a graph batch, by the graph of each row along its
     concatenation dim (torch_geometric's ``_slice_dict`` offsets)."""
-    located, shared = [(x.batch, indexed(0, x.batch, n))], []
+    located, shared = [(x.batch, 0, x.batch)], []
     for key in _graph_keys(x):
         value = getattr(x, key)
         if not isinstance(value, Tensor) or value is x.batch:
@@ -155,12 +158,12 @@ def _graph_layouts(x: Any, n: int) -> tuple[list[tuple[Tensor, Layout]], list[Te
         dim = x.__cat_dim__(key, value)
         offsets = torch.as_tensor(x._slice_dict[key], device=value.device)
         if dim is None:  # stacked along a new dim 0: one row per graph
-            located.append((value, Batched(0)))
+            located.append((value, 0, None))
             continue
         dim = dim + value.dim() if dim < 0 else dim
         graph = torch.repeat_interleave(torch.arange(n, device=value.device),
                                         offsets.diff())  # (rows along dim,)
-        located.append((value, indexed(dim, graph, n)))
+        located.append((value, dim, graph))
     return located, shared
 
 
@@ -277,17 +280,16 @@ class Batch:
         """``(name, leaf)`` for every tensor and special form, in order."""
         return [leaf for root, name in self.roots() for leaf in _leaves(root, name)]
 
-    @property
-    def located(self) -> list[tuple[Tensor, Layout]]:
+    def parts(self) -> list[Part]:
         """Every tensor carrying samples, with where its samples are."""
         found = []
         for k, (_, leaf) in enumerate(self.named_leaves()):
             if k not in self.sample_leaves:
                 continue
             if isinstance(leaf, Tensor):
-                found.append((leaf, Batched(0)))
+                found.append((leaf, 0, None))
             else:
-                found += _special_layouts(leaf, _count(leaf))[0]
+                found += _special_parts(leaf, _count(leaf))[0]
         return found
 
     @property
@@ -298,7 +300,7 @@ class Batch:
             if isinstance(leaf, Tensor) and k not in self.sample_leaves:
                 found.append(leaf)
             elif not isinstance(leaf, Tensor):
-                found += _special_layouts(leaf, _count(leaf))[1]
+                found += _special_parts(leaf, _count(leaf))[1]
         return found
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
@@ -410,15 +412,15 @@ def mapped_targets(targets: Any) -> tuple[list[Tensor], list[int | None],
     return leaves, dims, one
 
 
-def located_of(x: Any, n: int) -> list[tuple[Tensor, Layout]]:
-    """The tensors of ``x`` (targets) that carry samples, with their layouts: those with
-    ``n`` rows in dim 0, and the special forms' per-sample tensors."""
+def parts_of(x: Any, n: int) -> list[Part]:
+    """The tensors of ``x`` (targets) that carry samples, with where their samples are:
+    those with ``n`` rows in dim 0, and the special forms' per-sample tensors."""
     found = []
     for _, leaf in _leaves(x, "targets"):
         if not isinstance(leaf, Tensor):
-            found += _special_layouts(leaf, _count(leaf))[0]
+            found += _special_parts(leaf, _count(leaf))[0]
         elif leaf.dim() and leaf.shape[0] == n:
-            found.append((leaf, Batched(0)))
+            found.append((leaf, 0, None))
     return found
 
 
@@ -429,10 +431,10 @@ def named_tensors(x: Any, path: str) -> list[tuple[str, Tensor]]:
         if isinstance(leaf, Tensor):
             found.append((name, leaf))
         else:
-            located, shared = _special_layouts(leaf, _count(leaf))
-            found += [(name, t) for t, _ in located] + [(name, t) for t in shared]
+            parts, shared = _special_parts(leaf, _count(leaf))
+            found += [(name, t) for t, _, _ in parts] + [(name, t) for t in shared]
     return found
 
 
-__all__ = ["Batch", "PackedRows", "as_batch", "located_of", "mapped_targets", "named_tensors",
+__all__ = ["Batch", "PackedRows", "as_batch", "parts_of", "mapped_targets", "named_tensors",
            "samples_of"]

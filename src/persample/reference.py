@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .capture import plain_checkpoints
 from .checks import keeps_buffers, trainable_parameters
 from .inputs import as_batch, samples_of
+from .patches import plain_checkpoints
 from .sharded import refuse_sharded
 
 

@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.overrides import TorchFunctionMode
 
-from .capture import plain_checkpoints
 from .errors import UnsupportedModuleError
 from .inputs import Batch, mapped_targets
+from .patches import plain_checkpoints
 from .precision import autocast_state
 from .sharded import refuse_sharded
 

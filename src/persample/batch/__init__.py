@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (the handler families: importing one registers it
     ops_views,
 )
 from .flow import Ctx, Flow, broadcasts, in_place, op_leaves, propagate
+from .inputs import located, located_of
 from .layouts import (
     SHARED,
     Batched,
@@ -24,6 +25,7 @@ from .layouts import (
     is_batched,
 )
 
-__all__ = ["Ctx", "Flow", "broadcasts", "in_place", "op_leaves", "propagate", "SHARED",
+__all__ = ["Ctx", "Flow", "broadcasts", "in_place", "op_leaves", "propagate", "located",
+           "located_of", "SHARED",
            "Batched", "Shared", "Layout", "Mixed", "Unknown", "front", "front_cotangents",
            "is_batched"]

@@ -25,7 +25,9 @@ sample would have if the op ran on it alone: the same rank, the batch dim of siz
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -244,3 +246,21 @@ def front_cotangents(g: Tensor, layout: Layout, n: int) -> Tensor:
     if isinstance(layout, Batched):
         return layout.front_cotangents(g, n)
     raise ValueError(f"cotangents of a tensor with layout {layout} cannot be split by sample")
+
+
+def new_trouble(outputs: Any, inputs: list[Layout]) -> bool:
+    """Does an op's output mix samples or lose them (``outputs``: a layout or a tuple of
+    them) where none of its inputs did already?"""
+    outs = outputs if isinstance(outputs, tuple) else (outputs,)
+    if all(isinstance(o, tuple) or o.known for o in outs):  # (a nested output: left alone)
+        return False
+    return all(lay.known for lay in inputs)
+
+
+def placed(outputs: Any, where: str) -> Any:
+    """The layouts, with ``where`` (the module the trouble started in) in their reason."""
+    if isinstance(outputs, tuple):
+        return tuple(placed(o, where) for o in outputs)
+    if isinstance(outputs, (Mixed, Unknown)):  # (replace keeps a subclass's fields)
+        return dataclasses.replace(outputs, why=f"{outputs.why}, in module {where}")
+    return outputs

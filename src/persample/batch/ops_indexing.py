@@ -42,6 +42,7 @@ from .flow import (
     every,
     mixed,
     name_of,
+    propagate,
     register,
 )
 from .layouts import SHARED, Batched, Layout, Mixed, Unknown, indexed, sample_of_positions
@@ -623,6 +624,28 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
         if rows is None:
             return Mixed(f"{what} puts one sample's data into another sample's rows")
     return located(d, rows, ctx.n, out, what)
+
+
+def written_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout:
+    """``x``'s layout after ``x[index] = value``: an index tensor on the batch dim as
+    :func:`setitem_layout`; else ``x`` keeps its layout if the value's samples land where
+    ``x``'s are (or the value is shared), and becomes Unknown otherwise."""
+    found = setitem_layout(ctx, x, index, value)
+    if found is not None:
+        return found
+    lx = ctx.layout(x)
+    lv = ctx.layout(value) if isinstance(value, Tensor) else SHARED
+    if lv.shared or not lx.known:
+        return lx
+    if not lv.known:
+        return lv
+    if isinstance(lx, Batched):
+        with torch._C.DisableTorchFunction():
+            view = x[index]
+        got = propagate(ctx, torch.Tensor.__getitem__, (x, index), {}, view).outputs
+        if isinstance(got, Batched) and got == lv.moved(lv.dim + view.dim() - value.dim()):
+            return lx
+    return Unknown("a tensor written in place with per-sample data at other positions")
 
 
 def setitem_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout | None:

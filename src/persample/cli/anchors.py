@@ -371,10 +371,9 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
         >>> [label for label, _ in capture_overhead(grads_workload("cnn-grads", 2))]
         ['plain forward', 'forward under capture']
     """
-    from ..capture import Capture
+    from ..batch import located
     from ..inputs import as_batch
-    from ..rules import module_rule
-    from ..rules.registry import EXPANSIONS
+    from ..rules import open_capture
 
     batch = as_batch(w.inputs)
     watched = {id(p): p for p in w.model.parameters() if p.requires_grad}
@@ -384,8 +383,8 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
             return w.call()
 
     def captured() -> object:
-        with torch.enable_grad(), Capture(w.model, watched, batch.n, batch.located,
-                                          batch.shared, module_rule, expansions=EXPANSIONS):
+        with torch.enable_grad(), open_capture(w.model, watched, batch.n, located(batch),
+                                               batch.shared):
             return batch.call(w.model)
 
     return [("plain forward", plain), ("forward under capture", captured)]

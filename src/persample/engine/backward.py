@@ -19,10 +19,10 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from ..batch import Batched, Layout, op_leaves
+from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
 from ..errors import NeedsWholeModel, internal
-from ..inputs import Batch, located_of
+from ..inputs import Batch
 from ..loss import total_loss
 from ..plan import Path, Plan, edge_key, param_name, plan
 from ..rules import open_capture
@@ -48,7 +48,7 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     if batch.n == 1 and not units:  # (sharded: every rank replays the same ops, below)
         return _one_sample(model, batch, root, backward, watched, v)
     with torch.enable_grad():
-        with open_capture(model, watched, batch.n, batch.located, batch.shared) as cap:
+        with open_capture(model, watched, batch.n, located(batch), batch.shared) as cap:
             output = batch.call(model)
         value = root(output, cap)
     gather = gatherer(units)

@@ -1,0 +1,385 @@
+"""The capture: one forward recorded, every op seen, the samples followed.
+
+Inside the ``with`` block, the mode (:mod:`persample.capture.mode`) hands every op to
+:meth:`Capture.record`, which runs it and asks :mod:`persample.batch` (the one place
+that decides layouts) for the layouts of its outputs, starting from the model's inputs
+(their per-sample tensors batched in dim 0, the rest shared), its parameters and
+buffers (shared). An op reading a watched parameter, directly or through *derived*
+tensors (shared tensors computed from parameters: ``W.t()``, ``pos[:, :T]``, a position
+embedding looked up with ``arange`` ids) is recorded as an :class:`~persample.capture.
+records.Op`. If its output carries samples it is a *use*: its per-sample gradient comes
+from that op's rule, with the backprops of its output (read at its gradient edge,
+:mod:`persample.capture.edges`). Otherwise its output is derived, and the op is pulled
+back later from the per-sample cotangents its consumers give. A derived tensor widened
+to the batch (``bias.expand(B, H, T, T)``) is read as the tensor it widens by the ops
+that broadcast it anyway. Parameter data written in place into a shared tensor, and a
+derived tensor read after it changed in place, are reads the rules cannot follow
+(``unseen_reads``): no recorded op made what is read.
+
+Forward hooks on every module holding a watched parameter keep the stack of module
+calls (for names, module rules and the per-module fallback). A module with a module
+rule *claims* the ops reading its own parameters inside its call.
+
+State lives in the :class:`Capture` object, never on the model, and the hooks exist only
+inside the ``with`` block: they are removed in ``finally``. What a capture changes
+outside itself while open is in :mod:`persample.patches`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..batch import SHARED, Batched, Ctx, Flow, Layout, Unknown, in_place, op_leaves, propagate
+from ..batch.flow import name_of, unbroadcast
+from ..batch.layouts import new_trouble, placed
+from ..batch.ops_indexing import written_layout
+from ..batch.table import MISSING, LayoutTable
+from ..errors import module_note, raise_internal
+from ..patches import WhileCapturing
+from ..precision import autocast_state
+from .edges import edge_of
+from .mode import hidden, mode_class, must_hide
+from .records import Call, Derived, Op, shapes_only
+from .tensors import free_tensors, has_tensor, holders, tensor_leaves, user_leaf
+
+# ops whose output is their first argument repeated along new or size-1 dims, where its
+# shape broadcasts to the output's
+_WIDENINGS = frozenset(f for f in (
+    torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to, torch.Tensor.broadcast_to,
+    torch.Tensor.repeat, torch.tile, torch.Tensor.tile) if f is not None)
+
+
+class Capture:
+    """Context manager recording one forward (see the module docstring).
+
+    Args:
+        model: the model; its parameters, buffers and tensor attributes are shared
+            (``None`` for a plain function: no module calls are kept).
+        watched: the trainable parameters to follow (``id`` -> parameter).
+        n: the batch size.
+        batched: the input tensors that carry the samples: a tensor (samples in dim 0)
+            or a pair ``(tensor, layout)`` (packed rows, a packed sequence's data).
+        shared: the other input tensors (shared).
+        module_rule: ``module -> rule or None``.
+        constant: ``constant(t)`` for a tensor the capture never saw made: is it shared
+            (made before the call, so shared by every sample) rather than unknown (made
+            by code the capture cannot see, from sample data perhaps)? Default
+            :func:`~persample.capture.tensors.user_leaf`.
+        expansions: ``{func: fn}``, ops run as their decomposition ``fn(*args,
+            **kwargs)`` under the capture (``fn`` returns ``NotImplemented`` to leave a
+            call whole). :func:`persample.rules.open_capture` passes the rules' own.
+
+    After the block: ``ops`` (every op reading a watched parameter, in order),
+    ``derived`` (id of a derived tensor -> :class:`~persample.capture.records.Derived`),
+    ``calls`` (finished module calls), ``layout(t)`` for any tensor, ``unseen_reads``
+    (parameters read by ops without autograd: a gradient path the capture cannot see).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+        >>> x = torch.randn(5, 3)
+        >>> with Capture(net, {id(p): p for p in net.parameters()}, 5, [x]) as cap:
+        ...     y = net(x)
+        >>> cap.layout(y), [op.func.__name__ for op in cap.ops]
+        (Batched(dim=0), ['linear', 'linear'])
+        >>> len(net[0]._forward_hooks)
+        0
+    """
+
+    def __init__(self, model: nn.Module | None, watched: dict[int, nn.Parameter], n: int,
+                 batched: list[Tensor | tuple[Tensor, Layout]], shared: tuple = (),
+                 module_rule: Callable[[nn.Module], Any] | None = None,
+                 constant: Callable[[Tensor], bool] | None = None,
+                 expansions: dict[Any, Callable] | None = None):
+        self.model, self.watched, self.n = model, watched, n
+        self.constant = constant or user_leaf
+        self.expansions = expansions or {}
+        self.layouts = LayoutTable()
+        self.derived: dict[int, Derived] = {}
+        self.ops: list[Op] = []
+        self.calls: list[Call] = []
+        self.stack: list[Call] = []
+        self.unseen_reads: set[int] = set()
+        self.thread = threading.get_ident()
+        # no reference cycle back to the capture (its graph would live until the cyclic
+        # GC runs: gigabytes in a training loop of many micro-batches)
+        self.ctx = Ctx(n, self.layouts.layout)
+        self._module_rule = module_rule
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._mode: Any = None  # made on entering
+        for t in free_tensors(model, shared):
+            self.layouts[t] = SHARED
+        for item in batched:
+            t, lay = item if isinstance(item, tuple) else (item, Batched(0))
+            self.layouts[t] = lay
+
+    def add_inputs(self, located: list[tuple[Tensor, Layout]]) -> None:
+        """More tensors whose samples are known (the loss's targets)."""
+        for t, lay in located:
+            self.layouts[t] = lay
+
+    def layout(self, t: Tensor) -> Layout:
+        """The layout of ``t``; a tensor the capture never saw created is Unknown."""
+        return self.layouts.layout(t)
+
+    @contextmanager
+    def follow(self) -> Iterator[None]:
+        """Inside: ops are followed (layouts) as during the forward, without the module
+        hooks (the loss, after the model's forward)."""
+        mode = mode_class(must_hide())(weakref.proxy(self))
+        mode.__enter__()
+        try:
+            yield
+        finally:
+            mode.__exit__(None, None, None)
+        self._stale_derived()
+
+    # -- the context manager --------------------------------------------------
+
+    def __enter__(self) -> Capture:
+        WhileCapturing.enter()
+        try:
+            hide = must_hide()  # (after the stance is set)
+            # a module with no trainable parameter inside is not hooked: its parent's call
+            # stands for it
+            found = holders(self.model, self.watched) if self.model is not None else []
+            post = hidden(self._post_hook) if hide else self._post_hook
+            for name, module in found:
+                pre = self._pre_hook(name)
+                self._handles.append(module.register_forward_pre_hook(
+                    hidden(pre) if hide else pre, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(post, with_kwargs=True))
+            self._mode = mode_class(hide)(weakref.proxy(self))
+            self._mode.__enter__()
+        except BaseException:
+            self._remove()
+            WhileCapturing.exit()
+            raise
+        return self
+
+    def __exit__(self, _type, exc, _tb) -> None:
+        try:
+            self._mode.__exit__(None, None, None)
+        finally:
+            try:
+                WhileCapturing.exit()
+            finally:
+                self._remove()
+        self._stale_derived()
+        if exc is not None and self.stack:  # raised inside a module's forward: name it
+            call = self.stack[-1]
+            exc.add_note(module_note(call.describe(), call.module, call.args, exc))
+
+    def _stale_derived(self) -> None:
+        """A derived tensor whose op's inputs changed in place since the op ran (through
+        any alias: a view, a ``detach()``) cannot be pulled back through that op, which
+        would read their new values: its parameters' reads cannot be followed. (A derived
+        tensor read after it changed is caught where it is read, :meth:`_sources`.)"""
+        with torch._C.DisableTorchFunction():  # reading versions is no op of the model
+            for d in self.derived.values():
+                if d.op.changed():
+                    self.unseen_reads |= d.op.sources_all
+
+    def release_calls(self, keep: list[Call]) -> None:
+        """Forget the inputs, outputs and gradient edges of the module calls other than
+        ``keep`` (the calls the plan runs a module rule or the fallback on): what they
+        hold (every block's activations, a frozen layer's output, a model output's
+        key-value cache) is then freed as the backward goes, as in a plain backward.
+        Their names stay for messages."""
+        kept = {id(call) for call in keep}
+        for call in self.calls:
+            if id(call) not in kept:
+                call.args, call.kwargs, call.output, call.edges = (), {}, None, []
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- module calls -----------------------------------------------------------
+
+    def _pre_hook(self, name: str):
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if threading.get_ident() != self.thread:
+                return
+            try:
+                rule = self._module_rule(module) if self._module_rule else None
+                call = Call(name, module, args, kwargs, rule=rule,
+                            parent=self.stack[-1] if self.stack else None,
+                            autocast=autocast_state())
+                with torch._C.DisableTorchFunction():  # reading tensors here is no op of
+                    call.versions = [t._version for t in tensor_leaves((args, kwargs))]
+            except Exception as err:
+                raise_internal(err, f"the call of module '{name or '<root>'}'")
+            self.stack.append(call)
+
+        return pre_hook
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        call = self.stack.pop()
+        try:
+            call.output = output
+            with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
+                call.edges = [edge_of(t) for t in tensor_leaves(output)]
+        except Exception as err:
+            raise_internal(err, f"the output of module {call.describe()}")
+        self.calls.append(call)
+
+    # -- ops ------------------------------------------------------------------
+
+    def record(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run one op (the model's own: its errors propagate as they are); record its
+        outputs' layouts, and the op if it reads parameters (persample's work: an error
+        there is an :class:`~persample.errors.InternalError` naming the op)."""
+        try:
+            leaves = op_leaves(args, kwargs)
+            sources = self._sources(leaves)
+            if sources:  # a derived tensor the op broadcasts anyway: its narrow form
+                narrowed = unbroadcast(func, args, kwargs, self._unexpanded)
+                if narrowed is not None:
+                    args, kwargs = narrowed
+                    leaves = op_leaves(args, kwargs)
+                    sources = self._sources(leaves)
+            layouts = [self._seen(t) for t in leaves]
+            mutates = in_place(func, kwargs)
+            before = None
+            if sources and mutates and leaves and leaves[0] is args[0] and 0 not in sources:
+                before = args[0].detach().clone()  # the rule needs the value it overwrites
+        except Exception as err:
+            raise_internal(err, f"the capture of {name_of(func)}")
+        out = func(*args, **kwargs)
+        try:
+            return self._follow(func, args, kwargs, out, leaves, layouts, sources, mutates,
+                                before)
+        except Exception as err:
+            raise_internal(err, f"the data flow of {name_of(func)}")
+
+    def _follow(self, func, args, kwargs, out, leaves, layouts, sources, mutates, before
+                ) -> Any:
+        """The layouts of an op's outputs, and the op recorded if it reads parameters."""
+        if func is torch.Tensor.__setitem__:
+            self.layouts.written(args[0], written_layout(self.ctx, *args[:3]))
+            if sources:  # a parameter written into a tensor: no rule follows it
+                self.unseen_reads |= frozenset().union(*sources.values())
+            return out
+        if not has_tensor(out):
+            return out
+        flow = propagate(self.ctx, func, args, kwargs, out, layouts)
+        if self.stack and new_trouble(flow.outputs, layouts):
+            flow = Flow(placed(flow.outputs, self.stack[-1].describe()), flow.pairing,
+                        flow.writes)
+        target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
+            args[0] if mutates and args and isinstance(args[0], Tensor) else None)
+        if target is not None and isinstance(out, Tensor):
+            self.layouts.written(target, flow.outputs, out)
+            if sources and flow.outputs is SHARED:  # parameters written into a shared tensor:
+                # what shares its storage no longer holds what the ops that made it computed
+                self.unseen_reads |= frozenset().union(*sources.values())
+        else:
+            self.layouts.set_outputs(out, flow.outputs)
+        for t, lay in flow.writes:  # other inputs the op overwrote (running statistics)
+            self.layouts.written(t, lay)
+        if sources:
+            self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before)
+        return out
+
+    def _seen(self, t: Tensor) -> Layout:
+        """``t``'s layout; a tensor the capture never saw made becomes Unknown, named
+        with the module where it is first read."""
+        lay = self.layouts.layout(t)
+        if lay is not MISSING:
+            return lay
+        if self.constant(t):
+            self.layouts[t] = SHARED
+            return SHARED
+        where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
+        lay = self.layouts[t] = Unknown(f"{MISSING.why}{where}")
+        return lay
+
+    def _record_op(self, func, args, kwargs, out, leaves, layouts, flow, sources, before) -> None:
+        op = Op(func, args, kwargs, out, leaves, layouts, flow, sources,
+                self.stack[-1] if self.stack else None, before=before, index=len(self.ops))
+        op.sources_all = frozenset().union(*sources.values())
+        op.autocast = autocast_state()
+        op.versions = [t._version for t in leaves]
+        outs, lays = op.outputs, op.out_layouts
+        op.edges = [edge_of(o) for o in outs]
+        op.claimed = self._claim(op.sources_all)
+        if not any(o.requires_grad for o in outs) and any(
+                o.is_floating_point() or o.is_complex() for o in outs):
+            self.unseen_reads |= op.sources_all  # read without autograd (or only .detach())
+        self.ops.append(op)
+        for k, (o, lay) in enumerate(zip(outs, lays)):
+            if lay is SHARED and o.requires_grad and not any(o is t for t in leaves):
+                self.derived[id(o)] = Derived(o, op, k, o._version)  # (x.to() may be x)
+        op.output = shapes_only(out, op.flow.outputs)
+
+    def _claim(self, pids: frozenset[int]) -> Call | None:
+        """The innermost module-rule call under way that holds one of these parameters."""
+        for call in reversed(self.stack):
+            if call.rule is not None and any(
+                    id(p) in pids for p in call.module.parameters(recurse=False)):
+                return call
+        return None
+
+    # -- derived tensors --------------------------------------------------------
+
+    def _sources(self, leaves: list) -> dict[int, frozenset[int]]:
+        """Leaf position -> the watched parameters it comes from (itself, or a derived
+        tensor's)."""
+        found = {}
+        watched, derived = self.watched, self.derived
+        for k, t in enumerate(leaves):
+            key = id(t)
+            if watched.get(key) is t:
+                found[k] = frozenset((key,))
+            elif derived:
+                d = derived.get(key)
+                if d is not None and d.tensor is t:
+                    with torch._C.DisableTorchFunction():
+                        stale = t._version != d.version
+                    if not stale:
+                        found[k] = d.op.sources_all
+                    elif self.layouts.layout(t) is SHARED:  # changed in place since its op
+                        # made it (through any alias): that op no longer made what is read
+                        found[k] = d.op.sources_all
+                        self.unseen_reads |= d.op.sources_all
+                    # else an in-place op wrote sample data into it since: what is read is
+                    # that op's output, followed from its own gradient edge
+        return found
+
+    def _unexpanded(self, t: Tensor) -> Tensor | None:
+        """The tensor a derived ``t`` repeats along new or size-1 dims (``bias.expand(B,
+        H, T, T)``, ``cls.repeat(B, 1, 1)``, ``pos.expand_as(x)``), if neither changed
+        since: ``t`` is it broadcast, entry for entry. An op that broadcasts ``t`` anyway
+        reads it instead (:func:`persample.batch.flow.unbroadcast`): its per-sample
+        cotangent then has that tensor's shape, shared by the samples, and the op's own
+        backward gives it, where ``t``, as wide as the batch, would need one row per
+        sample of a per-sample VJP."""
+        found = None
+        while True:
+            d = self.derived.get(id(t))
+            if (d is None or d.tensor is not t or d.op.func not in _WIDENINGS
+                    or 0 not in d.op.sources or t._version != d.version or d.op.changed()):
+                return found
+            src = d.op.args[0]
+            if src.dim() == 0 or src.dtype != t.dtype or not _broadcasts(src.shape, t.shape):
+                return found  # (a 0-dim tensor would change the type promotion)
+            found = t = src
+
+
+def _broadcasts(small: torch.Size, big: torch.Size) -> bool:
+    """``small`` broadcasts to ``big`` (right-aligned, each dim equal or 1)."""
+    if len(small) > len(big):
+        return False
+    return all(a == b or a == 1 for a, b in zip(reversed(small), reversed(big)))

@@ -1,0 +1,131 @@
+"""The records of one captured forward: the module calls (:class:`Call`), the ops that
+read watched parameters (:class:`Op`), and the shared tensors computed from parameters
+(:class:`Derived`).
+
+A record keeps what the rules need later (an op's inputs, their layouts, how the op
+pairs them with the samples, its output's gradient edge) and no more: an output that
+carries samples is kept as a stand-in of its shape (:func:`shapes_only`), so that its
+values (GPT-2's logits, ``(B, T, 50257)``) are freed as in a plain step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..batch import Batched, Flow, Layout
+from ..precision import AutocastState
+from .edges import Edge
+
+
+@dataclass(eq=False)
+class Call:
+    """One call of one module during the captured forward."""
+
+    name: str  # qualified name of the module in the model ("" for the root)
+    module: nn.Module
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    output: Any = None
+    parent: Call | None = None
+    rule: Any = None  # the module's module rule (rules.ModuleRule), if it has one
+    versions: list[int] = field(default_factory=list)  # of its input tensors, at the call
+    edges: list[Edge | None] = field(default_factory=list)  # per output tensor
+    autocast: AutocastState | None = None  # the autocast state it ran under
+
+    def describe(self) -> str:
+        return f"'{self.name or '<root>'}' ({type(self.module).__name__})"
+
+
+@dataclass(eq=False)
+class Op:
+    """One op that reads watched parameters (directly or through derived tensors)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    output: Any
+    leaves: list[Tensor]  # op_leaves(args, kwargs)
+    layouts: list[Layout]  # of the leaves, when the op ran
+    flow: Flow  # the layouts of its outputs, and how it pairs its inputs with samples
+    sources: dict[int, frozenset[int]]  # leaf position -> ids of the params it comes from
+    call: Call | None  # the innermost module call under way
+    edges: list[Edge | None] = field(default_factory=list)  # per output tensor
+    versions: list[int] = field(default_factory=list)  # of the leaves, after the op
+    before: Tensor | None = None  # the value of an input the op overwrote in place
+    claimed: Call | None = None  # a module-rule call that owns its parameters
+    index: int = 0  # creation order
+    sources_all: frozenset[int] = frozenset()  # every parameter it reads
+    autocast: AutocastState | None = None  # the autocast state it ran under
+    gather: Callable[[list[Tensor]], None] | None = None  # makes freed leaves readable (FSDP)
+
+    @property
+    def outputs(self) -> list[Tensor]:
+        out = self.output
+        if isinstance(out, Tensor):
+            return [out]
+        return [o for o in out if isinstance(o, Tensor)] if isinstance(out, (tuple, list)) else []
+
+    @property
+    def out_layouts(self) -> list[Layout]:
+        lays = self.flow.outputs
+        lays = list(lays) if isinstance(lays, tuple) else [lays]
+        out = self.output
+        items = list(out) if isinstance(out, (tuple, list)) else [out]
+        return [lay for o, lay in zip(items, lays) if isinstance(o, Tensor)]
+
+    def pairing(self, k: int) -> Layout | None:
+        """How leaf ``k`` pairs with the samples: a batched layout, or ``None`` (shared)."""
+        if self.flow.pairing is not None:
+            return self.flow.pairing[k]
+        lay = self.layouts[k]
+        return lay if isinstance(lay, Batched) else None
+
+    def value(self, k: int) -> Tensor:
+        """Leaf ``k`` as the op read it (the saved value if the op overwrote it)."""
+        if k == 0 and self.before is not None:
+            return self.before
+        return self.leaves[k]
+
+    def ready(self) -> None:
+        """Before the op is replayed: a sharded model's parameters it read, which FSDP
+        freed after use, gathered again (rules read their shapes only)."""
+        if self.gather is not None:
+            self.gather(self.leaves)
+
+    def changed(self) -> bool:
+        """Was a leaf modified in place after the op ran?"""
+        return any(t._version != v for t, v in zip(self.leaves, self.versions))
+
+    def where(self) -> str:
+        name = getattr(self.func, "__name__", repr(self.func))
+        return f"{name} in module {self.call.describe()}" if self.call else name
+
+
+@dataclass(eq=False)
+class Derived:
+    """A shared tensor computed from watched parameters, and the op that made it."""
+
+    tensor: Tensor
+    op: Op
+    out: int  # which output of op
+    version: int = 0  # the tensor's, when the op made it
+
+
+def shapes_only(out: Any, layouts: Any) -> Any:
+    """An op's output with each tensor carrying samples replaced by a stand-in of its
+    shape, strides and dtype on the meta device: what comes later reads its gradient
+    (through its edge) and its layout, never its values."""
+    if isinstance(out, Tensor):
+        if not isinstance(layouts, Batched):
+            return out
+        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+    if isinstance(out, (tuple, list)) and isinstance(layouts, tuple) and len(out) == len(
+            layouts):
+        return type(out)(shapes_only(o, lay) for o, lay in zip(out, layouts)) \
+            if type(out) in (tuple, list) else out
+    return out
