@@ -104,7 +104,7 @@ class GradientProjector:
     """The ``kind`` values this class draws."""
 
     def __new__(cls, *args: Any, kind: str = "kronecker", **kwargs: Any) -> GradientProjector:
-        if cls is GradientProjector:  # the class of the kind; a subclass is itself
+        if cls is GradientProjector:  # the kind's class (a subclass named is built as is)
             if kind not in _CLASSES:
                 raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
             cls = _CLASSES[kind]
@@ -227,8 +227,9 @@ class GradientProjector:
 
     def _from_factors(self, factors: dict[int, list[Factors]], dtype: torch.dtype
                       ) -> dict[str, Tensor]:
-        """``{name: (n, d)}`` for the parameters projected from their factors
-        (``{id(p): uses}``), in ``dtype``; the others are formed. None by default."""
+        """``{name: (n, d)}`` in ``dtype`` for the parameters this kind projects from
+        their factors (``factors``: ``{id(p): uses}``); every other parameter's gradients
+        are formed. Here none: a map that needs the whole gradient."""
         return {}
 
     # -- the rules' path --------------------------------------------------------------
