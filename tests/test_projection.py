@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import persample.dots as dots_module
 import persample.projection as projection_module
 from cases import CASE_IDS, CASES, N, build
 from persample import GradientProjector, loop_per_sample_grads, per_sample_grads
+from persample.captured_batch import CapturedBatch, matrix_shape
 from test_real_models import masked_loop
 from zoo import ZOO
 
@@ -64,7 +64,7 @@ def test_real_models(name):
 def test_kronecker_map_and_factor_path(monkeypatch):
     """A Linear's block is P_out^T G P_in of its per-sample gradient; MLP weights and
     biases come from the factors (materialising is forbidden here)."""
-    monkeypatch.setattr(dots_module.CapturedBatch, "grads",
+    monkeypatch.setattr(CapturedBatch, "grads",
                         lambda self, group: (_ for _ in ()).throw(AssertionError("formed")))
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
     x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
@@ -86,7 +86,7 @@ def test_dense_matrix_drawn_in_chunks(monkeypatch):
     x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
     for kind in ("gaussian", "rademacher"):
         proj = GradientProjector(model, 10, kind=kind, seed=4)
-        phi = torch.cat([torch.cat([b for _, b in proj._dense_rows(n, torch.float64)])
+        phi = torch.cat([torch.cat([b for _, b in proj._blocks(n, torch.float64)])
                          for n in proj.params])  # (P, 10)
         assert phi.shape == (entries(model), 10)
         if kind == "rademacher":
@@ -149,7 +149,7 @@ def test_kronecker_sides_kept_whole_are_exact():
     model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2)).double()
     ids, y = torch.randint(0, 5, (4, 6)), torch.randn(4, 6, 2, dtype=torch.float64)
     proj = GradientProjector(model, 3 * 5 + 2 * 3 + 2)
-    assert all(proj.dims[n] == dots_module.matrix_shape(p) for n, p in proj.params.items())
+    assert all(proj.dims[n] == matrix_shape(p) for n, p in proj.params.items())
     want = torch.cat([g.flatten(1) for g in loop_per_sample_grads(
         model, ids, y, nn.MSELoss()).values()], dim=1)
     torch.testing.assert_close(proj(ids, y, nn.MSELoss()), want, rtol=1e-12, atol=1e-14)

@@ -14,7 +14,7 @@ it is a sum over the ops that read it:
   chosen where it costs fewer multiply-adds than forming the gradients;
 - every other parameter (convolutions, normalisation layers, scales, what the rules
   answer by module or by ``torch.func``) from its per-sample gradients, a few
-  parameters at a time (at most :data:`GROUP_BYTES` of them per batch at once).
+  parameters at a time (:func:`persample.captured_batch.parameter_groups`).
 """
 
 from __future__ import annotations
@@ -26,17 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .engine import Captured, loss_backprops, write_per_sample
+from .captured_batch import CapturedBatch, matrix_shape, parameter_groups
 from .errors import internal
 from .methods import Taken, answer
-from .norms import use_factors
-from .precision import accumulate_dtype, cast, without_autocast
+from .precision import accumulate_dtype, cast
 from .reference import loop_per_sample_grads
-from .rules.ghost import cross_inner, forming_cost
+from .rules.ghost import Factors, cross_inner, forming_cost
 from .vmap import vmap_per_sample_grads
-
-GROUP_BYTES = 1 << 28
-"""At most this many bytes of materialised per-sample gradients per batch at once."""
 
 
 def per_sample_grad_dots(
@@ -123,40 +119,23 @@ def per_sample_grad_dots(
 
 def _materialised_dots(grads_of: Callable[[Any, Any], dict[str, Tensor]],
                        side: tuple, second: tuple | None) -> Tensor:
-    """``G @ G'^T`` from the per-sample gradients of a whole-model method."""
+    """``G @ G'^T``, ``(B, B')``, from the per-sample gradients of a whole-model method
+    (``grads_of(inputs, targets)``: ``{name: (B, *shape)}``), summed over parameters."""
     a = grads_of(*side)
     b = a if second is None else grads_of(*second)
     total = None
     for name, g in a.items():
         dtype = accumulate_dtype(g.dtype)
-        term = cast(g.flatten(1), dtype) @ cast(b[name].flatten(1), dtype).T
+        term = cast(g.flatten(1), dtype) @ cast(b[name].flatten(1), dtype).T  # (B, B')
         total = term if total is None else total + term
     return total
 
 
-class CapturedBatch:
-    """One batch's capture: the factors of the parameters that have them, and the
-    per-sample gradients of the others on demand."""
-
-    def __init__(self, model: nn.Module, batch: Any, targets: Any, loss_fn: Callable,
-                 params: dict[str, nn.Parameter]):
-        watched = {id(p): p for p in params.values()}
-        self.captured: Captured = loss_backprops(model, batch, targets, loss_fn, watched)
-        self.n = self.captured.n
-        with torch.no_grad(), without_autocast(), internal("the factor rules"):
-            self.factors = {pid: uses for pid, (_, uses) in
-                            use_factors(self.captured, set(watched)).items()}
-
-    def grads(self, group: list[nn.Parameter]) -> dict[int, Tensor]:
-        """``{id(p): (n, numel)}`` per-sample gradients of ``group``, accumulate dtype."""
-        dest = {id(p): p.new_zeros((self.n, 1, *p.shape)) for p in group}
-        with internal("the rules"):
-            write_per_sample(self.captured, dest)
-        return {pid: cast(g.flatten(1), accumulate_dtype(g.dtype)) for pid, g in dest.items()}
-
-
 def _rules_dots(model: nn.Module, side: tuple, second: tuple | None, loss_fn: Callable,
                 params: dict[str, nn.Parameter]) -> Tensor:
+    """``(B, B')`` by the rules: each batch captured once; a parameter from the cross
+    products of its factors where :func:`_factors_cheaper`, else from its per-sample
+    gradients formed a few parameters at a time."""
     a = CapturedBatch(model, *side, loss_fn, params)
     b = a if second is None else CapturedBatch(model, *second, loss_fn, params)
     dtype = accumulate_dtype(*(p.dtype for p in params.values()))
@@ -166,45 +145,25 @@ def _rules_dots(model: nn.Module, side: tuple, second: tuple | None, loss_fn: Ca
         for p in params.values():
             fa, fb = a.factors.get(id(p)), b.factors.get(id(p))
             if fa and fb and _factors_cheaper(fa, fb, a.n, b.n, p):
-                for u in fa:
+                for u in fa:  # every use against every use: tied weights' cross terms
                     for v in fb:
-                        total += cross_inner(u, v).to(dtype)
+                        total += cross_inner(u, v).to(dtype)  # (B, B')
             else:
                 rest.append(p)
     for group in parameter_groups(rest, a.n + (0 if b is a else b.n)):
-        ga = a.grads(group)
-        gb = ga if b is a else b.grads(group)
+        ga = a.grads(group)  # {id(p): (B, numel)}
+        gb = ga if b is a else b.grads(group)  # {id(p): (B', numel)}
         for pid, g in ga.items():
             total += (g @ gb[pid].T).to(dtype)
     return total
 
 
-def _factors_cheaper(fa: list, fb: list, n: int, m: int, p: nn.Parameter) -> bool:
-    """Multiply-adds of the factors' cross products against forming both sides'
-    gradients and multiplying them."""
+def _factors_cheaper(fa: list[Factors], fb: list[Factors], n: int, m: int,
+                     p: nn.Parameter) -> bool:
+    """Whether the factors' cross products (:func:`cross_inner`, every use of ``fa``
+    against every use of ``fb``) take fewer multiply-adds than forming both sides'
+    ``n`` and ``m`` gradients and multiplying them."""
     rows, cols = matrix_shape(p)
     by_factors = n * m * sum(u.cost(v) for u in fa for v in fb)  # cross_inner's
     by_forming = n * forming_cost(fa, rows) + m * forming_cost(fb, rows) + n * m * rows * cols
     return by_factors < by_forming
-
-
-def matrix_shape(p: Tensor) -> tuple[int, int]:
-    """A parameter as a matrix: its first dim by the rest (a 1-d one as a column)."""
-    rows = p.shape[0] if p.dim() else 1
-    return rows, p.numel() // max(rows, 1)
-
-
-def parameter_groups(params: list[nn.Parameter], samples: int) -> list[list[nn.Parameter]]:
-    """Consecutive parameters whose per-sample gradients for ``samples`` rows fit in
-    :data:`GROUP_BYTES` (a larger one alone)."""
-    groups: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        bytes_ = samples * p.numel() * max(p.element_size(), 4)
-        if groups and size + bytes_ <= GROUP_BYTES:
-            groups[-1].append(p)
-            size += bytes_
-        else:
-            groups.append([p])
-            size = bytes_
-    return groups

@@ -6,22 +6,24 @@ projects each per-sample gradient to a few thousand dimensions with a dense rand
 project each layer's gradient ``G = sum_t g_t a_t^T`` as ``P_out^T G P_in``, which
 needs only the projected backprops ``P_out^T g_t`` and activations ``P_in^T a_t``.
 
-:class:`GradientProjector` does both on any model persample runs:
+:class:`GradientProjector` does both on any model persample runs; ``kind`` picks the
+class that does it (``GradientProjector(...)`` returns an instance of it):
 
-- ``kind="kronecker"``: every parameter seen as a matrix ``(rows, cols)`` (its first
-  dim by the rest) gets ``P_out (rows, d_out)`` and ``P_in (cols, d_in)`` with
-  Gaussian entries of variance ``1/d_out`` and ``1/d_in`` (the identity for a side kept
-  whole: a bias's ``P_in``, a small parameter's both); ``dim`` is split across the
-  parameters in equal shares, capped by each one's size, and each share taken as the
-  pair ``d_out * d_in`` near its square root
+- :class:`KroneckerProjector`, ``kind="kronecker"``: every parameter seen as a matrix
+  ``(rows, cols)`` (its first dim by the rest) gets ``P_out (rows, d_out)`` and ``P_in
+  (cols, d_in)`` with Gaussian entries of variance ``1/d_out`` and ``1/d_in`` (the
+  identity for a side kept whole: a bias's ``P_in``, a small parameter's both); ``dim``
+  is split across the parameters in equal shares, capped by each one's size, and each
+  share taken as the pair ``d_out * d_in`` near its square root
   (:attr:`GradientProjector.dims` says the split). Where an op gives the parameter's
   per-sample gradient as factors (linear maps at ``T`` positions, table lookups:
   ``rules.ghost``), the projection is ``sum_t (P_out^T L_t) (P_in^T R_t)^T`` from
   them; elsewhere from the per-sample gradients, a few parameters at a time.
-- ``kind="gaussian"`` / ``"rademacher"``: one dense matrix ``(P, dim)`` over all the
-  parameters (entries ``N(0, 1/dim)`` or ``+-1/sqrt(dim)``), never stored whole: each
-  parameter's block of rows is drawn in chunks from ``(seed, parameter, chunk)``
-  whenever it is applied, to the per-sample gradients of a few parameters at a time.
+- :class:`DenseProjector`, ``kind="gaussian"`` / ``"rademacher"``: one dense matrix
+  ``(P, dim)`` over all the parameters (entries ``N(0, 1/dim)`` or ``+-1/sqrt(dim)``),
+  never stored whole: each parameter's block of rows is drawn in chunks from ``(seed,
+  parameter, chunk)`` whenever it is applied, to the per-sample gradients of a few
+  parameters at a time.
 
 The matrices are the same for the same seed, parameters and device type.
 """
@@ -29,15 +31,16 @@ The matrices are the same for the same seed, parameters and device type.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from . import checks
-from .dots import CapturedBatch, matrix_shape, parameter_groups
+from .captured_batch import CapturedBatch, matrix_shape, parameter_groups
 from .errors import internal
+from .inputs import Batch
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
 from .reference import loop_per_sample_grads
@@ -52,6 +55,10 @@ CHUNK_BYTES = 1 << 26
 class GradientProjector:
     """A seeded random linear map from per-sample gradients to ``dim`` numbers each.
 
+    ``GradientProjector(model, dim, kind=...)`` builds an instance of the class of
+    ``kind``, :class:`KroneckerProjector` or :class:`DenseProjector` (subclasses of this
+    one, which has what they share: the parameters, the batch's capture, ``project``).
+
     Args:
         model: the ``nn.Module`` whose per-sample gradients are projected.
         dim: the number of projected coordinates per sample, ``>= 1`` (at most the
@@ -63,6 +70,13 @@ class GradientProjector:
         seed: the seed of every random matrix (an ``int``).
         params: the parameters projected, as names or the parameters (default: every
             trainable one, in ``named_parameters()`` order).
+
+    Attributes:
+        dim: the projected coordinates per sample (``int``).
+        dims: ``{name: (d_out, d_in)}`` for ``kind="kronecker"``; ``{}`` for a dense kind.
+        kind, seed, model: as given (``seed`` as an ``int``).
+        params: ``{name: parameter}`` projected, in order: ``proj.dim``'s blocks
+            (Kronecker) or the dense matrix's blocks of rows follow it.
 
     Raises:
         ValueError: an unknown ``kind``, ``dim < 1`` or larger than the parameters'
@@ -79,15 +93,27 @@ class GradientProjector:
         >>> grads = persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss())
         >>> z.shape, torch.allclose(z, proj.project(grads), atol=1e-5)
         (torch.Size([16, 20]), True)
+        >>> type(proj).__name__, isinstance(proj, persample.GradientProjector)
+        ('KroneckerProjector', True)
 
     Source: Johnson & Lindenstrauss 1984; Park et al. 2023 (TRAK); Choe et al. 2024
     (LoGra: Kronecker-structured gradient projection); Xia et al. 2024 (LESS).
     """
 
+    kinds: tuple[str, ...] = KINDS
+    """The ``kind`` values this class draws."""
+
+    def __new__(cls, *args: Any, kind: str = "kronecker", **kwargs: Any) -> GradientProjector:
+        if cls is GradientProjector:  # the kind's class (a subclass named is built as is)
+            if kind not in _CLASSES:
+                raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+            cls = _CLASSES[kind]
+        return object.__new__(cls)
+
     def __init__(self, model: nn.Module, dim: int, *, kind: str = "kronecker", seed: int = 0,
                  params: Iterable[str | Tensor] | None = None) -> None:
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if kind not in self.kinds:
+            raise ValueError(f"kind must be one of {self.kinds}, got {kind!r}")
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.params = checks.selected_parameters(model, trainable, params)
         total = sum(p.numel() for p in self.params.values())
@@ -95,15 +121,73 @@ class GradientProjector:
             raise ValueError(f"dim must be an int in [1, {total}] (the entries of the "
                              f"parameters projected), got {dim!r}")
         self.model, self.kind, self.seed = model, kind, int(seed)
-        self.index = {name: k for k, name in enumerate(self.params)}
-        if kind == "kronecker":
-            self.dims = _split(dim, {n: matrix_shape(p) for n, p in self.params.items()})
-            self.dim = sum(a * b for a, b in self.dims.values())
-        else:
-            self.dims, self.dim = {}, dim
-        self._kron: dict[str, tuple[Tensor, Tensor]] = {}
+        self.index = {name: k for k, name in enumerate(self.params)}  # the generators'
+        self.dim = dim
+        self.dims: dict[str, tuple[int, int]] = {}
 
-    # -- the maps ---------------------------------------------------------------------
+    # -- what users call --------------------------------------------------------------
+
+    def __call__(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
+                 method: str = "auto", loss_reduction: str | None = None) -> Tensor:
+        """The projected per-sample gradients of a batch, ``(B, proj.dim)``.
+
+        Args:
+            inputs, targets, loss_fn, method, loss_reduction: as for
+                :func:`persample.per_sample_grads` (``B`` samples).
+
+        Returns:
+            ``(B, proj.dim)`` in the parameters' dtype, at least float32 (loss units per
+            parameter unit): row ``i`` is ``project`` of sample ``i``'s gradient of its
+            own loss.
+
+        Raises:
+            as :func:`persample.per_sample_grads`.
+
+        Example:
+            >>> from torch import nn
+            >>> proj = GradientProjector(nn.Linear(4, 3), 6, kind="rademacher", seed=1)
+            >>> proj(torch.randn(5, 4), torch.randint(0, 3, (5,)), nn.CrossEntropyLoss()).shape
+            torch.Size([5, 6])
+        """
+        batch, _, params = checks.validate_call(self.model, inputs, targets, loss_fn, method,
+                                               loss_reduction, None, list(self.params))
+        return answer(
+            method,
+            rules=lambda: self._by_rules(batch, targets, loss_fn),
+            vmap=lambda: self.project(vmap_per_sample_grads(self.model, batch, targets,
+                                                            loss_fn, params)),
+            loop=lambda: self.project(loop_per_sample_grads(self.model, batch, targets,
+                                                            loss_fn)),
+            taken=Taken(), hint=lambda: checks.dtype_note(batch, params))
+
+    def project(self, grads: dict[str, Tensor]) -> Tensor:
+        """The same map applied to per-sample gradients given whole.
+
+        Args:
+            grads: ``{name: (B, *param.shape)}`` for every projected parameter (as
+                :func:`persample.per_sample_grads` returns them; other names ignored).
+
+        Returns:
+            ``(B, proj.dim)`` in the gradients' dtype, at least float32.
+
+        Raises:
+            ValueError: a projected parameter missing from ``grads``.
+
+        Example:
+            >>> from torch import nn
+            >>> proj = GradientProjector(nn.Linear(4, 3), 6, kind="gaussian")
+            >>> proj.project({"weight": torch.zeros(5, 3, 4), "bias": torch.ones(5, 3)}).shape
+            torch.Size([5, 6])
+        """
+        missing = [n for n in self.params if n not in grads]
+        if missing:
+            raise ValueError(f"grads lacks the projected parameters {missing}")
+        parts = []
+        for name in self.params:
+            g = grads[name]  # (B, *shape)
+            parts.append(self._project_one(name, cast(g.flatten(1), accumulate_dtype(
+                g.dtype))))
+        return self._joined(parts)
 
     def kronecker_factors(self, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The Kronecker map of parameter ``name``: its per-sample gradient, as a matrix
@@ -129,8 +213,72 @@ class GradientProjector:
             >>> proj.dims["weight"], p_out.shape, p_in.shape, torch.equal(p_out, torch.eye(10))
             ((10, 5), torch.Size([10, 10]), torch.Size([300, 5]), True)
         """
-        if self.kind != "kronecker":
-            raise ValueError(f"kronecker_factors: this projector's kind is {self.kind!r}")
+        raise ValueError(f"kronecker_factors: this projector's kind is {self.kind!r}")
+
+    # -- what each kind does ----------------------------------------------------------
+
+    def _project_one(self, name: str, g: Tensor) -> Tensor:
+        """One parameter's per-sample gradients ``(n, numel)`` projected: ``(n, d)``."""
+        raise NotImplementedError
+
+    def _joined(self, parts: list[Tensor]) -> Tensor:
+        """The parameters' projections ``(n, d)``, in order, as ``(n, proj.dim)``."""
+        raise NotImplementedError
+
+    def _from_factors(self, factors: dict[int, list[Factors]], dtype: torch.dtype
+                      ) -> dict[str, Tensor]:
+        """``{name: (n, d)}`` in ``dtype`` for the parameters this kind projects from
+        their factors (``factors``: ``{id(p): uses}``); every other parameter's gradients
+        are formed. Here none: a map that needs the whole gradient."""
+        return {}
+
+    # -- the rules' path --------------------------------------------------------------
+
+    def _by_rules(self, batch: Batch, targets: Any, loss_fn: Callable) -> Tensor:
+        """``(B, proj.dim)``: the batch captured once; the parameters with factors from
+        them where this kind can, the rest from their gradients a few at a time."""
+        side = CapturedBatch(self.model, batch, targets, loss_fn, self.params)
+        dtype = accumulate_dtype(*(p.dtype for p in self.params.values()))
+        with torch.no_grad(), internal("the projection of factors"):
+            parts = self._from_factors(side.factors, dtype)  # {name: (B, d)}
+        rest = [p for name, p in self.params.items() if name not in parts]
+        names = {id(p): n for n, p in self.params.items()}
+        for group in parameter_groups(rest, side.n):
+            for pid, g in side.grads(group).items():  # (B, numel)
+                with torch.no_grad():
+                    parts[names[pid]] = self._project_one(names[pid], g)
+        return self._joined([parts[n].to(dtype) for n in self.params])
+
+
+class KroneckerProjector(GradientProjector):
+    """``kind="kronecker"``: each parameter's per-sample gradient ``G (rows, cols)``
+    projected to ``P_out^T G P_in (d_out, d_in)``, the blocks concatenated in
+    ``proj.params`` order; from the factors ``sum_t (P_out^T L_t) (P_in^T R_t)^T``
+    where the rules give them (no ``G`` formed).
+
+    Build it as ``GradientProjector(model, dim)`` (arguments, attributes, methods and
+    errors: :class:`GradientProjector`). ``dim`` is split by :func:`_split`.
+
+    Example:
+        >>> from torch import nn
+        >>> proj = GradientProjector(nn.Linear(300, 10), 60)
+        >>> isinstance(proj, KroneckerProjector), proj.dims, proj.dim
+        (True, {'weight': (10, 5), 'bias': (10, 1)}, 60)
+
+    Source: Choe et al. 2024 (LoGra); Xia et al. 2024 (LESS).
+    """
+
+    kinds = ("kronecker",)
+
+    def __init__(self, model: nn.Module, dim: int, *, kind: str = "kronecker", seed: int = 0,
+                 params: Iterable[str | Tensor] | None = None) -> None:
+        super().__init__(model, dim, kind=kind, seed=seed, params=params)
+        self.dims = _split(dim, {n: matrix_shape(p) for n, p in self.params.items()})
+        self.dim = sum(a * b for a, b in self.dims.values())
+        self._drawn: dict[tuple[str, torch.dtype], tuple[Tensor | None, Tensor | None]] = {}
+
+    # the docstring: GradientProjector.kronecker_factors
+    def kronecker_factors(self, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         rows, cols = matrix_shape(self.params[name])
         p_out, p_in = self._sides(name, dtype)
         eye = lambda n: torch.eye(n, dtype=dtype, device=self.params[name].device)  # noqa: E731
@@ -138,45 +286,33 @@ class GradientProjector:
 
     def _sides(self, name: str, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
         """:meth:`kronecker_factors` with ``None`` for a side kept whole (never formed: a
-        bias of 50,000 entries would make a 10 GB identity)."""
+        bias of 50,000 entries would make a 10 GB identity), drawn once per dtype."""
         key = (name, dtype)
-        if key not in self._kron:
+        if key not in self._drawn:
             p = self.params[name]
             rows, cols = matrix_shape(p)
             d_out, d_in = self.dims[name]
             gen = _generator(p.device, self.seed, self.index[name], 0)
-            self._kron[key] = (_side(rows, d_out, gen, p.device, dtype),
-                               _side(cols, d_in, gen, p.device, dtype))
-        return self._kron[key]
-
-    def _dense_rows(self, name: str, dtype: torch.dtype) -> Iterable[tuple[int, Tensor]]:
-        """Parameter ``name``'s block of the dense matrix: ``(first row, (k, dim))`` chunks."""
-        p = self.params[name]
-        step = max(1, CHUNK_BYTES // (self.dim * 4))  # rows per chunk: not by dtype
-        for chunk, start in enumerate(range(0, p.numel(), step)):
-            rows = min(step, p.numel() - start)
-            gen = _generator(p.device, self.seed, self.index[name], chunk)
-            if self.kind == "gaussian":  # float32 draws: the same matrix for every dtype
-                block = torch.randn(rows, self.dim, generator=gen, device=p.device)
-            else:
-                block = torch.randint(0, 2, (rows, self.dim), generator=gen,
-                                      device=p.device).float().mul_(2).sub_(1)
-            yield start, block.div_(math.sqrt(self.dim)).to(dtype)
+            self._drawn[key] = (_side(rows, d_out, gen, p.device, dtype),  # (rows, d_out)
+                                _side(cols, d_in, gen, p.device, dtype))  # (cols, d_in)
+        return self._drawn[key]
 
     def _project_one(self, name: str, g: Tensor) -> Tensor:
-        """One parameter's per-sample gradients ``(n, numel)`` projected: ``(n, d)``."""
-        if self.kind == "kronecker":
-            p_out, p_in = self._sides(name, g.dtype)
-            m = g.view(g.shape[0], *matrix_shape(self.params[name]))  # (n, rows, cols)
-            if p_in is not None:
-                m = m @ p_in  # (n, rows, d_in)
-            if p_out is not None:
-                m = p_out.T @ m  # (n, d_out, d_in)
-            return m.flatten(1)
-        out = g.new_zeros(g.shape[0], self.dim)
-        for start, block in self._dense_rows(name, g.dtype):
-            out.addmm_(g[:, start : start + block.shape[0]], block)
-        return out
+        p_out, p_in = self._sides(name, g.dtype)
+        m = g.view(g.shape[0], *matrix_shape(self.params[name]))  # (n, rows, cols)
+        if p_in is not None:
+            m = m @ p_in  # (n, rows, d_in)
+        if p_out is not None:
+            m = p_out.T @ m  # (n, d_out, d_in)
+        return m.flatten(1)  # (n, d_out * d_in)
+
+    def _joined(self, parts: list[Tensor]) -> Tensor:
+        return torch.cat(parts, dim=1)  # (n, sum of d_out * d_in)
+
+    def _from_factors(self, factors: dict[int, list[Factors]], dtype: torch.dtype
+                      ) -> dict[str, Tensor]:
+        return {name: self._project_factors(name, factors[id(p)], dtype)
+                for name, p in self.params.items() if factors.get(id(p))}
 
     def _project_factors(self, name: str, uses: list[Factors], dtype: torch.dtype) -> Tensor:
         """``sum_uses sum_t (P_out^T L_t) (P_in^T R_t)^T`` per sample: ``(n, d_out d_in)``."""
@@ -194,80 +330,53 @@ class GradientProjector:
             total = term if total is None else total + term
         return total
 
-    # -- what users call --------------------------------------------------------------
 
-    def project(self, grads: dict[str, Tensor]) -> Tensor:
-        """The same map applied to per-sample gradients given whole.
+class DenseProjector(GradientProjector):
+    """``kind="gaussian"`` or ``"rademacher"``: one dense matrix ``Phi (P, dim)`` over all
+    the projected parameters' entries (in ``proj.params`` order, each flattened), with
+    entries ``N(0, 1/dim)`` or ``+-1/sqrt(dim)``; ``z_i = g_i Phi``. ``Phi`` is never
+    stored: each parameter's block of rows is drawn in chunks of at most
+    :data:`CHUNK_BYTES` (float32) from ``(seed, parameter, chunk)`` whenever it is
+    applied, so the per-sample gradients are always formed (a few parameters at a time).
 
-        Args:
-            grads: ``{name: (B, *param.shape)}`` for every projected parameter (as
-                :func:`persample.per_sample_grads` returns them; other names ignored).
+    Build it as ``GradientProjector(model, dim, kind=...)`` (arguments, attributes,
+    methods and errors: :class:`GradientProjector`).
 
-        Returns:
-            ``(B, proj.dim)`` in the gradients' dtype, at least float32.
+    Example:
+        >>> from torch import nn
+        >>> proj = GradientProjector(nn.Linear(300, 10), 60, kind="rademacher")
+        >>> isinstance(proj, DenseProjector), proj.dims, proj.dim
+        (True, {}, 60)
 
-        Raises:
-            ValueError: a projected parameter missing from ``grads``.
-        """
-        missing = [n for n in self.params if n not in grads]
-        if missing:
-            raise ValueError(f"grads lacks the projected parameters {missing}")
-        parts = []
-        for name in self.params:
-            g = grads[name]
-            parts.append(self._project_one(name, cast(g.flatten(1), accumulate_dtype(
-                g.dtype))))
-        return self._joined(parts)
+    Source: Johnson & Lindenstrauss 1984; Achlioptas 2003 (Rademacher entries); Park et
+    al. 2023 (TRAK).
+    """
+
+    kinds = ("gaussian", "rademacher")
+
+    def _project_one(self, name: str, g: Tensor) -> Tensor:
+        out = g.new_zeros(g.shape[0], self.dim)  # (n, dim)
+        for start, block in self._blocks(name, g.dtype):  # block (k, dim)
+            out.addmm_(g[:, start : start + block.shape[0]], block)
+        return out
 
     def _joined(self, parts: list[Tensor]) -> Tensor:
-        if self.kind == "kronecker":
-            return torch.cat(parts, dim=1)
-        return torch.stack(parts).sum(0)
+        return torch.stack(parts).sum(0)  # (n, dim)
 
-    def __call__(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
-                 method: str = "auto", loss_reduction: str | None = None) -> Tensor:
-        """The projected per-sample gradients of a batch, ``(B, proj.dim)``.
+    def _blocks(self, name: str, dtype: torch.dtype) -> Iterator[tuple[int, Tensor]]:
+        """Parameter ``name``'s block of ``Phi``: ``(first row, (k, dim))`` chunks."""
+        p = self.params[name]
+        step = max(1, CHUNK_BYTES // (self.dim * 4))  # rows per chunk: not by dtype
+        for chunk, start in enumerate(range(0, p.numel(), step)):
+            rows = min(step, p.numel() - start)
+            gen = _generator(p.device, self.seed, self.index[name], chunk)
+            block = _DRAWS[self.kind](rows, self.dim, gen, p.device)  # (rows, dim) float32
+            yield start, block.div_(math.sqrt(self.dim)).to(dtype)
 
-        Args:
-            inputs, targets, loss_fn, method, loss_reduction: as for
-                :func:`persample.per_sample_grads`.
 
-        Returns:
-            ``(B, proj.dim)`` in the parameters' dtype, at least float32: row ``i`` is
-            ``project`` of sample ``i``'s gradient of its own loss.
-
-        Raises:
-            as :func:`persample.per_sample_grads`.
-        """
-        batch, _, params = checks.validate_call(self.model, inputs, targets, loss_fn, method,
-                                               loss_reduction, None, list(self.params))
-        return answer(
-            method,
-            rules=lambda: self._by_rules(batch, targets, loss_fn),
-            vmap=lambda: self.project(vmap_per_sample_grads(self.model, batch, targets,
-                                                            loss_fn, params)),
-            loop=lambda: self.project(loop_per_sample_grads(self.model, batch, targets,
-                                                            loss_fn)),
-            taken=Taken(), hint=lambda: checks.dtype_note(batch, params))
-
-    def _by_rules(self, batch: Any, targets: Any, loss_fn: Callable) -> Tensor:
-        side = CapturedBatch(self.model, batch, targets, loss_fn, self.params)
-        dtype = accumulate_dtype(*(p.dtype for p in self.params.values()))
-        parts: dict[str, Tensor] = {}
-        rest = []
-        with torch.no_grad(), internal("the projection of factors"):
-            for name, p in self.params.items():
-                uses = side.factors.get(id(p))
-                if self.kind == "kronecker" and uses:
-                    parts[name] = self._project_factors(name, uses, dtype)
-                else:
-                    rest.append(p)
-        names = {id(p): n for n, p in self.params.items()}
-        for group in parameter_groups(rest, side.n):
-            for pid, g in side.grads(group).items():
-                with torch.no_grad():
-                    parts[names[pid]] = self._project_one(names[pid], g)
-        return self._joined([parts[n].to(dtype) for n in self.params])
+_CLASSES: dict[str, type[GradientProjector]] = {
+    kind: cls for cls in (KroneckerProjector, DenseProjector) for kind in cls.kinds}
+"""The class of each ``kind``."""
 
 
 def _split(dim: int, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -341,3 +450,18 @@ def _generator(device: torch.device, seed: int, parameter: int, chunk: int) -> t
     mixed = (seed * 1_000_003 + parameter) * 1_000_003 + chunk
     return torch.Generator(device=device).manual_seed(mixed % (1 << 63))
 
+
+def _gaussian(rows: int, cols: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """``(rows, cols)`` float32 entries ``N(0, 1)`` (the same matrix for every dtype)."""
+    return torch.randn(rows, cols, generator=gen, device=device)
+
+
+def _rademacher(rows: int, cols: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """``(rows, cols)`` float32 entries ``+-1``, each sign with probability 1/2."""
+    return torch.randint(0, 2, (rows, cols), generator=gen,
+                         device=device).float().mul_(2).sub_(1)
+
+
+_DRAWS: dict[str, Callable[[int, int, torch.Generator, torch.device], Tensor]] = {
+    "gaussian": _gaussian, "rademacher": _rademacher}
+"""How a dense kind draws its entries, before the ``1/sqrt(dim)`` scale."""
