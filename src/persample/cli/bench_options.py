@@ -65,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "as its users call it; medians after warm-up, ratios to the floor, peak memory, and "
         "each result's largest difference from the reference. Without options: every "
         "workload at its own batch, with memory probes (tens of minutes on a CPU); "
-        "--quick: a smoke run of the small workloads (a few minutes).",
+        "--quick: a smoke run of the small workloads (a minute or two).",
     )
     bench.add_argument("--workload", action="append", choices=WORKLOADS,
                        help="run only this workload (repeatable; also under --quick); "
