@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from persample.cli import bench as bench_module
 from persample.cli import bench_options, build_parser, main, threads
 from persample.cli.real_models import require
 from persample.cli.workloads import REAL_WORKLOADS, SMALL_WORKLOADS
@@ -16,11 +17,10 @@ pytestmark = pytest.mark.keep_default_dtype  # the benchmark workloads are float
 PERSAMPLE_ROWS = {"persample", "persample (flat=True)", "persample (out=)"}
 
 
-def bench(tmp_path, *args: str, quick: bool = True) -> dict:
-    """Run ``persample bench [--quick] --threads 1 ARGS --json FILE``; the JSON."""
+def bench(tmp_path, *args: str) -> dict:
+    """Run ``persample bench --quick --threads 1 ARGS --json FILE``; the JSON."""
     json_path = tmp_path / "bench.json"
-    argv = ["bench", *(["--quick"] if quick else []), "--threads", "1", *args]
-    assert main([*argv, "--json", str(json_path)]) == 0
+    assert main(["bench", "--quick", "--threads", "1", *args, "--json", str(json_path)]) == 0
     return json.loads(json_path.read_text())
 
 
@@ -91,11 +91,12 @@ def test_bench_resnet18_on_digits(tmp_path):
 
 
 def test_bench_memory_and_product_floor(tmp_path, capsys):
-    """Peak memory in fresh processes (once, on a small workload: not a --quick run, which
-    probes no memory), and clf-input-jac's floor: the one (B*Y, H) x (H, D) product."""
-    figures = bench(tmp_path, "--workload", "clf-input-jac", "--batch", "4", quick=False)
-    assert not figures["quick"]
-    (report,) = figures["workloads"]
+    """Peak memory in fresh processes (once, on a small workload; quick timing with the
+    probes, which the command's --quick leaves out), and clf-input-jac's floor: the one
+    (B*Y, H) x (H, D) matrix product."""
+    json_path = tmp_path / "bench.json"
+    bench_module.run(["clf-input-jac"], True, 4, 1, str(json_path), None, memory=True)
+    (report,) = json.loads(json_path.read_text())["workloads"]
     assert report["floor_label"] == "(40, 256) x (256, 784) product"
     assert report["t_product_ms"] == report["floor_ms"] > 0
     assert report["memory"].startswith("peak RSS of one call in a fresh process")
