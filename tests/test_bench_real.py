@@ -22,6 +22,7 @@ import torch
 import persample
 from cases import assert_exact
 from persample.cli import anchors, bench
+from persample.cli.anchors import memory
 from persample.cli.workloads import (
     REAL_GRAD_WORKLOADS,
     REAL_WORKLOADS,
@@ -200,14 +201,14 @@ def test_memory_estimate_skips_competitors_and_refuses_a_reference_that_cannot_f
     assert estimate.result == 4 * anchors.num_params(w.model) * 4
     needs = {m: estimate.need(m) for m in ("loop", "torch.func vmap", "Opacus hooks")}
     assert needs["loop"] < needs["Opacus hooks"] < needs["torch.func vmap"]
-    monkeypatch.setattr(anchors, "MEMORY_LIMIT_BYTES", needs["loop"] * 1.01)
+    monkeypatch.setattr(memory, "MEMORY_LIMIT_BYTES", needs["loop"] * 1.01)
     case = anchors.grads_case(w)
     by_name = {m.name: m for m in case.methods}
     for name in ("torch.func vmap", "Opacus hooks"):
         assert by_name[name].fn is None
         assert by_name[name].note.startswith("skipped: would need about"), by_name[name]
     assert by_name["loop"].fn is not None and by_name["persample"].fn is not None
-    monkeypatch.setattr(anchors, "MEMORY_LIMIT_BYTES", needs["loop"] / 2)
+    monkeypatch.setattr(memory, "MEMORY_LIMIT_BYTES", needs["loop"] / 2)
     with pytest.raises(MemoryError, match="llama-lora-grads: the loop, the reference, would"):
         anchors.dp_step_case(w)
 

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from persample.cli import main
+from persample.cli import bench as bench_module
+from persample.cli import bench_options, build_parser, main, threads
 from persample.cli.real_models import require
+from persample.cli.workloads import REAL_WORKLOADS, SMALL_WORKLOADS
 
 pytestmark = pytest.mark.keep_default_dtype  # the benchmark workloads are float32
 
@@ -89,10 +91,12 @@ def test_bench_resnet18_on_digits(tmp_path):
 
 
 def test_bench_memory_and_product_floor(tmp_path, capsys):
-    """Peak memory in fresh processes (once, on a small workload), and clf-input-jac's
-    floor: the one (B*Y, H) x (H, D) matrix product."""
-    figures = bench(tmp_path, "--workload", "clf-input-jac", "--batch", "4")
-    (report,) = figures["workloads"]
+    """Peak memory in fresh processes (once, on a small workload; quick timing with the
+    probes, which the command's --quick leaves out), and clf-input-jac's floor: the one
+    (B*Y, H) x (H, D) matrix product."""
+    json_path = tmp_path / "bench.json"
+    bench_module.run(["clf-input-jac"], True, 4, 1, str(json_path), None, memory=True)
+    (report,) = json.loads(json_path.read_text())["workloads"]
     assert report["floor_label"] == "(40, 256) x (256, 784) product"
     assert report["t_product_ms"] == report["floor_ms"] > 0
     assert report["memory"].startswith("peak RSS of one call in a fresh process")
@@ -110,6 +114,9 @@ def test_module_entry_point_help():
     assert "--workload" in done.stdout and "--quick" in done.stdout
     assert "--device" in done.stdout and "--no-memory" in done.stdout
     assert "_memory-probe" not in done.stdout  # internal
+    text = " ".join(done.stdout.split())  # how the options combine, the default threads
+    assert "the small workloads only (unless --real or --workload)" in text
+    assert "1-minute load average" in text
 
 
 def test_a_missing_package_is_reported_not_raised(tmp_path, monkeypatch, capsys):
@@ -147,3 +154,45 @@ def test_bench_projection_workloads(tmp_path, workload):
     assert by_name["persample"]["status"] == "ok" and by_name["persample"]["agrees"]
     for m in report["methods"]:
         assert m["status"] != "ok" or m["agrees"], m
+
+
+def bench_plan(*args: str) -> bench_options.BenchPlan:
+    """What ``persample bench ARGS`` would run (nothing is run)."""
+    return bench_options.plan(build_parser().parse_args(["bench", *args]))
+
+
+def test_quick_selects_the_small_workloads_at_a_small_batch_without_memory_probes():
+    quick = bench_plan("--quick")
+    assert quick.workloads == list(SMALL_WORKLOADS)
+    assert not set(quick.workloads) & set(REAL_WORKLOADS)
+    assert (quick.batch, quick.quick, quick.memory) == (bench_options.QUICK_BATCH, True, False)
+    assert bench_plan("--quick", "--batch", "16").batch == 16
+    real = bench_plan("--quick", "--real")
+    assert real.workloads == list(REAL_WORKLOADS) and not real.memory
+    named = bench_plan("--quick", "--workload", "cnn-grads", "--workload", "gpt2-768-grads")
+    assert named.workloads == ["cnn-grads", "gpt2-768-grads"]
+    assert bench_plan("--quick", "--no-real", "--workload", "gpt2-768-grads").workloads == []
+
+
+def test_the_full_run_keeps_every_workload_at_its_own_batch_with_memory_probes():
+    full = bench_plan()
+    assert full.workloads == list(SMALL_WORKLOADS + REAL_WORKLOADS)
+    assert (full.batch, full.quick, full.memory) == (None, False, True)
+    assert bench_plan("--no-real").workloads == list(SMALL_WORKLOADS)
+    assert not bench_plan("--no-memory").memory
+
+
+@pytest.mark.parametrize(("cpus", "load", "want"), [
+    (2, 0.0, 2), (2, 0.4, 2), (2, 0.6, 1), (2, 1.37, 1), (2, 7.5, 1), (16, 3.4, 13)])
+def test_the_default_threads_are_the_free_cpus(monkeypatch, cpus, load, want):
+    """The CPUs this process may use less the 1-minute load average (rounded), at least 1;
+    every subcommand that takes --threads defaults to it, and --threads N wins."""
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cpus)),
+                        raising=False)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    assert threads.default_threads() == want
+    parse = build_parser().parse_args
+    for command in ("bench", "attribute", "dp-train", "dp-finetune"):
+        assert parse([command]).threads == want, command
+        assert parse([command, "--threads", "3"]).threads == 3, command
+

@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ._rss import reset_peak_rss, status_kib
+from .threads import add_threads_argument, default_threads, threads_label
 
 
 @dataclass
@@ -48,7 +49,7 @@ class AttributeConfig:
     ridge: float = 0.1  # lambda, relative to the mean diagonal of Phi^T Phi
     chunk: int = 250  # samples per per-sample call
     seed: int = 0
-    threads: int = 2
+    threads: int = field(default_factory=default_threads)  # the machine's free CPUs
     json: str | None = None
     plot: str | None = None
 
@@ -224,7 +225,8 @@ def format_figures(f: dict) -> str:
     """The report as text.
 
     Example:
-        >>> print(format_figures({"train_samples": 2, "flipped": 1, "validation_samples": 1,
+        >>> print(format_figures({"config": {"threads": 1}, "train_samples": 2, "flipped": 1,
+        ...     "validation_samples": 1,
         ...     "validation_accuracy": 0.5, "parameters": 3, "projected_dim": 2,
         ...     "auc": {"a": 0.75}, "phases": {"p": {"seconds": 1.0, "peak_rss_mb": None}},
         ...     "projection_rel_difference_materialised": 0.0}))  # doctest: +ELLIPSIS
@@ -233,7 +235,8 @@ def format_figures(f: dict) -> str:
     lines = [f"digits: {f['train_samples']} training samples ({f['flipped']} labels "
              f"flipped), {f['validation_samples']} validation; CNN of {f['parameters']:,} "
              f"parameters, validation accuracy {f['validation_accuracy']:.2f}; gradients "
-             f"projected to {f['projected_dim']} dimensions",
+             f"projected to {f['projected_dim']} dimensions; "
+             f"{threads_label(f['config']['threads'])}",
              "", "AUC of finding the flipped labels:"]
     lines += [f"  {name:<46}{value:6.3f}" for name, value in f["auc"].items()]
     lines += ["", f"  {'phase':<58}{'seconds':>9}{'peak RSS MB':>13}"]
@@ -288,8 +291,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kind", default=d.kind, choices=("kronecker", "gaussian", "rademacher"),
                    help=f"the projection (default {d.kind})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
-    p.add_argument("--threads", type=int, default=d.threads,
-                   help=f"torch CPU threads (default {d.threads})")
+    add_threads_argument(p)
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="the score distributions, clean and "
                    "flipped")

@@ -31,7 +31,8 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -45,6 +46,7 @@ from . import anchors
 from ._rss import reset_peak_rss, status_kib
 from .anchors import Case, Method, as_flat
 from .real_models import NotInstalled
+from .threads import load_average, threads_label, usable_cpus
 from .workloads import (
     ATTRIBUTION_WORKLOADS,
     DP_WORKLOADS,
@@ -195,7 +197,8 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
 
     Args:
         case: the workload and its methods (:mod:`persample.cli.anchors`).
-        quick: no warm-up, 2 rounds.
+        quick: no warm-up, 2 rounds, the collections between timed calls limited to
+            what the rounds made (:func:`_older_objects_frozen`).
         step: called with a label before each stage (progress display).
         probe: on the CPU, ``probe(method_name) -> {"extra_peak_mb", "peak_rss_mb"}``
             measures one call's memory in a fresh process (``None``: no memory figures).
@@ -239,17 +242,18 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     case.after_check()
     for timer in timers[:fixed]:
         _warm_up(timer, warmup, repeats, sync)
-    for r in range(repeats):
-        step(f"round {r + 1} of {repeats}")
-        for timer in timers:
-            if r < timer.rounds:
-                sync()
-                start = time.perf_counter()
-                result = timer.run()
-                sync()
-                timer.row.times_ms.append((time.perf_counter() - start) * 1e3)
-                del result  # freed after the clock stops: users hold their result
-                gc.collect()
+    with _older_objects_frozen(quick):
+        for r in range(repeats):
+            step(f"round {r + 1} of {repeats}")
+            for timer in timers:
+                if r < timer.rounds:
+                    sync()
+                    start = time.perf_counter()
+                    result = timer.run()
+                    sync()
+                    timer.row.times_ms.append((time.perf_counter() - start) * 1e3)
+                    del result  # freed after the clock stops: users hold their result
+                    gc.collect()
     for timer in timers:
         if timer.row.times_ms:
             timer.row.median_ms = statistics.median(timer.row.times_ms)
@@ -278,6 +282,25 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     report.diagnostics = {row.method: row.median_ms for row in diagnostics}
     _speedup(report)
     return report
+
+
+@contextmanager
+def _older_objects_frozen(active: bool) -> Iterator[None]:
+    """With ``active`` (a quick run), the objects alive as the rounds begin (the case, the
+    imported libraries: about 400,000 with transformers and Opacus, a quarter of a second
+    a full collection on a 2-core machine) are frozen (``gc.freeze``) until they end, so
+    that the collection after each timed call looks only at what that call left: a
+    quick run's rounds take seconds, not tens of seconds. Outside the clock; the full
+    run collects the whole heap after each call, as it always has."""
+    if not active:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def agree_tolerance(w: Any) -> float:
@@ -592,22 +615,6 @@ def _device(device: str | torch.device) -> torch.device:
     return device
 
 
-def _cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _load() -> float:
-    """The 1-minute load average (0 where the system has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return 0.0
-
-
 def load_warning(loads: list[float], cores: int | None = None) -> str | None:
     """A warning when the load average exceeded the cores during the run, else None.
 
@@ -617,7 +624,7 @@ def load_warning(loads: list[float], cores: int | None = None) -> str | None:
         >>> load_warning([0.5, 3.4], cores=2)[:60]
         'warning: the load average reached 3.4 on 2 cores during the '
     """
-    cores = cores or _cores()
+    cores = cores or usable_cpus()
     worst = max(loads)
     if worst <= cores:
         return None
@@ -625,6 +632,27 @@ def load_warning(loads: list[float], cores: int | None = None) -> str | None:
             "other processes competed for the CPU, so the times are inflated and noisy "
             "(see each method's spread); ratios measured in the same round hold better. "
             "Rerun on an idle machine for figures to publish.")
+
+
+def header(workloads: list[str], quick: bool, batch: int | None, threads: int,
+           device: torch.device, memory: bool) -> str:
+    """The line printed as the run starts: what runs, at which batch, how it is timed,
+    on how many threads.
+
+    Example:
+        >>> print(header(["cnn-grads"], True, 4, 1, torch.device("cpu"), False))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        persample bench: 1 workload, batch 4, no warm-up, 2 rounds, no memory probes;
+        cpu, 1 torch thread
+    """
+    warmup, rounds = _reps(quick)
+    runs = f"{len(workloads)} workload{'s' * (len(workloads) != 1)}"
+    size = f"batch {batch}" if batch else "each workload's own batch"
+    timing = f"{warmup or 'no'} warm-up{'s' * (warmup > 1)}, {rounds} rounds"
+    if device.type == "cuda":
+        return f"persample bench: {runs}, {size}, {timing}; {device}"
+    probes = "memory probes" if memory else "no memory probes"
+    return f"persample bench: {runs}, {size}, {timing}, {probes}; cpu, {threads_label(threads)}"
 
 
 def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
@@ -656,6 +684,7 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
         >>> path = os.path.join(tempfile.mkdtemp(), "bench.json")
         >>> reports = run(["pinn-input-jac"], True, 2, 1, path, None, memory=False)
         ... # doctest: +ELLIPSIS
+        persample bench: 1 workload, batch 2, no warm-up, 2 rounds, ...; cpu, 1 torch thread
         pinn-input-jac: ...
         >>> [r.workload for r in reports], os.path.exists(path)
         (['pinn-input-jac'], True)
@@ -664,11 +693,12 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
     if dev.type == "cpu":
         torch.set_num_threads(threads)
     _ignore_noise()
+    print(header(workloads, quick, batch, threads, dev, memory), flush=True)
     reports, not_run = [], []
-    loads = [_load()]  # the 1-minute load average before each workload and at the end
+    loads = [load_average()]  # the 1-minute load average before each workload and at the end
     with tqdm(total=len(workloads), desc="persample bench", unit="workload") as bar:
         for name in workloads:
-            loads.append(_load())
+            loads.append(load_average())
             def step(label: str, name=name) -> None:
                 bar.set_postfix_str(f"{name}: {label}")
 
@@ -686,7 +716,7 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
             del case
             bar.update(1)
             gc.collect()
-    loads.append(_load())
+    loads.append(load_average())
     for r in reports:
         print(format_report(r), end="\n\n")
     for skipped in not_run:

@@ -24,7 +24,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from ..data import ByteTokenizer, docstring_batch
 from ._rss import reset_peak_rss, status_kib
 from .real_models import causal_lm_loss, gpt2, with_lora
+from .threads import add_threads_argument, default_threads, threads_label
 
 
 @dataclass
@@ -57,7 +58,7 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     lr: float = 5e-4  # Adam
     seed: int = 0
-    threads: int = 2
+    threads: int = field(default_factory=default_threads)  # the machine's free CPUs
     nproc: int = 1  # processes of the private run (gloo); each gets threads // nproc
     fsdp: bool = False  # shard the private run's model with FSDP2 over the processes
     json: str | None = None
@@ -271,7 +272,7 @@ def run(cfg: FinetuneConfig) -> dict:
           f"{cfg.train_windows} training / {cfg.test_windows} held-out windows of the standard "
           f"library's docstrings; {cfg.steps} steps, logical batch {cfg.batch_size} (q "
           f"{q:.4f}) in micro-batches of {cfg.physical}, sigma {sigma:.3f}, C "
-          f"{cfg.max_grad_norm:g}")
+          f"{cfg.max_grad_norm:g}; {threads_label(cfg.threads)}")
     print(f"  {'run':<12}{'ppl before':>11}{'ppl after':>11}{'epsilon':>9}{'ms/step':>10}"
           f"{'peak MB':>9}")
     for r in runs:
@@ -305,9 +306,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="fine-tune every parameter (default: LoRA adapters)")
     for name in ("rank", "layers", "width", "heads", "seq_len", "train_windows",
                  "test_windows", "pretrain_steps", "steps", "batch_size", "physical",
-                 "seed", "threads"):
+                 "seed"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name),
                        help=f"default {getattr(d, name)}")
+    add_threads_argument(p)
     for name in ("sigma", "target_epsilon", "delta", "max_grad_norm", "lr"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name),
                        help=f"default {getattr(d, name)}")

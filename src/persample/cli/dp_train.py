@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .threads import add_threads_argument, default_threads, threads_label
 from .workloads import simple_cnn
 
 if TYPE_CHECKING:  # dp_accounting (scipy) takes ~1.5 s to import: only when training
@@ -57,7 +58,7 @@ class DPTrainConfig:
     compare_nonprivate: bool = False
     subset: int | None = None  # train on the first SUBSET training examples only
     max_steps: int | None = None  # cap on steps per epoch (tests)
-    threads: int = 2
+    threads: int = field(default_factory=default_threads)  # in all; the machine's free CPUs
     nproc: int = 1  # processes (torch.distributed, gloo); each gets threads // nproc
     plot: str | None = None
     json: str | None = None
@@ -287,10 +288,11 @@ def run(cfg: DPTrainConfig) -> dict:
     steps_per_epoch = min(round(1 / q), cfg.max_steps or math.inf)
     total_steps = cfg.epochs * steps_per_epoch
     sigma = resolve_sigma(cfg, q, total_steps)
-    procs = f", {cfg.nproc} processes" if cfg.nproc > 1 else ""
+    procs = f", {cfg.nproc} processes of" if cfg.nproc > 1 else ","
     print(f"dp-train: SimpleCNN on digits 1x28x28, {n} train / {len(data[3])} test; "
           f"DP-SGD with sigma {sigma:.3f}, C {cfg.max_grad_norm:g}, expected batch "
-          f"{q * n:.0f} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta {cfg.delta:g}{procs}")
+          f"{q * n:.0f} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta {cfg.delta:g}{procs} "
+          f"{threads_label(cfg.threads)}")
     torch.manual_seed(cfg.seed)
     model = simple_cnn().to(torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -497,8 +499,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="train on the first SUBSET training examples only (quick checks)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="at most this many steps per epoch (quick checks)")
-    p.add_argument("--threads", type=int, default=d.threads,
-                   help=f"torch CPU threads in all (default {d.threads})")
+    add_threads_argument(p, "torch CPU threads in all")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="processes (torch.distributed, gloo): each takes its share of every "
                    "Poisson sample; the same accuracy and epsilon as one process "

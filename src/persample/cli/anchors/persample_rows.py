@@ -1,0 +1,166 @@
+"""persample's own rows, each called as its users call it: the default call (the
+headline row, ``ours=True``), and where the table has them ``flat=True`` and
+``out=`` (the same call with the result in another layout); beside them, the
+forward under persample's capture, timed against the plain forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ...api import param_jacobian, per_sample_grads
+from ..workloads import DP_MAX_GRAD_NORM, Workload
+from .case import Method
+
+
+def grads_rows(w: Workload) -> list[Method]:
+    """``per_sample_grads``: ``"persample"`` (a dict), and where the workload has
+    ``layout_rows``, ``"persample (flat=True)"`` and ``"persample (out=)"`` (into the
+    caller's buffer).
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> [m.name for m in grads_rows(grads_workload("cnn-grads", 2))]
+        ['persample', 'persample (flat=True)', 'persample (out=)']
+    """
+    model = w.model
+    rows = [Method("persample", lambda _: per_sample_grads(model, w.inputs, w.targets,
+                                                           w.loss_fn), ours=True)]
+    if w.layout_rows:
+        rows += [
+            Method("persample (flat=True)", lambda _: per_sample_grads(
+                model, w.inputs, w.targets, w.loss_fn, flat=True)),
+            Method("persample (out=)", lambda buf: per_sample_grads(
+                model, w.inputs, w.targets, w.loss_fn, out=buf)),
+        ]
+    return rows
+
+
+def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
+    """The plain forward (autograd on) and the same forward under persample's capture
+    (:func:`persample.rules.open_capture`: the data-flow rule of every op, the module
+    calls): the capture's overhead, timed beside the methods.
+
+    Example:
+        >>> from persample.cli.workloads import grads_workload
+        >>> [label for label, _ in capture_overhead(grads_workload("cnn-grads", 2))]
+        ['plain forward', 'forward under capture']
+    """
+    from ...batch import located
+    from ...inputs import as_batch
+    from ...rules import open_capture
+
+    batch = as_batch(w.inputs)
+    watched = {id(p): p for p in w.model.parameters() if p.requires_grad}
+
+    def plain() -> object:
+        with torch.enable_grad():
+            return w.call()
+
+    def captured() -> object:
+        with torch.enable_grad(), open_capture(w.model, watched, batch.n, located(batch),
+                                               batch.shared):
+            return batch.call(w.model)
+
+    return [("plain forward", plain), ("forward under capture", captured)]
+
+
+def param_jacobian_rows(w: Workload) -> list[Method]:
+    """``param_jacobian``: the default call (a dict ``{name: (B, Y, *shape)}``),
+    ``flat=True`` and ``out=``.
+
+    Example:
+        >>> from persample.cli.workloads import jacobian_workload
+        >>> rows = param_jacobian_rows(jacobian_workload("mlp-param-jac", 2))
+        >>> rows[1].fn(None).shape
+        torch.Size([2, 10, 15910])
+    """
+    model, x = w.model, w.inputs
+    return [Method("persample", lambda _: param_jacobian(model, x), ours=True),
+            Method("persample (flat=True)", lambda _: param_jacobian(model, x, flat=True)),
+            Method("persample (out=)", lambda buf: param_jacobian(model, x, out=buf))]
+
+
+def input_jacobian_row(w: Workload) -> Method:
+    """``input_jacobian``: ``(B, Y, D)``.
+
+    Example:
+        >>> from persample.cli.workloads import jacobian_workload
+        >>> input_jacobian_row(jacobian_workload("pinn-input-jac", 2)).fn(None).shape
+        torch.Size([2, 400, 1])
+    """
+    from ...jacobian import input_jacobian
+
+    return Method("persample", lambda _: input_jacobian(w.model, w.inputs), ours=True)
+
+
+def norms_row(w: Workload) -> Method:
+    """``per_sample_grad_norms``: ``(B,)``, with no ``(B, P)`` gradients formed.
+
+    Example:
+        >>> from persample.cli.workloads import dp_workload
+        >>> norms_row(dp_workload("cnn-norms", 2)).fn(None).shape
+        torch.Size([2])
+    """
+    from ...norms import per_sample_grad_norms
+
+    return Method("persample", lambda _: per_sample_grad_norms(
+        w.model, w.inputs, w.targets, w.loss_fn), ours=True)
+
+
+def dots_row(w: Workload) -> Method:
+    """``per_sample_grad_dots``: the ``(B, B)`` Gram matrix, with no gradient formed
+    where a rule has factors.
+
+    Example:
+        >>> from persample.cli.workloads import attribution_workload
+        >>> dots_row(attribution_workload("deep-mlp-gram", 2)).fn(None).shape
+        torch.Size([2, 2])
+    """
+    from ...dots import per_sample_grad_dots
+
+    return Method("persample", lambda _: per_sample_grad_dots(
+        w.model, w.inputs, w.targets, w.loss_fn), ours=True)
+
+
+def projector_row(w: Workload, proj) -> Method:
+    """The :class:`persample.GradientProjector` ``proj`` called on the batch: ``(B, dim)``.
+
+    Example:
+        >>> from persample import GradientProjector
+        >>> from persample.cli.workloads import attribution_workload
+        >>> w = attribution_workload("deep-mlp-project", 2)
+        >>> projector_row(w, GradientProjector(w.model, 64, seed=0)).fn(None).shape
+        torch.Size([2, 64])
+    """
+    return Method("persample", lambda _: proj(w.inputs, w.targets, w.loss_fn), ours=True)
+
+
+def dp_step_row(w: Workload, noise: dict) -> Method:
+    """One DP-SGD step by ``dp.private_grad`` on a copy of the model, then an SGD step
+    (``lr = 0``); returns the noised gradients ``{name: p.grad}``. ``noise["sigma"]`` is
+    read at each call.
+
+    Example:
+        >>> from persample.cli.workloads import dp_workload
+        >>> row = dp_step_row(dp_workload("deep-mlp-dp-step", 2), {"sigma": 0.0})
+        >>> row.name, row.ours, len(row.fn(None))
+        ('persample', True, 102)
+    """
+    from ...dp import private_grad
+
+    own = copy.deepcopy(w.model)
+    own_opt = torch.optim.SGD(own.parameters(), lr=0.0)
+
+    def persample_step(_: Tensor | None) -> dict[str, Tensor]:
+        own_opt.zero_grad(set_to_none=True)  # as the plain step does
+        private_grad(own, w.inputs, w.targets, w.loss_fn, max_grad_norm=DP_MAX_GRAD_NORM,
+                     noise_multiplier=noise["sigma"])
+        own_opt.step()
+        return {k: p.grad for k, p in own.named_parameters() if p.requires_grad}
+
+    return Method("persample", persample_step, ours=True)

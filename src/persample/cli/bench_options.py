@@ -1,0 +1,137 @@
+"""``persample bench``'s options, and what they select: which workloads run, at which
+batch size, with memory probes or not, in a smoke run or a full one.
+
+Light on purpose (no tqdm, no model built): ``persample bench --help`` and the
+choice of workloads work without the command line's extra.
+
+How the options combine:
+
+- the workloads: those named by ``--workload``, plus the real-size transformers
+  with ``--real``; with neither, the small workloads under ``--quick`` or
+  ``--no-real``, else all of them; ``--no-real`` leaves the real-size ones out in
+  every case;
+- ``--quick``: a smoke run: no warm-up, 2 rounds, a slow method's first run is its
+  time, no memory probes, and a batch of :data:`QUICK_BATCH` unless ``--batch``;
+- ``--batch N``: every workload's batch size, with or without ``--quick``;
+- ``--no-memory``: no memory probes (on the CPU one fresh process per method).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from .threads import add_threads_argument
+from .workloads import REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
+
+QUICK_BATCH = 4
+"""The batch size of every workload under ``--quick`` (unless ``--batch``)."""
+
+
+@dataclass
+class BenchPlan:
+    """What ``persample bench`` runs.
+
+    Attributes:
+        workloads: names from :data:`~persample.cli.workloads.WORKLOADS`, in its order.
+        batch: every workload's batch size, or ``None`` for each workload's own.
+        quick: a smoke run (no warm-up, 2 rounds).
+        memory: measure each method's peak memory.
+    """
+
+    workloads: list[str]
+    batch: int | None
+    quick: bool
+    memory: bool
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``bench`` and its options to ``persample``'s subcommands; returns its parser.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="persample")
+        >>> _ = add_parser(parser.add_subparsers(dest="command"))
+        >>> parser.parse_args(["bench", "--quick", "--no-memory"]).no_memory
+        True
+    """
+    bench = subparsers.add_parser(
+        "bench",
+        help="time every per-sample method side by side on the workloads (real data)",
+        description="Per-sample gradients, Jacobians and DP-SGD steps on real data (the "
+        "digits, the standard library's docstrings), small models and real ones (torchvision "
+        "resnet18, timm ViT, transformers GPT-2; real-size GPT-2 small, BERT and Llama with "
+        "LoRA and their real vocabularies): the plain backward and the floor, the "
+        "loop, torch.func, Opacus and BackPACK when installed, and persample, each called "
+        "as its users call it; medians after warm-up, ratios to the floor, peak memory, and "
+        "each result's largest difference from the reference. Without options: every "
+        "workload at its own batch, with memory probes (tens of minutes on a CPU); "
+        "--quick: a smoke run of the small workloads (a minute or two).",
+    )
+    bench.add_argument("--workload", action="append", choices=WORKLOADS,
+                       help="run only this workload (repeatable; also under --quick); "
+                       "default: all, or the small ones under --quick or --no-real")
+    group = bench.add_mutually_exclusive_group()
+    group.add_argument("--real", action="store_true",
+                       help="the real-size transformers only (with --workload: those too; "
+                       "with --quick: quickly, at the quick batch): "
+                       + ", ".join(REAL_WORKLOADS) + "; seconds per call on a CPU")
+    group.add_argument("--no-real", action="store_true",
+                       help="leave the real-size transformers out, even when named")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run: the small workloads only (unless --real or "
+                       f"--workload), batch {QUICK_BATCH} (unless --batch), no memory "
+                       "probes, no warm-up, 2 rounds, a slow method's first run is its time")
+    bench.add_argument("--batch", type=int, default=None,
+                       help="every workload's batch size, with or without --quick (default: "
+                       f"each workload's own; {QUICK_BATCH} under --quick)")
+    add_threads_argument(bench, "torch CPU threads on --device cpu")
+    bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                       help="where models and data go (default cpu); on cuda every timed "
+                       "call is synchronized")
+    bench.add_argument("--no-memory", action="store_true",
+                       help="skip the peak memory figures (on the CPU each method's is "
+                       "measured in a fresh process: a few seconds per method); implied by "
+                       "--quick")
+    bench.add_argument("--_memory-probe", nargs=2, metavar=("WORKLOAD", "METHOD"),
+                       help=argparse.SUPPRESS)  # internal: one call's peak RSS, as JSON
+    bench.add_argument("--json", metavar="FILE", help="write all figures as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw the times as a bar chart")
+    return bench
+
+
+def selected_workloads(args: argparse.Namespace) -> list[str]:
+    """The workloads ``persample bench`` runs, in :data:`WORKLOADS`' order: those named
+    by ``--workload``, plus the real-size ones with ``--real``; with neither, all of
+    them, or the small ones under ``--quick`` or ``--no-real``. ``--no-real`` leaves
+    the real-size ones out even when named.
+
+    Example:
+        >>> from persample.cli import build_parser
+        >>> parse = build_parser().parse_args
+        >>> selected_workloads(parse(["bench", "--real"]))[:2]
+        ['gpt2-768-grads', 'gpt2-768-dp-step']
+        >>> selected_workloads(parse(["bench", "--workload", "cnn-grads", "--no-real"]))
+        ['cnn-grads']
+        >>> selected_workloads(parse(["bench", "--quick"])) == list(SMALL_WORKLOADS)
+        True
+    """
+    named = set(args.workload or ())
+    if args.real:
+        named |= set(REAL_WORKLOADS)
+    if not named:
+        return list(SMALL_WORKLOADS if args.no_real or args.quick else WORKLOADS)
+    return [w for w in WORKLOADS if w in named and not (args.no_real and w in REAL_WORKLOADS)]
+
+
+def plan(args: argparse.Namespace) -> BenchPlan:
+    """The :class:`BenchPlan` of the parsed ``bench`` options (see the module docstring).
+
+    Example:
+        >>> from persample.cli import build_parser
+        >>> plan(build_parser().parse_args(["bench", "--quick", "--batch", "8"]))
+        ... # doctest: +ELLIPSIS
+        BenchPlan(workloads=['cnn-grads', ...], batch=8, quick=True, memory=False)
+    """
+    batch = args.batch if args.batch is not None or not args.quick else QUICK_BATCH
+    return BenchPlan(selected_workloads(args), batch, args.quick,
+                     memory=not (args.no_memory or args.quick))
