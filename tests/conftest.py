@@ -31,16 +31,30 @@ def pytest_configure(config):
         "markers",
         "keep_default_dtype: run with torch's own default dtype (float32), not float64",
     )
-    config.addinivalue_line("markers", "slow: a test of a larger model (seconds, not ms)")
+    config.addinivalue_line(
+        "markers", "slow: seconds, not milliseconds: a fresh process, several processes, a "
+        "real-size model or a training run (deselected by default; run with -m slow)")
     config.addinivalue_line(
         "markers", "cuda: runs on a CUDA GPU where one is present (tests/test_cuda.py)")
 
 
+# Doctests that run whole benchmark workloads (seconds each): slow, like the tests that do.
+SLOW_DOCTESTS = {"persample.cli.bench.bench_case", "persample.cli.bench.format_report",
+                 "persample.cli.bench.run", "persample.cli.anchors.case.under_autocast",
+                 "persample.cli.anchors.builders.backprops"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Drop the combinations that do not exist: ``method="vmap"`` on a case torch.func
-    cannot batch (``vmap=False``, the RNNs). ``test_vmap_refuses_recurrent_models``
+    """Mark the doctests of :data:`SLOW_DOCTESTS` slow (a doctest takes no marker of its
+    own), then drop the combinations that do not exist: ``method="vmap"`` on a case
+    torch.func cannot batch (``vmap=False``, the RNNs). ``test_vmap_refuses_recurrent_models``
     checks that every such case gets the clear error instead."""
     from cases import BY_ID
+
+    for item in items:
+        if type(item).__name__ == "DoctestItem" and item.name in SLOW_DOCTESTS:
+            item.add_marker(pytest.mark.slow)
 
     def exists(item) -> bool:
         params = getattr(item, "callspec", None)

@@ -7,6 +7,7 @@ import pytest
 from persample.cli import main
 
 
+@pytest.mark.slow
 @pytest.mark.keep_default_dtype
 def test_attribute_finds_the_flipped_labels(tmp_path, capsys):
     out, png = tmp_path / "attr.json", tmp_path / "attr.png"

@@ -42,6 +42,7 @@ def check_rows(report: dict, tolerance: float) -> dict:
     return by_name
 
 
+@pytest.mark.slow
 def test_bench_quick_deep_mlp(tmp_path, capsys):
     png_path = tmp_path / "bench.png"
     figures = bench(tmp_path, "--workload", "deep-mlp-grads", "--batch", "4", "--no-memory",
@@ -64,6 +65,7 @@ def test_bench_quick_deep_mlp(tmp_path, capsys):
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_gpt2_on_text(tmp_path, capsys):
     """transformers GPT-2 on the standard library's docstrings: the default call returns a
     dict that matches the loop, and so does torch.func's dict."""
@@ -80,6 +82,7 @@ def test_bench_gpt2_on_text(tmp_path, capsys):
     assert "gpt2-grads" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_resnet18_on_digits(tmp_path):
     require("torchvision")
     figures = bench(tmp_path, "--workload", "resnet18-grads", "--batch", "2", "--no-memory")
@@ -90,6 +93,7 @@ def test_bench_resnet18_on_digits(tmp_path):
     assert by_name["Opacus hooks"]["status"] != "ok" or by_name["Opacus hooks"]["agrees"]
 
 
+@pytest.mark.slow
 def test_bench_memory_and_product_floor(tmp_path, capsys):
     """Peak memory in fresh processes (once, on a small workload; quick timing with the
     probes, which the command's --quick leaves out), and clf-input-jac's floor: the one
@@ -108,6 +112,7 @@ def test_bench_memory_and_product_floor(tmp_path, capsys):
     assert "floor: (40, 256) x (256, 784) product" in printed and "peak MB" in printed
 
 
+@pytest.mark.slow
 def test_module_entry_point_help():
     done = subprocess.run([sys.executable, "-m", "persample", "bench", "--help"],
                           capture_output=True, text=True, check=True)
@@ -129,6 +134,7 @@ def test_a_missing_package_is_reported_not_raised(tmp_path, monkeypatch, capsys)
     assert "gpt2-grads: not installed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_gram_workload(tmp_path):
     """deep-mlp-gram: the (B, B) Gram by every gradients method then G G^T, and by
     per_sample_grad_dots; all agree with the loop's."""
@@ -142,6 +148,7 @@ def test_bench_gram_workload(tmp_path):
     assert by_name["persample"]["status"] == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", ["deep-mlp-project"])
 def test_bench_projection_workloads(tmp_path, workload):
     """The per-sample gradients projected by every gradients method then proj.project,

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 
+@pytest.mark.slow
 def test_docstrings_do_not_change_when_transformers_is_imported():
     """transformers sets a function on the standard library's logging.Logger; the corpus
     keeps the standard library's own docstrings, so it is the same before and after."""

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs a fresh interpreter
+
 CLI_EXTRA = ("tqdm", "sklearn", "matplotlib")
 INSTALL = 'pip install "persample[cli]"'
 

@@ -67,6 +67,7 @@ def _label(block: str) -> str:
     return re.sub(r"\W+", "_", first)[:40]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", RUN, ids=[_label(b) for b in RUN])
 def test_readme_block_runs_in_a_fresh_process(block, tmp_path):
     """Each block copied into a file and run by the environment's python in an empty
@@ -96,6 +97,7 @@ def test_ci_runs_the_readme_commands():
     assert setup in ci and f"{test}\n" in ci.replace("set +e\n", "")
 
 
+@pytest.mark.slow
 def test_transformers_imports_after_the_set_up():
     """The environment the README makes imports transformers' models in a fresh process,
     and torchvision is not importable in it without :data:`VISION_DIR` on the path."""
