@@ -12,9 +12,8 @@
 """
 
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
-from .clip import private_grad
 from .sampling import EmptySafeCollate, PoissonBatchSampler, poisson_batches, poisson_loader
-from .step import PrivateStep
+from .step import PrivateStep, private_grad
 from .training import PrivateTraining, make_private
 
 __all__ = [
