@@ -56,6 +56,16 @@ class MicroBatch:
         targets: the targets, batch in dim 0.
         loss_fn: ``loss_fn(output, targets)``.
         params: ``{name: parameter}`` the forward reads (FSDP2: the unsharded ones).
+        sharded: whether ``model`` has FSDP2 units (set on creation).
+
+    Example:
+        >>> from persample import checks
+        >>> net, loss_fn = nn.Linear(3, 2), nn.MSELoss()
+        >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
+        >>> batch, n, params = checks.validate_call(net, x, y, loss_fn, "auto", None, None)
+        >>> micro = MicroBatch(net, batch, y, loss_fn, params)
+        >>> micro.batch.n, micro.sharded
+        (4, False)
     """
 
     model: nn.Module
@@ -70,22 +80,38 @@ class MicroBatch:
 
 
 class Destination(Protocol):
-    """Where :func:`clipped_sums` adds a micro-batch's clipped sums (one per mode in
-    :mod:`persample.dp.reduce`)."""
+    """Where :func:`clipped_sums` adds a micro-batch's clipped sums: ``check(norms)``
+    first, then per group ``make(group)`` (memory, after the backward) and ``flush(sums)``
+    (complete). Each mode of :mod:`persample.dp.reduce` has one (an ``Accumulation``).
+
+    Example:
+        >>> from persample.dp.reduce import Local, Terms
+        >>> net = nn.Linear(3, 2)
+        >>> params = dict(net.named_parameters())
+        >>> into = Local().micro_batch(None, params, Terms(params, 0.0, None, 1.0))
+        >>> into.groups == [[id(net.weight), id(net.bias)]]
+        True
+        >>> into.check(torch.tensor([1.0, float("inf")]))
+        Traceback (most recent call last):
+        ...
+        FloatingPointError: the gradients of samples [1] are not finite (NaN or Inf), ...
+    """
 
     groups: list[list[int]]
     """Parameter ids (``id(p)`` of ``MicroBatch.params``) summed in turn: one FSDP unit's
     at a time, else one group of all."""
 
     def check(self, norms: Tensor) -> None:
-        """Raise before anything is summed, given the ``(n,)`` norms (e.g. not finite)."""
+        """Raise before anything is summed, given the ``(n,)`` per-sample norms (e.g. a
+        ``FloatingPointError`` for non-finite ones)."""
 
     def make(self, group: list[int]) -> dict[int, Tensor]:
-        """The memory the group's sums are added into, ``{id(p): tensor}`` of ``p``'s
-        shape, initialised; asked for after the backward."""
+        """The memory the sums of ``group`` (parameter ids) are added into: ``{id(p):
+        tensor}`` of ``p``'s shape, in the dtype sums accumulate in, initialised (zeros,
+        or the noise); asked for after the backward."""
 
     def flush(self, sums: dict[int, Tensor]) -> None:
-        """The group's sums, complete."""
+        """The group's sums (``make``'s tensors), complete."""
 
 
 def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
@@ -146,7 +172,10 @@ def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
 
 
 def check_finite(norms: Tensor) -> None:
-    """Refuse non-finite per-sample norms ``(n,)``: such gradients cannot be clipped.
+    """Refuse non-finite per-sample norms: such gradients cannot be clipped.
+
+    Args:
+        norms: ``(n,)`` per-sample gradient norms, any floating dtype.
 
     Raises:
         FloatingPointError: naming the samples (the first ten) and the fix.
@@ -211,6 +240,20 @@ class Clipped:
         module_normed: ``(call, output edge, its layout, {name: p})`` of the module calls
             whose parameters a module norm rule normed.
         factors: ``{id(p): (n,)}`` the clip factors ``c_i`` (empty before :meth:`clip`).
+
+    Example:
+        >>> from persample import checks
+        >>> net, loss_fn = nn.Linear(3, 2), nn.MSELoss()
+        >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
+        >>> batch, _, params = checks.validate_call(net, x, y, loss_fn, "auto", None, None)
+        >>> clipped = Clipped.measure(MicroBatch(net, batch, y, loss_fn, params))
+        >>> norms = clipped.norms()  # (4,) before clipping
+        >>> clipped.clip(norms, max_grad_norm=1e-3, per_layer=False)
+        >>> sums = {id(p): torch.zeros_like(p) for p in params.values()}
+        >>> clipped.add_group(sums, set(sums))  # each sample's gradient clipped to 1e-3
+        >>> total = torch.cat([t.flatten() for t in sums.values()]).norm()
+        >>> bool(total <= 4 * 1e-3 * (1 + 1e-5))
+        True
     """
 
     micro: MicroBatch
@@ -225,7 +268,18 @@ class Clipped:
     def measure(cls, micro: MicroBatch) -> Clipped:
         """One forward and backward of ``micro`` and the per-sample squared norms: by the
         rules (``method="auto"``: else ``torch.func``'s or the loop's per-sample gradients,
-        with a warning; a sharded model: the rules only)."""
+        with a warning; a sharded model: the rules only).
+
+        Args:
+            micro: the validated call.
+
+        Returns:
+            The :class:`Clipped` of ``micro``, without clip factors yet.
+
+        Raises:
+            The errors of ``per_sample_grads`` (the model's own, or persample's where the
+            rules cannot split a sharded model).
+        """
         params = micro.params
         watched = {id(p): p for p in params.values()}
 
@@ -250,14 +304,21 @@ class Clipped:
             hint=lambda: checks.dtype_note(micro.batch, params))
 
     def norms(self) -> Tensor:
-        """``(n,)`` per-sample gradient norms over all parameters."""
+        """``(n,)`` per-sample gradient norms over all parameters, in the dtype the
+        squared norms accumulate in (at least float32)."""
         return torch.stack([self.squared[id(p)] for p in self.micro.params.values()]
                            ).sum(0).sqrt()
 
     def clip(self, norms: Tensor, max_grad_norm: float, per_layer: bool) -> None:
-        """Set :attr:`factors` from the ``(n,)`` :meth:`norms`: ``min(1, C / (||g_i|| +
-        1e-6))`` per sample, the same for every parameter; ``per_layer``: each parameter's
-        own norm against ``C / sqrt(K)``."""
+        """Set :attr:`factors`: ``min(1, C / (||g_i|| + 1e-6))`` per sample, the same for
+        every parameter; ``per_layer``: each parameter's own norm against ``C / sqrt(K)``
+        (``K`` parameters), so that the whole gradient's norm is at most ``C`` either way.
+
+        Args:
+            norms: ``(n,)``, :meth:`norms`.
+            max_grad_norm: ``C > 0``, loss units per parameter unit.
+            per_layer: clip each parameter on its own.
+        """
         params = self.micro.params
         if not per_layer:
             c = (max_grad_norm / (norms + STABILITY)).clamp(max=1.0)  # (n,)
@@ -268,11 +329,20 @@ class Clipped:
                         for p in params.values()}
 
     def add_group(self, into: dict[int, Tensor], group: set[int]) -> None:
-        """Add the clipped sums of the parameters ``group`` (ids) into ``into`` (``{id:
-        tensor of p's shape}``): the materialised ones with the factors, the module-normed
-        ones through their module's backward, the ghost-normed ones op by op; where
-        persample's own code fails, the rest from per-sample gradients, with a warning
-        (a sharded model: the error)."""
+        """Add ``sum_i c_i g_i`` of the parameters ``group`` into ``into``: the
+        materialised ones with the factors, the module-normed ones through their module's
+        backward, the ghost-normed ones op by op (Bu et al. 2023); where persample's own
+        code fails, the rest from per-sample gradients, with a warning.
+
+        Args:
+            into: ``{id(p): tensor}`` of ``p``'s shape, added to (a parameter no op reads
+                gets nothing).
+            group: the ids of the parameters to sum (those of one FSDP unit, or all).
+
+        Raises:
+            persample's ``InternalError`` where its own code fails on a sharded model
+            (no whole-model fallback there); the errors of ``torch.func`` and the loop.
+        """
         done = self._add_materialised(into, group)
         left: dict[int, list] = {}  # id -> the ops whose sums are not added yet
         try:

@@ -101,17 +101,46 @@ def add_gaussian(tensors: list[Tensor], std: float, generator: torch.Generator |
 
 
 def release_seed(generator: torch.Generator | None) -> int:
-    """The one seed of a release, taken from ``generator`` (``None``: torch's default
-    generator of the CPU)."""
+    """The one seed of a release, taken from ``generator``: one draw, so the generator
+    advances alike whatever the number of parameters.
+
+    Args:
+        generator: a ``torch.Generator`` (any device), or ``None`` for torch's default
+            generator of the CPU.
+
+    Returns:
+        A seed in ``[0, 2^62)``.
+
+    Example:
+        >>> a = release_seed(torch.Generator().manual_seed(0))
+        >>> a == release_seed(torch.Generator().manual_seed(0)), 0 <= a < 2**62
+        (True, True)
+    """
     return int(torch.randint(0, 2**62, (1,), generator=generator,
                              device=generator.device if generator is not None else "cpu"))
 
 
 def noise_range(out: Tensor, std: float, seed: int, index: int, start: int, numel: int
                 ) -> None:
-    """Fill the 1-d ``out`` with entries ``start .. start + out.numel()`` of the
-    flattened noise (``N(0, std^2)``) of parameter ``index`` (``numel`` entries in all)
-    of the release ``seed``."""
+    """Fill ``out`` with a part of one parameter's noise of a release: the part a shard
+    of that parameter holds.
+
+    Args:
+        out: 1-d, entries ``start .. start + out.numel()`` of the flattened noise.
+        std: the standard deviation, ``>= 0``.
+        seed: the release's seed (:func:`release_seed`).
+        index: the parameter's position in the step's parameters.
+        start: the first entry, ``0 <= start <= numel - out.numel()``.
+        numel: the parameter's number of entries.
+
+    Example:
+        >>> whole = torch.empty(10)
+        >>> noise_range(whole, 1.0, 7, 0, 0, 10)
+        >>> part = torch.empty(4)
+        >>> noise_range(part, 1.0, 7, 0, 3, 10)
+        >>> torch.equal(part, whole[3:7])
+        True
+    """
     _in_parallel([(out, std, seed, index, start, numel)])
 
 
@@ -175,10 +204,18 @@ def _mix(seed: int, index: int, block: int) -> int:
 def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None = None,
                 blocks: list[Tensor] | None = None, accumulate: bool = False) -> list[Tensor]:
     """One tensor per parameter (its shape, dtype and device), views of one block of
-    persample's result memory per dtype and device (:mod:`persample.memory`; with
-    ``accumulate``, in the dtype sums accumulate in);
-    ``fill(block)`` initialises each 1-d block, else it is left uninitialised; the
-    blocks are appended to ``blocks`` if given (to reduce them in one collective).
+    persample's result memory per dtype and device (:mod:`persample.memory`).
+
+    Args:
+        params: the tensors to make memory for.
+        fill: initialises each 1-d block (e.g. ``lambda b: b.zero_()``); ``None``: left
+            uninitialised.
+        blocks: if given, the 1-d blocks are appended to it (to reduce them in one
+            collective each).
+        accumulate: in the dtype sums accumulate in (float32 for bfloat16 and float16).
+
+    Returns:
+        A list of contiguous tensors in ``params`` order.
 
     Example:
         >>> ps = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]

@@ -60,6 +60,13 @@ class Terms:
             unit).
         generator: the noise's ``torch.Generator`` (``None``: torch's default).
         divisor: ``B' > 0``, the expected batch size the noised sums are divided by.
+
+    Example:
+        >>> net = nn.Linear(3, 2)
+        >>> terms = Terms(dict(net.named_parameters()), std=1.1 * 1.0, generator=None,
+        ...               divisor=64.0)
+        >>> list(terms.params), terms.std
+        (['weight', 'bias'], 1.1)
     """
 
     params: dict[str, nn.Parameter]
@@ -79,6 +86,16 @@ class Sums:
             the tensors are not the step's own (loaded from a checkpoint).
         noised: the release's noise is in them already (the single call of
             ``private_grad``).
+
+    Example:
+        >>> from persample.dp.noise import pooled_like
+        >>> net = nn.Linear(3, 2)
+        >>> buffers = []
+        >>> tensors = pooled_like(list(net.parameters()), lambda b: b.zero_(), buffers,
+        ...                       accumulate=True)
+        >>> sums = Sums(dict(zip(["weight", "bias"], tensors)), buffers)
+        >>> sums.tensors["weight"].shape, [b.shape for b in sums.buffers]
+        (torch.Size([2, 3]), [torch.Size([8])])
     """
 
     tensors: dict[str, Tensor]
@@ -90,18 +107,17 @@ class Reducer(ABC):
     """What :class:`~persample.dp.PrivateStep` asks of its mode: the parameters, the
     validation of a micro-batch, where its clipped sums go, what a non-finite gradient
     does, the ranks' agreement and the release. The base is one process's: nothing to
-    agree on.
-
-    Example:
-        >>> from datetime import timedelta
-        >>> net = nn.Linear(3, 2)
-        >>> reducer = reducer_for(net, timedelta(seconds=300))
-        >>> type(reducer).__name__, list(reducer.trainable(net))
-        ('Local', ['weight', 'bias'])
+    agree on. :class:`Local`'s example goes through every method.
     """
 
     def trainable(self, model: nn.Module) -> dict[str, nn.Parameter]:
-        """The step's parameters, ``{name: parameter}`` as the optimizer holds them.
+        """The step's parameters as the optimizer holds them.
+
+        Args:
+            model: the step's module.
+
+        Returns:
+            ``{name: parameter}``, the trainable ones, ``named_parameters()`` order.
 
         Raises:
             ValueError: the model has no trainable parameter.
@@ -110,39 +126,80 @@ class Reducer(ABC):
 
     def begin(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable
               ) -> tuple[Batch, int, dict[str, nn.Parameter]]:
-        """Validate one micro-batch's call: ``(batch, n, {name: parameter the forward
-        reads})``, the errors of ``per_sample_grads``."""
+        """Validate one micro-batch's call.
+
+        Args:
+            model, inputs, targets, loss_fn: as for ``per_sample_grads``.
+
+        Returns:
+            ``(batch, n, params)``: the inputs read, the number of samples, and ``{name:
+            parameter}`` the forward reads.
+
+        Raises:
+            ValueError, TypeError: the errors of ``per_sample_grads``'s validation.
+        """
         return checks.validate_call(model, inputs, targets, loss_fn, "auto", None, None)
 
     @abstractmethod
     def micro_batch(self, sums: Sums | None, params: dict[str, nn.Parameter], terms: Terms
                     ) -> Accumulation:
-        """Where one micro-batch's clipped sums go, given the step's ``sums`` so far and
-        the ``params`` the forward reads."""
+        """Where one micro-batch's clipped sums go.
+
+        Args:
+            sums: the step's sums so far (``None``: this is the step's first micro-batch).
+            params: ``{name: parameter}`` the forward reads (:meth:`begin`'s).
+            terms: the step's.
+
+        Returns:
+            The micro-batch's :class:`Accumulation`, for ``clipped_sums``; its ``commit()``
+            is the step's new sums once the micro-batch is complete.
+        """
 
     def failed(self, err: FloatingPointError, n: int) -> Tensor:
-        """A micro-batch of ``n`` samples had a non-finite gradient: raised here.
+        """A micro-batch of ``n`` samples had a non-finite gradient (``err``, raised
+        before anything was added): raised here.
+
+        Returns:
+            What ``accumulate`` returns instead where the error is deferred (several
+            processes: ``(n,)`` NaN norms).
 
         Raises:
-            FloatingPointError: ``err``.
+            FloatingPointError: ``err`` (one process; FSDP2, where every rank raised it).
         """
         raise err
 
     def agree(self, terms: Terms, drop: Callable[[], None]) -> None:
-        """Before a release: every rank holds the same step (``drop()`` empties the
-        step's sums where a failure loses them). One process: nothing to check."""
+        """Before a release: every rank holds the same step. One process: nothing to
+        check.
+
+        Args:
+            terms: the step's.
+            drop: empties the step's sums, called where a failure loses them.
+
+        Raises:
+            FloatingPointError, ValueError, RuntimeError: several processes (see
+            :class:`AllReduce`, :class:`Sharded`).
+        """
         return None
 
     @abstractmethod
     def release(self, sums: Sums | None, terms: Terms) -> None:
         """Set ``p.grad = (sums + N(0, std^2 I)) / divisor`` for every parameter of
-        ``terms``; the sums' memory may become ``p.grad``."""
+        ``terms``, in the parameter's dtype (Abadi et al. 2016).
+
+        Args:
+            sums: the step's sums (``None``: nothing accumulated: the noise alone); their
+                memory may become ``p.grad``, so they are the reducer's after this.
+            terms: the step's.
+        """
 
 
 class Accumulation(ABC):
     """One micro-batch's clipped sums on their way to the step's: a
     :class:`~persample.dp.clip.Destination` for :func:`~persample.dp.clip.clipped_sums`,
-    then :meth:`commit` once the micro-batch is complete."""
+    then :meth:`commit` once the micro-batch is complete (a failed micro-batch is never
+    committed: the step's sums stay as they were). :class:`Local`'s example uses one.
+    """
 
     groups: list[list[int]]
 
@@ -152,7 +209,8 @@ class Accumulation(ABC):
 
     @abstractmethod
     def make(self, group: list[int]) -> dict[int, Tensor]:
-        """The memory the group's sums are added into, ``{id(p): tensor}``."""
+        """The memory the sums of ``group`` (parameter ids) are added into, ``{id(p):
+        tensor}`` of ``p``'s shape in the dtype sums accumulate in, initialised."""
 
     def flush(self, sums: dict[int, Tensor]) -> None:
         """The group's sums, complete (kept where they are until :meth:`commit`)."""
@@ -160,7 +218,8 @@ class Accumulation(ABC):
 
     @abstractmethod
     def commit(self) -> Sums:
-        """The step's sums with this micro-batch's added."""
+        """The step's sums with this micro-batch's added (the first micro-batch's: the
+        memory :meth:`make` gave, as it is)."""
 
 
 def reducer_for(model: nn.Module, timeout: timedelta, *, one_call: bool = False) -> Reducer:
@@ -174,8 +233,18 @@ def reducer_for(model: nn.Module, timeout: timedelta, *, one_call: bool = False)
         one_call: one micro-batch released at once: the noise is drawn into the sums as
             they are made.
 
+    Returns:
+        The reducer, for the step's lifetime.
+
     Raises:
         ValueError: ``model`` is or contains an FSDP1 ``FullyShardedDataParallel``.
+
+    Example:
+        >>> from datetime import timedelta
+        >>> net = nn.Linear(3, 2)
+        >>> reducer = reducer_for(net, timedelta(seconds=300))
+        >>> type(reducer).__name__, list(reducer.trainable(net))
+        ('Local', ['weight', 'bias'])
     """
     units = fsdp_units(model)
     if units:
@@ -188,7 +257,12 @@ def reducer_for(model: nn.Module, timeout: timedelta, *, one_call: bool = False)
 
 
 def world() -> tuple[int, int] | None:
-    """``(world size, rank)`` when ``torch.distributed`` is initialised, else ``None``."""
+    """``(world size, rank)`` when ``torch.distributed`` is initialised, else ``None``.
+
+    Example:
+        >>> world() is None  # no process group here
+        True
+    """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return None
@@ -196,7 +270,19 @@ def world() -> tuple[int, int] | None:
 
 def total_samples(model: nn.Module, n: int) -> int:
     """``private_grad``'s default divisor: ``n``, or for a model sharded with FSDP2 the
-    samples of every rank (one all-reduce)."""
+    samples of every rank (one all-reduce, so every rank calls it alike).
+
+    Args:
+        model: the module.
+        n: this process's samples.
+
+    Returns:
+        The number of samples of the step.
+
+    Example:
+        >>> total_samples(nn.Linear(3, 2), 16)
+        16
+    """
     if not fsdp_units(model) or world() is None:
         return n
     total = torch.tensor([n], dtype=torch.int64)
@@ -247,12 +333,16 @@ class Local(Reducer):
 
     def micro_batch(self, sums: Sums | None, params: dict[str, nn.Parameter], terms: Terms
                     ) -> Accumulation:
+        """The first micro-batch's sums straight into the step's new buffer (zeros, or
+        ``noise_first`` the noise); a later one's into a temporary."""
         if not self.noise_first:
             return _IntoWhole(sums, params, _zeros)
         return _IntoWhole(sums, params, lambda ps, buffers: gaussian_like(
             ps, terms.std, terms.generator, buffers, accumulate=True), noised=True)
 
     def release(self, sums: Sums | None, terms: Terms) -> None:
+        """The noise added to the sums in place (or drawn into a new buffer where there
+        are none of the step's own), divided in place: ``p.grad`` is that memory."""
         _write_grads(terms, _noised(sums, terms, []))
 
 
@@ -343,6 +433,23 @@ class AllReduce(Local):
     Args:
         timeout: how long :meth:`agree` waits for every rank (gloo; NCCL's collectives
             time out as the process group was set up to).
+
+    Example:
+        >>> import os, tempfile
+        >>> from persample.dp import PrivateStep
+        >>> store = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+        ...                         world_size=1)
+        >>> net = nn.Linear(3, 2)
+        >>> step = PrivateStep(net, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=1.0,
+        ...                    expected_batch_size=4, generator=torch.Generator().manual_seed(0))
+        >>> type(step.reducer).__name__
+        'AllReduce'
+        >>> norms = step.accumulate(torch.randn(4, 3), torch.randn(4, 2))
+        >>> step.release()  # every rank's sums and rank 0's noise, one all-reduce
+        >>> net.weight.grad.shape
+        torch.Size([2, 3])
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, timeout: timedelta) -> None:
@@ -351,6 +458,8 @@ class AllReduce(Local):
         self.failure: str | None = None  # this rank's non-finite micro-batch, if any
 
     def failed(self, err: FloatingPointError, n: int) -> Tensor:
+        """Deferred to the release (the other ranks would wait in the all-reduce): the
+        ``(n,)`` norms are NaN."""
         ranks = world()
         if ranks is None:
             raise err
@@ -358,11 +467,16 @@ class AllReduce(Local):
         return torch.full((n,), float("nan"))
 
     def agree(self, terms: Terms, drop: Callable[[], None]) -> None:
+        """Every rank arrived (gloo: within the timeout) and holds the same parameters
+        and divisor; a rank's non-finite gradient raises on every rank, the step's sums
+        dropped."""
         self.ranks.arrive("release()")
         failure, self.failure = self.failure, None
         self.ranks.agree(terms, failure, drop=drop)
 
     def release(self, sums: Sums | None, terms: Terms) -> None:
+        """Rank 0 adds the noise to its sums in place; every rank's buffers are summed by
+        one all-reduce each and divided in place: ``p.grad``, the same on every rank."""
         ranks = world()
         buffers: list[Tensor] = []  # the 1-d buffers the new p.grad tensors view
         if ranks is None or ranks[1] == 0:  # the noise, drawn once
@@ -474,8 +588,30 @@ class Sharded(Reducer):
     ``DTensor`` sharded as the parameter, in its dtype.
 
     Args:
-        sharding: the model's parameters in their two forms (:class:`~persample.sharded.Sharding`).
+        sharding: the model's parameters in their two forms
+            (:class:`~persample.sharded.Sharding`).
         timeout: how long the ranks wait for each other (gloo).
+
+    Example:
+        >>> import os, tempfile
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> from persample.dp import PrivateStep
+        >>> store = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+        ...                         world_size=1)
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> _ = fully_shard(net[0]), fully_shard(net)  # a unit per block, then the root
+        >>> step = PrivateStep(net, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=1.0,
+        ...                    expected_batch_size=4, generator=torch.Generator().manual_seed(0))
+        >>> type(step.reducer).__name__
+        'Sharded'
+        >>> norms = step.accumulate(torch.randn(4, 3), torch.randn(4, 2))
+        >>> step.release()
+        >>> type(net[0].weight.grad).__name__  # sharded as the parameter
+        'DTensor'
+        >>> dist.destroy_process_group()
+
+    Source: Zhao et al. 2023 (PyTorch FSDP); Salmon et al. 2011 (counter-based noise).
     """
 
     def __init__(self, sharding: Sharding, timeout: timedelta) -> None:
@@ -483,6 +619,7 @@ class Sharded(Reducer):
         self.ranks = _Ranks(timeout)
 
     def trainable(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The trainable parameters as the optimizer holds them (``DTensor`` shards)."""
         found = Sharding(model, self.sharding.units).sharded
         if not found:
             checks.trainable_parameters(model)  # raises: nothing to differentiate
@@ -504,13 +641,17 @@ class Sharded(Reducer):
 
     def micro_batch(self, sums: Sums | None, params: dict[str, nn.Parameter], terms: Terms
                     ) -> Accumulation:
+        """One unit's sums in full at a time, reduce-scattered to the shards."""
         return _IntoShards(self, sums, params, terms)
 
     def agree(self, terms: Terms, drop: Callable[[], None]) -> None:
+        """Every rank arrived and holds the same parameters, divisor and generator."""
         self.ranks.arrive("release()")
         self.ranks.agree(terms, None, sharded=True)
 
     def release(self, sums: Sums | None, terms: Terms) -> None:
+        """One seed from the generator; each shard's part of its noise plus the shard's
+        sums, divided: ``p.grad`` as a ``DTensor``, one parameter at a time."""
         seed = release_seed(terms.generator)
         _write_grads(terms, self._noised(sums, terms, seed), as_sharded_grad)
 

@@ -222,7 +222,15 @@ class PrivateStep:
         trainable parameter of the step (overwriting it), then reset the sums.
 
         With nothing accumulated (Poisson sampling can draw an empty logical batch)
-        ``p.grad`` is the noise alone, divided alike. Then step any optimizer.
+        ``p.grad`` is the noise alone, divided alike. Then step any optimizer. The sums'
+        memory becomes ``p.grad`` (one process: the noise is added to it in place).
+
+        Raises:
+            FloatingPointError: several processes: a rank's micro-batch had a non-finite
+                gradient (on every rank; the step's sums are dropped).
+            ValueError: several processes: the ranks hold different parameters or
+                ``expected_batch_size`` (FSDP2: or generators); ``p.grad`` unchanged.
+            RuntimeError: a rank did not arrive within ``timeout`` (gloo).
         """
         terms = self._terms()
         self.reducer.agree(terms, self._drop)
@@ -361,7 +369,9 @@ def private_grad(
 
     A model sharded with FSDP2 (``fully_shard``): one :class:`PrivateStep` step over
     every rank's batch (each rank calls it with its own samples; the default divisor is
-    the number of samples of all ranks); ``p.grad`` is a sharded ``DTensor``.
+    the number of samples of all ranks); ``p.grad`` is a sharded ``DTensor``. Otherwise
+    the call holds one buffer of the parameters' size: the noise is drawn into it once
+    the backward is done, the clipped sums are added to it, and it becomes ``p.grad``.
 
     Returns:
         ``(B,)`` per-sample gradient norms before clipping (over all parameters),
@@ -393,6 +403,8 @@ def private_grad(
         >>> opt.step()
         >>> norms.shape
         torch.Size([16])
+
+    Source: Abadi et al. 2016 (DP-SGD); Bu et al. 2023 (book-keeping).
     """
     if isinstance(model, nn.Module):
         fsdp_units(model)  # refuses FSDP1 before anything else
