@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 @pytest.mark.slow
 def test_docstrings_do_not_change_when_transformers_is_imported():

@@ -88,10 +88,10 @@ def _clipped_by_hand(model, x, y, loss_fn, c: float) -> dict[str, Tensor]:
 def test_clipped_sums_match_the_loop(make, weighted_sums, monkeypatch):
     used = []
     if weighted_sums:
-        found = clip._sum_rule
-        monkeypatch.setattr(clip, "_sum_rule", lambda op: used.append(op.func) or found(op))
+        found = clip._op_sum_rule
+        monkeypatch.setattr(clip, "_op_sum_rule", lambda op: used.append(op.func) or found(op))
     else:  # every op through its own autograd node instead
-        monkeypatch.setattr(clip, "_sum_rule", lambda op: None)
+        monkeypatch.setattr(clip, "_op_sum_rule", lambda op: None)
     torch.manual_seed(0)
     model = make()
     x = {SmallConvs: torch.randn(B, 2, 4, 4), Lookups: torch.randint(0, 10, (B, T))}.get(

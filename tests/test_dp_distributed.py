@@ -16,6 +16,8 @@ from torch import nn
 import dist_workers
 from persample.dp import PoissonBatchSampler, epsilon, private_grad
 
+pytestmark = pytest.mark.slow  # several processes
+
 WORLD = 2
 
 

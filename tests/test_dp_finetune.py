@@ -10,7 +10,8 @@ import pytest
 
 from persample.cli import main
 
-pytestmark = pytest.mark.keep_default_dtype  # the CLI trains in float32
+# training runs of the command line, several processes; the CLI trains in float32
+pytestmark = [pytest.mark.slow, pytest.mark.keep_default_dtype]
 
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "16",
         "--train-windows", "128", "--test-windows", "32", "--steps", "6", "--batch-size", "32",

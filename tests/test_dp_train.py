@@ -12,7 +12,8 @@ from persample.cli import main
 from persample.cli.dp_train import DPTrainConfig, add_parser, run_from_args
 from persample.dp.accounting import epsilon
 
-pytestmark = pytest.mark.keep_default_dtype  # the CLI trains in float32
+# training runs of the command line, several processes; the CLI trains in float32
+pytestmark = [pytest.mark.slow, pytest.mark.keep_default_dtype]
 
 QUICK = ["--epochs", "2", "--subset", "96", "--batch-size", "32", "--max-steps", "2",
          "--threads", "1"]

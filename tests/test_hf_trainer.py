@@ -40,6 +40,7 @@ from persample.integrations.transformers import (  # noqa: E402
     default_per_sample_loss,
 )
 
+pytestmark = pytest.mark.slow  # training runs, and torchrun's processes
 SEED = 3
 
 

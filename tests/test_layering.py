@@ -169,3 +169,37 @@ def test_the_reference_depends_on_nothing_it_checks():
     checked = {"batch", "capture", "rules", "plan", "engine", "loss", "vmap", "api", "norms"}
     found = sorted(m for m in _closure("persample.reference") if _top(m) in checked)
     assert not found, found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (module -> the modules it imports) as a path, or ``None``."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for target in sorted(graph.get(node, ())):
+            found = visit(target, path + [node])
+            if found:
+                return found
+        done.add(node)
+        return None
+
+    return next((c for c in map(lambda n: visit(n, []), sorted(graph)) if c), None)
+
+
+def test_no_module_of_dp_imports_one_that_imports_it_back():
+    """Inside ``persample.dp`` (imports inside functions too) the modules form no cycle:
+    the step uses the clipping and the reducers, which know nothing of the step."""
+    dp = ROOT / "dp"
+    names = {_module_name(p) for p in dp.glob("*.py")} - {"persample.dp"}
+    graph = {_module_name(p): {m for _, m in _imports(p) if m in names}
+             for p in dp.glob("*.py") if _module_name(p) in names}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -9,12 +9,16 @@
   step and its accountant), the model and the optimizer left as they are.
 - :mod:`persample.dp.sampling`: Poisson sampling of batches.
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
+
+Inside: :mod:`~persample.dp.clip` computes one micro-batch's clipped sums (Bu et al.
+2023's book-keeping), :mod:`~persample.dp.reduce` takes a step's sums to ``p.grad`` in
+each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the noise, and
+:mod:`~persample.dp.step` holds the step itself.
 """
 
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
-from .clip import private_grad
 from .sampling import EmptySafeCollate, PoissonBatchSampler, poisson_batches, poisson_loader
-from .step import PrivateStep
+from .step import PrivateStep, private_grad
 from .training import PrivateTraining, make_private
 
 __all__ = [

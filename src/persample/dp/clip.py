@@ -1,22 +1,29 @@
-"""One DP-SGD step from one forward and one backward ("book-keeping").
+"""The clipped sums of one micro-batch from one forward and one backward ("book-keeping").
 
 Abadi et al. (2016), "Deep learning with differential privacy": clip each
 sample's gradient to norm ``C``, sum, add ``N(0, sigma^2 C^2 I)``, divide by the
-batch size. Done here without the ``(B, P)`` tensor (Bu et al. 2023,
-"book-keeping"): the captured activations and backprops give
+batch size. This module does the first two for one micro-batch, without the ``(B, P)``
+tensor (Bu et al. 2023, "book-keeping"): the captured activations and backprops give
 the per-sample norms (``persample.norms``), then the clipped sum of every layer
 whose norms came from the ghost norm is that layer's ordinary weight gradient
 with each sample's backprops scaled by its clip factor ``c_i`` (one local
 backward of the captured graph: for Linear, the matrix product ``(c G)^T A``);
 layers whose per-sample gradients were materialised for their norms are summed
 with the factors directly.
+
+:func:`clipped_sums` is the entry point. It adds the sums into memory that a
+:class:`Destination` gives once the norms are known, and knows nothing of the noise,
+the divisor or the processes: :class:`persample.dp.PrivateStep` and its reducers
+(:mod:`persample.dp.reduce`) do that. :class:`Clipped` holds what the sums are
+computed from.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +32,7 @@ from .. import checks
 from ..batch import Batched
 from ..engine import Captured, loss_backprops
 from ..errors import InternalError, internal
+from ..inputs import Batch
 from ..methods import Taken, answer, leave_rules, slower
 from ..norms import squared_norms, sum_of_squares
 from ..plan import Plan
@@ -34,208 +42,171 @@ from ..rules import Decline, OpCall, spec_of
 from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
 from ..vmap import vmap_per_sample_grads
-from .noise import gaussian_like
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
 
 
-@checks.keeps_buffers
-def private_grad(
-    model: nn.Module,
-    inputs: Any,
-    targets: Any,
-    loss_fn: Callable[[Any, Any], Tensor],
-    *,
-    max_grad_norm: float,
-    noise_multiplier: float,
-    generator: torch.Generator | None = None,
-    per_layer: bool = False,
-    expected_batch_size: float | None = None,
-    loss_reduction: str | None = None,
-) -> Tensor:
-    """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
+@dataclass
+class MicroBatch:
+    """One validated call: what the per-sample gradients are taken of.
 
-    ``p.grad = (sum_i c_i g_i + N(0, sigma^2 C^2 I)) / B'`` with ``g_i`` sample
-    ``i``'s own gradient, ``c_i = min(1, C / (||g_i|| + 1e-6))``, ``C =
-    max_grad_norm``, ``sigma = noise_multiplier`` and ``B' = expected_batch_size``
-    (default: the batch size). Then step any ``torch.optim`` optimizer as usual.
-
-    Args:
-        model, inputs, targets, loss_fn, loss_reduction: as for
-            :func:`persample.per_sample_grads`. ``p.grad`` of every trainable
-            parameter is overwritten (not accumulated); nothing else changes.
-        max_grad_norm: clipping norm ``C > 0``, in loss units per parameter unit.
-        noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * C``.
-        generator: ``torch.Generator`` (on the parameters' device) for the noise.
-        per_layer: clip each parameter's per-sample gradient to
-            ``C / sqrt(K)`` (``K`` trainable parameter tensors) instead of the whole
-            gradient to ``C``; the sensitivity is ``C`` either way.
-        expected_batch_size: the divisor ``B'``. With Poisson sampling (which the
-            privacy analysis assumes) pass ``q * N`` so that the divisor does not
-            depend on the data.
-
-    A model sharded with FSDP2 (``fully_shard``): one :class:`PrivateStep` step over
-    every rank's batch (each rank calls it with its own samples; the default divisor is
-    the number of samples of all ranks); ``p.grad`` is a sharded ``DTensor``.
-
-    Returns:
-        ``(B,)`` per-sample gradient norms before clipping (over all parameters),
-        for logging, in the parameters' dtype or float32 if that is lower (bfloat16,
-        float16: norms, clip factors and sums accumulate in float32; ``p.grad`` comes
-        in the parameter's dtype). Under ``torch.autocast`` the gradients are those of
-        the model as autocast runs it.
-
-    Raises:
-        ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
-            ``expected_batch_size``, an empty batch without ``expected_batch_size``,
-            and the errors of ``per_sample_grads`` (TypeError too). Where the rules
-            cannot split the model by sample, or persample's own code fails on it, the
-            clipped sums come from the per-sample gradients of ``torch.func`` or the
-            loop, with a warning.
-        FloatingPointError: a sample's gradient is not finite (NaN or Inf); the
-            message lists the samples and every ``p.grad`` is left as it was, so no
-            NaN reaches the weights. Drop those samples and call again.
+    Attributes:
+        model: the ``nn.Module`` (for FSDP2, the sharded model: ``sharded`` is then true).
+        batch: the inputs, read (``persample.inputs.as_batch``), ``n`` samples.
+        targets: the targets, batch in dim 0.
+        loss_fn: ``loss_fn(output, targets)``.
+        params: ``{name: parameter}`` the forward reads (FSDP2: the unsharded ones).
+        sharded: whether ``model`` has FSDP2 units (set on creation).
 
     Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> from persample.dp import private_grad
-        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-        >>> norms = private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
-        ...                      noise_multiplier=1.1, generator=torch.Generator().manual_seed(0))
-        >>> opt.step()
-        >>> norms.shape
-        torch.Size([16])
+        >>> from persample import checks
+        >>> net, loss_fn = nn.Linear(3, 2), nn.MSELoss()
+        >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
+        >>> batch, n, params = checks.validate_call(net, x, y, loss_fn, "auto", None, None)
+        >>> micro = MicroBatch(net, batch, y, loss_fn, params)
+        >>> micro.batch.n, micro.sharded
+        (4, False)
     """
-    _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
-    batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, "auto",
-                                           loss_reduction, None)
-    if n == 0 and expected_batch_size is None:
-        raise ValueError(
-            "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
-            "(q * N) so that the noise is scaled as for every other step"
+
+    model: nn.Module
+    batch: Batch
+    targets: Any
+    loss_fn: Callable[[Any, Any], Tensor]
+    params: dict[str, nn.Parameter]
+    sharded: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sharded = bool(fsdp_units(self.model))
+
+
+class Destination(Protocol):
+    """Where :func:`clipped_sums` adds a micro-batch's clipped sums: ``check(norms)``
+    first, then per group ``make(group)`` (memory, after the backward) and ``flush(sums)``
+    (complete). Each mode of :mod:`persample.dp.reduce` has one (an ``Accumulation``).
+
+    Example:
+        >>> from persample.dp.reduce import Local, Terms
+        >>> net = nn.Linear(3, 2)
+        >>> params = dict(net.named_parameters())
+        >>> into = Local().micro_batch(None, params, Terms(params, 0.0, None, 1.0))
+        >>> into.groups == [[id(net.weight), id(net.bias)]]
+        True
+        >>> into.check(torch.tensor([1.0, float("inf")]))
+        Traceback (most recent call last):
+        ...
+        FloatingPointError: the gradients of samples [1] are not finite (NaN or Inf), ...
+    """
+
+    groups: list[list[int]]
+    """Parameter ids (``id(p)`` of ``MicroBatch.params``) summed in turn: one FSDP unit's
+    at a time, else one group of all."""
+
+    def check(self, norms: Tensor) -> None:
+        """Raise before anything is summed, given the ``(n,)`` per-sample norms (e.g. a
+        ``FloatingPointError`` for non-finite ones)."""
+
+    def make(self, group: list[int]) -> dict[int, Tensor]:
+        """The memory the sums of ``group`` (parameter ids) are added into: ``{id(p):
+        tensor}`` of ``p``'s shape, in the dtype sums accumulate in, initialised (zeros,
+        or the noise); asked for after the backward."""
+
+    def flush(self, sums: dict[int, Tensor]) -> None:
+        """The group's sums (``make``'s tensors), complete."""
+
+
+def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
+                 into: Destination) -> Tensor:
+    """Add ``sum_i c_i g_i`` of every parameter of one micro-batch into ``into``.
+
+    ``g_i`` is sample ``i``'s own gradient and ``c_i = min(1, C / (||g_i|| + 1e-6))``
+    (``per_layer``: each parameter's own norm against ``C / sqrt(K)``). One forward and
+    backward, the norms by the rules (or, where the rules cannot split the model, the
+    per-sample gradients of ``torch.func`` or the loop, with a warning; not for a
+    sharded model, which has no whole-model fallback). An unused parameter gets nothing
+    added. Abadi et al. 2016 (clipping); Bu et al. 2023 (book-keeping).
+
+    Args:
+        micro: the validated call.
+        max_grad_norm: ``C > 0``, in loss units per parameter unit.
+        per_layer: clip each parameter to ``C / sqrt(K)`` (``K`` parameters).
+        into: the memory, group by group (:class:`Destination`): ``into.check(norms)``
+            first, then ``make`` and ``flush`` per group.
+
+    Returns:
+        ``(n,)`` per-sample gradient norms before clipping, in the dtype norms
+        accumulate in (at least float32).
+
+    Raises:
+        Whatever ``into.check`` raises (before anything is summed), and the errors of
+        ``per_sample_grads``.
+
+    Example:
+        >>> from persample import checks
+        >>> net = nn.Linear(3, 2)
+        >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
+        >>> batch, _, params = checks.validate_call(net, x, y, nn.MSELoss(), "auto", None,
+        ...                                         None)
+        >>> class Zeros:
+        ...     groups = [[id(p) for p in params.values()]]
+        ...     def check(self, norms): assert torch.isfinite(norms).all()
+        ...     def make(self, group):
+        ...         return {id(p): torch.zeros_like(p) for p in params.values()}
+        ...     def flush(self, sums): self.sums = sums
+        >>> zeros = Zeros()
+        >>> norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
+        ...                      max_grad_norm=1e-3, per_layer=False, into=zeros)
+        >>> norms.shape, zeros.sums[id(net.weight)].shape
+        (torch.Size([4]), torch.Size([2, 3]))
+    """
+    if micro.batch.n == 0:
+        return _nothing_to_clip(micro, into)
+    clipped = Clipped.measure(micro)
+    norms = clipped.norms()  # (n,)
+    into.check(norms)
+    clipped.clip(norms, max_grad_norm, per_layer)
+    for group in into.groups:
+        sums = into.make(group)
+        clipped.add_group(sums, set(group))
+        into.flush(sums)
+    return norms
+
+
+def check_finite(norms: Tensor) -> None:
+    """Refuse non-finite per-sample norms: such gradients cannot be clipped.
+
+    Args:
+        norms: ``(n,)`` per-sample gradient norms, any floating dtype.
+
+    Raises:
+        FloatingPointError: naming the samples (the first ten) and the fix.
+
+    Example:
+        >>> check_finite(torch.tensor([1.0, float("nan")]))
+        Traceback (most recent call last):
+        ...
+        FloatingPointError: the gradients of samples [1] are not finite (NaN or Inf), ...
+    """
+    bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+    if bad:
+        raise FloatingPointError(
+            f"the gradients of samples {bad[:10]}{'...' if len(bad) > 10 else ''} are not "
+            "finite (NaN or Inf), so they cannot be clipped; p.grad was left unchanged. "
+            "Check those inputs (or the loss), drop them and call again."
         )
-    if fsdp_units(model):  # one step of PrivateStep: the sums reduced to the shards
-        from .step import PrivateStep
-
-        if expected_batch_size is None:
-            expected_batch_size = _total_samples(n)
-        step = PrivateStep(model, loss_fn, max_grad_norm=max_grad_norm,
-                           noise_multiplier=noise_multiplier, generator=generator,
-                           per_layer=per_layer, expected_batch_size=expected_batch_size)
-        norms = step.accumulate(inputs, targets)
-        step.release()
-        return norms
-    def noise(group: list[int]) -> dict[int, Tensor]:  # the new p.grad's memory, drawn once
-        # the backward is done (the activations freed); float32 at least: the clipped sums
-        # are added to it
-        drawn = gaussian_like(list(params.values()), noise_multiplier * max_grad_norm,
-                              generator, accumulate=True)
-        return {id(p): t for p, t in zip(params.values(), drawn)}
-
-    grads: dict[int, Tensor] = {}
-    norms = _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm,
-                              per_layer, noise, grads.update)
-    divisor = expected_batch_size or n
-    for p in params.values():  # in the parameter's dtype, as autograd gives it
-        p.grad = grads[id(p)].div_(divisor).to(p.dtype)
-    return norms
 
 
-def _add_clipped_sums(model, batch, targets, loss_fn, params, max_grad_norm, per_layer,
-                      make_into: Callable[[list[int]], dict[int, Tensor]],
-                      flush: Callable[[dict[int, Tensor]], None],
-                      groups: list[list[int]] | None = None,
-                      checked: Callable[[Tensor], None] | None = None) -> Tensor:
-    """Add ``sum_i c_i g_i`` of every parameter into memory ``make_into(ids)`` gives
-    (``{id(p): tensor}``, called once the norms are known: after the backward, so that
-    its memory is not held while the activations are), hand it to ``flush`` when
-    complete; return the ``(n,)`` norms.
-
-    ``groups``: lists of parameter ids summed in turn (an FSDP unit's parameters: one
-    unit's sums in full at a time; default: all parameters in one). ``checked(norms)``
-    raises before anything is summed (default: non-finite norms raise
-    ``FloatingPointError``). One forward and backward (or, where the rules cannot split
-    the model, the per-sample gradients of ``torch.func`` or the loop; not for a sharded
-    model, which has no whole-model fallback); an unused parameter gets nothing added."""
-    n = batch.n
-    groups = groups if groups is not None else [[id(p) for p in params.values()]]
-    checked = checked or _check_finite
-    sharded = bool(fsdp_units(model))
-    if n == 0:
-        if sharded:  # the other ranks' all-gathers wait for this rank's forward and backward
-            _empty_pass(model, batch, params)
-        checked(next(iter(params.values())).new_zeros(0))
-        for group in groups:
-            flush(make_into(group))
-        return next(iter(params.values())).new_zeros(0)
-    watched = {id(p): p for p in params.values()}
-
-    def by_rules() -> tuple:
-        captured = loss_backprops(model, batch, targets, loss_fn, watched,
-                                  retain_graph=_keeps_graph)
-        with internal("the norm rules"):
-            return (captured, *squared_norms(captured, params))
-
-    def by(method: Callable) -> Callable[[], tuple]:
-        def materialised() -> tuple:
-            grads = method(model, batch, targets, loss_fn, params)
-            mats = {id(params[name]): g.unsqueeze(1) for name, g in grads.items()}
-            return None, {pid: sum_of_squares(m.flatten(1)) for pid, m in mats.items()}, \
-                mats, {}, []
-        return materialised
-
-    captured, sq, mats, ghosted, by_module = answer(
-        "rules" if sharded else "auto", rules=by_rules, vmap=by(vmap_per_sample_grads),
-        loop=by(lambda m, b, t, f, _: loop_per_sample_grads(m, b, t, f)),
-        hint=lambda: checks.dtype_note(batch, params))
-    norms = torch.stack([sq[id(p)] for p in params.values()]).sum(0).sqrt()  # (n,)
-    checked(norms)
-    factors = _clip_factors(sq, norms, params, max_grad_norm, per_layer)  # id -> (n,)
-    for group in groups:
-        into = make_into(group)
-        _add_group(model, batch, targets, loss_fn, params, captured, mats, ghosted, by_module,
-                   factors, into, set(group), sharded)
-        flush(into)
-    return norms
+def _nothing_to_clip(micro: MicroBatch, into: Destination) -> Tensor:
+    """An empty micro-batch: every group's memory made and handed back as it is."""
+    params = list(micro.params.values())
+    if micro.sharded:  # the other ranks' all-gathers wait for this rank's forward and backward
+        _empty_pass(micro.model, micro.batch, params)
+    into.check(params[0].new_zeros(0))
+    for group in into.groups:
+        into.flush(into.make(group))
+    return params[0].new_zeros(0)
 
 
-def _add_group(model, batch, targets, loss_fn, params, captured, mats, ghosted, by_module,
-               factors, into, group: set[int], sharded: bool) -> None:
-    """The clipped sums of the parameters ``group`` (ids) into ``into``."""
-    done, left = {pid for pid in mats if pid in group}, {}
-    for pid in done:  # (n, 1, *shape) materialised
-        m = mats[pid]
-        into[pid].add_(torch.tensordot(factors[pid].to(m.dtype), m[:, 0], dims=1))
-    try:
-        with internal("the clipped sums"):
-            for _call, edge, layout, normed in by_module:  # module norm rules: their backward
-                for p in normed.values():
-                    if id(p) in group:
-                        got = _edge_backward(captured, edge, layout, [p], factors[id(p)])[id(p)]
-                        into[id(p)].add_(got)
-                        done.add(id(p))
-            if captured is not None:
-                _book_keeping(captured, {op: pids & group for op, pids in ghosted.items()
-                                    if pids & group}, factors, into, done, left)
-    except InternalError as err:  # the norms are right: the rest from per-sample gradients
-        if sharded:
-            raise
-        leave_rules(Taken(), err)
-        with internal("the clipped sums of the uses left"):
-            _complete(captured, ghosted, left, factors, into, done)
-        rest = {name: p for name, p in params.items() if id(p) in group and id(p) not in done}
-        grads = slower(lambda: vmap_per_sample_grads(model, batch, targets, loss_fn, rest),
-                       lambda: loop_per_sample_grads(model, batch, targets, loss_fn))
-        with torch.no_grad():
-            for name, p in rest.items():
-                into[id(p)].add_(torch.tensordot(factors[id(p)].to(grads[name].dtype),
-                                                 grads[name], dims=1))
-
-
-def _empty_pass(model, batch, params) -> None:
+def _empty_pass(model: nn.Module, batch: Batch, params: list[nn.Parameter]) -> None:
     """A rank of an FSDP2 model without samples in this micro-batch runs the forward and
     backward of its empty batch all the same: FSDP's all-gathers are collectives."""
     from torch.utils._pytree import tree_leaves
@@ -244,19 +215,188 @@ def _empty_pass(model, batch, params) -> None:
         out = batch.call(model)
     outs = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
     if outs:
-        torch.autograd.grad(torch.stack([t.sum() for t in outs]).sum(), list(params.values()),
+        torch.autograd.grad(torch.stack([t.sum() for t in outs]).sum(), params,
                             allow_unused=True)
 
 
-def _total_samples(n: int) -> int:
-    """The number of samples of all processes (``n`` on this one)."""
-    import torch.distributed as dist
+@dataclass
+class Clipped:
+    """One micro-batch's per-sample norms and what its clipped sums are computed from.
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return n
-    total = torch.tensor([n], dtype=torch.int64)
-    dist.all_reduce(total)
-    return int(total)
+    Made by :meth:`measure`; :meth:`clip` sets the clip factors, then
+    :meth:`add_group` adds ``sum_i c_i g_i`` of a group of parameters. Parameters are
+    keyed by ``id(p)`` (of ``micro.params``).
+
+    Attributes:
+        micro: the call.
+        captured: the forward and backward the rules read (``None``: the per-sample
+            gradients were materialised by ``torch.func`` or the loop).
+        squared: ``{id(p): (n,)}`` squared norm of each sample's gradient of ``p``, in at
+            least float32.
+        materialised: ``{id(p): (n, 1, *p.shape)}`` per-sample gradients computed for the
+            norms (a layer without a ghost norm, or every parameter after a fallback).
+        ghosted: ``{op: {id(p)}}`` the ops whose parameters got ghost norms (a parameter
+            several ops read is in each).
+        module_normed: ``(call, output edge, its layout, {name: p})`` of the module calls
+            whose parameters a module norm rule normed.
+        factors: ``{id(p): (n,)}`` the clip factors ``c_i`` (empty before :meth:`clip`).
+
+    Example:
+        >>> from persample import checks
+        >>> net, loss_fn = nn.Linear(3, 2), nn.MSELoss()
+        >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
+        >>> batch, _, params = checks.validate_call(net, x, y, loss_fn, "auto", None, None)
+        >>> clipped = Clipped.measure(MicroBatch(net, batch, y, loss_fn, params))
+        >>> norms = clipped.norms()  # (4,) before clipping
+        >>> clipped.clip(norms, max_grad_norm=1e-3, per_layer=False)
+        >>> sums = {id(p): torch.zeros_like(p) for p in params.values()}
+        >>> clipped.add_group(sums, set(sums))  # each sample's gradient clipped to 1e-3
+        >>> total = torch.cat([t.flatten() for t in sums.values()]).norm()
+        >>> bool(total <= 4 * 1e-3 * (1 + 1e-5))
+        True
+    """
+
+    micro: MicroBatch
+    captured: Captured | None
+    squared: dict[int, Tensor]
+    materialised: dict[int, Tensor]
+    ghosted: dict[Any, set[int]]
+    module_normed: list[tuple]
+    factors: dict[int, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def measure(cls, micro: MicroBatch) -> Clipped:
+        """One forward and backward of ``micro`` and the per-sample squared norms: by the
+        rules (``method="auto"``: else ``torch.func``'s or the loop's per-sample gradients,
+        with a warning; a sharded model: the rules only).
+
+        Args:
+            micro: the validated call.
+
+        Returns:
+            The :class:`Clipped` of ``micro``, without clip factors yet.
+
+        Raises:
+            The errors of ``per_sample_grads`` (the model's own, or persample's where the
+            rules cannot split a sharded model).
+        """
+        params = micro.params
+        watched = {id(p): p for p in params.values()}
+
+        def by_rules() -> Clipped:
+            captured = loss_backprops(micro.model, micro.batch, micro.targets, micro.loss_fn,
+                                      watched, retain_graph=_keeps_graph)
+            with internal("the norm rules"):
+                return cls(micro, captured, *squared_norms(captured, params))
+
+        def by(method: Callable) -> Callable[[], Clipped]:
+            def materialised() -> Clipped:
+                grads = method(micro.model, micro.batch, micro.targets, micro.loss_fn, params)
+                mats = {id(params[name]): g.unsqueeze(1) for name, g in grads.items()}
+                squared = {pid: sum_of_squares(m.flatten(1)) for pid, m in mats.items()}
+                return cls(micro, None, squared, mats, {}, [])
+            return materialised
+
+        return answer(
+            "rules" if micro.sharded else "auto", rules=by_rules,
+            vmap=by(vmap_per_sample_grads),
+            loop=by(lambda m, b, t, f, _: loop_per_sample_grads(m, b, t, f)),
+            hint=lambda: checks.dtype_note(micro.batch, params))
+
+    def norms(self) -> Tensor:
+        """``(n,)`` per-sample gradient norms over all parameters, in the dtype the
+        squared norms accumulate in (at least float32)."""
+        return torch.stack([self.squared[id(p)] for p in self.micro.params.values()]
+                           ).sum(0).sqrt()
+
+    def clip(self, norms: Tensor, max_grad_norm: float, per_layer: bool) -> None:
+        """Set :attr:`factors`: ``min(1, C / (||g_i|| + 1e-6))`` per sample, the same for
+        every parameter; ``per_layer``: each parameter's own norm against ``C / sqrt(K)``
+        (``K`` parameters), so that the whole gradient's norm is at most ``C`` either way.
+
+        Args:
+            norms: ``(n,)``, :meth:`norms`.
+            max_grad_norm: ``C > 0``, loss units per parameter unit.
+            per_layer: clip each parameter on its own.
+        """
+        params = self.micro.params
+        if not per_layer:
+            c = (max_grad_norm / (norms + STABILITY)).clamp(max=1.0)  # (n,)
+            self.factors = {id(p): c for p in params.values()}
+            return
+        bound = max_grad_norm / math.sqrt(len(params))
+        self.factors = {id(p): (bound / (self.squared[id(p)].sqrt() + STABILITY)).clamp(max=1.0)
+                        for p in params.values()}
+
+    def add_group(self, into: dict[int, Tensor], group: set[int]) -> None:
+        """Add ``sum_i c_i g_i`` of the parameters ``group`` into ``into``: the
+        materialised ones with the factors, the module-normed ones through their module's
+        backward, the ghost-normed ones op by op (Bu et al. 2023); where persample's own
+        code fails, the rest from per-sample gradients, with a warning.
+
+        Args:
+            into: ``{id(p): tensor}`` of ``p``'s shape, added to (a parameter no op reads
+                gets nothing).
+            group: the ids of the parameters to sum (those of one FSDP unit, or all).
+
+        Raises:
+            persample's ``InternalError`` where its own code fails on a sharded model
+            (no whole-model fallback there); the errors of ``torch.func`` and the loop.
+        """
+        done = self._add_materialised(into, group)
+        left: dict[int, list] = {}  # id -> the ops whose sums are not added yet
+        try:
+            with internal("the clipped sums"):
+                self._add_module_normed(into, group, done)
+                if self.captured is not None:
+                    _book_keeping(self.captured, {op: pids & group for op, pids in
+                                                  self.ghosted.items() if pids & group},
+                                  self.factors, into, done, left)
+        except InternalError as err:  # the norms are right: the rest from per-sample gradients
+            if self.micro.sharded:
+                raise
+            leave_rules(Taken(), err)
+            with internal("the clipped sums of the uses left"):
+                _complete(self.captured, self.ghosted, left, self.factors, into, done)
+            self._add_per_sample(into, group, done)
+
+    def _add_materialised(self, into: dict[int, Tensor], group: set[int]) -> set[int]:
+        """The parameters whose per-sample gradients ``(n, 1, *shape)`` were materialised:
+        ``tensordot(c, g)``. Returns their ids."""
+        done = {pid for pid in self.materialised if pid in group}
+        for pid in done:
+            m = self.materialised[pid]
+            into[pid].add_(torch.tensordot(self.factors[pid].to(m.dtype), m[:, 0], dims=1))
+        return done
+
+    def _add_module_normed(self, into: dict[int, Tensor], group: set[int],
+                           done: set[int]) -> None:
+        """The parameters a module norm rule normed: their module call's backward for the
+        backprops scaled per sample (adds their ids to ``done``)."""
+        for _call, edge, layout, normed in self.module_normed:
+            for p in normed.values():
+                if id(p) in group:
+                    got = _edge_backward(self.captured, edge, layout, [p],
+                                         self.factors[id(p)])[id(p)]
+                    into[id(p)].add_(got)
+                    done.add(id(p))
+
+    def _add_per_sample(self, into: dict[int, Tensor], group: set[int],
+                        done: set[int]) -> None:
+        """After a failure: the parameters of ``group`` not in ``done`` from per-sample
+        gradients (``torch.func``, else the loop)."""
+        micro = self.micro
+        rest = {name: p for name, p in micro.params.items()
+                if id(p) in group and id(p) not in done}
+        grads = slower(
+            lambda: vmap_per_sample_grads(micro.model, micro.batch, micro.targets,
+                                          micro.loss_fn, rest),
+            lambda: loop_per_sample_grads(micro.model, micro.batch, micro.targets,
+                                          micro.loss_fn))
+        with torch.no_grad():
+            for name, p in rest.items():
+                into[id(p)].add_(torch.tensordot(self.factors[id(p)].to(grads[name].dtype),
+                                                 grads[name], dims=1))
 
 
 def _keeps_graph(plan: Plan) -> bool:
@@ -264,16 +404,31 @@ def _keeps_graph(plan: Plan) -> bool:
     calls a module norm rule may norm (their clipped sums come from a backward through
     the graph). Everything else is summed from the captured values, so the graph's saved
     activations are freed as the backward goes, as in a plain step."""
-    return any(call.rule.spec.norm is not None for call, _ in plan.module_jobs)
+    return any(_module_norm_rule(call) is not None for call, _ in plan.module_jobs)
 
 
-def _clip_factors(sq, norms, params, max_grad_norm, per_layer) -> dict[int, Tensor]:
-    if not per_layer:
-        c = (max_grad_norm / (norms + STABILITY)).clamp(max=1.0)  # (n,)
-        return {id(p): c for p in params.values()}
-    bound = max_grad_norm / math.sqrt(len(params))
-    return {id(p): (bound / (sq[id(p)].sqrt() + STABILITY)).clamp(max=1.0)
-            for p in params.values()}
+def _module_norm_rule(call: Any) -> Any:
+    """The module norm rule of a module call (``ModuleSpec.norm``), or ``None``."""
+    return call.rule.spec.norm
+
+
+def _op_sum_rule(op: Any) -> Callable[[int, torch.dtype, Tensor, Tensor, dict], bool] | None:
+    """The weighted-sum rule of ``op`` (``OpSpec.sum``), called as ``rule(n, dtype, g, c,
+    into)``: backprops ``g (n, 1, *out)`` and factors ``c (n,)`` in ``dtype``, ``into``
+    ``{param: tensor}`` added to; it returns ``False`` where the rule declines (having
+    added nothing). ``None``: the op has none."""
+    spec = spec_of(op.func)
+    if spec is None or spec.sum is None:
+        return None
+
+    def rule(n: int, dtype: torch.dtype, g: Tensor, c: Tensor, into: dict) -> bool:
+        try:
+            spec.sum(OpCall(op, n, dtype), g, c, into)
+        except Decline:
+            return False
+        return True
+
+    return rule
 
 
 def _book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
@@ -293,12 +448,12 @@ def _book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
             left.setdefault(pid, []).append(op)
     with without_autocast():
         for op, pids in ghosted.items():
-            summed = _sum_rule(op)
+            rule = _op_sum_rule(op)
             g = (captured.backprops(op.edges, op.out_layouts)[0]  # (n, 1, *out)
-                 if summed else None)
+                 if rule else None)
             for pid in [pid for pid in pids if pid in left]:  # one at a time: a failure
-                _add_op_sum(captured, op, pid, factors[pid], into[pid], g)  # adds nothing
-                left[pid].remove(op)
+                _add_op_sum(captured, op, pid, factors[pid], into[pid], rule, g)  # adds
+                left[pid].remove(op)  # nothing
                 if not left[pid]:
                     done.add(pid)
 
@@ -318,29 +473,19 @@ def _complete(captured: Captured, ghosted: dict, left: dict[int, list],
         done.add(pid)
 
 
-def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor, g: Tensor | None
-                ) -> None:
+def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor,
+                rule: Callable | None, g: Tensor | None) -> None:
     """Add one op's share of ``sum_i c_i g_i`` of the parameter ``pid`` (clip factors
-    ``c (n,)``) into ``into``: its weighted-sum rule with the op's backprops ``g (n, 1,
-    *out)`` (``None``: it has none), else (it has none, or it declines, having added
-    nothing) one local backward."""
+    ``c (n,)``) into ``into``: its weighted-sum ``rule`` (:func:`_op_sum_rule`) with the
+    op's backprops ``g (n, 1, *out)`` (``None``: it has none), else (it has none, or it
+    declines, having added nothing) one local backward."""
     p = next(t for t in op.leaves if id(t) == pid)
-    if g is not None:
+    if rule is not None and g is not None:
         dtype = _sum_dtype(g.dtype, into.dtype)
-        try:
-            with torch.no_grad():
-                _sum_rule(op)(OpCall(op, captured.n, dtype), cast(g, dtype), c.to(dtype),
-                              {p: into})
-            return
-        except Decline:
-            pass
+        with torch.no_grad():
+            if rule(captured.n, dtype, cast(g, dtype), c.to(dtype), {p: into}):
+                return
     into.add_(_local_backward(captured, op, [p], c)[pid])
-
-
-def _sum_rule(op) -> Callable | None:
-    """The op's weighted-sum rule (``OpSpec.sum``), or ``None``."""
-    spec = spec_of(op.func)
-    return None if spec is None else spec.sum
 
 
 def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
@@ -379,26 +524,3 @@ def _scaled(g: Tensor, lay, c: Tensor) -> Tensor:
     """Backprops ``g`` (an output's own shape, layout ``lay``) times each sample's clip
     factor ``c (n,)``; a shared output (no samples) as it is."""
     return g * lay.scale(c, g) if isinstance(lay, Batched) else g
-
-
-def _check_finite(norms: Tensor) -> None:
-    bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
-    if bad:
-        raise FloatingPointError(
-            f"the gradients of samples {bad[:10]}{'...' if len(bad) > 10 else ''} are not "
-            "finite (NaN or Inf), so they cannot be clipped; p.grad was left unchanged. "
-            "Check those inputs (or the loss), drop them and call again."
-        )
-
-
-def _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size) -> None:
-    if not (isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm)
-            and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm (the clipping norm C) must be > 0, got {max_grad_norm}")
-    if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
-            and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier (sigma) must be >= 0, got {noise_multiplier}")
-    if expected_batch_size is not None and not (
-            isinstance(expected_batch_size, (int, float)) and expected_batch_size > 0):
-        raise ValueError(
-            f"expected_batch_size must be a positive number or None, got {expected_batch_size}")

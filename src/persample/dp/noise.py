@@ -12,7 +12,9 @@ process or any number of them (the same seed gives the same ``p.grad``). On the 
 the blocks are drawn in parallel (``torch``'s CPU ``normal_`` runs on one thread).
 The buffer comes from persample's result memory (:mod:`persample.memory`), so the
 ``p.grad`` of one step reuses the pages of the step before instead of faulting
-fresh ones.
+fresh ones. :func:`add_gaussian` adds the same numbers to tensors that exist already
+(a step's clipped sums), one block at a time, so that no second buffer of their size
+is needed.
 
 Source: the counter-based streams of Salmon et al. 2011 ("Parallel random numbers:
 as easy as 1, 2, 3"), here with one seeded generator per block.
@@ -68,32 +70,93 @@ def gaussian_like(params: list[nn.Parameter], std: float,
     return out
 
 
+def add_gaussian(tensors: list[Tensor], std: float, generator: torch.Generator | None
+                 ) -> None:
+    """Add to each tensor, in place, the noise :func:`gaussian_like` draws for tensors of
+    its shape, dtype and device from the same generator state: the same numbers, without
+    a second tensor of their size (each block of at most :data:`BLOCK` numbers is drawn
+    into a temporary and added).
+
+    Args:
+        tensors: contiguous floating-point tensors (e.g. clipped sums ``(*p.shape)`` in
+            the dtype they accumulate in), in the order of the parameters they stand for;
+            modified in place.
+        std: the standard deviation (``sigma * C``), ``>= 0``.
+        generator: as for :func:`gaussian_like` (it advances alike: one seed).
+
+    Raises:
+        RuntimeError: a non-contiguous tensor, or a generator on another device (from
+            torch).
+
+    Example:
+        >>> sums = [torch.ones(3, 2), torch.zeros(4)]
+        >>> drawn = gaussian_like(sums, 0.5, torch.Generator().manual_seed(0))
+        >>> add_gaussian(sums, 0.5, torch.Generator().manual_seed(0))
+        >>> torch.equal(sums[0], 1 + drawn[0]), torch.equal(sums[1], drawn[1])
+        (True, True)
+    """
+    seed = release_seed(generator)
+    _in_parallel([(t.view(-1), std, seed, j, 0, t.numel()) for j, t in enumerate(tensors)],
+                 add=True)
+
+
 def release_seed(generator: torch.Generator | None) -> int:
-    """The one seed of a release, taken from ``generator`` (``None``: torch's default
-    generator of the CPU)."""
+    """The one seed of a release, taken from ``generator``: one draw, so the generator
+    advances alike whatever the number of parameters.
+
+    Args:
+        generator: a ``torch.Generator`` (any device), or ``None`` for torch's default
+            generator of the CPU.
+
+    Returns:
+        A seed in ``[0, 2^62)``.
+
+    Example:
+        >>> a = release_seed(torch.Generator().manual_seed(0))
+        >>> a == release_seed(torch.Generator().manual_seed(0)), 0 <= a < 2**62
+        (True, True)
+    """
     return int(torch.randint(0, 2**62, (1,), generator=generator,
                              device=generator.device if generator is not None else "cpu"))
 
 
 def noise_range(out: Tensor, std: float, seed: int, index: int, start: int, numel: int
                 ) -> None:
-    """Fill the 1-d ``out`` with entries ``start .. start + out.numel()`` of the
-    flattened noise (``N(0, std^2)``) of parameter ``index`` (``numel`` entries in all)
-    of the release ``seed``."""
+    """Fill ``out`` with a part of one parameter's noise of a release: the part a shard
+    of that parameter holds.
+
+    Args:
+        out: 1-d, entries ``start .. start + out.numel()`` of the flattened noise.
+        std: the standard deviation, ``>= 0``.
+        seed: the release's seed (:func:`release_seed`).
+        index: the parameter's position in the step's parameters.
+        start: the first entry, ``0 <= start <= numel - out.numel()``.
+        numel: the parameter's number of entries.
+
+    Example:
+        >>> whole = torch.empty(10)
+        >>> noise_range(whole, 1.0, 7, 0, 0, 10)
+        >>> part = torch.empty(4)
+        >>> noise_range(part, 1.0, 7, 0, 3, 10)
+        >>> torch.equal(part, whole[3:7])
+        True
+    """
     _in_parallel([(out, std, seed, index, start, numel)])
 
 
-def _in_parallel(jobs: list[tuple[Tensor, float, int, int, int, int]]) -> None:
+def _in_parallel(jobs: list[tuple[Tensor, float, int, int, int, int]], add: bool = False
+                 ) -> None:
+    """Draw (``add``: add) the blocks of every job, in parallel on the CPU."""
     pieces = [piece for job in jobs for piece in _pieces(*job)]
     total = sum(piece[0].numel() for piece in pieces)
     threads = min(torch.get_num_threads(), len(pieces))
     cpu = all(piece[0].device.type == "cpu" for piece in pieces)
     if threads < 2 or total < PARALLEL_MIN or not cpu:
         for piece in pieces:
-            _draw_piece(*piece)
+            _draw_piece(*piece, add=add)
         return
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda piece: _draw_piece(*piece), pieces))
+        list(pool.map(lambda piece: _draw_piece(*piece, add=add), pieces))
 
 
 def _pieces(out: Tensor, std: float, seed: int, index: int, start: int, numel: int
@@ -110,16 +173,21 @@ def _pieces(out: Tensor, std: float, seed: int, index: int, start: int, numel: i
     return found
 
 
-def _draw_piece(out: Tensor, std: float, seed: int, offset: int, length: int) -> None:
-    """Entries ``offset ..`` of a block of ``length`` numbers: a part of a block is cut
-    from the whole block drawn (``normal_`` draws in groups whose values depend on the
-    length drawn)."""
+def _draw_piece(out: Tensor, std: float, seed: int, offset: int, length: int,
+                add: bool = False) -> None:
+    """Entries ``offset ..`` of a block of ``length`` numbers into ``out`` (``add``: added
+    to it): a part of a block is cut from the whole block drawn (``normal_`` draws in
+    groups whose values depend on the length drawn)."""
     gen = torch.Generator(device=out.device).manual_seed(seed)
-    if offset == 0 and out.numel() == length:
+    if offset == 0 and out.numel() == length and not add:
         out.normal_(0.0, std, generator=gen)
         return
     block = torch.empty(length, dtype=out.dtype, device=out.device)
-    out.copy_(block.normal_(0.0, std, generator=gen)[offset : offset + out.numel()])
+    drawn = block.normal_(0.0, std, generator=gen)[offset : offset + out.numel()]
+    if add:
+        out.add_(drawn)
+    else:
+        out.copy_(drawn)
 
 
 def _mix(seed: int, index: int, block: int) -> int:
@@ -136,10 +204,18 @@ def _mix(seed: int, index: int, block: int) -> int:
 def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None = None,
                 blocks: list[Tensor] | None = None, accumulate: bool = False) -> list[Tensor]:
     """One tensor per parameter (its shape, dtype and device), views of one block of
-    persample's result memory per dtype and device (:mod:`persample.memory`; with
-    ``accumulate``, in the dtype sums accumulate in);
-    ``fill(block)`` initialises each 1-d block, else it is left uninitialised; the
-    blocks are appended to ``blocks`` if given (to reduce them in one collective).
+    persample's result memory per dtype and device (:mod:`persample.memory`).
+
+    Args:
+        params: the tensors to make memory for.
+        fill: initialises each 1-d block (e.g. ``lambda b: b.zero_()``); ``None``: left
+            uninitialised.
+        blocks: if given, the 1-d blocks are appended to it (to reduce them in one
+            collective each).
+        accumulate: in the dtype sums accumulate in (float32 for bfloat16 and float16).
+
+    Returns:
+        A list of contiguous tensors in ``params`` order.
 
     Example:
         >>> ps = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]

@@ -1,19 +1,23 @@
-"""DP-SGD steps over logical batches larger than memory: accumulate, then release.
+"""DP-SGD steps: :class:`PrivateStep` over micro-batches, and :func:`private_grad`, its
+single call.
 
 A logical batch (thousands of samples, so that the noise divided by the batch size
 is small) is processed as physical micro-batches: each :meth:`PrivateStep.accumulate`
 adds its samples' clipped gradients ``sum_i c_i g_i`` to sums kept in the object (the
-same book-keeping as :func:`persample.dp.private_grad`: one forward and one backward,
-no ``(B, P)`` tensor); :meth:`PrivateStep.release` adds the Gaussian noise once,
-divides by the expected batch size and writes ``p.grad``. Opacus calls this virtual
-steps (``BatchMemoryManager``); Abadi et al. 2016 describe lots of size ``L`` split
-into smaller groups. The state (the sums, the samples counted, the versions of the
+book-keeping of :mod:`persample.dp.clip`: one forward and one backward, no ``(B, P)``
+tensor); :meth:`PrivateStep.release` adds the Gaussian noise once, divides by the
+expected batch size and writes ``p.grad``, through the step's reducer
+(:mod:`persample.dp.reduce`: one process, several, or FSDP2). Opacus calls this
+virtual steps (``BatchMemoryManager``); Abadi et al. 2016 describe lots of size ``L``
+split into smaller groups. :func:`private_grad` is one step of one micro-batch,
+released at once. The state (the sums, the samples counted, the versions of the
 parameters the sums were computed at, the noise generator) lives in the object,
 never on the model, with ``state_dict`` / ``load_state_dict`` for checkpoints.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -22,11 +26,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks
-from ..precision import accumulate_dtype
-from ..sharded import Sharding, as_sharded_grad, fsdp_units, reduce_to_shards, shard_rows
+from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
-from .clip import _add_clipped_sums, _check_dp_options
-from .noise import gaussian_like, noise_range, pooled_like, release_seed
+from .clip import MicroBatch, clipped_sums
+from .reduce import Reducer, Sums, Terms, reducer_for, total_samples, world
+
+_world = world  # ``(world size, rank)`` or ``None`` (the command line imports it from here)
 
 
 class PrivateStep:
@@ -37,7 +42,10 @@ class PrivateStep:
     step's sums; ``release()`` sets ``p.grad = (sums + N(0, sigma^2 C^2 I)) /
     expected_batch_size`` for every trainable parameter and resets the sums. Micro-
     batches accumulated then released give what ``private_grad`` gives on their
-    concatenation (to rounding).
+    concatenation (to rounding). One process holds one buffer of the parameters' size
+    for the sums (made after the first micro-batch's backward; it becomes ``p.grad`` at
+    release) and, while a later micro-batch is summed, a second (so that a failed
+    micro-batch adds nothing).
 
     Args:
         model: the ``nn.Module``; its trainable parameters at construction are the
@@ -62,9 +70,10 @@ class PrivateStep:
             count); only with ``sample_rate``.
         loss_reduction: deprecated, no effect (each sample's own loss is evaluated).
 
-    Distributed (``torch.distributed`` initialised, any backend; gloo on CPUs, NCCL on
-    GPUs): every process accumulates its own samples; ``release()`` sums the clipped
-    sums of all processes with one all-reduce into which rank 0 has added the noise
+    Distributed (``torch.distributed`` initialised when the step is made, any backend;
+    gloo on CPUs, NCCL on GPUs): every process accumulates its own samples;
+    ``release()`` sums the clipped sums of all processes with one all-reduce into
+    which rank 0 has added the noise
     (drawn from rank 0's generator), so the noise is added exactly once, no second
     collective is needed, and every rank gets the same ``p.grad``. The model may be
     wrapped in ``DistributedDataParallel``: its module is used directly, so DDP's own
@@ -120,6 +129,16 @@ class PrivateStep:
         >>> step.accountant.steps, 0 < step.epsilon(delta=1e-5) < 10
         (3, True)
 
+    Attributes:
+        params: ``{name: parameter}``, the step's (FSDP2: sharded ``DTensor``).
+        sums: ``{name: tensor}``, the clipped sums so far (``None`` before a step's first
+            micro-batch), in the dtype sums accumulate in (float32 at least).
+        samples: the samples accumulated since the last release.
+        accountant: the :class:`~persample.dp.PrivacyAccountant` (``None`` without
+            ``sample_rate``).
+        reducer: how the sums reach ``p.grad`` (:mod:`persample.dp.reduce`), picked
+            here: one process, several, or FSDP2.
+
     Source: Abadi et al. 2016 (DP-SGD, lots); Bu et al. 2023 (book-keeping); Opacus's
     virtual steps; Zhao et al. 2023 (PyTorch FSDP).
     """
@@ -130,7 +149,7 @@ class PrivateStep:
                  timeout: float = 300.0, loss_reduction: str | None = None,
                  sample_rate: float | None = None,
                  accountant: str | PrivacyAccountant | None = None) -> None:
-        _check_dp_options(max_grad_norm, noise_multiplier, expected_batch_size)
+        _check_options(max_grad_norm, noise_multiplier, expected_batch_size)
         self.sample_rate, self.accountant = _accounting(sample_rate, accountant)
         if expected_batch_size is None:
             raise ValueError("expected_batch_size is required: the divisor of the noised sum "
@@ -139,18 +158,30 @@ class PrivateStep:
         checks.check_loss_fn(loss_fn, None)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module  # its own gradient all-reduce must not run: release reduces
-        units = fsdp_units(model)
-        self.sharding = Sharding(model, units) if units else None  # FSDP2
         self.model, self.loss_fn = model, loss_fn
         self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.generator, self.per_layer = generator, per_layer
-        self.params = self._trainable()  # name -> parameter (sharded: the DTensor)
-        self.sums: dict[str, Tensor] | None = None  # allocated at the first accumulate
+        self.timeout = timedelta(seconds=timeout)
+        self.reducer: Reducer = self._reducer()
+        self.params = self.reducer.trainable(model)  # name -> parameter (sharded: the DTensor)
+        self._sums: Sums | None = None  # made by the first micro-batch of a step
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
-        self.timeout = timedelta(seconds=timeout)
-        self.failed: str | None = None  # distributed: a non-finite sample, raised at release
+
+    def _reducer(self) -> Reducer:
+        """The step's mode, picked once: FSDP2, several processes, or one."""
+        return reducer_for(self.model, self.timeout)
+
+    @property
+    def sums(self) -> dict[str, Tensor] | None:
+        """The clipped sums so far, ``{name: tensor}``, or ``None`` (nothing accumulated
+        since the last release)."""
+        return None if self._sums is None else self._sums.tensors
+
+    @sums.setter
+    def sums(self, tensors: dict[str, Tensor] | None) -> None:
+        self._sums = None if tensors is None else Sums(tensors)
 
     def accumulate(self, inputs: Any, targets: Any) -> Tensor:
         """Add one micro-batch's clipped per-sample gradients to the step's sums.
@@ -171,31 +202,16 @@ class PrivateStep:
             FloatingPointError: a sample's gradient is not finite (nothing is added).
         """
         self._check_parameters()
-        if self.sharding is not None:
-            return self._accumulate_sharded(inputs, targets)
-        batch, n, _ = checks.validate_call(self.model, inputs, targets, self.loss_fn, "auto",
-                                          None, None)
-        params = list(self.params.values())
-        if self.sums is None:
-            self.sums = dict(zip(self.params, pooled_like(params, lambda b: b.zero_(),
-                                                          accumulate=True)))
-        def zeros(group: list[int]) -> dict[int, Tensor]:
-            return dict(zip(map(id, params), pooled_like(params, lambda b: b.zero_(),
-                                                         accumulate=True)))
-
-        into: dict[int, Tensor] = {}
+        batch, n, working = self.reducer.begin(self.model, inputs, targets, self.loss_fn)
+        into = self.reducer.micro_batch(self._sums, working, self._terms())
         try:
             with checks.kept_buffers(self.model):
-                norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn,
-                                          self.params, self.max_grad_norm,
-                                          self.per_layer, zeros, into.update)
+                norms = clipped_sums(MicroBatch(self.model, batch, targets, self.loss_fn,
+                                                working), max_grad_norm=self.max_grad_norm,
+                                     per_layer=self.per_layer, into=into)
         except FloatingPointError as err:
-            if _world() is None:
-                raise
-            self.failed = f"rank {_world()[1]}: {err}"  # every rank raises it at release
-            return torch.full((n,), float("nan"))
-        for name, p in self.params.items():  # only once the whole micro-batch succeeded
-            self.sums[name].add_(into[id(p)])
+            return self.reducer.failed(err, n)
+        self._sums = into.commit()  # only once the whole micro-batch succeeded
         if not self.versions:
             self.versions = {name: p._version for name, p in self.params.items()}
         self.samples += n
@@ -206,34 +222,30 @@ class PrivateStep:
         trainable parameter of the step (overwriting it), then reset the sums.
 
         With nothing accumulated (Poisson sampling can draw an empty logical batch)
-        ``p.grad`` is the noise alone, divided alike. Then step any optimizer.
-        """
-        params = list(self.params.values())
-        world = _world()
-        if world is not None:
-            self._arrived("release()")
-            self._agree(world)
-        if self.sharding is not None:
-            self._release_sharded()
-            return self._account()
-        blocks: list[Tensor] = []  # the 1-d blocks the new p.grad tensors view
-        if world is None or world[1] == 0:  # the noise, drawn once (rank 0 when distributed)
-            grads = gaussian_like(params, self.noise_multiplier * self.max_grad_norm,
-                                  self.generator, blocks, accumulate=True)
-        else:
-            grads = pooled_like(params, lambda b: b.zero_(), blocks, accumulate=True)
-        for name, grad in zip(self.params, grads):
-            if self.sums is not None:
-                grad.add_(self.sums[name])
-        if world is not None:
-            import torch.distributed as dist
+        ``p.grad`` is the noise alone, divided alike. Then step any optimizer. The sums'
+        memory becomes ``p.grad`` (one process: the noise is added to it in place).
 
-            for block in blocks:  # every rank's sums, plus rank 0's noise, once
-                dist.all_reduce(block)
-        for p, grad in zip(params, grads):  # in the parameter's dtype, as autograd gives it
-            p.grad = grad.div_(self.expected_batch_size).to(p.dtype)
-        self.sums, self.samples, self.versions = None, 0, {}
+        Raises:
+            FloatingPointError: several processes: a rank's micro-batch had a non-finite
+                gradient (on every rank; the step's sums are dropped).
+            ValueError: several processes: the ranks hold different parameters or
+                ``expected_batch_size`` (FSDP2: or generators); ``p.grad`` unchanged.
+            RuntimeError: a rank did not arrive within ``timeout`` (gloo).
+        """
+        terms = self._terms()
+        self.reducer.agree(terms, self._drop)
+        self.reducer.release(self._sums, terms)
+        self._drop()
         self._account()
+
+    def _terms(self) -> Terms:
+        """What the reducer needs of the step: its parameters, the noise, the divisor."""
+        return Terms(self.params, self.noise_multiplier * self.max_grad_norm, self.generator,
+                     self.expected_batch_size)
+
+    def _drop(self) -> None:
+        """The step's sums released or lost: the next micro-batch starts a new step."""
+        self._sums, self.samples, self.versions = None, 0, {}
 
     def _account(self) -> None:
         """One release done: one step of ``(sigma, q)`` for the accountant, if any."""
@@ -255,130 +267,12 @@ class PrivateStep:
                              "accounted")
         return self.accountant.epsilon(delta)
 
-    def _trainable(self) -> dict[str, nn.Parameter]:
-        """The trainable parameters by name (sharded: as the optimizer holds them)."""
-        if self.sharding is None:
-            return checks.trainable_parameters(self.model)
-        found = Sharding(self.model, self.sharding.units).sharded
-        if not found:
-            checks.trainable_parameters(self.model)  # raises: nothing to differentiate
-        return found
-
-    def _accumulate_sharded(self, inputs: Any, targets: Any) -> Tensor:
-        """``accumulate`` on an FSDP2 model: this rank's clipped sums, unit by unit,
-        reduce-scattered to the shards (every rank calls it alike)."""
-        world = _world()
-        if world is None:
-            raise ValueError("the model is sharded with FSDP2 but torch.distributed is not "
-                             "initialised: call torch.distributed.init_process_group first")
-        self._arrived("accumulate()")
-        batch, n, working = checks.validate_call(self.model, inputs, targets, self.loss_fn,
-                                                "rules", None, None)
-        sharding = self.sharding
-        names = {id(p): name for name, p in working.items()}
-        groups = sharding.groups()
-        if self.sums is None:
-            self.sums = {name: sharding.local_like(name, accumulate_dtype(p.dtype))
-                         for name, p in self.params.items()}
-        staged: dict[str, Tensor] = {}
-
-        def make(group: list[int]) -> dict[int, Tensor]:
-            ps = [working[names[pid]] for pid in group]
-            return dict(zip(group, pooled_like(ps, lambda b: b.zero_(), accumulate=True)))
-
-        def flush(into: dict[int, Tensor]) -> None:
-            staged.update(reduce_to_shards(sharding, {names[k]: t for k, t in into.items()}))
-
-        def checked(norms: Tensor) -> None:
-            bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
-            mine = f"rank {world[1]}: samples {bad[:10]} are not finite" if bad else None
-            self._agree(world, mine)
-
-        with checks.kept_buffers(self.model):
-            norms = _add_clipped_sums(self.model, batch, targets, self.loss_fn, working,
-                                      self.max_grad_norm, self.per_layer, make, flush,
-                                      groups, checked)
-        for name, t in staged.items():
-            self.sums[name].add_(t)
-        if not self.versions:
-            self.versions = {name: p._version for name, p in self.params.items()}
-        self.samples += n
-        return norms
-
-    def _release_sharded(self) -> None:
-        """``release`` on an FSDP2 model: each rank adds the noise of its own shards (the
-        blocks of the release's noise that fall in them) and writes ``p.grad`` as the
-        sharded ``DTensor`` FSDP gives."""
-        std = self.noise_multiplier * self.max_grad_norm
-        seed = release_seed(self.generator)
-        for index, (name, p) in enumerate(self.params.items()):
-            local = self.sharding.local_like(name, accumulate_dtype(p.dtype))
-            _shard_noise(self.sharding, name, local, std, seed, index)
-            if self.sums is not None:
-                local.add_(self.sums[name])
-            p.grad = as_sharded_grad(p, local.div_(self.expected_batch_size))
-        self.sums, self.samples, self.versions = None, 0, {}
-
-    def _arrived(self, where: str) -> None:
-        """Every rank reached ``where`` within the timeout (gloo's monitored barrier names
-        the ones that did not; NCCL has none: its own timeout applies)."""
-        import torch.distributed as dist
-
-        if dist.get_backend() == dist.Backend.GLOO:
-            try:
-                dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)
-            except RuntimeError as err:
-                raise RuntimeError(f"{where}: not every process arrived within "
-                                   f"{self.timeout.total_seconds():.0f} s ({err})") from err
-
-    def _agree(self, world: tuple[int, int], failed: str | None = None) -> None:
-        """Every rank checks that all ranks hold the same parameters and divisor (and,
-        sharded, noise generator), and that none saw a non-finite gradient (``failed``:
-        this rank's, in a sharded ``accumulate``); raises on every rank if not."""
-        import torch.distributed as dist
-
-        size, rank = world
-        mine = {"shapes": [(name, tuple(p.shape)) for name, p in self.params.items()],
-                "expected_batch_size": self.expected_batch_size,
-                "failed": failed or self.failed, "noise": _stream(self.generator)}
-        every: list[Any] = [None] * size
-        dist.all_gather_object(every, mine)
-        failed = [e["failed"] for e in every if e["failed"]]
-        if failed:
-            kept = self.sharding is not None  # (sharded: before this micro-batch is added)
-            if not kept:
-                self.sums, self.samples, self.versions = None, 0, {}
-            self.failed = None
-            raise FloatingPointError(
-                f"a per-sample gradient was not finite ({failed[0]}); p.grad was left "
-                "unchanged on every rank and " + (
-                    "nothing of this micro-batch was added on any rank" if kept else
-                    "this step's sums dropped") + ". Drop those samples and accumulate again.")
-        for k, e in enumerate(every):
-            if e["expected_batch_size"] != mine["expected_batch_size"]:
-                raise ValueError(
-                    f"expected_batch_size differs between ranks: {mine['expected_batch_size']}"
-                    f" on rank {rank}, {e['expected_batch_size']} on rank {k}: give every "
-                    "rank the logical batch's expected size (q * N)")
-            if e["shapes"] != mine["shapes"]:
-                theirs, ours = dict(e["shapes"]), dict(mine["shapes"])
-                name = next((n for n in ours if theirs.get(n) != ours[n]), None) or next(
-                    n for n in theirs if n not in ours)
-                raise ValueError(
-                    f"the ranks hold different models: parameter {name!r} is "
-                    f"{ours.get(name)} on rank {rank} and {theirs.get(name)} on rank {k}")
-            if self.sharding is not None and e["noise"] != mine["noise"]:
-                raise ValueError(
-                    f"the noise generator's state differs between rank {rank} and rank {k}: "
-                    "with a sharded model every rank draws the noise of its own shards from "
-                    "one stream, so give every rank the same generator, e.g. "
-                    "torch.Generator().manual_seed(seed) with the same seed")
-
     def state_dict(self) -> dict[str, Any]:
         """The step's state for a checkpoint: the sums (``{name: tensor}`` or ``None``),
         the samples accumulated and the noise generator's state (``None`` without a
-        generator). Tensors are the step's own (clone them
-        to keep a copy that later calls do not change).
+        generator). Tensors are the step's own (clone them to keep a copy that later
+        calls do not change: ``accumulate`` adds to them, ``release`` makes them
+        ``p.grad``).
 
         Example:
             >>> net = nn.Linear(2, 1)
@@ -420,7 +314,7 @@ class PrivateStep:
     def _check_parameters(self) -> None:
         """The model's trainable parameters are still the step's, and unchanged since the
         first micro-batch of this step."""
-        now = self._trainable()
+        now = self.reducer.trainable(self.model)
         for name, p in self.params.items():
             q = now.get(name)
             if q is not p:
@@ -439,6 +333,124 @@ class PrivateStep:
                              "PrivateStep: make a new PrivateStep for the new model")
 
 
+def private_grad(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], Tensor],
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    generator: torch.Generator | None = None,
+    per_layer: bool = False,
+    expected_batch_size: float | None = None,
+    loss_reduction: str | None = None,
+) -> Tensor:
+    """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
+
+    ``p.grad = (sum_i c_i g_i + N(0, sigma^2 C^2 I)) / B'`` with ``g_i`` sample
+    ``i``'s own gradient, ``c_i = min(1, C / (||g_i|| + 1e-6))``, ``C =
+    max_grad_norm``, ``sigma = noise_multiplier`` and ``B' = expected_batch_size``
+    (default: the batch size). Then step any ``torch.optim`` optimizer as usual.
+
+    Args:
+        model, inputs, targets, loss_fn, loss_reduction: as for
+            :func:`persample.per_sample_grads`. ``p.grad`` of every trainable
+            parameter is overwritten (not accumulated); nothing else changes.
+        max_grad_norm: clipping norm ``C > 0``, in loss units per parameter unit.
+        noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * C``.
+        generator: ``torch.Generator`` (on the parameters' device) for the noise.
+        per_layer: clip each parameter's per-sample gradient to
+            ``C / sqrt(K)`` (``K`` trainable parameter tensors) instead of the whole
+            gradient to ``C``; the sensitivity is ``C`` either way.
+        expected_batch_size: the divisor ``B'``. With Poisson sampling (which the
+            privacy analysis assumes) pass ``q * N`` so that the divisor does not
+            depend on the data.
+
+    A model sharded with FSDP2 (``fully_shard``): one :class:`PrivateStep` step over
+    every rank's batch (each rank calls it with its own samples; the default divisor is
+    the number of samples of all ranks); ``p.grad`` is a sharded ``DTensor``. Otherwise
+    the call holds one buffer of the parameters' size: the noise is drawn into it once
+    the backward is done, the clipped sums are added to it, and it becomes ``p.grad``.
+
+    Returns:
+        ``(B,)`` per-sample gradient norms before clipping (over all parameters),
+        for logging, in the parameters' dtype or float32 if that is lower (bfloat16,
+        float16: norms, clip factors and sums accumulate in float32; ``p.grad`` comes
+        in the parameter's dtype). Under ``torch.autocast`` the gradients are those of
+        the model as autocast runs it.
+
+    Raises:
+        ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
+            ``expected_batch_size``, an empty batch without ``expected_batch_size``,
+            and the errors of ``per_sample_grads`` (TypeError too). Where the rules
+            cannot split the model by sample, or persample's own code fails on it, the
+            clipped sums come from the per-sample gradients of ``torch.func`` or the
+            loop, with a warning.
+        FloatingPointError: a sample's gradient is not finite (NaN or Inf); the
+            message lists the samples and every ``p.grad`` is left as it was, so no
+            NaN reaches the weights. Drop those samples and call again.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from persample.dp import private_grad
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> norms = private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
+        ...                      noise_multiplier=1.1, generator=torch.Generator().manual_seed(0))
+        >>> opt.step()
+        >>> norms.shape
+        torch.Size([16])
+
+    Source: Abadi et al. 2016 (DP-SGD); Bu et al. 2023 (book-keeping).
+    """
+    if isinstance(model, nn.Module):
+        fsdp_units(model)  # refuses FSDP1 before anything else
+    _check_options(max_grad_norm, noise_multiplier, expected_batch_size)
+    _, n, _ = checks.validate_call(model, inputs, targets, loss_fn, "auto", loss_reduction,
+                                   None)
+    if n == 0 and expected_batch_size is None:
+        raise ValueError(
+            "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
+            "(q * N) so that the noise is scaled as for every other step"
+        )
+    if expected_batch_size is None:
+        expected_batch_size = total_samples(model, n)
+    step = _OneCall(model, loss_fn, max_grad_norm=max_grad_norm,
+                    noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
+                    generator=generator, per_layer=per_layer)
+    norms = step.accumulate(inputs, targets)
+    step.release()
+    return norms
+
+
+class _OneCall(PrivateStep):
+    """The step of one :func:`private_grad` call: one micro-batch, released at once. Its
+    sums are this process's own (an unsharded model is not reduced, whatever
+    ``torch.distributed``), and the noise is drawn into their buffer as it is made, so
+    that the call holds one buffer of the parameters' size, which becomes ``p.grad``."""
+
+    def _reducer(self) -> Reducer:
+        return reducer_for(self.model, self.timeout, one_call=True)
+
+
+def _check_options(max_grad_norm, noise_multiplier, expected_batch_size) -> None:
+    """The options of a step: ``C > 0`` and ``sigma >= 0`` finite, ``B'`` positive or
+    ``None``; raises ``ValueError`` naming the one that is not."""
+    if not (isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm)
+            and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm (the clipping norm C) must be > 0, got {max_grad_norm}")
+    if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
+            and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier (sigma) must be >= 0, got {noise_multiplier}")
+    if expected_batch_size is not None and not (
+            isinstance(expected_batch_size, (int, float)) and expected_batch_size > 0):
+        raise ValueError(
+            f"expected_batch_size must be a positive number or None, got {expected_batch_size}")
+
+
 def _accounting(sample_rate: float | None, accountant: str | PrivacyAccountant | None
                 ) -> tuple[float | None, PrivacyAccountant | None]:
     """``(q, accountant)`` for :class:`PrivateStep` (``(None, None)``: no accounting)."""
@@ -454,40 +466,3 @@ def _accounting(sample_rate: float | None, accountant: str | PrivacyAccountant |
     if isinstance(accountant, PrivacyAccountant):
         return float(sample_rate), accountant
     return float(sample_rate), PrivacyAccountant(accountant or "rdp")
-
-
-def _shard_noise(sharding: Sharding, name: str, local: Tensor, std: float, seed: int,
-                 index: int) -> None:
-    """Fill ``local`` (``sharding.local_like(name, ...)``) with this rank's part of the
-    noise of parameter ``index`` of the release ``seed`` (:mod:`persample.dp.noise`): for
-    a shard of rows, only the blocks of the rows it holds are drawn."""
-    p, fp = sharding.sharded[name], sharding.fsdp.get(name)
-    if fp is not None and fp.fsdp_placement.dim == 0:  # rows: a contiguous range
-        start = shard_rows(fp)[0] * p.shape[1:].numel()
-        noise_range(local.view(-1), std, seed, index, start, p.numel())
-        return
-    full = torch.empty(p.numel(), dtype=local.dtype, device=local.device)
-    noise_range(full, std, seed, index, 0, p.numel())
-    full = full.view(p.shape)
-    if fp is not None:
-        start, length = shard_rows(fp)
-        full = full.narrow(fp.fsdp_placement.dim, start, length)
-    local.copy_(full)
-
-
-def _stream(generator: torch.Generator | None) -> str:
-    """A digest of the noise generator's state (torch's default CPU one for ``None``)."""
-    import hashlib
-
-    state = (generator.get_state() if generator is not None else torch.get_rng_state())
-    return hashlib.sha1(state.numpy().tobytes()).hexdigest()
-
-
-def _world() -> tuple[int, int] | None:
-    """``(world size, rank)`` when ``torch.distributed`` is initialised, else ``None``."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return None
-

@@ -28,7 +28,24 @@ from .step import PrivateStep
 class PrivateTraining:
     """What :func:`make_private` sets up. ``step``: the :class:`PrivateStep` (its
     ``accountant`` counts the releases); ``noise_multiplier``, ``sample_rate`` (``q``),
-    ``steps_per_epoch`` and ``epochs`` as planned."""
+    ``steps_per_epoch`` and ``epochs`` as planned.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> from persample.dp import make_private
+        >>> net = nn.Linear(4, 3)
+        >>> data = TensorDataset(torch.randn(100, 4), torch.randint(0, 3, (100,)))
+        >>> private = make_private(net, torch.optim.SGD(net.parameters(), lr=0.1), data,
+        ...                        nn.CrossEntropyLoss(), target_epsilon=2.0,
+        ...                        target_delta=1e-5, epochs=1, max_grad_norm=1.0,
+        ...                        expected_batch_size=20, physical_batch_size=8,
+        ...                        generator=torch.Generator().manual_seed(0))
+        >>> private.steps_per_epoch, private.sample_rate
+        (5, 0.2)
+        >>> logical = next(private.batches())  # one Poisson sample, in physical batches
+        >>> all(len(y) <= 8 for _, y in logical)
+        True
+    """
 
     step: PrivateStep
     optimizer: torch.optim.Optimizer
