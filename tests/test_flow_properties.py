@@ -92,9 +92,9 @@ def _reduce_any(data, x, d):
     return (lambda t: t.sum()) if kind == "all" else (lambda t: getattr(t, kind)(k))
 
 
-def _along_other(data, x, d):
-    """Ops along one dim that is not the batch dim: a sample's values stay its own."""
-    k = _dim(data, x.dim(), but=d)
+def _along(data, x, d, other: bool = True):
+    """Ops along one dim (``other``: not the batch dim, so a sample's values stay its own)."""
+    k = _dim(data, x.dim(), but=d if other else None)
     kind = data.draw(st.sampled_from(["softmax", "cumsum", "flip", "roll", "sort"]))
     return {"softmax": lambda t: F.softmax(t, dim=k), "cumsum": lambda t: t.cumsum(k),
             "flip": lambda t: t.flip(k), "roll": lambda t: t.roll(1, k),
@@ -102,11 +102,7 @@ def _along_other(data, x, d):
 
 
 def _along_any(data, x, d):
-    k = _dim(data, x.dim())
-    kind = data.draw(st.sampled_from(["softmax", "cumsum", "flip", "roll", "sort"]))
-    return {"softmax": lambda t: F.softmax(t, dim=k), "cumsum": lambda t: t.cumsum(k),
-            "flip": lambda t: t.flip(k), "roll": lambda t: t.roll(1, k),
-            "sort": lambda t: t.sort(k).values}[kind]
+    return _along(data, x, d, other=False)
 
 
 def _slices(data, x, d):
@@ -215,18 +211,18 @@ def _widen(data, x, d):
 
 def _chains(data, x, d):
     """Two or three of the ops above, one after the other (the layouts compose)."""
-    steps = data.draw(st.lists(st.sampled_from([_reshape, _views, _reduce_other, _along_other,
+    steps = data.draw(st.lists(st.sampled_from([_reshape, _views, _reduce_other, _along,
                                                 _broadcast_shared, _rows]), min_size=2,
                                max_size=3))
-    fns, y, e = [], x, d
-    for step in steps:
-        fn = step(data, y, e)
+    fns, y = [], x
+    for step in steps:  # (after the first, "another dim than the batch's" is a guess: the
+        fn = step(data, y, d)  # property holds whatever the ops do)
         out = fn(y)
         if not isinstance(out, Tensor) or out.dim() == 0:
             break
         fns.append(fn)
         y = out
-        e = None if e is None else _followed_dim(e)
+
     def run(t: Tensor) -> Tensor:
         for fn in fns:
             t = fn(t)
@@ -234,14 +230,10 @@ def _chains(data, x, d):
     return run
 
 
-def _followed_dim(d: int) -> int | None:
-    return d  # (only used to draw "another dim than the batch's": a guess is enough)
-
-
 OPS: list[tuple[str, Callable, bool]] = [
     ("reshape", _reshape, True), ("views", _views, True),
     ("reduce-other-dim", _reduce_other, True), ("reduce-any-dim", _reduce_any, False),
-    ("along-other-dim", _along_other, True), ("along-any-dim", _along_any, False),
+    ("along-other-dim", _along, True), ("along-any-dim", _along_any, False),
     ("slices", _slices, False), ("picked", _picked, False), ("joins", _joins, False),
     ("joins-other-dim", _joins_other_dim, True),
     ("broadcast-shared", _broadcast_shared, True), ("products", _products, False),
