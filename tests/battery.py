@@ -86,12 +86,14 @@ def layer_norms(grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def assert_grads_equal(
-    got: dict[str, Tensor], want: dict[str, Tensor], rtol: float = 1e-10, atol: float = 1e-12
+    got: dict[str, Tensor], want: dict[str, Tensor], rtol: float = 1e-10, atol: float = 1e-12,
+    **options: Any,
 ) -> None:
-    """Same names in the same order, and every tensor close in value, dtype and shape."""
+    """Same names in the same order, and every tensor close in value, dtype and shape
+    (``options`` go to ``torch.testing.assert_close``: ``equal_nan``...)."""
     assert list(got) == list(want)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol,
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, **options,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 

@@ -25,15 +25,24 @@ The axes:
   so only ``"rules"`` is crossed with both, the others run ``"mean"``.
   ``param_jacobian`` has no loss: it runs in the ``"mean"`` tests; ``private_grad``
   always takes ``method="auto"``: it runs in the ``auto`` test.
+
+The battery itself is tested last: it passes a right answer and fails each kind of
+wrong one (a gradient, a norm, a Jacobian, a clipped mean, a path, a warning, a change
+to the model).
 """
 
 from __future__ import annotations
 
-import pytest
+import warnings
 
+import pytest
+import torch
+from torch import Tensor, nn
+
+import battery
 import persample
-from battery import LEAVING, SLOWER, check
-from cases import CASE_IDS, CASES, EDGE_CASE_IDS, EDGE_CASES, N, build, jacobian_cases
+from battery import LEAVING, METHODS, SLOWER, check
+from cases import CASE_IDS, CASES, EDGE_CASE_IDS, EDGE_CASES, N, build, jacobian_cases, randn
 
 ALL_CASES = CASES + EDGE_CASES
 ALL_IDS = CASE_IDS + EDGE_CASE_IDS
@@ -64,3 +73,94 @@ def test_matches_loop(c, method, reduction):
     check(model, inputs, targets, c["loss_fn"](reduction), methods=(method,), paths=None,
           jacobian=jacobian, dp=method == "auto",
           forbid=SLOWER if method in ("rules", "auto") and c["id"] not in OP_VJP else LEAVING)
+
+
+# ---------------------------------------------------------------------------
+# the battery itself: it passes a right answer, and fails a wrong one
+
+
+def _mse(out: Tensor, y: Tensor) -> Tensor:
+    return ((out - y) ** 2).sum(1)
+
+
+def _mlp() -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)), randn(3, 4), randn(3, 3)
+
+
+def _off(grads: dict[str, Tensor], by: float) -> dict[str, Tensor]:
+    return {k: g * (1 + by) if k == "0.weight" else g for k, g in grads.items()}
+
+
+def _wrong_reference(monkeypatch, model, x, y) -> dict:
+    """1e-9 relative: within the largest-error criterion, not entry by entry."""
+    return {"want": _off(persample.loop_per_sample_grads(model, x, y, _mse), 1e-9)}
+
+
+def _wrong_norms(monkeypatch, *_) -> dict:
+    real = battery.per_sample_grad_norms
+
+    def norms(*args, **kwargs):
+        got = real(*args, **kwargs)
+        return (got[0] * 1.001, got[1]) if kwargs.get("per_layer") else got * 1.001
+
+    monkeypatch.setattr(battery, "per_sample_grad_norms", norms)
+    return {}
+
+
+def _wrong_jacobian(monkeypatch, *_) -> dict:
+    real = battery.loop_param_jacobian
+    monkeypatch.setattr(battery, "loop_param_jacobian", lambda *a: _off(real(*a), 1e-3))
+    return {"jacobian": True}
+
+
+def _wrong_clipping(monkeypatch, *_) -> dict:
+    real = battery.clipped_mean
+    monkeypatch.setattr(battery, "clipped_mean", lambda g, c, d=None: real(g, 1.01 * c, d))
+    return {}
+
+
+def _a_fallback_warning(monkeypatch, *_) -> dict:
+    real = battery.per_sample_grads
+
+    def grads(*args, **kwargs):
+        warnings.warn("the rules cannot split it. Falling back to method='vmap'", stacklevel=2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(battery, "per_sample_grads", grads)
+    return {}
+
+
+def _model_changed(monkeypatch, *_) -> dict:
+    real = battery.per_sample_grads
+
+    def grads(model, *args, **kwargs):
+        model[0].touched = True
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(battery, "per_sample_grads", grads)
+    return {}
+
+
+FAULTS = {  # name: (what the failure says, the fault)
+    "wrong-reference": ("per_sample_grads", _wrong_reference),
+    "wrong-norms": ("per_sample_grad_norms", _wrong_norms),
+    "wrong-jacobian": ("param_jacobian", _wrong_jacobian),
+    "wrong-clipping": ("private_grad", _wrong_clipping),
+    "wrong-paths": ("rule", lambda *_: {"paths": {"fallback"}}),
+    "wrong-path-of-a-parameter": ("rule", lambda *_: {"paths": {"0.weight": "op vjp"}}),
+    "a-fallback-warning": ("Falling back", _a_fallback_warning),
+    "model-changed": ("touched", _model_changed),
+}
+
+
+def test_the_battery_passes_the_right_answer():
+    check(*_mlp(), _mse, methods=METHODS, jacobian=True)
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_battery_fails_a_wrong_one(fault, monkeypatch):
+    match, make = FAULTS[fault]
+    model, x, y = _mlp()
+    with pytest.raises((AssertionError, UserWarning), match=match):
+        check(model, x, y, _mse, **make(monkeypatch, model, x, y))
