@@ -660,7 +660,12 @@ def jacobian_cases() -> list[dict[str, Any]]:
             out = model(*as_tuple(inputs))
         return isinstance(out, Tensor) and out.dim() >= 1 and out.shape[0] == 2
 
-    return [c for c in CASES + EDGE_CASES if single_tensor_output(c)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # at collection: tiny models, and a busy machine (conftest.py)
+    try:
+        return [c for c in CASES + EDGE_CASES if single_tensor_output(c)]
+    finally:
+        torch.set_num_threads(threads)
 
 
 # The comparisons and the DP step by hand live in battery.py; kept importable from here.
