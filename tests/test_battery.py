@@ -12,13 +12,13 @@ The axes:
 - case: every case of ``cases.CASES`` (the layers, ops and models of ``cases.py``,
   ``cases_layers.py``, ``cases_ops.py``, ``cases_recurrent.py``) and of
   ``cases.EDGE_CASES`` (structures a capture engine can misread);
-- method: ``"rules"``, ``"vmap"``, ``"auto"`` (which must not leave the rules: a
-  warning that it did fails the test, as does one that torch.func batched an op by its
-  slow per-sample fallback, on the rules) and ``"loop"`` (the same functions over the loop's
-  per-sample gradients). ``"vmap"`` on a case torch.func cannot batch (``vmap=False``,
-  the recurrent layers) is deselected (``conftest.py``), its refusal tested in
-  ``test_per_sample_grads.py``; ``param_jacobian(method="vmap")`` on a case marked
-  ``vmap_jacobian=False`` must refuse, clearly;
+- method: ``"rules"``, ``"vmap"``, ``"auto"`` and ``"loop"`` (the same functions over
+  the loop's per-sample gradients). Any warning that ``auto`` left the rules fails the
+  test, and with ``"rules"`` and ``"auto"`` one that torch.func batched an op by its
+  slow per-sample fallback too. ``"vmap"`` on a case torch.func cannot batch
+  (``vmap=False``, the recurrent layers) is deselected (``conftest.py``), its refusal
+  tested in ``test_per_sample_grads.py``; ``param_jacobian(method="vmap")`` on a case
+  marked ``vmap_jacobian=False`` must refuse, clearly;
 - reduction: how the case's loss reduces over the batch. Each sample's loss is
   evaluated on its own slice of the output, so the reduction only changes what that
   per-sample loss is, which the rules split; every other method gets it the same way,
