@@ -150,7 +150,7 @@ def ids_and_lengths(vocab: int, length: int) -> Any:
 
 def no_vmap_jacobian(c: dict[str, Any]) -> dict[str, Any]:
     """Mark a case whose model torch.func cannot ``vmap(jacrev(...))`` (``F.prelu``):
-    ``param_jacobian(method="vmap")`` is then expected to fail (test_param_jacobian.py)."""
+    ``param_jacobian(method="vmap")`` is then expected to fail (test_battery.py)."""
     return {**c, "vmap_jacobian": False}
 
 

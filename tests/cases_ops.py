@@ -1,8 +1,8 @@
 """Cases (see ``cases.py``) for op rules written one op per file in ``persample/rules/``.
 
 A new op rule adds one case here: a small model whose parameters enter that op. Every
-case runs through the whole battery of ``cases.py`` (per-sample gradients, parameter
-Jacobians, norms and the DP step against the loop over samples, in float64), and
+case runs through the whole battery of ``test_battery.py`` (per-sample gradients,
+parameter Jacobians, norms and the DP step against the loop over samples, in float64), and
 ``test_op_rules.py`` checks that each parameter of it really takes the rule.
 Sizes coincide on purpose (the batch size ``N = 3`` is also a feature size), so a
 rule that found the batch by a size would be caught.

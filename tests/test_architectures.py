@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from battery import TOL, assert_grads_equal, flat, rows
 from persample import (
     loop_param_jacobian,
     loop_per_sample_grads,
@@ -35,7 +36,6 @@ from persample.dp import private_grad
 # torch.func's vmap of CPU attention (the per-module fallback of nn.MultiheadAttention)
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 
-TOL = {"rtol": 1e-10, "atol": 1e-12}
 N = 3  # batch size
 STABILITY = 1e-6  # private_grad's c_i = min(1, C / (||g_i|| + 1e-6))
 
@@ -262,22 +262,6 @@ def _loop_jacobian(name: str) -> dict[str, Tensor]:
     return loop_param_jacobian(arch.model, arch.inputs)
 
 
-def assert_same(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
-    assert list(got) == list(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **TOL,
-                                   msg=lambda m, name=name: f"{name}: {m}")
-
-
-def rows(g: Tensor) -> Tensor:
-    """``(B, ...)`` -> ``(B, numel per sample)``; also for a scalar parameter's ``(B,)``."""
-    return g.reshape(g.shape[0], -1)
-
-
-def flatten(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([rows(g) for g in grads.values()], dim=1)
-
-
 def no_fallback_warning(record: list) -> None:
     fell_back = [str(w.message) for w in record if "Falling back" in str(w.message)]
     assert not fell_back, fell_back
@@ -296,7 +280,7 @@ def test_per_sample_grads_match_the_loop(name, method):
         got = per_sample_grads(arch.model, arch.inputs, arch.targets, arch.loss_fn,
                                method=method)
     no_fallback_warning(record)
-    assert_same(got, ref)
+    assert_grads_equal(got, ref)
     assert all(g.dtype == torch.float64 for g in got.values())
     assert any(g.abs().max() > 1e-3 for g in got.values())  # not trivially zero
 
@@ -306,7 +290,7 @@ def test_flat_per_sample_grads_match_the_loop(name):
     arch, ref = built(name)
     got = per_sample_grads(arch.model, arch.inputs, arch.targets, arch.loss_fn,
                            method="rules", flat=True)
-    want = flatten(ref)
+    want = flat(ref)
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -318,12 +302,12 @@ def test_norms_match_the_loop(name, method):
         warnings.simplefilter("always")
         total, layers = per_sample_grad_norms(arch.model, arch.inputs, arch.targets,
                                               arch.loss_fn, method=method, per_layer=True)
-        flat = per_sample_grad_norms(arch.model, arch.inputs, arch.targets, arch.loss_fn,
-                                     method=method)
+        alone = per_sample_grad_norms(arch.model, arch.inputs, arch.targets, arch.loss_fn,
+                                      method=method)
     no_fallback_warning(record)
-    want = flatten(ref).norm(dim=1)
+    want = flat(ref).norm(dim=1)
     torch.testing.assert_close(total, want, **TOL)
-    torch.testing.assert_close(flat, want, **TOL)
+    torch.testing.assert_close(alone, want, **TOL)
     assert list(layers) == list(ref)
     for pname, g in ref.items():
         torch.testing.assert_close(layers[pname], rows(g).norm(dim=1), **TOL,
@@ -340,7 +324,7 @@ def test_param_jacobian_matches_the_loop(name, method):
         warnings.simplefilter("always")
         got = param_jacobian(arch.model, arch.inputs, method=method)
     no_fallback_warning(record)
-    assert_same(got, _loop_jacobian(name))
+    assert_grads_equal(got, _loop_jacobian(name))
 
 
 # ---------------------------------------------------------------------------
@@ -362,9 +346,9 @@ def test_masked_branch_rows_are_zero_and_frozen_parameters_left_out():
         idle = select if not branch_a else ~select  # samples that took the other branch
         assert (g[idle] == 0).all(), pname
         assert (rows(g[~idle]).abs().amax(1) > 0).all(), pname
-    flat = per_sample_grads(arch.model, arch.inputs, arch.targets, arch.loss_fn, flat=True)
-    assert flat.shape == (N, sum(p.numel() for p in arch.model.parameters() if p.requires_grad))
-    assert_same(got, ref)
+    got_rows = per_sample_grads(arch.model, arch.inputs, arch.targets, arch.loss_fn, flat=True)
+    assert got_rows.shape == (N, sum(p.numel() for p in arch.model.parameters() if p.requires_grad))
+    assert_grads_equal(got, ref)
     assert all(p.grad is None for p in arch.model.parameters())
 
 
@@ -383,7 +367,7 @@ def test_transformer_padding_changes_the_gradients():
             assert emb[i, token].abs().max() > 0
     unmasked = per_sample_grads(arch.model, ids, arch.targets, arch.loss_fn, method="rules")
     assert not torch.allclose(unmasked["head.weight"][0], got["head.weight"][0])
-    assert_same(got, ref)
+    assert_grads_equal(got, ref)
 
 
 def test_tied_lm_weight_is_one_parameter():
@@ -412,7 +396,7 @@ def clip_by_hand(grads: dict[str, Tensor], c: float, per_layer: bool) -> dict[st
         factors = {k: (bound / (rows(g).norm(dim=1) + STABILITY)).clamp(max=1)
                    for k, g in grads.items()}
     else:
-        norms = flatten(grads).norm(dim=1)
+        norms = flat(grads).norm(dim=1)
         factors = dict.fromkeys(grads, (c / (norms + STABILITY)).clamp(max=1))
     return {k: torch.einsum("n,n...->...", factors[k], g) / n for k, g in grads.items()}
 
@@ -423,7 +407,7 @@ def clip_by_hand(grads: dict[str, Tensor], c: float, per_layer: bool) -> dict[st
 def test_private_grad_matches_clipping_the_loop(name, per_layer):
     arch, ref = built(name)
     model = arch.model
-    loop_norms = flatten(ref).norm(dim=1)
+    loop_norms = flat(ref).norm(dim=1)
     c = float(loop_norms.median())  # one sample clipped, one at the bound, one not
     if per_layer:
         c = float(torch.stack([rows(g).norm(dim=1) for g in ref.values()]).median()) \

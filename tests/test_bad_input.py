@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 import persample
-from cases import TwoInputs, assert_grads_equal, randn
+from battery import METHODS, assert_grads_equal
+from cases import TwoInputs, randn
 from persample import loop_per_sample_grads, per_sample_grads
-
-METHODS = ["rules", "vmap", "auto", "loop"]
 
 
 def mlp() -> nn.Module:

@@ -2,14 +2,15 @@
 in float64, with sizes that coincide (batch = sequence length = heads = windows), so
 that a guess of where the batch is from a size would show.
 
-For every model: every public function is exact, ``auto`` takes no fallback, and
-``supported`` reports the path the call took.
+For every model, through ``battery.check``: every public function is exact (with the
+rules and ``auto``; ``param_jacobian`` too where the model returns one tensor), no
+warning at all, ``supported`` reports the path the call took, and the model is left as
+it was.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -17,54 +18,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
+from battery import ANY, TOL, assert_grads_equal, check
 from persample import (
-    loop_param_jacobian,
     loop_per_sample_grads,
-    param_jacobian,
-    per_sample_grad_norms,
     per_sample_grads,
     supported,
 )
 from persample.batch import SHARED, Batched, Ctx, Mixed, Unknown, propagate
-from persample.dp import private_grad
 
 B = T = H = 4  # coinciding on purpose
 E = 8
-TOL = {"rtol": 1e-10, "atol": 1e-12}
-
-
-def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
-    assert list(got) == list(want)
-    for name, g in want.items():
-        torch.testing.assert_close(got[name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def flat(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.flatten(1) for g in grads.values()], 1)
-
-
-def check_everything(model: nn.Module, inputs, targets, loss_fn, jacobian: bool = True,
-                     paths: set[str] = frozenset({"rule"})) -> None:
-    """Every public function against the loop; no fallback warning; the reported paths."""
-    want = loop_per_sample_grads(model, inputs, targets, loss_fn)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert_grads(per_sample_grads(model, inputs, targets, loss_fn), want)
-        norms = per_sample_grad_norms(model, inputs, targets, loss_fn)
-        torch.testing.assert_close(norms, flat(want).norm(dim=1), **TOL)
-        c = norms.median().item()
-        private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0)
-        factors = (c / (flat(want).norm(dim=1) + 1e-6)).clamp(max=1.0)
-        got = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
-        torch.testing.assert_close(got, (factors[:, None] * flat(want)).sum(0) / len(factors),
-                                   **TOL)
-        for p in model.parameters():
-            p.grad = None
-        if jacobian:
-            assert_grads(param_jacobian(model, inputs), loop_param_jacobian(model, inputs))
-    assert {r.path for r in supported(model, inputs)} == set(paths)
-
-
 def mse(out, y):
     return ((out - y) ** 2).flatten(1).sum(1)
 
@@ -128,7 +91,7 @@ class ClassToken(nn.Module):
 ], ids=["positions-from-arange", "bias-table-t-by-t", "class-token"])
 def test_parameters_on_data_without_samples(make, inputs, targets):
     torch.manual_seed(0)
-    check_everything(make(), inputs(), targets(), mse, jacobian=make is not BiasTable)
+    check(make(), inputs(), targets(), mse, jacobian=True, forbid=ANY)
 
 
 # ---------------------------------------------------------------------------
@@ -201,7 +164,7 @@ class InnerMerge(nn.Module):
 ], ids=["sequence-first", "merged-rows-addmm", "windows", "inner-merge"])
 def test_batch_moved_or_merged(make, shape, out):
     torch.manual_seed(0)
-    check_everything(make(), torch.randn(*shape), torch.randn(B, out), mse, jacobian=False)
+    check(make(), torch.randn(*shape), torch.randn(B, out), mse, jacobian=True, forbid=ANY)
 
 
 # ---------------------------------------------------------------------------
@@ -301,7 +264,7 @@ class InPlaceThroughViews(nn.Module):
 def test_parameters_by_op(make, shape, out):
     torch.manual_seed(0)
     model = make().eval()
-    check_everything(model, torch.randn(*shape), torch.randn(B, out), mse, jacobian=False)
+    check(model, torch.randn(*shape), torch.randn(B, out), mse, jacobian=True, forbid=ANY)
 
 
 def test_weight_registered_twice_is_one_parameter():
@@ -357,8 +320,8 @@ def test_inputs_as_a_dict(form):
     else:  # a (1, T) tensor: shared by all samples, passed by keyword only
         inputs = {"input_ids": ids, "position_ids": torch.arange(T)[None]}
     used = {"rule"} if form == "shared-position-ids" else {"rule", "unused"}  # model.pos
-    check_everything(model, inputs, y, dict_loss, jacobian=False, paths=used)
-    assert_grads(per_sample_grads(model, inputs, y, dict_loss, chunk_size=3),
+    check(model, inputs, y, dict_loss, forbid=ANY, paths=used)  # a dict output: no Jacobian
+    assert_grads_equal(per_sample_grads(model, inputs, y, dict_loss, chunk_size=3),
                  loop_per_sample_grads(model, inputs, y, dict_loss))
 
 
@@ -369,7 +332,7 @@ def test_batch_encoding_from_transformers():
     enc = transformers.BatchEncoding({"input_ids": torch.randint(0, 10, (B, T)),
                                       "attention_mask": torch.ones(B, T)})
     y = torch.randint(0, 3, (B,))
-    assert_grads(per_sample_grads(model, enc, y, dict_loss),
+    assert_grads_equal(per_sample_grads(model, enc, y, dict_loss),
                  loop_per_sample_grads(model, dict(enc), y, dict_loss))
 
 
@@ -404,7 +367,7 @@ def test_a_loss_computed_inside_the_model_is_refused_with_the_fix():
     # auto: a warning with the fix, then the loop's answer (each sample's own mean)
     with pytest.warns(UserWarning, match="per-sample terms"):
         got = per_sample_grads(model, inputs, None, lambda out, _: out["loss"])
-    assert_grads(got, loop_per_sample_grads(model, inputs, None, lambda out, _: out["loss"]))
+    assert_grads_equal(got, loop_per_sample_grads(model, inputs, None, lambda out, _: out["loss"]))
 
 
 def test_the_per_sample_loss_from_the_logits_is_exact():
@@ -418,7 +381,7 @@ def test_the_per_sample_loss_from_the_logits_is_exact():
         per_token = F.cross_entropy(out["logits"].transpose(1, 2), labels, reduction="none")
         return per_token.sum(1) / (labels != -100).sum(1)
 
-    check_everything(model, {"input_ids": ids}, labels, loss_fn, jacobian=False)
+    check(model, {"input_ids": ids}, labels, loss_fn, forbid=ANY)  # a dict: no Jacobian
 
 
 # ---------------------------------------------------------------------------
@@ -452,7 +415,7 @@ def test_unknown_layout_goes_to_the_whole_model_and_says_so():
     assert {r.path for r in supported(model, x)} == {"vmap"}
     with pytest.warns(UserWarning, match="TorchScript"):
         got = per_sample_grads(model, x, y, mse)
-    assert_grads(got, loop_per_sample_grads(model, x, y, mse))
+    assert_grads_equal(got, loop_per_sample_grads(model, x, y, mse))
 
 
 class _Gain(torch.autograd.Function):
@@ -494,7 +457,7 @@ def test_parameter_inside_a_custom_function_takes_the_module_fallback():
     routes = {r.module: (r.path, r.reason) for r in supported(model, x)}
     assert routes["0"][0] == routes["2"][0] == "rule"
     assert routes["1"][0] == "fallback"
-    check_everything(model, x, y, mse, jacobian=True, paths={"rule", "fallback"})
+    check(model, x, y, mse, jacobian=True, forbid=ANY, paths={"rule", "fallback"})
 
 
 class SumsOverTheBatch(nn.Module):
@@ -518,7 +481,7 @@ def test_mixing_samples_is_named_and_auto_takes_the_loop():
         per_sample_grads(model, x, y, mse, method="rules")
     with pytest.warns(UserWarning, match="reduces over the batch"):
         got = per_sample_grads(model, x, y, mse)
-    assert_grads(got, loop_per_sample_grads(model, x, y, mse))
+    assert_grads_equal(got, loop_per_sample_grads(model, x, y, mse))
 
 
 # ---------------------------------------------------------------------------
@@ -603,5 +566,5 @@ def test_scalar_loss_on_merged_outputs_is_cut_per_sample():
     def loss_fn(out, y):
         return F.cross_entropy(out, y.reshape(-1), ignore_index=-100)
 
-    assert_grads(per_sample_grads(model, ids, labels, loss_fn, method="rules"),
+    assert_grads_equal(per_sample_grads(model, ids, labels, loss_fn, method="rules"),
                  loop_per_sample_grads(model, ids, labels, loss_fn))

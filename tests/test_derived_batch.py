@@ -5,9 +5,10 @@ speed and exact, and ``supported`` says which path each parameter really takes.
 
 Such a tensor has a dim of size ``B`` but its rows are identical: it is shared (shared)
 data, and nothing may read its size as the batch. Sizes coincide on purpose
-(batch = sequence length = heads). Every model is checked against the loop over samples
-in float64 through ``per_sample_grads``, ``per_sample_grad_norms`` and ``private_grad``
-(noise 0), with no fallback or vmap warning, no per-sample VJP from ``torch.func`` on a
+(batch = sequence length = heads). Every model goes through ``battery.check``: against
+the loop over samples in float64, ``per_sample_grads`` and ``per_sample_grad_norms``
+(total and per parameter) with the rules and ``auto``, and ``private_grad`` (noise 0),
+with no fallback or vmap warning, no per-sample VJP from ``torch.func`` on a
 path a rule can take, ``supported`` agreeing with the path the call took, and the model
 left as it was.
 """
@@ -15,15 +16,15 @@ left as it was.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import battery
 import persample
-from cases import assert_exact, clipped_mean, dp_grads
+from battery import assert_exact
 from persample.batch import SHARED, Batched
 from persample.batch.flow import unbroadcast
 from persample.capture import Capture
@@ -35,10 +36,6 @@ E, V = 8, 11
 
 def ce(out: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(out, y, reduction="none")
-
-
-def flat(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1)
 
 
 @contextlib.contextmanager
@@ -64,34 +61,22 @@ def per_sample_vjps():
         pullback.op_vjp, pullback.module_vjp = op_vjp, module_vjp
 
 
-def check(model: nn.Module, inputs, targets, loss_fn, snapshot,
+def check(model: nn.Module, inputs, targets, loss_fn,
           slower: dict[str, str] | None = None) -> None:
-    """Exact against the loop (gradients, norms, the DP step), no warning, ``supported``
-    saying ``rule`` for every parameter but those in ``slower`` (name -> "op vjp" or
-    "fallback"), and the call taking torch.func's per-sample VJP of an op exactly for the
-    ``op vjp`` ones, the per-module fallback exactly where a ``fallback`` is expected; the
-    model unchanged."""
+    """``battery.check`` (exact against the loop, no warning, the model unchanged) with
+    ``supported`` saying ``rule`` for every parameter but those in ``slower`` (name ->
+    "op vjp" or "fallback"), and the calls taking torch.func's per-sample VJP of an op
+    exactly for the ``op vjp`` ones, the per-module fallback exactly where a ``fallback``
+    is expected."""
     slower = slower or {}
-    state = snapshot(model)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    want = persample.loop_per_sample_grads(model, inputs, targets, loss_fn)
-    with warnings.catch_warnings(), per_sample_vjps() as seen:
-        warnings.filterwarnings("error", message=".*(Falling back|rules cannot|performance)")
-        got = persample.per_sample_grads(model, inputs, targets, loss_fn, method="rules")
-        assert_exact(got, want)
-        norms = persample.per_sample_grad_norms(model, inputs, targets, loss_fn)
-        assert_exact({"norms": norms}, {"norms": flat(want).norm(dim=1)})
-        c = norms.median().item()
-        summed = dp_grads(model, inputs, targets, loss_fn, c)[1]
-    assert_exact(summed, clipped_mean(want, c)[1])
+    with per_sample_vjps() as seen:
+        battery.check(model, inputs, targets, loss_fn,
+                      paths={n: slower.get(n, "rule") for n in params})
     by_id = {id(p): n for n, p in params.items()}
     assert {by_id[i] for i in seen["op vjp"] if i in by_id} == {
         n for n, kind in slower.items() if kind == "op vjp"}
     assert bool(seen["fallback"]) == ("fallback" in slower.values())
-    paths = {(f"{r.module}.{p}" if r.module else p): r.path
-             for r in persample.supported(model, inputs, targets, loss_fn) for p in r.params}
-    assert paths == {n: slower.get(n, "rule") for n in params}
-    state.assert_unchanged()
 
 
 # ---------------------------------------------------------------------------
@@ -224,19 +209,19 @@ TOKENS = (PositionIds, BufferedTypes)
 
 @pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("make", MODELS, ids=[m.__name__ for m in MODELS])
-def test_widened_shared_tensor_is_on_the_rules(make, how, snapshot):
+def test_widened_shared_tensor_is_on_the_rules(make, how):
     torch.manual_seed(0)
     model = make(how)
     inputs = torch.randint(0, V, (B, T)) if make in TOKENS else torch.randn(B, T, E)
-    check(model, inputs, torch.tensor([0, 2, 1, 2]), ce, snapshot)
+    check(model, inputs, torch.tensor([0, 2, 1, 2]), ce)
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_buffered_attention_bias(how, snapshot):
+def test_buffered_attention_bias(how):
     """A widened buffer as the mask: no parameter behind it, every parameter on a rule."""
     torch.manual_seed(0)
     check(AttentionBias(how, learned=False), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]),
-          ce, snapshot)
+          ce)
 
 
 class ChangedAfterRepeat(nn.Module):
@@ -286,9 +271,9 @@ SLOWER = {ChangedAfterRepeat: "fallback", ChangedCopy: "fallback", ComputedFromW
 
 
 @pytest.mark.parametrize("make", list(SLOWER), ids=[m.__name__ for m in SLOWER])
-def test_a_widened_tensor_changed_since_is_not_read_as_its_source(make, snapshot):
+def test_a_widened_tensor_changed_since_is_not_read_as_its_source(make):
     torch.manual_seed(0)
-    check(make(), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce, snapshot,
+    check(make(), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce,
           slower={"g": SLOWER[make]})
 
 
@@ -417,11 +402,11 @@ def bert(token_types: bool):
 @pytest.mark.parametrize("build", [gpt2_with_positions, lambda: bert(False),
                                    lambda: bert(True)],
                          ids=["gpt2-positions-in-forward", "bert", "bert-token-types"])
-def test_real_models_with_batch_sized_shared_tensors(build, snapshot):
+def test_real_models_with_batch_sized_shared_tensors(build):
     pytest.importorskip("transformers")
     model, inputs, labels, loss = build()
     assert int(inputs["attention_mask"].sum()) < B * T  # a padded sample
-    check(model, inputs, labels, loss, snapshot)
+    check(model, inputs, labels, loss)
 
 
 # ---------------------------------------------------------------------------
@@ -439,10 +424,10 @@ class NoRule(nn.Module):
         return self.head(torch.einsum("btd,de->bte", x, self.w)).sum(1)
 
 
-def test_supported_names_the_op_without_a_rule(snapshot):
+def test_supported_names_the_op_without_a_rule():
     torch.manual_seed(0)
     model, x = NoRule(), torch.randn(B, T, E)
-    check(model, x, torch.tensor([0, 2, 1, 2]), ce, snapshot, slower={"w": "op vjp"})
+    check(model, x, torch.tensor([0, 2, 1, 2]), ce, slower={"w": "op vjp"})
     (route,) = [r for r in persample.supported(model, x) if r.params == ("w",)]
     assert route.path == "op vjp"
     assert route.reason.startswith("einsum in module '<root>' (NoRule): no rule")
@@ -462,10 +447,10 @@ class TwoOps(nn.Module):
         return self.head(torch.einsum("btd,de->bte", h, self.w)).sum(1)
 
 
-def test_supported_reports_op_vjp_where_any_use_takes_it(snapshot):
+def test_supported_reports_op_vjp_where_any_use_takes_it():
     torch.manual_seed(0)
     model, x = TwoOps(), torch.randn(B, T, E)
-    check(model, x, torch.tensor([0, 2, 1, 2]), ce, snapshot, slower={"w": "op vjp"})
+    check(model, x, torch.tensor([0, 2, 1, 2]), ce, slower={"w": "op vjp"})
     (route,) = [r for r in persample.supported(model, x) if r.params == ("w",)]
     assert route.reason.startswith("einsum") and "also matmul" in route.reason
 
@@ -533,10 +518,10 @@ class ReadAfterChange(nn.Module):
 
 @pytest.mark.parametrize("make", [ScaledInPlace, ReadAfterChange],
                          ids=["scaled", "read-after-change"])
-def test_a_parameter_changed_in_place_takes_the_fallback(make, snapshot):
+def test_a_parameter_changed_in_place_takes_the_fallback(make):
     torch.manual_seed(0)
     model = make()
-    check(model, torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce, snapshot,
+    check(model, torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce,
           slower={n: "fallback" for n, _ in model.named_parameters() if n != "head.weight"
                   and n != "head.bias"})
 
@@ -560,10 +545,9 @@ class SamplesAddedInPlace(nn.Module):
 
 
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
-def test_sample_data_written_into_a_derived_tensor_stays_on_the_rules(twice, snapshot):
+def test_sample_data_written_into_a_derived_tensor_stays_on_the_rules(twice):
     torch.manual_seed(0)
-    check(SamplesAddedInPlace(twice), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce,
-          snapshot)
+    check(SamplesAddedInPlace(twice), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce)
 
 
 @pytest.mark.parametrize("make, name", [(IntoFree, "g"), (IntoDerived, "h")],

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from battery import TOL, assert_grads_equal, flat
 from cases import Scale
 from persample import (
     loop_param_jacobian,
@@ -30,7 +31,6 @@ from persample import (
 )
 from persample.dp import private_grad
 
-TOL = {"rtol": 1e-10, "atol": 1e-12}
 N = 4
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
@@ -72,17 +72,6 @@ class Net(nn.Module):
 
 def net_data(n: int = N) -> tuple[Tensor, Tensor]:
     return torch.randn(n, 2, 6), torch.randint(0, 3, (n,))
-
-
-def flatten(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1)
-
-
-def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor], **tol) -> None:
-    assert list(got) == list(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **(tol or TOL),
-                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def assert_nothing_left(model: nn.Module) -> None:
@@ -140,7 +129,7 @@ def test_forward_raises_inside_a_submodule(func, method, snapshot):
     state.assert_unchanged()
     assert_nothing_left(model)
     got = LOSS_FUNCTIONS[func](model, x, y, nn.CrossEntropyLoss(), method)
-    assert_grads(got, _expected(func, model, x, y))
+    assert_grads_equal(got, _expected(func, model, x, y))
     state.assert_unchanged()
     assert_nothing_left(model)
 
@@ -160,7 +149,7 @@ def test_loss_raises(func, method, snapshot):
     state.assert_unchanged()
     assert_nothing_left(model)
     got = LOSS_FUNCTIONS[func](model, x, y, nn.CrossEntropyLoss(), method)
-    assert_grads(got, _expected(func, model, x, y))
+    assert_grads_equal(got, _expected(func, model, x, y))
     state.assert_unchanged()
 
 
@@ -195,7 +184,7 @@ def test_param_jacobian_forward_raises(method, fail_on, snapshot):
     model.fail_on[0] = 0
     state.assert_unchanged()
     assert_nothing_left(model)
-    assert_grads(param_jacobian(model, x, method=method), loop_param_jacobian(model, x))
+    assert_grads_equal(param_jacobian(model, x, method=method), loop_param_jacobian(model, x))
     assert_nothing_left(model)
 
 
@@ -227,7 +216,7 @@ def test_users_function_mode_stays_on_top_after_a_failure(method):
         assert _get_current_function_mode_stack() == [mode]
         assert mode.calls > before  # the user's mode still sees the ops
     assert _get_current_function_mode_stack() == []
-    assert_grads(got, loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
+    assert_grads_equal(got, loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
 
 
 # ---------------------------------------------------------------------------
@@ -244,11 +233,11 @@ def test_inputs_that_require_grad(method, snapshot):
     x_before = x.detach().clone()
     state = snapshot(model)
     got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
-    assert_grads({k: g.detach() for k, g in got.items()}, want)
+    assert_grads_equal({k: g.detach() for k, g in got.items()}, want)
     norms = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method=method)
-    torch.testing.assert_close(norms.detach(), flatten(want).norm(dim=1), **TOL)
+    torch.testing.assert_close(norms.detach(), flat(want).norm(dim=1), **TOL)
     jac = param_jacobian(model, x, method=method)
-    assert_grads({k: g.detach() for k, g in jac.items()}, want_jac)
+    assert_grads_equal({k: g.detach() for k, g in jac.items()}, want_jac)
     assert x.grad is None and x.requires_grad and x.is_leaf
     assert torch.equal(x.detach(), x_before)
     state.assert_unchanged()
@@ -262,7 +251,7 @@ def test_input_that_is_not_a_leaf():
     base = x0.clone().requires_grad_(True)
     x = base * 1.0
     got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
-    assert_grads(got, want)
+    assert_grads_equal(got, want)
     assert base.grad is None
 
 
@@ -299,7 +288,7 @@ def test_embedding_ids_out_of_range(method, bad, snapshot):
     assert_nothing_left(model)
     ids[2, 1] = 4
     got = per_sample_grads(model, ids, y, nn.MSELoss(), method=method)
-    assert_grads(got, loop_per_sample_grads(model, ids, y, nn.MSELoss()))
+    assert_grads_equal(got, loop_per_sample_grads(model, ids, y, nn.MSELoss()))
 
 
 @pytest.mark.parametrize("bad", [-1, 5])
@@ -360,15 +349,15 @@ def test_nan_and_inf_inputs_stay_in_their_samples(poison, method, snapshot):
     state = snapshot(model)
     want = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
     got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
-    assert_grads(got, want, rtol=1e-10, atol=1e-12, equal_nan=True)
-    flat = flatten(got)
-    assert not flat[1].isfinite().all()  # the poisoned sample is poisoned
+    assert_grads_equal(got, want, equal_nan=True)
+    got_rows = flat(got)
+    assert not got_rows[1].isfinite().all()  # the poisoned sample is poisoned
     clean = [0, 2, 3]
-    assert flat[clean].isfinite().all()
-    torch.testing.assert_close(flat[clean], flatten(want)[clean], **TOL)
+    assert got_rows[clean].isfinite().all()
+    torch.testing.assert_close(got_rows[clean], flat(want)[clean], **TOL)
 
     norms = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method=method)
-    torch.testing.assert_close(norms[clean], flatten(want)[clean].norm(dim=1), **TOL)
+    torch.testing.assert_close(norms[clean], flat(want)[clean].norm(dim=1), **TOL)
     assert not norms[1].isfinite()
 
     jac = param_jacobian(model, x, method=method, flat=True)  # (B, 3, P)
@@ -402,23 +391,24 @@ def test_results_in_the_models_dtype(dtype, method, snapshot):
     model, x = copy.deepcopy(model64).to(dtype), x64.to(dtype)
     # the reference: the float64 loop on exactly the same (rounded) numbers
     ref_model, ref_x = copy.deepcopy(model).double(), x.double()
-    want = flatten(loop_per_sample_grads(ref_model, ref_x, y, nn.CrossEntropyLoss()))
+    want = flat(loop_per_sample_grads(ref_model, ref_x, y, nn.CrossEntropyLoss()))
     want_jac = torch.cat([j.flatten(2) for j in loop_param_jacobian(ref_model, ref_x).values()],
                          2)
     state = snapshot(model)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         grads = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
-        flat = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method, flat=True)
+        got_rows = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method,
+                                    flat=True)
         norms = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method=method)
         jac = param_jacobian(model, x, method=method, flat=True)
     assert not [w for w in record if "Falling back" in str(w.message)]
     assert {g.dtype for g in grads.values()} == {dtype}
-    assert flat.dtype == jac.dtype == dtype
+    assert got_rows.dtype == jac.dtype == dtype
     assert norms.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert torch.equal(flatten(grads), flat)
+    assert torch.equal(flat(grads), got_rows)
     tol = REL_TOL[dtype]
-    rel = (flat.double() - want).norm(dim=1) / want.norm(dim=1)
+    rel = (got_rows.double() - want).norm(dim=1) / want.norm(dim=1)
     assert (rel < tol).all(), rel
     assert ((norms.double() - want.norm(dim=1)).abs() / want.norm(dim=1) < tol).all()
     rel_jac = (jac.double() - want_jac).flatten(1).norm(dim=1) / want_jac.flatten(1).norm(dim=1)
@@ -459,7 +449,7 @@ def test_module_called_on_a_sub_batch(snapshot):
         param_jacobian(model, x, method="rules")
     with pytest.warns(UserWarning, match=pattern):
         got = per_sample_grads(model, x, y, nn.MSELoss())
-    assert_grads(got, loop_per_sample_grads(model, x, y, nn.MSELoss()))
+    assert_grads_equal(got, loop_per_sample_grads(model, x, y, nn.MSELoss()))
     state.assert_unchanged()
     assert_nothing_left(model)
 
@@ -468,7 +458,7 @@ def test_module_called_on_a_sub_batch_in_private_grad():
     """private_grad, like method="auto", warns and clips the loop's per-sample gradients."""
     model = SubBatch()
     x, y = torch.randn(N, 4), torch.randn(N, 3)
-    want = flatten(loop_per_sample_grads(model, x, y, nn.MSELoss()))
+    want = flat(loop_per_sample_grads(model, x, y, nn.MSELoss()))
     c = (1.0 / (want.norm(dim=1) + 1e-6)).clamp(max=1.0)
     with pytest.warns(UserWarning, match=r"(?s)in module '<root>' \(SubBatch\).*Falling back"):
         private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0)
@@ -498,7 +488,7 @@ def test_two_threads_two_models():
                                             torch.randint(0, 4, (6,)))}
     want = {k: loop_per_sample_grads(models[k], *data[k], nn.CrossEntropyLoss())
             for k in models}
-    want_norms = {k: flatten(w).norm(dim=1) for k, w in want.items()}
+    want_norms = {k: flat(w).norm(dim=1) for k, w in want.items()}
     rounds = 6
     barrier = threading.Barrier(2, timeout=60)
     got: dict = {}
@@ -528,7 +518,7 @@ def test_two_threads_two_models():
     assert not errors, errors
     for key in models:
         for r in range(rounds):
-            assert_grads(got[key, r], want[key])
+            assert_grads_equal(got[key, r], want[key])
             torch.testing.assert_close(got[key, r, "norms"], want_norms[key], **TOL)
         assert_nothing_left(models[key])
 
@@ -561,7 +551,7 @@ def test_two_threads_one_model():
     assert not errors, errors
     for k in range(2):
         for r in range(8):
-            assert_grads(got[k, r], want[k])
+            assert_grads_equal(got[k, r], want[k])
     assert_nothing_left(model)
 
 
@@ -580,14 +570,14 @@ def out_of_place(model: nn.Sequential) -> nn.Module:
 def test_inplace_relu_norms_and_jacobian_on_the_rules(snapshot):
     model = inplace_relu_model()
     x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
-    want = flatten(loop_per_sample_grads(out_of_place(model), x, y, nn.CrossEntropyLoss()))
+    want = flat(loop_per_sample_grads(out_of_place(model), x, y, nn.CrossEntropyLoss()))
     state = snapshot(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method="rules")
         jac = param_jacobian(model, x, method="rules")
     torch.testing.assert_close(got, want.norm(dim=1), **TOL)
-    assert_grads(jac, loop_param_jacobian(out_of_place(model), x))
+    assert_grads_equal(jac, loop_param_jacobian(out_of_place(model), x))
     state.assert_unchanged()
     assert_nothing_left(model)
 
@@ -596,7 +586,7 @@ def test_inplace_relu_private_grad(snapshot):
     """Noise 0: the clipped sum of the loop's per-sample gradients."""
     model = inplace_relu_model()
     x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
-    want = flatten(loop_per_sample_grads(out_of_place(model), x, y, nn.CrossEntropyLoss()))
+    want = flat(loop_per_sample_grads(out_of_place(model), x, y, nn.CrossEntropyLoss()))
     c = (1.0 / (want.norm(dim=1) + 1e-6)).clamp(max=1.0)
     private_grad(model, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=0.0)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -623,7 +613,7 @@ def test_inplace_op_after_a_scale(method, snapshot):
     want = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
     state = snapshot(model)
     got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
-    assert_grads(got, want)
+    assert_grads_equal(got, want)
     state.assert_unchanged()
 
 
@@ -635,7 +625,7 @@ def test_inplace_op_after_a_scale(method, snapshot):
 def test_vmap_with_inputs_that_require_grad(kind):
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
-    want = flatten(loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
+    want = flat(loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
     x.requires_grad_(True)
     kwargs = {"flat": True} if kind == "flat" else {}
     if kind == "out":
@@ -643,7 +633,7 @@ def test_vmap_with_inputs_that_require_grad(kind):
     got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="vmap", **kwargs)
     if kind == "dict":
         assert not any(g.requires_grad for g in got.values())
-        got = flatten(got)
+        got = flat(got)
     assert not got.requires_grad
     torch.testing.assert_close(got, want, **TOL)
     assert x.grad is None
@@ -663,7 +653,7 @@ def test_auto_inplace_flat_with_inputs_that_require_grad():
     model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
     x, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
     ref_model = nn.Sequential(model[0], nn.ReLU(), model[2])
-    want = flatten(loop_per_sample_grads(ref_model, x, y, nn.CrossEntropyLoss()))
+    want = flat(loop_per_sample_grads(ref_model, x, y, nn.CrossEntropyLoss()))
     got = per_sample_grads(model, x.requires_grad_(True), y, nn.CrossEntropyLoss(),
                            method="auto", flat=True)
     assert not got.requires_grad and x.grad is None
@@ -696,6 +686,6 @@ def test_parameter_added_in_place_is_not_replayed_in_place(method, snapshot):
     want = loop_per_sample_grads(model, x, y, nn.MSELoss())
     state = snapshot(model)
     got = per_sample_grads(model, x, y, nn.MSELoss(), method=method)
-    assert_grads(got, want)
+    assert_grads_equal(got, want)
     assert torch.equal(x, x0)
     state.assert_unchanged()

@@ -7,12 +7,12 @@ attention (``baddbmm``), NFNet's standardised weights, ``torch.compile``, graph 
 the batch vector), and the same mechanisms in transformers' BLOOM, MPT, Mixtral and
 Qwen2-MoE built from small configs.
 
-Every model is checked against the loop over samples in float64 (relative error <= 1e-8
-per parameter; absolute below 1e-12 is exact) through ``per_sample_grads``,
-``per_sample_grad_norms`` and ``private_grad`` (noise 0, against the loop's clipped
-sum), with no fallback warning, ``supported`` reporting the path of every parameter,
-and the model left as it was. Sizes coincide on purpose: batch = sequence length =
-heads = experts = choices = nodes per graph.
+Every model goes through ``battery.check``: against the loop over samples in float64,
+``per_sample_grads`` and ``per_sample_grad_norms`` (total and per parameter) with the
+rules and ``auto``, ``private_grad`` (noise 0, against the loop's clipped mean), with no
+fallback warning, ``supported`` reporting the path of every parameter, and the model
+left as it was. Sizes coincide on purpose: batch = sequence length = heads = experts =
+choices = nodes per graph.
 """
 
 from __future__ import annotations
@@ -31,17 +31,13 @@ from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import persample
-from cases import assert_exact, clipped_mean, dp_grads
-from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
+from battery import assert_exact, check, module_paths
+from persample import PackedRows, loop_per_sample_grads, per_sample_grads
 from persample.batch import SHARED, Batched, Ctx, Mixed, Unknown, propagate
 from persample.batch.ops_indexing import Partly, Sorted
 
 B = T = H = EXPERTS = CHOICES = 4  # coinciding on purpose
 E = 8
-
-
-def flat(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1)
 
 
 def mse(out, y):
@@ -50,29 +46,6 @@ def mse(out, y):
 
 def ce(out, y):
     return F.cross_entropy(out, y, reduction="none")
-
-
-def check(model: nn.Module, inputs, targets, loss_fn, snapshot, want=None,
-          paths=frozenset({"rule"})) -> None:
-    """``per_sample_grads``, the norms and the DP step against the loop (``want``, by
-    default ``loop_per_sample_grads``), no fallback, ``supported`` giving ``paths`` for
-    every trainable parameter, and the model unchanged."""
-    state = snapshot(model)
-    if want is None:
-        want = loop_per_sample_grads(model, inputs, targets, loss_fn)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*(Falling back|rules cannot|performance)")
-        assert_exact(per_sample_grads(model, inputs, targets, loss_fn), want)
-        norms = per_sample_grad_norms(model, inputs, targets, loss_fn)
-        assert_exact({"norms": norms}, {"norms": flat(want).norm(dim=1)})
-        c = norms.median().item()
-        got = dp_grads(model, inputs, targets, loss_fn, c)[1]
-    assert_exact(got, clipped_mean(want, c)[1])
-    routes = persample.supported(model, inputs, targets, loss_fn)
-    assert {r.path for r in routes} == set(paths), [(r.module, r.path, r.reason) for r in routes]
-    covered = {f"{r.module}.{p}" if r.module else p for r in routes for p in r.params}
-    assert covered == {n for n, p in model.named_parameters() if p.requires_grad}
-    state.assert_unchanged()
 
 
 # ---------------------------------------------------------------------------
@@ -88,8 +61,8 @@ def parametrized() -> nn.Module:
                          parametrizations.orthogonal(nn.Linear(E, 3))).eval()
 
 
-def test_parametrizations(snapshot):
-    check(parametrized(), torch.randn(B, E), torch.randn(B, 3), mse, snapshot)
+def test_parametrizations():
+    check(parametrized(), torch.randn(B, E), torch.randn(B, 3), mse)
 
 
 class Checkpointed(nn.Module):
@@ -121,13 +94,12 @@ def backward_loop(model: nn.Module, x: Tensor, y: Tensor, loss_fn) -> dict[str, 
     return found
 
 
-def test_checkpoint_non_reentrant(snapshot):
+def test_checkpoint_non_reentrant():
     torch.manual_seed(0)
-    check(Checkpointed(reentrant=False), torch.randn(B, T, E), torch.randn(B, 3), mse,
-          snapshot)
+    check(Checkpointed(reentrant=False), torch.randn(B, T, E), torch.randn(B, 3), mse)
 
 
-def test_checkpoint_reentrant_is_on_the_rules(snapshot):
+def test_checkpoint_reentrant_is_on_the_rules():
     """The reentrant checkpoint runs its function under ``no_grad`` inside a custom
     autograd Function and again in the backward (which ``autograd.grad`` refuses): while
     persample captures, it runs as the function itself, so every parameter is on a rule;
@@ -136,15 +108,15 @@ def test_checkpoint_reentrant_is_on_the_rules(snapshot):
     model = Checkpointed(reentrant=True)
     x, y = torch.randn(B, T, E), torch.randn(B, 3)
     want = backward_loop(model, x, y, mse)
-    check(model, x, y, mse, snapshot, want=want)
+    check(model, x, y, mse, want=want)
     for method in ("loop", "vmap"):  # the slower methods run it as the function too
-        assert_exact(per_sample_grads(model, x, y, mse, method=method), want)
+        check(model, x, y, mse, want=want, methods=(method,), dp=False, paths=None)
         assert "apply" not in CheckpointFunction.__dict__
     with pytest.raises(RuntimeError, match="use_reentrant=True"):  # plain autograd.grad
         torch.autograd.grad(mse(model(x), y).sum(), list(model.parameters()))
 
 
-def test_checkpoint_reentrant_without_inputs_requiring_grad(snapshot):
+def test_checkpoint_reentrant_without_inputs_requiring_grad():
     """No input requires grad: the checkpoint passes no gradient inside (the block's
     parameters get zeros), exactly as in plain training."""
     torch.manual_seed(0)
@@ -154,9 +126,8 @@ def test_checkpoint_reentrant_without_inputs_requiring_grad(snapshot):
     assert all(not bool(want[n].any()) for n in want if n.startswith("block"))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")
-        assert_exact(per_sample_grads(model, x, y, mse), want)
-        routes = {r.module: r.path for r in persample.supported(model, x, y, mse)}
-    assert routes == {"block.0": "fallback", "block.1": "fallback", "head": "rule"}
+        check(model, x, y, mse, want=want, paths=module_paths(
+            model, {"block.0": "fallback", "block.1": "fallback", "head": "rule"}))
 
 
 class MultipleChoice(nn.Module):
@@ -174,10 +145,10 @@ class MultipleChoice(nn.Module):
         return self.score(h.mean(1)).view(b, c)
 
 
-def test_multiple_choice(snapshot):
+def test_multiple_choice():
     torch.manual_seed(0)
     ids = torch.randint(0, 10, (B, CHOICES, T))
-    check(MultipleChoice(), ids, torch.tensor([0, 3, 1, 2]), ce, snapshot)
+    check(MultipleChoice(), ids, torch.tensor([0, 3, 1, 2]), ce)
 
 
 # ---------------------------------------------------------------------------
@@ -220,9 +191,9 @@ class TopKMoE(nn.Module):
 
 @pytest.mark.parametrize("pick, target", [("where", "zeros"), ("nonzero", "zeros_like"),
                                           ("mask", "zeros")])
-def test_top_k_mixture_of_experts(pick, target, snapshot):
+def test_top_k_mixture_of_experts(pick, target):
     torch.manual_seed(0)
-    check(TopKMoE(pick, target), torch.randn(B, T, E), torch.randn(B, 3), mse, snapshot)
+    check(TopKMoE(pick, target), torch.randn(B, T, E), torch.randn(B, 3), mse)
 
 
 class SortedMoE(nn.Module):
@@ -253,9 +224,9 @@ class SortedMoE(nn.Module):
 
 
 @pytest.mark.parametrize("unsort", ["assign", "inverse"])
-def test_mixture_of_experts_sorted_by_expert(unsort, snapshot):
+def test_mixture_of_experts_sorted_by_expert(unsort):
     torch.manual_seed(0)
-    check(SortedMoE(unsort), torch.randn(B, T, E), torch.randn(B, 3), mse, snapshot)
+    check(SortedMoE(unsort), torch.randn(B, T, E), torch.randn(B, 3), mse)
 
 
 class ExpertChoice(nn.Module):
@@ -337,16 +308,16 @@ class ALiBi(nn.Module):
         return self.out(o).sum(1)
 
 
-def test_fused_qkv_indexed_with_a_list(snapshot):
+def test_fused_qkv_indexed_with_a_list():
     torch.manual_seed(0)
-    check(FusedQKV(), torch.randn(B, T, E), torch.randn(B, 3), mse, snapshot)
+    check(FusedQKV(), torch.randn(B, T, E), torch.randn(B, 3), mse)
 
 
-def test_alibi_attention(snapshot):
+def test_alibi_attention():
     torch.manual_seed(0)
     mask = torch.ones(B, T)
     mask[0, -1] = 0
-    check(ALiBi(), (torch.randn(B, T, E), mask), torch.randn(B, 3), mse, snapshot)
+    check(ALiBi(), (torch.randn(B, T, E), mask), torch.randn(B, 3), mse)
 
 
 # ---------------------------------------------------------------------------
@@ -379,9 +350,9 @@ def timm_scaled_std_conv() -> nn.Module:
 
 
 @pytest.mark.parametrize("make", [ScaledStdConv, timm_scaled_std_conv], ids=["hand", "timm"])
-def test_scaled_std_conv(make, snapshot):
+def test_scaled_std_conv(make):
     torch.manual_seed(0)
-    check(make(), torch.randn(B, 3, T, T), torch.randn(B, 4 * T * T), mse, snapshot)
+    check(make(), torch.randn(B, 3, T, T), torch.randn(B, 4 * T * T), mse)
 
 
 # ---------------------------------------------------------------------------
@@ -400,7 +371,7 @@ class Block(nn.Module):
 
 
 @pytest.mark.parametrize("form", ["block", "model", "fullgraph"])
-def test_compiled_module_is_exact_without_recompiling(form, snapshot):
+def test_compiled_module_is_exact_without_recompiling(form):
     """While persample captures, compiled code runs eagerly, its ops one by one, and
     TorchDynamo never traces persample's own work: exact, no recompilation, no warning,
     every parameter on a rule, also under ``fullgraph=True`` (no graph break to refuse);
@@ -422,7 +393,7 @@ def test_compiled_module_is_exact_without_recompiling(form, snapshot):
             assert_exact(per_sample_grads(model, x, y, mse), want)
     assert not caught, [str(w.message) for w in caught]
     assert not counters["stats"] and not counters["recompiles"]
-    check(model, x, y, mse, snapshot, want=want)
+    check(model, x, y, mse, want=want)
     torch._dynamo.reset()
     counters.clear()
     model(x)
@@ -447,11 +418,10 @@ class DeepSets(nn.Module):
         return self.rho(torch.zeros(rows.num_samples, E).index_add_(0, rows.sample_index, h))
 
 
-def test_packed_rows(snapshot):
+def test_packed_rows():
     torch.manual_seed(0)
     index = torch.tensor([0, 0, 1, 2, 2, 2, 3, 0, 1, 3])  # unsorted, counts 3, 2, 3, 2
-    check(DeepSets(), PackedRows(torch.randn(10, 3), index, B), torch.randn(B, 2), mse,
-          snapshot)
+    check(DeepSets(), PackedRows(torch.randn(10, 3), index, B), torch.randn(B, 2), mse)
 
 
 def graph_batch(directed: bool = False):
@@ -518,13 +488,13 @@ class PyGNet(nn.Module):
     (HandGIN, False), (HandGIN, True), (lambda: PyGNet("gcn"), False),
     (lambda: PyGNet("gin"), False), (lambda: PyGNet("gin"), True)],
     ids=["hand-gin", "hand-gin-directed", "pyg-gcn", "pyg-gin", "pyg-gin-directed"])
-def test_graph_batches(make, directed, snapshot):
+def test_graph_batches(make, directed):
     """Per-graph gradients: each graph a sample, its nodes and edges found by data flow
     from the batch's ``batch`` vector and per-graph offsets (nodes that receive no
     message take their sample where their own features are added)."""
     batch = graph_batch(directed)
     torch.manual_seed(0)
-    check(make(), batch, torch.randn(B, 2), mse, snapshot)
+    check(make(), batch, torch.randn(B, 2), mse)
 
 
 # ---------------------------------------------------------------------------
@@ -789,15 +759,15 @@ def gpt2_reentrant_checkpointing():
 @pytest.mark.slow
 @pytest.mark.parametrize("make", [bloom, mpt, mixtral, qwen2_moe],
                          ids=["bloom-alibi", "mpt-alibi", "mixtral", "qwen2-moe"])
-def test_transformers_models(make, snapshot):
+def test_transformers_models(make):
     """ALiBi (BLOOM's ``baddbmm`` by keyword, MPT's bias table) and mixture-of-experts
     layers (experts' weights gathered per token by the router's choices) on the rules."""
     model, inputs, labels = make()
-    check(model, inputs, labels, causal_lm_loss, snapshot)
+    check(model, inputs, labels, causal_lm_loss)
 
 
 @pytest.mark.slow
-def test_transformers_reentrant_gradient_checkpointing(snapshot):
+def test_transformers_reentrant_gradient_checkpointing():
     model, inputs, labels = gpt2_reentrant_checkpointing()
     rows = [{k: v[i:i + 1] for k, v in inputs.items()} for i in range(B)]
     want = {n: p.new_zeros((B, *p.shape)) for n, p in model.named_parameters()}
@@ -806,7 +776,7 @@ def test_transformers_reentrant_gradient_checkpointing(snapshot):
         for n, p in model.named_parameters():
             want[n][i] = p.grad if p.grad is not None else 0
             p.grad = None
-    check(model, inputs, labels, causal_lm_loss, snapshot, want=want)
+    check(model, inputs, labels, causal_lm_loss, want=want)
 
 
 @pytest.mark.slow

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from cases import BY_ID, N, Scale, as_tuple, assert_grads_equal, build, randn
+from battery import METHODS, assert_grads_equal
+from cases import BY_ID, N, Scale, as_tuple, build, randn
 from persample import loop_per_sample_grads, per_sample_grads
 
-METHODS = ["rules", "vmap", "auto", "loop"]
 STATE_CASES = [
     "mlp", "simple-cnn", "custom-scale", "parent-param-and-children", "multihead-attention",
     "tied-embedding-output", "linear-called-twice", "frozen-params", "unused-params",

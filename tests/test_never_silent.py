@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
-from cases import assert_exact
+from battery import TOL, assert_exact, clipped_mean, flat
 from persample import (
     input_jacobian,
     jacobian_diagonal,
@@ -38,22 +38,12 @@ from persample import (
 from persample.dp import PrivateStep, private_grad
 from persample.errors import InternalError
 
-TOL = {"rtol": 1e-8, "atol": 1e-12}
 B = 4
 
 
-def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
-    assert_exact(got, want)
-
-
-def flat(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.flatten(1) for g in grads.values()], 1)
-
-
 def clipped_sum(grads: dict[str, Tensor], c: float) -> dict[str, Tensor]:
-    norms = flat(grads).norm(dim=1)
-    factors = (c / (norms + 1e-6)).clamp(max=1.0)
-    return {name: torch.tensordot(factors, g, dims=1) for name, g in grads.items()}
+    """``sum_i c_i g_i``: the clipped sum, not divided by the batch size."""
+    return clipped_mean(grads, c, divisor=1)[1]
 
 
 # ---------------------------------------------------------------------------
@@ -140,7 +130,7 @@ def test_param_jacobian_refuses_or_is_exact_on_every_mixing_model(make):
     except ValueError as err:
         assert "mix" in str(err)
         return
-    assert_grads(got, loop_param_jacobian(model, x))
+    assert_exact(got, loop_param_jacobian(model, x))
 
 
 @pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
@@ -385,7 +375,7 @@ def _expected(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, object]:
 def _compare(got: dict, want: dict) -> None:
     for key, value in want.items():
         if isinstance(value, dict):
-            assert_grads(got[key], value)
+            assert_exact(got[key], value)
         else:
             torch.testing.assert_close(got[key], value, **TOL, msg=key)
 
@@ -512,7 +502,7 @@ def test_a_dataclass_input_is_opened_and_sliced(method):
         for name, g in zip(want, grads):
             want[name].append(g)
     want = {name: torch.stack(g) for name, g in want.items()}
-    assert_grads(per_sample_grads(model, inputs, y, nn.CrossEntropyLoss(), method=method), want)
+    assert_exact(per_sample_grads(model, inputs, y, nn.CrossEntropyLoss(), method=method), want)
     torch.testing.assert_close(
         per_sample_grad_norms(model, inputs, y, nn.CrossEntropyLoss(), method=method),
         flat(want).norm(dim=1), **TOL)
@@ -664,7 +654,7 @@ def test_a_packed_sequence_as_the_models_input(make, sort, snapshot):
     assert want["head.bias"].shape == (B, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_grads(per_sample_grads(model, packed, y, nn.CrossEntropyLoss()), want)
+        assert_exact(per_sample_grads(model, packed, y, nn.CrossEntropyLoss()), want)
         torch.testing.assert_close(per_sample_grad_norms(model, packed, y,
                                                          nn.CrossEntropyLoss()),
                                    flat(want).norm(dim=1), **TOL)
@@ -728,7 +718,7 @@ def test_a_packed_output_read_by_the_loss(reduce):
     want = loop_per_sample_grads(model, packed, None, loss_fn)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_grads(per_sample_grads(model, packed, None, loss_fn), want)
+        assert_exact(per_sample_grads(model, packed, None, loss_fn), want)
     assert bool(caught) == reduce
     if reduce:
         with pytest.raises(persample.NeedsWholeModel, match="rows are packed"):

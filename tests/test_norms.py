@@ -1,17 +1,18 @@
-"""``per_sample_grad_norms`` against the norms of the loop reference's per-sample gradients.
+"""``per_sample_grad_norms``: the norm rules and their paths, against the norms of the loop
+reference's per-sample gradients (float64, tight tolerances).
 
-Every case of ``cases.py`` (float64, tight tolerances), both loss reductions and
-every method; ``per_layer=True``; the ghost-norm paths of the Linear and
-Embedding norm rules (and their cost-based switch to materialising), checked
-both for their values and for the path taken; weight tying, where the norm of
-the summed contribution is not the sum of the per-call norms; chunks; batches of
-one and zero; nothing left on the model.
+The ghost-norm paths of the Linear and Embedding norm rules (and their cost-based switch
+to materialising), checked both for their values and for the path taken; weight tying,
+where the norm of the summed contribution is not the sum of the per-call norms; chunks;
+batches of one and zero; nothing left on the model; bad options.
+
+Every case of ``cases.py`` matching the loop with every method (total and per
+parameter) is in ``test_battery.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 import persample
 import persample.norms as norms_module
 import persample.rules as rules
+from battery import METHODS, REDUCTIONS, TOL, layer_norms, norms_of
 from cases import (
     BY_ID,
     CASE_IDS,
@@ -37,21 +39,8 @@ from cases import (
 from persample import loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
 from persample.rules.outer import ghost_norm
 
-REDUCTIONS = ["mean", "sum"]
-METHODS = ["rules", "auto", "vmap", "loop"]
 ALL_CASES = CASES + EDGE_CASES
 ALL_IDS = CASE_IDS + EDGE_CASE_IDS
-TOL = {"rtol": 1e-10, "atol": 1e-12}
-
-
-def layer_norms(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``{name: (B,)}``: the norm of each parameter's per-sample gradient."""
-    return {name: g.flatten(1).norm(dim=1) for name, g in grads.items()}
-
-
-def total_norm(grads: dict[str, Tensor]) -> Tensor:
-    """``(B,)``: the norm of each row of the concatenated per-sample gradients."""
-    return torch.cat([g.flatten(1) for g in grads.values()], dim=1).norm(dim=1)
 
 
 def reference(c: dict, n: int = N, reduction: str = "mean"):
@@ -113,45 +102,13 @@ def paths(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# every case against the loop
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("c", ALL_CASES, ids=ALL_IDS)
-def test_matches_loop(c, reduction, method):
-    model, inputs, targets, loss_fn, want = reference(c, N, reduction)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*Falling back to method='loop'")
-        got = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method)
-    assert isinstance(got, Tensor)
-    assert got.shape == (N,) and got.dtype == torch.float64
-    torch.testing.assert_close(got, total_norm(want), **TOL)
-
-
-@pytest.mark.parametrize("method", ["rules", "vmap", "loop"])  # "auto" is "rules" here
-@pytest.mark.parametrize("c", ALL_CASES, ids=ALL_IDS)
-def test_per_layer_matches_loop(c, method):
-    model, inputs, targets, loss_fn, want = reference(c)
-    got = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method, per_layer=True)
-    assert isinstance(got, tuple) and len(got) == 2
-    total, layers = got
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-    assert list(layers) == trainable
-    for name, norm in layer_norms(want).items():
-        assert layers[name].shape == (N,)
-        torch.testing.assert_close(layers[name], norm, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    torch.testing.assert_close(total, torch.stack(list(layers.values())).square().sum(0).sqrt(),
-                               rtol=1e-13, atol=1e-14)
-    torch.testing.assert_close(total, total_norm(want), **TOL)
-    no_layers = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method)
-    torch.testing.assert_close(no_layers, total, rtol=1e-13, atol=1e-14)
+# the reference
 
 
 def test_reference_norms_are_not_trivial():
     """Distinct, non-zero norms per sample, or agreeing with them proves little."""
     *_, want = reference(BY_ID["simple-cnn"])
-    norms = total_norm(want)
+    norms = norms_of(want)
     assert (norms > 0).all()
     assert len(set(norms.tolist())) == N
 
@@ -201,7 +158,7 @@ def test_linear_sequence_paths(shape, ghost, reduction, paths):
     loss_fn = nn.MSELoss(reduction=reduction)
     want = loop_per_sample_grads(model, x, y, loss_fn)
     total, layers = per_sample_grad_norms(model, x, y, loss_fn, per_layer=True)
-    torch.testing.assert_close(total, total_norm(want), **TOL)
+    torch.testing.assert_close(total, norms_of(want), **TOL)
     for name, norm in layer_norms(want).items():
         torch.testing.assert_close(layers[name], norm, **TOL)
     assert paths.took_ghost(model) if ghost else paths.took_materialise(model)
@@ -217,7 +174,7 @@ def test_embedding_large_vocabulary_takes_ghost_path(padding_idx, paths):
     loss_fn = nn.CrossEntropyLoss()
     want = loop_per_sample_grads(model, ids, y, loss_fn)
     total, layers = per_sample_grad_norms(model, ids, y, loss_fn, per_layer=True)
-    torch.testing.assert_close(total, total_norm(want), **TOL)
+    torch.testing.assert_close(total, norms_of(want), **TOL)
     torch.testing.assert_close(layers["0.weight"], layer_norms(want)["0.weight"], **TOL)
     assert paths.took_ghost(emb)
     assert paths.took_ghost(model[3])  # T = 1
@@ -230,7 +187,7 @@ def test_embedding_small_vocabulary_materialises(paths):
     y = randn(4, 6, 3)
     want = loop_per_sample_grads(emb, ids, y, nn.MSELoss())
     got = per_sample_grad_norms(emb, ids, y, nn.MSELoss())
-    torch.testing.assert_close(got, total_norm(want), **TOL)
+    torch.testing.assert_close(got, norms_of(want), **TOL)
     assert paths.took_materialise(emb)
 
 
@@ -258,7 +215,7 @@ def test_sequence_model_all_ghost(chunk_size, paths):
     want = loop_per_sample_grads(model, ids, y, loss_fn)
     total, layers = per_sample_grad_norms(model, ids, y, loss_fn, per_layer=True,
                                           chunk_size=chunk_size)
-    torch.testing.assert_close(total, total_norm(want), **TOL)
+    torch.testing.assert_close(total, norms_of(want), **TOL)
     for name, norm in layer_norms(want).items():
         torch.testing.assert_close(layers[name], norm, **TOL)
     assert paths.took_ghost(model.emb) and paths.took_ghost(model.up)
@@ -269,7 +226,7 @@ def test_conv_and_norm_layers_materialise_one_layer_at_a_time(paths):
     """The fallback and layers without a norm rule still give the loop's norms."""
     model, inputs, targets, loss_fn, want = reference(BY_ID["custom-scale"])
     got = per_sample_grad_norms(model, inputs, targets, loss_fn)
-    torch.testing.assert_close(got, total_norm(want), **TOL)
+    torch.testing.assert_close(got, norms_of(want), **TOL)
     assert paths.took_materialise(model[1])  # Scale: no rule, the fallback
     assert paths.took_ghost(model[0]) and paths.took_ghost(model[3])
 
@@ -308,7 +265,7 @@ def test_tied_embedding_and_output(vocab, dim, method):
     want = loop_per_sample_grads(model, ids, y, loss_fn)
     total, layers = per_sample_grad_norms(model, ids, y, loss_fn, method=method, per_layer=True)
     assert list(layers) == ["emb.weight", "mix.weight", "mix.bias", "out.bias"]
-    torch.testing.assert_close(total, total_norm(want), **TOL)
+    torch.testing.assert_close(total, norms_of(want), **TOL)
     untied = untied_lm(model)
     parts = per_sample_grads(untied, ids, y, loss_fn, method="loop")
     assert_tied_norm(layers["emb.weight"], [parts["emb.weight"], parts["out.weight"]])
@@ -336,7 +293,7 @@ def test_linear_called_twice(method):
     model, inputs, targets, loss_fn, want = reference(BY_ID["linear-called-twice"], 4)
     total, layers = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method,
                                           per_layer=True)
-    torch.testing.assert_close(total, total_norm(want), **TOL)
+    torch.testing.assert_close(total, norms_of(want), **TOL)
     parts = per_sample_grads(LinearTwiceUntied(model), inputs, targets, loss_fn, method="loop")
     for name in ["weight", "bias"]:
         assert_tied_norm(layers[f"cell.{name}"], [parts[f"cell1.{name}"], parts[f"cell2.{name}"]])
@@ -357,7 +314,7 @@ def test_linear_called_twice_on_sequences_gram_sized():
     x, y = randn(4, 3, 16), randn(4, 3, 16)
     want = loop_per_sample_grads(model, x, y, nn.MSELoss())
     total, layers = per_sample_grad_norms(model, x, y, nn.MSELoss(), per_layer=True)
-    torch.testing.assert_close(total, total_norm(want), **TOL)
+    torch.testing.assert_close(total, norms_of(want), **TOL)
     torch.testing.assert_close(layers["cell.weight"], layer_norms(want)["cell.weight"], **TOL)
 
 
@@ -373,7 +330,7 @@ def test_chunks_equal_whole_batch(c, chunk_size):
     total, layers = per_sample_grad_norms(model, inputs, targets, loss_fn, method="rules",
                                           chunk_size=chunk_size, per_layer=True)
     torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-13)
-    torch.testing.assert_close(total, total_norm(want), **TOL)
+    torch.testing.assert_close(total, norms_of(want), **TOL)
     for name, norm in layer_norms(want).items():
         torch.testing.assert_close(layers[name], norm, **TOL)
 
@@ -382,7 +339,7 @@ def test_chunks_equal_whole_batch(c, chunk_size):
 def test_chunks_other_methods(method):
     model, inputs, targets, loss_fn, want = reference(BY_ID["tied-embedding-output"], 5)
     got = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method, chunk_size=2)
-    torch.testing.assert_close(got, total_norm(want), **TOL)
+    torch.testing.assert_close(got, norms_of(want), **TOL)
 
 
 @pytest.mark.parametrize("method", ["rules", "vmap", "loop"])
@@ -392,7 +349,7 @@ def test_batch_of_one(c, method):
     total, layers = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method,
                                           per_layer=True)
     assert total.shape == (1,)
-    torch.testing.assert_close(total, total_norm(want), **TOL)
+    torch.testing.assert_close(total, norms_of(want), **TOL)
     for name, norm in layer_norms(want).items():
         torch.testing.assert_close(layers[name], norm, **TOL)
 
@@ -414,7 +371,7 @@ def test_float32_model_gives_float32_norms(method):
     y = torch.randint(0, 4, (3,))
     got = per_sample_grad_norms(model, x, y, nn.CrossEntropyLoss(), method=method)
     assert got.dtype == torch.float32
-    want = total_norm(loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
+    want = norms_of(loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -473,7 +430,7 @@ def test_unsupported_module():
     """"rules" raises naming the module; "auto" falls back to the loop as per_sample_grads."""
     model = nn.Sequential(nn.Linear(3, 4), OpaqueGate(), nn.Linear(4, 2))
     x, y = randn(3, 3), randn(3, 2)
-    want = total_norm(loop_per_sample_grads(model, x, y, nn.MSELoss()))
+    want = norms_of(loop_per_sample_grads(model, x, y, nn.MSELoss()))
     with pytest.raises(persample.UnsupportedModuleError, match=r"module '1' \(OpaqueGate\)"):
         per_sample_grad_norms(model, x, y, nn.MSELoss(), method="rules")
     with pytest.warns(UserWarning, match="method='loop'"):
@@ -486,4 +443,4 @@ def test_inputs_tuple_unpacked():
     model, inputs, targets, loss_fn, want = reference(BY_ID["two-inputs"])
     assert len(as_tuple(inputs)) == 2
     got = per_sample_grad_norms(model, list(inputs), targets, loss_fn)
-    torch.testing.assert_close(got, total_norm(want), **TOL)
+    torch.testing.assert_close(got, norms_of(want), **TOL)

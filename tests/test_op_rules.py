@@ -2,8 +2,7 @@
 loaded, and each case of ``cases_ops.py`` really takes its op rule.
 
 (The cases themselves run against the loop over samples with every other case, in
-``test_per_sample_grads.py``, ``test_param_jacobian.py``, ``test_norms.py`` and
-``test_dp_clip.py``.)
+``test_battery.py`` and ``test_dp_clip.py``.)
 """
 
 from __future__ import annotations

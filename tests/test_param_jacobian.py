@@ -1,29 +1,25 @@
-"""``param_jacobian`` against the loop of ``autograd.grad`` over samples and outputs
-(``loop_param_jacobian``), in float64.
+"""``param_jacobian``: its options against the loop of ``autograd.grad`` over samples
+and outputs (``loop_param_jacobian``), in float64: chunks, ``flat`` and ``out``, a batch
+of one, shapes, refusals, the model left unchanged.
 
-Every case of ``cases.py`` whose model returns one tensor with the batch in dim 0
-is used; the rules get a leading cotangent dim of ``Y`` one-hot output directions.
+The cases used are those of ``cases.py`` whose model returns one tensor with the batch
+in dim 0 (``cases.jacobian_cases``); the rules get a leading cotangent dim of ``Y``
+one-hot output directions. Every one of them matching the loop with every method is
+in ``test_battery.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 import persample
-from cases import CASES, EDGE_CASES, as_tuple, assert_grads_equal, build
+from battery import TOL, assert_grads_equal
+from cases import as_tuple, build, jacobian_cases
 from persample import loop_param_jacobian, param_jacobian
 
-
-def _single_tensor_output(c: dict) -> bool:
-    model, inputs, _ = build(c, 2)
-    with torch.no_grad():
-        out = model(*as_tuple(inputs))
-    return isinstance(out, Tensor) and out.dim() >= 1 and out.shape[0] == 2
-
-
-JAC_CASES = [c for c in CASES + EDGE_CASES if _single_tensor_output(c)]
+JAC_CASES = jacobian_cases()
 JAC_IDS = [c["id"] for c in JAC_CASES]
 
 
@@ -42,19 +38,6 @@ def refused_by_vmap(c: dict, method: str) -> bool:
             param_jacobian(model, inputs, method="vmap")
         return True
     return False
-
-
-def test_enough_cases():
-    assert len(JAC_CASES) >= 40
-
-
-@pytest.mark.parametrize("method", ["rules", "vmap", "auto"])
-@pytest.mark.parametrize("c", JAC_CASES, ids=JAC_IDS)
-def test_matches_loop(c, method):
-    if refused_by_vmap(c, method):
-        return
-    model, inputs, want = reference(c)
-    assert_grads_equal(param_jacobian(model, inputs, method=method), want)
 
 
 @pytest.mark.parametrize("method", ["auto", "vmap"])
@@ -76,10 +59,10 @@ def test_flat_and_out(c):
     flat_want = torch.cat([t.reshape(n, t[0].numel() // p.numel(), p.numel())
                            for t, p in zip(want.values(), params)], dim=2)  # (B, Y, P)
     got = param_jacobian(model, inputs, flat=True)
-    torch.testing.assert_close(got, flat_want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, flat_want, **TOL)
     out = torch.full_like(flat_want, float("nan"))
     assert param_jacobian(model, inputs, out=out) is out
-    torch.testing.assert_close(out, flat_want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, flat_want, **TOL)
 
 
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -95,7 +78,7 @@ def test_the_questions_mlp_shape_and_values():
     got = param_jacobian(net, x, flat=True)
     assert got.shape == (4, 10, 15910)
     want = torch.cat([t.flatten(2) for t in loop_param_jacobian(net, x).values()], dim=2)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def test_multi_dimensional_output_keeps_its_shape():

@@ -1,10 +1,10 @@
 """The configurations of three peer suites, run with persample under test.
 
 Each configuration is a model, a batch and a loss that another per-sample gradient
-library tests itself on; here each is checked against the loop over samples
-(:func:`persample.loop_per_sample_grads`) in float64: ``per_sample_grads`` with
-``method="auto"`` (which must not leave the rules on these stock layers) and
-``"rules"``, the norms of ``per_sample_grad_norms`` (total and per layer), the clipped
+library tests itself on; here each goes through ``battery.check`` against the loop over
+samples (:func:`persample.loop_per_sample_grads`) in float64: ``per_sample_grads`` and
+the norms of ``per_sample_grad_norms`` (total and per layer) with ``method="auto"``
+(which must not leave the rules on these stock layers) and ``"rules"``, the clipped
 sums of ``persample.dp.private_grad`` without noise, the path ``supported`` reports,
 and the model left as it was.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,101 +43,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-import persample
 import persample.rules as rules_module
+from battery import assert_matches, check
 from persample import PackedRows, loop_per_sample_grads, per_sample_grad_norms, per_sample_grads
-from persample.dp import private_grad
 from zoo import require
 
-RTOL, ATOL = 1e-8, 1e-12
-FALLBACK = "Falling back to method="
 ON_RULES = {"rule", "module rule"}  # op rules; a recurrent layer's rule
 HYPOTHESIS = settings(max_examples=25, deadline=None,
                       suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-# ---------------------------------------------------------------------------
-# every public function against the loop
-
-
-def assert_same(got: Tensor, want: Tensor, what: str) -> None:
-    """``got`` equals the loop's ``want``: max error <= RTOL x its largest entry, or ATOL."""
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, loop {tuple(want.shape)}"
-    if want.numel() == 0:
-        return
-    err, scale = (got - want).abs().max().item(), want.abs().max().item()
-    assert err <= max(ATOL, RTOL * scale), (
-        f"{what}: max error {err:.3e} against the loop's largest entry {scale:.3e}")
-
-
-def assert_grads(got: dict[str, Tensor], want: dict[str, Tensor], what: str) -> None:
-    assert list(got) == list(want), what
-    for name in want:
-        assert_same(got[name], want[name], f"{what} {name}")
-
-
-def flat(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.flatten(1) for g in grads.values()], 1)  # (B, P)
-
-
-def paths(model: nn.Module, x: Any, y: Any, loss_fn: Callable) -> dict[str, str]:
-    """``{parameter: path}`` as ``supported`` reports the call."""
-    return {(f"{r.module}.{p}" if r.module else p): r.path
-            for r in persample.supported(model, x, y, loss_fn) for p in r.params}
-
-
-def on_rules(run: Callable[[], Any], what: str) -> Any:
-    """``run()``, which must answer from the rules: no warning that ``auto`` left them."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = run()
-    left = [str(w.message) for w in caught if FALLBACK in str(w.message)]
-    assert not left, f"{what}: {left[0]}"
-    return result
-
-
-def check_norms(model, x, y, loss_fn, want: dict[str, Tensor]) -> None:
-    total, layers = on_rules(lambda: per_sample_grad_norms(model, x, y, loss_fn, per_layer=True),
-                             "per_sample_grad_norms")
-    assert_same(total, flat(want).norm(dim=1), "per_sample_grad_norms")
-    for name, g in want.items():
-        assert_same(layers[name], g.flatten(1).norm(dim=1), f"per_sample_grad_norms {name}")
-
-
-def check_private_grad(model, x, y, loss_fn, want: dict[str, Tensor]) -> None:
-    """``private_grad`` without noise against the loop's clipped sum, clipped at the
-    median norm (some samples clipped, some not), on a copy of the model."""
-    norms = flat(want).norm(dim=1)  # (B,)
-    n = norms.numel()
-    c = norms.median().item() if n and norms.max() > 0 else 1.0
-    factors = (c / (norms + 1e-6)).clamp(max=1.0)  # (B,)
-    twin = copy.deepcopy(model)
-    got = on_rules(lambda: private_grad(twin, x, y, loss_fn, max_grad_norm=c, noise_multiplier=0.0,
-                                        expected_batch_size=None if n else 1.0), "private_grad")
-    assert_same(got, norms, "private_grad norms")
-    for name, p in twin.named_parameters():
-        if p.requires_grad:
-            want_sum = torch.tensordot(factors, want[name], dims=1) / max(n, 1)
-            assert_same(p.grad, want_sum, f"private_grad {name}")
-
-
-def check_against_loop(model: nn.Module, x: Any, y: Any, loss_fn: Callable, snapshot
+def check_against_loop(model: nn.Module, x: Any, y: Any, loss_fn: Callable
                        ) -> dict[str, Tensor]:
-    """Every public function on ``model`` against the loop, each answered from the rules:
-    ``supported`` says "rule" (or "module rule", a recurrent layer's) for every trainable
-    parameter, ``method="rules"`` answers, and ``auto`` never leaves the rules."""
-    state = snapshot(model)
-    want = loop_per_sample_grads(model, x, y, loss_fn)
-    got = on_rules(lambda: per_sample_grads(model, x, y, loss_fn), "per_sample_grads(auto)")
-    assert_grads(got, want, "per_sample_grads(auto)")
-    assert_grads(per_sample_grads(model, x, y, loss_fn, method="rules"), want,
-                 "per_sample_grads(rules)")
-    if flat(want).shape[0]:
-        assert set(paths(model, x, y, loss_fn).values()) <= ON_RULES
-    check_norms(model, x, y, loss_fn, want)
-    check_private_grad(model, x, y, loss_fn, want)
-    state.assert_unchanged()
-    return want
+    """``battery.check``: every public function on ``model`` against the loop, each
+    answered from the rules: ``supported`` says "rule" (or "module rule", a recurrent
+    layer's) for every trainable parameter, ``method="rules"`` answers, and ``auto``
+    never leaves the rules. The peers' batches may hold no sample, and their samples
+    zero gradients (an embedding without ids): not refused here."""
+    return check(model, x, y, loss_fn, paths=None, paths_within=ON_RULES, nonzero=False)
 
 
 def out_sum(out: Tensor, _: Any) -> Tensor:
@@ -243,7 +165,7 @@ def test_opinfo_covers_every_op_with_expanded_weights():
 
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 @pytest.mark.parametrize("name", OPINFO_OPS)
-def test_opinfo_samples_match_the_loop(name, snapshot):
+def test_opinfo_samples_match_the_loop(name):
     """Every batched OpInfo sample of the op (float64, requires_grad): per-sample
     gradients of each sample's ``op(...).sum()`` over the tensors that require grad."""
     ops, _ = torch_testing()
@@ -256,7 +178,7 @@ def test_opinfo_samples_match_the_loop(name, snapshot):
         fn, x, args = call
         model = OpCall(fn, args, sample.kwargs)
         try:
-            check_against_loop(model, x, None, out_sum, snapshot)
+            check_against_loop(model, x, None, out_sum)
         except AssertionError as err:
             raise AssertionError(f"sample {k}: {sample}: {err}") from err
         checked += 1
@@ -285,7 +207,7 @@ def common_nn_case(test: dict) -> tuple[nn.Module, Tensor] | None:
     return (module, x) if batched and list(module.parameters()) else None
 
 
-def test_common_nn_module_tests_match_the_loop(snapshot):
+def test_common_nn_module_tests_match_the_loop():
     """torch's module tests of the layers with expanded-weight support, each module once
     and called twice; batches of 0 samples included."""
     _, tests = torch_testing()
@@ -297,7 +219,7 @@ def test_common_nn_module_tests_match_the_loop(snapshot):
         module, x = case
         for model in (module, Twice(module)):
             try:
-                check_against_loop(model, x, None, out_sum, snapshot)
+                check_against_loop(model, x, None, out_sum)
             except AssertionError as err:
                 raise AssertionError(f"{test['module_name']} {test.get('desc')}: {err}") from err
         checked += 1
@@ -309,7 +231,7 @@ def test_common_nn_module_tests_match_the_loop(snapshot):
     {"max_norm": 1.0, "padding_idx": 0, "sparse": True},
     {"max_norm": 1.0, "padding_idx": 0, "scale_grad_by_freq": True},
 ], ids=["max-norm", "max-norm-sparse", "max-norm-freq"])
-def test_embedding_options_of_torchs_expanded_weights_tests(options, snapshot):
+def test_embedding_options_of_torchs_expanded_weights_tests(options):
     """torch's embedding tests: rows of norm above ``max_norm``, which the forward renorms
     in place (a plain forward changes the weight; once renormed it stays), a padding row,
     sparse gradients, gradients scaled by the ids' frequency in the batch... and in each
@@ -320,10 +242,10 @@ def test_embedding_options_of_torchs_expanded_weights_tests(options, snapshot):
     ids = torch.randint(5, (3, 3))
     fresh = copy.deepcopy(model)
     want = loop_per_sample_grads(copy.deepcopy(fresh), ids, None, out_sum)
-    assert_grads(per_sample_grads(fresh, ids, None, out_sum, method="rules"), want, "fresh")
+    assert_matches(per_sample_grads(fresh, ids, None, out_sum, method="rules"), want, "fresh")
     model(ids)  # renormed: the forward no longer changes the weight
     assert torch.equal(model.weight, fresh.weight)
-    check_against_loop(model, ids, None, out_sum, snapshot)
+    check_against_loop(model, ids, None, out_sum)
 
 
 # ---------------------------------------------------------------------------
@@ -451,27 +373,27 @@ OPACUS_LAYERS = {
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @HYPOTHESIS
 @given(data=st.data())
-def test_opacus_layer_configurations(layer, reduction, data, snapshot):
+def test_opacus_layer_configurations(layer, reduction, data):
     """A drawn configuration of the layer, under Opacus's L1 loss."""
     model, x = data.draw(OPACUS_LAYERS[layer])
-    check_against_loop(model.double(), x, None, l1(reduction), snapshot)
+    check_against_loop(model.double(), x, None, l1(reduction))
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_opacus_embedding_samples_without_ids(reduction, snapshot):
+def test_opacus_embedding_samples_without_ids(reduction):
     """Opacus's Embedding with batch_first=False and N = 0: ids ``(0, T)``, so the T
     samples (dim 1) hold no id; every gradient is zero."""
     ids = torch.randint(0, 5, (0, 3))  # (N, T)
     model = BatchInDim1(nn.Embedding(5, 10))
-    check_against_loop(model, ids.transpose(0, 1), None, l1(reduction), snapshot)
+    check_against_loop(model, ids.transpose(0, 1), None, l1(reduction))
 
 
 @pytest.mark.parametrize("layer", [nn.Linear, nn.LayerNorm])
-def test_samples_without_rows_under_a_summed_output(layer, snapshot):
+def test_samples_without_rows_under_a_summed_output(layer):
     """Opacus's Linear and LayerNorm with Z = 0 rows per sample, under PyTorch's
     per-sample ``out.sum()`` loss (which flattens each sample's output)."""
     model = nn.Linear(4, 2) if layer is nn.Linear else nn.LayerNorm(4)
-    check_against_loop(model, torch.randn(3, 0, 4), None, out_sum, snapshot)
+    check_against_loop(model, torch.randn(3, 0, 4), None, out_sum)
 
 
 # Opacus's embedding norm-sample cases: ids and the backprops of the embedding's output,
@@ -513,7 +435,7 @@ def embedding_ghosts(patch_spec) -> list[bool]:
 
 @pytest.mark.parametrize("vocab", [None, 64], ids=["opacus-vocab", "vocab-64"])
 @pytest.mark.parametrize("case", range(len(EMBEDDING_NORM_CASES)))
-def test_opacus_embedding_norm_sample_cases(case, vocab, embedding_ghosts, snapshot):
+def test_opacus_embedding_norm_sample_cases(case, vocab, embedding_ghosts):
     """Each sample's loss is ``<embedding(ids), backprops>``, so the embedding's backprops
     are Opacus's; the norms are theirs and the loop's. Opacus's tables (3, 3 and 10 rows)
     take the ghost norm where T^2 < rows (the second case) and are materialised elsewhere;
@@ -528,7 +450,7 @@ def test_opacus_embedding_norm_sample_cases(case, vocab, embedding_ghosts, snaps
     def inner(out: Tensor, bp: Tensor) -> Tensor:
         return (out * bp).flatten(1).sum(1)  # (B,)
 
-    check_against_loop(model, ids, backprops, inner, snapshot)
+    check_against_loop(model, ids, backprops, inner)
     got = per_sample_grad_norms(model, ids, backprops, inner, method="rules")
     torch.testing.assert_close(got, torch.tensor(norms), rtol=0, atol=1e-4)
     t = ids[0].numel()  # ids per sample
@@ -563,10 +485,10 @@ def bag_configs(draw):
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @HYPOTHESIS
 @given(config=bag_configs())
-def test_opacus_embedding_bag_configurations(reduction, config, snapshot):
+def test_opacus_embedding_bag_configurations(reduction, config):
     """Drawn bags of distinct ids, as PackedRows (the loop gives each sample its bag)."""
     model, rows = config
-    check_against_loop(model.double(), rows, None, l1(reduction), snapshot)
+    check_against_loop(model.double(), rows, None, l1(reduction))
 
 
 # ---------------------------------------------------------------------------
@@ -718,11 +640,11 @@ BACKPACK_PROBLEMS = [
 
 
 @pytest.mark.parametrize("problem", BACKPACK_PROBLEMS, ids=[p[0] for p in BACKPACK_PROBLEMS])
-def test_backpack_batch_grad_problems(problem, snapshot):
+def test_backpack_batch_grad_problems(problem):
     """One of BackPACK's problems, as its settings build it, in float64."""
     _, make_model, make_input, make_target, make_loss = problem
     torch.manual_seed(0)
     model, x, y = make_model().double(), make_input(), make_target()
     x = x.double() if x.is_floating_point() else x
     y = y.double() if y.is_floating_point() else y
-    check_against_loop(model, x, y, make_loss(), snapshot)
+    check_against_loop(model, x, y, make_loss())

@@ -1,4 +1,10 @@
-"""``per_sample_grads`` against the loop reference, on every case of ``cases.py``."""
+"""``per_sample_grads``: its options and edge cases against the loop reference (``flat``,
+``out``, chunks, batches of one and zero, dtypes and devices, the keys, losses of every
+kind, the fallback of ``auto``).
+
+Every case of ``cases.py`` matching the loop with every method is in
+``test_battery.py``.
+"""
 
 from __future__ import annotations
 
@@ -11,23 +17,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 import persample
-from cases import (
-    BY_ID,
-    CASE_IDS,
-    CASES,
-    EDGE_CASE_IDS,
-    EDGE_CASES,
-    N,
-    OpaqueGate,
-    as_tuple,
-    assert_grads_equal,
-    build,
-    randn,
-)
+from battery import METHODS, REDUCTIONS, TOL, assert_grads_equal, flat
+from cases import BY_ID, CASE_IDS, CASES, N, OpaqueGate, as_tuple, build, randn
 from persample import loop_per_sample_grads, per_sample_grads
 
-REDUCTIONS = ["mean", "sum"]
-METHODS = ["rules", "vmap", "auto"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -41,34 +34,7 @@ def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def flatten(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.flatten(1) for g in grads.values()], dim=1)
-
-
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
-def test_matches_loop(c, reduction, method):
-    model, inputs, targets, loss_fn, want = reference(c, N, reduction)
-    with warnings.catch_warnings():
-        # "auto" must not give up on the rules for any case.
-        warnings.filterwarnings("error", message=".*Falling back")
-        got = per_sample_grads(model, inputs, targets, loss_fn, method=method)
-    assert isinstance(got, dict)
-    assert_grads_equal(got, want)
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("c", EDGE_CASES, ids=EDGE_CASE_IDS)
-def test_edge_case_matches_loop(c, reduction, method):
-    """Models whose structure a capture engine can misread; see cases.EDGE_CASES."""
-    model, inputs, targets, loss_fn, want = reference(c, N, reduction)
-    got = per_sample_grads(model, inputs, targets, loss_fn, method=method)
-    assert_grads_equal(got, want)
-
-
-@pytest.mark.parametrize("method", METHODS + ["loop"])
 @pytest.mark.parametrize("chunk_size", [None, 1, 2])
 def test_dict_targets_are_split_per_sample_or_refused(method, chunk_size):
     """Targets in a dict: each sample (and chunk) must see its own rows, not the batch's.
@@ -165,17 +131,17 @@ def test_a_per_sample_loss_that_mixes_samples_gets_the_loops_answer():
         assert_grads_equal(per_sample_grads(model, inputs, targets, centred, method=method), want)
 
 
-@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
 def test_flat_is_concatenation_in_parameter_order(c, method):
     model, inputs, targets, loss_fn, want = reference(c)
     got = per_sample_grads(model, inputs, targets, loss_fn, method=method, flat=True)
     total = sum(p.numel() for p in trainable(model).values())
     assert got.shape == (N, total)
-    torch.testing.assert_close(got, flatten(want), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got, flat(want), **TOL)
 
 
-@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
 def test_out_is_written_and_returned(c, method):
     model, inputs, targets, loss_fn, want = reference(c)
@@ -183,7 +149,7 @@ def test_out_is_written_and_returned(c, method):
     out = torch.full((N, total), float("nan"))
     got = per_sample_grads(model, inputs, targets, loss_fn, method=method, out=out)
     assert got is out
-    torch.testing.assert_close(out, flatten(want), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, flat(want), **TOL)
 
 
 def test_out_may_be_a_column_slice_of_a_wider_buffer():
@@ -194,7 +160,7 @@ def test_out_may_be_a_column_slice_of_a_wider_buffer():
     out = wide[:, 2 : 2 + total]
     got = per_sample_grads(model, inputs, targets, loss_fn, out=out, chunk_size=3)
     assert got is out
-    torch.testing.assert_close(out, flatten(want), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, flat(want), **TOL)
     assert (wide[:, :2] == -7).all() and (wide[:, 2 + total :] == -7).all()
 
 
@@ -216,12 +182,12 @@ def test_chunks_other_methods(method, chunk_size):
     got = per_sample_grads(model, inputs, targets, loss_fn, method=method,
                            chunk_size=chunk_size)
     assert_grads_equal(got, want)
-    flat = per_sample_grads(model, inputs, targets, loss_fn, method=method,
+    rows = per_sample_grads(model, inputs, targets, loss_fn, method=method,
                             chunk_size=chunk_size, flat=True)
-    torch.testing.assert_close(flat, flatten(want), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(rows, flat(want), **TOL)
 
 
-@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("c", CASES, ids=CASE_IDS)
 def test_batch_of_one(c, method):
     model, inputs, targets, loss_fn, want = reference(c, 1)
@@ -247,7 +213,7 @@ def _loss_must_not_run(out, y):
     raise AssertionError("the loss was computed for an empty batch")
 
 
-@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("method", METHODS)
 def test_batch_of_zero_is_empty_without_running_the_model(method):
     model = MustNotRun()
     x, y = randn(0, 2, 5, 5), torch.zeros(0, dtype=torch.long)
@@ -256,8 +222,8 @@ def test_batch_of_zero_is_empty_without_running_the_model(method):
     for name, g in got.items():
         p = model.get_parameter(name)
         assert g.shape == (0, *p.shape) and g.dtype == p.dtype and g.device == p.device
-    flat = per_sample_grads(model, x, y, _loss_must_not_run, method=method, flat=True)
-    assert flat.shape == (0, 3 * 2 * 9 + 3 + 20) and flat.dtype == torch.float64
+    rows = per_sample_grads(model, x, y, _loss_must_not_run, method=method, flat=True)
+    assert rows.shape == (0, 3 * 2 * 9 + 3 + 20) and rows.dtype == torch.float64
     out = torch.empty(0, 3 * 2 * 9 + 3 + 20)
     assert per_sample_grads(model, x, y, _loss_must_not_run, method=method, out=out) is out
 
@@ -273,7 +239,7 @@ def test_batch_of_zero_matches_loop_shapes(c):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("method", METHODS + ["loop"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_result_dtype_and_device_are_the_parameters(dtype, method, device):
     model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(9, 4))
@@ -283,8 +249,8 @@ def test_result_dtype_and_device_are_the_parameters(dtype, method, device):
     got = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
     for name, p in model.named_parameters():
         assert got[name].dtype == p.dtype and got[name].device == p.device
-    flat = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method, flat=True)
-    assert flat.dtype == dtype and flat.device == x.device
+    rows = per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method, flat=True)
+    assert rows.dtype == dtype and rows.device == x.device
     want = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
     assert_grads_equal(got, want, **tol)

@@ -4,9 +4,10 @@ Recurrent layers on packed sequences (sorted, unsorted, sorted by the model, giv
 the model's own input), with zeros or per-sample initial states; ``F.instance_norm``
 with running statistics made outside the model, or updated twice in one forward;
 ``nn.Transformer`` with several layers, masks, ``enable_nested_tensor``, eval mode;
-``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``. Each: per-sample gradients,
-norms and the DP step (noise 0) against the loop, the path ``supported`` reports, and
-the model left unchanged. Where PyTorch itself computes something a batch under the
+``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``. Each through
+``battery.check``: per-sample gradients, norms (total and per parameter) and the DP step
+(noise 0) against the loop, the path ``supported`` reports for each parameter, and the
+model left unchanged. Where PyTorch itself computes something a batch under the
 capture cannot (the encoder's nested-tensor fast path for a sample alone), or where
 samples are paired with other samples' states, the rules refuse and ``auto`` is exact.
 """
@@ -20,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cases import BY_ID, assert_grads_equal, build, randn
+from battery import assert_grads_equal, check, module_paths
+from cases import BY_ID, build, randn
 from cases_recurrent import PACKED_INPUT_CASES, Recurrent, lengths_of
 from persample import (
     LossNotPerSampleError,
@@ -28,56 +30,16 @@ from persample import (
     loop_param_jacobian,
     loop_per_sample_grads,
     param_jacobian,
-    per_sample_grad_norms,
     per_sample_grads,
-    supported,
 )
 from persample.batch import Batched, Mixed
 from persample.batch.layouts import indexed
 from persample.capture import Capture
-from persample.dp import private_grad
 from persample.rules import module_front
-
-TOL = {"rtol": 1e-10, "atol": 1e-12}
-
-
-def paths(model, inputs, targets, loss_fn) -> dict[str, str]:
-    return {r.module: r.path for r in supported(model, inputs, targets, loss_fn)}
 
 
 def per_sample_loss(out: Tensor, y: Tensor) -> Tensor:
     return ((out - y) ** 2).flatten(1).sum(1)
-
-
-def flat_norms(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)  # (B,)
-
-
-def left_the_rules(seen: list) -> list[str]:
-    return [str(w.message) for w in seen if "rules cannot" in str(w.message)
-            or "Falling back" in str(w.message)]
-
-
-def check_all(model, inputs, targets, loss_fn, want: dict[str, Tensor]) -> None:
-    """Gradients (rules), norms (rules) and the DP step (noise 0, the default method,
-    which must not leave the rules) against the loop's gradients ``want``."""
-    assert_grads_equal(per_sample_grads(model, inputs, targets, loss_fn, method="rules"), want)
-    norms = flat_norms(want)
-    assert (norms > 0).all()
-    torch.testing.assert_close(
-        per_sample_grad_norms(model, inputs, targets, loss_fn, method="rules"), norms, **TOL)
-    c = float(norms.median())
-    factors = (c / (norms + 1e-6)).clamp(max=1)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0)
-    assert not left_the_rules(seen)
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            g = torch.einsum("n,n...->...", factors, want[name]) / len(norms)
-            torch.testing.assert_close(p.grad.to_dense(), g, **TOL)
-    for p in model.parameters():
-        p.grad = None
 
 
 # ---------------------------------------------------------------------------
@@ -91,17 +53,13 @@ RECURRENT = [BY_ID[i] for i in (
 
 
 @pytest.mark.parametrize("c", RECURRENT, ids=[c["id"] for c in RECURRENT])
-def test_recurrent_layers_on_their_module_rule(c, snapshot):
+def test_recurrent_layers_on_their_module_rule(c):
     """Packed sequences sorted (the final states come in the packed order), sorted by
     the model, given as the model's input; zeros as the initial state: the recurrent
     layer on its module rule, its head on the linear rule, everything exact."""
     model, inputs, targets = build(c)
-    loss_fn = c["loss_fn"]("sum")
-    state = snapshot(model)
-    want = loop_per_sample_grads(model, inputs, targets, loss_fn)
-    assert paths(model, inputs, targets, loss_fn) == {"rnn": "module rule", "head": "rule"}
-    check_all(model, inputs, targets, loss_fn, want)
-    state.assert_unchanged()
+    check(model, inputs, targets, c["loss_fn"]("sum"),
+          paths=module_paths(model, {"rnn": "module rule", "head": "rule"}))
 
 
 @pytest.mark.parametrize("c", PACKED_INPUT_CASES[:2], ids=[c["id"] for c in
@@ -110,9 +68,8 @@ def test_packed_input_param_jacobian_and_chunks(c):
     """The model's own PackedSequence: its samples are its sequences, in the order of
     ``sorted_indices``; two outputs per sample, and chunks of the batch."""
     model, inputs, targets = build(c, 4)
-    got = param_jacobian(model, inputs, method="rules")
-    for name, g in loop_param_jacobian(model, inputs).items():
-        torch.testing.assert_close(got[name], g, **TOL)
+    assert_grads_equal(param_jacobian(model, inputs, method="rules"),
+                       loop_param_jacobian(model, inputs))
     loss_fn = c["loss_fn"]("mean")
     want = loop_per_sample_grads(model, inputs, targets, loss_fn)
     assert_grads_equal(per_sample_grads(model, inputs, targets, loss_fn, method="rules",
@@ -220,17 +177,13 @@ class InstanceNormStats(nn.Module):
     ((3, 2, 4), {"momentum": -1.2}),
     ((3, 2, 3, 4), {"momentum": -1.0, "eps": 0.5}),
 ])
-def test_instance_norm_with_outside_statistics_it_only_updates(shape, kwargs, snapshot):
+def test_instance_norm_with_outside_statistics_it_only_updates(shape, kwargs):
     """``use_input_stats=True``: the running statistics are written, never read, so
     tensors the capture never saw made do not stop the rule."""
     torch.manual_seed(0)
     model, x = InstanceNormStats(shape[1], True, **kwargs), randn(*shape)
     y = randn(shape[0], x[0].numel())
-    state = snapshot(model)
-    want = loop_per_sample_grads(model, x, y, per_sample_loss)
-    assert paths(model, x, y, per_sample_loss) == {"": "rule"}
-    check_all(model, x, y, per_sample_loss, want)
-    state.assert_unchanged()
+    check(model, x, y, per_sample_loss, paths=module_paths(model, {"": "rule"}))
 
 
 def test_instance_norm_reading_its_running_statistics():
@@ -240,9 +193,7 @@ def test_instance_norm_reading_its_running_statistics():
     torch.manual_seed(0)
     x, y = randn(3, 3, 4), randn(3, 12)
     model = InstanceNormStats(3, False, buffers=True)
-    want = loop_per_sample_grads(model, x, y, per_sample_loss)
-    assert paths(model, x, y, per_sample_loss) == {"": "rule"}
-    check_all(model, x, y, per_sample_loss, want)
+    check(model, x, y, per_sample_loss, paths=module_paths(model, {"": "rule"}))
     outside = InstanceNormStats(3, False)
     want = loop_per_sample_grads(outside, x, y, per_sample_loss)
     try:
@@ -268,14 +219,11 @@ class NormTwice(nn.Module):
         return self.head((self.norm(x) + self.norm(2 * x.flip(2))).mean(2))
 
 
-def test_instance_norm_called_twice_updating_its_statistics(snapshot):
+def test_instance_norm_called_twice_updating_its_statistics():
     torch.manual_seed(0)
     model, x, y = NormTwice().double(), randn(3, 3, 3), randn(3, 2)
-    state = snapshot(model)
-    want = loop_per_sample_grads(model, x, y, per_sample_loss)
-    assert paths(model, x, y, per_sample_loss) == {"norm": "rule", "head": "rule"}
-    check_all(model, x, y, per_sample_loss, want)
-    state.assert_unchanged()
+    check(model, x, y, per_sample_loss, paths=module_paths(model, {"norm": "rule",
+                                                                   "head": "rule"}))
 
 
 @pytest.mark.parametrize("op", ["instance_norm", "batch_norm"])
@@ -341,18 +289,13 @@ TRANSFORMERS = {
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMERS))
-def test_transformer_on_the_rules(name, snapshot):
+def test_transformer_on_the_rules(name):
     """B == T == heads == 2: every parameter on the op rules, exact."""
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PyTorch's notes on nested tensors and masks
         model = TRANSFORMERS[name]().double()
-        x, y = randn(2, 2, 4), randn(2, 3)
-        state = snapshot(model)
-        want = loop_per_sample_grads(model, x, y, per_sample_loss)
-        assert set(paths(model, x, y, per_sample_loss).values()) == {"rule"}
-        check_all(model, x, y, per_sample_loss, want)
-    state.assert_unchanged()
+        check(model, randn(2, 2, 4), randn(2, 3), per_sample_loss, paths={"rule"})
 
 
 class FrozenEncoder(nn.Module):
@@ -383,9 +326,7 @@ def test_frozen_encoder_nested_fast_path_is_refused_then_exact():
         with pytest.raises(NeedsWholeModel, match="enable_nested_tensor=False"):
             per_sample_grads(model, x, y, per_sample_loss, method="rules")
         assert_grads_equal(per_sample_grads(model, x, y, per_sample_loss), want)
-        plain = FrozenEncoder(nested=False).double()
-        want = loop_per_sample_grads(plain, x, y, per_sample_loss)
-        assert_grads_equal(per_sample_grads(plain, x, y, per_sample_loss, method="rules"), want)
+        check(FrozenEncoder(nested=False).double(), x, y, per_sample_loss, paths={"rule"})
 
 
 def test_trainable_encoder_in_eval_mode_stays_on_the_rules():
@@ -395,9 +336,7 @@ def test_trainable_encoder_in_eval_mode_stays_on_the_rules():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = FrozenEncoder(nested=True).double().requires_grad_(True)
-        want = loop_per_sample_grads(model, x, y, per_sample_loss)
-        assert set(paths(model, x, y, per_sample_loss).values()) == {"rule"}
-        assert_grads_equal(per_sample_grads(model, x, y, per_sample_loss, method="rules"), want)
+        check(model, x, y, per_sample_loss, paths={"rule"})
 
 
 # ---------------------------------------------------------------------------
@@ -423,15 +362,9 @@ SPARSE = {
 
 
 @pytest.mark.parametrize("name", list(SPARSE))
-def test_sparse_embeddings_on_the_rules(name, snapshot):
+def test_sparse_embeddings_on_the_rules(name):
     torch.manual_seed(0)
     model = Sparse(SPARSE[name]()).double()
     ids, y = torch.tensor([[1, 2, 2], [0, 4, 1], [3, 3, 0]]), randn(3, 3)
-    state = snapshot(model)
-    want = loop_per_sample_grads(model, ids, y, per_sample_loss)
-    assert paths(model, ids, y, per_sample_loss) == {"table": "rule", "head": "rule"}
-    check_all(model, ids, y, per_sample_loss, want)
-    got = param_jacobian(model, ids, method="rules")
-    for key, g in loop_param_jacobian(model, ids).items():
-        torch.testing.assert_close(got[key], g, **TOL)
-    state.assert_unchanged()
+    check(model, ids, y, per_sample_loss, jacobian=True,
+          paths=module_paths(model, {"table": "rule", "head": "rule"}))
