@@ -16,13 +16,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from battery import REDUCTIONS, TOL
+from battery import norms_of as flat_norms
 from cases import BY_ID, OpaqueGate, TiedLM, build, randn
 from persample import loop_per_sample_grads
 from persample.dp import private_grad
 
 STABILITY = 1e-6
-REDUCTIONS = ["mean", "sum"]
-TOL = {"rtol": 1e-10, "atol": 1e-12}
 DP_CASES = [
     "linear-2d", "linear-seq", "mlp", "mlp-persample-ce", "conv1d-groups2", "conv2d",
     "conv2d-relu-linear-ce", "simple-cnn", "embedding-2d-ids",
@@ -37,10 +37,6 @@ N = 4
 
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def flat_norms(grads: dict[str, Tensor]) -> Tensor:
-    return torch.cat([g.flatten(1) for g in grads.values()], dim=1).norm(dim=1)  # (B,)
 
 
 def clip_by_hand(grads: dict[str, Tensor], c: float, per_layer: bool,
