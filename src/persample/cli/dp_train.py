@@ -190,8 +190,8 @@ def train(
     from tqdm import tqdm  # the cli extra: imported here, so --help works without it
 
     from ..dp import PrivateStep
+    from ..dp.reduce import world
     from ..dp.sampling import poisson_batches
-    from ..dp.step import _world
 
     x, y, x_test, y_test = data
     n = len(y)
@@ -203,7 +203,7 @@ def train(
     lr = cfg.lr if sigma is not None else cfg.nonprivate_lr
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum)
     loss_fn = _LossRecorder()
-    size, rank = _world() or (1, 0)
+    size, rank = world() or (1, 0)
     step = None if sigma is None else PrivateStep(
         model, loss_fn, max_grad_norm=cfg.max_grad_norm, noise_multiplier=sigma,
         expected_batch_size=expected, generator=noise_gen)
@@ -276,10 +276,10 @@ def run(cfg: DPTrainConfig) -> dict:
         (2, True)
     """
     from ..dp.accounting import PrivacyAccountant
-    from ..dp.step import _world
+    from ..dp.reduce import world
 
     _check(cfg)
-    if cfg.nproc > 1 and _world() is None:
+    if cfg.nproc > 1 and world() is None:
         return _spawn(cfg)
     torch.set_num_threads(cfg.threads)
     data = load_split(cfg.subset)

@@ -29,9 +29,7 @@ from .. import checks
 from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
 from .clip import MicroBatch, clipped_sums
-from .reduce import Reducer, Sums, Terms, reducer_for, total_samples, world
-
-_world = world  # ``(world size, rank)`` or ``None`` (the command line imports it from here)
+from .reduce import Reducer, Sums, Terms, reducer_for, total_samples
 
 
 class PrivateStep:
