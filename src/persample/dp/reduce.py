@@ -364,7 +364,7 @@ class _IntoWhole(Accumulation):
         if self.sums is None:  # the step's sums, made now: after the backward
             tensors = self.fill(ps, buffers)
         else:  # a temporary: the sums change only once the micro-batch is complete
-            tensors = pooled_like(ps, _zero, accumulate=True)
+            tensors = _zeros(ps, [])
         self.made = Sums(dict(zip(self.params, tensors)), buffers, self.noised)
         return dict(zip(map(id, ps), tensors))
 
@@ -397,8 +397,7 @@ def _summed(sums: Sums | None, terms: Terms, buffers: list[Tensor]) -> list[Tens
     if sums is not None and sums.buffers:
         buffers += sums.buffers
         return [sums.tensors[name] for name in terms.params]
-    grads = pooled_like(list(terms.params.values()), _zero, buffers, accumulate=True)
-    return _plus(grads, sums, terms)
+    return _plus(_zeros(list(terms.params.values()), buffers), sums, terms)
 
 
 def _plus(grads: list[Tensor], sums: Sums | None, terms: Terms) -> list[Tensor]:
@@ -691,7 +690,7 @@ class _IntoShards(Accumulation):
 
     def make(self, group: list[int]) -> dict[int, Tensor]:
         ps = [self.params[self.names[pid]] for pid in group]
-        return dict(zip(group, pooled_like(ps, _zero, accumulate=True)))
+        return dict(zip(group, _zeros(ps, [])))
 
     def flush(self, sums: dict[int, Tensor]) -> None:
         self.staged.update(reduce_to_shards(self.sharding,
