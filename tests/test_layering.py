@@ -19,13 +19,14 @@ ROOT = Path(persample.__file__).parent
 
 # lowest first; a module may import its own layer and those below it
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"errors", "precision", "memory", "sharded", "patches", "inputs"}),
+    ("base", {"errors", "precision", "memory", "sharded", "patches", "inputs", "rng"}),
     ("batch", {"batch"}),
+    ("draws", {"draws"}),
     ("capture", {"capture", "loss"}),
     ("rules", {"rules"}),
     ("plan", {"plan"}),
     ("engine", {"engine"}),
-    ("public", {"checks", "methods", "reference", "vmap", "api", "norms", "captured_batch",
+    ("public", {"checks", "methods", "reference", "vmap", "whole", "api", "norms", "captured_batch",
                 "dots", "projection", "jacobian", "support", "__init__"}),
     ("applications", {"dp", "data"}),
     ("integrations", {"integrations"}),
@@ -103,7 +104,7 @@ def test_the_scan_sees_imports_up_the_stack():
 # the rule families (one file per family of ops, listed in persample/rules/__init__.py)
 # and what they may share
 RULE_FAMILIES = {"activation", "addcmul", "attention", "conv", "elementwise", "embedding",
-                 "linear", "norm", "recurrent", "views"}
+                 "linear", "norm", "recurrent", "sampling", "views"}
 RULES_SHARED = {"spec", "calls", "outer", "ghost", "vjp"}
 
 
@@ -166,7 +167,8 @@ def test_the_reference_depends_on_nothing_it_checks():
     """The loop over samples (the oracle every fast path is tested against) imports none
     of the machinery it checks: the data flow, the capture, the rules, the plan, the
     engine, the per-sample loss."""
-    checked = {"batch", "capture", "rules", "plan", "engine", "loss", "vmap", "api", "norms"}
+    checked = {"batch", "draws", "capture", "rules", "plan", "engine", "loss", "vmap", "whole",
+               "api", "norms"}
     found = sorted(m for m in _closure("persample.reference") if _top(m) in checked)
     assert not found, found
 

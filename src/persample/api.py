@@ -14,8 +14,8 @@ from .engine import rules_grads, rules_param_jacobian
 from .inputs import Batch, samples_of
 from .memory import result_empty
 from .methods import Taken, answer
-from .reference import loop_param_jacobian, loop_per_sample_grads
-from .vmap import vmap_param_jacobian, vmap_per_sample_grads
+from .whole import loop_grads, loop_jacobian
+from .whole import vmap_grads, vmap_jacobian
 
 
 @checks.keeps_buffers
@@ -143,9 +143,9 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
             method,
             rules=lambda a=a, t=t, d=d: rules_grads(model, a, t, loss_fn, d, watched),
             vmap=lambda a=a, t=t, d=d: _copy(
-                vmap_per_sample_grads(model, a, t, loss_fn, params), params, d),
+                vmap_grads(model, a, t, loss_fn, params), params, d),
             loop=lambda a=a, t=t, d=d: _copy(
-                loop_per_sample_grads(model, a.as_inputs(), t, loss_fn), params, d),
+                loop_grads(model, a.as_inputs(), t, loss_fn), params, d),
             taken=taken, hint=lambda: checks.dtype_note(batch, params))
     return result, taken
 
@@ -228,9 +228,9 @@ def param_jacobian(
                 method,
                 rules=lambda a=a, o=o, d=d: rules_param_jacobian(model, a, o, d, watched),
                 vmap=lambda a=a, o=o, d=d: _copy(
-                    _select(vmap_param_jacobian(model, a, params), o, params), params, d),
+                    _select(vmap_jacobian(model, a, params), o, params), params, d),
                 loop=lambda a=a, o=o, d=d: _copy(
-                    _select(loop_param_jacobian(model, a.as_inputs()), o, params), params, d),
+                    _select(loop_jacobian(model, a.as_inputs()), o, params), params, d),
                 taken=taken, hint=lambda: checks.dtype_note(batch, params))
     if isinstance(result, dict):
         return {name: t.view(n, *out_shape, *t.shape[2:]) for name, t in result.items()}

@@ -30,9 +30,9 @@ from .captured_batch import CapturedBatch, matrix_shape, parameter_groups
 from .errors import internal
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
-from .reference import loop_per_sample_grads
+from .whole import loop_grads
 from .rules.ghost import Factors, cross_inner, forming_cost
-from .vmap import vmap_per_sample_grads
+from .whole import vmap_grads
 
 
 def per_sample_grad_dots(
@@ -110,9 +110,9 @@ def per_sample_grad_dots(
         method,
         rules=lambda: _rules_dots(model, side, second, loss_fn, chosen),
         vmap=lambda: _materialised_dots(
-            lambda b, t: vmap_per_sample_grads(model, b, t, loss_fn, chosen), side, second),
+            lambda b, t: vmap_grads(model, b, t, loss_fn, chosen), side, second),
         loop=lambda: _materialised_dots(
-            lambda b, t: {k: g for k, g in loop_per_sample_grads(model, b, t, loss_fn).items()
+            lambda b, t: {k: g for k, g in loop_grads(model, b, t, loss_fn).items()
                           if k in chosen}, side, second),
         taken=Taken(), hint=lambda: checks.dtype_note(batch, chosen))
 

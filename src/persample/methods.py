@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .rng import restore, snapshot
 from .errors import REFUSALS, InternalError
 
 METHODS = ("auto", "rules", "vmap", "loop")
@@ -68,6 +69,7 @@ def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | Non
     if method == "loop":
         taken.method = "loop"
         return loop()
+    states = snapshot()  # each method tried draws what the first one drew
     if taken.method == "rules":
         try:
             return rules()
@@ -76,12 +78,14 @@ def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | Non
                 raise
             leave_rules(taken, err)
     if vmap is not None and taken.method in ("rules", "vmap"):
+        restore(states)
         try:
             result = vmap()
             taken.method = "vmap"
             return result
         except Exception:  # torch.func cannot run this model: the loop always can
             pass
+    restore(states)
     taken.method = "loop"
     try:
         return loop()
@@ -91,10 +95,13 @@ def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | Non
 
 
 def slower(vmap: Callable[[], Any], loop: Callable[[], Any]) -> Any:
-    """``torch.func`` over the whole model, or where it cannot run the model, the loop."""
+    """``torch.func`` over the whole model, or where it cannot run the model, the loop
+    (drawing what ``torch.func`` drew)."""
+    states = snapshot()
     try:
         return vmap()
     except Exception:
+        restore(states)
         return loop()
 
 

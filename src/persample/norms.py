@@ -27,10 +27,10 @@ from .errors import internal
 from .inputs import samples_of
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast, without_autocast
-from .reference import loop_per_sample_grads
+from .whole import loop_grads
 from .rules import Decline, OpCall, module_front, module_inputs, spec_of
 from .rules.ghost import ghost_cost, materialise_cost, squared_norm
-from .vmap import vmap_per_sample_grads
+from .whole import vmap_grads
 
 
 def squared_norms(
@@ -271,9 +271,9 @@ def per_sample_grad_norms(
         chunk = answer(
             method,
             rules=lambda a=a, t=t: _rules_norms(model, a, t, loss_fn, params),
-            vmap=lambda a=a, t=t: _norms_of(vmap_per_sample_grads(model, a, t, loss_fn, params)),
+            vmap=lambda a=a, t=t: _norms_of(vmap_grads(model, a, t, loss_fn, params)),
             loop=lambda a=a, t=t: _norms_of(
-                {name: g for name, g in loop_per_sample_grads(model, a, t, loss_fn).items()
+                {name: g for name, g in loop_grads(model, a, t, loss_fn).items()
                  if name in params}),
             taken=taken, hint=lambda: checks.dtype_note(batch, params))
         for name, norms in chunk.items():

@@ -43,9 +43,9 @@ from .errors import internal
 from .inputs import Batch
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
-from .reference import loop_per_sample_grads
+from .whole import loop_grads
 from .rules.ghost import Factors
-from .vmap import vmap_per_sample_grads
+from .whole import vmap_grads
 
 KINDS = ("kronecker", "gaussian", "rademacher")
 CHUNK_BYTES = 1 << 26
@@ -154,9 +154,9 @@ class GradientProjector:
         return answer(
             method,
             rules=lambda: self._by_rules(batch, targets, loss_fn),
-            vmap=lambda: self.project(vmap_per_sample_grads(self.model, batch, targets,
+            vmap=lambda: self.project(vmap_grads(self.model, batch, targets,
                                                             loss_fn, params)),
-            loop=lambda: self.project(loop_per_sample_grads(self.model, batch, targets,
+            loop=lambda: self.project(loop_grads(self.model, batch, targets,
                                                             loss_fn)),
             taken=Taken(), hint=lambda: checks.dtype_note(batch, params))
 

@@ -8,6 +8,7 @@ it; it is also ``method="loop"``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -19,9 +20,17 @@ from .patches import plain_checkpoints
 from .sharded import refuse_sharded
 
 
+Around = Callable[[int], AbstractContextManager]
+
+
+def _plain(i: int) -> AbstractContextManager:
+    return nullcontext()
+
+
 @keeps_buffers
 def loop_per_sample_grads(
-    model: nn.Module, inputs: Tensor | tuple, targets: Any, loss_fn: Callable
+    model: nn.Module, inputs: Tensor | tuple, targets: Any, loss_fn: Callable,
+    around: Around = _plain,
 ) -> dict[str, Tensor]:
     """Per-sample gradients by a Python loop over samples (the reference).
 
@@ -33,6 +42,9 @@ def loop_per_sample_grads(
         targets: tensor ``(B, ...)``, tuple of them, or ``None``.
         loss_fn: ``loss_fn(output, targets)`` for a batch of one sample; a returned
             ``(1,)`` tensor is summed, a scalar used as it is.
+        around: ``around(i)``, a context manager sample ``i``'s forward and loss run in
+            (``method="loop"`` replays there sample ``i``'s part of the random numbers
+            the batch's forward drew: :mod:`persample.draws`); by default nothing.
 
     Returns:
         ``{name: (B, *param.shape)}`` for each trainable parameter; row ``i`` is
@@ -57,7 +69,9 @@ def loop_per_sample_grads(
     result = {name: p.new_zeros((n, *p.shape)) for name, p in params.items()}
     for i in range(n):
         with torch.enable_grad(), plain_checkpoints():
-            loss = loss_fn(batch.samples(i, i + 1).call(model), samples_of(targets, i, i + 1)).sum()
+            with around(i):
+                loss = loss_fn(batch.samples(i, i + 1).call(model),
+                               samples_of(targets, i, i + 1)).sum()
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, _), g in zip(params.items(), grads):
             if g is not None:
@@ -66,7 +80,8 @@ def loop_per_sample_grads(
 
 
 @keeps_buffers
-def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, Tensor]:
+def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple, around: Around = _plain
+                        ) -> dict[str, Tensor]:
     """Per-sample parameter Jacobian by a loop over samples and outputs (the reference).
 
     The plain answer to the question of computing ``(B, Y, P)`` Jacobians
@@ -75,6 +90,7 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
     Args:
         model: maps a batch ``(B, *in_shape)`` to ``(B, *out_shape)``.
         inputs: as for :func:`loop_per_sample_grads`.
+        around: as for :func:`loop_per_sample_grads`.
 
     Returns:
         ``{name: (B, *out_shape, *param.shape)}``: entry ``[i, k..., p...]`` is
@@ -98,7 +114,8 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
     per_sample = []
     for i in range(batch.n):
         with torch.enable_grad(), plain_checkpoints():
-            out = batch.samples(i, i + 1).call(model)[0]  # (*out_shape)
+            with around(i):
+                out = batch.samples(i, i + 1).call(model)[0]  # (*out_shape)
             per_output = [
                 torch.autograd.grad(k, list(params.values()), retain_graph=True,
                                     allow_unused=True)
@@ -110,3 +127,52 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple) -> dict[str, T
             for j, (name, p) in enumerate(params.items())
         })
     return {name: torch.stack([s[name] for s in per_sample]) for name in params}
+
+
+@keeps_buffers
+def forward_per_sample_grads(
+    model: nn.Module, inputs: Tensor | tuple, targets: Any, loss_fn: Callable
+) -> dict[str, Tensor]:
+    """Per-sample gradients in the forward that ran: one forward of the batch, each
+    sample's loss on its rows of the output, one ``autograd.grad`` per sample (the
+    reference for a model that draws random numbers: dropout, stochastic depth).
+
+    Args:
+        model: any ``nn.Module`` whose output holds one row per sample in dim 0 (every
+            tensor of it).
+        inputs, targets, loss_fn: as for :func:`loop_per_sample_grads`; ``loss_fn`` is
+            called on sample ``i``'s rows ``(1, ...)`` of the batch's output.
+
+    Returns:
+        ``{name: (B, *param.shape)}``; row ``i`` is ``d loss_fn(out[i:i+1], y_i) / d
+        param`` with ``out`` the one batch forward's output, so the rows sum to that
+        forward's batch gradient of the summed losses. Run it under the seed of the call
+        it checks (``torch.manual_seed``) to draw the same numbers.
+
+    Raises:
+        TypeError, ValueError: inputs without a batch dim, or no trainable parameters.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5))
+        >>> _ = torch.manual_seed(0)
+        >>> g = forward_per_sample_grads(net, torch.randn(4, 3), torch.randn(4, 4),
+        ...                              torch.nn.MSELoss())
+        >>> g["0.weight"].shape
+        torch.Size([4, 4, 3])
+    """
+    refuse_sharded(model, 'loop')
+    batch = as_batch(inputs)
+    params = trainable_parameters(model)
+    n = batch.n
+    result = {name: p.new_zeros((n, *p.shape)) for name, p in params.items()}
+    with torch.enable_grad(), plain_checkpoints():
+        output = batch.call(model)
+        for i in range(n):
+            loss = loss_fn(samples_of(output, i, i + 1), samples_of(targets, i, i + 1)).sum()
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True,
+                                        retain_graph=i < n - 1)
+            for (name, _), g in zip(params.items(), grads):
+                if g is not None:
+                    result[name][i] = g.to_dense() if g.is_sparse else g
+    return result

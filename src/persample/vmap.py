@@ -17,7 +17,7 @@ the input in the parameters' dtype, the output cast back to the input's.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -31,6 +31,12 @@ from .inputs import Batch, mapped_targets
 from .patches import plain_checkpoints
 from .precision import autocast_state
 from .sharded import refuse_sharded
+
+Around = Callable[[Tensor], AbstractContextManager]
+
+
+def _plain(index: Tensor) -> AbstractContextManager:
+    return nullcontext()
 
 
 def refuse_recurrent(model: nn.Module) -> None:
@@ -65,8 +71,11 @@ def _mapped(batch: Batch) -> tuple[list, list, Callable]:
 
 
 def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
-                          params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
-    """Per-sample gradients ``{name: (B, *param.shape)}`` via ``torch.func``."""
+                          params: dict[str, nn.Parameter], around: Around = _plain
+                          ) -> dict[str, Tensor]:
+    """Per-sample gradients ``{name: (B, *param.shape)}`` via ``torch.func``; each
+    sample's forward and loss run in ``around(index)`` (``index`` the sample's index, a
+    batched 0-dim tensor)."""
     refuse_sharded(model, 'vmap')
     refuse_recurrent(model)
     theta = {name: p.detach() for name, p in params.items()}
@@ -78,16 +87,21 @@ def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn:
             "dim 0. Use method='rules', 'auto' or 'loop'.")
     rows, target_dims, one_target = mapped
 
-    def sample_loss(th: dict[str, Tensor], flat_i: list, rows_i: list) -> Tensor:
-        return loss_fn(call(model, th, flat_i), one_target(rows_i)).sum()
+    def sample_loss(th: dict[str, Tensor], flat_i: list, rows_i: list, index: Tensor
+                    ) -> Tensor:
+        with around(index):
+            return loss_fn(call(model, th, flat_i), one_target(rows_i)).sum()
 
+    index = torch.arange(batch.n, device=_device(flat))
     with plain_checkpoints(), _unmixed_norms():
-        return vmap(grad(sample_loss), in_dims=(None, dims, target_dims))(theta, flat, rows)
+        return vmap(grad(sample_loss), in_dims=(None, dims, target_dims, 0))(
+            theta, flat, rows, index)
 
 
-def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter]
-                        ) -> dict[str, Tensor]:
-    """Per-sample parameter Jacobian ``{name: (B, *out_shape, *param.shape)}``.
+def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter],
+                        around: Around = _plain) -> dict[str, Tensor]:
+    """Per-sample parameter Jacobian ``{name: (B, *out_shape, *param.shape)}``
+    (``around`` as for :func:`vmap_per_sample_grads`).
 
     The usual answer to computing ``(B, Y, P)`` Jacobians: ``vmap(jacrev(functional_call))``
     over the samples.
@@ -105,11 +119,17 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
     theta = {name: p.detach() for name, p in params.items()}
     flat, dims, call = _mapped(batch)
 
-    def sample_output(th: dict[str, Tensor], flat_i: list) -> Tensor:
-        return call(model, th, flat_i)[0]  # (*out_shape)
+    def sample_output(th: dict[str, Tensor], flat_i: list, index: Tensor) -> Tensor:
+        with around(index):
+            return call(model, th, flat_i)[0]  # (*out_shape)
 
+    index = torch.arange(batch.n, device=_device(flat))
     with plain_checkpoints(), _unmixed_norms():
-        return vmap(jacrev(sample_output), in_dims=(None, dims))(theta, flat)
+        return vmap(jacrev(sample_output), in_dims=(None, dims, 0))(theta, flat, index)
+
+
+def _device(flat: list) -> torch.device:
+    return next((t.device for t in flat if isinstance(t, Tensor)), torch.device("cpu"))
 
 
 # the input first, then the shape, running statistics, weight and bias

@@ -41,6 +41,7 @@ from ..batch.flow import name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import written_layout
 from ..batch.table import MISSING, LayoutTable
+from ..draws import Draw, random_kind
 from ..errors import module_note, raise_internal
 from ..patches import WhileCapturing
 from ..precision import autocast_state
@@ -106,6 +107,7 @@ class Capture:
         self.derived: dict[int, Derived] = {}
         self.ops: list[Op] = []
         self.calls: list[Call] = []
+        self.draws: list[Draw] = []  # every random op, in order (persample.draws)
         self.stack: list[Call] = []
         self.unseen_reads: set[int] = set()
         self.thread = threading.get_ident()
@@ -214,7 +216,7 @@ class Capture:
                 rule = self._module_rule(module) if self._module_rule else None
                 call = Call(name, module, args, kwargs, rule=rule,
                             parent=self.stack[-1] if self.stack else None,
-                            autocast=autocast_state())
+                            autocast=autocast_state(), first_draw=len(self.draws))
                 with torch._C.DisableTorchFunction():  # reading tensors here is no op of
                     call.versions = [t._version for t in tensor_leaves((args, kwargs))]
             except Exception as err:
@@ -229,6 +231,7 @@ class Capture:
         call = self.stack.pop()
         try:
             call.output = output
+            call.end_draw = len(self.draws)
             with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
                 call.edges = [edge_of(t) for t in tensor_leaves(output)]
         except Exception as err:
@@ -255,17 +258,39 @@ class Capture:
             before = None
             if sources and mutates and leaves and leaves[0] is args[0] and 0 not in sources:
                 before = args[0].detach().clone()  # the rule needs the value it overwrites
+            kind = random_kind(func, args, kwargs)
+            draw = None if kind is None else Draw(
+                func, kind, args, kwargs, self.stack[-1].describe() if self.stack else "")
         except Exception as err:
             raise_internal(err, f"the capture of {name_of(func)}")
         out = func(*args, **kwargs)
         try:
-            return self._follow(func, args, kwargs, out, leaves, layouts, sources, mutates,
-                                before)
+            out = self._follow(func, args, kwargs, out, leaves, layouts, sources, mutates,
+                               before, draw)
+            if draw is not None:
+                self._drawn(draw, args, out, layouts)
+            return out
         except Exception as err:
             raise_internal(err, f"the data flow of {name_of(func)}")
 
-    def _follow(self, func, args, kwargs, out, leaves, layouts, sources, mutates, before
-                ) -> Any:
+    def _drawn(self, draw: Draw, args: tuple, out: Any, layouts: list[Layout]) -> None:
+        """Keep a random op's draw, with where the samples are in its numbers: those of
+        its input (dropout, attention weights before the last two dims) or its output."""
+        draw.finish(out)
+        kind = draw.kind.kind
+        if kind in ("mask", "attention") and layouts:
+            lay = layouts[0]
+            if kind == "attention" and not (isinstance(lay, Batched) and lay.plain
+                                            and lay.dim < args[0].dim() - 2):
+                lay = None
+        else:
+            first = out[0] if isinstance(out, tuple) else out
+            lay = self.layouts.layout(first) if isinstance(first, Tensor) else None
+        draw.layout = lay if isinstance(lay, Batched) else None
+        self.draws.append(draw)
+
+    def _follow(self, func, args, kwargs, out, leaves, layouts, sources, mutates, before,
+                draw=None) -> Any:
         """The layouts of an op's outputs, and the op recorded if it reads parameters."""
         if func is torch.Tensor.__setitem__:
             self.layouts.written(args[0], written_layout(self.ctx, *args[:3]))
@@ -290,7 +315,8 @@ class Capture:
         for t, lay in flow.writes:  # other inputs the op overwrote (running statistics)
             self.layouts.written(t, lay)
         if sources:
-            self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before)
+            self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before,
+                            draw)
         return out
 
     def _seen(self, t: Tensor) -> Layout:
@@ -306,9 +332,11 @@ class Capture:
         lay = self.layouts[t] = Unknown(f"{MISSING.why}{where}")
         return lay
 
-    def _record_op(self, func, args, kwargs, out, leaves, layouts, flow, sources, before) -> None:
+    def _record_op(self, func, args, kwargs, out, leaves, layouts, flow, sources, before,
+                   draw) -> None:
         op = Op(func, args, kwargs, out, leaves, layouts, flow, sources,
-                self.stack[-1] if self.stack else None, before=before, index=len(self.ops))
+                self.stack[-1] if self.stack else None, before=before, index=len(self.ops),
+                draw=draw)
         op.sources_all = frozenset().union(*sources.values())
         op.autocast = autocast_state()
         op.versions = [t._version for t in leaves]

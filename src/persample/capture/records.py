@@ -36,6 +36,8 @@ class Call:
     versions: list[int] = field(default_factory=list)  # of its input tensors, at the call
     edges: list[Edge | None] = field(default_factory=list)  # per output tensor
     autocast: AutocastState | None = None  # the autocast state it ran under
+    first_draw: int = 0  # its random ops: the capture's draws[first_draw:end_draw]
+    end_draw: int = 0
 
     def describe(self) -> str:
         return f"'{self.name or '<root>'}' ({type(self.module).__name__})"
@@ -62,6 +64,7 @@ class Op:
     sources_all: frozenset[int] = frozenset()  # every parameter it reads
     autocast: AutocastState | None = None  # the autocast state it ran under
     gather: Callable[[list[Tensor]], None] | None = None  # makes freed leaves readable (FSDP)
+    draw: Any = None  # its random numbers, if it draws (persample.draws.Draw)
 
     @property
     def outputs(self) -> list[Tensor]:

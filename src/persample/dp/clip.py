@@ -37,11 +37,11 @@ from ..methods import Taken, answer, leave_rules, slower
 from ..norms import squared_norms, sum_of_squares
 from ..plan import Plan
 from ..precision import LOW, cast, without_autocast
-from ..reference import loop_per_sample_grads
+from ..whole import loop_grads
 from ..rules import Decline, OpCall, spec_of
 from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
-from ..vmap import vmap_per_sample_grads
+from ..whole import vmap_grads
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
 
@@ -299,8 +299,8 @@ class Clipped:
 
         return answer(
             "rules" if micro.sharded else "auto", rules=by_rules,
-            vmap=by(vmap_per_sample_grads),
-            loop=by(lambda m, b, t, f, _: loop_per_sample_grads(m, b, t, f)),
+            vmap=by(vmap_grads),
+            loop=by(lambda m, b, t, f, _: loop_grads(m, b, t, f)),
             hint=lambda: checks.dtype_note(micro.batch, params))
 
     def norms(self) -> Tensor:
@@ -389,9 +389,9 @@ class Clipped:
         rest = {name: p for name, p in micro.params.items()
                 if id(p) in group and id(p) not in done}
         grads = slower(
-            lambda: vmap_per_sample_grads(micro.model, micro.batch, micro.targets,
+            lambda: vmap_grads(micro.model, micro.batch, micro.targets,
                                           micro.loss_fn, rest),
-            lambda: loop_per_sample_grads(micro.model, micro.batch, micro.targets,
+            lambda: loop_grads(micro.model, micro.batch, micro.targets,
                                           micro.loss_fn))
         with torch.no_grad():
             for name, p in rest.items():

@@ -370,7 +370,8 @@ def _fallback(captured: Captured, call: Call, params: dict[str, nn.Parameter], s
     if all(c is None for c in cots):  # no gradient reaches the call: zeros
         return
     out_pairings = [_pairing_of(lay) for lay in out_lays]
-    got = module_vjp(call, params, in_pairings, cots, out_pairings, captured.n)
+    draws = captured.capture.draws[call.first_draw:call.end_draw]
+    got = module_vjp(call, params, in_pairings, cots, out_pairings, captured.n, draws)
     for name, p in params.items():
         sink.commit(id(p), got[name])
 

@@ -34,6 +34,7 @@ from . import (  # noqa: F401  (the families: importing one registers its specs)
     linear,
     norm,
     recurrent,
+    sampling,
     views,
 )
 from .calls import OpCall, module_front, module_inputs

@@ -9,8 +9,11 @@ returned), the output projection as ``F.linear``. Every parameter then takes an
 op rule (``linear.py``; ``bias_k``/``bias_v`` the shift rule), with backprops from
 the one main backward: nothing is recomputed, and no module rule is needed.
 
-Cases left whole (static keys, dropout in training mode, unbatched inputs) take
-the exact per-sample vector-Jacobian product of the op.
+In training mode the attention dropout is the same op on weights of the same shape as
+PyTorch's (``scaled_dot_product_attention``'s ``dropout_p``, or ``F.dropout`` of the
+returned weights), so it draws the same numbers; they are recorded like every draw
+(:mod:`persample.draws`). Cases left whole (static keys, unbatched inputs) take the
+exact per-sample vector-Jacobian product of the op.
 
 ``nn.TransformerEncoder`` in eval mode may turn a padded batch into a nested tensor
 on a path the capture never takes; where a sample alone would take it, the engine
@@ -50,10 +53,12 @@ def _extend(x: Tensor, row: Tensor | None) -> Tensor:
 
 
 def _attend(heads: int, q: Tensor, k: Tensor, v: Tensor, bias_k, bias_v, zero_attn: bool,
-            key_padding_mask, attn_mask, average: bool, weights: bool
+            key_padding_mask, attn_mask, average: bool, weights: bool, dropout_p: float
             ) -> tuple[Tensor, Tensor | None]:
     """``ctx (N, T, E)`` before ``out_proj``, and (if ``weights``) the attention weights
-    ``(N, h, T, S)`` or their mean over heads."""
+    ``(N, h, T, S)`` (after the dropout, as PyTorch returns them) or their mean over
+    heads. The dropout draws what PyTorch's draws: the same op on weights of the same
+    shape, ``(N, h, T, S)``, in the same order."""
     e = q.shape[2]
     mask_t = _mask(attn_mask, q)  # (T, S) or (N * h, T, S)
     pad = _mask(key_padding_mask, q)  # (N, S)
@@ -72,10 +77,13 @@ def _attend(heads: int, q: Tensor, k: Tensor, v: Tensor, bias_k, bias_v, zero_at
     if pad is not None:
         mask = pad[:, None, None, :] if mask is None else mask + pad[:, None, None, :]
     if not weights:
-        ctx = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
+        ctx = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask,
+                                             dropout_p=dropout_p)
         return ctx.transpose(1, 2).flatten(2), None  # (N, T, E)
     scores = split(q) @ split(k).transpose(2, 3) / math.sqrt(e // heads)  # (N, h, T, S)
     probs = (scores if mask is None else scores + mask).softmax(-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
     ctx = (probs @ split(v)).transpose(1, 2).flatten(2)  # (N, T, E)
     return ctx, probs.mean(1) if average else probs
 
@@ -90,7 +98,6 @@ def multi_head_attention(*args, **kwargs):
     bound.apply_defaults()
     a = bound.arguments
     if (a["static_k"] is not None or a["static_v"] is not None or a["query"].dim() != 3
-            or (a["training"] and a["dropout_p"] > 0)
             or (a["is_causal"] and a["attn_mask"] is None)):
         return NotImplemented
     query, key, value = a["query"], a["key"], a["value"]
@@ -107,9 +114,11 @@ def multi_head_attention(*args, **kwargs):
                    for x, w, b in zip((query, key, value), weights, _biases(a, e)))
     ctx, probs = _attend(heads, q, k, v, a["bias_k"], a["bias_v"], a["add_zero_attn"],
                          a["key_padding_mask"], a["attn_mask"], a["average_attn_weights"],
-                         bool(a["need_weights"]))
-    out = F.linear(ctx, a["out_proj_weight"], a["out_proj_bias"])  # (N, T, E)
-    return out.transpose(0, 1), probs
+                         bool(a["need_weights"]), a["dropout_p"] if a["training"] else 0.0)
+    # (T, N, E), laid out in memory as PyTorch's is: a dropout after the attention fills
+    # its mask in memory order, so other strides would draw another mask
+    out = F.linear(ctx.transpose(0, 1), a["out_proj_weight"], a["out_proj_bias"])
+    return out, probs
 
 
 def _biases(a: dict, e: int) -> list:

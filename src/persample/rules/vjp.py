@@ -28,13 +28,14 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..batch import Batched, front
+from ..draws import Draw, DrawNotReplayable, Replay, at
 from ..errors import UnsupportedModuleError
 from ..precision import replaying
 
 
 def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings: list,
-                   wrt: list[int], cots: list[Tensor], out_pairings: list, n: int
-                   ) -> list[Tensor]:
+                   wrt: list[int], cots: list[Tensor], out_pairings: list, n: int,
+                   draws: list[Draw] | None = None) -> list[Tensor]:
     """Per-sample VJPs of ``fn(*values)`` with respect to ``values[k]`` for ``k`` in ``wrt``.
 
     ``pairings[k]``: how value ``k`` pairs with the samples (a layout; each sample gets
@@ -42,8 +43,12 @@ def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings
     ``fn``, ``(n, v, *per_sample_out)``. An output that ``fn`` returns whole (all its
     inputs shared) is cut to sample ``i`` by ``out_pairings``. Returns per ``k`` in
     ``wrt``: ``(n, v, *shape)``, ``shape`` the value's own shape if shared, else its
-    per-sample shape.
+    per-sample shape. ``draws``: the random ops ``fn`` runs, recorded by the capture:
+    each sample replays its part of them (:class:`persample.draws.Replay`).
     """
+    from .spec import EXPANSIONS  # (the shared files import no family)
+
+    replay = Replay(draws, n, EXPANSIONS) if draws else None
     mapped = [k for k, a in enumerate(pairings) if a is not None]
     fronted = [front(values[k].detach(), pairings[k], n) for k in mapped]
     shared = [v.detach() if isinstance(v, Tensor) else v for v in values]
@@ -60,7 +65,11 @@ def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings
             outs = fn(*vals)
             return tuple(_sample(o, s, a, index, n) for o, s, a in zip(outs, shapes, out_pairings))
 
-        _, pull = vjp(f, *[vals[k] for k in wrt])
+        if replay is None:
+            _, pull = vjp(f, *[vals[k] for k in wrt])
+        else:
+            with replay.of(index):
+                _, pull = vjp(f, *[vals[k] for k in wrt])
         return vmap(pull)(tuple(cots_i))  # over the v cotangents
 
     index = torch.arange(n, device=cots[0].device)
@@ -113,7 +122,8 @@ def op_vjp(op: Any, cots: list[Tensor | None], out_pairings: list, pairings: lis
     values = [op.value(k) for k in range(len(op.leaves))]
     with replaying(op.autocast):
         return per_sample_vjp(fn, values, pairings, wrt, [cots[k] for k in used],
-                              [out_pairings[k] for k in used], n)
+                              [out_pairings[k] for k in used], n,
+                              None if op.draw is None else [op.draw])
 
 
 def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tensor]:
@@ -157,7 +167,7 @@ def _replay(op: Any, wrt: list[int]) -> tuple[list[Tensor], list[Tensor]]:
     leaves = [values[position[id(x)]] if isinstance(x, Tensor) and id(x) in position else x
               for x in flat]
     args, kw = tree_unflatten(leaves, spec)
-    with torch.enable_grad(), replaying(op.autocast):
+    with torch.enable_grad(), replaying(op.autocast), at(op.draw):  # the numbers it drew
         out = func(*args, **kw)
     return values, [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
 
@@ -194,7 +204,7 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
     leaves = [values[position[id(x)]] if isinstance(x, Tensor) and id(x) in position else x
               for x in flat]
     args, kw = tree_unflatten(leaves, spec)
-    with torch.enable_grad(), replaying(op.autocast):
+    with torch.enable_grad(), replaying(op.autocast), at(op.draw):  # the numbers it drew
         result = func(*args, **kw)
     result = result if isinstance(result, Tensor) else result[0]
     v = g.shape[0]
@@ -210,10 +220,12 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
 
 
 def module_vjp(call: Any, params: dict[str, nn.Parameter], in_pairings: list, cots: list,
-               out_pairings: list, n: int) -> dict[str, Tensor]:
+               out_pairings: list, n: int, draws: list[Draw] | None = None
+               ) -> dict[str, Tensor]:
     """Per-sample VJPs ``{name: (n, v, *param.shape)}`` of one module call with respect to
     ``params`` (names relative to ``call.module``); ``in_pairings`` per tensor leaf of
-    ``(call.args, call.kwargs)``; ``cots`` per output tensor (``None``: none)."""
+    ``(call.args, call.kwargs)``; ``cots`` per output tensor (``None``: none); ``draws``:
+    the random ops the call ran, replayed per sample."""
     flat, spec = tree_flatten((call.args, call.kwargs))
     tensor_slots = [k for k, x in enumerate(flat) if isinstance(x, Tensor)]
     names = list(params)
@@ -234,7 +246,10 @@ def module_vjp(call: Any, params: dict[str, nn.Parameter], in_pairings: list, co
     try:
         with replaying(call.autocast):
             got = per_sample_vjp(fn, values, pairings, list(range(len(names))),
-                                 [cots[k] for k in used], [out_pairings[k] for k in used], n)
+                                 [cots[k] for k in used], [out_pairings[k] for k in used], n,
+                                 draws)
+    except DrawNotReplayable:
+        raise
     except Exception as err:  # torch.func raises many kinds of errors
         raise UnsupportedModuleError(
             f"module {call.describe()} could not be followed op by op and torch.func could "

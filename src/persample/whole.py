@@ -1,0 +1,65 @@
+"""The whole-model methods (``method="loop"`` and ``method="vmap"``) in the forward that
+ran: where the model draws random numbers, each sample replays its part of one batch
+forward's draws (:mod:`persample.draws`), so that every method returns the gradients
+of the same forward.
+
+A first run stops at the first random op (nothing is recorded for a model that draws
+nothing); then one batch forward records the draws, with the generators where the
+call found them (the numbers a plain forward would draw), and the method runs again
+replaying them. The buffers that forward updates (running statistics) are restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .checks import kept_buffers
+from .draws import Draw, Recorder, replayed
+from .inputs import Batch, as_batch
+from .patches import plain_checkpoints
+from .reference import loop_param_jacobian, loop_per_sample_grads
+from .rules import EXPANSIONS
+from .vmap import vmap_param_jacobian, vmap_per_sample_grads
+
+
+def recorded_draws(model: nn.Module, batch: Batch) -> list[Draw]:
+    """The random ops of one forward of ``batch`` (buffers restored after)."""
+    with torch.enable_grad(), kept_buffers(model), plain_checkpoints():
+        with Recorder(EXPANSIONS) as recorder:
+            batch.call(model)
+    return recorder.draws
+
+
+def _replayed(model: nn.Module, batch: Batch, run: Callable[[Callable], Any]) -> Any:
+    return replayed(run, lambda: recorded_draws(model, batch), batch.n, EXPANSIONS)
+
+
+def loop_grads(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable
+               ) -> dict[str, Tensor]:
+    """:func:`persample.loop_per_sample_grads` in the forward that ran."""
+    return _replayed(model, as_batch(inputs), lambda around: loop_per_sample_grads(
+        model, inputs, targets, loss_fn, around=around))
+
+
+def loop_jacobian(model: nn.Module, inputs: Any) -> dict[str, Tensor]:
+    """:func:`persample.loop_param_jacobian` in the forward that ran."""
+    return _replayed(model, as_batch(inputs), lambda around: loop_param_jacobian(
+        model, inputs, around=around))
+
+
+def vmap_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+               params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
+    """:func:`persample.vmap.vmap_per_sample_grads` in the forward that ran."""
+    return _replayed(model, batch, lambda around: vmap_per_sample_grads(
+        model, batch, targets, loss_fn, params, around=around))
+
+
+def vmap_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter]
+                  ) -> dict[str, Tensor]:
+    """:func:`persample.vmap.vmap_param_jacobian` in the forward that ran."""
+    return _replayed(model, batch, lambda around: vmap_param_jacobian(
+        model, batch, params, around=around))
