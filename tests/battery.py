@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 import persample
 from conftest import ModelState
+from persample.reference import forward_per_sample_grads
 from persample import (
     loop_param_jacobian,
     loop_per_sample_grads,
@@ -219,7 +220,8 @@ def check(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
           dp: bool = True,
           forbid: str | None = SLOWER,
           elementwise: bool = True,
-          nonzero: bool = True) -> dict[str, Tensor]:
+          nonzero: bool = True,
+          seed: int | None = None) -> dict[str, Tensor]:
     """Every public function on ``model`` against the loop (see the module's docstring);
     returns the loop's per-sample gradients.
 
@@ -237,15 +239,25 @@ def check(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
         elementwise: every entry within :data:`TOL` too, beside the largest error
             relative to the largest entry.
         nonzero: every sample's gradient is not zero.
+        seed: for a model that draws random numbers (dropout in training mode): the
+            reference is the forward that ran (:func:`persample.reference.
+            forward_per_sample_grads`, one batch forward under ``torch.manual_seed(
+            seed)``), and every call runs under that seed too.
     """
     state = ModelState(model)
+    reseed = (lambda: None) if seed is None else (lambda: torch.manual_seed(seed))
     if want is None:
-        want = loop_per_sample_grads(model, inputs, targets, loss_fn)
+        reseed()
+        want = (loop_per_sample_grads(model, inputs, targets, loss_fn) if seed is None
+                else forward_per_sample_grads(model, inputs, targets, loss_fn))
     n = len(next(iter(want.values()))) if want else 0
     want_norms = norms_of(want)
     if nonzero:
         assert n and bool((want_norms > 0).all()), f"the loop's norms {want_norms}"
-    want_jacobian = loop_param_jacobian(model, inputs) if jacobian else None
+    reseed()
+    want_jacobian = None if not jacobian else (
+        loop_param_jacobian(model, inputs) if seed is None else forward_param_jacobian(
+            model, inputs))
 
     def same(got: dict[str, Tensor], ref: dict[str, Tensor], what: str) -> None:
         assert_matches(got, ref, what, elementwise)
@@ -254,9 +266,11 @@ def check(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
         if forbid is not None:
             warnings.filterwarnings("error", message=f".*({forbid})" if forbid else "")
         for method in methods:
+            reseed()
             got = per_sample_grads(model, inputs, targets, loss_fn, method=method)
             assert isinstance(got, dict), f"per_sample_grads({method}): {type(got)}"
             same(got, want, f"per_sample_grads({method})")
+            reseed()
             both = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method,
                                          per_layer=True)
             assert isinstance(both, tuple) and len(both) == 2, type(both)
@@ -268,13 +282,16 @@ def check(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
                 torch.testing.assert_close(
                     total, torch.stack(list(layers.values())).square().sum(0).sqrt(),
                     rtol=1e-13, atol=1e-14)
+            reseed()
             alone = per_sample_grad_norms(model, inputs, targets, loss_fn, method=method)
             torch.testing.assert_close(alone, total, rtol=1e-13, atol=1e-14)
             if jacobian:
+                reseed()
                 same(param_jacobian(model, inputs, method=method), want_jacobian,
                      f"param_jacobian({method})")
         if dp:
             c = want_norms.median().item() if n and want_norms.max() > 0 else 1.0
+            reseed()
             norms, summed = dp_grads(model, inputs, targets, loss_fn, c,
                                      expected_batch_size=None if n else 1.0)
             same({"norms": norms}, {"norms": want_norms}, "private_grad's norms")
@@ -283,3 +300,20 @@ def check(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
         _check_paths(model, inputs, targets, loss_fn, paths, paths_within)
     state.assert_unchanged()
     return want
+
+
+def forward_param_jacobian(model: nn.Module, inputs: Tensor) -> dict[str, Tensor]:
+    """The per-sample parameter Jacobian ``{name: (B, *out, *param.shape)}`` of the
+    forward that ran: one batch forward (under the caller's seed), one ``autograd.grad``
+    per sample and output entry."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out = model(inputs)  # (B, *out)
+    rows = []
+    for i in range(out.shape[0]):
+        entries = out[i].reshape(-1)
+        per = [torch.autograd.grad(e, list(params.values()), retain_graph=True,
+                                   allow_unused=True) for e in entries]
+        rows.append({name: torch.stack([torch.zeros_like(p) if g[j] is None else g[j]
+                                        for g in per]).view(*out.shape[1:], *p.shape)
+                     for j, (name, p) in enumerate(params.items())})
+    return {name: torch.stack([r[name] for r in rows]) for name in params}

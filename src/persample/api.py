@@ -14,6 +14,7 @@ from .engine import rules_grads, rules_param_jacobian
 from .inputs import Batch, samples_of
 from .memory import result_empty
 from .methods import Taken, answer
+from .rng import restore, snapshot
 from .whole import loop_grads, loop_jacobian
 from .whole import vmap_grads, vmap_jacobian
 
@@ -238,11 +239,16 @@ def param_jacobian(
 
 
 def _output_shape(model: nn.Module, batch: Batch) -> torch.Size:
-    """``out_shape`` of one sample, from a forward of the first sample without autograd."""
+    """``out_shape`` of one sample, from a forward of the first sample without autograd
+    (its draws and buffer updates undone: the call draws what one forward draws)."""
     if batch.n == 0:
         raise ValueError("param_jacobian needs at least one sample to know the output shape")
-    with torch.no_grad():
-        output = batch.samples(0, 1).call(model)
+    states = snapshot()
+    try:
+        with torch.no_grad(), checks.kept_buffers(model):
+            output = batch.samples(0, 1).call(model)
+    finally:
+        restore(states)
     if not isinstance(output, Tensor) or output.dim() == 0 or output.shape[0] != 1:
         raise ValueError(
             "the model must return one tensor with the batch in dim 0; for a sample of one "

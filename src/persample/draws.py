@@ -50,7 +50,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 from .batch.layouts import Batched, front
 from .errors import NeedsWholeModel
@@ -145,10 +144,6 @@ def at(draw: Draw | None) -> AbstractContextManager:
     if draw is None:
         return nullcontext()
     return at_state(draw.generator, draw.state)
-
-
-def _meta(x: Any) -> Any:
-    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, Tensor) else x
 
 
 class Draw:
@@ -248,8 +243,14 @@ class Draw:
             return (out, s != 0) if self.func is torch.native_dropout else out
         if kind == "fill":
             x = args[0]
-            with torch.no_grad():
-                return x.copy_(self._cut(self.value, sample, n, x.shape))
+            try:
+                with torch.no_grad():
+                    return x.copy_(self._cut(self.value, sample, n, x.shape))
+            except RuntimeError as err:  # torch.func: one sample's numbers into a tensor
+                raise DrawNotReplayable(  # made for every sample
+                    f"{self.describe()}: under torch.func, a tensor made alike for every "
+                    "sample cannot be filled with one sample's numbers; method='rules' or "
+                    f"'loop' replays it ({err})") from err
         if kind == "make":
             shape = _made_shape(self, args, kwargs)
             got = self._cut(self.value, sample, n, shape)
@@ -298,18 +299,30 @@ _IN_PLACE = frozenset(f for f in (getattr(torch, "dropout_", None),
                                   getattr(torch, "feature_alpha_dropout_", None)) if f)
 
 
-def _made_shape(draw: Draw, args: tuple, kwargs: dict) -> torch.Size:
-    """The shape a factory call would make (run on the meta device: no numbers)."""
-    margs = tree_map(_meta, args)
-    mkw = {k: v for k, v in tree_map(_meta, kwargs).items() if k != "generator"}
-    if not any(isinstance(a, Tensor) for a in margs):
-        mkw["device"] = "meta"
-    try:
-        with torch._C.DisableTorchFunction():
-            return draw.func(*margs, **mkw).shape
-    except Exception as err:
+def _made_shape(draw: Draw, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The shape a factory call makes (read from its arguments: a random op cannot run
+    under ``torch.func``, not even on the meta device)."""
+    func, first = draw.func, args[0] if args else None
+    if isinstance(first, Tensor):
+        if func in (torch.multinomial, torch.Tensor.multinomial):
+            return (*first.shape[:-1], int(_arg(args, kwargs, 1, "num_samples", 1)))
+        if func is torch.normal:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+            return tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+        return tuple(first.shape)  # rand_like, bernoulli(p), poisson
+    if func is torch.randperm:
+        return (int(first),)
+    size = kwargs.get("size")
+    if size is None:
+        sizes = [a for a in args if isinstance(a, (tuple, list, torch.Size))]
+        if sizes:
+            size = sizes[-1]
+        elif func in (torch.rand, torch.randn):
+            size = args
+    if size is None:
         raise DrawNotReplayable(f"{draw.describe()}: the shape of its numbers for one "
-                                f"sample is unknown ({err})") from err
+                                "sample is unknown")
+    return tuple(int(d) for d in size)
 
 
 # -- the equations of ops that draw inside ------------------------------------------------

@@ -142,6 +142,10 @@ def _handler(func: Any) -> Handler | None:
 VALUE_READERS: set = set()
 
 
+# ops that read only their tensor arguments' shape, dtype and device (``zeros_like``)
+SHAPE_READERS: set[Any] = set()
+
+
 def _reads_values(func: Any) -> bool:
     return func in VALUE_READERS
 

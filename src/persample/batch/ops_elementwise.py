@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .flow import (
     BROADCASTING,
+    SHAPE_READERS,
     UNBROADCASTS,
     VALUE_READERS,
     Ctx,
@@ -181,6 +182,7 @@ _BROADCAST_OPS = aliases(*_BINARY, "clamp", "clip", "clamp_", "clip_")
 register(broadcast, *_BROADCAST_OPS)
 register(self_only, *_SELF_ONLY_OPS)
 register(_free, *aliases(*_FREE_DATA))
+SHAPE_READERS.update(aliases(*(name for name in _FREE_DATA if name != "new_tensor")))
 VALUE_READERS.update(_SELF_ONLY_OPS + _BROADCAST_OPS)  # they carry Partly themselves
 
 

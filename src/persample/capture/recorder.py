@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..batch import SHARED, Batched, Ctx, Flow, Layout, Unknown, in_place, op_leaves, propagate
-from ..batch.flow import name_of, unbroadcast
+from ..batch.flow import SHAPE_READERS, name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import written_layout
 from ..batch.table import MISSING, LayoutTable
@@ -49,6 +49,8 @@ from .edges import edge_of
 from .mode import hidden, mode_class, must_hide
 from .records import Call, Derived, Op, shapes_only
 from .tensors import free_tensors, has_tensor, holders, tensor_leaves, user_leaf
+
+_DETACHES = frozenset((torch.Tensor.detach, torch.detach))
 
 # ops whose output is their first argument repeated along new or size-1 dims, where its
 # shape broadcasts to the output's
@@ -246,7 +248,8 @@ class Capture:
         there is an :class:`~persample.errors.InternalError` naming the op)."""
         try:
             leaves = op_leaves(args, kwargs)
-            sources = self._sources(leaves)
+            # (an op reading only shapes, zeros_like(weight), reads no parameter)
+            sources = self._sources(leaves) if func not in SHAPE_READERS else {}
             if sources:  # a derived tensor the op broadcasts anyway: its narrow form
                 narrowed = unbroadcast(func, args, kwargs, self._unexpanded)
                 if narrowed is not None:
@@ -343,9 +346,11 @@ class Capture:
         outs, lays = op.outputs, op.out_layouts
         op.edges = [edge_of(o) for o in outs]
         op.claimed = self._claim(op.sources_all)
-        if not any(o.requires_grad for o in outs) and any(
+        if func not in _DETACHES and not any(o.requires_grad for o in outs) and any(
                 o.is_floating_point() or o.is_complex() for o in outs):
-            self.unseen_reads |= op.sources_all  # read without autograd (or only .detach())
+            # read without autograd (inside a custom autograd.Function, whose backward is
+            # the gradient path); a .detach() is a constant by design: no gradient path
+            self.unseen_reads |= op.sources_all
         self.ops.append(op)
         for k, (o, lay) in enumerate(zip(outs, lays)):
             if lay is SHARED and o.requires_grad and not any(o is t for t in leaves):
