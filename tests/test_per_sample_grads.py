@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 import persample
+from persample import LossNotPerSampleError
 from battery import METHODS, REDUCTIONS, TOL, assert_grads_equal, flat
 from cases import BY_ID, CASE_IDS, CASES, N, OpaqueGate, as_tuple, build, randn
 from persample import loop_per_sample_grads, per_sample_grads
@@ -118,17 +119,18 @@ def test_a_loss_that_cannot_be_vmapped_is_evaluated_sample_by_sample(reduction, 
     assert float(want["0.weight"].abs().max()) > 0
 
 
-def test_a_per_sample_loss_that_mixes_samples_gets_the_loops_answer():
-    """A (B,) loss whose entries read other samples (centred by the batch mean) is not
-    summed as it is: each sample's loss is evaluated on its own slice, as the loop does."""
+@pytest.mark.parametrize("method", METHODS)
+def test_a_per_sample_loss_that_mixes_samples_is_refused(method):
+    """A (B,) loss whose entries read other samples (centred by the batch mean): a
+    sample's own loss is not defined, and every method says so (the loop too, which
+    would answer for each sample alone), naming the op."""
     model, inputs, targets, _, _ = reference(BY_ID["mlp"], 4, "mean")
 
     def centred(out, y):  # (B,): each entry depends on every sample through the mean
         return ((out - out.mean(0)) ** 2).sum(1) + F.cross_entropy(out, y, reduction="none")
 
-    want = loop_per_sample_grads(model, inputs, targets, centred)
-    for method in ("rules", "auto"):
-        assert_grads_equal(per_sample_grads(model, inputs, targets, centred, method=method), want)
+    with pytest.raises(LossNotPerSampleError, match="mixes samples: .*sub"):
+        per_sample_grads(model, inputs, targets, centred, method=method)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -10,6 +10,8 @@ sequence, heads, channels) so that no size tells where the batch is.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -277,3 +279,27 @@ def test_a_draw_whose_shape_hides_the_batch_is_refused_by_the_loop():
     assert_exact(got, want)  # the rules need no replay here
     with pytest.raises(DrawNotReplayable, match="rand"):
         persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="loop")
+
+
+def nt_xent(z: Tensor, _targets: Any = None, temperature: float = 0.5) -> Tensor:
+    """SimCLR's contrastive loss over the batch: sample ``i``'s positive is ``i ^ 1``."""
+    z = F.normalize(z, dim=1)
+    sim = z @ z.t() / temperature  # (B, B): every pair of samples
+    sim = sim.masked_fill(torch.eye(len(z), dtype=torch.bool), float("-inf"))
+    positives = torch.arange(len(z)) ^ 1
+    return F.cross_entropy(sim, positives)
+
+
+def centred(out: Tensor, targets: Tensor) -> Tensor:
+    """A loss on outputs centred over the batch."""
+    return ((out - out.mean(0)) - targets).pow(2).sum()
+
+
+@pytest.mark.parametrize("loss_fn", [nt_xent, centred])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_loss_that_mixes_samples_is_refused_by_every_method(loss_fn, method):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).double()
+    x, y = torch.randn(B, 4).double(), torch.randn(B, 4).double()
+    with pytest.raises(persample.LossNotPerSampleError, match="mixes samples: .*matmul|mean"):
+        persample.per_sample_grads(model, x, y, loss_fn, method=method)

@@ -41,6 +41,7 @@ class Plan:
     uses: list[Op] = field(default_factory=list)  # ops with per-sample outputs, in order
     fallback_jobs: list[tuple[Call, dict[str, nn.Parameter]]] = field(default_factory=list)
     handled: set[int] = field(default_factory=set)  # params handled by module/fallback jobs
+    by_fallback: set[int] = field(default_factory=set)  # ... by fallback jobs: every read
     paths: dict[int, Path] = field(default_factory=dict)
     reach: list[nn.Parameter] = field(default_factory=list)  # params to check for hidden paths
 
@@ -145,12 +146,19 @@ def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[in
                watched: dict[int, nn.Parameter]) -> None:
     """The per-module fallback for parameters no rule can take: the innermost call
     around all their reads whose inputs and outputs have known layouts."""
+    by_rule = set(result.handled)  # the module rules' parameters
     for pid, reason in needs.items():
+        if pid in by_rule:
+            raise NeedsWholeModel(
+                f"parameter {param_name(cap.model, pid)} takes its module's rule, and is "
+                f"also read outside that module where no rule can follow it: {reason}")
         if pid in result.handled:
             continue
         calls = [op.call for op in reads[pid]]
         call = _common_call(calls)
-        while call is not None and not _replayable(cap, call):
+        # the call of a module holding the parameter (one handed it as an argument to
+        # the module reading it is differentiated with the module it was handed to)
+        while call is not None and not (_replayable(cap, call) and _holds(call, pid)):
             call = call.parent
         if call is None:
             raise NeedsWholeModel(
@@ -167,7 +175,13 @@ def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[in
         result.handled.add(pid)
         result.paths[pid] = Path("fallback", call.describe(), reason)
     # the parameters of fallback calls are computed there, whatever other ops read them
-    result.uses = [op for op in result.uses if not op.sources_all <= result.handled]
+    # inside; a module rule's parameter read outside its module keeps those reads' uses
+    result.by_fallback = result.handled - by_rule
+    result.uses = [op for op in result.uses if not op.sources_all <= result.by_fallback]
+
+
+def _holds(call: Call, pid: int) -> bool:
+    return any(id(p) == pid for p in call.module.parameters())
 
 
 def _common_call(calls: list[Call | None]) -> Call | None:

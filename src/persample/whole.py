@@ -17,12 +17,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .batch import located, located_of
 from .checks import kept_buffers
 from .draws import Draw, Recorder, replayed
+from .engine.backward import mixing_error
 from .inputs import Batch, as_batch
 from .patches import plain_checkpoints
 from .reference import loop_param_jacobian, loop_per_sample_grads
-from .rules import EXPANSIONS
+from .rng import restore, snapshot
+from .rules import EXPANSIONS, open_capture
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 
 
@@ -38,10 +41,37 @@ def _replayed(model: nn.Module, batch: Batch, run: Callable[[Callable], Any]) ->
     return replayed(run, lambda: recorded_draws(model, batch), batch.n, EXPANSIONS)
 
 
+def refuse_mixing_loss(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable
+                       ) -> None:
+    """Raise :class:`~persample.errors.LossNotPerSampleError` if ``loss_fn`` (not a
+    ``torch.nn`` loss) mixes samples, as the rules find it: its ops followed on one
+    batch forward (its draws and buffer updates undone). A model the capture cannot
+    follow is not checked."""
+    if isinstance(loss_fn, nn.modules.loss._Loss) or batch.n < 2:
+        return
+    states = snapshot()
+    try:
+        with torch.enable_grad(), kept_buffers(model), plain_checkpoints():
+            with open_capture(model, {}, batch.n, located(batch), batch.shared) as cap:
+                output = batch.call(model)
+            cap.add_inputs(located_of(targets, batch.n))
+            with cap.follow():
+                loss_fn(output, targets)
+        mixing = cap.mixing
+    except Exception:  # (the method itself meets any error of the model or the loss)
+        mixing = None
+    finally:
+        restore(states)
+    if mixing:
+        raise mixing_error(mixing)
+
+
 def loop_grads(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable
                ) -> dict[str, Tensor]:
     """:func:`persample.loop_per_sample_grads` in the forward that ran."""
-    return _replayed(model, as_batch(inputs), lambda around: loop_per_sample_grads(
+    batch = as_batch(inputs)
+    refuse_mixing_loss(model, batch, targets, loss_fn)
+    return _replayed(model, batch, lambda around: loop_per_sample_grads(
         model, inputs, targets, loss_fn, around=around))
 
 
@@ -54,6 +84,7 @@ def loop_jacobian(model: nn.Module, inputs: Any) -> dict[str, Tensor]:
 def vmap_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
                params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
     """:func:`persample.vmap.vmap_per_sample_grads` in the forward that ran."""
+    refuse_mixing_loss(model, batch, targets, loss_fn)
     return _replayed(model, batch, lambda around: vmap_per_sample_grads(
         model, batch, targets, loss_fn, params, around=around))
 

@@ -36,7 +36,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch import SHARED, Batched, Ctx, Flow, Layout, Unknown, in_place, op_leaves, propagate
+from ..batch import (
+    SHARED,
+    Batched,
+    Ctx,
+    Flow,
+    Layout,
+    Mixed,
+    Unknown,
+    in_place,
+    op_leaves,
+    propagate,
+)
 from ..batch.flow import SHAPE_READERS, name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import written_layout
@@ -112,6 +123,9 @@ class Capture:
         self.draws: list[Draw] = []  # every random op, in order (persample.draws)
         self.stack: list[Call] = []
         self.unseen_reads: set[int] = set()
+        self.following = False  # inside follow(): the loss's ops
+        self.mixing: str | None = None  # the first op of the loss that mixes samples
+        self.made_in_loss: set[int] = set()  # (ids of the loss's own tensors)
         self.thread = threading.get_ident()
         # no reference cycle back to the capture (its graph would live until the cyclic
         # GC runs: gigabytes in a training loop of many micro-batches)
@@ -139,11 +153,13 @@ class Capture:
         """Inside: ops are followed (layouts) as during the forward, without the module
         hooks (the loss, after the model's forward)."""
         mode = mode_class(must_hide())(weakref.proxy(self))
+        self.following = True
         mode.__enter__()
         try:
             yield
         finally:
             mode.__exit__(None, None, None)
+            self.following = False
         self._stale_derived()
 
     # -- the context manager --------------------------------------------------
@@ -317,6 +333,9 @@ class Capture:
             self.layouts.set_outputs(out, flow.outputs)
         for t, lay in flow.writes:  # other inputs the op overwrote (running statistics)
             self.layouts.written(t, lay)
+        if self.following and self.mixing is None:
+            self.mixing = _mixes(func, flow.outputs, leaves, layouts, self.made_in_loss)
+            self.made_in_loss.update(id(t) for t in tensor_leaves(out))
         if sources:
             self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before,
                             draw)
@@ -409,6 +428,25 @@ class Capture:
             if src.dim() == 0 or src.dtype != t.dtype or not _broadcasts(src.shape, t.shape):
                 return found  # (a 0-dim tensor would change the type promotion)
             found = t = src
+
+
+def _mixes(func: Any, outputs: Any, leaves: list, layouts: list[Layout], made: set[int]
+           ) -> str | None:
+    """Does this op of the loss make terms that mix samples (SimCLR's similarities of
+    every pair, ``z - z.mean(0)``)? The op and why, or ``None``. A reduction over the
+    batch to a number (a mean of per-sample terms) does not; an output of the model in
+    which samples are mixed is the model's matter (``made``: the loss's own tensors)."""
+    outs = outputs if isinstance(outputs, tuple) else (outputs,)
+    mixed = next((lay for lay in outs if isinstance(lay, Mixed)), None)
+    if mixed is None:
+        return None
+    if "pairs samples" in mixed.why and not any(isinstance(lay, Mixed) for lay in layouts):
+        return f"{name_of(func)} ({mixed.why})"
+    widened = [t for t, lay in zip(leaves, layouts)
+               if isinstance(lay, Mixed) and t.dim() > 0 and id(t) in made]
+    if widened and any(isinstance(lay, Batched) for lay in layouts):
+        return f"{name_of(func)} (combines each sample with a result over the batch)"
+    return None
 
 
 def _broadcasts(small: torch.Size, big: torch.Size) -> bool:

@@ -11,7 +11,9 @@ per-sample gradient is the gradient (:func:`_one_sample`, the only place that kn
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
-from ..errors import NeedsWholeModel, internal
+from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
 from ..loss import total_loss
 from ..plan import Path, Plan, edge_key, param_name, plan
@@ -109,7 +111,7 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
         follow = None
         if isinstance(cap, Capture):  # (a batch of one has none) the targets' samples, and
             cap.add_inputs(located_of(targets, batch.n))  # the loss's ops followed
-            follow = cap.follow
+            follow = partial(_followed, cap)
         with _ReadCheck(cap):
             return total_loss(output, targets, loss_fn, batch.n, cap.layout, follow)
 
@@ -119,6 +121,15 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
         return tuple(None if g is None else g.unsqueeze(0) for g in grads)  # (1, *out)
 
     return capture_backprops(model, batch, root, backward, watched, 1)
+
+
+@contextmanager
+def _followed(cap: Capture) -> Iterator[None]:
+    """The loss's ops followed; a loss that mixes samples refused."""
+    with cap.follow():
+        yield
+    if cap.mixing:
+        raise mixing_error(cap.mixing)
 
 
 class _ReadCheck(TorchFunctionMode):
@@ -138,6 +149,17 @@ class _ReadCheck(TorchFunctionMode):
                     "so its per-sample gradient cannot be attributed. Read it inside the "
                     "forward of a module, or freeze it.")
         return func(*args, **kwargs)
+
+
+def mixing_error(op: str) -> LossNotPerSampleError:
+    """The refusal of a loss whose terms mix samples (``op`` mixes them)."""
+    return LossNotPerSampleError(
+        f"loss_fn mixes samples: {op}. Its terms depend on several samples (a "
+        "contrastive loss over the batch such as SimCLR's NT-Xent), so a sample's own "
+        "loss, and its per-sample gradient, are not defined: each method, the loop "
+        "included, would answer for a batch of one sample alone. Per-sample gradients "
+        "need a loss that is a sum or mean of per-sample terms; for the gradient of this "
+        "loss, use torch.autograd.")
 
 
 def rules_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,

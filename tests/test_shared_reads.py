@@ -1,0 +1,84 @@
+"""A parameter read in more than one place gets every contribution: a module rule's
+parameter also read by an op outside that module, and a parameter handed as an argument
+to another module whose call takes the per-module fallback."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import persample
+from battery import check
+
+B = 4  # = the sequence length and the input width
+
+
+class ReadsRecurrentWeight(nn.Module):
+    """``nn.LSTM`` (its module rule) and ``F.linear`` of its ``weight_hh_l0`` outside."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(4, 3, batch_first=True), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.lstm(x)  # (B, T, 3)
+        h = out[:, -1]
+        return self.head(torch.tanh(F.linear(h, self.lstm.weight_hh_l0)[:, :3] + h))
+
+
+def test_a_module_rules_parameter_read_outside_gets_both_contributions():
+    torch.manual_seed(0)
+    model = ReadsRecurrentWeight().double()
+    x, y = torch.randn(B, 4, 4).double(), torch.randint(0, 2, (B,))
+    check(model, x, y, nn.CrossEntropyLoss(), methods=("rules", "auto", "loop"), paths=None)
+    routes = {(r.module, p): r.path for r in persample.supported(
+        model, x, y, nn.CrossEntropyLoss()) for p in r.params}
+    assert routes["lstm", "weight_ih_l0"] == "module rule", routes
+
+
+class _Gain(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, w: Tensor) -> Tensor:
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum_to_size(w.shape)
+
+
+_Gain.generate_vmap_rule = True
+
+
+class Adapter(nn.Module):
+    """Reads a weight it is handed (as adapter libraries do) inside a custom Function."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor, weight: Tensor) -> Tensor:
+        return _Gain.apply(F.linear(x, weight), self.scale)
+
+
+class Owner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.adapter, self.head = Adapter(), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.adapter(x, self.weight))
+
+
+def test_a_parameter_handed_to_a_module_that_falls_back_is_written():
+    torch.manual_seed(0)
+    model = Owner().double()
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 2, (B,))
+    check(model, x, y, nn.CrossEntropyLoss(), methods=("rules", "auto", "loop"),
+          paths=None, forbid=None)
