@@ -4,6 +4,7 @@ to another module whose call takes the per-module fallback."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -82,3 +83,27 @@ def test_a_parameter_handed_to_a_module_that_falls_back_is_written():
     x, y = torch.randn(B, 4).double(), torch.randint(0, 2, (B,))
     check(model, x, y, nn.CrossEntropyLoss(), methods=("rules", "auto", "loop"),
           paths=None, forbid=None)
+
+
+class Scripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.jit.script(nn.Linear(4, 3))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def test_a_torchscript_submodule_is_named_and_auto_answers():
+    torch.manual_seed(0)
+    model = Scripted().double()
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 2, (B,))
+    with pytest.raises(persample.NeedsWholeModel, match="'body' .*TorchScript"):
+        persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
+    with pytest.warns(UserWarning, match="'body' .*TorchScript") as caught:
+        got = persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    assert len([w for w in caught if "TorchScript" in str(w.message)]) == 1
+    want = persample.loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

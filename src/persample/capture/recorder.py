@@ -53,7 +53,7 @@ from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import written_layout
 from ..batch.table import MISSING, LayoutTable
 from ..draws import Draw, random_kind
-from ..errors import module_note, raise_internal
+from ..errors import NeedsWholeModel, module_note, raise_internal
 from ..patches import WhileCapturing
 from ..precision import autocast_state
 from .edges import edge_of
@@ -173,6 +173,12 @@ class Capture:
             found = holders(self.model, self.watched) if self.model is not None else []
             post = hidden(self._post_hook) if hide else self._post_hook
             for name, module in found:
+                if isinstance(module, torch.jit.ScriptModule):
+                    raise NeedsWholeModel(
+                        f"module '{name or '<root>'}' ({module.original_name}) is TorchScript "
+                        "(torch.jit.script): its ops run inside the TorchScript interpreter, "
+                        "where the capture cannot see them. Use the module's Python form "
+                        "(before scripting) for the rules")
                 pre = self._pre_hook(name)
                 self._handles.append(module.register_forward_pre_hook(
                     hidden(pre) if hide else pre, with_kwargs=True))
