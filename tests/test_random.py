@@ -303,3 +303,19 @@ def test_a_loss_that_mixes_samples_is_refused_by_every_method(loss_fn, method):
     x, y = torch.randn(B, 4).double(), torch.randn(B, 4).double()
     with pytest.raises(persample.LossNotPerSampleError, match="mixes samples: .*matmul|mean"):
         persample.per_sample_grads(model, x, y, loss_fn, method=method)
+
+
+@pytest.mark.parametrize("name", ["dropout", "encoder", "drop-path-timm"])
+def test_verify_passes_in_training_mode_and_names_the_random_ops(name):
+    model, x, y = _case(name)
+    report = persample.verify(model, x, y, nn.CrossEntropyLoss())
+    assert report.ok, str(report)
+    assert report.random_ops and "random ops: " in str(report)
+    if name == "dropout":
+        assert report.random_ops == ["dropout in module 'drop' (Dropout)"]
+
+
+def test_verify_of_a_model_that_draws_nothing_names_no_random_op():
+    model, x, y = _case("dropout")
+    report = persample.verify(model.eval(), x, y, nn.CrossEntropyLoss())
+    assert report.ok and report.random_ops == [] and "random ops" not in str(report)

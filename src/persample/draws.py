@@ -374,6 +374,7 @@ class Recorder(TorchFunctionMode):
         super().__init__()
         self.draws: list[Draw] = []
         self.expansions = expansions or {}
+        self.stack: list[str] = []  # the modules under way, for messages (kept by the caller)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -383,7 +384,7 @@ class Recorder(TorchFunctionMode):
         out = _expanded(self, func, args, kwargs)
         if out is not NotImplemented:
             return out
-        draw = Draw(func, kind, args, kwargs)
+        draw = Draw(func, kind, args, kwargs, self.stack[-1] if self.stack else "")
         out = func(*args, **kwargs)
         draw.finish(out)
         self.draws.append(draw)

@@ -26,7 +26,8 @@ from .errors import REFUSALS, InternalError, internal
 from .inputs import Batch, as_batch, samples_of
 from .plan import Path
 from .precision import autocast_state, without_autocast
-from .reference import loop_per_sample_grads
+from .reference import forward_per_sample_grads, loop_per_sample_grads
+from .rng import restore, snapshot
 from .rules import module_rule_of
 
 
@@ -225,6 +226,7 @@ class Verification:
     method: str = "rules"  # the path the fast call took ("rules", or why it fell back)
     mismatched: list[int] = field(default_factory=list)  # samples beyond rtol
     note: str | None = None  # why they differ, where verify could tell (float32 rounding)
+    random_ops: list[str] = field(default_factory=list)  # the random ops the forward ran
 
     @property
     def ok(self) -> bool:
@@ -247,6 +249,9 @@ class Verification:
             lines.append(f"samples beyond rtol: {_listed(self.mismatched)}")
         if self.note:
             lines.append(self.note)
+        if self.random_ops:
+            lines.append(f"random ops: {', '.join(self.random_ops)}; the reference is the "
+                         "forward that ran (the same draws)")
         if self.method != "rules":
             lines.append(f"method: {self.method}")
         return "\n".join(lines)
@@ -280,6 +285,14 @@ def verify(
     and the largest error relative to the loop's largest entry. For a tight
     check, convert the model and inputs to float64 first.
 
+    A model that draws random numbers (dropout in training mode, stochastic depth) is
+    checked against the forward that ran: the generators are put back where the call
+    found them, one forward of the batch draws the same numbers, and each sample's loss
+    on its rows of the output gets one ``autograd.grad``
+    (:func:`persample.reference.forward_per_sample_grads`; where the output has no row
+    per sample, the loop replaying each sample's part of the draws). The report names
+    the random ops (``random_ops``).
+
     Args:
         model, inputs, targets, loss_fn, loss_reduction, method: as for
             :func:`persample.per_sample_grads`.
@@ -293,7 +306,9 @@ def verify(
 
     Returns:
         :class:`Verification` with ``method`` (``"rules"``, or why ``auto`` fell back
-        to ``torch.func`` or the loop), ``abs_error`` and ``rel_error`` (dicts by
+        to ``torch.func`` or the loop), ``random_ops`` (``["dropout in module
+        'drop' (Dropout)", ...]``, empty for a model that draws nothing),
+        ``abs_error`` and ``rel_error`` (dicts by
         parameter name, in the parameters' units), ``ok``, ``worst``, ``mismatched``
         (the samples beyond ``rtol``) and ``note``: for a model below float64 whose
         mismatched samples agree with the loop when a float64 copy of the model is
@@ -319,24 +334,45 @@ def verify(
     obviously correct method of PyTorch's "Per-sample-gradients" tutorial).
     """
     from .api import grads_taken
+    from .whole import recorded_draws
 
     if samples is not None and (not isinstance(samples, int) or samples < 1):
         raise ValueError(f"samples must be a positive int or None (all), got {samples!r}")
     batch = as_batch(inputs)
     k = batch.n if samples is None else min(samples, batch.n)
     part, t = batch.samples(0, k), samples_of(targets, 0, k)
+    states = snapshot()
     fast, taken = grads_taken(model, part, t, loss_fn, method=method,
                               loss_reduction=loss_reduction)
-    slow = loop_per_sample_grads(model, part, t, loss_fn)
+    restore(states)
+    random_ops = [d.describe() for d in recorded_draws(model, part)]
+    restore(states)
+    slow = (_forward_that_ran(model, part, t, loss_fn, states) if random_ops
+            else loop_per_sample_grads(model, part, t, loss_fn))
     dtype = next(iter(slow.values())).dtype
     low = next((low for _, enabled, low in autocast_state() if enabled), dtype)
     tol = rtol or _DEFAULT_RTOL.get(low, 1e-2)
     abs_error, rel_error, per_sample = _errors(fast, slow)
     bad = [i for i, e in enumerate(per_sample.tolist()) if e > tol]
-    report = Verification(abs_error, rel_error, tol, k, taken.describe(), bad)
-    if bad and dtype != torch.float64:
+    report = Verification(abs_error, rel_error, tol, k, taken.describe(), bad,
+                          random_ops=random_ops)
+    if bad and dtype != torch.float64 and not random_ops:
         report.note = _rounding_note(model, part, t, loss_fn, method, loss_reduction, bad)
     return report
+
+
+def _forward_that_ran(model: nn.Module, part: Batch, targets: Any, loss_fn: Callable,
+                      states: list) -> dict[str, Tensor]:
+    """The per-sample gradients of one forward of ``part`` from the generators'
+    ``states``: each sample's loss on its rows of the output, or where the output has
+    no row per sample, the loop replaying each sample's draws."""
+    from .whole import loop_grads
+
+    try:
+        return forward_per_sample_grads(model, part, targets, loss_fn)
+    except Exception:
+        restore(states)
+        return loop_grads(model, part, targets, loss_fn)
 
 
 def _errors(fast: dict[str, Tensor], slow: dict[str, Tensor]

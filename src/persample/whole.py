@@ -11,7 +11,8 @@ replaying them. The buffers that forward updates (running statistics) are restor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,11 +31,37 @@ from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 
 
 def recorded_draws(model: nn.Module, batch: Batch) -> list[Draw]:
-    """The random ops of one forward of ``batch`` (buffers restored after)."""
-    with torch.enable_grad(), kept_buffers(model), plain_checkpoints():
-        with Recorder(EXPANSIONS) as recorder:
-            batch.call(model)
+    """The random ops of one forward of ``batch`` (buffers restored after), each named
+    with the module it ran in."""
+    recorder = Recorder(EXPANSIONS)
+    with torch.enable_grad(), kept_buffers(model), plain_checkpoints(), _named(
+            model, recorder.stack), recorder:
+        batch.call(model)
     return recorder.draws
+
+
+@contextmanager
+def _named(model: nn.Module, stack: list[str]) -> Iterator[None]:
+    """Inside: ``stack`` holds the modules under way (forward hooks, removed on exit)."""
+    def pre(name: str) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            stack.append(f"'{name or '<root>'}' ({type(module).__name__})")
+        return hook
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        if stack:
+            stack.pop()
+
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.jit.ScriptModule):
+                handles += [module.register_forward_pre_hook(pre(name)),
+                            module.register_forward_hook(post)]
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _replayed(model: nn.Module, batch: Batch, run: Callable[[Callable], Any]) -> Any:
