@@ -319,3 +319,28 @@ def test_verify_of_a_model_that_draws_nothing_names_no_random_op():
     model, x, y = _case("dropout")
     report = persample.verify(model.eval(), x, y, nn.CrossEntropyLoss())
     assert report.ok and report.random_ops == [] and "random ops" not in str(report)
+
+
+def test_a_loss_on_an_output_the_model_mixed_is_the_models_matter():
+    """The model mixes samples (a batch mean inside it): the rules refuse and the loop
+    answers by its definition; the loss's own ops (a transpose, a cross-entropy of
+    per-sample terms) do not make it a loss that mixes samples."""
+
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 12)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            return (h - h.mean(0)).view(len(x), 4, 3)  # (B, T, V)
+
+    def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(1)
+
+    torch.manual_seed(0)
+    model = Centred().double()
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 3, (B, 4))
+    with pytest.warns(UserWarning, match="samples are mixed"):
+        got = persample.per_sample_grads(model, x, y, loss_fn)
+    assert_exact(got, persample.loop_per_sample_grads(model, x, y, loss_fn))

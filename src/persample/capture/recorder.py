@@ -125,7 +125,7 @@ class Capture:
         self.unseen_reads: set[int] = set()
         self.following = False  # inside follow(): the loss's ops
         self.mixing: str | None = None  # the first op of the loss that mixes samples
-        self.made_in_loss: set[int] = set()  # (ids of the loss's own tensors)
+        self.mixed_in_loss: set[int] = set()  # (ids: tensors the loss's own ops mixed)
         self.thread = threading.get_ident()
         # no reference cycle back to the capture (its graph would live until the cyclic
         # GC runs: gigabytes in a training loop of many micro-batches)
@@ -340,8 +340,9 @@ class Capture:
         for t, lay in flow.writes:  # other inputs the op overwrote (running statistics)
             self.layouts.written(t, lay)
         if self.following and self.mixing is None:
-            self.mixing = _mixes(func, flow.outputs, leaves, layouts, self.made_in_loss)
-            self.made_in_loss.update(id(t) for t in tensor_leaves(out))
+            self.mixing = _mixes(func, flow.outputs, leaves, layouts, self.mixed_in_loss)
+            if _mixed_here(flow.outputs, leaves, layouts, self.mixed_in_loss):
+                self.mixed_in_loss.update(id(t) for t in tensor_leaves(out))
         if sources:
             self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before,
                             draw)
@@ -436,12 +437,23 @@ class Capture:
             found = t = src
 
 
-def _mixes(func: Any, outputs: Any, leaves: list, layouts: list[Layout], made: set[int]
+def _mixed_here(outputs: Any, leaves: list, layouts: list[Layout], mixed: set[int]) -> bool:
+    """Is an op's output mixed by the loss itself: by this op (no input mixed), or from
+    an input the loss mixed (not from a model output in which samples are mixed)?"""
+    outs = outputs if isinstance(outputs, tuple) else (outputs,)
+    if not any(isinstance(lay, Mixed) for lay in outs):
+        return False
+    ins = [t for t, lay in zip(leaves, layouts) if isinstance(lay, Mixed)]
+    return not ins or any(id(t) in mixed for t in ins)
+
+
+def _mixes(func: Any, outputs: Any, leaves: list, layouts: list[Layout], mixed: set[int]
            ) -> str | None:
     """Does this op of the loss make terms that mix samples (SimCLR's similarities of
     every pair, ``z - z.mean(0)``)? The op and why, or ``None``. A reduction over the
     batch to a number (a mean of per-sample terms) does not; an output of the model in
-    which samples are mixed is the model's matter (``made``: the loss's own tensors)."""
+    which samples are mixed is the model's matter (``mixed``: the tensors the loss's own
+    ops mixed)."""
     outs = outputs if isinstance(outputs, tuple) else (outputs,)
     mixed = next((lay for lay in outs if isinstance(lay, Mixed)), None)
     if mixed is None:
@@ -449,7 +461,7 @@ def _mixes(func: Any, outputs: Any, leaves: list, layouts: list[Layout], made: s
     if "pairs samples" in mixed.why and not any(isinstance(lay, Mixed) for lay in layouts):
         return f"{name_of(func)} ({mixed.why})"
     widened = [t for t, lay in zip(leaves, layouts)
-               if isinstance(lay, Mixed) and t.dim() > 0 and id(t) in made]
+               if isinstance(lay, Mixed) and t.dim() > 0 and id(t) in mixed]
     if widened and any(isinstance(lay, Batched) for lay in layouts):
         return f"{name_of(func)} (combines each sample with a result over the batch)"
     return None
