@@ -455,11 +455,11 @@ def _mixes(func: Any, outputs: Any, leaves: list, layouts: list[Layout], mixed: 
     which samples are mixed is the model's matter (``mixed``: the tensors the loss's own
     ops mixed)."""
     outs = outputs if isinstance(outputs, tuple) else (outputs,)
-    mixed = next((lay for lay in outs if isinstance(lay, Mixed)), None)
-    if mixed is None:
+    made = next((lay for lay in outs if isinstance(lay, Mixed)), None)
+    if made is None:
         return None
-    if "pairs samples" in mixed.why and not any(isinstance(lay, Mixed) for lay in layouts):
-        return f"{name_of(func)} ({mixed.why})"
+    if "pairs samples" in made.why and not any(isinstance(lay, Mixed) for lay in layouts):
+        return f"{name_of(func)} ({made.why})"
     widened = [t for t, lay in zip(leaves, layouts)
                if isinstance(lay, Mixed) and t.dim() > 0 and id(t) in mixed]
     if widened and any(isinstance(lay, Batched) for lay in layouts):
