@@ -414,29 +414,31 @@ def test_real_models_with_batch_sized_shared_tensors(build):
 
 
 class NoRule(nn.Module):
-    """One op with no rule reads a parameter: ``einsum``."""
+    """One op whose rule does not cover the form reads a parameter: ``einsum`` of its
+    diagonal."""
 
     def __init__(self):
         super().__init__()
         self.w, self.head = nn.Parameter(torch.randn(E, E)), nn.Linear(E, 3)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(torch.einsum("btd,de->bte", x, self.w)).sum(1)
+        return self.head(torch.einsum("btd,dd->btd", x, self.w)).sum(1)
 
 
-def test_supported_names_the_op_without_a_rule():
+def test_supported_names_the_op_whose_rule_declines_and_why():
     torch.manual_seed(0)
     model, x = NoRule(), torch.randn(B, T, E)
     check(model, x, torch.tensor([0, 2, 1, 2]), ce, slower={"w": "op vjp"})
     (route,) = [r for r in persample.supported(model, x) if r.params == ("w",)]
     assert route.path == "op vjp"
-    assert route.reason.startswith("einsum in module '<root>' (NoRule): no rule")
+    assert route.reason.startswith("einsum in module '<root>' (NoRule): ")
+    assert "a diagonal of a parameter" in route.reason
     assert "torch.func" in route.reason
 
 
 class TwoOps(nn.Module):
-    """A parameter read by an op with a rule first and by one without afterwards: the
-    slower path is the one reported."""
+    """A parameter read by an op with a rule first and by one whose rule declines
+    afterwards (``einsum`` of its diagonal): the slower path is the one reported."""
 
     def __init__(self):
         super().__init__()
@@ -444,7 +446,7 @@ class TwoOps(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(x @ self.w)
-        return self.head(torch.einsum("btd,de->bte", h, self.w)).sum(1)
+        return self.head(torch.einsum("btd,dd->btd", h, self.w)).sum(1)
 
 
 def test_supported_reports_op_vjp_where_any_use_takes_it():

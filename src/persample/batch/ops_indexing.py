@@ -640,12 +640,41 @@ def written_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout:
     if not lv.known:
         return lv
     if isinstance(lx, Batched):
-        with torch._C.DisableTorchFunction():
-            view = x[index]
-        got = propagate(ctx, torch.Tensor.__getitem__, (x, index), {}, view).outputs
-        if isinstance(got, Batched) and got == lv.moved(lv.dim + view.dim() - value.dim()):
+        if _lands(ctx, x, lx, index, value, lv):
             return lx
+    elif lx.shared and isinstance(lv, Batched) and lv.plain:
+        # a shared tensor (``h.new_zeros(shape)``) taking per-sample data along a dim it
+        # covers whole (``z[:, :2] = h[:, :2]``): batched there, its other entries shared
+        whole = [d for d, item in enumerate(_items(index, x.dim())) if item == slice(None)]
+        for d in whole:
+            if _lands(ctx, x, Batched(d), index, value, lv):
+                return Batched(d)
     return Unknown("a tensor written in place with per-sample data at other positions")
+
+
+def _items(index: Any, dims: int) -> list:
+    """A basic index's items, one per dim of the tensor (``None`` where it holds more
+    than slices and ints: no dim is then said to be covered whole)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(i is Ellipsis for i in items):
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (dims - len(items) + 1) + items[k + 1:]
+    if not all(isinstance(i, (slice, int)) for i in items) or len(items) > dims:
+        return []
+    return items + [slice(None)] * (dims - len(items))
+
+
+def _lands(ctx: Ctx, x: Tensor, lx: Batched, index: Any, value: Tensor, lv: Batched) -> bool:
+    """With ``x`` laid out as ``lx``, does ``x[index]`` hold the samples where ``value``
+    holds them (each sample's data written at that sample's own positions)?"""
+    with torch._C.DisableTorchFunction():
+        view = x[index]
+    if value.dim() > view.dim() or any(
+            a != b for a, b in zip(reversed(value.shape), reversed(view.shape))):
+        return False  # (value broadcast along the samples' dim: not one per sample)
+    hypothetical = Ctx(ctx.n, lambda t: lx if t is x else ctx.layout(t))
+    got = propagate(hypothetical, torch.Tensor.__getitem__, (x, index), {}, view).outputs
+    return isinstance(got, Batched) and got == lv.moved(lv.dim + view.dim() - value.dim())
 
 
 def setitem_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout | None:

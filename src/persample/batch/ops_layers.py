@@ -443,3 +443,70 @@ def _mha(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_mha, F.multi_head_attention_forward)
+
+
+# the FFT family: (function name, default dims) with ``None``: every dim; an ``s``/``n``
+# argument changes the sizes of the transformed dims only
+_FFTS = {**{name: (-1,) for name in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")},
+         **{name: (-2, -1) for name in ("fft2", "ifft2", "rfft2", "irfft2", "hfft2",
+                                         "ihfft2")},
+         **{name: None for name in ("fftn", "ifftn", "rfftn", "irfftn", "hfftn", "ihfftn",
+                                    "fftshift", "ifftshift")}}
+
+
+def _fft(ctx, func, args, kwargs, out) -> Any:
+    """``torch.fft.*``: the samples stay where they are unless the transform runs along
+    their dim (FNet's token mixing along the sequence, GFNet's filter over patches)."""
+    x = args[0] if args else kwargs["input"]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched) or not lay.plain:
+        return every(out, Unknown(f"{name_of(func)} of an unlike layout"))
+    name = func.__name__.removeprefix("fft_")  # (torch.fft.fft2.__name__ is "fft_fft2")
+    shift = name in ("fftshift", "ifftshift")
+    dims = arg(args, kwargs, 1 if shift else 2, "dim", _FFTS[name])
+    size = None if shift or name in _ONE_D else arg(args, kwargs, 1, "s", None)
+    if dims is None:
+        dims = range(x.dim() - len(size), x.dim()) if size is not None else range(x.dim())
+    dims = [dims] if isinstance(dims, int) else dims
+    if lay.dim in {dim_of(d, x.dim()) for d in dims}:
+        return mixed(func, "transforms along the batch")
+    return lay
+
+
+_ONE_D = {"fft", "ifft", "rfft", "irfft", "hfft", "ihfft"}
+register(_fft, *(getattr(torch.fft, name) for name in _FFTS))
+
+
+def _complex_view(ctx, func, args, kwargs, out) -> Any:
+    """``view_as_complex`` drops the last dim (the pairs), ``view_as_real`` adds it."""
+    x = args[0] if args else kwargs["input"]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched) or not lay.plain or lay.dim >= out.dim():
+        return Unknown(f"{name_of(func)} of an unlike layout")
+    return lay
+
+
+register(_complex_view, *aliases("view_as_complex", "view_as_real"))
+
+
+def _cdist(ctx, func, args, kwargs, out) -> Any:
+    """``cdist(x1 (..., P, M), x2 (..., R, M)) -> (..., P, R)``: the samples of a leading
+    dim stay there (broadcast), those of ``x1``'s rows go to the rows, ``x2``'s to the
+    columns; both operands' rows, or the coordinates, pair samples."""
+    x1, x2 = args[0], args[1]
+    found = []
+    for x, rows_to in ((x1, out.dim() - 2), (x2, out.dim() - 1)):
+        lay = ctx.layout(x)
+        if lay.shared:
+            continue
+        if not isinstance(lay, Batched) or not lay.plain:
+            return Unknown(f"{name_of(func)} of an unlike layout")
+        if lay.dim == x.dim() - 1:
+            return mixed(func, "sums over the batch")
+        found.append(rows_to if lay.dim == x.dim() - 2 else lay.dim + out.dim() - x.dim())
+    if len(set(found)) > 1:
+        return mixed(func, "pairs samples of its operands")
+    return Batched(found[0]) if found else SHARED
+
+
+register(_cdist, *aliases("cdist"))

@@ -6,6 +6,8 @@ Registered with :func:`persample.batch.flow.register`; see that module.
 
 from __future__ import annotations
 
+import string
+
 from typing import Any
 
 import torch
@@ -117,21 +119,58 @@ def _rmatmul(ctx, func, args, kwargs, out) -> Any:
 register(_rmatmul, torch.Tensor.__rmatmul__)
 
 
+def einsum_subscripts(equation: str, ranks: list[int]) -> tuple[list[str], str]:
+    """Each operand's subscripts and the output's, ``...`` spelled out as capitals not in
+    the equation (aligned at the right end, as einsum broadcasts them), an implicit
+    output made explicit (the letters seen once, sorted, after the ellipsis).
+
+    Raises:
+        ValueError: terms that do not match the operands or their ranks.
+
+    Example:
+        >>> einsum_subscripts("...i,io", [3, 2])
+        (['ABi', 'io'], 'ABo')
+    """
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise ValueError("an equation whose terms do not match the operands")
+    spare = [c for c in string.ascii_uppercase if c not in equation]
+    extra = [r - (len(t) - 3) for t, r in zip(terms, ranks) if "..." in t]
+    widest = max(extra, default=0)
+    ellipsis = "".join(spare[:widest])
+    subs = [t.replace("...", ellipsis[widest - (r - (len(t) - 3)):]) if "..." in t else t
+            for t, r in zip(terms, ranks)]
+    if not arrow:
+        joined = "".join(subs)
+        rhs = ellipsis + "".join(sorted(c for c in set(joined) if joined.count(c) == 1
+                                        and c not in ellipsis))
+    out = rhs.replace("...", ellipsis)
+    if any(len(t) != r for t, r in zip(subs, ranks)):
+        raise ValueError("subscripts that do not match an operand's rank")
+    return subs, out
+
+
 def _einsum(ctx, func, args, kwargs, out) -> Any:
     """``einsum``: the batch's letter, if the output keeps it."""
-    equation = args[0].replace(" ", "")
     operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-    if "..." in equation or "->" not in equation:
-        return Unknown("einsum with '...' or an implicit output")
-    inputs, output = equation.split("->")
+    if not isinstance(args[0], str):
+        return Unknown("einsum in its sublist form")
+    try:
+        inputs, output = einsum_subscripts(args[0], [t.dim() for t in operands])
+    except ValueError as err:
+        return Unknown(f"einsum: {err}")
     found = None
-    for spec, t in zip(inputs.split(","), operands):
+    for spec, t in zip(inputs, operands):
         lay = ctx.layout(t)
         if not isinstance(lay, Batched):
             continue
         letter = spec[lay.dim]
         if letter not in output:
             return mixed(func, "sums over the batch")
+        if spec.count(letter) != 1:
+            return mixed(func, "takes a diagonal along the batch")
         here = lay.moved(output.index(letter))
         if found is not None and found != here:
             return mixed(func, "pairs samples of its operands")

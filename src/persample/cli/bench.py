@@ -219,6 +219,8 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     # (persample.aligned_empty), already touched
     buf = aligned_empty(case.result_shape, w.dtype, device).zero_()
     step(f"{case.reference_label} (reference)")
+    reseed = _reseed(w.seed)
+    reseed()
     reference, seconds, memory = _first_call(case.reference, device)
     reference = as_flat(reference, case.result_shape)
     first_run = {case.reference_label: (reference, seconds, memory)}
@@ -236,6 +238,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     fixed = len(timers)
     for method in case.methods:
         step(method.name)
+        reseed()
         timers.append(_prepare(method, buf, reference, repeats, quick, first_run, device,
                                agree_tolerance(w)))
     del first_run
@@ -282,6 +285,13 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     report.diagnostics = {row.method: row.median_ms for row in diagnostics}
     _speedup(report)
     return report
+
+
+def _reseed(seed: int | None) -> Callable[[], None]:
+    """For a workload that draws random numbers: the generators at ``seed`` before the
+    reference and each method's checked first call (the same forward for each); the
+    timed calls draw on, as training does."""
+    return (lambda: None) if seed is None else (lambda: torch.manual_seed(seed) and None)
 
 
 @contextmanager

@@ -188,6 +188,34 @@ def gpt2(vocab_size: int, seq_len: int = 64, layers: int = 4, width: int = 256,
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def mixtral(vocab_size: int, seq_len: int = 64, layers: int = 2, width: int = 128,
+            heads: int = 4, experts: int = 4, top_k: int = 2) -> nn.Module:
+    """transformers' ``MixtralForCausalLM(MixtralConfig(...))`` from a small config: a
+    sparse mixture of ``experts`` experts (``top_k`` per token, MLPs of ``2 * width``)
+    in each of ``layers`` blocks of ``width``, ``heads`` heads (half as many key-value
+    heads), rotary positions; transformers' default experts implementation; random
+    weights (``torch.manual_seed(0)``), training mode (no dropout in this config);
+    float32, on the CPU. Returns a ``ModelOutput`` with ``.logits (B, T, vocab_size)``.
+
+    Raises:
+        NotInstalled: transformers is missing.
+
+    Example:
+        >>> model = mixtral(257, seq_len=8, layers=1, width=16, heads=2)
+        >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape
+        torch.Size([1, 8, 257])
+    """
+    transformers = require("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width,
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), num_local_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=seq_len, use_cache=False,
+        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config).train()
+
+
 def bert_classifier(vocab_size: int = 30522, layers: int = 4, width: int = 768,
                     heads: int = 12, intermediate: int = 3072, classes: int = 2,
                     max_positions: int = 512) -> nn.Module:

@@ -97,6 +97,33 @@ class RowLSTM(nn.Module):
         return self.head(h[-1])
 
 
+class RowEncoder(nn.Module):
+    """The stock ``nn.TransformerEncoder`` reading a 28x28 image row by row: rows
+    projected to ``width``, learned positions, ``layers`` layers of ``heads`` heads
+    (``batch_first``, MLP of ``4 * width``, PyTorch's default ``dropout=0.1``), the mean
+    over rows to ``classes`` logits. Built in training mode.
+
+    Takes ``(B, 1, 28, 28)``, returns logits ``(B, classes)``.
+
+    Example:
+        >>> RowEncoder()(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, width: int = 128, heads: int = 4, layers: int = 2, classes: int = 10):
+        super().__init__()
+        self.rows = nn.Linear(28, width)
+        self.positions = nn.Parameter(0.02 * torch.randn(28, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+        self.train()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.rows(x.flatten(1, 2)) + self.positions  # (B, 28, width)
+        return self.head(self.encoder(h).mean(1))
+
+
 @dataclass
 class Workload:
     """A model, a batch of real data and a loss, as the benchmark times them.
@@ -131,6 +158,10 @@ class Workload:
             seconds of compute, so that they would time the default call again.
         autocast: every method (and the plain step) runs under ``torch.autocast`` with
             this dtype (``None``: float32 throughout).
+        seed: for a model in training mode that draws random numbers (dropout): the
+            reference's and every method's checked first call run under
+            ``torch.manual_seed(seed)``, so that they differentiate the same forward
+            (``None``: the model draws nothing).
     """
 
     name: str
@@ -144,6 +175,7 @@ class Workload:
     opacus_ce: Callable[[Any, Tensor], tuple[Tensor, Tensor, tuple | None]] | None = None
     layout_rows: bool = True
     autocast: torch.dtype | None = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         self.model = self.model.float()  # whatever torch's default dtype is
@@ -265,6 +297,21 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
         return Workload(name, "torchvision", model, x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"torchvision resnet18 (eval), batch {b}, digits 3x32x32, "
                         "cross-entropy")
+    if name == "encoder-grads":
+        x, y = digits_images()
+        b = batch or 64
+        return Workload(name, "torch.nn", RowEncoder(), x[:b], y[:b], nn.CrossEntropyLoss(),
+                        f"nn.TransformerEncoder over image rows, 2 layers of width 128, 4 "
+                        f"heads, training mode (dropout 0.1), batch {b}, digits 1x28x28, "
+                        "cross-entropy", seed=0)
+    if name == "moe-grads":
+        b, t = batch or 16, 64
+        model = real_models.mixtral(ByteTokenizer.vocab_size, seq_len=t)
+        inputs, labels = docstring_batch(b, t)
+        return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
+                        f"transformers Mixtral 2x128, 4 experts top-2 (training mode), "
+                        f"batch {b}, T={t}, stdlib docstrings as bytes, per-sample "
+                        "next-token cross-entropy")
     if name in ("gpt2-grads", "gpt2-lora-grads"):
         b, t = batch or 16, 64
         model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t)
@@ -665,10 +712,10 @@ REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS)
                        ) + BF16_DP_WORKLOADS + REAL_ATTRIBUTION_WORKLOADS
 """The real-size transformers with their real vocabularies (``persample bench --real``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
-                  "gpt2-grads") + REAL_GRAD_WORKLOADS
+                  "gpt2-grads", "encoder-grads", "moe-grads") + REAL_GRAD_WORKLOADS
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
-                "gpt2-dp-step", "gpt2-lora-dp-step") + REAL_DP_WORKLOADS
+                "gpt2-dp-step", "gpt2-lora-dp-step", "encoder-dp-step") + REAL_DP_WORKLOADS
 SMALL_WORKLOADS = tuple(w for w in GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS
                         + ATTRIBUTION_WORKLOADS if w not in REAL_WORKLOADS)
 """The workloads of small models (seconds each; ``persample bench --no-real``)."""

@@ -29,6 +29,7 @@ from . import (  # noqa: F401  (the families: importing one registers its specs)
     addcmul,
     attention,
     conv,
+    einsum,
     elementwise,
     embedding,
     linear,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...reference import loop_param_jacobian, loop_per_sample_grads
+from ...reference import forward_per_sample_grads, loop_param_jacobian, loop_per_sample_grads
 from ..workloads import Workload
 from .case import Method
 
@@ -25,8 +25,18 @@ def loop_grads(w: Workload) -> Method:
         >>> m.name, m.fn(None)["conv1.weight"].shape
         ('loop', torch.Size([2, 32, 1, 3, 3]))
 
+    For a model that draws random numbers (``w.seed``, dropout in training mode) the loop
+    is over the per-sample losses of one batch forward (each sample's loss on its rows
+    of the output, one ``autograd.grad`` each, :func:`persample.reference.
+    forward_per_sample_grads`): a loop of forwards would draw other masks per sample.
+
     Source: torch.func's "Per-sample-gradients" tutorial (``compute_sample_grads``).
     """
+    if w.seed is not None:
+        return Method("loop", lambda _: forward_per_sample_grads(
+            w.model, w.inputs, w.targets, w.loss_fn),
+            "over the per-sample losses of one batch forward (the forward that ran)")
+
     def loop(_: Tensor | None) -> dict[str, Tensor]:
         return loop_per_sample_grads(w.model, w.inputs, w.targets, w.loss_fn)
 

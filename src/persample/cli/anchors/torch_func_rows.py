@@ -51,7 +51,14 @@ def torch_func(w: Workload) -> Method:
                else functional_call(model, weights, (batch,)))
         return loss_fn(out, y.unsqueeze(0)).sum()
 
-    per_sample = vmap(grad(compute_loss), in_dims=(None, 0, 0))
+    randomness = "error"
+    if w.seed is not None:  # a model in training mode: vmap refuses random ops unless told
+        randomness = "different"
+        note = "; ".join(filter(None, [note, (
+            "randomness='different' (vmap refuses random ops by default): each sample "
+            "draws its own dropout masks inside vmap, not the batch forward's, so its "
+            "gradients are of another forward")]))
+    per_sample = vmap(grad(compute_loss), in_dims=(None, 0, 0), randomness=randomness)
     return Method("torch.func vmap", lambda _: per_sample(params, inputs, w.targets), note)
 
 
