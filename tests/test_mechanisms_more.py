@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from battery import METHODS, check
+from battery import LEAVING, METHODS, SLOWER, check
 
 B = 4
 
@@ -102,6 +102,48 @@ class Codebook(nn.Module):
         return self.head(zq.mean(1)) + commitment
 
 
+class ShiftedWindows(nn.Module):
+    """Swin's shifted-window attention: the batch merged with the windows, a learned
+    relative bias plus a shift mask repeated for every sample's windows (a shared tensor
+    as long as the merged batch), given to SDPA as one mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out, self.head = nn.Linear(4, 12), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.bias = nn.Parameter(0.5 * torch.randn(2, 4, 4))  # (heads, N, N)
+        shift = torch.zeros(4, 4, 4)  # (windows, N, N)
+        shift[1:, :2, 2:] = shift[1:, 2:, :2] = -100.0
+        self.register_buffer("shift", shift)
+
+    def forward(self, x: Tensor) -> Tensor:  # x (B, 4 windows, N = 4, 4)
+        n = x.shape[0]
+        h = x.reshape(n * 4, 4, 4)  # (B * windows, N, C)
+        q, k, v = self.qkv(h).view(n * 4, 4, 3, 2, 2).permute(2, 0, 3, 1, 4)
+        mask = self.shift.unsqueeze(1).unsqueeze(0).expand(n, -1, -1, -1, -1).reshape(-1, 1, 4, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias + mask)
+        o = self.out(o.transpose(1, 2).reshape(n * 4, 4, 4))
+        return self.head(o.view(n, 16, 4).mean(1))
+
+
+class SegmentScores(nn.Module):
+    """XLNet's segment term: a shared matrix as long as the batch (made from its size)
+    read with the samples' letter by ``einsum``, beside a learned segment embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.seg, self.head = nn.Linear(4, 4), nn.Parameter(torch.randn(2, 4)), \
+            nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x (B, T, 4)
+        n, t, _ = x.shape
+        q = self.q(x).transpose(0, 1)  # (T, B, 4)
+        same = torch.eye(t).unsqueeze(-1).expand(t, t, n)  # (T, T, B): shared
+        seg = torch.stack([same, 1 - same], -1)  # (T, T, B, 2)
+        ef = torch.einsum("ibd,sd->ibs", q, self.seg)
+        scores = torch.einsum("ijbs,ibs->bij", seg, ef)  # (B, T, T)
+        return self.head((scores.softmax(-1) @ x).mean(1))
+
+
 EINSUMS = {
     "3d-table": lambda: Einsum("bti,hio->btho", (4, 4, 4)),
     "param-first": lambda: Einsum("io,bti->bto", (4, 4), first=True),
@@ -113,6 +155,8 @@ EINSUMS = {
     "fnet": FNet,
     "gfnet": GlobalFilter,
     "vq-codebook": Codebook,
+    "shifted-windows": ShiftedWindows,
+    "segment-scores": SegmentScores,
 }
 
 
@@ -121,10 +165,16 @@ def test_on_the_rules_and_exact(name):
     torch.manual_seed(0)
     model = EINSUMS[name]().double()
     x = torch.randn(B, 4, 4).double()  # (B, T = B, 4)
+    if name == "shifted-windows":
+        x = torch.randn(B, 4, 4, 4).double()  # (B, windows = B, N = B, 4)
     if name == "batch-in-dim-1":
         x = torch.randn(4, B, 4).double()
         model = _BatchSecond(model)
-    check(model, x, torch.randint(0, 3, (B,)), nn.CrossEntropyLoss(), methods=METHODS)
+    # the shifted block's bias reaches SDPA mixed with the shift mask: its exact
+    # per-sample VJP (torch.func on the one op), every other parameter a rule
+    slower = name == "shifted-windows"
+    check(model, x, torch.randint(0, 3, (B,)), nn.CrossEntropyLoss(), methods=METHODS,
+          paths={"rule", "op vjp"} if slower else {"rule"}, forbid=LEAVING if slower else SLOWER)
 
 
 class _BatchSecond(nn.Module):

@@ -248,7 +248,16 @@ def _sdpa(ctx, func, args, kwargs, out) -> Any:
         if found is not None and found != here:
             return mixed(func, "pairs samples of its operands")
         found = here
-    return found
+    if found is None or not isinstance(mask, Tensor) or not ctx.layout(mask).shared:
+        return found
+    # a shared mask as long as the batch dim (a shift mask repeated for every sample's
+    # windows, Swin's): broadcasting pairs its rows with the samples' one to one
+    d = found.dim - (rank - mask.dim())
+    if d < 0 or mask.shape[d] == 1:
+        return found
+    leaves = op_leaves(args, kwargs)
+    return Flow(found, tuple(found.moved(d) if t is mask else (
+        ctx.layout(t) if isinstance(ctx.layout(t), Batched) else None) for t in leaves))
 
 
 register(_sdpa, *aliases("scaled_dot_product_attention"))

@@ -175,7 +175,25 @@ def _einsum(ctx, func, args, kwargs, out) -> Any:
         if found is not None and found != here:
             return mixed(func, "pairs samples of its operands")
         found = here
-    return found or SHARED
+    if found is None:
+        return SHARED
+    # a shared operand indexed by the samples' letter (XLNet's segment matrix, made as
+    # long as the batch) is paired with them one to one, as the letter's dims are
+    letter = output[found.dim]
+    pairing = []
+    for spec, t in zip(inputs, operands):
+        lay = ctx.layout(t)
+        if isinstance(lay, Batched):
+            pairing.append(lay)
+        elif letter in spec and t.shape[spec.index(letter)] != 1:
+            if spec.count(letter) != 1 or not found.plain:
+                return mixed(func, "reads a shared operand along the batch")
+            pairing.append(Batched(spec.index(letter)))
+        else:
+            pairing.append(None)
+    if all(p is None or ctx.layout(t) is p for p, t in zip(pairing, operands)):
+        return found
+    return Flow(found, tuple(pairing))
 
 
 register(_einsum, *aliases("einsum"))
