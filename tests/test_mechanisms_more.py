@@ -144,6 +144,26 @@ class SegmentScores(nn.Module):
         return self.head((scores.softmax(-1) @ x).mean(1))
 
 
+class SlidingChunks(nn.Module):
+    """Longformer's overlapping chunks: the batch merged with the heads, the sequence
+    viewed as chunks of ``2w`` and made to overlap by ``as_strided``, then chunk-wise
+    scores with ``einsum``."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.head = nn.Linear(4, 8), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x (B, T = 8, 4)
+        n, t, _ = x.shape
+        q = self.q(x).view(n, t, 2, 4).transpose(1, 2).reshape(n * 2, t, 4)  # (B*heads, T, d)
+        chunks = q.view(n * 2, t // 4, 4, 4)  # chunks of 2w = 4
+        size, stride = list(chunks.shape), list(chunks.stride())
+        size[1], stride[1] = size[1] * 2 - 1, stride[1] // 2
+        windows = chunks.as_strided(size=size, stride=stride)  # (B*heads, 3, 4, d)
+        scores = torch.einsum("bcxd,bcyd->bcxy", windows, windows)
+        return self.head(scores.softmax(-1).reshape(n, -1, 4).mean(1))
+
+
 EINSUMS = {
     "3d-table": lambda: Einsum("bti,hio->btho", (4, 4, 4)),
     "param-first": lambda: Einsum("io,bti->bto", (4, 4), first=True),
@@ -157,6 +177,7 @@ EINSUMS = {
     "vq-codebook": Codebook,
     "shifted-windows": ShiftedWindows,
     "segment-scores": SegmentScores,
+    "sliding-chunks": SlidingChunks,
 }
 
 
@@ -165,6 +186,8 @@ def test_on_the_rules_and_exact(name):
     torch.manual_seed(0)
     model = EINSUMS[name]().double()
     x = torch.randn(B, 4, 4).double()  # (B, T = B, 4)
+    if name == "sliding-chunks":
+        x = torch.randn(B, 8, 4).double()
     if name == "shifted-windows":
         x = torch.randn(B, 4, 4, 4).double()  # (B, windows = B, N = B, 4)
     if name == "batch-in-dim-1":

@@ -642,13 +642,13 @@ def written_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout:
     if isinstance(lx, Batched):
         if _lands(ctx, x, lx, index, value, lv):
             return lx
-    elif lx.shared and isinstance(lv, Batched) and lv.plain:
+    elif lx.shared and isinstance(lv, Batched) and lv.index is None:
         # a shared tensor (``h.new_zeros(shape)``) taking per-sample data along a dim it
         # covers whole (``z[:, :2] = h[:, :2]``): batched there, its other entries shared
         whole = [d for d, item in enumerate(_items(index, x.dim())) if item == slice(None)]
         for d in whole:
-            if _lands(ctx, x, Batched(d), index, value, lv):
-                return Batched(d)
+            if _lands(ctx, x, lv.moved(d), index, value, lv):
+                return lv.moved(d)
     return Unknown("a tensor written in place with per-sample data at other positions")
 
 

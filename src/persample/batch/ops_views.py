@@ -412,3 +412,44 @@ def _unfold_dim(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_unfold_dim, torch.Tensor.unfold)
+
+
+def _as_strided(ctx, func, args, kwargs, out) -> Any:
+    """``as_strided`` (Longformer's overlapping chunks): which position of the input's
+    batch dim each output entry reads, found in memory: the positions written into a
+    copy of the input's storage, read back through the output's size, stride and
+    offset. Where one output dim reads one position per index, in order, the samples
+    are there, as they were along the input's dim."""
+    x = args[0]
+    lay = ctx.layout(x)
+    if not isinstance(lay, Batched) or lay.index is not None or not out.dim():
+        return Unknown(f"{name_of(func)} of an unlike layout")
+    d = lay.dim
+    with torch._C.DisableTorchFunction():
+        room = x.storage_offset() + _span(x, -1) + 1
+        memory = torch.full((max(room, out.storage_offset() + _span(out, -1) + 1),), -1,
+                            dtype=torch.long)
+        mine = memory.as_strided(x.shape, x.stride(), x.storage_offset())
+        shape = [1] * x.dim()
+        shape[d] = x.shape[d]
+        mine.copy_(torch.arange(x.shape[d]).view(shape).expand(x.shape))
+        if not torch.equal(mine, torch.arange(x.shape[d]).view(shape).expand(x.shape)):
+            return Unknown(f"{name_of(func)} of a tensor whose entries share memory")
+        read = memory.as_strided(out.shape, out.stride(), out.storage_offset())
+        for k in range(out.dim()):
+            if out.shape[k] != x.shape[d]:
+                continue
+            want = [1] * out.dim()
+            want[k] = out.shape[k]
+            if torch.equal(read, torch.arange(out.shape[k]).view(want).expand(out.shape)):
+                return lay.moved(k)
+    return Unknown(f"{name_of(func)} whose entries read several positions of the batch dim")
+
+
+def _span(t: Tensor, skip: int) -> int:
+    """How far in memory the dims of ``t`` other than ``skip`` reach."""
+    return sum((size - 1) * stride for k, (size, stride) in enumerate(zip(t.shape, t.stride()))
+               if k != skip and size > 0)
+
+
+register(_as_strided, *aliases("as_strided"))
