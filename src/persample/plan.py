@@ -132,7 +132,9 @@ def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
     ins = [t for a in leaves for t in ((a.data,) if isinstance(a, PackedSequence) else (a,))
            if isinstance(t, Tensor)]
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
-    if not all(cap.layout(t).one_position_each() for t in ins + outs):
+    rows = call.rule.spec.rows  # (several rows per sample: tokens merged with the batch)
+    if not all(cap.layout(t).one_position_each() or (rows and _merged_rows(cap.layout(t)))
+               for t in ins + outs):
         return False
     read = {id(t) for op in ops for t in op.leaves}
     shared = [t for t in ins if cap.layout(t).shared]
@@ -140,6 +142,11 @@ def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
         isinstance(op.pairing(k), Batched) and not any(t is x for x in ins)
         for op in ops for k, t in enumerate(op.leaves))
     return not (paired_inside and any(id(t) not in read for t in shared))
+
+
+def _merged_rows(lay: Any) -> bool:
+    """Each sample's rows one run of the batch dim, in sample order (``(B*T, H)``)."""
+    return isinstance(lay, Batched) and lay.outer == 1 and lay.index is None
 
 
 def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[int, list[Op]],

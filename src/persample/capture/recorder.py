@@ -256,11 +256,23 @@ class Capture:
         try:
             call.output = output
             call.end_draw = len(self.draws)
+            if call.rule is not None and call.rule.spec.keeps_layout:
+                self._keeps_layout(call)
             with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
                 call.edges = [edge_of(t) for t in tensor_leaves(output)]
         except Exception as err:
             raise_internal(err, f"the output of module {call.describe()}")
         self.calls.append(call)
+
+    def _keeps_layout(self, call: Call) -> None:
+        """A module rule's call whose output holds the samples as its first input does
+        (``ModuleSpec.keeps_layout``): so recorded, whatever its ops did inside."""
+        first = next((t for t in tensor_leaves((call.args, call.kwargs))), None)
+        lay = self.layouts.layout(first) if first is not None else MISSING
+        if isinstance(lay, Batched):
+            for t in tensor_leaves(call.output):
+                if t.shape[:lay.dim + 1] == first.shape[:lay.dim + 1]:
+                    self.layouts[t] = lay
 
     # -- ops ------------------------------------------------------------------
 

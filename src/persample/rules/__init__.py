@@ -32,6 +32,7 @@ from . import (  # noqa: F401  (the families: importing one registers its specs)
     einsum,
     elementwise,
     embedding,
+    experts,
     linear,
     norm,
     recurrent,

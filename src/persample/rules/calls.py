@@ -119,6 +119,8 @@ def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:
         return g
     d = lay.dim + lead
     if lay.index is None:
+        if lay.outer == 1 and lay.inner > 1:  # rows merged with the batch: (n, rows, ...)
+            return front_cotangents(g, lay, n) if lead else lay.front(g, n)
         if not lay.plain:
             raise ValueError(f"a module rule got a merged batch dim ({lay})")
         return g.movedim(d, 0)

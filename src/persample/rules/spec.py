@@ -207,6 +207,13 @@ class ModuleSpec:
             sample (an RNN's dropout between layers in training mode), for ``supported``.
         multi_output: the module returns several tensors (``nn.LSTM``); ``grad`` then
             gets a list of backprops, one per output tensor that requires grad.
+        match: ``match(module) -> bool`` serves modules of classes persample does not
+            import (a library's mixture of experts, recognised by its parameters and
+            ``forward``), beside ``types``.
+        rows: the call's inputs and outputs may hold several rows per sample (tokens
+            merged with the batch, ``(B*T, H)``): they reach ``grad`` as ``(n, T, ...)``.
+        keeps_layout: the call's output holds the samples as its first input does (what
+            the ops inside do to them, routing and regrouping tokens, is the rule's).
     """
 
     types: tuple[type[nn.Module], ...]
@@ -215,6 +222,9 @@ class ModuleSpec:
     check: Callable[[nn.Module], None] | None = None
     refusal: Callable[[nn.Module], str | None] | None = None
     multi_output: bool = False
+    match: Callable[[nn.Module], bool] | None = None
+    rows: bool = False
+    keeps_layout: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,6 +236,7 @@ class ModuleRule:
 
 
 MODULE_SPECS: dict[type[nn.Module], ModuleSpec] = {}
+MATCHED_SPECS: list[ModuleSpec] = []  # specs with ``match``, tried after the classes
 
 
 def register_module(spec: ModuleSpec) -> ModuleSpec:
@@ -242,6 +253,8 @@ def register_module(spec: ModuleSpec) -> ModuleSpec:
     """
     for cls in spec.types:
         MODULE_SPECS[cls] = spec
+    if spec.match is not None:
+        MATCHED_SPECS.append(spec)
     return spec
 
 
@@ -259,12 +272,20 @@ def module_rule_of(module: nn.Module) -> tuple[ModuleRule | None, str]:
         except Decline as why:
             return None, str(why)
         return ModuleRule(spec, cls), ""
+    for spec in MATCHED_SPECS:
+        if spec.match(module):
+            try:
+                if spec.check is not None:
+                    spec.check(module)
+            except Decline as why:
+                return None, str(why)
+            return ModuleRule(spec, type(module)), ""
     return None, f"no module rule for {type(module).__name__}"
 
 
 def module_rule(module: nn.Module) -> ModuleRule | None:
     """The module rule that applies to ``module`` (for the capture), or ``None``."""
-    return module_rule_of(module)[0] if MODULE_SPECS else None
+    return module_rule_of(module)[0] if MODULE_SPECS or MATCHED_SPECS else None
 
 
 def register_rule(*types: type[nn.Module], check: Callable[[nn.Module], None] | None = None,

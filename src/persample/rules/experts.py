@@ -1,0 +1,135 @@
+"""Per-sample gradients of a mixture of experts as transformers ships it (Mixtral,
+Qwen-MoE, OLMoE...): one module holding every expert's weights as 3-d tables,
+``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``, called with the tokens
+``(R, H)`` (the batch's rows merged with its tokens), the experts each token chose
+``(R, k)`` and their weights ``(R, k)``.
+
+Whatever the implementation runs inside (the eager loop over the experts any token
+chose; the default grouped one, sorting the tokens by expert for ``torch._grouped_mm``
+with offsets counted by ``histc``), each token ``r`` routed to expert ``e`` with weight
+``w`` computes ``y = w * W_d[e] (act(g) * u)``, ``[g; u] = W_gu[e] x_r``, and the output
+row ``r`` is the sum of its ``k`` experts' ``y``. The rule recomputes that per expert on
+the tokens routed to it and sums the outer products of each token's backprops and
+inputs into its sample's row (Goodfellow 2015, as for a linear layer on sequences):
+
+- ``grad W_d[n, e] = sum_{r of n routed to e} (w g_r) (act(g) * u)_r^T``
+- ``grad W_gu[n, e] = sum_{r of n routed to e} [act'(g) (W_d^T w g_r) * u; act(g) *
+  (W_d^T w g_r)] x_r^T``
+
+Index conventions: ``n`` sample, ``v`` cotangent, ``m`` a token routed to the expert.
+The module is recognised by its parameters and ``forward(hidden_states, top_k_index,
+top_k_weights)`` (transformers is not imported); configurations with biases,
+transposed or interleaved tables, no gate or a norm after each expert take the ops'
+own paths. The router, outside this module, takes its linear rule: the gradients
+through the routing weights reach it by the main backward.
+
+Source: Shazeer et al. 2017 (sparsely-gated mixture of experts); Jiang et al. 2024
+(Mixtral).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .spec import Decline, ModuleSpec, register_module
+
+_FORWARD = ["hidden_states", "top_k_index", "top_k_weights"]
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Does ``module`` look like transformers' experts module (see the module
+    docstring)?"""
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter)
+            and gu.dim() == 3 and down.dim() == 3 and callable(getattr(module, "act_fn", None))):
+        return False
+    try:
+        names = list(inspect.signature(type(module).forward).parameters)[1:4]
+    except (TypeError, ValueError):
+        return False
+    return names == _FORWARD
+
+
+def check(module: nn.Module) -> None:
+    """Decline the configurations the rule does not compute."""
+    flags = {"has_bias": False, "is_transposed": False, "has_post_expert_norm": False,
+             "_is_expert_parallel": False}
+    for name, want in flags.items():
+        if bool(getattr(module, name, want)) != want:
+            raise Decline(f"experts with {name}={getattr(module, name)}")
+    if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
+        raise Decline("experts without a concatenated gate")
+    experts, inter2, hidden = module.gate_up_proj.shape
+    if module.down_proj.shape != (experts, hidden, inter2 // 2) or inter2 % 2:
+        raise Decline("expert tables of unexpected shapes")
+    if any(p is not None and p.requires_grad for name, p in module.named_parameters()
+           if name not in ("gate_up_proj", "down_proj")):
+        raise Decline("experts with other trainable parameters")
+
+
+def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict) -> None:
+    """``out["gate_up_proj"] (n, v, E, 2I, H)``, ``out["down_proj"] (n, v, E, H, I)``."""
+    hidden, index, weights = activations[:3]  # (n, T, H), (n, T, k), (n, T, k)
+    n, v = backprops.shape[:2]
+    rows = hidden.reshape(-1, hidden.shape[-1])  # (R, H), samples in order
+    per = rows.shape[0] // n
+    sample = torch.arange(n, device=rows.device).repeat_interleave(per)  # (R,)
+    index, weights = index.reshape(rows.shape[0], -1), weights.reshape(rows.shape[0], -1)
+    g = backprops.reshape(n, v, per, -1).transpose(0, 1).reshape(v, rows.shape[0], -1)
+    gate_up, down = layer.gate_up_proj.detach(), layer.down_proj.detach()
+    want_gu, want_d = out.get("gate_up_proj"), out.get("down_proj")
+    for t in (want_gu, want_d):
+        if t is not None:
+            t.zero_()
+    for e in range(gate_up.shape[0]):
+        token, slot = torch.where(index == e)  # (m,), (m,)
+        if not len(token):
+            continue
+        x = rows[token].to(gate_up.dtype)  # (m, H)
+        pre, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)  # (m, I) each
+        pre = pre.detach().requires_grad_()
+        with torch.enable_grad():
+            act = layer.act_fn(pre)
+        h = act.detach() * up  # (m, I)
+        gy = g[:, token] * weights[token, slot].to(g.dtype)[None, :, None]  # (v, m, H)
+        padded = _Padded(sample[token], n)  # each sample's tokens, in rows of its own
+        if want_d is not None:
+            want_d[:, :, e] = padded.outer_sums(gy, h)
+        if want_gu is not None:
+            dh = gy @ down[e]  # (v, m, I)
+            dpre = torch.autograd.grad(act, pre, dh * up, is_grads_batched=True)[0] \
+                if v > 1 else torch.autograd.grad(act, pre, (dh * up)[0])[0][None]
+            dgu = torch.cat([dpre, dh * act.detach()], dim=-1)  # (v, m, 2I)
+            want_gu[:, :, e] = padded.outer_sums(dgu, x)
+
+
+class _Padded:
+    """Tokens ``(m,)`` of samples ``owner`` (in sample order) placed in a padded
+    ``(n, M, ...)`` layout, ``M`` the most tokens of one sample, so that each sample's
+    sum of outer products is one batched matrix product."""
+
+    def __init__(self, owner: Tensor, n: int):
+        counts = torch.bincount(owner, minlength=n)  # (n,)
+        starts = torch.cumsum(counts, 0) - counts
+        self.owner, self.n = owner, n
+        self.slot = torch.arange(len(owner), device=owner.device) - starts[owner]  # (m,)
+        self.most = int(counts.max())
+
+    def place(self, t: Tensor) -> Tensor:
+        """``(..., m, d)`` -> ``(..., n, M, d)``, zeros where a sample has fewer."""
+        out = t.new_zeros((*t.shape[:-2], self.n, self.most, t.shape[-1]))
+        out[..., self.owner, self.slot, :] = t
+        return out
+
+    def outer_sums(self, g: Tensor, x: Tensor) -> Tensor:
+        """``(n, v, o, i)``: per sample, ``sum_m g[v, m] x[m]^T`` for ``g (v, m, o)``,
+        ``x (m, i)``."""
+        return (self.place(g).transpose(-1, -2) @ self.place(x)).transpose(0, 1)
+
+
+EXPERTS = register_module(ModuleSpec((), grad=experts, check=check, match=is_experts,
+                                     rows=True, keeps_layout=True))

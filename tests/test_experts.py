@@ -1,0 +1,65 @@
+"""A mixture of experts as transformers ships it (Mixtral from a small config: 4
+experts, top-2, ``B`` = 4 = the experts = the sequence length): the experts module takes
+its module rule whatever implementation runs inside (the eager loop over the experts,
+the grouped one with ``torch._grouped_mm``), the router and the rest their op rules,
+every row exact against the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import persample
+from battery import assert_exact, check, flat
+
+transformers = pytest.importorskip("transformers")
+B, T = 4, 4
+
+
+def _mixtral(implementation: str | None, dtype: torch.dtype):
+    config = transformers.MixtralConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=T, use_cache=False)
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).to(dtype).train()
+    ids = torch.randint(0, 50, (B, T))
+    return model, {"input_ids": ids}, ids
+
+
+def next_token(out, ids: Tensor) -> Tensor:
+    """Per-sample next-token cross-entropy ``(B,)``."""
+    logits = out.logits[:, :-1]
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+def test_eager_experts_take_the_module_rule_and_are_exact():
+    model, inputs, ids = _mixtral("eager", torch.float64)
+    check(model, inputs, ids, next_token, methods=("rules", "auto", "loop"),
+          paths={"rule", "module rule"})
+    routes = {r.module: r.path for r in persample.supported(model, inputs, ids, next_token)}
+    assert routes["model.layers.0.mlp.experts"] == "module rule"
+    assert routes["model.layers.0.mlp.gate"] == "rule"
+
+
+def test_grouped_experts_take_the_module_rule_and_match_the_loop():
+    """transformers' default: tokens sorted by expert, ``histc`` offsets, grouped matrix
+    products (float32 only)."""
+    model, inputs, ids = _mixtral(None, torch.float32)
+    got = persample.per_sample_grads(model, inputs, ids, next_token, method="rules")
+    want = persample.loop_per_sample_grads(model, inputs, ids, next_token)
+    err = (flat(got) - flat(want)).abs().max() / flat(want).abs().max()
+    assert err < 1e-5, err
+    paths = {r.path for r in persample.supported(model, inputs, ids, next_token)}
+    assert paths == {"rule", "module rule"}
+
+
+def test_the_rows_sum_to_the_batch_gradient():
+    model, inputs, ids = _mixtral("eager", torch.float64)
+    got = persample.per_sample_grads(model, inputs, ids, next_token)
+    loss = next_token(model(**inputs), ids).sum()
+    batch = torch.autograd.grad(loss, list(model.parameters()))
+    assert_exact({k: v.sum(0) for k, v in got.items()}, dict(zip(got, batch)))
