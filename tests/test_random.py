@@ -247,6 +247,10 @@ def test_the_generator_ends_where_a_plain_forward_leaves_it():
         torch.manual_seed(5)
         persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method=method)
         assert torch.equal(torch.rand(3), after), method
+    torch.manual_seed(5)  # a diagnosis draws nothing of the caller's stream
+    persample.supported(model, x, y, nn.CrossEntropyLoss())
+    model(x)
+    assert torch.equal(torch.rand(3), after)
 
 
 def test_the_stock_encoder_in_training_mode_takes_the_rules():

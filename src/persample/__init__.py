@@ -12,13 +12,14 @@ the loop references, :func:`register_rule` to add a layer rule, and
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
 from .dots import per_sample_grad_dots
+from .draws import DrawNotReplayable
 from .errors import InternalError, LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
 from .inputs import PackedRows
 from .jacobian import input_jacobian, jacobian_diagonal
 from .memory import empty_cache
 from .norms import per_sample_grad_norms
 from .projection import GradientProjector
-from .reference import loop_param_jacobian, loop_per_sample_grads
+from .reference import forward_per_sample_grads, loop_param_jacobian, loop_per_sample_grads
 from .rules import register_rule
 from .support import Route, Verification, supported, verify
 
@@ -35,6 +36,7 @@ __all__ = [
     "empty_cache",
     "loop_param_jacobian",
     "loop_per_sample_grads",
+    "forward_per_sample_grads",
     "register_rule",
     "supported",
     "verify",
@@ -43,6 +45,7 @@ __all__ = [
     "UnsupportedModuleError",
     "LossNotPerSampleError",
     "NeedsWholeModel",
+    "DrawNotReplayable",
     "InternalError",
 ]
 __version__ = "0.1.0"

@@ -33,9 +33,9 @@ the draws of a plain forward. Where a sample's part cannot be told (a draw whose
 shape does not show where the batch is, a fused kernel's mask on a GPU), the replay
 refuses: :class:`DrawNotReplayable`, naming the op.
 
-Source: the semantics of Opacus and ``torch.func``'s ``randomness="different"`` differ
-(each draws again); persample reproduces the forward that ran, as a loop of
-``autograd.grad`` over the per-sample losses of one batch forward does.
+Source: dropout (Srivastava et al. 2014) and stochastic depth (Huang et al. 2016) as
+the forward that ran draws them: ``torch.func``'s ``randomness="different"`` draws new
+numbers for each sample instead, a loop of forwards draws new numbers for each call.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class DrawNotReplayable(NeedsWholeModel):
 
 
 class DrawsNeeded(Exception):
-    """Raised by a :class:`Replay` without draws at the first random op (the forward
-    draws: record a batch forward's draws, then replay)."""
+    """A sample's forward drew random numbers where nothing was recorded (record a batch
+    forward's draws, then replay them)."""
 
 
 # -- which ops draw ---------------------------------------------------------------
@@ -130,7 +130,15 @@ RANDOM: dict[Any, _Kind] = _table()
 
 
 def random_kind(func: Any, args: tuple, kwargs: dict) -> _Kind | None:
-    """How ``func(*args, **kwargs)`` draws random numbers, or ``None`` if it does not."""
+    """How ``func(*args, **kwargs)`` draws random numbers, or ``None`` if it does not.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> random_kind(F.dropout, (torch.ones(2),), {"training": False}) is None
+        True
+        >>> random_kind(F.dropout, (torch.ones(2), 0.1), {}).kind
+        'mask'
+    """
     kind = RANDOM.get(func)
     return kind if kind is not None and kind.draws(args, kwargs) else None
 
@@ -393,22 +401,35 @@ class Recorder(TorchFunctionMode):
 
 class Replay(TorchFunctionMode):
     """Inside (:meth:`of`): each random op answered by sample ``sample``'s part of the
-    recorded ``draws``, in order (see the module docstring); ``draws=None``: raise
-    :class:`DrawsNeeded` at the first random op.
+    recorded ``draws``, in order (see the module docstring).
 
     Args:
-        draws: the batch forward's draws (:class:`Recorder`), or ``None``.
+        draws: the batch forward's draws (:class:`Recorder`, or a capture's).
         n: the batch size they were drawn for.
         expansions: as for :class:`Recorder`.
+
+    Raises (inside): :class:`DrawNotReplayable` where a sample's part cannot be told,
+    or its forward draws in another order than the batch's.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> x = torch.ones(3, 4)
+        >>> with Recorder() as recorder:
+        ...     y = F.dropout(x, 0.5)
+        >>> with Replay(recorder.draws, 3).of(1):  # sample 1 alone
+        ...     y1 = F.dropout(x[1:2], 0.5)
+        >>> torch.equal(y1, y[1:2])
+        True
     """
 
-    def __init__(self, draws: list[Draw] | None, n: int,
+    def __init__(self, draws: list[Draw], n: int,
                  expansions: dict[Any, Callable] | None = None):
         super().__init__()
         self.draws, self.n, self.expansions = draws, n, expansions or {}
         self.sample: int | Tensor = 0
         self.k = 0
-        for d in draws or ():  # (read back here: a random op cannot run under vmap)
+        for d in draws:  # (read back here: a random op cannot run under vmap)
             if d.kind.kind in ("mask", "attention"):
                 try:
                     d.noise()
@@ -421,7 +442,7 @@ class Replay(TorchFunctionMode):
         self.sample, self.k = sample, 0
         with self:
             yield
-        if self.draws is not None and self.k != len(self.draws):
+        if self.k != len(self.draws):
             raise DrawNotReplayable(
                 f"a sample alone drew {self.k} random ops where the batch drew "
                 f"{len(self.draws)}: its forward takes another path, so its part of the "
@@ -435,8 +456,6 @@ class Replay(TorchFunctionMode):
         out = _expanded(self, func, args, kwargs)
         if out is not NotImplemented:
             return out
-        if self.draws is None:
-            raise DrawsNeeded(getattr(func, "__name__", str(func)))
         if self.k >= len(self.draws) or self.draws[self.k].func is not func:
             raise DrawNotReplayable(
                 f"{getattr(func, '__name__', func)}: a sample alone draws random numbers "

@@ -160,6 +160,10 @@ def forward_per_sample_grads(
         ...                              torch.nn.MSELoss())
         >>> g["0.weight"].shape
         torch.Size([4, 4, 3])
+
+    Source: the definition of the per-sample gradient of a forward that draws random
+    numbers (dropout: Srivastava et al. 2014), as a loop of ``autograd.grad`` over the
+    per-sample losses of one batch forward.
     """
     refuse_sharded(model, 'loop')
     batch = as_batch(inputs)

@@ -138,7 +138,11 @@ def supported(model: nn.Module, inputs: Any = None, targets: Any = None,
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if inputs is None:
         return Routes(_static_routes(model))
-    return Routes(_traced_routes(model, as_batch(inputs), targets, loss_fn))
+    states = snapshot()  # (its forward's draws undone: the caller's stream goes on as it was)
+    try:
+        return Routes(_traced_routes(model, as_batch(inputs), targets, loss_fn))
+    finally:
+        restore(states)
 
 
 def _static_routes(model: nn.Module) -> list[Route]:

@@ -30,6 +30,7 @@ Source: Shazeer et al. 2017 (sparsely-gated mixture of experts); Jiang et al. 20
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,20 +92,35 @@ def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict) 
             continue
         x = rows[token].to(gate_up.dtype)  # (m, H)
         pre, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)  # (m, I) each
-        pre = pre.detach().requires_grad_()
-        with torch.enable_grad():
-            act = layer.act_fn(pre)
-        h = act.detach() * up  # (m, I)
+        act, slope = _activation(layer.act_fn, pre)  # act(pre), and act'(pre) or a pullback
+        h = act * up  # (m, I)
         gy = g[:, token] * weights[token, slot].to(g.dtype)[None, :, None]  # (v, m, H)
         padded = _Padded(sample[token], n)  # each sample's tokens, in rows of its own
         if want_d is not None:
             want_d[:, :, e] = padded.outer_sums(gy, h)
         if want_gu is not None:
             dh = gy @ down[e]  # (v, m, I)
-            dpre = torch.autograd.grad(act, pre, dh * up, is_grads_batched=True)[0] \
-                if v > 1 else torch.autograd.grad(act, pre, (dh * up)[0])[0][None]
-            dgu = torch.cat([dpre, dh * act.detach()], dim=-1)  # (v, m, 2I)
+            dpre = dh * up * slope if isinstance(slope, Tensor) else slope(dh * up)
+            dgu = torch.cat([dpre, dh * act], dim=-1)  # (v, m, 2I)
             want_gu[:, :, e] = padded.outer_sums(dgu, x)
+
+
+def _activation(fn: Callable[[Tensor], Tensor], pre: Tensor
+                ) -> tuple[Tensor, Tensor | Callable[[Tensor], Tensor]]:
+    """``fn(pre)`` and its derivative entry by entry (SiLU, Mixtral's: ``s (1 + pre (1 -
+    s))``, ``s = sigmoid(pre)``), or for another activation its pullback
+    ``(v, m, I) -> (v, m, I)`` by autograd."""
+    if isinstance(fn, nn.SiLU) or type(fn).__name__ == "SiLUActivation":
+        s = torch.sigmoid(pre)
+        return pre * s, s * (1 + pre * (1 - s))
+    leaf = pre.detach().requires_grad_()
+    with torch.enable_grad():
+        out = fn(leaf)
+
+    def pull(g: Tensor) -> Tensor:
+        return torch.autograd.grad(out, leaf, g, is_grads_batched=True, retain_graph=True)[0]
+
+    return out.detach(), pull
 
 
 class _Padded:
