@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 import persample
 from battery import check
+from test_dataflow import _Gain  # (x * w inside a custom autograd.Function)
 
 B = 4  # = the sequence length and the input width
 
@@ -36,24 +37,6 @@ def test_a_module_rules_parameter_read_outside_gets_both_contributions():
     routes = {(r.module, p): r.path for r in persample.supported(
         model, x, y, nn.CrossEntropyLoss()) for p in r.params}
     assert routes["lstm", "weight_ih_l0"] == "module rule", routes
-
-
-class _Gain(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, w: Tensor) -> Tensor:
-        return x * w
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor]:
-        x, w = ctx.saved_tensors
-        return g * w, (g * x).sum_to_size(w.shape)
-
-
-_Gain.generate_vmap_rule = True
 
 
 class Adapter(nn.Module):

@@ -373,7 +373,27 @@ def _expanded(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
         return expansion(*args, **kwargs)
 
 
-class Recorder(TorchFunctionMode):
+class _RandomOps(TorchFunctionMode):
+    """A mode that hands each random op to :meth:`drawn` (after running an op that draws
+    inside as its equations, where ``expansions`` has them); other ops run as they are."""
+
+    expansions: dict[Any, Callable]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = random_kind(func, args, kwargs)
+        if kind is None:
+            return func(*args, **kwargs)
+        out = _expanded(self, func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+        return self.drawn(func, kind, args, kwargs)
+
+    def drawn(self, func: Any, kind: _Kind, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+
+class Recorder(_RandomOps):
     """Inside: every random op's :class:`Draw` appended to ``draws``, in order.
     ``expansions`` (``{func: fn}``): random ops that draw inside run as their equations
     (as under the capture), so that the draws are the same ops a :class:`Replay` sees."""
@@ -384,14 +404,7 @@ class Recorder(TorchFunctionMode):
         self.expansions = expansions or {}
         self.stack: list[str] = []  # the modules under way, for messages (kept by the caller)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = random_kind(func, args, kwargs)
-        if kind is None:
-            return func(*args, **kwargs)
-        out = _expanded(self, func, args, kwargs)
-        if out is not NotImplemented:
-            return out
+    def drawn(self, func: Any, kind: _Kind, args: tuple, kwargs: dict) -> Any:
         draw = Draw(func, kind, args, kwargs, self.stack[-1] if self.stack else "")
         out = func(*args, **kwargs)
         draw.finish(out)
@@ -399,7 +412,7 @@ class Recorder(TorchFunctionMode):
         return out
 
 
-class Replay(TorchFunctionMode):
+class Replay(_RandomOps):
     """Inside (:meth:`of`): each random op answered by sample ``sample``'s part of the
     recorded ``draws``, in order (see the module docstring).
 
@@ -448,14 +461,7 @@ class Replay(TorchFunctionMode):
                 f"{len(self.draws)}: its forward takes another path, so its part of the "
                 "batch's random numbers is unknown")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = random_kind(func, args, kwargs)
-        if kind is None:
-            return func(*args, **kwargs)
-        out = _expanded(self, func, args, kwargs)
-        if out is not NotImplemented:
-            return out
+    def drawn(self, func: Any, kind: _Kind, args: tuple, kwargs: dict) -> Any:
         if self.k >= len(self.draws) or self.draws[self.k].func is not func:
             raise DrawNotReplayable(
                 f"{getattr(func, '__name__', func)}: a sample alone draws random numbers "
