@@ -432,7 +432,7 @@ def test_supported_names_the_op_whose_rule_declines_and_why():
     (route,) = [r for r in persample.supported(model, x) if r.params == ("w",)]
     assert route.path == "op vjp"
     assert route.reason.startswith("einsum in module '<root>' (NoRule): ")
-    assert "a diagonal of a parameter" in route.reason
+    assert "a diagonal of an operand" in route.reason
     assert "torch.func" in route.reason
 
 

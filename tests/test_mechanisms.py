@@ -761,9 +761,11 @@ def gpt2_reentrant_checkpointing():
                          ids=["bloom-alibi", "mpt-alibi", "mixtral", "qwen2-moe"])
 def test_transformers_models(make):
     """ALiBi (BLOOM's ``baddbmm`` by keyword, MPT's bias table) and mixture-of-experts
-    layers (experts' weights gathered per token by the router's choices) on the rules."""
+    layers (the experts' module rule, whatever implementation runs inside) on the
+    rules."""
     model, inputs, labels = make()
-    check(model, inputs, labels, causal_lm_loss)
+    check(model, inputs, labels, causal_lm_loss, paths={"rule", "module rule"}
+          if make in (mixtral, qwen2_moe) else {"rule"})
 
 
 @pytest.mark.slow
@@ -781,16 +783,17 @@ def test_transformers_reentrant_gradient_checkpointing():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("make", [mixtral, qwen2_moe], ids=["mixtral", "qwen2-moe"])
-def test_transformers_eager_experts_loop_is_exact_and_named(make):
-    """transformers' default eager experts loop over the experts some token chose, a set
-    made from every sample's routing: the rules do not follow it (supported says so and
-    why), and auto's answer is the loop's."""
+def test_transformers_eager_experts_loop_takes_the_experts_module_rule(make):
+    """transformers' eager experts loop over the experts some token chose (a set made
+    from every sample's routing, which the op rules cannot follow): the experts' module
+    rule computes from the call's inputs, routing and backprops alone, exactly."""
     model, inputs, labels = make("eager")
     routes = persample.supported(model, inputs, labels, causal_lm_loss)
-    assert {r.path for r in routes} == {"vmap"}
-    assert "reduces over the batch" in routes[0].reason
+    assert {r.path for r in routes} == {"rule", "module rule"}
+    assert {r.module.rsplit(".", 1)[-1] for r in routes if r.path == "module rule"} == {
+        "experts"}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error", UserWarning)  # auto stays on the rules
         got = per_sample_grads(model, inputs, labels, causal_lm_loss)
     assert_exact(got, loop_per_sample_grads(model, inputs, labels, causal_lm_loss))
 

@@ -164,6 +164,26 @@ class SlidingChunks(nn.Module):
         return self.head(scores.softmax(-1).reshape(n, -1, 4).mean(1))
 
 
+class RelativeKeys(nn.Module):
+    """XLNet's position keys: a shared sinusoid table widened to the batch, projected by
+    a parameter with ``einsum`` (a derived tensor as long as the batch), then read per
+    sample against the queries."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.r, self.head = nn.Linear(4, 4), nn.Parameter(torch.randn(4, 4)), \
+            nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x (B, T, 4)
+        n, t, _ = x.shape
+        q = self.q(x).transpose(0, 1)  # (T, B, 4)
+        angles = torch.arange(t, dtype=x.dtype)[:, None] * torch.arange(1, 5, dtype=x.dtype)
+        table = angles.sin()[:, None, :].expand(t, n, 4)  # (T, B, 4): shared
+        keys = torch.einsum("ibh,hd->ibd", table, self.r)  # derived, as long as the batch
+        scores = torch.einsum("ibd,jbd->bij", q, keys)  # (B, T, T)
+        return self.head((scores.softmax(-1) @ x).mean(1))
+
+
 EINSUMS = {
     "3d-table": lambda: Einsum("bti,hio->btho", (4, 4, 4)),
     "param-first": lambda: Einsum("io,bti->bto", (4, 4), first=True),
@@ -177,6 +197,7 @@ EINSUMS = {
     "vq-codebook": Codebook,
     "shifted-windows": ShiftedWindows,
     "segment-scores": SegmentScores,
+    "relative-keys": RelativeKeys,
     "sliding-chunks": SlidingChunks,
 }
 

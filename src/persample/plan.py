@@ -185,6 +185,11 @@ def _fallbacks(cap: Capture, result: Plan, needs: dict[int, str], reads: dict[in
     # inside; a module rule's parameter read outside its module keeps those reads' uses
     result.by_fallback = result.handled - by_rule
     result.uses = [op for op in result.uses if not op.sources_all <= result.by_fallback]
+    written = {id(p) for _, params in result.fallback_jobs for p in params.values()}
+    if not result.by_fallback <= written:  # nothing handled is left unwritten
+        pid = next(iter(result.by_fallback - written))
+        raise RuntimeError(f"parameter {param_name(cap.model, pid)} was given to a fallback "
+                           "that does not differentiate it")
 
 
 def _holds(call: Call, pid: int) -> bool:

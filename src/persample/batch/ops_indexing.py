@@ -595,6 +595,16 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
     return _landed(ctx, name_of(func), x, d, idx, li, own, out)
 
 
+def _names_samples(ctx: Ctx, idx: Tensor) -> bool:
+    """Are an index tensor's values its entries' own samples (``nonzero`` of a mask over
+    the batch: the batch index of each)?"""
+    li = followed(ctx, idx)
+    if trouble([li]) is not None or li is SHARED:
+        return False
+    named = element_samples(ctx, idx, li).expand(idx.shape)
+    return bool((named >= 0).all()) and torch.equal(idx.long(), named)
+
+
 def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own: Tensor,
             out: Tensor) -> Layout:
     """The layout of ``x`` after entries with samples ``own`` landed in its rows ``idx``
@@ -690,27 +700,54 @@ def setitem_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout | None
         items = items[:k] + [slice(None)] * (x.dim() - len(items) + 1) + items[k + 1:]
     items += [slice(None)] * (x.dim() - len(items))
     picks = [k for k, i in enumerate(items) if isinstance(i, Tensor)]
-    if len(picks) != 1 or len(items) != x.dim() or any(
-            i != slice(None) for k, i in enumerate(items) if k != picks[0]):
+    if len(items) != x.dim() or not 1 <= len(picks) <= 2 or any(
+            i != slice(None) for k, i in enumerate(items) if k not in picks):
         return None
-    d, idx = picks[0], items[picks[0]]
-    if idx.dim() != 1 or idx.is_floating_point():
+    if any(items[k].dim() != 1 or items[k].is_floating_point() for k in picks):
         return None
-    li = followed(ctx, idx)
+    if len(picks) == 1:
+        return _set_rows(ctx, x, items, picks, picks[0], value)
+    # x[a, b] = value (Longformer's global keys): one index picks the rows of the dim
+    # that comes to hold the samples, the other a position within each row
+    if picks[1] != picks[0] + 1 or items[picks[0]].shape != items[picks[1]].shape or any(
+            items[k].dtype == torch.bool for k in picks):
+        return None
+    for d in sorted(picks, key=lambda k: not _names_samples(ctx, items[k])):
+        found = _set_rows(ctx, x, items, picks, d, value)
+        if isinstance(found, Batched):
+            return found
+    return None
+
+
+def _set_rows(ctx: Ctx, x: Tensor, items: list, picks: list[int], d: int, value: Any
+              ) -> Layout | None:
+    """:func:`setitem_layout` with the rows of ``x``'s dim ``d`` picked by ``items[d]``
+    (and, of two index tensors, a position within each row by the other)."""
     lx = followed(ctx, x)
+    within = items[picks[0] + picks[1] - d] if len(picks) == 2 else None
+    idx = items[d]
+    li = followed(ctx, idx)
     if trouble([li, lx]) is not None or (lx is not SHARED and samples_along(ctx, x, lx)[0] != d):
         return None
     own = element_samples(ctx, idx, li).expand(idx.shape)
+    if within is not None:  # the position in each row, from its own sample (or shared)
+        lw = followed(ctx, within)
+        if trouble([lw]) is not None:
+            return None
+        own = merge(own, element_samples(ctx, within, lw).expand(within.shape))
+        if own is None:
+            return Mixed("x[rows, cols] = value pairs rows and columns of other samples")
     if idx.dtype in (torch.bool, torch.uint8):
         own, idx = own[idx.bool()], idx.bool().nonzero()[:, 0]
     if isinstance(value, Tensor) and value.dim():
         lv = followed(ctx, value)
         if trouble([lv]) is not None:
             return None
-        shape = list(x.shape)
-        shape[d] = idx.shape[0]
+        first = picks[0]  # where the indexed entries are in the value
+        shape = [size for k, size in enumerate(x.shape) if k not in picks]
+        shape.insert(first, idx.shape[0])
         along = element_samples(ctx, value, lv).expand(value.shape).expand(shape)
-        along = along.movedim(d, 0).reshape(shape[d], -1)
+        along = along.movedim(first, 0).reshape(shape[first], -1)
         if along.shape[1] and not bool((along == along[:, :1]).all()):
             return None
         own = merge(own, along[:, 0]) if along.shape[1] else own

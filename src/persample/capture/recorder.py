@@ -59,7 +59,7 @@ from ..precision import autocast_state
 from .edges import edge_of
 from .mode import hidden, mode_class, must_hide
 from .records import Call, Derived, Op, shapes_only
-from .tensors import free_tensors, has_tensor, holders, tensor_leaves, user_leaf
+from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
 _DETACHES = frozenset((torch.Tensor.detach, torch.detach))
 
@@ -349,6 +349,8 @@ class Capture:
                 self.unseen_reads |= frozenset().union(*sources.values())
         else:
             self.layouts.set_outputs(out, flow.outputs)
+            if flow.outputs is SHARED and isinstance(out, Tensor):
+                KEPT.add(out)  # (for a later call that finds it cached)
         for t, lay in flow.writes:  # other inputs the op overwrote (running statistics)
             self.layouts.written(t, lay)
         if self.following and self.mixing is None:
@@ -366,7 +368,7 @@ class Capture:
         lay = self.layouts.layout(t)
         if lay is not MISSING:
             return lay
-        if self.constant(t):
+        if self.constant(t) or KEPT.holds(t):  # (made before this call: no sample of it)
             self.layouts[t] = SHARED
             return SHARED
         where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""

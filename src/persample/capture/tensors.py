@@ -4,6 +4,8 @@ hooking, and the tensors of a call's inputs and outputs, fast.
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Any
 
 from torch import Tensor, nn
@@ -109,3 +111,37 @@ def user_leaf(t: Tensor) -> bool:
     (from sample data or anything else), so shared by every sample (FSDP2 gathers a
     sharded model's parameters, frozen ones too, into new parameters in the forward)."""
     return (t.requires_grad or isinstance(t, nn.Parameter)) and t.grad_fn is None
+
+
+class Kept:
+    """Tensors a capture saw made from no sample data that outlived it (a cached index
+    table, transformers' ``lru_cache``-d relative positions): made before any later
+    call, they hold none of its samples, so a later capture reads them as shared rather
+    than as tensors it never saw made. By identity, holding none alive.
+
+    Example:
+        >>> import torch
+        >>> kept, t = Kept(), torch.arange(3)
+        >>> kept.add(t)
+        >>> kept.holds(t), kept.holds(torch.arange(3))
+        (True, False)
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, weakref.ref] = {}
+
+    def add(self, t: Tensor) -> None:
+        key = id(t)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if self._by_id.get(key) is ref:
+                del self._by_id[key]
+
+        self._by_id[key] = weakref.ref(t, forget)
+
+    def holds(self, t: Tensor) -> bool:
+        ref = self._by_id.get(id(t))
+        return ref is not None and ref() is t
+
+
+KEPT = Kept()

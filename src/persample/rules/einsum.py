@@ -32,8 +32,28 @@ def _operands(call: OpCall) -> tuple[str, list]:
     return eq.replace(" ", ""), rest
 
 
+def _batch_letter(call: OpCall, tensors: list[Tensor], subs: list[str], out_subs: str) -> str:
+    """The samples' letter: at the batch dim of the output, or (a derived op pulled back
+    per sample, its output shared) of the operands paired with the samples."""
+    letters = set()
+    for t, s in zip(tensors, subs):
+        pairing = call.pairing(t)
+        if pairing is not None:
+            if not pairing.plain or s.count(s[pairing.dim]) != 1:
+                raise Decline("an operand paired with the samples in a merged or repeated dim")
+            letters.add(s[pairing.dim])
+    lay = call.op.out_layouts[0]
+    if getattr(lay, "plain", False):
+        letters.add(out_subs[lay.dim])
+    if len(letters) != 1 or not letters <= set(out_subs):
+        raise Decline("no one letter of the samples kept by the output")
+    return letters.pop()
+
+
 def einsum(call: OpCall, g: Tensor, out: dict) -> None:
-    """``out[W] (n, v, *W.shape)`` for each shared operand ``W`` asked for."""
+    """``out[t] (n, v, *per_sample_shape)`` for each operand ``t`` asked for: a shared one
+    (a parameter, its own shape), or one paired with the samples (a derived operand
+    pulled back per sample, its shape with the batch dim of size 1)."""
     eq, operands = _operands(call)
     call.only(out, *operands)
     tensors = [t for t in operands if isinstance(t, Tensor)]
@@ -43,35 +63,31 @@ def einsum(call: OpCall, g: Tensor, out: dict) -> None:
         subs, out_subs = einsum_subscripts(eq, [t.dim() for t in tensors])
     except ValueError as err:
         raise Decline(str(err)) from None
-    lay = call.op.out_layouts[0]
-    if not getattr(lay, "plain", False):
-        raise Decline("an output without one plain batch dim")
-    b = out_subs[lay.dim]
+    b = _batch_letter(call, tensors, subs, out_subs)
     free = [c for c in string.ascii_letters if c not in eq and c not in "".join(subs)]
     v, one = free[:2]  # the cotangents; a sample's own batch dim, of size 1
     g_subs = b + v + out_subs.replace(b, one)
-    fronted, fronted_subs = [], []
+    fronted, fronted_subs = [], []  # every operand with its samples in front
     for t, s in zip(tensors, subs):
         pairing = call.pairing(t)
-        if pairing is None:
-            if b in s:
-                raise Decline("a shared operand indexed by the samples' letter")
-        elif not pairing.plain or s[pairing.dim] != b or s.count(b) != 1:
-            raise Decline("a batched operand whose batch dim is not the output's")
+        if pairing is None and b in s:
+            raise Decline("a shared operand indexed by the samples' letter")
+        if pairing is not None and s[pairing.dim] != b:
+            raise Decline("an operand paired with the samples in another letter")
         fronted.append(call.front(t))
         fronted_subs.append(s if pairing is None else b + s.replace(b, one))
     for k, (t, s) in enumerate(zip(tensors, subs)):
         if t not in out:
             continue
-        if call.pairing(t) is not None or len(set(s)) != len(s):
-            raise Decline("a batched operand, or a diagonal of a parameter")
+        if len(set(s)) != len(s):
+            raise Decline("a diagonal of an operand asked for")
+        want = s if call.pairing(t) is None else s.replace(b, one)
         others = [(x, xs) for j, (x, xs) in enumerate(zip(fronted, fronted_subs)) if j != k]
         seen = set(g_subs).union(*(set(xs) for _, xs in others))
-        if not set(s) <= seen:
-            raise Decline("a parameter dim summed by the op alone")
+        if not set(want) <= seen:
+            raise Decline("a dim of the operand summed by the op alone")
         terms = ",".join([g_subs] + [xs for _, xs in others])
-        got = torch.einsum(f"{terms}->{b}{v}{s}", g, *(x for x, _ in others))
-        out[t].copy_(got)
+        out[t].copy_(torch.einsum(f"{terms}->{b}{v}{want}", g, *(x for x, _ in others)))
 
 
 EINSUM = register(OpSpec((torch.einsum,), grad=einsum))

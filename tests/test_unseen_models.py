@@ -1,0 +1,95 @@
+"""transformers models whose mechanisms the other tests build by hand, from small configs
+(``B`` = 4 = heads = windows somewhere): every parameter a forward reads takes a rule
+or a module rule, and the per-sample gradients equal the loop's (float64).
+
+Swin (shifted windows: a shift mask repeated per sample's windows beside a learned
+bias), BEiT (a relative bias gathered from a table by a buffer of indices), XLNet
+(relative attention by ``einsum`` with a segment matrix as long as the batch), FNet
+(FFT token mixing), Funnel (sequence pooling between blocks), T5 for classification
+(pooling at ``<eos>`` by a boolean mask regrouped by a view), Longformer (overlapping
+chunks by ``as_strided``, global attention written by two index tensors)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import persample
+from battery import flat
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+B = 4
+
+
+def _ids() -> dict:
+    torch.manual_seed(1)
+    return {"input_ids": torch.randint(5, 90, (B, 16))}
+
+
+def _pixels() -> dict:
+    torch.manual_seed(1)
+    return {"pixel_values": torch.randn(B, 3, 32, 32, dtype=torch.float64)}
+
+
+def _t5_ids() -> dict:
+    ids = _ids()["input_ids"]
+    ids[:, -1] = 1  # <eos>
+    return {"input_ids": ids}
+
+
+T = transformers
+MODELS = {
+    "swin": (lambda: T.SwinForImageClassification(T.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+        window_size=4, num_labels=3)), _pixels),
+    "beit": (lambda: T.BeitForImageClassification(T.BeitConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, use_relative_position_bias=True,
+        num_labels=3)), _pixels),
+    "xlnet": (lambda: T.XLNetForSequenceClassification(T.XLNetConfig(
+        vocab_size=100, d_model=32, n_layer=2, n_head=4, d_inner=64, num_labels=3)), _ids),
+    "fnet": (lambda: T.FNetForSequenceClassification(T.FNetConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+        num_labels=3, max_position_embeddings=32)), _ids),
+    "funnel": (lambda: T.FunnelForSequenceClassification(T.FunnelConfig(
+        vocab_size=100, d_model=32, n_head=4, d_head=8, d_inner=64, block_sizes=[1, 1],
+        num_decoder_layers=1, num_labels=3)), _ids),
+    "t5": (lambda: T.T5ForSequenceClassification(T.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, num_labels=3,
+        eos_token_id=1, decoder_start_token_id=0, pad_token_id=0)), _t5_ids),
+    "longformer": (lambda: T.LongformerForSequenceClassification(T.LongformerConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, attention_window=[4, 4], num_labels=3,
+        max_position_embeddings=40, pad_token_id=1)), _ids),
+}
+
+
+def loss_fn(out, labels):
+    return F.cross_entropy(out.logits, labels, reduction="none")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_on_the_rules_and_exact(name):
+    build, inputs = MODELS[name]
+    torch.manual_seed(0)
+    model, x = build().double().eval(), inputs()
+    y = torch.randint(0, 3, (B,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # auto may not leave the rules
+        warnings.filterwarnings("ignore", message=".*(Initializing global|performance).*")
+        routes = persample.supported(model, x, y, loss_fn)
+        got = persample.per_sample_grads(model, x, y, loss_fn)
+    paths = {r.path for r in routes} - {"unused"}
+    assert paths <= {"rule", "module rule", "op vjp"}, paths
+    on_rules = sum(dict(model.named_parameters())[f"{r.module}.{p}" if r.module else p].numel()
+                   for r in routes for p in r.params if r.path in ("rule", "module rule"))
+    read = sum(dict(model.named_parameters())[f"{r.module}.{p}" if r.module else p].numel()
+               for r in routes for p in r.params if r.path != "unused")
+    assert on_rules >= 0.95 * read, (on_rules, read)
+    want = persample.loop_per_sample_grads(model, x, y, loss_fn)
+    err = (flat(got) - flat(want)).abs().max() / flat(want).abs().max()
+    assert err < 1e-10, err
