@@ -90,3 +90,24 @@ def test_a_torchscript_submodule_is_named_and_auto_answers():
     want = persample.loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+class NoGradScale(nn.Module):
+    """A weight divided by its norm taken under ``torch.no_grad()`` (a constant to
+    autograd), and read normally."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            scale = self.a.weight.norm()
+        return self.head(torch.tanh(F.linear(x, self.a.weight / scale, self.a.bias)))
+
+
+def test_a_weight_read_under_no_grad_is_a_constant_on_the_rules():
+    torch.manual_seed(0)
+    model = NoGradScale().double()
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 2, (B,))
+    check(model, x, y, nn.CrossEntropyLoss(), methods=("rules", "auto", "vmap", "loop"))

@@ -27,6 +27,7 @@ outside itself while open is in :mod:`persample.patches`.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -62,6 +63,18 @@ from .records import Call, Derived, Op, shapes_only
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
 _DETACHES = frozenset((torch.Tensor.detach, torch.detach))
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+def _inside_function() -> bool:
+    """Is a custom ``autograd.Function``'s forward under way (its ``apply`` on the
+    stack)? Asked only of the rare op reading a parameter without autograd."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            return True
+        frame = frame.f_back
+    return False
 
 # ops whose output is their first argument repeated along new or size-1 dims, where its
 # shape broadcasts to the output's
@@ -387,9 +400,11 @@ class Capture:
         op.edges = [edge_of(o) for o in outs]
         op.claimed = self._claim(op.sources_all)
         if func not in _DETACHES and not any(o.requires_grad for o in outs) and any(
-                o.is_floating_point() or o.is_complex() for o in outs):
-            # read without autograd (inside a custom autograd.Function, whose backward is
-            # the gradient path); a .detach() is a constant by design: no gradient path
+                o.is_floating_point() or o.is_complex() for o in outs) and (
+                torch.is_grad_enabled() or _inside_function()):
+            # read without autograd inside a custom autograd.Function, whose backward is
+            # the gradient path; a .detach() or the user's torch.no_grad() makes a
+            # constant by design: no gradient path
             self.unseen_reads |= op.sources_all
         self.ops.append(op)
         for k, (o, lay) in enumerate(zip(outs, lays)):
