@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from battery import LEAVING, METHODS, SLOWER, check
+from battery import METHODS, check
 
 B = 4
 
@@ -105,7 +105,8 @@ class Codebook(nn.Module):
 class ShiftedWindows(nn.Module):
     """Swin's shifted-window attention: the batch merged with the windows, a learned
     relative bias plus a shift mask repeated for every sample's windows (a shared tensor
-    as long as the merged batch), given to SDPA as one mask."""
+    as long as the merged batch, paired with the samples' windows row by row), given to
+    SDPA as one mask: the op's own backward gives each sample's rows of the mask."""
 
     def __init__(self):
         super().__init__()
@@ -214,11 +215,7 @@ def test_on_the_rules_and_exact(name):
     if name == "batch-in-dim-1":
         x = torch.randn(4, B, 4).double()
         model = _BatchSecond(model)
-    # the shifted block's bias reaches SDPA mixed with the shift mask: its exact
-    # per-sample VJP (torch.func on the one op), every other parameter a rule
-    slower = name == "shifted-windows"
-    check(model, x, torch.randint(0, 3, (B,)), nn.CrossEntropyLoss(), methods=METHODS,
-          paths={"rule", "op vjp"} if slower else {"rule"}, forbid=LEAVING if slower else SLOWER)
+    check(model, x, torch.randint(0, 3, (B,)), nn.CrossEntropyLoss(), methods=METHODS)
 
 
 class _BatchSecond(nn.Module):

@@ -203,14 +203,14 @@ class Pullbacks:
         """Shared inputs of an op that broadcasts them over the samples: the op's own
         backward on per-sample copies (:func:`persample.rules.vjp.expand_vjp`)."""
         if (len(op.outputs) != 1 or not isinstance(out_pairings[0], Batched)
-                or any(call.op.pairing(k) is not None for k in wrt)
                 or not broadcasts(op.func) or op.edges[0] is None):
             return False
         g = self.captured.grad(op.edges[0])
         if g is None:
             return False
+        paired = [call.op.pairing(k) for k in wrt]  # (a shared input as long as the batch)
         try:
-            got = expand_vjp(op, wrt, g, out_pairings[0], self.captured.n)
+            got = expand_vjp(op, wrt, g, out_pairings[0], self.captured.n, paired)
         except (ValueError, RuntimeError):
             return False
         for k, value in zip(wrt, got):

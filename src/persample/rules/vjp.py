@@ -172,15 +172,19 @@ def _replay(op: Any, wrt: list[int]) -> tuple[list[Tensor], list[Tensor]]:
     return values, [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
 
 
-def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
-               ) -> list[Tensor]:
+def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int,
+               paired: list | None = None) -> list[Tensor]:
     """Per-sample VJPs of shared inputs that an op broadcasts over the samples (a
     position bias in ``where(mask, bias, -inf)``, an attention mask of
     ``scaled_dot_product_attention``, ``x * gamma`` in any form), from the op's own
     backward: each such input is expanded along the samples' dim to a per-sample copy,
     the op runs once on the batch, and the gradient of the copy holds every sample's
-    row. ``g``: the backprops ``(v, *out)`` in the output's own layout. Returns
-    ``(n, v, *input.shape)`` per input of ``wrt``.
+    row. ``g``: the backprops ``(v, *out)`` in the output's own layout. ``paired``: per
+    input of ``wrt``, how the op pairs it with the samples where it is already as long
+    as the batch (Swin's mask, repeated for every sample's windows; ``None`` else): its
+    copy is not expanded, and its rows are cut by that pairing. Returns ``(n, v,
+    *input.shape)`` per input of ``wrt`` (``(n, v, *per_sample_shape)`` for a paired
+    one).
     """
     from .calls import reduce_to
 
@@ -191,8 +195,14 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
     values = [op.value(k).detach() for k in range(len(op.leaves))]
     out = op.outputs[0]
     size, copies = out.shape[out_layout.dim], []
-    for k in wrt:
+    paired = paired or [None] * len(wrt)
+    for k, pairing in zip(wrt, paired):
         t = values[k]
+        if pairing is not None:  # already one row per sample's positions
+            copy = t.clone().requires_grad_()
+            values[k] = copy
+            copies.append((copy, pairing))
+            continue
         lead = out_layout.dim - (out.dim() - t.dim())  # broadcasting aligns the right ends
         if lead < 0:
             t, lead = t.reshape((1,) * -lead + tuple(t.shape)), 0
@@ -214,6 +224,9 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int
     found = []
     for k, (_, lead), gc in zip(wrt, copies, grads):
         gc = gc if v > 1 else gc.unsqueeze(0)  # (v, *copy.shape)
+        if isinstance(lead, Batched):  # a paired input: its own rows per sample
+            found.append(lead.front_cotangents(gc, n))
+            continue
         per_sample = out_layout.moved(lead).front_cotangents(gc, n)  # (n, v, *per_sample)
         found.append(reduce_to(per_sample, tuple(op.leaves[k].shape)))
     return found
