@@ -111,3 +111,34 @@ def test_a_weight_read_under_no_grad_is_a_constant_on_the_rules():
     model = NoGradScale().double()
     x, y = torch.randn(B, 4).double(), torch.randint(0, 2, (B,))
     check(model, x, y, nn.CrossEntropyLoss(), methods=("rules", "auto", "vmap", "loop"))
+
+
+class Cached(nn.Module):
+    """Keeps tensors made in one forward for the next: an index table (no gradient path:
+    shared in later calls) and the transposed weight (a gradient path into the first
+    call's graph: not followed, so the rules refuse and auto answers)."""
+
+    def __init__(self, weight_too: bool):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.weight_too, self.cache = weight_too, {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        if "index" not in self.cache:
+            self.cache["index"] = torch.arange(4).flip(0)
+            self.cache["wt"] = self.a.weight.t()
+        h = x[:, self.cache["index"]]
+        h = h @ self.cache["wt"] if self.weight_too else self.a(h)
+        return self.head(torch.tanh(h))
+
+
+def test_a_tensor_cached_by_an_earlier_call_is_shared_unless_it_carries_a_graph():
+    torch.manual_seed(0)
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 2, (B,))
+    model = Cached(weight_too=False).double()
+    persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss())  # fills the cache
+    check(model, x, y, nn.CrossEntropyLoss(), methods=("rules", "auto"))
+    model = Cached(weight_too=True).double()
+    persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    with pytest.raises(persample.NeedsWholeModel):
+        persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")

@@ -45,13 +45,14 @@ class Plan:
     paths: dict[int, Path] = field(default_factory=dict)
     reach: list[nn.Parameter] = field(default_factory=list)  # params to check for hidden paths
 
-    def edges(self) -> list[GradientEdge]:
-        """Every gradient edge the backward must reach, without repeats."""
+    def edges(self, reach: bool = True) -> list[GradientEdge]:
+        """Every gradient edge the backward must reach, without repeats (``reach=False``:
+        without the parameters' own, checked for a hidden gradient path)."""
         found: dict[tuple[int, int], GradientEdge] = {}
         sources = [e.edge for op in self.uses for e in op.edges if e is not None]
         sources += [e.edge for call, _ in self.module_jobs + self.fallback_jobs
                     for e in call.edges if e is not None]
-        sources += [get_gradient_edge(p) for p in self.reach]
+        sources += [get_gradient_edge(p) for p in self.reach] if reach else []
         for e in sources:
             found.setdefault(edge_key(e), e)
         return list(found.values())
@@ -90,6 +91,11 @@ def plan(cap: Capture, watched: dict[int, nn.Parameter]) -> Plan:
         elif pid not in result.handled:
             result.reach.append(watched[pid])
     _fallbacks(cap, result, needs_fallback, reads, watched)
+    # "unused" only where autograd confirms it: a parameter no recorded op read may still
+    # get gradient (through a graph kept from an earlier call, or code the capture never
+    # saw); the backward checks its edge
+    result.reach += [p for pid, p in watched.items() if pid not in reads
+                     and pid not in cap.unseen_reads and p.requires_grad]
     _paths(cap, result, reads, watched)
     return result
 

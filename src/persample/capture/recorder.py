@@ -362,8 +362,9 @@ class Capture:
                 self.unseen_reads |= frozenset().union(*sources.values())
         else:
             self.layouts.set_outputs(out, flow.outputs)
-            if flow.outputs is SHARED and isinstance(out, Tensor):
-                KEPT.add(out)  # (for a later call that finds it cached)
+            if flow.outputs is SHARED and isinstance(out, Tensor) and not out.requires_grad:
+                KEPT.add(out)  # (for a later call that finds it cached; one with a gradient
+                # path would carry this call's graph into the next: left unknown there)
         for t, lay in flow.writes:  # other inputs the op overwrote (running statistics)
             self.layouts.written(t, lay)
         if self.following and self.mixing is None:

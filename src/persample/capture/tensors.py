@@ -114,10 +114,11 @@ def user_leaf(t: Tensor) -> bool:
 
 
 class Kept:
-    """Tensors a capture saw made from no sample data that outlived it (a cached index
-    table, transformers' ``lru_cache``-d relative positions): made before any later
-    call, they hold none of its samples, so a later capture reads them as shared rather
-    than as tensors it never saw made. By identity, holding none alive.
+    """Tensors a capture saw made from no sample data, without a gradient path, that
+    outlived it (a cached index table, transformers' ``lru_cache``-d relative positions):
+    made before any later call, they hold none of its samples, so a later capture reads
+    them as shared rather than as tensors it never saw made. By identity, holding none
+    alive.
 
     Example:
         >>> import torch

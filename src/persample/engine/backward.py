@@ -61,10 +61,12 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
         result = plan(cap, watched)
         cap.release_calls([call for call, _ in result.module_jobs + result.fallback_jobs])
         edges = result.edges()
-    if edges and not value.requires_grad:
-        raise RuntimeError(
-            "the result does not depend on any parameter through autograd (was the "
-            "model's output detached?)")
+    if not value.requires_grad:  # (the parameters only checked for a hidden path: none)
+        if result.edges(reach=False):
+            raise RuntimeError(
+                "the result does not depend on any parameter through autograd (was the "
+                "model's output detached?)")
+        edges = []
     got = backward(value, edges, result) if edges else ()  # the model's own backward code
     with internal("reading the backward's gradients"):
         grads = {edge_key(e): g for e, g in zip(edges, got)}
@@ -73,8 +75,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     if hidden:
         raise NeedsWholeModel(
             f"parameter {param_name(model, id(hidden[0]))} gets gradient through ops the "
-            "capture cannot follow (a custom autograd.Function, TorchScript code, or a "
-            "tensor it was written into in place)")
+            "capture cannot follow (a custom autograd.Function, TorchScript code, a "
+            "tensor it was written into in place, or a tensor kept from an earlier call)")
     return Captured(cap, result, grads, batch.n, v)
 
 
