@@ -20,6 +20,12 @@ Forward hooks on every module holding a watched parameter keep the stack of modu
 calls (for names, module rules and the per-module fallback). A module with a module
 rule *claims* the ops reading its own parameters inside its call.
 
+Every random op is recorded as a :class:`~persample.draws.Draw` (``draws``, in order;
+an op's own in ``Op.draw``, a call's range in ``Call.first_draw``/``end_draw``), so that
+whatever is evaluated again draws the numbers this forward drew. While the loss runs
+(:meth:`Capture.follow`), the first of its ops that mixes samples (``mixing``) is kept:
+such a loss has no per-sample form.
+
 State lives in the :class:`Capture` object, never on the model, and the hooks exist only
 inside the ``with`` block: they are removed in ``finally``. What a capture changes
 outside itself while open is in :mod:`persample.patches`.
