@@ -348,3 +348,23 @@ def test_a_loss_on_an_output_the_model_mixed_is_the_models_matter():
     with pytest.warns(UserWarning, match="samples are mixed"):
         got = persample.per_sample_grads(model, x, y, loss_fn)
     assert_exact(got, persample.loop_per_sample_grads(model, x, y, loss_fn))
+
+
+def test_in_place_dropout_whose_output_is_dropped_is_replayed_in_place():
+    """``F.dropout(h, 0.5, True, True)``, its output ignored: only ``h`` changed in place
+    carries the mask, so the loop and torch.func must replay it in place too."""
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            F.dropout(h, 0.5, True, True)  # its output ignored: h itself is dropped
+            return self.b(torch.tanh(h))
+
+    torch.manual_seed(0)
+    model = InPlace().double()
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 3, (B,))
+    check(model, x, y, nn.CrossEntropyLoss(), methods=METHODS, seed=3)

@@ -178,8 +178,12 @@ class Draw:
         self.stride = tuple(first.stride()) if first is not None else None
         self.dtype = first.dtype if first is not None else None
         self.device = first.device if first is not None else device_of(args, kwargs)
-        self.rest = args[1:]
-        self.kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
+        # what a mask op is called with beside its input (p, training): scalars
+        self.rest = args[1:] if kind.kind == "mask" else ()
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "inplace"} \
+            if kind.kind == "mask" else {}
+        self.p = float(_arg(args, kwargs, 4, "dropout_p", 0.0)) if kind.kind == "attention" \
+            else None
         if kind.kind == "attention":
             self.shape, self.stride = _attention_shape(args[0], args[1]), None
 
@@ -211,8 +215,7 @@ class Draw:
                     f"{self.describe()}: the dropout mask of scaled_dot_product_attention "
                     f"on {self.device.type} (or under autocast) is drawn inside a fused "
                     "kernel and cannot be read back for one sample")
-            p = float(_arg(self.rest, self.kwargs, 3, "dropout_p", 0.0))
-            return self._probe(lambda x: F.dropout(x, p), 1.0), None
+            return self._probe(lambda x: F.dropout(x, self.p), 1.0), None
         if kind != "mask":
             raise DrawNotReplayable(f"{self.describe()}: its random numbers cannot be cut "
                                     "by sample")
@@ -243,6 +246,7 @@ class Draw:
             x = args[0]
             scale, shift = self.noise()
             s = self._cut(scale, sample, n, x.shape)
+            # (F.dropout passes ``inplace`` to the mode as a keyword)
             inplace = bool(kwargs.get("inplace")) or self.func in _IN_PLACE
             out = x.mul_(s) if inplace else x * s
             if shift is not None:

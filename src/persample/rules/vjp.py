@@ -31,6 +31,7 @@ from ..batch import Batched, front
 from ..draws import Draw, DrawNotReplayable, Replay, at
 from ..errors import UnsupportedModuleError
 from ..precision import replaying
+from .spec import EXPANSIONS
 
 
 def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings: list,
@@ -46,8 +47,6 @@ def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings
     per-sample shape. ``draws``: the random ops ``fn`` runs, recorded by the capture:
     each sample replays its part of them (:class:`persample.draws.Replay`).
     """
-    from .spec import EXPANSIONS  # (the shared files import no family)
-
     replay = Replay(draws, n, EXPANSIONS) if draws else None
     mapped = [k for k, a in enumerate(pairings) if a is not None]
     fronted = [front(values[k].detach(), pairings[k], n) for k in mapped]
