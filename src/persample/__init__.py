@@ -6,13 +6,16 @@ The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 projections of per-sample gradients, for data attribution),
 the loop references, :func:`register_rule` to add a layer rule, and
 :func:`supported` / :func:`verify` to check a custom model,
-:func:`empty_cache` to free the result memory persample keeps for reuse, and
+:func:`empty_cache` to free the result memory persample keeps for reuse,
+:func:`clear_plans` / :func:`cache_plans` for the data flow it keeps from earlier calls,
+and
 :class:`PackedRows` to pass the rows of several samples packed into one tensor.
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
 from .dots import per_sample_grad_dots
 from .draws import DrawNotReplayable
+from .engine.plans import cache_plans, clear_plans
 from .errors import InternalError, LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
 from .inputs import PackedRows
 from .jacobian import input_jacobian, jacobian_diagonal
@@ -34,6 +37,8 @@ __all__ = [
     "aligned_empty",
     "PackedRows",
     "empty_cache",
+    "clear_plans",
+    "cache_plans",
     "loop_param_jacobian",
     "loop_per_sample_grads",
     "forward_per_sample_grads",

@@ -142,13 +142,20 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
         d = {key: part[start : start + step] for key, part in dest.items()}
         answer(
             method,
-            rules=lambda a=a, t=t, d=d: rules_grads(model, a, t, loss_fn, d, watched),
+            rules=lambda a=a, t=t, d=d: _noted(
+                taken, rules_grads(model, a, t, loss_fn, d, watched)),
             vmap=lambda a=a, t=t, d=d: _copy(
                 vmap_grads(model, a, t, loss_fn, params), params, d),
             loop=lambda a=a, t=t, d=d: _copy(
                 loop_grads(model, a.as_inputs(), t, loss_fn), params, d),
             taken=taken, hint=lambda: checks.dtype_note(batch, params))
     return result, taken
+
+
+def _noted(taken: Taken, captured: Any) -> Any:
+    """``captured``, its plan's note kept in ``taken``."""
+    taken.plan = captured.plan_note()
+    return captured
 
 
 @checks.keeps_buffers

@@ -37,6 +37,7 @@ class Taken:
 
     method: str = "rules"
     reason: str = ""
+    plan: str = ""  # the rules' last capture: from an earlier call's data flow, or new
 
     def describe(self) -> str:
         """``"rules"``, or the method taken and why."""

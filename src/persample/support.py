@@ -43,7 +43,11 @@ class Route:
 
 
 class Routes(list):
-    """A list of :class:`Route` that prints as a table."""
+    """A list of :class:`Route` that prints as a table; ``plan``: for a traced answer,
+    whether the capture took the data flow of an earlier call like it (``"cached:
+    ..."``, see :func:`persample.clear_plans`) or decided it anew (``"new: ..."``)."""
+
+    plan: str = ""
 
     def __str__(self) -> str:
         head = ("module", "type", "path", "parameters", "reason")
@@ -108,7 +112,9 @@ def supported(model: nn.Module, inputs: Any = None, targets: Any = None,
     Returns:
         :class:`Routes`, a list of :class:`Route` ``(module, type, params, path,
         reason)``: one per module holding trainable parameters and path, in
-        ``named_modules()`` order; ``print()`` shows it as a table.
+        ``named_modules()`` order; ``print()`` shows it as a table. With ``inputs``,
+        ``.plan`` says whether the capture took the data flow of an earlier call like
+        it (``"cached: ..."``, :func:`persample.clear_plans`) or decided it anew.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``inputs`` hold no tensor.
@@ -140,7 +146,10 @@ def supported(model: nn.Module, inputs: Any = None, targets: Any = None,
         return Routes(_static_routes(model))
     states = snapshot()  # (its forward's draws undone: the caller's stream goes on as it was)
     try:
-        return Routes(_traced_routes(model, as_batch(inputs), targets, loss_fn))
+        notes: list[str] = []
+        routes = Routes(_traced_routes(model, as_batch(inputs), targets, loss_fn, notes))
+        routes.plan = notes[0] if notes else ""
+        return routes
     finally:
         restore(states)
 
@@ -155,9 +164,11 @@ def _static_routes(model: nn.Module) -> list[Route]:
 
 
 def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
-                 loss_fn: Callable | None = None) -> dict[int, Path]:
+                 loss_fn: Callable | None = None, notes: list[str] | None = None
+                 ) -> dict[int, Path]:
     """Run the engine on ``batch`` with ``loss_fn`` (or the sum of the outputs) as the
-    loss; the path each trainable parameter took (``id`` -> :class:`Path`)."""
+    loss; the path each trainable parameter took (``id`` -> :class:`Path`). ``notes``
+    gets the capture's plan note (:meth:`persample.engine.Captured.plan_note`)."""
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     reason = checks.mixing_reason_of(model)
     if reason:
@@ -186,14 +197,16 @@ def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
         why = (f"{err} method='auto' runs torch.func over the whole model (the loop if "
                "that fails)")
         return {pid: Path("vmap", "", why) for pid in params}
+    if notes is not None:
+        notes.append(captured.plan_note())
     paths = captured.paths  # (merged once: the plan's, updated by what the rules took)
     unread = Path("unused", "", "never read in this forward: zero per-sample gradients")
     return {pid: paths.get(pid, unread) for pid in params}
 
 
-def _traced_routes(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable | None
-                   ) -> list[Route]:
-    found = traced_paths(model, batch, targets, loss_fn)
+def _traced_routes(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable | None,
+                   notes: list[str]) -> list[Route]:
+    found = traced_paths(model, batch, targets, loss_fn, notes)
     modules = dict(model.named_modules())
     merged: dict[tuple[str, str, str], list[str]] = {}
     for qualified, p in model.named_parameters():  # a parameter registered twice: once
@@ -231,6 +244,7 @@ class Verification:
     mismatched: list[int] = field(default_factory=list)  # samples beyond rtol
     note: str | None = None  # why they differ, where verify could tell (float32 rounding)
     random_ops: list[str] = field(default_factory=list)  # the random ops the forward ran
+    plan: str = ""  # the rules' capture: "cached: ..." (an earlier call's data flow) or "new: ..."
 
     @property
     def ok(self) -> bool:
@@ -248,6 +262,8 @@ class Verification:
         lines += [f"{n:{width}}  {self.abs_error[n]:13.3e}  {self.rel_error[n]:13.3e}"
                   for n in self.abs_error]
         verdict = "OK" if self.ok else "MISMATCH"
+        if self.plan and self.method == "rules":
+            lines.append(f"plan: {self.plan}")
         lines.append(f"{verdict}: {self.samples} samples, rtol {self.rtol:g}")
         if self.mismatched:
             lines.append(f"samples beyond rtol: {_listed(self.mismatched)}")
@@ -310,7 +326,9 @@ def verify(
 
     Returns:
         :class:`Verification` with ``method`` (``"rules"``, or why ``auto`` fell back
-        to ``torch.func`` or the loop), ``random_ops`` (``["dropout in module
+        to ``torch.func`` or the loop), ``plan`` (for the rules: ``"cached: ..."``
+        where the capture took the data flow of an earlier call like it, see
+        :func:`persample.clear_plans`, else ``"new: ..."``), ``random_ops`` (``["dropout in module
         'drop' (Dropout)", ...]``, empty for a model that draws nothing),
         ``abs_error`` and ``rel_error`` (dicts by
         parameter name, in the parameters' units), ``ok``, ``worst``, ``mismatched``
@@ -359,7 +377,7 @@ def verify(
     abs_error, rel_error, per_sample = _errors(fast, slow)
     bad = [i for i, e in enumerate(per_sample.tolist()) if e > tol]
     report = Verification(abs_error, rel_error, tol, k, taken.describe(), bad,
-                          random_ops=random_ops)
+                          plan=taken.plan, random_ops=random_ops)
     if bad and dtype != torch.float64 and not random_ops:
         report.note = _rounding_note(model, part, t, loss_fn, method, loss_reduction, bad)
     return report

@@ -66,9 +66,14 @@ from ..precision import autocast_state
 from .edges import edge_of
 from .mode import hidden, mode_class, must_hide
 from .records import Call, Derived, Op, shapes_only
+from .tape import Opaque, Step, arguments_key, outs_of, reads_of, reusable
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
 _DETACHES = frozenset((torch.Tensor.detach, torch.detach))
+_BY_MEMORY = frozenset(f for f in (torch.as_strided, torch.Tensor.as_strided,
+                                   getattr(torch.Tensor, "as_strided_", None)) if f is not None)
+# (ops whose data flow reads strides and storage offsets: decided at every call)
+_MISSED = object()  # no step on the tape stands for this op
 _APPLY = torch.autograd.Function.apply.__func__.__code__
 
 
@@ -108,11 +113,18 @@ class Capture:
         expansions: ``{func: fn}``, ops run as their decomposition ``fn(*args,
             **kwargs)`` under the capture (``fn`` returns ``NotImplemented`` to leave a
             call whole). :func:`persample.rules.open_capture` passes the rules' own.
+        tape: the ``steps`` of an earlier capture of the same call (same model, inputs
+            of the same shapes and layouts, same batch size, same watched parameters):
+            each op that matches its step takes its layouts from it
+            (:mod:`persample.capture.tape`).
 
     After the block: ``ops`` (every op reading a watched parameter, in order),
     ``derived`` (id of a derived tensor -> :class:`~persample.capture.records.Derived`),
     ``calls`` (finished module calls), ``layout(t)`` for any tensor, ``unseen_reads``
-    (parameters read by ops without autograd: a gradient path the capture cannot see).
+    (parameters read by ops without autograd: a gradient path the capture cannot see),
+    ``steps`` (every op's :class:`~persample.capture.tape.Step`, ``None`` for one whose
+    data flow is decided at every call) and ``replayed`` (how many ops took theirs from
+    ``tape``).
 
     Example:
         >>> import torch
@@ -131,7 +143,8 @@ class Capture:
                  batched: list[Tensor | tuple[Tensor, Layout]], shared: tuple = (),
                  module_rule: Callable[[nn.Module], Any] | None = None,
                  constant: Callable[[Tensor], bool] | None = None,
-                 expansions: dict[Any, Callable] | None = None):
+                 expansions: dict[Any, Callable] | None = None,
+                 tape: list[Step | None] | None = None):
         self.model, self.watched, self.n = model, watched, n
         self.constant = constant or user_leaf
         self.expansions = expansions or {}
@@ -152,6 +165,10 @@ class Capture:
         self._module_rule = module_rule
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._mode: Any = None  # made on entering
+        self._flow: Flow | None = None  # the data flow of the op just followed
+        self.steps: list[Step | None] = []  # every op seen, in order (the next tape)
+        self._replay = tape  # the steps of an earlier capture of this call
+        self.replayed = 0  # ops whose data flow was taken from the tape
         for t in free_tensors(model, shared):
             self.layouts[t] = SHARED
         for item in batched:
@@ -299,6 +316,10 @@ class Capture:
         """Run one op (the model's own: its errors propagate as they are); record its
         outputs' layouts, and the op if it reads parameters (persample's work: an error
         there is an :class:`~persample.errors.InternalError` naming the op)."""
+        if self._replay is not None:
+            out = self._from_tape(func, args, kwargs)
+            if out is not _MISSED:
+                return out
         try:
             leaves = op_leaves(args, kwargs)
             # (an op reading only shapes, zeros_like(weight), reads no parameter)
@@ -325,9 +346,78 @@ class Capture:
                                before, draw)
             if draw is not None:
                 self._drawn(draw, args, out, layouts)
+            self.steps.append(None if sources or mutates or draw is not None else
+                              self._step(func, args, kwargs, layouts, leaves, out))
             return out
         except Exception as err:
             raise_internal(err, f"the data flow of {name_of(func)}")
+
+    def _step(self, func, args: tuple, kwargs: dict, layouts: list[Layout], leaves: list,
+              out: Any) -> Step | None:
+        """The op's step for the next capture's tape, ``None`` where its data flow is to
+        be decided at every call (:mod:`persample.capture.tape`)."""
+        flow, outs = self._flow, outs_of(out)
+        if flow is None or not outs or func in _BY_MEMORY or (
+                self.following and _any_mixed(flow.outputs)) or not reusable(flow, layouts,
+                                                                             leaves):
+            return None
+        try:
+            key = arguments_key(args, kwargs)
+        except Opaque:
+            return None
+        return Step(func, key, reads_of(leaves, layouts), outs, flow)
+
+    def _from_tape(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run an op that matches its step on the tape (see :mod:`persample.capture.tape`)
+        with its outputs' layouts taken from the step; :data:`_MISSED` (not run) where
+        there is no such step."""
+        k = len(self.steps)
+        step = self._replay[k] if k < len(self._replay) else None
+        if step is None or step.func is not func:
+            return _MISSED
+        try:
+            leaves = op_leaves(args, kwargs)
+            if not self._matches(step, leaves) or arguments_key(args, kwargs) != step.key:
+                return _MISSED
+        except Opaque:
+            return _MISSED
+        except Exception as err:
+            raise_internal(err, f"the capture of {name_of(func)}")
+        out = func(*args, **kwargs)
+        try:
+            if outs_of(out) != step.outs:  # (sizes read from the data): decided here
+                layouts = [self._seen(t) for t in leaves]
+                out = self._follow(func, args, kwargs, out, leaves, layouts, {}, False, None)
+                self.steps.append(None)
+                return out
+            outputs = step.flow.outputs
+            self.layouts.set_outputs(out, outputs)
+            if outputs is SHARED and isinstance(out, Tensor) and not out.requires_grad:
+                KEPT.add(out)  # (as _follow keeps it)
+            self.steps.append(step)
+            self.replayed += 1
+            return out
+        except Exception as err:
+            raise_internal(err, f"the data flow of {name_of(func)}")
+
+    def _matches(self, step: Step, leaves: list) -> bool:
+        """Does every leaf read as the step's did: same layout, shape, dtype and
+        requires-grad, and no parameter or derived tensor among them?"""
+        reads = step.reads
+        if len(leaves) != len(reads):
+            return False
+        watched, derived, layout = self.watched, self.derived, self.layouts.layout
+        for t, (lay, shape, dtype, grad) in zip(leaves, reads):
+            key = id(t)
+            if watched.get(key) is t or key in derived:
+                return False
+            got = layout(t)
+            if got is MISSING:
+                got = self._seen(t)
+            if t.shape != shape or t.dtype != dtype or t.requires_grad != grad or (
+                    got is not lay and (type(got) is not type(lay) or got != lay)):
+                return False
+        return True
 
     def _drawn(self, draw: Draw, args: tuple, out: Any, layouts: list[Layout]) -> None:
         """Keep a random op's draw, with where the samples are in its numbers: those of
@@ -347,7 +437,9 @@ class Capture:
 
     def _follow(self, func, args, kwargs, out, leaves, layouts, sources, mutates, before,
                 draw=None) -> Any:
-        """The layouts of an op's outputs, and the op recorded if it reads parameters."""
+        """The layouts of an op's outputs, and the op recorded if it reads parameters
+        (its data flow, if it has one, left in ``_flow``)."""
+        self._flow = None
         if func is torch.Tensor.__setitem__:
             self.layouts.written(args[0], written_layout(self.ctx, *args[:3]))
             if sources:  # a parameter written into a tensor: no rule follows it
@@ -359,6 +451,7 @@ class Capture:
         if self.stack and new_trouble(flow.outputs, layouts):
             flow = Flow(placed(flow.outputs, self.stack[-1].describe()), flow.pairing,
                         flow.writes)
+        self._flow = flow
         target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
         if target is not None and isinstance(out, Tensor):
@@ -471,6 +564,11 @@ class Capture:
             if src.dim() == 0 or src.dtype != t.dtype or not _broadcasts(src.shape, t.shape):
                 return found  # (a 0-dim tensor would change the type promotion)
             found = t = src
+
+
+def _any_mixed(outputs: Any) -> bool:
+    return any(isinstance(lay, Mixed) for lay in (outputs if isinstance(outputs, tuple)
+                                                  else (outputs,)))
 
 
 def _mixed_here(outputs: Any, leaves: list, layouts: list[Layout], mixed: set[int]) -> bool:

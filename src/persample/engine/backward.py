@@ -23,12 +23,14 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
+from ..capture.tape import Tape
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
 from ..loss import total_loss
 from ..plan import Path, Plan, edge_key, param_name, plan
 from ..rules import open_capture
 from ..sharded import fsdp_units, gatherer
+from . import plans
 from .captured import Captured
 from .pullback import write_per_sample
 
@@ -49,8 +51,12 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     units = fsdp_units(model)
     if batch.n == 1 and not units:  # (sharded: every rank replays the same ops, below)
         return _one_sample(model, batch, root, backward, watched, v)
+    inputs = located(batch)
+    key = plans.key_of(batch.n, v, inputs)
+    tape = plans.tape_for(model, key)
     with torch.enable_grad():
-        with open_capture(model, watched, batch.n, located(batch), batch.shared) as cap:
+        with open_capture(model, watched, batch.n, inputs, batch.shared,
+                          tape=tape.steps if tape is not None else None) as cap:
             output = batch.call(model)
         value = root(output, cap)
     gather = gatherer(units)
@@ -77,6 +83,7 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
             f"parameter {param_name(model, id(hidden[0]))} gets gradient through ops the "
             "capture cannot follow (a custom autograd.Function, TorchScript code, a "
             "tensor it was written into in place, or a tensor kept from an earlier call)")
+    plans.keep(model, key, Tape(key, cap.steps))
     return Captured(cap, result, grads, batch.n, v)
 
 

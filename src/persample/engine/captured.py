@@ -41,6 +41,19 @@ class Captured:
     def layout(self, t: Tensor) -> Layout:
         return self.capture.layout(t)
 
+    def plan_note(self) -> str:
+        """Whether the capture took data flow from an earlier call like this one
+        (:mod:`persample.capture.tape`): ``"cached: ..."`` or ``"new: ..."``."""
+        steps = getattr(self.capture, "steps", None)
+        if steps is None:
+            return "new: a batch of one takes no capture"
+        done = getattr(self.capture, "replayed", 0)
+        if not done:
+            return f"new: the data flow of its {len(steps)} ops decided in this call"
+        return (f"cached: the data flow of {done} of its {len(steps)} ops from an earlier "
+                "call like it (the others read parameters, values or random numbers: "
+                "decided in every call)")
+
     @property
     def derived(self) -> dict:
         """``id -> Derived``: the shared tensors computed from parameters, and their ops."""

@@ -62,7 +62,8 @@ __all__ = ["OpCall", "OpSpec", "ModuleSpec", "ModuleRule", "Decline", "register"
 
 def open_capture(model: nn.Module | None, watched: dict[int, nn.Parameter], n: int,
                  batched: list[Tensor | tuple[Tensor, Layout]], shared: tuple = (), *,
-                 constant: Any = None, module_rules: bool = True) -> Capture:
+                 constant: Any = None, module_rules: bool = True,
+                 tape: list | None = None) -> Capture:
     """A :class:`~persample.capture.Capture` wired with the rules: module rules claim
     their calls (unless ``module_rules=False``) and the ops with an expansion run as the
     ops they are made of. The one place a capture is opened.
@@ -72,6 +73,8 @@ def open_capture(model: nn.Module | None, watched: dict[int, nn.Parameter], n: i
             :class:`~persample.capture.Capture`.
         module_rules: let module rules claim their calls (off where only the data flow
             is wanted: the input Jacobians).
+        tape: the steps of an earlier capture of the same call
+            (:mod:`persample.capture.tape`).
 
     Returns:
         The capture, to use as a context manager around the forward.
@@ -86,4 +89,4 @@ def open_capture(model: nn.Module | None, watched: dict[int, nn.Parameter], n: i
         Batched(dim=0)
     """
     return Capture(model, watched, n, batched, shared, module_rule if module_rules else None,
-                   constant=constant, expansions=EXPANSIONS)
+                   constant=constant, expansions=EXPANSIONS, tape=tape)

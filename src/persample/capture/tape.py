@@ -1,0 +1,113 @@
+"""The data flow of one captured forward, kept so that the next capture of the same call
+need not decide it again.
+
+A training loop calls the same model with the same shapes thousands of times, and the
+layouts of its tensors come out the same each time. A :class:`Tape` keeps, for every op
+a capture saw (in order), a :class:`Step`: the function, the op's arguments other than
+tensors (dims, slices, flags), the layout, shape, dtype and requires-grad of each tensor
+it read, and the layouts the data flow gave its outputs. The data flow
+(:func:`persample.batch.flow.propagate`) is a function of exactly these, so a later
+capture given the tape (:class:`persample.capture.Capture`'s ``tape``) takes an op's
+layouts from its step wherever the op at that place matches it in all of them, and
+decides them itself wherever it does not (another path through the model's code, other
+shapes, another layout): a step never answers for an op it does not match.
+
+Decided again at every call (no step): ops reading a parameter or a tensor derived from
+one (recorded for the rules at every call), random ops (their numbers are drawn anew),
+in-place ops, ops whose data flow may read values (any integer or boolean tensor among
+their inputs: indices, masks, ids), strides (``as_strided``) or the tensors a layout
+holds (packed rows), ops of the loss that mix samples, and ops with an argument of a
+type other than plain values (numbers, strings, slices, dtypes, devices, sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..batch import Batched, Flow
+
+_PLAIN = frozenset((int, float, bool, str, type(None), type(Ellipsis), torch.dtype,
+                    torch.device, torch.memory_format, torch.layout))
+_TENSOR = object()  # a tensor's place in an op's arguments (checked through its leaves)
+
+
+class Opaque(Exception):
+    """An argument a step cannot compare across calls."""
+
+
+def arguments_key(args: tuple, kwargs: dict) -> tuple:
+    """An op's arguments other than tensors, comparable across calls; raises
+    :class:`Opaque` for any argument whose type is not a plain value.
+
+    Example:
+        >>> import torch
+        >>> x = torch.zeros(2, 3)
+        >>> arguments_key((x, 1, slice(0, 2)), {}) == arguments_key((x, 1, slice(0, 2)), {})
+        True
+        >>> arguments_key((x, 1), {}) == arguments_key((x, 0), {})
+        False
+    """
+    return _key(args), (tuple((k, _key(v)) for k, v in kwargs.items()) if kwargs else ())
+
+
+def _key(x: Any) -> Any:
+    kind = type(x)
+    if kind in _PLAIN:
+        return x
+    if isinstance(x, Tensor):
+        return _TENSOR
+    if kind is tuple or kind is list or kind is torch.Size:
+        return kind, tuple(_key(v) for v in x)
+    if kind is slice:
+        return slice, _key(x.start), _key(x.stop), _key(x.step)
+    raise Opaque(kind.__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One op as it ran: see the module docstring. ``flow`` is ``None`` where the op's
+    data flow is decided at every call."""
+
+    func: Any
+    key: tuple  # arguments_key of its arguments
+    reads: tuple  # per leaf: (address, shape, dtype, requires_grad)
+    outs: tuple  # per output tensor: (shape, dtype)
+    flow: Flow | None
+
+
+def reads_of(leaves: list[Tensor], layouts: list) -> tuple:
+    """Each leaf's layout, shape, dtype and whether it requires grad."""
+    return tuple((lay, t.shape, t.dtype, t.requires_grad) for t, lay in zip(leaves, layouts))
+
+
+def outs_of(out: Any) -> tuple | None:
+    """``(shape, dtype)`` of each output tensor (a tensor, or a tuple/list of them);
+    ``None`` for an output of another form."""
+    if isinstance(out, Tensor):
+        return ((out.shape, out.dtype),)
+    if isinstance(out, (tuple, list)):
+        return tuple((o.shape, o.dtype) for o in out if isinstance(o, Tensor))
+    return None
+
+
+def reusable(flow: Flow, layouts: list, leaves: list[Tensor]) -> bool:
+    """Can this op's data flow be taken from its step at a later call? Not where it may
+    read values (an integer or boolean input), where a layout holds a tensor, or where
+    the op writes other inputs."""
+    if flow.writes or any(not (t.is_floating_point() or t.is_complex()) for t in leaves):
+        return False
+    outs = flow.outputs if isinstance(flow.outputs, tuple) else (flow.outputs,)
+    return not any(isinstance(lay, Batched) and lay.index is not None
+                   for lay in outs + tuple(flow.pairing or ()) + tuple(layouts))
+
+
+class Tape:
+    """The steps of one capture (``None`` for an op decided at every call), and the key
+    of the call it was made for."""
+
+    def __init__(self, key: tuple, steps: list[Step | None]):
+        self.key, self.steps = key, steps

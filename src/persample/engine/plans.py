@@ -1,0 +1,100 @@
+"""The data flow of earlier calls, kept per model for the next call like them.
+
+Each call of the engine on a model leaves the :class:`~persample.capture.tape.Tape` of
+its capture here, under the call's batch size and input shapes; the next call with the
+same ones gives it to its capture, which takes each op's layouts from the tape where
+the op matches its step (:mod:`persample.capture.tape`). Nothing is kept on the model:
+tapes live in a weak dictionary keyed by the model (dropped with it), a few per model.
+:func:`clear_plans` forgets them all; :func:`cache_plans` turns keeping them off or on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..capture.tape import Tape
+
+PER_MODEL = 8  # tapes kept per model (the most recently used)
+
+_TAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENABLED = [True]
+
+
+def tape_for(model: nn.Module, key: tuple) -> Tape | None:
+    """The tape of the last call on ``model`` with ``key``, if caching is on."""
+    if not _ENABLED[0] or model is None:
+        return None
+    tapes = _TAPES.get(model)
+    return tapes.get(key) if tapes is not None else None
+
+
+def keep(model: nn.Module, key: tuple, tape: Tape) -> None:
+    """Keep ``tape`` for the next call on ``model`` with ``key``."""
+    if not _ENABLED[0] or model is None:
+        return
+    try:
+        tapes = _TAPES.setdefault(model, {})
+    except TypeError:  # (a model that cannot be weakly referenced: nothing kept)
+        return
+    tapes.pop(key, None)
+    tapes[key] = tape
+    while len(tapes) > PER_MODEL:
+        tapes.pop(next(iter(tapes)))
+
+
+def key_of(n: int, v: int, inputs: list[tuple[Tensor, Any]]) -> tuple:
+    """Which tape a call may use: its batch size, cotangents per sample, and each input
+    tensor's shape, dtype and device (the tape's steps check everything else, op by
+    op)."""
+    return n, v, tuple((t.shape, t.dtype, t.device) for t, _ in inputs)
+
+
+def clear_plans() -> None:
+    """Forget the data flow kept from earlier calls (every model's).
+
+    persample keeps, per model, the data flow of its last calls (a few input shapes
+    each): a later call with the same batch size and input shapes checks each op
+    against it and takes the layouts of those that match instead of deciding them again
+    (:mod:`persample.capture.tape`). Nothing is kept on the model, and whatever does not
+    match is decided again, so clearing is never needed for correct results; it frees
+    the (small) records.
+
+    Returns:
+        None.
+
+    Example:
+        >>> import persample
+        >>> persample.clear_plans()
+    """
+    _TAPES.clear()
+
+
+def cache_plans(enabled: bool = True) -> bool:
+    """Turn keeping the data flow of earlier calls (see :func:`clear_plans`) on or off
+    for every later call; off, each call decides every op's layouts anew (as the first
+    call does).
+
+    Args:
+        enabled: keep and use them (the default) or not.
+
+    Returns:
+        bool: whether they were kept before this call (to restore it).
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+
+    Example:
+        >>> import persample
+        >>> before = persample.cache_plans(False)
+        >>> persample.cache_plans(before)
+        False
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"cache_plans(enabled=...) takes a bool, got {type(enabled).__name__}")
+    before, _ENABLED[0] = _ENABLED[0], enabled
+    if not enabled:
+        _TAPES.clear()
+    return before
