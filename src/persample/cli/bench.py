@@ -74,7 +74,10 @@ class Measured:
         method: the row's label.
         status: ``"ok"``, ``"not installed ..."``, ``"not applicable: ..."``,
             ``"skipped: ..."`` or ``"failed: ..."``.
-        median_ms: median time of one call in milliseconds.
+        median_ms: median time of one call in milliseconds (the steady state: the calls
+            after the first and a warm-up).
+        first_ms: the first call's time in milliseconds (on a model no persample call
+            has seen, for persample's first row: the data flow decided anew).
         times_ms: every timed call, in milliseconds.
         ratio_to_floor: ``median_ms / floor_ms``.
         peak_mb: the call's extra peak memory in MB (10^6 bytes): on the CPU its peak
@@ -92,6 +95,7 @@ class Measured:
     method: str
     status: str = "ok"
     median_ms: float | None = None
+    first_ms: float | None = None
     times_ms: list[float] = field(default_factory=list)
     ratio_to_floor: float | None = None
     peak_mb: float | None = None
@@ -347,6 +351,7 @@ def _prepare(method: Method, buf: torch.Tensor, reference: torch.Tensor, repeats
                 result, first, memory = _first_call(run, device)
             _note_warnings(row, caught)
         row.peak_mb, row.peak_total_mb = memory.get("peak_mb"), memory.get("peak_total_mb")
+        row.first_ms = first * 1e3
         row.max_abs_diff = max_abs_diff(result, reference)
         scale = _chunked_max(reference, None)
         row.agrees = row.max_abs_diff <= tolerance * max(1.0, scale)
@@ -514,9 +519,9 @@ def format_report(r: Report) -> str:
         f"  result {tuple(r.result_shape)}, {r.bytes_out / MB:,.1f} MB; "
         f"write bandwidth {r.bandwidth_gb_s:.1f} GB/s; results checked against {r.reference}",
         f"  peak MB: {r.memory}",
-        f"  {'method':<{w}}{'median ms':>11}{'spread':>8}{'x floor':>9}{'peak MB':>10}"
-        f"{'max |diff|':>12}",
-        f"  {r.base_label + ' (t_plain)':<{w}}{r.t_plain_ms:>11.2f}{'':>17}"
+        f"  {'method':<{w}}{'median ms':>11}{'spread':>8}{'x floor':>9}{'first ms':>10}"
+        f"{'peak MB':>10}{'max |diff|':>12}",
+        f"  {r.base_label + ' (t_plain)':<{w}}{r.t_plain_ms:>11.2f}{'':>27}"
         f"{_fmt(r.plain_peak_mb, ',.1f', 10)}",
         f"  {'write result (fill_)':<{w}}{r.t_fill_ms:>11.2f}",
     ]
@@ -530,7 +535,7 @@ def format_report(r: Report) -> str:
             lines.append(f"  {label:<{w}}  {m.status}")
             continue
         lines.append(f"  {label:<{w}}{m.median_ms:>11.2f}{_spread(m.times_ms):>8}"
-                     f"{m.ratio_to_floor:>9.2f}"
+                     f"{m.ratio_to_floor:>9.2f}{_fmt(m.first_ms, '.1f', 10)}"
                      f"{_fmt(m.peak_mb, ',.1f', 10)}{_fmt(m.max_abs_diff, '.1e', 12)}"
                      + ("  DIFFERS from the reference" if m.agrees is False else ""))
     lines += notes
@@ -541,6 +546,11 @@ def format_report(r: Report) -> str:
     if plain and captured:
         lines.append(f"  capture overhead: forward under capture {captured:.2f} ms, plain "
                      f"forward {plain:.2f} ms ({captured / plain:.2f}x)")
+    draws = {k.removeprefix("noise: "): v for k, v in r.diagnostics.items()
+             if k.startswith("noise: ") and v is not None}
+    if draws:
+        lines.append(f"  noise ({r.result_shape[0]:,} normal draws): " + ", ".join(
+            f"{k} {v:.2f} ms" for k, v in draws.items()))
     return "\n".join(line.rstrip() for line in lines)
 
 

@@ -30,6 +30,7 @@ from ..data import (
     digits_features,
     digits_images,
     docstring_batch,
+    docstring_examples,
     stdlib_docstrings,
 )
 from . import real_models
@@ -240,8 +241,13 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     ``GPT2LMHeadModel``, 4 layers x 256, 4 heads, byte vocabulary of 257, T=64, B=16,
     on the standard library's docstrings, inputs ``{"input_ids", "attention_mask"}``,
     per-sample next-token cross-entropy ``(B,)``). Models in eval mode, float32,
-    ``torch.manual_seed(0)``. The real-size transformers (:data:`REAL_GRAD_WORKLOADS`)
-    are :func:`real_workload`'s.
+    ``torch.manual_seed(0)``. Small models as people train them, timed for the first
+    call and the steady state: ``bert-small-grads`` (transformers
+    ``BertForSequenceClassification`` 4x128, 4 heads, T=64, B=32, which of 4 standard
+    library modules a docstring documents, per-sample cross-entropy ``(B,)``),
+    ``vit-tiny-grads`` (timm ViT-Tiny, 4x4 patches of the digits 3x32x32, B=16),
+    ``gnn-mlp-grads`` (MLP 64-64-64-2, B=256). The real-size transformers
+    (:data:`REAL_GRAD_WORKLOADS`) are :func:`real_workload`'s.
 
     Args:
         name: one of :data:`GRAD_WORKLOADS`.
@@ -312,6 +318,34 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         f"transformers Mixtral 2x128, 4 experts top-2 (training mode), "
                         f"batch {b}, T={t}, stdlib docstrings as bytes, per-sample "
                         "next-token cross-entropy")
+    if name == "bert-small-grads":
+        b, t = batch or 32, 64
+        model = real_models.bert_classifier(ByteTokenizer.vocab_size, layers=4, width=128,
+                                            heads=4, intermediate=512, classes=4,
+                                            max_positions=t)
+        examples = docstring_examples("module", seq_len=t)
+        picked = [examples[k * len(examples) // b] for k in range(b)]  # every module's
+        inputs = {key: torch.stack([e[key] for e in picked])
+                  for key in ("input_ids", "attention_mask")}
+        labels = torch.stack([e["labels"] for e in picked])
+        return Workload(name, "transformers", model, inputs, labels, logits_cross_entropy,
+                        f"transformers BERT 4x128 for sequence classification (eval), batch "
+                        f"{b}, T={t}, which of 4 stdlib modules a docstring documents, "
+                        "per-sample cross-entropy", opacus_ce=classifier_ce)
+    if name == "vit-tiny-grads":
+        model = real_models.timm_vit_tiny(img_size=32, in_chans=3)
+        x, y = digits_images(32, channels=3)
+        b = batch or 16
+        return Workload(name, "timm", model, x[:b], y[:b], nn.CrossEntropyLoss(),
+                        f"timm ViT-Tiny (12 layers of width 192, 3 heads), 4x4 patches, "
+                        f"batch {b}, digits 3x32x32, cross-entropy")
+    if name == "gnn-mlp-grads":
+        x, y = digits_features(64)
+        b = batch or 256
+        return Workload(name, "gnn", mlp([64, 64, 64, 2], nn.ReLU).eval(), x[:b], y[:b],
+                        nn.CrossEntropyLoss(),
+                        f"MLP 64-64-64-2 ReLU (the size of a GNN's node MLP), batch {b}, "
+                        "digits projected to 64, 2 classes, cross-entropy")
     if name in ("gpt2-grads", "gpt2-lora-grads"):
         b, t = batch or 16, 64
         model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t)
@@ -712,7 +746,8 @@ REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS)
                        ) + BF16_DP_WORKLOADS + REAL_ATTRIBUTION_WORKLOADS
 """The real-size transformers with their real vocabularies (``persample bench --real``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
-                  "gpt2-grads", "encoder-grads", "moe-grads") + REAL_GRAD_WORKLOADS
+                  "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
+                  "vit-tiny-grads", "gnn-mlp-grads") + REAL_GRAD_WORKLOADS
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
                 "gpt2-dp-step", "gpt2-lora-dp-step", "encoder-dp-step") + REAL_DP_WORKLOADS

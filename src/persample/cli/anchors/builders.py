@@ -255,6 +255,7 @@ def dp_step_case(w: Workload, only: str | None = None) -> Case:
     ])
     case.after_check = lambda: noise.update(sigma=1.0)
     case.floor_label, case.floor = _step_and_draws(w, plain_step)
+    case.diagnostics = persample_rows.noise_draws(w) if only is None else []
     return case
 
 

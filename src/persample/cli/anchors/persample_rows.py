@@ -61,12 +61,44 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
         with torch.enable_grad():
             return w.call()
 
-    def captured() -> object:
+    kept: dict[str, list] = {}
+
+    def captured() -> object:  # (the steady state: the data flow of the call before kept)
         with torch.enable_grad(), open_capture(w.model, watched, batch.n, located(batch),
-                                               batch.shared):
-            return batch.call(w.model)
+                                               batch.shared, tape=kept.get("steps")) as cap:
+            out = batch.call(w.model)
+        kept["steps"] = cap.steps
+        return out
 
     return [("plain forward", plain), ("forward under capture", captured)]
+
+
+def noise_draws(w: Workload) -> list[tuple[str, Callable[[], object]]]:
+    """Drawing the ``P`` Gaussian numbers of one DP step: persample's counter-based
+    stream (:func:`persample.dp.noise.gaussian_like`, on torch's threads), ``torch``'s
+    ``normal_`` into a buffer (one thread on the CPU), and on the CPU numpy's
+    ``Generator.standard_normal`` (float32, into a buffer); timed beside the methods.
+
+    Example:
+        >>> from persample.cli.workloads import dp_workload
+        >>> [label for label, _ in noise_draws(dp_workload("cnn-dp-step", 2))]
+        ['noise: persample', 'noise: torch normal_', 'noise: numpy standard_normal']
+    """
+    from ...dp.noise import gaussian_like
+
+    params = [p for p in w.model.parameters() if p.requires_grad]
+    first = params[0]
+    buf = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+    gen = torch.Generator(device=first.device).manual_seed(0)
+    rows = [("noise: persample", lambda: gaussian_like(params, 1.0, gen)),
+            ("noise: torch normal_", lambda: buf.normal_(generator=gen))]
+    if first.device.type == "cpu":
+        import numpy as np
+
+        rng, out = np.random.default_rng(0), np.empty(buf.numel(), dtype=np.float32)
+        rows.append(("noise: numpy standard_normal",
+                     lambda: rng.standard_normal(out.size, dtype=np.float32, out=out)))
+    return rows
 
 
 def param_jacobian_rows(w: Workload) -> list[Method]:
