@@ -295,7 +295,10 @@ class Capture:
             if call.rule is not None and call.rule.spec.keeps_layout:
                 self._keeps_layout(call)
             with torch._C.DisableTorchFunction():  # reading tensors here is no op of the model
-                call.edges = [edge_of(t) for t in tensor_leaves(output)]
+                outs = tensor_leaves(output)
+                call.edges = [edge_of(t) for t in outs]
+                if call.rule is not None:
+                    call.out_versions = [t._version for t in outs]
         except Exception as err:
             raise_internal(err, f"the output of module {call.describe()}")
         self.calls.append(call)

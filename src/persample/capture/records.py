@@ -35,6 +35,7 @@ class Call:
     rule: Any = None  # the module's module rule (rules.ModuleRule), if it has one
     versions: list[int] = field(default_factory=list)  # of its input tensors, at the call
     edges: list[Edge | None] = field(default_factory=list)  # per output tensor
+    out_versions: list[int] = field(default_factory=list)  # of its outputs (module rules)
     autocast: AutocastState | None = None  # the autocast state it ran under
     first_draw: int = 0  # its random ops: the capture's draws[first_draw:end_draw]
     end_draw: int = 0

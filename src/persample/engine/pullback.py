@@ -355,7 +355,13 @@ def _module_rule(captured: Captured, call: Call, params: dict[str, nn.Parameter]
     backprops = [cast(g, dtype) for g in backprops]
     inputs = tuple(cast_input(x, dtype) for x in inputs)
     spec = rule.spec
-    spec.grad(call.module, inputs, backprops if spec.multi_output else backprops[0], out)
+    extra = {}
+    if spec.outputs:  # the values as the call returned them, if none changed since
+        same = [t._version for t in outs] == call.out_versions
+        extra["outputs"] = [cast(module_front(t, captured.layout(t), captured.n, 0), dtype)
+                            for t, _ in pairs] if same else None
+    spec.grad(call.module, inputs, backprops if spec.multi_output else backprops[0], out,
+              **extra)
     for name, p in params.items():
         sink.commit(id(p), out[name])
 

@@ -184,15 +184,22 @@ def _wanted(layer: nn.RNNBase, trace: _Trace) -> list[Tensor]:
     return ([trace.gi] if layer.mode == "GRU" else []) + trace.gh + trace.projected
 
 
-def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], out: dict):
+def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], out: dict,
+              outputs: list[Tensor] | None = None):
     """Per-sample gradients of every weight of ``layer``; backprops ``[output, h_n, (c_n)]``,
     a packed output's ``(n, v, T, H)`` padded per sample (``(n, v, H)`` where each sample
-    has one row).
+    has one row); ``outputs``: the call's ``[output (n, T, D * H), h_n, (c_n)]``, or
+    ``None``.
 
-    The recurrence is recomputed rather than captured: keeping the unrolled steps in
-    the main forward instead of the fused kernel measured no faster (lstm-grads).
+    One layer on dense inputs with its outputs at hand (:func:`_from_outputs`): every
+    step's gates from the states the kernel returned, in a few batched products, and the
+    backward of the recurrence by its equations. Otherwise the recurrence is recomputed
+    rather than captured (keeping the unrolled steps in the main forward instead of the
+    fused kernel measured no faster) and differentiated by autograd.
     """
     _check_dropout(layer)
+    if outputs is not None and _from_outputs(layer, activations, backprops, outputs, out):
+        return
     n, v = backprops[0].shape[:2]
     if isinstance(activations[0], PackedSequence) and backprops[0].dim() == 3:
         backprops = [backprops[0].unsqueeze(2), *backprops[1:]]  # one row per sample: T = 1
@@ -210,6 +217,106 @@ def recurrent(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor], ou
         trace.h_prev = [h[::v] for h in trace.h_prev]
         trace.raw = [r[::v] for r in trace.raw]
     _write_traces(layer, traces, iter(grads), out)
+
+
+def _from_outputs(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor],
+                  outputs: list[Tensor], out: dict) -> bool:
+    """The gradients of a one-layer recurrence without running it again, where it can be
+    done (else ``False``, nothing written). Its outputs hold every step's state ``h_t``
+    (each direction's in its half), so every step's pre-activations come from two
+    batched products, ``x W_ih^T`` and ``h_{t-1} W_hh^T``; an LSTM's cell states from one
+    elementwise scan. The backward then runs step by step on ``(n, v, H)`` tensors (the
+    adjoint equations of the cell: :func:`_adjoint`), and the weight gradients are sums
+    over time of outer products, as in the module docstring."""
+    x, hx = activations[0], activations[1] if len(activations) > 1 else None
+    lstm = layer.mode == "LSTM"
+    if (layer.num_layers != 1 or getattr(layer, "proj_size", 0) or not isinstance(x, Tensor)
+            or x.dim() != 3 or len(outputs) != len(backprops) or len(outputs) != 2 + lstm):
+        return False
+    work = accumulate_dtype(backprops[0].dtype)
+    n, steps, hidden = x.shape[0], x.shape[1], layer.hidden_size
+    directions = 2 if layer.bidirectional else 1
+    h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
+    h0 = x.new_zeros(n, directions, hidden) if h0 is None else h0
+    c0 = x.new_zeros(n, directions, hidden) if lstm and c0 is None else c0
+    x, h0, c0, seq = (None if t is None else cast(t.detach(), work)
+                      for t in (x, h0, c0, outputs[0]))  # seq (n, T, D * H)
+    grads = [cast(g, work) for g in backprops]  # (n, v, T, D * H), (n, v, D, H), ...
+    for d in range(directions):
+        suffix = "_l0" + ("_reverse" if d else "")
+        w_ih, b_ih, w_hh, b_hh = (_weights(layer, name + suffix, work) for name in (
+            "weight_ih", "bias_ih", "weight_hh", "bias_hh"))
+        h = seq[..., d * hidden:(d + 1) * hidden]  # (n, T, H) the state after each step
+        first = h0[:, d, None]  # (n, 1, H)
+        h_prev = torch.cat([first, h[:, :-1]] if d == 0 else [h[:, 1:], first], 1)
+        gi, gh = F.linear(x, w_ih, b_ih), F.linear(h_prev, w_hh, b_hh)  # (n, T, G)
+        order = range(steps - 1, -1, -1) if d == 0 else range(steps)  # the backward's
+        ends = [g[:, :, d] for g in grads[1:]]  # (n, v, H): h_n's and c_n's backprops
+        dgi, dgh = _adjoint(layer.mode, gi, gh, h_prev, None if c0 is None else c0[:, d],
+                            grads[0][..., d * hidden:(d + 1) * hidden], ends, w_hh, order)
+        _write(out, "weight_ih" + suffix, dgi, x)
+        _write(out, "bias_ih" + suffix, dgi, None)
+        _write(out, "weight_hh" + suffix, dgh, h_prev)
+        _write(out, "bias_hh" + suffix, dgh, None)
+    return True
+
+
+def _adjoint(mode: str, gi: Tensor, gh: Tensor, h_prev: Tensor, c0: Tensor | None,
+             dout: Tensor, ends: list[Tensor], w_hh: Tensor, order: range
+             ) -> tuple[Tensor, Tensor]:
+    """The backprops ``(n, v, T, G)`` of one direction's input and hidden pre-activations
+    ``gi``, ``gh`` ``(n, T, G)``, from those of its outputs ``dout (n, v, T, H)`` and final
+    states ``ends`` (``dh_n``, and for an LSTM ``dc_n``, ``(n, v, H)``); ``order``: the
+    steps in the backward's order (the forward's reversed). Each step's factors (the
+    gates' derivatives, ``(n, T, ...)``) are computed for all steps at once; the loop
+    carries ``dh`` (and an LSTM's ``dc``) back through ``W_hh``."""
+    n, v, steps, hidden = dout.shape
+    a = gi + gh if mode != "GRU" else None
+    dh_all = dout.new_empty(n, v, steps, hidden)
+    dh_next = ends[0]
+    if mode == "LSTM":
+        i, f = torch.sigmoid(a[..., :hidden]), torch.sigmoid(a[..., hidden:2 * hidden])
+        g, o = torch.tanh(a[..., 2 * hidden:3 * hidden]), torch.sigmoid(a[..., 3 * hidden:])
+        written, cells, state = i * g, [None] * steps, c0
+        for t in reversed(order):  # the cell states c_t = f_t c_{t-1} + i_t g_t, in order
+            state = cells[t] = torch.addcmul(written[:, t], f[:, t], state)
+        c = torch.stack(cells, 1)  # (n, T, H)
+        first = c0[:, None]
+        c_prev = torch.cat([first, c[:, :-1]] if order[0] == steps - 1 else [c[:, 1:], first], 1)
+        tc = torch.tanh(c)
+        to_c = o * (1 - tc * tc)  # d c_t / d h_t's share (n, T, H)
+        factors = torch.cat([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g),
+                             tc * o * (1 - o)], -1)  # (n, T, 4H)
+        dgates = dout.new_empty(n, v, steps, 4 * hidden)
+        dc_next = ends[1]
+        for t in order:
+            dh = dout[:, :, t] + dh_next
+            dc = torch.addcmul(dc_next, dh, to_c[:, None, t])
+            step = dgates[:, :, t] = torch.cat([dc, dc, dc, dh], -1) * factors[:, None, t]
+            dh_next = step @ w_hh
+            dc_next = dc * f[:, None, t]
+        return dgates, dgates
+    if mode == "GRU":
+        ir, iz, in_ = gi.chunk(3, -1)
+        hr, hz, hn = gh.chunk(3, -1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        new = torch.tanh(in_ + r * hn)
+        dn = (1 - z) * (1 - new * new)  # d pre-activation of the new gate / d h_t
+        to_r, to_z = dn * hn * r * (1 - r), (h_prev - new) * z * (1 - z)
+        hidden_factors = torch.cat([to_r, to_z, dn * r], -1)  # (n, T, 3H)
+        for t in order:
+            dh = dh_all[:, :, t] = dout[:, :, t] + dh_next
+            step = torch.cat([dh, dh, dh], -1) * hidden_factors[:, None, t]
+            dh_next = torch.addcmul(step @ w_hh, dh, z[:, None, t])
+        triple = torch.cat([dh_all, dh_all, dh_all], -1)
+        return triple * torch.cat([to_r, to_z, dn], -1)[:, None], triple * hidden_factors[:, None]
+    act = torch.tanh(a) if mode == "RNN_TANH" else torch.relu(a)
+    slope = 1 - act * act if mode == "RNN_TANH" else (a > 0).to(a.dtype)  # (n, T, H)
+    for t in order:
+        dh = dout[:, :, t] + dh_next
+        step = dh_all[:, :, t] = dh * slope[:, None, t]
+        dh_next = step @ w_hh
+    return dh_all, dh_all
 
 
 def _write_traces(layer: nn.RNNBase, traces: list[_Trace], grads: Any, out: dict) -> None:
@@ -246,4 +353,5 @@ def _write(out: dict, name: str, g: Tensor, a: Tensor | None) -> None:
 
 
 RECURRENT = register_module(ModuleSpec((nn.RNN, nn.LSTM, nn.GRU), grad=recurrent,
-                                       refusal=training_dropout, multi_output=True))
+                                       refusal=training_dropout, multi_output=True,
+                                       outputs=True))

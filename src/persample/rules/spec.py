@@ -214,6 +214,8 @@ class ModuleSpec:
             merged with the batch, ``(B*T, H)``): they reach ``grad`` as ``(n, T, ...)``.
         keeps_layout: the call's output holds the samples as its first input does (what
             the ops inside do to them, routing and regrouping tokens, is the rule's).
+        outputs: ``grad`` also gets ``outputs=``: the call's output tensors (those with
+            backprops), samples in dim 0, or ``None`` where one changed in place since.
     """
 
     types: tuple[type[nn.Module], ...]
@@ -225,6 +227,7 @@ class ModuleSpec:
     match: Callable[[nn.Module], bool] | None = None
     rows: bool = False
     keeps_layout: bool = False
+    outputs: bool = False
 
 
 @dataclass(frozen=True, eq=False)
