@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 import persample
 from battery import assert_exact, check, flat
@@ -63,3 +63,54 @@ def test_the_rows_sum_to_the_batch_gradient():
     loss = next_token(model(**inputs), ids).sum()
     batch = torch.autograd.grad(loss, list(model.parameters()))
     assert_exact({k: v.sum(0) for k, v in got.items()}, dict(zip(got, batch)))
+
+
+class _Experts(nn.Module):
+    """transformers' experts module as a user could write it (recognised by its tables
+    and ``forward``), with a scale read from another module's parameter (``foreign``)."""
+
+    def __init__(self, foreign: bool = False):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(3, 8, 4) / 2)
+        self.down_proj = nn.Parameter(torch.randn(3, 4, 4) / 2)
+        self.act_fn = nn.SiLU()
+        self.scale = nn.Linear(1, 1) if foreign else None
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # (R, H), (R, k), (R, k)
+        out = torch.zeros_like(hidden_states)
+        for e in range(3):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        if self.scale is not None:
+            out = out * self.scale.weight[0]
+        return out
+
+
+class _Routed(nn.Module):
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.router, self.experts, self.head = nn.Linear(4, 3), experts, nn.Linear(4, 2)
+
+    def forward(self, x):  # (B, T, 4)
+        rows = x.reshape(-1, 4)
+        weights, index = torch.topk(torch.softmax(self.router(rows), -1), 2, dim=-1)
+        return self.head(self.experts(rows, index, weights).reshape(x.shape).sum(1))
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_ops_inside_the_experts_call_run_unfollowed_unless_they_must_be(foreign):
+    """The experts' own ops run without data flow (the rule computes the call from its
+    inputs); a parameter of another module read inside is followed (the module rule then
+    leaves the call, whose parameters take an exact slower path), and the answer stays
+    exact."""
+    torch.manual_seed(0)
+    model = _Routed(_Experts(foreign)).double()
+    x, y = torch.randn(B, T, 4, dtype=torch.float64), torch.randint(0, 2, (B,))
+    loss = nn.CrossEntropyLoss()
+    fast = persample.per_sample_grads(model, x, y, loss)
+    slow = persample.loop_per_sample_grads(model, x, y, loss)
+    assert_exact(fast, slow)
+    routes = {r.module: r.path for r in persample.supported(model, x, y, loss)}
+    assert (routes["experts"] == "module rule") is not foreign

@@ -94,8 +94,8 @@ def plan(cap: Capture, watched: dict[int, nn.Parameter]) -> Plan:
     # "unused" only where autograd confirms it: a parameter no recorded op read may still
     # get gradient (through a graph kept from an earlier call, or code the capture never
     # saw); the backward checks its edge
-    result.reach += [p for pid, p in watched.items() if pid not in reads
-                     and pid not in cap.unseen_reads and p.requires_grad]
+    result.reach += [p for pid, p in watched.items() if pid not in reads and pid not in
+                     result.handled and pid not in cap.unseen_reads and p.requires_grad]
     _paths(cap, result, reads, watched)
     return result
 
@@ -111,14 +111,16 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
         if op.claimed is not None:
             by_call.setdefault(id(op.claimed), []).append(op)
     for call in cap.calls:
-        ops = by_call.get(id(call))
-        if not ops or call.rule is None or not _plain_layouts(cap, call, ops):
+        ops = by_call.get(id(call), [])
+        if (not ops and not call.read) or call.rule is None or not _plain_layouts(
+                cap, call, ops):
             continue
         own = {id(p) for p in call.module.parameters(recurse=False)}
         if any(not op.sources_all <= own for op in ops):
             continue
+        read = call.read.union(*(op.sources_all for op in ops))  # (unfollowed ops' too)
         params = {name: p for name, p in call.module.named_parameters(recurse=False)
-                  if id(p) in own and any(id(p) in op.sources_all for op in ops)}
+                  if id(p) in own and id(p) in read}
         result.module_jobs.append((call, params))
         owned.update(ops)
         result.handled.update(id(p) for p in params.values())

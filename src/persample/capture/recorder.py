@@ -18,7 +18,12 @@ derived tensor read after it changed in place, are reads the rules cannot follow
 
 Forward hooks on every module holding a watched parameter keep the stack of module
 calls (for names, module rules and the per-module fallback). A module with a module
-rule *claims* the ops reading its own parameters inside its call.
+rule *claims* the ops reading its own parameters inside its call. Inside the call of a
+module rule whose output keeps its input's layout (``ModuleSpec.keeps_layout``: the
+experts of a mixture, which the rule computes from the call's inputs whatever the ops
+inside do), the ops run unfollowed, their reads of the module's parameters noted on the
+call (``Call.read``); an op there that reads another parameter, draws random numbers or
+writes a tensor made before the call is followed as anywhere else.
 
 Every random op is recorded as a :class:`~persample.draws.Draw` (``draws``, in order;
 an op's own in ``Op.draw``, a call's range in ``Call.first_draw``/``end_draw``), so that
@@ -166,6 +171,7 @@ class Capture:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._mode: Any = None  # made on entering
         self._flow: Flow | None = None  # the data flow of the op just followed
+        self._quiet: Call | None = None  # the module-rule call whose ops are not followed
         self.steps: list[Step | None] = []  # every op seen, in order (the next tape)
         self._replay = tape  # the steps of an earlier capture of this call
         self.replayed = 0  # ops whose data flow was taken from the tape
@@ -278,17 +284,45 @@ class Capture:
                             parent=self.stack[-1] if self.stack else None,
                             autocast=autocast_state(), first_draw=len(self.draws))
                 with torch._C.DisableTorchFunction():  # reading tensors here is no op of
-                    call.versions = [t._version for t in tensor_leaves((args, kwargs))]
+                    leaves = tensor_leaves((args, kwargs))
+                    call.versions = [t._version for t in leaves]
+                if (rule is not None and rule.spec.keeps_layout and self._quiet is None
+                        and not self.following and not self._sources(leaves)):
+                    self._quiet = call  # its ops are the rule's: run, not followed
+                    call.own = frozenset(id(p) for p in module.parameters(recurse=False))
             except Exception as err:
                 raise_internal(err, f"the call of module '{name or '<root>'}'")
             self.stack.append(call)
 
         return pre_hook
 
+    def _quietly(self, func, args: tuple, kwargs: dict) -> Any:
+        """An op inside a module-rule call whose output keeps its input's layout
+        (``ModuleSpec.keeps_layout``: the rule computes the call from its inputs and the
+        backprops of its outputs): run without following it, unless it draws random
+        numbers, reads a parameter other than the module's own, or writes a tensor made
+        before the call (those are followed, :data:`_MISSED`)."""
+        call = self._quiet
+        leaves = op_leaves(args, kwargs)
+        sources = self._sources(leaves) if leaves else {}
+        if any(not pids <= call.own for pids in sources.values()):
+            return _MISSED
+        if (func is torch.Tensor.__setitem__ or in_place(func, kwargs)) and leaves and (
+                self.layouts.layout(kwargs.get("out", leaves[0])) is not MISSING):
+            return _MISSED
+        if random_kind(func, args, kwargs) is not None:
+            return _MISSED
+        self.steps.append(None)
+        if sources:
+            call.read |= frozenset().union(*sources.values())
+        return func(*args, **kwargs)
+
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if threading.get_ident() != self.thread:
             return
         call = self.stack.pop()
+        if self._quiet is call:
+            self._quiet = None
         try:
             call.output = output
             call.end_draw = len(self.draws)
@@ -319,6 +353,10 @@ class Capture:
         """Run one op (the model's own: its errors propagate as they are); record its
         outputs' layouts, and the op if it reads parameters (persample's work: an error
         there is an :class:`~persample.errors.InternalError` naming the op)."""
+        if self._quiet is not None:
+            out = self._quietly(func, args, kwargs)
+            if out is not _MISSED:
+                return out
         if self._replay is not None:
             out = self._from_tape(func, args, kwargs)
             if out is not _MISSED:

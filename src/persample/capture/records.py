@@ -39,6 +39,8 @@ class Call:
     autocast: AutocastState | None = None  # the autocast state it ran under
     first_draw: int = 0  # its random ops: the capture's draws[first_draw:end_draw]
     end_draw: int = 0
+    own: frozenset[int] | None = None  # a call whose ops ran unfollowed: its parameters
+    read: frozenset[int] = frozenset()  # ... and those of them its ops read
 
     def describe(self) -> str:
         return f"'{self.name or '<root>'}' ({type(self.module).__name__})"
