@@ -114,3 +114,20 @@ def test_ops_inside_the_experts_call_run_unfollowed_unless_they_must_be(foreign)
     assert_exact(fast, slow)
     routes = {r.module: r.path for r in persample.supported(model, x, y, loss)}
     assert (routes["experts"] == "module rule") is not foreign
+
+
+def test_per_sample_outer_sums_grouped_and_padded_agree():
+    """Each sample's sum of outer products over its tokens: ``torch._grouped_mm`` over
+    the samples' runs (float32) and the padded batched product (float64) against the
+    sum written out, with a sample that has no token and uneven counts."""
+    from persample.rules.experts import _Padded
+
+    torch.manual_seed(0)
+    owner = torch.tensor([0, 0, 0, 2, 3, 3, 3, 3, 3])  # sample 1 has none
+    for dtype in (torch.float32, torch.float64):
+        g, x = torch.randn(2, 9, 8, dtype=dtype), torch.randn(9, 4, dtype=dtype)
+        got = _Padded(owner, 4).outer_sums(g, x)  # (n, v, o, i)
+        want = torch.stack([torch.einsum("vmo,mi->voi", g[:, owner == k], x[owner == k])
+                            for k in range(4)])
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert not got[1].any()

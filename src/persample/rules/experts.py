@@ -83,12 +83,12 @@ def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict) 
     g = backprops.reshape(n, v, per, -1).transpose(0, 1).reshape(v, rows.shape[0], -1)
     gate_up, down = layer.gate_up_proj.detach(), layer.down_proj.detach()
     want_gu, want_d = out.get("gate_up_proj"), out.get("down_proj")
-    for t in (want_gu, want_d):
-        if t is not None:
-            t.zero_()
     for e in range(gate_up.shape[0]):
         token, slot = torch.where(index == e)  # (m,), (m,)
-        if not len(token):
+        if not len(token):  # no token chose it: zeros
+            for t in (want_gu, want_d):
+                if t is not None:
+                    t[:, :, e].zero_()
             continue
         x = rows[token].to(gate_up.dtype)  # (m, H)
         pre, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)  # (m, I) each
@@ -123,28 +123,49 @@ def _activation(fn: Callable[[Tensor], Tensor], pre: Tensor
     return out.detach(), pull
 
 
+_GROUPED = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm's, on the CPU
+
+
 class _Padded:
-    """Tokens ``(m,)`` of samples ``owner`` (in sample order) placed in a padded
-    ``(n, M, ...)`` layout, ``M`` the most tokens of one sample, so that each sample's
-    sum of outer products is one batched matrix product."""
+    """Tokens ``(m,)`` of samples ``owner`` (in sample order), each sample's sum of
+    outer products taken in one call: on the CPU in float32 or half precision by
+    ``torch._grouped_mm`` over the samples' runs of tokens (the products split along
+    the tokens by their offsets), otherwise as one batched matrix product of the tokens
+    placed in a padded ``(n, M, ...)`` layout, ``M`` the most tokens of one sample."""
 
     def __init__(self, owner: Tensor, n: int):
         counts = torch.bincount(owner, minlength=n)  # (n,)
-        starts = torch.cumsum(counts, 0) - counts
+        self.ends = torch.cumsum(counts, 0)  # (n,) each sample's tokens end here
+        starts = self.ends - counts
         self.owner, self.n = owner, n
         self.slot = torch.arange(len(owner), device=owner.device) - starts[owner]  # (m,)
-        self.most = int(counts.max())
+        self.counts = counts
 
     def place(self, t: Tensor) -> Tensor:
         """``(..., m, d)`` -> ``(..., n, M, d)``, zeros where a sample has fewer."""
-        out = t.new_zeros((*t.shape[:-2], self.n, self.most, t.shape[-1]))
+        most = int(self.counts.max())
+        out = t.new_zeros((*t.shape[:-2], self.n, most, t.shape[-1]))
         out[..., self.owner, self.slot, :] = t
         return out
 
     def outer_sums(self, g: Tensor, x: Tensor) -> Tensor:
         """``(n, v, o, i)``: per sample, ``sum_m g[v, m] x[m]^T`` for ``g (v, m, o)``,
         ``x (m, i)``."""
+        v, m, o = g.shape
+        if _groups(g, x):
+            rows = g.transpose(0, 1).reshape(m, v * o)  # (m, v * o)
+            sums = torch._grouped_mm(rows.t(), x.contiguous(), offs=self.ends.to(torch.int32))
+            return sums.view(self.n, v, o, x.shape[-1])
         return (self.place(g).transpose(-1, -2) @ self.place(x)).transpose(0, 1)
+
+
+def _groups(g: Tensor, x: Tensor) -> bool:
+    """Can ``torch._grouped_mm`` take these: the CPU, float32 or half precision, rows of
+    a multiple of 16 bytes?"""
+    size = g.element_size()
+    return (hasattr(torch, "_grouped_mm") and g.device.type == "cpu" and g.dtype in _GROUPED
+            and x.dtype == g.dtype and (g.shape[0] * g.shape[2] * size) % 16 == 0
+            and (x.shape[-1] * size) % 16 == 0)
 
 
 EXPERTS = register_module(ModuleSpec((), grad=experts, check=check, match=is_experts,
