@@ -287,7 +287,8 @@ class Capture:
                     leaves = tensor_leaves((args, kwargs))
                     call.versions = [t._version for t in leaves]
                 if (rule is not None and rule.spec.keeps_layout and self._quiet is None
-                        and not self.following and not self._sources(leaves)):
+                        and not self.following and not self._sources(leaves)
+                        and all(self._plain(t, rule.spec.rows) for t in leaves)):
                     self._quiet = call  # its ops are the rule's: run, not followed
                     call.own = frozenset(id(p) for p in module.parameters(recurse=False))
             except Exception as err:
@@ -295,6 +296,13 @@ class Capture:
             self.stack.append(call)
 
         return pre_hook
+
+    def _plain(self, t: Tensor, rows: bool) -> bool:
+        """Is ``t`` shared, or batched with one position per sample (``rows``: or each
+        sample's rows one run, in sample order), as a module rule takes its inputs?"""
+        lay = self.layouts.layout(t)
+        return lay.one_position_each() or (rows and isinstance(lay, Batched)
+                                           and lay.outer == 1 and lay.index is None)
 
     def _quietly(self, func, args: tuple, kwargs: dict) -> Any:
         """An op inside a module-rule call whose output keeps its input's layout
