@@ -192,3 +192,21 @@ def test_arguments_key():
     assert arguments_key((x, (1, 2)), {}) != arguments_key((x, [1, 2]), {})
     with pytest.raises(Opaque):
         arguments_key((x, object()), {})
+
+
+def test_no_step_keeps_a_layout_that_holds_tensors():
+    """A layout holding this call's values (a packed batch's sample ids, a sorted dim's
+    keys, the rows a scatter wrote) is not kept for the next call, nor any tensor."""
+    from persample.batch import SHARED, Batched, Flow
+    from persample.batch.ops_indexing import Partly, Sorted
+    from persample.capture.tape import reusable
+
+    x = torch.zeros(4, 3)
+    plain = Flow(Batched(0))
+    assert reusable(plain, [Batched(0), SHARED], [x, x])
+    ids = torch.arange(4)
+    for lay in (Batched(0, index=ids), Sorted(0, keys=ids), Partly("rows", rows=ids)):
+        assert not reusable(Flow(lay), [Batched(0)], [x])
+        assert not reusable(plain, [lay], [x])
+    assert not reusable(plain, [Batched(0)], [ids])  # an integer input: values are read
+

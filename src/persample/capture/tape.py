@@ -16,7 +16,8 @@ Decided again at every call (no step): ops reading a parameter or a tensor deriv
 one (recorded for the rules at every call), random ops (their numbers are drawn anew),
 in-place ops, ops whose data flow may read values (any integer or boolean tensor among
 their inputs: indices, masks, ids), strides (``as_strided``) or the tensors a layout
-holds (packed rows), ops of the loss that mix samples, and ops with an argument of a
+holds (a packed batch's sample ids, a sorted dim's keys, the rows a scatter wrote: no
+step keeps a tensor), ops of the loss that mix samples, and ops with an argument of a
 type other than plain values (numbers, strings, slices, dtypes, devices, sizes).
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..batch import Batched, Flow
+from ..batch import Batched, Flow, Mixed, Shared, Unknown
 
 _PLAIN = frozenset((int, float, bool, str, type(None), type(Ellipsis), torch.dtype,
                     torch.device, torch.memory_format, torch.layout))
@@ -96,13 +97,20 @@ def outs_of(out: Any) -> tuple | None:
 
 def reusable(flow: Flow, layouts: list, leaves: list[Tensor]) -> bool:
     """Can this op's data flow be taken from its step at a later call? Not where it may
-    read values (an integer or boolean input), where a layout holds a tensor, or where
-    the op writes other inputs."""
+    read values (an integer or boolean input), where a layout holds a tensor (a packed
+    batch's sample ids, the keys of a sorted dim, the rows a scatter wrote: layouts
+    other than the plain kinds), or where the op writes other inputs."""
     if flow.writes or any(not (t.is_floating_point() or t.is_complex()) for t in leaves):
         return False
     outs = flow.outputs if isinstance(flow.outputs, tuple) else (flow.outputs,)
-    return not any(isinstance(lay, Batched) and lay.index is not None
-                   for lay in outs + tuple(flow.pairing or ()) + tuple(layouts))
+    return all(_plain(lay) for lay in outs + tuple(flow.pairing or ()) + tuple(layouts))
+
+
+def _plain(lay: Any) -> bool:
+    """A layout that holds no tensor: shared, mixed, unknown, or batched by position."""
+    if lay is None or type(lay) in (Shared, Mixed, Unknown):
+        return True
+    return type(lay) is Batched and lay.index is None
 
 
 class Tape:
