@@ -210,3 +210,9 @@ def test_no_step_keeps_a_layout_that_holds_tensors():
         assert not reusable(plain, [lay], [x])
     assert not reusable(plain, [Batched(0)], [ids])  # an integer input: values are read
 
+
+
+def test_arguments_of_equal_value_and_other_type_differ():
+    x = torch.zeros(2)
+    assert arguments_key((x, 1), {}) != arguments_key((x, True), {})
+    assert arguments_key((x, 1), {}) != arguments_key((x, 1.0), {})

@@ -58,7 +58,7 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple:
 def _key(x: Any) -> Any:
     kind = type(x)
     if kind in _PLAIN:
-        return x
+        return kind, x  # (1, 1.0 and True compare equal: their types tell them apart)
     if isinstance(x, Tensor):
         return _TENSOR
     if kind is tuple or kind is list or kind is torch.Size:
@@ -70,14 +70,14 @@ def _key(x: Any) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class Step:
-    """One op as it ran: see the module docstring. ``flow`` is ``None`` where the op's
-    data flow is decided at every call."""
+    """One op as it ran, whose data flow a later capture may take (see the module
+    docstring; an op decided at every call has no step)."""
 
     func: Any
     key: tuple  # arguments_key of its arguments
-    reads: tuple  # per leaf: (address, shape, dtype, requires_grad)
+    reads: tuple  # per leaf: (layout, shape, dtype, requires_grad)
     outs: tuple  # per output tensor: (shape, dtype)
-    flow: Flow | None
+    flow: Flow  # its outputs' layouts (and pairing)
 
 
 def reads_of(leaves: list[Tensor], layouts: list) -> tuple:
