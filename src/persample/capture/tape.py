@@ -2,8 +2,8 @@
 need not decide it again.
 
 A training loop calls the same model with the same shapes thousands of times, and the
-layouts of its tensors come out the same each time. A :class:`Tape` keeps, for every op
-a capture saw (in order), a :class:`Step`: the function, the op's arguments other than
+layouts of its tensors come out the same each time. A capture's *tape* keeps, for every
+op it saw (in order), a :class:`Step` (``None`` for an op decided at every call): the function, the op's arguments other than
 tensors (dims, slices, flags), the layout, shape, dtype and requires-grad of each tensor
 it read, and the layouts the data flow gave its outputs. The data flow
 (:func:`persample.batch.flow.propagate`) is a function of exactly these, so a later
@@ -111,11 +111,3 @@ def _plain(lay: Any) -> bool:
     if lay is None or type(lay) in (Shared, Mixed, Unknown):
         return True
     return type(lay) is Batched and lay.index is None
-
-
-class Tape:
-    """The steps of one capture (``None`` for an op decided at every call), and the key
-    of the call it was made for."""
-
-    def __init__(self, key: tuple, steps: list[Step | None]):
-        self.key, self.steps = key, steps

@@ -349,10 +349,13 @@ def with_lora(model: nn.Module, rank: int = 8) -> nn.Module:
     return lora(model, rank, ["c_attn"])
 
 
-def timm_vit(img_size: int = 28, in_chans: int = 1, classes: int = 10) -> nn.Module:
-    """timm's ``VisionTransformer(img_size, patch_size=4, in_chans, embed_dim=64, depth=2,
-    num_heads=4, num_classes)``: a class token, learned positions, random weights
-    (``torch.manual_seed(0)``), eval mode; float32, on the CPU.
+def timm_vit(img_size: int = 28, in_chans: int = 1, classes: int = 10, width: int = 64,
+             depth: int = 2, heads: int = 4) -> nn.Module:
+    """timm's ``VisionTransformer(img_size, patch_size=4, in_chans, embed_dim=width,
+    depth, num_heads=heads, num_classes)``: a class token, learned positions, random
+    weights (``torch.manual_seed(0)``), eval mode; float32, on the CPU. The default is
+    the small ViT of ``vit-grads``; ``width=192, depth=12, heads=3`` is ViT-Tiny
+    (``vit_tiny_patch16_224``'s sizes; Touvron et al. 2021, DeiT-Tiny).
 
     Raises:
         NotInstalled: timm is missing.
@@ -365,27 +368,5 @@ def timm_vit(img_size: int = 28, in_chans: int = 1, classes: int = 10) -> nn.Mod
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    return VisionTransformer(img_size=img_size, patch_size=4, in_chans=in_chans, embed_dim=64,
-                             depth=2, num_heads=4, num_classes=classes).eval()
-
-
-def timm_vit_tiny(img_size: int = 32, in_chans: int = 3, classes: int = 10) -> nn.Module:
-    """timm's ViT-Tiny (``VisionTransformer(embed_dim=192, depth=12, num_heads=3)``, as
-    ``vit_tiny_patch16_224``) on small images: ``patch_size=4``, a class token, learned
-    positions, random weights (``torch.manual_seed(0)``), eval mode; float32, on the CPU.
-
-    Raises:
-        NotInstalled: timm is missing.
-
-    Example:
-        >>> timm_vit_tiny()(torch.zeros(2, 3, 32, 32)).shape
-        torch.Size([2, 10])
-
-    Source: Touvron et al. 2021 (DeiT-Tiny); timm's ``vit_tiny_patch16_224``.
-    """
-    require("timm")
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    return VisionTransformer(img_size=img_size, patch_size=4, in_chans=in_chans, embed_dim=192,
-                             depth=12, num_heads=3, num_classes=classes).eval()
+    return VisionTransformer(img_size=img_size, patch_size=4, in_chans=in_chans, embed_dim=width,
+                             depth=depth, num_heads=heads, num_classes=classes).eval()

@@ -333,7 +333,7 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         f"{b}, T={t}, which of 4 stdlib modules a docstring documents, "
                         "per-sample cross-entropy", opacus_ce=classifier_ce)
     if name == "vit-tiny-grads":
-        model = real_models.timm_vit_tiny(img_size=32, in_chans=3)
+        model = real_models.timm_vit(img_size=32, in_chans=3, width=192, depth=12, heads=3)
         x, y = digits_images(32, channels=3)
         b = batch or 16
         return Workload(name, "timm", model, x[:b], y[:b], nn.CrossEntropyLoss(),

@@ -23,7 +23,6 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
-from ..capture.tape import Tape
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
 from ..loss import total_loss
@@ -56,7 +55,7 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     tape = plans.tape_for(model, key)
     with torch.enable_grad():
         with open_capture(model, watched, batch.n, inputs, batch.shared,
-                          tape=tape.steps if tape is not None else None) as cap:
+                          tape=tape) as cap:
             output = batch.call(model)
         value = root(output, cap)
     gather = gatherer(units)
@@ -83,7 +82,7 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
             f"parameter {param_name(model, id(hidden[0]))} gets gradient through ops the "
             "capture cannot follow (a custom autograd.Function, TorchScript code, a "
             "tensor it was written into in place, or a tensor kept from an earlier call)")
-    plans.keep(model, key, Tape(key, cap.steps))
+    plans.keep(model, key, cap.steps)
     return Captured(cap, result, grads, batch.n, v)
 
 

@@ -1,7 +1,7 @@
 """The data flow of earlier calls, kept per model for the next call like them.
 
-Each call of the engine on a model leaves the :class:`~persample.capture.tape.Tape` of
-its capture here, under the call's batch size and input shapes; the next call with the
+Each call of the engine on a model leaves the tape of its capture (its
+:class:`~persample.capture.tape.Step` list) here, under the call's batch size and input shapes; the next call with the
 same ones gives it to its capture, which takes each op's layouts from the tape where
 the op matches its step (:mod:`persample.capture.tape`). Nothing is kept on the model:
 tapes live in a weak dictionary keyed by the model (dropped with it), a few per model.
@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..capture.tape import Tape
+from ..capture.tape import Step
 
 PER_MODEL = 8  # tapes kept per model (the most recently used)
 
@@ -23,7 +23,7 @@ _TAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENABLED = [True]
 
 
-def tape_for(model: nn.Module, key: tuple) -> Tape | None:
+def tape_for(model: nn.Module, key: tuple) -> list[Step | None] | None:
     """The tape of the last call on ``model`` with ``key``, if caching is on."""
     if not _ENABLED[0] or model is None:
         return None
@@ -31,7 +31,7 @@ def tape_for(model: nn.Module, key: tuple) -> Tape | None:
     return tapes.get(key) if tapes is not None else None
 
 
-def keep(model: nn.Module, key: tuple, tape: Tape) -> None:
+def keep(model: nn.Module, key: tuple, tape: list[Step | None]) -> None:
     """Keep ``tape`` for the next call on ``model`` with ``key``."""
     if not _ENABLED[0] or model is None:
         return

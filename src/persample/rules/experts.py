@@ -139,12 +139,13 @@ class _Padded:
         starts = self.ends - counts
         self.owner, self.n = owner, n
         self.slot = torch.arange(len(owner), device=owner.device) - starts[owner]  # (m,)
-        self.counts = counts
+        self._counts, self._most = counts, None
 
     def place(self, t: Tensor) -> Tensor:
         """``(..., m, d)`` -> ``(..., n, M, d)``, zeros where a sample has fewer."""
-        most = int(self.counts.max())
-        out = t.new_zeros((*t.shape[:-2], self.n, most, t.shape[-1]))
+        if self._most is None:  # (read once: a synchronisation on a GPU)
+            self._most = int(self._counts.max())
+        out = t.new_zeros((*t.shape[:-2], self.n, self._most, t.shape[-1]))
         out[..., self.owner, self.slot, :] = t
         return out
 
