@@ -69,11 +69,11 @@ class _Experts(nn.Module):
     """transformers' experts module as a user could write it (recognised by its tables
     and ``forward``), with a scale read from another module's parameter (``foreign``)."""
 
-    def __init__(self, foreign: bool = False):
+    def __init__(self, foreign: bool = False, act: nn.Module | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(3, 8, 4) / 2)
         self.down_proj = nn.Parameter(torch.randn(3, 4, 4) / 2)
-        self.act_fn = nn.SiLU()
+        self.act_fn = nn.SiLU() if act is None else act
         self.scale = nn.Linear(1, 1) if foreign else None
 
     def forward(self, hidden_states, top_k_index, top_k_weights):  # (R, H), (R, k), (R, k)
@@ -114,6 +114,19 @@ def test_ops_inside_the_experts_call_run_unfollowed_unless_they_must_be(foreign)
     assert_exact(fast, slow)
     routes = {r.module: r.path for r in persample.supported(model, x, y, loss)}
     assert (routes["experts"] == "module rule") is not foreign
+
+
+@pytest.mark.parametrize("act", [nn.SiLU(), nn.GELU(approximate="tanh")])
+def test_the_experts_parameter_jacobian_with_each_activation(act):
+    """Several cotangents at once (the per-sample parameter Jacobian, ``v`` = 2 = the
+    experts' top-k), through SiLU (torch's fused pullback) and another activation
+    (autograd's), against the loop."""
+    torch.manual_seed(0)
+    model = _Routed(_Experts(act=act)).double()
+    x = torch.randn(B, T, 4, dtype=torch.float64)
+    got = persample.param_jacobian(model, x, method="rules")
+    want = persample.loop_param_jacobian(model, x)
+    assert_exact(got, want)
 
 
 def test_per_sample_outer_sums_grouped_and_padded_agree():

@@ -91,8 +91,9 @@ def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict) 
                     t[:, :, e].zero_()
             continue
         x = rows[token].to(gate_up.dtype)  # (m, H)
-        pre, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)  # (m, I) each
-        act, slope = _activation(layer.act_fn, pre)  # act(pre), and act'(pre) or a pullback
+        pre_up = F.linear(x, gate_up[e])  # (m, 2I)
+        pre, up = pre_up.chunk(2, dim=-1)  # (m, I) each
+        act, pull = _activation(layer.act_fn, pre)  # act(pre), and its pullback
         h = act * up  # (m, I)
         gy = g[:, token] * weights[token, slot].to(g.dtype)[None, :, None]  # (v, m, H)
         padded = _Padded(sample[token], n)  # each sample's tokens, in rows of its own
@@ -100,25 +101,29 @@ def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict) 
             want_d[:, :, e] = padded.outer_sums(gy, h)
         if want_gu is not None:
             dh = gy @ down[e]  # (v, m, I)
-            dpre = dh * up * slope if isinstance(slope, Tensor) else slope(dh * up)
-            dgu = torch.cat([dpre, dh * act], dim=-1)  # (v, m, 2I)
+            dgu = pre_up.new_empty((v, *pre_up.shape))  # (v, m, 2I): [dpre, dup]
+            pull(dh * up, dgu[..., :pre.shape[-1]])
+            torch.mul(dh, act, out=dgu[..., pre.shape[-1]:])
             want_gu[:, :, e] = padded.outer_sums(dgu, x)
 
 
 def _activation(fn: Callable[[Tensor], Tensor], pre: Tensor
-                ) -> tuple[Tensor, Tensor | Callable[[Tensor], Tensor]]:
-    """``fn(pre)`` and its derivative entry by entry (SiLU, Mixtral's: ``s (1 + pre (1 -
-    s))``, ``s = sigmoid(pre)``), or for another activation its pullback
-    ``(v, m, I) -> (v, m, I)`` by autograd."""
+                ) -> tuple[Tensor, Callable[[Tensor, Tensor], None]]:
+    """``fn(pre)`` and its pullback ``pull(g, into)``, ``into = g * fn'(pre)`` entry by
+    entry for ``g (v, m, I)``: for SiLU (Mixtral's) torch's own fused kernels, for
+    another activation autograd's."""
     if isinstance(fn, nn.SiLU) or type(fn).__name__ == "SiLUActivation":
-        s = torch.sigmoid(pre)
-        return pre * s, s * (1 + pre * (1 - s))
+        def silu_pull(g: Tensor, into: Tensor) -> None:
+            torch.ops.aten.silu_backward(g, pre, grad_input=into)
+
+        return F.silu(pre), silu_pull
     leaf = pre.detach().requires_grad_()
     with torch.enable_grad():
         out = fn(leaf)
 
-    def pull(g: Tensor) -> Tensor:
-        return torch.autograd.grad(out, leaf, g, is_grads_batched=True, retain_graph=True)[0]
+    def pull(g: Tensor, into: Tensor) -> None:
+        into.copy_(torch.autograd.grad(out, leaf, g, is_grads_batched=True,
+                                       retain_graph=True)[0])
 
     return out.detach(), pull
 
