@@ -38,7 +38,6 @@ from torch import Tensor, nn
 
 import persample
 from conftest import ModelState
-from persample.reference import forward_per_sample_grads
 from persample import (
     loop_param_jacobian,
     loop_per_sample_grads,
@@ -46,6 +45,7 @@ from persample import (
     per_sample_grad_norms,
     per_sample_grads,
 )
+from persample.reference import forward_per_sample_grads
 
 # every method of the public functions; the loop is the reference the others match
 METHODS = ["rules", "vmap", "auto", "loop"]

@@ -57,6 +57,57 @@ def test_grouped_experts_take_the_module_rule_and_match_the_loop():
     assert paths == {"rule", "module rule"}
 
 
+def _rel(got: dict, want: dict) -> float:
+    return float((flat(got) - flat(want)).abs().max() / flat(want).abs().max())
+
+
+def test_grouped_experts_read_the_products_as_they_ran(monkeypatch):
+    """The grouped implementation's two products are read as they ran (their inputs and
+    the backward's gradients at their outputs), at every call, the first and those
+    that take the cached plan: the same rows as computing them again, and the loop's."""
+    from persample.rules import experts as rule
+
+    model, inputs, ids = _mixtral(None, torch.float32)
+    seen, real = [], rule._grouped_as_run
+    monkeypatch.setattr(rule, "_grouped_as_run", lambda *a: seen.append(real(*a)) or seen[-1])
+    got = [persample.per_sample_grads(model, inputs, ids, next_token, method="rules")
+           for _ in range(2)]
+    assert len(seen) == 4 and all(r is not None for r in seen)  # 2 layers, 2 calls
+    monkeypatch.setattr(rule, "_grouped_as_run", lambda *a: None)
+    again = persample.per_sample_grads(model, inputs, ids, next_token, method="rules")
+    want = persample.loop_per_sample_grads(model, inputs, ids, next_token)
+    assert _rel(got[0], again) < 1e-6 and _rel(got[1], again) < 1e-6
+    assert _rel(got[0], want) < 1e-5
+
+
+def test_experts_with_a_gate_of_their_own_leave_the_module_rule():
+    """A gate other than ``act(g) * u`` (Step-3's clamped one) is not the rule's: the
+    experts' ops take their own paths, and the rows stay exact."""
+
+    class Clamped(_Experts):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate).clamp(max=0.1) * up
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for e in range(3):
+                token, slot = torch.where(top_k_index == e)
+                h = self._apply_gate(F.linear(hidden_states[token], self.gate_up_proj[e]))
+                y = F.linear(h, self.down_proj[e])
+                out.index_add_(0, token, y * top_k_weights[token, slot, None])
+            return out
+
+    torch.manual_seed(0)
+    model = _Routed(Clamped()).double()
+    x, y = torch.randn(B, T, 4, dtype=torch.float64), torch.randint(0, 2, (B,))
+    loss = nn.CrossEntropyLoss()
+    assert_exact(persample.per_sample_grads(model, x, y, loss),
+                 persample.loop_per_sample_grads(model, x, y, loss))
+    routes = {r.module: r.path for r in persample.supported(model, x, y, loss)}
+    assert routes["experts"] != "module rule"
+
+
 def test_the_rows_sum_to_the_batch_gradient():
     model, inputs, ids = _mixtral("eager", torch.float64)
     got = persample.per_sample_grads(model, inputs, ids, next_token)

@@ -17,10 +17,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 import persample
-from persample import LossNotPerSampleError
 from battery import METHODS, REDUCTIONS, TOL, assert_grads_equal, flat
 from cases import BY_ID, CASE_IDS, CASES, N, OpaqueGate, as_tuple, build, randn
-from persample import loop_per_sample_grads, per_sample_grads
+from persample import LossNotPerSampleError, loop_per_sample_grads, per_sample_grads
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -15,8 +15,7 @@ from .inputs import Batch, samples_of
 from .memory import result_empty
 from .methods import Taken, answer
 from .rng import restore, snapshot
-from .whole import loop_grads, loop_jacobian
-from .whole import vmap_grads, vmap_jacobian
+from .whole import loop_grads, loop_jacobian, vmap_grads, vmap_jacobian
 
 
 @checks.keeps_buffers

@@ -30,9 +30,8 @@ from .captured_batch import CapturedBatch, matrix_shape, parameter_groups
 from .errors import internal
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
-from .whole import loop_grads
 from .rules.ghost import Factors, cross_inner, forming_cost
-from .whole import vmap_grads
+from .whole import loop_grads, vmap_grads
 
 
 def per_sample_grad_dots(

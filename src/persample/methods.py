@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .rng import restore, snapshot
 from .errors import REFUSALS, InternalError
+from .rng import restore, snapshot
 
 METHODS = ("auto", "rules", "vmap", "loop")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))

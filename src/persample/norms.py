@@ -27,10 +27,9 @@ from .errors import internal
 from .inputs import samples_of
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast, without_autocast
-from .whole import loop_grads
 from .rules import Decline, OpCall, module_front, module_inputs, spec_of
 from .rules.ghost import ghost_cost, materialise_cost, squared_norm
-from .whole import vmap_grads
+from .whole import loop_grads, vmap_grads
 
 
 def squared_norms(

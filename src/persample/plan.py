@@ -12,6 +12,7 @@ The plan lists the gradient edges the one backward must reach.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -52,6 +53,8 @@ class Plan:
         sources = [e.edge for op in self.uses for e in op.edges if e is not None]
         sources += [e.edge for call, _ in self.module_jobs + self.fallback_jobs
                     for e in call.edges if e is not None]
+        sources += [i.edge.edge for call, _ in self.module_jobs if call.rule.spec.inner
+                    for i in call.inner if i.edge is not None]  # (what the rule reads again)
         sources += [get_gradient_edge(p) for p in self.reach] if reach else []
         for e in sources:
             found.setdefault(edge_key(e), e)

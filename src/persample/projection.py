@@ -43,9 +43,8 @@ from .errors import internal
 from .inputs import Batch
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
-from .whole import loop_grads
 from .rules.ghost import Factors
-from .whole import vmap_grads
+from .whole import loop_grads, vmap_grads
 
 KINDS = ("kronecker", "gaussian", "rademacher")
 CHUNK_BYTES = 1 << 26

@@ -19,7 +19,6 @@ from .inputs import as_batch, samples_of
 from .patches import plain_checkpoints
 from .sharded import refuse_sharded
 
-
 Around = Callable[[int], AbstractContextManager]
 
 

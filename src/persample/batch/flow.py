@@ -145,6 +145,16 @@ VALUE_READERS: set = set()
 # ops that read only their tensor arguments' shape, dtype and device (``zeros_like``)
 SHAPE_READERS: set[Any] = set()
 
+# reads of a tensor's metadata, which make no tensor: no data flow, nothing to record
+METADATA: frozenset = frozenset(
+    [getattr(torch._C.TensorBase, name).__get__ for name in (
+        "shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse", "is_meta",
+        "is_quantized", "is_nested", "requires_grad", "is_leaf")]
+    + [getattr(torch._C.TensorBase, name) for name in (
+        "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
+        "is_floating_point", "is_complex", "element_size", "is_contiguous", "get_device")]
+    + [torch.Tensor.__len__])
+
 
 def _reads_values(func: Any) -> bool:
     return func in VALUE_READERS

@@ -7,7 +7,6 @@ Registered with :func:`persample.batch.flow.register`; see that module.
 from __future__ import annotations
 
 import string
-
 from typing import Any
 
 import torch

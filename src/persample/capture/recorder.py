@@ -60,7 +60,7 @@ from ..batch import (
     op_leaves,
     propagate,
 )
-from ..batch.flow import SHAPE_READERS, name_of, unbroadcast
+from ..batch.flow import METADATA, SHAPE_READERS, name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import written_layout
 from ..batch.table import MISSING, LayoutTable
@@ -70,7 +70,7 @@ from ..patches import WhileCapturing
 from ..precision import autocast_state
 from .edges import edge_of
 from .mode import hidden, mode_class, must_hide
-from .records import Call, Derived, Op, shapes_only
+from .records import Call, Derived, Inner, Op, shapes_only
 from .tape import Opaque, Step, arguments_key, outs_of, reads_of, reusable
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
@@ -266,6 +266,7 @@ class Capture:
         for call in self.calls:
             if id(call) not in kept:
                 call.args, call.kwargs, call.output, call.edges = (), {}, None, []
+                call.inner = []
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -291,6 +292,7 @@ class Capture:
                         and all(self._plain(t, rule.spec.rows) for t in leaves)):
                     self._quiet = call  # its ops are the rule's: run, not followed
                     call.own = frozenset(id(p) for p in module.parameters(recurse=False))
+                    call.inputs = frozenset(id(t) for t in leaves)
             except Exception as err:
                 raise_internal(err, f"the call of module '{name or '<root>'}'")
             self.stack.append(call)
@@ -323,7 +325,11 @@ class Capture:
         self.steps.append(None)
         if sources:
             call.read |= frozenset().union(*sources.values())
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if leaves and _kept_inside(call, func, leaves):
+            edge = edge_of(out) if isinstance(out, Tensor) and out._base is None else None
+            call.inner.append(Inner(func, args, kwargs, out, edge))
+        return out
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if threading.get_ident() != self.thread:
@@ -361,6 +367,9 @@ class Capture:
         """Run one op (the model's own: its errors propagate as they are); record its
         outputs' layouts, and the op if it reads parameters (persample's work: an error
         there is an :class:`~persample.errors.InternalError` naming the op)."""
+        if func in METADATA:  # (a shape, a dtype: no tensor made)
+            self.steps.append(None)
+            return func(*args, **kwargs)
         if self._quiet is not None:
             out = self._quietly(func, args, kwargs)
             if out is not _MISSED:
@@ -613,6 +622,18 @@ class Capture:
             if src.dim() == 0 or src.dtype != t.dtype or not _broadcasts(src.shape, t.shape):
                 return found  # (a 0-dim tensor would change the type promotion)
             found = t = src
+
+
+def _kept_inside(call: Call, func: Any, leaves: list) -> bool:
+    """Is this op of an unfollowed call one its module rule may read (:class:`Inner`)?"""
+    own = call.own
+    for t in leaves:
+        if id(t) in own or (t._base is not None and id(t._base) in own):
+            return True
+    return func is _GETITEM and id(leaves[0]) in call.inputs
+
+
+_GETITEM = torch.Tensor.__getitem__
 
 
 def _any_mixed(outputs: Any) -> bool:

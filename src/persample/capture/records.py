@@ -41,9 +41,25 @@ class Call:
     end_draw: int = 0
     own: frozenset[int] | None = None  # a call whose ops ran unfollowed: its parameters
     read: frozenset[int] = frozenset()  # ... and those of them its ops read
+    inputs: frozenset[int] = frozenset()  # ... the ids of its input tensors
+    inner: list[Inner] = field(default_factory=list)  # ... its ops a module rule may read
 
     def describe(self) -> str:
         return f"'{self.name or '<root>'}' ({type(self.module).__name__})"
+
+
+@dataclass(eq=False)
+class Inner:
+    """An op of a call whose ops ran unfollowed (:attr:`Call.own`) that its module rule
+    may read instead of computing it again: one reading the module's parameters or views
+    of them, or one gathering rows of the call's inputs (``x[index]``); with the gradient
+    edge of an output that is no view."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    output: Any
+    edge: Edge | None = None
 
 
 @dataclass(eq=False)

@@ -3,14 +3,15 @@ need not decide it again.
 
 A training loop calls the same model with the same shapes thousands of times, and the
 layouts of its tensors come out the same each time. A capture's *tape* keeps, for every
-op it saw (in order), a :class:`Step` (``None`` for an op decided at every call): the function, the op's arguments other than
-tensors (dims, slices, flags), the layout, shape, dtype and requires-grad of each tensor
-it read, and the layouts the data flow gave its outputs. The data flow
-(:func:`persample.batch.flow.propagate`) is a function of exactly these, so a later
-capture given the tape (:class:`persample.capture.Capture`'s ``tape``) takes an op's
-layouts from its step wherever the op at that place matches it in all of them, and
-decides them itself wherever it does not (another path through the model's code, other
-shapes, another layout): a step never answers for an op it does not match.
+op it saw (in order), a :class:`Step` (``None`` for an op decided at every call): the
+function, the op's arguments other than tensors (dims, slices, flags), the layout,
+shape, dtype and requires-grad of each tensor it read, and the layouts the data flow
+gave its outputs. The data flow (:func:`persample.batch.flow.propagate`) is a function
+of exactly these, so a later capture given the tape
+(:class:`persample.capture.Capture`'s ``tape``) takes an op's layouts from its step
+wherever the op at that place matches it in all of them, and decides them itself
+wherever it does not (another path through the model's code, other shapes, another
+layout): a step never answers for an op it does not match.
 
 Decided again at every call (no step): ops reading a parameter or a tensor derived from
 one (recorded for the rules at every call), random ops (their numbers are drawn anew),

@@ -5,7 +5,6 @@ hooking, and the tensors of a call's inputs and outputs, fast.
 from __future__ import annotations
 
 import weakref
-
 from typing import Any
 
 from torch import Tensor, nn

@@ -37,11 +37,10 @@ from ..methods import Taken, answer, leave_rules, slower
 from ..norms import squared_norms, sum_of_squares
 from ..plan import Plan
 from ..precision import LOW, cast, without_autocast
-from ..whole import loop_grads
 from ..rules import Decline, OpCall, spec_of
 from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
-from ..whole import vmap_grads
+from ..whole import loop_grads, vmap_grads
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
 

@@ -1,10 +1,11 @@
 """The data flow of earlier calls, kept per model for the next call like them.
 
 Each call of the engine on a model leaves the tape of its capture (its
-:class:`~persample.capture.tape.Step` list) here, under the call's batch size and input shapes; the next call with the
-same ones gives it to its capture, which takes each op's layouts from the tape where
-the op matches its step (:mod:`persample.capture.tape`). Nothing is kept on the model:
-tapes live in a weak dictionary keyed by the model (dropped with it), a few per model.
+:class:`~persample.capture.tape.Step` list) here, under the call's batch size and input
+shapes; the next call with the same ones gives it to its capture, which takes each op's
+layouts from the tape where the op matches its step (:mod:`persample.capture.tape`).
+Nothing is kept on the model: tapes live in a weak dictionary keyed by the model
+(dropped with it), a few per model.
 :func:`clear_plans` forgets them all; :func:`cache_plans` turns keeping them off or on.
 """
 

@@ -27,6 +27,7 @@ from ..plan import Path
 from ..precision import cast, without_autocast
 from ..rules import Decline, ModuleRule, OpCall, module_front, module_inputs, spec_of
 from ..rules.calls import cast_input
+from ..rules.spec import InnerOp
 from ..rules.vjp import expand_vjp, module_vjp, op_vjp, shared_vjp
 from .captured import Captured
 
@@ -360,6 +361,9 @@ def _module_rule(captured: Captured, call: Call, params: dict[str, nn.Parameter]
         same = [t._version for t in outs] == call.out_versions
         extra["outputs"] = [cast(module_front(t, captured.layout(t), captured.n, 0), dtype)
                             for t, _ in pairs] if same else None
+    if spec.inner:
+        extra["inner"] = [InnerOp(i.func, i.args, i.kwargs, i.output, captured.grad(i.edge))
+                          for i in call.inner]
     spec.grad(call.module, inputs, backprops if spec.multi_output else backprops[0], out,
               **extra)
     for name, p in params.items():

@@ -16,12 +16,21 @@ inputs into its sample's row (Goodfellow 2015, as for a linear layer on sequence
 - ``grad W_gu[n, e] = sum_{r of n routed to e} [act'(g) (W_d^T w g_r) * u; act(g) *
   (W_d^T w g_r)] x_r^T``
 
-Index conventions: ``n`` sample, ``v`` cotangent, ``m`` a token routed to the expert.
-The module is recognised by its parameters and ``forward(hidden_states, top_k_index,
-top_k_weights)`` (transformers is not imported); configurations with biases,
-transposed or interleaved tables, no gate or a norm after each expert take the ops'
-own paths. The router, outside this module, takes its linear rule: the gradients
-through the routing weights reach it by the main backward.
+Where the default grouped implementation ran, the rule reads its two products as they
+ran instead (the call's ops are kept, ``ModuleSpec.inner``): the gathered tokens and
+``act(g) * u``, the inputs of the two grouped products, and the backward's gradients at
+their outputs, which are ``w g_r`` and the bracket above: only the sums of outer products
+are left to compute, sample by sample within each expert's rows. That is taken only
+where every op checks out (see :func:`_grouped_as_run`), else the products are
+computed again as above.
+
+Index conventions: ``n`` sample, ``v`` cotangent, ``m`` a token routed to the expert,
+``S`` the (token, expert) pairs of the call. The module is recognised by its parameters
+and ``forward(hidden_states, top_k_index, top_k_weights)`` (transformers is not
+imported); configurations with biases, transposed or interleaved tables, no gate, a gate
+of their own (``_apply_gate``) or a norm after each expert take the ops' own paths. The
+router, outside this module, takes its linear rule: the gradients through the routing
+weights reach it by the main backward.
 
 Source: Shazeer et al. 2017 (sparsely-gated mixture of experts); Jiang et al. 2024
 (Mixtral).
@@ -31,12 +40,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .spec import Decline, ModuleSpec, register_module
+from .spec import Decline, InnerOp, ModuleSpec, register_module
 
 _FORWARD = ["hidden_states", "top_k_index", "top_k_weights"]
 
@@ -64,6 +74,9 @@ def check(module: nn.Module) -> None:
             raise Decline(f"experts with {name}={getattr(module, name)}")
     if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
         raise Decline("experts without a concatenated gate")
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
+        raise Decline("experts with a gate of their own (_apply_gate: clamped, scaled)")
     experts, inter2, hidden = module.gate_up_proj.shape
     if module.down_proj.shape != (experts, hidden, inter2 // 2) or inter2 % 2:
         raise Decline("expert tables of unexpected shapes")
@@ -72,10 +85,14 @@ def check(module: nn.Module) -> None:
         raise Decline("experts with other trainable parameters")
 
 
-def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict) -> None:
+def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict,
+            inner: list[InnerOp] = ()) -> None:
     """``out["gate_up_proj"] (n, v, E, 2I, H)``, ``out["down_proj"] (n, v, E, H, I)``."""
     hidden, index, weights = activations[:3]  # (n, T, H), (n, T, k), (n, T, k)
     n, v = backprops.shape[:2]
+    ran = _grouped_as_run(layer, hidden, inner)
+    if ran is not None:
+        return _from_run(ran, n, hidden.shape[1], out)
     rows = hidden.reshape(-1, hidden.shape[-1])  # (R, H), samples in order
     per = rows.shape[0] // n
     sample = torch.arange(n, device=rows.device).repeat_interleave(per)  # (R,)
@@ -90,12 +107,13 @@ def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict) 
                 if t is not None:
                     t[:, :, e].zero_()
             continue
-        x = rows[token].to(gate_up.dtype)  # (m, H)
+        x = rows.index_select(0, token).to(gate_up.dtype)  # (m, H)
         pre_up = F.linear(x, gate_up[e])  # (m, 2I)
         pre, up = pre_up.chunk(2, dim=-1)  # (m, I) each
         act, pull = _activation(layer.act_fn, pre)  # act(pre), and its pullback
         h = act * up  # (m, I)
-        gy = g[:, token] * weights[token, slot].to(g.dtype)[None, :, None]  # (v, m, H)
+        w = weights[token, slot].to(g.dtype)  # (m,)
+        gy = g.index_select(1, token) * w[None, :, None]  # (v, m, H)
         padded = _Padded(sample[token], n)  # each sample's tokens, in rows of its own
         if want_d is not None:
             want_d[:, :, e] = padded.outer_sums(gy, h)
@@ -105,6 +123,101 @@ def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict) 
             pull(dh * up, dgu[..., :pre.shape[-1]])
             torch.mul(dh, act, out=dgu[..., pre.shape[-1]:])
             want_gu[:, :, e] = padded.outer_sums(dgu, x)
+
+
+class _Run(NamedTuple):
+    """The grouped implementation's products as they ran: ``x (S, H)`` the rows
+    ``rows (S,)`` of the call's tokens gathered by expert, ``offs (E,)`` the experts'
+    ends in them, ``h (S, I)`` the inputs of the down projection, ``gx (v, S, 2I)``
+    and ``gh (v, S, H)`` the backward's gradients at the two products' outputs."""
+
+    rows: Tensor
+    offs: Tensor
+    x: Tensor
+    gx: Tensor
+    h: Tensor
+    gh: Tensor
+
+
+def _grouped_as_run(layer: nn.Module, hidden: Tensor, inner: list[InnerOp]) -> _Run | None:
+    """transformers' default (grouped) experts as they ran, read from the call's ops
+    (``ModuleSpec.inner``): ``x = hidden_states[rows]``, ``[g; u] =
+    grouped_mm(x, gate_up_proj^T, offs)``, ``h = grouped_mm(act(g) * u, down_proj^T,
+    offs)``, checked op by op (the tables' own transposed views, the gather from the
+    call's tokens, the same offsets covering every row, ``h`` equal to ``act(g) * u``
+    bit for bit); ``None`` for anything else (the products are then computed again)."""
+    mm = [i for i in inner if i.func in _PRODUCTS]
+    if len(mm) != 2 or any(i.grad is None for i in mm):
+        return None
+    (x, w_gu, offs), (h, w_d, offs_d) = (_grouped_args(i) for i in mm)
+    gather = next((i for i in inner if i.func is _GETITEM and i.output is x), None)
+    if (gather is None or offs is None or offs_d is None
+            or not _transposed(w_gu, layer.gate_up_proj)
+            or not _transposed(w_d, layer.down_proj)):
+        return None
+    source, rows = gather.args[0], gather.args[1]
+    dtype = layer.gate_up_proj.dtype
+    if not (isinstance(source, Tensor) and isinstance(rows, Tensor) and rows.dim() == 1
+            and not rows.is_floating_point() and source.data_ptr() == hidden.data_ptr()
+            and source.shape == (hidden.shape[0] * hidden.shape[1], hidden.shape[2])
+            and source.is_contiguous() and hidden.is_contiguous()
+            and x.dtype == h.dtype == mm[0].grad.dtype == mm[1].grad.dtype == dtype
+            and offs.shape == (w_gu.shape[0],) and int(offs[-1]) == x.shape[0]
+            and (offs_d is offs or torch.equal(offs_d, offs))):
+        return None
+    pre, up = mm[0].output.chunk(2, dim=-1)  # (S, I) each
+    if not torch.equal(_activation(layer.act_fn, pre)[0] * up, h):
+        return None
+    return _Run(rows, offs, x, mm[0].grad, h, mm[1].grad)
+
+
+def _from_run(ran: _Run, n: int, per: int, out: dict) -> None:
+    """Each sample's sums of outer products over its rows, expert by expert (the rows
+    ordered by expert, then sample)."""
+    sample = ran.rows // per  # (S,) the sample of each row
+    ends = ran.offs.tolist()
+    expert = torch.repeat_interleave(torch.arange(len(ends), device=sample.device),
+                                     ran.offs.diff(prepend=ran.offs.new_zeros(1)).long())
+    order = torch.argsort(expert * n + sample, stable=True)  # (S,)
+    owner = sample.index_select(0, order)
+    want_gu, want_d = out.get("gate_up_proj"), out.get("down_proj")
+    x, gx = ran.x.index_select(0, order), ran.gx.index_select(1, order)  # (S, H), (v, S, 2I)
+    h, gh = ran.h.index_select(0, order), ran.gh.index_select(1, order)  # (S, I), (v, S, H)
+    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if start == end:  # no token chose it: zeros
+            for t in (want_gu, want_d):
+                if t is not None:
+                    t[:, :, e].zero_()
+            continue
+        padded = _Padded(owner[start:end], n)  # expert e's rows, by sample
+        if want_d is not None:
+            want_d[:, :, e] = padded.outer_sums(gh[:, start:end], h[start:end])
+        if want_gu is not None:
+            want_gu[:, :, e] = padded.outer_sums(gx[:, start:end], x[start:end])
+
+
+def _grouped_args(op: InnerOp) -> tuple:
+    """``(a, b, offs)`` of ``grouped_mm(a, b, offs=...)``; ``offs`` ``None`` with a
+    bias or another output dtype."""
+    args = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), op.args), **op.kwargs)
+    a, b = args.get("mat_a", args.get("self")), args.get("mat_b", args.get("mat2"))
+    offs = args.get("offs")
+    dtype = args.get("out_dtype")
+    if args.get("bias") is not None or dtype not in (None, getattr(a, "dtype", None)):
+        offs = None
+    return a, b, offs
+
+
+def _transposed(t: Tensor, table: Tensor) -> bool:
+    """Is ``t`` exactly ``table.transpose(-2, -1)``?"""
+    want = table.transpose(-2, -1)
+    return (isinstance(t, Tensor) and t._base is table and t.shape == want.shape
+            and t.stride() == want.stride() and t.storage_offset() == want.storage_offset())
+
+
+_GETITEM = torch.Tensor.__getitem__
+_PRODUCTS = tuple(f for f in (getattr(torch, "_grouped_mm", None),
+                              getattr(F, "grouped_mm", None)) if f is not None)
 
 
 def _activation(fn: Callable[[Tensor], Tensor], pre: Tensor
@@ -175,4 +288,4 @@ def _groups(g: Tensor, x: Tensor) -> bool:
 
 
 EXPERTS = register_module(ModuleSpec((), grad=experts, check=check, match=is_experts,
-                                     rows=True, keeps_layout=True))
+                                     rows=True, keeps_layout=True, inner=True))

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -216,6 +216,10 @@ class ModuleSpec:
             the ops inside do to them, routing and regrouping tokens, is the rule's).
         outputs: ``grad`` also gets ``outputs=``: the call's output tensors (those with
             backprops), samples in dim 0, or ``None`` where one changed in place since.
+        inner: ``grad`` also gets ``inner=``: where the call's ops ran unfollowed
+            (``keeps_layout``), those that read its parameters (or views of them) or
+            gathered rows of its inputs, in order, as :class:`InnerOp` (the backward's
+            gradient at each output that is no view); else ``[]``.
     """
 
     types: tuple[type[nn.Module], ...]
@@ -228,6 +232,19 @@ class ModuleSpec:
     rows: bool = False
     keeps_layout: bool = False
     outputs: bool = False
+    inner: bool = False
+
+
+class InnerOp(NamedTuple):
+    """An op a module call ran (see ``ModuleSpec.inner``): ``func(*args, **kwargs) ->
+    output``, and ``grad (v, *output.shape)``, the backward's gradient at ``output``
+    (``None`` for a view, or where none reached it)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    output: Any
+    grad: Any
 
 
 @dataclass(frozen=True, eq=False)
