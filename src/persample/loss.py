@@ -112,6 +112,11 @@ def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int,
     layout_of = layout_of or (lambda t: Batched(0))
     with internal("guarding the model's output"):
         guarded = _guarded(output, layout_of, n)
+    if (isinstance(guarded, Tensor) and not isinstance(guarded, _Unsplittable) and n > 1
+            and _one_per_row(layout_of(guarded))):  # a torch.nn loss: each sample's, at once
+        stock = stock_per_sample(loss_fn, guarded, targets, n)
+        if stock is not None:
+            return stock.sum()
     with follow() if follow is not None else nullcontext():
         loss = loss_fn(guarded, targets)
     if isinstance(loss, _Unsplittable):
@@ -127,10 +132,6 @@ def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int,
             f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
             f"shape ({n},) or a scalar. For a torch.nn loss, use reduction='none' and reduce "
             "extra dims per sample, or reduction='mean'/'sum'.")
-    if isinstance(guarded, Tensor) and _one_per_row(layout_of(guarded)):
-        stock = stock_per_sample(loss_fn, guarded, targets, n)
-        if stock is not None:
-            return stock.sum()
     return _each_sample(guarded, targets, loss_fn, n, layout_of)
 
 

@@ -40,6 +40,9 @@ def autocast_state() -> AutocastState:
         ...     autocast_state()[0]
         ('cpu', True, torch.bfloat16)
     """
+    if not torch._C._is_any_autocast_enabled():  # (the common case, read per op: fast)
+        return (("cpu", False, torch.get_autocast_dtype("cpu")),
+                ("cuda", False, torch.get_autocast_dtype("cuda")))
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                  for d in _DEVICES)
 
