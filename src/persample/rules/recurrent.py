@@ -275,8 +275,10 @@ def _adjoint(mode: str, gi: Tensor, gh: Tensor, h_prev: Tensor, c0: Tensor | Non
     dh_all = dout.new_empty(n, v, steps, hidden)
     dh_next = ends[0]
     if mode == "LSTM":
-        i, f = torch.sigmoid(a[..., :hidden]), torch.sigmoid(a[..., hidden:2 * hidden])
-        g, o = torch.tanh(a[..., 2 * hidden:3 * hidden]), torch.sigmoid(a[..., 3 * hidden:])
+        s = torch.sigmoid(a)  # (n, T, 4H), of which i, f and o are used
+        i, f, o = s[..., :hidden], s[..., hidden:2 * hidden], s[..., 3 * hidden:]
+        g = torch.tanh(a[..., 2 * hidden:3 * hidden].contiguous())  # (torch's tanh of a
+        # strided slice takes a scalar path, several times slower than the copy)
         written, cells, state = i * g, [None] * steps, c0
         for t in reversed(order):  # the cell states c_t = f_t c_{t-1} + i_t g_t, in order
             state = cells[t] = torch.addcmul(written[:, t], f[:, t], state)
@@ -285,16 +287,22 @@ def _adjoint(mode: str, gi: Tensor, gh: Tensor, h_prev: Tensor, c0: Tensor | Non
         c_prev = torch.cat([first, c[:, :-1]] if order[0] == steps - 1 else [c[:, 1:], first], 1)
         tc = torch.tanh(c)
         to_c = o * (1 - tc * tc)  # d c_t / d h_t's share (n, T, H)
-        factors = torch.cat([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g),
-                             tc * o * (1 - o)], -1)  # (n, T, 4H)
-        dgates = dout.new_empty(n, v, steps, 4 * hidden)
-        dc_next = ends[1]
-        for t in order:
-            dh = dout[:, :, t] + dh_next
-            dc = torch.addcmul(dc_next, dh, to_c[:, None, t])
-            step = dgates[:, :, t] = torch.cat([dc, dc, dc, dh], -1) * factors[:, None, t]
-            dh_next = step @ w_hh
-            dc_next = dc * f[:, None, t]
+        factors = torch.stack([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g),
+                               tc * o * (1 - o)], 2)  # (n, T, 4, H): i, f, g from dc; o from dh
+        dgates = dout.new_empty(n, v, steps, 4, hidden)
+        rows = (n * v, 4 * hidden)  # a step's gates, samples and cotangents as rows
+        dc, dh = ends[1], dout[:, :, order[0]] + dh_next  # (n, v, H)
+        for k, t in enumerate(order):
+            dc = torch.addcmul(dc, dh, to_c[:, None, t])
+            gates = dgates[:, :, t]  # (n, v, 4, H)
+            torch.mul(dc[:, :, None], factors[:, None, t, :3], out=gates[:, :, :3])
+            torch.mul(dh, factors[:, None, t, 3], out=gates[:, :, 3])
+            if k + 1 < len(order):  # the next step's dh: its output's, plus through W_hh
+                nxt = dout[:, :, order[k + 1]]
+                dh = torch.addmm(nxt.reshape(n * v, hidden), gates.reshape(rows),
+                                 w_hh).view(n, v, hidden)
+                dc = dc * f[:, None, t]
+        dgates = dgates.flatten(3)  # (n, v, T, 4H)
         return dgates, dgates
     if mode == "GRU":
         ir, iz, in_ = gi.chunk(3, -1)
