@@ -93,3 +93,24 @@ def test_per_sample_grads_with_stock_losses_match_the_loop(make):
     slow = persample.loop_per_sample_grads(model, x, y, fn)
     for name in slow:
         torch.testing.assert_close(fast[name], slow[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [B, 1])
+def test_a_parameter_read_in_the_loss_is_refused(batch):
+    """A ``loss_fn`` reading a trainable parameter (an L2 penalty written into the loss)
+    gives it a gradient path outside the forward that no rule attributes: refused, for a
+    batch and for a batch of one, and the stock loss beside it changes nothing."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    stock = nn.CrossEntropyLoss()
+
+    def penalised(out, y):
+        return stock(out, y) + net.weight.square().sum()
+
+    x, y = torch.randn(batch, 3), torch.randint(0, 2, (batch,))
+    with pytest.raises(ValueError, match="read in loss_fn"):
+        persample.per_sample_grads(net, x, y, penalised, method="rules")
+    got = persample.per_sample_grads(net, x, y, stock, method="rules")
+    want = persample.loop_per_sample_grads(net, x, y, stock)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name])

@@ -116,12 +116,11 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
     of the plan that says whether to)."""
 
     def root(output: Any, cap: Capture) -> Tensor:
-        follow = None
-        if isinstance(cap, Capture):  # (a batch of one has none) the targets' samples, and
-            cap.add_inputs(located_of(targets, batch.n))  # the loss's ops followed
+        follow = partial(_ReadCheck, cap)  # (a batch of one: nothing else to follow)
+        if isinstance(cap, Capture):  # the targets' samples, and the loss's ops followed
+            cap.add_inputs(located_of(targets, batch.n))
             follow = partial(_followed, cap)
-        with _ReadCheck(cap):
-            return total_loss(output, targets, loss_fn, batch.n, cap.layout, follow)
+        return total_loss(output, targets, loss_fn, batch.n, cap.layout, follow)
 
     def backward(total: Tensor, edges: list, planned: Plan) -> tuple:
         retain = retain_graph(planned) if callable(retain_graph) else retain_graph
@@ -133,8 +132,9 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
 
 @contextmanager
 def _followed(cap: Capture) -> Iterator[None]:
-    """The loss's ops followed; a loss that mixes samples refused."""
-    with cap.follow():
+    """The loss's ops followed, parameters read there refused; a loss that mixes samples
+    refused."""
+    with cap.follow(), _ReadCheck(cap):
         yield
     if cap.mixing:
         raise mixing_error(cap.mixing)

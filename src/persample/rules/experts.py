@@ -54,7 +54,8 @@ _FORWARD = ["hidden_states", "top_k_index", "top_k_weights"]
 def is_experts(module: nn.Module) -> bool:
     """Does ``module`` look like transformers' experts module (see the module
     docstring)?"""
-    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    tables = module._parameters  # (no attribute lookup: read at every module call)
+    gu, down = tables.get("gate_up_proj"), tables.get("down_proj")
     if not (isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter)
             and gu.dim() == 3 and down.dim() == 3 and callable(getattr(module, "act_fn", None))):
         return False
