@@ -61,6 +61,29 @@ def _rel(got: dict, want: dict) -> float:
     return float((flat(got) - flat(want)).abs().max() / flat(want).abs().max())
 
 
+def test_the_backward_is_asked_only_for_the_grouped_products(monkeypatch):
+    """The gradients at the experts' inner ops are asked of the backward only for the
+    grouped products the rule reads (two per call), never for the eager loop's
+    per-expert products (each would hold its gradient until the rules run)."""
+    from persample.rules import experts as rule
+
+    real = rule._grouped_as_run
+    for implementation, dtype, asked in (("eager", torch.float64, 0), (None, torch.float32, 2)):
+        model, inputs, ids = _mixtral(implementation, dtype)
+        seen = []
+
+        def spy(layer, hidden, inner, seen=seen):
+            seen.append(inner)
+            return real(layer, hidden, inner)
+
+        monkeypatch.setattr(rule, "_grouped_as_run", spy)
+        persample.per_sample_grads(model, inputs, ids, next_token, method="rules")
+        assert len(seen) == 2  # the two layers
+        for inner in seen:
+            assert sum(i.grad is not None for i in inner) == asked
+            assert len(inner) > asked  # (the tables' views and the gathers are kept too)
+
+
 def test_grouped_experts_read_the_products_as_they_ran(monkeypatch):
     """The grouped implementation's two products are read as they ran (their inputs and
     the backward's gradients at their outputs), at every call, the first and those

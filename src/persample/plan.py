@@ -53,8 +53,8 @@ class Plan:
         sources = [e.edge for op in self.uses for e in op.edges if e is not None]
         sources += [e.edge for call, _ in self.module_jobs + self.fallback_jobs
                     for e in call.edges if e is not None]
-        sources += [i.edge.edge for call, _ in self.module_jobs if call.rule.spec.inner
-                    for i in call.inner if i.edge is not None]  # (what the rule reads again)
+        sources += [i.edge.edge for call, _ in self.module_jobs for i in call.inner
+                    if i.edge is not None and i.func in call.rule.spec.inner]  # (the rule's)
         sources += [get_gradient_edge(p) for p in self.reach] if reach else []
         for e in sources:
             found.setdefault(edge_key(e), e)

@@ -362,8 +362,8 @@ def _module_rule(captured: Captured, call: Call, params: dict[str, nn.Parameter]
         extra["outputs"] = [cast(module_front(t, captured.layout(t), captured.n, 0), dtype)
                             for t, _ in pairs] if same else None
     if spec.inner:
-        extra["inner"] = [InnerOp(i.func, i.args, i.kwargs, i.output, captured.grad(i.edge))
-                          for i in call.inner]
+        extra["inner"] = [InnerOp(i.func, i.args, i.kwargs, i.output, captured.grad(i.edge)
+                                  if i.func in spec.inner else None) for i in call.inner]
     spec.grad(call.module, inputs, backprops if spec.multi_output else backprops[0], out,
               **extra)
     for name, p in params.items():

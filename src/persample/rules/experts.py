@@ -289,4 +289,4 @@ def _groups(g: Tensor, x: Tensor) -> bool:
 
 
 EXPERTS = register_module(ModuleSpec((), grad=experts, check=check, match=is_experts,
-                                     rows=True, keeps_layout=True, inner=True))
+                                     rows=True, keeps_layout=True, inner=_PRODUCTS))

@@ -216,10 +216,12 @@ class ModuleSpec:
             the ops inside do to them, routing and regrouping tokens, is the rule's).
         outputs: ``grad`` also gets ``outputs=``: the call's output tensors (those with
             backprops), samples in dim 0, or ``None`` where one changed in place since.
-        inner: ``grad`` also gets ``inner=``: where the call's ops ran unfollowed
-            (``keeps_layout``), those that read its parameters (or views of them) or
-            gathered rows of its inputs, in order, as :class:`InnerOp` (the backward's
-            gradient at each output that is no view); else ``[]``.
+        inner: functions of the ops inside the call whose outputs' gradients ``grad``
+            reads; if any, ``grad`` also gets ``inner=``: where the call's ops ran
+            unfollowed (``keeps_layout``), those that read its parameters (or views of
+            them) or gathered rows of its inputs, in order, as :class:`InnerOp` (with
+            the backward's gradient at the output of each op of these functions, the
+            backward asked for no other); else ``[]``.
     """
 
     types: tuple[type[nn.Module], ...]
@@ -232,7 +234,7 @@ class ModuleSpec:
     rows: bool = False
     keeps_layout: bool = False
     outputs: bool = False
-    inner: bool = False
+    inner: tuple = ()
 
 
 class InnerOp(NamedTuple):
