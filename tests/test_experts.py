@@ -203,6 +203,48 @@ def test_the_experts_parameter_jacobian_with_each_activation(act):
     assert_exact(got, want)
 
 
+class _Grouped(_Experts):
+    """transformers' default grouped implementation as it is written: the (token,
+    expert) pairs sorted by expert, two grouped products, the rows put back."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # (R, H), (R, k), (R, k)
+        k = top_k_index.shape[-1]
+        ids, perm = torch.sort(top_k_index.reshape(-1))
+        x, w = hidden_states[perm // k], top_k_weights.reshape(-1)[perm]
+        offs = torch.cumsum(torch.histc(ids.float(), bins=3, min=0, max=2), 0,
+                            dtype=torch.int32)
+        gate, up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1),
+                                     offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1),
+                              offs=offs) * w[:, None]
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.numel())
+        return y[back].view(-1, k, y.shape[-1]).sum(1)
+
+
+@pytest.mark.parametrize("kind, dtype", [(_Experts, torch.float64), (_Grouped, torch.float32)])
+def test_an_expert_no_token_chose_gets_zeros(monkeypatch, kind, dtype):
+    """An expert the router never picks (its logit pushed down) gets exact zeros in every
+    row, whether its products are computed again (the eager loop) or read as they ran
+    (the grouped products); the others match the loop."""
+    from persample.rules import experts as rule
+
+    torch.manual_seed(0)
+    model = _Routed(kind()).to(dtype)
+    with torch.no_grad():
+        model.router.bias[2] = -1e4
+    x, y = torch.randn(B, T, 4, dtype=dtype), torch.randint(0, 2, (B,))
+    loss = nn.CrossEntropyLoss()
+    read, real = [], rule._grouped_as_run
+    monkeypatch.setattr(rule, "_grouped_as_run", lambda *a: read.append(real(*a)) or read[-1])
+    got = persample.per_sample_grads(model, x, y, loss, method="rules")
+    assert (read[0] is not None) is (kind is _Grouped)
+    for name in ("experts.gate_up_proj", "experts.down_proj"):
+        assert torch.equal(got[name][:, 2], torch.zeros_like(got[name][:, 2]))
+    want = persample.loop_per_sample_grads(model, x, y, loss)
+    assert _rel(got, want) < (1e-12 if dtype == torch.float64 else 1e-5)
+
+
 def test_per_sample_outer_sums_grouped_and_padded_agree():
     """Each sample's sum of outer products over its tokens: ``torch._grouped_mm`` over
     the samples' runs (float32) and the padded batched product (float64) against the

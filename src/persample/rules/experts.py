@@ -90,10 +90,18 @@ def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict,
             inner: list[InnerOp] = ()) -> None:
     """``out["gate_up_proj"] (n, v, E, 2I, H)``, ``out["down_proj"] (n, v, E, H, I)``."""
     hidden, index, weights = activations[:3]  # (n, T, H), (n, T, k), (n, T, k)
-    n, v = backprops.shape[:2]
     ran = _grouped_as_run(layer, hidden, inner)
     if ran is not None:
-        return _from_run(ran, n, hidden.shape[1], out)
+        _from_run(ran, backprops.shape[0], hidden.shape[1], out)
+    else:
+        _computed_again(layer, hidden, index, weights, backprops, out)
+
+
+def _computed_again(layer: nn.Module, hidden: Tensor, index: Tensor, weights: Tensor,
+                    backprops: Tensor, out: dict) -> None:
+    """The sums with each expert's products computed again on its tokens (see the module
+    docstring)."""
+    n, v = backprops.shape[:2]
     rows = hidden.reshape(-1, hidden.shape[-1])  # (R, H), samples in order
     per = rows.shape[0] // n
     sample = torch.arange(n, device=rows.device).repeat_interleave(per)  # (R,)
@@ -103,10 +111,8 @@ def experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict,
     want_gu, want_d = out.get("gate_up_proj"), out.get("down_proj")
     for e in range(gate_up.shape[0]):
         token, slot = torch.where(index == e)  # (m,), (m,)
-        if not len(token):  # no token chose it: zeros
-            for t in (want_gu, want_d):
-                if t is not None:
-                    t[:, :, e].zero_()
+        if not len(token):
+            _unchosen(out, e)
             continue
         x = rows.index_select(0, token).to(gate_up.dtype)  # (m, H)
         pre_up = F.linear(x, gate_up[e])  # (m, 2I)
@@ -185,16 +191,20 @@ def _from_run(ran: _Run, n: int, per: int, out: dict) -> None:
     x, gx = ran.x.index_select(0, order), ran.gx.index_select(1, order)  # (S, H), (v, S, 2I)
     h, gh = ran.h.index_select(0, order), ran.gh.index_select(1, order)  # (S, I), (v, S, H)
     for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-        if start == end:  # no token chose it: zeros
-            for t in (want_gu, want_d):
-                if t is not None:
-                    t[:, :, e].zero_()
+        if start == end:
+            _unchosen(out, e)
             continue
         padded = _Padded(owner[start:end], n)  # expert e's rows, by sample
         if want_d is not None:
             want_d[:, :, e] = padded.outer_sums(gh[:, start:end], h[start:end])
         if want_gu is not None:
             want_gu[:, :, e] = padded.outer_sums(gx[:, start:end], x[start:end])
+
+
+def _unchosen(out: dict, e: int) -> None:
+    """Expert ``e``, which no token chose: zero gradients."""
+    for t in out.values():
+        t[:, :, e].zero_()
 
 
 def _grouped_args(op: InnerOp) -> tuple:
