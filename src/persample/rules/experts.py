@@ -56,6 +56,8 @@ def is_experts(module: nn.Module) -> bool:
     docstring)?"""
     tables = module._parameters  # (no attribute lookup: read at every module call)
     gu, down = tables.get("gate_up_proj"), tables.get("down_proj")
+    if gu is None or down is None:  # (most modules: no isinstance through Parameter's
+        return False  # metaclass)
     if not (isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter)
             and gu.dim() == 3 and down.dim() == 3 and callable(getattr(module, "act_fn", None))):
         return False
