@@ -280,34 +280,20 @@ def register_module(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
-_RULED_BASES: dict[type, type | None] = {}  # a module class -> its first base in the table
-_RULED_SIZE = [-1]  # the table's size when those were looked up
-
-
-def _ruled_base(kind: type) -> type | None:
-    """The first class of ``kind``'s MRO with a module spec (looked up once per class
-    while the table keeps its size: read at every module call)."""
-    if _RULED_SIZE[0] != len(MODULE_SPECS):
-        _RULED_BASES.clear()
-        _RULED_SIZE[0] = len(MODULE_SPECS)
-    if kind not in _RULED_BASES:
-        _RULED_BASES[kind] = next((c for c in kind.__mro__ if c in MODULE_SPECS), None)
-    return _RULED_BASES[kind]
-
-
 def module_rule_of(module: nn.Module) -> tuple[ModuleRule | None, str]:
     """The module rule for ``module``, or ``None`` and the reason there is none."""
-    base = _ruled_base(type(module))
-    spec = None if base is None else MODULE_SPECS.get(base)
-    if spec is not None:
-        if type(module).forward is not base.forward:
-            return None, f"{type(module).__name__} overrides {base.__name__}.forward"
+    for cls in type(module).__mro__:
+        spec = MODULE_SPECS.get(cls)
+        if spec is None:
+            continue
+        if type(module).forward is not cls.forward:
+            return None, f"{type(module).__name__} overrides {cls.__name__}.forward"
         try:
             if spec.check is not None:
                 spec.check(module)
         except Decline as why:
             return None, str(why)
-        return ModuleRule(spec, base), ""
+        return ModuleRule(spec, cls), ""
     for spec in MATCHED_SPECS:
         if spec.match(module):
             try:
