@@ -153,8 +153,8 @@ def dp_grads(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
     try:
         for p in params.values():
             p.grad = None
-        norms = private_grad(model, inputs, targets, loss_fn, max_grad_norm=max_grad_norm,
-                             noise_multiplier=0.0, **options)
+        _, norms = private_grad(model, inputs, targets, loss_fn, max_grad_norm=max_grad_norm,
+                                noise_multiplier=0.0, **options)
         return norms, {n: p.grad.clone() for n, p in params.items()}
     finally:
         for n, p in params.items():

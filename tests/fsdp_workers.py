@@ -147,8 +147,8 @@ def _step(model: nn.Module, ids: Tensor, y: Tensor, **options: Any) -> dict:
     step = PrivateStep(model, lm_loss, max_grad_norm=C, noise_multiplier=0.0,
                        expected_batch_size=N, **options)
     half = len(ids) // 2
-    norms = torch.cat([step.accumulate(ids[:half], y[:half]),
-                       step.accumulate(ids[half:], y[half:])])
+    norms = torch.cat([step.accumulate(ids[:half], y[:half]).norms,
+                       step.accumulate(ids[half:], y[half:]).norms])
     step.release()
     return {"norms": norms, "grads": grads(model),
             "dtensor": all(type(p.grad).__name__ == "DTensor" for p in model.parameters()
@@ -172,7 +172,7 @@ def scenarios(rank: int, world: int) -> dict:
     saved["stepped"] = {k: full(p) for k, p in model.named_parameters()}
     model = shard(net())
     saved["private_grad"] = private_grad(model, ids, y, lm_loss, max_grad_norm=C,
-                                         noise_multiplier=0.0), grads(model)
+                                         noise_multiplier=0.0).norms, grads(model)
 
     model = shard(net())  # releases with nothing accumulated: the noise alone
     step = PrivateStep(model, lm_loss, max_grad_norm=C, noise_multiplier=SIGMA,

@@ -416,7 +416,7 @@ def test_private_grad_matches_clipping_the_loop(name, per_layer):
     unclipped = clip_by_hand(ref, 1e6, False)
     assert not all(torch.allclose(want[k], unclipped[k]) for k in want), "nothing clipped"
     try:
-        norms = private_grad(model, arch.inputs, arch.targets, arch.loss_fn, max_grad_norm=c,
+        _, norms = private_grad(model, arch.inputs, arch.targets, arch.loss_fn, max_grad_norm=c,
                              noise_multiplier=0.0, per_layer=per_layer)
         torch.testing.assert_close(norms, loop_norms, **TOL)
         for pname, p in model.named_parameters():

@@ -20,7 +20,8 @@ from battery import REDUCTIONS, TOL
 from battery import norms_of as flat_norms
 from cases import BY_ID, OpaqueGate, TiedLM, build, randn
 from persample import loop_per_sample_grads
-from persample.dp import private_grad
+from persample.dp import clip, private_grad
+from persample.errors import NeedsWholeModel
 
 STABILITY = 1e-6
 DP_CASES = [
@@ -94,9 +95,13 @@ def test_matches_clipping_by_hand(case_id, reduction, regime, per_layer):
     norms = flat_norms(g)
     assert (norms > 0).all() and len(set(norms.tolist())) == N  # the reference is not trivial
     c = regime_norm(norms, regime)
+    losses = torch.full((N,), math.nan, dtype=torch.float64)  # the loop's, sample by sample
+    loop_per_sample_grads(model, inputs, targets, loss_fn, losses=losses)
     got = private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0,
                        per_layer=per_layer)
-    torch.testing.assert_close(got, norms, **TOL)
+    torch.testing.assert_close(got.norms, norms, **TOL)
+    assert got.losses.shape == (N,) and not got.losses.requires_grad
+    torch.testing.assert_close(got.losses.double(), losses, **TOL)
     assert_grads(model, clip_by_hand(g, c, per_layer, N))
 
 
@@ -137,7 +142,10 @@ def test_one_sample_clipped_to_exactly_c(case_id, per_layer):
     c = 1e-3 * float(flat_norms(g)[0])
     got = private_grad(model, inputs, targets, loss_fn, max_grad_norm=c, noise_multiplier=0.0,
                        per_layer=per_layer)
-    torch.testing.assert_close(got, flat_norms(g), **TOL)
+    torch.testing.assert_close(got.norms, flat_norms(g), **TOL)
+    losses = torch.full((1,), math.nan, dtype=torch.float64)
+    loop_per_sample_grads(model, inputs, targets, loss_fn, losses=losses)
+    torch.testing.assert_close(got.losses.double(), losses, **TOL)  # a batch of one
     grads = grads_of(model)
     if per_layer:
         bound = c / math.sqrt(len(grads))
@@ -203,7 +211,7 @@ def test_sequence_models_with_ghost_norms(model_fn, vocab, per_layer):
     loss_fn = nn.CrossEntropyLoss()
     g = loop_per_sample_grads(model, ids, y, loss_fn)
     c = float(flat_norms(g).median())
-    norms = private_grad(model, ids, y, loss_fn, max_grad_norm=c, noise_multiplier=0.0,
+    _, norms = private_grad(model, ids, y, loss_fn, max_grad_norm=c, noise_multiplier=0.0,
                          per_layer=per_layer)
     torch.testing.assert_close(norms, flat_norms(g), **TOL)
     assert_grads(model, clip_by_hand(g, c, per_layer, 6))
@@ -216,7 +224,7 @@ def test_float32_model(per_layer):
     y = torch.randint(0, 4, (5,))
     g = loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss())
     c = float(flat_norms(g).median())
-    norms = private_grad(model, x, y, nn.CrossEntropyLoss(), max_grad_norm=c,
+    _, norms = private_grad(model, x, y, nn.CrossEntropyLoss(), max_grad_norm=c,
                          noise_multiplier=0.0, per_layer=per_layer)
     assert norms.dtype == torch.float32
     torch.testing.assert_close(norms, flat_norms(g), rtol=1e-5, atol=1e-6)
@@ -461,9 +469,32 @@ def test_unsupported_module_falls_back_to_the_loop():
     flat = torch.cat([g.flatten(1) for g in want.values()], 1)
     c = (1.0 / (flat.norm(dim=1) + 1e-6)).clamp(max=1.0)
     with pytest.warns(UserWarning, match=r"(?s)module '1' \(OpaqueGate\).*Falling back"):
-        private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0)
+        losses, _ = private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0,
+                                 noise_multiplier=0.0)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     torch.testing.assert_close(got, (c[:, None] * flat).sum(0) / 3, rtol=1e-10, atol=1e-12)
+    want_losses = torch.full((3,), math.nan, dtype=torch.float64)
+    loop_per_sample_grads(model, x, y, nn.MSELoss(), losses=want_losses)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-12, atol=1e-14)
+
+
+def test_losses_of_the_torch_func_fallback(monkeypatch):
+    """Where the rules refuse and torch.func answers, the step's per-sample losses are
+    those torch.func evaluated: the loop's, sample by sample."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = randn(5, 3), randn(5, 2)
+    want = torch.full((5,), math.nan, dtype=torch.float64)
+    loop_per_sample_grads(model, x, y, nn.MSELoss(), losses=want)
+
+    def refused(*args, **kwargs):
+        raise NeedsWholeModel("a refusal made for this test")
+
+    monkeypatch.setattr(clip, "loss_backprops", refused)
+    with pytest.warns(UserWarning, match=r"(?s)a refusal made for this test.*torch\.func"):
+        losses, norms = private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0,
+                                     noise_multiplier=0.0)
+    torch.testing.assert_close(losses, want, rtol=1e-12, atol=1e-14)
+    assert norms.shape == (5,)
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["flat", "per-layer"])
@@ -518,10 +549,10 @@ def test_non_finite_sample_dropped_then_works():
 def test_batch_of_zero_is_pure_noise(per_layer):
     model = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 4))
     x, y = randn(0, 20), torch.zeros(0, dtype=torch.long)
-    norms = private_grad(model, x, y, nn.CrossEntropyLoss(), max_grad_norm=2.0,
+    losses, norms = private_grad(model, x, y, nn.CrossEntropyLoss(), max_grad_norm=2.0,
                          noise_multiplier=1.5, generator=torch.Generator().manual_seed(3),
                          expected_batch_size=5, per_layer=per_layer)
-    assert norms.shape == (0,)
+    assert norms.shape == (0,) and losses.shape == (0,)
     for p in model.parameters():
         assert p.grad.shape == p.shape and p.grad.dtype == p.dtype
         assert torch.isfinite(p.grad).all()

@@ -55,7 +55,7 @@ def test_micro_batches_equal_the_whole_batch(sizes, per_layer):
     private_grad(model, inputs, targets, loss_fn, expected_batch_size=16, **opts)
     want = _grads(model)
     step = PrivateStep(model, loss_fn, expected_batch_size=16, **opts)
-    norms = [step.accumulate(x, y) for x, y in parts]
+    norms = [step.accumulate(x, y).norms for x, y in parts]
     assert [len(n) for n in norms] == list(sizes) and step.samples == sum(sizes)
     step.release()
     for name, g in _grads(model).items():

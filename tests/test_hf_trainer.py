@@ -114,12 +114,14 @@ def by_hand(model: nn.Module, micro: list[list[dict]], parts: int, expected: int
     step = PrivateStep(model, loss_fn, max_grad_norm=privacy.max_grad_norm,
                        noise_multiplier=privacy.noise_multiplier,
                        expected_batch_size=expected, sample_rate=q)
+    step.logical_losses = [0.0]  # each logical batch's summed per-sample losses
     for k, examples in enumerate(micro):
         if examples:
             batch = default_data_collator(examples)
             features = {key: v for key, v in batch.items() if key != "labels"}
-            step.accumulate(features, batch)
+            step.logical_losses[-1] += float(step.accumulate(features, batch).losses.sum())
         if (k + 1) % parts == 0:
+            step.logical_losses.append(0.0)
             step.release()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -154,6 +156,10 @@ def test_same_update_as_private_step_by_hand(tmp_path, which):
         torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-12, msg=name)
         changed += p.requires_grad
     assert changed and trainer.private_step.accountant.steps == step.accountant.steps == 3
+    # the logged loss of each step: its per-sample losses summed over the expected size
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    want = [total / expected for total in step.logical_losses[:3]]
+    assert logged == pytest.approx(want, abs=1e-4) and len(set(want)) == 3
     assert trainer.epsilon() == math.inf  # noise 0: no privacy, and it says so
     moved = [n for n, p in model.named_parameters()
              if p.requires_grad and not torch.equal(p, make().state_dict()[n])]

@@ -162,7 +162,7 @@ def test_the_dp_backward_frees_activations_as_a_plain_backward_does():
                          retain_graph=clip._keeps_graph)
     assert cap.grads and seen["frozen"].expired() and seen["tanh"].expired()
     del cap
-    norms = persample.dp.private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=0.01,
+    _, norms = persample.dp.private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=0.01,
                                       noise_multiplier=0.0)  # and the step is still exact
     want = persample.loop_per_sample_grads(net, x, y, nn.CrossEntropyLoss())
     flat = torch.cat([g.flatten(1) for g in want.values()], 1)

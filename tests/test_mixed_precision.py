@@ -336,7 +336,7 @@ def test_private_grad_under_autocast(name, dtype):
         c = clipped(ref, 1.0)[0].median().item()  # some samples clipped, some not
         norms, each, mean = clipped(ref, c)
         with no_fallback():
-            got = private_grad(model, x, y, loss_fn, max_grad_norm=c, noise_multiplier=0.0)
+            _, got = private_grad(model, x, y, loss_fn, max_grad_norm=c, noise_multiplier=0.0)
     assert got.dtype == torch.float32
     assert_close({"norms": got}, {"norms": norms}, dtype)
     assert_dp_close(model, each, mean, dtype)

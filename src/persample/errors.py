@@ -85,3 +85,73 @@ def module_note(where: str, module: object, args: tuple, exc: BaseException) -> 
                     f"num_embeddings={size}: every id must be in [0, {size}). Fix the "
                     "tokenizer or vocabulary size.")
     return note
+
+
+LOSS_NOTE = "(raised in loss_fn"
+
+
+def describe(value: object) -> str:
+    """A short description of a value passed to ``loss_fn``: a tensor's class, shape and
+    dtype; a mapping's class and entries; a sequence's class and items (at most 6).
+
+    Example:
+        >>> import torch
+        >>> describe({"logits": torch.zeros(4, 3)})
+        "dict {'logits': Tensor (4, 3) torch.float32}"
+    """
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"Tensor {tuple(shape)} {dtype}"
+    kind = type(value).__name__
+    if hasattr(value, "items") and hasattr(value, "keys"):
+        items = [f"{k!r}: {describe(v)}" for k, v in list(value.items())[:6]]
+        more = ", ..." if len(value) > 6 else ""
+        return f"{kind} {{{', '.join(items)}{more}}}"
+    if isinstance(value, (tuple, list)):
+        more = ", ..." if len(value) > 6 else ""
+        return f"{kind} ({', '.join(describe(v) for v in value[:6])}{more})"
+    return kind
+
+
+def loss_note(loss_fn: object, output: object, targets: object) -> str:
+    """The note added to an exception raised by ``loss_fn(output, targets)``: what was
+    called with what, and for two common mistakes the fix.
+
+    Example:
+        >>> import torch
+        >>> print(loss_note(torch.nn.CrossEntropyLoss(), torch.zeros(4, 3),
+        ...                 torch.zeros(4, 1, dtype=torch.long)))  # doctest: +NORMALIZE_WHITESPACE
+        (raised in loss_fn CrossEntropyLoss(), called as loss_fn(output, targets) with
+        output: Tensor (4, 3) torch.float32; targets: Tensor (4, 1) torch.int64) The
+        targets have a trailing dim of size 1: class indices are (B,), e.g.
+        targets.squeeze(-1).
+    """
+    name = type(loss_fn).__name__
+    shown = f"{loss_fn!r}" if name.endswith("Loss") else getattr(loss_fn, "__qualname__", name)
+    note = (f"{LOSS_NOTE} {shown}, called as loss_fn(output, targets) with output: "
+            f"{describe(output)}; targets: {describe(targets)})")
+    stock = type(loss_fn).__module__.startswith("torch.nn")
+    if stock and hasattr(output, "keys") and not hasattr(output, "shape"):
+        note += (f" The model returns a {type(output).__name__}, and {name} takes a "
+                 "tensor: pass a loss_fn that picks it, e.g. "
+                 f"lambda out, y: nn.{name}()(out['logits'], y).")
+    elif (name in ("CrossEntropyLoss", "NLLLoss") and getattr(targets, "dim", None)
+          and not targets.is_floating_point() and targets.dim() >= 2 and targets.shape[-1] == 1
+          and getattr(output, "dim", None) and output.dim() == 2):
+        note += (" The targets have a trailing dim of size 1: class indices are (B,), "
+                 "e.g. targets.squeeze(-1).")
+    return note
+
+
+@contextmanager
+def named_loss(loss_fn: object, output: object, targets: object) -> Iterator[None]:
+    """Inside: a call of the user's ``loss_fn``. An exception it raises propagates
+    unchanged but for one added note (:func:`loss_note`); persample's own refusals
+    and an exception already noted pass as they are."""
+    try:
+        yield
+    except Exception as err:
+        if not isinstance(err, REFUSALS + (InternalError,)) and not any(
+                str(n).startswith(LOSS_NOTE) for n in getattr(err, "__notes__", ())):
+            err.add_note(loss_note(loss_fn, output, targets))
+        raise

@@ -1,4 +1,4 @@
-"""The sum over samples of each sample's own loss, from the model's output as it is.
+"""Each sample's own loss, from the model's output as it is.
 
 ``loss_fn(output, targets)`` gets the model's output unchanged (a tensor, a tuple, a
 dict, a Hugging Face ``ModelOutput``), and runs under the capture's data flow. It may
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.func import vmap
 from torch.utils._pytree import (
@@ -33,7 +34,7 @@ from torch.utils._pytree import (
 )
 
 from .batch import SHARED, Batched, Layout, Mixed, front
-from .errors import LossNotPerSampleError, NeedsWholeModel, internal
+from .errors import LossNotPerSampleError, NeedsWholeModel, internal, named_loss
 from .inputs import mapped_targets, samples_of
 
 FIX = """Compute each sample's own loss from the logits and pass the labels as targets, e.g. for a
@@ -99,10 +100,11 @@ def _output_name(path: tuple) -> str:
     return f"output{keystr(path)}" if path else "output"
 
 
-def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int,
-               layout_of: Callable[[Tensor], Layout] | None = None,
-               follow: Callable[[], AbstractContextManager] | None = None) -> Tensor:
-    """The sum over samples of each sample's own loss ``loss_fn(output_i, targets_i)``.
+def per_sample_losses(output: Any, targets: Any, loss_fn: Callable, n: int,
+                      layout_of: Callable[[Tensor], Layout] | None = None,
+                      follow: Callable[[], AbstractContextManager] | None = None) -> Tensor:
+    """``(n,)`` each sample's own loss ``loss_fn(output_i, targets_i)``, in the graph of
+    the forward that made ``output`` (its sum is what the backward differentiates).
 
     ``layout_of`` gives where each tensor holds its samples (the capture's data flow;
     without it every output tensor has them in dim 0, and a ``(n,)`` loss is taken as
@@ -113,19 +115,21 @@ def total_loss(output: Any, targets: Any, loss_fn: Callable, n: int,
         guarded = _guarded(output, layout_of, n)
     if (isinstance(guarded, Tensor) and not isinstance(guarded, _Unsplittable) and n > 1
             and _one_per_row(layout_of(guarded))):  # a torch.nn loss: each sample's, at once
-        stock = stock_per_sample(loss_fn, guarded, targets, n)
+        with named_loss(loss_fn, output, targets):
+            stock = stock_per_sample(loss_fn, guarded, targets, n)
         if stock is not None:
-            return stock.sum()
-    with follow() if follow is not None else nullcontext():
+            return stock
+    with follow() if follow is not None else nullcontext(), named_loss(loss_fn, output,
+                                                                       targets):
         loss = loss_fn(guarded, targets)
     if isinstance(loss, _Unsplittable):
         raise loss.error()
     if not isinstance(loss, Tensor):
         raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
     if n == 1 and loss.numel() == 1:  # a batch of one: the loss is that sample's
-        return loss.sum()
+        return loss.reshape(1)
     if loss.shape == (n,) and _one_per_row(layout_of(loss)):
-        return loss.sum()
+        return loss
     if loss.dim() != 0 and loss.shape != (n,):
         raise ValueError(
             f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
@@ -182,7 +186,7 @@ def _one_per_row(lay: Layout) -> bool:
 
 def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
                  layout_of: Callable[[Tensor], Layout]) -> Tensor:
-    """``sum_i loss_fn(output_i, targets_i)``: each sample's outputs as a batch of one
+    """``(n,)`` ``loss_fn(output_i, targets_i)``: each sample's outputs as a batch of one
     (merged positions, as ``(B*T, V)`` logits, come out as that sample's ``(T, V)``)."""
     with internal("cutting the model's output by sample"):
         paths, spec = tree_flatten_with_path(guarded)
@@ -206,17 +210,18 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
             return loss_fn(tree_unflatten(flat_i, spec), one_target(rows_i)).sum()
 
         try:
-            return vmap(one, in_dims=(dims, target_dims))(cut, rows).sum()
+            return vmap(one, in_dims=(dims, target_dims))(cut, rows)
         except (LossNotPerSampleError, NeedsWholeModel):
             raise
         except Exception:  # loss_fn cannot be vmapped (.item(), data-dependent code)
             pass
-    total = None
+    each = []
     for i in range(n):  # one call per sample, as the loop over samples makes it
-        flat_i = [c[i] if d == 0 else c for c, d in zip(cut, dims)]
-        value = loss_fn(tree_unflatten(flat_i, spec), samples_of(targets, i, i + 1)).sum()
-        total = value if total is None else total + value
-    return total
+        output_i = tree_unflatten([c[i] if d == 0 else c for c, d in zip(cut, dims)], spec)
+        targets_i = samples_of(targets, i, i + 1)
+        with named_loss(loss_fn, output_i, targets_i):
+            each.append(loss_fn(output_i, targets_i).sum())
+    return torch.stack(each)
 
 
 def _layout(t: Any, layout_of: Callable[[Tensor], Layout]) -> Layout:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .checks import keeps_buffers, trainable_parameters
+from .errors import named_loss
 from .inputs import as_batch, samples_of
 from .patches import plain_checkpoints
 from .sharded import refuse_sharded
@@ -29,7 +30,7 @@ def _plain(i: int) -> AbstractContextManager:
 @keeps_buffers
 def loop_per_sample_grads(
     model: nn.Module, inputs: Tensor | tuple, targets: Any, loss_fn: Callable,
-    around: Around = _plain,
+    around: Around = _plain, losses: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-sample gradients by a Python loop over samples (the reference).
 
@@ -44,6 +45,8 @@ def loop_per_sample_grads(
         around: ``around(i)``, a context manager sample ``i``'s forward and loss run in
             (``method="loop"`` replays there sample ``i``'s part of the random numbers
             the batch's forward drew: :mod:`persample.draws`); by default nothing.
+        losses: a ``(B,)`` tensor each sample's loss is written into (detached), or
+            ``None``.
 
     Returns:
         ``{name: (B, *param.shape)}`` for each trainable parameter; row ``i`` is
@@ -69,8 +72,12 @@ def loop_per_sample_grads(
     for i in range(n):
         with torch.enable_grad(), plain_checkpoints():
             with around(i):
-                loss = loss_fn(batch.samples(i, i + 1).call(model),
-                               samples_of(targets, i, i + 1)).sum()
+                output, targets_i = batch.samples(i, i + 1).call(model), samples_of(
+                    targets, i, i + 1)
+                with named_loss(loss_fn, output, targets_i):
+                    loss = loss_fn(output, targets_i).sum()
+            if losses is not None:
+                losses[i] = loss.detach()
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (name, _), g in zip(params.items(), grads):
             if g is not None:
@@ -172,7 +179,9 @@ def forward_per_sample_grads(
     with torch.enable_grad(), plain_checkpoints():
         output = batch.call(model)
         for i in range(n):
-            loss = loss_fn(samples_of(output, i, i + 1), samples_of(targets, i, i + 1)).sum()
+            output_i, targets_i = samples_of(output, i, i + 1), samples_of(targets, i, i + 1)
+            with named_loss(loss_fn, output_i, targets_i):
+                loss = loss_fn(output_i, targets_i).sum()
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True,
                                         retain_graph=i < n - 1)
             for (name, _), g in zip(params.items(), grads):

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.overrides import TorchFunctionMode
 
-from .errors import UnsupportedModuleError
+from .errors import UnsupportedModuleError, named_loss
 from .inputs import Batch, mapped_targets
 from .patches import plain_checkpoints
 from .precision import autocast_state
@@ -71,11 +71,12 @@ def _mapped(batch: Batch) -> tuple[list, list, Callable]:
 
 
 def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
-                          params: dict[str, nn.Parameter], around: Around = _plain
-                          ) -> dict[str, Tensor]:
+                          params: dict[str, nn.Parameter], around: Around = _plain,
+                          losses: Tensor | None = None) -> dict[str, Tensor]:
     """Per-sample gradients ``{name: (B, *param.shape)}`` via ``torch.func``; each
     sample's forward and loss run in ``around(index)`` (``index`` the sample's index, a
-    batched 0-dim tensor)."""
+    batched 0-dim tensor); ``losses``: a ``(B,)`` tensor each sample's loss is written
+    into, or ``None``."""
     refuse_sharded(model, 'vmap')
     refuse_recurrent(model)
     theta = {name: p.detach() for name, p in params.items()}
@@ -88,14 +89,20 @@ def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn:
     rows, target_dims, one_target = mapped
 
     def sample_loss(th: dict[str, Tensor], flat_i: list, rows_i: list, index: Tensor
-                    ) -> Tensor:
+                    ) -> tuple[Tensor, Tensor]:
         with around(index):
-            return loss_fn(call(model, th, flat_i), one_target(rows_i)).sum()
+            output, targets_i = call(model, th, flat_i), one_target(rows_i)
+            with named_loss(loss_fn, output, targets_i):
+                loss = loss_fn(output, targets_i).sum()
+        return loss, loss.detach()
 
     index = torch.arange(batch.n, device=_device(flat))
     with plain_checkpoints(), _unmixed_norms():
-        return vmap(grad(sample_loss), in_dims=(None, dims, target_dims, 0))(
-            theta, flat, rows, index)
+        grads, each = vmap(grad(sample_loss, has_aux=True), in_dims=(None, dims, target_dims,
+                                                                     0))(theta, flat, rows, index)
+    if losses is not None:
+        losses.copy_(each)
+    return grads
 
 
 def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter],

@@ -93,13 +93,14 @@ def refuse_mixing_loss(model: nn.Module, batch: Batch, targets: Any, loss_fn: Ca
         raise mixing_error(mixing)
 
 
-def loop_grads(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable
-               ) -> dict[str, Tensor]:
-    """:func:`persample.loop_per_sample_grads` in the forward that ran."""
+def loop_grads(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
+               losses: Tensor | None = None) -> dict[str, Tensor]:
+    """:func:`persample.loop_per_sample_grads` in the forward that ran (``losses``: a
+    ``(B,)`` tensor each sample's loss is written into, or ``None``)."""
     batch = as_batch(inputs)
     refuse_mixing_loss(model, batch, targets, loss_fn)
     return _replayed(model, batch, lambda around: loop_per_sample_grads(
-        model, inputs, targets, loss_fn, around=around))
+        model, inputs, targets, loss_fn, around=around, losses=losses))
 
 
 def loop_jacobian(model: nn.Module, inputs: Any) -> dict[str, Tensor]:
@@ -109,11 +110,13 @@ def loop_jacobian(model: nn.Module, inputs: Any) -> dict[str, Tensor]:
 
 
 def vmap_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
-               params: dict[str, nn.Parameter]) -> dict[str, Tensor]:
-    """:func:`persample.vmap.vmap_per_sample_grads` in the forward that ran."""
+               params: dict[str, nn.Parameter], losses: Tensor | None = None
+               ) -> dict[str, Tensor]:
+    """:func:`persample.vmap.vmap_per_sample_grads` in the forward that ran (``losses``
+    as for :func:`loop_grads`)."""
     refuse_mixing_loss(model, batch, targets, loss_fn)
     return _replayed(model, batch, lambda around: vmap_per_sample_grads(
-        model, batch, targets, loss_fn, params, around=around))
+        model, batch, targets, loss_fn, params, around=around, losses=losses))
 
 
 def vmap_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter]

@@ -17,6 +17,7 @@ each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the no
 """
 
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
+from .clip import Accumulated
 from .sampling import EmptySafeCollate, PoissonBatchSampler, poisson_batches, poisson_loader
 from .step import PrivateStep, private_grad
 from .training import PrivateTraining, make_private
@@ -24,6 +25,7 @@ from .training import PrivateTraining, make_private
 __all__ = [
     "private_grad",
     "PrivateStep",
+    "Accumulated",
     "make_private",
     "PrivateTraining",
     "PrivacyAccountant",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -36,13 +36,34 @@ from ..inputs import Batch
 from ..methods import Taken, answer, leave_rules, slower
 from ..norms import squared_norms, sum_of_squares
 from ..plan import Plan
-from ..precision import LOW, cast, without_autocast
+from ..precision import LOW, accumulate_dtype, cast, without_autocast
 from ..rules import Decline, OpCall, spec_of
 from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
 from ..whole import loop_grads, vmap_grads
 
 STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
+
+
+class Accumulated(NamedTuple):
+    """What one micro-batch of a DP step gives back, for logging: ``losses (n,)``, each
+    sample's own loss in the forward that was clipped (detached; the loss's dtype, or
+    at least float32 where the gradients came from ``torch.func`` or the loop), and
+    ``norms (n,)``, its gradient's norm before clipping over all parameters (at least
+    float32). ``losses.mean()`` is the batch's training loss.
+
+    Example:
+        >>> from persample.dp import private_grad
+        >>> net = nn.Linear(3, 2)
+        >>> out = private_grad(net, torch.randn(4, 3), torch.randn(4, 2), nn.MSELoss(),
+        ...                    max_grad_norm=1.0, noise_multiplier=1.0)
+        >>> losses, norms = out
+        >>> losses.shape, norms.shape
+        (torch.Size([4]), torch.Size([4]))
+    """
+
+    losses: Tensor
+    norms: Tensor
 
 
 @dataclass
@@ -114,7 +135,7 @@ class Destination(Protocol):
 
 
 def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
-                 into: Destination) -> Tensor:
+                 into: Destination) -> Accumulated:
     """Add ``sum_i c_i g_i`` of every parameter of one micro-batch into ``into``.
 
     ``g_i`` is sample ``i``'s own gradient and ``c_i = min(1, C / (||g_i|| + 1e-6))``
@@ -132,6 +153,7 @@ def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
             first, then ``make`` and ``flush`` per group.
 
     Returns:
+        :class:`Accumulated`: the ``(n,)`` per-sample losses of the forward, and the
         ``(n,)`` per-sample gradient norms before clipping, in the dtype norms
         accumulate in (at least float32).
 
@@ -152,8 +174,8 @@ def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
         ...         return {id(p): torch.zeros_like(p) for p in params.values()}
         ...     def flush(self, sums): self.sums = sums
         >>> zeros = Zeros()
-        >>> norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
-        ...                      max_grad_norm=1e-3, per_layer=False, into=zeros)
+        >>> losses, norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
+        ...                              max_grad_norm=1e-3, per_layer=False, into=zeros)
         >>> norms.shape, zeros.sums[id(net.weight)].shape
         (torch.Size([4]), torch.Size([2, 3]))
     """
@@ -167,7 +189,7 @@ def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
         sums = into.make(group)
         clipped.add_group(sums, set(group))
         into.flush(sums)
-    return norms
+    return Accumulated(clipped.losses, norms)
 
 
 def check_finite(norms: Tensor) -> None:
@@ -194,7 +216,7 @@ def check_finite(norms: Tensor) -> None:
         )
 
 
-def _nothing_to_clip(micro: MicroBatch, into: Destination) -> Tensor:
+def _nothing_to_clip(micro: MicroBatch, into: Destination) -> Accumulated:
     """An empty micro-batch: every group's memory made and handed back as it is."""
     params = list(micro.params.values())
     if micro.sharded:  # the other ranks' all-gathers wait for this rank's forward and backward
@@ -202,7 +224,8 @@ def _nothing_to_clip(micro: MicroBatch, into: Destination) -> Tensor:
     into.check(params[0].new_zeros(0))
     for group in into.groups:
         into.flush(into.make(group))
-    return params[0].new_zeros(0)
+    empty = params[0].new_zeros(0, dtype=accumulate_dtype(params[0].dtype))
+    return Accumulated(empty, empty)
 
 
 def _empty_pass(model: nn.Module, batch: Batch, params: list[nn.Parameter]) -> None:
@@ -239,6 +262,7 @@ class Clipped:
         module_normed: ``(call, output edge, its layout, {name: p})`` of the module calls
             whose parameters a module norm rule normed.
         factors: ``{id(p): (n,)}`` the clip factors ``c_i`` (empty before :meth:`clip`).
+        losses: ``(n,)`` each sample's own loss in the forward measured (detached).
 
     Example:
         >>> from persample import checks
@@ -261,6 +285,7 @@ class Clipped:
     materialised: dict[int, Tensor]
     ghosted: dict[Any, set[int]]
     module_normed: list[tuple]
+    losses: Tensor
     factors: dict[int, Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -286,20 +311,24 @@ class Clipped:
             captured = loss_backprops(micro.model, micro.batch, micro.targets, micro.loss_fn,
                                       watched, retain_graph=_keeps_graph)
             with internal("the norm rules"):
-                return cls(micro, captured, *squared_norms(captured, params))
+                return cls(micro, captured, *squared_norms(captured, params),
+                           captured.losses)
 
         def by(method: Callable) -> Callable[[], Clipped]:
             def materialised() -> Clipped:
-                grads = method(micro.model, micro.batch, micro.targets, micro.loss_fn, params)
+                first = next(iter(params.values()))
+                losses = first.new_empty(micro.batch.n, dtype=accumulate_dtype(first.dtype))
+                grads = method(micro.model, micro.batch, micro.targets, micro.loss_fn, params,
+                               losses)
                 mats = {id(params[name]): g.unsqueeze(1) for name, g in grads.items()}
                 squared = {pid: sum_of_squares(m.flatten(1)) for pid, m in mats.items()}
-                return cls(micro, None, squared, mats, {}, [])
+                return cls(micro, None, squared, mats, {}, [], losses)
             return materialised
 
         return answer(
             "rules" if micro.sharded else "auto", rules=by_rules,
             vmap=by(vmap_grads),
-            loop=by(lambda m, b, t, f, _: loop_grads(m, b, t, f)),
+            loop=by(lambda m, b, t, f, _, losses: loop_grads(m, b, t, f, losses)),
             hint=lambda: checks.dtype_note(micro.batch, params))
 
     def norms(self) -> Tensor:

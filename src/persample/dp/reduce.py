@@ -45,7 +45,7 @@ from .. import checks
 from ..inputs import Batch
 from ..precision import accumulate_dtype
 from ..sharded import Sharding, as_sharded_grad, fsdp_units, reduce_to_shards, shard_rows
-from .clip import check_finite
+from .clip import Accumulated, check_finite
 from .noise import add_gaussian, gaussian_like, noise_range, pooled_like, release_seed
 
 
@@ -155,13 +155,13 @@ class Reducer(ABC):
             is the step's new sums once the micro-batch is complete.
         """
 
-    def failed(self, err: FloatingPointError, n: int) -> Tensor:
+    def failed(self, err: FloatingPointError, n: int) -> Accumulated:
         """A micro-batch of ``n`` samples had a non-finite gradient (``err``, raised
         before anything was added): raised here.
 
         Returns:
             What ``accumulate`` returns instead where the error is deferred (several
-            processes: ``(n,)`` NaN norms).
+            processes: ``(n,)`` NaN losses and norms).
 
         Raises:
             FloatingPointError: ``err`` (one process; FSDP2, where every rank raised it).
@@ -321,8 +321,8 @@ class Local(Reducer):
         >>> batch, n, params = local.begin(net, x, y, nn.MSELoss())
         >>> terms = Terms(local.trainable(net), std=0.0, generator=None, divisor=4.0)
         >>> into = local.micro_batch(None, params, terms)
-        >>> norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
-        ...                      max_grad_norm=1.0, per_layer=False, into=into)
+        >>> losses, norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
+        ...                              max_grad_norm=1.0, per_layer=False, into=into)
         >>> local.release(into.commit(), terms)
         >>> net.weight.grad.shape
         torch.Size([2, 3])
@@ -444,7 +444,7 @@ class AllReduce(Local):
         ...                    expected_batch_size=4, generator=torch.Generator().manual_seed(0))
         >>> type(step.reducer).__name__
         'AllReduce'
-        >>> norms = step.accumulate(torch.randn(4, 3), torch.randn(4, 2))
+        >>> losses, norms = step.accumulate(torch.randn(4, 3), torch.randn(4, 2))
         >>> step.release()  # every rank's sums and rank 0's noise, one all-reduce
         >>> net.weight.grad.shape
         torch.Size([2, 3])
@@ -456,14 +456,15 @@ class AllReduce(Local):
         self.ranks = _Ranks(timeout)
         self.failure: str | None = None  # this rank's non-finite micro-batch, if any
 
-    def failed(self, err: FloatingPointError, n: int) -> Tensor:
+    def failed(self, err: FloatingPointError, n: int) -> Accumulated:
         """Deferred to the release (the other ranks would wait in the all-reduce): the
-        ``(n,)`` norms are NaN."""
+        ``(n,)`` losses and norms are NaN."""
         ranks = world()
         if ranks is None:
             raise err
         self.failure = f"rank {ranks[1]}: {err}"  # every rank raises it at the release
-        return torch.full((n,), float("nan"))
+        nan = torch.full((n,), float("nan"))
+        return Accumulated(nan, nan)
 
     def agree(self, terms: Terms, drop: Callable[[], None]) -> None:
         """Every rank arrived (gloo: within the timeout) and holds the same parameters
@@ -604,7 +605,7 @@ class Sharded(Reducer):
         ...                    expected_batch_size=4, generator=torch.Generator().manual_seed(0))
         >>> type(step.reducer).__name__
         'Sharded'
-        >>> norms = step.accumulate(torch.randn(4, 3), torch.randn(4, 2))
+        >>> losses, norms = step.accumulate(torch.randn(4, 3), torch.randn(4, 2))
         >>> step.release()
         >>> type(net[0].weight.grad).__name__  # sharded as the parameter
         'DTensor'

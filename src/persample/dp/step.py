@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
-from .clip import MicroBatch, clipped_sums
+from .clip import Accumulated, MicroBatch, clipped_sums
 from .reduce import Reducer, Sums, Terms, reducer_for, total_samples
 
 
@@ -114,7 +114,7 @@ class PrivateStep:
         ...                    generator=torch.Generator().manual_seed(0))
         >>> for _ in range(4):  # a logical batch of 64 in micro-batches of 16
         ...     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-        ...     norms = step.accumulate(x, y)  # (16,) norms before clipping
+        ...     losses, norms = step.accumulate(x, y)  # (16,) each: losses, norms
         >>> step.release()
         >>> opt.step()
         >>> net[0].weight.grad.shape, step.samples
@@ -181,15 +181,18 @@ class PrivateStep:
     def sums(self, tensors: dict[str, Tensor] | None) -> None:
         self._sums = None if tensors is None else Sums(tensors)
 
-    def accumulate(self, inputs: Any, targets: Any) -> Tensor:
+    def accumulate(self, inputs: Any, targets: Any) -> Accumulated:
         """Add one micro-batch's clipped per-sample gradients to the step's sums.
 
         Args:
             inputs, targets: as for ``per_sample_grads``; ``b`` samples (0 is fine).
 
         Returns:
-            ``(b,)`` per-sample gradient norms before clipping (over all parameters),
-            in at least float32 (the sums accumulate there too).
+            :class:`~persample.dp.Accumulated` ``(losses, norms)``: the ``(b,)``
+            per-sample losses of the forward it ran (detached: ``losses.mean()`` is the
+            training loss to log, with no second forward) and the ``(b,)`` per-sample
+            gradient norms before clipping (over all parameters), in at least float32
+            (the sums accumulate there too).
 
         Raises:
             ValueError: the model's trainable parameters are not those of the step
@@ -204,16 +207,16 @@ class PrivateStep:
         into = self.reducer.micro_batch(self._sums, working, self._terms())
         try:
             with checks.kept_buffers(self.model):
-                norms = clipped_sums(MicroBatch(self.model, batch, targets, self.loss_fn,
-                                                working), max_grad_norm=self.max_grad_norm,
-                                     per_layer=self.per_layer, into=into)
+                got = clipped_sums(MicroBatch(self.model, batch, targets, self.loss_fn,
+                                              working), max_grad_norm=self.max_grad_norm,
+                                   per_layer=self.per_layer, into=into)
         except FloatingPointError as err:
             return self.reducer.failed(err, n)
         self._sums = into.commit()  # only once the whole micro-batch succeeded
         if not self.versions:
             self.versions = {name: p._version for name, p in self.params.items()}
         self.samples += n
-        return norms
+        return got
 
     def release(self) -> None:
         """Set ``p.grad = (sums + N(0, sigma^2 C^2 I)) / expected_batch_size`` for every
@@ -343,7 +346,7 @@ def private_grad(
     per_layer: bool = False,
     expected_batch_size: float | None = None,
     loss_reduction: str | None = None,
-) -> Tensor:
+) -> Accumulated:
     """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
 
     ``p.grad = (sum_i c_i g_i + N(0, sigma^2 C^2 I)) / B'`` with ``g_i`` sample
@@ -372,8 +375,10 @@ def private_grad(
     the backward is done, the clipped sums are added to it, and it becomes ``p.grad``.
 
     Returns:
-        ``(B,)`` per-sample gradient norms before clipping (over all parameters),
-        for logging, in the parameters' dtype or float32 if that is lower (bfloat16,
+        :class:`~persample.dp.Accumulated` ``(losses, norms)``, for logging: the ``(B,)``
+        per-sample losses of the forward it ran (detached) and the ``(B,)`` per-sample
+        gradient norms before clipping (over all parameters), the norms in the
+        parameters' dtype or float32 if that is lower (bfloat16,
         float16: norms, clip factors and sums accumulate in float32; ``p.grad`` comes
         in the parameter's dtype). Under ``torch.autocast`` the gradients are those of
         the model as autocast runs it.
@@ -396,11 +401,12 @@ def private_grad(
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
         >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
         >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-        >>> norms = private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
-        ...                      noise_multiplier=1.1, generator=torch.Generator().manual_seed(0))
+        >>> losses, norms = private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
+        ...                              noise_multiplier=1.1,
+        ...                              generator=torch.Generator().manual_seed(0))
         >>> opt.step()
-        >>> norms.shape
-        torch.Size([16])
+        >>> losses.shape, norms.shape
+        (torch.Size([16]), torch.Size([16]))
 
     Source: Abadi et al. 2016 (DP-SGD); Bu et al. 2023 (book-keeping).
     """
@@ -419,9 +425,9 @@ def private_grad(
     step = _OneCall(model, loss_fn, max_grad_norm=max_grad_norm,
                     noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                     generator=generator, per_layer=per_layer)
-    norms = step.accumulate(inputs, targets)
+    got = step.accumulate(inputs, targets)
     step.release()
-    return norms
+    return got
 
 
 class _OneCall(PrivateStep):

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset, default_collate
 
 from .accounting import noise_multiplier_for
 from .sampling import PoissonBatchSampler
+from .clip import Accumulated
 from .step import PrivateStep
 
 
@@ -71,8 +72,9 @@ class PrivateTraining:
             part = indices[start : start + self.physical_batch_size]
             yield self.collate([self.dataset[i] for i in part])
 
-    def accumulate(self, inputs: Any, targets: Any) -> Tensor:
-        """``step.accumulate``: one physical batch's clipped sums; its ``(b,)`` norms."""
+    def accumulate(self, inputs: Any, targets: Any) -> Accumulated:
+        """``step.accumulate``: one physical batch's clipped sums; its ``(b,)`` losses and
+        norms."""
         return self.step.accumulate(inputs, targets)
 
     def release(self) -> None:

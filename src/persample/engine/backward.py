@@ -25,7 +25,7 @@ from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
-from ..loss import total_loss
+from ..loss import per_sample_losses
 from ..plan import Path, Plan, edge_key, param_name, plan
 from ..rules import open_capture
 from ..sharded import fsdp_units, gatherer
@@ -111,23 +111,29 @@ def _one_sample(model, batch, root, backward, watched, v) -> Captured:
 def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
                    watched: dict[int, nn.Parameter],
                    retain_graph: bool | Callable[[Plan], bool] = False) -> Captured:
-    """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss;
-    ``retain_graph``: keep the model's autograd graph after the backward (or a function
-    of the plan that says whether to)."""
+    """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss
+    (the losses ``(n,)``, detached, in :attr:`Captured.losses`); ``retain_graph``: keep
+    the model's autograd graph after the backward (or a function of the plan that says
+    whether to)."""
+    kept: list[Tensor] = []
 
     def root(output: Any, cap: Capture) -> Tensor:
         follow = partial(_ReadCheck, cap)  # (a batch of one: nothing else to follow)
         if isinstance(cap, Capture):  # the targets' samples, and the loss's ops followed
             cap.add_inputs(located_of(targets, batch.n))
             follow = partial(_followed, cap)
-        return total_loss(output, targets, loss_fn, batch.n, cap.layout, follow)
+        losses = per_sample_losses(output, targets, loss_fn, batch.n, cap.layout, follow)
+        kept.append(losses.detach())
+        return losses.sum()
 
     def backward(total: Tensor, edges: list, planned: Plan) -> tuple:
         retain = retain_graph(planned) if callable(retain_graph) else retain_graph
         grads = torch.autograd.grad(total, edges, allow_unused=True, retain_graph=retain)
         return tuple(None if g is None else g.unsqueeze(0) for g in grads)  # (1, *out)
 
-    return capture_backprops(model, batch, root, backward, watched, 1)
+    captured = capture_backprops(model, batch, root, backward, watched, 1)
+    captured.losses = kept[0]
+    return captured
 
 
 @contextmanager

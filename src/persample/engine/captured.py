@@ -22,7 +22,8 @@ class Captured:
     plain gradients ``grads`` holds by ``id(param)`` (the per-sample gradient of a batch
     of one is the gradient). ``taken``: the paths the rules actually took, recorded as
     they ran (:mod:`persample.engine.pullback`); :attr:`paths` is the plan's, updated
-    by them.
+    by them. ``losses``: each sample's own loss ``(n,)`` (detached) where the backward's
+    root was the loss (:func:`~persample.engine.loss_backprops`), else ``None``.
     """
 
     capture: Capture | Any  # a Capture, or a batch of one's stand-in (engine.backward)
@@ -32,6 +33,7 @@ class Captured:
     v: int
     whole: list[nn.Parameter] = field(default_factory=list)
     taken: dict[int, Path] = field(default_factory=dict)
+    losses: Tensor | None = None  # (n,) each sample's loss, where the root was the loss
 
     @property
     def paths(self) -> dict[int, Path]:

@@ -216,31 +216,6 @@ def _shifts_labels(model: nn.Module) -> bool:
     return LOSS_MAPPING.get(getattr(base, "loss_type", None)) is ForCausalLMLoss
 
 
-class _Recorded:
-    """The per-sample loss, keeping what it returns (detached) for the logs."""
-
-    def __init__(self, loss: Callable[[Any, Any], Tensor]):
-        self.loss, self.seen = loss, []
-
-    def __call__(self, outputs: Any, inputs: Any) -> Tensor:
-        out = self.loss(outputs, inputs)
-        if (isinstance(out, Tensor) and out.device.type != "meta"
-                and not torch._C._functorch.is_functorch_wrapped_tensor(out)):
-            self.seen.append(out.detach())
-        return out
-
-    def take(self, n: int) -> Tensor | None:
-        """The (n,) losses of the micro-batch just accumulated (the last whole-batch
-        call, or the per-sample calls of a loop), or None."""
-        seen, self.seen = self.seen, []
-        whole = [t for t in seen if t.dim() == 1 and t.shape[0] == n]
-        if whole:
-            return whole[-1]
-        if seen and sum(t.numel() for t in seen) == n:
-            return torch.cat([t.reshape(-1) for t in seen])
-        return None
-
-
 # ---------------------------------------------------------------------------
 # the batches
 
@@ -339,7 +314,7 @@ class PrivateTrainer(transformers.Trainer):
         self.args.max_grad_norm = 0.0  # (the Trainer's default arguments, when none given)
         self._refuse_unsupported()
         self.privacy_args = privacy_args
-        self._loss = _Recorded(per_sample_loss or default_per_sample_loss(self.model))
+        self._loss = per_sample_loss or default_per_sample_loss(self.model)
         self.private_step: PrivateStep | None = None
         self._resume_from: str | None = None
         self.add_callback(_SavePrivacyState(self))
@@ -447,13 +422,11 @@ class PrivateTrainer(transformers.Trainer):
         inputs = self._prepare_inputs(inputs)
         labels = set(self.label_names or ["labels"])
         features = {k: v for k, v in inputs.items() if k not in labels}
-        n = next(v.shape[0] for v in inputs.values() if isinstance(v, Tensor))
         with self.compute_loss_context_manager():
-            self.private_step.accumulate(features, inputs)
-        losses = self._loss.take(n)
+            losses, _ = self.private_step.accumulate(features, inputs)
         if self.accelerator.sync_gradients:  # the Trainer steps its optimizer next
             self.private_step.release()
-        total = losses.sum() if losses is not None else torch.zeros(())
+        total = losses.sum()
         share = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
         return (total.float() / share).detach().to(self.args.device)
 
