@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, default_collate
 
 from .accounting import noise_multiplier_for
-from .sampling import PoissonBatchSampler
 from .clip import Accumulated
+from .sampling import PoissonBatchSampler
 from .step import PrivateStep
 
 
