@@ -83,7 +83,8 @@ def test_a_dict_output_passed_to_a_torch_loss(entry):
                        .replace(")", r"\)")) as err:
         _calls(model, x, y, loss_fn)[entry]()
     (note,) = _notes(err.value)
-    assert "output: dict {'logits': Tensor (" in note and f", {C}) {torch.get_default_dtype()}}}" in note
+    dtype = torch.get_default_dtype()
+    assert "output: dict {'logits': Tensor (" in note and f", {C}) {dtype}}}" in note
     assert "The model returns a dict" in note and "out['logits']" in note
 
 
