@@ -35,6 +35,9 @@ CHECKS = {
     # make_private: every planned step taken, within the target
     "private": ("private.step.accountant.steps == 2 * private.steps_per_epoch"
                 " and private.epsilon(1e-5) <= 3.0"),
+    # make_private from a DataLoader: the dataset's samples, the loader's batch size
+    "from_loader": ("from_loader.sample_rate == 256 / 1797 and from_loader.steps_per_epoch"
+                    " == 7 == from_loader.step.accountant.steps"),
     "net": "all(p.grad is not None for p in net.parameters())",
     # PrivateTrainer: within the target after the planned steps; the LoRA run accounted
     "trainer": ("trainer.private_step.accountant.steps == trainer.state.global_step == 48"

@@ -1,23 +1,27 @@
 """Private training set up in one call: :func:`make_private`.
 
-From a model, an optimizer, a dataset, a privacy target and the batch sizes it gives
-what a DP-SGD loop needs, as Opacus's ``PrivacyEngine.make_private_with_epsilon``
-does, without wrapping or changing the model or the optimizer: Poisson-sampled
-logical batches (Abadi et al. 2016) split into physical ones that fit in memory, a
-:class:`~persample.dp.PrivateStep` with the noise multiplier that reaches the target
-epsilon after the planned steps (:func:`~persample.dp.noise_multiplier_for`), and
-its accountant, stepped once per release.
+From a model, an optimizer, a dataset or the ``DataLoader`` the user already has, a
+privacy target (or a noise multiplier) and the batch sizes it gives what a DP-SGD
+loop needs, as Opacus's ``PrivacyEngine.make_private`` and
+``make_private_with_epsilon`` do, without wrapping or changing the model or the
+optimizer: Poisson-sampled logical batches (Abadi et al. 2016) split into physical
+ones that fit in memory, loaded by a ``DataLoader`` with the user's collate
+function, workers and pinned memory, a :class:`~persample.dp.PrivateStep` with the
+noise multiplier that reaches the target epsilon after the planned steps
+(:func:`~persample.dp.noise_multiplier_for`), and its accountant, stepped once per
+release.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from .accounting import noise_multiplier_for
 from .clip import Accumulated
@@ -28,8 +32,11 @@ from .step import PrivateStep
 @dataclass
 class PrivateTraining:
     """What :func:`make_private` sets up. ``step``: the :class:`PrivateStep` (its
-    ``accountant`` counts the releases); ``noise_multiplier``, ``sample_rate`` (``q``),
-    ``steps_per_epoch`` and ``epochs`` as planned.
+    ``accountant`` counts the releases); ``loader``: the ``DataLoader`` of the physical
+    batches (the user's dataset, collate function, workers and pinned memory; its
+    batch sampler draws each epoch's Poisson sample and cuts it); ``sampler``: the
+    logical batches' :class:`PoissonBatchSampler`; ``noise_multiplier``,
+    ``sample_rate`` (``q``), ``steps_per_epoch`` and ``epochs`` as planned.
 
     Example:
         >>> from torch.utils.data import TensorDataset
@@ -50,27 +57,36 @@ class PrivateTraining:
 
     step: PrivateStep
     optimizer: torch.optim.Optimizer
-    dataset: Dataset
+    loader: DataLoader
     sampler: PoissonBatchSampler
-    collate: Callable[[list], Any]
     physical_batch_size: int
     noise_multiplier: float
     sample_rate: float
     steps_per_epoch: int
     epochs: int
 
+    @property
+    def dataset(self) -> Dataset:
+        """The dataset the batches are drawn from."""
+        return self.loader.dataset
+
     def batches(self) -> Iterator[Iterator[Any]]:
         """One epoch: ``steps_per_epoch`` logical batches, each drawn by Poisson
         sampling (possibly empty) and yielded as an iterator of its physical batches
-        (collated, at most ``physical_batch_size`` samples each; an empty logical batch
-        yields none)."""
-        for indices in self.sampler:
-            yield self._physical(indices)
-
-    def _physical(self, indices: list[int]) -> Iterator[Any]:
-        for start in range(0, len(indices), self.physical_batch_size):
-            part = indices[start : start + self.physical_batch_size]
-            yield self.collate([self.dataset[i] for i in part])
+        (collated by the loader, at most ``physical_batch_size`` samples each; an empty
+        logical batch yields none). A logical batch left unfinished is skipped whole
+        when the next one is asked for."""
+        cut = self.loader.batch_sampler
+        counts = cut.plan()  # the epoch's Poisson sample, drawn once
+        try:
+            loaded = iter(self.loader)
+            for count in counts:
+                left = [count]
+                yield _physical(loaded, left)
+                for _ in range(left[0]):
+                    next(loaded)
+        finally:
+            cut.planned = None
 
     def accumulate(self, inputs: Any, targets: Any) -> Accumulated:
         """``step.accumulate``: one physical batch's clipped sums; its ``(b,)`` losses and
@@ -89,74 +105,176 @@ class PrivateTraining:
         return self.step.epsilon(delta)
 
 
-def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset,
-                 loss_fn: Callable[[Any, Any], Tensor], *, target_epsilon: float,
-                 target_delta: float, epochs: int, max_grad_norm: float,
-                 expected_batch_size: int, physical_batch_size: int,
+def _physical(loaded: Iterator[Any], left: list[int]) -> Iterator[Any]:
+    """The next ``left[0]`` physical batches of ``loaded`` (counted down as taken)."""
+    while left[0] > 0:
+        left[0] -= 1
+        yield next(loaded)
+
+
+class PhysicalBatches(Sampler[list[int]]):
+    """A ``batch_sampler``: an epoch's logical batches (``logical``, a
+    :class:`PoissonBatchSampler`) cut into physical batches of at most ``size``
+    indices. :meth:`plan` draws an epoch ahead and says how many physical batches
+    each logical one has; iterating then gives that epoch (a ``DataLoader`` with
+    workers starts its sampler twice), else a freshly drawn one.
+
+    Example:
+        >>> logical = PoissonBatchSampler(10, 0.5, 2, torch.Generator().manual_seed(0))
+        >>> cut = PhysicalBatches(logical, 2)
+        >>> counts = cut.plan()
+        >>> parts = list(cut)
+        >>> len(parts) == sum(counts) and all(0 < len(p) <= 2 for p in parts)
+        True
+    """
+
+    def __init__(self, logical: PoissonBatchSampler, size: int):
+        self.logical, self.size = logical, size
+        self.planned: list[list[int]] | None = None
+
+    def plan(self) -> list[int]:
+        """Draw an epoch's logical batches; the number of physical batches of each (0 for
+        an empty one)."""
+        drawn = list(self.logical)
+        self.planned = [b[k:k + self.size] for b in drawn for k in range(0, len(b), self.size)]
+        return [math.ceil(len(b) / self.size) for b in drawn]
+
+    def __len__(self) -> int:
+        """An estimate (Poisson sizes vary): the expected physical batches per epoch."""
+        per = math.ceil(self.logical.expected_batch_size / self.size)
+        return len(self.logical) * per
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.planned is not None:  # (planned by PrivateTraining.batches)
+            return iter(self.planned)
+        self.plan()
+        planned, self.planned = self.planned, None
+        return iter(planned)
+
+
+def _loader_options(loader: DataLoader) -> dict[str, Any]:
+    """The ``DataLoader`` arguments of ``loader`` that are kept (all but its batching)."""
+    keep = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                pin_memory=loader.pin_memory, timeout=loader.timeout,
+                worker_init_fn=loader.worker_init_fn,
+                multiprocessing_context=loader.multiprocessing_context,
+                persistent_workers=loader.persistent_workers,
+                pin_memory_device=loader.pin_memory_device)
+    if loader.num_workers > 0:
+        keep["prefetch_factor"] = loader.prefetch_factor
+    return keep
+
+
+def _dataset_size(dataset: Any, given: str) -> int:
+    """``len(dataset)``, or a ``ValueError`` that says why it is needed."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(
+            f"make_private needs the number of samples N of the {given} to sample "
+            f"logical batches (each sample kept with probability q = expected_batch_size "
+            f"/ N), but its {type(dataset).__name__} has no len(): pass a map-style "
+            "dataset (dataset[i] and len(dataset)), e.g. a TensorDataset or a "
+            "datasets.Dataset")
+    return len(dataset)
+
+
+def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 data: Dataset | DataLoader, loss_fn: Callable[[Any, Any], Tensor], *,
+                 epochs: int, max_grad_norm: float, target_epsilon: float | None = None,
+                 target_delta: float | None = None, noise_multiplier: float | None = None,
+                 expected_batch_size: int | None = None, physical_batch_size: int | None = None,
                  accountant: str = "rdp", generator: torch.Generator | None = None,
                  collate_fn: Callable[[list], Any] | None = None, per_layer: bool = False
                  ) -> PrivateTraining:
-    """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``.
+    """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
+    (or to run ``epochs`` with a given ``noise_multiplier``).
 
-    The sample rate is ``q = expected_batch_size / len(dataset)``; an epoch is
+    The sample rate is ``q = expected_batch_size / N`` (``N`` samples); an epoch is
     ``round(1 / q)`` logical batches, so training takes ``epochs * round(1 / q)``
     steps, and the noise multiplier is the smallest that keeps them within the target
     (``noise_multiplier_for``). Neither the model nor the optimizer is wrapped or
     changed: the loop calls ``accumulate`` per physical batch and ``release`` per
-    logical one. One process: with several, give each rank its share of every logical
-    batch (``PoissonBatchSampler(..., rank=r, world_size=W)``) and a :class:`PrivateStep`.
+    logical one. ``data`` may be the ``DataLoader`` an Opacus user passes to
+    ``make_private``: its dataset, collate function, workers, pinned memory and
+    worker settings are kept, its batch size is the expected logical batch size, and
+    its sampler and ``drop_last`` are replaced by Poisson sampling (as Opacus's
+    ``DPDataLoader`` does). One process: with several, give each rank its share of
+    every logical batch (``PoissonBatchSampler(..., rank=r, world_size=W)``) and a
+    :class:`PrivateStep`.
 
     Args:
         model: the ``nn.Module`` (plain, or wrapped in ``DistributedDataParallel``).
         optimizer: any ``torch.optim`` optimizer over the model's parameters.
-        dataset: a map-style dataset with ``len()``; ``dataset[i]`` one sample.
+        data: a map-style dataset (``dataset[i]`` one sample, ``len(dataset)`` =
+            ``N``), or a ``torch.utils.data.DataLoader`` over one.
         loss_fn: ``loss_fn(output, targets)``, as for :class:`PrivateStep`.
-        target_epsilon: the epsilon budget, ``> 0``.
-        target_delta: ``delta`` in ``(0, 1)`` (below ``1 / len(dataset)`` as a rule).
         epochs: passes over the data planned, ``>= 1``.
         max_grad_norm: the clipping norm ``C > 0``.
-        expected_batch_size: the logical batch size expected, ``q * N``, ``>= 1``.
-        physical_batch_size: the most samples one forward and backward takes, ``>= 1``.
+        target_epsilon: the epsilon budget, ``> 0``; or pass ``noise_multiplier``.
+        target_delta: ``delta`` in ``(0, 1)`` (below ``1 / N`` as a rule), with
+            ``target_epsilon``.
+        noise_multiplier: ``sigma >= 0`` instead of a target (Opacus's
+            ``make_private``); :meth:`PrivateTraining.epsilon` then says what it spent.
+        expected_batch_size: the logical batch size expected, ``q * N``, ``>= 1``;
+            default the ``DataLoader``'s ``batch_size`` (required with a dataset).
+        physical_batch_size: the most samples one forward and backward takes,
+            ``>= 1``; default ``expected_batch_size`` (a Poisson batch above it is cut).
         accountant: ``"rdp"``, ``"pld"`` or ``"prv"``: how epsilon is computed, for the
             calibration and during training.
         generator: a CPU ``torch.Generator`` for the batches (seed it to reproduce a
             run); the noise's generator, on the parameters' device, is seeded from it.
-        collate_fn: how samples become a batch (default ``default_collate``); an empty
-            logical batch has no physical batch to collate (its release is noise only).
+        collate_fn: how samples become a batch (default: the ``DataLoader``'s, else
+            ``default_collate``); an empty logical batch has no physical batch to
+            collate (its release is noise only).
         per_layer: clip each parameter's gradient to ``C / sqrt(K)``.
 
     Returns:
         a :class:`PrivateTraining`: ``batches()`` per epoch, ``accumulate`` and
-        ``release``, ``epsilon(delta)``, and the plan (``noise_multiplier``,
-        ``sample_rate``, ``steps_per_epoch``).
+        ``release``, ``epsilon(delta)``, the ``loader``, and the plan
+        (``noise_multiplier``, ``sample_rate``, ``steps_per_epoch``).
 
     Raises:
-        ValueError: an argument outside its range, an empty dataset, or an expected
-            batch larger than the dataset.
+        ValueError: an argument outside its range, both or neither of
+            ``target_epsilon`` and ``noise_multiplier``, ``target_epsilon`` without
+            ``target_delta``, an empty dataset or one without ``len()`` (an
+            ``IterableDataset``), no ``expected_batch_size`` with a dataset (or a
+            ``DataLoader`` without a ``batch_size``), or an expected batch larger than
+            the dataset.
 
     Example:
         >>> import torch
         >>> from torch import nn
-        >>> from torch.utils.data import TensorDataset
+        >>> from torch.utils.data import DataLoader, TensorDataset
         >>> from persample.dp import make_private
         >>> net = nn.Linear(4, 3)
         >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
         >>> data = TensorDataset(torch.randn(200, 4), torch.randint(0, 3, (200,)))
-        >>> private = make_private(net, opt, data, nn.CrossEntropyLoss(), target_epsilon=2.0,
-        ...                        target_delta=1e-5, epochs=1, max_grad_norm=1.0,
-        ...                        expected_batch_size=50, physical_batch_size=20,
+        >>> loader = DataLoader(data, batch_size=50, shuffle=True)  # as for Opacus
+        >>> private = make_private(net, opt, loader, nn.CrossEntropyLoss(),
+        ...                        target_epsilon=2.0, target_delta=1e-5, epochs=1,
+        ...                        max_grad_norm=1.0, physical_batch_size=20,
         ...                        generator=torch.Generator().manual_seed(0))
         >>> for logical in private.batches():
         ...     for x, y in logical:
-        ...         _ = private.accumulate(x, y)
+        ...         losses, norms = private.accumulate(x, y)
         ...     private.release()
         >>> private.step.accountant.steps, private.epsilon(1e-5) <= 2.0
         (4, True)
 
     Source: Abadi et al. 2016 (DP-SGD with Poisson-sampled lots); Opacus's
-    ``make_private_with_epsilon`` and virtual steps.
+    ``make_private``, ``make_private_with_epsilon``, ``DPDataLoader`` and virtual steps.
     """
-    n = len(dataset)
+    loader = data if isinstance(data, DataLoader) else None
+    dataset = loader.dataset if loader is not None else data
+    n = _dataset_size(dataset, "DataLoader's dataset" if loader is not None else "dataset")
+    if expected_batch_size is None:
+        expected_batch_size = loader.batch_size if loader is not None else None
+        if expected_batch_size is None:
+            raise ValueError(
+                "pass expected_batch_size, the logical batch size expected (q * N): "
+                + ("the DataLoader has no batch_size (it was given a batch_sampler)"
+                   if loader is not None else "a dataset has no batch size"))
+    if physical_batch_size is None:
+        physical_batch_size = expected_batch_size
     for name, value in (("epochs", epochs), ("expected_batch_size", expected_batch_size),
                         ("physical_batch_size", physical_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -166,8 +284,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Da
                          f"number of samples ({n})")
     q = expected_batch_size / n
     steps_per_epoch = max(1, round(1 / q))
-    sigma = noise_multiplier_for(target_epsilon, target_delta, q, epochs * steps_per_epoch,
-                                 accountant)
+    sigma = _noise_multiplier(target_epsilon, target_delta, noise_multiplier, q,
+                              epochs * steps_per_epoch, accountant)
     noise = None
     if generator is not None:
         device = next(model.parameters()).device
@@ -177,6 +295,24 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Da
                        expected_batch_size=expected_batch_size, generator=noise,
                        per_layer=per_layer, sample_rate=q, accountant=accountant)
     sampler = PoissonBatchSampler(n, q, steps_per_epoch, generator)
-    return PrivateTraining(step, optimizer, dataset, sampler,
-                           collate_fn or default_collate, physical_batch_size,
+    options = _loader_options(loader) if loader is not None else {}
+    if collate_fn is not None:
+        options["collate_fn"] = collate_fn
+    physical = DataLoader(dataset, batch_sampler=PhysicalBatches(sampler, physical_batch_size),
+                          **options)
+    return PrivateTraining(step, optimizer, physical, sampler, physical_batch_size,
                            sigma, q, steps_per_epoch, epochs)
+
+
+def _noise_multiplier(target_epsilon: float | None, target_delta: float | None,
+                      noise_multiplier: float | None, q: float, steps: int,
+                      accountant: str) -> float:
+    """The given ``noise_multiplier``, or the one that spends the target in ``steps``."""
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError("pass either target_epsilon (with target_delta) or noise_multiplier, "
+                         f"not {'both' if noise_multiplier is not None else 'neither'}")
+    if noise_multiplier is not None:
+        return noise_multiplier
+    if target_delta is None:
+        raise ValueError("target_epsilon needs target_delta, e.g. 1 / N or below")
+    return noise_multiplier_for(target_epsilon, target_delta, q, steps, accountant)
