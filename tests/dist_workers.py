@@ -101,6 +101,16 @@ def run_all(rank: int, world: int) -> dict:
     saved["noise"] = torch.stack(draws)
     saved["accounted"] = step.accountant.steps, step.epsilon(1e-5)
 
+    secure = nn.Linear(30, 20).double()  # secure_mode: rank 0's draw from the OS
+    step = PrivateStep(secure, nn.MSELoss(), max_grad_norm=0.5, noise_multiplier=1.3,
+                       expected_batch_size=10, secure_mode=True)
+    before, draws = torch.get_rng_state(), []
+    for _ in range(30):
+        step.release()
+        draws.append(torch.cat([secure.weight.grad.flatten(), secure.bias.grad]))
+    saved["secure noise"] = torch.stack(draws)
+    saved["secure left torch's generator"] = torch.equal(before, torch.get_rng_state())
+
     bad = model()
     step = PrivateStep(bad, loss_fn, max_grad_norm=C, noise_multiplier=0.0,
                        expected_batch_size=N + rank, sample_rate=0.5)  # differs between ranks

@@ -182,6 +182,15 @@ def scenarios(rank: int, world: int) -> dict:
         step.release()
         draws.append(torch.cat([g.flatten() for g in grads(model).values()]))
     saved["noise"] = torch.stack(draws)
+    model = shard(net())  # secure_mode: rank 0 draws each parameter's noise, broadcast
+    step = PrivateStep(model, lm_loss, max_grad_norm=C, noise_multiplier=SIGMA,
+                       expected_batch_size=10, secure_mode=True)
+    before, draws = torch.get_rng_state(), []
+    for _ in range(30):
+        step.release()
+        draws.append(torch.cat([g.flatten() for g in grads(model).values()]))
+    saved["secure noise"] = torch.stack(draws)
+    saved["secure left torch's generator"] = torch.equal(before, torch.get_rng_state())
 
     saved["lora"] = _step(shard(net("lora")), ids, y)
     saved["checkpoint"] = _step(shard(net("checkpoint")), ids, y)

@@ -53,6 +53,15 @@ def test_two_processes_equal_one_on_the_whole_batch(ranks, scenario):
         assert torch.equal(ranks[0][scenario][name], ranks[1][scenario][name])
 
 
+def test_secure_noise_is_rank_0s_added_once(ranks):
+    z0, z1 = ranks[0]["secure noise"], ranks[1]["secure noise"]  # (30, 620)
+    assert torch.equal(z0, z1)
+    want = 1.3 * 0.5 / 10
+    assert abs(float(z0.std()) / want - 1) < 0.04
+    assert not torch.equal(z0[0], z0[1])  # a fresh draw each release
+    assert all(seen["secure left torch's generator"] for seen in ranks)
+
+
 def test_the_noise_is_added_once(ranks):
     z0, z1 = ranks[0]["noise"], ranks[1]["noise"]  # (100, 620) each
     assert torch.equal(z0, z1)  # identical p.grad on every rank

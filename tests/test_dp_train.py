@@ -80,6 +80,17 @@ def test_without_clipping_and_noise_it_is_plain_sgd(tmp_path, capsys):
     assert capsys.readouterr().err == ""  # --no-progress: no bars
 
 
+def test_secure_mode_noise_differs_from_run_to_run():
+    """--secure-mode: the same seed, different noise (the OS's), the same batches."""
+    runs = [dp_train([*QUICK, "--sigma", "1.0", "--no-progress", "--secure-mode"])
+            for _ in range(2)]
+    seeded = [dp_train([*QUICK, "--sigma", "1.0", "--no-progress"]) for _ in range(2)]
+    assert runs[0]["config"]["secure_mode"] and not seeded[0]["config"]["secure_mode"]
+    assert seeded[0]["runs"][0]["train_loss"] == seeded[1]["runs"][0]["train_loss"]
+    assert runs[0]["runs"][0]["train_loss"][1] != runs[1]["runs"][0]["train_loss"][1]
+    assert runs[0]["runs"][0]["empty_batches"] == seeded[0]["runs"][0]["empty_batches"]
+
+
 def test_target_epsilon_sets_sigma(capsys):
     figures = dp_train([*QUICK, "--target-epsilon", "2.0", "--no-progress"])
     p = figures["privacy"]

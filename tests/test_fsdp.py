@@ -167,6 +167,17 @@ def test_the_noise_is_added_once_per_coordinate_and_independent_of_the_ranks(ran
     torch.testing.assert_close(torch.stack(draws), z0, rtol=1e-12, atol=0)
 
 
+def test_secure_noise_is_the_same_on_every_rank(ranks):
+    """secure_mode: each parameter's noise drawn by rank 0 from the OS and broadcast, so
+    that every coordinate is noised once and the ranks' shards fit together."""
+    z0, z1 = ranks[0]["secure noise"], ranks[1]["secure noise"]  # (30 releases, P)
+    assert torch.equal(z0, z1)
+    want = fw.SIGMA * fw.C / 10
+    assert abs(float(z0.std()) / want - 1) < 0.04
+    assert not torch.equal(z0[0], z0[1]) and not torch.equal(z0, ranks[0]["noise"][:30])
+    assert all(seen["secure left torch's generator"] for seen in ranks)
+
+
 def test_mismatches_and_non_finite_gradients_raise_on_every_rank(ranks):
     for seen in ranks:
         err, grads = seen["mismatch"]

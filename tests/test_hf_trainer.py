@@ -21,6 +21,7 @@ from torch import nn
 
 from persample.data import docstring_examples
 from persample.dp import PoissonBatchSampler, PrivacyAccountant, PrivateStep
+from persample.dp.noise import SecureSource
 from zoo import require
 
 transformers = require("transformers")
@@ -271,10 +272,29 @@ def test_args_left_as_given_and_refusals(tmp_path):
         PrivateTrainer(bert(), given, train_dataset=data)
     with pytest.raises(ValueError, match="not both"):
         PrivacyArguments(target_epsilon=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="secure_mode=True.*pass seed=None"):
+        PrivacyArguments(noise_multiplier=1.0, secure_mode=True, seed=3)
     with pytest.raises(ValueError, match="larger than the training set"):
         PrivateTrainer(bert(), args(tmp_path, per_device_train_batch_size=400),
                        train_dataset=data,
                        privacy_args=PrivacyArguments(noise_multiplier=1.0)).train()
+
+
+def test_secure_mode_noise(tmp_path):
+    """secure_mode: the Trainer's step draws its noise from the OS, so two runs with the
+    same seeds and batches end at different weights; sigma 0 they end at the same."""
+    data = docstring_examples("module", seq_len=16)
+    ends = []
+    for sigma in (1.0, 1.0, 0.0, 0.0):
+        model = bert()
+        trainer = PrivateTrainer(model, args(tmp_path, max_steps=1), train_dataset=data,
+                                 optimizers=sgd(model),
+                                 privacy_args=PrivacyArguments(noise_multiplier=sigma,
+                                                               secure_mode=True))
+        trainer.train()
+        assert isinstance(trainer.private_step.generator, SecureSource)
+        ends.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert not torch.equal(ends[0], ends[1]) and torch.equal(ends[2], ends[3])
 
 
 def test_empty_micro_batches(tmp_path):

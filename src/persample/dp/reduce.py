@@ -46,7 +46,15 @@ from ..inputs import Batch
 from ..precision import accumulate_dtype
 from ..sharded import Sharding, as_sharded_grad, fsdp_units, reduce_to_shards, shard_rows
 from .clip import Accumulated, check_finite
-from .noise import add_gaussian, gaussian_like, noise_range, pooled_like, release_seed
+from .noise import (
+    SecureSource,
+    add_gaussian,
+    gaussian_like,
+    noise_range,
+    pooled_like,
+    release_seed,
+    secure_normal,
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,8 @@ class Terms:
             holds them (FSDP2: sharded ``DTensor``), ``named_parameters()`` order.
         std: ``sigma * C``, the noise's standard deviation (loss units per parameter
             unit).
-        generator: the noise's ``torch.Generator`` (``None``: torch's default).
+        generator: the noise's ``torch.Generator`` (``None``: torch's default), or a
+            :class:`~persample.dp.noise.SecureSource` (``secure_mode``).
         divisor: ``B' > 0``, the expected batch size the noised sums are divided by.
 
     Example:
@@ -71,7 +80,7 @@ class Terms:
 
     params: dict[str, nn.Parameter]
     std: float
-    generator: torch.Generator | None
+    generator: torch.Generator | SecureSource | None
     divisor: float
 
 
@@ -566,8 +575,11 @@ def _same(mine: dict[str, Any], theirs: dict[str, Any], rank: int, k: int, shard
             "torch.Generator().manual_seed(seed) with the same seed")
 
 
-def _stream(generator: torch.Generator | None) -> str:
-    """A digest of the noise generator's state (torch's default CPU one for ``None``)."""
+def _stream(generator: torch.Generator | SecureSource | None) -> str:
+    """A digest of the noise generator's state (torch's default CPU one for ``None``;
+    ``secure_mode``'s source has none)."""
+    if isinstance(generator, SecureSource):
+        return "secure_mode"
     state = (generator.get_state() if generator is not None else torch.get_rng_state())
     return hashlib.sha1(state.numpy().tobytes()).hexdigest()
 
@@ -652,12 +664,13 @@ class Sharded(Reducer):
     def release(self, sums: Sums | None, terms: Terms) -> None:
         """One seed from the generator; each shard's part of its noise plus the shard's
         sums, divided: ``p.grad`` as a ``DTensor``, one parameter at a time."""
-        seed = release_seed(terms.generator)
+        secure = isinstance(terms.generator, SecureSource)
+        seed = None if secure else release_seed(terms.generator)
         _write_grads(terms, self._noised(sums, terms, seed), as_sharded_grad)
 
-    def _noised(self, sums: Sums | None, terms: Terms, seed: int) -> Iterator[Tensor]:
+    def _noised(self, sums: Sums | None, terms: Terms, seed: int | None) -> Iterator[Tensor]:
         """Each parameter's shard of ``sums + noise``, one at a time (the noise of the
-        release ``seed``: this rank's blocks of it)."""
+        release ``seed``: this rank's blocks of it; ``None``: ``secure_mode``'s)."""
         for index, (name, p) in enumerate(terms.params.items()):
             local = self.sharding.local_like(name, accumulate_dtype(p.dtype))
             _shard_noise(self.sharding, name, local, terms.std, seed, index)
@@ -715,18 +728,24 @@ class _IntoShards(Accumulation):
         return sums if got is None else sums.add_(got)
 
 
-def _shard_noise(sharding: Sharding, name: str, local: Tensor, std: float, seed: int,
+def _shard_noise(sharding: Sharding, name: str, local: Tensor, std: float, seed: int | None,
                  index: int) -> None:
     """Fill ``local`` (``sharding.local_like(name, ...)``) with this rank's part of the
     noise of parameter ``index`` of the release ``seed`` (:mod:`persample.dp.noise`): for
-    a shard of rows, only the blocks of the rows it holds are drawn."""
+    a shard of rows, only the blocks of the rows it holds are drawn. ``seed=None``
+    (``secure_mode``): rank 0 draws the parameter's noise and broadcasts it."""
     p, fp = sharding.sharded[name], sharding.fsdp.get(name)
-    if fp is not None and fp.fsdp_placement.dim == 0:  # rows: a contiguous range
+    if seed is not None and fp is not None and fp.fsdp_placement.dim == 0:  # a row range
         start = shard_rows(fp)[0] * p.shape[1:].numel()
         noise_range(local.view(-1), std, seed, index, start, p.numel())
         return
     full = torch.empty(p.numel(), dtype=local.dtype, device=local.device)
-    noise_range(full, std, seed, index, 0, p.numel())
+    if seed is not None:
+        noise_range(full, std, seed, index, 0, p.numel())
+    else:  # secure_mode: rank 0's draw, the same on every rank
+        if dist.get_rank() == 0:
+            full.copy_(secure_normal(p.numel(), std, full.dtype, full.device))
+        dist.broadcast(full, src=0)
     full = full.view(p.shape)
     if fp is not None:
         start, length = shard_rows(fp)

@@ -28,6 +28,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, Sampler, TensorDataset, default_collate
 
+from .noise import SecureSource, secure_uniform
+
 
 class PoissonBatchSampler(Sampler[list[int]]):
     """Batches of indices, each index included independently with probability ``q``.
@@ -45,7 +47,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
             so that an epoch sees ``N`` examples in expectation.
         generator: the ``torch.Generator`` (CPU) that draws the batches; default a
             fresh one seeded from torch's global RNG, so results follow
-            ``torch.manual_seed``.
+            ``torch.manual_seed``; or a :class:`~persample.dp.noise.SecureSource`: the
+            operating system's secure generator (one process only).
         rank, world_size: for several processes: every rank draws the same Poisson
             sample of the whole dataset (so every rank needs a generator seeded
             alike) and keeps the indices at positions ``rank, rank + world_size, ...``
@@ -82,7 +85,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
                 and 0 <= rank < world_size):
             raise ValueError(f"need 0 <= rank < world_size, got rank {rank!r}, world_size "
                              f"{world_size!r}")
-        if world_size > 1 and generator is None:
+        if world_size > 1 and (generator is None or isinstance(generator, SecureSource)):
             raise ValueError("with world_size > 1 pass a generator seeded alike on every "
                              "rank: the ranks must draw the same Poisson sample to split it")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -117,8 +120,11 @@ class PoissonBatchSampler(Sampler[list[int]]):
             yield picked[self.rank :: self.world_size].tolist()
 
 
-def poisson_mask(num_samples: int, sample_rate: float, generator: torch.Generator) -> Tensor:
-    """One Poisson draw: ``(num_samples,)`` bool, each entry ``True`` with probability ``q``.
+def poisson_mask(num_samples: int, sample_rate: float,
+                 generator: torch.Generator | SecureSource) -> Tensor:
+    """One Poisson draw: ``(num_samples,)`` bool, each entry ``True`` with probability ``q``
+    (``generator`` a :class:`~persample.dp.noise.SecureSource`: from the operating
+    system's secure generator).
 
     Returns:
         ``(num_samples,)`` bool tensor on the CPU. Raises nothing itself; the
@@ -129,6 +135,8 @@ def poisson_mask(num_samples: int, sample_rate: float, generator: torch.Generato
         >>> m.shape, 50 < int(m.sum()) < 150
         (torch.Size([1000]), True)
     """
+    if isinstance(generator, SecureSource):
+        return secure_uniform(num_samples) <= sample_rate  # (N,): u in (0, 1]
     return torch.rand(num_samples, generator=generator) < sample_rate  # (N,)
 
 

@@ -183,8 +183,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  target_delta: float | None = None, noise_multiplier: float | None = None,
                  expected_batch_size: int | None = None, physical_batch_size: int | None = None,
                  accountant: str = "rdp", generator: torch.Generator | None = None,
-                 collate_fn: Callable[[list], Any] | None = None, per_layer: bool = False
-                 ) -> PrivateTraining:
+                 collate_fn: Callable[[list], Any] | None = None, per_layer: bool = False,
+                 secure_mode: bool = False) -> PrivateTraining:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
 
@@ -226,6 +226,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``default_collate``); an empty logical batch has no physical batch to
             collate (its release is noise only).
         per_layer: clip each parameter's gradient to ``C / sqrt(K)``.
+        secure_mode: the noise and the Poisson sampling from the operating system's
+            cryptographically secure generator (``os.urandom``), as Opacus's
+            ``secure_mode``: nothing to learn from a seed; not with ``generator``
+            (threat model and cost: :class:`persample.dp.noise.SecureSource`).
 
     Returns:
         a :class:`PrivateTraining`: ``batches()`` per epoch, ``accumulate`` and
@@ -287,14 +291,16 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     sigma = _noise_multiplier(target_epsilon, target_delta, noise_multiplier, q,
                               epochs * steps_per_epoch, accountant)
     noise = None
-    if generator is not None:
+    if generator is not None and not secure_mode:
         device = next(model.parameters()).device
         seed = int(torch.randint(2**62, (1,), generator=generator))
         noise = torch.Generator(device=device).manual_seed(seed)
     step = PrivateStep(model, loss_fn, max_grad_norm=max_grad_norm, noise_multiplier=sigma,
-                       expected_batch_size=expected_batch_size, generator=noise,
-                       per_layer=per_layer, sample_rate=q, accountant=accountant)
-    sampler = PoissonBatchSampler(n, q, steps_per_epoch, generator)
+                       expected_batch_size=expected_batch_size,
+                       generator=generator if secure_mode else noise, per_layer=per_layer,
+                       sample_rate=q, accountant=accountant, secure_mode=secure_mode)
+    sampler = PoissonBatchSampler(n, q, steps_per_epoch, step.generator if secure_mode
+                                  else generator)
     options = _loader_options(loader) if loader is not None else {}
     if collate_fn is not None:
         options["collate_fn"] = collate_fn

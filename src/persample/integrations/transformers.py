@@ -64,10 +64,14 @@ class PrivacyArguments:
         seed: seeds the Poisson sampling (the same on every process) and the noise;
             default: the sampling from ``TrainingArguments.data_seed`` (else ``seed``)
             and the noise from torch's global generator, which the ``Trainer`` seeds.
+        secure_mode: the noise from the operating system's cryptographically secure
+            generator (``os.urandom``; threat model and cost:
+            :class:`persample.dp.noise.SecureSource`); the Poisson sampling stays seeded
+            (every process must draw the same sample); not with ``seed``.
 
     Raises:
-        ValueError: neither or both of ``target_epsilon`` and ``noise_multiplier``, or a
-            value outside its range.
+        ValueError: neither or both of ``target_epsilon`` and ``noise_multiplier``,
+            ``secure_mode`` with ``seed``, or a value outside its range.
 
     Example:
         >>> PrivacyArguments(target_epsilon=8.0).max_grad_norm
@@ -87,6 +91,7 @@ class PrivacyArguments:
     per_layer: bool = False
     accountant: str = "rdp"
     seed: int | None = None
+    secure_mode: bool = False
 
     def __post_init__(self) -> None:
         given = (self.target_epsilon is not None, self.noise_multiplier is not None)
@@ -102,6 +107,9 @@ class PrivacyArguments:
             raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta!r}")
         if not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+        if self.secure_mode and self.seed is not None:
+            raise ValueError("secure_mode=True draws the noise from the operating system's "
+                             "secure generator, which has no seed: pass seed=None")
         if self.accountant not in _ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {_ACCOUNTANTS}, got "
                              f"{self.accountant!r}")
@@ -400,7 +408,7 @@ class PrivateTrainer(transformers.Trainer):
         step = PrivateStep(self.model, self._loss, max_grad_norm=privacy.max_grad_norm,
                            noise_multiplier=sigma, expected_batch_size=expected,
                            generator=noise, per_layer=privacy.per_layer, sample_rate=q,
-                           accountant=accountant)
+                           accountant=accountant, secure_mode=privacy.secure_mode)
         if self._resume_from is not None:
             path = os.path.join(self._resume_from, PRIVACY_STATE)
             if not os.path.isfile(path):
