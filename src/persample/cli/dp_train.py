@@ -524,7 +524,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         max_grad_norm=args.max_grad_norm, delta=args.delta, lr=args.lr,
         nonprivate_lr=args.nonprivate_lr,
         momentum=args.momentum, seed=args.seed, accountant=args.accountant,
-        secure_mode=args.secure_mode, compare_nonprivate=args.compare_nonprivate, subset=args.subset,
+        secure_mode=args.secure_mode, compare_nonprivate=args.compare_nonprivate,
+        subset=args.subset,
         max_steps=args.max_steps, threads=args.threads, nproc=args.nproc, plot=args.plot,
         json=args.json, progress=args.progress)
     try:
