@@ -141,6 +141,32 @@ def clipped_mean(grads: dict[str, Tensor], max_grad_norm: float,
     return norms, {k: torch.tensordot(factors, g, dims=1) / divisor for k, g in grads.items()}
 
 
+def clipped_sum_by_hand(grads: dict[str, Tensor], max_grad_norm: Any, *,
+                        per_layer: bool = False, param_groups: list | None = None,
+                        gamma: float = 0.01, divisor: float = 1.0) -> dict[str, Tensor]:
+    """DP-SGD's clipped sum without noise, by hand from per-sample gradients ``{name: (B,
+    ...)}``, for every clipping kind: flat (``max_grad_norm=C``), per layer (each
+    parameter to ``C / sqrt(K)``), by groups (a list of ``C_g`` and ``param_groups``) and
+    automatic (``"automatic"``: ``b / (|g| + gamma)`` with ``b = 1``, ``1 / sqrt(K)`` per
+    layer, ``1 / sqrt(m)`` per group); over ``divisor``."""
+    names = list(grads)
+    groups = param_groups or ([[n] for n in names] if per_layer else [names])
+    m = len(groups)
+    auto = max_grad_norm == "automatic"
+    if auto:
+        bounds = [1.0 / math.sqrt(m)] * m
+    elif isinstance(max_grad_norm, (list, tuple)):
+        bounds = list(max_grad_norm)
+    else:
+        bounds = [max_grad_norm / math.sqrt(m)] * m
+    factors = {}
+    for group, bound in zip(groups, bounds):
+        norm = sum(grads[n].flatten(1).pow(2).sum(1) for n in group).sqrt()  # (B,)
+        f = bound / (norm + gamma) if auto else (bound / (norm + 1e-6)).clamp(max=1.0)
+        factors.update(dict.fromkeys(group, f))
+    return {n: torch.tensordot(factors[n], g, dims=1) / divisor for n, g in grads.items()}
+
+
 def dp_grads(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
              max_grad_norm: float, **options: Any) -> tuple[Tensor, dict[str, Tensor]]:
     """``private_grad`` without noise (``options`` passed on): its norms ``(B,)`` and the

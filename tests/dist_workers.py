@@ -15,6 +15,12 @@ from torch import Tensor, nn
 from persample.dp import PrivateStep
 
 N, C = 8, 0.1
+# clipping by groups (interleaving layers) and automatic clipping, as the tests check them
+CLIPPINGS = {
+    "groups": dict(max_grad_norm=[0.05, 0.08], param_groups=[
+        ["conv.weight", "fc.bias", "head.weight"], ["conv.bias", "fc.weight", "head.bias"]]),
+    "automatic": dict(max_grad_norm="automatic", automatic_gamma=0.05),
+}
 
 
 class Net(nn.Module):
@@ -89,6 +95,15 @@ def run_all(rank: int, world: int) -> dict:
     step.accumulate(x[mine], y[mine])
     step.release()
     saved["ddp"] = grads(ddp_net)
+
+    for kind, options in CLIPPINGS.items():  # DDP-wrapped, two micro-batches per rank
+        net = model()
+        step = PrivateStep(nn.parallel.DistributedDataParallel(net), loss_fn,
+                           noise_multiplier=0.0, expected_batch_size=N, **options)
+        step.accumulate(x[mine][:half], y[mine][:half])
+        step.accumulate(x[mine][half:], y[mine][half:])
+        step.release()
+        saved[kind] = grads(net)
 
     noisy = nn.Linear(30, 20).double()  # releases with nothing accumulated: noise only
     gen = torch.Generator().manual_seed(rank + 1)  # different per rank: rank 0's counts

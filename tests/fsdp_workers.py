@@ -28,6 +28,19 @@ from persample.dp import PrivateStep, private_grad
 
 V, D, T, LAYERS = 40, 12, 6, 2
 N, C, SIGMA = 8, 0.5, 1.3  # samples (N // world per rank), clipping norm, noise multiplier
+# clipping by groups (the embedding and first block against the rest) and automatic
+FIRST = ["emb.weight", "blocks.0.ln.weight", "blocks.0.ln.bias", "blocks.0.fc.weight",
+         "blocks.0.fc.bias", "blocks.0.out.weight", "blocks.0.out.bias"]
+CLIPPINGS = {"groups": dict(max_grad_norm=[0.3, 0.4]),  # FIRST, and the rest
+             "automatic": dict(max_grad_norm="automatic", automatic_gamma=0.05)}
+
+
+def clipping(kind: str) -> dict:
+    """The options of :data:`CLIPPINGS` ``kind``, with the groups named."""
+    if kind != "groups":
+        return CLIPPINGS[kind]
+    rest = [n for n, _ in net().named_parameters() if n not in FIRST]
+    return dict(CLIPPINGS[kind], param_groups=[FIRST, rest])
 
 
 class Block(nn.Module):
@@ -144,8 +157,9 @@ def worker(rank: int, world: int, out: str, init: str, job: str) -> None:
 
 def _step(model: nn.Module, ids: Tensor, y: Tensor, **options: Any) -> dict:
     """PrivateStep (sigma 0) over this rank's samples in two micro-batches."""
-    step = PrivateStep(model, lm_loss, max_grad_norm=C, noise_multiplier=0.0,
-                       expected_batch_size=N, **options)
+    options = {"max_grad_norm": C, **options}
+    step = PrivateStep(model, lm_loss, noise_multiplier=0.0, expected_batch_size=N,
+                       **options)
     half = len(ids) // 2
     norms = torch.cat([step.accumulate(ids[:half], y[:half]).norms,
                        step.accumulate(ids[half:], y[half:]).norms])
@@ -168,6 +182,8 @@ def scenarios(rank: int, world: int) -> dict:
     saved["loop"] = _error(lambda: persample.per_sample_grads(model, ids, y, lm_loss,
                                                               method="loop"))
     saved["step"] = _step(model, ids, y)
+    for kind in CLIPPINGS:
+        saved[kind] = _step(shard(net()), ids, y, **clipping(kind))
     torch.optim.SGD(model.parameters(), lr=0.5).step()  # the optimizer on the shards
     saved["stepped"] = {k: full(p) for k, p in model.named_parameters()}
     model = shard(net())

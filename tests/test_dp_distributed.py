@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import dist_workers
+from battery import clipped_sum_by_hand
+from persample import loop_per_sample_grads
 from persample.dp import PoissonBatchSampler, epsilon, private_grad
 
 pytestmark = pytest.mark.slow  # several processes
@@ -51,6 +53,25 @@ def test_two_processes_equal_one_on_the_whole_batch(ranks, scenario):
     for name, g in want.items():
         torch.testing.assert_close(ranks[0][scenario][name], g, rtol=1e-10, atol=1e-13)
         assert torch.equal(ranks[0][scenario][name], ranks[1][scenario][name])
+
+
+@pytest.mark.parametrize("kind", list(dist_workers.CLIPPINGS))
+def test_clipping_by_group_and_automatic_across_ranks(ranks, kind):
+    """Each rank's clipped sums of its samples, summed: the by-hand clipped mean of the
+    whole batch (the loop's per-sample gradients)."""
+    net = dist_workers.model()
+    x, y = dist_workers.data()
+    options = dist_workers.CLIPPINGS[kind]
+    grads = loop_per_sample_grads(net, x, y, nn.CrossEntropyLoss())
+    want = clipped_sum_by_hand(grads, options["max_grad_norm"],
+                               param_groups=options.get("param_groups"),
+                               gamma=options.get("automatic_gamma", 0.01),
+                               divisor=dist_workers.N)
+    flat = clipped_sum_by_hand(grads, 0.05, divisor=dist_workers.N)
+    assert not torch.allclose(want["fc.weight"], flat["fc.weight"])
+    for name, g in want.items():
+        torch.testing.assert_close(ranks[0][kind][name], g, rtol=1e-10, atol=1e-13)
+        assert torch.equal(ranks[0][kind][name], ranks[1][kind][name])
 
 
 def test_secure_noise_is_rank_0s_added_once(ranks):

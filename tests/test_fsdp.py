@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 import fsdp_workers as fw
 import persample
+from battery import clipped_sum_by_hand
 from cases import clipped_mean
 from persample.dp import PrivateStep
 from zoo import require
@@ -165,6 +166,22 @@ def test_the_noise_is_added_once_per_coordinate_and_independent_of_the_ranks(ran
         step.release()
         draws.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(torch.stack(draws), z0, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("kind", list(fw.CLIPPINGS))
+def test_clipping_by_group_and_automatic(ranks, kind):
+    """The shards' p.grad, gathered: the by-hand clipped mean of the whole batch; each
+    rank's norms its own samples'."""
+    ref = _loop()
+    options = fw.clipping(kind)
+    want = clipped_sum_by_hand(ref["grads"], options["max_grad_norm"],
+                               param_groups=options.get("param_groups"),
+                               gamma=options.get("automatic_gamma", 0.01), divisor=fw.N)
+    assert not torch.allclose(want["emb.weight"], ref["mean"]["emb.weight"])
+    for r, seen in enumerate(ranks):
+        torch.testing.assert_close(seen[kind]["norms"], ref["norms"][_rows(r)], rtol=1e-10,
+                                   atol=1e-12)
+        _close(seen[kind]["grads"], want, rtol=1e-10, atol=1e-13)
 
 
 def test_secure_noise_is_the_same_on_every_rank(ranks):

@@ -114,7 +114,9 @@ def by_hand(model: nn.Module, micro: list[list[dict]], parts: int, expected: int
     opt, _ = sgd(model)
     step = PrivateStep(model, loss_fn, max_grad_norm=privacy.max_grad_norm,
                        noise_multiplier=privacy.noise_multiplier,
-                       expected_batch_size=expected, sample_rate=q)
+                       expected_batch_size=expected, sample_rate=q,
+                       per_layer=privacy.per_layer, param_groups=privacy.param_groups,
+                       automatic_gamma=privacy.automatic_gamma)
     step.logical_losses = [0.0]  # each logical batch's summed per-sample losses
     for k, examples in enumerate(micro):
         if examples:
@@ -191,6 +193,36 @@ def test_trains_to_a_target_epsilon(tmp_path, which):
     assert len(logged) == planned and all("epsilon" in h for h in logged)
     assert logged[-1]["epsilon"] == pytest.approx(trainer.epsilon())
     assert all(math.isfinite(h["loss"]) and h["loss"] > 0 for h in logged)
+
+
+@pytest.mark.parametrize("clipping", ["groups", "automatic"])
+def test_clipping_by_group_and_automatic(tmp_path, clipping):
+    """The Trainer clips as PrivateStep by hand does, for groups (the embeddings against
+    the rest) and automatic clipping."""
+    data = docstring_examples("module", seq_len=16)
+    names = [n for n, p in bert().named_parameters() if p.requires_grad]
+    if clipping == "groups":
+        emb = [n for n in names if "embeddings" in n]
+        options = dict(max_grad_norm=[0.02, 0.05],
+                       param_groups=[emb, [n for n in names if n not in emb]])
+    else:
+        options = dict(max_grad_norm="automatic", automatic_gamma=0.1)
+    privacy = PrivacyArguments(noise_multiplier=0.0, seed=SEED, **options)
+    model = bert()
+    trainer = PrivateTrainer(model, args(tmp_path), train_dataset=data, optimizers=sgd(model),
+                             privacy_args=privacy)
+    trainer.train()
+    reference = bert()
+    by_hand(reference, drawn(data, 16, 3), 2, 16, 16 / len(data),
+            default_per_sample_loss(reference), privacy)
+    flat = bert()
+    by_hand(flat, drawn(data, 16, 3), 2, 16, 16 / len(data), default_per_sample_loss(flat),
+            PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05))
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-12, msg=name)
+    assert any(not torch.allclose(p, f) for p, f in zip(model.parameters(), flat.parameters()))
+    with pytest.raises(ValueError, match="a list needs param_groups"):
+        PrivacyArguments(noise_multiplier=1.0, max_grad_norm=[1.0, 2.0])
 
 
 def test_default_loss_is_the_models_own_per_sample():

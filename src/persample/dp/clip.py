@@ -20,7 +20,6 @@ computed from.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -41,8 +40,7 @@ from ..rules import Decline, OpCall, spec_of
 from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
 from ..whole import loop_grads, vmap_grads
-
-STABILITY = 1e-6  # c_i = min(1, C / (||g_i|| + STABILITY)), as Opacus
+from .clipping import Clipping
 
 
 class Accumulated(NamedTuple):
@@ -134,12 +132,12 @@ class Destination(Protocol):
         """The group's sums (``make``'s tensors), complete."""
 
 
-def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
-                 into: Destination) -> Accumulated:
+def clipped_sums(micro: MicroBatch, *, clipping: Clipping, into: Destination) -> Accumulated:
     """Add ``sum_i c_i g_i`` of every parameter of one micro-batch into ``into``.
 
-    ``g_i`` is sample ``i``'s own gradient and ``c_i = min(1, C / (||g_i|| + 1e-6))``
-    (``per_layer``: each parameter's own norm against ``C / sqrt(K)``). One forward and
+    ``g_i`` is sample ``i``'s own gradient and ``c_i`` its clip factor for the
+    parameter's group (:class:`~persample.dp.clipping.Clipping`: flat ``min(1, C /
+    (||g_i|| + 1e-6))``, per layer, per group, or automatic). One forward and
     backward, the norms by the rules (or, where the rules cannot split the model, the
     per-sample gradients of ``torch.func`` or the loop, with a warning; not for a
     sharded model, which has no whole-model fallback). An unused parameter gets nothing
@@ -147,8 +145,8 @@ def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
 
     Args:
         micro: the validated call.
-        max_grad_norm: ``C > 0``, in loss units per parameter unit.
-        per_layer: clip each parameter to ``C / sqrt(K)`` (``K`` parameters).
+        clipping: how each sample's gradient is clipped (its groups name
+            ``micro.params``).
         into: the memory, group by group (:class:`Destination`): ``into.check(norms)``
             first, then ``make`` and ``flush`` per group.
 
@@ -175,7 +173,7 @@ def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
         ...     def flush(self, sums): self.sums = sums
         >>> zeros = Zeros()
         >>> losses, norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
-        ...                              max_grad_norm=1e-3, per_layer=False, into=zeros)
+        ...                              clipping=Clipping.of(1e-3, list(params)), into=zeros)
         >>> norms.shape, zeros.sums[id(net.weight)].shape
         (torch.Size([4]), torch.Size([2, 3]))
     """
@@ -184,7 +182,7 @@ def clipped_sums(micro: MicroBatch, *, max_grad_norm: float, per_layer: bool,
     clipped = Clipped.measure(micro)
     norms = clipped.norms()  # (n,)
     into.check(norms)
-    clipped.clip(norms, max_grad_norm, per_layer)
+    clipped.clip(clipping)
     for group in into.groups:
         sums = into.make(group)
         clipped.add_group(sums, set(group))
@@ -271,7 +269,7 @@ class Clipped:
         >>> batch, _, params = checks.validate_call(net, x, y, loss_fn, "auto", None, None)
         >>> clipped = Clipped.measure(MicroBatch(net, batch, y, loss_fn, params))
         >>> norms = clipped.norms()  # (4,) before clipping
-        >>> clipped.clip(norms, max_grad_norm=1e-3, per_layer=False)
+        >>> clipped.clip(Clipping.of(1e-3, list(params)))
         >>> sums = {id(p): torch.zeros_like(p) for p in params.values()}
         >>> clipped.add_group(sums, set(sums))  # each sample's gradient clipped to 1e-3
         >>> total = torch.cat([t.flatten() for t in sums.values()]).norm()
@@ -337,24 +335,16 @@ class Clipped:
         return torch.stack([self.squared[id(p)] for p in self.micro.params.values()]
                            ).sum(0).sqrt()
 
-    def clip(self, norms: Tensor, max_grad_norm: float, per_layer: bool) -> None:
-        """Set :attr:`factors`: ``min(1, C / (||g_i|| + 1e-6))`` per sample, the same for
-        every parameter; ``per_layer``: each parameter's own norm against ``C / sqrt(K)``
-        (``K`` parameters), so that the whole gradient's norm is at most ``C`` either way.
+    def clip(self, clipping: Clipping) -> None:
+        """Set :attr:`factors` from the squared norms: each sample's factor for each
+        parameter's group (the same for every parameter of a group).
 
         Args:
-            norms: ``(n,)``, :meth:`norms`.
-            max_grad_norm: ``C > 0``, loss units per parameter unit.
-            per_layer: clip each parameter on its own.
+            clipping: the groups (names of ``micro.params``) and their bounds.
         """
         params = self.micro.params
-        if not per_layer:
-            c = (max_grad_norm / (norms + STABILITY)).clamp(max=1.0)  # (n,)
-            self.factors = {id(p): c for p in params.values()}
-            return
-        bound = max_grad_norm / math.sqrt(len(params))
-        self.factors = {id(p): (bound / (self.squared[id(p)].sqrt() + STABILITY)).clamp(max=1.0)
-                        for p in params.values()}
+        by_name = clipping.factors({name: self.squared[id(p)] for name, p in params.items()})
+        self.factors = {id(p): by_name[name] for name, p in params.items()}
 
     def add_group(self, into: dict[int, Tensor], group: set[int]) -> None:
         """Add ``sum_i c_i g_i`` of the parameters ``group`` into ``into``: the

@@ -330,8 +330,9 @@ class Local(Reducer):
         >>> batch, n, params = local.begin(net, x, y, nn.MSELoss())
         >>> terms = Terms(local.trainable(net), std=0.0, generator=None, divisor=4.0)
         >>> into = local.micro_batch(None, params, terms)
+        >>> from persample.dp.clipping import Clipping
         >>> losses, norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
-        ...                              max_grad_norm=1.0, per_layer=False, into=into)
+        ...                              clipping=Clipping.of(1.0, list(params)), into=into)
         >>> local.release(into.commit(), terms)
         >>> net.weight.grad.shape
         torch.Size([2, 3])

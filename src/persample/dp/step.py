@@ -29,6 +29,7 @@ from .. import checks
 from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
 from .clip import Accumulated, MicroBatch, clipped_sums
+from .clipping import Clipping
 from .noise import noise_source
 from .reduce import Reducer, Sums, Terms, reducer_for, total_samples
 
@@ -51,13 +52,22 @@ class PrivateStep:
             step's (``named_parameters()`` order). Nothing is stored on it.
         loss_fn: ``loss_fn(output, targets)``, per-sample ``(b,)`` or a scalar (see
             ``per_sample_grads``).
-        max_grad_norm: the clipping norm ``C > 0`` (loss units per parameter unit).
-        noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * C``.
+        max_grad_norm: the clipping norm ``C > 0`` (loss units per parameter unit); a
+            list of norms ``C_g``, one per group of ``param_groups``; or
+            ``"automatic"`` (``c_i = 1 / (||g_i|| + gamma)``, Bu et al. 2023). The
+            kinds, their sensitivity ``S`` and their sources:
+            :mod:`persample.dp.clipping`.
+        noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * S`` (``S = C``
+            flat or per layer, ``sqrt(sum_g C_g^2)`` by groups, 1 automatic).
         expected_batch_size: ``B' > 0``, the divisor: with Poisson sampling ``q * N``
             (the logical batch's expected size), so that it does not depend on the data.
         generator: ``torch.Generator`` (on the parameters' device) for the noise.
         per_layer: clip each parameter's gradient to ``C / sqrt(K)`` instead of the
-            whole gradient to ``C``.
+            whole gradient to ``C`` (the budget split equally, McMahan et al. 2018).
+        param_groups: lists of parameter names (as ``named_parameters()`` gives them),
+            every trainable parameter in exactly one: each group's part of a sample's
+            gradient clipped to its own ``C_g`` (a list ``max_grad_norm``).
+        automatic_gamma: the stability constant ``gamma > 0`` of automatic clipping.
         timeout: seconds :meth:`release` waits for the other processes (distributed,
             gloo; with NCCL the process group's own timeout applies).
         sample_rate: ``q`` in ``(0, 1]``, the Poisson sampling rate of the logical
@@ -104,7 +114,8 @@ class PrivateStep:
     the sums in float32), for the optimizer on the sharded model. FSDP1 is refused.
 
     Raises:
-        ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
+        ValueError: a bad ``max_grad_norm``, ``param_groups`` (a parameter in none or
+            two, an unknown name) or ``automatic_gamma``, ``noise_multiplier < 0``, a bad
             ``expected_batch_size``, ``sample_rate`` outside ``(0, 1]``, an
             ``accountant`` without ``sample_rate`` or of an unknown kind, a model without trainable
             parameters, a model wrapped in FSDP1's ``FullyShardedDataParallel`` (the
@@ -154,8 +165,10 @@ class PrivateStep:
                  timeout: float = 300.0, loss_reduction: str | None = None,
                  sample_rate: float | None = None,
                  accountant: str | PrivacyAccountant | None = None,
-                 secure_mode: bool = False) -> None:
-        _check_options(max_grad_norm, noise_multiplier, expected_batch_size)
+                 secure_mode: bool = False,
+                 param_groups: list[list[str]] | None = None,
+                 automatic_gamma: float = 0.01) -> None:
+        _check_options(noise_multiplier, expected_batch_size)
         generator = noise_source(generator, secure_mode)
         self.sample_rate, self.accountant = _accounting(sample_rate, accountant)
         if expected_batch_size is None:
@@ -166,12 +179,14 @@ class PrivateStep:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module  # its own gradient all-reduce must not run: release reduces
         self.model, self.loss_fn = model, loss_fn
-        self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
+        self.max_grad_norm, self.noise_multiplier = max_grad_norm, float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
         self.generator, self.per_layer = generator, per_layer
         self.timeout = timedelta(seconds=timeout)
         self.reducer: Reducer = self._reducer()
         self.params = self.reducer.trainable(model)  # name -> parameter (sharded: the DTensor)
+        self.clipping = Clipping.of(max_grad_norm, list(self.params), per_layer=per_layer,
+                                    param_groups=param_groups, automatic_gamma=automatic_gamma)
         self._sums: Sums | None = None  # made by the first micro-batch of a step
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
@@ -217,8 +232,7 @@ class PrivateStep:
         try:
             with checks.kept_buffers(self.model):
                 got = clipped_sums(MicroBatch(self.model, batch, targets, self.loss_fn,
-                                              working), max_grad_norm=self.max_grad_norm,
-                                   per_layer=self.per_layer, into=into)
+                                              working), clipping=self.clipping, into=into)
         except FloatingPointError as err:
             return self.reducer.failed(err, n)
         self._sums = into.commit()  # only once the whole micro-batch succeeded
@@ -250,7 +264,8 @@ class PrivateStep:
 
     def _terms(self) -> Terms:
         """What the reducer needs of the step: its parameters, the noise, the divisor."""
-        return Terms(self.params, self.noise_multiplier * self.max_grad_norm, self.generator,
+        return Terms(self.params, self.noise_multiplier * self.clipping.sensitivity,
+                     self.generator,
                      self.expected_batch_size)
 
     def _drop(self) -> None:
@@ -357,6 +372,8 @@ def private_grad(
     expected_batch_size: float | None = None,
     loss_reduction: str | None = None,
     secure_mode: bool = False,
+    param_groups: list[list[str]] | None = None,
+    automatic_gamma: float = 0.01,
 ) -> Accumulated:
     """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
 
@@ -369,12 +386,16 @@ def private_grad(
         model, inputs, targets, loss_fn, loss_reduction: as for
             :func:`persample.per_sample_grads`. ``p.grad`` of every trainable
             parameter is overwritten (not accumulated); nothing else changes.
-        max_grad_norm: clipping norm ``C > 0``, in loss units per parameter unit.
-        noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * C``.
+        max_grad_norm: clipping norm ``C > 0``, in loss units per parameter unit; a
+            list of norms, one per group of ``param_groups``; or ``"automatic"``
+            (:class:`PrivateStep`; :mod:`persample.dp.clipping`).
+        noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * S``, ``S`` the
+            sensitivity of the clipping (``C`` flat or per layer).
         generator: ``torch.Generator`` (on the parameters' device) for the noise.
         per_layer: clip each parameter's per-sample gradient to
             ``C / sqrt(K)`` (``K`` trainable parameter tensors) instead of the whole
             gradient to ``C``; the sensitivity is ``C`` either way.
+        param_groups, automatic_gamma: as for :class:`PrivateStep`.
         expected_batch_size: the divisor ``B'``. With Poisson sampling (which the
             privacy analysis assumes) pass ``q * N`` so that the divisor does not
             depend on the data.
@@ -397,7 +418,8 @@ def private_grad(
         the model as autocast runs it.
 
     Raises:
-        ValueError: ``max_grad_norm <= 0``, ``noise_multiplier < 0``, a bad
+        ValueError: a bad ``max_grad_norm`` or ``param_groups`` (naming the parameter or
+            the number), ``noise_multiplier < 0``, a bad
             ``expected_batch_size``, an empty batch without ``expected_batch_size``,
             and the errors of ``per_sample_grads`` (TypeError too). Where the rules
             cannot split the model by sample, or persample's own code fails on it, the
@@ -425,7 +447,7 @@ def private_grad(
     """
     if isinstance(model, nn.Module):
         fsdp_units(model)  # refuses FSDP1 before anything else
-    _check_options(max_grad_norm, noise_multiplier, expected_batch_size)
+    _check_options(noise_multiplier, expected_batch_size)
     _, n, _ = checks.validate_call(model, inputs, targets, loss_fn, "auto", loss_reduction,
                                    None)
     if n == 0 and expected_batch_size is None:
@@ -437,7 +459,8 @@ def private_grad(
         expected_batch_size = total_samples(model, n)
     step = _OneCall(model, loss_fn, max_grad_norm=max_grad_norm,
                     noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
-                    generator=generator, per_layer=per_layer, secure_mode=secure_mode)
+                    generator=generator, per_layer=per_layer, secure_mode=secure_mode,
+                    param_groups=param_groups, automatic_gamma=automatic_gamma)
     got = step.accumulate(inputs, targets)
     step.release()
     return got
@@ -453,12 +476,9 @@ class _OneCall(PrivateStep):
         return reducer_for(self.model, self.timeout, one_call=True)
 
 
-def _check_options(max_grad_norm, noise_multiplier, expected_batch_size) -> None:
-    """The options of a step: ``C > 0`` and ``sigma >= 0`` finite, ``B'`` positive or
-    ``None``; raises ``ValueError`` naming the one that is not."""
-    if not (isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm)
-            and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm (the clipping norm C) must be > 0, got {max_grad_norm}")
+def _check_options(noise_multiplier, expected_batch_size) -> None:
+    """The options of a step: ``sigma >= 0`` finite, ``B'`` positive or ``None``; raises
+    ``ValueError`` naming the one that is not (the clipping: :class:`Clipping`)."""
     if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier)
             and noise_multiplier >= 0):
         raise ValueError(f"noise_multiplier (sigma) must be >= 0, got {noise_multiplier}")

@@ -184,7 +184,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  expected_batch_size: int | None = None, physical_batch_size: int | None = None,
                  accountant: str = "rdp", generator: torch.Generator | None = None,
                  collate_fn: Callable[[list], Any] | None = None, per_layer: bool = False,
-                 secure_mode: bool = False) -> PrivateTraining:
+                 secure_mode: bool = False, param_groups: list[list[str]] | None = None,
+                 automatic_gamma: float = 0.01) -> PrivateTraining:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
 
@@ -208,7 +209,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``N``), or a ``torch.utils.data.DataLoader`` over one.
         loss_fn: ``loss_fn(output, targets)``, as for :class:`PrivateStep`.
         epochs: passes over the data planned, ``>= 1``.
-        max_grad_norm: the clipping norm ``C > 0``.
+        max_grad_norm: the clipping norm ``C > 0``, a list of norms (one per group of
+            ``param_groups``) or ``"automatic"``, as for :class:`PrivateStep`.
         target_epsilon: the epsilon budget, ``> 0``; or pass ``noise_multiplier``.
         target_delta: ``delta`` in ``(0, 1)`` (below ``1 / N`` as a rule), with
             ``target_epsilon``.
@@ -226,6 +228,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``default_collate``); an empty logical batch has no physical batch to
             collate (its release is noise only).
         per_layer: clip each parameter's gradient to ``C / sqrt(K)``.
+        param_groups, automatic_gamma: as for :class:`PrivateStep`.
         secure_mode: the noise and the Poisson sampling from the operating system's
             cryptographically secure generator (``os.urandom``), as Opacus's
             ``secure_mode``: nothing to learn from a seed; not with ``generator``
@@ -298,7 +301,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     step = PrivateStep(model, loss_fn, max_grad_norm=max_grad_norm, noise_multiplier=sigma,
                        expected_batch_size=expected_batch_size,
                        generator=generator if secure_mode else noise, per_layer=per_layer,
-                       sample_rate=q, accountant=accountant, secure_mode=secure_mode)
+                       sample_rate=q, accountant=accountant, secure_mode=secure_mode,
+                       param_groups=param_groups, automatic_gamma=automatic_gamma)
     sampler = PoissonBatchSampler(n, q, steps_per_epoch, step.generator if secure_mode
                                   else generator)
     options = _loader_options(loader) if loader is not None else {}

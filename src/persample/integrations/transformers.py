@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 
 from ..dp import EmptySafeCollate, PoissonBatchSampler, PrivateStep, noise_multiplier_for
+from ..dp.clipping import Clipping
 
 PRIVACY_STATE = "privacy_state.pt"
 """The file in each checkpoint folder that holds the accountant's steps (resuming needs it)."""
@@ -57,9 +58,14 @@ class PrivacyArguments:
             epsilon (below ``1 / N`` as a rule).
         noise_multiplier: ``sigma >= 0``: the noise's std is ``sigma * max_grad_norm``.
         max_grad_norm: the clipping norm ``C > 0`` of each sample's gradient (loss units
-            per parameter unit). The ``TrainingArguments``' own ``max_grad_norm`` (a clip of
-            the summed gradient) is not applied.
+            per parameter unit); a list of norms, one per group of ``param_groups``; or
+            ``"automatic"`` (Bu et al. 2023; the kinds and their sensitivity:
+            :mod:`persample.dp.clipping`). The ``TrainingArguments``' own
+            ``max_grad_norm`` (a clip of the summed gradient) is not applied.
         per_layer: clip each parameter's gradient to ``C / sqrt(K)`` (``K`` parameters).
+        param_groups: lists of the model's trainable parameter names, each clipped as a
+            group to its own norm (a list ``max_grad_norm``).
+        automatic_gamma: ``gamma > 0`` of automatic clipping.
         accountant: ``"rdp"`` (default), ``"pld"`` or ``"prv"``.
         seed: seeds the Poisson sampling (the same on every process) and the noise;
             default: the sampling from ``TrainingArguments.data_seed`` (else ``seed``)
@@ -87,8 +93,10 @@ class PrivacyArguments:
     target_epsilon: float | None = None
     target_delta: float = 1e-5
     noise_multiplier: float | None = None
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | list[float] | str = 1.0
     per_layer: bool = False
+    param_groups: list[list[str]] | None = None
+    automatic_gamma: float = 0.01
     accountant: str = "rdp"
     seed: int | None = None
     secure_mode: bool = False
@@ -105,8 +113,10 @@ class PrivacyArguments:
             raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
         if not 0 < self.target_delta < 1:
             raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta!r}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+        names = [n for group in self.param_groups or [] for n in group]
+        Clipping.of(self.max_grad_norm, list(dict.fromkeys(names)) or ["?"],
+                    per_layer=self.per_layer, param_groups=self.param_groups,
+                    automatic_gamma=self.automatic_gamma)  # (the names: at train())
         if self.secure_mode and self.seed is not None:
             raise ValueError("secure_mode=True draws the noise from the operating system's "
                              "secure generator, which has no seed: pass seed=None")
@@ -408,7 +418,9 @@ class PrivateTrainer(transformers.Trainer):
         step = PrivateStep(self.model, self._loss, max_grad_norm=privacy.max_grad_norm,
                            noise_multiplier=sigma, expected_batch_size=expected,
                            generator=noise, per_layer=privacy.per_layer, sample_rate=q,
-                           accountant=accountant, secure_mode=privacy.secure_mode)
+                           accountant=accountant, secure_mode=privacy.secure_mode,
+                           param_groups=privacy.param_groups,
+                           automatic_gamma=privacy.automatic_gamma)
         if self._resume_from is not None:
             path = os.path.join(self._resume_from, PRIVACY_STATE)
             if not os.path.isfile(path):
