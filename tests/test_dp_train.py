@@ -80,6 +80,19 @@ def test_without_clipping_and_noise_it_is_plain_sgd(tmp_path, capsys):
     assert capsys.readouterr().err == ""  # --no-progress: no bars
 
 
+def test_every_clipping_kind_trains():
+    """--clipping: flat, per-layer, per-module and automatic each train (sigma 0, the same
+    batches), and each clips differently."""
+    losses = {}
+    for kind in ("flat", "per-layer", "per-module", "automatic"):
+        figures = dp_train([*QUICK, "--sigma", "0", "--max-grad-norm", "0.1", "--no-progress",
+                            "--clipping", kind])
+        assert figures["config"]["clipping"] == kind
+        losses[kind] = figures["runs"][0]["train_loss"][1]
+        assert math.isfinite(losses[kind])
+    assert len(set(losses.values())) == 4
+
+
 def test_secure_mode_noise_differs_from_run_to_run():
     """--secure-mode: the same seed, different noise (the OS's), the same batches."""
     runs = [dp_train([*QUICK, "--sigma", "1.0", "--no-progress", "--secure-mode"])

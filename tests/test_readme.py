@@ -39,6 +39,8 @@ CHECKS = {
     "from_loader": ("from_loader.sample_rate == 256 / 1797 and from_loader.steps_per_epoch"
                     " == 7 == from_loader.step.accountant.steps"),
     "net": "all(p.grad is not None for p in net.parameters())",
+    # automatic clipping: each sample's losses and gradient norms
+    "automatic": "automatic.losses.shape == automatic.norms.shape == (32,)",
     # PrivateTrainer: within the target after the planned steps; the LoRA run accounted
     "trainer": ("trainer.private_step.accountant.steps == trainer.state.global_step == 48"
                 " and 7.9 < trainer.epsilon() <= 8.0"),

@@ -56,6 +56,8 @@ class DPTrainConfig:
     seed: int = 0
     accountant: str = "rdp"
     secure_mode: bool = False  # the noise from the OS's secure generator, not the seed
+    clipping: str = "flat"  # flat, per-layer, per-module (groups) or automatic
+    automatic_gamma: float = 0.01
     compare_nonprivate: bool = False
     subset: int | None = None  # train on the first SUBSET training examples only
     max_steps: int | None = None  # cap on steps per epoch (tests)
@@ -206,8 +208,8 @@ def train(
     loss_fn = _LossRecorder()
     size, rank = world() or (1, 0)
     step = None if sigma is None else PrivateStep(
-        model, loss_fn, max_grad_norm=cfg.max_grad_norm, noise_multiplier=sigma,
-        expected_batch_size=expected, generator=noise_gen, secure_mode=cfg.secure_mode)
+        model, loss_fn, noise_multiplier=sigma, expected_batch_size=expected,
+        generator=noise_gen, secure_mode=cfg.secure_mode, **clipping_options(model, cfg))
     run = Run("private" if sigma is not None else "non-private")
     model.train()
     eps = 0.0  # spent so far, refreshed every EPS_EVERY steps
@@ -291,7 +293,7 @@ def run(cfg: DPTrainConfig) -> dict:
     sigma = resolve_sigma(cfg, q, total_steps)
     procs = f", {cfg.nproc} processes of" if cfg.nproc > 1 else ","
     print(f"dp-train: SimpleCNN on digits 1x28x28, {n} train / {len(data[3])} test; "
-          f"DP-SGD with sigma {sigma:.3f}, C {cfg.max_grad_norm:g}, expected batch "
+          f"DP-SGD with sigma {sigma:.3f}, {_clipping_label(cfg)}, expected batch "
           f"{q * n:.0f} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta {cfg.delta:g}{procs} "
           f"{threads_label(cfg.threads)}")
     torch.manual_seed(cfg.seed)
@@ -434,7 +436,36 @@ def plot_result(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+CLIPPINGS = ("flat", "per-layer", "per-module", "automatic")
+
+
+def clipping_options(model: nn.Module, cfg: DPTrainConfig) -> dict:
+    """The clipping options of ``PrivateStep`` for ``cfg.clipping``: flat (``C``), per
+    layer (each parameter to ``C / sqrt(K)``), per module (the parameters of each module
+    as one group, each to ``C / sqrt(m)``) or automatic (Bu et al. 2023).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> clipping_options(net, DPTrainConfig(clipping="per-module", max_grad_norm=2.0))
+        {'max_grad_norm': [1.414..., 1.414...], 'param_groups': [['0.weight', '0.bias'], ['2.weight', '2.bias']]}
+    """  # noqa: E501
+    if cfg.clipping == "automatic":
+        return {"max_grad_norm": "automatic", "automatic_gamma": cfg.automatic_gamma}
+    if cfg.clipping == "per-layer":
+        return {"max_grad_norm": cfg.max_grad_norm, "per_layer": True}
+    if cfg.clipping == "per-module":
+        groups: dict[str, list[str]] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                groups.setdefault(name.rpartition(".")[0], []).append(name)
+        bound = cfg.max_grad_norm / math.sqrt(len(groups))
+        return {"max_grad_norm": [bound] * len(groups), "param_groups": list(groups.values())}
+    return {"max_grad_norm": cfg.max_grad_norm}
+
+
 def _check(cfg: DPTrainConfig) -> None:
+    if cfg.clipping not in CLIPPINGS:
+        raise ValueError(f"clipping must be one of {CLIPPINGS}, got {cfg.clipping!r}")
     for name in ("epochs", "batch_size", "max_grad_norm", "lr", "nonprivate_lr", "threads",
                  "nproc"):
         if not getattr(cfg, name) > 0:
@@ -448,6 +479,12 @@ def _check(cfg: DPTrainConfig) -> None:
         raise ValueError(f"sigma must be >= 0, got {cfg.sigma}")
     if not 0 < cfg.delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {cfg.delta}; e.g. 1e-5")
+
+
+def _clipping_label(cfg: DPTrainConfig) -> str:
+    if cfg.clipping == "automatic":
+        return f"automatic clipping (gamma {cfg.automatic_gamma:g})"
+    return f"C {cfg.max_grad_norm:g}" + ("" if cfg.clipping == "flat" else f" {cfg.clipping}")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -494,6 +531,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--accountant", choices=("rdp", "pld", "prv"), default=d.accountant,
                    help="privacy accountant: RDP (default), PLD (tighter, slower) or PRV "
                         "(Opacus's, where Opacus is installed)")
+    p.add_argument("--clipping", choices=CLIPPINGS, default=d.clipping,
+                   help="flat: each sample's gradient to C; per-layer: each parameter to "
+                   "C/sqrt(K); per-module: each module's parameters together to C/sqrt(m); "
+                   "automatic: g/(|g| + gamma), no C (Bu et al. 2023) (default flat)")
+    p.add_argument("--automatic-gamma", type=float, default=d.automatic_gamma,
+                   help=f"gamma of --clipping automatic (default {d.automatic_gamma})")
     p.add_argument("--secure-mode", action="store_true",
                    help="draw the noise from the operating system's cryptographically "
                    "secure generator (os.urandom) instead of --seed: about 30 ns a number "
@@ -524,7 +567,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         max_grad_norm=args.max_grad_norm, delta=args.delta, lr=args.lr,
         nonprivate_lr=args.nonprivate_lr,
         momentum=args.momentum, seed=args.seed, accountant=args.accountant,
-        secure_mode=args.secure_mode, compare_nonprivate=args.compare_nonprivate,
+        secure_mode=args.secure_mode, clipping=args.clipping,
+        automatic_gamma=args.automatic_gamma, compare_nonprivate=args.compare_nonprivate,
         subset=args.subset,
         max_steps=args.max_steps, threads=args.threads, nproc=args.nproc, plot=args.plot,
         json=args.json, progress=args.progress)
