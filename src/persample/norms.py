@@ -28,7 +28,7 @@ from .inputs import samples_of
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast, without_autocast
 from .rules import Decline, OpCall, module_front, module_inputs, spec_of
-from .rules.ghost import ghost_cost, materialise_cost, squared_norm
+from .rules.ghost import Factors, ghost_cost, materialise_cost, squared_norm
 from .whole import loop_grads, vmap_grads
 
 
@@ -79,6 +79,78 @@ def squared_norms(
         if id(p) not in sq:
             sq[id(p)] = p.new_zeros(n, dtype=accumulate_dtype(p.dtype))
     return sq, mats, ghosted, by_module
+
+
+def group_squared_norms(
+    captured: Captured, params: dict[str, nn.Parameter], groups: Tensor, count: int
+) -> tuple[dict[int, Tensor], dict[int, Tensor], dict[Op, set[int]]]:
+    """Squared norms of the gradients of groups of samples (a user's records): group
+    ``u``'s gradient is ``sum_{i: groups[i] = u} g_i``, its squared norm per parameter
+    ``{id(param): (count,)}`` accumulated in at least float32.
+
+    A parameter every one of whose uses has factors (``rules.ghost``: a linear map at
+    ``T`` positions, a lookup) gets it from the factors of each group's samples laid end
+    to end (``sum_{i, j in u} <g_i, g_j>``, the within-group inner products, without
+    forming any gradient) where that costs less than forming the per-sample gradients;
+    the others from their per-sample gradients ``(n, 1, *shape)``, summed by group.
+
+    Args:
+        captured: one batch of ``n`` samples, captured.
+        params: ``{name: parameter}`` whose norms are wanted.
+        groups: ``(n,)`` int64, each sample's group in ``[0, count)``.
+        count: the number of groups.
+
+    Returns:
+        ``(squared, materialised, ghosted)``: the squared norms ``{id(p): (count,)}``; the
+        per-sample gradients formed ``{id(p): (n, 1, *shape)}``; the ops whose
+        parameters got their norms from factors ``{op: ids}``.
+    """
+    n = captured.n
+    sq: dict[int, Tensor] = {}
+    ghosted: dict[Op, set[int]] = {}
+    slot = _slots(groups, count)  # (n,) each sample's place in its group
+    width = int(slot.max()) + 1 if n else 1
+    with torch.no_grad(), without_autocast():
+        found = use_factors(captured, {id(p) for p in params.values()})
+        for pid, (ops, uses) in found.items():
+            rows = captured.param(pid).shape[0]
+            grouped = [_grouped(u, groups, slot, count, width) for u in uses]
+            if count * ghost_cost(grouped) < n * materialise_cost(uses, rows):
+                sq[pid] = squared_norm(grouped)
+                for op in ops:
+                    ghosted.setdefault(op, set()).add(pid)
+        rest = [p for p in params.values() if id(p) not in sq]
+        mats = {id(p): p.new_empty((n, 1, *p.shape)) for p in rest}
+        if mats:
+            write_per_sample(captured, mats)
+        for pid, m in mats.items():
+            flat = m.flatten(1)
+            summed = flat.new_zeros(count, flat.shape[1]).index_add_(0, groups, flat)
+            sq[pid] = sum_of_squares(summed)
+    for p in params.values():
+        if id(p) not in sq:
+            sq[id(p)] = p.new_zeros(count, dtype=accumulate_dtype(p.dtype))
+    return sq, mats, ghosted
+
+
+def _slots(groups: Tensor, count: int) -> Tensor:
+    """``(n,)``: how many samples before each one are in its group."""
+    one_hot = torch.nn.functional.one_hot(groups, count)  # (n, count)
+    before = one_hot.cumsum(0) - one_hot
+    return before.gather(1, groups.unsqueeze(1)).squeeze(1)
+
+
+def _grouped(f: Factors, groups: Tensor, slot: Tensor, count: int, width: int) -> Factors:
+    """One use's factors per group: each group's samples' positions end to end, ``(count,
+    width * t, ...)``, zeros (id 0 with a zero right factor) where a group has fewer
+    samples than ``width``."""
+    t = f.right.shape[1]
+    left = f.left.new_zeros((count, width, *f.left.shape[1:]))
+    right = f.right.new_zeros((count, width, *f.right.shape[1:]))
+    left[groups, slot] = f.left
+    right[groups, slot] = f.right
+    return Factors(left.reshape(count, width * t, *f.left.shape[2:]),
+                   right.reshape(count, width * t, f.right.shape[2]))
 
 
 def sum_of_squares(rows: Tensor) -> Tensor:

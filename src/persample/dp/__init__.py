@@ -18,7 +18,13 @@ each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the no
 
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .clip import Accumulated
-from .sampling import EmptySafeCollate, PoissonBatchSampler, poisson_batches, poisson_loader
+from .sampling import (
+                       EmptySafeCollate,
+                       PoissonBatchSampler,
+                       UserPoissonSampler,
+                       poisson_batches,
+                       poisson_loader,
+)
 from .step import PrivateStep, private_grad
 from .training import PrivateTraining, make_private
 
@@ -32,6 +38,7 @@ __all__ = [
     "epsilon",
     "noise_multiplier_for",
     "PoissonBatchSampler",
+    "UserPoissonSampler",
     "poisson_batches",
     "poisson_loader",
     "EmptySafeCollate",

@@ -33,7 +33,7 @@ from ..engine import Captured, loss_backprops
 from ..errors import InternalError, internal
 from ..inputs import Batch
 from ..methods import Taken, answer, leave_rules, slower
-from ..norms import squared_norms, sum_of_squares
+from ..norms import group_squared_norms, squared_norms, sum_of_squares
 from ..plan import Plan
 from ..precision import LOW, accumulate_dtype, cast, without_autocast
 from ..rules import Decline, OpCall, spec_of
@@ -74,6 +74,8 @@ class MicroBatch:
         targets: the targets, batch in dim 0.
         loss_fn: ``loss_fn(output, targets)``.
         params: ``{name: parameter}`` the forward reads (FSDP2: the unsharded ones).
+        users: ``(n,)`` int64, each sample's user (user-level DP: a user's samples are
+            clipped together), or ``None`` (each sample its own).
         sharded: whether ``model`` has FSDP2 units (set on creation).
 
     Example:
@@ -91,6 +93,7 @@ class MicroBatch:
     targets: Any
     loss_fn: Callable[[Any, Any], Tensor]
     params: dict[str, nn.Parameter]
+    users: Tensor | None = None
     sharded: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -261,6 +264,9 @@ class Clipped:
             whose parameters a module norm rule normed.
         factors: ``{id(p): (n,)}`` the clip factors ``c_i`` (empty before :meth:`clip`).
         losses: ``(n,)`` each sample's own loss in the forward measured (detached).
+        groups: ``(n,)`` int64, each sample's user as an index in ``[0, U)``, or ``None``:
+            ``squared`` then holds the squared norms of each user's gradient (the sum of
+            its samples'), ``(U,)``, and each sample gets its user's factor.
 
     Example:
         >>> from persample import checks
@@ -284,6 +290,7 @@ class Clipped:
     ghosted: dict[Any, set[int]]
     module_normed: list[tuple]
     losses: Tensor
+    groups: Tensor | None = None
     factors: dict[int, Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -304,13 +311,18 @@ class Clipped:
         """
         params = micro.params
         watched = {id(p): p for p in params.values()}
+        groups, count = _user_groups(micro.users)
 
         def by_rules() -> Clipped:
             captured = loss_backprops(micro.model, micro.batch, micro.targets, micro.loss_fn,
                                       watched, retain_graph=_keeps_graph)
             with internal("the norm rules"):
-                return cls(micro, captured, *squared_norms(captured, params),
-                           captured.losses)
+                if groups is None:
+                    return cls(micro, captured, *squared_norms(captured, params),
+                               captured.losses)
+                squared, mats, ghosted = group_squared_norms(captured, params, groups, count)
+                return cls(micro, captured, squared, mats, ghosted, [], captured.losses,
+                           groups)
 
         def by(method: Callable) -> Callable[[], Clipped]:
             def materialised() -> Clipped:
@@ -319,8 +331,9 @@ class Clipped:
                 grads = method(micro.model, micro.batch, micro.targets, micro.loss_fn, params,
                                losses)
                 mats = {id(params[name]): g.unsqueeze(1) for name, g in grads.items()}
-                squared = {pid: sum_of_squares(m.flatten(1)) for pid, m in mats.items()}
-                return cls(micro, None, squared, mats, {}, [], losses)
+                squared = {pid: sum_of_squares(_summed(m.flatten(1), groups, count))
+                           for pid, m in mats.items()}
+                return cls(micro, None, squared, mats, {}, [], losses, groups)
             return materialised
 
         return answer(
@@ -330,10 +343,12 @@ class Clipped:
             hint=lambda: checks.dtype_note(micro.batch, params))
 
     def norms(self) -> Tensor:
-        """``(n,)`` per-sample gradient norms over all parameters, in the dtype the
-        squared norms accumulate in (at least float32)."""
-        return torch.stack([self.squared[id(p)] for p in self.micro.params.values()]
-                           ).sum(0).sqrt()
+        """``(n,)`` per-sample gradient norms over all parameters (with users: each
+        sample's user's), in the dtype the squared norms accumulate in (at least
+        float32)."""
+        norms = torch.stack([self.squared[id(p)] for p in self.micro.params.values()]
+                            ).sum(0).sqrt()
+        return norms if self.groups is None else norms[self.groups]
 
     def clip(self, clipping: Clipping) -> None:
         """Set :attr:`factors` from the squared norms: each sample's factor for each
@@ -344,6 +359,8 @@ class Clipped:
         """
         params = self.micro.params
         by_name = clipping.factors({name: self.squared[id(p)] for name, p in params.items()})
+        if self.groups is not None:  # (U,) per user: each sample its user's
+            by_name = {name: c[self.groups] for name, c in by_name.items()}
         self.factors = {id(p): by_name[name] for name, p in params.items()}
 
     def add_group(self, into: dict[int, Tensor], group: set[int]) -> None:
@@ -415,6 +432,22 @@ class Clipped:
             for name, p in rest.items():
                 into[id(p)].add_(torch.tensordot(self.factors[id(p)].to(grads[name].dtype),
                                                  grads[name], dims=1))
+
+
+def _user_groups(users: Tensor | None) -> tuple[Tensor | None, int]:
+    """Each sample's user as an index in ``[0, U)``, and ``U``; ``(None, 0)`` without
+    users."""
+    if users is None:
+        return None, 0
+    ids, groups = torch.unique(users, return_inverse=True)
+    return groups, len(ids)
+
+
+def _summed(rows: Tensor, groups: Tensor | None, count: int) -> Tensor:
+    """``(n, m)`` per-sample rows summed by user ``(U, m)`` (as they are without users)."""
+    if groups is None:
+        return rows
+    return rows.new_zeros(count, rows.shape[1]).index_add_(0, groups, rows)
 
 
 def _keeps_graph(plan: Plan) -> bool:

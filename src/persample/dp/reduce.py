@@ -69,6 +69,8 @@ class Terms:
         generator: the noise's ``torch.Generator`` (``None``: torch's default), or a
             :class:`~persample.dp.noise.SecureSource` (``secure_mode``).
         divisor: ``B' > 0``, the expected batch size the noised sums are divided by.
+        users: the users (user-level DP) this process accumulated in the step: no two
+            processes may hold records of one user.
 
     Example:
         >>> net = nn.Linear(3, 2)
@@ -82,6 +84,7 @@ class Terms:
     std: float
     generator: torch.Generator | SecureSource | None
     divisor: float
+    users: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -537,7 +540,7 @@ class _Ranks:
         size, rank = ranks
         mine = {"shapes": [(name, tuple(p.shape)) for name, p in terms.params.items()],
                 "expected_batch_size": terms.divisor, "failed": failed,
-                "noise": _stream(terms.generator)}
+                "noise": _stream(terms.generator), "users": terms.users}
         every: list[Any] = [None] * size
         dist.all_gather_object(every, mine)
         failures = [e["failed"] for e in every if e["failed"]]
@@ -568,6 +571,12 @@ def _same(mine: dict[str, Any], theirs: dict[str, Any], rank: int, k: int, shard
         raise ValueError(
             f"the ranks hold different models: parameter {name!r} is "
             f"{ours.get(name)} on rank {rank} and {other.get(name)} on rank {k}")
+    shared = sorted(mine["users"] & theirs["users"]) if k != rank else []
+    if shared:
+        raise ValueError(
+            f"user {shared[0]} has records on rank {rank} and rank {k}: a user's records of "
+            "one logical batch must be on one process, so that its gradient is clipped as a "
+            "whole; give each rank whole users")
     if sharded and theirs["noise"] != mine["noise"]:
         raise ValueError(
             f"the noise generator's state differs between rank {rank} and rank {k}: "

@@ -111,13 +111,105 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[list[int]]:
-        gen = self.generator
-        if gen is None:  # seeded from the global RNG, like torch's RandomSampler
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            gen = torch.Generator().manual_seed(seed)
+        gen = self._generator()
         for _ in range(self.steps_per_epoch):
             picked = poisson_mask(self.num_samples, self.sample_rate, gen).nonzero()[:, 0]
             yield picked[self.rank :: self.world_size].tolist()
+
+    def _generator(self) -> torch.Generator | SecureSource:
+        """The epoch's generator: the one given, or one seeded from torch's global RNG
+        (like torch's ``RandomSampler``)."""
+        if self.generator is not None:
+            return self.generator
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        return torch.Generator().manual_seed(seed)
+
+
+class UserPoissonSampler(PoissonBatchSampler):
+    """Logical batches of users (user-level DP): each user included independently with
+    probability ``q``, and with it its records (at most ``records_per_user`` of them,
+    drawn at random without replacement each step), a user's records together.
+
+    The unit of privacy is the user: the step clips each user's gradient, the sum of
+    its records', once (``user_ids=`` of :meth:`PrivateStep.accumulate`), and the
+    accountant's sample rate is ``q`` over the users. Records whose user the sampler
+    did not draw are not in the step; capping a user's records bounds the work per
+    step, not the privacy (a user's whole contribution is clipped either way).
+
+    Args:
+        user_ids: ``(N,)`` integers, each record's user (any ids).
+        sample_rate: ``q`` in ``(0, 1]`` over the users.
+        steps_per_epoch: batches per iteration; default ``round(1 / q)``.
+        generator: as for :class:`PoissonBatchSampler` (the same on every rank).
+        records_per_user: at most this many records of a user per step, ``>= 1``;
+            default all of them.
+        rank, world_size: several processes: each rank keeps the users at positions
+            ``rank, rank + world_size, ...`` of the sample (whole users).
+
+    Raises:
+        ValueError: ``user_ids`` not a 1-d integer sequence, or an argument outside its
+            range.
+
+    Example:
+        >>> users = torch.tensor([7, 7, 3, 9, 9, 9, 3, 1])
+        >>> sampler = UserPoissonSampler(users, 0.5, 4, torch.Generator().manual_seed(0),
+        ...                              records_per_user=2)
+        >>> sampler.num_users, sampler.expected_batch_size
+        (4, 2.0)
+        >>> all(len(users[b].unique()) * 2 >= len(b) for b in sampler)  # at most 2 each
+        True
+    """
+
+    def __init__(self, user_ids: Any, sample_rate: float, steps_per_epoch: int | None = None,
+                 generator: torch.Generator | SecureSource | None = None,
+                 records_per_user: int | None = None, rank: int = 0, world_size: int = 1):
+        users = torch.as_tensor(user_ids)
+        if users.dim() != 1 or users.numel() == 0 or users.is_floating_point() \
+                or users.dtype == torch.bool:
+            raise ValueError("user_ids must be a non-empty 1-d sequence of integers, each "
+                             f"record's user, got {tuple(users.shape)} {users.dtype}")
+        if records_per_user is not None and (isinstance(records_per_user, bool) or not
+                                             isinstance(records_per_user, int)
+                                             or records_per_user < 1):
+            raise ValueError(f"records_per_user must be an int >= 1 or None, got "
+                             f"{records_per_user!r}")
+        ids, inverse = torch.unique(users, return_inverse=True)
+        super().__init__(len(ids), sample_rate, steps_per_epoch, generator, rank, world_size)
+        self.user_of = users  # (N,) each record's user id
+        order = torch.argsort(inverse, stable=True)
+        self.records = order.split(torch.bincount(inverse).tolist())  # each user's records
+        self.records_per_user = records_per_user
+
+    @property
+    def num_users(self) -> int:
+        """The number of distinct users."""
+        return self.num_samples
+
+    @property
+    def most_records(self) -> int:
+        """The most records one user brings to a step."""
+        most = max(len(r) for r in self.records)
+        return most if self.records_per_user is None else min(most, self.records_per_user)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        gen = self._generator()
+        k = self.records_per_user
+        for _ in range(self.steps_per_epoch):
+            picked = poisson_mask(self.num_users, self.sample_rate, gen).nonzero()[:, 0]
+            chosen = []
+            for u in picked.tolist():  # every rank draws every user's records alike
+                records = self.records[u]
+                if k is not None and len(records) > k:
+                    records = records[_choice(len(records), k, gen)].sort().values
+                chosen.append(records.tolist())
+            yield [i for records in chosen[self.rank :: self.world_size] for i in records]
+
+
+def _choice(n: int, k: int, generator: torch.Generator | SecureSource) -> Tensor:
+    """``k`` of ``range(n)`` drawn without replacement."""
+    if isinstance(generator, SecureSource):
+        return secure_uniform(n).argsort()[:k]
+    return torch.randperm(n, generator=generator)[:k]
 
 
 def poisson_mask(num_samples: int, sample_rate: float,

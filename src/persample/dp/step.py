@@ -190,6 +190,7 @@ class PrivateStep:
         self._sums: Sums | None = None  # made by the first micro-batch of a step
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
+        self.users: set[int] = set()  # the users accumulated since the last release
 
     def _reducer(self) -> Reducer:
         """The step's mode, picked once: FSDP2, several processes, or one."""
@@ -205,41 +206,74 @@ class PrivateStep:
     def sums(self, tensors: dict[str, Tensor] | None) -> None:
         self._sums = None if tensors is None else Sums(tensors)
 
-    def accumulate(self, inputs: Any, targets: Any) -> Accumulated:
+    def accumulate(self, inputs: Any, targets: Any, user_ids: Tensor | None = None
+                   ) -> Accumulated:
         """Add one micro-batch's clipped per-sample gradients to the step's sums.
 
         Args:
             inputs, targets: as for ``per_sample_grads``; ``b`` samples (0 is fine).
+            user_ids: ``(b,)`` integer tensor, each sample's user (user-level DP): the
+                samples of a user are one contribution, the sum of their gradients,
+                clipped once. Every record a user has in the logical batch must come in
+                one micro-batch (on one process). ``None``: each sample its own.
 
         Returns:
             :class:`~persample.dp.Accumulated` ``(losses, norms)``: the ``(b,)``
             per-sample losses of the forward it ran (detached: ``losses.mean()`` is the
             training loss to log, with no second forward) and the ``(b,)`` per-sample
-            gradient norms before clipping (over all parameters), in at least float32
-            (the sums accumulate there too).
+            gradient norms before clipping (over all parameters; with ``user_ids``, the
+            norm of each sample's user's gradient), in at least float32 (the sums
+            accumulate there too).
 
         Raises:
             ValueError: the model's trainable parameters are not those of the step
                 (added, removed, replaced, reshaped), or one was modified (an
                 optimizer step) since the first micro-batch of this step: the message
-                names it; release first. And the errors of ``private_grad``; the sums
-                are then left as they were.
+                names it; release first. ``user_ids`` that are not ``(b,)`` integers, or
+                a user already accumulated in this step. And the errors of
+                ``private_grad``; the sums are then left as they were.
             FloatingPointError: a sample's gradient is not finite (nothing is added).
         """
         self._check_parameters()
         batch, n, working = self.reducer.begin(self.model, inputs, targets, self.loss_fn)
+        users = self._users_of(user_ids, n, working)
         into = self.reducer.micro_batch(self._sums, working, self._terms())
         try:
             with checks.kept_buffers(self.model):
                 got = clipped_sums(MicroBatch(self.model, batch, targets, self.loss_fn,
-                                              working), clipping=self.clipping, into=into)
+                                              working, users), clipping=self.clipping,
+                                   into=into)
         except FloatingPointError as err:
             return self.reducer.failed(err, n)
         self._sums = into.commit()  # only once the whole micro-batch succeeded
         if not self.versions:
             self.versions = {name: p._version for name, p in self.params.items()}
         self.samples += n
+        if users is not None:
+            self.users.update(users.tolist())
         return got
+
+    def _users_of(self, user_ids: Any, n: int, params: dict[str, nn.Parameter]
+                  ) -> Tensor | None:
+        """``user_ids`` checked (``(n,)`` integers, none accumulated in this step yet), on
+        the parameters' device."""
+        if user_ids is None:
+            return None
+        if not isinstance(user_ids, Tensor) or user_ids.shape != (n,) or (
+                user_ids.is_floating_point() or user_ids.is_complex()
+                or user_ids.dtype == torch.bool):
+            got = (f"{tuple(user_ids.shape)} {user_ids.dtype}" if isinstance(user_ids, Tensor)
+                   else type(user_ids).__name__)
+            raise ValueError(f"user_ids must be a ({n},) integer tensor, each sample's user, "
+                             f"got {got}")
+        again = sorted(self.users & set(user_ids.tolist()))
+        if again:
+            raise ValueError(
+                f"user {again[0]} was already accumulated in this step: a user's records of "
+                "one logical batch must come in one micro-batch, so that its gradient is "
+                "clipped as a whole (make_private's user-level batches keep them together)")
+        device = next(iter(params.values())).device
+        return user_ids.to(device=device, dtype=torch.int64)
 
     def release(self) -> None:
         """Set ``p.grad = (sums + N(0, sigma^2 C^2 I)) / expected_batch_size`` for every
@@ -263,14 +297,14 @@ class PrivateStep:
         self._account()
 
     def _terms(self) -> Terms:
-        """What the reducer needs of the step: its parameters, the noise, the divisor."""
+        """What the reducer needs of the step: its parameters, the noise, the divisor, the
+        users accumulated."""
         return Terms(self.params, self.noise_multiplier * self.clipping.sensitivity,
-                     self.generator,
-                     self.expected_batch_size)
+                     self.generator, self.expected_batch_size, frozenset(self.users))
 
     def _drop(self) -> None:
         """The step's sums released or lost: the next micro-batch starts a new step."""
-        self._sums, self.samples, self.versions = None, 0, {}
+        self._sums, self.samples, self.versions, self.users = None, 0, {}, set()
 
     def _account(self) -> None:
         """One release done: one step of ``(sigma, q)`` for the accountant, if any."""
@@ -374,6 +408,7 @@ def private_grad(
     secure_mode: bool = False,
     param_groups: list[list[str]] | None = None,
     automatic_gamma: float = 0.01,
+    user_ids: Tensor | None = None,
 ) -> Accumulated:
     """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
 
@@ -396,6 +431,10 @@ def private_grad(
             ``C / sqrt(K)`` (``K`` trainable parameter tensors) instead of the whole
             gradient to ``C``; the sensitivity is ``C`` either way.
         param_groups, automatic_gamma: as for :class:`PrivateStep`.
+        user_ids: ``(B,)`` integers, each sample's user (user-level DP, as for
+            :meth:`PrivateStep.accumulate`): each user's gradient, the sum of its
+            samples', is clipped once; ``expected_batch_size`` then counts users
+            (default: the users in the batch).
         expected_batch_size: the divisor ``B'``. With Poisson sampling (which the
             privacy analysis assumes) pass ``q * N`` so that the divisor does not
             depend on the data.
@@ -455,13 +494,14 @@ def private_grad(
             "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
             "(q * N) so that the noise is scaled as for every other step"
         )
-    if expected_batch_size is None:
-        expected_batch_size = total_samples(model, n)
+    if expected_batch_size is None:  # (with users: the users of the batch)
+        count = len(torch.unique(user_ids)) if isinstance(user_ids, Tensor) else n
+        expected_batch_size = total_samples(model, count)
     step = _OneCall(model, loss_fn, max_grad_norm=max_grad_norm,
                     noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                     generator=generator, per_layer=per_layer, secure_mode=secure_mode,
                     param_groups=param_groups, automatic_gamma=automatic_gamma)
-    got = step.accumulate(inputs, targets)
+    got = step.accumulate(inputs, targets, user_ids)
     step.release()
     return got
 

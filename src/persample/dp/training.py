@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from .accounting import noise_multiplier_for
 from .clip import Accumulated
-from .sampling import PoissonBatchSampler
+from .sampling import PoissonBatchSampler, UserPoissonSampler
 from .step import PrivateStep
 
 
@@ -64,6 +64,8 @@ class PrivateTraining:
     sample_rate: float
     steps_per_epoch: int
     epochs: int
+    users: Tensor | None = field(default=None, init=False)
+    """User-level DP: the users of the physical batch :meth:`batches` gave last."""
 
     @property
     def dataset(self) -> Dataset:
@@ -79,19 +81,35 @@ class PrivateTraining:
         cut = self.loader.batch_sampler
         counts = cut.plan()  # the epoch's Poisson sample, drawn once
         try:
-            loaded = iter(self.loader)
+            loaded = zip(self.loader, cut.planned)
             for count in counts:
                 left = [count]
-                yield _physical(loaded, left)
+                yield self._physical(loaded, left)
                 for _ in range(left[0]):
                     next(loaded)
         finally:
-            cut.planned = None
+            cut.planned, self.users = None, None
 
-    def accumulate(self, inputs: Any, targets: Any) -> Accumulated:
+    def _physical(self, loaded: Iterator[tuple[Any, list[int]]], left: list[int]
+                  ) -> Iterator[Any]:
+        """The next ``left[0]`` physical batches of ``loaded`` (counted down as taken);
+        with users, :attr:`users` set to each one's."""
+        user_of = getattr(self.sampler, "user_of", None)
+        while left[0] > 0:
+            left[0] -= 1
+            batch, indices = next(loaded)
+            if user_of is not None:
+                self.users = user_of[torch.tensor(indices, dtype=torch.int64)]
+            yield batch
+
+    def accumulate(self, inputs: Any, targets: Any, user_ids: Tensor | None = None
+                   ) -> Accumulated:
         """``step.accumulate``: one physical batch's clipped sums; its ``(b,)`` losses and
-        norms."""
-        return self.step.accumulate(inputs, targets)
+        norms. User-level DP: ``user_ids`` default to the users of the physical batch
+        :meth:`batches` gave last."""
+        if user_ids is None:
+            user_ids = self.users
+        return self.step.accumulate(inputs, targets, user_ids)
 
     def release(self) -> None:
         """The end of a logical batch: ``step.release()`` (noise, ``p.grad``, one
@@ -103,13 +121,6 @@ class PrivateTraining:
     def epsilon(self, delta: float) -> float:
         """The privacy spent by the releases so far, at ``delta``."""
         return self.step.epsilon(delta)
-
-
-def _physical(loaded: Iterator[Any], left: list[int]) -> Iterator[Any]:
-    """The next ``left[0]`` physical batches of ``loaded`` (counted down as taken)."""
-    while left[0] > 0:
-        left[0] -= 1
-        yield next(loaded)
 
 
 class PhysicalBatches(Sampler[list[int]]):
@@ -134,10 +145,31 @@ class PhysicalBatches(Sampler[list[int]]):
 
     def plan(self) -> list[int]:
         """Draw an epoch's logical batches; the number of physical batches of each (0 for
-        an empty one)."""
-        drawn = list(self.logical)
-        self.planned = [b[k:k + self.size] for b in drawn for k in range(0, len(b), self.size)]
-        return [math.ceil(len(b) / self.size) for b in drawn]
+        an empty one). A user's records (:class:`UserPoissonSampler`) stay together."""
+        self.planned, counts = [], []
+        for drawn in self.logical:
+            parts = self._cut(drawn)
+            self.planned += parts
+            counts.append(len(parts))
+        return counts
+
+    def _cut(self, drawn: list[int]) -> list[list[int]]:
+        """One logical batch in physical batches of at most ``size`` indices, whole users
+        in each."""
+        user_of = getattr(self.logical, "user_of", None)
+        if user_of is None:
+            return [drawn[k:k + self.size] for k in range(0, len(drawn), self.size)]
+        parts: list[list[int]] = []
+        users = user_of[torch.tensor(drawn, dtype=torch.int64)].tolist()
+        start = 0
+        for end in range(1, len(drawn) + 1):  # a user's records are consecutive
+            if end == len(drawn) or users[end] != users[end - 1]:
+                if parts and len(parts[-1]) + end - start <= self.size:
+                    parts[-1] += drawn[start:end]
+                else:
+                    parts.append(drawn[start:end])
+                start = end
+        return parts
 
     def __len__(self) -> int:
         """An estimate (Poisson sizes vary): the expected physical batches per epoch."""
@@ -165,6 +197,27 @@ def _loader_options(loader: DataLoader) -> dict[str, Any]:
     return keep
 
 
+def _user_ids(dataset: Any, user_ids: Any, n: int) -> Tensor:
+    """``(N,)`` each record's user: ``user_ids`` as given, or the dataset's field of that
+    name (a ``datasets.Dataset`` column, or each sample's key)."""
+    if isinstance(user_ids, str):
+        if user_ids in getattr(dataset, "column_names", ()):
+            user_ids = dataset[user_ids]
+        else:
+            try:
+                user_ids = [dataset[i][user_ids] for i in range(n)]
+            except (KeyError, TypeError, IndexError) as err:
+                raise ValueError(
+                    f"user_ids={user_ids!r} names a field, but the dataset's samples have "
+                    f"none of that name ({type(err).__name__}: {err}): pass the ids as a "
+                    "(N,) tensor, or samples with that key") from err
+    users = torch.as_tensor(user_ids)
+    if users.shape != (n,) or users.is_floating_point() or users.dtype == torch.bool:
+        raise ValueError(f"user_ids must give one integer user per record, ({n},), got "
+                         f"{tuple(users.shape)} {users.dtype}")
+    return users
+
+
 def _dataset_size(dataset: Any, given: str) -> int:
     """``len(dataset)``, or a ``ValueError`` that says why it is needed."""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
@@ -185,7 +238,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  accountant: str = "rdp", generator: torch.Generator | None = None,
                  collate_fn: Callable[[list], Any] | None = None, per_layer: bool = False,
                  secure_mode: bool = False, param_groups: list[list[str]] | None = None,
-                 automatic_gamma: float = 0.01) -> PrivateTraining:
+                 automatic_gamma: float = 0.01, user_ids: Any = None,
+                 records_per_user: int | None = None) -> PrivateTraining:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
 
@@ -217,7 +271,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
         noise_multiplier: ``sigma >= 0`` instead of a target (Opacus's
             ``make_private``); :meth:`PrivateTraining.epsilon` then says what it spent.
         expected_batch_size: the logical batch size expected, ``q * N``, ``>= 1``;
-            default the ``DataLoader``'s ``batch_size`` (required with a dataset).
+            default the ``DataLoader``'s ``batch_size`` (required with a dataset); with
+            ``user_ids``, the users expected per logical batch (required).
         physical_batch_size: the most samples one forward and backward takes,
             ``>= 1``; default ``expected_batch_size`` (a Poisson batch above it is cut).
         accountant: ``"rdp"``, ``"pld"`` or ``"prv"``: how epsilon is computed, for the
@@ -229,6 +284,17 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             collate (its release is noise only).
         per_layer: clip each parameter's gradient to ``C / sqrt(K)``.
         param_groups, automatic_gamma: as for :class:`PrivateStep`.
+        user_ids: user-level DP: each record's user, ``(N,)`` integers, or the name of
+            the dataset's field that holds it (``"user_id"``: a column of a Hugging
+            Face ``datasets.Dataset``, or a key of each sample). Users are then sampled
+            (``q = expected_batch_size / U`` over the ``U`` users), each user's
+            gradient in a logical batch, the sum of its records', is clipped once, a
+            user's records stay in one physical batch, and epsilon is per user
+            (Chua et al. 2024, "Mind the Privacy Unit! User-Level Differential Privacy
+            for Language Model Fine-Tuning"; McMahan et al. 2018).
+        records_per_user: at most this many of a user's records per step (drawn at
+            random), ``>= 1``; default all. Every user's (capped) records must fit in
+            one physical batch.
         secure_mode: the noise and the Poisson sampling from the operating system's
             cryptographically secure generator (``os.urandom``), as Opacus's
             ``secure_mode``: nothing to learn from a seed; not with ``generator``
@@ -273,6 +339,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     loader = data if isinstance(data, DataLoader) else None
     dataset = loader.dataset if loader is not None else data
     n = _dataset_size(dataset, "DataLoader's dataset" if loader is not None else "dataset")
+    users = None if user_ids is None else _user_ids(dataset, user_ids, n)
+    if users is not None and expected_batch_size is None:
+        raise ValueError("with user_ids, pass expected_batch_size: the number of users "
+                         "expected per logical batch (q * U)")
     if expected_batch_size is None:
         expected_batch_size = loader.batch_size if loader is not None else None
         if expected_batch_size is None:
@@ -286,10 +356,12 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                         ("physical_batch_size", physical_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if n == 0 or expected_batch_size > n:
+    units = n if users is None else len(torch.unique(users))
+    if n == 0 or expected_batch_size > units:
+        what = "samples" if users is None else "users"
         raise ValueError(f"expected_batch_size ({expected_batch_size}) must be at most the "
-                         f"number of samples ({n})")
-    q = expected_batch_size / n
+                         f"number of {what} ({units})")
+    q = expected_batch_size / units
     steps_per_epoch = max(1, round(1 / q))
     sigma = _noise_multiplier(target_epsilon, target_delta, noise_multiplier, q,
                               epochs * steps_per_epoch, accountant)
@@ -303,8 +375,17 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                        generator=generator if secure_mode else noise, per_layer=per_layer,
                        sample_rate=q, accountant=accountant, secure_mode=secure_mode,
                        param_groups=param_groups, automatic_gamma=automatic_gamma)
-    sampler = PoissonBatchSampler(n, q, steps_per_epoch, step.generator if secure_mode
-                                  else generator)
+    batches_from = step.generator if secure_mode else generator
+    if users is None:
+        sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from)
+    else:
+        sampler = UserPoissonSampler(users, q, steps_per_epoch, batches_from, records_per_user)
+        if sampler.most_records > physical_batch_size:
+            raise ValueError(
+                f"a user brings {sampler.most_records} records to a step, more than "
+                f"physical_batch_size ({physical_batch_size}): a user's records are clipped "
+                "together, in one physical batch; raise physical_batch_size or cap "
+                "records_per_user")
     options = _loader_options(loader) if loader is not None else {}
     if collate_fn is not None:
         options["collate_fn"] = collate_fn
