@@ -15,6 +15,9 @@ from torch import Tensor, nn
 from persample.dp import PrivateStep
 
 N, C = 8, 0.1
+# each sample's user: whole users on each of two ranks, or user 2 on both
+USERS = {"users": torch.tensor([0, 0, 1, 1, 2, 2, 2, 3]),
+         "split user": torch.tensor([0, 0, 1, 2, 2, 2, 3, 3])}
 # clipping by groups (interleaving layers) and automatic clipping, as the tests check them
 CLIPPINGS = {
     "groups": dict(max_grad_norm=[0.05, 0.08], param_groups=[
@@ -104,6 +107,13 @@ def run_all(rank: int, world: int) -> dict:
         step.accumulate(x[mine][half:], y[mine][half:])
         step.release()
         saved[kind] = grads(net)
+
+    for kind, users in USERS.items():  # user-level: whole users per rank, or one split
+        net = model()
+        step = PrivateStep(net, loss_fn, max_grad_norm=C, noise_multiplier=0.0,
+                           expected_batch_size=4)
+        step.accumulate(x[mine], y[mine], users[mine])
+        saved[kind] = _error(step.release), grads(net)
 
     noisy = nn.Linear(30, 20).double()  # releases with nothing accumulated: noise only
     gen = torch.Generator().manual_seed(rank + 1)  # different per rank: rank 0's counts

@@ -35,6 +35,9 @@ CLIPPINGS = {"groups": dict(max_grad_norm=[0.3, 0.4]),  # FIRST, and the rest
              "automatic": dict(max_grad_norm="automatic", automatic_gamma=0.05)}
 
 
+USERS = torch.tensor([5, 5, 9, 9, 2, 2, 7, 7])  # each sample's user: two per rank, whole
+
+
 def clipping(kind: str) -> dict:
     """The options of :data:`CLIPPINGS` ``kind``, with the groups named."""
     if kind != "groups":
@@ -155,14 +158,17 @@ def worker(rank: int, world: int, out: str, init: str, job: str) -> None:
     torch.save(saved, os.path.join(out, f"rank{rank}.pt"))
 
 
-def _step(model: nn.Module, ids: Tensor, y: Tensor, **options: Any) -> dict:
-    """PrivateStep (sigma 0) over this rank's samples in two micro-batches."""
+def _step(model: nn.Module, ids: Tensor, y: Tensor, users: Tensor | None = None,
+          **options: Any) -> dict:
+    """PrivateStep (sigma 0) over this rank's samples in two micro-batches (``users``:
+    each sample's user)."""
     options = {"max_grad_norm": C, **options}
     step = PrivateStep(model, lm_loss, noise_multiplier=0.0, expected_batch_size=N,
                        **options)
     half = len(ids) // 2
-    norms = torch.cat([step.accumulate(ids[:half], y[:half]).norms,
-                       step.accumulate(ids[half:], y[half:]).norms])
+    first, second = (None, None) if users is None else (users[:half], users[half:])
+    norms = torch.cat([step.accumulate(ids[:half], y[:half], first).norms,
+                       step.accumulate(ids[half:], y[half:], second).norms])
     step.release()
     return {"norms": norms, "grads": grads(model),
             "dtensor": all(type(p.grad).__name__ == "DTensor" for p in model.parameters()
@@ -184,6 +190,7 @@ def scenarios(rank: int, world: int) -> dict:
     saved["step"] = _step(model, ids, y)
     for kind in CLIPPINGS:
         saved[kind] = _step(shard(net()), ids, y, **clipping(kind))
+    saved["users"] = _step(shard(net()), ids, y, USERS[mine])  # whole users per micro-batch
     torch.optim.SGD(model.parameters(), lr=0.5).step()  # the optimizer on the shards
     saved["stepped"] = {k: full(p) for k, p in model.named_parameters()}
     model = shard(net())

@@ -74,6 +74,25 @@ def test_clipping_by_group_and_automatic_across_ranks(ranks, kind):
         assert torch.equal(ranks[0][kind][name], ranks[1][kind][name])
 
 
+def test_user_level_across_ranks(ranks):
+    """Whole users on each rank: one process's user-level step on the whole batch. A
+    user with records on both ranks: refused on every rank, p.grad unchanged."""
+    net = dist_workers.model()
+    x, y = dist_workers.data()
+    private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=dist_workers.C,
+                 noise_multiplier=0.0, expected_batch_size=4,
+                 user_ids=dist_workers.USERS["users"])
+    for name, g in dist_workers.grads(net).items():
+        for seen in ranks:
+            err, got = seen["users"]
+            assert err == "no error"
+            torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-13)
+    for seen in ranks:
+        err, got = seen["split user"]
+        assert "user 2 has records on rank" in err and "give each rank whole users" in err
+        assert all(g is None for g in got.values())
+
+
 def test_secure_noise_is_rank_0s_added_once(ranks):
     z0, z1 = ranks[0]["secure noise"], ranks[1]["secure noise"]  # (30, 620)
     assert torch.equal(z0, z1)

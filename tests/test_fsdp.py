@@ -184,6 +184,21 @@ def test_clipping_by_group_and_automatic(ranks, kind):
         _close(seen[kind]["grads"], want, rtol=1e-10, atol=1e-13)
 
 
+def test_user_level_clipping(ranks):
+    """Users' summed gradients clipped once, on every rank's shards: the by-hand clip of
+    each user's gradient from the loop; each sample's norm its user's."""
+    ref = _loop()
+    _, inverse = torch.unique(fw.USERS, return_inverse=True)
+    per_user = {k: torch.zeros(4, *g.shape[1:], dtype=g.dtype).index_add_(0, inverse, g)
+                for k, g in ref["grads"].items()}
+    want = clipped_sum_by_hand(per_user, fw.C, divisor=fw.N)
+    user_norms = sum(g.flatten(1).pow(2).sum(1) for g in per_user.values()).sqrt()
+    for r, seen in enumerate(ranks):
+        torch.testing.assert_close(seen["users"]["norms"], user_norms[inverse][_rows(r)],
+                                   rtol=1e-10, atol=1e-12)
+        _close(seen["users"]["grads"], want, rtol=1e-10, atol=1e-13)
+
+
 def test_secure_noise_is_the_same_on_every_rank(ranks):
     """secure_mode: each parameter's noise drawn by rank 0 from the OS and broadcast, so
     that every coordinate is noised once and the ranks' shards fit together."""
