@@ -93,6 +93,21 @@ def test_every_clipping_kind_trains():
     assert len(set(losses.values())) == 4
 
 
+def test_user_level_dp(capsys):
+    """--users: records dealt to users, users sampled (q over the users), each user's
+    gradient clipped once; epsilon per user as the accountant computes it."""
+    figures = dp_train([*QUICK, "--sigma", "2.0", "--users", "24", "--batch-size", "8",
+                        "--records-per-user", "3", "--no-progress"])
+    p = figures["privacy"]
+    assert p["unit"] == "user" and p["sample_rate"] == pytest.approx(8 / 24)
+    assert p["expected_batch_size"] == pytest.approx(8)
+    assert p["epsilon"] == pytest.approx(epsilon(2.0, 1 / 3, 4, 1e-5), rel=1e-9)
+    assert all(math.isfinite(v) for v in figures["runs"][0]["train_loss"])
+    assert "user-level DP, 24 users" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="records_per_user needs users"):
+        main(["dp-train", *QUICK, "--records-per-user", "2"])
+
+
 def test_secure_mode_noise_differs_from_run_to_run():
     """--secure-mode: the same seed, different noise (the OS's), the same batches."""
     runs = [dp_train([*QUICK, "--sigma", "1.0", "--no-progress", "--secure-mode"])

@@ -225,6 +225,49 @@ def test_clipping_by_group_and_automatic(tmp_path, clipping):
         PrivacyArguments(noise_multiplier=1.0, max_grad_norm=[1.0, 2.0])
 
 
+def test_user_level_dp(tmp_path):
+    """A ``user_id`` field: users Poisson-sampled, each user's records whole in one
+    micro-batch, at most 3 of them, the tag never reaching the model; the update is
+    PrivateStep's by hand with the same micro-batches and users."""
+    data = docstring_examples("module", seq_len=16)
+    for i, e in enumerate(data):  # each example told apart by its first two tokens
+        e["input_ids"] = torch.cat([torch.tensor([i % 256, i // 256]), e["input_ids"][2:]])
+        e["user_id"] = torch.tensor(7 * (i % 60) + 1)
+    privacy = PrivacyArguments(noise_multiplier=0.0, max_grad_norm=0.05, seed=SEED,
+                               user_ids="user_id", records_per_user=3)
+    model, collate = bert(), Recording()
+    trainer = PrivateTrainer(model, args(tmp_path, per_device_train_batch_size=4),
+                             train_dataset=data, data_collator=collate, optimizers=sgd(model),
+                             privacy_args=privacy)
+    trainer.train()
+    assert trainer.private_step.sample_rate == 8 / 60  # over the 60 users
+    micro = collate.batches  # the samples of each micro-batch, as the model gets them
+    assert len(micro) == 6 and all("user_id" not in e for b in micro for e in b)
+    user_of = {k: int(e["user_id"]) for k, e in zip(_keys(data), data)}
+    assert len(user_of) == len(data)  # every example told apart by its text
+    users_of = [[user_of[k] for k in _keys(b)] for b in micro]
+    for k in range(0, 6, 2):  # a logical batch: users whole, at most 3 records each
+        assert not set(users_of[k]) & set(users_of[k + 1])
+        every = users_of[k] + users_of[k + 1]
+        assert all(every.count(u) <= 3 for u in every)
+    assert any(len(u) > len(set(u)) for u in users_of)  # users of several records
+    reference = bert()
+    opt, _ = sgd(reference)
+    step = PrivateStep(reference, default_per_sample_loss(reference), max_grad_norm=0.05,
+                       noise_multiplier=0.0, expected_batch_size=8)
+    for k, examples in enumerate(micro):
+        if examples:
+            batch = default_data_collator(examples)
+            features = {key: v for key, v in batch.items() if key != "labels"}
+            step.accumulate(features, batch, torch.tensor(users_of[k]))
+        if k % 2:
+            step.release()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_default_loss_is_the_models_own_per_sample():
     """Each sample's default loss is the model's own loss on that sample alone: the
     causal LM's shifted tokens with -100 ignored, the classifier's cross-entropy (the

@@ -58,6 +58,8 @@ class DPTrainConfig:
     secure_mode: bool = False  # the noise from the OS's secure generator, not the seed
     clipping: str = "flat"  # flat, per-layer, per-module (groups) or automatic
     automatic_gamma: float = 0.01
+    users: int | None = None  # user-level DP: the training records dealt to this many users
+    records_per_user: int | None = None  # at most this many of a user's records a step
     compare_nonprivate: bool = False
     subset: int | None = None  # train on the first SUBSET training examples only
     max_steps: int | None = None  # cap on steps per epoch (tests)
@@ -194,12 +196,11 @@ def train(
 
     from ..dp import PrivateStep
     from ..dp.reduce import world
-    from ..dp.sampling import poisson_batches
 
     x, y, x_test, y_test = data
     n = len(y)
-    q = min(1.0, cfg.batch_size / n)
-    expected = q * n
+    q = sample_rate(cfg, n)
+    expected = q * (n if cfg.users is None else cfg.users)  # records, or users
     steps = min(round(1 / q), cfg.max_steps or math.inf)
     batch_gen = torch.Generator().manual_seed(cfg.seed)
     noise_gen = None if cfg.secure_mode else torch.Generator().manual_seed(cfg.seed + 1)
@@ -214,16 +215,17 @@ def train(
     model.train()
     eps = 0.0  # spent so far, refreshed every EPS_EVERY steps
     for epoch in range(cfg.epochs):
-        bar = tqdm(poisson_batches((x, y), q, steps, batch_gen), total=steps,
+        bar = tqdm(_batches(x, y, cfg, q, steps, batch_gen), total=steps,
                    desc=f"{run.name} epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress,
                    leave=True, dynamic_ncols=True)
         tally, accounting_s = _Tally(), 0.0
         start = time.perf_counter()
-        for k, (xb, yb) in enumerate(bar):  # xb (b, 1, 28, 28), yb (b,), b ~ Binomial(n, q)
+        for k, (xb, yb, ub) in enumerate(bar):  # (b, 1, 28, 28), (b,), users (b,) or None
             loss_fn.seen = None
             if step is not None:  # this rank's share of the one Poisson sample
-                xb, yb = xb[rank::size], yb[rank::size]
-                step.accumulate(xb, yb)
+                mine = _share(len(yb), ub, rank, size)
+                xb, yb, ub = xb[mine], yb[mine], None if ub is None else ub[mine]
+                step.accumulate(xb, yb, ub)
                 step.release()  # with several processes: summed over all, noised once
             else:
                 optimizer.zero_grad(set_to_none=True)
@@ -249,6 +251,45 @@ def train(
         if accountant is not None:
             run.epsilon.append(eps)
     return run
+
+
+def sample_rate(cfg: DPTrainConfig, n: int) -> float:
+    """``q``: the expected batch over the ``n`` records, or with ``cfg.users`` over the
+    users."""
+    return min(1.0, cfg.batch_size / (n if cfg.users is None else cfg.users))
+
+
+def synthetic_users(n: int, users: int) -> Tensor:
+    """``(n,)`` each training record's user: the records dealt at random (a fixed seed)
+    to ``users`` users, as many each as can be (user-level DP on a dataset without
+    users)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(n, dtype=torch.int64)
+    out[order] = torch.arange(n) % users
+    return out
+
+
+def _batches(x: Tensor, y: Tensor, cfg: DPTrainConfig, q: float, steps: int,
+             gen: torch.Generator):
+    """One epoch's Poisson-sampled ``(x, y, users)``: records, or with ``cfg.users`` whole
+    users (at most ``cfg.records_per_user`` records each), ``users`` then ``(b,)``."""
+    from ..dp.sampling import UserPoissonSampler, poisson_batches
+
+    if cfg.users is None:
+        for xb, yb in poisson_batches((x, y), q, steps, gen):
+            yield xb, yb, None
+        return
+    users = synthetic_users(len(y), cfg.users)
+    for picked in UserPoissonSampler(users, q, steps, gen, cfg.records_per_user):
+        index = torch.tensor(picked, dtype=torch.int64)
+        yield x[index], y[index], users[index]
+
+
+def _share(b: int, users: Tensor | None, rank: int, size: int) -> Tensor | slice:
+    """This process's part of a batch of ``b``: every ``size``-th sample, or whole users."""
+    if users is None:
+        return slice(rank, None, size)
+    return torch.isin(users, users.unique()[rank::size])
 
 
 def run(cfg: DPTrainConfig) -> dict:
@@ -287,15 +328,17 @@ def run(cfg: DPTrainConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     data = load_split(cfg.subset)
     n = len(data[1])
-    q = min(1.0, cfg.batch_size / n)
+    q = sample_rate(cfg, n)
     steps_per_epoch = min(round(1 / q), cfg.max_steps or math.inf)
     total_steps = cfg.epochs * steps_per_epoch
     sigma = resolve_sigma(cfg, q, total_steps)
     procs = f", {cfg.nproc} processes of" if cfg.nproc > 1 else ","
+    units = n if cfg.users is None else cfg.users
+    unit = "" if cfg.users is None else f" users (user-level DP, {cfg.users} users)"
     print(f"dp-train: SimpleCNN on digits 1x28x28, {n} train / {len(data[3])} test; "
           f"DP-SGD with sigma {sigma:.3f}, {_clipping_label(cfg)}, expected batch "
-          f"{q * n:.0f} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta {cfg.delta:g}{procs} "
-          f"{threads_label(cfg.threads)}")
+          f"{q * units:.0f}{unit} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta "
+          f"{cfg.delta:g}{procs} {threads_label(cfg.threads)}")
     torch.manual_seed(cfg.seed)
     model = simple_cnn().to(torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -312,7 +355,8 @@ def run(cfg: DPTrainConfig) -> dict:
         "config": asdict(cfg),
         "data": {"train": n, "test": len(data[3]), "image": [1, 28, 28], "split_seed": 0},
         "privacy": {"sigma": sigma, "max_grad_norm": cfg.max_grad_norm, "sample_rate": q,
-                    "expected_batch_size": q * n, "steps": accountant.steps,
+                    "expected_batch_size": q * units, "steps": accountant.steps,
+                    "unit": "record" if cfg.users is None else "user",
                     "delta": cfg.delta, "accountant": cfg.accountant, "epsilon": eps,
                     f"epsilon_{other}": eps_other},
         "runs": [dict(asdict(r), final_test_accuracy=r.test_accuracy[-1],
@@ -466,6 +510,11 @@ def clipping_options(model: nn.Module, cfg: DPTrainConfig) -> dict:
 def _check(cfg: DPTrainConfig) -> None:
     if cfg.clipping not in CLIPPINGS:
         raise ValueError(f"clipping must be one of {CLIPPINGS}, got {cfg.clipping!r}")
+    for name in ("users", "records_per_user"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.records_per_user is not None and cfg.users is None:
+        raise ValueError("records_per_user needs users (user-level DP)")
     for name in ("epochs", "batch_size", "max_grad_norm", "lr", "nonprivate_lr", "threads",
                  "nproc"):
         if not getattr(cfg, name) > 0:
@@ -537,6 +586,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "automatic: g/(|g| + gamma), no C (Bu et al. 2023) (default flat)")
     p.add_argument("--automatic-gamma", type=float, default=d.automatic_gamma,
                    help=f"gamma of --clipping automatic (default {d.automatic_gamma})")
+    p.add_argument("--users", type=int, default=None,
+                   help="user-level DP: deal the training records to USERS users (at "
+                   "random, fixed); --batch-size then counts users, each user's gradient "
+                   "is clipped once, epsilon is per user")
+    p.add_argument("--records-per-user", type=int, default=None,
+                   help="with --users: at most this many of a user's records per step")
     p.add_argument("--secure-mode", action="store_true",
                    help="draw the noise from the operating system's cryptographically "
                    "secure generator (os.urandom) instead of --seed: about 30 ns a number "
@@ -567,7 +622,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         max_grad_norm=args.max_grad_norm, delta=args.delta, lr=args.lr,
         nonprivate_lr=args.nonprivate_lr,
         momentum=args.momentum, seed=args.seed, accountant=args.accountant,
-        secure_mode=args.secure_mode, clipping=args.clipping,
+        secure_mode=args.secure_mode, clipping=args.clipping, users=args.users,
+        records_per_user=args.records_per_user,
         automatic_gamma=args.automatic_gamma, compare_nonprivate=args.compare_nonprivate,
         subset=args.subset,
         max_steps=args.max_steps, threads=args.threads, nproc=args.nproc, plot=args.plot,

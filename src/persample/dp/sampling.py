@@ -365,3 +365,41 @@ def _check_rate(sample_rate: float) -> None:
         raise ValueError(
             f"sample_rate (q) must be in (0, 1], got {sample_rate!r}: q = expected batch size "
             "/ number of examples")
+
+
+def users_of_records(dataset: Any, user_ids: Any, n: int) -> Tensor:
+    """``(N,)`` each record's user: ``user_ids`` as given, or the dataset's field of that
+    name (a ``datasets.Dataset`` column, or each sample's key).
+
+    Args:
+        dataset: the map-style dataset of ``n`` records.
+        user_ids: ``(N,)`` integers, or a field name (``"user_id"``).
+        n: ``len(dataset)``.
+
+    Returns:
+        ``(N,)`` integer tensor.
+
+    Raises:
+        ValueError: no such field in the samples, or not one integer per record.
+
+    Example:
+        >>> rows = [{"x": 1.0, "user_id": 7}, {"x": 2.0, "user_id": 3}]
+        >>> users_of_records(rows, "user_id", 2)
+        tensor([7, 3])
+    """
+    if isinstance(user_ids, str):
+        if user_ids in getattr(dataset, "column_names", ()):
+            user_ids = dataset[user_ids]
+        else:
+            try:
+                user_ids = [dataset[i][user_ids] for i in range(n)]
+            except (KeyError, TypeError, IndexError) as err:
+                raise ValueError(
+                    f"user_ids={user_ids!r} names a field, but the dataset's samples have "
+                    f"none of that name ({type(err).__name__}: {err}): pass the ids as a "
+                    "(N,) tensor, or samples with that key") from err
+    users = torch.as_tensor(user_ids)
+    if users.shape != (n,) or users.is_floating_point() or users.dtype == torch.bool:
+        raise ValueError(f"user_ids must give one integer user per record, ({n},), got "
+                         f"{tuple(users.shape)} {users.dtype}")
+    return users

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from .accounting import noise_multiplier_for
 from .clip import Accumulated
-from .sampling import PoissonBatchSampler, UserPoissonSampler
+from .sampling import PoissonBatchSampler, UserPoissonSampler, users_of_records
 from .step import PrivateStep
 
 
@@ -197,27 +197,6 @@ def _loader_options(loader: DataLoader) -> dict[str, Any]:
     return keep
 
 
-def _user_ids(dataset: Any, user_ids: Any, n: int) -> Tensor:
-    """``(N,)`` each record's user: ``user_ids`` as given, or the dataset's field of that
-    name (a ``datasets.Dataset`` column, or each sample's key)."""
-    if isinstance(user_ids, str):
-        if user_ids in getattr(dataset, "column_names", ()):
-            user_ids = dataset[user_ids]
-        else:
-            try:
-                user_ids = [dataset[i][user_ids] for i in range(n)]
-            except (KeyError, TypeError, IndexError) as err:
-                raise ValueError(
-                    f"user_ids={user_ids!r} names a field, but the dataset's samples have "
-                    f"none of that name ({type(err).__name__}: {err}): pass the ids as a "
-                    "(N,) tensor, or samples with that key") from err
-    users = torch.as_tensor(user_ids)
-    if users.shape != (n,) or users.is_floating_point() or users.dtype == torch.bool:
-        raise ValueError(f"user_ids must give one integer user per record, ({n},), got "
-                         f"{tuple(users.shape)} {users.dtype}")
-    return users
-
-
 def _dataset_size(dataset: Any, given: str) -> int:
     """``len(dataset)``, or a ``ValueError`` that says why it is needed."""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
@@ -339,7 +318,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     loader = data if isinstance(data, DataLoader) else None
     dataset = loader.dataset if loader is not None else data
     n = _dataset_size(dataset, "DataLoader's dataset" if loader is not None else "dataset")
-    users = None if user_ids is None else _user_ids(dataset, user_ids, n)
+    users = None if user_ids is None else users_of_records(dataset, user_ids, n)
     if users is not None and expected_batch_size is None:
         raise ValueError("with user_ids, pass expected_batch_size: the number of users "
                          "expected per logical batch (q * U)")

@@ -31,10 +31,17 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..dp import EmptySafeCollate, PoissonBatchSampler, PrivateStep, noise_multiplier_for
+from ..dp import (
+    EmptySafeCollate,
+    PoissonBatchSampler,
+    PrivateStep,
+    UserPoissonSampler,
+    noise_multiplier_for,
+)
 from ..dp.clipping import Clipping
+from ..dp.sampling import users_of_records
 
 PRIVACY_STATE = "privacy_state.pt"
 """The file in each checkpoint folder that holds the accountant's steps (resuming needs it)."""
@@ -70,6 +77,13 @@ class PrivacyArguments:
         seed: seeds the Poisson sampling (the same on every process) and the noise;
             default: the sampling from ``TrainingArguments.data_seed`` (else ``seed``)
             and the noise from torch's global generator, which the ``Trainer`` seeds.
+        user_ids: user-level DP: the name of the training set's field that holds each
+            record's user (``"user_id"``: a ``datasets.Dataset`` column or a key of each
+            sample; never passed to the model). Users are then Poisson-sampled, ``E``
+            counts users, each user's summed gradient is clipped once (on one process,
+            in one micro-batch), and epsilon is per user.
+        records_per_user: with ``user_ids``, at most this many of a user's records per
+            step (drawn at random); default all.
         secure_mode: the noise from the operating system's cryptographically secure
             generator (``os.urandom``; threat model and cost:
             :class:`persample.dp.noise.SecureSource`); the Poisson sampling stays seeded
@@ -100,6 +114,8 @@ class PrivacyArguments:
     accountant: str = "rdp"
     seed: int | None = None
     secure_mode: bool = False
+    user_ids: str | None = None
+    records_per_user: int | None = None
 
     def __post_init__(self) -> None:
         given = (self.target_epsilon is not None, self.noise_multiplier is not None)
@@ -248,10 +264,65 @@ class _MicroBatches(Sampler[list[int]]):
         return len(self.logical) * self.parts
 
     def __iter__(self) -> Iterator[list[int]]:
+        user_of = getattr(self.logical, "user_of", None)
         for indices in self.logical:
-            n = len(indices)
-            for k in range(self.parts):
-                yield indices[k * n // self.parts : (k + 1) * n // self.parts]
+            if user_of is None:
+                n = len(indices)
+                for k in range(self.parts):
+                    yield indices[k * n // self.parts : (k + 1) * n // self.parts]
+            else:
+                yield from _whole_users(indices, user_of[indices].tolist(), self.parts)
+
+
+def _whole_users(indices: list[int], users: list[int], parts: int) -> Iterator[list[int]]:
+    """``indices`` (a user's consecutive) in ``parts`` micro-batches of near-equal size,
+    each user whole in one."""
+    runs, start = [], 0
+    for end in range(1, len(indices) + 1):
+        if end == len(indices) or users[end] != users[end - 1]:
+            runs.append(indices[start:end])
+            start = end
+    total, done, k = len(indices), 0, 0
+    batch: list[int] = []
+    for run in runs:
+        while k < parts - 1 and done + len(run) / 2 > (k + 1) * total / parts:
+            yield batch
+            batch, k = [], k + 1
+        batch += run
+        done += len(run)
+    yield batch
+    for _ in range(parts - 1 - k):
+        yield []
+
+
+USER_TAG = "persample_user_id"
+"""The key each sample's user travels under from the dataset to ``training_step``."""
+
+
+class _Tagged(Dataset):
+    """The training set, each sample (a mapping) with its user under :data:`USER_TAG`."""
+
+    def __init__(self, dataset: Any, users: Tensor):
+        self.dataset, self.users = dataset, users
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.dataset[i], USER_TAG: int(self.users[i])}
+
+
+class _TaggedCollate:
+    """The Trainer's collator for the samples without the tag; the tags ``(b,)`` added."""
+
+    def __init__(self, collate: Callable[[list], Any]):
+        self.collate = collate
+
+    def __call__(self, samples: list[dict[str, Any]]) -> Any:
+        users = torch.tensor([s[USER_TAG] for s in samples], dtype=torch.int64)
+        batch = self.collate([{k: v for k, v in s.items() if k != USER_TAG} for s in samples])
+        batch[USER_TAG] = users
+        return batch
 
 
 # ---------------------------------------------------------------------------
@@ -378,22 +449,32 @@ class PrivateTrainer(transformers.Trainer):
         (the noise multiplier for the planned steps when a target epsilon is given)."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        dataset, args = self.train_dataset, self.args
+        dataset, args, privacy = self.train_dataset, self.args, self.privacy_args
         collate = self._get_collator_with_removed_columns(self.data_collator, "training")
         n, parts = len(dataset), args.gradient_accumulation_steps
+        users = (None if privacy.user_ids is None
+                 else users_of_records(dataset, privacy.user_ids, n))
+        units = n if users is None else len(torch.unique(users))
         expected = args.per_device_train_batch_size * parts * args.world_size
-        if expected > n:
+        if expected > units:
             raise ValueError(f"the expected logical batch, per_device_train_batch_size * "
                              f"gradient_accumulation_steps * world_size = {expected}, is "
-                             f"larger than the training set ({n} examples)")
-        q = expected / n
+                             f"larger than the training set ({units} "
+                             f"{'examples' if users is None else 'users'})")
+        q = expected / units
         steps_per_epoch = max(1, round(1 / q))
-        seed = self.privacy_args.seed
+        seed = privacy.seed
         if seed is None:
             seed = args.data_seed if args.data_seed is not None else args.seed
-        logical = PoissonBatchSampler(n, q, steps_per_epoch,
-                                      torch.Generator().manual_seed(seed),
-                                      rank=args.process_index, world_size=args.world_size)
+        gen = torch.Generator().manual_seed(seed)
+        if users is None:
+            logical = PoissonBatchSampler(n, q, steps_per_epoch, gen,
+                                          rank=args.process_index, world_size=args.world_size)
+        else:  # each record tagged with its user, the tag taken off before the model
+            logical = UserPoissonSampler(users, q, steps_per_epoch, gen,
+                                         privacy.records_per_user, rank=args.process_index,
+                                         world_size=args.world_size)
+            dataset, collate = _Tagged(dataset, users), _TaggedCollate(collate)
         planned = (args.max_steps if args.max_steps > 0
                    else math.ceil(args.num_train_epochs * steps_per_epoch))
         self.private_step = self._make_step(q, expected, planned)
@@ -441,9 +522,10 @@ class PrivateTrainer(transformers.Trainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         labels = set(self.label_names or ["labels"])
+        users = inputs.pop(USER_TAG, None)  # user-level DP: each sample's user
         features = {k: v for k, v in inputs.items() if k not in labels}
         with self.compute_loss_context_manager():
-            losses, _ = self.private_step.accumulate(features, inputs)
+            losses, _ = self.private_step.accumulate(features, inputs, users)
         if self.accelerator.sync_gradients:  # the Trainer steps its optimizer next
             self.private_step.release()
         total = losses.sum()
