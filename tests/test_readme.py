@@ -39,6 +39,11 @@ CHECKS = {
     "from_loader": ("from_loader.sample_rate == 256 / 1797 and from_loader.steps_per_epoch"
                     " == 7 == from_loader.step.accountant.steps"),
     "net": "all(p.grad is not None for p in net.parameters())",
+    # user-level DP: each sample's norm its user's; every planned user-level step taken
+    "user_norms": "len(user_norms.unique()) == 4",
+    "by_user": ("by_user.sample_rate == 20 / len(owners.unique()) and "
+                "by_user.step.accountant.steps == 2 * by_user.steps_per_epoch"
+                " and by_user.epsilon(1e-3) <= 4.0"),
     # automatic clipping: each sample's losses and gradient norms
     "automatic": "automatic.losses.shape == automatic.norms.shape == (32,)",
     # PrivateTrainer: within the target after the planned steps; the LoRA run accounted
