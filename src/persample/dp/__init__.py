@@ -9,6 +9,9 @@
   step and its accountant), the model and the optimizer left as they are.
 - :mod:`persample.dp.sampling`: Poisson sampling of batches.
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
+- :func:`audit` (:mod:`persample.dp.auditing`): a lower bound on the epsilon a training
+  run actually has, from canaries, in one run (Steinke et al. 2023): above the
+  accountant's epsilon, the step is broken.
 
 Inside: :mod:`~persample.dp.clip` computes one micro-batch's clipped sums (Bu et al.
 2023's book-keeping), :mod:`~persample.dp.reduce` takes a step's sums to ``p.grad`` in
@@ -17,6 +20,7 @@ each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the no
 """
 
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
+from .auditing import Audit, audit
 from .clip import Accumulated
 from .sampling import (
                        EmptySafeCollate,
@@ -42,4 +46,6 @@ __all__ = [
     "poisson_batches",
     "poisson_loader",
     "EmptySafeCollate",
+    "audit",
+    "Audit",
 ]
