@@ -100,3 +100,28 @@ def test_other_clipping_kinds_and_bad_input():
         audit(_net(), (x, y), nn.CrossEntropyLoss(), **{**OPTIONS, "canaries": 5})
     with pytest.raises(ValueError, match="needs per-sample losses"):
         audit(_net(), (x, y), lambda out, t: nn.functional.cross_entropy(out, t), **OPTIONS)
+
+
+@pytest.mark.keep_default_dtype
+@pytest.mark.parametrize("broken", [None, "noise"])
+def test_the_command_line(broken, tmp_path, capsys):
+    """``persample audit``: the bounds beside the accountant's epsilon; exit status 1
+    and LEAKS for a broken step, 0 for persample's."""
+    import json
+
+    from persample.cli import main
+
+    out = tmp_path / "audit.json"
+    argv = ["audit", "--subset", "300", "--canaries", "300", "--steps", "8", "--sigma", "2.0",
+            "--batch-size", "100", "--threads", "1", "--json", str(out)]
+    status = main(argv + (["--broken", broken] if broken else []))
+    figures = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "accountant's epsilon at delta 1e-05" in printed
+    assert figures["epsilon"] == pytest.approx(accountant_epsilon(
+        2.0, figures["sample_rate"], 8, 1e-5))
+    if broken:
+        assert status == 1 and figures["leaks"] and "LEAKS" in printed
+        assert figures["gradient"]["epsilon"] > figures["epsilon"]
+    else:
+        assert status == 0 and not figures["leaks"] and "no leak found" in printed

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from . import _deps, attribute, bench_options, dp_finetune, dp_train
+from . import _deps, attribute, audit, bench_options, dp_finetune, dp_train
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``persample`` argument parser: ``bench``, ``dp-train``, ``dp-finetune`` and
-    ``attribute`` subcommands.
+    """The ``persample`` argument parser: ``bench``, ``dp-train``, ``dp-finetune``,
+    ``attribute`` and ``audit`` subcommands.
 
     Example:
         >>> build_parser().parse_args(["bench", "--quick", "--no-memory"]).no_memory
@@ -21,11 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
     dp_train.add_parser(sub)
     dp_finetune.add_parser(sub)
     attribute.add_parser(sub)
+    audit.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns 0.
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit
+    status: 0, or 1 where ``audit`` finds a leak.
 
     Raises:
         SystemExit: bad arguments (argparse), an unknown workload, ``--device cuda``
@@ -55,4 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         dp_finetune.run_from_args(args)
     elif args.command == "attribute":
         attribute.run_from_args(args)
+    elif args.command == "audit":
+        return audit.run_from_args(args)
     return 0

@@ -21,7 +21,8 @@ INSTALL_CLI = 'pip install "persample[cli]" (or pip install -e ".[cli]" from a c
 DISTRIBUTIONS = {"tqdm": "tqdm", "sklearn": "scikit-learn", "matplotlib": "matplotlib"}
 """Import name -> the name pip installs it by, for the ``cli`` extra's packages."""
 
-NEEDS = {"bench": ("tqdm", "sklearn"), "dp-train": ("tqdm", "sklearn"), "attribute": ("sklearn",)}
+NEEDS = {"bench": ("tqdm", "sklearn"), "dp-train": ("tqdm", "sklearn"), "attribute": ("sklearn",),
+         "audit": ("sklearn",)}
 """What each command always imports from the ``cli`` extra; ``--plot`` adds matplotlib."""
 
 
