@@ -44,6 +44,8 @@ CHECKS = {
     "by_user": ("by_user.sample_rate == 20 / len(owners.unique()) and "
                 "by_user.step.accountant.steps == 2 * by_user.steps_per_epoch"
                 " and by_user.epsilon(1e-3) <= 4.0"),
+    # the audit of a correct step: no leak
+    "checked": "not checked.leaks and checked.gradient.epsilon < checked.epsilon",
     # automatic clipping: each sample's losses and gradient norms
     "automatic": "automatic.losses.shape == automatic.norms.shape == (32,)",
     # PrivateTrainer: within the target after the planned steps; the LoRA run accounted
