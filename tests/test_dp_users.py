@@ -260,3 +260,30 @@ def test_make_private_reads_a_user_id_field_and_refuses_what_cannot_work():
     with pytest.raises(ValueError, match=r"one integer user per record, \(200,\)"):
         make_private(net, opt, TensorDataset(x, y), nn.CrossEntropyLoss(),
                      user_ids=users[:10], expected_batch_size=8, **base)
+
+
+def test_user_level_accounting_against_dp_accounting():
+    """The accountant of a user-level run counts its steps at the users' sample rate:
+    dp_accounting's RDP of the same Poisson-sampled Gaussian, composed directly."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    x, y, users = _records()
+    net = nn.Linear(4, 3).double()
+    private = make_private(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                           TensorDataset(x, y), nn.CrossEntropyLoss(), noise_multiplier=1.3,
+                           epochs=2, max_grad_norm=1.0, expected_batch_size=8,
+                           physical_batch_size=16, user_ids=users,
+                           generator=torch.Generator().manual_seed(0))
+    for _ in range(private.epochs):
+        for logical in private.batches():
+            for xb, yb in logical:
+                private.accumulate(xb, yb)
+            private.release()
+    q = 8 / len(users.unique())
+    steps = 2 * private.steps_per_epoch
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.3)), steps))
+    assert private.sample_rate == q and private.step.accountant.steps == steps
+    assert private.epsilon(1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
