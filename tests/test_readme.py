@@ -44,6 +44,9 @@ CHECKS = {
     "by_user": ("by_user.sample_rate == 20 / len(owners.unique()) and "
                 "by_user.step.accountant.steps == 2 * by_user.steps_per_epoch"
                 " and by_user.epsilon(1e-3) <= 4.0"),
+    # an Opacus script through persample's PrivacyEngine: every step accounted
+    "privacy_engine": ("privacy_engine.accountant.steps == 20"
+                       " and privacy_engine.get_epsilon(1e-5) > 0"),
     # the audit of a correct step: no leak
     "checked": "not checked.leaks and checked.gradient.epsilon < checked.epsilon",
     # automatic clipping: each sample's losses and gradient norms

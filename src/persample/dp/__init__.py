@@ -7,6 +7,8 @@
 - :func:`make_private`: a DP-SGD run set up from a privacy target in one call (the
   noise multiplier, Poisson-sampled logical batches split into physical ones, the
   step and its accountant), the model and the optimizer left as they are.
+- :class:`PrivacyEngine`: Opacus's ``PrivacyEngine`` on persample's step, so that an
+  Opacus script runs unchanged but for the import.
 - :mod:`persample.dp.sampling`: Poisson sampling of batches.
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
 - :func:`audit` (:mod:`persample.dp.auditing`): a lower bound on the epsilon a training
@@ -22,6 +24,7 @@ each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the no
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .auditing import Audit, audit
 from .clip import Accumulated
+from .privacy_engine import PrivacyEngine
 from .sampling import (
                        EmptySafeCollate,
                        PoissonBatchSampler,
@@ -46,6 +49,7 @@ __all__ = [
     "poisson_batches",
     "poisson_loader",
     "EmptySafeCollate",
+    "PrivacyEngine",
     "audit",
     "Audit",
 ]

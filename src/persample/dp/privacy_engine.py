@@ -1,0 +1,423 @@
+"""Opacus's ``PrivacyEngine``, on persample's DP step: an Opacus user's training script
+runs unchanged but for the import.
+
+``PrivacyEngine().make_private(module=, optimizer=, data_loader=, noise_multiplier=,
+max_grad_norm=)`` returns a model, an optimizer and a Poisson-sampling data loader
+that behave like Opacus's: the loop stays ``loss = criterion(model(x), y);
+loss.backward(); optimizer.step()``. Underneath:
+
+- the model (:class:`PrivateModule`) runs the forward as it is and keeps its inputs
+  and the random-number state it started from;
+- ``loss.backward()`` runs as usual; the model's output keeps its gradient
+  ``dL/d output`` (``grad_sample_mode="hooks"``); with ``"ghost"`` Opacus returns a
+  wrapped criterion, and so does this: its ``backward()`` is persample's, on the
+  criterion itself;
+- ``optimizer.step()`` (:class:`PrivateOptimizer`) runs persample's
+  :class:`~persample.dp.PrivateStep` on the kept inputs, the forward replayed from
+  the same random-number state (the same dropout masks): with the criterion
+  (``"ghost"``), each sample's own loss; else the linear loss ``<out_i, c_i>`` whose
+  gradient is sample ``i``'s own (``c_i = B dL/d out_i`` for a mean, as Opacus's
+  ``loss_reduction`` says), then the noise, ``p.grad``, one accounted step, and the
+  optimizer's own step.
+
+That costs one forward and one backward more than persample's own loop
+(:class:`~persample.dp.PrivateStep`, :func:`~persample.dp.make_private`), which has
+no second pass; it is for moving a script over first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.data import DataLoader
+
+from .accounting import noise_multiplier_for
+from .noise import SecureSource
+from .sampling import EmptySafeCollate, PoissonBatchSampler
+from .step import PrivateStep
+
+
+@dataclass
+class _Forward:
+    """One forward of the model: its inputs, the random-number states it started from,
+    its output, and (``"hooks"``) the gradient of the loss at each output tensor."""
+
+    args: tuple
+    kwargs: dict
+    states: tuple
+    output: Any
+    grads: dict[int, Tensor]
+    backward_done: bool = False
+
+
+class PrivateModule(nn.Module):
+    """The model as :class:`PrivacyEngine` returns it: the forward as it is, its inputs
+    and random-number state kept for the optimizer's step (the module itself under
+    ``_module``, as Opacus's ``GradSampleModule`` has it).
+
+    Example:
+        >>> net = nn.Linear(3, 2)
+        >>> wrapped = PrivateModule(net)
+        >>> torch.equal(wrapped(torch.ones(1, 3)), net(torch.ones(1, 3)))
+        True
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self._module = module
+        self.forwards: list[_Forward] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        states = _rng_states()
+        output = self._module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return output
+        record = _Forward(args, kwargs, states, output, {})
+        leaves, _ = tree_flatten(output)
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                leaf.register_hook(_keeper(record, k))
+        self.forwards.append(record)
+        return output
+
+
+def _keeper(record: _Forward, k: int) -> Callable[[Tensor], None]:
+    def keep(grad: Tensor) -> None:
+        record.grads[k] = grad.detach()
+        record.backward_done = True
+    return keep
+
+
+def _rng_states() -> tuple:
+    """The CPU generator's state and each CUDA device's (as ``torch.utils.checkpoint``
+    keeps them to replay a forward)."""
+    cuda = [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+@contextmanager
+def _replayed(states: tuple) -> Iterator[None]:
+    """Inside: the generators as ``states`` had them; outside: as they were."""
+    cpu, cuda = states
+    devices = list(range(len(cuda)))
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        for d, state in zip(devices, cuda):
+            torch.cuda.set_rng_state(state, d)
+        yield
+
+
+class _LinearLoss:
+    """``loss_i = sum over output tensors of <out_i, c_i>`` for cotangents ``c`` (one per
+    output tensor, ``None`` where the loss did not read it): its per-sample gradient is
+    ``J_i^T c_i``, sample ``i``'s own gradient when ``c_i`` is its loss's gradient at its
+    output (rows of ``dL/d out``, times the batch size for a mean)."""
+
+    def __call__(self, output: Any, cotangents: list[Tensor | None]) -> Tensor:
+        leaves, _ = tree_flatten(output)
+        total = None
+        for leaf, c in zip(leaves, cotangents):
+            if c is not None:
+                term = (leaf * c).reshape(len(c), -1).sum(1)  # (b,)
+                total = term if total is None else total + term
+        return total
+
+
+class PrivateLoss:
+    """The loss a ``"ghost"`` criterion returns: ``backward()`` adds the batch's clipped
+    per-sample gradients to the step (persample's, on the criterion itself); ``item()``
+    and ``detach()`` give the mean of the per-sample losses."""
+
+    def __init__(self, optimizer: PrivateOptimizer, record: _Forward, targets: Any,
+                 value: Tensor):
+        self.optimizer, self.record, self.targets, self.value = optimizer, record, targets, value
+
+    def backward(self) -> None:
+        self.optimizer.accumulate(self.record, self.targets)
+        self.record.backward_done = True
+
+    def item(self) -> float:
+        return self.value.item()
+
+    def detach(self) -> Tensor:
+        return self.value.detach()
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __repr__(self) -> str:
+        return f"PrivateLoss({self.value.item():.4f})"
+
+
+class PrivateCriterion:
+    """The criterion :class:`PrivacyEngine` returns with ``grad_sample_mode="ghost"``:
+    called on the wrapped model's last output, a :class:`PrivateLoss`."""
+
+    def __init__(self, criterion: Callable, module: PrivateModule, optimizer: PrivateOptimizer):
+        self.criterion, self.module, self.optimizer = criterion, module, optimizer
+
+    def __call__(self, output: Any, targets: Any) -> PrivateLoss:
+        record = next((r for r in reversed(self.module.forwards) if r.output is output), None)
+        if record is None:
+            raise ValueError("the criterion must be called on the output of the model "
+                             "make_private returned (its last forward)")
+        with torch.no_grad():
+            value = self.criterion(output, targets)
+        return PrivateLoss(self.optimizer, record, targets, value)
+
+
+class PrivateOptimizer:
+    """The optimizer :class:`PrivacyEngine` returns: ``step()`` runs persample's DP step
+    on the batch of the last forward and backward (clipped per-sample gradients,
+    noise, ``p.grad``, one accounted step), then the optimizer's own step;
+    ``zero_grad()`` also forgets the forwards. Everything else is the optimizer's.
+
+    Attributes:
+        original_optimizer: the optimizer given.
+        private_step: the :class:`~persample.dp.PrivateStep`.
+        noise_multiplier, max_grad_norm, expected_batch_size: as Opacus's ``DPOptimizer``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: PrivateModule,
+                 step: PrivateStep, loss_reduction: str):
+        self.original_optimizer, self.module, self.private_step = optimizer, module, step
+        self.loss_reduction = loss_reduction
+        self.criterion: Callable | None = None  # "ghost": the user's criterion
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.private_step.noise_multiplier
+
+    @property
+    def max_grad_norm(self) -> Any:
+        return self.private_step.max_grad_norm
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.private_step.expected_batch_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["original_optimizer"], name)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.module.forwards.clear()
+
+    def accumulate(self, record: _Forward, targets: Any) -> None:
+        """One forward's clipped per-sample gradients into the step, replayed from its
+        random-number state (the same dropout masks): ``targets`` for the step's loss,
+        the criterion (``"ghost"``) or the linear loss's cotangents (``"hooks"``)."""
+        with _replayed(record.states):
+            self.private_step.accumulate((record.args, record.kwargs), targets)
+
+    def step(self, closure: Callable | None = None) -> Any:
+        """The DP step of the batch since ``zero_grad()``, then the optimizer's step.
+
+        Raises:
+            ValueError: more than one forward and backward since the last step (Poisson
+                sampling takes one per step, as Opacus).
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        done = [r for r in self.module.forwards if r.backward_done]
+        if len(done) > 1:
+            raise ValueError(
+                f"{len(done)} forwards and backwards since the last step: with Poisson "
+                "sampling each optimizer step takes one batch (as Opacus's). Call "
+                "optimizer.zero_grad() before each forward; for logical batches larger than "
+                "memory use persample.dp.make_private's batches() or PrivateStep")
+        if done and self.criterion is None:
+            self.accumulate(done[0], self._cotangents(done[0]))
+        self.private_step.release()
+        self.module.forwards.clear()
+        return self.original_optimizer.step()
+
+    def _cotangents(self, record: _Forward) -> list[Tensor | None]:
+        """Each output tensor's rows of ``dL/d out`` as each sample's own loss has them
+        (times the batch size where the loss was a mean)."""
+        leaves, _ = tree_flatten(record.output)
+        scale = _rows(leaves) if self.loss_reduction == "mean" else 1
+        return [record.grads[k] * scale if k in record.grads else None
+                for k in range(len(leaves))]
+
+
+def _rows(leaves: list) -> int:
+    return next((len(t) for t in leaves if isinstance(t, Tensor) and t.dim()), 0)
+
+
+class PrivacyEngine:
+    """Opacus's ``PrivacyEngine`` on persample's DP step (see the module's docstring).
+
+    Args:
+        accountant: ``"rdp"`` (Opacus's default ``"prv"`` is taken too, where Opacus is
+            installed), ``"pld"``.
+        secure_mode: the noise and the Poisson sampling from the operating system's
+            secure generator (:class:`persample.dp.noise.SecureSource`).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from persample.dp import PrivacyEngine
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+        >>> engine = PrivacyEngine()
+        >>> model, optimizer, loader = engine.make_private(
+        ...     module=model, optimizer=optimizer, data_loader=DataLoader(data, batch_size=16),
+        ...     noise_multiplier=1.0, max_grad_norm=1.0)
+        >>> for x, y in loader:  # the Opacus loop, as it is
+        ...     optimizer.zero_grad()
+        ...     loss = nn.CrossEntropyLoss()(model(x), y)
+        ...     loss.backward()
+        ...     optimizer.step()
+        >>> 0 < engine.get_epsilon(1e-5) < 100
+        True
+
+    Source: Opacus (Yousefpour et al. 2021), its ``PrivacyEngine`` interface; Abadi et
+    al. 2016 (DP-SGD).
+    """
+
+    def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False):
+        self.accountant_kind, self.secure_mode = accountant, secure_mode
+        self.steps: list[PrivateStep] = []
+
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                     data_loader: DataLoader, noise_multiplier: float,
+                     max_grad_norm: float | list[float], criterion: Callable | None = None,
+                     loss_reduction: str = "mean", poisson_sampling: bool = True,
+                     clipping: str = "flat", noise_generator: torch.Generator | None = None,
+                     grad_sample_mode: str = "hooks", batch_first: bool = True,
+                     **kwargs: Any) -> tuple:
+        """Opacus's ``make_private``: the model, the optimizer and a Poisson-sampling
+        data loader (with ``grad_sample_mode="ghost"`` the criterion too, before the
+        loader, as Opacus returns them).
+
+        Args:
+            module, optimizer, data_loader, noise_multiplier: as Opacus's.
+            max_grad_norm: ``C``; with ``clipping="per_layer"`` one number per trainable
+                parameter (or one, split as ``C / sqrt(K)``).
+            criterion: the loss (``"ghost"``: evaluated per sample by persample).
+            loss_reduction: ``"mean"`` or ``"sum"``: how the loss the user backpropagates
+                reduces the batch (``"hooks"``).
+            poisson_sampling: must be ``True`` (the accounting assumes it).
+            clipping: ``"flat"`` or ``"per_layer"``.
+            noise_generator: a ``torch.Generator`` for the noise (not in secure mode).
+            grad_sample_mode: ``"hooks"`` (and Opacus's other names: ``"functorch"``,
+                ``"ew"``) or ``"ghost"``.
+            batch_first: must be ``True``.
+            **kwargs: Opacus's other options are refused by name.
+
+        Returns:
+            ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
+            data_loader)`` with ``"ghost"``.
+
+        Raises:
+            ValueError: an option persample does not take (named), optimizer parameters
+                that are not the module's, several processes, or a data loader whose
+                dataset has no length.
+        """
+        self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
+                     grad_sample_mode, kwargs)
+        n = len(data_loader.dataset)
+        q = 1 / len(data_loader)  # as Opacus: one epoch of len(loader) Poisson batches
+        expected = max(1, int(n * q))
+        params = [name for name, p in module.named_parameters() if p.requires_grad]
+        clip_options = _clipping(clipping, max_grad_norm, params)
+        step = PrivateStep(module, criterion if "ghost" in grad_sample_mode else _LinearLoss(),
+                           noise_multiplier=noise_multiplier, expected_batch_size=expected,
+                           generator=noise_generator, sample_rate=q,
+                           accountant=self.accountant_kind, secure_mode=self.secure_mode,
+                           **clip_options)
+        self.steps.append(step)
+        wrapped = PrivateModule(module)
+        private = PrivateOptimizer(optimizer, wrapped, step, loss_reduction)
+        loader = _poisson_loader(data_loader, q, step)
+        if "ghost" in grad_sample_mode:
+            private.criterion = criterion
+            return wrapped, private, PrivateCriterion(criterion, wrapped, private), loader
+        return wrapped, private, loader
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  data_loader: DataLoader, target_epsilon: float,
+                                  target_delta: float, epochs: int,
+                                  max_grad_norm: float | list[float], **kwargs: Any) -> tuple:
+        """Opacus's ``make_private_with_epsilon``: the noise multiplier that spends
+        ``(target_epsilon, target_delta)`` in ``epochs`` epochs of ``len(data_loader)``
+        steps (:func:`~persample.dp.noise_multiplier_for`), then :meth:`make_private`."""
+        sigma = noise_multiplier_for(target_epsilon, target_delta, 1 / len(data_loader),
+                                     epochs * len(data_loader), self.accountant_kind)
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+
+    @property
+    def accountant(self) -> Any:
+        """The accountant of the last :meth:`make_private`'s steps."""
+        return self.steps[-1].accountant if self.steps else None
+
+    def get_epsilon(self, delta: float) -> float:
+        """The privacy spent by the optimizer steps so far, at ``delta``."""
+        return self.steps[-1].epsilon(delta) if self.steps else 0.0
+
+    def _refuse(self, optimizer: torch.optim.Optimizer, module: nn.Module,
+                poisson_sampling: bool, clipping: str, batch_first: bool, loss_reduction: str,
+                grad_sample_mode: str, kwargs: dict) -> None:
+        ours = {id(p) for p in module.parameters()}
+        if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("the optimizer's parameters are not the module's")
+        reasons = {
+            "poisson_sampling=False (the accounting assumes Poisson sampling)":
+                not poisson_sampling,
+            f"clipping={clipping!r} (flat or per_layer; adaptive clipping is not built)":
+                clipping not in ("flat", "per_layer"),
+            "batch_first=False": not batch_first,
+            f"loss_reduction={loss_reduction!r} (mean or sum)":
+                loss_reduction not in ("mean", "sum"),
+            f"grad_sample_mode={grad_sample_mode!r}":
+                grad_sample_mode not in ("hooks", "functorch", "ew", "ghost", "ghost_fsdp"),
+            "several processes (use PrivateStep with PoissonBatchSampler(rank=, world_size=))":
+                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1,
+        }
+        reasons.update({f"the option {name}={value!r}": True for name, value in kwargs.items()
+                        if name not in ("wrap_model", "rand_on_empty") or value not in (
+                            True, False)})
+        for reason, present in reasons.items():
+            if present:
+                raise ValueError(f"persample's PrivacyEngine does not take {reason}")
+
+
+def _clipping(clipping: str, max_grad_norm: Any, names: list[str]) -> dict[str, Any]:
+    """PrivateStep's clipping options for Opacus's ``clipping`` and ``max_grad_norm``."""
+    if clipping == "flat":
+        return {"max_grad_norm": max_grad_norm}
+    if isinstance(max_grad_norm, (list, tuple)):
+        if len(max_grad_norm) != len(names):
+            raise ValueError(f"clipping='per_layer' takes one max_grad_norm per trainable "
+                             f"parameter ({len(names)}), got {len(max_grad_norm)}")
+        return {"max_grad_norm": list(max_grad_norm), "param_groups": [[n] for n in names]}
+    return {"max_grad_norm": max_grad_norm, "per_layer": True}
+
+
+def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep) -> DataLoader:
+    """The loader's dataset, collate function and workers, with Poisson-sampled batches:
+    ``len(loader)`` an epoch at rate ``q`` (Opacus's ``DPDataLoader``); in secure mode
+    drawn from the OS's secure generator."""
+    secure = step.generator if isinstance(step.generator, SecureSource) else None
+    sampler = PoissonBatchSampler(len(loader.dataset), q, len(loader), secure)
+    keep = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                multiprocessing_context=loader.multiprocessing_context,
+                persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        keep["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, batch_sampler=sampler,
+                      collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn), **keep)

@@ -1,0 +1,214 @@
+"""persample's ``PrivacyEngine``: an Opacus script's loop (``loss.backward();
+optimizer.step()``) unchanged but for the import, against ``PrivateStep`` by hand on
+the batches the loop saw, in float64: ``"hooks"`` (the output's gradient, a linear
+loss whose per-sample gradient is each sample's own) and ``"ghost"`` (the criterion
+evaluated per sample), dropout replayed with the forward's own masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from persample.dp import PrivacyEngine, PrivateStep, epsilon
+
+N, B = 120, 20  # 6 Poisson batches an epoch, of 20 expected
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, 6, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
+class Net(nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.fc, self.drop, self.out = nn.Linear(6, 16), nn.Dropout(dropout), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.tanh(self.fc(x))))
+
+
+def _twin(dropout: float):
+    torch.manual_seed(0)
+    return Net(dropout)
+
+
+def _opacus_loop(model, optimizer, loader, criterion, steps: int):
+    """The loop of Opacus's tutorials, as it is; the batches and RNG states it saw."""
+    seen = []
+    for k, (x, y) in enumerate(loader):
+        if k == steps:
+            break
+        seen.append((x, y, torch.get_rng_state()))
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()
+    return seen
+
+
+def _by_hand(seen, dropout: float, c: float, expected: int) -> nn.Module:
+    """PrivateStep (sigma 0) on the same batches, each forward from the state the loop's
+    forward started from: the same dropout masks."""
+    model = _twin(dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = PrivateStep(model, nn.CrossEntropyLoss(), max_grad_norm=c, noise_multiplier=0.0,
+                       expected_batch_size=expected)
+    for x, y, state in seen:
+        with torch.random.fork_rng():
+            torch.set_rng_state(state)
+            step.accumulate(x, y)
+        step.release()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_opacus_loop_is_private_step_by_hand(mode, dropout, reduction):
+    model = _twin(dropout)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    criterion = nn.CrossEntropyLoss(reduction=reduction)
+    engine = PrivacyEngine()
+    returned = engine.make_private(module=model, optimizer=optimizer,
+                                   data_loader=DataLoader(_data(), batch_size=B, shuffle=True),
+                                   noise_multiplier=0.0, max_grad_norm=0.3,
+                                   criterion=criterion, loss_reduction=reduction,
+                                   grad_sample_mode=mode)
+    if mode == "ghost":
+        private_model, private_opt, criterion, loader = returned
+    else:
+        private_model, private_opt, loader = returned
+    assert private_opt.expected_batch_size == B
+    seen = _opacus_loop(private_model, private_opt, loader, criterion, steps=3)
+    assert len({len(y) for _, y, _ in seen}) > 1  # Poisson: sizes vary
+    want = _by_hand(seen, dropout, 0.3, B)
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+    moved = _twin(dropout)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), moved.parameters()))
+    q = 1 / len(loader)
+    assert engine.get_epsilon(1e-5) == math.inf  # sigma 0
+    assert engine.accountant.steps == 3 and q == pytest.approx(B / N)
+
+
+def test_the_accounting_and_the_target_epsilon():
+    model = _twin(0.0)
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=B), target_epsilon=2.0, target_delta=1e-5,
+        epochs=2, max_grad_norm=1.0)
+    for _ in range(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.CrossEntropyLoss()(model(x), y).backward()
+            optimizer.step()
+    assert engine.accountant.steps == 12
+    sigma = optimizer.noise_multiplier
+    assert engine.get_epsilon(1e-5) == pytest.approx(epsilon(sigma, B / N, 12, 1e-5))
+    assert 1.9 < engine.get_epsilon(1e-5) <= 2.0
+
+
+def test_forwards_without_backward_and_refusals():
+    base = _twin(0.0)
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=base, optimizer=torch.optim.SGD(base.parameters(), lr=0.0),
+        data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0, max_grad_norm=1e3)
+    assert not base._forward_hooks and not base._forward_pre_hooks  # nothing on the model
+    assert list(model.state_dict()) == ["_module." + k for k in base.state_dict()]
+    x, y = _data().tensors
+    optimizer.zero_grad()
+    model(x[:7])  # a forward without backward (an evaluation with grad on): not a step's
+    nn.CrossEntropyLoss()(model(x[:5]), y[:5]).backward()  # (loss_reduction "mean")
+    optimizer.step()  # C large, sigma 0: the 5 samples' summed gradient over B
+    twin = _twin(0.0)
+    want = torch.autograd.grad(nn.CrossEntropyLoss(reduction="sum")(twin(x[:5]), y[:5]),
+                               list(twin.parameters()))
+    for p, g in zip(base.parameters(), want):
+        torch.testing.assert_close(p.grad, g / B, rtol=1e-10, atol=1e-12)
+    optimizer.zero_grad()
+    for _ in range(2):
+        nn.CrossEntropyLoss()(model(x[:5]), y[:5]).backward()
+    with pytest.raises(ValueError, match="2 forwards and backwards since the last step"):
+        optimizer.step()
+    for options, match in [(dict(poisson_sampling=False), "poisson_sampling=False"),
+                           (dict(clipping="adaptive"), "clipping='adaptive'"),
+                           (dict(target_unclipped_quantile=0.5), "target_unclipped_quantile"),
+                           (dict(loss_reduction="none"), "loss_reduction='none'")]:
+        with pytest.raises(ValueError, match=match):
+            PrivacyEngine().make_private(
+                module=base, optimizer=torch.optim.SGD(base.parameters(), lr=0.1),
+                data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=1.0,
+                max_grad_norm=1.0, **options)
+    with pytest.raises(ValueError, match="the optimizer's parameters are not the module's"):
+        PrivacyEngine().make_private(module=base,
+                                     optimizer=torch.optim.SGD(_twin(0.0).parameters(), lr=0.1),
+                                     data_loader=DataLoader(_data(), batch_size=B),
+                                     noise_multiplier=1.0, max_grad_norm=1.0)
+    assert all(torch.equal(p, q) for p, q in zip(base.parameters(), _twin(0.0).parameters()))
+
+
+class DictNet(nn.Module):
+    """Returns a dict of which the loss reads one entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x):
+        logits = self.net(x)
+        return {"logits": logits, "unused": logits.square()}
+
+
+def test_a_dict_output_of_which_the_loss_reads_one_entry():
+    torch.manual_seed(0)
+    model = DictNet()
+    engine = PrivacyEngine()
+    private, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
+        max_grad_norm=0.3)
+    seen = []
+    for k, (x, y) in enumerate(loader):
+        if k == 2:
+            break
+        seen.append((x, y, torch.get_rng_state()))
+        optimizer.zero_grad()
+        nn.CrossEntropyLoss()(private(x)["logits"], y).backward()
+        optimizer.step()
+    want = _by_hand(seen, 0.0, 0.3, B)
+    for p, q in zip(model.net.parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_the_same_steps_as_opacus_itself():
+    """Opacus's own PrivacyEngine on the same batches (sigma 0): the same weights."""
+    opacus = pytest.importorskip("opacus")
+    model = _twin(0.0)
+    engine = PrivacyEngine()
+    private, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
+        max_grad_norm=0.3)
+    seen = _opacus_loop(private, optimizer, loader, nn.CrossEntropyLoss(), steps=3)
+    theirs = _twin(0.0)
+    with pytest.warns(UserWarning):  # (Opacus warns about its secure RNG)
+        o_model, o_opt, _ = opacus.PrivacyEngine().make_private(
+            module=theirs, optimizer=torch.optim.SGD(theirs.parameters(), lr=0.5),
+            data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
+            max_grad_norm=0.3)
+    for x, y, _ in seen:
+        o_opt.zero_grad()
+        nn.CrossEntropyLoss()(o_model(x), y).backward()
+        o_opt.step()
+    for p, q in zip(model.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
