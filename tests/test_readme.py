@@ -47,6 +47,8 @@ CHECKS = {
     # an Opacus script through persample's PrivacyEngine: every step accounted
     "privacy_engine": ("privacy_engine.accountant.steps == 20"
                        " and privacy_engine.get_epsilon(1e-5) > 0"),
+    # secure mode: the step's noise source is the OS's
+    "secure_step": "type(secure_step.generator).__name__ == 'SecureSource'",
     # the audit of a correct step: no leak
     "checked": "not checked.leaks and checked.gradient.epsilon < checked.epsilon",
     # automatic clipping: each sample's losses and gradient norms
