@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 
 from .accounting import noise_multiplier_for
 from .noise import SecureSource
-from .sampling import EmptySafeCollate, PoissonBatchSampler
+from .sampling import EmptySafeCollate, PoissonBatchSampler, dataset_size, loader_options
 from .step import PrivateStep
 
 
@@ -328,7 +328,7 @@ class PrivacyEngine:
         """
         self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
                      grad_sample_mode, kwargs)
-        n = len(data_loader.dataset)
+        n = dataset_size(data_loader.dataset, "DataLoader's dataset")
         q = 1 / len(data_loader)  # as Opacus: one epoch of len(loader) Poisson batches
         expected = max(1, int(n * q))
         params = [name for name, p in module.named_parameters() if p.requires_grad]
@@ -413,11 +413,6 @@ def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep) -> DataLoad
     drawn from the OS's secure generator."""
     secure = step.generator if isinstance(step.generator, SecureSource) else None
     sampler = PoissonBatchSampler(len(loader.dataset), q, len(loader), secure)
-    keep = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                multiprocessing_context=loader.multiprocessing_context,
-                persistent_workers=loader.persistent_workers)
-    if loader.num_workers > 0:
-        keep["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(loader.dataset, batch_sampler=sampler,
-                      collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn), **keep)
+    keep = dict(loader_options(loader),
+                collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn))
+    return DataLoader(loader.dataset, batch_sampler=sampler, **keep)

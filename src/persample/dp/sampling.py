@@ -26,7 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
-from torch.utils.data import Dataset, Sampler, TensorDataset, default_collate
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    Sampler,
+    TensorDataset,
+    default_collate,
+)
 
 from .noise import SecureSource, secure_uniform
 
@@ -403,3 +410,41 @@ def users_of_records(dataset: Any, user_ids: Any, n: int) -> Tensor:
         raise ValueError(f"user_ids must give one integer user per record, ({n},), got "
                          f"{tuple(users.shape)} {users.dtype}")
     return users
+
+
+def loader_options(loader: DataLoader) -> dict[str, Any]:
+    """The ``DataLoader`` arguments of ``loader`` to keep when its batches are drawn
+    anew (all but its batching): the collate function, workers, pinned memory.
+
+    Example:
+        >>> options = loader_options(DataLoader(range(10), batch_size=2, num_workers=0))
+        >>> options["num_workers"], options["pin_memory"]
+        (0, False)
+    """
+    keep = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                pin_memory=loader.pin_memory, timeout=loader.timeout,
+                worker_init_fn=loader.worker_init_fn,
+                multiprocessing_context=loader.multiprocessing_context,
+                persistent_workers=loader.persistent_workers,
+                pin_memory_device=loader.pin_memory_device)
+    if loader.num_workers > 0:
+        keep["prefetch_factor"] = loader.prefetch_factor
+    return keep
+
+
+def dataset_size(dataset: Any, given: str) -> int:
+    """``len(dataset)``, or a ``ValueError`` that says why it is needed (``given``: how
+    the dataset came, e.g. ``"DataLoader's dataset"``).
+
+    Example:
+        >>> dataset_size(list(range(5)), "dataset")
+        5
+    """
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(
+            f"Poisson sampling needs the number of samples N of the {given} to sample "
+            f"logical batches (each sample kept with probability q = expected_batch_size "
+            f"/ N), but its {type(dataset).__name__} has no len(): pass a map-style "
+            "dataset (dataset[i] and len(dataset)), e.g. a TensorDataset or a "
+            "datasets.Dataset")
+    return len(dataset)

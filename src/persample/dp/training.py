@@ -21,11 +21,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .accounting import noise_multiplier_for
 from .clip import Accumulated
-from .sampling import PoissonBatchSampler, UserPoissonSampler, users_of_records
+from .sampling import (
+    PoissonBatchSampler,
+    UserPoissonSampler,
+    dataset_size,
+    loader_options,
+    users_of_records,
+)
 from .step import PrivateStep
 
 
@@ -184,31 +190,6 @@ class PhysicalBatches(Sampler[list[int]]):
         return iter(planned)
 
 
-def _loader_options(loader: DataLoader) -> dict[str, Any]:
-    """The ``DataLoader`` arguments of ``loader`` that are kept (all but its batching)."""
-    keep = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                pin_memory=loader.pin_memory, timeout=loader.timeout,
-                worker_init_fn=loader.worker_init_fn,
-                multiprocessing_context=loader.multiprocessing_context,
-                persistent_workers=loader.persistent_workers,
-                pin_memory_device=loader.pin_memory_device)
-    if loader.num_workers > 0:
-        keep["prefetch_factor"] = loader.prefetch_factor
-    return keep
-
-
-def _dataset_size(dataset: Any, given: str) -> int:
-    """``len(dataset)``, or a ``ValueError`` that says why it is needed."""
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError(
-            f"make_private needs the number of samples N of the {given} to sample "
-            f"logical batches (each sample kept with probability q = expected_batch_size "
-            f"/ N), but its {type(dataset).__name__} has no len(): pass a map-style "
-            "dataset (dataset[i] and len(dataset)), e.g. a TensorDataset or a "
-            "datasets.Dataset")
-    return len(dataset)
-
-
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  data: Dataset | DataLoader, loss_fn: Callable[[Any, Any], Tensor], *,
                  epochs: int, max_grad_norm: float, target_epsilon: float | None = None,
@@ -317,7 +298,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     """
     loader = data if isinstance(data, DataLoader) else None
     dataset = loader.dataset if loader is not None else data
-    n = _dataset_size(dataset, "DataLoader's dataset" if loader is not None else "dataset")
+    n = dataset_size(dataset, "DataLoader's dataset" if loader is not None else "dataset")
     users = None if user_ids is None else users_of_records(dataset, user_ids, n)
     if users is not None and expected_batch_size is None:
         raise ValueError("with user_ids, pass expected_batch_size: the number of users "
@@ -365,7 +346,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                 f"physical_batch_size ({physical_batch_size}): a user's records are clipped "
                 "together, in one physical batch; raise physical_batch_size or cap "
                 "records_per_user")
-    options = _loader_options(loader) if loader is not None else {}
+    options = loader_options(loader) if loader is not None else {}
     if collate_fn is not None:
         options["collate_fn"] = collate_fn
     physical = DataLoader(dataset, batch_sampler=PhysicalBatches(sampler, physical_batch_size),
