@@ -9,6 +9,9 @@
   step and its accountant), the model and the optimizer left as they are.
 - :class:`PrivacyEngine`: Opacus's ``PrivacyEngine`` on persample's step, so that an
   Opacus script runs unchanged but for the import.
+- :mod:`persample.dp.clipping`: flat, per-layer, per-group and automatic clipping, and
+  the sensitivity each gives the noise; ``user_ids=`` clips each user's gradient once
+  (user-level DP), :class:`UserPoissonSampler` samples users.
 - :mod:`persample.dp.sampling`: Poisson sampling of batches.
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
 - :func:`audit` (:mod:`persample.dp.auditing`): a lower bound on the epsilon a training
@@ -17,7 +20,8 @@
 
 Inside: :mod:`~persample.dp.clip` computes one micro-batch's clipped sums (Bu et al.
 2023's book-keeping), :mod:`~persample.dp.reduce` takes a step's sums to ``p.grad`` in
-each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the noise, and
+each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the noise (or,
+``secure_mode``, takes it from the operating system's secure generator), and
 :mod:`~persample.dp.step` holds the step itself.
 """
 
@@ -26,11 +30,11 @@ from .auditing import Audit, audit
 from .clip import Accumulated
 from .privacy_engine import PrivacyEngine
 from .sampling import (
-                       EmptySafeCollate,
-                       PoissonBatchSampler,
-                       UserPoissonSampler,
-                       poisson_batches,
-                       poisson_loader,
+    EmptySafeCollate,
+    PoissonBatchSampler,
+    UserPoissonSampler,
+    poisson_batches,
+    poisson_loader,
 )
 from .step import PrivateStep, private_grad
 from .training import PrivateTraining, make_private
