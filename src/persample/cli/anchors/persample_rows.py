@@ -75,22 +75,26 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
 
 def noise_draws(w: Workload) -> list[tuple[str, Callable[[], object]]]:
     """Drawing the ``P`` Gaussian numbers of one DP step: persample's counter-based
-    stream (:func:`persample.dp.noise.gaussian_like`, on torch's threads), ``torch``'s
-    ``normal_`` into a buffer (one thread on the CPU), and on the CPU numpy's
+    stream (:func:`persample.dp.noise.gaussian_like`, on torch's threads), the same from
+    the operating system's secure generator (``secure_mode``), ``torch``'s ``normal_``
+    into a buffer (one thread on the CPU), and on the CPU numpy's
     ``Generator.standard_normal`` (float32, into a buffer); timed beside the methods.
 
     Example:
         >>> from persample.cli.workloads import dp_workload
-        >>> [label for label, _ in noise_draws(dp_workload("cnn-dp-step", 2))]
-        ['noise: persample', 'noise: torch normal_', 'noise: numpy standard_normal']
-    """
-    from ...dp.noise import gaussian_like
+        >>> [label for label, _ in noise_draws(dp_workload("cnn-dp-step", 2))]  # doctest: +NORMALIZE_WHITESPACE
+        ['noise: persample', 'noise: persample secure_mode', 'noise: torch normal_',
+         'noise: numpy standard_normal']
+    """  # noqa: E501
+    from ...dp.noise import SecureSource, gaussian_like
 
     params = [p for p in w.model.parameters() if p.requires_grad]
     first = params[0]
     buf = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
     gen = torch.Generator(device=first.device).manual_seed(0)
     rows = [("noise: persample", lambda: gaussian_like(params, 1.0, gen)),
+            ("noise: persample secure_mode", lambda: gaussian_like(params, 1.0,
+                                                                   SecureSource())),
             ("noise: torch normal_", lambda: buf.normal_(generator=gen))]
     if first.device.type == "cpu":
         import numpy as np
