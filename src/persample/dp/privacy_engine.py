@@ -20,6 +20,11 @@ loss.backward(); optimizer.step()``. Underneath:
   ``loss_reduction`` says), then the noise, ``p.grad``, one accounted step, and the
   optimizer's own step.
 
+As with Opacus's hooks, the loss the user backpropagates must be a mean (or, with
+``loss_reduction="sum"``, a sum) of per-sample terms: ``"hooks"`` only sees its
+gradient; ``"ghost"`` evaluates the criterion per sample and refuses one that mixes
+samples (:class:`~persample.errors.LossNotPerSampleError`).
+
 That costs one forward and one backward more than persample's own loop
 (:class:`~persample.dp.PrivateStep`, :func:`~persample.dp.make_private`), which has
 no second pass; it is for moving a script over first.
