@@ -212,3 +212,22 @@ def test_the_same_steps_as_opacus_itself():
         o_opt.step()
     for p, q in zip(model.parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
+
+
+def test_ghost_refuses_a_loss_that_mixes_samples():
+    from persample.errors import LossNotPerSampleError
+
+    def mixing(out, y):  # each sample's term depends on the batch's mean
+        return nn.functional.cross_entropy(out - out.mean(0), y)
+
+    model = _twin(0.0)
+    engine = PrivacyEngine()
+    model, optimizer, criterion, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=1.0,
+        max_grad_norm=1.0, criterion=mixing, grad_sample_mode="ghost")
+    x, y = _data().tensors
+    loss = criterion(model(x[:10]), y[:10])
+    with pytest.raises(LossNotPerSampleError, match="mixes samples"):
+        with pytest.warns(UserWarning):
+            loss.backward()
