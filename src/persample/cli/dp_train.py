@@ -594,7 +594,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="with --users: at most this many of a user's records per step")
     p.add_argument("--secure-mode", action="store_true",
                    help="draw the noise from the operating system's cryptographically "
-                   "secure generator (os.urandom) instead of --seed: about 30 ns a number "
+                   "secure generator (os.urandom) instead of --seed: about 20 ns a number "
                    "against 2.5; the batches stay seeded")
     p.add_argument("--compare-nonprivate", action="store_true",
                    help="also train the same model without DP and compare")

@@ -58,11 +58,11 @@ class SecureSource:
     covered: an adversary with access to the training process's memory, and the
     floating-point attacks on the noise's low-order bits (Mironov 2012; Jin et al.
     2022), which Box-Muller in float64 (52 random bits per uniform) makes harder but
-    does not rule out. Cost: about 30 ns per number on this project's 2-core CPU
-    (``os.urandom`` about 17 of them, one thread: the kernel's generator), against
-    about 2.5 ns for a seeded ``normal_`` (so a 4.5 M-parameter step draws its noise in
-    about 140 against 11 ms), plus a copy to the parameters' device; the run cannot be
-    reproduced from a seed.
+    does not rule out. Cost: 18 to 24 ns per number on this project's 2-core CPU in
+    ``persample bench`` (``os.urandom`` on one thread, the kernel's generator, is most
+    of it), against 2.5 ns for a seeded ``normal_``: a 4.5 M-parameter step draws its
+    noise in 82 against 11 to 13 ms; plus a copy to the parameters' device. The run
+    cannot be reproduced from a seed.
 
     Example:
         >>> from persample.dp.noise import SecureSource, gaussian_like

@@ -80,7 +80,7 @@ class PrivateStep:
         loss_reduction: deprecated, no effect (each sample's own loss is evaluated).
         secure_mode: draw the noise from the operating system's cryptographically
             secure generator (``os.urandom``) instead of a seeded one, so that it
-            cannot be computed from a seed or earlier draws: about 30 ns per number
+            cannot be computed from a seed or earlier draws: about 20 ns per number
             against 2.5 (threat model and cost: :class:`persample.dp.noise.SecureSource`);
             not with ``generator``. With several processes rank 0 draws it (FSDP2: and
             sends each parameter's noise to every rank, one broadcast each).
