@@ -150,7 +150,7 @@ def _grouped(f: Factors, groups: Tensor, slot: Tensor, count: int, width: int) -
     left[groups, slot] = f.left
     right[groups, slot] = f.right
     return Factors(left.reshape(count, width * t, *f.left.shape[2:]),
-                   right.reshape(count, width * t, f.right.shape[2]))
+                   right.reshape(count, width * t, f.right.shape[2]), f.backprops)
 
 
 def sum_of_squares(rows: Tensor) -> Tensor:
@@ -183,12 +183,13 @@ def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tenso
                 ghosted.setdefault(op, set()).add(pid)
 
 
-def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | None = None
-                ) -> dict[int, tuple[list[Op], list]]:
+def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | None = None,
+                column: int | None = None) -> dict[int, tuple[list[Op], list]]:
     """``{id(p): (ops, [Factors of each op's use])}`` for the parameters ``wanted`` (ids)
     every one of whose uses is an op with a factor rule (``register_op_factors``): read
     directly (not through a derived tensor), by ops not changed in place since, with one
-    output each. The factors are in the dtype the norms accumulate in."""
+    output each. The factors are in the dtype the norms accumulate in; ``column``: of
+    that cotangent of a backward with several (``captured.v``), else of the one."""
     sites = _sites(captured) if sites is None else sites
     readers: dict[int, list[Op]] = {}
     for op in captured.plan.uses:
@@ -203,7 +204,7 @@ def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | No
             continue
         uses = []
         for op in ops:
-            got = _factors(captured, op, captured.param(pid))
+            got = _factors(captured, op, captured.param(pid), column)
             if got is None:
                 break
             uses.append(got)
@@ -212,14 +213,17 @@ def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | No
     return found
 
 
-def _factors(captured: Captured, op: Op, p: Tensor) -> Any:
-    """The factors of ``op``'s use of ``p`` (its factor rule), or ``None``."""
+def _factors(captured: Captured, op: Op, p: Tensor, column: int | None = None) -> Any:
+    """The factors of ``op``'s use of ``p`` (its factor rule; ``column``: of that
+    cotangent), or ``None``."""
     spec = spec_of(op.func)
     if spec is None or spec.factors is None:
         return None
     g, call = _backprops(captured, op)
     if g is None:
         return None
+    if column is not None:
+        g = g[:, column:column + 1]  # (n, 1, *out)
     try:
         return spec.factors(call, g, {p}).get(p)
     except Decline:

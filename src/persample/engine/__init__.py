@@ -16,6 +16,7 @@ A batch of one needs no capture: its per-sample gradient is the gradient.
 
 from .backward import (
     capture_backprops,
+    cotangent_backprops,
     loss_backprops,
     one_hot,
     rules_grads,
@@ -24,5 +25,5 @@ from .backward import (
 from .captured import Captured
 from .pullback import write_per_sample
 
-__all__ = ["Captured", "capture_backprops", "loss_backprops", "one_hot", "rules_grads",
-           "rules_param_jacobian", "write_per_sample"]
+__all__ = ["Captured", "capture_backprops", "cotangent_backprops", "loss_backprops",
+           "one_hot", "rules_grads", "rules_param_jacobian", "write_per_sample"]

@@ -194,6 +194,23 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
     backward (``is_grads_batched=True``) gives all ``n * v`` rows. ``dest`` maps
     ``id(param)`` to ``(n, v, *param.shape)`` with ``v = len(outputs)``.
     """
+    cap = cotangent_backprops(
+        model, batch, lambda output: one_hot(outputs.start, outputs.stop, output), watched,
+        len(outputs))
+    with internal("the rules"):
+        write_per_sample(cap, dest)
+    return cap
+
+
+def cotangent_backprops(model: nn.Module, batch: Batch,
+                        cotangents: Callable[[Tensor], Tensor], watched: dict[int, nn.Parameter],
+                        v: int) -> Captured:
+    """Capture one batch and pull ``v`` cotangents per sample back from the model's
+    output (one tensor with the samples in dim 0): ``cotangents(output)`` gives them,
+    ``(v, n, *out)``, from the output's values (detached); one batched backward
+    (``is_grads_batched=True``) gives the backprops ``(n, v, *out)`` at every planned
+    edge. The rows of a Jacobian (one-hot), K-FAC's loss-Hessian columns, a Fisher's
+    sampled gradients."""
     n = batch.n
 
     def root(output: Any, cap: Capture) -> Tensor:
@@ -207,13 +224,10 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
         return output
 
     def backward(output: Tensor, edges: list, _: Plan) -> tuple:
-        cot = one_hot(outputs.start, outputs.stop, output)  # (v, n, *out_shape)
+        cot = cotangents(output.detach())  # (v, n, *out_shape)
         return torch.autograd.grad(output, edges, cot, is_grads_batched=True, allow_unused=True)
 
-    cap = capture_backprops(model, batch, root, backward, watched, len(outputs))
-    with internal("the rules"):
-        write_per_sample(cap, dest)
-    return cap
+    return capture_backprops(model, batch, root, backward, watched, v)
 
 
 def one_hot(start: int, stop: int, like: Tensor) -> Tensor:

@@ -140,7 +140,7 @@ def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def embedding_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict:
     """``W (r, d)``: ``L`` the one-hot rows of the ids, ``R`` the backprops."""
     i, gt, w = _lookup(call, g)
-    return {w: Factors(i, gt)} if w in wanted else {}
+    return {w: Factors(i, gt, "right")} if w in wanted else {}
 
 
 def embedding_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> None:

@@ -41,10 +41,14 @@ class Factors:
     Attributes:
         left: ``(n, t, r)`` floating, or ``(n, t)`` int64 row ids (one-hot rows).
         right: ``(n, t, c)`` floating (zeros at positions that give no gradient).
+        backprops: which side holds the op's backprops (``"left"`` or ``"right"``);
+            the other holds what it read (activations, ids, ones for a bias): K-FAC's
+            output-side and input-side factors (:mod:`persample.curvature`).
     """
 
     left: Tensor
     right: Tensor
+    backprops: str = "left"
 
     @property
     def ids(self) -> bool:

@@ -198,7 +198,8 @@ def addmm_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, 
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if w in wanted:
-        found[w] = Factors(_expanded(call, x, i, gt.shape[0]), gt if alpha == 1 else gt * alpha)
+        found[w] = Factors(_expanded(call, x, i, gt.shape[0]), gt if alpha == 1 else gt * alpha,
+                           "right")
     if b in wanted:
         found[b] = _bias_factors(gt if beta == 1 else gt * beta)
     return found
@@ -257,7 +258,7 @@ def matmul_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor,
         raise Decline("not a shared matrix parameter on the right")
     k, p = b.shape
     n = g.shape[0]
-    return {b: Factors(_expanded(call, a, k, n), g.reshape(n, -1, p))}
+    return {b: Factors(_expanded(call, a, k, n), g.reshape(n, -1, p), "right")}
 
 
 # ---------------------------------------------------------------------------
