@@ -204,14 +204,15 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
 
 def cotangent_backprops(model: nn.Module, batch: Batch,
                         cotangents: Callable[[Tensor], Tensor], watched: dict[int, nn.Parameter],
-                        v: int) -> Captured:
+                        v: int = 1) -> Captured:
     """Capture one batch and pull ``v`` cotangents per sample back from the model's
     output (one tensor with the samples in dim 0): ``cotangents(output)`` gives them,
-    ``(v, n, *out)``, from the output's values (detached); one batched backward
-    (``is_grads_batched=True``) gives the backprops ``(n, v, *out)`` at every planned
-    edge. The rows of a Jacobian (one-hot), K-FAC's loss-Hessian columns, a Fisher's
-    sampled gradients."""
+    ``(v, n, *out)``, from the output's values (detached; ``v`` as they come, whatever
+    the argument says); one batched backward (``is_grads_batched=True``) gives the
+    backprops ``(n, v, *out)`` at every planned edge. The rows of a Jacobian (one-hot),
+    K-FAC's loss-Hessian columns, a Fisher's sampled gradients."""
     n = batch.n
+    seen: list[int] = []
 
     def root(output: Any, cap: Capture) -> Tensor:
         lay = cap.layout(output) if isinstance(output, Tensor) else None
@@ -225,9 +226,12 @@ def cotangent_backprops(model: nn.Module, batch: Batch,
 
     def backward(output: Tensor, edges: list, _: Plan) -> tuple:
         cot = cotangents(output.detach())  # (v, n, *out_shape)
+        seen.append(cot.shape[0])
         return torch.autograd.grad(output, edges, cot, is_grads_batched=True, allow_unused=True)
 
-    return capture_backprops(model, batch, root, backward, watched, v)
+    captured = capture_backprops(model, batch, root, backward, watched, v)
+    captured.v = seen[0] if seen else v
+    return captured
 
 
 def one_hot(start: int, stop: int, like: Tensor) -> Tensor:

@@ -1,0 +1,365 @@
+"""Curvature from the same records as the per-sample gradients: K-FAC factors of every
+parameter whose ops give factors, and the exact diagonal of the others.
+
+For a linear map at ``T`` positions, sample ``n``'s gradient is ``sum_t g_nt a_nt^T``
+(``g`` the backprops, ``a`` what the op read: activations, one-hot ids, ones for a
+bias; ``rules.ghost``). K-FAC (Martens & Grosse 2015) approximates the Fisher block of
+the weight by a Kronecker product ``A (x) G`` of the two sides' second moments;
+with weight sharing over positions, Eschenhagen et al. 2023 ("Kronecker-Factored
+Approximate Curvature for Modern Neural Network Architectures") give two forms:
+
+- ``"expand"``: every position a sample of its own: ``A = sum_{n,t} a a^T / (N T)``,
+  ``G = sum_{n,t} g g^T / N``;
+- ``"reduce"``: positions pooled per sample: ``A = sum_n abar abar^T / N`` with
+  ``abar = mean_t a``, ``G = sum_n gbar gbar^T / N`` with ``gbar = sum_t g``.
+
+The backprops are those of one of three matrices (each sample's own loss ``L_n``,
+``F = sum_n J_n^T H J_n / N`` for some ``H`` at the output):
+
+- ``"type-2"``: the GGN: the columns of each sample's loss Hessian at its output,
+  ``H_n = S_n S_n^T``, pulled back one backward each, all in one batched backward;
+- ``"mc"``: the Fisher by Monte Carlo: the loss gradient at labels drawn from the
+  model's predictive distribution (``torch.nn`` cross-entropy: categorical; MSE:
+  Gaussian of variance 1/2; BCE with logits: Bernoulli), averaged over ``mc_samples``;
+- ``"empirical"``: the empirical Fisher: the loss gradient at the given labels.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import hessian, vmap
+
+from . import checks
+from .engine import Captured, cotangent_backprops, write_per_sample
+from .errors import internal
+from .loss import per_sample_losses
+from .norms import use_factors
+from .precision import accumulate_dtype, without_autocast
+from .rules.ghost import Factors
+
+FISHERS = ("type-2", "mc", "empirical")
+KINDS = ("expand", "reduce")
+
+
+@dataclass
+class KroneckerFactors:
+    """One use's K-FAC factors of a parameter seen as a matrix ``(rows, cols)``
+    (:func:`persample.captured_batch.matrix_shape`): its curvature block ``~ A (x) G``.
+
+    Attributes:
+        A: the input side's second moment ``(d_in, d_in)``, or for a lookup (whose input
+            side is the one-hot id of each position) its diagonal ``(vocabulary,)``.
+        G: the output side's ``(d_out, d_out)``, from the backprops.
+        rows: ``"G"`` when ``G`` acts on the parameter's rows (``nn.Linear``'s weight
+            ``(out, in)``), ``"A"`` when ``A`` does (``x @ W`` with ``W (in, out)``,
+            GPT-2's ``Conv1D``, an embedding table ``(vocabulary, d)``).
+    """
+
+    A: Tensor
+    G: Tensor
+    rows: str
+
+
+class _Moments:
+    """Running sums of one use's factors and what they are divided by."""
+
+    def __init__(self) -> None:
+        self.a: Tensor | None = None  # sum of the input side's outer products (or counts)
+        self.a_count = 0  # positions (expand) or samples (reduce) summed into a
+        self.g: Tensor | None = None  # sum of the output side's outer products
+        self.rows = "G"
+
+    def add(self, a: Tensor, a_count: int, g: Tensor) -> None:
+        self.a = a if self.a is None else self.a + a
+        self.g = g if self.g is None else self.g + g
+        self.a_count += a_count
+
+
+class KFAC:
+    """K-FAC factors of a model's parameters, accumulated over batches, from persample's
+    captured activations and backprops: every op with factors (``nn.Linear`` and
+    ``F.linear``, ``addmm``/GPT-2's ``Conv1D``, ``x @ W``, embedding lookups), tied and
+    shared parameters with every use; the exact diagonal of the curvature for the
+    parameters without factors (normalisation scales, convolutions, recurrent weights),
+    from their per-sample gradients.
+
+    Args:
+        model: the ``nn.Module``; its output one tensor with the samples in dim 0
+            (``"type-2"``: ``(B, C)``).
+        fisher: ``"type-2"`` (the GGN, exact in its columns), ``"mc"`` or
+            ``"empirical"`` (see the module's docstring).
+        kind: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023); lookups are
+            always expanded (their input side's second moment is the ids' frequencies,
+            a diagonal).
+        params: names or parameters to cover (default every trainable one).
+        mc_samples: labels drawn per sample for ``"mc"``, ``>= 1``.
+        generator: a ``torch.Generator`` for ``"mc"``'s draws.
+
+    Attributes:
+        num_data: the samples accumulated so far.
+
+    Raises:
+        ValueError: an unknown ``fisher`` or ``kind``, ``mc_samples < 1``; at
+            :meth:`update`, a loss ``"mc"`` cannot sample from, or an output
+            ``"type-2"`` cannot take.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from persample.curvature import KFAC
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        >>> kfac = KFAC(net, fisher="type-2")
+        >>> kfac.update(torch.randn(16, 4), torch.randint(0, 3, (16,)), nn.CrossEntropyLoss())
+        >>> [(f.A.shape, f.G.shape) for f in kfac.factors["0.weight"]]
+        [(torch.Size([4, 4]), torch.Size([8, 8]))]
+        >>> kfac.num_data
+        16
+
+    Source: Martens & Grosse 2015 (K-FAC); Grosse & Martens 2016 (K-FAC for weight
+    sharing); Eschenhagen et al. 2023 (expand and reduce); Kunstner et al. 2019 (the
+    empirical Fisher, and why the other two are preferred).
+    """
+
+    def __init__(self, model: nn.Module, *, fisher: str = "type-2", kind: str = "expand",
+                 params: Iterable[str | Tensor] | None = None, mc_samples: int = 1,
+                 generator: torch.Generator | None = None) -> None:
+        if fisher not in FISHERS:
+            raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples must be an int >= 1, got {mc_samples!r}")
+        self.model, self.fisher, self.kind = model, fisher, kind
+        self.mc_samples, self.generator = mc_samples, generator
+        every = checks.trainable_parameters(model)
+        self.params = checks.selected_parameters(model, every, params)
+        self.num_data = 0
+        self._moments: dict[str, list[_Moments]] = {}
+        self._diagonal: dict[str, Tensor] = {}
+
+    def update(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Tensor]) -> None:
+        """Add one batch: one forward and one batched backward of ``v`` cotangents per
+        sample (``"type-2"``: the output's size ``C``; ``"mc"``: ``mc_samples``;
+        ``"empirical"``: 1).
+
+        Args:
+            inputs, targets, loss_fn: as for :func:`persample.per_sample_grads` (each
+                sample's own loss ``L_n``).
+
+        Raises:
+            ValueError: a loss ``"mc"`` cannot sample from (not ``CrossEntropyLoss``,
+                ``MSELoss`` or ``BCEWithLogitsLoss``), an output ``"type-2"`` cannot take
+                (not ``(B, C)``), and the errors of ``per_sample_grads``' validation.
+        """
+        batch, n, _ = checks.validate_call(self.model, inputs, targets, loss_fn, "rules",
+                                           None, None)
+        if n == 0:
+            return
+        cotangents, v = self._cotangents(targets, loss_fn)
+        watched = {id(p): p for p in self.params.values()}
+        captured = cotangent_backprops(self.model, batch, cotangents, watched, v)
+        scale = 1.0 / self.mc_samples if self.fisher == "mc" else 1.0
+        with torch.no_grad(), without_autocast(), internal("the factor rules"):
+            factored = self._add_factors(captured, v, scale)
+            self._add_diagonals(captured, factored, v, scale)
+        self.num_data += n
+
+    @property
+    def factors(self) -> dict[str, list[KroneckerFactors]]:
+        """``{name: [KroneckerFactors of each use]}`` for the parameters with factors
+        (a tied parameter has one per use), normalised by the samples so far."""
+        out = {}
+        for name, uses in self._moments.items():
+            out[name] = [KroneckerFactors(m.a / m.a_count, m.g / self.num_data, m.rows)
+                         for m in uses]
+        return out
+
+    @property
+    def diagonals(self) -> dict[str, Tensor]:
+        """``{name: tensor of the parameter's shape}``: the exact diagonal of the
+        curvature of the parameters without factors."""
+        return {name: d / self.num_data for name, d in self._diagonal.items()}
+
+    # -- one batch ---------------------------------------------------------------------
+
+    def _cotangents(self, targets: Any, loss_fn: Callable) -> tuple[Callable, int]:
+        """The cotangents' function of the output ``(v, n, *out)``, and ``v`` as far as
+        known before the output is (``"type-2"``: the output's size)."""
+        if self.fisher == "empirical":
+            return lambda out: loss_gradient(out, targets, loss_fn).unsqueeze(0), 1
+        if self.fisher == "mc":
+            draw = label_sampler(loss_fn, self.generator)
+            return (lambda out: torch.stack([draw(out, targets)
+                                             for _ in range(self.mc_samples)]),
+                    self.mc_samples)
+        return lambda out: hessian_columns(out, targets, loss_fn), 1
+
+    def _add_factors(self, captured: Captured, v: int, scale: float) -> set[int]:
+        """Each factored use's sums, column by column; the ids of the parameters done."""
+        names = {id(p): name for name, p in self.params.items()}
+        v = captured.v
+        done: set[int] = set()
+        for column in range(v):
+            found = use_factors(captured, set(names), column=column if v > 1 else None)
+            for pid, (_, uses) in found.items():
+                moments = self._moments.setdefault(names[pid], [_Moments() for _ in uses])
+                table = captured.param(pid).shape[0] if captured.param(pid).dim() else 1
+                for m, f in zip(moments, uses):
+                    a, count, g, rows = _sides(f, self.kind, table, first=column == 0)
+                    m.rows = rows
+                    m.add(a, count, g * scale)
+                done.add(pid)
+        return done
+
+    def _add_diagonals(self, captured: Captured, factored: set[int], v: int, scale: float
+                       ) -> None:
+        """The exact curvature diagonal ``sum_{n, v} g_nv^2`` of the other parameters."""
+        rest = {name: p for name, p in self.params.items() if id(p) not in factored}
+        if not rest:
+            return
+        v = captured.v
+        dest = {id(p): p.new_zeros((captured.n, v, *p.shape),
+                                   dtype=accumulate_dtype(p.dtype)) for p in rest.values()}
+        write_per_sample(captured, dest)
+        for name, p in rest.items():
+            d = dest[id(p)].square().sum((0, 1)) * scale
+            self._diagonal[name] = d if name not in self._diagonal else self._diagonal[name] + d
+
+
+def _sides(f: Factors, kind: str, table: int, first: bool) -> tuple[Tensor, int, Tensor, str]:
+    """One use's input-side sum (zeros after the first column: it does not depend on
+    the cotangent), its count, its output-side sum, and which acts on the parameter's
+    rows (``table``: a lookup's rows)."""
+    grads, read = (f.left, f.right) if f.backprops == "left" else (f.right, f.left)
+    rows = "G" if f.backprops == "left" else "A"
+    n, t = read.shape[:2]
+    if kind == "expand":
+        g = torch.einsum("nti,ntj->ij", grads, grads)  # (d_out, d_out)
+    else:
+        pooled = grads.sum(1)  # (n, d_out)
+        g = pooled.T @ pooled
+    if not first:
+        shape = (table,) if not read.is_floating_point() else (read.shape[2],) * 2
+        return grads.new_zeros(shape), 0, g, rows
+    if not read.is_floating_point():  # a lookup's one-hot ids: their frequencies
+        counts = torch.bincount(read.reshape(-1), minlength=table)[:table]
+        return counts.to(grads.dtype), n * t, g, rows
+    if kind == "expand":
+        return torch.einsum("nti,ntj->ij", read, read), n * t, g, rows
+    mean = read.mean(1)  # (n, d_in)
+    return mean.T @ mean, n, g, rows
+
+
+# -- the cotangents -------------------------------------------------------------------
+
+
+def loss_gradient(output: Tensor, targets: Any, loss_fn: Callable) -> Tensor:
+    """``(n, *out)``: each sample's loss gradient at its own output, ``dL_n / d out_n``.
+
+    Example:
+        >>> out = torch.tensor([[0.0, 0.0]])
+        >>> loss_gradient(out, torch.tensor([0]), nn.CrossEntropyLoss())
+        tensor([[-0.5000,  0.5000]])
+    """
+    with torch.enable_grad():
+        out = output.detach().requires_grad_(True)
+        losses = per_sample_losses(out, targets, loss_fn, len(out))
+        (grad,) = torch.autograd.grad(losses.sum(), out)
+    return grad
+
+
+def label_sampler(loss_fn: Callable, generator: torch.Generator | None
+                  ) -> Callable[[Tensor, Any], Tensor]:
+    """``draw(output, targets)``: one Monte Carlo cotangent ``(n, *out)``, the loss
+    gradient at labels drawn from the predictive distribution the loss is the negative
+    log-likelihood of, times ``sqrt(m)`` where each sample's loss is a mean of ``m``
+    terms (so that its expected outer product is the loss Hessian, the GGN's):
+    cross-entropy: categorical over dim 1 (``ignore_index`` positions of the given
+    targets stay ignored); MSE: ``y = f + e``, ``e ~ N(0, 1/2)``; BCE with logits:
+    Bernoulli.
+
+    Raises:
+        ValueError: another loss, or a loss with class weights or label smoothing.
+
+    Example:
+        >>> draw = label_sampler(nn.MSELoss(reduction="sum"), torch.Generator().manual_seed(0))
+        >>> draw(torch.zeros(3, 2), None).shape
+        torch.Size([3, 2])
+    """
+    kind = type(loss_fn)
+    if kind not in (nn.CrossEntropyLoss, nn.MSELoss, nn.BCEWithLogitsLoss) or (
+            getattr(loss_fn, "weight", None) is not None
+            or getattr(loss_fn, "label_smoothing", 0.0) != 0
+            or getattr(loss_fn, "pos_weight", None) is not None):
+        raise ValueError(
+            "fisher='mc' draws labels from the distribution the loss is the negative "
+            "log-likelihood of: pass nn.CrossEntropyLoss, nn.MSELoss or "
+            f"nn.BCEWithLogitsLoss without weights or smoothing (got {loss_fn!r}); or use "
+            "fisher='type-2' (any loss) or 'empirical'")
+
+    def draw(output: Tensor, targets: Any) -> Tensor:
+        n = len(output)
+        if kind is nn.CrossEntropyLoss:
+            classes = output.shape[1]
+            probs = output.softmax(1).movedim(1, -1).reshape(-1, classes)
+            labels = probs.multinomial(1, generator=generator).reshape(
+                n, *output.shape[2:])
+            if isinstance(targets, Tensor) and targets.shape == labels.shape:
+                labels = torch.where(targets == loss_fn.ignore_index, targets, labels)
+            terms = labels[0].numel() if output.dim() > 2 else 1
+        elif kind is nn.MSELoss:
+            noise = torch.randn(output.shape, generator=generator, dtype=output.dtype,
+                                device=output.device)
+            labels = output + math.sqrt(0.5) * noise
+            terms = output[0].numel()
+        else:
+            labels = torch.bernoulli(output.sigmoid(), generator=generator)
+            terms = output[0].numel()
+        grad = loss_gradient(output, labels, loss_fn)
+        if loss_fn.reduction == "mean" and terms > 1:
+            grad = grad * math.sqrt(terms)
+        return grad
+
+    return draw
+
+
+def hessian_columns(output: Tensor, targets: Any, loss_fn: Callable) -> Tensor:
+    """``(C, n, C)``: the columns of each sample's loss Hessian's square root at its
+    output ``(n, C)``: ``H_n = S_n S_n^T`` (eigen-decomposition, negative eigenvalues
+    cut to 0), column ``c`` for every sample at once.
+
+    Raises:
+        ValueError: an output that is not ``(n, C)``, or targets that are not a tensor
+            with the samples in dim 0.
+
+    Example:
+        >>> cols = hessian_columns(torch.zeros(2, 3), torch.tensor([0, 1]),
+        ...                        nn.CrossEntropyLoss())
+        >>> cols.shape, torch.allclose(torch.einsum("cni,cnj->nij", cols, cols)[0],
+        ...                            torch.eye(3) / 3 - 1 / 9)
+        (torch.Size([3, 2, 3]), True)
+    """
+    if output.dim() != 2:
+        raise ValueError(f"fisher='type-2' takes a model output (B, C), got "
+                         f"{tuple(output.shape)}: use fisher='mc' for outputs with positions")
+    if not isinstance(targets, Tensor) or len(targets) != len(output):
+        raise ValueError("fisher='type-2' needs the targets as one tensor with the samples "
+                         "in dim 0")
+
+    def one(o: Tensor, y: Tensor) -> Tensor:
+        return loss_fn(o.unsqueeze(0), y.unsqueeze(0)).sum()
+
+    with torch.enable_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`torch.jit.script` is deprecated",
+                                DeprecationWarning)  # (torch's forward-mode decompositions)
+        h = vmap(hessian(one))(output.detach(), targets)  # (n, C, C)
+    values, vectors = torch.linalg.eigh(h)
+    root = vectors * values.clamp(min=0).sqrt().unsqueeze(1)  # (n, C, C): columns u_k sqrt(l_k)
+    return root.permute(2, 0, 1)  # (C, n, C)
