@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("plan", {"plan"}),
     ("engine", {"engine"}),
     ("public", {"checks", "methods", "reference", "vmap", "whole", "api", "norms", "captured_batch",
-                "dots", "projection", "jacobian", "support", "__init__"}),
+                "dots", "projection", "jacobian", "support", "curvature", "__init__"}),
     ("applications", {"dp", "data"}),
     ("integrations", {"integrations"}),
     ("cli", {"cli", "__main__"}),

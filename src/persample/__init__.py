@@ -3,8 +3,8 @@
 The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 :func:`input_jacobian`, :func:`jacobian_diagonal`, :func:`per_sample_grad_norms`,
 :func:`per_sample_grad_dots` and :class:`GradientProjector` (inner products and random
-projections of per-sample gradients, for data attribution),
-the loop references, :func:`register_rule` to add a layer rule, and
+projections of per-sample gradients, for data attribution), :class:`KFAC` (Kronecker
+factors of the curvature from the same records), the loop references, :func:`register_rule` to add a layer rule, and
 :func:`supported` / :func:`verify` to check a custom model,
 :func:`empty_cache` to free the result memory persample keeps for reuse,
 :func:`clear_plans` / :func:`cache_plans` for the data flow it keeps from earlier calls,
@@ -13,6 +13,7 @@ and
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
+from .curvature import KFAC
 from .dots import per_sample_grad_dots
 from .draws import DrawNotReplayable
 from .engine.plans import cache_plans, clear_plans
@@ -32,6 +33,7 @@ __all__ = [
     "per_sample_grad_norms",
     "per_sample_grad_dots",
     "GradientProjector",
+    "KFAC",
     "input_jacobian",
     "jacobian_diagonal",
     "aligned_empty",
