@@ -4,7 +4,8 @@ The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 :func:`input_jacobian`, :func:`jacobian_diagonal`, :func:`per_sample_grad_norms`,
 :func:`per_sample_grad_dots` and :class:`GradientProjector` (inner products and random
 projections of per-sample gradients, for data attribution), :class:`KFAC` (Kronecker
-factors of the curvature from the same records), the loop references, :func:`register_rule` to add a layer rule, and
+factors of the curvature from the same records), the loop references,
+:func:`register_rule` to add a layer rule, and
 :func:`supported` / :func:`verify` to check a custom model,
 :func:`empty_cache` to free the result memory persample keeps for reuse,
 :func:`clear_plans` / :func:`cache_plans` for the data flow it keeps from earlier calls,
