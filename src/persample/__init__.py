@@ -4,7 +4,8 @@ The public API: :func:`per_sample_grads`, :func:`param_jacobian`,
 :func:`input_jacobian`, :func:`jacobian_diagonal`, :func:`per_sample_grad_norms`,
 :func:`per_sample_grad_dots` and :class:`GradientProjector` (inner products and random
 projections of per-sample gradients, for data attribution), :class:`KFAC` (Kronecker
-factors of the curvature from the same records), the loop references,
+factors of the curvature from the same records) and :func:`per_sample_ggn_diag` /
+:func:`ggn_diag` (the GGN's diagonal, per sample or summed), the loop references,
 :func:`register_rule` to add a layer rule, and
 :func:`supported` / :func:`verify` to check a custom model,
 :func:`empty_cache` to free the result memory persample keeps for reuse,
@@ -14,7 +15,7 @@ and
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
-from .curvature import KFAC
+from .curvature import KFAC, ggn_diag, per_sample_ggn_diag
 from .dots import per_sample_grad_dots
 from .draws import DrawNotReplayable
 from .engine.plans import cache_plans, clear_plans
@@ -35,6 +36,8 @@ __all__ = [
     "per_sample_grad_dots",
     "GradientProjector",
     "KFAC",
+    "per_sample_ggn_diag",
+    "ggn_diag",
     "input_jacobian",
     "jacobian_diagonal",
     "aligned_empty",

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.func import hessian, vmap
 
 from . import checks
+from .captured_batch import parameter_groups
 from .engine import Captured, cotangent_backprops, write_per_sample
 from .errors import internal
 from .loss import per_sample_losses
@@ -299,10 +300,11 @@ def label_sampler(loss_fn: Callable, generator: torch.Generator | None
             or getattr(loss_fn, "label_smoothing", 0.0) != 0
             or getattr(loss_fn, "pos_weight", None) is not None):
         raise ValueError(
-            "fisher='mc' draws labels from the distribution the loss is the negative "
-            "log-likelihood of: pass nn.CrossEntropyLoss, nn.MSELoss or "
-            f"nn.BCEWithLogitsLoss without weights or smoothing (got {loss_fn!r}); or use "
-            "fisher='type-2' (any loss) or 'empirical'")
+            "Monte Carlo curvature (fisher='mc', mc_samples > 0) draws labels from the "
+            "distribution the loss is the negative log-likelihood of: pass "
+            "nn.CrossEntropyLoss, nn.MSELoss or nn.BCEWithLogitsLoss without weights or "
+            f"smoothing (got {loss_fn!r}); or use the exact form (fisher='type-2', "
+            "mc_samples=0), which takes any loss")
 
     def draw(output: Tensor, targets: Any) -> Tensor:
         n = len(output)
@@ -363,3 +365,114 @@ def hessian_columns(output: Tensor, targets: Any, loss_fn: Callable) -> Tensor:
     values, vectors = torch.linalg.eigh(h)
     root = vectors * values.clamp(min=0).sqrt().unsqueeze(1)  # (n, C, C): columns u_k sqrt(l_k)
     return root.permute(2, 0, 1)  # (C, n, C)
+
+
+# -- GGN diagonals ---------------------------------------------------------------------
+
+
+def per_sample_ggn_diag(model: nn.Module, inputs: Any, targets: Any,
+                        loss_fn: Callable[[Any, Any], Tensor], *, mc_samples: int = 0,
+                        flat: bool = False, params: Iterable[str | Tensor] | None = None,
+                        generator: torch.Generator | None = None) -> dict[str, Tensor] | Tensor:
+    """Each sample's diagonal of the generalized Gauss-Newton matrix, ``diag(J_n^T H_n
+    J_n)`` (``H_n`` its loss's Hessian at its output ``(C,)``, ``J_n`` the Jacobian of
+    its output), without the ``(B, P)`` gradients of all parameters at once.
+
+    ``mc_samples=0``: exact, ``sum_c (J_n^T s_nc)^2`` over the columns of ``H_n``'s
+    square root (one batched backward of ``C`` cotangents; BackPACK's
+    ``BatchDiagGGNExact``); ``mc_samples=m``: the Monte Carlo estimate from ``m`` labels
+    drawn from the model's distribution (MC Fisher, BackPACK's ``BatchDiagGGNMC``; a
+    ``torch.nn`` cross-entropy, MSE or BCE-with-logits loss).
+
+    Args:
+        model, inputs, targets, loss_fn: as for :func:`persample.per_sample_grads` (each
+            sample's own loss); exact: the model's output ``(B, C)``.
+        mc_samples: 0 (exact) or the labels drawn per sample.
+        flat: one ``(B, P)`` tensor (``named_parameters()`` order) instead of a dict.
+        params: names or parameters (default every trainable one).
+        generator: for the Monte Carlo draws.
+
+    Returns:
+        ``{name: (B, *param.shape)}`` (or ``(B, P)``), in loss units per parameter unit
+        squared, in the parameters' dtype or float32 if that is lower.
+
+    Raises:
+        ValueError: ``mc_samples < 0``, an output exact cannot take (not ``(B, C)``), a
+            loss MC cannot sample from; the errors of ``per_sample_grads``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from persample.curvature import per_sample_ggn_diag
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        >>> d = per_sample_ggn_diag(net, torch.randn(5, 4), torch.randint(0, 3, (5,)),
+        ...                         nn.CrossEntropyLoss())
+        >>> d["0.weight"].shape, bool((d["0.weight"] >= 0).all())
+        (torch.Size([5, 8, 4]), True)
+
+    Source: Martens 2020 and Schraudolph 2002 (the GGN); Dangel, Kunstner & Hennig 2020
+    (BackPACK: its per-sample diagonals by backpropagating the Hessian's square root).
+    """
+    rows = _ggn_rows(model, inputs, targets, loss_fn, mc_samples, params, generator,
+                     per_sample=True)
+    if flat:
+        return torch.cat([r.flatten(1) for r in rows.values()], 1)
+    return rows
+
+
+def ggn_diag(model: nn.Module, inputs: Any, targets: Any,
+             loss_fn: Callable[[Any, Any], Tensor], *, mc_samples: int = 0,
+             params: Iterable[str | Tensor] | None = None,
+             generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """The diagonal of the batch's GGN, ``sum_n diag(J_n^T H_n J_n)``, as
+    :func:`per_sample_ggn_diag` summed over the samples, formed a few parameters at a
+    time (never ``(B, P)``).
+
+    Returns:
+        ``{name: param.shape}``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from persample.curvature import ggn_diag, per_sample_ggn_diag
+        >>> net = nn.Linear(4, 3)
+        >>> x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+        >>> total = ggn_diag(net, x, y, nn.CrossEntropyLoss())["weight"]
+        >>> each = per_sample_ggn_diag(net, x, y, nn.CrossEntropyLoss())["weight"]
+        >>> torch.allclose(total, each.sum(0))
+        True
+    """
+    return _ggn_rows(model, inputs, targets, loss_fn, mc_samples, params, generator,
+                     per_sample=False)
+
+
+def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
+              mc_samples: int, params: Any, generator: torch.Generator | None,
+              per_sample: bool) -> dict[str, Tensor]:
+    """The GGN diagonal of each parameter, per sample or summed."""
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
+        raise ValueError(f"mc_samples must be an int >= 0 (0: exact), got {mc_samples!r}")
+    batch, n, chosen = checks.validate_call(model, inputs, targets, loss_fn, "rules", None,
+                                            None, params)
+    if mc_samples:
+        draw = label_sampler(loss_fn, generator)
+        captured = cotangent_backprops(
+            model, batch, lambda out: torch.stack([draw(out, targets)
+                                                   for _ in range(mc_samples)]),
+            {id(p): p for p in chosen.values()}, mc_samples)
+    else:
+        captured = cotangent_backprops(
+            model, batch, lambda out: hessian_columns(out, targets, loss_fn),
+            {id(p): p for p in chosen.values()})
+    scale = 1.0 / mc_samples if mc_samples else 1.0
+    found: dict[str, Tensor] = {}
+    names = {id(p): name for name, p in chosen.items()}
+    with torch.no_grad(), internal("the rules"):
+        for group in parameter_groups(list(chosen.values()), n * captured.v):
+            dest = {id(p): p.new_zeros((n, captured.v, *p.shape),
+                                       dtype=accumulate_dtype(p.dtype)) for p in group}
+            write_per_sample(captured, dest)  # (n, v, *shape): J_n^T s_nv
+            for pid, cols in dest.items():
+                rows = cols.square_().sum(1).mul_(scale)  # (n, *shape)
+                found[names[pid]] = rows if per_sample else rows.sum(0)
+    return {name: found[name] for name in chosen}
