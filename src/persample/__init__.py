@@ -20,6 +20,7 @@ from .dots import per_sample_grad_dots
 from .draws import DrawNotReplayable
 from .engine.plans import cache_plans, clear_plans
 from .errors import InternalError, LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
+from .influence import influence, self_influence
 from .inputs import PackedRows
 from .jacobian import input_jacobian, jacobian_diagonal
 from .memory import empty_cache
@@ -38,6 +39,8 @@ __all__ = [
     "KFAC",
     "per_sample_ggn_diag",
     "ggn_diag",
+    "influence",
+    "self_influence",
     "input_jacobian",
     "jacobian_diagonal",
     "aligned_empty",

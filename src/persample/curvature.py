@@ -102,6 +102,9 @@ class KFAC:
         params: names or parameters to cover (default every trainable one).
         mc_samples: labels drawn per sample for ``"mc"``, ``>= 1``.
         generator: a ``torch.Generator`` for ``"mc"``'s draws.
+        shared: a parameter several ops read (tied weights): ``"each"``, one pair of
+            factors per use (its block is their sum); ``"diagonal"``, its exact
+            diagonal instead (one Kronecker product per parameter, as inverting wants).
 
     Attributes:
         num_data: the samples accumulated so far.
@@ -130,14 +133,16 @@ class KFAC:
 
     def __init__(self, model: nn.Module, *, fisher: str = "type-2", kind: str = "expand",
                  params: Iterable[str | Tensor] | None = None, mc_samples: int = 1,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, shared: str = "each") -> None:
         if fisher not in FISHERS:
             raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"mc_samples must be an int >= 1, got {mc_samples!r}")
-        self.model, self.fisher, self.kind = model, fisher, kind
+        if shared not in ("each", "diagonal"):
+            raise ValueError(f"shared must be 'each' or 'diagonal', got {shared!r}")
+        self.model, self.fisher, self.kind, self.shared = model, fisher, kind, shared
         self.mc_samples, self.generator = mc_samples, generator
         every = checks.trainable_parameters(model)
         self.params = checks.selected_parameters(model, every, params)
@@ -210,6 +215,8 @@ class KFAC:
         for column in range(v):
             found = use_factors(captured, set(names), column=column if v > 1 else None)
             for pid, (_, uses) in found.items():
+                if len(uses) > 1 and self.shared == "diagonal":
+                    continue  # (its exact diagonal)
                 moments = self._moments.setdefault(names[pid], [_Moments() for _ in uses])
                 table = captured.param(pid).shape[0] if captured.param(pid).dim() else 1
                 for m, f in zip(moments, uses):
