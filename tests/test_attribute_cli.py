@@ -1,4 +1,5 @@
-"""``persample attribute`` on the digits with flipped labels: both scores find them."""
+"""``persample attribute`` (also ``persample influence``) on the digits with flipped
+labels: every score finds them."""
 
 import json
 
@@ -17,7 +18,17 @@ def test_attribute_finds_the_flipped_labels(tmp_path, capsys):
     auc = figures["auc"]
     assert auc["self-influence (TracIn)"] >= 0.9
     assert auc["TRAK-style (harmful to validation)"] >= 0.85
+    for curvature in ("EKFAC", "KFAC", "DIAGONAL"):  # influence functions
+        assert auc[f"self-influence ({curvature} influence function)"] >= 0.95
     assert figures["projection_rel_difference_materialised"] < 1e-4  # the same map
     assert len(figures["phases"]) >= 5 and png.stat().st_size > 0  # 6 with dattri
     printed = capsys.readouterr().out
-    assert "AUC of finding the flipped labels" in printed
+    assert "AUC of finding the flipped labels" in printed and "ekfac fit" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.keep_default_dtype
+def test_influence_is_the_same_command(capsys):
+    from persample.cli import build_parser
+
+    assert build_parser().parse_args(["influence", "--dim", "64"]).dim == 64

@@ -82,7 +82,7 @@ def test_scores_against_the_explicit_inverse(curvature):
     assert factored == ({"0.weight", "0.bias", "3.weight", "3.bias"}
                         if curvature != "diagonal" else set())
     blocks, damping = {}, {}
-    for name, c in cols.items():
+    for name in cols:
         if name not in factored:  # the exact diagonal
             diag = torch.diagonal(ggn[name])
             blocks[name], damping[name] = torch.diag(diag), 0.1 * float(diag.mean())

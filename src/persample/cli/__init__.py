@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         dp_train.run_from_args(args)
     elif args.command == "dp-finetune":
         dp_finetune.run_from_args(args)
-    elif args.command == "attribute":
+    elif args.command in ("attribute", "influence"):
         attribute.run_from_args(args)
     elif args.command == "audit":
         return audit.run_from_args(args)

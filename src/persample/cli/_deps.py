@@ -22,7 +22,7 @@ DISTRIBUTIONS = {"tqdm": "tqdm", "sklearn": "scikit-learn", "matplotlib": "matpl
 """Import name -> the name pip installs it by, for the ``cli`` extra's packages."""
 
 NEEDS = {"bench": ("tqdm", "sklearn"), "dp-train": ("tqdm", "sklearn"), "attribute": ("sklearn",),
-         "audit": ("sklearn",)}
+         "influence": ("sklearn",), "audit": ("sklearn",)}
 """What each command always imports from the ``cli`` extra; ``--plot`` adds matplotlib."""
 
 

@@ -2,10 +2,13 @@
 
 scikit-learn's digits (16x16) with a fraction of the training labels flipped to
 another class; a small CNN trained briefly with SGD; every training sample scored
-two ways:
+three ways:
 
 - self-influence, TracIn over checkpoints (Pruthi et al. 2020): ``sum_c lr |g_i|^2``
   at the checkpoints ``c`` (:func:`persample.per_sample_grad_norms`);
+- influence functions (Koh & Liang 2017): self-influence ``g_i^T (F + lambda I)^{-1}
+  g_i`` at the final model, the GGN ``F`` by EK-FAC (George et al. 2018), K-FAC
+  (Martens & Grosse 2015) or its exact diagonal (:func:`persample.self_influence`);
 - TRAK-style influence on a clean validation set (Park et al. 2023): ``phi_i = P g_i``
   the projected gradients (:class:`persample.GradientProjector`), and the influence
   of training sample ``i`` on the validation loss
@@ -156,11 +159,13 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
         with _Phase("TRAK-style influence (ridge solve)", phases):
             influence += _trak(phi.double(), phi_val.double(), cfg.ridge)
     model.load_state_dict(final)
+    curvatures = _influence_functions(model, x, y, loss_fn, cfg, phases)
 
     labels = flipped.numpy()
     auc = {"self-influence (TracIn)": float(roc_auc_score(labels, self_influence.numpy())),
            "TRAK-style (harmful to validation)": float(roc_auc_score(labels,
                                                                       (-influence).numpy()))}
+    auc.update({name: float(roc_auc_score(labels, s.numpy())) for name, s in curvatures.items()})
     if isinstance(others, Tensor):
         auc[DATTRI] = float(roc_auc_score(labels, others.numpy()))
     figures = {"config": asdict(cfg), "train_samples": len(y), "flipped": int(flipped.sum()),
@@ -183,6 +188,27 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
 
 
 DATTRI = "dattri TracInAttributor (projected to 512)"
+
+
+def _influence_functions(model: nn.Module, x: Tensor, y: Tensor, loss_fn: nn.Module,
+                         cfg: AttributeConfig, phases: dict) -> dict[str, Tensor]:
+    """Self-influence by influence functions at the final model (Koh & Liang 2017):
+    ``g_i^T (F + lambda I)^{-1} g_i`` with the GGN ``F`` by EK-FAC, K-FAC and its
+    diagonal (:func:`persample.self_influence`), each timed: fitting the curvature,
+    then scoring."""
+    from ..influence import fit_preconditioner, self_influence
+
+    scores = {}
+    for curvature in ("ekfac", "kfac", "diagonal"):
+        with _Phase(f"{curvature} fit (KFAC{', EKFAC' if curvature == 'ekfac' else ''})",
+                    phases):
+            pre = fit_preconditioner(model, (x, y), loss_fn, curvature=curvature,
+                                     batch_size=cfg.chunk)
+        with _Phase(f"{curvature} self-influence (persample.self_influence)", phases):
+            scores[f"self-influence ({curvature.upper()} influence function)"] = \
+                self_influence(model, (x, y), loss_fn, preconditioner=pre,
+                               batch_size=cfg.chunk).double()
+    return scores
 
 
 def _dattri_self_influence(model: nn.Module, checkpoints: list[dict], x: Tensor, y: Tensor,
@@ -278,7 +304,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """
     d = AttributeConfig()
     p = subparsers.add_parser(
-        "attribute", help="find flipped labels in the digits by gradient influence",
+        "attribute", aliases=["influence"],
+        help="find flipped labels in the digits by gradient influence and influence functions",
         description=__doc__.split("\n\n")[1])
     p.add_argument("--flip", type=float, default=d.flip,
                    help=f"fraction of training labels flipped (default {d.flip})")
