@@ -49,6 +49,10 @@ CHECKS = {
                        " and privacy_engine.get_epsilon(1e-5) > 0"),
     # secure mode: the step's noise source is the OS's
     "secure_step": "type(secure_step.generator).__name__ == 'SecureSource'",
+    # curvature: K-FAC's factors, the per-sample GGN diagonal, influence scores
+    "first": "first.A.shape == (10, 10) and first.G.shape == (32, 32) and first.rows == 'G'",
+    "per_sample_diag": "per_sample_diag['0.weight'].shape == (8, 32, 10)",
+    "scores": "scores.shape == (5, 200) and bool(torch.isfinite(scores).all())",
     # the audit of a correct step: no leak
     "checked": "not checked.leaks and checked.gradient.epsilon < checked.epsilon",
     # automatic clipping: each sample's losses and gradient norms
