@@ -51,11 +51,26 @@ def _data(model_kind: str):
     g = torch.Generator().manual_seed(0)
     x = {"mlp": lambda: torch.randn(N, 5, generator=g),
          "positions": lambda: torch.randn(N, T, 5, generator=g),
-         "lookup": lambda: torch.randint(0, 11, (N, T), generator=g)}[model_kind]()
+         "lookup": lambda: torch.randint(0, 11, (N, T), generator=g),
+         "conv": lambda: torch.randn(N, 2, 5, 6, generator=g)}[model_kind]()
     return x, torch.randint(0, 4, (N,), generator=g)
 
 
-MODELS = {"mlp": Mlp, "positions": Positions, "lookup": Lookup}
+class Conv(nn.Module):
+    """2-d and 1-d convolutions over their patches (padding, stride, dilation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv2 = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.conv1 = nn.Conv1d(3, 4, 2, dilation=2)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):  # (n, 2, 5, 6)
+        h = torch.tanh(self.conv2(x))  # (n, 3, 3, 3)
+        return self.fc(torch.tanh(self.conv1(h.flatten(2))).mean(2))  # (n, 3, 9) -> (n, 4)
+
+
+MODELS = {"mlp": Mlp, "positions": Positions, "lookup": Lookup, "conv": Conv}
 
 
 def _cotangents(fisher: str, out: torch.Tensor, y: torch.Tensor, loss_fn, generator=None):
@@ -72,11 +87,23 @@ def _cotangents(fisher: str, out: torch.Tensor, y: torch.Tensor, loss_fn, genera
     return torch.autograd.grad(losses.sum(), o)[0].unsqueeze(0)
 
 
+def _patches(m, x):
+    """``(n, t, c*k)``: the input under every placement of the kernel (``F.unfold``)."""
+    if isinstance(m, nn.Conv1d):
+        x = x.unsqueeze(2)
+        kernel, dilation = (1, m.kernel_size[0]), (1, m.dilation[0])
+        padding, stride = (0, m.padding[0]), (1, m.stride[0])
+    else:
+        kernel, dilation, padding, stride = m.kernel_size, m.dilation, m.padding, m.stride
+    return nn.functional.unfold(x, kernel, dilation, padding, stride).transpose(1, 2)
+
+
 def _by_hand(model, x, y, loss_fn, fisher, kind, generator=None):
     """``{module: (A, G)}`` from hooks: inputs and output gradients of each Linear (and
     the ids of the Embedding), per cotangent column."""
     inputs, grads = {}, {}
-    mods = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    mods = {n: m for n, m in model.named_modules()
+            if isinstance(m, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d))}
 
     def forward_hook(name):
         def hook(module, args, output):
@@ -97,7 +124,11 @@ def _by_hand(model, x, y, loss_fn, fisher, kind, generator=None):
     found = {}
     for name, m in mods.items():
         a = inputs[name]
-        gs = [g.reshape(N, -1, g.shape[-1]) for g in grads[name]]  # each (n, t, d_out)
+        if isinstance(m, (nn.Conv1d, nn.Conv2d)):  # positions last: move them before d
+            gs = [g.flatten(2).transpose(1, 2) for g in grads[name]]  # (n, t, o)
+            a = _patches(m, a)  # (n, t, c*k)
+        else:
+            gs = [g.reshape(N, -1, g.shape[-1]) for g in grads[name]]  # each (n, t, d_out)
         if kind == "expand":
             G = sum(torch.einsum("nti,ntj->ij", g, g) for g in gs) / N
         else:

@@ -86,9 +86,11 @@ class _Moments:
 class KFAC:
     """K-FAC factors of a model's parameters, accumulated over batches, from persample's
     captured activations and backprops: every op with factors (``nn.Linear`` and
-    ``F.linear``, ``addmm``/GPT-2's ``Conv1D``, ``x @ W``, embedding lookups), tied and
+    ``F.linear``, ``addmm``/GPT-2's ``Conv1D``, ``x @ W``, embedding lookups, 1-d and 2-d
+    convolutions over their patches without groups), tied and
     shared parameters with every use; the exact diagonal of the curvature for the
-    parameters without factors (normalisation scales, convolutions, recurrent weights),
+    parameters without factors (normalisation scales, grouped convolutions, recurrent
+    weights),
     from their per-sample gradients.
 
     Args:
@@ -213,7 +215,8 @@ class KFAC:
         v = captured.v
         done: set[int] = set()
         for column in range(v):
-            found = use_factors(captured, set(names), column=column if v > 1 else None)
+            found = use_factors(captured, set(names), column=column if v > 1 else None,
+                                curvature=True)
             for pid, (_, uses) in found.items():
                 if len(uses) > 1 and self.shared == "diagonal":
                     continue  # (its exact diagonal)

@@ -184,12 +184,14 @@ def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tenso
 
 
 def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | None = None,
-                column: int | None = None) -> dict[int, tuple[list[Op], list]]:
+                column: int | None = None, curvature: bool = False
+                ) -> dict[int, tuple[list[Op], list]]:
     """``{id(p): (ops, [Factors of each op's use])}`` for the parameters ``wanted`` (ids)
     every one of whose uses is an op with a factor rule (``register_op_factors``): read
     directly (not through a derived tensor), by ops not changed in place since, with one
     output each. The factors are in the dtype the norms accumulate in; ``column``: of
-    that cotangent of a backward with several (``captured.v``), else of the one."""
+    that cotangent of a backward with several (``captured.v``), else of the one;
+    ``curvature``: with the curvature-only factor rules too (``curvature_factors``)."""
     sites = _sites(captured) if sites is None else sites
     readers: dict[int, list[Op]] = {}
     for op in captured.plan.uses:
@@ -204,7 +206,7 @@ def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | No
             continue
         uses = []
         for op in ops:
-            got = _factors(captured, op, captured.param(pid), column)
+            got = _factors(captured, op, captured.param(pid), column, curvature)
             if got is None:
                 break
             uses.append(got)
@@ -213,11 +215,14 @@ def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | No
     return found
 
 
-def _factors(captured: Captured, op: Op, p: Tensor, column: int | None = None) -> Any:
+def _factors(captured: Captured, op: Op, p: Tensor, column: int | None = None,
+             curvature: bool = False) -> Any:
     """The factors of ``op``'s use of ``p`` (its factor rule; ``column``: of that
-    cotangent), or ``None``."""
+    cotangent; ``curvature``: its curvature-only rule first), or ``None``."""
     spec = spec_of(op.func)
-    if spec is None or spec.factors is None:
+    rule = None if spec is None else (
+        spec.curvature_factors or spec.factors if curvature else spec.factors)
+    if rule is None:
         return None
     g, call = _backprops(captured, op)
     if g is None:
@@ -225,7 +230,7 @@ def _factors(captured: Captured, op: Op, p: Tensor, column: int | None = None) -
     if column is not None:
         g = g[:, column:column + 1]  # (n, 1, *out)
     try:
-        return spec.factors(call, g, {p}).get(p)
+        return rule(call, g, {p}).get(p)
     except Decline:
         return None
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .calls import OpCall
+from .ghost import Factors
 from .outer import ghost_norm, sum_outer_into
 from .spec import Decline, OpSpec, register
 
@@ -275,6 +276,30 @@ def conv_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tens
     return result
 
 
+def conv_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors]:
+    """A convolution as a linear map at every output position over the input's patches
+    (Grosse & Martens 2016, "A Kronecker-factored approximate Fisher matrix for
+    convolution layers"): ``W (o, c*k)``: ``L`` the backprops at each position, ``R``
+    the patch there; ``b``: ``L = g``, ``R = 1``. For curvature only (the patches of a
+    large layer cost more than materialising its gradients): one group, 1-d or 2-d."""
+    spatial = _CONVS[call.func][0]
+    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    stride, padding, dilation, groups = _conv_args(call)
+    if groups != 1 or spatial > 2 or not call.shared(w):
+        raise Decline("a grouped, 3-d or per-sample convolution")
+    xf, gi = _images(call, x, g, spatial)  # (n, a, c, *s), (n, 1, a, o, *s')
+    n, a, o = gi.shape[0], gi.shape[2], gi.shape[3]
+    gm = gi.reshape(n, a, o, -1).transpose(2, 3).reshape(n, -1, o)  # (n, a*t, o)
+    found = {}
+    if w in wanted:
+        xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
+        cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
+        found[w] = Factors(gm, cols.transpose(2, 3).reshape(n, -1, cols.shape[2]))
+    if b is not None and b in wanted:
+        found[b] = Factors(gm, gm.new_ones(*gm.shape[:2], 1))
+    return found
+
+
 def conv_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> None:
     """Adds ``sum_n c_n grad_n`` for backprops ``g (n, 1, *out)`` and factors ``c (n,)``:
     the ordinary weight gradient of the convolution backward over all images at once,
@@ -308,5 +333,5 @@ def _summed(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor
 
 
 CONV = register(OpSpec(tuple(f for f, (_, t) in _CONVS.items() if not t), grad=conv,
-                       norm=conv_norm, sum=conv_sum))
+                       norm=conv_norm, sum=conv_sum, curvature_factors=conv_factors))
 CONV_TRANSPOSE = register(OpSpec(tuple(f for f, (_, t) in _CONVS.items() if t), grad=conv))

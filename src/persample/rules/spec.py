@@ -79,6 +79,9 @@ class OpSpec:
             the capture may see each by (``Tensor.mul``, ``__rmul__``, ``multiply``...).
         grad: the per-sample gradient rule.
         norm, sum, factors: the optional norm, weighted-sum and factor rules.
+        curvature_factors: a factor rule for curvature (K-FAC) only, where forming the
+            factors costs more than the norms and inner products gain from them (a
+            convolution's patches); ``None``: ``factors``.
         expand: ``expand(*args, **kwargs)`` runs instead of the op during the capture,
             its ops captured one by one (``F.multi_head_attention_forward`` as its
             projections and attention); it returns ``NotImplemented`` to leave a call
@@ -99,6 +102,7 @@ class OpSpec:
     norm: NormRule | None = None
     sum: SumRule | None = None
     factors: FactorRule | None = None
+    curvature_factors: FactorRule | None = None
     expand: Callable[..., Any] | None = None
     flow: Handler | None = None
     adds: bool = False
