@@ -50,3 +50,36 @@ def test_factors_match_curvlinops(model_kind, fisher, kind):
                                    atol=1e-12)
         compared += 1
     assert compared == 2
+
+
+@pytest.mark.parametrize("fisher", ["type-2", "empirical"])
+def test_ekfac_eigenvalues_match_curvlinops(fisher):
+    """EK-FAC's corrected eigenvalues against curvlinops' ``EKFACLinearOperator`` (64
+    samples: distinct eigenvalues, so the bases agree up to signs, which the squares
+    do not see)."""
+    from persample.influence import EKFAC
+
+    torch.manual_seed(0)
+    model = Mlp().double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 4, (64,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    theirs = curvlinops.EKFACLinearOperator(model, loss_fn, list(model.parameters()),
+                                            [(x, y)], fisher_type=fisher,
+                                            check_deterministic=False)
+    theirs.compute_kronecker_factors()
+    theirs.compute_eigenvalue_correction()
+    kfac = KFAC(model, fisher=fisher, shared="diagonal")
+    kfac.update(x, y, loss_fn)
+    ekfac = EKFAC(kfac)
+    ekfac.update(x, y, loss_fn)
+    names = [name for name, _ in model.named_parameters()]
+    compared = 0
+    for module in ("fc1", "fc2"):
+        for pos, values in theirs._corrected_eigenvalues[module].items():
+            ours = ekfac.bases[names[pos]].values
+            torch.testing.assert_close(ours, values.reshape(ours.shape), rtol=1e-8,
+                                       atol=1e-14)
+            compared += 1
+    assert compared == 4
