@@ -478,7 +478,11 @@ def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
     found: dict[str, Tensor] = {}
     names = {id(p): name for name, p in chosen.items()}
     with torch.no_grad(), internal("the rules"):
-        for group in parameter_groups(list(chosen.values()), n * captured.v):
+        for pid, rows in _single_position_rows(captured, set(names)).items():
+            rows = rows.mul_(scale).view(n, *captured.param(pid).shape)
+            found[names[pid]] = rows if per_sample else rows.sum(0)
+        rest = [p for name, p in chosen.items() if name not in found]
+        for group in parameter_groups(rest, n * captured.v):
             dest = {id(p): p.new_zeros((n, captured.v, *p.shape),
                                        dtype=accumulate_dtype(p.dtype)) for p in group}
             write_per_sample(captured, dest)  # (n, v, *shape): J_n^T s_nv
@@ -486,3 +490,23 @@ def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
                 rows = cols.square_().sum(1).mul_(scale)  # (n, *shape)
                 found[names[pid]] = rows if per_sample else rows.sum(0)
     return {name: found[name] for name in chosen}
+
+
+def _single_position_rows(captured: Captured, wanted: set[int]) -> dict[int, Tensor]:
+    """``{id(p): (n, r, c)}`` for the parameters read once, by an op with factors at one
+    position (a linear layer on vectors): sample ``n``'s gradient for column ``v`` is
+    ``L_nv R_nv^T``, so its square is ``L_nv^2 (R_nv^2)^T``, summed over the columns
+    without forming any gradient (BackPACK's trick for the diagonal)."""
+    rows: dict[int, Tensor] = {}
+    single = None
+    for column in range(captured.v):
+        found = use_factors(captured, wanted, column=column if captured.v > 1 else None)
+        if single is None:
+            single = {pid for pid, (_, uses) in found.items()
+                      if len(uses) == 1 and uses[0].left.is_floating_point()
+                      and uses[0].right.shape[1] == 1}
+        for pid in single:
+            f = found[pid][1][0]
+            term = f.left[:, 0].square()[:, :, None] * f.right[:, 0].square()[:, None, :]
+            rows[pid] = term if pid not in rows else rows[pid].add_(term)
+    return rows

@@ -44,16 +44,18 @@ from tqdm import tqdm
 from ..api import aligned_empty
 from . import anchors
 from ._rss import reset_peak_rss, status_kib
-from .anchors import Case, Method, as_flat
+from .anchors import Case, Method, as_flat, curvature_rows
 from .real_models import NotInstalled
 from .threads import load_average, threads_label, usable_cpus
 from .workloads import (
     ATTRIBUTION_WORKLOADS,
+    CURVATURE_WORKLOADS,
     DP_WORKLOADS,
     GRAD_WORKLOADS,
     JACOBIAN_WORKLOADS,
     WORKLOADS,
     attribution_workload,
+    curvature_workload,
     dp_workload,
     grads_workload,
     jacobian_workload,
@@ -625,6 +627,11 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
     if name in DP_WORKLOADS:
         w = dp_workload(name, batch, size, device).to(device)
         return anchors.under_autocast(anchors.dp_step_case(w, only))
+    if name in CURVATURE_WORKLOADS:
+        w = curvature_workload(name, batch, device).to(device)
+        if name == "kfac-factors":
+            return curvature_rows.kfac_case(w)
+        return curvature_rows.ggn_diag_case(w, mc=name.endswith("-mc"))
     raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 

@@ -736,6 +736,31 @@ def attribution_workload(name: str, batch: int | None = None, size: str = "full"
     return replace(w, name=name, description=f"{w.description}; {what}")
 
 
+CURVATURE_WORKLOADS = ("ggn-diag", "ggn-diag-mc", "kfac-factors")
+
+
+def curvature_workload(name: str, batch: int | None = None, device: torch.device | str = "cpu"
+                       ) -> Workload:
+    """The curvature workloads on the seed CNN (``cnn-grads``'s model and digits):
+    ``ggn-diag`` its per-sample GGN diagonal (exact), ``ggn-diag-mc`` the Monte Carlo one,
+    ``kfac-factors`` K-FAC's factors (Monte Carlo Fisher).
+
+    Raises:
+        ValueError: an unknown name.
+
+    Example:
+        >>> curvature_workload("ggn-diag", 2).description.split("; ")[-1]
+        "each sample's GGN diagonal, exact"
+    """
+    what = {"ggn-diag": "each sample's GGN diagonal, exact",
+            "ggn-diag-mc": "each sample's GGN diagonal, Monte Carlo (one label each)",
+            "kfac-factors": "K-FAC's factors of every weight (Monte Carlo Fisher, expand)"}
+    if name not in what:
+        raise ValueError(f"unknown workload {name!r}; choose from {CURVATURE_WORKLOADS}")
+    w = grads_workload("cnn-grads", batch, "full", device)
+    return replace(w, name=name, description=f"{w.description}; {what[name]}")
+
+
 REAL_ATTRIBUTION_WORKLOADS = ("gpt2-768-project",)
 ATTRIBUTION_WORKLOADS = ("deep-mlp-gram", "cnn-gram", "deep-mlp-project", "gpt2-project"
                          ) + REAL_ATTRIBUTION_WORKLOADS
@@ -752,6 +777,6 @@ JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
                 "gpt2-dp-step", "gpt2-lora-dp-step", "encoder-dp-step") + REAL_DP_WORKLOADS
 SMALL_WORKLOADS = tuple(w for w in GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORKLOADS
-                        + ATTRIBUTION_WORKLOADS if w not in REAL_WORKLOADS)
+                        + ATTRIBUTION_WORKLOADS + CURVATURE_WORKLOADS if w not in REAL_WORKLOADS)
 """The workloads of small models (seconds each; ``persample bench --no-real``)."""
 WORKLOADS = SMALL_WORKLOADS + REAL_WORKLOADS

@@ -1,0 +1,234 @@
+"""The curvature workloads: per-sample GGN diagonals and K-FAC factors, each method as
+its users call it.
+
+- ``ggn-diag`` (the seed CNN): persample's ``per_sample_ggn_diag`` against BackPACK's
+  ``BatchDiagGGNExact`` and the loop (each sample's ``J^T H J`` from ``C`` backward
+  passes of a batch of one); the floor is ``C`` backward passes of the batch, what the
+  exact diagonal needs at least (one per column of the loss Hessian's square root).
+- ``ggn-diag-mc``: the Monte Carlo diagonal (one label drawn per sample) against the
+  loop with the same draws; the floor a plain backward.
+- ``kfac-factors`` (the seed CNN): K-FAC's factors with the Monte Carlo Fisher (one
+  backward) by persample's ``KFAC`` and curvlinops' ``KFACLinearOperator`` (the same
+  seed draws the same labels), against the factors by hand from module hooks; the
+  floor a plain backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..workloads import Workload
+from .case import Case, Method, optional_method
+
+KFAC_SEED = 5  # the Monte Carlo labels' seed, the same for persample and curvlinops
+
+
+def ggn_diag_case(w: Workload, mc: bool = False) -> Case:
+    """The per-sample GGN diagonal ``{name: (B, *shape)}``, exact or Monte Carlo.
+
+    Example:
+        >>> from persample.cli.workloads import curvature_workload
+        >>> ggn_diag_case(curvature_workload("ggn-diag", 2)).result_shape
+        (2, 1199882)
+    """
+    from ... import per_sample_ggn_diag
+
+    params = dict(w.model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    loss_fn = nn.CrossEntropyLoss()
+
+    def ours(_: Tensor | None) -> dict[str, Tensor]:
+        gen = torch.Generator().manual_seed(KFAC_SEED) if mc else None
+        return per_sample_ggn_diag(w.model, w.inputs, w.targets, loss_fn,
+                                   mc_samples=1 if mc else 0, generator=gen)
+
+    methods = [Method("loop", lambda _: _loop_ggn(w, mc)),
+               Method("persample", ours, ours=True)]
+    if not mc:
+        methods.insert(1, optional_method(lambda: _batch_diag_ggn(w),
+                                          "BackPACK BatchDiagGGNExact", "backpack", w,
+                                          lambda run: run()))
+    base = _plain_backward(w)
+    floor_label, floor = ("plain backward", base) if mc else (
+        f"{_classes(w)} backward passes (the exact diagonal's columns)", _backwards(w))
+    return Case(w, "plain backward", base, (w.n, total), "loop", lambda: _loop_ggn(w, mc),
+                methods, floor_label=floor_label, floor=floor)
+
+
+def kfac_case(w: Workload) -> Case:
+    """K-FAC's factors (Monte Carlo Fisher, one label per sample, expand), flattened:
+    each linear or convolution layer's ``A`` then ``G``.
+
+    Example:
+        >>> from persample.cli.workloads import curvature_workload
+        >>> kfac_case(curvature_workload("kfac-factors", 2)).result_shape
+        (1, 85055669)
+    """
+    layers = [(name, m) for name, m in w.model.named_modules()
+              if isinstance(m, (nn.Linear, nn.Conv2d))]
+    size = sum(_factor_size(m) for _, m in layers)
+
+    def ours(_: Tensor | None) -> Tensor:
+        from ... import KFAC
+
+        kfac = KFAC(w.model, fisher="mc",
+                    generator=torch.Generator().manual_seed(KFAC_SEED),
+                    params=[f"{name}.weight" for name, _ in layers])
+        kfac.update(w.inputs, w.targets, nn.CrossEntropyLoss())
+        factors = kfac.factors
+        return _flat([t for name, _ in layers for t in (factors[f"{name}.weight"][0].A,
+                                                        factors[f"{name}.weight"][0].G)])
+
+    return Case(w, "plain backward", _plain_backward(w), (1, size), "by hand (module hooks)",
+                lambda: _kfac_by_hand(w, layers), [
+        Method("by hand (module hooks)", lambda _: _kfac_by_hand(w, layers)),
+        optional_method(lambda: _curvlinops_kfac(w, layers), "curvlinops KFACLinearOperator",
+                        "curvlinops", w, lambda run: run()),
+        Method("persample", ours, ours=True),
+    ], floor_label="plain backward", floor=_plain_backward(w))
+
+
+# -- the baselines -----------------------------------------------------------------------
+
+
+def _plain_backward(w: Workload) -> Callable[[], None]:
+    params = [p for p in w.model.parameters() if p.requires_grad]
+
+    def plain() -> None:
+        torch.autograd.grad(nn.CrossEntropyLoss()(w.call(), w.targets), params)
+    return plain
+
+
+def _classes(w: Workload) -> int:
+    with torch.no_grad():
+        return w.call(inputs=w.inputs[:1]).shape[1]
+
+
+def _backwards(w: Workload) -> Callable[[], None]:
+    """One forward and ``C`` backward passes of the batch's output, one cotangent column
+    each (retaining the graph between them)."""
+    params = [p for p in w.model.parameters() if p.requires_grad]
+
+    def run() -> None:
+        out = w.call()
+        for c in range(out.shape[1]):
+            cot = torch.zeros_like(out)
+            cot[:, c] = 1
+            torch.autograd.grad(out, params, cot, retain_graph=c < out.shape[1] - 1)
+    return run
+
+
+# -- the GGN's diagonal ------------------------------------------------------------------
+
+
+def _loop_ggn(w: Workload, mc: bool) -> dict[str, Tensor]:
+    """Each sample alone: its output's Jacobian by ``C`` backward passes, its loss's
+    Hessian at the output (exact: ``diag(J^T H J)``), or the gradient at a drawn label
+    (Monte Carlo, the same draws as persample's)."""
+    from ...curvature import hessian_columns, label_sampler
+
+    params = dict(w.model.named_parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    out_all = w.call().detach()
+    if mc:
+        cols = label_sampler(loss_fn, torch.Generator().manual_seed(KFAC_SEED))(
+            out_all, w.targets).unsqueeze(0)  # (1, n, C)
+    else:
+        cols = hessian_columns(out_all, w.targets, loss_fn)  # (C, n, C)
+    rows = {name: torch.zeros(w.n, *p.shape) for name, p in params.items()}
+    for i in range(w.n):
+        out = w.call(inputs=w.inputs[i:i + 1])[0]
+        for c in range(len(cols)):
+            grads = torch.autograd.grad(out, list(params.values()), cols[c, i],
+                                        retain_graph=c < len(cols) - 1)
+            for (name, _), g in zip(params.items(), grads):
+                rows[name][i] += g.square()
+    return rows
+
+
+def _batch_diag_ggn(w: Workload) -> Callable[[], dict[str, Tensor]]:
+    """BackPACK ``BatchDiagGGNExact`` of the summed loss (each sample's own term)."""
+    from backpack import backpack as context
+    from backpack import extend
+    from backpack.extensions import BatchDiagGGNExact
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = extend(copy.deepcopy(w.model))
+    loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
+
+    def run() -> dict[str, Tensor]:
+        model.zero_grad(set_to_none=True)
+        with context(BatchDiagGGNExact()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_fn(model(w.inputs), w.targets).backward()
+        return {name: p.diag_ggn_exact_batch for name, p in model.named_parameters()}
+    return run
+
+
+# -- K-FAC ---------------------------------------------------------------------------------
+
+
+def _factor_size(m: nn.Module) -> int:
+    d_in = m.weight[0].numel()
+    return d_in * d_in + m.weight.shape[0] ** 2
+
+
+def _flat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]).unsqueeze(0)
+
+
+def _kfac_by_hand(w: Workload, layers: list[tuple[str, nn.Module]]) -> Tensor:
+    """The factors from module hooks: each layer's inputs (a convolution's unfolded
+    patches) and the gradients at its outputs for labels drawn as persample draws them."""
+    from ...curvature import label_sampler
+
+    inputs, grads = {}, {}
+
+    def hook(name: str):
+        def keep(module, args, output):
+            inputs[name] = args[0].detach()
+            output.register_hook(lambda g: grads.__setitem__(name, g.detach()))
+        return keep
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in layers]
+    try:
+        out = w.call()
+    finally:
+        for h in handles:
+            h.remove()
+    cot = label_sampler(nn.CrossEntropyLoss(), torch.Generator().manual_seed(KFAC_SEED))(
+        out.detach(), w.targets)
+    torch.autograd.grad(out, [m.weight for _, m in layers], cot)
+    factors = []
+    for name, m in layers:
+        a, g = inputs[name], grads[name]
+        if isinstance(m, nn.Conv2d):
+            a = nn.functional.unfold(a, m.kernel_size, m.dilation, m.padding, m.stride
+                                     ).transpose(1, 2)  # (n, t, c*k)
+            g = g.flatten(2).transpose(1, 2)  # (n, t, o)
+        a, g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        factors += [a.T @ a / len(a), g.T @ g / w.n]
+    return _flat(factors)
+
+
+def _curvlinops_kfac(w: Workload, layers: list[tuple[str, nn.Module]]) -> Callable[[], Tensor]:
+    """curvlinops' ``KFACLinearOperator`` (MC Fisher, the same seed as persample's)."""
+    from curvlinops import KFACLinearOperator
+
+    params = [m.weight for _, m in layers]
+
+    def run() -> Tensor:
+        op = KFACLinearOperator(w.model, nn.CrossEntropyLoss(), params, [(w.inputs, w.targets)],
+                                fisher_type="mc", mc_samples=1, seed=KFAC_SEED,
+                                check_deterministic=False)
+        op.compute_kronecker_factors()
+        return _flat([t for name, _ in layers for t in (op._input_covariances[name],
+                                                         op._gradient_covariances[name])])
+    return run
+
