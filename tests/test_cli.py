@@ -163,6 +163,21 @@ def test_bench_projection_workloads(tmp_path, workload):
         assert m["status"] != "ok" or m["agrees"], m
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["ggn-diag", "ggn-diag-mc", "kfac-factors"])
+def test_bench_curvature_workloads(tmp_path, workload):
+    """The GGN diagonals and K-FAC factors: persample's and every other method's (BackPACK,
+    curvlinops, hooks by hand) agree with the loop's."""
+    figures = bench(tmp_path, "--workload", workload, "--batch", "3", "--no-memory")
+    (report,) = figures["workloads"]
+    by_name = {m["method"]: m for m in report["methods"]}
+    assert by_name["persample"]["status"] == "ok" and by_name["persample"]["agrees"]
+    others = [m for m in report["methods"] if m["status"] == "ok"]
+    assert len(others) >= 2 + (workload != "ggn-diag-mc")
+    for m in others:
+        assert m["agrees"], m
+
+
 def bench_plan(*args: str) -> bench_options.BenchPlan:
     """What ``persample bench ARGS`` would run (nothing is run)."""
     return bench_options.plan(build_parser().parse_args(["bench", *args]))

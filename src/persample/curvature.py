@@ -497,7 +497,7 @@ def _single_position_rows(captured: Captured, wanted: set[int]) -> dict[int, Ten
     position (a linear layer on vectors): sample ``n``'s gradient for column ``v`` is
     ``L_nv R_nv^T``, so its square is ``L_nv^2 (R_nv^2)^T``, summed over the columns
     without forming any gradient (BackPACK's trick for the diagonal)."""
-    rows: dict[int, Tensor] = {}
+    sides: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
     single = None
     for column in range(captured.v):
         found = use_factors(captured, wanted, column=column if captured.v > 1 else None)
@@ -507,6 +507,9 @@ def _single_position_rows(captured: Captured, wanted: set[int]) -> dict[int, Ten
                       and uses[0].right.shape[1] == 1}
         for pid in single:
             f = found[pid][1][0]
-            term = f.left[:, 0].square()[:, :, None] * f.right[:, 0].square()[:, None, :]
-            rows[pid] = term if pid not in rows else rows[pid].add_(term)
-    return rows
+            left, right = sides.setdefault(pid, ([], []))
+            left.append(f.left[:, 0].square())  # (n, r)
+            right.append(f.right[:, 0].square())  # (n, c)
+    # sum over the columns as one batched product: (n, r, v) @ (n, v, c)
+    return {pid: torch.bmm(torch.stack(left, 2), torch.stack(right, 1))
+            for pid, (left, right) in sides.items()}
