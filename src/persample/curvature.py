@@ -38,7 +38,7 @@ from torch.func import hessian, vmap
 
 from . import checks
 from .captured_batch import parameter_groups
-from .engine import Captured, cotangent_backprops, write_per_sample
+from .engine import Captured, cotangent_backprops, loss_backprops, write_per_sample
 from .errors import internal
 from .loss import per_sample_losses
 from .norms import use_factors
@@ -95,7 +95,8 @@ class KFAC:
 
     Args:
         model: the ``nn.Module``; its output one tensor with the samples in dim 0
-            (``"type-2"``: ``(B, C)``).
+            (``"type-2"``: ``(B, C)``), or for ``"empirical"`` any output the loss reads
+            (a Hugging Face ``ModelOutput``).
         fisher: ``"type-2"`` (the GGN, exact in its columns), ``"mc"`` or
             ``"empirical"`` (see the module's docstring).
         kind: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023); lookups are
@@ -170,13 +171,11 @@ class KFAC:
                                            None, None)
         if n == 0:
             return
-        cotangents, v = self._cotangents(targets, loss_fn)
-        watched = {id(p): p for p in self.params.values()}
-        captured = cotangent_backprops(self.model, batch, cotangents, watched, v)
+        captured = self.capture(batch, targets, loss_fn, self.params)
         scale = 1.0 / self.mc_samples if self.fisher == "mc" else 1.0
         with torch.no_grad(), without_autocast(), internal("the factor rules"):
-            factored = self._add_factors(captured, v, scale)
-            self._add_diagonals(captured, factored, v, scale)
+            factored = self._add_factors(captured, scale)
+            self._add_diagonals(captured, factored, scale)
         self.num_data += n
 
     @property
@@ -197,11 +196,20 @@ class KFAC:
 
     # -- one batch ---------------------------------------------------------------------
 
+    def capture(self, batch: Any, targets: Any, loss_fn: Callable,
+                params: dict[str, nn.Parameter]) -> Captured:
+        """One forward and the backward of this Fisher's cotangents, the backprops at
+        every op reading ``params``: the empirical Fisher's are the per-sample losses'
+        own (any output the loss reads); the others' come from the output, one tensor."""
+        watched = {id(p): p for p in params.values()}
+        if self.fisher == "empirical":
+            return loss_backprops(self.model, batch, targets, loss_fn, watched)
+        cotangents, v = self._cotangents(targets, loss_fn)
+        return cotangent_backprops(self.model, batch, cotangents, watched, v)
+
     def _cotangents(self, targets: Any, loss_fn: Callable) -> tuple[Callable, int]:
         """The cotangents' function of the output ``(v, n, *out)``, and ``v`` as far as
         known before the output is (``"type-2"``: the output's size)."""
-        if self.fisher == "empirical":
-            return lambda out: loss_gradient(out, targets, loss_fn).unsqueeze(0), 1
         if self.fisher == "mc":
             draw = label_sampler(loss_fn, self.generator)
             return (lambda out: torch.stack([draw(out, targets)
@@ -209,7 +217,7 @@ class KFAC:
                     self.mc_samples)
         return lambda out: hessian_columns(out, targets, loss_fn), 1
 
-    def _add_factors(self, captured: Captured, v: int, scale: float) -> set[int]:
+    def _add_factors(self, captured: Captured, scale: float) -> set[int]:
         """Each factored use's sums, column by column; the ids of the parameters done."""
         names = {id(p): name for name, p in self.params.items()}
         v = captured.v
@@ -229,8 +237,7 @@ class KFAC:
                 done.add(pid)
         return done
 
-    def _add_diagonals(self, captured: Captured, factored: set[int], v: int, scale: float
-                       ) -> None:
+    def _add_diagonals(self, captured: Captured, factored: set[int], scale: float) -> None:
         """The exact curvature diagonal ``sum_{n, v} g_nv^2`` of the other parameters."""
         rest = {name: p for name, p in self.params.items() if id(p) not in factored}
         if not rest:

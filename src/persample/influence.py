@@ -32,7 +32,7 @@ from . import checks
 from .api import per_sample_grads
 from .captured_batch import matrix_shape
 from .curvature import KFAC, KroneckerFactors
-from .engine import Captured, cotangent_backprops, write_per_sample
+from .engine import Captured, write_per_sample
 from .errors import internal
 from .inputs import as_batch, samples_of
 from .precision import accumulate_dtype, without_autocast
@@ -130,10 +130,8 @@ class EKFAC:
                                            None, None)
         if n == 0:
             return
-        cotangents, v = kfac._cotangents(targets, loss_fn)
         params = {name: kfac.params[name] for name in self._bases}
-        captured = cotangent_backprops(kfac.model, batch, cotangents,
-                                       {id(p): p for p in params.values()}, v)
+        captured = kfac.capture(batch, targets, loss_fn, params)
         scale = 1.0 / kfac.mc_samples if kfac.fisher == "mc" else 1.0
         with torch.no_grad(), without_autocast(), internal("the rules"):
             for name, p in params.items():
