@@ -164,16 +164,19 @@ def test_bench_projection_workloads(tmp_path, workload):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["ggn-diag", "ggn-diag-mc", "kfac-factors"])
+@pytest.mark.parametrize("workload", ["ggn-diag", "ggn-diag-mc", "kfac-factors",
+                                      "ekfac-influence"])
 def test_bench_curvature_workloads(tmp_path, workload):
-    """The GGN diagonals and K-FAC factors: persample's and every other method's (BackPACK,
-    curvlinops, hooks by hand) agree with the loop's."""
-    figures = bench(tmp_path, "--workload", workload, "--batch", "3", "--no-memory")
+    """The GGN diagonals, K-FAC factors and EK-FAC influence scores: persample's and every
+    other method's (BackPACK, curvlinops, hooks by hand, kronfluence) agree with the
+    reference."""
+    batch = "40" if workload == "ekfac-influence" else "3"
+    figures = bench(tmp_path, "--workload", workload, "--batch", batch, "--no-memory")
     (report,) = figures["workloads"]
     by_name = {m["method"]: m for m in report["methods"]}
     assert by_name["persample"]["status"] == "ok" and by_name["persample"]["agrees"]
     others = [m for m in report["methods"] if m["status"] == "ok"]
-    assert len(others) >= 2 + (workload != "ggn-diag-mc")
+    assert len(others) >= {"ggn-diag-mc": 2, "ekfac-influence": 2}.get(workload, 3)
     for m in others:
         assert m["agrees"], m
 

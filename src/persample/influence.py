@@ -80,10 +80,17 @@ def kfac_eigenbasis(f: KroneckerFactors) -> Eigenbasis:
     if row_side.dim() == 1:  # a lookup's diagonal side
         row_values, row_vectors = row_side, None
     else:
-        row_values, row_vectors = torch.linalg.eigh(row_side)
-    col_values, col_vectors = torch.linalg.eigh(col_side)
+        row_values, row_vectors = _eigh(row_side)
+    col_values, col_vectors = _eigh(col_side)
     return Eigenbasis(row_vectors, col_vectors,
                       row_values.clamp(min=0)[:, None] * col_values.clamp(min=0)[None, :])
+
+
+def _eigh(m: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` in float64 (a float32 basis loses the small directions the
+    damping keeps), the results in ``m``'s dtype."""
+    values, vectors = torch.linalg.eigh(m.double())
+    return values.to(m.dtype), vectors.to(m.dtype)
 
 
 class EKFAC:

@@ -631,6 +631,8 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
         w = curvature_workload(name, batch, device).to(device)
         if name == "kfac-factors":
             return curvature_rows.kfac_case(w)
+        if name == "ekfac-influence":
+            return curvature_rows.influence_case(w, min(1000, w.n - 1))
         return curvature_rows.ggn_diag_case(w, mc=name.endswith("-mc"))
     raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
 

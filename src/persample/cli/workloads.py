@@ -736,7 +736,7 @@ def attribution_workload(name: str, batch: int | None = None, size: str = "full"
     return replace(w, name=name, description=f"{w.description}; {what}")
 
 
-CURVATURE_WORKLOADS = ("ggn-diag", "ggn-diag-mc", "kfac-factors")
+CURVATURE_WORKLOADS = ("ggn-diag", "ggn-diag-mc", "kfac-factors", "ekfac-influence")
 
 
 def curvature_workload(name: str, batch: int | None = None, device: torch.device | str = "cpu"
@@ -755,10 +755,29 @@ def curvature_workload(name: str, batch: int | None = None, device: torch.device
     what = {"ggn-diag": "each sample's GGN diagonal, exact",
             "ggn-diag-mc": "each sample's GGN diagonal, Monte Carlo (one label each)",
             "kfac-factors": "K-FAC's factors of every weight (Monte Carlo Fisher, expand)"}
+    if name == "ekfac-influence":
+        return _influence_workload(batch or 1100, device)
     if name not in what:
         raise ValueError(f"unknown workload {name!r}; choose from {CURVATURE_WORKLOADS}")
     w = grads_workload("cnn-grads", batch, "full", device)
     return replace(w, name=name, description=f"{w.description}; {what[name]}")
+
+
+def _influence_workload(n: int, device: torch.device | str) -> Workload:
+    """``ekfac-influence``: a small CNN without biases (kronfluence joins biases to the
+    weights) on the 16x16 digits, ``n`` samples (1,000 training, the rest queries)."""
+    from ..data import digits_images
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 16, 3, bias=False), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(16, 32, 3, bias=False), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(800, 10, bias=False))
+    x, y = digits_images(size=16)
+    return Workload("ekfac-influence", "kronfluence's EK-FAC influence", model,
+                    x[:n].to(device), y[:n].to(device), nn.CrossEntropyLoss(),
+                    "CNN (2 conv, linear; no biases) on digits 1x16x16, "
+                    f"{min(n, 1000)} training samples x {max(n - 1000, 0)} queries; "
+                    "EK-FAC influence scores (empirical Fisher)").to(device)
 
 
 REAL_ATTRIBUTION_WORKLOADS = ("gpt2-768-project",)

@@ -11,6 +11,12 @@ its users call it.
   backward) by persample's ``KFAC`` and curvlinops' ``KFACLinearOperator`` (the same
   seed draws the same labels), against the factors by hand from module hooks; the
   floor a plain backward.
+- ``ekfac-influence`` (a CNN on the 16x16 digits, without biases, which kronfluence
+  joins to the weights): the ``(100, 1000)`` influence scores of 1,000 training samples
+  on 100 queries with EK-FAC (empirical Fisher, the same damping heuristic), by
+  persample's ``influence`` and by kronfluence (fitting its factors and scoring, its
+  files in a temporary folder), the reference; the floor a plain backward of the
+  training set.
 """
 
 from __future__ import annotations
@@ -91,6 +97,78 @@ def kfac_case(w: Workload) -> Case:
                         "curvlinops", w, lambda run: run()),
         Method("persample", ours, ours=True),
     ], floor_label="plain backward", floor=_plain_backward(w))
+
+
+def influence_case(w: Workload, train: int = 1000) -> Case:
+    """EK-FAC influence scores ``(queries, train)``: the workload's first ``train``
+    samples are the training set, the rest the queries.
+
+    Example:
+        >>> from persample.cli.workloads import curvature_workload
+        >>> influence_case(curvature_workload("ekfac-influence", 12), 10).result_shape
+        (2, 10)
+    """
+    x, y = w.inputs, w.targets
+    data, queries = (x[:train], y[:train]), (x[train:], y[train:])
+
+    def ours(_: Tensor | None) -> Tensor:
+        from ... import influence
+
+        return influence(w.model, data, queries, nn.CrossEntropyLoss(), curvature="ekfac",
+                         fisher="empirical", batch_size=250)
+
+    def plain() -> None:
+        params = [p for p in w.model.parameters() if p.requires_grad]
+        for k in range(0, train, 250):
+            loss = nn.CrossEntropyLoss()(w.call(inputs=x[k:k + 250]), y[k:k + 250])
+            torch.autograd.grad(loss, params)
+
+    theirs = optional_method(lambda: _kronfluence(w.model, data, queries), "kronfluence",
+                             "kronfluence", w, lambda run: run())
+    return Case(w, "plain backward of the training set", plain, (len(queries[1]), train),
+                "kronfluence", lambda: theirs.fn(None),
+                [theirs, Method("persample", ours, ours=True)],
+                floor_label="plain backward of the training set", floor=plain)
+
+
+def _kronfluence(model: nn.Module, train: tuple, query: tuple) -> Callable[[], Tensor]:
+    """kronfluence's EK-FAC scores (empirical Fisher, damping ``None``: its heuristic,
+    0.1 of the mean eigenvalue), its factors and scores written to a temporary folder."""
+    import tempfile
+
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.task import Task
+    from torch.utils.data import TensorDataset
+
+    class Classification(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            inputs, labels = batch
+            return nn.functional.cross_entropy(model(inputs), labels, reduction="sum")
+
+        def compute_measurement(self, batch, model):
+            inputs, labels = batch
+            return nn.functional.cross_entropy(model(inputs), labels, reduction="sum")
+
+    prepared = prepare_model(copy.deepcopy(model), Classification())
+
+    def run() -> Tensor:
+        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            analyzer = Analyzer("bench", prepared, Classification(), cpu=True,
+                                output_dir=folder, disable_tqdm=True)
+            analyzer.fit_all_factors("factors", dataset=TensorDataset(*train),
+                                     per_device_batch_size=250,
+                                     factor_args=FactorArguments(strategy="ekfac",
+                                                                 use_empirical_fisher=True),
+                                     overwrite_output_dir=True)
+            analyzer.compute_pairwise_scores(
+                "scores", factors_name="factors", query_dataset=TensorDataset(*query),
+                train_dataset=TensorDataset(*train), per_device_query_batch_size=100,
+                per_device_train_batch_size=250,
+                score_args=ScoreArguments(damping_factor=None), overwrite_output_dir=True)
+            return analyzer.load_pairwise_scores("scores")["all_modules"]
+    return run
 
 
 # -- the baselines -----------------------------------------------------------------------
