@@ -194,15 +194,18 @@ def test_the_diagonal_of_the_rest_is_the_ggns():
     assert set(kfac.factors) == {"fc.weight"}
 
 
-def test_accumulated_over_batches():
-    """Two batches: the factors of their union (sums over both, over 2N samples)."""
+@pytest.mark.parametrize("fisher", ["type-2", "empirical"])
+def test_accumulated_over_batches(fisher):
+    """Three batches, the last of one sample: the factors of their union."""
     torch.manual_seed(0)
     model = Mlp().double()
     x, y = _data("mlp")
-    both = KFAC(model, fisher="type-2")
+    both = KFAC(model, fisher=fisher)
     both.update(x[:3], y[:3], nn.CrossEntropyLoss())
-    both.update(x[3:], y[3:], nn.CrossEntropyLoss())
-    whole = KFAC(model, fisher="type-2")
+    both.update(x[3:6], y[3:6], nn.CrossEntropyLoss())
+    both.update(x[6:], y[6:], nn.CrossEntropyLoss())  # a batch of one: captured too
+    assert not both.diagonals
+    whole = KFAC(model, fisher=fisher)
     whole.update(x, y, nn.CrossEntropyLoss())
     assert both.num_data == whole.num_data == N
     for name, uses in whole.factors.items():

@@ -202,10 +202,10 @@ class KFAC:
         every op reading ``params``: the empirical Fisher's are the per-sample losses'
         own (any output the loss reads); the others' come from the output, one tensor."""
         watched = {id(p): p for p in params.values()}
-        if self.fisher == "empirical":
-            return loss_backprops(self.model, batch, targets, loss_fn, watched)
+        if self.fisher == "empirical":  # (a batch of one captured too: its factors)
+            return loss_backprops(self.model, batch, targets, loss_fn, watched, records=True)
         cotangents, v = self._cotangents(targets, loss_fn)
-        return cotangent_backprops(self.model, batch, cotangents, watched, v)
+        return cotangent_backprops(self.model, batch, cotangents, watched, v, records=True)
 
     def _cotangents(self, targets: Any, loss_fn: Callable) -> tuple[Callable, int]:
         """The cotangents' function of the output ``(v, n, *out)``, and ``v`` as far as

@@ -37,7 +37,8 @@ Backward = Callable[[Tensor, list[GradientEdge], Plan], tuple]
 
 
 def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Capture], Tensor],
-                      backward: Backward, watched: dict[int, nn.Parameter], v: int) -> Captured:
+                      backward: Backward, watched: dict[int, nn.Parameter], v: int,
+                      records: bool = False) -> Captured:
     """Capture a forward, plan, and pull the cotangents back to every planned edge.
 
     The model's ``forward`` and the user's part of ``root`` (the loss) run as they are:
@@ -45,10 +46,11 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     the planning, the backward to the planned edges) raises
     :class:`~persample.errors.InternalError` if it fails, or a refusal
     (:data:`~persample.errors.REFUSALS`) where the rules cannot split the model.
-    A batch of one needs no capture: its per-sample gradient is the gradient.
+    A batch of one needs no capture: its per-sample gradient is the gradient (unless
+    ``records``: its activations and backprops are wanted, as curvature's factors).
     """
     units = fsdp_units(model)
-    if batch.n == 1 and not units:  # (sharded: every rank replays the same ops, below)
+    if batch.n == 1 and not units and not records:  # (sharded: every rank replays, below)
         return _one_sample(model, batch, root, backward, watched, v)
     inputs = located(batch)
     key = plans.key_of(batch.n, v, inputs)
@@ -110,11 +112,12 @@ def _one_sample(model, batch, root, backward, watched, v) -> Captured:
 
 def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
                    watched: dict[int, nn.Parameter],
-                   retain_graph: bool | Callable[[Plan], bool] = False) -> Captured:
+                   retain_graph: bool | Callable[[Plan], bool] = False,
+                   records: bool = False) -> Captured:
     """Capture one batch and the backprops ``(n, 1, *out)`` of each sample's own loss
     (the losses ``(n,)``, detached, in :attr:`Captured.losses`); ``retain_graph``: keep
     the model's autograd graph after the backward (or a function of the plan that says
-    whether to)."""
+    whether to); ``records``: capture a batch of one too."""
     kept: list[Tensor] = []
 
     def root(output: Any, cap: Capture) -> Tensor:
@@ -131,7 +134,7 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
         grads = torch.autograd.grad(total, edges, allow_unused=True, retain_graph=retain)
         return tuple(None if g is None else g.unsqueeze(0) for g in grads)  # (1, *out)
 
-    captured = capture_backprops(model, batch, root, backward, watched, 1)
+    captured = capture_backprops(model, batch, root, backward, watched, 1, records)
     captured.losses = kept[0]
     return captured
 
@@ -204,13 +207,14 @@ def rules_param_jacobian(model: nn.Module, batch: Batch, outputs: range,
 
 def cotangent_backprops(model: nn.Module, batch: Batch,
                         cotangents: Callable[[Tensor], Tensor], watched: dict[int, nn.Parameter],
-                        v: int = 1) -> Captured:
+                        v: int = 1, records: bool = False) -> Captured:
     """Capture one batch and pull ``v`` cotangents per sample back from the model's
     output (one tensor with the samples in dim 0): ``cotangents(output)`` gives them,
     ``(v, n, *out)``, from the output's values (detached; ``v`` as they come, whatever
     the argument says); one batched backward (``is_grads_batched=True``) gives the
     backprops ``(n, v, *out)`` at every planned edge. The rows of a Jacobian (one-hot),
-    K-FAC's loss-Hessian columns, a Fisher's sampled gradients."""
+    K-FAC's loss-Hessian columns, a Fisher's sampled gradients. ``records``: capture a
+    batch of one too."""
     n = batch.n
     seen: list[int] = []
 
@@ -229,7 +233,7 @@ def cotangent_backprops(model: nn.Module, batch: Batch,
         seen.append(cot.shape[0])
         return torch.autograd.grad(output, edges, cot, is_grads_batched=True, allow_unused=True)
 
-    captured = capture_backprops(model, batch, root, backward, watched, v)
+    captured = capture_backprops(model, batch, root, backward, watched, v, records)
     captured.v = seen[0] if seen else v
     return captured
 
