@@ -253,22 +253,14 @@ def conv_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tens
     is a linear map at every position, so the linear rule's Gram form applies with
     ``t`` positions and ``c*k`` inputs, where it is cheaper than materialising (few
     positions: resnet18's later layers at 32x32; Li et al. 2022, Bu et al. 2023)."""
-    spatial = _CONVS[call.func][0]
-    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    stride, padding, dilation, groups = _conv_args(call)
-    if groups != 1 or spatial > 2:
-        raise Decline("a grouped or 3-d convolution")
-    xf, gi = _images(call, x, g, spatial)  # (n, a, c, *s), (n, 1, a, o, *s')
-    n, a, o = gi.shape[0], gi.shape[2], gi.shape[3]
-    gm = gi.reshape(n, a, o, -1).transpose(2, 3).reshape(n, -1, o)  # (n, a*t, o)
+    w, b, xf, gm, args = _at_positions(call, g)
+    o = gm.shape[2]
     result = {}
     if w in wanted:
         t, ck = gm.shape[1], w.shape[1:].numel()
         if t > 1 and t * (ck + o) > ck * o:
             raise Decline("materialising is cheaper")  # (before unfolding anything)
-        xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
-        cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
-        result[w] = ghost_norm(cols.transpose(2, 3).reshape(n, -1, ck), gm)
+        result[w] = ghost_norm(_patch_rows(xf, w, *args), gm)
         if result[w] is None:
             raise Decline("materialising is cheaper")
     if b is not None and b in wanted:
@@ -282,22 +274,37 @@ def conv_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, F
     convolution layers"): ``W (o, c*k)``: ``L`` the backprops at each position, ``R``
     the patch there; ``b``: ``L = g``, ``R = 1``. For curvature only (the patches of a
     large layer cost more than materialising its gradients): one group, 1-d or 2-d."""
-    spatial = _CONVS[call.func][0]
-    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    stride, padding, dilation, groups = _conv_args(call)
-    if groups != 1 or spatial > 2 or not call.shared(w):
-        raise Decline("a grouped, 3-d or per-sample convolution")
-    xf, gi = _images(call, x, g, spatial)  # (n, a, c, *s), (n, 1, a, o, *s')
-    n, a, o = gi.shape[0], gi.shape[2], gi.shape[3]
-    gm = gi.reshape(n, a, o, -1).transpose(2, 3).reshape(n, -1, o)  # (n, a*t, o)
+    w, b, xf, gm, args = _at_positions(call, g)
+    if not call.shared(w):
+        raise Decline("a per-sample kernel")
     found = {}
     if w in wanted:
-        xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
-        cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
-        found[w] = Factors(gm, cols.transpose(2, 3).reshape(n, -1, cols.shape[2]))
+        found[w] = Factors(gm, _patch_rows(xf, w, *args))
     if b is not None and b in wanted:
         found[b] = Factors(gm, gm.new_ones(*gm.shape[:2], 1))
     return found
+
+
+def _at_positions(call: OpCall, g: Tensor) -> tuple:
+    """An ungrouped 1-d or 2-d convolution as a linear map at its output positions:
+    ``(weight, bias, x (n, a, c, *s), backprops (n, a*t, o), (stride, padding,
+    dilation))``; declines the others."""
+    spatial = _CONVS[call.func][0]
+    x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
+    stride, padding, dilation, groups = _conv_args(call)
+    if groups != 1 or spatial > 2:
+        raise Decline("a grouped or 3-d convolution")
+    xf, gi = _images(call, x, g, spatial)  # (n, a, c, *s), (n, 1, a, o, *s')
+    n, a, o = gi.shape[0], gi.shape[2], gi.shape[3]
+    gm = gi.reshape(n, a, o, -1).transpose(2, 3).reshape(n, -1, o)  # (n, a*t, o)
+    return w, b, xf, gm, (stride, padding, dilation)
+
+
+def _patch_rows(xf: Tensor, w: Tensor, stride, padding, dilation) -> Tensor:
+    """``(n, a*t, c*k)``: each output position's input patch."""
+    xp, stride, padding, dilation = _prepared(xf, w.shape, stride, padding, dilation)
+    cols = _patches(xp, list(w.shape[2:]), stride, padding, dilation)  # (n, a, ck, t)
+    return cols.transpose(2, 3).reshape(cols.shape[0], -1, cols.shape[2])
 
 
 def conv_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -> None:
