@@ -445,8 +445,15 @@ def ggn_diag(model: nn.Module, inputs: Any, targets: Any,
     :func:`per_sample_ggn_diag` summed over the samples, formed a few parameters at a
     time (never ``(B, P)``).
 
+    Args:
+        model, inputs, targets, loss_fn, mc_samples, params, generator: as for
+            :func:`per_sample_ggn_diag`.
+
     Returns:
-        ``{name: param.shape}``.
+        ``{name: param.shape}``, loss units per parameter unit squared.
+
+    Raises:
+        ValueError: as :func:`per_sample_ggn_diag`.
 
     Example:
         >>> import torch
@@ -458,6 +465,9 @@ def ggn_diag(model: nn.Module, inputs: Any, targets: Any,
         >>> each = per_sample_ggn_diag(net, x, y, nn.CrossEntropyLoss())["weight"]
         >>> torch.allclose(total, each.sum(0))
         True
+
+    Source: Martens 2020 (the GGN); Dangel, Kunstner & Hennig 2020 (BackPACK's
+    ``DiagGGNExact``).
     """
     return _ggn_rows(model, inputs, targets, loss_fn, mc_samples, params, generator,
                      per_sample=False)

@@ -227,6 +227,17 @@ def fit_preconditioner(model: nn.Module, train: tuple[Any, Any], loss_fn: Callab
     Raises:
         ValueError: an unknown ``curvature``, a negative ``damping``, a bad
             ``batch_size``; :class:`~persample.KFAC`'s errors.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> net = nn.Linear(4, 3)
+        >>> train = (torch.randn(40, 4), torch.randint(0, 3, (40,)))
+        >>> pre = fit_preconditioner(net, train, nn.CrossEntropyLoss(), damping=0.1)
+        >>> pre.bases["weight"].values.shape, pre.damping["weight"]
+        (torch.Size([3, 4]), 0.1)
+
+    Source: George et al. 2018 (EK-FAC); Grosse et al. 2023 (its use for influence).
     """
     if curvature not in CURVATURES:
         raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}")
@@ -314,8 +325,15 @@ def self_influence(model: nn.Module, train: tuple[Any, Any],
     """``g_t^T (F + lambda I)^{-1} g_t`` of each training sample: high for the samples
     the model fits against the rest (mislabelled ones), as :func:`influence` computes it.
 
+    Args:
+        model, train, loss_fn, curvature, damping, fisher, kind, batch_size, params,
+        preconditioner: as for :func:`influence`.
+
     Returns:
-        ``(n_train,)``.
+        ``(n_train,)``, in the units of :func:`influence`'s scores.
+
+    Raises:
+        ValueError: as :func:`influence`.
 
     Example:
         >>> import torch
@@ -325,6 +343,9 @@ def self_influence(model: nn.Module, train: tuple[Any, Any],
         >>> train = (torch.randn(30, 4), torch.randint(0, 3, (30,)))
         >>> bool((persample.self_influence(net, train, nn.CrossEntropyLoss()) > 0).all())
         True
+
+    Source: Koh & Liang 2017; Grosse et al. 2023 (self-influence to find mislabelled
+    training samples).
     """
     pre = preconditioner or fit_preconditioner(
         model, train, loss_fn, curvature=curvature, damping=damping, fisher=fisher,
