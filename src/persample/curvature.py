@@ -527,6 +527,8 @@ def _single_position_rows(captured: Captured, wanted: set[int]) -> dict[int, Ten
             left, right = sides.setdefault(pid, ([], []))
             left.append(f.left[:, 0].square())  # (n, r)
             right.append(f.right[:, 0].square())  # (n, c)
-    # sum over the columns as one batched product: (n, r, v) @ (n, v, c)
-    return {pid: torch.bmm(torch.stack(left, 2), torch.stack(right, 1))
+    # sum over the columns as one batched product, (n, r, v) @ (n, v, c); one column: an
+    # outer product (a product over one column runs slower as a GEMM)
+    return {pid: (left[0][:, :, None] * right[0][:, None, :] if len(left) == 1 else
+                  torch.bmm(torch.stack(left, 2), torch.stack(right, 1)))
             for pid, (left, right) in sides.items()}
