@@ -50,6 +50,7 @@ MUST_AGREE = {
     "gpt2-768-bf16-dp-step": {"loop + clipping", "torch.func vmap + clipping", "persample"},
     "gpt2-768-project": {"loop", "torch.func vmap", "persample per_sample_grads, then project",
                          "persample"},
+    "gpt2-768-kfac-factors": {"by hand (module hooks)", "persample"},
 }
 
 
@@ -255,7 +256,8 @@ def test_workload_groups_and_sizes():
     assert WORKLOADS == SMALL_WORKLOADS + REAL_WORKLOADS
     assert REAL_WORKLOADS == ("gpt2-768-grads", "gpt2-768-dp-step", "bert-lora-grads",
                               "bert-lora-dp-step", "llama-lora-grads", "llama-lora-dp-step",
-                              "gpt2-768-bf16-dp-step", "gpt2-768-project")
+                              "gpt2-768-bf16-dp-step", "gpt2-768-project",
+                              "gpt2-768-kfac-factors")
     with pytest.raises(ValueError, match="one size"):
         bench.build_case("cnn-grads", 2, "cpu", size="tiny")
     with pytest.raises(ValueError, match="unknown size"):

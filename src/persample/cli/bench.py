@@ -33,7 +33,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from .workloads import (
     DP_WORKLOADS,
     GRAD_WORKLOADS,
     JACOBIAN_WORKLOADS,
+    REAL_CURVATURE_WORKLOADS,
     WORKLOADS,
     attribution_workload,
     curvature_workload,
@@ -627,6 +628,11 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
     if name in DP_WORKLOADS:
         w = dp_workload(name, batch, size, device).to(device)
         return anchors.under_autocast(anchors.dp_step_case(w, only))
+    if name in REAL_CURVATURE_WORKLOADS:
+        w = grads_workload("gpt2-768-grads", batch, size, device).to(device)
+        return curvature_rows.gpt2_kfac_case(replace(w, name=name, description=(
+            f"{w.description}; K-FAC's factors of every weight matrix (empirical Fisher, "
+            "expand), the tied table's exact diagonal")))
     if name in CURVATURE_WORKLOADS:
         w = curvature_workload(name, batch, device).to(device)
         if name == "kfac-factors":

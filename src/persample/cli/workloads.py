@@ -781,13 +781,16 @@ def _influence_workload(n: int, device: torch.device | str) -> Workload:
 
 
 REAL_ATTRIBUTION_WORKLOADS = ("gpt2-768-project",)
+REAL_CURVATURE_WORKLOADS = ("gpt2-768-kfac-factors",)
+"""GPT-2 4x768's K-FAC factors (:func:`~persample.cli.anchors.curvature_rows.gpt2_kfac_case`)
+on ``gpt2-768-grads``'s model and text."""
 ATTRIBUTION_WORKLOADS = ("deep-mlp-gram", "cnn-gram", "deep-mlp-project", "gpt2-project"
                          ) + REAL_ATTRIBUTION_WORKLOADS
 BF16_DP_WORKLOADS = ("gpt2-768-bf16-dp-step",)
 REAL_DP_WORKLOADS = tuple(name.replace("-grads", "-dp-step") for name in REAL_GRAD_WORKLOADS
                           ) + BF16_DP_WORKLOADS
 REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS) for w in pair
-                       ) + BF16_DP_WORKLOADS + REAL_ATTRIBUTION_WORKLOADS
+                       ) + BF16_DP_WORKLOADS + REAL_ATTRIBUTION_WORKLOADS + REAL_CURVATURE_WORKLOADS
 """The real-size transformers with their real vocabularies (``persample bench --real``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",

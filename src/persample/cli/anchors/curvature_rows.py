@@ -11,6 +11,15 @@ its users call it.
   backward) by persample's ``KFAC`` and curvlinops' ``KFACLinearOperator`` (the same
   seed draws the same labels), against the factors by hand from module hooks; the
   floor a plain backward.
+- ``gpt2-768-kfac-factors`` (GPT-2 4x768, its 50,257-token table tied to the output
+  layer): K-FAC's factors (empirical Fisher, expand) of the ``Conv1D`` layers' weights,
+  and the exact diagonals of the tied table (one pair of factors per parameter cannot
+  hold its two uses; its output side as ``lm_head`` would be ``(50257, 50257)``) and of
+  the position table (the same lookup for every sample, a tensor of the parameters
+  alone), by persample's ``KFAC`` against the same from module hooks by hand (the
+  tables' per-sample gradients from their uses' inputs and output gradients, one sample
+  at a time); curvlinops and kronfluence take ``nn.Linear`` and ``nn.Conv2d`` only.
+  The floor a plain backward.
 - ``ekfac-influence`` (a CNN on the 16x16 digits, without biases, which kronfluence
   joins to the weights): the ``(100, 1000)`` influence scores of 1,000 training samples
   on 100 queries with EK-FAC (empirical Fisher, the same damping heuristic), by
@@ -97,6 +106,97 @@ def kfac_case(w: Workload) -> Case:
                         "curvlinops", w, lambda run: run()),
         Method("persample", ours, ours=True),
     ], floor_label="plain backward", floor=_plain_backward(w))
+
+
+def gpt2_kfac_case(w: Workload) -> Case:
+    """GPT-2's K-FAC (empirical Fisher, expand), flattened: the tied table's and the
+    position table's exact diagonals, then each ``Conv1D`` weight's ``A`` and ``G``.
+
+    Example:
+        >>> from persample.cli.workloads import real_workload
+        >>> w = real_workload("gpt2-768-grads", size="tiny")
+        >>> gpt2_kfac_case(w).result_shape
+        (1, 844048)
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    named = dict(w.model.named_modules())
+    layers = [name for name, m in named.items() if isinstance(m, Conv1D)]
+    wte, wpe = "transformer.wte", "transformer.wpe"
+    params = [f"{name}.weight" for name in [wte, wpe] + layers]
+    size = named[wte].weight.numel() + named[wpe].weight.numel() + sum(
+        named[name].weight.shape[0] ** 2 + named[name].weight.shape[1] ** 2
+        for name in layers)
+
+    def ours(_: Tensor | None) -> Tensor:
+        from ... import KFAC
+
+        kfac = KFAC(w.model, fisher="empirical", params=params, shared="diagonal")
+        kfac.update(w.inputs, w.targets, w.loss_fn)
+        factors, diagonals = kfac.factors, kfac.diagonals
+        return _flat([diagonals[f"{wte}.weight"], diagonals[f"{wpe}.weight"]] + [
+            t for name in layers for t in (factors[f"{name}.weight"][0].A,
+                                           factors[f"{name}.weight"][0].G)])
+
+    def by_hand(_: Tensor | None) -> Tensor:
+        return _gpt2_kfac_by_hand(w, named, layers, wte, wpe)
+
+    def plain() -> None:
+        chosen = [named[name.rsplit(".", 1)[0]].weight for name in params]
+        torch.autograd.grad(w.loss_fn(w.call(), w.targets).sum(), chosen)
+
+    return Case(w, "plain backward", plain, (1, size), "by hand (module hooks)",
+                lambda: by_hand(None), [
+        Method("by hand (module hooks)", by_hand),
+        Method("curvlinops KFACLinearOperator", None,
+               "not applicable: nn.Linear and nn.Conv2d only (GPT-2's layers are Conv1D)"),
+        Method("kronfluence", None, "not applicable: nn.Linear and nn.Conv2d only"),
+        Method("persample", ours, ours=True),
+    ], floor_label="plain backward", floor=plain)
+
+
+def _gpt2_kfac_by_hand(w: Workload, named: dict[str, nn.Module], layers: list[str],
+                       wte: str, wpe: str) -> Tensor:
+    """From module hooks: each ``Conv1D``'s inputs and output gradients, and the tables'
+    per-sample gradients, squared and summed over the samples: the tied table's the sum
+    of its two uses (``lm_head``: ``sum_t g_t h_t^T``; the lookup: its output gradients
+    added at the ids), the position table's its sample's gradient at the sum of the
+    two lookups, added at the positions (the same for every sample)."""
+    inputs, grads = {}, {}
+
+    def hook(name: str):
+        def keep(module, args, output):
+            inputs[name] = args[0].detach()
+            output.register_hook(lambda g: grads.__setitem__(name, g.detach()))
+        return keep
+
+    watched = [wte, wpe, "lm_head"] + layers
+    handles = [named[name].register_forward_hook(hook(name)) for name in watched]
+    try:
+        loss = w.loss_fn(w.call(), w.targets).sum()  # each sample's own loss, summed
+    finally:
+        for h in handles:
+            h.remove()
+    torch.autograd.grad(loss, [named[name].weight for name in [wte, wpe] + layers])
+    n = w.n
+    table = named[wte].weight
+    diagonal = torch.zeros_like(table)
+    for i in range(n):  # (V, d): this sample's gradient of the tied table
+        g = grads["lm_head"][i].T @ inputs["lm_head"][i]
+        g.index_add_(0, inputs[wte][i], grads[wte][i])
+        diagonal += g.square()
+    positions = torch.zeros_like(named[wpe].weight)
+    ids = inputs[wpe].reshape(-1)  # (T,): the same for every sample
+    for i in range(n):
+        # the sum of the two lookups is the first block's input: one gradient for both
+        g = torch.zeros_like(positions).index_add_(0, ids, grads[wte][i])
+        positions += g.square()
+    factors = [diagonal / n, positions / n]
+    for name in layers:
+        a = inputs[name].reshape(-1, inputs[name].shape[-1])
+        g = grads[name].reshape(-1, grads[name].shape[-1])
+        factors += [a.T @ a / len(a), g.T @ g / n]
+    return _flat(factors)
 
 
 def influence_case(w: Workload, train: int = 1000) -> Case:
