@@ -132,3 +132,31 @@ def test_self_influence_and_a_fitted_preconditioner():
         persample.influence(model, train, train, loss_fn, curvature="exact")
     with pytest.raises(ValueError, match="damping must be >= 0"):
         fit_preconditioner(model, train, loss_fn, damping=-1.0)
+
+
+def test_projected_scores_are_the_projections_of_the_exact_ones():
+    """With a projector: the projection of each preconditioned query gradient against
+    that of each training gradient (both formed here by the loop), the training side
+    projected by persample from activations and backprops; unbiased over projections,
+    and refused for a projector of other parameters."""
+    model, train, query, loss_fn = _setup()
+    pre = fit_preconditioner(model, train, loss_fn, curvature="ekfac", batch_size=10)
+    exact = persample.influence(model, train, query, loss_fn, preconditioner=pre,
+                                batch_size=10)
+    proj = persample.GradientProjector(model, 12, seed=3)
+    got = persample.influence(model, train, query, loss_fn, preconditioner=pre,
+                              projector=proj, batch_size=10)
+    q = pre.apply(_grads(model, *query, loss_fn))
+    want = proj.project(q) @ proj.project(_grads(model, *train, loss_fn)).T
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(got, exact, rtol=0.05)  # a projection, not the exact scores
+    # E[P P^T] = I: over many projections, the mean is the exact scores within 5
+    # standard errors, every score
+    draws = torch.stack([persample.influence(
+        model, train, query, loss_fn, preconditioner=pre, batch_size=10,
+        projector=persample.GradientProjector(model, 12, seed=s)) for s in range(300)])
+    error = draws.double().std(0) / 300 ** 0.5
+    assert ((draws.double().mean(0) - exact).abs() <= 5 * error).all()
+    other = persample.GradientProjector(model, 4, params=["3.weight"])
+    with pytest.raises(ValueError, match="same params"):
+        persample.influence(model, train, query, loss_fn, preconditioner=pre, projector=other)

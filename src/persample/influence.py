@@ -36,6 +36,7 @@ from .engine import Captured, write_per_sample
 from .errors import internal
 from .inputs import as_batch, samples_of
 from .precision import accumulate_dtype, without_autocast
+from .projection import GradientProjector
 
 CURVATURES = ("ekfac", "kfac", "diagonal", "identity")
 
@@ -270,10 +271,18 @@ def influence(model: nn.Module, train: tuple[Any, Any], query: tuple[Any, Any],
               loss_fn: Callable[[Any, Any], Tensor], *, curvature: str = "ekfac",
               damping: float | None = None, fisher: str = "type-2", kind: str = "expand",
               batch_size: int = 64, params: Any = None,
-              preconditioner: Preconditioner | None = None) -> Tensor:
+              preconditioner: Preconditioner | None = None,
+              projector: GradientProjector | None = None) -> Tensor:
     """Influence scores ``g_q^T (F + lambda I)^{-1} g_t`` of every training sample on
     every query, the curvature ``F`` fitted on ``train`` (see the module's docstring),
     both sets in batches.
+
+    With a ``projector`` (:class:`persample.GradientProjector`, ``P`` with ``E[P P^T] =
+    I``), the preconditioned query gradients are kept projected, ``(n_query, dim)``
+    instead of ``(n_query, P)``, and each training batch's gradients are projected from
+    its activations and backprops without forming them (LoGra's Kronecker form): the
+    scores ``(P^T q)^T (P^T g_t)`` are the exact ones in expectation over ``P``
+    (Johnson-Lindenstrauss), at a variance that falls as ``1 / dim``.
 
     Args:
         model, loss_fn: as for :func:`persample.per_sample_grads`.
@@ -282,6 +291,8 @@ def influence(model: nn.Module, train: tuple[Any, Any], query: tuple[Any, Any],
             :func:`fit_preconditioner`.
         preconditioner: one fitted already (then ``curvature``, ``damping``, ``fisher``
             and ``kind`` are not used).
+        projector: project the gradients with it (built for ``model`` over the same
+            parameters as ``params``); default ``None``, the exact scores.
 
     Returns:
         ``(n_query, n_train)`` scores in the parameters' dtype (at least float32): loss
@@ -290,7 +301,8 @@ def influence(model: nn.Module, train: tuple[Any, Any], query: tuple[Any, Any],
 
     Raises:
         ValueError: as :func:`fit_preconditioner`, and the errors of
-            :func:`persample.per_sample_grads`.
+            :func:`persample.per_sample_grads`; a ``projector`` of another model or
+            other parameters.
 
     Example:
         >>> import torch
@@ -301,14 +313,20 @@ def influence(model: nn.Module, train: tuple[Any, Any], query: tuple[Any, Any],
         >>> query = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
         >>> persample.influence(net, train, query, nn.CrossEntropyLoss()).shape
         torch.Size([5, 30])
+        >>> proj = persample.GradientProjector(net, 16, seed=0)
+        >>> persample.influence(net, train, query, nn.CrossEntropyLoss(), projector=proj).shape
+        torch.Size([5, 30])
 
     Source: Koh & Liang 2017 (influence functions); George et al. 2018 and Grosse et al.
-    2023 (EK-FAC for them); Pruthi et al. 2020 (TracIn, ``curvature="identity"``).
+    2023 (EK-FAC for them); Pruthi et al. 2020 (TracIn, ``curvature="identity"``); Choe
+    et al. 2024 (LoGra: Kronecker-projected gradients for influence at scale).
     """
     pre = preconditioner or fit_preconditioner(
         model, train, loss_fn, curvature=curvature, damping=damping, fisher=fisher,
         kind=kind, batch_size=batch_size, params=params)
     queries = _preconditioned(model, query, loss_fn, pre, batch_size, params)
+    if projector is not None:
+        return _projected_scores(model, train, loss_fn, queries, projector, batch_size)
     scores = []
     for inputs, targets in _batches(train, batch_size):
         grads = per_sample_grads(model, inputs, targets, loss_fn, params=params)
@@ -357,6 +375,21 @@ def self_influence(model: nn.Module, train: tuple[Any, Any],
         pre_grads = pre.apply(grads)
         out.append(sum((pre_grads[k] * grads[k]).flatten(1).sum(1) for k in grads))
     return torch.cat(out)
+
+
+def _projected_scores(model: nn.Module, train: tuple[Any, Any], loss_fn: Callable,
+                      queries: dict[str, Tensor], projector: GradientProjector,
+                      batch_size: int) -> Tensor:
+    """``(n_query, n_train)``: the projected preconditioned queries ``(n_query, dim)``
+    against each training batch's projected gradients ``(B, dim)``."""
+    if projector.model is not model or set(projector.params) != set(queries):
+        raise ValueError(
+            "projector must be a GradientProjector of this model over the parameters the "
+            f"scores cover ({sorted(queries)}); it projects {sorted(projector.params)}: "
+            "build it as GradientProjector(model, dim, params=...) with the same params")
+    q = projector.project(queries)  # (n_query, dim)
+    return torch.cat([q @ projector(inputs, targets, loss_fn).to(q.dtype).T
+                      for inputs, targets in _batches(train, batch_size)], 1)
 
 
 def _preconditioned(model: nn.Module, query: tuple[Any, Any], loss_fn: Callable,
