@@ -53,6 +53,7 @@ CHECKS = {
     "first": "first.A.shape == (10, 10) and first.G.shape == (32, 32) and first.rows == 'G'",
     "per_sample_diag": "per_sample_diag['0.weight'].shape == (8, 32, 10)",
     "scores": "scores.shape == (5, 200) and bool(torch.isfinite(scores).all())",
+    "projected": "projected.shape == (5, 200) and not torch.equal(projected, scores)",
     # the Laplace backend: a kron fit with the table's input side a vector; probabilities
     "probs": ("probs.shape == (5, 3) and torch.allclose(probs.sum(-1), torch.ones(5))"
               " and la.H_facs.kfacs[0][0].shape == (100,)"),
