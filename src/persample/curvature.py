@@ -41,6 +41,7 @@ from .captured_batch import parameter_groups
 from .engine import Captured, cotangent_backprops, loss_backprops, write_per_sample
 from .errors import internal
 from .loss import per_sample_losses
+from .memory import result_empty
 from .norms import use_factors
 from .precision import accumulate_dtype, without_autocast
 from .rules.ghost import Factors
@@ -69,7 +70,9 @@ class KroneckerFactors:
 
 
 class _Moments:
-    """Running sums of one use's factors and what they are divided by."""
+    """Running sums of one use's factors and what they are divided by; the sums of
+    outer products are written in place, in persample's result memory (a fresh
+    ``9216 x 9216`` factor costs its page faults, as much as its product)."""
 
     def __init__(self) -> None:
         self.a: Tensor | None = None  # sum of the input side's outer products (or counts)
@@ -77,10 +80,30 @@ class _Moments:
         self.g: Tensor | None = None  # sum of the output side's outer products
         self.rows = "G"
 
-    def add(self, a: Tensor, a_count: int, g: Tensor) -> None:
-        self.a = a if self.a is None else self.a + a
-        self.g = g if self.g is None else self.g + g
+    def add(self, a: Tensor | None, a_count: int, g: Tensor, g_scale: float) -> None:
+        """Add ``a^T a`` (``a (m, d_in)``; a lookup's counts ``(vocabulary,)`` as they
+        are; ``None``: nothing) and ``g_scale g^T g`` (``g (m', d_out)``)."""
+        if a is not None:
+            self.a = _add_moment(self.a, a, 1.0)
+        self.g = _add_moment(self.g, g, g_scale)
         self.a_count += a_count
+
+
+def _add_moment(total: Tensor | None, x: Tensor, scale: float) -> Tensor:
+    """``total + scale x^T x`` in place (``x (m, d)``), or ``+ x`` for a vector."""
+    if x.dim() == 1:
+        return x.clone() if total is None else total.add_(x)
+    if total is None:
+        d = x.shape[1]
+        total = result_empty(d * d, x.dtype, x.device).view(d, d)
+        return torch.mm(x.T, x, out=total).mul_(scale) if scale != 1.0 else torch.mm(
+            x.T, x, out=total)
+    return total.addmm_(x.T, x, alpha=scale)
+
+
+def _divided(t: Tensor, by: float) -> Tensor:
+    """``t / by`` in persample's result memory."""
+    return torch.div(t, by, out=result_empty(t.numel(), t.dtype, t.device).view(t.shape))
 
 
 class KFAC:
@@ -184,8 +207,8 @@ class KFAC:
         (a tied parameter has one per use), normalised by the samples so far."""
         out = {}
         for name, uses in self._moments.items():
-            out[name] = [KroneckerFactors(m.a / m.a_count, m.g / self.num_data, m.rows)
-                         for m in uses]
+            out[name] = [KroneckerFactors(_divided(m.a, m.a_count), _divided(m.g, self.num_data),
+                                          m.rows) for m in uses]
         return out
 
     @property
@@ -233,7 +256,7 @@ class KFAC:
                 for m, f in zip(moments, uses):
                     a, count, g, rows = _sides(f, self.kind, table, first=column == 0)
                     m.rows = rows
-                    m.add(a, count, g * scale)
+                    m.add(a, count, g, scale)
                 done.add(pid)
         return done
 
@@ -258,28 +281,24 @@ class KFAC:
                 self._diagonal[name] = d
 
 
-def _sides(f: Factors, kind: str, table: int, first: bool) -> tuple[Tensor, int, Tensor, str]:
-    """One use's input-side sum (zeros after the first column: it does not depend on
-    the cotangent), its count, its output-side sum, and which acts on the parameter's
+def _sides(f: Factors, kind: str, table: int, first: bool
+           ) -> tuple[Tensor | None, int, Tensor, str]:
+    """One use's input side as the rows whose outer products sum to its moment (a
+    lookup's id counts; ``None`` after the first column: it does not depend on the
+    cotangent), its count, its output side likewise, and which acts on the parameter's
     rows (``table``: a lookup's rows)."""
     grads, read = (f.left, f.right) if f.backprops == "left" else (f.right, f.left)
     rows = "G" if f.backprops == "left" else "A"
     n, t = read.shape[:2]
-    if kind == "expand":
-        g = torch.einsum("nti,ntj->ij", grads, grads)  # (d_out, d_out)
-    else:
-        pooled = grads.sum(1)  # (n, d_out)
-        g = pooled.T @ pooled
+    g = grads.reshape(n * t, -1) if kind == "expand" else grads.sum(1)  # (m, d_out)
     if not first:
-        shape = (table,) if not read.is_floating_point() else (read.shape[2],) * 2
-        return grads.new_zeros(shape), 0, g, rows
+        return None, 0, g, rows
     if not read.is_floating_point():  # a lookup's one-hot ids: their frequencies
         counts = torch.bincount(read.reshape(-1), minlength=table)[:table]
         return counts.to(grads.dtype), n * t, g, rows
     if kind == "expand":
-        return torch.einsum("nti,ntj->ij", read, read), n * t, g, rows
-    mean = read.mean(1)  # (n, d_in)
-    return mean.T @ mean, n, g, rows
+        return read.reshape(n * t, -1), n * t, g, rows
+    return read.mean(1), n, g, rows
 
 
 # -- the cotangents -------------------------------------------------------------------
@@ -437,11 +456,8 @@ def per_sample_ggn_diag(model: nn.Module, inputs: Any, targets: Any,
     Source: Martens 2020 and Schraudolph 2002 (the GGN); Dangel, Kunstner & Hennig 2020
     (BackPACK: its per-sample diagonals by backpropagating the Hessian's square root).
     """
-    rows = _ggn_rows(model, inputs, targets, loss_fn, mc_samples, params, generator,
-                     per_sample=True)
-    if flat:
-        return torch.cat([r.flatten(1) for r in rows.values()], 1)
-    return rows
+    return _ggn_rows(model, inputs, targets, loss_fn, mc_samples, params, generator,
+                     per_sample=True, flat=flat)
 
 
 def ggn_diag(model: nn.Module, inputs: Any, targets: Any,
@@ -482,7 +498,7 @@ def ggn_diag(model: nn.Module, inputs: Any, targets: Any,
 
 def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
               mc_samples: int, params: Any, generator: torch.Generator | None,
-              per_sample: bool) -> dict[str, Tensor]:
+              per_sample: bool, flat: bool = False) -> dict[str, Tensor] | Tensor:
     """The GGN diagonal of each parameter, per sample or summed."""
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
         raise ValueError(f"mc_samples must be an int >= 0 (0: exact), got {mc_samples!r}")
@@ -499,29 +515,90 @@ def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
             model, batch, lambda out: hessian_columns(out, targets, loss_fn),
             {id(p): p for p in chosen.values()})
     scale = 1.0 / mc_samples if mc_samples else 1.0
-    found: dict[str, Tensor] = {}
     names = {id(p): name for name, p in chosen.items()}
+    result, dest = _rows_result(chosen, n, flat, per_sample)
     with torch.no_grad(), internal("the rules"):
-        for pid, rows in _single_position_rows(captured, set(names)).items():
-            rows = rows.mul_(scale).view(n, *captured.param(pid).shape)
-            found[names[pid]] = rows if per_sample else rows.sum(0)
-        rest = [p for name, p in chosen.items() if name not in found]
+        done = set()
+        for pid, (rows, cols) in _single_position_sides(captured, set(names)).items():
+            shape = (rows.shape[1], cols.shape[1])
+            if per_sample:  # (n, r, c): each sample's outer product
+                torch.mul(rows[:, :, None], cols[:, None, :], out=dest[pid].view(n, *shape))
+            else:  # (r, c): their sum, one product over the samples
+                torch.mm(rows.T, cols, out=dest[pid].view(shape))
+            done.add(pid)
+        rest = [p for p in chosen.values() if id(p) not in done]
         for group in parameter_groups(rest, n * captured.v):
-            dest = {id(p): p.new_zeros((n, captured.v, *p.shape),
-                                       dtype=accumulate_dtype(p.dtype)) for p in group}
-            write_per_sample(captured, dest)  # (n, v, *shape): J_n^T s_nv
-            for pid, cols in dest.items():
-                rows = cols.square_().sum(1).mul_(scale)  # (n, *shape)
-                found[names[pid]] = rows if per_sample else rows.sum(0)
-    return {name: found[name] for name in chosen}
+            _formed_rows(captured, group, dest, per_sample)
+        if scale != 1.0:
+            for t in dest.values():
+                t.mul_(scale)
+    return result
 
 
-def _single_position_rows(captured: Captured, wanted: set[int]) -> dict[int, Tensor]:
-    """``{id(p): (n, r, c)}`` for the parameters read once, by an op with factors at one
-    position (a linear layer on vectors): sample ``n``'s gradient for column ``v`` is
-    ``L_nv R_nv^T``, so its square is ``L_nv^2 (R_nv^2)^T``, summed over the columns
-    without forming any gradient (BackPACK's trick for the diagonal)."""
-    sides: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+def _rows_result(chosen: dict[str, nn.Parameter], n: int, flat: bool, per_sample: bool
+                 ) -> tuple[dict[str, Tensor] | Tensor, dict[int, Tensor]]:
+    """The result and its parts by parameter id: per sample, ``(n, *shape)`` views of one
+    block of persample's result memory (pages already touched: a fresh ``(B, P)`` costs
+    its page faults, more than the products), ``(n, P)`` with ``flat``; summed,
+    ``(*shape)`` zeros. In the accumulation dtype."""
+    first = next(iter(chosen.values()))
+    dtype = accumulate_dtype(first.dtype)
+    if not per_sample:
+        dest = {id(p): torch.zeros(p.shape, dtype=accumulate_dtype(p.dtype), device=p.device)
+                for p in chosen.values()}
+        return {name: dest[id(p)] for name, p in chosen.items()}, dest
+    total = sum(p.numel() for p in chosen.values())
+    block = result_empty(n * total, dtype, first.device)
+    dest, at = {}, 0
+    if flat:  # each parameter's columns of the (n, P) rows
+        rows = block.view(n, total)
+        for p in chosen.values():
+            dest[id(p)] = rows[:, at:at + p.numel()].view(n, *p.shape)
+            at += p.numel()
+        return rows, dest
+    for p in chosen.values():
+        dest[id(p)] = block[at:at + n * p.numel()].view(n, *p.shape)
+        at += n * p.numel()
+    return {name: dest[id(p)] for name, p in chosen.items()}, dest
+
+
+def _formed_rows(captured: Captured, group: list[nn.Parameter], dest: dict[int, Tensor],
+                 per_sample: bool) -> None:
+    """``group``'s rows from each sample's formed gradient of every column,
+    ``J_n^T s_nv`` ``(n, v, *shape)``, squared and summed over the columns (and over the
+    samples) into ``dest``; with one column, per sample: formed in ``dest`` itself."""
+    n, v = captured.n, captured.v
+    if v == 1 and per_sample:
+        cols = {id(p): dest[id(p)].zero_().unsqueeze(1) for p in group}
+        write_per_sample(captured, cols)
+        for t in cols.values():
+            t.square_()
+        return
+    like = dest[id(group[0])]
+    sizes = [n * v * p.numel() for p in group]
+    block, at = result_empty(sum(sizes), like.dtype, like.device), 0
+    cols = {}
+    for p, size in zip(group, sizes):
+        cols[id(p)] = block[at:at + size].view(n, v, *p.shape).zero_()
+        at += size
+    write_per_sample(captured, cols)
+    for pid, c in cols.items():
+        c.square_()
+        if per_sample:
+            torch.sum(c, 1, out=dest[pid])
+        else:
+            dest[pid].copy_(c.sum((0, 1)))
+
+
+def _single_position_sides(captured: Captured, wanted: set[int]
+                           ) -> dict[int, tuple[Tensor, Tensor]]:
+    """``{id(p): (rows (n, r), cols (n, c))}`` for the parameters read once, by an op with
+    factors at one position (a linear layer on vectors): sample ``n``'s gradient for
+    column ``v`` is ``L_nv R_nv^T``, its square ``L_nv^2 (R_nv^2)^T``; the side the op
+    read is the same for every column, so the sum over the columns is the outer product
+    of the backprops' squares summed over the columns with that side squared (BackPACK's
+    trick for the diagonal, without forming any gradient)."""
+    sides: dict[int, list] = {}
     single = None
     for column in range(captured.v):
         found = use_factors(captured, wanted, column=column if captured.v > 1 else None)
@@ -531,11 +608,10 @@ def _single_position_rows(captured: Captured, wanted: set[int]) -> dict[int, Ten
                       and uses[0].right.shape[1] == 1}
         for pid in single:
             f = found[pid][1][0]
-            left, right = sides.setdefault(pid, ([], []))
-            left.append(f.left[:, 0].square())  # (n, r)
-            right.append(f.right[:, 0].square())  # (n, c)
-    # sum over the columns as one batched product, (n, r, v) @ (n, v, c); one column: an
-    # outer product (a product over one column runs slower as a GEMM)
-    return {pid: (left[0][:, :, None] * right[0][:, None, :] if len(left) == 1 else
-                  torch.bmm(torch.stack(left, 2), torch.stack(right, 1)))
-            for pid, (left, right) in sides.items()}
+            grads, read = (f.left, f.right) if f.backprops == "left" else (f.right, f.left)
+            squares = grads[:, 0].square()  # (n, d_out)
+            if pid in sides:
+                sides[pid][0].add_(squares)
+            else:
+                sides[pid] = [squares, read[:, 0].square(), f.backprops == "left"]
+    return {pid: (g, a) if left else (a, g) for pid, (g, a, left) in sides.items()}
