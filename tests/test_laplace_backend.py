@@ -19,6 +19,7 @@ from laplace.curvature import (
     CurvatureInterface,
     CurvlinopsEF,
     CurvlinopsGGN,
+    GGNInterface,
 )
 from laplace.utils import Kron, KronDecomposed
 from torch import nn
@@ -271,3 +272,50 @@ def test_gpt2_768_real_vocabulary_kron_fits_in_memory():
     assert report["fit_peak_gib"] < 16
     probs = torch.tensor(report["probs"])
     assert probs.shape == (2, 2) and torch.allclose(probs.sum(-1), torch.ones(2))
+
+
+def test_subnetwork_full_against_laplace_torch_func():
+    """``subset_of_weights="subnetwork"`` (``full``): persample's Jacobians at the chosen
+    entries against Laplace's own ``torch.func`` fallback (curvlinops' backend uses it
+    for a subnetwork)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    loader = _mlp_data("classification")
+    chosen = torch.tensor([0, 3, 8, 20, 41, 50, 63])
+    fits = []
+    for backend in (PerSampleGGN, CurvlinopsGGN):
+        la = Laplace(copy.deepcopy(model), "classification", subset_of_weights="subnetwork",
+                     hessian_structure="full", subnetwork_indices=chosen, backend=backend)
+        la.fit(loader)
+        fits.append(la)
+    ours, theirs = fits
+    assert ours.H.shape == (7, 7)
+    torch.testing.assert_close(ours.H, theirs.H, **TOL)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    torch.testing.assert_close(ours(x, pred_type="glm"), theirs(x, pred_type="glm"), **TOL)
+
+
+def test_timm_vit_fits_every_structure():
+    """timm's ViT (patch convolution, class token, position table, LayerScale) with every
+    weight: ``diag`` equal to Laplace's generic diagonal from ``torch.func`` Jacobians,
+    ``kron`` with an entry per parameter (the convolution's ``[G, A]`` of its patches,
+    the tokens' and scales' exact diagonals), both with finite GLM predictives."""
+    from zoo import timm_vit_layerscale
+
+    model, x, labels, _ = timm_vit_layerscale()
+    loader = DataLoader(TensorDataset(x, labels), batch_size=2)
+    diag = _fit(model, "classification", "diag", PerSampleGGN, "all", loader)
+    backend = PerSampleGGN(diag.model, "classification")
+    want = sum(GGNInterface.diag(backend, xb, yb)[1] for xb, yb in loader)
+    torch.testing.assert_close(diag.H, want, **TOL)
+    kron = _fit(model, "classification", "kron", PerSampleGGN, "all", loader)
+    params = [p for p in kron.model.parameters() if p.requires_grad]
+    assert len(kron.H_facs.kfacs) == len(params)
+    shapes = {n: [tuple(f.shape) for f in fs] for (n, p), fs in zip(
+        [(n, p) for n, p in kron.model.named_parameters() if p.requires_grad],
+        kron.H_facs.kfacs)}
+    assert shapes["patch_embed.proj.weight"] == [(16, 16), (48, 48)]
+    assert shapes["cls_token"] == [(16,)] and shapes["blocks.0.ls1.gamma"] == [(16,)]
+    for la in (diag, kron):
+        probs = la(x, pred_type="glm", link_approx="probit")
+        assert probs.shape == (len(x), 5) and bool(torch.isfinite(probs).all())
