@@ -231,11 +231,38 @@ def cotangent_backprops(model: nn.Module, batch: Batch,
     def backward(output: Tensor, edges: list, _: Plan) -> tuple:
         cot = cotangents(output.detach())  # (v, n, *out_shape)
         seen.append(cot.shape[0])
+        if cot.shape[0] > 1 and _convolves(output):
+            return _column_by_column(output, edges, cot)
         return torch.autograd.grad(output, edges, cot, is_grads_batched=True, allow_unused=True)
 
     captured = capture_backprops(model, batch, root, backward, watched, v, records)
     captured.v = seen[0] if seen else v
     return captured
+
+
+def _convolves(output: Tensor) -> bool:
+    """Whether ``output``'s graph runs a convolution's backward: under
+    ``is_grads_batched`` torch runs it as a loop over the cotangents plus copies of
+    every input and result (the seed CNN's 10 GGN columns: 65 ms of 290), slower than
+    a backward per cotangent."""
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "ConvolutionBackward0":
+            return True
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return False
+
+
+def _column_by_column(output: Tensor, edges: list, cot: Tensor) -> tuple:
+    """What ``autograd.grad(..., is_grads_batched=True)`` gives, ``(v, *edge)`` per
+    edge, from one backward per cotangent."""
+    cols = [torch.autograd.grad(output, edges, c, retain_graph=k < len(cot) - 1,
+                                allow_unused=True) for k, c in enumerate(cot)]
+    return tuple(None if col[0] is None else torch.stack(col) for col in zip(*cols))
 
 
 def one_hot(start: int, stop: int, like: Tensor) -> Tensor:
