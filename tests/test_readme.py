@@ -1,5 +1,7 @@
-"""The README runs as written: every Python block in a fresh process of the environment
-the README's set-up makes, and the set-up and test commands are those CI runs."""
+"""The README and the documentation run as written: every Python block of ``README.md``
+and ``docs/`` in a fresh process of the environment the README's set-up makes, every
+page in the site's navigation, and the set-up, test and documentation commands are
+those CI runs."""
 
 import os
 import re
@@ -11,7 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+BLOCKS = [b for page in PAGES
+          for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
 # a block that is a file of the package as it is ("Adding an op" shows rules/addcmul.py):
 # compared with the file (test_readme_op_rule_is_the_file), not run on its own, where it
 # would register the op a second time
@@ -21,6 +26,9 @@ RUN = [b for b in BLOCKS if b not in FILES]
 # What a block must have computed, checked in the block's own process when the block
 # defines the name (each check prints its name; the test asserts every check ran).
 CHECKS = {
+    # the README's quick start
+    "quick_grads": 'quick_grads["0.weight"].shape == (32, 64, 20)',
+    "quick_jac": "quick_jac.shape == (32, 4, 1604)",
     "lm_grads": 'lm_grads["transformer.wte.weight"].shape == (8, 100, 32)',
     "head": 'list(head) == ["3.weight", "3.bias"]',
     "set_grads": 'set_grads["phi.weight"].shape == (4, 16, 3)',
@@ -115,12 +123,22 @@ def test_every_check_has_its_block():
 
 
 def test_ci_runs_the_readme_commands():
-    """.ci/run's set-up and test commands are the README's, character for character."""
+    """.ci/run's set-up, test and documentation commands are the README's, character for
+    character, in that order."""
     ci = (ROOT / ".ci" / "run").read_text()
     bash = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
-    setup, test, slow = bash[0].strip(), bash[1].strip(), bash[2].strip()
-    assert slow == f"{test} -m slow"
+    setup, test, slow, docs = (b.strip() for b in bash[:4])
+    assert slow == f"{test} -m slow" and docs == ".venv/bin/mkdocs build --strict"
     assert setup in ci and f"run {test}\n" in ci and f"run {slow}\n" in ci
+    assert ci.index(f"run {slow}\n") < ci.index(f"\n{docs}\n")
+
+
+def test_every_page_is_in_the_navigation():
+    """Each page of ``docs/`` is reachable from the site's navigation (mkdocs warns of an
+    omitted page, which the strict build turns into a failure; this says which)."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in DOCS.rglob("*.md"):
+        assert str(page.relative_to(DOCS)) in nav, page
 
 
 @pytest.mark.slow
@@ -138,7 +156,7 @@ def test_transformers_imports_after_the_set_up():
 def test_readme_op_rule_is_the_file():
     """The op rule "Adding an op" shows is ``rules/addcmul.py`` as it is."""
     (block,) = FILES
-    source = (README.parent / "src" / "persample" / "rules" / "addcmul.py").read_text()
+    source = (ROOT / "src" / "persample" / "rules" / "addcmul.py").read_text()
     rule = block[block.index("def addcmul("):]
     assert rule in source
     assert "from persample.rules.spec import" in block

@@ -108,7 +108,7 @@ def per_sample_grads(
         InternalError: ``method="rules"`` and persample's own code failed on the model
             (a bug; the original error is its ``__cause__``); ``"auto"`` falls back.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> import persample
@@ -208,7 +208,7 @@ def param_jacobian(
         UnsupportedModuleError: ``method="rules"`` and a module neither a rule nor
             ``torch.func`` can differentiate.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> import persample
@@ -324,9 +324,9 @@ def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
         An uninitialised tensor of ``shape`` (a view of a padded allocation).
 
     Raises:
-        Whatever ``torch.empty`` raises (out of memory).
+        RuntimeError: out of memory (from ``torch.empty``).
 
-    Example:
+    Examples:
         >>> buf = aligned_empty((4, 10), torch.float32, torch.device("cpu"))
         >>> buf.shape, buf.stride()
         (torch.Size([4, 10]), (16, 1))

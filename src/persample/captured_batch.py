@@ -58,7 +58,7 @@ class CapturedBatch:
         as :func:`persample.per_sample_grads` for the forward, the loss and the backward;
         InternalError: a factor rule failed.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample.inputs import as_batch
@@ -113,7 +113,7 @@ def parameter_groups(params: list[nn.Parameter], samples: int) -> list[list[nn.P
     Returns:
         ``params`` cut into consecutive groups, in order.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> big, small = nn.Parameter(torch.zeros(1 << 20)), nn.Parameter(torch.zeros(8))
         >>> [len(g) for g in parameter_groups([small, small, big, small], 64)]
@@ -136,7 +136,7 @@ def matrix_shape(p: Tensor) -> tuple[int, int]:
     """A parameter as a matrix: its first dim by the rest (a 1-d one as a column, a
     0-d one as ``(1, 1)``), the ``(rows, cols)`` of its :class:`Factors`.
 
-    Example:
+    Examples:
         >>> matrix_shape(torch.zeros(16, 3, 5, 5)), matrix_shape(torch.zeros(7))
         ((16, 75), (7, 1))
     """

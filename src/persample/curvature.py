@@ -140,7 +140,7 @@ class KFAC:
             :meth:`update`, a loss ``"mc"`` cannot sample from, or an output
             ``"type-2"`` cannot take.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample.curvature import KFAC
@@ -307,7 +307,7 @@ def _sides(f: Factors, kind: str, table: int, first: bool
 def loss_gradient(output: Tensor, targets: Any, loss_fn: Callable) -> Tensor:
     """``(n, *out)``: each sample's loss gradient at its own output, ``dL_n / d out_n``.
 
-    Example:
+    Examples:
         >>> out = torch.tensor([[0.0, 0.0]])
         >>> loss_gradient(out, torch.tensor([0]), nn.CrossEntropyLoss())
         tensor([[-0.5000,  0.5000]])
@@ -332,7 +332,7 @@ def label_sampler(loss_fn: Callable, generator: torch.Generator | None
     Raises:
         ValueError: another loss, or a loss with class weights or label smoothing.
 
-    Example:
+    Examples:
         >>> draw = label_sampler(nn.MSELoss(reduction="sum"), torch.Generator().manual_seed(0))
         >>> draw(torch.zeros(3, 2), None).shape
         torch.Size([3, 2])
@@ -384,7 +384,7 @@ def hessian_columns(output: Tensor, targets: Any, loss_fn: Callable) -> Tensor:
         ValueError: an output that is not ``(n, C)``, or targets that are not a tensor
             with the samples in dim 0.
 
-    Example:
+    Examples:
         >>> cols = hessian_columns(torch.zeros(2, 3), torch.tensor([0, 1]),
         ...                        nn.CrossEntropyLoss())
         >>> cols.shape, torch.allclose(torch.einsum("cni,cnj->nij", cols, cols)[0],
@@ -443,7 +443,7 @@ def per_sample_ggn_diag(model: nn.Module, inputs: Any, targets: Any,
         ValueError: ``mc_samples < 0``, an output exact cannot take (not ``(B, C)``), a
             loss MC cannot sample from; the errors of ``per_sample_grads``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample.curvature import per_sample_ggn_diag
@@ -478,7 +478,7 @@ def ggn_diag(model: nn.Module, inputs: Any, targets: Any,
     Raises:
         ValueError: as :func:`per_sample_ggn_diag`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample.curvature import ggn_diag, per_sample_ggn_diag

@@ -47,7 +47,7 @@ def digits_images(size: int = 28, dtype: torch.dtype = torch.float32,
         ImportError: scikit-learn is not installed (it comes with the ``cli`` extra:
             ``pip install "persample[cli]"``).
 
-    Example:
+    Examples:
         >>> x, y = digits_images()
         >>> x.shape, y.shape
         (torch.Size([1797, 1, 28, 28]), torch.Size([1797]))
@@ -78,7 +78,7 @@ def digits_features(
         ImportError: scikit-learn is not installed (it comes with the ``cli`` extra:
             ``pip install "persample[cli]"``).
 
-    Example:
+    Examples:
         >>> x, y = digits_features()
         >>> x.shape, int(y.max())
         (torch.Size([1797, 300]), 1)
@@ -124,7 +124,7 @@ def stdlib_docstrings(modules: tuple[str, ...] = STDLIB_MODULES) -> list[str]:
         ImportError: a name in ``modules`` is not importable.
         RuntimeError: no docstrings found (Python runs with ``-OO``, which strips them).
 
-    Example:
+    Examples:
         >>> texts = stdlib_docstrings(("json",))
         >>> texts[0].split()[:4]
         ['JSON', '(JavaScript', 'Object', 'Notation)']
@@ -186,7 +186,7 @@ class ByteTokenizer:
     """A byte-level tokenizer built in code: UTF-8 bytes are ids ``0..255``, and
     ``256`` marks the end of a document. No files, no training, no unknown tokens.
 
-    Example:
+    Examples:
         >>> tok = ByteTokenizer()
         >>> tok.encode("héllo")
         [104, 195, 169, 108, 108, 111]
@@ -234,7 +234,7 @@ def docstring_batch(batch: int = 16, seq_len: int = 64,
     Raises:
         ValueError: the corpus has fewer than ``batch * seq_len`` tokens.
 
-    Example:
+    Examples:
         >>> inputs, labels = docstring_batch(2, 8)
         >>> inputs["input_ids"].shape, inputs["attention_mask"].dtype
         (torch.Size([2, 8]), torch.int64)
@@ -287,7 +287,7 @@ def docstring_examples(task: str = "causal", seq_len: int = 64, count: int | Non
     Raises:
         ValueError: an unknown ``task``, or more examples asked for than there are.
 
-    Example:
+    Examples:
         >>> train = docstring_examples("module", seq_len=32)
         >>> len(train), train[0]["input_ids"].shape, int(train[-1]["labels"])
         (358, torch.Size([32]), 3)

@@ -70,10 +70,10 @@ def per_sample_grad_dots(
 
     Raises:
         TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError:
-        as :func:`persample.per_sample_grads`, for either batch; ``ValueError`` for an
-        ``other`` that is not an ``(inputs, targets)`` pair.
+            as :func:`persample.per_sample_grads`, for either batch; ``ValueError`` for
+            an ``other`` that is not an ``(inputs, targets)`` pair.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> import persample

@@ -132,7 +132,7 @@ RANDOM: dict[Any, _Kind] = _table()
 def random_kind(func: Any, args: tuple, kwargs: dict) -> _Kind | None:
     """How ``func(*args, **kwargs)`` draws random numbers, or ``None`` if it does not.
 
-    Example:
+    Examples:
         >>> import torch.nn.functional as F
         >>> random_kind(F.dropout, (torch.ones(2),), {"training": False}) is None
         True
@@ -428,7 +428,7 @@ class Replay(_RandomOps):
     Raises (inside): :class:`DrawNotReplayable` where a sample's part cannot be told,
     or its forward draws in another order than the batch's.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import torch.nn.functional as F
         >>> x = torch.ones(3, 4)

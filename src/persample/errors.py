@@ -69,7 +69,7 @@ def module_note(where: str, module: object, args: tuple, exc: BaseException) -> 
     """A note for an exception raised inside a module's call (``where``: the module's
     name and class): the module, and for ids out of an embedding's range, the range.
 
-    Example:
+    Examples:
         >>> import torch
         >>> note = module_note("'emb' (Embedding)", torch.nn.Embedding(5, 2),
         ...                    (torch.tensor([7]),), IndexError("index out of range"))
@@ -94,7 +94,7 @@ def describe(value: object) -> str:
     """A short description of a value passed to ``loss_fn``: a tensor's class, shape and
     dtype; a mapping's class and entries; a sequence's class and items (at most 6).
 
-    Example:
+    Examples:
         >>> import torch
         >>> describe({"logits": torch.zeros(4, 3)})
         "dict {'logits': Tensor (4, 3) torch.float32}"
@@ -117,7 +117,7 @@ def loss_note(loss_fn: object, output: object, targets: object) -> str:
     """The note added to an exception raised by ``loss_fn(output, targets)``: what was
     called with what, and for two common mistakes the fix.
 
-    Example:
+    Examples:
         >>> import torch
         >>> print(loss_note(torch.nn.CrossEntropyLoss(), torch.zeros(4, 3),
         ...                 torch.zeros(4, 1, dtype=torch.long)))  # doctest: +NORMALIZE_WHITESPACE

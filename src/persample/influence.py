@@ -71,7 +71,7 @@ def kfac_eigenbasis(f: KroneckerFactors) -> Eigenbasis:
     """The eigenbasis and eigenvalues (``lambda_rows lambda_cols^T``) of one use's K-FAC
     factors ``A (x) G``.
 
-    Example:
+    Examples:
         >>> f = KroneckerFactors(torch.eye(3) * 2, torch.eye(2) * 5, rows="G")
         >>> kfac_eigenbasis(f).values
         tensor([[10., 10., 10.],
@@ -104,7 +104,7 @@ class EKFAC:
     Args:
         kfac: the fitted K-FAC (its model, Fisher and parameters are reused).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample import KFAC
@@ -229,7 +229,7 @@ def fit_preconditioner(model: nn.Module, train: tuple[Any, Any], loss_fn: Callab
         ValueError: an unknown ``curvature``, a negative ``damping``, a bad
             ``batch_size``; :class:`~persample.KFAC`'s errors.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> net = nn.Linear(4, 3)
@@ -304,7 +304,7 @@ def influence(model: nn.Module, train: tuple[Any, Any], query: tuple[Any, Any],
             :func:`persample.per_sample_grads`; a ``projector`` of another model or
             other parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> import persample
@@ -344,8 +344,9 @@ def self_influence(model: nn.Module, train: tuple[Any, Any],
     the model fits against the rest (mislabelled ones), as :func:`influence` computes it.
 
     Args:
-        model, train, loss_fn, curvature, damping, fisher, kind, batch_size, params,
-        preconditioner: as for :func:`influence`.
+        model, train, loss_fn: as for :func:`influence`.
+        curvature, damping, fisher, kind, batch_size, params, preconditioner: as for
+            :func:`influence`.
 
     Returns:
         ``(n_train,)``, in the units of :func:`influence`'s scores.
@@ -353,7 +354,7 @@ def self_influence(model: nn.Module, train: tuple[Any, Any],
     Raises:
         ValueError: as :func:`influence`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> import persample

@@ -65,7 +65,7 @@ class PackedRows:
         ValueError: ``sample_index`` is not ``(R,)``, or holds a value outside
             ``[0, num_samples)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from persample import PackedRows
         >>> rows = PackedRows(torch.randn(5, 3), torch.tensor([0, 0, 1, 2, 2]), 3)

@@ -104,7 +104,7 @@ def input_jacobian(
             forward-mode formula, ``.item()``, data-dependent control flow): use
             ``mode="reverse"`` or ``"auto"``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample.jacobian import input_jacobian
@@ -168,7 +168,7 @@ def jacobian_diagonal(
             the input's; ``chunk_size`` not a positive int; ``fn`` mixes samples (as
             for :func:`input_jacobian`, whose data-flow check it shares).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from persample.jacobian import jacobian_diagonal
         >>> lin = torch.nn.Linear(4, 4)

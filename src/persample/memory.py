@@ -79,7 +79,7 @@ def result_empty(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor
     Raises:
         RuntimeError: out of memory (from ``torch.empty``).
 
-    Example:
+    Examples:
         >>> buf = result_empty(1 << 20, torch.float32, torch.device("cpu"))
         >>> buf.shape, buf.is_contiguous()
         (torch.Size([1048576]), True)
@@ -100,7 +100,7 @@ def empty_cache() -> None:
     Results still referenced are not affected. On a GPU use
     ``torch.cuda.empty_cache()`` as usual.
 
-    Example:
+    Examples:
         >>> import persample
         >>> persample.empty_cache()
     """

@@ -331,7 +331,7 @@ def per_sample_grad_norms(
         TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError:
         as :func:`persample.per_sample_grads`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> import persample

@@ -99,7 +99,7 @@ def plain_checkpoints() -> Iterator[None]:
     model that uses them (``torch.autograd.grad`` and ``vmap`` refuse the reentrant
     checkpoint's second forward); the gradients are the checkpoint's.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.utils.checkpoint import checkpoint
         >>> w = torch.ones(3, requires_grad=True)

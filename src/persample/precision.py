@@ -35,7 +35,7 @@ AutocastState = tuple[tuple[str, bool, torch.dtype], ...]
 def autocast_state() -> AutocastState:
     """The autocast state now: ``((device_type, enabled, dtype), ...)`` per device type.
 
-    Example:
+    Examples:
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):
         ...     autocast_state()[0]
         ('cpu', True, torch.bfloat16)
@@ -51,7 +51,7 @@ def autocast_state() -> AutocastState:
 def replaying(state: AutocastState | None) -> Iterator[None]:
     """Run the block under the autocast ``state`` (``None``: as it is now).
 
-    Example:
+    Examples:
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):
         ...     state = autocast_state()
         >>> with replaying(state):
@@ -71,7 +71,7 @@ def replaying(state: AutocastState | None) -> Iterator[None]:
 def without_autocast() -> Iterator[None]:
     """Autocast off on every device type: the rules choose their dtypes themselves.
 
-    Example:
+    Examples:
         >>> with torch.autocast("cpu", dtype=torch.bfloat16), without_autocast():
         ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
         torch.float32
@@ -89,7 +89,7 @@ def accumulate_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype sums of squares and clipped sums accumulate in: float32 for bfloat16 and
     float16, else the widest of ``dtypes`` (float64 stays float64).
 
-    Example:
+    Examples:
         >>> accumulate_dtype(torch.bfloat16), accumulate_dtype(torch.float64)
         (torch.float32, torch.float64)
     """
@@ -103,7 +103,7 @@ def accumulate_dtype(*dtypes: torch.dtype) -> torch.dtype:
 def cast(t: Any, dtype: torch.dtype | None) -> Any:
     """A floating tensor in ``dtype`` (no copy when it already is); anything else as it is.
 
-    Example:
+    Examples:
         >>> cast(torch.ones(2, dtype=torch.bfloat16), torch.float32).dtype, cast(3, None)
         (torch.float32, 3)
     """

@@ -81,7 +81,7 @@ class GradientProjector:
         ValueError: an unknown ``kind``, ``dim < 1`` or larger than the parameters'
             entries, and ``params`` errors as for :func:`persample.per_sample_grads`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> import persample
@@ -142,7 +142,7 @@ class GradientProjector:
         Raises:
             as :func:`persample.per_sample_grads`.
 
-        Example:
+        Examples:
             >>> from torch import nn
             >>> proj = GradientProjector(nn.Linear(4, 3), 6, kind="rademacher", seed=1)
             >>> proj(torch.randn(5, 4), torch.randint(0, 3, (5,)), nn.CrossEntropyLoss()).shape
@@ -172,7 +172,7 @@ class GradientProjector:
         Raises:
             ValueError: a projected parameter missing from ``grads``.
 
-        Example:
+        Examples:
             >>> from torch import nn
             >>> proj = GradientProjector(nn.Linear(4, 3), 6, kind="gaussian")
             >>> proj.project({"weight": torch.zeros(5, 3, 4), "bias": torch.ones(5, 3)}).shape
@@ -205,7 +205,7 @@ class GradientProjector:
         Raises:
             KeyError: ``name`` is not projected; ValueError for a dense ``kind``.
 
-        Example:
+        Examples:
             >>> from torch import nn
             >>> proj = GradientProjector(nn.Linear(300, 10), 60)
             >>> p_out, p_in = proj.kronecker_factors("weight", torch.float32)
@@ -258,7 +258,7 @@ class KroneckerProjector(GradientProjector):
     Build it as ``GradientProjector(model, dim)`` (arguments, attributes, methods and
     errors: :class:`GradientProjector`). ``dim`` is split by :func:`_split`.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> proj = GradientProjector(nn.Linear(300, 10), 60)
         >>> isinstance(proj, KroneckerProjector), proj.dims, proj.dim
@@ -341,7 +341,7 @@ class DenseProjector(GradientProjector):
     Build it as ``GradientProjector(model, dim, kind=...)`` (arguments, attributes,
     methods and errors: :class:`GradientProjector`).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> proj = GradientProjector(nn.Linear(300, 10), 60, kind="rademacher")
         >>> isinstance(proj, DenseProjector), proj.dims, proj.dim
@@ -383,7 +383,7 @@ def _split(dim: int, shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int,
     is left (capped at the parameter's size), as :func:`_factor`'s pair within it; what
     a share could not use passes on, and the largest parameter takes the rest.
 
-    Example:
+    Examples:
         >>> _split(100, {"bias": (8, 1), "weight": (300, 300)})
         {'bias': (8, 1), 'weight': (9, 10)}
     """
@@ -413,7 +413,7 @@ def _factor(share: int, rows: int, cols: int) -> tuple[int, int]:
     ``(share, 1)``, which keeps one direction of the activations); ties to the larger
     product. ``(0, 0)`` for a share of 0.
 
-    Example:
+    Examples:
         >>> _factor(79, 50257, 768), _factor(79, 30, 1)
         ((7, 11), (30, 1))
     """

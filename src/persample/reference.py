@@ -56,7 +56,7 @@ def loop_per_sample_grads(
     Raises:
         TypeError, ValueError: inputs without a batch dim, or no trainable parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> net = torch.nn.Linear(3, 2)
         >>> g = loop_per_sample_grads(net, torch.randn(4, 3), torch.randn(4, 2),
@@ -106,7 +106,7 @@ def loop_param_jacobian(model: nn.Module, inputs: Tensor | tuple, around: Around
         ValueError: a batch of 0 samples (the output shape is unknown), inputs
             without a batch dim, or no trainable parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> net = torch.nn.Linear(3, 2)
         >>> loop_param_jacobian(net, torch.randn(4, 3))["weight"].shape
@@ -158,7 +158,7 @@ def forward_per_sample_grads(
     Raises:
         TypeError, ValueError: inputs without a batch dim, or no trainable parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5))
         >>> _ = torch.manual_seed(0)

@@ -117,10 +117,10 @@ def supported(model: nn.Module, inputs: Any = None, targets: Any = None,
         it (``"cached: ..."``, :func:`persample.clear_plans`) or decided it anew.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``inputs`` hold no tensor.
-        Errors of the model's own forward propagate.
+        TypeError: ``model`` is not an ``nn.Module``; ``inputs`` hold no tensor. The
+            errors of the model's own forward propagate.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3), nn.PReLU())
@@ -343,7 +343,7 @@ def verify(
             :func:`persample.per_sample_grads` (which propagate: a failing fast path
             is itself a finding).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()

@@ -53,7 +53,7 @@ def forms(func: Any) -> tuple[Any, ...]:
     Raises:
         Nothing: a function without other names gives ``(func,)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> names = [f.__name__ for f in forms(torch.sub)]
         >>> {"sub", "subtract", "sub_", "__sub__", "__rsub__", "__isub__"} <= set(names)

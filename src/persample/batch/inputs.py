@@ -24,7 +24,7 @@ def layout_of(part: Part, n: int) -> tuple[Tensor, Layout]:
 def located(batch: Batch) -> list[tuple[Tensor, Layout]]:
     """Every input tensor carrying samples, with its layout.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from persample.inputs import as_batch
         >>> [lay for _, lay in located(as_batch((torch.zeros(4, 3), torch.zeros(1, 3))))]

@@ -126,7 +126,7 @@ def einsum_subscripts(equation: str, ranks: list[int]) -> tuple[list[str], str]:
     Raises:
         ValueError: terms that do not match the operands or their ranks.
 
-    Example:
+    Examples:
         >>> einsum_subscripts("...i,io", [3, 2])
         (['ABi', 'io'], 'ABo')
     """

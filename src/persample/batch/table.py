@@ -26,7 +26,7 @@ class LayoutTable:
     tensor lives (a dead tensor's id may be reused). A plain dict of weak references:
     several times cheaper per op than ``WeakIdKeyDictionary``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from persample.batch import Batched
         >>> table, x = LayoutTable(), torch.zeros(2, 3)

@@ -68,7 +68,7 @@ def edge_of(t: Tensor) -> Edge | None:
     """Where ``t``'s gradient, at its current version, will be read (``None`` without
     autograd).
 
-    Example:
+    Examples:
         >>> import torch
         >>> w = torch.ones(3, requires_grad=True)
         >>> y = (w * 2).view(3, 1)

@@ -131,7 +131,7 @@ class Capture:
     data flow is decided at every call) and ``replayed`` (how many ops took theirs from
     ``tape``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))

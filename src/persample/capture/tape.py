@@ -45,7 +45,7 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple:
     """An op's arguments other than tensors, comparable across calls; raises
     :class:`Opaque` for any argument whose type is not a plain value.
 
-    Example:
+    Examples:
         >>> import torch
         >>> x = torch.zeros(2, 3)
         >>> arguments_key((x, 1, slice(0, 2)), {}) == arguments_key((x, 1, slice(0, 2)), {})

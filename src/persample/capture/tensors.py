@@ -119,7 +119,7 @@ class Kept:
     them as shared rather than as tensors it never saw made. By identity, holding none
     alive.
 
-    Example:
+    Examples:
         >>> import torch
         >>> kept, t = Kept(), torch.arange(3)
         >>> kept.add(t)

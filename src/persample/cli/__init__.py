@@ -11,7 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``persample`` argument parser: ``bench``, ``dp-train``, ``dp-finetune``,
     ``attribute`` and ``audit`` subcommands.
 
-    Example:
+    Examples:
         >>> build_parser().parse_args(["bench", "--quick", "--no-memory"]).no_memory
         True
     """

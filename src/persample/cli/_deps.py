@@ -30,7 +30,7 @@ def importable(name: str) -> bool:
     """Whether ``import name`` would find the top-level module ``name`` (without importing
     it); ``False`` also where ``sys.modules[name]`` is ``None`` (import blocked).
 
-    Example:
+    Examples:
         >>> importable("json"), importable("no_such_package_here")
         (True, False)
     """
@@ -43,7 +43,7 @@ def importable(name: str) -> bool:
 def needed(args: argparse.Namespace) -> list[str]:
     """The ``cli`` extra's modules that the command parsed into ``args`` will import.
 
-    Example:
+    Examples:
         >>> needed(argparse.Namespace(command="dp-train", plot="curves.png"))
         ['tqdm', 'sklearn', 'matplotlib']
         >>> needed(argparse.Namespace(command="dp-finetune"))
@@ -59,7 +59,7 @@ def missing_message(what: str, modules: Iterable[str]) -> str:
     """The message for ``what`` (a command or a function) that needs ``modules``, which
     are not installed.
 
-    Example:
+    Examples:
         >>> print(missing_message("persample bench", ["tqdm", "sklearn"]))
         ... # doctest: +NORMALIZE_WHITESPACE
         persample bench needs tqdm and scikit-learn (not installed): install the command
@@ -76,7 +76,7 @@ def require(args: argparse.Namespace) -> None:
     """Stop (:class:`SystemExit`, exit status 1, the message on stderr) if the command
     parsed into ``args`` needs a package of the ``cli`` extra that cannot be imported.
 
-    Example:
+    Examples:
         >>> require(argparse.Namespace(command="dp-finetune"))  # needs none of them
     """
     absent = [m for m in needed(args) if not importable(m)]

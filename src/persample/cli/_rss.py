@@ -12,7 +12,7 @@ from __future__ import annotations
 def status_kib(field_name: str) -> int | None:
     """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``), or None.
 
-    Example:
+    Examples:
         >>> kib = status_kib("VmRSS")
         >>> kib is None or kib > 0
         True

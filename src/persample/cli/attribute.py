@@ -250,7 +250,7 @@ def _trak(phi: Tensor, phi_val: Tensor, ridge: float) -> Tensor:
 def format_figures(f: dict) -> str:
     """The report as text.
 
-    Example:
+    Examples:
         >>> print(format_figures({"config": {"threads": 1}, "train_samples": 2, "flipped": 1,
         ...     "validation_samples": 1,
         ...     "validation_accuracy": 0.5, "parameters": 3, "projected_dim": 2,
@@ -296,7 +296,7 @@ def _plot(path: str, flipped: Tensor, scores: dict[str, Tensor]) -> None:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``attribute`` and its options to ``persample``'s subcommands.
 
-    Example:
+    Examples:
         >>> parser = argparse.ArgumentParser(prog="persample")
         >>> _ = add_parser(parser.add_subparsers(dest="command"))
         >>> parser.parse_args(["attribute", "--dim", "512"]).dim

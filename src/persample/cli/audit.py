@@ -26,7 +26,7 @@ from .threads import add_threads_argument, default_threads
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``audit`` and its options to ``persample``'s subcommands; returns its parser.
 
-    Example:
+    Examples:
         >>> parser = argparse.ArgumentParser(prog="persample")
         >>> _ = add_parser(parser.add_subparsers(dest="command"))
         >>> parser.parse_args(["audit", "--broken", "noise"]).broken

@@ -176,7 +176,7 @@ def _first_call(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float
 def memory_label(device: torch.device) -> str:
     """What ``peak_mb`` means on ``device`` (the table's and the JSON's label).
 
-    Example:
+    Examples:
         >>> memory_label(torch.device("cpu")).split(" (")[0]
         'peak RSS of one call in a fresh process above the RSS after building the case'
     """
@@ -213,7 +213,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     Returns:
         The :class:`Report`; times in ms.
 
-    Example:
+    Examples:
         >>> r = bench_case(build_case("deep-mlp-grads", 2), True, lambda label: None)
         >>> r.ours, r.result_shape, r.floor_ms > r.t_plain_ms > 0
         ('persample', [2, 4515602], True)
@@ -324,7 +324,7 @@ def agree_tolerance(w: Any) -> float:
     """:data:`AGREE_TOLERANCE`, or under bfloat16 autocast 2e-2 (its 8 significand bits:
     the reference loop rounds each per-sample gradient there).
 
-    Example:
+    Examples:
         >>> agree_tolerance(type("W", (), {"autocast": torch.bfloat16})())
         0.02
     """
@@ -406,7 +406,7 @@ def max_abs_diff(result: Any, reference: torch.Tensor) -> float:
         ValueError: a dict entry whose leading dims are not the reference's.
         RuntimeError: the numbers do not fit the reference's shape.
 
-    Example:
+    Examples:
         >>> ref = torch.zeros(2, 5)
         >>> max_abs_diff({"w": torch.ones(2, 2, 2), "b": torch.zeros(2, 1)}, ref)
         1.0
@@ -508,7 +508,7 @@ def format_report(r: Report) -> str:
     ratio to the floor, peak MB and max |diff| from the reference; notes; the speed-up
     of the default call over the best other method that agrees with the reference.
 
-    Example:
+    Examples:
         >>> r = bench_case(build_case("pinn-input-jac", 2), True, lambda label: None)
         >>> print(format_report(r))  # doctest: +ELLIPSIS
         pinn-input-jac: MLP 1-20-20-400 tanh, batch 2, t ~ U(0, 1), (B, 400, 1) [cpu]
@@ -605,7 +605,7 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
         MemoryError: the reference would need over the memory limit.
         persample.cli.real_models.NotInstalled: the workload's model package is missing.
 
-    Example:
+    Examples:
         >>> case = build_case("deep-mlp-grads", 2)
         >>> case.result_shape, [m.name for m in case.methods if m.ours]
         ((2, 4515602), ['persample'])
@@ -653,7 +653,7 @@ def _device(device: str | torch.device) -> torch.device:
 def load_warning(loads: list[float], cores: int | None = None) -> str | None:
     """A warning when the load average exceeded the cores during the run, else None.
 
-    Example:
+    Examples:
         >>> load_warning([0.5, 1.2], cores=2) is None
         True
         >>> load_warning([0.5, 3.4], cores=2)[:60]
@@ -674,7 +674,7 @@ def header(workloads: list[str], quick: bool, batch: int | None, threads: int,
     """The line printed as the run starts: what runs, at which batch, how it is timed,
     on how many threads.
 
-    Example:
+    Examples:
         >>> print(header(["cnn-grads"], True, 4, 1, torch.device("cpu"), False))
         ... # doctest: +NORMALIZE_WHITESPACE
         persample bench: 1 workload, batch 4, no warm-up, 2 rounds, no memory probes;
@@ -714,7 +714,7 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
     Raises:
         SystemExit: an unknown workload, or ``device="cuda"`` without CUDA.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "bench.json")
         >>> reports = run(["pinn-input-jac"], True, 2, 1, path, None, memory=False)
@@ -802,7 +802,7 @@ def memory_probe(workload: str, method: str, batch: int | None, threads: int,
     Raises:
         SystemExit: no such method, or it cannot run here.
 
-    Example:
+    Examples:
         >>> m = memory_probe("pinn-input-jac", "one backward", 2, 1)
         >>> m["extra_peak_mb"] >= 0
         True
@@ -860,7 +860,7 @@ def machine_info(threads: int, device: torch.device | str = "cpu") -> dict:
     threads (CPU runs; ``None`` on a GPU), the device (``"cpu"``, ``"cuda"``) and its
     name (``torch.cuda.get_device_name``, or the CPU's model name).
 
-    Example:
+    Examples:
         >>> sorted(machine_info(2))
         ['device', 'device_name', 'machine', 'python', 'threads', 'torch']
     """

@@ -48,7 +48,7 @@ class BenchPlan:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``bench`` and its options to ``persample``'s subcommands; returns its parser.
 
-    Example:
+    Examples:
         >>> parser = argparse.ArgumentParser(prog="persample")
         >>> _ = add_parser(parser.add_subparsers(dest="command"))
         >>> parser.parse_args(["bench", "--quick", "--no-memory"]).no_memory
@@ -105,7 +105,7 @@ def selected_workloads(args: argparse.Namespace) -> list[str]:
     them, or the small ones under ``--quick`` or ``--no-real``. ``--no-real`` leaves
     the real-size ones out even when named.
 
-    Example:
+    Examples:
         >>> from persample.cli import build_parser
         >>> parse = build_parser().parse_args
         >>> selected_workloads(parse(["bench", "--real"]))[:2]
@@ -126,7 +126,7 @@ def selected_workloads(args: argparse.Namespace) -> list[str]:
 def plan(args: argparse.Namespace) -> BenchPlan:
     """The :class:`BenchPlan` of the parsed ``bench`` options (see the module docstring).
 
-    Example:
+    Examples:
         >>> from persample.cli import build_parser
         >>> plan(build_parser().parse_args(["bench", "--quick", "--batch", "8"]))
         ... # doctest: +ELLIPSIS

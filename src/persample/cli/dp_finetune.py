@@ -67,7 +67,7 @@ class FinetuneConfig:
 def build_model(cfg: FinetuneConfig) -> tuple[nn.Module, int, int]:
     """The model (LoRA-wrapped if asked), its trainable and total parameter counts.
 
-    Example:
+    Examples:
         >>> cfg = FinetuneConfig(layers=1, width=32, heads=2, seq_len=16, rank=2)
         >>> model, trainable, total = build_model(cfg)
         >>> trainable < total
@@ -233,7 +233,7 @@ def run(cfg: FinetuneConfig) -> dict:
         ValueError: a bad option.
         NotInstalled: transformers (or peft for LoRA) is missing.
 
-    Example:
+    Examples:
         >>> cfg = FinetuneConfig(layers=1, width=32, heads=2, seq_len=16, train_windows=64,
         ...                      test_windows=16, steps=2, batch_size=16, physical=8,
         ...                      sigma=1.0, rank=2, threads=1)

@@ -96,7 +96,7 @@ def load_split(subset: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tenso
         subset: keep only the first ``subset`` training examples (the split is
             shuffled, so they are a random subset); the test set stays whole.
 
-    Example:
+    Examples:
         >>> x, y, xt, yt = load_split()
         >>> x.shape, xt.shape, y.dtype
         (torch.Size([1437, 1, 28, 28]), torch.Size([360, 1, 28, 28]), torch.int64)
@@ -311,7 +311,7 @@ def run(cfg: DPTrainConfig) -> dict:
         ValueError: a bad option (non-positive epochs, batch size, C, lr or target
             epsilon; a negative sigma; delta outside ``(0, 1)``).
 
-    Example:
+    Examples:
         >>> cfg = DPTrainConfig(epochs=1, batch_size=16, subset=64, max_steps=2, sigma=2.0,
         ...                     threads=1, progress=False)
         >>> out = run(cfg)  # doctest: +ELLIPSIS
@@ -488,7 +488,7 @@ def clipping_options(model: nn.Module, cfg: DPTrainConfig) -> dict:
     layer (each parameter to ``C / sqrt(K)``), per module (the parameters of each module
     as one group, each to ``C / sqrt(m)``) or automatic (Bu et al. 2023).
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
         >>> clipping_options(net, DPTrainConfig(clipping="per-module", max_grad_norm=2.0))
         {'max_grad_norm': [1.414..., 1.414...], 'param_groups': [['0.weight', '0.bias'], ['2.weight', '2.bias']]}
@@ -539,7 +539,7 @@ def _clipping_label(cfg: DPTrainConfig) -> str:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``dp-train`` and its options to ``persample``'s subcommands; returns its parser.
 
-    Example:
+    Examples:
         >>> parser = argparse.ArgumentParser(prog="persample")
         >>> _ = add_parser(parser.add_subparsers(dest="command"))
         >>> parser.parse_args(["dp-train", "--epochs", "3"]).epochs

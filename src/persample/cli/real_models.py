@@ -63,7 +63,7 @@ def load_torchvision() -> ModuleType | None:
     Raises:
         RuntimeError: ``import torchvision`` failed for another reason.
 
-    Example:
+    Examples:
         >>> tv = load_torchvision()
         >>> tv is None or hasattr(tv, "models")
         True
@@ -106,7 +106,7 @@ def require(name: str) -> ModuleType:
     Raises:
         NotInstalled: the package is not installed; the message has the install hint.
 
-    Example:
+    Examples:
         >>> require("no_such_package_here")
         Traceback (most recent call last):
         ...
@@ -136,7 +136,7 @@ def causal_lm_loss(out: Any, labels: Tensor) -> Tensor:
     Returns:
         ``(B,)`` losses in nats per token: position ``t``'s logits predict token ``t + 1``.
 
-    Example:
+    Examples:
         >>> out = type("Out", (), {"logits": torch.zeros(2, 5, 7)})()
         >>> causal_lm_loss(out, torch.ones(2, 5, dtype=torch.long))  # log(7) each
         tensor([1.9459, 1.9459])
@@ -155,7 +155,7 @@ def resnet18(classes: int = 10) -> nn.Module:
     Raises:
         NotInstalled: torchvision is missing.
 
-    Example:
+    Examples:
         >>> sum(p.numel() for p in resnet18().parameters())
         11181642
     """
@@ -175,7 +175,7 @@ def gpt2(vocab_size: int, seq_len: int = 64, layers: int = 4, width: int = 256,
     Raises:
         NotInstalled: transformers is missing.
 
-    Example:
+    Examples:
         >>> model = gpt2(257, seq_len=8, layers=1, width=16, heads=2)
         >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape
         torch.Size([1, 8, 257])
@@ -200,7 +200,7 @@ def mixtral(vocab_size: int, seq_len: int = 64, layers: int = 2, width: int = 12
     Raises:
         NotInstalled: transformers is missing.
 
-    Example:
+    Examples:
         >>> model = mixtral(257, seq_len=8, layers=1, width=16, heads=2)
         >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape
         torch.Size([1, 8, 257])
@@ -230,7 +230,7 @@ def bert_classifier(vocab_size: int = 30522, layers: int = 4, width: int = 768,
     Raises:
         NotInstalled: transformers is missing.
 
-    Example:
+    Examples:
         >>> model = bert_classifier(100, layers=1, width=16, heads=2, intermediate=32)
         >>> model(input_ids=torch.zeros(3, 8, dtype=torch.long)).logits.shape
         torch.Size([3, 2])
@@ -259,7 +259,7 @@ def llama(vocab_size: int = 32000, layers: int = 4, width: int = 1024, heads: in
     Raises:
         NotInstalled: transformers is missing.
 
-    Example:
+    Examples:
         >>> model = llama(100, layers=1, width=16, heads=4, kv_heads=2, intermediate=32)
         >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape
         torch.Size([1, 8, 100])
@@ -295,7 +295,7 @@ def lora(model: nn.Module, rank: int, targets: list[str],
     Raises:
         NotInstalled: peft is missing.
 
-    Example:
+    Examples:
         >>> net = lora(llama(100, layers=1, width=16, heads=4, kv_heads=2, intermediate=32),
         ...            2, ["q_proj", "v_proj"])
         >>> sorted({n.split(".")[-3] for n, p in net.named_parameters() if p.requires_grad})
@@ -339,7 +339,7 @@ def with_lora(model: nn.Module, rank: int = 8) -> nn.Module:
     Raises:
         NotInstalled: peft is missing.
 
-    Example:
+    Examples:
         >>> net = with_lora(gpt2(257, seq_len=8, layers=1, width=16, heads=2), rank=2)
         >>> sum(p.numel() for p in net.parameters() if p.requires_grad)
         128
@@ -360,7 +360,7 @@ def timm_vit(img_size: int = 28, in_chans: int = 1, classes: int = 10, width: in
     Raises:
         NotInstalled: timm is missing.
 
-    Example:
+    Examples:
         >>> timm_vit()(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 10])
     """

@@ -25,7 +25,7 @@ def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity mask; all of them where the system
     has no affinity).
 
-    Example:
+    Examples:
         >>> usable_cpus() >= 1
         True
     """
@@ -39,7 +39,7 @@ def load_average() -> float:
     """The 1-minute load average: processes running or waiting for a CPU (0 where the
     system has none).
 
-    Example:
+    Examples:
         >>> load_average() >= 0
         True
     """
@@ -59,7 +59,7 @@ def default_threads(cpus: int | None = None, load: float | None = None) -> int:
     Returns:
         The thread count, ``1 <= threads <= cpus``.
 
-    Example:
+    Examples:
         >>> default_threads(cpus=2, load=0.2), default_threads(cpus=2, load=0.6)
         (2, 1)
         >>> default_threads(cpus=2, load=7.3), default_threads(cpus=16, load=3.4)
@@ -79,7 +79,7 @@ def add_threads_argument(parser: argparse.ArgumentParser, what: str = "torch CPU
         parser: the subcommand's parser.
         what: what the threads are, for the help (``"torch CPU threads in all"``...).
 
-    Example:
+    Examples:
         >>> parser = argparse.ArgumentParser()
         >>> add_threads_argument(parser)
         >>> parser.parse_args(["--threads", "3"]).threads
@@ -97,7 +97,7 @@ def add_threads_argument(parser: argparse.ArgumentParser, what: str = "torch CPU
 def threads_label(threads: int) -> str:
     """How a command's header says its thread count.
 
-    Example:
+    Examples:
         >>> threads_label(1), threads_label(2)
         ('1 torch thread', '2 torch threads')
     """

@@ -42,7 +42,7 @@ def simple_cnn() -> nn.Sequential:
 
     Takes ``(B, 1, 28, 28)``, returns logits ``(B, 10)``; 1,199,882 parameters.
 
-    Example:
+    Examples:
         >>> simple_cnn()(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 10])
     """
@@ -67,7 +67,7 @@ def deep_mlp(depth: int = 50, width: int = 300, classes: int = 2) -> nn.Sequenti
 
     Takes ``(B, width)``, returns logits ``(B, classes)``.
 
-    Example:
+    Examples:
         >>> deep_mlp(depth=2, width=3)(torch.zeros(4, 3)).shape
         torch.Size([4, 2])
     """
@@ -83,7 +83,7 @@ class RowLSTM(nn.Module):
 
     Takes ``(B, 1, 28, 28)``, returns logits ``(B, classes)``.
 
-    Example:
+    Examples:
         >>> RowLSTM()(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 10])
     """
@@ -106,7 +106,7 @@ class RowEncoder(nn.Module):
 
     Takes ``(B, 1, 28, 28)``, returns logits ``(B, classes)``.
 
-    Example:
+    Examples:
         >>> RowEncoder()(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 10])
     """
@@ -212,7 +212,7 @@ class Workload:
     def to(self, device: torch.device | str) -> Workload:
         """Move the model, inputs and targets to ``device`` (in place); returns ``self``.
 
-        Example:
+        Examples:
             >>> w = grads_workload("cnn-grads", 2).to("cpu")
             >>> w.n, w.device.type
             (2, 'cpu')
@@ -262,7 +262,7 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
         persample.cli.real_models.NotInstalled: timm, torchvision or transformers is
             needed and missing.
 
-    Example:
+    Examples:
         >>> w = grads_workload("cnn-grads", batch=4)
         >>> w.inputs.shape, w.targets.shape
         (torch.Size([4, 1, 28, 28]), torch.Size([4]))
@@ -378,7 +378,7 @@ def hashed_ids(text: str, pieces: re.Pattern, first: int, stop: int) -> list[int
     the same id, the ids spread over ``first..stop-1``. Stands in for a trained BPE or
     WordPiece vocabulary, which would need a download.
 
-    Example:
+    Examples:
         >>> ids = hashed_ids("the cat, the hat", GPT2_PIECES, 0, 50256)
         >>> len(ids), ids[0] == ids[3], ids[1] != ids[4], all(0 <= i < 50256 for i in ids)
         (5, False, True, True)
@@ -407,7 +407,7 @@ def hashed_text_batch(batch: int, seq_len: int, first: int, stop: int, eos: int,
     Raises:
         ValueError: the corpus has fewer than ``batch * seq_len`` tokens.
 
-    Example:
+    Examples:
         >>> inputs, labels = hashed_text_batch(2, 8, 0, 50256, eos=50256)
         >>> inputs["input_ids"].shape, bool((labels == inputs["input_ids"]).all())
         (torch.Size([2, 8]), True)
@@ -443,7 +443,7 @@ def padded_docstring_batch(batch: int, seq_len: int, vocab: int
         ``({"input_ids", "token_type_ids" (zeros: one segment), "attention_mask" (1 on
         each sample's own tokens)}, labels (B,))``, all int64.
 
-    Example:
+    Examples:
         >>> inputs, labels = padded_docstring_batch(4, 16, 30522)
         >>> inputs["attention_mask"].sum(1).tolist(), labels.tolist()
         ([13, 16, 16, 11], [0, 0, 1, 0])
@@ -465,7 +465,7 @@ def padded_docstring_batch(batch: int, seq_len: int, vocab: int
 def logits_cross_entropy(out: Any, labels: Tensor) -> Tensor:
     """``(B,)`` cross-entropies of a classifier's ``out.logits (B, C)`` against ``labels``.
 
-    Example:
+    Examples:
         >>> out = type("Out", (), {"logits": torch.zeros(2, 4)})()
         >>> logits_cross_entropy(out, torch.tensor([0, 3]))  # log(4) each
         tensor([1.3863, 1.3863])
@@ -484,7 +484,7 @@ def causal_lm_ce(out: Any, labels: Tensor) -> tuple[Tensor, Tensor, tuple[int, i
     takes it: the shifted logits flattened to ``(B * (T-1), V)``, the next tokens
     ``(B * (T-1),)`` and ``shape = (B, T-1)`` (Opacus's per-sequence mean).
 
-    Example:
+    Examples:
         >>> out = type("Out", (), {"logits": torch.zeros(2, 5, 7)})()
         >>> [tuple(t.shape) if isinstance(t, Tensor) else t
         ...  for t in causal_lm_ce(out, torch.ones(2, 5, dtype=torch.long))]
@@ -500,7 +500,7 @@ def per_sample_positions(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
     ids (a model builds ``(1, T)`` positions itself otherwise). Right-padded samples
     keep positions counted from their first token, as the model counts them.
 
-    Example:
+    Examples:
         >>> per_sample_positions({"input_ids": torch.zeros(2, 3)})["position_ids"]
         tensor([[0, 1, 2],
                 [0, 1, 2]])
@@ -556,7 +556,7 @@ def real_workload(name: str, batch: int | None = None, size: str = "full",
         ValueError: an unknown name or size.
         persample.cli.real_models.NotInstalled: transformers or peft is missing.
 
-    Example:
+    Examples:
         >>> w = real_workload("llama-lora-grads", size="tiny")
         >>> w.n, w.inputs["input_ids"].shape[1], int(w.inputs["input_ids"].max()) < 32000
         (4, 4, True)
@@ -614,7 +614,7 @@ def real_workload(name: str, batch: int | None = None, size: str = "full",
 def mlp(sizes: list[int], activation: type[nn.Module]) -> nn.Sequential:
     """Linear layers of the given sizes with ``activation`` between them (not after the last).
 
-    Example:
+    Examples:
         >>> mlp([3, 4, 2], nn.ReLU)(torch.zeros(5, 3)).shape
         torch.Size([5, 2])
     """
@@ -639,7 +639,7 @@ def jacobian_workload(name: str, batch: int | None = None) -> Workload:
     Raises:
         ValueError: an unknown name.
 
-    Example:
+    Examples:
         >>> jacobian_workload("clf-input-jac", 8).inputs.shape
         torch.Size([8, 784])
     """
@@ -675,7 +675,7 @@ def dp_workload(name: str, batch: int | None = None, size: str = "full",
         ValueError: an unknown name or size.
         persample.cli.real_models.NotInstalled: as :func:`grads_workload`.
 
-    Example:
+    Examples:
         >>> dp_workload("deep-mlp-dp-step", 4).description.split("; ")[-1]
         'one DP-SGD step (C = 1.0, sigma = 1)'
     """
@@ -704,7 +704,7 @@ REAL_PROJECTED_DIM = 4096
 def projected_dim(name: str) -> int:
     """The projected dimensions of the workload ``name``.
 
-    Example:
+    Examples:
         >>> projected_dim("gpt2-project"), projected_dim("gpt2-768-project")
         (1024, 4096)
     """
@@ -721,7 +721,7 @@ def attribution_workload(name: str, batch: int | None = None, size: str = "full"
     Raises:
         ValueError: an unknown name.
 
-    Example:
+    Examples:
         >>> attribution_workload("deep-mlp-gram", 4).description.split("; ")[-1]
         'the (B, B) Gram matrix of the per-sample gradients'
     """
@@ -748,7 +748,7 @@ def curvature_workload(name: str, batch: int | None = None, device: torch.device
     Raises:
         ValueError: an unknown name.
 
-    Example:
+    Examples:
         >>> curvature_workload("ggn-diag", 2).description.split("; ")[-1]
         "each sample's GGN diagonal, exact"
     """

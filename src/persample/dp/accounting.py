@@ -67,7 +67,7 @@ def epsilon(
         ValueError: an argument outside its range, an unknown ``accountant``, or
             ``"prv"`` without Opacus.
 
-    Example:
+    Examples:
         >>> round(epsilon(1.1, 256 / 60000, 14063, 1e-5), 2)  # MNIST, 60 epochs of 256
         2.6
         >>> round(epsilon(1.1, 256 / 60000, 14063, 1e-5, accountant="pld"), 2)
@@ -110,7 +110,7 @@ def noise_multiplier_for(
     Raises:
         ValueError: an argument outside its range, or an unknown ``accountant``.
 
-    Example:
+    Examples:
         >>> sigma = noise_multiplier_for(3.0, 1e-5, sample_rate=0.04, steps=1000)
         >>> round(sigma, 3), epsilon(sigma, 0.04, 1000, 1e-5) <= 3.0
         (2.068, True)
@@ -146,7 +146,7 @@ class PrivacyAccountant:
     Raises:
         ValueError: an unknown ``accountant``.
 
-    Example:
+    Examples:
         >>> acct = PrivacyAccountant()
         >>> for _ in range(100):
         ...     acct.step(noise_multiplier=1.0, sample_rate=0.01)
@@ -205,7 +205,7 @@ class PrivacyAccountant:
         """The accountant's state for a checkpoint: ``{"accountant", "history"}`` (plain
         Python values, copied).
 
-        Example:
+        Examples:
             >>> acct = PrivacyAccountant()
             >>> acct.step(1.0, 0.01, count=5)
             >>> again = PrivacyAccountant()

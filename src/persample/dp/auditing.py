@@ -64,7 +64,7 @@ def p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: fl
     Returns:
         The p-value, in ``[0, 1]``.
 
-    Example:
+    Examples:
         >>> p_value(1000, 100, 100, 0.0, 0.0) == 0.5 ** 100  # 100 coin flips all right
         True
         >>> p_value(1000, 100, 50, 1.0, 1e-5) > 0.5
@@ -97,7 +97,7 @@ def epsilon_lower_bound(canaries: int, guesses: int, correct: int, delta: float,
         ValueError: counts out of order (``0 <= correct <= guesses <= canaries``) or a
             confidence outside ``(0, 1)``.
 
-    Example:
+    Examples:
         >>> round(epsilon_lower_bound(1000, 100, 100, 0.0), 2)  # every guess right
         3.49
         >>> epsilon_lower_bound(1000, 100, 55, 1e-5)  # about chance: nothing ruled out
@@ -148,7 +148,7 @@ def best_bound(scores: Tensor, added: Tensor, delta: float, confidence: float = 
     Returns:
         The :class:`Bound`.
 
-    Example:
+    Examples:
         >>> added = torch.arange(1000) % 2 == 0
         >>> best_bound(added.double(), added, 1e-5).epsilon > 3  # perfect scores
         True
@@ -250,7 +250,7 @@ def audit(model: nn.Module, data: tuple[Tensor, Tensor], loss_fn: Callable[[Any,
             classes, fewer than 10 canaries, steps below 1, a ``loss_fn`` that gives
             no per-sample losses; the errors of the step.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample.dp.auditing import BROKEN, audit

@@ -50,7 +50,7 @@ class Accumulated(NamedTuple):
     ``norms (n,)``, its gradient's norm before clipping over all parameters (at least
     float32). ``losses.mean()`` is the batch's training loss.
 
-    Example:
+    Examples:
         >>> from persample.dp import private_grad
         >>> net = nn.Linear(3, 2)
         >>> out = private_grad(net, torch.randn(4, 3), torch.randn(4, 2), nn.MSELoss(),
@@ -78,7 +78,7 @@ class MicroBatch:
             clipped together), or ``None`` (each sample its own).
         sharded: whether ``model`` has FSDP2 units (set on creation).
 
-    Example:
+    Examples:
         >>> from persample import checks
         >>> net, loss_fn = nn.Linear(3, 2), nn.MSELoss()
         >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
@@ -105,7 +105,7 @@ class Destination(Protocol):
     first, then per group ``make(group)`` (memory, after the backward) and ``flush(sums)``
     (complete). Each mode of :mod:`persample.dp.reduce` has one (an ``Accumulation``).
 
-    Example:
+    Examples:
         >>> from persample.dp.reduce import Local, Terms
         >>> net = nn.Linear(3, 2)
         >>> params = dict(net.named_parameters())
@@ -162,7 +162,7 @@ def clipped_sums(micro: MicroBatch, *, clipping: Clipping, into: Destination) ->
         Whatever ``into.check`` raises (before anything is summed), and the errors of
         ``per_sample_grads``.
 
-    Example:
+    Examples:
         >>> from persample import checks
         >>> net = nn.Linear(3, 2)
         >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
@@ -202,7 +202,7 @@ def check_finite(norms: Tensor) -> None:
     Raises:
         FloatingPointError: naming the samples (the first ten) and the fix.
 
-    Example:
+    Examples:
         >>> check_finite(torch.tensor([1.0, float("nan")]))
         Traceback (most recent call last):
         ...
@@ -268,7 +268,7 @@ class Clipped:
             ``squared`` then holds the squared norms of each user's gradient (the sum of
             its samples'), ``(U,)``, and each sample gets its user's factor.
 
-    Example:
+    Examples:
         >>> from persample import checks
         >>> net, loss_fn = nn.Linear(3, 2), nn.MSELoss()
         >>> x, y = torch.randn(4, 3), torch.randn(4, 2)

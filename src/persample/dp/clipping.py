@@ -52,7 +52,7 @@ class Clipping:
             1e-6))``.
         gamma: the stability constant of automatic clipping, ``> 0``.
 
-    Example:
+    Examples:
         >>> clip = Clipping.of(1.0, ["w", "b"])  # flat
         >>> clip.groups, clip.sensitivity
         ((('w', 'b'),), 1.0)
@@ -137,7 +137,7 @@ class Clipping:
         ``{name: (n,)}`` of every parameter (at least float32): the same for every
         parameter of a group.
 
-        Example:
+        Examples:
             >>> clip = Clipping.of(1.0, ["w"])
             >>> clip.factors({"w": torch.tensor([4.0, 0.25])})["w"]
             tensor([0.5000, 1.0000])

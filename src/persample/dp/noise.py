@@ -64,7 +64,7 @@ class SecureSource:
     noise in 82 against 11 to 13 ms; plus a copy to the parameters' device. The run
     cannot be reproduced from a seed.
 
-    Example:
+    Examples:
         >>> from persample.dp.noise import SecureSource, gaussian_like
         >>> ps = [torch.nn.Parameter(torch.zeros(1000))]
         >>> (noise,) = gaussian_like(ps, 2.0, SecureSource())
@@ -85,7 +85,7 @@ def noise_source(generator: torch.Generator | None, secure_mode: bool
         ValueError: both a generator and ``secure_mode``; a ``secure_mode`` that is not a
             bool.
 
-    Example:
+    Examples:
         >>> noise_source(None, True)
         SecureSource()
     """
@@ -105,7 +105,7 @@ def secure_uniform(numel: int) -> Tensor:
     """``(numel,)`` float64 uniforms in ``(0, 1]`` of 52 random bits each, from
     ``os.urandom`` (the operating system's cryptographically secure generator).
 
-    Example:
+    Examples:
         >>> u = secure_uniform(1000)
         >>> u.dtype, bool(((u > 0) & (u <= 1)).all())
         (torch.float64, True)
@@ -131,7 +131,7 @@ def secure_normal(numel: int, std: float, dtype: torch.dtype = torch.float32,
     Returns:
         A 1-d tensor of ``numel`` numbers.
 
-    Example:
+    Examples:
         >>> z = secure_normal(100_000, 1.0, torch.float64)
         >>> abs(float(z.mean())) < 0.02 and 0.98 < float(z.std()) < 1.02
         True
@@ -175,7 +175,7 @@ def gaussian_like(params: list[nn.Parameter], std: float,
     Raises:
         RuntimeError: a generator on another device than a parameter (from torch).
 
-    Example:
+    Examples:
         >>> ps = [nn.Parameter(torch.zeros(3, 2)), nn.Parameter(torch.zeros(4))]
         >>> [t.shape for t in gaussian_like(ps, 1.0, torch.Generator().manual_seed(0))]
         [torch.Size([3, 2]), torch.Size([4])]
@@ -208,7 +208,7 @@ def add_gaussian(tensors: list[Tensor], std: float, generator: torch.Generator |
         RuntimeError: a non-contiguous tensor, or a generator on another device (from
             torch).
 
-    Example:
+    Examples:
         >>> sums = [torch.ones(3, 2), torch.zeros(4)]
         >>> drawn = gaussian_like(sums, 0.5, torch.Generator().manual_seed(0))
         >>> add_gaussian(sums, 0.5, torch.Generator().manual_seed(0))
@@ -235,7 +235,7 @@ def release_seed(generator: torch.Generator | None) -> int:
     Returns:
         A seed in ``[0, 2^62)``.
 
-    Example:
+    Examples:
         >>> a = release_seed(torch.Generator().manual_seed(0))
         >>> a == release_seed(torch.Generator().manual_seed(0)), 0 <= a < 2**62
         (True, True)
@@ -257,7 +257,7 @@ def noise_range(out: Tensor, std: float, seed: int, index: int, start: int, nume
         start: the first entry, ``0 <= start <= numel - out.numel()``.
         numel: the parameter's number of entries.
 
-    Example:
+    Examples:
         >>> whole = torch.empty(10)
         >>> noise_range(whole, 1.0, 7, 0, 0, 10)
         >>> part = torch.empty(4)
@@ -361,7 +361,7 @@ def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None
     Returns:
         A list of contiguous tensors in ``params`` order.
 
-    Example:
+    Examples:
         >>> ps = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]
         >>> [t.tolist() for t in pooled_like(ps, lambda b: b.zero_())]
         [[0.0, 0.0], [0.0, 0.0, 0.0]]

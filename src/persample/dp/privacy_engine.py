@@ -67,7 +67,7 @@ class PrivateModule(nn.Module):
     and random-number state kept for the optimizer's step (the module itself under
     ``_module``, as Opacus's ``GradSampleModule`` has it).
 
-    Example:
+    Examples:
         >>> net = nn.Linear(3, 2)
         >>> wrapped = PrivateModule(net)
         >>> torch.equal(wrapped(torch.ones(1, 3)), net(torch.ones(1, 3)))
@@ -268,7 +268,7 @@ class PrivacyEngine:
         secure_mode: the noise and the Poisson sampling from the operating system's
             secure generator (:class:`persample.dp.noise.SecureSource`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from torch.utils.data import DataLoader, TensorDataset

@@ -72,7 +72,7 @@ class Terms:
         users: the users (user-level DP) this process accumulated in the step: no two
             processes may hold records of one user.
 
-    Example:
+    Examples:
         >>> net = nn.Linear(3, 2)
         >>> terms = Terms(dict(net.named_parameters()), std=1.1 * 1.0, generator=None,
         ...               divisor=64.0)
@@ -99,7 +99,7 @@ class Sums:
         noised: the release's noise is in them already (the single call of
             ``private_grad``).
 
-    Example:
+    Examples:
         >>> from persample.dp.noise import pooled_like
         >>> net = nn.Linear(3, 2)
         >>> buffers = []
@@ -251,7 +251,7 @@ def reducer_for(model: nn.Module, timeout: timedelta, *, one_call: bool = False)
     Raises:
         ValueError: ``model`` is or contains an FSDP1 ``FullyShardedDataParallel``.
 
-    Example:
+    Examples:
         >>> from datetime import timedelta
         >>> net = nn.Linear(3, 2)
         >>> reducer = reducer_for(net, timedelta(seconds=300))
@@ -271,7 +271,7 @@ def reducer_for(model: nn.Module, timeout: timedelta, *, one_call: bool = False)
 def world() -> tuple[int, int] | None:
     """``(world size, rank)`` when ``torch.distributed`` is initialised, else ``None``.
 
-    Example:
+    Examples:
         >>> world() is None  # no process group here
         True
     """
@@ -291,7 +291,7 @@ def total_samples(model: nn.Module, n: int) -> int:
     Returns:
         The number of samples of the step.
 
-    Example:
+    Examples:
         >>> total_samples(nn.Linear(3, 2), 16)
         16
     """
@@ -325,7 +325,7 @@ class Local(Reducer):
             call of ``private_grad``: the clipped sums are added to the noise, and the
             release only divides).
 
-    Example:
+    Examples:
         >>> from persample.dp.clip import MicroBatch, clipped_sums
         >>> net = nn.Linear(3, 2)
         >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
@@ -446,7 +446,7 @@ class AllReduce(Local):
         timeout: how long :meth:`agree` waits for every rank (gloo; NCCL's collectives
             time out as the process group was set up to).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from persample.dp import PrivateStep
         >>> store = os.path.join(tempfile.mkdtemp(), "store")
@@ -614,7 +614,7 @@ class Sharded(Reducer):
             (:class:`~persample.sharded.Sharding`).
         timeout: how long the ranks wait for each other (gloo).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from torch.distributed.fsdp import fully_shard
         >>> from persample.dp import PrivateStep

@@ -66,7 +66,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     Raises:
         ValueError: an argument outside its range.
 
-    Example:
+    Examples:
         >>> import torch
         >>> sampler = PoissonBatchSampler(10, 0.3, generator=torch.Generator().manual_seed(0))
         >>> len(sampler), [len(b) <= 10 for b in sampler]
@@ -157,7 +157,7 @@ class UserPoissonSampler(PoissonBatchSampler):
         ValueError: ``user_ids`` not a 1-d integer sequence, or an argument outside its
             range.
 
-    Example:
+    Examples:
         >>> users = torch.tensor([7, 7, 3, 9, 9, 9, 3, 1])
         >>> sampler = UserPoissonSampler(users, 0.5, 4, torch.Generator().manual_seed(0),
         ...                              records_per_user=2)
@@ -229,7 +229,7 @@ def poisson_mask(num_samples: int, sample_rate: float,
         ``(num_samples,)`` bool tensor on the CPU. Raises nothing itself; the
         callers check ``sample_rate``.
 
-    Example:
+    Examples:
         >>> m = poisson_mask(1000, 0.1, torch.Generator().manual_seed(0))
         >>> m.shape, 50 < int(m.sum()) < 150
         (torch.Size([1000]), True)
@@ -262,7 +262,7 @@ def poisson_batches(
     Raises:
         ValueError: tensors of different lengths, no tensors, or a bad argument.
 
-    Example:
+    Examples:
         >>> x, y = torch.randn(100, 3), torch.arange(100)
         >>> batches = list(poisson_batches((x, y), 0.1, generator=torch.Generator().manual_seed(0)))
         >>> len(batches), batches[0][0].shape[1:], all(len(a) == len(b) for a, b in batches)
@@ -300,7 +300,7 @@ def poisson_loader(
     Raises:
         ValueError: an empty dataset, or an argument the sampler replaces.
 
-    Example:
+    Examples:
         >>> ds = TensorDataset(torch.randn(50, 2), torch.arange(50))
         >>> loader = poisson_loader(ds, 0.02, generator=torch.Generator().manual_seed(1))
         >>> [tuple(x.shape) for x, _ in loader][:3]
@@ -328,7 +328,7 @@ class EmptySafeCollate:
         dataset: the dataset being loaded (indexed once, at the first empty batch).
         collate_fn: the collate function for non-empty batches.
 
-    Example:
+    Examples:
         >>> data = TensorDataset(torch.randn(5, 3), torch.arange(5))
         >>> x, y = EmptySafeCollate(data)([])
         >>> x.shape, y.dtype
@@ -389,7 +389,7 @@ def users_of_records(dataset: Any, user_ids: Any, n: int) -> Tensor:
     Raises:
         ValueError: no such field in the samples, or not one integer per record.
 
-    Example:
+    Examples:
         >>> rows = [{"x": 1.0, "user_id": 7}, {"x": 2.0, "user_id": 3}]
         >>> users_of_records(rows, "user_id", 2)
         tensor([7, 3])
@@ -416,7 +416,7 @@ def loader_options(loader: DataLoader) -> dict[str, Any]:
     """The ``DataLoader`` arguments of ``loader`` to keep when its batches are drawn
     anew (all but its batching): the collate function, workers, pinned memory.
 
-    Example:
+    Examples:
         >>> options = loader_options(DataLoader(range(10), batch_size=2, num_workers=0))
         >>> options["num_workers"], options["pin_memory"]
         (0, False)
@@ -436,7 +436,7 @@ def dataset_size(dataset: Any, given: str) -> int:
     """``len(dataset)``, or a ``ValueError`` that says why it is needed (``given``: how
     the dataset came, e.g. ``"DataLoader's dataset"``).
 
-    Example:
+    Examples:
         >>> dataset_size(list(range(5)), "dataset")
         5
     """

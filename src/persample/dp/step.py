@@ -121,7 +121,7 @@ class PrivateStep:
             parameters, a model wrapped in FSDP1's ``FullyShardedDataParallel`` (the
             message names ``fully_shard`` as the fix).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample.dp import PrivateStep
@@ -333,7 +333,7 @@ class PrivateStep:
         calls do not change: ``accumulate`` adds to them, ``release`` makes them
         ``p.grad``).
 
-        Example:
+        Examples:
             >>> net = nn.Linear(2, 1)
             >>> step = PrivateStep(net, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=1.0,
             ...                    expected_batch_size=8)
@@ -468,7 +468,7 @@ def private_grad(
             message lists the samples and every ``p.grad`` is left as it was, so no
             NaN reaches the weights. Drop those samples and call again.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from persample.dp import private_grad

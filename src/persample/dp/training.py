@@ -44,7 +44,7 @@ class PrivateTraining:
     logical batches' :class:`PoissonBatchSampler`; ``noise_multiplier``,
     ``sample_rate`` (``q``), ``steps_per_epoch`` and ``epochs`` as planned.
 
-    Example:
+    Examples:
         >>> from torch.utils.data import TensorDataset
         >>> from persample.dp import make_private
         >>> net = nn.Linear(4, 3)
@@ -136,7 +136,7 @@ class PhysicalBatches(Sampler[list[int]]):
     each logical one has; iterating then gives that epoch (a ``DataLoader`` with
     workers starts its sampler twice), else a freshly drawn one.
 
-    Example:
+    Examples:
         >>> logical = PoissonBatchSampler(10, 0.5, 2, torch.Generator().manual_seed(0))
         >>> cut = PhysicalBatches(logical, 2)
         >>> counts = cut.plan()
@@ -273,7 +273,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``DataLoader`` without a ``batch_size``), or an expected batch larger than
             the dataset.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from torch.utils.data import DataLoader, TensorDataset

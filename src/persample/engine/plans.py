@@ -66,7 +66,7 @@ def clear_plans() -> None:
     Returns:
         None.
 
-    Example:
+    Examples:
         >>> import persample
         >>> persample.clear_plans()
     """
@@ -87,7 +87,7 @@ def cache_plans(enabled: bool = True) -> bool:
     Raises:
         TypeError: ``enabled`` is not a bool.
 
-    Example:
+    Examples:
         >>> import persample
         >>> before = persample.cache_plans(False)
         >>> persample.cache_plans(before)

@@ -175,7 +175,7 @@ class PerSampleGGN(PerSampleInterface, GGNInterface):
         ValueError: as :func:`persample.ggn_diag` and :class:`persample.KFAC` (a model
             output that is not ``(B, C)``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from laplace import Laplace
@@ -229,7 +229,7 @@ class PerSampleEF(PerSampleInterface, EFInterface):
     Raises:
         ValueError: as :func:`persample.per_sample_grads`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from laplace import Laplace

@@ -93,7 +93,7 @@ class PrivacyArguments:
         ValueError: neither or both of ``target_epsilon`` and ``noise_multiplier``,
             ``secure_mode`` with ``seed``, or a value outside its range.
 
-    Example:
+    Examples:
         >>> PrivacyArguments(target_epsilon=8.0).max_grad_norm
         1.0
         >>> PrivacyArguments()
@@ -166,7 +166,7 @@ def default_per_sample_loss(model: nn.Module) -> Callable[[Any, Mapping[str, Ten
         or ``["logits"]``), ``inputs`` the batch (``inputs["labels"]``); float32 or
         wider, in nats (or squared label units).
 
-    Example:
+    Examples:
         >>> from transformers import BertConfig, BertForSequenceClassification
         >>> bert = BertForSequenceClassification(BertConfig(
         ...     vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -370,7 +370,7 @@ class PrivateTrainer(transformers.Trainer):
             dataset without ``len()``; at ``train()``, an expected logical batch larger
             than the dataset, or a checkpoint to resume without its privacy state.
 
-    Example:
+    Examples:
         >>> from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
         >>> from persample.data import docstring_examples
         >>> bert = BertForSequenceClassification(BertConfig(

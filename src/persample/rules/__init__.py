@@ -79,7 +79,7 @@ def open_capture(model: nn.Module | None, watched: dict[int, nn.Parameter], n: i
     Returns:
         The capture, to use as a context manager around the forward.
 
-    Example:
+    Examples:
         >>> import torch
         >>> net = torch.nn.Linear(3, 2)
         >>> x = torch.randn(4, 3)

@@ -67,7 +67,7 @@ class Factors:
 def inner(a: Factors, b: Factors) -> Tensor:
     """``<G_n, G'_n>`` per sample, ``(n,)``, in ``a.right``'s dtype.
 
-    Example:
+    Examples:
         >>> L, R = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
         >>> G = torch.einsum("ntr,ntc->nrc", L, R)
         >>> torch.allclose(inner(Factors(L, R), Factors(L, R)), G.square().sum((1, 2)))
@@ -103,7 +103,7 @@ def _left_products(a: Factors, b: Factors, start: int, stop: int) -> Tensor:
 def squared_norm(uses: list[Factors]) -> Tensor:
     """``|sum_k G_k|^2`` per sample ``(n,)`` of a parameter with the given uses.
 
-    Example:
+    Examples:
         >>> L1, R1 = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
         >>> ids, R2 = torch.randint(0, 4, (2, 6)), torch.randn(2, 6, 5)
         >>> G = torch.einsum("ntr,ntc->nrc", L1, R1) + torch.einsum(
@@ -144,7 +144,7 @@ def cross_inner(a: Factors, b: Factors) -> Tensor:
     Computed in blocks of ``a``'s samples, at most :data:`BLOCK_BYTES` of
     ``(samples, T, m, T')`` products at once.
 
-    Example:
+    Examples:
         >>> L, R = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
         >>> ids, R2 = torch.randint(0, 4, (3, 2)), torch.randn(3, 2, 5)
         >>> G = torch.einsum("ntr,ntc->nrc", L, R)

@@ -53,7 +53,7 @@ class Decline(Exception):  # noqa: N818 (what a rule does, not an error)
     """Raised by a rule that cannot give this call's result; the message says why, and
     the engine takes the exact slower path (``supported()`` shows the reason).
 
-    Example:
+    Examples:
         >>> try:
         ...     raise Decline("a weight paired with the samples")
         ... except Decline as why:
@@ -134,7 +134,7 @@ def register(spec: OpSpec) -> OpSpec:
             spec covers, a norm, sum or factor rule without a gradient rule, or a spec
             with neither a gradient rule nor an expansion. Nothing is registered then.
 
-    Example:
+    Examples:
         >>> import torch
         >>> def xlogy_rule(call, g, out): ...
         >>> spec = register(OpSpec((torch.special.xlogy,), grad=xlogy_rule))
@@ -269,7 +269,7 @@ def register_module(spec: ModuleSpec) -> ModuleSpec:
     """Put ``spec`` in the table under each of its module classes (replacing what was
     there: a user's rule for a class wins).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> class Twice(nn.Linear): ...
         >>> spec = register_module(ModuleSpec((Twice,), grad=lambda *a: None))
@@ -340,10 +340,9 @@ def register_rule(*types: type[nn.Module], check: Callable[[nn.Module], None] | 
         ``(n, v, *out)`` likewise, ``out`` ``{param_name: (n, v, *param.shape)}`` to
         overwrite for the module's own parameters. It returns ``fn`` unchanged.
 
-    Raises:
-        Nothing at registration; a rule raising later propagates to the caller.
+    Nothing is raised at registration; a rule raising later propagates to the caller.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> class Scale(nn.Module):  # y = x * w, w of shape (f,)
@@ -385,7 +384,7 @@ def register_norm_rule(*types: type[nn.Module]) -> Callable[[ModuleNorm], Module
     Raises:
         ValueError: a type without a module rule.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> import persample

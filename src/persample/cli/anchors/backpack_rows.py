@@ -30,7 +30,7 @@ def _extended(w: Workload) -> nn.Module:
 def backpack(w: Workload) -> Method:
     """BackPACK ``BatchGrad``: ``{name: p.grad_batch * B}`` (it gives the mean loss's terms).
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> backpack(grads_workload("cnn-grads", 2)).name
         'BackPACK BatchGrad'
@@ -68,7 +68,7 @@ def batch_l2(w: Workload) -> Method:
     """BackPACK ``BatchL2Grad``: the per-sample gradient norms ``(B,)`` (of the mean
     loss's terms, times ``B``).
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import dp_workload
         >>> batch_l2(dp_workload("cnn-norms", 2)).name
         'BackPACK BatchL2Grad'

@@ -33,7 +33,7 @@ def _built(name: str, only: str | None, build: Callable[[], Method]) -> Method:
     """``build()``, unless ``only`` names another row: a memory probe builds only the row
     it measures (no other model copies, no other library imported).
 
-    Example:
+    Examples:
         >>> _built("loop", "persample", lambda: Method("loop", None)).note
         "not built: only 'persample' was asked for"
     """
@@ -66,7 +66,7 @@ def grads_case(w: Workload, only: str | None = None) -> Case:
     Raises:
         MemoryError: the loop, the reference, would need over the limit.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> case = grads_case(grads_workload("cnn-grads", 2))
         >>> case.result_shape, [m.name for m in case.methods][-3:]
@@ -103,7 +103,7 @@ def param_jacobian_case(w: Workload) -> Case:
     Result ``(B, Y, P)``; the baseline is one backward of ``model(x).sum()``.
     ``vmap(jacfwd)`` is skipped when it would need over the memory limit.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> param_jacobian_case(jacobian_workload("mlp-param-jac", 2)).result_shape
         (2, 10, 15910)
@@ -135,7 +135,7 @@ def input_jacobian_case(w: Workload) -> Case:
     the floor is the one ``(B*Y, H) x (H, D)`` product every method needs
     (``H`` the first layer's width), into touched memory.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> input_jacobian_case(jacobian_workload("clf-input-jac", 2)).floor_label
         '(20, 256) x (256, 784) product'
@@ -187,7 +187,7 @@ def norms_case(w: Workload) -> Case:
     :func:`~persample.cli.anchors.clipping.grad_norms`, Opacus ghost clipping's norms,
     BackPACK ``BatchL2Grad`` and persample's ``per_sample_grad_norms``.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import dp_workload
         >>> norms_case(dp_workload("cnn-norms", 2)).result_shape
         (2,)
@@ -220,7 +220,7 @@ def dp_step_case(w: Workload, only: str | None = None) -> Case:
     Raises:
         MemoryError: the loop, the reference, would need over the memory limit.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import dp_workload
         >>> case = dp_step_case(dp_workload("cnn-dp-step", 2))
         >>> case.base_label, case.result_shape
@@ -288,7 +288,7 @@ def gram_case(w: Workload, only: str | None = None) -> Case:
     ``per_sample_grad_dots``, which forms no gradient where a rule has factors.
     ``only``: build that row's gradients method only, for a memory probe.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import attribution_workload
         >>> gram_case(attribution_workload("deep-mlp-gram", 2)).result_shape
         (2, 2)
@@ -312,7 +312,7 @@ def project_case(w: Workload, dim: int = PROJECTED_DIM, only: str | None = None)
     ``proj.project``, and the projector itself, which forms no gradient where an op
     has factors. ``only``: build that row's gradients method only, for a memory probe.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import attribution_workload
         >>> project_case(attribution_workload("deep-mlp-project", 2), 64).result_shape
         (2, 64)
@@ -343,7 +343,7 @@ def grad_gram(grads: Mapping[str, Tensor]) -> Tensor:
     """``(B, B)`` inner products of per-sample gradients ``{name: (B, ...)}``, summed
     per parameter (no concatenation).
 
-    Example:
+    Examples:
         >>> grad_gram({"a": torch.ones(2, 3), "b": torch.ones(2)})
         tensor([[4., 4.],
                 [4., 4.]])
@@ -358,7 +358,7 @@ def backprops(w: Workload) -> Callable[[], object]:
     gradient is formed). What a method that never forms the gradients (the Gram, the
     projections from factors) costs at least.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> backprops(grads_workload("deep-mlp-grads", 2))() is None
         True

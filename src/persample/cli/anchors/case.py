@@ -88,7 +88,7 @@ def as_flat(result: Any, shape: tuple[int, ...]) -> Tensor:
             per-sample gradient with a batch dim of 1), naming it.
         RuntimeError: the numbers do not fit ``shape``.
 
-    Example:
+    Examples:
         >>> g = {"w": torch.ones(2, 3, 4), "b": torch.zeros(2, 3)}
         >>> as_flat(g, (2, 15)).shape
         torch.Size([2, 15])
@@ -107,7 +107,7 @@ def as_flat(result: Any, shape: tuple[int, ...]) -> Tensor:
 def num_params(model: nn.Module) -> int:
     """The number of trainable parameters' entries ``P``.
 
-    Example:
+    Examples:
         >>> num_params(nn.Linear(3, 2))
         8
     """
@@ -118,7 +118,7 @@ def scalar_loss(loss: Tensor) -> Tensor:
     """The loss a plain training step calls ``backward()`` on: a scalar as it is, the
     mean of per-sample ``(B,)`` losses.
 
-    Example:
+    Examples:
         >>> scalar_loss(torch.tensor([1.0, 3.0]))
         tensor(2.)
     """
@@ -128,7 +128,7 @@ def scalar_loss(loss: Tensor) -> Tensor:
 def failed(name: str, err: Exception) -> Method:
     """The row ``name`` that could not be built: ``fn=None``, the error as its note.
 
-    Example:
+    Examples:
         >>> failed("Opacus hooks", ValueError("BatchNorm")).note
         'failed: ValueError: BatchNorm'
     """
@@ -152,7 +152,7 @@ def optional_method(build: Callable[[], Any], name: str, module: str, w: Workloa
         The :class:`Method`; ``fn=None`` with a note where it cannot run, or
         ``"failed: ..."`` where ``build()`` raised.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> optional_method(lambda: None, "x", "json", jacobian_workload("pinn-input-jac", 2),
         ...                 lambda built: built).note
@@ -176,7 +176,7 @@ def under_autocast(case: Case) -> Case:
     under ``torch.autocast`` with the workload's ``autocast`` dtype (as they are without
     one); returns ``case``, changed in place.
 
-    Example:
+    Examples:
         >>> from persample.cli.anchors.builders import dp_step_case
         >>> from persample.cli.workloads import dp_workload
         >>> w = dp_workload("deep-mlp-dp-step", 2)

@@ -20,7 +20,7 @@ def grad_norms(grads: Mapping[str, Tensor]) -> Tensor:
     """``(B,)`` norms over all parameters of per-sample gradients ``{name: (B, ...)}``,
     summed per parameter (no concatenation).
 
-    Example:
+    Examples:
         >>> grad_norms({"a": torch.full((2, 3), 2.0), "b": torch.full((2,), 2.0)})
         tensor([4., 4.])
     """
@@ -36,7 +36,7 @@ def clipped_step(w: Workload, per_sample_fn: Callable[[Tensor | None], dict[str,
     The clipping runs outside autocast, in the gradients' dtype; the noise's
     ``sigma`` is read from ``noise["sigma"]`` at each call.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from persample.cli.anchors.loop_rows import loop_grads
         >>> w = Workload("tiny", "", nn.Linear(3, 2), torch.randn(4, 3),

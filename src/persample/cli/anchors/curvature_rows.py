@@ -46,7 +46,7 @@ KFAC_SEED = 5  # the Monte Carlo labels' seed, the same for persample and curvli
 def ggn_diag_case(w: Workload, mc: bool = False) -> Case:
     """The per-sample GGN diagonal ``{name: (B, *shape)}``, exact or Monte Carlo.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import curvature_workload
         >>> ggn_diag_case(curvature_workload("ggn-diag", 2)).result_shape
         (2, 1199882)
@@ -79,7 +79,7 @@ def kfac_case(w: Workload) -> Case:
     """K-FAC's factors (Monte Carlo Fisher, one label per sample, expand), flattened:
     each linear or convolution layer's ``A`` then ``G``.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import curvature_workload
         >>> kfac_case(curvature_workload("kfac-factors", 2)).result_shape
         (1, 85055669)
@@ -112,7 +112,7 @@ def gpt2_kfac_case(w: Workload) -> Case:
     """GPT-2's K-FAC (empirical Fisher, expand), flattened: the tied table's and the
     position table's exact diagonals, then each ``Conv1D`` weight's ``A`` and ``G``.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import real_workload
         >>> w = real_workload("gpt2-768-grads", size="tiny")
         >>> gpt2_kfac_case(w).result_shape
@@ -203,7 +203,7 @@ def influence_case(w: Workload, train: int = 1000) -> Case:
     """EK-FAC influence scores ``(queries, train)``: the workload's first ``train``
     samples are the training set, the rest the queries.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import curvature_workload
         >>> influence_case(curvature_workload("ekfac-influence", 12), 10).result_shape
         (2, 10)

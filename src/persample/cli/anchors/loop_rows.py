@@ -19,7 +19,7 @@ from .case import Method
 def loop_grads(w: Workload) -> Method:
     """The ``"loop"`` row: one ``autograd.grad`` per sample, ``{name: (B, *shape)}``.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> m = loop_grads(grads_workload("cnn-grads", 2))
         >>> m.name, m.fn(None)["conv1.weight"].shape
@@ -47,7 +47,7 @@ def question_param_jacobian(w: Workload) -> Method:
     """The ``"calculate_gradients loop"`` row: the question's loop over samples and
     outputs, ``{name: (B, Y, *shape)}``.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> m = question_param_jacobian(jacobian_workload("mlp-param-jac", 2))
         >>> m.fn(None)["0.weight"].shape
@@ -67,7 +67,7 @@ def question_input_jacobian(w: Workload) -> Method:
     the classes (``clf-input-jac``), or the full ``(B, Y, B, D)`` Jacobian of
     ``autograd.functional.jacobian`` and then its diagonal blocks (``pinn-input-jac``).
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> m = question_input_jacobian(jacobian_workload("clf-input-jac", 2))
         >>> m.name, m.fn(None).shape

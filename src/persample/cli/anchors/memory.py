@@ -26,7 +26,7 @@ def memory_limit(device: torch.device) -> float:
     """The most bytes a method may be estimated to need: :data:`MEMORY_LIMIT_BYTES` on the
     CPU, :data:`GPU_MEMORY_SHARE` of the GPU's memory on a GPU.
 
-    Example:
+    Examples:
         >>> memory_limit(torch.device("cpu")) == MEMORY_LIMIT_BYTES
         True
     """
@@ -40,7 +40,7 @@ def saved_bytes_per_sample(w: Workload) -> int:
     of a batch of one under ``saved_tensors_hooks``, each distinct storage counted once,
     the parameters' own not counted. Outside the timed calls.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> saved_bytes_per_sample(grads_workload("deep-mlp-grads", 2)) > 0
         True
@@ -69,7 +69,7 @@ class MemoryEstimate:
     ``G = B * itemsize * max numel``; compared with :func:`memory_limit` before a method
     is built.
 
-    Example:
+    Examples:
         >>> e = MemoryEstimate(result=4e9, per_sample=1e8, largest=2e9, n=8, limit=8e9)
         >>> e.skip("loop") is None, e.skip("torch.func vmap")
         (True, 'skipped: would need about 10 GB (over the 8 GB limit)')
@@ -106,7 +106,7 @@ class MemoryEstimate:
 def memory_estimate(w: Workload) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of a per-sample gradients workload on its device.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> e = memory_estimate(grads_workload("cnn-grads", 2))
         >>> e.result == 2 * 1199882 * 4, e.skip("torch.func vmap")
@@ -126,7 +126,7 @@ def reference_fits(w: Workload) -> MemoryEstimate:
     Raises:
         MemoryError: the loop would need over the limit; the message names the workload.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> reference_fits(grads_workload("cnn-grads", 2)).n
         2
@@ -144,7 +144,7 @@ def unless_too_big(name: str, estimate: MemoryEstimate | None,
     """``build()``, unless ``estimate`` says ``name`` would need over the limit (then a
     row with ``fn=None`` and the ``"skipped: ..."`` note); ``estimate=None``: build.
 
-    Example:
+    Examples:
         >>> e = MemoryEstimate(result=4e9, per_sample=1e8, largest=2e9, n=8, limit=8e9)
         >>> unless_too_big("torch.func vmap", e, lambda: Method("built", None)).note[:8]
         'skipped:'
@@ -165,7 +165,7 @@ def jacfwd_skip(n: int, p: int, largest: int, itemsize: int) -> str | None:
         largest: the largest parameter's entries.
         itemsize: bytes per number.
 
-    Example:
+    Examples:
         >>> jacfwd_skip(256, 15910, 15680, 4)
         'skipped: would need about 255 GB'
     """

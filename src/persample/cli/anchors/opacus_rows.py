@@ -28,7 +28,7 @@ def opacus_ready(model: nn.Module) -> nn.Module:
     there). Dropout and attention dropout stay off, so the function is the model's.
     BatchNorm would change meaning, but Opacus refuses it anyway.
 
-    Example:
+    Examples:
         >>> net = opacus_ready(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)))
         >>> [m.training for m in net]
         [True, False]
@@ -44,7 +44,7 @@ def opacus(w: Workload) -> Method:
     trainable parameters after one backward of the mean loss
     (``loss_reduction="mean"``, so that the rows are each sample's own gradient).
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> opacus(grads_workload("cnn-grads", 2)).name
         'Opacus hooks'
@@ -75,7 +75,7 @@ def ghost_norms(w: Workload) -> Method:
     two backwards (:func:`ghost_step` with ``norms=True``); for an
     ``nn.CrossEntropyLoss`` on a tensor input only.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import dp_workload
         >>> ghost_norms(dp_workload("cnn-norms", 2)).name
         'Opacus ghost clipping'
@@ -96,7 +96,7 @@ def opacus_dp_step(w: Workload, noise: dict, ghost: bool) -> Method:
             the results are checked).
         ghost: ghost clipping instead of hooks.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import dp_workload
         >>> opacus_dp_step(dp_workload("cnn-dp-step", 2), {"sigma": 0.0}, ghost=True).name
         'Opacus ghost clipping'

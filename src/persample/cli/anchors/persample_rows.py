@@ -22,7 +22,7 @@ def grads_rows(w: Workload) -> list[Method]:
     ``layout_rows``, ``"persample (flat=True)"`` and ``"persample (out=)"`` (into the
     caller's buffer).
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> [m.name for m in grads_rows(grads_workload("cnn-grads", 2))]
         ['persample', 'persample (flat=True)', 'persample (out=)']
@@ -45,7 +45,7 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
     (:func:`persample.rules.open_capture`: the data-flow rule of every op, the module
     calls): the capture's overhead, timed beside the methods.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> [label for label, _ in capture_overhead(grads_workload("cnn-grads", 2))]
         ['plain forward', 'forward under capture']
@@ -80,7 +80,7 @@ def noise_draws(w: Workload) -> list[tuple[str, Callable[[], object]]]:
     into a buffer (one thread on the CPU), and on the CPU numpy's
     ``Generator.standard_normal`` (float32, into a buffer); timed beside the methods.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import dp_workload
         >>> [label for label, _ in noise_draws(dp_workload("cnn-dp-step", 2))]  # doctest: +NORMALIZE_WHITESPACE
         ['noise: persample', 'noise: persample secure_mode', 'noise: torch normal_',
@@ -109,7 +109,7 @@ def param_jacobian_rows(w: Workload) -> list[Method]:
     """``param_jacobian``: the default call (a dict ``{name: (B, Y, *shape)}``),
     ``flat=True`` and ``out=``.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> rows = param_jacobian_rows(jacobian_workload("mlp-param-jac", 2))
         >>> rows[1].fn(None).shape
@@ -124,7 +124,7 @@ def param_jacobian_rows(w: Workload) -> list[Method]:
 def input_jacobian_row(w: Workload) -> Method:
     """``input_jacobian``: ``(B, Y, D)``.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> input_jacobian_row(jacobian_workload("pinn-input-jac", 2)).fn(None).shape
         torch.Size([2, 400, 1])
@@ -137,7 +137,7 @@ def input_jacobian_row(w: Workload) -> Method:
 def norms_row(w: Workload) -> Method:
     """``per_sample_grad_norms``: ``(B,)``, with no ``(B, P)`` gradients formed.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import dp_workload
         >>> norms_row(dp_workload("cnn-norms", 2)).fn(None).shape
         torch.Size([2])
@@ -152,7 +152,7 @@ def dots_row(w: Workload) -> Method:
     """``per_sample_grad_dots``: the ``(B, B)`` Gram matrix, with no gradient formed
     where a rule has factors.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import attribution_workload
         >>> dots_row(attribution_workload("deep-mlp-gram", 2)).fn(None).shape
         torch.Size([2, 2])
@@ -166,7 +166,7 @@ def dots_row(w: Workload) -> Method:
 def projector_row(w: Workload, proj) -> Method:
     """The :class:`persample.GradientProjector` ``proj`` called on the batch: ``(B, dim)``.
 
-    Example:
+    Examples:
         >>> from persample import GradientProjector
         >>> from persample.cli.workloads import attribution_workload
         >>> w = attribution_workload("deep-mlp-project", 2)
@@ -181,7 +181,7 @@ def dp_step_row(w: Workload, noise: dict) -> Method:
     (``lr = 0``); returns the noised gradients ``{name: p.grad}``. ``noise["sigma"]`` is
     read at each call.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import dp_workload
         >>> row = dp_step_row(dp_workload("deep-mlp-dp-step", 2), {"sigma": 0.0})
         >>> row.name, row.ours, len(row.fn(None))

@@ -27,7 +27,7 @@ def torch_func(w: Workload) -> Method:
     control flow, which ``vmap`` refuses, and without padding the model computes the
     same function without it.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import grads_workload
         >>> m = torch_func(grads_workload("cnn-grads", 2))
         >>> m.fn(None)["conv1.weight"].shape
@@ -68,7 +68,7 @@ def param_jacobian_rows(w: Workload) -> list[Method]:
     writes them; ``vmap(jacfwd)`` is skipped where it would need over the memory limit
     (:func:`~persample.cli.anchors.memory.jacfwd_skip`).
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> rev, fwd = param_jacobian_rows(jacobian_workload("mlp-param-jac", 2))
         >>> rev.name, rev.fn(None)["0.weight"].shape, fwd.fn is None
@@ -97,7 +97,7 @@ def input_jacobian_rows(w: Workload) -> list[Method]:
     """``vmap(jacrev)`` and ``vmap(jacfwd)`` of one sample's output with respect to its
     input: ``(B, Y, D)`` tensors.
 
-    Example:
+    Examples:
         >>> from persample.cli.workloads import jacobian_workload
         >>> [m.fn(None).shape for m in input_jacobian_rows(jacobian_workload("pinn-input-jac", 2))]
         [torch.Size([2, 400, 1]), torch.Size([2, 400, 1])]
