@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.func import hessian
 
+import cases  # noqa: F401 (first: cases_recurrent imports it, and it cases_recurrent)
+from cases_recurrent import LSTMClassifier
 from persample import KFAC, loop_per_sample_grads, per_sample_ggn_diag
 from persample.inputs import samples_of
 from zoo import bert, causal_lm_loss, gpt2_lm, timm_vit_layerscale
@@ -27,20 +29,6 @@ class Logits(nn.Module):
 
     def forward(self, **inputs):
         return self.model(**inputs).logits
-
-
-class LSTMClassifier(nn.Module):
-    """Embedding, a 2-layer bidirectional LSTM, a linear layer on the last states."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(13, 4, padding_idx=0)
-        self.lstm = nn.LSTM(4, 5, num_layers=2, bidirectional=True)
-        self.out = nn.Linear(10, 3)
-
-    def forward(self, tokens):
-        _, (h, _) = self.lstm(self.emb(tokens).transpose(0, 1))  # h: (4, B, 5)
-        return self.out(torch.cat([h[-2], h[-1]], 1))
 
 
 def _ggn_diag_by_loop(model, one_sample, labels, loss_fn):

@@ -162,16 +162,8 @@ def _gpt2_kfac_by_hand(w: Workload, named: dict[str, nn.Module], layers: list[st
     of its two uses (``lm_head``: ``sum_t g_t h_t^T``; the lookup: its output gradients
     added at the ids), the position table's its sample's gradient at the sum of the
     two lookups, added at the positions (the same for every sample)."""
-    inputs, grads = {}, {}
-
-    def hook(name: str):
-        def keep(module, args, output):
-            inputs[name] = args[0].detach()
-            output.register_hook(lambda g: grads.__setitem__(name, g.detach()))
-        return keep
-
-    watched = [wte, wpe, "lm_head"] + layers
-    handles = [named[name].register_forward_hook(hook(name)) for name in watched]
+    inputs, grads, handles = _watch({name: named[name]
+                                     for name in [wte, wpe, "lm_head"] + layers})
     try:
         loss = w.loss_fn(w.call(), w.targets).sum()  # each sample's own loss, summed
     finally:
@@ -361,12 +353,12 @@ def _flat(tensors: list[Tensor]) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]).unsqueeze(0)
 
 
-def _kfac_by_hand(w: Workload, layers: list[tuple[str, nn.Module]]) -> Tensor:
-    """The factors from module hooks: each layer's inputs (a convolution's unfolded
-    patches) and the gradients at its outputs for labels drawn as persample draws them."""
-    from ...curvature import label_sampler
-
-    inputs, grads = {}, {}
+def _watch(modules: dict[str, nn.Module]) -> tuple[dict, dict, list]:
+    """Forward hooks keeping each module's input and, when the backward reaches it, the
+    gradient at its output: ``(inputs, grads, handles)`` by module name (remove the
+    handles after the forward)."""
+    inputs: dict[str, Tensor] = {}
+    grads: dict[str, Tensor] = {}
 
     def hook(name: str):
         def keep(module, args, output):
@@ -374,7 +366,15 @@ def _kfac_by_hand(w: Workload, layers: list[tuple[str, nn.Module]]) -> Tensor:
             output.register_hook(lambda g: grads.__setitem__(name, g.detach()))
         return keep
 
-    handles = [m.register_forward_hook(hook(name)) for name, m in layers]
+    return inputs, grads, [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+
+
+def _kfac_by_hand(w: Workload, layers: list[tuple[str, nn.Module]]) -> Tensor:
+    """The factors from module hooks: each layer's inputs (a convolution's unfolded
+    patches) and the gradients at its outputs for labels drawn as persample draws them."""
+    from ...curvature import label_sampler
+
+    inputs, grads, handles = _watch(dict(layers))
     try:
         out = w.call()
     finally:
