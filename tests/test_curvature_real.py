@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.func import hessian
 
 import cases  # noqa: F401 (first: cases_recurrent imports it, and it cases_recurrent)
 from cases_recurrent import LSTMClassifier
 from persample import KFAC, loop_per_sample_grads, per_sample_ggn_diag
 from persample.inputs import samples_of
+from test_ggn_diag import ggn_diag_by_loop
 from zoo import bert, causal_lm_loss, gpt2_lm, timm_vit_layerscale
 
 
@@ -31,22 +31,6 @@ class Logits(nn.Module):
         return self.model(**inputs).logits
 
 
-def _ggn_diag_by_loop(model, one_sample, labels, loss_fn):
-    """``{name: (B, *shape)}``: each sample's ``diag(J^T H J)``, its Jacobian by
-    ``autograd.grad`` per output, its loss Hessian by ``torch.func.hessian``."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    rows = {name: [] for name in params}
-    for i in range(len(labels)):
-        out = one_sample(i)[0]  # (C,)
-        h = hessian(lambda o, i=i: loss_fn(o[None], labels[i:i + 1]))(out.detach())
-        jac = [torch.autograd.grad(out[c], list(params.values()), retain_graph=True,
-                                   allow_unused=True) for c in range(len(out))]
-        for k, (name, p) in enumerate(params.items()):
-            j = torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in jac])
-            rows[name].append(torch.einsum("c...,cd,d...->...", j, h, j))
-    return {name: torch.stack(r) for name, r in rows.items()}
-
-
 def _assert_rows(got, want):
     assert set(got) == set(want)
     for name in want:
@@ -59,7 +43,7 @@ def test_bert_ggn_diagonal_against_the_loop():
     model = Logits(model)
     loss_fn = nn.CrossEntropyLoss()
     got = per_sample_ggn_diag(model, inputs, labels, loss_fn)
-    _assert_rows(got, _ggn_diag_by_loop(model, lambda i: model(**samples_of(inputs, i, i + 1)),
+    _assert_rows(got, ggn_diag_by_loop(model, lambda i: model(**samples_of(inputs, i, i + 1)),
                                         labels, loss_fn))
 
 
@@ -71,7 +55,7 @@ def test_timm_vit_ggn_diagonal_and_kfac_against_the_loop_and_hooks():
     model, x, labels, _ = timm_vit_layerscale()
     loss_fn = nn.CrossEntropyLoss()
     got = per_sample_ggn_diag(model, x, labels, loss_fn)
-    _assert_rows(got, _ggn_diag_by_loop(model, lambda i: model(x[i:i + 1]), labels, loss_fn))
+    _assert_rows(got, ggn_diag_by_loop(model, lambda i: model(x[i:i + 1]), labels, loss_fn))
 
     kfac = KFAC(model, fisher="empirical")
     kfac.update(x, labels, loss_fn)
@@ -107,7 +91,7 @@ def test_lstm_curvature_against_the_loop():
     labels = torch.tensor([0, 2, 1, 1, 0])
     loss_fn = nn.CrossEntropyLoss()
     got = per_sample_ggn_diag(model, tokens, labels, loss_fn)
-    _assert_rows(got, _ggn_diag_by_loop(model, lambda i: model(tokens[i:i + 1]), labels,
+    _assert_rows(got, ggn_diag_by_loop(model, lambda i: model(tokens[i:i + 1]), labels,
                                         loss_fn))
     kfac = KFAC(model, fisher="type-2")
     kfac.update(tokens, labels, loss_fn)

@@ -48,19 +48,25 @@ def _case(kind: str):
     return model.double(), x, torch.randint(0, 4, (N,), generator=g)
 
 
-def _loop(model, x, y, loss_fn):
-    """``{name: (N, *shape)}``: each sample's ``diag(J^T H J)`` alone."""
-    params = dict(model.named_parameters())
+def ggn_diag_by_loop(model, one_sample, labels, loss_fn):
+    """``{name: (B, *shape)}``: each sample's ``diag(J^T H J)`` alone, its Jacobian by
+    ``autograd.grad`` per output of ``one_sample(i)`` ``(1, C)``, its loss Hessian by
+    ``torch.func.hessian``."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     rows = {name: [] for name in params}
-    for i in range(N):
-        out = model(x[i:i + 1])[0]  # (C,)
-        h = hessian(lambda o, i=i: loss_fn(o[None], y[i:i + 1]))(out.detach())  # (C, C)
+    for i in range(len(labels)):
+        out = one_sample(i)[0]  # (C,)
+        h = hessian(lambda o, i=i: loss_fn(o[None], labels[i:i + 1]))(out.detach())  # (C, C)
         jac = [torch.autograd.grad(out[c], list(params.values()), retain_graph=True,
                                    allow_unused=True) for c in range(len(out))]
         for k, (name, p) in enumerate(params.items()):
             j = torch.stack([torch.zeros_like(p) if row[k] is None else row[k] for row in jac])
             rows[name].append(torch.einsum("c...,cd,d...->...", j, h, j))
     return {name: torch.stack(r) for name, r in rows.items()}
+
+
+def _loop(model, x, y, loss_fn):
+    return ggn_diag_by_loop(model, lambda i: model(x[i:i + 1]), y[:N], loss_fn)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "conv", "tokens"])
