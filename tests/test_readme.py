@@ -170,3 +170,26 @@ def test_readme_op_rule_is_the_file():
     rule = block[block.index("def addcmul("):]
     assert rule in source
     assert "from persample.rules.spec import" in block
+
+
+def test_api_reference_has_every_public_name(tmp_path):
+    """The site builds in strict mode, and its API reference has an entry for every name
+    in ``persample.__all__``, ``persample.dp.__all__`` and the integrations' classes."""
+    import persample
+    import persample.dp
+
+    env = {**_fresh_env(), "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([str(Path(sys.executable).with_name("mkdocs")), "build", "--strict",
+                           "-q", "-d", str(tmp_path / "site")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    api = tmp_path / "site" / "api"
+    pages = {persample: api / "persample" / "index.html", persample.dp: api / "dp" / "index.html"}
+    for module, page in pages.items():
+        html = page.read_text()
+        missing = [n for n in module.__all__ if f'id="{module.__name__}.{n}"' not in html]
+        assert not missing, (module.__name__, missing)
+    html = (api / "integrations" / "index.html").read_text()
+    for name in ("transformers.PrivateTrainer", "transformers.PrivacyArguments",
+                 "laplace.PerSampleGGN", "laplace.PerSampleEF", "laplace.DiagonalKron"):
+        assert f'id="persample.integrations.{name}"' in html, name
