@@ -180,7 +180,7 @@ def test_api_reference_has_every_public_name(tmp_path):
 
     env = {**_fresh_env(), "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run([str(Path(sys.executable).with_name("mkdocs")), "build", "--strict",
-                           "-q", "-d", str(tmp_path / "site")], cwd=ROOT, env=env,
+                           "-d", str(tmp_path / "site")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     api = tmp_path / "site" / "api"

@@ -328,8 +328,8 @@ def per_sample_grad_norms(
         ``per_layer=True`` a tuple ``((B,), {name: (B,)})``.
 
     Raises:
-        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError:
-        as :func:`persample.per_sample_grads`.
+        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError: as
+            :func:`persample.per_sample_grads`.
 
     Examples:
         >>> import torch

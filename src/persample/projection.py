@@ -140,7 +140,8 @@ class GradientProjector:
             own loss.
 
         Raises:
-            as :func:`persample.per_sample_grads`.
+            TypeError, ValueError, UnsupportedModuleError: as
+                :func:`persample.per_sample_grads`.
 
         Examples:
             >>> from torch import nn
