@@ -59,3 +59,54 @@ def test_two_processes_give_one_processs_perplexity_and_epsilon(mode, tmp_path, 
 def test_fsdp_needs_several_processes():
     with pytest.raises(SystemExit, match="--nproc 2 or more"):
         main(["dp-finetune", *TINY, "--fsdp"])
+
+
+def test_users_of_one_window_each_give_record_level_dp(tmp_path, capsys):
+    """With as many users as training windows (one window each), user-level DP draws the
+    same batches, clips the same gradients and adds the same noise as record-level DP:
+    the same model and epsilon, through the user path (clipped by module groups)."""
+    runs = {}
+    for name, extra in {"records": [], "users": ["--users", "128"]}.items():
+        path = tmp_path / f"{name}.json"
+        assert main(["dp-finetune", *TINY, "--clipping", "per-module", *extra,
+                     "--json", str(path)]) == 0
+        runs[name] = json.loads(path.read_text())
+    out = capsys.readouterr().out
+    assert "over 128 users: user-level DP" in out and "per-module" in out
+    assert runs["records"]["unit"] == "window" and runs["users"]["unit"] == "user"
+    (records, _), (users, _) = runs["records"]["runs"], runs["users"]["runs"]
+    assert users["epsilon"] == records["epsilon"]
+    assert math.isclose(users["perplexity_after"], records["perplexity_after"], rel_tol=1e-4)
+    assert users["perplexity_after"] != pytest.approx(users["perplexity_before"], rel=1e-3)
+
+
+def test_two_processes_keep_each_user_whole(tmp_path, capsys):
+    """Users of up to 4 windows (at most 3 a step) over two FSDP2 processes: each rank
+    takes whole users and cuts them at users' ends, so the clipped sums, the model and
+    epsilon are one process's; epsilon counts users (q = 32 / 40)."""
+    path = tmp_path / "ft.json"
+    assert main(["dp-finetune", *TINY, "--users", "40", "--records-per-user", "3",
+                 "--nproc", "2", "--fsdp", "--json", str(path)]) == 0
+    figures = json.loads(path.read_text())
+    sharded, private, _ = figures["runs"]
+    assert figures["sample_rate"] == pytest.approx(32 / 40) and figures["unit"] == "user"
+    assert sharded["epsilon"] == private["epsilon"] and 0 < private["epsilon"] < math.inf
+    assert math.isclose(sharded["perplexity_after"], private["perplexity_after"], rel_tol=1e-4)
+
+
+def test_secure_noise_and_automatic_clipping_run(capsys):
+    assert main(["dp-finetune", *TINY, "--steps", "2", "--secure-mode",
+                 "--clipping", "automatic"]) == 0
+    out = capsys.readouterr().out
+    assert "(secure noise)" in out and "automatic clipping (gamma 0.01)" in out
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--users", "16", "--physical", "4"], "raise --physical or cap them"),
+    (["--records-per-user", "2"], "records_per_user needs users"),
+    (["--users", "200"], "at most train_windows"),
+    (["--clipping", "automatic", "--automatic-gamma", "0"], "automatic_gamma must be > 0"),
+])
+def test_bad_user_and_clipping_options_are_named(extra, match):
+    with pytest.raises(SystemExit, match=match):
+        main(["dp-finetune", *TINY, *extra])

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..data import ByteTokenizer, docstring_batch
 from ._rss import reset_peak_rss, status_kib
+from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_options
 from .real_models import causal_lm_loss, gpt2, with_lora
 from .threads import add_threads_argument, default_threads, threads_label
 
@@ -56,6 +57,11 @@ class FinetuneConfig:
     target_epsilon: float = 8.0
     delta: float = 1e-5
     max_grad_norm: float = 1.0
+    clipping: str = "flat"  # flat, per-layer, per-module (groups) or automatic
+    automatic_gamma: float = 0.01
+    users: int | None = None  # user-level DP: the training windows in this many users' runs
+    records_per_user: int | None = None  # at most this many of a user's windows a step
+    secure_mode: bool = False  # the noise from the OS's secure generator, not the seed
     lr: float = 5e-4  # Adam
     seed: int = 0
     threads: int = field(default_factory=default_threads)  # the machine's free CPUs
@@ -109,7 +115,7 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     the same Poisson-sampled logical batches; returns its figures. ``world``: ``(size,
     rank)`` of this process among those of a distributed private run (sharded with FSDP2
     if ``cfg.fsdp``), which takes its share of every logical batch."""
-    from ..dp import PoissonBatchSampler, PrivacyAccountant, PrivateStep
+    from ..dp import PrivacyAccountant, PrivateStep
 
     inputs, labels = data
     n = len(labels)
@@ -126,24 +132,27 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     if cfg.pretrain_steps:
         _pretrain(model, inputs, labels, train_n, cfg)
     before = perplexity(model, *test)
-    q = min(1.0, cfg.batch_size / train_n)
-    sampler = PoissonBatchSampler(train_n, q, cfg.steps, torch.Generator().manual_seed(cfg.seed))
+    q, expected = sample_rate(cfg), sample_rate(cfg) * (cfg.users or train_n)  # records or users
+    user_of = window_users(cfg)  # (train_n,) or None
+    sampler = _sampler(cfg, q, user_of)
     opt = torch.optim.Adam(params, lr=cfg.lr)
-    step = PrivateStep(model, causal_lm_loss, max_grad_norm=cfg.max_grad_norm,
-                       noise_multiplier=sigma, expected_batch_size=q * train_n,
-                       generator=torch.Generator().manual_seed(cfg.seed + 1)) if private else None
+    noise_gen = None if cfg.secure_mode else torch.Generator().manual_seed(cfg.seed + 1)
+    step = PrivateStep(model, causal_lm_loss, noise_multiplier=sigma,
+                       expected_batch_size=expected, generator=noise_gen,
+                       secure_mode=cfg.secure_mode, **clipping_options(model, cfg)
+                       ) if private else None
     accountant = PrivacyAccountant()
     times, rss_before = [], _rss_mb("VmRSS")
     reset_peak_rss()
     for logical in sampler:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        for part in _my_parts(logical, cfg.physical, world):
+        for part in _my_parts(logical, cfg.physical, world, user_of):
             micro = {k: v[part] for k, v in inputs.items()}
             if step is not None:
-                step.accumulate(micro, labels[part])
+                step.accumulate(micro, labels[part], None if user_of is None else user_of[part])
             else:  # the same sum of per-sample losses over the expected batch size
-                (causal_lm_loss(model(**micro), labels[part]).sum() / (q * train_n)).backward()
+                (causal_lm_loss(model(**micro), labels[part]).sum() / expected).backward()
         if step is not None:
             step.release()
             accountant.step(sigma, q)
@@ -158,13 +167,63 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
             "steps": len(times)}
 
 
-def _my_parts(logical: list[int], physical: int, world: tuple[int, int]) -> list[Tensor]:
-    """This process's micro-batches of a logical batch: its contiguous share, cut in as
-    many parts as every process cuts its share in (each runs the same collectives)."""
+def sample_rate(cfg: FinetuneConfig) -> float:
+    """``q``: the expected logical batch over the training windows, or with ``cfg.users``
+    over the users."""
+    return min(1.0, cfg.batch_size / (cfg.users or cfg.train_windows))
+
+
+def window_users(cfg: FinetuneConfig) -> Tensor | None:
+    """User-level DP: ``(train_windows,)`` each training window's user, the text dealt
+    to ``cfg.users`` users in runs of consecutive windows (as a user writes a run of
+    documents), as even as can be; ``None`` without ``cfg.users``.
+
+    Examples:
+        >>> window_users(FinetuneConfig(train_windows=7, users=3)).tolist()
+        [0, 0, 0, 1, 1, 2, 2]
+    """
+    if cfg.users is None:
+        return None
+    return torch.arange(cfg.train_windows) * cfg.users // cfg.train_windows
+
+
+def _sampler(cfg: FinetuneConfig, q: float, user_of: Tensor | None):
+    """The logical batches: Poisson over the windows, or over the users (whole users, at
+    most ``cfg.records_per_user`` windows each); the same on every process."""
+    from ..dp import PoissonBatchSampler, UserPoissonSampler
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    if user_of is None:
+        return PoissonBatchSampler(cfg.train_windows, q, cfg.steps, gen)
+    return UserPoissonSampler(user_of, q, cfg.steps, gen, cfg.records_per_user)
+
+
+def _my_parts(logical: list[int], physical: int, world: tuple[int, int],
+              user_of: Tensor | None = None) -> list[Tensor]:
+    """This process's micro-batches of a logical batch, as many as every process's (each
+    runs the same collectives): its contiguous share; with ``user_of``, whole users
+    (every ``size``-th), cut at users' ends and padded with empty micro-batches.
+
+    Examples:
+        >>> users = torch.tensor([0, 0, 1, 1, 2, 3, 3])
+        >>> [p.tolist() for p in _my_parts([0, 1, 2, 3, 4, 5, 6], 3, (2, 0), users)]
+        [[0, 1, 4], []]
+        >>> [p.tolist() for p in _my_parts([0, 1, 2, 3, 4, 5, 6], 3, (2, 1), users)]
+        [[2, 3], [5, 6]]
+    """
+    from ..dp.sampling import physical_batches
+
     size, rank = world
-    mine = torch.tensor(logical, dtype=torch.long).tensor_split(size)[rank]
-    count = max(1, -(-len(logical) // (size * physical)))
-    return list(mine.tensor_split(count))
+    drawn = torch.tensor(logical, dtype=torch.long)
+    if user_of is None:
+        count = max(1, -(-len(logical) // (size * physical)))
+        return list(drawn.tensor_split(size)[rank].tensor_split(count))
+    users = user_of[drawn]  # a user's windows are consecutive in the draw
+    cuts = [physical_batches(drawn[torch.isin(users, users.unique()[r::size])].tolist(),
+                             physical, user_of) for r in range(size)]
+    count = max(1, *(len(c) for c in cuts))
+    mine = cuts[rank] + [[]] * (count - len(cuts[rank]))  # empty parts run the collectives
+    return [torch.tensor(p, dtype=torch.long) for p in mine]
 
 
 def _spawned(cfg: FinetuneConfig, sigma: float) -> list[dict[str, Any]]:
@@ -225,6 +284,22 @@ def _pretrain(model: nn.Module, inputs: dict[str, Tensor], labels: Tensor, train
         p.grad = None
 
 
+def _check_users(cfg: FinetuneConfig) -> None:
+    """User-level DP's limits: no more users than windows, and a user's windows in a
+    step must fit one micro-batch (they are clipped together)."""
+    if cfg.users is None:
+        return
+    if cfg.users > cfg.train_windows:
+        raise ValueError(f"users ({cfg.users}) must be at most train_windows "
+                         f"({cfg.train_windows}): each user owns at least one window")
+    most = -(-cfg.train_windows // cfg.users)  # the most windows a user owns
+    most = most if cfg.records_per_user is None else min(most, cfg.records_per_user)
+    if most > cfg.physical:
+        raise ValueError(f"physical ({cfg.physical}) must hold a user's {most} windows of a "
+                         "step, which are clipped together: raise --physical or cap them "
+                         "with --records-per-user")
+
+
 def run(cfg: FinetuneConfig) -> dict:
     """Fine-tune privately and without privacy from the same weights; print and return
     the figures (what ``--json`` writes).
@@ -249,11 +324,11 @@ def run(cfg: FinetuneConfig) -> dict:
                  "nproc"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
-    if cfg.test_windows >= cfg.train_windows + cfg.test_windows:
-        raise ValueError("test_windows must leave training windows")
+    check_dp_options(cfg)
+    _check_users(cfg)
     torch.set_num_threads(cfg.threads)
     data = docstring_batch(cfg.train_windows + cfg.test_windows, cfg.seq_len)
-    q = min(1.0, cfg.batch_size / cfg.train_windows)
+    q = sample_rate(cfg)
     sigma = cfg.sigma if cfg.sigma is not None else noise_multiplier_for(
         cfg.target_epsilon, cfg.delta, q, cfg.steps)
     if cfg.fsdp and cfg.nproc < 2:
@@ -271,8 +346,9 @@ def run(cfg: FinetuneConfig) -> dict:
           f"{private['total']:,} parameters trained), T={cfg.seq_len}, "
           f"{cfg.train_windows} training / {cfg.test_windows} held-out windows of the standard "
           f"library's docstrings; {cfg.steps} steps, logical batch {cfg.batch_size} (q "
-          f"{q:.4f}) in micro-batches of {cfg.physical}, sigma {sigma:.3f}, C "
-          f"{cfg.max_grad_norm:g}; {threads_label(cfg.threads)}")
+          f"{q:.4f}{_users_label(cfg)}) in micro-batches of {cfg.physical}, sigma "
+          f"{sigma:.3f}{' (secure noise)' if cfg.secure_mode else ''}, "
+          f"{clipping_label(cfg)}; {threads_label(cfg.threads)}")
     print(f"  {'run':<12}{'ppl before':>11}{'ppl after':>11}{'epsilon':>9}{'ms/step':>10}"
           f"{'peak MB':>9}")
     for r in runs:
@@ -287,12 +363,19 @@ def run(cfg: FinetuneConfig) -> dict:
         print(f"  private x{cfg.nproc}: {cfg.nproc} gloo processes ({runs[0]['sharding']}), "
               f"peak MB per process: {per_rank}; one process: {private['peak_mb']:.0f}")
     result = {"config": asdict(cfg), "sigma": sigma, "sample_rate": q, "runs": runs,
-              "time_ratio": ratio}
+              "time_ratio": ratio, "unit": "window" if cfg.users is None else "user"}
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {cfg.json}")
     return result
+
+
+def _users_label(cfg: FinetuneConfig) -> str:
+    if cfg.users is None:
+        return ""
+    cap = "" if cfg.records_per_user is None else f", at most {cfg.records_per_user} each"
+    return f" over {cfg.users} users: user-level DP{cap}"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -313,6 +396,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     for name in ("sigma", "target_epsilon", "delta", "max_grad_norm", "lr"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name),
                        help=f"default {getattr(d, name)}")
+    add_dp_arguments(p, d, "windows", "runs of consecutive windows")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="also run the private fine-tuning in this many processes (gloo), "
                    f"each on its share of every logical batch (default {d.nproc})")

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_options
 from .threads import add_threads_argument, default_threads, threads_label
 from .workloads import simple_cnn
 
@@ -336,7 +337,7 @@ def run(cfg: DPTrainConfig) -> dict:
     units = n if cfg.users is None else cfg.users
     unit = "" if cfg.users is None else f" users (user-level DP, {cfg.users} users)"
     print(f"dp-train: SimpleCNN on digits 1x28x28, {n} train / {len(data[3])} test; "
-          f"DP-SGD with sigma {sigma:.3f}, {_clipping_label(cfg)}, expected batch "
+          f"DP-SGD with sigma {sigma:.3f}, {clipping_label(cfg)}, expected batch "
           f"{q * units:.0f}{unit} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta "
           f"{cfg.delta:g}{procs} {threads_label(cfg.threads)}")
     torch.manual_seed(cfg.seed)
@@ -480,41 +481,8 @@ def plot_result(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-CLIPPINGS = ("flat", "per-layer", "per-module", "automatic")
-
-
-def clipping_options(model: nn.Module, cfg: DPTrainConfig) -> dict:
-    """The clipping options of ``PrivateStep`` for ``cfg.clipping``: flat (``C``), per
-    layer (each parameter to ``C / sqrt(K)``), per module (the parameters of each module
-    as one group, each to ``C / sqrt(m)``) or automatic (Bu et al. 2023).
-
-    Examples:
-        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
-        >>> clipping_options(net, DPTrainConfig(clipping="per-module", max_grad_norm=2.0))
-        {'max_grad_norm': [1.414..., 1.414...], 'param_groups': [['0.weight', '0.bias'], ['2.weight', '2.bias']]}
-    """  # noqa: E501
-    if cfg.clipping == "automatic":
-        return {"max_grad_norm": "automatic", "automatic_gamma": cfg.automatic_gamma}
-    if cfg.clipping == "per-layer":
-        return {"max_grad_norm": cfg.max_grad_norm, "per_layer": True}
-    if cfg.clipping == "per-module":
-        groups: dict[str, list[str]] = {}
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                groups.setdefault(name.rpartition(".")[0], []).append(name)
-        bound = cfg.max_grad_norm / math.sqrt(len(groups))
-        return {"max_grad_norm": [bound] * len(groups), "param_groups": list(groups.values())}
-    return {"max_grad_norm": cfg.max_grad_norm}
-
-
 def _check(cfg: DPTrainConfig) -> None:
-    if cfg.clipping not in CLIPPINGS:
-        raise ValueError(f"clipping must be one of {CLIPPINGS}, got {cfg.clipping!r}")
-    for name in ("users", "records_per_user"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.records_per_user is not None and cfg.users is None:
-        raise ValueError("records_per_user needs users (user-level DP)")
+    check_dp_options(cfg)
     for name in ("epochs", "batch_size", "max_grad_norm", "lr", "nonprivate_lr", "threads",
                  "nproc"):
         if not getattr(cfg, name) > 0:
@@ -528,12 +496,6 @@ def _check(cfg: DPTrainConfig) -> None:
         raise ValueError(f"sigma must be >= 0, got {cfg.sigma}")
     if not 0 < cfg.delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {cfg.delta}; e.g. 1e-5")
-
-
-def _clipping_label(cfg: DPTrainConfig) -> str:
-    if cfg.clipping == "automatic":
-        return f"automatic clipping (gamma {cfg.automatic_gamma:g})"
-    return f"C {cfg.max_grad_norm:g}" + ("" if cfg.clipping == "flat" else f" {cfg.clipping}")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -580,22 +542,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--accountant", choices=("rdp", "pld", "prv"), default=d.accountant,
                    help="privacy accountant: RDP (default), PLD (tighter, slower) or PRV "
                         "(Opacus's, where Opacus is installed)")
-    p.add_argument("--clipping", choices=CLIPPINGS, default=d.clipping,
-                   help="flat: each sample's gradient to C; per-layer: each parameter to "
-                   "C/sqrt(K); per-module: each module's parameters together to C/sqrt(m); "
-                   "automatic: g/(|g| + gamma), no C (Bu et al. 2023) (default flat)")
-    p.add_argument("--automatic-gamma", type=float, default=d.automatic_gamma,
-                   help=f"gamma of --clipping automatic (default {d.automatic_gamma})")
-    p.add_argument("--users", type=int, default=None,
-                   help="user-level DP: deal the training records to USERS users (at "
-                   "random, fixed); --batch-size then counts users, each user's gradient "
-                   "is clipped once, epsilon is per user")
-    p.add_argument("--records-per-user", type=int, default=None,
-                   help="with --users: at most this many of a user's records per step")
-    p.add_argument("--secure-mode", action="store_true",
-                   help="draw the noise from the operating system's cryptographically "
-                   "secure generator (os.urandom) instead of --seed: about 20 ns a number "
-                   "against 2.5; the batches stay seeded")
+    add_dp_arguments(p, d, "records", "at random, fixed")
     p.add_argument("--compare-nonprivate", action="store_true",
                    help="also train the same model without DP and compare")
     p.add_argument("--subset", type=int, default=None,

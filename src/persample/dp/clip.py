@@ -230,16 +230,33 @@ def _nothing_to_clip(micro: MicroBatch, into: Destination) -> Accumulated:
 
 
 def _empty_pass(model: nn.Module, batch: Batch, params: list[nn.Parameter]) -> None:
-    """A rank of an FSDP2 model without samples in this micro-batch runs the forward and
-    backward of its empty batch all the same: FSDP's all-gathers are collectives."""
+    """A rank of an FSDP2 model without samples in this micro-batch runs a forward and
+    backward all the same: FSDP's all-gathers are collectives. Many models cannot run a
+    batch of none (transformers' attention reshapes by ``(B, T, -1)``), so where every
+    leaf that carries samples is a plain tensor the pass runs one sample of zeros in
+    their shapes and dtypes instead; its gradients are thrown away (nothing of it
+    reaches ``p.grad`` or another rank)."""
     from torch.utils._pytree import tree_leaves
 
     with torch.enable_grad():
-        out = batch.call(model)
+        out = _one_zero_sample(batch).call(model)
     outs = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
     if outs:
         torch.autograd.grad(torch.stack([t.sum() for t in outs]).sum(), params,
                             allow_unused=True)
+
+
+def _one_zero_sample(batch: Batch) -> Batch:
+    """``batch`` (of no samples) as one sample of zeros: each sample-carrying tensor
+    ``(0, *rest)`` becomes ``zeros(1, *rest)`` (token ids 0, masks 0, features 0); the
+    batch as it is where a special form (packed sequences, rows, graphs) carries them."""
+    leaves = batch.leaves()
+    if not all(isinstance(leaves[k], Tensor) for k in batch.sample_leaves):
+        return batch
+    zeros = [leaf.new_zeros((1, *leaf.shape[1:])) if k in batch.sample_leaves else leaf
+             for k, leaf in enumerate(leaves)]
+    args, kwargs = batch.rebuilt(zeros)
+    return Batch(args, kwargs, 1, batch.sample_leaves, batch.form)
 
 
 @dataclass

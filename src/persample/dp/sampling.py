@@ -219,6 +219,45 @@ def _choice(n: int, k: int, generator: torch.Generator | SecureSource) -> Tensor
     return torch.randperm(n, generator=generator)[:k]
 
 
+def physical_batches(drawn: list[int], size: int, user_of: Tensor | None = None
+                     ) -> list[list[int]]:
+    """One logical batch cut in physical batches of at most ``size`` indices; with
+    ``user_of``, whole users in each (user-level DP clips a user's records together, so
+    they must meet in one forward).
+
+    Args:
+        drawn: the logical batch's record indices; with ``user_of``, a user's records
+            consecutive (as :class:`UserPoissonSampler` yields them).
+        size: the most indices a physical batch holds, ``>= 1``.
+        user_of: ``(N,)`` each record's user, or ``None`` (record-level DP).
+
+    Returns:
+        Lists of indices, in ``drawn``'s order, whose concatenation is ``drawn``; with
+        users, consecutive users share a batch while they fit. A user with more than
+        ``size`` records gets a batch of its own, larger than ``size`` (the callers
+        refuse such a ``size`` beforehand). No batch for an empty ``drawn``.
+
+    Examples:
+        >>> physical_batches([0, 1, 2, 3, 4], 2)
+        [[0, 1], [2, 3], [4]]
+        >>> physical_batches([5, 0, 1, 3, 4], 3, torch.tensor([0, 0, 1, 2, 2, 1]))
+        [[5, 0, 1], [3, 4]]
+    """
+    if user_of is None:
+        return [drawn[k:k + size] for k in range(0, len(drawn), size)]
+    parts: list[list[int]] = []
+    users = user_of[torch.tensor(drawn, dtype=torch.int64)].tolist()
+    start = 0
+    for end in range(1, len(drawn) + 1):  # a user's records are consecutive
+        if end == len(drawn) or users[end] != users[end - 1]:
+            if parts and len(parts[-1]) + end - start <= size:
+                parts[-1] += drawn[start:end]
+            else:
+                parts.append(drawn[start:end])
+            start = end
+    return parts
+
+
 def poisson_mask(num_samples: int, sample_rate: float,
                  generator: torch.Generator | SecureSource) -> Tensor:
     """One Poisson draw: ``(num_samples,)`` bool, each entry ``True`` with probability ``q``

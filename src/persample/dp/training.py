@@ -30,6 +30,7 @@ from .sampling import (
     UserPoissonSampler,
     dataset_size,
     loader_options,
+    physical_batches,
     users_of_records,
 )
 from .step import PrivateStep
@@ -162,20 +163,7 @@ class PhysicalBatches(Sampler[list[int]]):
     def _cut(self, drawn: list[int]) -> list[list[int]]:
         """One logical batch in physical batches of at most ``size`` indices, whole users
         in each."""
-        user_of = getattr(self.logical, "user_of", None)
-        if user_of is None:
-            return [drawn[k:k + self.size] for k in range(0, len(drawn), self.size)]
-        parts: list[list[int]] = []
-        users = user_of[torch.tensor(drawn, dtype=torch.int64)].tolist()
-        start = 0
-        for end in range(1, len(drawn) + 1):  # a user's records are consecutive
-            if end == len(drawn) or users[end] != users[end - 1]:
-                if parts and len(parts[-1]) + end - start <= self.size:
-                    parts[-1] += drawn[start:end]
-                else:
-                    parts.append(drawn[start:end])
-                start = end
-        return parts
+        return physical_batches(drawn, self.size, getattr(self.logical, "user_of", None))
 
     def __len__(self) -> int:
         """An estimate (Poisson sizes vary): the expected physical batches per epoch."""

@@ -1,0 +1,109 @@
+"""The DP-SGD options ``dp-train`` and ``dp-finetune`` share: how gradients are clipped
+(flat, per layer, per module, automatic), user-level DP and secure noise; their
+command-line flags, their checks, and :class:`~persample.dp.PrivateStep`'s arguments
+for them.
+
+A config here is any object with the attributes ``clipping``, ``max_grad_norm``,
+``automatic_gamma``, ``users``, ``records_per_user`` and ``secure_mode`` (both
+commands' dataclasses have them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any, Protocol
+
+from torch import nn
+
+CLIPPINGS = ("flat", "per-layer", "per-module", "automatic")
+
+
+class DPOptions(Protocol):
+    """What :func:`clipping_options` and :func:`check_dp_options` read of a config."""
+
+    clipping: str
+    max_grad_norm: float
+    automatic_gamma: float
+    users: int | None
+    records_per_user: int | None
+    secure_mode: bool
+
+
+def clipping_options(model: nn.Module, cfg: DPOptions) -> dict[str, Any]:
+    """The clipping options of ``PrivateStep`` for ``cfg.clipping``: flat (``C``), per
+    layer (each parameter to ``C / sqrt(K)``), per module (the trainable parameters of
+    each module as one group, each to ``C / sqrt(m)``) or automatic (Bu et al. 2023,
+    "Automatic clipping: differentially private deep learning made easier and
+    stronger").
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> clipping_options(net, SimpleNamespace(clipping="per-module", max_grad_norm=2.0))
+        {'max_grad_norm': [1.414..., 1.414...], 'param_groups': [['0.weight', '0.bias'], ['2.weight', '2.bias']]}
+    """  # noqa: E501
+    if cfg.clipping == "automatic":
+        return {"max_grad_norm": "automatic", "automatic_gamma": cfg.automatic_gamma}
+    if cfg.clipping == "per-layer":
+        return {"max_grad_norm": cfg.max_grad_norm, "per_layer": True}
+    if cfg.clipping == "per-module":
+        groups: dict[str, list[str]] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                groups.setdefault(name.rpartition(".")[0], []).append(name)
+        bound = cfg.max_grad_norm / math.sqrt(len(groups))
+        return {"max_grad_norm": [bound] * len(groups), "param_groups": list(groups.values())}
+    return {"max_grad_norm": cfg.max_grad_norm}
+
+
+def clipping_label(cfg: DPOptions) -> str:
+    """How the run clips, for its report: ``"C 1"``, ``"C 1 per-module"``, ...
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> clipping_label(SimpleNamespace(clipping="per-layer", max_grad_norm=1.0))
+        'C 1 per-layer'
+    """
+    if cfg.clipping == "automatic":
+        return f"automatic clipping (gamma {cfg.automatic_gamma:g})"
+    return f"C {cfg.max_grad_norm:g}" + ("" if cfg.clipping == "flat" else f" {cfg.clipping}")
+
+
+def check_dp_options(cfg: DPOptions) -> None:
+    """Raise ``ValueError`` (naming the option and what it takes) for a clipping kind
+    outside :data:`CLIPPINGS`, a ``users`` or ``records_per_user`` below 1, or
+    ``records_per_user`` without ``users``."""
+    if cfg.clipping not in CLIPPINGS:
+        raise ValueError(f"clipping must be one of {CLIPPINGS}, got {cfg.clipping!r}")
+    if not cfg.automatic_gamma > 0:
+        raise ValueError(f"automatic_gamma must be > 0, got {cfg.automatic_gamma}")
+    for name in ("users", "records_per_user"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.records_per_user is not None and cfg.users is None:
+        raise ValueError("records_per_user needs users (user-level DP)")
+
+
+def add_dp_arguments(p: argparse.ArgumentParser, defaults: DPOptions, records: str,
+                     dealt: str) -> None:
+    """Add ``--clipping``, ``--automatic-gamma``, ``--users``, ``--records-per-user`` and
+    ``--secure-mode`` to ``p``; ``records`` names what the users own ("records",
+    "windows", ...) and ``dealt`` how they are dealt to the users, in the help."""
+    p.add_argument("--clipping", choices=CLIPPINGS, default=defaults.clipping,
+                   help="flat: each sample's gradient to C; per-layer: each parameter to "
+                   "C/sqrt(K); per-module: each module's parameters together to C/sqrt(m); "
+                   "automatic: g/(|g| + gamma), no C (Bu et al. 2023) (default "
+                   f"{defaults.clipping})")
+    p.add_argument("--automatic-gamma", type=float, default=defaults.automatic_gamma,
+                   help=f"gamma of --clipping automatic (default {defaults.automatic_gamma})")
+    p.add_argument("--users", type=int, default=None,
+                   help=f"user-level DP: the training {records} dealt to USERS users ({dealt}); "
+                   "--batch-size then counts users, each user's gradient is clipped once, "
+                   "epsilon is per user")
+    p.add_argument("--records-per-user", type=int, default=None,
+                   help=f"with --users: at most this many of a user's {records} per step")
+    p.add_argument("--secure-mode", action="store_true",
+                   help="draw the noise from the operating system's cryptographically "
+                   "secure generator (os.urandom) instead of --seed: about 20 ns a number "
+                   "against 2.5; the batches stay seeded")
