@@ -345,7 +345,8 @@ def run(cfg: FinetuneConfig) -> dict:
     print(f"dp-finetune: GPT-2 {cfg.layers}x{cfg.width} ({what}: {private['trainable']:,} of "
           f"{private['total']:,} parameters trained), T={cfg.seq_len}, "
           f"{cfg.train_windows} training / {cfg.test_windows} held-out windows of the standard "
-          f"library's docstrings; {cfg.steps} steps, logical batch {cfg.batch_size} (q "
+          f"library's docstrings; {cfg.steps} steps, logical batch {cfg.batch_size}"
+          f"{'' if cfg.users is None else ' users'} (q "
           f"{q:.4f}{_users_label(cfg)}) in micro-batches of {cfg.physical}, sigma "
           f"{sigma:.3f}{' (secure noise)' if cfg.secure_mode else ''}, "
           f"{clipping_label(cfg)}; {threads_label(cfg.threads)}")
