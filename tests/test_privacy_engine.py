@@ -231,3 +231,114 @@ def test_ghost_refuses_a_loss_that_mixes_samples():
     with pytest.raises(LossNotPerSampleError, match="mixes samples"):
         with pytest.warns(UserWarning):
             loss.backward()
+
+
+SIZE = 8  # physical batches of at most 8: the 20 expected take 3
+
+
+def _bmm_loop(engine, model, optimizer, loader, criterion, logical_steps: int):
+    """The loop of Opacus's tutorials under ``BatchMemoryManager``, as it is; the
+    physical batches and RNG states it saw, grouped by the logical batch each step
+    ended (the accountant counts one step per logical batch)."""
+    from persample.dp import BatchMemoryManager
+
+    seen, current = [], []
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=SIZE,
+                            optimizer=optimizer) as physical:
+        for x, y in physical:
+            current.append((x, y, torch.get_rng_state()))
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+            if engine.accountant.steps > len(seen):
+                seen, current = seen + [current], []
+            if len(seen) == logical_steps:
+                break
+    assert not optimizer.skips  # left clean
+    return seen
+
+
+def _by_hand_in_parts(seen, dropout: float, c: float) -> nn.Module:
+    """PrivateStep (sigma 0) accumulating each logical batch's physical batches, each
+    forward from the state the loop's started from, then one release and step."""
+    model = _twin(dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = PrivateStep(model, nn.CrossEntropyLoss(), max_grad_norm=c, noise_multiplier=0.0,
+                       expected_batch_size=B)
+    for logical in seen:
+        for x, y, state in logical:
+            with torch.random.fork_rng():
+                torch.set_rng_state(state)
+                step.accumulate(x, y)
+        step.release()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_batch_memory_manager_is_private_step_over_physical_batches(mode):
+    model = _twin(0.3)
+    model.train()
+    engine = PrivacyEngine()
+    returned = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(_data(), batch_size=B, shuffle=True), noise_multiplier=0.0,
+        max_grad_norm=0.3, criterion=nn.CrossEntropyLoss(), grad_sample_mode=mode)
+    private_model, private_opt, *criterion, loader = returned
+    criterion = criterion[0] if criterion else nn.CrossEntropyLoss()
+    seen = _bmm_loop(engine, private_model, private_opt, loader, criterion, logical_steps=3)
+    sizes = [[len(y) for _, y, _ in logical] for logical in seen]
+    assert all(1 <= len(s) and max(s) <= SIZE and max(s) - min(s) <= 1 for s in sizes), sizes
+    assert any(len(s) > 1 for s in sizes)  # the logical batches were split
+    assert engine.accountant.steps == 3
+    want = _by_hand_in_parts(seen, 0.3, 0.3)
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), _twin(0.3).parameters()))
+
+
+def test_batch_memory_manager_steps_as_opacus_does():
+    """Opacus's optimizer told which physical batches end their logical batch, as its
+    BatchMemoryManager tells it, on the batches persample's gave (sigma 0): the same
+    weights."""
+    opacus = pytest.importorskip("opacus")
+    model = _twin(0.0)
+    engine = PrivacyEngine()
+    private, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
+        max_grad_norm=0.3)
+    seen = _bmm_loop(engine, private, optimizer, loader, nn.CrossEntropyLoss(), 3)
+    theirs = _twin(0.0)
+    with pytest.warns(UserWarning):  # (Opacus warns about its secure RNG)
+        o_model, o_opt, _ = opacus.PrivacyEngine().make_private(
+            module=theirs, optimizer=torch.optim.SGD(theirs.parameters(), lr=0.5),
+            data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
+            max_grad_norm=0.3)
+    for logical in seen:
+        for k, (x, y, _) in enumerate(logical):
+            o_opt.signal_skip_step(do_skip=k < len(logical) - 1)
+            o_opt.zero_grad()
+            nn.CrossEntropyLoss()(o_model(x), y).backward()
+            o_opt.step()
+    for p, q in zip(model.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
+
+
+def test_batch_memory_manager_refuses_what_make_private_did_not_return():
+    from persample.dp import BatchMemoryManager
+
+    model = _twin(0.0)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=plain, data_loader=DataLoader(_data(), batch_size=B),
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    for kwargs, match in [(dict(optimizer=plain), "takes the optimizer"),
+                          (dict(data_loader=DataLoader(_data(), batch_size=B)),
+                           "takes the data loader"),
+                          (dict(max_physical_batch_size=0), "must be an int >= 1")]:
+        options = dict(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer)
+        with pytest.raises(ValueError, match=match):
+            BatchMemoryManager(**{**options, **kwargs})

@@ -65,6 +65,9 @@ CHECKS = {
     # an Opacus script through persample's PrivacyEngine: every step accounted
     "privacy_engine": ("privacy_engine.accountant.steps == 20"
                        " and privacy_engine.get_epsilon(1e-5) > 0"),
+    # Opacus's BatchMemoryManager: one accounted step per logical batch, several physical
+    "bmm_engine": ("bmm_engine.accountant.steps == 5 and max(physical_sizes) <= 128"
+                   " and len(physical_sizes) > 10"),
     # secure mode: the step's noise source is the OS's
     "secure_step": "type(secure_step.generator).__name__ == 'SecureSource'",
     # curvature: K-FAC's factors, the per-sample GGN diagonal, influence scores

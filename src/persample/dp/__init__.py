@@ -8,7 +8,8 @@
   noise multiplier, Poisson-sampled logical batches split into physical ones, the
   step and its accountant), the model and the optimizer left as they are.
 - :class:`PrivacyEngine`: Opacus's ``PrivacyEngine`` on persample's step, so that an
-  Opacus script runs unchanged but for the import.
+  Opacus script runs unchanged but for the import; :class:`BatchMemoryManager` with it
+  splits logical batches into physical ones, as Opacus's does.
 - :mod:`persample.dp.clipping`: flat, per-layer, per-group and automatic clipping, and
   the sensitivity each gives the noise; ``user_ids=`` clips each user's gradient once
   (user-level DP), :class:`UserPoissonSampler` samples users.
@@ -28,7 +29,7 @@ each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the no
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .auditing import Audit, audit
 from .clip import Accumulated
-from .privacy_engine import PrivacyEngine
+from .privacy_engine import BatchMemoryManager, PrivacyEngine
 from .sampling import (
     EmptySafeCollate,
     PoissonBatchSampler,
@@ -54,6 +55,7 @@ __all__ = [
     "poisson_loader",
     "EmptySafeCollate",
     "PrivacyEngine",
+    "BatchMemoryManager",
     "audit",
     "Audit",
 ]

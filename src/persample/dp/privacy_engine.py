@@ -32,6 +32,8 @@ no second pass; it is for moving a script over first.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from .accounting import noise_multiplier_for
 from .noise import SecureSource
@@ -196,6 +198,7 @@ class PrivateOptimizer:
         self.original_optimizer, self.module, self.private_step = optimizer, module, step
         self.loss_reduction = loss_reduction
         self.criterion: Callable | None = None  # "ghost": the user's criterion
+        self.skips: deque[bool] = deque()  # BatchMemoryManager: steps that only accumulate
 
     @property
     def noise_multiplier(self) -> float:
@@ -225,6 +228,9 @@ class PrivateOptimizer:
 
     def step(self, closure: Callable | None = None) -> Any:
         """The DP step of the batch since ``zero_grad()``, then the optimizer's step.
+        Under :class:`BatchMemoryManager`, after a physical batch that does not end its
+        logical batch, only the batch's clipped per-sample gradients are added to the
+        step (no noise, no ``p.grad``, no optimizer step; returns ``None``).
 
         Raises:
             ValueError: more than one forward and backward since the last step (Poisson
@@ -239,11 +245,13 @@ class PrivateOptimizer:
                 f"{len(done)} forwards and backwards since the last step: with Poisson "
                 "sampling each optimizer step takes one batch (as Opacus's). Call "
                 "optimizer.zero_grad() before each forward; for logical batches larger than "
-                "memory use persample.dp.make_private's batches() or PrivateStep")
+                "memory use persample.dp.BatchMemoryManager, as with Opacus")
         if done and self.criterion is None:
             self.accumulate(done[0], self._cotangents(done[0]))
-        self.private_step.release()
         self.module.forwards.clear()
+        if self.skips and self.skips.popleft():
+            return None
+        self.private_step.release()
         return self.original_optimizer.step()
 
     def _cotangents(self, record: _Forward) -> list[Tensor | None]:
@@ -421,3 +429,95 @@ def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep) -> DataLoad
     keep = dict(loader_options(loader),
                 collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn))
     return DataLoader(loader.dataset, batch_sampler=sampler, **keep)
+
+
+class BatchMemoryManager:
+    """Opacus's ``BatchMemoryManager``: each Poisson batch of the data loader
+    :meth:`PrivacyEngine.make_private` returned, given in physical batches of at most
+    ``max_physical_batch_size`` samples, so that a logical batch larger than memory
+    takes several forwards and backwards. ``optimizer.step()`` after a physical batch
+    that does not end its logical batch only adds its clipped per-sample gradients to
+    the step; after the last one it adds the noise, writes ``p.grad``, accounts one
+    step and runs the optimizer's own step. An empty logical batch is one empty
+    physical batch (its step: the noise alone).
+
+    Args:
+        data_loader: the loader ``make_private`` returned (its Poisson batch sampler).
+        max_physical_batch_size: the most samples a forward takes, ``>= 1``. A logical
+            batch of ``b`` samples is cut in ``ceil(b / max)`` physical batches of
+            sizes differing by at most one (as Opacus cuts it).
+        optimizer: the optimizer ``make_private`` returned.
+
+    Raises:
+        ValueError: ``optimizer`` or ``data_loader`` not ``make_private``'s, or
+            ``max_physical_batch_size`` below 1.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+        >>> engine = PrivacyEngine()
+        >>> model, optimizer, loader = engine.make_private(
+        ...     module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ...     data_loader=DataLoader(data, batch_size=32), noise_multiplier=1.0,
+        ...     max_grad_norm=1.0)
+        >>> with BatchMemoryManager(data_loader=loader, max_physical_batch_size=8,
+        ...                         optimizer=optimizer) as physical:
+        ...     for x, y in physical:  # the Opacus loop, as it is
+        ...         optimizer.zero_grad()
+        ...         nn.CrossEntropyLoss()(model(x), y).backward()
+        ...         optimizer.step()
+        ...         assert len(x) <= 8
+        >>> engine.accountant.steps  # one step per logical batch
+        2
+
+    Source: Opacus (Yousefpour et al. 2021), ``opacus.utils.batch_memory_manager``;
+    Abadi et al. 2016 (lots split into smaller groups).
+    """
+
+    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int,
+                 optimizer: PrivateOptimizer):
+        if not isinstance(optimizer, PrivateOptimizer):
+            raise ValueError("BatchMemoryManager takes the optimizer PrivacyEngine."
+                             f"make_private returned, got {type(optimizer).__name__}")
+        if not isinstance(data_loader.batch_sampler, PoissonBatchSampler):
+            raise ValueError("BatchMemoryManager takes the data loader PrivacyEngine."
+                             "make_private returned (its batches are Poisson-sampled)")
+        if (isinstance(max_physical_batch_size, bool)
+                or not isinstance(max_physical_batch_size, int) or max_physical_batch_size < 1):
+            raise ValueError(f"max_physical_batch_size must be an int >= 1, got "
+                             f"{max_physical_batch_size!r}")
+        self.data_loader, self.optimizer = data_loader, optimizer
+        self.max_physical_batch_size = max_physical_batch_size
+
+    def __enter__(self) -> DataLoader:
+        loader = self.data_loader
+        sampler = _Splitting(loader.batch_sampler, self.max_physical_batch_size,
+                             self.optimizer.skips)
+        return DataLoader(loader.dataset, batch_sampler=sampler, **loader_options(loader))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.optimizer.skips.clear()
+
+
+class _Splitting(Sampler[list[int]]):
+    """Each logical batch of ``logical`` in ``ceil(b / size)`` balanced physical batches,
+    telling the optimizer, in order, which of them end their logical batch (a data
+    loader's workers draw ahead of the steps, so the marks queue)."""
+
+    def __init__(self, logical: PoissonBatchSampler, size: int, skips: deque[bool]):
+        self.logical, self.size, self.skips = logical, size, skips
+
+    def __len__(self) -> int:
+        """Opacus's estimate: the expected physical batches an epoch."""
+        return math.ceil(len(self.logical) * self.logical.expected_batch_size / self.size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for drawn in self.logical:  # (b,) indices
+            parts = torch.tensor(drawn, dtype=torch.int64).tensor_split(
+                max(1, math.ceil(len(drawn) / self.size)))
+            for k, part in enumerate(parts):
+                self.skips.append(k < len(parts) - 1)
+                yield part.tolist()
