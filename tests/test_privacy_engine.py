@@ -342,3 +342,53 @@ def test_batch_memory_manager_refuses_what_make_private_did_not_return():
         options = dict(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer)
         with pytest.raises(ValueError, match=match):
             BatchMemoryManager(**{**options, **kwargs})
+
+
+@pytest.mark.slow  # several processes
+@pytest.mark.parametrize("loop", ["plain", "bmm"])
+def test_two_ddp_processes_are_one_step_over_both_ranks_batches(tmp_path, loop):
+    """Two gloo processes, the model wrapped in DDP, each rank's own dropout masks: every
+    rank ends with the same weights, those of PrivateStep accumulating both ranks'
+    batches of each logical batch (sigma 0); the ranks' batches are disjoint parts of
+    one Poisson sample. With BatchMemoryManager, physical batches of at most 4."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    import privacy_engine_workers as workers
+
+    init = f"file://{tmp_path / 'rendezvous'}"
+    ctx = mp.start_processes(workers.worker, args=(2, str(tmp_path), init), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the workers did not finish within 180 s")
+    saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert all("secure_mode with several processes" in s["secure"] for s in saved)
+    ranks = [s[loop] for s in saved]
+    for p, q in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        assert torch.equal(p, q)
+    model = _twin(0.3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = PrivateStep(model, nn.CrossEntropyLoss(), max_grad_norm=0.3, noise_multiplier=0.0,
+                       expected_batch_size=workers.B)
+    x_all = _data().tensors[0]
+    for k in range(workers.STEPS):
+        rows = []
+        for rank in ranks:
+            for x, y, state in rank["seen"][k]:
+                assert len(x) <= (workers.SIZE if loop == "bmm" else N)
+                rows += [int((x_all == row).all(1).nonzero()) for row in x]
+                with torch.random.fork_rng():
+                    torch.set_rng_state(state)
+                    step.accumulate(x, y)
+        assert len(rows) == len(set(rows))  # disjoint: one sample split between ranks
+        step.release()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(ranks[0]["weights"], model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), _twin(0.3).parameters()))

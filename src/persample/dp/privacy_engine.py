@@ -25,6 +25,11 @@ As with Opacus's hooks, the loss the user backpropagates must be a mean (or, wit
 gradient; ``"ghost"`` evaluates the criterion per sample and refuses one that mixes
 samples (:class:`~persample.errors.LossNotPerSampleError`).
 
+With several processes (the model wrapped in ``DistributedDataParallel`` or Opacus's
+``DPDDP``) each rank takes its share of every Poisson batch and the step sums the
+ranks' clipped gradients (rank 0 adds the noise); :class:`BatchMemoryManager` splits
+each logical batch into physical ones, as Opacus's does.
+
 That costs one forward and one backward more than persample's own loop
 (:class:`~persample.dp.PrivateStep`, :func:`~persample.dp.make_private`), which has
 no second pass; it is for moving a script over first.
@@ -45,8 +50,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, Sampler
 
+from ..sharded import fsdp_units
 from .accounting import noise_multiplier_for
 from .noise import SecureSource
+from .reduce import world
 from .sampling import EmptySafeCollate, PoissonBatchSampler, dataset_size, loader_options
 from .step import PrivateStep
 
@@ -79,11 +86,12 @@ class PrivateModule(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         self._module = module
+        self.__dict__["inner"] = unwrapped(module)  # not a submodule: no second state_dict
         self.forwards: list[_Forward] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         states = _rng_states()
-        output = self._module(*args, **kwargs)
+        output = self.inner(*args, **kwargs)
         if not torch.is_grad_enabled():
             return output
         record = _Forward(args, kwargs, states, output, {})
@@ -93,6 +101,22 @@ class PrivateModule(nn.Module):
                 leaf.register_hook(_keeper(record, k))
         self.forwards.append(record)
         return output
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside torch's ``DistributedDataParallel`` or Opacus's
+    ``DifferentiallyPrivateDistributedDataParallel``, else ``module``: the DP step sums
+    the ranks' clipped gradients itself, so their gradient all-reduce must not run.
+
+    Examples:
+        >>> net = nn.Linear(2, 2)
+        >>> unwrapped(net) is net
+        True
+    """
+    if isinstance(module, nn.parallel.DistributedDataParallel) or \
+            type(module).__name__ == "DifferentiallyPrivateDistributedDataParallel":
+        return module.module
+    return module
 
 
 def _keeper(record: _Forward, k: int) -> Callable[[Tensor], None]:
@@ -316,7 +340,13 @@ class PrivacyEngine:
         loader, as Opacus returns them).
 
         Args:
-            module, optimizer, data_loader, noise_multiplier: as Opacus's.
+            module, optimizer, data_loader, noise_multiplier: as Opacus's. Several
+                processes (``torch.distributed`` initialised, the module wrapped in
+                ``DistributedDataParallel`` or Opacus's ``DPDDP``, or not at all): each rank
+                gets its share of every Poisson batch of the whole dataset (the same
+                ``len(loader)`` batches on every rank) and ``optimizer.step()`` sums the
+                ranks' clipped gradients, rank 0 adding the noise (:class:`PrivateStep`);
+                DDP's own gradient all-reduce never runs.
             max_grad_norm: ``C``; with ``clipping="per_layer"`` one number per trainable
                 parameter (or one, split as ``C / sqrt(K)``).
             criterion: the loss (``"ghost"``: evaluated per sample by persample).
@@ -336,17 +366,18 @@ class PrivacyEngine:
 
         Raises:
             ValueError: an option persample does not take (named), optimizer parameters
-                that are not the module's, several processes, or a data loader whose
-                dataset has no length.
+                that are not the module's, a model sharded with FSDP2, ``secure_mode``
+                with several processes, or a data loader whose dataset has no length.
         """
         self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
                      grad_sample_mode, kwargs)
         n = dataset_size(data_loader.dataset, "DataLoader's dataset")
         q = 1 / len(data_loader)  # as Opacus: one epoch of len(loader) Poisson batches
         expected = max(1, int(n * q))
-        params = [name for name, p in module.named_parameters() if p.requires_grad]
+        inner = unwrapped(module)
+        params = [name for name, p in inner.named_parameters() if p.requires_grad]
         clip_options = _clipping(clipping, max_grad_norm, params)
-        step = PrivateStep(module, criterion if "ghost" in grad_sample_mode else _LinearLoss(),
+        step = PrivateStep(inner, criterion if "ghost" in grad_sample_mode else _LinearLoss(),
                            noise_multiplier=noise_multiplier, expected_batch_size=expected,
                            generator=noise_generator, sample_rate=q,
                            accountant=self.accountant_kind, secure_mode=self.secure_mode,
@@ -397,8 +428,10 @@ class PrivacyEngine:
                 loss_reduction not in ("mean", "sum"),
             f"grad_sample_mode={grad_sample_mode!r}":
                 grad_sample_mode not in ("hooks", "functorch", "ew", "ghost", "ghost_fsdp"),
-            "several processes (use PrivateStep with PoissonBatchSampler(rank=, world_size=))":
-                dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1,
+            "secure_mode with several processes (the ranks split one Poisson sample, drawn "
+            "alike from one seed)": self.secure_mode and (world() or (1, 0))[0] > 1,
+            "a model sharded with FSDP2 (use PrivateStep, which takes it)":
+                bool(fsdp_units(module)),
         }
         reasons.update({f"the option {name}={value!r}": True for name, value in kwargs.items()
                         if name not in ("wrap_model", "rand_on_empty") or value not in (
@@ -423,9 +456,17 @@ def _clipping(clipping: str, max_grad_norm: Any, names: list[str]) -> dict[str, 
 def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep) -> DataLoader:
     """The loader's dataset, collate function and workers, with Poisson-sampled batches:
     ``len(loader)`` an epoch at rate ``q`` (Opacus's ``DPDataLoader``); in secure mode
-    drawn from the OS's secure generator."""
+    drawn from the OS's secure generator. With several processes every rank draws the
+    same sample of the whole dataset, from a seed rank 0 draws from torch's generator
+    and sends, and keeps its every ``world_size``-th index: the ranks' batches make one
+    Poisson sample."""
     secure = step.generator if isinstance(step.generator, SecureSource) else None
-    sampler = PoissonBatchSampler(len(loader.dataset), q, len(loader), secure)
+    size, rank = world() or (1, 0)
+    if size > 1:
+        seed = [int(torch.randint(1 << 62, ()))]  # rank 0's is the one kept
+        dist.broadcast_object_list(seed, src=0)
+        secure = torch.Generator().manual_seed(seed[0])
+    sampler = PoissonBatchSampler(len(loader.dataset), q, len(loader), secure, rank, size)
     keep = dict(loader_options(loader),
                 collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn))
     return DataLoader(loader.dataset, batch_sampler=sampler, **keep)

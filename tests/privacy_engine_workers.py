@@ -1,0 +1,82 @@
+"""Workers of tests/test_privacy_engine.py's several-process tests, run in spawned
+processes (gloo on the CPU): the Opacus loop through persample's ``PrivacyEngine`` on
+each rank, its model wrapped in ``DistributedDataParallel``, with and without
+``BatchMemoryManager``; each saves the batches it saw and the weights it ended with to
+``{out}/rank{r}.pt``."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from persample.dp import BatchMemoryManager, PrivacyEngine
+
+B, SIZE, STEPS = 20, 4, 3  # expected logical batch; physical batches of at most 4
+
+
+def run(loop: str, rank: int, make) -> dict:
+    """The loop on this rank: ``(x, y, rng state)`` per physical batch, grouped by the
+    logical batch each step ended, and the final weights."""
+    torch.manual_seed(1 + rank)  # each rank's own dropout masks
+    model = make()
+    engine = PrivacyEngine()
+    private, optimizer, loader = engine.make_private(
+        module=nn.parallel.DistributedDataParallel(model),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(make.data(), batch_size=B), noise_multiplier=0.0,
+        max_grad_norm=0.3)
+    seen, current = [], []
+    if loop == "bmm":
+        manager = BatchMemoryManager(data_loader=loader, max_physical_batch_size=SIZE,
+                                     optimizer=optimizer)
+        loader = manager.__enter__()
+    for x, y in loader:
+        current.append((x, y, torch.get_rng_state()))
+        optimizer.zero_grad()
+        nn.CrossEntropyLoss()(private(x), y).backward()
+        optimizer.step()
+        if engine.accountant.steps > len(seen):
+            seen, current = seen + [current], []
+        if len(seen) == STEPS:
+            break
+    if loop == "bmm":
+        manager.__exit__(None, None, None)
+    return {"seen": seen, "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def worker(rank: int, world: int, out: str, init: str) -> None:
+    from test_privacy_engine import _data, _twin
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+
+    def make():
+        return _twin(0.3).train()
+    make.data = _data
+    try:
+        saved = {loop: run(loop, rank, make) for loop in ("plain", "bmm")}
+        saved["secure"] = _refused(make)
+    finally:
+        dist.destroy_process_group()
+    torch.save(saved, os.path.join(out, f"rank{rank}.pt"))
+
+
+def _refused(make) -> str:
+    """The error of ``secure_mode`` with several processes (the ranks must draw one
+    Poisson sample alike)."""
+    model = make()
+    try:
+        PrivacyEngine(secure_mode=True).make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(make.data(), batch_size=B), noise_multiplier=1.0,
+            max_grad_norm=1.0)
+    except ValueError as err:
+        return str(err)
+    return "no error"
