@@ -114,6 +114,7 @@ def test_the_accounting_and_the_target_epsilon():
     assert engine.accountant.steps == 12
     sigma = optimizer.noise_multiplier
     assert engine.get_epsilon(1e-5) == pytest.approx(epsilon(sigma, B / N, 12, 1e-5))
+    assert engine.accountant.get_epsilon(delta=1e-5) == engine.get_epsilon(1e-5)  # Opacus's
     assert 1.9 < engine.get_epsilon(1e-5) <= 2.0
 
 

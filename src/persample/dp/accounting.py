@@ -201,6 +201,18 @@ class PrivacyAccountant:
             return 0.0
         return _epsilon_of([tuple(run) for run in self.history], delta, accountant)
 
+    def get_epsilon(self, delta: float) -> float:
+        """Opacus's accountants' name for :meth:`epsilon` (``get_epsilon(delta=...)``), so
+        that a script reading ``privacy_engine.accountant`` runs as it is.
+
+        Examples:
+            >>> acct = PrivacyAccountant()
+            >>> acct.step(1.0, 0.01, count=100)
+            >>> acct.get_epsilon(delta=1e-5) == acct.epsilon(1e-5)
+            True
+        """
+        return self.epsilon(delta)
+
     def state_dict(self) -> dict:
         """The accountant's state for a checkpoint: ``{"accountant", "history"}`` (plain
         Python values, copied).
