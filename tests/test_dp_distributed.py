@@ -6,17 +6,16 @@ p.grad unchanged; the distributed Poisson sampler splits one sample across ranks
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import dist_workers
 from battery import clipped_sum_by_hand
 from persample import loop_per_sample_grads
 from persample.dp import PoissonBatchSampler, epsilon, private_grad
+from spawned import ranks_of
 
 pytestmark = pytest.mark.slow  # several processes
 
@@ -26,17 +25,8 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """What each of two gloo processes saw (spawned once for all the tests here)."""
-    out = tmp_path_factory.mktemp("dist")
-    init = f"file://{out / 'rendezvous'}"
-    ctx = mp.start_processes(dist_workers.worker, args=(WORLD, str(out), init),
-                             nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the distributed workers did not finish within 180 s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return ranks_of(dist_workers.worker, tmp_path_factory.mktemp("dist"), WORLD,
+                    what="distributed workers")
 
 
 def _whole_batch() -> dict:

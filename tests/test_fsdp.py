@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import math
 import re
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import fsdp_workers as fw
 import persample
 from battery import clipped_sum_by_hand
 from cases import clipped_mean
 from persample.dp import PrivateStep
+from spawned import ranks_of
 from zoo import require
 
 pytestmark = pytest.mark.slow  # several processes
@@ -35,17 +34,8 @@ def _packages():
 
 
 def _spawn(tmp_path_factory, job: str, world: int) -> list[dict]:
-    out = tmp_path_factory.mktemp(job)
-    init = f"file://{out / 'rendezvous'}"
-    ctx = mp.start_processes(fw.worker, args=(world, str(out), init, job), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the FSDP workers ({job}) did not finish within 300 s")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return ranks_of(fw.worker, tmp_path_factory.mktemp(job), world, job, timeout=300,
+                    what=f"FSDP workers ({job})")
 
 
 @pytest.fixture(scope="module")

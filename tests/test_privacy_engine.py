@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from persample.dp import PrivacyEngine, PrivateStep, epsilon
+from spawned import ranks_of
 
 N, B = 120, 20  # 6 Poisson batches an epoch, of 20 expected
 
@@ -51,21 +52,10 @@ def _opacus_loop(model, optimizer, loader, criterion, steps: int):
     return seen
 
 
-def _by_hand(seen, dropout: float, c: float, expected: int) -> nn.Module:
+def _by_hand(seen, dropout: float, c: float, expected: int = B) -> nn.Module:
     """PrivateStep (sigma 0) on the same batches, each forward from the state the loop's
     forward started from: the same dropout masks."""
-    model = _twin(dropout)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    step = PrivateStep(model, nn.CrossEntropyLoss(), max_grad_norm=c, noise_multiplier=0.0,
-                       expected_batch_size=expected)
-    for x, y, state in seen:
-        with torch.random.fork_rng():
-            torch.set_rng_state(state)
-            step.accumulate(x, y)
-        step.release()
-        opt.step()
-        opt.zero_grad()
-    return model
+    return _by_hand_in_parts([[batch] for batch in seen], dropout, c, expected)
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
@@ -260,13 +250,13 @@ def _bmm_loop(engine, model, optimizer, loader, criterion, logical_steps: int):
     return seen
 
 
-def _by_hand_in_parts(seen, dropout: float, c: float) -> nn.Module:
+def _by_hand_in_parts(seen, dropout: float, c: float, expected: int = B) -> nn.Module:
     """PrivateStep (sigma 0) accumulating each logical batch's physical batches, each
     forward from the state the loop's started from, then one release and step."""
     model = _twin(dropout)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     step = PrivateStep(model, nn.CrossEntropyLoss(), max_grad_norm=c, noise_multiplier=0.0,
-                       expected_batch_size=B)
+                       expected_batch_size=expected)
     for logical in seen:
         for x, y, state in logical:
             with torch.random.fork_rng():
@@ -352,44 +342,20 @@ def test_two_ddp_processes_are_one_step_over_both_ranks_batches(tmp_path, loop):
     rank ends with the same weights, those of PrivateStep accumulating both ranks'
     batches of each logical batch (sigma 0); the ranks' batches are disjoint parts of
     one Poisson sample. With BatchMemoryManager, physical batches of at most 4."""
-    import time
-
-    import torch.multiprocessing as mp
-
     import privacy_engine_workers as workers
 
-    init = f"file://{tmp_path / 'rendezvous'}"
-    ctx = mp.start_processes(workers.worker, args=(2, str(tmp_path), init), nprocs=2,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the workers did not finish within 180 s")
-    saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    saved = ranks_of(workers.worker, tmp_path, 2)
     assert all("secure_mode with several processes" in s["secure"] for s in saved)
     ranks = [s[loop] for s in saved]
     for p, q in zip(ranks[0]["weights"], ranks[1]["weights"]):
         assert torch.equal(p, q)
-    model = _twin(0.3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    step = PrivateStep(model, nn.CrossEntropyLoss(), max_grad_norm=0.3, noise_multiplier=0.0,
-                       expected_batch_size=workers.B)
+    merged = [ranks[0]["seen"][k] + ranks[1]["seen"][k] for k in range(workers.STEPS)]
     x_all = _data().tensors[0]
-    for k in range(workers.STEPS):
-        rows = []
-        for rank in ranks:
-            for x, y, state in rank["seen"][k]:
-                assert len(x) <= (workers.SIZE if loop == "bmm" else N)
-                rows += [int((x_all == row).all(1).nonzero()) for row in x]
-                with torch.random.fork_rng():
-                    torch.set_rng_state(state)
-                    step.accumulate(x, y)
+    for logical in merged:
+        assert all(len(x) <= (workers.SIZE if loop == "bmm" else N) for x, _, _ in logical)
+        rows = [int((x_all == row).all(1).nonzero()) for x, _, _ in logical for row in x]
         assert len(rows) == len(set(rows))  # disjoint: one sample split between ranks
-        step.release()
-        opt.step()
-        opt.zero_grad()
-    for p, q in zip(ranks[0]["weights"], model.parameters()):
+    want = _by_hand_in_parts(merged, 0.3, 0.3, workers.B)
+    for p, q in zip(ranks[0]["weights"], want.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
-    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), _twin(0.3).parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(want.parameters(), _twin(0.3).parameters()))
