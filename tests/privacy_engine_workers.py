@@ -1,8 +1,8 @@
 """Workers of tests/test_privacy_engine.py's several-process tests, run in spawned
 processes (gloo on the CPU): the Opacus loop through persample's ``PrivacyEngine`` on
-each rank, its model wrapped in ``DistributedDataParallel``, with and without
-``BatchMemoryManager``; each saves the batches it saw and the weights it ended with to
-``{out}/rank{r}.pt``."""
+each rank, its model wrapped in ``DistributedDataParallel`` or sharded with FSDP2's
+``fully_shard``, with and without ``BatchMemoryManager``; each saves the batches it saw
+and the weights it ended with to ``{out}/rank{r}.pt``."""
 
 from __future__ import annotations
 
@@ -17,19 +17,37 @@ from torch.utils.data import DataLoader
 from persample.dp import BatchMemoryManager, PrivacyEngine
 
 B, SIZE, STEPS = 20, 4, 3  # expected logical batch; physical batches of at most 4
+# (wrapped how, which loop): "ghost" is Opacus's grad_sample_mode="ghost_fsdp" (the
+# criterion make_private returns), without BatchMemoryManager
+SCENARIOS = [("ddp", "plain"), ("ddp", "bmm"), ("fsdp", "plain"), ("fsdp", "bmm"),
+             ("fsdp", "ghost")]
 
 
-def run(loop: str, rank: int, make) -> dict:
+def wrapped(model: nn.Module, how: str) -> nn.Module:
+    """``model`` in DDP, or sharded with FSDP2 (each linear layer, then the root)."""
+    if how == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.fc)
+    fully_shard(model.out)
+    return fully_shard(model)
+
+
+def run(how: str, loop: str, rank: int, make) -> dict:
     """The loop on this rank: ``(x, y, rng state)`` per physical batch, grouped by the
-    logical batch each step ended, and the final weights."""
+    logical batch each step ended, and the final weights (whole)."""
     torch.manual_seed(1 + rank)  # each rank's own dropout masks
     model = make()
+    module = wrapped(model, how)
     engine = PrivacyEngine()
-    private, optimizer, loader = engine.make_private(
-        module=nn.parallel.DistributedDataParallel(model),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+    criterion = nn.CrossEntropyLoss()
+    private, optimizer, *given, loader = engine.make_private(
+        module=module, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=DataLoader(make.data(), batch_size=B), noise_multiplier=0.0,
-        max_grad_norm=0.3)
+        max_grad_norm=0.3, criterion=criterion,
+        grad_sample_mode="ghost_fsdp" if loop == "ghost" else "hooks")
+    criterion = given[0] if given else criterion
     seen, current = [], []
     if loop == "bmm":
         manager = BatchMemoryManager(data_loader=loader, max_physical_batch_size=SIZE,
@@ -38,7 +56,7 @@ def run(loop: str, rank: int, make) -> dict:
     for x, y in loader:
         current.append((x, y, torch.get_rng_state()))
         optimizer.zero_grad()
-        nn.CrossEntropyLoss()(private(x), y).backward()
+        criterion(private(x), y).backward()
         optimizer.step()
         if engine.accountant.steps > len(seen):
             seen, current = seen + [current], []
@@ -46,7 +64,9 @@ def run(loop: str, rank: int, make) -> dict:
             break
     if loop == "bmm":
         manager.__exit__(None, None, None)
-    return {"seen": seen, "weights": [p.detach().clone() for p in model.parameters()]}
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return {"seen": seen, "weights": [p.detach().clone() for p in whole],
+            "sharded": all(hasattr(p, "full_tensor") for p in model.parameters())}
 
 
 def worker(rank: int, world: int, out: str, init: str) -> None:
@@ -61,7 +81,7 @@ def worker(rank: int, world: int, out: str, init: str) -> None:
         return _twin(0.3).train()
     make.data = _data
     try:
-        saved = {loop: run(loop, rank, make) for loop in ("plain", "bmm")}
+        saved = {(how, loop): run(how, loop, rank, make) for how, loop in SCENARIOS}
         saved["secure"] = _refused(make)
     finally:
         dist.destroy_process_group()

@@ -335,18 +335,30 @@ def test_batch_memory_manager_refuses_what_make_private_did_not_return():
             BatchMemoryManager(**{**options, **kwargs})
 
 
-@pytest.mark.slow  # several processes
-@pytest.mark.parametrize("loop", ["plain", "bmm"])
-def test_two_ddp_processes_are_one_step_over_both_ranks_batches(tmp_path, loop):
-    """Two gloo processes, the model wrapped in DDP, each rank's own dropout masks: every
-    rank ends with the same weights, those of PrivateStep accumulating both ranks'
-    batches of each logical batch (sigma 0); the ranks' batches are disjoint parts of
-    one Poisson sample. With BatchMemoryManager, physical batches of at most 4."""
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> list[dict]:
+    """What each of two gloo processes saw (spawned once for the tests below)."""
     import privacy_engine_workers as workers
 
-    saved = ranks_of(workers.worker, tmp_path, 2)
+    return ranks_of(workers.worker, tmp_path_factory.mktemp("engine"), 2)
+
+
+@pytest.mark.slow  # several processes
+@pytest.mark.parametrize("how, loop", [("ddp", "plain"), ("ddp", "bmm"), ("fsdp", "plain"),
+                                       ("fsdp", "bmm"), ("fsdp", "ghost")])
+def test_two_processes_are_one_step_over_both_ranks_batches(saved, how, loop):
+    """Two gloo processes, the model wrapped in DDP or sharded with FSDP2, each rank's own
+    dropout masks: every rank ends with the same weights, those of PrivateStep
+    accumulating both ranks' batches of each logical batch (sigma 0); the ranks' batches
+    are disjoint parts of one Poisson sample. With BatchMemoryManager, physical batches
+    of at most 4, as many on each rank; "ghost": Opacus's ghost_fsdp criterion."""
+    import privacy_engine_workers as workers
+
     assert all("secure_mode with several processes" in s["secure"] for s in saved)
-    ranks = [s[loop] for s in saved]
+    ranks = [s[how, loop] for s in saved]
+    counts = [[len(logical) for logical in rank["seen"]] for rank in ranks]
+    assert counts[0] == counts[1]  # the ranks stepped alike
+    assert (max(counts[0]) > 1) == (loop == "bmm") and ranks[0]["sharded"] == (how == "fsdp")
     for p, q in zip(ranks[0]["weights"], ranks[1]["weights"]):
         assert torch.equal(p, q)
     merged = [ranks[0]["seen"][k] + ranks[1]["seen"][k] for k in range(workers.STEPS)]

@@ -26,9 +26,10 @@ gradient; ``"ghost"`` evaluates the criterion per sample and refuses one that mi
 samples (:class:`~persample.errors.LossNotPerSampleError`).
 
 With several processes (the model wrapped in ``DistributedDataParallel`` or Opacus's
-``DPDDP``) each rank takes its share of every Poisson batch and the step sums the
-ranks' clipped gradients (rank 0 adds the noise); :class:`BatchMemoryManager` splits
-each logical batch into physical ones, as Opacus's does.
+``DPDDP``, or sharded with FSDP2's ``fully_shard``) each rank takes its share of every
+Poisson batch and the step sums the ranks' clipped gradients, the noise added once;
+:class:`BatchMemoryManager` splits each logical batch into physical ones, as Opacus's
+does (with several processes, as many on every rank).
 
 That costs one forward and one backward more than persample's own loop
 (:class:`~persample.dp.PrivateStep`, :func:`~persample.dp.make_private`), which has
@@ -50,7 +51,6 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, Sampler
 
-from ..sharded import fsdp_units
 from .accounting import noise_multiplier_for
 from .noise import SecureSource
 from .reduce import world
@@ -342,11 +342,13 @@ class PrivacyEngine:
         Args:
             module, optimizer, data_loader, noise_multiplier: as Opacus's. Several
                 processes (``torch.distributed`` initialised, the module wrapped in
-                ``DistributedDataParallel`` or Opacus's ``DPDDP``, or not at all): each rank
-                gets its share of every Poisson batch of the whole dataset (the same
-                ``len(loader)`` batches on every rank) and ``optimizer.step()`` sums the
-                ranks' clipped gradients, rank 0 adding the noise (:class:`PrivateStep`);
-                DDP's own gradient all-reduce never runs.
+                ``DistributedDataParallel`` or Opacus's ``DPDDP``, sharded with FSDP2's
+                ``fully_shard``, or as it is): each rank gets its share of every Poisson
+                batch of the whole dataset (the same ``len(loader)`` batches on every
+                rank) and ``optimizer.step()`` sums the ranks' clipped gradients, the
+                noise added once (:class:`PrivateStep`); DDP's own gradient all-reduce
+                never runs. The batches' and the noise's seeds are drawn by rank 0
+                (from torch's generator) and sent to every rank.
             max_grad_norm: ``C``; with ``clipping="per_layer"`` one number per trainable
                 parameter (or one, split as ``C / sqrt(K)``).
             criterion: the loss (``"ghost"``: evaluated per sample by persample).
@@ -354,9 +356,10 @@ class PrivacyEngine:
                 reduces the batch (``"hooks"``).
             poisson_sampling: must be ``True`` (the accounting assumes it).
             clipping: ``"flat"`` or ``"per_layer"``.
-            noise_generator: a ``torch.Generator`` for the noise (not in secure mode).
+            noise_generator: a ``torch.Generator`` for the noise (not in secure mode;
+                with FSDP2 seeded alike on every rank).
             grad_sample_mode: ``"hooks"`` (and Opacus's other names: ``"functorch"``,
-                ``"ew"``) or ``"ghost"``.
+                ``"ew"``) or ``"ghost"`` (and ``"ghost_fsdp"``).
             batch_first: must be ``True``.
             **kwargs: Opacus's other options are refused by name.
 
@@ -366,8 +369,8 @@ class PrivacyEngine:
 
         Raises:
             ValueError: an option persample does not take (named), optimizer parameters
-                that are not the module's, a model sharded with FSDP2, ``secure_mode``
-                with several processes, or a data loader whose dataset has no length.
+                that are not the module's, ``secure_mode`` with several processes, or a
+                data loader whose dataset has no length.
         """
         self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
                      grad_sample_mode, kwargs)
@@ -377,6 +380,9 @@ class PrivacyEngine:
         inner = unwrapped(module)
         params = [name for name, p in inner.named_parameters() if p.requires_grad]
         clip_options = _clipping(clipping, max_grad_norm, params)
+        seed = _shared_seed()  # several processes: one draw for the batches and the noise
+        if noise_generator is None and seed is not None and not self.secure_mode:
+            noise_generator = torch.Generator().manual_seed(seed + 1)  # alike on every rank
         step = PrivateStep(inner, criterion if "ghost" in grad_sample_mode else _LinearLoss(),
                            noise_multiplier=noise_multiplier, expected_batch_size=expected,
                            generator=noise_generator, sample_rate=q,
@@ -385,7 +391,7 @@ class PrivacyEngine:
         self.steps.append(step)
         wrapped = PrivateModule(module)
         private = PrivateOptimizer(optimizer, wrapped, step, loss_reduction)
-        loader = _poisson_loader(data_loader, q, step)
+        loader = _poisson_loader(data_loader, q, step, seed)
         if "ghost" in grad_sample_mode:
             private.criterion = criterion
             return wrapped, private, PrivateCriterion(criterion, wrapped, private), loader
@@ -430,8 +436,6 @@ class PrivacyEngine:
                 grad_sample_mode not in ("hooks", "functorch", "ew", "ghost", "ghost_fsdp"),
             "secure_mode with several processes (the ranks split one Poisson sample, drawn "
             "alike from one seed)": self.secure_mode and (world() or (1, 0))[0] > 1,
-            "a model sharded with FSDP2 (use PrivateStep, which takes it)":
-                bool(fsdp_units(module)),
         }
         reasons.update({f"the option {name}={value!r}": True for name, value in kwargs.items()
                         if name not in ("wrap_model", "rand_on_empty") or value not in (
@@ -453,20 +457,28 @@ def _clipping(clipping: str, max_grad_norm: Any, names: list[str]) -> dict[str, 
     return {"max_grad_norm": max_grad_norm, "per_layer": True}
 
 
-def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep) -> DataLoader:
+def _shared_seed() -> int | None:
+    """Several processes: a seed rank 0 draws from torch's generator and sends to every
+    rank (one collective); one process: ``None``."""
+    if (world() or (1, 0))[0] == 1:
+        return None
+    seed = [int(torch.randint(1 << 62, ()))]  # rank 0's is the one kept
+    dist.broadcast_object_list(seed, src=0)
+    return seed[0]
+
+
+def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep, seed: int | None
+                    ) -> DataLoader:
     """The loader's dataset, collate function and workers, with Poisson-sampled batches:
     ``len(loader)`` an epoch at rate ``q`` (Opacus's ``DPDataLoader``); in secure mode
     drawn from the OS's secure generator. With several processes every rank draws the
-    same sample of the whole dataset, from a seed rank 0 draws from torch's generator
-    and sends, and keeps its every ``world_size``-th index: the ranks' batches make one
-    Poisson sample."""
-    secure = step.generator if isinstance(step.generator, SecureSource) else None
+    same sample of the whole dataset from the shared ``seed`` and keeps its every
+    ``world_size``-th index: the ranks' batches make one Poisson sample."""
+    source = step.generator if isinstance(step.generator, SecureSource) else None
     size, rank = world() or (1, 0)
-    if size > 1:
-        seed = [int(torch.randint(1 << 62, ()))]  # rank 0's is the one kept
-        dist.broadcast_object_list(seed, src=0)
-        secure = torch.Generator().manual_seed(seed[0])
-    sampler = PoissonBatchSampler(len(loader.dataset), q, len(loader), secure, rank, size)
+    if seed is not None:
+        source = torch.Generator().manual_seed(seed)
+    sampler = PoissonBatchSampler(len(loader.dataset), q, len(loader), source, rank, size)
     keep = dict(loader_options(loader),
                 collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn))
     return DataLoader(loader.dataset, batch_sampler=sampler, **keep)
@@ -544,21 +556,29 @@ class BatchMemoryManager:
 
 
 class _Splitting(Sampler[list[int]]):
-    """Each logical batch of ``logical`` in ``ceil(b / size)`` balanced physical batches,
-    telling the optimizer, in order, which of them end their logical batch (a data
-    loader's workers draw ahead of the steps, so the marks queue)."""
+    """Each logical batch of ``logical`` (a rank's share of one Poisson sample) in
+    balanced physical batches, telling the optimizer, in order, which of them end their
+    logical batch (a data loader's workers draw ahead of the steps, so the marks queue).
+    One process: ``ceil(b / size)`` of them, as Opacus cuts. Several: every rank cuts
+    its share in ``ceil(b / (size * world_size))`` for the whole sample's ``b``, so the
+    ranks step alike (FSDP2's collectives), a rank's share possibly in empty parts."""
 
     def __init__(self, logical: PoissonBatchSampler, size: int, skips: deque[bool]):
-        self.logical, self.size, self.skips = logical, size, skips
+        self.size, self.skips = size, skips
+        self.rank, self.world_size = logical.rank, logical.world_size
+        self.whole = PoissonBatchSampler(logical.num_samples, logical.sample_rate,
+                                         len(logical), logical.generator)  # every rank's
 
     def __len__(self) -> int:
         """Opacus's estimate: the expected physical batches an epoch."""
-        return math.ceil(len(self.logical) * self.logical.expected_batch_size / self.size)
+        per = self.whole.expected_batch_size / (self.size * self.world_size)
+        return math.ceil(len(self.whole) * per)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for drawn in self.logical:  # (b,) indices
-            parts = torch.tensor(drawn, dtype=torch.int64).tensor_split(
-                max(1, math.ceil(len(drawn) / self.size)))
+        for drawn in self.whole:  # the whole sample: (b,) indices
+            count = max(1, math.ceil(len(drawn) / (self.size * self.world_size)))
+            mine = torch.tensor(drawn[self.rank :: self.world_size], dtype=torch.int64)
+            parts = mine.tensor_split(count)
             for k, part in enumerate(parts):
                 self.skips.append(k < len(parts) - 1)
                 yield part.tolist()
