@@ -34,20 +34,22 @@ from persample.dp import private_grad
 from zoo import require
 
 PERSAMPLE_ROWS = {"persample", "persample (flat=True)", "persample (out=)"}
+ENGINE = "persample PrivacyEngine (Opacus loop)"  # a DP step as an Opacus script runs it
 HAS_OPACUS = importlib.util.find_spec("opacus") is not None
 
 # rows that run and agree with the reference here (Opacus's where it is installed)
 MUST_AGREE = {
     "gpt2-768-grads": {"loop", "torch.func vmap", "Opacus hooks"} | PERSAMPLE_ROWS,
     "gpt2-768-dp-step": {"loop + clipping", "torch.func vmap + clipping", "Opacus hooks",
-                         "persample"},
+                         "persample", ENGINE},
     "bert-lora-grads": {"loop", "Opacus hooks", "persample"},
     "bert-lora-dp-step": {"loop + clipping", "Opacus hooks", "Opacus ghost clipping",
-                          "persample"},
+                          "persample", ENGINE},
     "llama-lora-grads": {"loop", "torch.func vmap", "Opacus hooks", "persample"},
     "llama-lora-dp-step": {"loop + clipping", "torch.func vmap + clipping", "Opacus hooks",
-                           "Opacus ghost clipping", "persample"},
-    "gpt2-768-bf16-dp-step": {"loop + clipping", "torch.func vmap + clipping", "persample"},
+                           "Opacus ghost clipping", "persample", ENGINE},
+    "gpt2-768-bf16-dp-step": {"loop + clipping", "torch.func vmap + clipping", "persample",
+                              ENGINE},
     "gpt2-768-project": {"loop", "torch.func vmap", "persample per_sample_grads, then project",
                          "persample"},
     "gpt2-768-kfac-factors": {"by hand (module hooks)", "persample"},

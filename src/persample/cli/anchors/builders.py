@@ -252,6 +252,8 @@ def dp_step_case(w: Workload, only: str | None = None) -> Case:
         _built("Opacus ghost clipping", only,
               lambda: opacus_rows.opacus_dp_step(w, noise, ghost=True)),
         _built("persample", only, lambda: persample_rows.dp_step_row(w, noise)),
+        _built("persample PrivacyEngine (Opacus loop)", only,
+               lambda: persample_rows.privacy_engine_row(w, noise)),
     ])
     case.after_check = lambda: noise.update(sigma=1.0)
     case.floor_label, case.floor = _step_and_draws(w, plain_step)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ...api import param_jacobian, per_sample_grads
 from ..workloads import DP_MAX_GRAD_NORM, Workload
-from .case import Method
+from .case import Method, scalar_loss
 
 
 def grads_rows(w: Workload) -> list[Method]:
@@ -200,3 +200,39 @@ def dp_step_row(w: Workload, noise: dict) -> Method:
         return {k: p.grad for k, p in own.named_parameters() if p.requires_grad}
 
     return Method("persample", persample_step, ours=True)
+
+
+def privacy_engine_row(w: Workload, noise: dict) -> Method:
+    """The same DP-SGD step as an Opacus script runs it through persample's
+    ``PrivacyEngine`` (``loss.backward(); optimizer.step()``, hooks mode: the forward
+    and backward as they are, then persample's step on the kept batch); returns the
+    noised gradients ``{name: p.grad}``. The engine is made again when
+    ``noise["sigma"]`` changes (its optimizer fixes sigma, as Opacus's does).
+
+    Examples:
+        >>> from persample.cli.workloads import dp_workload
+        >>> row = privacy_engine_row(dp_workload("deep-mlp-dp-step", 2), {"sigma": 0.0})
+        >>> row.name, row.ours, len(row.fn(None))
+        ('persample PrivacyEngine (Opacus loop)', False, 102)
+    """
+    from torch.utils.data import DataLoader
+
+    from ...dp import PrivacyEngine
+
+    own = copy.deepcopy(w.model)
+    state: dict = {}
+
+    def engine_step(_: Tensor | None) -> dict[str, Tensor]:
+        if state.get("sigma") != noise["sigma"]:
+            model, opt, _ = PrivacyEngine().make_private(
+                module=own, optimizer=torch.optim.SGD(own.parameters(), lr=0.0),
+                data_loader=DataLoader(range(w.n), batch_size=w.n),  # q = 1: B expected
+                noise_multiplier=noise["sigma"], max_grad_norm=DP_MAX_GRAD_NORM)
+            state.update(sigma=noise["sigma"], model=model, opt=opt)
+        opt = state["opt"]
+        opt.zero_grad(set_to_none=True)
+        scalar_loss(w.loss_fn(w.call(state["model"]), w.targets)).backward()
+        opt.step()
+        return {k: p.grad for k, p in own.named_parameters() if p.requires_grad}
+
+    return Method("persample PrivacyEngine (Opacus loop)", engine_step)
