@@ -498,7 +498,8 @@ class BatchMemoryManager:
         data_loader: the loader ``make_private`` returned (its Poisson batch sampler).
         max_physical_batch_size: the most samples a forward takes, ``>= 1``. A logical
             batch of ``b`` samples is cut in ``ceil(b / max)`` physical batches of
-            sizes differing by at most one (as Opacus cuts it).
+            sizes differing by at most one (as Opacus cuts it); with ``W`` processes
+            each rank cuts its share in ``ceil(b / (max * W))``, as many on every rank.
         optimizer: the optimizer ``make_private`` returned.
 
     Raises:
