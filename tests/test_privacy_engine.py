@@ -181,6 +181,25 @@ def test_a_dict_output_of_which_the_loss_reads_one_entry():
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 
+def _opacus_steps(opacus, seen) -> nn.Module:
+    """Opacus's own PrivacyEngine (sigma 0) on the physical batches ``seen``, grouped by
+    logical batch: its optimizer told which of them end their logical batch, as its
+    BatchMemoryManager tells it."""
+    theirs = _twin(0.0)
+    with pytest.warns(UserWarning):  # (Opacus warns about its secure RNG)
+        o_model, o_opt, _ = opacus.PrivacyEngine().make_private(
+            module=theirs, optimizer=torch.optim.SGD(theirs.parameters(), lr=0.5),
+            data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
+            max_grad_norm=0.3)
+    for logical in seen:
+        for k, (x, y, _) in enumerate(logical):
+            o_opt.signal_skip_step(do_skip=k < len(logical) - 1)
+            o_opt.zero_grad()
+            nn.CrossEntropyLoss()(o_model(x), y).backward()
+            o_opt.step()
+    return theirs
+
+
 def test_the_same_steps_as_opacus_itself():
     """Opacus's own PrivacyEngine on the same batches (sigma 0): the same weights."""
     opacus = pytest.importorskip("opacus")
@@ -191,16 +210,7 @@ def test_the_same_steps_as_opacus_itself():
         data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
         max_grad_norm=0.3)
     seen = _opacus_loop(private, optimizer, loader, nn.CrossEntropyLoss(), steps=3)
-    theirs = _twin(0.0)
-    with pytest.warns(UserWarning):  # (Opacus warns about its secure RNG)
-        o_model, o_opt, _ = opacus.PrivacyEngine().make_private(
-            module=theirs, optimizer=torch.optim.SGD(theirs.parameters(), lr=0.5),
-            data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
-            max_grad_norm=0.3)
-    for x, y, _ in seen:
-        o_opt.zero_grad()
-        nn.CrossEntropyLoss()(o_model(x), y).backward()
-        o_opt.step()
+    theirs = _opacus_steps(opacus, [[batch] for batch in seen])
     for p, q in zip(model.parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
 
@@ -302,18 +312,7 @@ def test_batch_memory_manager_steps_as_opacus_does():
         data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
         max_grad_norm=0.3)
     seen = _bmm_loop(engine, private, optimizer, loader, nn.CrossEntropyLoss(), 3)
-    theirs = _twin(0.0)
-    with pytest.warns(UserWarning):  # (Opacus warns about its secure RNG)
-        o_model, o_opt, _ = opacus.PrivacyEngine().make_private(
-            module=theirs, optimizer=torch.optim.SGD(theirs.parameters(), lr=0.5),
-            data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
-            max_grad_norm=0.3)
-    for logical in seen:
-        for k, (x, y, _) in enumerate(logical):
-            o_opt.signal_skip_step(do_skip=k < len(logical) - 1)
-            o_opt.zero_grad()
-            nn.CrossEntropyLoss()(o_model(x), y).backward()
-            o_opt.step()
+    theirs = _opacus_steps(opacus, seen)
     for p, q in zip(model.parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
 
