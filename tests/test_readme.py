@@ -68,6 +68,8 @@ CHECKS = {
     # Opacus's BatchMemoryManager: one accounted step per logical batch, several physical
     "bmm_engine": ("bmm_engine.accountant.steps == 5 and max(physical_sizes) <= 128"
                    " and len(physical_sizes) > 10"),
+    # adaptive clipping: C came down from 10 towards the median norm
+    "adaptive": "adaptive.max_grad_norm < 10.0 and adaptive.accountant.steps == 10",
     # secure mode: the step's noise source is the OS's
     "secure_step": "type(secure_step.generator).__name__ == 'SecureSource'",
     # curvature: K-FAC's factors, the per-sample GGN diagonal, influence scores

@@ -11,8 +11,9 @@
   Opacus script runs unchanged but for the import; :class:`BatchMemoryManager` with it
   splits logical batches into physical ones, as Opacus's does.
 - :mod:`persample.dp.clipping`: flat, per-layer, per-group and automatic clipping, and
-  the sensitivity each gives the noise; ``user_ids=`` clips each user's gradient once
-  (user-level DP), :class:`UserPoissonSampler` samples users.
+  the sensitivity each gives the noise; :class:`AdaptiveClipping` moves ``C`` towards a
+  quantile of the norms (:mod:`persample.dp.adaptive`); ``user_ids=`` clips each user's
+  gradient once (user-level DP), :class:`UserPoissonSampler` samples users.
 - :mod:`persample.dp.sampling`: Poisson sampling of batches.
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
 - :func:`audit` (:mod:`persample.dp.auditing`): a lower bound on the epsilon a training
@@ -27,6 +28,7 @@ each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the no
 """
 
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
+from .adaptive import AdaptiveClipping
 from .auditing import Audit, audit
 from .clip import Accumulated
 from .privacy_engine import BatchMemoryManager, PrivacyEngine
@@ -56,6 +58,7 @@ __all__ = [
     "EmptySafeCollate",
     "PrivacyEngine",
     "BatchMemoryManager",
+    "AdaptiveClipping",
     "audit",
     "Audit",
 ]

@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, Sampler
 
 from .accounting import noise_multiplier_for
+from .adaptive import AdaptiveClipping
 from .noise import SecureSource
 from .reduce import world
 from .sampling import EmptySafeCollate, PoissonBatchSampler, dataset_size, loader_options
@@ -355,7 +356,11 @@ class PrivacyEngine:
             loss_reduction: ``"mean"`` or ``"sum"``: how the loss the user backpropagates
                 reduces the batch (``"hooks"``).
             poisson_sampling: must be ``True`` (the accounting assumes it).
-            clipping: ``"flat"`` or ``"per_layer"``.
+            clipping: ``"flat"``, ``"per_layer"`` or ``"adaptive"`` (Andrew et al. 2021:
+                :class:`~persample.dp.AdaptiveClipping`, from Opacus's options
+                ``target_unclipped_quantile``, ``unclipped_num_std``,
+                ``clipbound_learning_rate``, ``max_clipbound``, ``min_clipbound``;
+                ``max_grad_norm`` is the first ``C``; one process).
             noise_generator: a ``torch.Generator`` for the noise (not in secure mode;
                 with FSDP2 seeded alike on every rank).
             grad_sample_mode: ``"hooks"`` (and Opacus's other names: ``"functorch"``,
@@ -372,6 +377,7 @@ class PrivacyEngine:
                 that are not the module's, ``secure_mode`` with several processes, or a
                 data loader whose dataset has no length.
         """
+        adaptive = {k: kwargs.pop(k) for k in ADAPTIVE_OPTIONS if k in kwargs}
         self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
                      grad_sample_mode, kwargs)
         n = dataset_size(data_loader.dataset, "DataLoader's dataset")
@@ -379,7 +385,7 @@ class PrivacyEngine:
         expected = max(1, int(n * q))
         inner = unwrapped(module)
         params = [name for name, p in inner.named_parameters() if p.requires_grad]
-        clip_options = _clipping(clipping, max_grad_norm, params)
+        clip_options = _clipping(clipping, max_grad_norm, params, adaptive)
         seed = _shared_seed()  # several processes: one draw for the batches and the noise
         if noise_generator is None and seed is not None and not self.secure_mode:
             noise_generator = torch.Generator().manual_seed(seed + 1)  # alike on every rank
@@ -427,8 +433,8 @@ class PrivacyEngine:
         reasons = {
             "poisson_sampling=False (the accounting assumes Poisson sampling)":
                 not poisson_sampling,
-            f"clipping={clipping!r} (flat or per_layer; adaptive clipping is not built)":
-                clipping not in ("flat", "per_layer"),
+            f"clipping={clipping!r} (flat, per_layer or adaptive)":
+                clipping not in ("flat", "per_layer", "adaptive"),
             "batch_first=False": not batch_first,
             f"loss_reduction={loss_reduction!r} (mean or sum)":
                 loss_reduction not in ("mean", "sum"),
@@ -445,8 +451,24 @@ class PrivacyEngine:
                 raise ValueError(f"persample's PrivacyEngine does not take {reason}")
 
 
-def _clipping(clipping: str, max_grad_norm: Any, names: list[str]) -> dict[str, Any]:
-    """PrivateStep's clipping options for Opacus's ``clipping`` and ``max_grad_norm``."""
+ADAPTIVE_OPTIONS = ("target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
+                    "min_clipbound", "unclipped_num_std")  # Opacus's, for clipping="adaptive"
+
+
+def _clipping(clipping: str, max_grad_norm: Any, names: list[str], adaptive: dict[str, Any]
+              ) -> dict[str, Any]:
+    """PrivateStep's clipping options for Opacus's ``clipping``, ``max_grad_norm`` and
+    (``"adaptive"``) its options of adaptive clipping."""
+    if adaptive and clipping != "adaptive":
+        raise ValueError(f"persample's PrivacyEngine takes {', '.join(sorted(adaptive))} "
+                         "with clipping='adaptive' only")
+    if clipping == "adaptive":
+        missing = [k for k in ("target_unclipped_quantile", "unclipped_num_std")
+                   if k not in adaptive]
+        if missing:
+            raise ValueError(f"clipping='adaptive' needs {' and '.join(missing)}")
+        return {"max_grad_norm": max_grad_norm,
+                "adaptive_clipping": AdaptiveClipping(**adaptive)}
     if clipping == "flat":
         return {"max_grad_norm": max_grad_norm}
     if isinstance(max_grad_norm, (list, tuple)):

@@ -28,10 +28,11 @@ from torch import Tensor, nn
 from .. import checks
 from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
+from .adaptive import AdaptiveClipping, unclipped_count
 from .clip import Accumulated, MicroBatch, clipped_sums
 from .clipping import Clipping
 from .noise import noise_source
-from .reduce import Reducer, Sums, Terms, reducer_for, total_samples
+from .reduce import Local, Reducer, Sums, Terms, reducer_for, total_samples
 
 
 class PrivateStep:
@@ -68,6 +69,13 @@ class PrivateStep:
             every trainable parameter in exactly one: each group's part of a sample's
             gradient clipped to its own ``C_g`` (a list ``max_grad_norm``).
         automatic_gamma: the stability constant ``gamma > 0`` of automatic clipping.
+        adaptive_clipping: a :class:`~persample.dp.AdaptiveClipping`: ``max_grad_norm``
+            (a number) is the first ``C``, and each release moves it towards a quantile
+            of the per-sample norms, from a noised count of the unclipped samples
+            (Andrew et al. 2021); the gradient's noise multiplier becomes
+            ``(sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` so that the step still costs
+            ``sigma`` (:mod:`persample.dp.adaptive`). One process, flat clipping, no
+            ``user_ids``.
         timeout: seconds :meth:`release` waits for the other processes (distributed,
             gloo; with NCCL the process group's own timeout applies).
         sample_rate: ``q`` in ``(0, 1]``, the Poisson sampling rate of the logical
@@ -115,7 +123,8 @@ class PrivateStep:
 
     Raises:
         ValueError: a bad ``max_grad_norm``, ``param_groups`` (a parameter in none or
-            two, an unknown name) or ``automatic_gamma``, ``noise_multiplier < 0``, a bad
+            two, an unknown name) or ``automatic_gamma``, ``noise_multiplier < 0``
+            (with ``adaptive_clipping``: ``>= 2 * unclipped_num_std``), a bad
             ``expected_batch_size``, ``sample_rate`` outside ``(0, 1]``, an
             ``accountant`` without ``sample_rate`` or of an unknown kind, a model without trainable
             parameters, a model wrapped in FSDP1's ``FullyShardedDataParallel`` (the
@@ -147,6 +156,8 @@ class PrivateStep:
 
     Attributes:
         params: ``{name: parameter}``, the step's (FSDP2: sharded ``DTensor``).
+        max_grad_norm: as given; with ``adaptive_clipping``, the ``C`` of the next
+            micro-batches (updated at each release).
         sums: ``{name: tensor}``, the clipped sums so far (``None`` before a step's first
             micro-batch), in the dtype sums accumulate in (float32 at least).
         samples: the samples accumulated since the last release.
@@ -167,7 +178,8 @@ class PrivateStep:
                  accountant: str | PrivacyAccountant | None = None,
                  secure_mode: bool = False,
                  param_groups: list[list[str]] | None = None,
-                 automatic_gamma: float = 0.01) -> None:
+                 automatic_gamma: float = 0.01,
+                 adaptive_clipping: AdaptiveClipping | None = None) -> None:
         _check_options(noise_multiplier, expected_batch_size)
         generator = noise_source(generator, secure_mode)
         self.sample_rate, self.accountant = _accounting(sample_rate, accountant)
@@ -187,6 +199,10 @@ class PrivateStep:
         self.params = self.reducer.trainable(model)  # name -> parameter (sharded: the DTensor)
         self.clipping = Clipping.of(max_grad_norm, list(self.params), per_layer=per_layer,
                                     param_groups=param_groups, automatic_gamma=automatic_gamma)
+        self.adaptive = adaptive_clipping
+        self.unclipped = 0  # adaptive clipping: the samples left unclipped in this step
+        if adaptive_clipping is not None:
+            self._check_adaptive(max_grad_norm, per_layer, param_groups)
         self._sums: Sums | None = None  # made by the first micro-batch of a step
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
@@ -246,6 +262,8 @@ class PrivateStep:
         except FloatingPointError as err:
             return self.reducer.failed(err, n)
         self._sums = into.commit()  # only once the whole micro-batch succeeded
+        if self.adaptive is not None:
+            self.unclipped += unclipped_count(got.norms, self.max_grad_norm)
         if not self.versions:
             self.versions = {name: p._version for name, p in self.params.items()}
         self.samples += n
@@ -259,6 +277,9 @@ class PrivateStep:
         the parameters' device."""
         if user_ids is None:
             return None
+        if self.adaptive is not None:
+            raise ValueError("adaptive_clipping counts unclipped samples, not users: "
+                             "user_ids is not taken with it")
         if not isinstance(user_ids, Tensor) or user_ids.shape != (n,) or (
                 user_ids.is_floating_point() or user_ids.is_complex()
                 or user_ids.dtype == torch.bool):
@@ -293,18 +314,28 @@ class PrivateStep:
         terms = self._terms()
         self.reducer.agree(terms, self._drop)
         self.reducer.release(self._sums, terms)
+        unclipped = self.unclipped
         self._drop()
         self._account()
+        if self.adaptive is not None:  # the next step's C, from the noised count
+            like = next(iter(self.params.values()))
+            count = self.adaptive.noised_count(unclipped, self.generator, like)
+            self.max_grad_norm = self.adaptive.updated(self.max_grad_norm, count,
+                                                       self.expected_batch_size)
+            self.clipping = Clipping.of(self.max_grad_norm, list(self.params))
 
     def _terms(self) -> Terms:
         """What the reducer needs of the step: its parameters, the noise, the divisor, the
         users accumulated."""
-        return Terms(self.params, self.noise_multiplier * self.clipping.sensitivity,
+        sigma = self.noise_multiplier if self.adaptive is None else \
+            self.adaptive.gradient_noise_multiplier(self.noise_multiplier)
+        return Terms(self.params, sigma * self.clipping.sensitivity,
                      self.generator, self.expected_batch_size, frozenset(self.users))
 
     def _drop(self) -> None:
         """The step's sums released or lost: the next micro-batch starts a new step."""
         self._sums, self.samples, self.versions, self.users = None, 0, {}, set()
+        self.unclipped = 0
 
     def _account(self) -> None:
         """One release done: one step of ``(sigma, q)`` for the accountant, if any."""
@@ -345,6 +376,9 @@ class PrivateStep:
                  "generator": self.generator.get_state() if seeded else None}
         if self.accountant is not None:  # the steps released so far
             state["accountant"] = self.accountant.state_dict()
+        if self.adaptive is not None:  # the clipping norm reached and this step's count
+            state["adaptive"] = {"max_grad_norm": self.max_grad_norm,
+                                 "unclipped": self.unclipped}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -370,6 +404,26 @@ class PrivateStep:
             self.generator.set_state(state["generator"])
         if self.accountant is not None and state.get("accountant") is not None:
             self.accountant.load_state_dict(state["accountant"])
+        if self.adaptive is not None and state.get("adaptive") is not None:
+            self.max_grad_norm = float(state["adaptive"]["max_grad_norm"])
+            self.unclipped = int(state["adaptive"]["unclipped"])
+            self.clipping = Clipping.of(self.max_grad_norm, list(self.params))
+
+    def _check_adaptive(self, max_grad_norm: Any, per_layer: bool,
+                        param_groups: list[list[str]] | None) -> None:
+        """Adaptive clipping moves one flat ``C`` in one process; its noise must leave the
+        count its share (``sigma < 2 sigma_b``)."""
+        flat = isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
+        if not flat or per_layer or param_groups is not None:
+            raise ValueError("adaptive_clipping moves one clipping norm: give max_grad_norm "
+                             "as a number (the first C), without per_layer or param_groups")
+        if not isinstance(self.adaptive, AdaptiveClipping):
+            raise ValueError("adaptive_clipping must be a persample.dp.AdaptiveClipping, got "
+                             f"{type(self.adaptive).__name__}")
+        if type(self.reducer) is not Local:
+            raise ValueError("adaptive_clipping runs in one process: the count of unclipped "
+                             "samples is not summed across ranks")
+        self.adaptive.gradient_noise_multiplier(self.noise_multiplier)  # raises if too large
 
     def _check_parameters(self) -> None:
         """The model's trainable parameters are still the step's, and unchanged since the
