@@ -147,7 +147,8 @@ def test_opacus_adaptive_clipping_through_privacy_engine():
     """Opacus's clipping="adaptive" and its options: the engine's step is PrivateStep
     with AdaptiveClipping (the same C after each logical batch as by hand)."""
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(120, 6, generator=g), torch.randint(0, 3, (120,), generator=g))
+    data = TensorDataset(torch.randn(120, 6, generator=g),
+                         torch.randint(0, 3, (120,), generator=g))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     twin = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -185,3 +186,30 @@ def test_opacus_adaptive_clipping_through_privacy_engine():
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                 data_loader=DataLoader(data, batch_size=20), noise_multiplier=1.0,
                 max_grad_norm=1.0, **bad)
+
+
+def test_make_private_takes_it():
+    """make_private's step clips adaptively: C moves at each logical batch; with user_ids
+    it is refused."""
+    from persample.dp import make_private
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(200, 6, generator=g), torch.randint(0, 3, (200,), generator=g))
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ada = AdaptiveClipping(target_unclipped_quantile=0.5, unclipped_num_std=2.0)
+    training = make_private(model, opt, data, nn.CrossEntropyLoss(), epochs=1,
+                            max_grad_norm=5.0, noise_multiplier=1.0, expected_batch_size=40,
+                            physical_batch_size=16, adaptive_clipping=ada,
+                            generator=torch.Generator().manual_seed(0))
+    bounds = []
+    for physical in training.batches():
+        for x, y in physical:
+            training.accumulate(x, y)
+        training.release()
+        bounds.append(training.step.max_grad_norm)
+    assert len(bounds) == training.steps_per_epoch and len(set(bounds)) == len(bounds)
+    with pytest.raises(ValueError, match="user_ids or adaptive_clipping, not both"):
+        make_private(model, opt, data, nn.CrossEntropyLoss(), epochs=1, max_grad_norm=5.0,
+                     noise_multiplier=1.0, expected_batch_size=40, adaptive_clipping=ada,
+                     user_ids=torch.arange(200) // 2)

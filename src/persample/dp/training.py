@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .accounting import noise_multiplier_for
+from .adaptive import AdaptiveClipping
 from .clip import Accumulated
 from .sampling import (
     PoissonBatchSampler,
@@ -187,7 +188,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  collate_fn: Callable[[list], Any] | None = None, per_layer: bool = False,
                  secure_mode: bool = False, param_groups: list[list[str]] | None = None,
                  automatic_gamma: float = 0.01, user_ids: Any = None,
-                 records_per_user: int | None = None) -> PrivateTraining:
+                 records_per_user: int | None = None,
+                 adaptive_clipping: AdaptiveClipping | None = None) -> PrivateTraining:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
 
@@ -231,7 +233,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``default_collate``); an empty logical batch has no physical batch to
             collate (its release is noise only).
         per_layer: clip each parameter's gradient to ``C / sqrt(K)``.
-        param_groups, automatic_gamma: as for :class:`PrivateStep`.
+        param_groups, automatic_gamma, adaptive_clipping: as for :class:`PrivateStep`
+            (``adaptive_clipping``: record-level DP only).
         user_ids: user-level DP: each record's user, ``(N,)`` integers, or the name of
             the dataset's field that holds it (``"user_id"``: a column of a Hugging
             Face ``datasets.Dataset``, or a key of each sample). Users are then sampled
@@ -288,6 +291,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     dataset = loader.dataset if loader is not None else data
     n = dataset_size(dataset, "DataLoader's dataset" if loader is not None else "dataset")
     users = None if user_ids is None else users_of_records(dataset, user_ids, n)
+    if users is not None and adaptive_clipping is not None:
+        raise ValueError("adaptive_clipping counts unclipped samples, not users: pass "
+                         "user_ids or adaptive_clipping, not both")
     if users is not None and expected_batch_size is None:
         raise ValueError("with user_ids, pass expected_batch_size: the number of users "
                          "expected per logical batch (q * U)")
@@ -322,7 +328,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                        expected_batch_size=expected_batch_size,
                        generator=generator if secure_mode else noise, per_layer=per_layer,
                        sample_rate=q, accountant=accountant, secure_mode=secure_mode,
-                       param_groups=param_groups, automatic_gamma=automatic_gamma)
+                       param_groups=param_groups, automatic_gamma=automatic_gamma,
+                       adaptive_clipping=adaptive_clipping)
     batches_from = step.generator if secure_mode else generator
     if users is None:
         sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from)
