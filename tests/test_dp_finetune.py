@@ -94,11 +94,14 @@ def test_two_processes_keep_each_user_whole(tmp_path, capsys):
     assert math.isclose(sharded["perplexity_after"], private["perplexity_after"], rel_tol=1e-4)
 
 
-def test_secure_noise_and_automatic_clipping_run(capsys):
-    assert main(["dp-finetune", *TINY, "--steps", "2", "--secure-mode",
-                 "--clipping", "automatic"]) == 0
+@pytest.mark.parametrize("kind, label", [
+    ("automatic", "automatic clipping (gamma 0.01)"),
+    ("adaptive", "adaptive clipping (C from 1 towards the 0.5 quantile)")])
+def test_secure_noise_and_automatic_or_adaptive_clipping_run(kind, label, capsys):
+    assert main(["dp-finetune", *TINY, "--steps", "2", "--secure-mode", "--clipping",
+                 kind]) == 0
     out = capsys.readouterr().out
-    assert "(secure noise)" in out and "automatic clipping (gamma 0.01)" in out
+    assert "(secure noise)" in out and label in out
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -106,6 +109,7 @@ def test_secure_noise_and_automatic_clipping_run(capsys):
     (["--records-per-user", "2"], "records_per_user needs users"),
     (["--users", "200"], "at most train_windows"),
     (["--clipping", "automatic", "--automatic-gamma", "0"], "automatic_gamma must be > 0"),
+    (["--clipping", "adaptive", "--nproc", "2"], "runs in one process at record level"),
 ])
 def test_bad_user_and_clipping_options_are_named(extra, match):
     with pytest.raises(SystemExit, match=match):

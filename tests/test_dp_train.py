@@ -81,16 +81,19 @@ def test_without_clipping_and_noise_it_is_plain_sgd(tmp_path, capsys):
 
 
 def test_every_clipping_kind_trains():
-    """--clipping: flat, per-layer, per-module and automatic each train (sigma 0, the same
-    batches), and each clips differently."""
+    """--clipping: flat, per-layer, per-module, automatic and adaptive each train (sigma
+    0, the same batches), and each clips differently; adaptive clipping is refused with
+    users."""
     losses = {}
-    for kind in ("flat", "per-layer", "per-module", "automatic"):
+    for kind in ("flat", "per-layer", "per-module", "automatic", "adaptive"):
         figures = dp_train([*QUICK, "--sigma", "0", "--max-grad-norm", "0.1", "--no-progress",
                             "--clipping", kind])
         assert figures["config"]["clipping"] == kind
         losses[kind] = figures["runs"][0]["train_loss"][1]
         assert math.isfinite(losses[kind])
-    assert len(set(losses.values())) == 4
+    assert len(set(losses.values())) == 5
+    with pytest.raises(SystemExit, match="runs in one process at record level"):
+        main(["dp-train", *QUICK, "--clipping", "adaptive", "--users", "24"])
 
 
 def test_user_level_dp(capsys):

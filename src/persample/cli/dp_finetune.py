@@ -59,6 +59,9 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     clipping: str = "flat"  # flat, per-layer, per-module (groups) or automatic
     automatic_gamma: float = 0.01
+    target_unclipped_quantile: float = 0.5  # --clipping adaptive (Andrew et al. 2021)
+    unclipped_num_std: float | None = None  # its count's noise; None: expected batch / 20
+    clipbound_learning_rate: float = 0.2
     users: int | None = None  # user-level DP: the training windows in this many users' runs
     records_per_user: int | None = None  # at most this many of a user's windows a step
     secure_mode: bool = False  # the noise from the OS's secure generator, not the seed
@@ -139,7 +142,8 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     noise_gen = None if cfg.secure_mode else torch.Generator().manual_seed(cfg.seed + 1)
     step = PrivateStep(model, causal_lm_loss, noise_multiplier=sigma,
                        expected_batch_size=expected, generator=noise_gen,
-                       secure_mode=cfg.secure_mode, **clipping_options(model, cfg)
+                       secure_mode=cfg.secure_mode,
+                       **clipping_options(model, cfg, expected)
                        ) if private else None
     accountant = PrivacyAccountant()
     times, rss_before = [], _rss_mb("VmRSS")

@@ -1,11 +1,10 @@
 """The DP-SGD options ``dp-train`` and ``dp-finetune`` share: how gradients are clipped
-(flat, per layer, per module, automatic), user-level DP and secure noise; their
-command-line flags, their checks, and :class:`~persample.dp.PrivateStep`'s arguments
-for them.
+(flat, per layer, per module, automatic, adaptive), user-level DP and secure noise;
+their command-line flags, their checks, and :class:`~persample.dp.PrivateStep`'s
+arguments for them.
 
-A config here is any object with the attributes ``clipping``, ``max_grad_norm``,
-``automatic_gamma``, ``users``, ``records_per_user`` and ``secure_mode`` (both
-commands' dataclasses have them).
+A config here is any object with the attributes of :class:`DPOptions` (both commands'
+dataclasses have them).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-CLIPPINGS = ("flat", "per-layer", "per-module", "automatic")
+CLIPPINGS = ("flat", "per-layer", "per-module", "automatic", "adaptive")
 
 
 class DPOptions(Protocol):
@@ -25,26 +24,41 @@ class DPOptions(Protocol):
     clipping: str
     max_grad_norm: float
     automatic_gamma: float
+    target_unclipped_quantile: float  # adaptive clipping's gamma
+    unclipped_num_std: float | None  # adaptive clipping's sigma_b; None: B' / 20
+    clipbound_learning_rate: float  # adaptive clipping's eta
     users: int | None
     records_per_user: int | None
     secure_mode: bool
+    nproc: int
 
 
-def clipping_options(model: nn.Module, cfg: DPOptions) -> dict[str, Any]:
+def clipping_options(model: nn.Module, cfg: DPOptions, expected_batch_size: float
+                     ) -> dict[str, Any]:
     """The clipping options of ``PrivateStep`` for ``cfg.clipping``: flat (``C``), per
     layer (each parameter to ``C / sqrt(K)``), per module (the trainable parameters of
-    each module as one group, each to ``C / sqrt(m)``) or automatic (Bu et al. 2023,
+    each module as one group, each to ``C / sqrt(m)``), automatic (Bu et al. 2023,
     "Automatic clipping: differentially private deep learning made easier and
-    stronger").
+    stronger") or adaptive (Andrew et al. 2021: ``C`` the first norm, moving towards
+    the ``target_unclipped_quantile`` of the norms; ``sigma_b`` by default ``B' / 20``,
+    as the paper takes it, for ``expected_batch_size`` ``B'``).
 
     Examples:
         >>> from types import SimpleNamespace
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
-        >>> clipping_options(net, SimpleNamespace(clipping="per-module", max_grad_norm=2.0))
+        >>> cfg = SimpleNamespace(clipping="per-module", max_grad_norm=2.0)
+        >>> clipping_options(net, cfg, expected_batch_size=64)
         {'max_grad_norm': [1.414..., 1.414...], 'param_groups': [['0.weight', '0.bias'], ['2.weight', '2.bias']]}
     """  # noqa: E501
     if cfg.clipping == "automatic":
         return {"max_grad_norm": "automatic", "automatic_gamma": cfg.automatic_gamma}
+    if cfg.clipping == "adaptive":
+        from ..dp import AdaptiveClipping
+
+        std = cfg.unclipped_num_std or expected_batch_size / 20
+        return {"max_grad_norm": cfg.max_grad_norm, "adaptive_clipping": AdaptiveClipping(
+            target_unclipped_quantile=cfg.target_unclipped_quantile, unclipped_num_std=std,
+            clipbound_learning_rate=cfg.clipbound_learning_rate)}
     if cfg.clipping == "per-layer":
         return {"max_grad_norm": cfg.max_grad_norm, "per_layer": True}
     if cfg.clipping == "per-module":
@@ -67,13 +81,18 @@ def clipping_label(cfg: DPOptions) -> str:
     """
     if cfg.clipping == "automatic":
         return f"automatic clipping (gamma {cfg.automatic_gamma:g})"
+    if cfg.clipping == "adaptive":
+        return (f"adaptive clipping (C from {cfg.max_grad_norm:g} towards the "
+                f"{cfg.target_unclipped_quantile:g} quantile)")
     return f"C {cfg.max_grad_norm:g}" + ("" if cfg.clipping == "flat" else f" {cfg.clipping}")
 
 
 def check_dp_options(cfg: DPOptions) -> None:
     """Raise ``ValueError`` (naming the option and what it takes) for a clipping kind
-    outside :data:`CLIPPINGS`, a ``users`` or ``records_per_user`` below 1, or
-    ``records_per_user`` without ``users``."""
+    outside :data:`CLIPPINGS`, a ``users`` or ``records_per_user`` below 1,
+    ``records_per_user`` without ``users``, or adaptive clipping with users or several
+    processes (bad adaptive options: :class:`~persample.dp.AdaptiveClipping` names
+    them)."""
     if cfg.clipping not in CLIPPINGS:
         raise ValueError(f"clipping must be one of {CLIPPINGS}, got {cfg.clipping!r}")
     if not cfg.automatic_gamma > 0:
@@ -83,6 +102,9 @@ def check_dp_options(cfg: DPOptions) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.records_per_user is not None and cfg.users is None:
         raise ValueError("records_per_user needs users (user-level DP)")
+    if cfg.clipping == "adaptive" and (cfg.users is not None or cfg.nproc > 1):
+        raise ValueError("--clipping adaptive runs in one process at record level: not with "
+                         "--users or --nproc > 1")
 
 
 def add_dp_arguments(p: argparse.ArgumentParser, defaults: DPOptions, records: str,
@@ -93,10 +115,23 @@ def add_dp_arguments(p: argparse.ArgumentParser, defaults: DPOptions, records: s
     p.add_argument("--clipping", choices=CLIPPINGS, default=defaults.clipping,
                    help="flat: each sample's gradient to C; per-layer: each parameter to "
                    "C/sqrt(K); per-module: each module's parameters together to C/sqrt(m); "
-                   "automatic: g/(|g| + gamma), no C (Bu et al. 2023) (default "
+                   "automatic: g/(|g| + gamma), no C (Bu et al. 2023); adaptive: C follows a "
+                   "quantile of the norms (Andrew et al. 2021) (default "
                    f"{defaults.clipping})")
     p.add_argument("--automatic-gamma", type=float, default=defaults.automatic_gamma,
                    help=f"gamma of --clipping automatic (default {defaults.automatic_gamma})")
+    p.add_argument("--target-unclipped-quantile", type=float,
+                   default=defaults.target_unclipped_quantile,
+                   help="--clipping adaptive: the fraction of samples C leaves unclipped "
+                   f"(default {defaults.target_unclipped_quantile}); --max-grad-norm is the "
+                   "first C (Andrew et al. 2021)")
+    p.add_argument("--unclipped-num-std", type=float, default=None,
+                   help="--clipping adaptive: the noise std of the count of unclipped samples "
+                   "(default: the expected batch / 20)")
+    p.add_argument("--clipbound-learning-rate", type=float,
+                   default=defaults.clipbound_learning_rate,
+                   help="--clipping adaptive: the rate C moves at (default "
+                   f"{defaults.clipbound_learning_rate})")
     p.add_argument("--users", type=int, default=None,
                    help=f"user-level DP: the training {records} dealt to USERS users ({dealt}); "
                    "--batch-size then counts users, each user's gradient is clipped once, "

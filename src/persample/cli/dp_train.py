@@ -59,6 +59,9 @@ class DPTrainConfig:
     secure_mode: bool = False  # the noise from the OS's secure generator, not the seed
     clipping: str = "flat"  # flat, per-layer, per-module (groups) or automatic
     automatic_gamma: float = 0.01
+    target_unclipped_quantile: float = 0.5  # --clipping adaptive (Andrew et al. 2021)
+    unclipped_num_std: float | None = None  # its count's noise; None: expected batch / 20
+    clipbound_learning_rate: float = 0.2
     users: int | None = None  # user-level DP: the training records dealt to this many users
     records_per_user: int | None = None  # at most this many of a user's records a step
     compare_nonprivate: bool = False
@@ -211,7 +214,8 @@ def train(
     size, rank = world() or (1, 0)
     step = None if sigma is None else PrivateStep(
         model, loss_fn, noise_multiplier=sigma, expected_batch_size=expected,
-        generator=noise_gen, secure_mode=cfg.secure_mode, **clipping_options(model, cfg))
+        generator=noise_gen, secure_mode=cfg.secure_mode,
+        **clipping_options(model, cfg, expected))
     run = Run("private" if sigma is not None else "non-private")
     model.train()
     eps = 0.0  # spent so far, refreshed every EPS_EVERY steps
@@ -571,7 +575,11 @@ def run_from_args(args: argparse.Namespace) -> dict:
         momentum=args.momentum, seed=args.seed, accountant=args.accountant,
         secure_mode=args.secure_mode, clipping=args.clipping, users=args.users,
         records_per_user=args.records_per_user,
-        automatic_gamma=args.automatic_gamma, compare_nonprivate=args.compare_nonprivate,
+        automatic_gamma=args.automatic_gamma,
+        target_unclipped_quantile=args.target_unclipped_quantile,
+        unclipped_num_std=args.unclipped_num_std,
+        clipbound_learning_rate=args.clipbound_learning_rate,
+        compare_nonprivate=args.compare_nonprivate,
         subset=args.subset,
         max_steps=args.max_steps, threads=args.threads, nproc=args.nproc, plot=args.plot,
         json=args.json, progress=args.progress)
