@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from persample.dp import BatchMemoryManager, PrivacyEngine
+from persample.dp import PrivacyEngine
 
 B, SIZE, STEPS = 20, 4, 3  # expected logical batch; physical batches of at most 4
 # (wrapped how, which loop): "ghost" is Opacus's grad_sample_mode="ghost_fsdp" (the
@@ -35,8 +35,12 @@ def wrapped(model: nn.Module, how: str) -> nn.Module:
 
 
 def run(how: str, loop: str, rank: int, make) -> dict:
-    """The loop on this rank: ``(x, y, rng state)`` per physical batch, grouped by the
+    """The loop on this rank (the tests' ``_bmm_loop``): ``(x, y, rng state)`` per
+    physical batch, grouped by the logical batch each step ended, and the final weights
+    (whole)."""The loop on this rank (the tests' ``_bmm_loop``): ``(x, y, rng state)`` per physical batch, grouped by the
     logical batch each step ended, and the final weights (whole)."""
+    from test_privacy_engine import _bmm_loop
+
     torch.manual_seed(1 + rank)  # each rank's own dropout masks
     model = make()
     module = wrapped(model, how)
@@ -48,22 +52,8 @@ def run(how: str, loop: str, rank: int, make) -> dict:
         max_grad_norm=0.3, criterion=criterion,
         grad_sample_mode="ghost_fsdp" if loop == "ghost" else "hooks")
     criterion = given[0] if given else criterion
-    seen, current = [], []
-    if loop == "bmm":
-        manager = BatchMemoryManager(data_loader=loader, max_physical_batch_size=SIZE,
-                                     optimizer=optimizer)
-        loader = manager.__enter__()
-    for x, y in loader:
-        current.append((x, y, torch.get_rng_state()))
-        optimizer.zero_grad()
-        criterion(private(x), y).backward()
-        optimizer.step()
-        if engine.accountant.steps > len(seen):
-            seen, current = seen + [current], []
-        if len(seen) == STEPS:
-            break
-    if loop == "bmm":
-        manager.__exit__(None, None, None)
+    seen = _bmm_loop(engine, private, optimizer, loader, criterion, STEPS,
+                     SIZE if loop == "bmm" else None)
     whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
     return {"seen": seen, "weights": [p.detach().clone() for p in whole],
             "sharded": all(hasattr(p, "full_tensor") for p in model.parameters())}

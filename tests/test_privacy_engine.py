@@ -212,11 +212,8 @@ def test_the_same_steps_as_opacus_itself(loop):
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=DataLoader(_data(), batch_size=B), noise_multiplier=0.0,
         max_grad_norm=0.3)
-    if loop == "bmm":
-        seen = _bmm_loop(engine, private, optimizer, loader, nn.CrossEntropyLoss(), 3)
-    else:
-        seen = [[batch] for batch in _opacus_loop(private, optimizer, loader,
-                                                  nn.CrossEntropyLoss(), steps=3)]
+    seen = _bmm_loop(engine, private, optimizer, loader, nn.CrossEntropyLoss(), 3,
+                     SIZE if loop == "bmm" else None)
     theirs = _opacus_steps(opacus, seen)
     for p, q in zip(model.parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
@@ -245,15 +242,20 @@ def test_ghost_refuses_a_loss_that_mixes_samples():
 SIZE = 8  # physical batches of at most 8: the 20 expected take 3
 
 
-def _bmm_loop(engine, model, optimizer, loader, criterion, logical_steps: int):
-    """The loop of Opacus's tutorials under ``BatchMemoryManager``, as it is; the
-    physical batches and RNG states it saw, grouped by the logical batch each step
-    ended (the accountant counts one step per logical batch)."""
+def _bmm_loop(engine, model, optimizer, loader, criterion, logical_steps: int,
+              size: int | None = SIZE):
+    """The loop of Opacus's tutorials, as it is, under ``BatchMemoryManager`` (physical
+    batches of at most ``size``; ``None``: without it); the physical batches and RNG
+    states it saw, grouped by the logical batch each step ended (the accountant counts
+    one step per logical batch)."""
+    from contextlib import nullcontext
+
     from persample.dp import BatchMemoryManager
 
     seen, current = [], []
-    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=SIZE,
-                            optimizer=optimizer) as physical:
+    manager = nullcontext(loader) if size is None else BatchMemoryManager(
+        data_loader=loader, max_physical_batch_size=size, optimizer=optimizer)
+    with manager as physical:
         for x, y in physical:
             current.append((x, y, torch.get_rng_state()))
             optimizer.zero_grad()
