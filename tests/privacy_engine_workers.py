@@ -37,8 +37,7 @@ def wrapped(model: nn.Module, how: str) -> nn.Module:
 def run(how: str, loop: str, rank: int, make) -> dict:
     """The loop on this rank (the tests' ``_bmm_loop``): ``(x, y, rng state)`` per
     physical batch, grouped by the logical batch each step ended, and the final weights
-    (whole)."""The loop on this rank (the tests' ``_bmm_loop``): ``(x, y, rng state)`` per physical batch, grouped by the
-    logical batch each step ended, and the final weights (whole)."""
+    (whole)."""
     from test_privacy_engine import _bmm_loop
 
     torch.manual_seed(1 + rank)  # each rank's own dropout masks
