@@ -7,6 +7,8 @@ compares the model with it afterwards.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -24,6 +26,18 @@ _HOOK_DICTS = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
+
+
+# persample's internal errors fail the tests instead of being answered by a fallback
+# (also in the processes the tests start, which inherit the environment)
+os.environ["PERSAMPLE_RAISE_INTERNAL"] = "1"
+
+
+@pytest.fixture
+def fallbacks_answer_internal_errors(monkeypatch):
+    """For a test of the fallback itself: persample's internal errors answered by the
+    next method, as users get them."""
+    monkeypatch.delenv("PERSAMPLE_RAISE_INTERNAL", raising=False)
 
 
 def pytest_configure(config):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import zoo
 from persample.cli import bench as bench_module
 from persample.cli import bench_options, build_parser, main, threads
 from persample.cli.real_models import require
@@ -69,7 +70,7 @@ def test_bench_quick_deep_mlp(tmp_path, capsys):
 def test_bench_gpt2_on_text(tmp_path, capsys):
     """transformers GPT-2 on the standard library's docstrings: the default call returns a
     dict that matches the loop, and so does torch.func's dict."""
-    pytest.importorskip("transformers")
+    zoo.require("transformers")
     figures = bench(tmp_path, "--workload", "gpt2-grads", "--batch", "2", "--no-memory")
     (report,) = figures["workloads"]
     assert report["result_shape"][0] == 2 and report["reference"] == "loop"

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
+import zoo
 from battery import ANY, TOL, assert_grads_equal, check
 from persample import (
     loop_per_sample_grads,
@@ -326,7 +327,7 @@ def test_inputs_as_a_dict(form):
 
 
 def test_batch_encoding_from_transformers():
-    transformers = pytest.importorskip("transformers")
+    transformers = zoo.require("transformers")
     torch.manual_seed(0)
     model = KeywordModel()
     enc = transformers.BatchEncoding({"input_ids": torch.randint(0, 10, (B, T)),

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 import battery
 import persample
+import zoo
 from battery import assert_exact
 from persample.batch import SHARED, Batched
 from persample.batch.flow import unbroadcast
@@ -403,7 +404,7 @@ def bert(token_types: bool):
                                    lambda: bert(True)],
                          ids=["gpt2-positions-in-forward", "bert", "bert-token-types"])
 def test_real_models_with_batch_sized_shared_tensors(build):
-    pytest.importorskip("transformers")
+    zoo.require("transformers")
     model, inputs, labels, loss = build()
     assert int(inputs["attention_mask"].sum()) < B * T  # a padded sample
     check(model, inputs, labels, loss)

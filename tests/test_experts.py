@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
+import zoo
 from battery import assert_exact, check, flat
 
-transformers = pytest.importorskip("transformers")
+transformers = zoo.require("transformers")
 B, T = 4, 4
 
 

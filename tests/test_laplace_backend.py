@@ -25,6 +25,7 @@ from laplace.utils import Kron, KronDecomposed
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import zoo
 from persample import KFAC, ggn_diag
 from persample.integrations.laplace import (
     DiagonalKron,
@@ -106,7 +107,7 @@ class Classifier(nn.Module):
 
     def __init__(self, vocab: int = 40):
         super().__init__()
-        transformers = pytest.importorskip("transformers")
+        transformers = zoo.require("transformers")
         torch.manual_seed(0)
         config = gpt2_config(pad_token_id=0, num_labels=3)
         config.vocab_size = vocab
@@ -261,7 +262,7 @@ def test_gpt2_768_real_vocabulary_kron_fits_in_memory():
     import sys
     from pathlib import Path
 
-    pytest.importorskip("transformers")
+    zoo.require("transformers")
     script = Path(__file__).with_name("laplace_gpt2_fit.py")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=600)

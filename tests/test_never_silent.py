@@ -395,7 +395,8 @@ def _faults() -> list:
 
 
 @pytest.mark.parametrize("name, kind, fn", _faults())
-def test_a_fault_in_persample_is_answered_by_the_next_method(name, kind, fn, snapshot):
+def test_a_fault_in_persample_is_answered_by_the_next_method(
+        name, kind, fn, snapshot, fallbacks_answer_internal_errors):
     make, data = FAULT_MODELS[name]
     model, x = make(), data()
     y = torch.randint(0, 3, (B,))
@@ -454,7 +455,7 @@ def test_the_users_loss_errors_propagate_unchanged():
         per_sample_grads(nn.Linear(3, 3), torch.randn(B, 3), torch.randn(B, 3), loss_fn)
 
 
-def test_verify_reports_the_path_the_call_took():
+def test_verify_reports_the_path_the_call_took(fallbacks_answer_internal_errors):
     with _inject("op rule", _linear_rule()):
         with pytest.warns(UserWarning, match="bug"):
             report = persample.verify(Images(), torch.randn(B, 1, 6, 6),

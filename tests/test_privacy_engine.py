@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import zoo
 from persample.dp import PrivacyEngine, PrivateStep, epsilon
 from spawned import ranks_of
 
@@ -205,7 +206,7 @@ def test_the_same_steps_as_opacus_itself(loop):
     """Opacus's own PrivacyEngine on the batches persample's loader gave (sigma 0), its
     optimizer told which physical batches end their logical batch as its
     BatchMemoryManager tells it: the same weights."""
-    opacus = pytest.importorskip("opacus")
+    opacus = zoo.require("opacus")
     model = _twin(0.0)
     engine = PrivacyEngine()
     private, optimizer, loader = engine.make_private(

@@ -285,7 +285,8 @@ def test_per_sample_grads_of_a_tied_table_add_the_lookups_in_place(make, padding
 
 
 @pytest.mark.parametrize("func", [F.linear, F.embedding], ids=["output layer", "lookup"])
-def test_a_fault_in_one_use_of_a_tied_table_leaves_the_clipped_sums_exact(func, patch_spec):
+def test_a_fault_in_one_use_of_a_tied_table_leaves_the_clipped_sums_exact(
+        func, patch_spec, fallbacks_answer_internal_errors):
     """A weighted-sum rule failing after (output layer) or before (lookup) the tied
     table's other use was added: the uses left come from each op's own backward, or the
     whole parameter from per-sample gradients; a warning names persample's bug."""

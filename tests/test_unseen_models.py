@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 import persample
+import zoo
 from battery import flat
 
-transformers = pytest.importorskip("transformers")
+transformers = zoo.require("transformers")
 pytestmark = pytest.mark.slow
 B = 4
 

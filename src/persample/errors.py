@@ -10,9 +10,28 @@ with a warning that asks for a report. An exception raised by the user's own
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
+
+STRICT_ENV = "PERSAMPLE_RAISE_INTERNAL"
+"""The switch for tests and benchmarks: with this environment variable set to ``1``, an
+:class:`InternalError` (persample's own bug) is raised wherever ``method="auto"`` would
+answer it with a slower method, so that a failing data-flow handler or rule fails the
+run instead of hiding behind a fallback."""
+
+
+def internal_errors_raised() -> bool:
+    """Are persample's internal errors raised rather than answered by a fallback
+    (:data:`STRICT_ENV` set to ``1``)?
+
+    Examples:
+        >>> import os
+        >>> os.environ.get(STRICT_ENV) == "1" or not internal_errors_raised()
+        True
+    """
+    return os.environ.get(STRICT_ENV) == "1"
 
 
 class NeedsWholeModel(RuntimeError):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import REFUSALS, InternalError
+from .errors import REFUSALS, InternalError, internal_errors_raised
 from .rng import restore, snapshot
 
 METHODS = ("auto", "rules", "vmap", "loop")
@@ -75,7 +75,8 @@ def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | Non
         try:
             return rules()
         except REFUSALS + (InternalError,) as err:
-            if method == "rules":
+            if method == "rules" or (isinstance(err, InternalError)
+                                     and internal_errors_raised()):
                 raise
             leave_rules(taken, err)
     if vmap is not None and taken.method in ("rules", "vmap"):

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from . import checks
 from .engine import capture_backprops, loss_backprops, write_per_sample
-from .errors import REFUSALS, InternalError, internal
+from .errors import REFUSALS, InternalError, internal, internal_errors_raised
 from .inputs import Batch, as_batch, samples_of
 from .plan import Path
 from .precision import autocast_state, without_autocast
@@ -194,6 +194,8 @@ def traced_paths(model: nn.Module, batch: Batch, targets: Any = None,
             write_per_sample(captured, {pid: p.new_empty((batch.n, 1, *p.shape))
                                    for pid, p in params.items()})
     except REFUSALS + (InternalError,) as err:
+        if isinstance(err, InternalError) and internal_errors_raised():
+            raise
         why = (f"{err} method='auto' runs torch.func over the whole model (the loop if "
                "that fails)")
         return {pid: Path("vmap", "", why) for pid in params}

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..batch import Batched
 from ..engine import Captured, loss_backprops
-from ..errors import InternalError, internal
+from ..errors import InternalError, internal, internal_errors_raised
 from ..inputs import Batch
 from ..methods import Taken, answer, leave_rules, slower
 from ..norms import group_squared_norms, squared_norms, sum_of_squares
@@ -405,7 +405,7 @@ class Clipped:
                                                   self.ghosted.items() if pids & group},
                                   self.factors, into, done, left)
         except InternalError as err:  # the norms are right: the rest from per-sample gradients
-            if self.micro.sharded:
+            if self.micro.sharded or internal_errors_raised():
                 raise
             leave_rules(Taken(), err)
             with internal("the clipped sums of the uses left"):
