@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
+from .certificate import Checker, certify_grads, certify_jacobian, check_option, signature
 from .engine import rules_grads, rules_param_jacobian
 from .inputs import Batch, samples_of
 from .memory import result_empty
@@ -31,6 +32,7 @@ def per_sample_grads(
     out: Tensor | None = None,
     loss_reduction: str | None = None,
     params: Iterable[str | Tensor] | None = None,
+    check: str | int = "first",
 ) -> dict[str, Tensor] | Tensor:
     """Per-sample gradients of a loss w.r.t. every trainable parameter.
 
@@ -82,6 +84,13 @@ def per_sample_grads(
             parameters themselves (default: every trainable one). The rest of the model
             is left untouched (not frozen) and costs no per-sample work; the result has
             the selected ones only, in ``named_parameters()`` order.
+        check: when the result is certified by an identity persample does not compute
+            itself (for Gaussian ``u``, ``sum_i u_i g_i`` is the gradient of ``sum_i u_i
+            L_i``: one more forward and backward of the batch, replaying its random
+            numbers; :mod:`persample.certificate`): ``"first"`` (the first call of each
+            model, input shapes and method), ``"always"``, ``"never"``, or ``N`` (the
+            first and every ``N``-th call). A mismatch under ``"auto"`` warns, naming the
+            parameters, and takes the next method; an explicit method raises.
 
     Returns:
         ``{name: (B, *param.shape)}`` over the trainable parameters in
@@ -107,6 +116,9 @@ def per_sample_grads(
             custom ``autograd.Function``): the message names it; ``"auto"`` falls back.
         InternalError: ``method="rules"`` and persample's own code failed on the model
             (a bug; the original error is its ``__cause__``); ``"auto"`` falls back.
+        CertificateError: the certificate rejects the result of an explicit ``method``,
+            or under ``"auto"`` even the loop's (a forward that does not reproduce under
+            torch's generators: numpy's or Python's random numbers).
 
     Examples:
         >>> import torch
@@ -122,15 +134,17 @@ def per_sample_grads(
     """
     return grads_taken(model, inputs, targets, loss_fn, method=method, flat=flat,
                        chunk_size=chunk_size, out=out, loss_reduction=loss_reduction,
-                       params=params)[0]
+                       params=params, check=check)[0]
 
 
 def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
                 method: str = "auto", flat: bool = False, chunk_size: int | None = None,
                 out: Tensor | None = None, loss_reduction: str | None = None,
-                params: Iterable[str | Tensor] | None = None
+                params: Iterable[str | Tensor] | None = None, check: str | int = "first"
                 ) -> tuple[dict[str, Tensor] | Tensor, Taken]:
-    """:func:`per_sample_grads`, and the method that answered (:class:`Taken`)."""
+    """:func:`per_sample_grads`, and the method that answered (:class:`Taken`, with the
+    certificates run)."""
+    check_option(check)
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
                                            loss_reduction, chunk_size, params)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
@@ -147,13 +161,30 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
                 vmap_grads(model, a, t, loss_fn, params), params, d),
             loop=lambda a=a, t=t, d=d: _copy(
                 loop_grads(model, a.as_inputs(), t, loss_fn), params, d),
-            taken=taken, hint=lambda: checks.dtype_note(batch, params))
+            taken=taken, hint=lambda: checks.dtype_note(batch, params),
+            certify=_grads_checker(model, a, t, loss_fn, params, d, check, taken))
     return result, taken
+
+
+def _grads_checker(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+                   params: dict[str, nn.Parameter], dest: dict[int, Tensor], check: Any,
+                   taken: Taken) -> Callable:
+    """``certify(how, draws)`` of the rows ``dest`` of one batch (see :func:`answer`)."""
+    checker = Checker(check, model, signature("grads", model, batch, targets,
+                                              params.values()))
+
+    def certify(how: str, draws: Any) -> Any:
+        return checker(how, lambda: certify_grads(
+            model, batch, targets, loss_fn, params, lambda name: dest[id(params[name])],
+            draws, how), fresh=how == "rules" and taken.fresh)
+    certify.rejected = checker.rejected
+    return certify
 
 
 def _noted(taken: Taken, captured: Any) -> Any:
     """``captured``, its plan's note kept in ``taken``."""
     taken.plan = captured.plan_note()
+    taken.fresh = captured.fresh()
     return captured
 
 
@@ -167,6 +198,7 @@ def param_jacobian(
     chunk_size: int | None = None,
     out: Tensor | None = None,
     params: Iterable[str | Tensor] | None = None,
+    check: str | int = "first",
 ) -> dict[str, Tensor] | Tensor:
     """Per-sample Jacobian of the model's outputs w.r.t. its parameters.
 
@@ -195,6 +227,10 @@ def param_jacobian(
             parameters themselves (default: every trainable one). The rest of the model
             is left untouched (not frozen) and costs no per-sample work; the result (and ``P``)
             has the selected ones only, in ``named_parameters()`` order.
+        check: when the result is certified (for Gaussian ``w`` ``(B, Y)``, ``sum_i
+            w_i^T J_i`` is the gradient of ``<w, f(x)>``: one more forward and backward;
+            :mod:`persample.certificate`): ``"first"``, ``"always"``, ``"never"`` or
+            ``N``, as for :func:`per_sample_grads`.
 
     Returns:
         ``{name: (B, *out_shape, *param.shape)}`` over the trainable parameters, or
@@ -207,6 +243,8 @@ def param_jacobian(
             wrong shape, dtype or device, a bad ``method`` or ``chunk_size``.
         UnsupportedModuleError: ``method="rules"`` and a module neither a rule nor
             ``torch.func`` can differentiate.
+        CertificateError: the certificate rejects an explicit ``method``'s result (or
+            under ``"auto"`` even the loop's).
 
     Examples:
         >>> import torch
@@ -216,6 +254,7 @@ def param_jacobian(
         >>> persample.param_jacobian(net, torch.randn(8, 784), flat=True).shape
         torch.Size([8, 10, 15910])
     """
+    check_option(check)
     batch, n, params = checks.validate_call(model, inputs, None, None, method, None, chunk_size,
                                            params)
     watched = {id(p): p for p in params.values()}
@@ -238,10 +277,29 @@ def param_jacobian(
                     _select(vmap_jacobian(model, a, params), o, params), params, d),
                 loop=lambda a=a, o=o, d=d: _copy(
                     _select(loop_jacobian(model, a.as_inputs()), o, params), params, d),
-                taken=taken, hint=lambda: checks.dtype_note(batch, params))
+                taken=taken, hint=lambda: checks.dtype_note(batch, params),
+                certify=_jacobian_checker(model, a, params, d, check, o, num_out))
     if isinstance(result, dict):
         return {name: t.view(n, *out_shape, *t.shape[2:]) for name, t in result.items()}
     return result
+
+
+def _jacobian_checker(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter],
+                      dest: dict[int, Tensor], check: Any, outputs: range, num_out: int
+                      ) -> Callable | None:
+    """``certify(how, draws)`` of the Jacobian rows ``dest`` ``(n, v, *shape)`` of one
+    batch; ``None`` for a part of the outputs (the identity needs them all)."""
+    if len(outputs) != num_out:
+        return None
+    checker = Checker(check, model, signature("jacobian", model, batch, None,
+                                              params.values()))
+
+    def certify(how: str, draws: Any) -> Any:
+        rows = {name: dest[id(p)].reshape(batch.n, num_out, *p.shape)
+                for name, p in params.items()}
+        return checker(how, lambda: certify_jacobian(model, batch, params, rows, draws, how))
+    certify.rejected = checker.rejected
+    return certify
 
 
 def _output_shape(model: nn.Module, batch: Batch) -> torch.Size:

@@ -51,6 +51,13 @@ class LossNotPerSampleError(ValueError):
     """``loss_fn`` read a model output that mixes the samples (a batch-wide mean)."""
 
 
+class CertificateError(RuntimeError):
+    """A result failed its certificate (:mod:`persample.certificate`): an identity that
+    persample does not compute itself disagrees with it. Raised for an explicit
+    ``method=``, and by ``method="auto"`` where even the loop disagrees (a forward that
+    does not reproduce under torch's generators, or that mixes samples)."""
+
+
 class InternalError(RuntimeError):
     """persample's own machinery (a data-flow handler, a rule, a pullback, the planning)
     raised on this model: a bug in persample, not in the model. ``method="auto"`` warns,

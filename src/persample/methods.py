@@ -11,6 +11,13 @@ once, naming the op or module, and answers with ``torch.func``, then the loop. A
 exception from the user's own ``forward`` or ``loss_fn`` is not caught: it
 propagates as it is. :func:`answer` is that policy; :class:`Taken` records which
 method answered, for :func:`persample.verify` and :func:`persample.supported`.
+
+Each method's result may be certified (:mod:`persample.certificate`): ``certify(how,
+draws)`` checks the result method ``how`` just gave, from ``draws`` (where the
+generators stood when it started), by an identity persample does not compute itself.
+A mismatch under ``auto`` warns once, naming the parameters, and takes the next method;
+an explicit method raises :class:`~persample.errors.CertificateError`, as ``auto`` does
+when the loop itself disagrees (a forward that does not reproduce, or mixes samples).
 """
 
 from __future__ import annotations
@@ -19,10 +26,10 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import REFUSALS, InternalError, internal_errors_raised
+from .errors import REFUSALS, CertificateError, InternalError, internal_errors_raised
 from .rng import restore, snapshot
 
 METHODS = ("auto", "rules", "vmap", "loop")
@@ -38,6 +45,8 @@ class Taken:
     method: str = "rules"
     reason: str = ""
     plan: str = ""  # the rules' last capture: from an earlier call's data flow, or new
+    certificates: list = field(default_factory=list)  # each certificate run, in order
+    fresh: bool = False  # the rules' last capture decided its data flow without a tape
 
     def describe(self) -> str:
         """``"rules"``, or the method taken and why."""
@@ -48,13 +57,16 @@ class Taken:
 
 def answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None,
            loop: Callable[[], Any], taken: Taken | None = None,
-           hint: Callable[[], str | None] | None = None) -> Any:
+           hint: Callable[[], str | None] | None = None,
+           certify: Callable[[str, Any], Any] | None = None) -> Any:
     """The result of ``method`` (see the module docstring); ``vmap=None`` where
     ``torch.func`` has no form for the quantity (``auto`` then goes to the loop).
     ``hint()``: a note for an error that propagates (the likely cause in the user's
-    inputs)."""
+    inputs). ``certify(how, draws)``: the certificate of the result method ``how`` gave
+    (a :class:`~persample.certificate.Certificate`, or ``None`` where none is due)."""
     try:
-        return _answer(method, rules, vmap, loop, taken if taken is not None else Taken())
+        return _answer(method, rules, vmap, loop, taken if taken is not None else Taken(),
+                       certify)
     except Exception as err:
         note = hint() if hint is not None else None
         if note:
@@ -63,37 +75,112 @@ def answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None
 
 
 def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None,
-            loop: Callable[[], Any], taken: Taken) -> Any:
-    if method == "vmap":
-        taken.method = "vmap"
-        return vmap()
-    if method == "loop":
-        taken.method = "loop"
-        return loop()
-    states = snapshot()  # each method tried draws what the first one drew
+            loop: Callable[[], Any], taken: Taken, certify: Callable | None) -> Any:
+    from .certificate import Draws
+
+    draws = Draws.now()  # each method tried draws what the first one drew
+    if (method == "auto" and taken.method == "rules" and certify is not None
+            and certify.rejected("rules")):
+        taken.method, taken.reason = "vmap", "a certificate rejected the rules' result " \
+            "for this model and these shapes in an earlier call"
+    if method in ("vmap", "loop"):
+        taken.method = method
+        result = (vmap if method == "vmap" else loop)()
+        _replayable(method, draws)
+        if method == "vmap":  # (the loop is the definition: each sample's forward alone)
+            _stands(method, taken, certify, draws, explicit=True)
+        return result
     if taken.method == "rules":
         try:
-            return rules()
+            result = rules()
         except REFUSALS + (InternalError,) as err:
             if method == "rules" or (isinstance(err, InternalError)
                                      and internal_errors_raised()):
                 raise
             leave_rules(taken, err)
+        else:
+            if _stands("rules", taken, certify, draws, explicit=method == "rules"):
+                return result
     if vmap is not None and taken.method in ("rules", "vmap"):
-        restore(states)
+        draws.restore()
         try:
             result = vmap()
-            taken.method = "vmap"
-            return result
         except Exception:  # torch.func cannot run this model: the loop always can
             pass
-    restore(states)
+        else:
+            taken.method = "vmap"
+            _replayable("vmap", draws)
+            if _stands("vmap", taken, certify, draws, explicit=False):
+                return result
+    draws.restore()
     taken.method = "loop"
     try:
-        return loop()
+        result = loop()
     except Exception as err:  # nor the loop: the model's own error; say why not the rules
         err.add_note(f"(method='auto' left the rules because: {taken.reason})")
         raise
+    _replayable("loop", draws)
+    _stands("loop", taken, certify, draws, explicit=True)
+    return result
+
+
+def _replayable(how: str, draws: Any) -> None:
+    """Refuse the result of ``torch.func`` or the loop where the forward drew from
+    numpy's or Python's global generator: each sample's forward ran alone and drew other
+    numbers than the batch's forward would (``draws``: where the generators stood)."""
+    from .certificate import host_moved
+    from .draws import DrawNotReplayable
+
+    moved = host_moved(draws.host)
+    if moved:
+        raise DrawNotReplayable(
+            f"the model draws random numbers from {' and '.join(moved)} in its forward: "
+            f"method={how!r} runs each sample's forward alone, which draws other numbers "
+            "than the batch's forward, and persample cannot replay them. Draw them with "
+            "torch's generators (torch.rand, torch.randint, ...: replayed per sample), or "
+            "use method='rules' (one forward of the batch).")
+
+
+def _stands(how: str, taken: Taken, certify: Callable | None, draws: Any,
+            explicit: bool) -> bool:
+    """Does the result method ``how`` just gave stand? Certified where due; a mismatch
+    raises (``explicit``: the method was asked for, or it is the last) or warns once per
+    call and says to take the next method."""
+    cert = certify(how, draws) if certify is not None else None
+    if cert is None:
+        return True
+    taken.certificates.append(cert)
+    if cert.ok:
+        return True
+    if explicit:
+        earlier = [c.describe() for c in taken.certificates[:-1] if not c.ok]
+        raise CertificateError(
+            f"persample's certificate rejects the result: {cert.describe()}."
+            + (f" Before it: {'; '.join(earlier)}." if earlier else "")
+            + (f" The rules refused this model: {taken.reason}" if how == "loop"
+               and taken.reason else "")
+            + _certificate_fix(how))
+    if not taken.reason:
+        taken.reason = f"certificate mismatch: {cert.describe()}"
+        warnings.warn(
+            f"persample's certificate caught a wrong result and discarded it: "
+            f"{cert.describe()}. Taking the next exact method (torch.func over the whole "
+            "model, then the loop), itself certified; please report this model.",
+            stacklevel=user_stacklevel())
+    taken.method = {"rules": "vmap", "vmap": "loop"}.get(how, how)
+    return False
+
+
+def _certificate_fix(how: str) -> str:
+    if how == "loop":
+        return (" Even the loop over samples (each sample's forward alone) disagrees with "
+                "the batch's forward: the model mixes samples (a statistic or a permutation "
+                "of the batch), so no per-sample gradient of the batch exists, or its "
+                "forward does not reproduce under torch's generators (a state that changes "
+                "between calls). method='loop' answers each sample's gradient in a batch "
+                "of its own, if that is what you want.")
+    return (" Use method='auto', which takes the next exact method, or method='loop'; "
+            "check='never' skips the certificate.")
 
 
 def slower(vmap: Callable[[], Any], loop: Callable[[], Any]) -> Any:
@@ -115,7 +202,8 @@ def leave_rules(taken: Taken, err: Exception) -> None:
             "this message)" if isinstance(err, InternalError)
             else "the rules cannot split this model by sample")
     warnings.warn(f"{what}: {err} Falling back to method='vmap' (torch.func over the whole "
-                  "model; the loop if that fails); the result is exact.",
+                  "model; the loop if that fails), exact where samples do not mix (the "
+                  "first call of each plan certified).",
                   stacklevel=user_stacklevel())
 
 

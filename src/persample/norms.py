@@ -22,12 +22,13 @@ from torch.utils._pytree import tree_leaves
 
 from . import checks
 from .capture import Op
+from .certificate import Checker, certify_grads, check_option, signature
 from .engine import Captured, loss_backprops, write_per_sample
 from .errors import internal
 from .inputs import samples_of
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast, without_autocast
-from .rules import Decline, OpCall, module_front, module_inputs, spec_of
+from .rules import Decline, OpCall, module_front, module_inputs, rules_of
 from .rules.ghost import Factors, ghost_cost, materialise_cost, squared_norm
 from .whole import loop_grads, vmap_grads
 
@@ -55,7 +56,7 @@ def squared_norms(
             if (not pids or len(direct) != len(op.sources) or op.changed()
                     or any(sites.get(pid) != 1 for pid in pids)):
                 continue  # materialised (an input changed in place: the rules say so)
-            spec = spec_of(op.func)
+            spec = rules_of(op)
             if spec is None or spec.norm is None or len(op.edges) != 1:
                 continue
             g, call = _backprops(captured, op)
@@ -219,7 +220,7 @@ def _factors(captured: Captured, op: Op, p: Tensor, column: int | None = None,
              curvature: bool = False) -> Any:
     """The factors of ``op``'s use of ``p`` (its factor rule; ``column``: of that
     cotangent; ``curvature``: its curvature-only rule first), or ``None``."""
-    spec = spec_of(op.func)
+    spec = rules_of(op)
     rule = None if spec is None else (
         spec.curvature_factors or spec.factors if curvature else spec.factors)
     if rule is None:
@@ -277,16 +278,49 @@ def _module_norms(captured: Captured, sq: dict[int, Tensor], sites: dict[int, in
     return normed
 
 
-def _rules_norms(model, batch, targets, loss_fn, params) -> dict[str, Tensor]:
-    """``{name: (n,)}`` by the rules."""
+def _rules_norms(model, batch, targets, loss_fn, params, kept: dict) -> dict[str, Tensor]:
+    """``{name: (n,)}`` by the rules; ``kept`` gets what their certificate reads (the
+    capture, the squared norms, the per-sample gradients materialised)."""
     captured = loss_backprops(model, batch, targets, loss_fn, {id(p): p for p in params.values()})
     with internal("the norm rules"):
-        sq, _, _, _ = squared_norms(captured, params)
+        sq, mats, _, _ = squared_norms(captured, params)
+    kept.update(captured=captured, squared=sq, materialised=mats, fresh=captured.fresh())
     return {name: sq[id(p)].sqrt() for name, p in params.items()}
 
 
+def per_sample_rows(captured: Captured, params: dict[str, nn.Parameter],
+                    materialised: dict[int, Tensor], budget: int = 1 << 28
+                    ) -> Callable[[str], Tensor]:
+    """``rows(name)``: that parameter's per-sample gradients ``(n, *shape)`` from the
+    captured batch, by the gradient rules: those materialised already, the others a few
+    parameters at a time (at most ``budget`` bytes at once), for a certificate."""
+    n, made = captured.n, {}
+    order = list(params)
+
+    def rows(name: str) -> Tensor:
+        p = params[name]
+        if id(p) in materialised:
+            return materialised[id(p)][:, 0]
+        if name not in made:
+            made.clear()
+            group, size = {}, 0
+            for other in order[order.index(name):]:
+                q = params[other]
+                if id(q) in materialised or (group and size + n * q.numel() * q.element_size()
+                                             > budget):
+                    continue
+                group[other] = q.new_empty((n, 1, *q.shape))
+                size += n * q.numel() * q.element_size()
+            write_per_sample(captured, {id(params[k]): t for k, t in group.items()})
+            made.update({k: t[:, 0] for k, t in group.items()})
+        return made[name]
+    return rows
+
+
 def _norms_of(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {name: sum_of_squares(g.flatten(1)).sqrt() for name, g in grads.items()}
+    """``{name: (B,)}`` the norms of per-sample gradients ``{name: (B, *shape)}`` (a 0-dim
+    parameter's ``(B,)`` too)."""
+    return {name: sum_of_squares(g.unsqueeze(-1).flatten(1)).sqrt() for name, g in grads.items()}
 
 
 @checks.keeps_buffers
@@ -301,6 +335,7 @@ def per_sample_grad_norms(
     chunk_size: int | None = None,
     loss_reduction: str | None = None,
     params: Iterable[str | Tensor] | None = None,
+    check: str | int = "first",
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """L2 norm of each sample's gradient over all trainable parameters.
 
@@ -321,6 +356,11 @@ def per_sample_grad_norms(
         params: the parameters whose gradient the norms are of, as names or the
             parameters themselves (default: every trainable one); the rest of the model
             is left untouched and costs no per-sample work.
+        check: when the norms are certified (:mod:`persample.certificate`): the per-sample
+            gradients behind them, formed a few parameters at a time, against the
+            gradient of ``sum_i u_i L_i`` (Gaussian ``u``), and the norms against those
+            gradients' norms; ``"first"``, ``"always"``, ``"never"`` or ``N``, as for
+            :func:`persample.per_sample_grads`.
 
     Returns:
         ``(B,)`` norms (loss units per parameter unit) in the parameters' dtype, at
@@ -328,8 +368,8 @@ def per_sample_grad_norms(
         ``per_layer=True`` a tuple ``((B,), {name: (B,)})``.
 
     Raises:
-        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError: as
-            :func:`persample.per_sample_grads`.
+        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError,
+            CertificateError: as :func:`persample.per_sample_grads`.
 
     Examples:
         >>> import torch
@@ -342,21 +382,52 @@ def per_sample_grad_norms(
         >>> torch.allclose(norms, g.norm(dim=1), atol=1e-6)
         True
     """
+    check_option(check)
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
                                            loss_reduction, chunk_size, params)
     layers = {name: p.new_zeros(n, dtype=accumulate_dtype(p.dtype)) for name, p in params.items()}
     step, taken = chunk_size or max(n, 1), Taken()
     for start in range(0, n, step):
         a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
+        kept: dict = {}
         chunk = answer(
             method,
-            rules=lambda a=a, t=t: _rules_norms(model, a, t, loss_fn, params),
-            vmap=lambda a=a, t=t: _norms_of(vmap_grads(model, a, t, loss_fn, params)),
-            loop=lambda a=a, t=t: _norms_of(
-                {name: g for name, g in loop_grads(model, a, t, loss_fn).items()
-                 if name in params}),
-            taken=taken, hint=lambda: checks.dtype_note(batch, params))
+            rules=lambda a=a, t=t, kept=kept: _rules_norms(model, a, t, loss_fn, params, kept),
+            vmap=lambda a=a, t=t, kept=kept: _norms_of(kept.setdefault(
+                "grads", vmap_grads(model, a, t, loss_fn, params))),
+            loop=lambda a=a, t=t, kept=kept: _norms_of(kept.setdefault("grads", {
+                name: g for name, g in loop_grads(model, a, t, loss_fn).items()
+                if name in params})),
+            taken=taken, hint=lambda: checks.dtype_note(batch, params),
+            certify=_norms_checker(model, a, t, loss_fn, params, kept, check))
         for name, norms in chunk.items():
             layers[name][start : start + step] = norms
     total = torch.stack(list(layers.values())).square().sum(0).sqrt()  # (B,)
     return (total, layers) if per_layer else total
+
+
+def _norms_checker(model, batch, targets, loss_fn, params, kept: dict, check: Any
+                   ) -> Callable:
+    """``certify(how, draws)`` of one batch's norms (see :func:`persample.methods.answer`):
+    the rows behind them and the norms against the rows'."""
+    checker = Checker(check, model, signature("norms", model, batch, targets,
+                                              params.values()))
+
+    def run(how: str, draws: Any) -> Any:
+        if how == "rules":
+            rows = per_sample_rows(kept["captured"], params, kept["materialised"])
+            norms = {name: kept["squared"][id(p)] for name, p in params.items()}
+        else:
+            grads = kept.pop("grads")
+            rows, norms = grads.__getitem__, None
+        return certify_grads(model, batch, targets, loss_fn, params, rows, draws, how,
+                             "per-sample gradient norms", norms)
+
+    def certify(how: str, draws: Any) -> Any:
+        try:
+            return checker(how, lambda: run(how, draws),
+                           fresh=how == "rules" and kept.get("fresh", False))
+        finally:
+            kept.clear()
+    certify.rejected = checker.rejected
+    return certify

@@ -20,6 +20,7 @@ computed from.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -29,14 +30,22 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..batch import Batched
+from ..certificate import (
+    Certificate,
+    Checker,
+    Draws,
+    certify_clipped,
+    certify_grads,
+    signature,
+)
 from ..engine import Captured, loss_backprops
-from ..errors import InternalError, internal, internal_errors_raised
+from ..errors import CertificateError, InternalError, internal, internal_errors_raised
 from ..inputs import Batch
-from ..methods import Taken, answer, leave_rules, slower
-from ..norms import group_squared_norms, squared_norms, sum_of_squares
+from ..methods import Taken, answer, leave_rules, slower, user_stacklevel
+from ..norms import group_squared_norms, per_sample_rows, squared_norms, sum_of_squares
 from ..plan import Plan
 from ..precision import LOW, accumulate_dtype, cast, without_autocast
-from ..rules import Decline, OpCall, spec_of
+from ..rules import Decline, OpCall, rules_of
 from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
 from ..whole import loop_grads, vmap_grads
@@ -76,6 +85,9 @@ class MicroBatch:
         params: ``{name: parameter}`` the forward reads (FSDP2: the unsharded ones).
         users: ``(n,)`` int64, each sample's user (user-level DP: a user's samples are
             clipped together), or ``None`` (each sample its own).
+        check: when the clipped sums are certified (:mod:`persample.certificate`):
+            ``"first"`` (the first micro-batch of each plan), ``"always"``, ``"never"``
+            or ``N``.
         sharded: whether ``model`` has FSDP2 units (set on creation).
 
     Examples:
@@ -94,6 +106,7 @@ class MicroBatch:
     loss_fn: Callable[[Any, Any], Tensor]
     params: dict[str, nn.Parameter]
     users: Tensor | None = None
+    check: str | int = "first"
     sharded: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -182,15 +195,53 @@ def clipped_sums(micro: MicroBatch, *, clipping: Clipping, into: Destination) ->
     """
     if micro.batch.n == 0:
         return _nothing_to_clip(micro, into)
-    clipped = Clipped.measure(micro)
-    norms = clipped.norms()  # (n,)
-    into.check(norms)
-    clipped.clip(clipping)
+    clipped = _certified(micro, clipping, into)
     for group in into.groups:
         sums = into.make(group)
         clipped.add_group(sums, set(group))
         into.flush(sums)
-    return Accumulated(clipped.losses, norms)
+    return Accumulated(clipped.losses, clipped.norms())
+
+
+def _certified(micro: MicroBatch, clipping: Clipping, into: Destination) -> Clipped:
+    """The micro-batch measured and clipped, its result certified where due: the
+    per-sample gradients behind the norms, the norms, and the clipped sum (see
+    :mod:`persample.certificate`). A mismatch warns and takes the next exact method
+    (``torch.func``, then the loop); the loop's mismatch raises."""
+    params = micro.params
+    checker = Checker(micro.check, micro.model, signature(
+        "clipped", micro.model, micro.batch, micro.targets, params.values(),
+        micro.users is not None))
+    taken = Taken()
+    if not micro.sharded and checker.rejected("rules"):
+        taken.method = "vmap"
+    while True:
+        draws = Draws.now()
+        clipped = Clipped.measure(micro, taken)
+        norms = clipped.norms()  # (n,)
+        into.check(norms)
+        clipped.clip(clipping)
+        how = "rules" if clipped.captured is not None else taken.method
+        cert = None if micro.sharded else checker(
+            how, lambda clipped=clipped, draws=draws, how=how: clipped.certify(draws, how),
+            fresh=clipped.captured is not None and clipped.captured.fresh())
+        if cert is None or cert.ok:
+            return clipped
+        if how == "loop":
+            raise CertificateError(
+                f"persample's certificate rejects the DP step's result: {cert.describe()}. "
+                "Even the loop over samples (each sample's forward alone) disagrees with the "
+                "batch's forward: the model mixes samples (a statistic or a permutation of "
+                "the batch), so a sample's gradient, its clipping and the privacy guarantee "
+                "are not defined, or its forward does not reproduce under torch's "
+                "generators.")
+        warnings.warn(f"persample's certificate caught a wrong result of the DP step and "
+                      f"discarded it: {cert.describe()}. Taking the next exact method "
+                      "(torch.func over the whole model, then the loop), itself certified; "
+                      "please report this model.", stacklevel=user_stacklevel())
+        taken.reason = f"certificate mismatch: {cert.describe()}"
+        taken.method = "vmap" if how == "rules" else "loop"
+        draws.restore()
 
 
 def check_finite(norms: Tensor) -> None:
@@ -311,13 +362,15 @@ class Clipped:
     factors: dict[int, Tensor] = field(default_factory=dict)
 
     @classmethod
-    def measure(cls, micro: MicroBatch) -> Clipped:
+    def measure(cls, micro: MicroBatch, taken: Taken | None = None) -> Clipped:
         """One forward and backward of ``micro`` and the per-sample squared norms: by the
         rules (``method="auto"``: else ``torch.func``'s or the loop's per-sample gradients,
         with a warning; a sharded model: the rules only).
 
         Args:
             micro: the validated call.
+            taken: where ``method="auto"`` starts and what it took (shared by the tries
+                of one micro-batch), or ``None``.
 
         Returns:
             The :class:`Clipped` of ``micro``, without clip factors yet.
@@ -357,7 +410,42 @@ class Clipped:
             "rules" if micro.sharded else "auto", rules=by_rules,
             vmap=by(vmap_grads),
             loop=by(lambda m, b, t, f, _, losses: loop_grads(m, b, t, f, losses)),
-            hint=lambda: checks.dtype_note(micro.batch, params))
+            taken=taken, hint=lambda: checks.dtype_note(micro.batch, params))
+
+    def certify(self, draws: Draws, how: str) -> Certificate | None:
+        """The certificate of this micro-batch once clipped (:mod:`persample.certificate`):
+        the per-sample gradients behind the norms (formed a few parameters at a time
+        where the rules did not), the norms against theirs, and the clipped sum against
+        the gradient of ``sum_i c_i L_i`` (computed here into memory of its own).
+
+        Args:
+            draws: where the generators stood when the micro-batch was measured.
+            how: the method that measured it.
+
+        Returns:
+            The first failing :class:`~persample.certificate.Certificate`, else the
+            clipped sum's; ``None`` where the output cannot give each sample's loss.
+        """
+        micro = self.micro
+        params = micro.params
+        if self.captured is not None:
+            rows = per_sample_rows(self.captured, params, self.materialised)
+        else:
+            rows = lambda name: self.materialised[id(params[name])][:, 0]  # noqa: E731
+        squared = {name: self.squared[id(p)] for name, p in params.items()}
+        cert = certify_grads(micro.model, micro.batch, micro.targets, micro.loss_fn, params,
+                             rows, draws, how, "per-sample gradients and norms of a DP step",
+                             squared, self.groups)
+        if cert is not None and not cert.ok:
+            return cert
+        with torch.no_grad():
+            sums = {id(p): torch.zeros_like(p, dtype=accumulate_dtype(p.dtype))
+                    for p in params.values()}
+            self.add_group(sums, set(sums))
+        return certify_clipped(
+            micro.model, micro.batch, micro.targets, micro.loss_fn, params,
+            {name: self.factors[id(p)] for name, p in params.items()},
+            {name: sums[id(p)] for name, p in params.items()}, draws, how)
 
     def norms(self) -> Tensor:
         """``(n,)`` per-sample gradient norms over all parameters (with users: each
@@ -485,7 +573,7 @@ def _op_sum_rule(op: Any) -> Callable[[int, torch.dtype, Tensor, Tensor, dict], 
     into)``: backprops ``g (n, 1, *out)`` and factors ``c (n,)`` in ``dtype``, ``into``
     ``{param: tensor}`` added to; it returns ``False`` where the rule declines (having
     added nothing). ``None``: the op has none."""
-    spec = spec_of(op.func)
+    spec = rules_of(op)
     if spec is None or spec.sum is None:
         return None
 

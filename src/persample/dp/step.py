@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks
+from ..certificate import check_option
 from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
 from .adaptive import AdaptiveClipping, unclipped_count
@@ -76,6 +77,14 @@ class PrivateStep:
             ``(sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` so that the step still costs
             ``sigma`` (:mod:`persample.dp.adaptive`). One process, flat clipping, no
             ``user_ids``.
+        check: when a micro-batch's result is certified by identities persample does
+            not compute itself (:mod:`persample.certificate`): the per-sample gradients
+            behind the norms, the norms, and the clipped sum against the gradient of
+            ``sum_i c_i L_i`` with the clip factors held constant (one more forward and
+            backward of the micro-batch). ``"first"`` (the first micro-batch of each
+            model, shapes and method), ``"always"``, ``"never"`` or ``N`` (the first and
+            every ``N``-th). A mismatch warns and takes ``torch.func``, then the loop; an
+            FSDP2-sharded model is not certified.
         timeout: seconds :meth:`release` waits for the other processes (distributed,
             gloo; with NCCL the process group's own timeout applies).
         sample_rate: ``q`` in ``(0, 1]``, the Poisson sampling rate of the logical
@@ -179,8 +188,11 @@ class PrivateStep:
                  secure_mode: bool = False,
                  param_groups: list[list[str]] | None = None,
                  automatic_gamma: float = 0.01,
-                 adaptive_clipping: AdaptiveClipping | None = None) -> None:
+                 adaptive_clipping: AdaptiveClipping | None = None,
+                 check: str | int = "first") -> None:
         _check_options(noise_multiplier, expected_batch_size)
+        check_option(check)
+        self.check = check
         generator = noise_source(generator, secure_mode)
         self.sample_rate, self.accountant = _accounting(sample_rate, accountant)
         if expected_batch_size is None:
@@ -257,8 +269,8 @@ class PrivateStep:
         try:
             with checks.kept_buffers(self.model):
                 got = clipped_sums(MicroBatch(self.model, batch, targets, self.loss_fn,
-                                              working, users), clipping=self.clipping,
-                                   into=into)
+                                              working, users, self.check),
+                                   clipping=self.clipping, into=into)
         except FloatingPointError as err:
             return self.reducer.failed(err, n)
         self._sums = into.commit()  # only once the whole micro-batch succeeded
@@ -463,6 +475,7 @@ def private_grad(
     param_groups: list[list[str]] | None = None,
     automatic_gamma: float = 0.01,
     user_ids: Tensor | None = None,
+    check: str | int = "first",
 ) -> Accumulated:
     """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
 
@@ -494,6 +507,7 @@ def private_grad(
             depend on the data.
         secure_mode: the noise from the operating system's cryptographically secure
             generator, as for :class:`PrivateStep`; not with ``generator``.
+        check: when the step is certified, as for :class:`PrivateStep`.
 
     A model sharded with FSDP2 (``fully_shard``): one :class:`PrivateStep` step over
     every rank's batch (each rank calls it with its own samples; the default divisor is
@@ -515,9 +529,12 @@ def private_grad(
             the number), ``noise_multiplier < 0``, a bad
             ``expected_batch_size``, an empty batch without ``expected_batch_size``,
             and the errors of ``per_sample_grads`` (TypeError too). Where the rules
-            cannot split the model by sample, or persample's own code fails on it, the
-            clipped sums come from the per-sample gradients of ``torch.func`` or the
-            loop, with a warning.
+            cannot split the model by sample, or persample's own code fails on it, or
+            the certificate rejects its result, the clipped sums come from the per-sample
+            gradients of ``torch.func`` or the loop, with a warning.
+        CertificateError: even the loop's result fails the certificate (a model that
+            mixes samples: its per-sample gradients, their clipping and the guarantee
+            are not defined).
         FloatingPointError: a sample's gradient is not finite (NaN or Inf); the
             message lists the samples and every ``p.grad`` is left as it was, so no
             NaN reaches the weights. Drop those samples and call again.
@@ -554,7 +571,7 @@ def private_grad(
     step = _OneCall(model, loss_fn, max_grad_norm=max_grad_norm,
                     noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                     generator=generator, per_layer=per_layer, secure_mode=secure_mode,
-                    param_groups=param_groups, automatic_gamma=automatic_gamma)
+                    param_groups=param_groups, automatic_gamma=automatic_gamma, check=check)
     got = step.accumulate(inputs, targets, user_ids)
     step.release()
     return got

@@ -1,0 +1,489 @@
+"""Certificates: every result checked by an identity that persample does not compute
+itself.
+
+The fast path is exact on every model the tests build; on a model nobody has tried, a
+path nobody thought of may not be. A certificate catches that whatever its cause,
+using only PyTorch's autograd on one batch forward with the random numbers the call
+drew (torch's generators, numpy's and Python's global ones put back where the call
+found them), never persample's data flow, rules or fallbacks:
+
+- per-sample gradients ``g_i`` (and the per-sample gradients behind the norms and a
+  DP step): for Gaussian weights ``u`` ``(B,)``, ``sum_i u_i g_i`` equals the gradient
+  of ``sum_i u_i L_i`` (one backward of the batch). A wrong row changes the left side
+  and not the right one, so it is caught with probability 1 in exact arithmetic,
+  whatever went wrong. The norms are then compared with the norms of those rows;
+- a DP step's clipped sum ``sum_i c_i g_i`` equals the gradient of ``sum_i c_i L_i``
+  with the step's clip factors ``c_i`` held constant (one backward per clipping group);
+- the parameter Jacobian ``J_i`` ``(Y, P)``: for Gaussian output weights ``w``
+  ``(B, Y)``, ``sum_i w_i^T J_i`` equals the gradient of ``<w, f(x)>`` (one backward);
+- the input Jacobian: samples are independent, so for Gaussian ``w`` ``(B, Y)`` sample
+  ``i``'s ``w_i^T J_i`` is row ``i`` of the gradient of ``<w, f(x)>`` w.r.t. the input.
+
+Each parameter's two sides are compared in float64 as ``||got - want|| <= tol *
+max(||got||, ||want||) + floor``, with ``tol`` by the computation's precision
+(:data:`TOLERANCES`; under autocast, its dtype's) and ``floor = 64 eps`` times the
+norm of the whole right side (for parameters whose gradient is rounding noise).
+
+The policy, ``check=``, of every function that takes it: ``"first"`` (default)
+certifies the first call of each new plan (a model, its mode, the input shapes and
+dtypes, the parameters and the method not seen together before; on the rules, also
+each capture whose data flow was decided anew); ``"always"`` every call;
+``"never"`` none; an ``int`` ``N`` the first call of each plan and every ``N``-th
+after it. A certified call costs one more forward and backward of the batch (at most
+about twice an uncertified call); the others nothing.
+
+Source: the identities are linearity of the gradient, ``sum_i u_i dL_i/dtheta =
+d(sum_i u_i L_i)/dtheta``, the randomised check of a product by a random vector
+(Freivalds 1977, "Probabilistic machines can use less running time").
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from .checks import kept_buffers
+from .errors import NeedsWholeModel
+from .inputs import Batch
+from .loss import per_sample_losses
+from .patches import plain_checkpoints
+from .precision import autocast_state
+from .rng import restore, snapshot
+from .sharded import fsdp_units
+
+CHECKS = ("first", "always", "never")
+
+TOLERANCES = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 1e-1,
+              torch.float16: 5e-2}
+"""The relative tolerance of a certificate by the precision the model computes in
+(under autocast, its dtype; float32 with TF32 matrix products allowed: 1e-2). float64
+models often compute parts in float32 (transformers' rotary embeddings): 1e-5 leaves
+them room, and a wrong row is off by far more."""
+
+
+@dataclass
+class Certificate:
+    """The outcome of one certificate.
+
+    Attributes:
+        what: the quantity checked (``"per-sample gradients"``, ``"clipped sum"``, ...).
+        method: the method whose result was checked (``"rules"``, ``"vmap"``, ``"loop"``).
+        identity: the identity checked, in words.
+        ok: whether every parameter's two sides agree within ``tol``.
+        errors: ``{parameter name: relative error}`` (``||got - want||`` over
+            ``max(||got||, ||want||)``, float).
+        tol: the relative tolerance applied.
+        reason: why not ok: the parameters whose rows disagree and the likely causes;
+            ``""`` when ok.
+    """
+
+    what: str
+    method: str
+    identity: str
+    ok: bool = True
+    errors: dict[str, float] = field(default_factory=dict)
+    tol: float = 0.0
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line: what was checked, by which identity, and the verdict."""
+        worst = max(self.errors.values(), default=0.0)
+        verdict = "certified" if self.ok else "MISMATCH"
+        line = (f"{verdict}: {self.what} of method {self.method!r} ({self.identity}), "
+                f"largest relative error {worst:.2g} (tol {self.tol:g})")
+        return line if self.ok else f"{line}: {self.reason}"
+
+
+# -- the policy --------------------------------------------------------------------
+
+def check_option(check: Any) -> None:
+    """Raise ``ValueError`` unless ``check`` is ``"first"``, ``"always"``, ``"never"`` or a
+    positive ``int``.
+
+    Examples:
+        >>> check_option("first")
+        >>> check_option(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: check=0 is not one of ('first', 'always', 'never') or a positive int ...
+    """
+    if check in CHECKS and isinstance(check, str):
+        return
+    if isinstance(check, int) and not isinstance(check, bool) and check >= 1:
+        return
+    raise ValueError(f"check={check!r} is not one of {CHECKS} or a positive int (certify "
+                     "the first call of each plan and every N-th after it)")
+
+
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: calls}
+_REJECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {keys}
+
+
+def signature(what: str, model: nn.Module, batch: Batch, targets: Any,
+              params: Iterable[Tensor], extra: Any = ()) -> tuple:
+    """The plan a call belongs to, for the policy: the quantity, the model's mode, the
+    inputs' and targets' shapes, dtypes and devices, the parameters, autocast, and
+    ``extra``."""
+    leaves = [*batch.leaves(), *tree_leaves(targets)]
+    shapes = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor)
+                   else type(t).__name__ for t in leaves)
+    return (what, model.training, batch.n, shapes, tuple(id(p) for p in params),
+            autocast_state(), extra)
+
+
+def due(check: Any, model: nn.Module, key: tuple, fresh: bool = False) -> bool:
+    """Should this call (of the plan ``key``) be certified under ``check``? ``fresh``: the
+    rules decided the data flow anew in this call (a new capture's tape)."""
+    if check == "never":
+        return False
+    if check == "always":
+        return True
+    calls = _CALLS.setdefault(model, {}).get(key, 0)
+    if calls == 0 or fresh:
+        return True
+    return isinstance(check, int) and calls % check == 0
+
+
+def called(model: nn.Module, key: tuple) -> None:
+    """Count one answered call of the plan ``key`` (after its certificate, if any, passed)."""
+    table = _CALLS.setdefault(model, {})
+    table[key] = table.get(key, 0) + 1
+
+
+def forget(model: nn.Module | None = None) -> None:
+    """Forget which plans were certified (of ``model``, or of every model): their next
+    calls are certified again under ``check="first"``."""
+    if model is None:
+        _CALLS.clear()
+        _REJECTED.clear()
+    else:
+        _CALLS.pop(model, None)
+        _REJECTED.pop(model, None)
+
+
+@dataclass
+class Checker:
+    """The policy of one call: ``checker(how, draws, run, fresh)`` runs the certificate
+    ``run()`` of the result method ``how`` gave where ``check`` says it is due for the
+    plan ``key`` (plus ``how``), and counts the call once its result stands."""
+
+    check: Any
+    model: nn.Module
+    key: tuple
+
+    def __call__(self, how: str, run: Callable[[], Certificate | None],
+                 fresh: bool = False) -> Certificate | None:
+        key = (*self.key, how)
+        cert = None
+        if uncertifiable(self.model) is None and due(self.check, self.model, key, fresh):
+            cert = run()
+        if cert is None or cert.ok:
+            called(self.model, key)
+        else:
+            _REJECTED.setdefault(self.model, set()).add(key)
+        return cert
+
+    def rejected(self, how: str) -> bool:
+        """Did a certificate reject method ``how``'s result for this plan in an earlier
+        call (``auto`` then starts at the next method)?"""
+        if self.check == "never":
+            return False
+        return (*self.key, how) in _REJECTED.get(self.model, ())
+
+
+# -- the generators a forward draws from ----------------------------------------------
+
+def host_states() -> tuple:
+    """The states of numpy's and Python's global generators."""
+    return np.random.get_state(), random.getstate()
+
+
+def set_host_states(states: tuple) -> None:
+    """Back to a :func:`host_states`."""
+    np.random.set_state(states[0])
+    random.setstate(states[1])
+
+
+def host_moved(before: tuple) -> list[str]:
+    """Which of numpy's and Python's global generators moved since ``before``."""
+    now = host_states()
+    moved = []
+    if not (now[0][0] == before[0][0] and np.array_equal(now[0][1], before[0][1])
+            and now[0][2:] == before[0][2:]):
+        moved.append("numpy's global generator (np.random)")
+    if now[1] != before[1]:
+        moved.append("Python's random module")
+    return moved
+
+
+@dataclass
+class Draws:
+    """Where the generators stood when a method started (torch's default ones, numpy's
+    and Python's global ones), so that the reference forward draws what it drew."""
+
+    torch_states: list
+    host: tuple
+
+    @classmethod
+    def now(cls) -> Draws:
+        return cls(snapshot(), host_states())
+
+    def restore(self) -> None:
+        """Every generator back where it stood."""
+        restore(self.torch_states)
+        set_host_states(self.host)
+
+
+# -- the reference ------------------------------------------------------------------
+
+def _plain_model(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def uncertifiable(model: nn.Module) -> str | None:
+    """Why ``model``'s results cannot be certified here, or ``None``: an FSDP2-sharded
+    model (its forward is a collective every rank would have to run alike); an embedding
+    with ``scale_grad_by_freq`` (its backward scales by the counts of the whole batch, so
+    the batch's autograd gradient is not the sum of the samples' own)."""
+    plain = _plain_model(model)
+    if fsdp_units(plain):
+        return "an FSDP2-sharded model (its forward is a collective) is not certified"
+    for name, m in plain.named_modules():
+        if getattr(m, "scale_grad_by_freq", False):
+            return (f"module '{name}' scales its gradient by the counts of the whole batch "
+                    "(scale_grad_by_freq): the batch's gradient is not the samples' sum")
+    return None
+
+
+class _NoIdentity(Exception):
+    """The batch's output cannot give each sample's loss without persample's data flow
+    (it has no row per sample in dim 0, and the loss is a scalar)."""
+
+
+def _reference(model: nn.Module, batch: Batch, draws: Draws,
+               run: Callable[[Any], list[tuple[Tensor, Any]]], inputs: list[Tensor]
+               ) -> tuple[list[tuple[Tensor, ...]], list[str]]:
+    """One batch forward from ``draws`` (buffers kept), ``run(output)`` giving the
+    ``(scalar, grad_outputs)`` pairs to differentiate, each differentiated w.r.t.
+    ``inputs``; the generators are left where they were. Returns the gradients and the
+    host generators the forward moved."""
+    after, host_after = snapshot(), host_states()
+    restore(draws.torch_states)
+    set_host_states(draws.host)
+    try:
+        with torch.enable_grad(), kept_buffers(model), plain_checkpoints():
+            output = batch.call(_plain_model(model))
+            moved = host_moved(draws.host)
+            roots = run(output)
+            grads = []
+            for k, (root, cot) in enumerate(roots):
+                grads.append(torch.autograd.grad(root, inputs, cot, allow_unused=True,
+                                                 retain_graph=k < len(roots) - 1))
+    finally:
+        restore(after)
+        set_host_states(host_after)
+    return grads, moved
+
+
+def _losses(output: Any, targets: Any, loss_fn: Callable, n: int) -> Tensor:
+    """``(n,)`` each sample's loss from the batch's output, its rows in dim 0."""
+    if n > 1 and any(isinstance(t, Tensor) and (t.dim() == 0 or t.shape[0] != n)
+                     for t in tree_leaves(output)):
+        loss = loss_fn(output, targets)
+        if isinstance(loss, Tensor) and loss.shape == (n,):
+            return loss
+        raise _NoIdentity("the model's output has no row per sample in dim 0")
+    try:
+        return per_sample_losses(output, targets, loss_fn, n)
+    except NeedsWholeModel as err:  # an output no pytree opens (a distribution), a scalar
+        raise _NoIdentity(str(err)) from err  # loss: no sample's part of it to give
+
+
+def _precision(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """The tolerance and machine epsilon of the precision the model computes in."""
+    low = next((low for _, enabled, low in autocast_state() if enabled), dtype)
+    eps = torch.finfo(low).eps if low.is_floating_point else torch.finfo(dtype).eps
+    if low == torch.float32 and device.type == "cuda" and (
+            torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):
+        return 1e-2, eps
+    return TOLERANCES.get(low, 1e-2), eps
+
+
+def _compared(got: Mapping[str, Tensor], want: Mapping[str, Tensor], tol: float, eps: float
+              ) -> tuple[dict[str, float], list[str]]:
+    """Per parameter the relative error of ``got`` against ``want``, and the names beyond
+    ``tol`` (see the module docstring)."""
+    norms = {name: float(w.double().norm()) for name, w in want.items()}
+    floor = 64 * eps * sum(v * v for v in norms.values()) ** 0.5
+    errors, bad = {}, []
+    for name, w in want.items():
+        g = got[name].double()
+        err = float((g - w.double()).norm())
+        scale = max(float(g.norm()), norms[name])
+        errors[name] = err / max(scale, floor / tol, 1e-300)
+        if err > tol * scale + floor:
+            bad.append(name)
+    return errors, bad
+
+
+def _gaussian(n: int, *rest: int) -> Tensor:
+    """Gaussian weights ``(n, *rest)`` in float64 from a generator of the certificate's own
+    (the user's generators do not move)."""
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**62))
+    return torch.randn((n, *rest), generator=gen, dtype=torch.float64)
+
+
+def _verdict(cert: Certificate, got: Mapping[str, Tensor], want: Mapping[str, Tensor],
+             moved: list[str], eps: float) -> Certificate:
+    cert.errors, bad = _compared(got, want, cert.tol, eps)
+    if bad:
+        cert.ok = False
+        cert.reason = _why(bad, cert, moved)
+    return cert
+
+
+def _why(bad: list[str], cert: Certificate, moved: list[str]) -> str:
+    names = ", ".join(f"{name} (relative error {cert.errors[name]:.2g})" for name in bad[:6])
+    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+    causes = (f"the forward draws random numbers from {' and '.join(moved)}, which "
+              "persample cannot replay per sample (draw them with torch's generators)"
+              if moved else
+              "a rule that does not hold on this model (a user rule, or a path persample "
+              "gets wrong), a forward that does not reproduce under torch's generators, "
+              "or a model that mixes samples")
+    return f"the rows of {names}{more} disagree with the batch's gradient; likely cause: " \
+           f"{causes}"
+
+
+def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+                  params: Mapping[str, Tensor], rows: Callable[[str], Tensor],
+                  draws: Draws, method: str, what: str = "per-sample gradients",
+                  norms: Mapping[str, Tensor] | None = None,
+                  groups: Tensor | None = None) -> Certificate | None:
+    """Certify per-sample gradients: ``sum_i u_i g_i`` against the gradient of ``sum_i
+    u_i L_i`` (see the module docstring).
+
+    Args:
+        model, batch, targets, loss_fn: the call.
+        params: ``{name: parameter}`` whose rows are checked.
+        rows: ``rows(name)`` gives that parameter's per-sample gradients ``(n,
+            *shape)`` (made on demand, one parameter at a time).
+        draws: the generators where the method started.
+        method: the method that gave the rows.
+        what: the quantity, for the report.
+        norms: ``{name: (n,)}`` (or ``(U,)`` with ``groups``) squared norms to compare
+            with the rows' (the norm path), or ``None``.
+        groups: ``(n,)`` each sample's user for ``norms`` of users' gradients.
+
+    Returns:
+        The :class:`Certificate`, or ``None`` where the output cannot give each
+        sample's loss without persample's data flow.
+    """
+    n = batch.n
+    first = next(iter(params.values()))
+    tol, eps = _precision(first.dtype, first.device)
+    cert = Certificate(what, method, "sum_i u_i g_i = d(sum_i u_i L_i)/dtheta", tol=tol)
+    u = _gaussian(n)
+
+    def roots(out: Any) -> list:
+        loss = _losses(out, targets, loss_fn, n)  # (n,)
+        return [((u.to(loss.device, loss.dtype) * loss).sum(), None)]
+
+    try:
+        (want,), moved = _reference(model, batch, draws, roots, list(params.values()))
+    except _NoIdentity:
+        return None
+    got, sq_bad = {}, []
+    for name in params:
+        r = rows(name)  # (n, *shape)
+        got[name] = torch.tensordot(u.to(r.device, r.dtype), r, dims=1)
+        if norms is not None:
+            flat = r.reshape(n, -1).double()
+            if groups is not None:
+                flat = flat.new_zeros(norms[name].shape[0], flat.shape[1]).index_add_(
+                    0, groups, flat)
+            sq = flat.square().sum(1)
+            if not torch.allclose(norms[name].double(), sq, rtol=10 * cert.tol,
+                                  atol=10 * cert.tol * float(sq.max()) + 1e-30):
+                sq_bad.append(name)
+    want_d = {name: p.new_zeros(p.shape) if w is None else w
+              for (name, p), w in zip(params.items(), want)}
+    _verdict(cert, got, want_d, moved, eps)
+    if sq_bad:
+        cert.ok = False
+        cert.reason = (f"{cert.reason}; " if cert.reason else "") + (
+            "the norms of " + ", ".join(sq_bad[:6]) + " disagree with the norms of their "
+            "per-sample gradients (a norm rule that does not hold on this model)")
+    return cert
+
+
+def certify_clipped(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+                    params: Mapping[str, Tensor], factors: Mapping[str, Tensor],
+                    sums: Mapping[str, Tensor], draws: Draws, method: str
+                    ) -> Certificate | None:
+    """Certify a DP step's clipped sums ``sum_i c_i g_i`` ``{name: (*shape)}`` against the
+    gradient of ``sum_i c_i L_i``, the clip factors ``factors`` ``{name: (n,)}`` held
+    constant (one backward per distinct factor vector). ``None`` where the output cannot
+    give each sample's loss without persample's data flow."""
+    n = batch.n
+    first = next(iter(params.values()))
+    tol, eps = _precision(first.dtype, first.device)
+    cert = Certificate("clipped sum", method, "sum_i c_i g_i = d(sum_i c_i L_i)/dtheta",
+                       tol=tol)
+    distinct: dict[int, list[str]] = {}
+    vectors: list[Tensor] = []
+    for name in params:
+        c = factors[name]
+        k = next((j for j, v in enumerate(vectors) if v is c or torch.equal(v, c)), None)
+        if k is None:
+            k = len(vectors)
+            vectors.append(c)
+        distinct.setdefault(k, []).append(name)
+
+    def roots(out: Any) -> list:
+        loss = _losses(out, targets, loss_fn, n)
+        return [((c.to(loss.device, loss.dtype) * loss).sum(), None) for c in vectors]
+
+    try:
+        grads, moved = _reference(model, batch, draws, roots, list(params.values()))
+    except _NoIdentity:
+        return None
+    index = {name: j for j, name in enumerate(params)}
+    want = {}
+    for k, names in distinct.items():
+        for name in names:
+            g = grads[k][index[name]]
+            want[name] = params[name].new_zeros(params[name].shape) if g is None else g
+    return _verdict(cert, sums, want, moved, eps)
+
+
+def certify_jacobian(model: nn.Module, batch: Batch, params: Mapping[str, Tensor],
+                     rows: Mapping[str, Tensor], draws: Draws, method: str
+                     ) -> Certificate:
+    """Certify per-sample parameter Jacobians ``{name: (n, Y, *shape)}``: for Gaussian
+    ``w`` ``(n, Y)``, ``sum_i w_i^T J_i`` against the gradient of ``<w, f(x)>``."""
+    n = batch.n
+    first = next(iter(params.values()))
+    tol, eps = _precision(first.dtype, first.device)
+    cert = Certificate("per-sample parameter Jacobians", method,
+                       "sum_i w_i^T J_i = d<w, f(x)>/dtheta", tol=tol)
+    some = next(iter(rows.values()))
+    w = _gaussian(n, some.shape[1])
+
+    def roots(out: Tensor) -> list:
+        return [(out, w.to(out.device, out.dtype).view(out.shape))]
+
+    (want,), moved = _reference(model, batch, draws, roots, list(params.values()))
+    got = {name: torch.tensordot(w.to(r.device, r.dtype), r, dims=2)
+           for name, r in rows.items()}
+    want_d = {name: p.new_zeros(p.shape) if g is None else g
+              for (name, p), g in zip(params.items(), want)}
+    return _verdict(cert, got, want_d, moved, eps)
