@@ -247,6 +247,7 @@ class Verification:
     note: str | None = None  # why they differ, where verify could tell (float32 rounding)
     random_ops: list[str] = field(default_factory=list)  # the random ops the forward ran
     plan: str = ""  # the rules' capture: "cached: ..." (an earlier call's data flow) or "new: ..."
+    certificates: list = field(default_factory=list)  # the fast call's, in the order run
 
     @property
     def ok(self) -> bool:
@@ -276,6 +277,7 @@ class Verification:
                          "forward that ran (the same draws)")
         if self.method != "rules":
             lines.append(f"method: {self.method}")
+        lines += [f"certificate: {c.describe()}" for c in self.certificates]
         return "\n".join(lines)
 
 
@@ -332,7 +334,9 @@ def verify(
         where the capture took the data flow of an earlier call like it, see
         :func:`persample.clear_plans`, else ``"new: ..."``), ``random_ops`` (``["dropout in module
         'drop' (Dropout)", ...]``, empty for a model that draws nothing),
-        ``abs_error`` and ``rel_error`` (dicts by
+        ``certificates`` (each :class:`~persample.certificate.Certificate` the fast call
+        ran: it is always certified here, and a rejected method's is listed before the
+        one that answered), ``abs_error`` and ``rel_error`` (dicts by
         parameter name, in the parameters' units), ``ok``, ``worst``, ``mismatched``
         (the samples beyond ``rtol``) and ``note``: for a model below float64 whose
         mismatched samples agree with the loop when a float64 copy of the model is
@@ -367,7 +371,7 @@ def verify(
     part, t = batch.samples(0, k), samples_of(targets, 0, k)
     states = snapshot()
     fast, taken = grads_taken(model, part, t, loss_fn, method=method,
-                              loss_reduction=loss_reduction)
+                              loss_reduction=loss_reduction, check="always")
     restore(states)
     random_ops = [d.describe() for d in recorded_draws(model, part)]
     restore(states)
@@ -379,7 +383,8 @@ def verify(
     abs_error, rel_error, per_sample = _errors(fast, slow)
     bad = [i for i, e in enumerate(per_sample.tolist()) if e > tol]
     report = Verification(abs_error, rel_error, tol, k, taken.describe(), bad,
-                          plan=taken.plan, random_ops=random_ops)
+                          plan=taken.plan, random_ops=random_ops,
+                          certificates=taken.certificates)
     if bad and dtype != torch.float64 and not random_ops:
         report.note = _rounding_note(model, part, t, loss_fn, method, loss_reduction, bad)
     return report
@@ -408,7 +413,7 @@ def _errors(fast: dict[str, Tensor], slow: dict[str, Tensor]
         if not want.numel():
             abs_error[name] = rel_error[name] = 0.0
             continue
-        diff = (fast[name] - want).abs().flatten(1).amax(1).double()  # (k,)
+        diff = (fast[name] - want).abs().unsqueeze(-1).flatten(1).amax(1).double()  # (k,)
         scale = want.abs().max().item()
         abs_error[name] = diff.max().item()
         rel = diff / scale if scale > 0 else diff

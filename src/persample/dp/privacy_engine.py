@@ -366,7 +366,9 @@ class PrivacyEngine:
             grad_sample_mode: ``"hooks"`` (and Opacus's other names: ``"functorch"``,
                 ``"ew"``) or ``"ghost"`` (and ``"ghost_fsdp"``).
             batch_first: must be ``True``.
-            **kwargs: Opacus's other options are refused by name.
+            **kwargs: ``check=`` (persample's own: when a physical batch's result is
+                certified, as for :class:`PrivateStep`); Opacus's other options are
+                refused by name.
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
@@ -378,6 +380,7 @@ class PrivacyEngine:
                 data loader whose dataset has no length.
         """
         adaptive = {k: kwargs.pop(k) for k in ADAPTIVE_OPTIONS if k in kwargs}
+        check = kwargs.pop("check", "first")
         self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
                      grad_sample_mode, kwargs)
         n = dataset_size(data_loader.dataset, "DataLoader's dataset")
@@ -393,7 +396,7 @@ class PrivacyEngine:
                            noise_multiplier=noise_multiplier, expected_batch_size=expected,
                            generator=noise_generator, sample_rate=q,
                            accountant=self.accountant_kind, secure_mode=self.secure_mode,
-                           **clip_options)
+                           check=check, **clip_options)
         self.steps.append(step)
         wrapped = PrivateModule(module)
         private = PrivateOptimizer(optimizer, wrapped, step, loss_reduction)

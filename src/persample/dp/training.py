@@ -189,7 +189,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  secure_mode: bool = False, param_groups: list[list[str]] | None = None,
                  automatic_gamma: float = 0.01, user_ids: Any = None,
                  records_per_user: int | None = None,
-                 adaptive_clipping: AdaptiveClipping | None = None) -> PrivateTraining:
+                 adaptive_clipping: AdaptiveClipping | None = None,
+                 check: str | int = "first") -> PrivateTraining:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
 
@@ -233,8 +234,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``default_collate``); an empty logical batch has no physical batch to
             collate (its release is noise only).
         per_layer: clip each parameter's gradient to ``C / sqrt(K)``.
-        param_groups, automatic_gamma, adaptive_clipping: as for :class:`PrivateStep`
-            (``adaptive_clipping``: record-level DP only).
+        param_groups, automatic_gamma, adaptive_clipping, check: as for
+            :class:`PrivateStep` (``adaptive_clipping``: record-level DP only).
         user_ids: user-level DP: each record's user, ``(N,)`` integers, or the name of
             the dataset's field that holds it (``"user_id"``: a column of a Hugging
             Face ``datasets.Dataset``, or a key of each sample). Users are then sampled
@@ -329,7 +330,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                        generator=generator if secure_mode else noise, per_layer=per_layer,
                        sample_rate=q, accountant=accountant, secure_mode=secure_mode,
                        param_groups=param_groups, automatic_gamma=automatic_gamma,
-                       adaptive_clipping=adaptive_clipping)
+                       adaptive_clipping=adaptive_clipping, check=check)
     batches_from = step.generator if secure_mode else generator
     if users is None:
         sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from)

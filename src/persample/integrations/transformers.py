@@ -88,6 +88,9 @@ class PrivacyArguments:
             generator (``os.urandom``; threat model and cost:
             :class:`persample.dp.noise.SecureSource`); the Poisson sampling stays seeded
             (every process must draw the same sample); not with ``seed``.
+        check: when a micro-batch's result is certified by identities persample does
+            not compute itself (:class:`persample.dp.PrivateStep`'s ``check``):
+            ``"first"``, ``"always"``, ``"never"`` or ``N``.
 
     Raises:
         ValueError: neither or both of ``target_epsilon`` and ``noise_multiplier``,
@@ -116,6 +119,7 @@ class PrivacyArguments:
     secure_mode: bool = False
     user_ids: str | None = None
     records_per_user: int | None = None
+    check: str | int = "first"
 
     def __post_init__(self) -> None:
         given = (self.target_epsilon is not None, self.noise_multiplier is not None)
@@ -501,7 +505,7 @@ class PrivateTrainer(transformers.Trainer):
                            generator=noise, per_layer=privacy.per_layer, sample_rate=q,
                            accountant=accountant, secure_mode=privacy.secure_mode,
                            param_groups=privacy.param_groups,
-                           automatic_gamma=privacy.automatic_gamma)
+                           automatic_gamma=privacy.automatic_gamma, check=privacy.check)
         if self._resume_from is not None:
             path = os.path.join(self._resume_from, PRIVACY_STATE)
             if not os.path.isfile(path):

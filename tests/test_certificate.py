@@ -1,0 +1,322 @@
+"""The certificate: every result checked by an identity persample does not compute itself.
+
+A deliberately wrong rule (another sample's rows, twice the gradient) must be caught by
+the first call of ``method="auto"`` and answered right, with a warning, in every public
+function; an explicit method must raise. Models whose forwards draw from numpy, or mix
+samples, are named; forwards that draw from torch's generators, packed and dict inputs
+pass their certificates (no false alarm).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import persample
+from persample import certificate
+from persample.dp import PrivateStep, private_grad
+from persample.errors import CertificateError
+from persample.rules import register_rule
+
+B = 6
+
+
+class Scale(nn.Module):
+    """``x * w``, with a user rule registered below."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w
+
+
+class OtherRows(Scale):
+    pass
+
+
+class Twice(Scale):
+    pass
+
+
+@register_rule(OtherRows)
+def _other_rows(layer, activations, backprops, out):
+    torch.mul(backprops, activations[0].roll(1, 0).unsqueeze(1), out=out["w"])  # sample i-1's
+
+
+@register_rule(Twice)
+def _twice(layer, activations, backprops, out):
+    torch.mul(backprops, 2 * activations[0].unsqueeze(1), out=out["w"])
+
+
+def _net(kind: type) -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), kind(), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _data() -> tuple[Tensor, Tensor]:
+    return torch.randn(B, 3), torch.randn(B, 2)
+
+
+def _flat(grads: dict[str, Tensor]) -> Tensor:
+    return torch.cat([g.flatten(1) for g in grads.values()], 1)
+
+
+def _caught(run):
+    """``run()``'s result and the certificate's warnings."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = run()
+    return got, [str(w.message) for w in seen if "certificate" in str(w.message)]
+
+
+@pytest.fixture(autouse=True)
+def forget():
+    certificate.forget()
+    yield
+    certificate.forget()
+
+
+@pytest.mark.parametrize("kind", [OtherRows, Twice], ids=["other rows", "twice"])
+def test_a_wrong_user_rule_is_caught_and_answered_right(kind):
+    model, (x, y), loss = _net(kind), _data(), nn.MSELoss()
+    want = persample.loop_per_sample_grads(model, x, y, loss)
+
+    got, said = _caught(lambda: persample.per_sample_grads(model, x, y, loss))
+    assert said and "1.w" in said[0] and "'rules'" in said[0]
+    torch.testing.assert_close(_flat(got), _flat(want), rtol=1e-10, atol=1e-12)
+
+    certificate.forget()
+    norms, said = _caught(lambda: persample.per_sample_grad_norms(model, x, y, loss))
+    assert said and "1.w" in said[0]
+    torch.testing.assert_close(norms, _flat(want).norm(dim=1), rtol=1e-10, atol=1e-12)
+
+    certificate.forget()
+    c = (0.05 / (_flat(want).norm(dim=1) + 1e-6)).clamp(max=1)  # (B,)
+    _, said = _caught(lambda: private_grad(model, x, y, loss, max_grad_norm=0.05,
+                                           noise_multiplier=0.0))
+    assert said and "1.w" in said[0]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.tensordot(c, want[name], 1) / B,
+                                   rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn", ["grads", "norms", "jacobian"])
+def test_an_explicit_method_raises_on_a_mismatch(fn):
+    model, (x, y), loss = _net(OtherRows), _data(), nn.MSELoss()
+    calls = {"grads": lambda: persample.per_sample_grads(model, x, y, loss, method="rules"),
+             "norms": lambda: persample.per_sample_grad_norms(model, x, y, loss,
+                                                              method="rules"),
+             "jacobian": lambda: persample.param_jacobian(model, x, method="rules")}
+    with pytest.raises(CertificateError, match=r"1\.w"):
+        calls[fn]()
+
+
+def test_the_jacobian_of_a_wrong_rule_is_answered_right():
+    model, (x, _) = _net(Twice), _data()
+    got, said = _caught(lambda: persample.param_jacobian(model, x, flat=True))
+    assert said
+    want = persample.loop_param_jacobian(model, x)
+    torch.testing.assert_close(got, torch.cat([w.flatten(2) for w in want.values()], 2),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_a_dp_step_with_a_wrong_rule_keeps_the_exact_method_afterwards():
+    """The first micro-batch is certified and answered by torch.func; the later ones of
+    the same plan start there (no rules, no warning) and stay exact."""
+    model, loss = _net(OtherRows), nn.MSELoss()
+    step = PrivateStep(model, loss, max_grad_norm=1e3, noise_multiplier=0.0,
+                       expected_batch_size=B)
+    for k in range(3):
+        x, y = _data()
+        _, said = _caught(lambda x=x, y=y: step.accumulate(x, y))
+        assert bool(said) == (k == 0)
+        want = persample.loop_per_sample_grads(model, x, y, loss)
+        step.release()
+        for name, p in model.named_parameters():  # C large: nothing clipped
+            torch.testing.assert_close(p.grad, want[name].sum(0) / B, rtol=1e-10,
+                                       atol=1e-12)
+
+
+def _count(monkeypatch) -> list[str]:
+    seen: list[str] = []
+    real = certificate.certify_grads
+
+    def spy(*args, **kwargs):
+        seen.append(args[7])
+        return real(*args, **kwargs)
+    monkeypatch.setattr("persample.api.certify_grads", spy)
+    return seen
+
+
+@pytest.mark.parametrize("check, certified", [("first", 1), ("always", 5), ("never", 0),
+                                              (2, 3)])
+def test_the_policy_certifies_the_calls_it_says(check, certified, monkeypatch):
+    seen = _count(monkeypatch)
+    model, (x, y) = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), _data()
+    for _ in range(5):
+        persample.per_sample_grads(model, x, y, nn.MSELoss(), check=check)
+    assert len(seen) == certified
+
+
+def test_a_new_shape_or_mode_is_certified_again(monkeypatch):
+    seen = _count(monkeypatch)
+    model, (x, y) = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 2)), _data()
+    persample.per_sample_grads(model, x, y, nn.MSELoss())
+    persample.per_sample_grads(model, x, y, nn.MSELoss())
+    persample.per_sample_grads(model, x[:4], y[:4], nn.MSELoss())
+    model.eval()
+    persample.per_sample_grads(model, x, y, nn.MSELoss())
+    assert len(seen) == 3
+
+
+@pytest.mark.parametrize("check", ["sometimes", 0, -1, True, 1.5])
+def test_a_bad_check_is_refused_by_name(check):
+    model, (x, y) = nn.Linear(3, 2), _data()
+    with pytest.raises(ValueError, match="check="):
+        persample.per_sample_grads(model, x, y, nn.MSELoss(), check=check)
+
+
+@pytest.mark.parametrize("method", ["auto", "rules", "vmap", "loop"])
+def test_dropout_in_training_mode_passes_its_certificate(method):
+    """The reference replays the draws of the forward that ran: no false alarm, in every
+    method, and the rows are those of that forward."""
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2))
+    x, y = _data()
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = persample.per_sample_grads(model, x, y, nn.MSELoss(), method=method,
+                                         check="always")
+    after = torch.random.get_rng_state()
+    torch.manual_seed(3)
+    want = persample.forward_per_sample_grads(model, x, y, nn.MSELoss())
+    assert torch.equal(after, torch.random.get_rng_state())  # one forward's draws
+    torch.testing.assert_close(_flat(got), _flat(want), rtol=1e-10, atol=1e-12)
+
+
+class NumpyMask(nn.Module):
+    """A mask drawn with numpy in ``forward``: one for the batch (``shared``), or a row per
+    sample (SpecAugment's time masks in wav2vec2 and HuBERT)."""
+
+    def __init__(self, shared: bool):
+        super().__init__()
+        self.shared = shared
+        self.a, self.b = nn.Linear(3, 8), nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = (8,) if self.shared else (len(x), 8)
+        keep = torch.from_numpy(np.random.rand(*shape) > 0.3).to(x.dtype)
+        return self.b(torch.tanh(self.a(x)) * keep)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one mask", "a mask per sample"])
+def test_numpy_draws_are_named_never_answered_with_other_rows(shared):
+    """A tensor made from numpy is outside the data flow (the rules leave), and
+    torch.func and the loop would draw each sample's mask anew: refused, naming numpy."""
+    model, (x, y), loss = NumpyMask(shared), _data(), nn.MSELoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(persample.DrawNotReplayable, match="numpy"):
+            persample.per_sample_grads(model, x, y, loss)
+    for method in ("vmap", "loop"):
+        with pytest.raises(persample.DrawNotReplayable, match="numpy"):
+            persample.per_sample_grads(model, x, y, loss, method=method)
+
+
+class Centred(nn.Module):
+    """A batch statistic written by hand: samples mix."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h - h.mean(0))
+
+
+class Mixup(nn.Module):
+    """Manifold mixup: each sample's features mixed with another's by a permutation."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(0.7 * h + 0.3 * h[torch.randperm(len(x))])
+
+
+@pytest.mark.parametrize("make", [Centred, Mixup])
+def test_a_model_that_mixes_samples_is_refused_by_name_and_the_loop_is_explicit(make):
+    model, (x, y), loss = make(), _data(), nn.MSELoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CertificateError, match="mixes samples"):
+            persample.per_sample_grads(model, x, y, loss)
+        with pytest.raises(CertificateError, match="mixes samples"):
+            persample.per_sample_grad_norms(model, x, y, loss)
+        with pytest.raises(CertificateError, match="mixes samples"):
+            private_grad(model, x, y, loss, max_grad_norm=1.0, noise_multiplier=0.0)
+    assert all(p.grad is None for p in model.parameters())
+    torch.manual_seed(1)
+    got = persample.per_sample_grads(model, x, y, loss, method="loop")  # each sample alone
+    torch.manual_seed(1)
+    torch.testing.assert_close(_flat(got), _flat(persample.loop_per_sample_grads(
+        model, x, y, loss)), rtol=1e-10, atol=1e-12)
+
+
+def test_packed_sequences_and_dict_inputs_pass_their_certificates():
+    """The identity never splits the inputs: it holds for the packed forms the fast path
+    splits by persample's own reading of the inputs."""
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, packed):
+            _, (h, _) = self.rnn(packed)
+            return self.head(h[-1])
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+        def forward(self, input_ids, attention_mask):
+            h = self.emb(input_ids) * attention_mask.unsqueeze(-1)
+            return {"logits": self.head(h.sum(1))}
+
+    lengths = torch.tensor([5, 3, 6, 2, 6, 4])
+    seqs = torch.randn(B, 6, 3)
+    packed = nn.utils.rnn.pack_padded_sequence(seqs, lengths, batch_first=True,
+                                               enforce_sorted=False)
+    y = torch.randn(B, 2)
+    ids, mask = torch.randint(0, 10, (B, 6)), (torch.rand(B, 6) > 0.3).double()
+    cases = [(Packed(), (packed,), nn.MSELoss()),
+             (Keywords(), {"input_ids": ids, "attention_mask": mask},
+              lambda out, t: F.mse_loss(out["logits"], t, reduction="none").sum(1))]
+    for model, inputs, loss in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = persample.per_sample_grads(model, inputs, y, loss, check="always")
+        want = persample.loop_per_sample_grads(model, inputs, y, loss)
+        torch.testing.assert_close(_flat(got), _flat(want), rtol=1e-9, atol=1e-12)
+
+
+def test_verify_reports_the_certificates():
+    model, (x, y) = _net(Twice), _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = persample.verify(model, x, y, nn.MSELoss())
+    assert report.ok
+    assert [c.method for c in report.certificates] == ["rules", "vmap"]
+    assert [c.ok for c in report.certificates] == [False, True]
+    assert "certificate" in str(report)
