@@ -164,12 +164,15 @@ def test_the_policy_certifies_the_calls_it_says(check, certified, monkeypatch):
     assert len(seen) == certified
 
 
-def test_a_new_shape_or_mode_is_certified_again(monkeypatch):
+def test_a_new_shape_or_mode_is_certified_again_a_new_batch_size_is_not(monkeypatch):
     seen = _count(monkeypatch)
-    model, (x, y) = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 2)), _data()
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 2))
+    x, y = torch.randn(B, 5, 3), torch.randn(B, 5, 2)
     persample.per_sample_grads(model, x, y, nn.MSELoss())
     persample.per_sample_grads(model, x, y, nn.MSELoss())
-    persample.per_sample_grads(model, x[:4], y[:4], nn.MSELoss())
+    persample.per_sample_grads(model, x[:4], y[:4], nn.MSELoss())  # a Poisson batch: same plan
+    assert len(seen) == 1
+    persample.per_sample_grads(model, x[:, :3], y[:, :3], nn.MSELoss())  # T: a new plan
     model.eval()
     persample.per_sample_grads(model, x, y, nn.MSELoss())
     assert len(seen) == 3

@@ -7,7 +7,8 @@ projections of per-sample gradients, for data attribution), :class:`KFAC` (Krone
 factors of the curvature from the same records) and :func:`per_sample_ggn_diag` /
 :func:`ggn_diag` (the GGN's diagonal, per sample or summed), the loop references,
 :func:`register_rule` to add a layer rule, and
-:func:`supported` / :func:`verify` to check a custom model,
+:func:`supported` / :func:`verify` to check a custom model (every result is also
+certified on the first call of each plan: :mod:`persample.certificate`),
 :func:`empty_cache` to free the result memory persample keeps for reuse,
 :func:`clear_plans` / :func:`cache_plans` for the data flow it keeps from earlier calls,
 and
@@ -19,7 +20,13 @@ from .curvature import KFAC, ggn_diag, per_sample_ggn_diag
 from .dots import per_sample_grad_dots
 from .draws import DrawNotReplayable
 from .engine.plans import cache_plans, clear_plans
-from .errors import InternalError, LossNotPerSampleError, NeedsWholeModel, UnsupportedModuleError
+from .errors import (
+    CertificateError,
+    InternalError,
+    LossNotPerSampleError,
+    NeedsWholeModel,
+    UnsupportedModuleError,
+)
 from .influence import influence, self_influence
 from .inputs import PackedRows
 from .jacobian import input_jacobian, jacobian_diagonal
@@ -61,5 +68,6 @@ __all__ = [
     "NeedsWholeModel",
     "DrawNotReplayable",
     "InternalError",
+    "CertificateError",
 ]
 __version__ = "0.1.0"

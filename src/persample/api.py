@@ -176,7 +176,7 @@ def _grads_checker(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
     def certify(how: str, draws: Any) -> Any:
         return checker(how, lambda: certify_grads(
             model, batch, targets, loss_fn, params, lambda name: dest[id(params[name])],
-            draws, how), fresh=how == "rules" and taken.fresh)
+            draws, how))
     certify.rejected = checker.rejected
     return certify
 
@@ -184,7 +184,6 @@ def _grads_checker(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
 def _noted(taken: Taken, captured: Any) -> Any:
     """``captured``, its plan's note kept in ``taken``."""
     taken.plan = captured.plan_note()
-    taken.fresh = captured.fresh()
     return captured
 
 

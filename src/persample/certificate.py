@@ -25,9 +25,10 @@ max(||got||, ||want||) + floor``, with ``tol`` by the computation's precision
 norm of the whole right side (for parameters whose gradient is rounding noise).
 
 The policy, ``check=``, of every function that takes it: ``"first"`` (default)
-certifies the first call of each new plan (a model, its mode, the input shapes and
-dtypes, the parameters and the method not seen together before; on the rules, also
-each capture whose data flow was decided anew); ``"always"`` every call;
+certifies the first call of each new plan (a model, its mode, the inputs' shapes
+beyond the batch size and their dtypes, the parameters and the method not seen
+together before: a Poisson-sampled batch of another size is no new plan); ``"always"``
+every call;
 ``"never"`` none; an ``int`` ``N`` the first call of each plan and every ``N``-th
 after it. A certified call costs one more forward and backward of the batch (at most
 about twice an uncertified call); the others nothing.
@@ -130,24 +131,26 @@ _REJECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {
 def signature(what: str, model: nn.Module, batch: Batch, targets: Any,
               params: Iterable[Tensor], extra: Any = ()) -> tuple:
     """The plan a call belongs to, for the policy: the quantity, the model's mode, the
-    inputs' and targets' shapes, dtypes and devices, the parameters, autocast, and
+    inputs' and targets' shapes beyond the batch size (a Poisson-sampled batch of
+    another size is the same plan), dtypes and devices, the parameters, autocast, and
     ``extra``."""
+    n = batch.n
     leaves = [*batch.leaves(), *tree_leaves(targets)]
-    shapes = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor)
-                   else type(t).__name__ for t in leaves)
-    return (what, model.training, batch.n, shapes, tuple(id(p) for p in params),
-            autocast_state(), extra)
+    shapes = tuple((tuple(t.shape[1:]) if t.dim() and t.shape[0] == n else tuple(t.shape),
+                    t.dtype, t.device.type) if isinstance(t, Tensor) else type(t).__name__
+                   for t in leaves)
+    return (what, model.training, shapes, tuple(id(p) for p in params), autocast_state(),
+            extra)
 
 
-def due(check: Any, model: nn.Module, key: tuple, fresh: bool = False) -> bool:
-    """Should this call (of the plan ``key``) be certified under ``check``? ``fresh``: the
-    rules decided the data flow anew in this call (a new capture's tape)."""
+def due(check: Any, model: nn.Module, key: tuple) -> bool:
+    """Should this call (of the plan ``key``) be certified under ``check``?"""
     if check == "never":
         return False
     if check == "always":
         return True
     calls = _CALLS.setdefault(model, {}).get(key, 0)
-    if calls == 0 or fresh:
+    if calls == 0:
         return True
     return isinstance(check, int) and calls % check == 0
 
@@ -171,19 +174,19 @@ def forget(model: nn.Module | None = None) -> None:
 
 @dataclass
 class Checker:
-    """The policy of one call: ``checker(how, draws, run, fresh)`` runs the certificate
-    ``run()`` of the result method ``how`` gave where ``check`` says it is due for the
-    plan ``key`` (plus ``how``), and counts the call once its result stands."""
+    """The policy of one call: ``checker(how, run)`` runs the certificate ``run()`` of the
+    result method ``how`` gave where ``check`` says it is due for the plan ``key`` (plus
+    ``how``), and counts the call once its result stands."""
 
     check: Any
     model: nn.Module
     key: tuple
 
-    def __call__(self, how: str, run: Callable[[], Certificate | None],
-                 fresh: bool = False) -> Certificate | None:
+    def __call__(self, how: str, run: Callable[[], Certificate | None]
+                 ) -> Certificate | None:
         key = (*self.key, how)
         cert = None
-        if uncertifiable(self.model) is None and due(self.check, self.model, key, fresh):
+        if uncertifiable(self.model) is None and due(self.check, self.model, key):
             cert = run()
         if cert is None or cert.ok:
             called(self.model, key)

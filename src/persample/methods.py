@@ -46,7 +46,6 @@ class Taken:
     reason: str = ""
     plan: str = ""  # the rules' last capture: from an earlier call's data flow, or new
     certificates: list = field(default_factory=list)  # each certificate run, in order
-    fresh: bool = False  # the rules' last capture decided its data flow without a tape
 
     def describe(self) -> str:
         """``"rules"``, or the method taken and why."""

@@ -223,8 +223,7 @@ def _certified(micro: MicroBatch, clipping: Clipping, into: Destination) -> Clip
         clipped.clip(clipping)
         how = "rules" if clipped.captured is not None else taken.method
         cert = None if micro.sharded else checker(
-            how, lambda clipped=clipped, draws=draws, how=how: clipped.certify(draws, how),
-            fresh=clipped.captured is not None and clipped.captured.fresh())
+            how, lambda clipped=clipped, draws=draws, how=how: clipped.certify(draws, how))
         if cert is None or cert.ok:
             return clipped
         if how == "loop":

@@ -121,11 +121,16 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
     kept: list[Tensor] = []
 
     def root(output: Any, cap: Capture) -> Tensor:
-        follow = partial(_ReadCheck, cap)  # (a batch of one: nothing else to follow)
+        reads = _ReadCheck(cap)
+
+        def follow() -> _ReadCheck:  # (a batch of one: nothing else to follow)
+            return reads
+
         if isinstance(cap, Capture):  # the targets' samples, and the loss's ops followed
             cap.add_inputs(located_of(targets, batch.n))
-            follow = partial(_followed, cap)
-        losses = per_sample_losses(output, targets, loss_fn, batch.n, cap.layout, follow)
+            follow = partial(_followed, cap, reads)
+        losses = per_sample_losses(output, targets, loss_fn, batch.n, cap.layout, follow,
+                                   reads.refuse)
         kept.append(losses.detach())
         return losses.sum()
 
@@ -140,32 +145,48 @@ def loss_backprops(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
 
 
 @contextmanager
-def _followed(cap: Capture) -> Iterator[None]:
-    """The loss's ops followed, parameters read there refused; a loss that mixes samples
+def _followed(cap: Capture, reads: _ReadCheck) -> Iterator[None]:
+    """The loss's ops followed, parameters read there noted; a loss that mixes samples
     refused."""
-    with cap.follow(), _ReadCheck(cap):
+    with cap.follow(), reads:
         yield
     if cap.mixing:
         raise mixing_error(cap.mixing)
 
 
 class _ReadCheck(TorchFunctionMode):
-    """While the loss runs: a parameter read there has a gradient path the capture
-    did not see (the loss must only use the model's output)."""
+    """While the loss runs: notes whether it reads a trainable parameter (the affine
+    transform of a ``TransformedDistribution`` the model returned, evaluated in
+    ``log_prob``). Where the capture follows the loss and sums its per-sample losses as
+    they are, such a read is an op like the forward's, recorded with its gradient edge;
+    where the losses returned are another call's (a scalar loss, or one evaluated again
+    per sample), that read has a gradient path the capture did not see:
+    :meth:`refuse` raises then."""
 
     def __init__(self, cap: Capture):
         super().__init__()
         self.watched = cap.watched
+        self.read = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for t in op_leaves(args, kwargs):
-            if self.watched.get(id(t)) is t and t.requires_grad:
-                raise ValueError(
-                    "a trainable parameter is read in loss_fn, outside the model's forward, "
-                    "so its per-sample gradient cannot be attributed. Read it inside the "
-                    "forward of a module, or freeze it.")
+        if not self.read:
+            for t in op_leaves(args, kwargs):
+                if self.watched.get(id(t)) is t and t.requires_grad:
+                    self.read = True
+                    break
         return func(*args, **kwargs)
+
+    def refuse(self) -> None:
+        """Raise if the loss read a trainable parameter (called where its result is not
+        the per-sample losses the capture followed)."""
+        if self.read:
+            raise ValueError(
+                "a trainable parameter is read in loss_fn, outside the model's forward, "
+                "and loss_fn's result is not per-sample losses the capture follows (a "
+                "scalar, or losses whose samples it cannot locate), so its per-sample "
+                "gradient cannot be attributed. Return per-sample losses (B,), read it "
+                "inside the forward of a module, or freeze it.")
 
 
 def mixing_error(op: str) -> LossNotPerSampleError:

@@ -56,15 +56,6 @@ class Captured:
                 "call like it (the others read parameters, values or random numbers: "
                 "decided in every call)")
 
-    def fresh(self) -> bool:
-        """Did this capture decide its data flow without a tape of an earlier call (the
-        first call of its plan, or one whose kept plan did not apply), with plans kept?"""
-        from .plans import caching
-
-        recorder = getattr(self.capture, "recorder", self.capture)
-        return caching() and getattr(self.capture, "steps", None) is not None and getattr(
-            recorder, "_replay", None) is None
-
     @property
     def derived(self) -> dict:
         """``id -> Derived``: the shared tensors computed from parameters, and their ops."""

@@ -46,11 +46,6 @@ def keep(model: nn.Module, key: tuple, tape: list[Step | None]) -> None:
         tapes.pop(next(iter(tapes)))
 
 
-def caching() -> bool:
-    """Are the data flows of earlier calls kept (:func:`cache_plans`)?"""
-    return _ENABLED[0]
-
-
 def key_of(n: int, v: int, inputs: list[tuple[Tensor, Any]]) -> tuple:
     """Which tape a call may use: its batch size, cotangents per sample, and each input
     tensor's shape, dtype and device (the tape's steps check everything else, op by

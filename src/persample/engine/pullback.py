@@ -25,7 +25,15 @@ from ..capture import Call, Derived, Op
 from ..errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
 from ..plan import Path
 from ..precision import cast, without_autocast
-from ..rules import Decline, ModuleRule, OpCall, module_front, module_inputs, spec_of
+from ..rules import (
+    Decline,
+    ModuleRule,
+    OpCall,
+    module_front,
+    module_inputs,
+    rules_of,
+    spec_of,
+)
 from ..rules.calls import cast_input
 from ..rules.spec import InnerOp
 from ..rules.vjp import expand_vjp, module_vjp, op_vjp, shared_vjp
@@ -267,7 +275,9 @@ class Pullbacks:
 
 def _run_rule(op: Op, call: OpCall, cots: list, single: list[Tensor], out: dict) -> str | None:
     """The op's gradient rule into ``out``; the reason it declined (``None``: done)."""
-    spec = spec_of(op.func)
+    spec = rules_of(op)
+    if spec is None and spec_of(op.func) is not None:
+        return "complex tensors, which its rule is not written for"
     if spec is None or spec.grad is None or len(cots) != 1 or len(single) != 1:
         return "no rule"
     try:
