@@ -323,3 +323,54 @@ def test_verify_reports_the_certificates():
     assert [c.method for c in report.certificates] == ["rules", "vmap"]
     assert [c.ok for c in report.certificates] == [False, True]
     assert "certificate" in str(report)
+
+
+@pytest.mark.parametrize("kind", ["hand", "gcn"])
+def test_graph_batches_pass_their_certificates(kind):
+    """torch_geometric's ``Batch``: the certificate runs (never split by persample's
+    reading of the graphs) and passes."""
+    from test_mechanisms import HandGIN, PyGNet, graph_batch
+
+    model = HandGIN() if kind == "hand" else PyGNet("gcn").double()
+    data, y = graph_batch(), torch.randn(4, 2)
+    report = persample.verify(model, data, y, nn.MSELoss())
+    assert report.ok and report.certificates
+    assert all(c.ok for c in report.certificates), [c.describe() for c in report.certificates]
+
+
+def test_a_wrong_input_jacobian_is_caught(monkeypatch):
+    """A fault in the forward-mode path (twice the Jacobian): ``mode="auto"`` warns and
+    answers each sample's block on its own; ``mode="forward"`` raises."""
+    from persample import jacobian
+
+    real = jacobian._double_backward_jacobian
+    monkeypatch.setattr(jacobian, "_double_backward_jacobian",
+                        lambda *args: 2 * real(*args))
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 5))
+    x = torch.randn(B, 3)
+    got, said = _caught(lambda: persample.input_jacobian(model, x))
+    assert said and "input Jacobians" in said[0]
+    full = torch.autograd.functional.jacobian(model, x)  # (B, 5, B, 3)
+    torch.testing.assert_close(got, torch.stack([full[i, :, i] for i in range(B)]),
+                               rtol=1e-10, atol=1e-12)
+    with pytest.raises(CertificateError):
+        persample.input_jacobian(model, x, mode="forward", check="always")
+
+
+@pytest.mark.parametrize("kind", ["dots", "dots with another batch", "kronecker", "gaussian"])
+def test_wrong_rows_behind_dots_and_projections_are_caught(kind):
+    model, (x, y), loss = _net(Twice), _data(), nn.MSELoss()
+    x2, y2 = torch.randn(4, 3), torch.randn(4, 2)
+    g = _flat(persample.loop_per_sample_grads(model, x, y, loss))
+    if kind.startswith("dots"):
+        other = (x2, y2) if "another" in kind else None
+        got, said = _caught(lambda: persample.per_sample_grad_dots(model, x, y, loss,
+                                                                   other=other))
+        g2 = g if other is None else _flat(persample.loop_per_sample_grads(model, x2, y2, loss))
+        want = g @ g2.T
+    else:
+        proj = persample.GradientProjector(model, 8, kind=kind, seed=2)
+        got, said = _caught(lambda: proj(x, y, loss))
+        want = proj.project(persample.loop_per_sample_grads(model, x, y, loss))
+    assert said
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

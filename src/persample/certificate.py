@@ -40,6 +40,7 @@ d(sum_i u_i L_i)/dtheta``, the randomised check of a product by a random vector
 
 from __future__ import annotations
 
+import math
 import random
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -257,6 +258,8 @@ def uncertifiable(model: nn.Module) -> str | None:
     with ``scale_grad_by_freq`` (its backward scales by the counts of the whole batch, so
     the batch's autograd gradient is not the sum of the samples' own)."""
     plain = _plain_model(model)
+    if not isinstance(plain, nn.Module):
+        return None
     if fsdp_units(plain):
         return "an FSDP2-sharded model (its forward is a collective) is not certified"
     for name, m in plain.named_modules():
@@ -271,19 +274,20 @@ class _NoIdentity(Exception):
     (it has no row per sample in dim 0, and the loss is a scalar)."""
 
 
-def _reference(model: nn.Module, batch: Batch, draws: Draws,
+def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
                run: Callable[[Any], list[tuple[Tensor, Any]]], inputs: list[Tensor]
                ) -> tuple[list[tuple[Tensor, ...]], list[str]]:
-    """One batch forward from ``draws`` (buffers kept), ``run(output)`` giving the
-    ``(scalar, grad_outputs)`` pairs to differentiate, each differentiated w.r.t.
-    ``inputs``; the generators are left where they were. Returns the gradients and the
-    host generators the forward moved."""
+    """One batch forward from ``draws`` (buffers kept; ``batch`` a :class:`Batch` of the
+    model's inputs, or the forward itself), ``run(output)`` giving the ``(scalar,
+    grad_outputs)`` pairs to differentiate, each differentiated w.r.t. ``inputs``; the
+    generators are left where they were. Returns the gradients and the host generators
+    the forward moved."""
     after, host_after = snapshot(), host_states()
     restore(draws.torch_states)
     set_host_states(draws.host)
     try:
         with torch.enable_grad(), kept_buffers(model), plain_checkpoints():
-            output = batch.call(_plain_model(model))
+            output = batch() if callable(batch) else batch.call(_plain_model(model))
             moved = host_moved(draws.host)
             roots = run(output)
             grads = []
@@ -490,3 +494,99 @@ def certify_jacobian(model: nn.Module, batch: Batch, params: Mapping[str, Tensor
     want_d = {name: p.new_zeros(p.shape) if g is None else g
               for (name, p), g in zip(params.items(), want)}
     return _verdict(cert, got, want_d, moved, eps)
+
+
+def certify_input_jacobian(model: Callable[[Tensor], Tensor], inputs: Tensor, jac: Tensor,
+                           draws: Draws, method: str) -> Certificate:
+    """Certify per-sample input Jacobians ``jac`` ``(n, *out_shape, *in_shape)`` of
+    ``model`` at ``inputs`` ``(n, *in_shape)``: samples are independent, so for Gaussian
+    ``w`` ``(n, Y)`` sample ``i``'s ``w_i^T J_i`` is row ``i`` of the gradient of ``<w,
+    f(x)>`` w.r.t. ``x``."""
+    n, d = inputs.shape[0], math.prod(inputs.shape[1:])
+    y = jac[0].numel() // max(d, 1) if n else 0
+    tol, eps = _precision(jac.dtype, jac.device)
+    cert = Certificate("per-sample input Jacobians", method,
+                       "w_i^T J_i = (d<w, f(x)>/dx)_i", tol=tol)
+    w = _gaussian(n, y)
+    xg = inputs.detach().requires_grad_()
+
+    def roots(out: Tensor) -> list:
+        return [(out, w.to(out.device, out.dtype).view(out.shape))]
+
+    ((want,),), moved = _reference(model, lambda: model(xg), draws, roots, [xg])
+    got = torch.einsum("ny,nyd->nd", w.to(jac.device, jac.dtype), jac.reshape(n, y, d))
+    want = torch.zeros_like(got) if want is None else want.reshape(n, d)
+    return _verdict(cert, {"inputs": got}, {"inputs": want}, moved, eps)
+
+
+def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]],
+                        loss_fn: Callable, params: Mapping[str, Tensor], draws: Draws
+                        ) -> tuple[list[dict[str, Tensor]], list[str]]:
+    """For each ``(batch, targets, u)`` of ``sides`` (forwards in that order, from
+    ``draws``; a batch repeated is one forward), the gradient of ``sum_i u_i L_i``
+    ``{name: (*shape)}``."""
+    batches = list(dict.fromkeys(id(b) for b, _, _ in sides))
+    by_id = {id(b): (b, t) for b, t, _ in sides}
+
+    def forward() -> list:
+        return [by_id[k][0].call(_plain_model(model)) for k in batches]
+
+    def roots(outs: list) -> list:
+        losses = {k: _losses(out, by_id[k][1], loss_fn, by_id[k][0].n)
+                  for k, out in zip(batches, outs)}
+        return [((u.to(losses[id(b)].device, losses[id(b)].dtype) * losses[id(b)]).sum(),
+                 None) for b, _, u in sides]
+
+    grads, moved = _reference(model, forward, draws, roots, list(params.values()))
+    return [{name: p.new_zeros(p.shape) if g is None else g
+             for (name, p), g in zip(params.items(), gs)} for gs in grads], moved
+
+
+def certify_dots(model: nn.Module, side: tuple[Batch, Any], second: tuple[Batch, Any] | None,
+                 loss_fn: Callable, params: Mapping[str, Tensor], dots: Tensor,
+                 draws: Draws, method: str) -> Certificate | None:
+    """Certify per-sample gradient inner products ``dots`` ``(n, m)``: for Gaussian ``u``
+    ``(n,)`` and ``v`` ``(m,)``, ``u^T D v = <d(sum_i u_i L_i)/dtheta, d(sum_j v_j
+    L'_j)/dtheta>`` (two backwards; ``second=None``: the batch with itself)."""
+    a, b = side, side if second is None else second
+    tol, eps = _precision(dots.dtype, dots.device)
+    cert = Certificate("per-sample gradient inner products", method,
+                       "u^T D v = <d(u.L)/dtheta, d(v.L')/dtheta>", tol=tol)
+    u, v = _gaussian(a[0].n), _gaussian(b[0].n)
+    try:
+        (gu, gv), moved = _weighted_gradients(model, [(*a, u), (*b, v)], loss_fn, params,
+                                              draws)
+    except _NoIdentity:
+        return None
+    flat_u = torch.cat([g.double().flatten() for g in gu.values()])
+    flat_v = torch.cat([g.double().flatten() for g in gv.values()])
+    want = torch.dot(flat_u, flat_v).reshape(1)
+    got = (u.to(dots.device) @ dots.double() @ v.to(dots.device)).reshape(1)
+    scale = float(flat_u.norm() * flat_v.norm())  # Cauchy-Schwarz: the size of the terms
+    err = float((got.cpu() - want.cpu()).abs())
+    cert.errors = {"<all parameters>": err / max(scale, 1e-300)}
+    if err > tol * scale + 64 * eps * scale:
+        cert.ok = False
+        cert.reason = _why(["<all parameters>"], cert, moved)
+    return cert
+
+
+def certify_projection(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+                       params: Mapping[str, Tensor], projected: Tensor,
+                       project: Callable[[dict[str, Tensor]], Tensor], draws: Draws,
+                       method: str) -> Certificate | None:
+    """Certify projected per-sample gradients ``projected`` ``(n, k)`` of a linear map
+    ``project``: for Gaussian ``u`` ``(n,)``, ``u^T R = project(d(sum_i u_i
+    L_i)/dtheta)``."""
+    tol, eps = _precision(projected.dtype, projected.device)
+    cert = Certificate("projected per-sample gradients", method,
+                       "u^T R = P d(sum_i u_i L_i)/dtheta", tol=tol)
+    u = _gaussian(batch.n)
+    try:
+        (g,), moved = _weighted_gradients(model, [(batch, targets, u)], loss_fn, params,
+                                          draws)
+    except _NoIdentity:
+        return None
+    want = project({name: t.unsqueeze(0) for name, t in g.items()})[0]  # (k,)
+    got = u.to(projected.device, projected.dtype) @ projected
+    return _verdict(cert, {"projection": got}, {"projection": want}, moved, eps)

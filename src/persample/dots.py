@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from . import checks
 from .captured_batch import CapturedBatch, matrix_shape, parameter_groups
+from .certificate import Checker, certify_dots, check_option, signature
 from .errors import internal
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
@@ -44,6 +45,7 @@ def per_sample_grad_dots(
     params: Iterable[str | Tensor] | None = None,
     method: str = "auto",
     loss_reduction: str | None = None,
+    check: str | int = "first",
 ) -> Tensor:
     """Inner products ``<g_i, g'_j>`` of the per-sample gradients of one batch with those
     of another (``other``), or with each other (the Gram matrix), without forming them
@@ -63,14 +65,20 @@ def per_sample_grad_dots(
         method: ``"rules"``, ``"vmap"``, ``"loop"`` or ``"auto"`` (the rules, and where
             they cannot split the model, with a warning, ``torch.func``, then the loop),
             as for :func:`persample.per_sample_grads`.
+        check: when the result ``D`` is certified (:mod:`persample.certificate`: for
+            Gaussian ``u``, ``v``, ``u^T D v`` is the inner product of the gradients of
+            ``sum_i u_i L_i`` and ``sum_j v_j L'_j``, one more forward of each batch and
+            two backwards): ``"first"``, ``"always"``, ``"never"`` or ``N``, as for
+            :func:`persample.per_sample_grads`.
 
     Returns:
         ``(B, B')`` (``(B, B)`` without ``other``): loss units squared per parameter
         unit squared, in the parameters' dtype, at least float32 (accumulated there).
 
     Raises:
-        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError:
-            as :func:`persample.per_sample_grads`, for either batch; ``ValueError`` for
+        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError,
+            CertificateError: as :func:`persample.per_sample_grads`, for either batch;
+            ``ValueError`` for
             an ``other`` that is not an ``(inputs, targets)`` pair.
 
     Examples:
@@ -103,17 +111,33 @@ def per_sample_grad_dots(
         targets2 = other[1]
     else:
         batch2, targets2 = None, None
+    check_option(check)
     side = (batch, targets)
     second = None if batch2 is None else (batch2, targets2)
+    checker = Checker(check, model, signature("dots", model, batch, targets, chosen.values(),
+                                              None if batch2 is None else signature(
+                                                  "", model, batch2, targets2, ())))
+    kept: list[Tensor] = []
+
+    def certify(how: str, draws: Any) -> Any:
+        dots = kept.pop()
+        return checker(how, lambda: certify_dots(model, side, second, loss_fn, chosen, dots,
+                                                 draws, how))
+    certify.rejected = checker.rejected
+
+    def keep(dots: Tensor) -> Tensor:
+        kept.append(dots)
+        return dots
+
     return answer(
         method,
-        rules=lambda: _rules_dots(model, side, second, loss_fn, chosen),
-        vmap=lambda: _materialised_dots(
-            lambda b, t: vmap_grads(model, b, t, loss_fn, chosen), side, second),
-        loop=lambda: _materialised_dots(
+        rules=lambda: keep(_rules_dots(model, side, second, loss_fn, chosen)),
+        vmap=lambda: keep(_materialised_dots(
+            lambda b, t: vmap_grads(model, b, t, loss_fn, chosen), side, second)),
+        loop=lambda: keep(_materialised_dots(
             lambda b, t: {k: g for k, g in loop_grads(model, b, t, loss_fn).items()
-                          if k in chosen}, side, second),
-        taken=Taken(), hint=lambda: checks.dtype_note(batch, chosen))
+                          if k in chosen}, side, second)),
+        taken=Taken(), hint=lambda: checks.dtype_note(batch, chosen), certify=certify)
 
 
 def _materialised_dots(grads_of: Callable[[Any, Any], dict[str, Tensor]],
@@ -125,7 +149,8 @@ def _materialised_dots(grads_of: Callable[[Any, Any], dict[str, Tensor]],
     total = None
     for name, g in a.items():
         dtype = accumulate_dtype(g.dtype)
-        term = cast(g.flatten(1), dtype) @ cast(b[name].flatten(1), dtype).T  # (B, B')
+        term = (cast(g.unsqueeze(-1).flatten(1), dtype)  # (B, numel): a 0-dim one's (B, 1)
+                @ cast(b[name].unsqueeze(-1).flatten(1), dtype).T)  # (B, B')
         total = term if total is None else total + term
     return total
 

@@ -28,9 +28,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
 from .batch import Batched, Mixed
+from .certificate import Checker, Draws, certify_input_jacobian, check_option
 from .checks import kept_buffers
 from .engine.backward import one_hot
-from .errors import InternalError
+from .errors import CertificateError, InternalError
 from .memory import result_empty
 from .methods import Taken, leave_rules, user_stacklevel
 from .rules import open_capture
@@ -46,6 +47,7 @@ def input_jacobian(
     mode: str = "auto",
     chunk_size: int | None = None,
     check_independence: bool = False,
+    check: str | int = "first",
 ) -> Tensor:
     """Per-sample Jacobian of the outputs w.r.t. the inputs, for a whole batch.
 
@@ -86,6 +88,12 @@ def input_jacobian(
         check_independence: also check numerically on samples 0 and 1 that each
             one's output does not depend on the other one's input (one extra forward
             and two backwards of 2 samples; a batch of one is not checked).
+        check: when the result is certified (:mod:`persample.certificate`: for Gaussian
+            ``w`` ``(B, Y)``, ``w_i^T J_i`` is row ``i`` of the gradient of ``<w, f(x)>``
+            w.r.t. ``x``, one more forward and backward): ``"first"`` (the first call of
+            each model, mode and shapes), ``"always"``, ``"never"`` or ``N``. A mismatch
+            with ``mode="auto"`` warns and answers each sample's block on its own; with
+            another mode it raises ``CertificateError``.
 
     Returns:
         ``(B, *out_shape, *in_shape)`` in the model output's dtype and device. It is
@@ -119,6 +127,33 @@ def input_jacobian(
     """
     x = _as_batch(inputs)
     _check_options(mode, chunk_size)
+    check_option(check)
+    draws = Draws.now()
+    jac = _input_jacobian(model, x, mode, chunk_size, check_independence)
+    checker = Checker(check, model, ("input jacobian", mode, tuple(x.shape[1:]), x.dtype,
+                                     getattr(model, "training", None)))
+    cert = checker("rules", lambda: certify_input_jacobian(model, x, jac, draws, mode))
+    if cert is None or cert.ok:
+        return jac
+    if mode != "auto":
+        raise CertificateError(f"persample's certificate rejects the result: "
+                               f"{cert.describe()}. Use mode='auto', which answers each "
+                               "sample's block on its own.")
+    warnings.warn(f"persample's certificate caught a wrong result and discarded it: "
+                  f"{cert.describe()}. Each sample's block is computed on its own (exact, "
+                  "about B times slower); please report this model.",
+                  stacklevel=user_stacklevel())
+    draws.restore()
+    with kept_buffers(model):
+        xg = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = model(xg)
+        return _blockwise_jacobian(out, xg, chunk_size)
+
+
+def _input_jacobian(model: Callable, x: Tensor, mode: str, chunk_size: int | None,
+                    check_independence: bool) -> Tensor:
+    """:func:`input_jacobian`'s result, uncertified."""
     with kept_buffers(model):
         if check_independence:
             _check_independence(model, x)

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from . import checks
 from .captured_batch import CapturedBatch, matrix_shape, parameter_groups
+from .certificate import Checker, certify_projection, check_option, signature
 from .errors import internal
 from .inputs import Batch
 from .methods import Taken, answer
@@ -127,12 +128,17 @@ class GradientProjector:
     # -- what users call --------------------------------------------------------------
 
     def __call__(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
-                 method: str = "auto", loss_reduction: str | None = None) -> Tensor:
+                 method: str = "auto", loss_reduction: str | None = None,
+                 check: str | int = "first") -> Tensor:
         """The projected per-sample gradients of a batch, ``(B, proj.dim)``.
 
         Args:
             inputs, targets, loss_fn, method, loss_reduction: as for
                 :func:`persample.per_sample_grads` (``B`` samples).
+            check: when the result ``R`` is certified (:mod:`persample.certificate`:
+                for Gaussian ``u``, ``u^T R`` is :meth:`project` of the gradient of
+                ``sum_i u_i L_i``, one more forward and backward): ``"first"``,
+                ``"always"``, ``"never"`` or ``N``.
 
         Returns:
             ``(B, proj.dim)`` in the parameters' dtype, at least float32 (loss units per
@@ -140,7 +146,7 @@ class GradientProjector:
             own loss.
 
         Raises:
-            TypeError, ValueError, UnsupportedModuleError: as
+            TypeError, ValueError, UnsupportedModuleError, CertificateError: as
                 :func:`persample.per_sample_grads`.
 
         Examples:
@@ -149,16 +155,30 @@ class GradientProjector:
             >>> proj(torch.randn(5, 4), torch.randint(0, 3, (5,)), nn.CrossEntropyLoss()).shape
             torch.Size([5, 6])
         """
+        check_option(check)
         batch, _, params = checks.validate_call(self.model, inputs, targets, loss_fn, method,
                                                loss_reduction, None, list(self.params))
+        checker = Checker(check, self.model, signature("projection", self.model, batch,
+                                                       targets, params.values(), id(self)))
+        kept: list[Tensor] = []
+
+        def certify(how: str, draws: Any) -> Any:
+            got = kept.pop()
+            return checker(how, lambda: certify_projection(
+                self.model, batch, targets, loss_fn, params, got, self.project, draws, how))
+        certify.rejected = checker.rejected
+
+        def keep(got: Tensor) -> Tensor:
+            kept.append(got)
+            return got
+
         return answer(
             method,
-            rules=lambda: self._by_rules(batch, targets, loss_fn),
-            vmap=lambda: self.project(vmap_grads(self.model, batch, targets,
-                                                            loss_fn, params)),
-            loop=lambda: self.project(loop_grads(self.model, batch, targets,
-                                                            loss_fn)),
-            taken=Taken(), hint=lambda: checks.dtype_note(batch, params))
+            rules=lambda: keep(self._by_rules(batch, targets, loss_fn)),
+            vmap=lambda: keep(self.project(vmap_grads(self.model, batch, targets,
+                                                      loss_fn, params))),
+            loop=lambda: keep(self.project(loop_grads(self.model, batch, targets, loss_fn))),
+            taken=Taken(), hint=lambda: checks.dtype_note(batch, params), certify=certify)
 
     def project(self, grads: dict[str, Tensor]) -> Tensor:
         """The same map applied to per-sample gradients given whole.
@@ -184,9 +204,9 @@ class GradientProjector:
             raise ValueError(f"grads lacks the projected parameters {missing}")
         parts = []
         for name in self.params:
-            g = grads[name]  # (B, *shape)
-            parts.append(self._project_one(name, cast(g.flatten(1), accumulate_dtype(
-                g.dtype))))
+            g = grads[name]  # (B, *shape); a 0-dim parameter's (B,)
+            parts.append(self._project_one(name, cast(g.unsqueeze(-1).flatten(1),
+                                                      accumulate_dtype(g.dtype))))
         return self._joined(parts)
 
     def kronecker_factors(self, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
