@@ -161,7 +161,7 @@ def clipped_sum_by_hand(grads: dict[str, Tensor], max_grad_norm: Any, *,
         bounds = [max_grad_norm / math.sqrt(m)] * m
     factors = {}
     for group, bound in zip(groups, bounds):
-        norm = sum(grads[n].flatten(1).pow(2).sum(1) for n in group).sqrt()  # (B,)
+        norm = sum(rows(grads[n]).pow(2).sum(1) for n in group).sqrt()  # (B,)
         f = bound / (norm + gamma) if auto else (bound / (norm + 1e-6)).clamp(max=1.0)
         factors.update(dict.fromkeys(group, f))
     return {n: torch.tensordot(factors[n], g, dims=1) / divisor for n, g in grads.items()}

@@ -21,7 +21,7 @@ import persample
 from persample import certificate
 from persample.dp import PrivateStep, private_grad
 from persample.errors import CertificateError
-from persample.rules import register_rule
+from persample.rules import register_norm_rule, register_rule
 
 B = 6
 
@@ -53,6 +53,20 @@ def _other_rows(layer, activations, backprops, out):
 @register_rule(Twice)
 def _twice(layer, activations, backprops, out):
     torch.mul(backprops, 2 * activations[0].unsqueeze(1), out=out["w"])
+
+
+class WrongNorm(Scale):
+    pass
+
+
+@register_rule(WrongNorm)
+def _right(layer, activations, backprops, out):
+    torch.mul(backprops, activations[0].unsqueeze(1), out=out["w"])
+
+
+@register_norm_rule(WrongNorm)
+def _wrong_norm(layer, activations, backprops, names):
+    return {"w": 4 * (backprops[:, 0] * activations[0]).square().sum(1)}
 
 
 def _net(kind: type) -> nn.Module:
@@ -104,6 +118,18 @@ def test_a_wrong_user_rule_is_caught_and_answered_right(kind):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, torch.tensordot(c, want[name], 1) / B,
                                    rtol=1e-10, atol=1e-12)
+
+
+def test_a_wrong_norm_rule_is_caught_in_the_norms_and_the_dp_step():
+    model, (x, y), loss = _net(WrongNorm), _data(), nn.MSELoss()
+    want = _flat(persample.loop_per_sample_grads(model, x, y, loss)).norm(dim=1)
+    norms, said = _caught(lambda: persample.per_sample_grad_norms(model, x, y, loss))
+    assert said and "norms of 1.w" in said[0]
+    torch.testing.assert_close(norms, want, rtol=1e-10, atol=1e-12)
+    certificate.forget()
+    _, said = _caught(lambda: private_grad(model, x, y, loss, max_grad_norm=1.0,
+                                           noise_multiplier=0.0))
+    assert said and "norms of 1.w" in said[0]
 
 
 @pytest.mark.parametrize("fn", ["grads", "norms", "jacobian"])

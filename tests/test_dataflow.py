@@ -474,14 +474,21 @@ class SumsOverTheBatch(nn.Module):
         return h - h.mean(0, keepdim=True)
 
 
-def test_mixing_samples_is_named_and_auto_takes_the_loop():
+def test_mixing_samples_is_named_and_refused_the_loop_only_when_asked():
+    """A model that mixes samples has no per-sample gradient in the batch's sense: the
+    rules name the op, ``auto`` refuses (the loop's each-sample-alone answer fails the
+    certificate), and ``method="loop"`` gives that answer when asked for."""
+    from persample.errors import CertificateError
+
     torch.manual_seed(0)
     model = SumsOverTheBatch()
     x, y = torch.randn(B, E), torch.randn(B, 3)
     with pytest.raises(ValueError, match="reduces over the batch, in module '<root>'"):
         per_sample_grads(model, x, y, mse, method="rules")
     with pytest.warns(UserWarning, match="reduces over the batch"):
-        got = per_sample_grads(model, x, y, mse)
+        with pytest.raises(CertificateError, match="mixes samples.*reduces over the batch"):
+            per_sample_grads(model, x, y, mse)
+    got = per_sample_grads(model, x, y, mse, method="loop")
     assert_grads_equal(got, loop_per_sample_grads(model, x, y, mse))
 
 

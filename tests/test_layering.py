@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("rules", {"rules"}),
     ("plan", {"plan"}),
     ("engine", {"engine"}),
-    ("public", {"checks", "methods", "reference", "vmap", "whole", "api", "norms", "captured_batch",
+    ("public", {"checks", "methods", "certificate", "reference", "vmap", "whole", "api", "norms",
+                "captured_batch",
                 "dots", "projection", "jacobian", "support", "curvature", "influence",
                 "__init__"}),
     ("applications", {"dp", "data"}),
@@ -171,6 +172,15 @@ def test_the_reference_depends_on_nothing_it_checks():
     checked = {"batch", "draws", "capture", "rules", "plan", "engine", "loss", "vmap", "whole",
                "api", "norms"}
     found = sorted(m for m in _closure("persample.reference") if _top(m) in checked)
+    assert not found, found
+
+
+def test_the_certificate_depends_on_nothing_it_checks():
+    """The certificate's identities use autograd on one batch forward: it imports none of
+    the capture, the rules, the plan, the engine or the whole-model fallbacks it checks
+    (only the reading of inputs and each sample's loss on its rows of the output)."""
+    checked = {"draws", "capture", "rules", "plan", "engine", "vmap", "whole", "api", "norms"}
+    found = sorted(m for m in _closure("persample.certificate") if _top(m) in checked)
     assert not found, found
 
 

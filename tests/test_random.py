@@ -326,9 +326,10 @@ def test_verify_of_a_model_that_draws_nothing_names_no_random_op():
 
 
 def test_a_loss_on_an_output_the_model_mixed_is_the_models_matter():
-    """The model mixes samples (a batch mean inside it): the rules refuse and the loop
-    answers by its definition; the loss's own ops (a transpose, a cross-entropy of
-    per-sample terms) do not make it a loss that mixes samples."""
+    """The model mixes samples (a batch mean inside it): the rules refuse naming the
+    model's output, not the loss (whose own ops, a transpose and a cross-entropy of
+    per-sample terms, do not mix samples); ``auto`` refuses too, and the loop answers by
+    its definition when asked for."""
 
     class Centred(nn.Module):
         def __init__(self):
@@ -345,8 +346,10 @@ def test_a_loss_on_an_output_the_model_mixed_is_the_models_matter():
     torch.manual_seed(0)
     model = Centred().double()
     x, y = torch.randn(B, 4).double(), torch.randint(0, 3, (B, 4))
-    with pytest.warns(UserWarning, match="samples are mixed"):
-        got = persample.per_sample_grads(model, x, y, loss_fn)
+    with pytest.warns(UserWarning, match="output, in which the samples are mixed"):
+        with pytest.raises(persample.CertificateError, match="the model mixes samples"):
+            persample.per_sample_grads(model, x, y, loss_fn)
+    got = persample.per_sample_grads(model, x, y, loss_fn, method="loop")
     assert_exact(got, persample.loop_per_sample_grads(model, x, y, loss_fn))
 
 

@@ -10,7 +10,14 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .certificate import Checker, certify_grads, certify_jacobian, check_option, signature
+from .certificate import (
+    Checker,
+    certify_grads,
+    certify_jacobian,
+    check_option,
+    signature,
+    summed_rows,
+)
 from .engine import rules_grads, rules_param_jacobian
 from .inputs import Batch, samples_of
 from .memory import result_empty
@@ -175,8 +182,8 @@ def _grads_checker(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
 
     def certify(how: str, draws: Any) -> Any:
         return checker(how, lambda: certify_grads(
-            model, batch, targets, loss_fn, params, lambda name: dest[id(params[name])],
-            draws, how))
+            model, batch, targets, loss_fn, params,
+            summed_rows(lambda name: dest[id(params[name])], params), draws, how))
     certify.rejected = checker.rejected
     return certify
 

@@ -52,12 +52,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .batch.layouts import Batched, front
-from .errors import NeedsWholeModel
+from .errors import DrawNotReplayable
 from .rng import at_state, device_of, generator_of, restore, snapshot
-
-
-class DrawNotReplayable(NeedsWholeModel):
-    """A random op whose numbers, or a sample's part of them, cannot be reused."""
 
 
 class DrawsNeeded(Exception):

@@ -39,6 +39,11 @@ class NeedsWholeModel(RuntimeError):
     over the whole model or the loop can (``method="auto"`` takes them)."""
 
 
+class DrawNotReplayable(NeedsWholeModel):
+    """A random op whose numbers, or a sample's part of them, cannot be reused (a fused
+    kernel's mask, a draw from numpy's or Python's generator in ``forward``)."""
+
+
 class UnsupportedModuleError(RuntimeError):
     """A module or op has no rule and ``torch.func`` cannot differentiate it per sample."""
 

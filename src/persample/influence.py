@@ -330,7 +330,8 @@ def influence(model: nn.Module, train: tuple[Any, Any], query: tuple[Any, Any],
     scores = []
     for inputs, targets in _batches(train, batch_size):
         grads = per_sample_grads(model, inputs, targets, loss_fn, params=params)
-        scores.append(sum(q.flatten(1) @ grads[name].flatten(1).to(q.dtype).T
+        scores.append(sum(q.unsqueeze(-1).flatten(1)  # (a 0-dim parameter's (B,) too)
+                          @ grads[name].unsqueeze(-1).flatten(1).to(q.dtype).T
                           for name, q in queries.items()))
     return torch.cat(scores, 1)
 
@@ -374,7 +375,8 @@ def self_influence(model: nn.Module, train: tuple[Any, Any],
         grads = per_sample_grads(model, inputs, targets, loss_fn, params=params)
         grads = {k: g.to(accumulate_dtype(g.dtype)) for k, g in grads.items()}
         pre_grads = pre.apply(grads)
-        out.append(sum((pre_grads[k] * grads[k]).flatten(1).sum(1) for k in grads))
+        out.append(sum((pre_grads[k] * grads[k]).unsqueeze(-1).flatten(1).sum(1)
+                       for k in grads))
     return torch.cat(out)
 
 

@@ -11,6 +11,11 @@ loss can be vmapped, else one call per sample. That is the loop's answer for any
 loss (any reduction, class weights, ``ignore_index``, a ``.item()`` inside); nothing is
 "undone".
 
+An output that no pytree opens and that holds batched tensors (a
+``torch.distributions`` object) has no sample's slice: a loss that needs one raises
+``NeedsWholeModel``, where a ``(B,)`` loss whose ops keep the samples apart
+(``dist.log_prob(a)``) is summed as it is.
+
 A scalar the model computed over the whole batch (``out.loss`` when ``labels`` go
 into the model) cannot be split by sample: reading such an output raises
 :class:`LossNotPerSampleError`, which says how to write a per-sample loss. Reading
@@ -102,13 +107,18 @@ def _output_name(path: tuple) -> str:
 
 def per_sample_losses(output: Any, targets: Any, loss_fn: Callable, n: int,
                       layout_of: Callable[[Tensor], Layout] | None = None,
-                      follow: Callable[[], AbstractContextManager] | None = None) -> Tensor:
+                      follow: Callable[[], AbstractContextManager] | None = None,
+                      unfollowed: Callable[[], None] | None = None) -> Tensor:
     """``(n,)`` each sample's own loss ``loss_fn(output_i, targets_i)``, in the graph of
     the forward that made ``output`` (its sum is what the backward differentiates).
 
     ``layout_of`` gives where each tensor holds its samples (the capture's data flow;
     without it every output tensor has them in dim 0, and a ``(n,)`` loss is taken as
     per-sample); ``follow()`` is the context in which the loss's own ops are followed.
+    ``unfollowed()`` is called where the losses returned are not the followed call's
+    result (a scalar, or a loss evaluated again on each sample's part of the output):
+    it raises if that call did what only a followed loss may (read a trainable
+    parameter, whose reads the capture then recorded in a graph the result is not in).
     """
     layout_of = layout_of or (lambda t: Batched(0))
     with internal("guarding the model's output"):
@@ -127,6 +137,8 @@ def per_sample_losses(output: Any, targets: Any, loss_fn: Callable, n: int,
     if not isinstance(loss, Tensor):
         raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
     if n == 1 and loss.numel() == 1:  # a batch of one: the loss is that sample's
+        if loss.dim() == 0 and unfollowed is not None:  # (a scalar: as for a batch)
+            unfollowed()
         return loss.reshape(1)
     if loss.shape == (n,) and _one_per_row(layout_of(loss)):
         return loss
@@ -135,7 +147,9 @@ def per_sample_losses(output: Any, targets: Any, loss_fn: Callable, n: int,
             f"loss_fn returned shape {tuple(loss.shape)}; it must return per-sample losses of "
             f"shape ({n},) or a scalar. For a torch.nn loss, use reduction='none' and reduce "
             "extra dims per sample, or reduction='mean'/'sum'.")
-    return _each_sample(guarded, targets, loss_fn, n, layout_of)
+    lay = layout_of(loss)
+    return _each_sample(guarded, targets, loss_fn, n, layout_of,
+                        getattr(lay, "why", "") if loss.dim() else "", unfollowed)
 
 
 _ELEMENTWISE = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
@@ -185,13 +199,31 @@ def _one_per_row(lay: Layout) -> bool:
 
 
 def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
-                 layout_of: Callable[[Tensor], Layout]) -> Tensor:
+                 layout_of: Callable[[Tensor], Layout], why: str = "",
+                 unfollowed: Callable[[], None] | None = None) -> Tensor:
     """``(n,)`` ``loss_fn(output_i, targets_i)``: each sample's outputs as a batch of one
-    (merged positions, as ``(B*T, V)`` logits, come out as that sample's ``(T, V)``)."""
+    (merged positions, as ``(B*T, V)`` logits, come out as that sample's ``(T, V)``).
+
+    An output that is an object holding batched tensors (a ``torch.distributions``
+    object: no pytree opens it) has no sample's part to give: refused
+    (``NeedsWholeModel``), where passing it whole to each sample's call would give
+    every sample the loss of the whole batch. ``why``: why the loss's own result was
+    not per sample, for that message; ``unfollowed()``: as for
+    :func:`per_sample_losses`, called once the output is known to be cut."""
     with internal("cutting the model's output by sample"):
         paths, spec = tree_flatten_with_path(guarded)
         flat = [t for _, t in paths]
         for path, t in paths:
+            if not isinstance(t, Tensor) and any(layout_of(h) is not SHARED
+                                                 for h in _held_tensors(t)):
+                raise NeedsWholeModel(
+                    f"each sample's loss is evaluated on its part of the model's outputs, "
+                    f"and the model's {_output_name(path)} is a {type(t).__name__} that "
+                    "holds tensors with the samples' data, which persample cannot cut by "
+                    "sample (only tensors and what torch.utils._pytree opens: tuples, "
+                    "lists, dicts, dataclasses registered with it); return per-sample "
+                    f"losses ({n},) computed by ops that keep the samples apart"
+                    f"{f' ({why})' if why else ''}")
             lay = _layout(t, layout_of)
             if isinstance(lay, Batched) and not lay.sliceable(n):
                 raise NeedsWholeModel(
@@ -202,6 +234,8 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
         cut = [front(t, lay, n) if isinstance(lay := _layout(t, layout_of), Batched) else t
                for t in flat]
         dims = [0 if c is not t else None for c, t in zip(cut, flat)]
+    if unfollowed is not None:
+        unfollowed()
     mapped = mapped_targets(targets)
     if mapped is not None:
         rows, target_dims, one_target = mapped
@@ -222,6 +256,36 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
         with named_loss(loss_fn, output_i, targets_i):
             each.append(loss_fn(output_i, targets_i).sum())
     return torch.stack(each)
+
+
+def _held_tensors(x: Any, depth: int = 6) -> list[Tensor]:
+    """The tensors an object holds in its attributes and their containers, to ``depth``
+    (a mixture's component distribution's ``loc``: three deep)."""
+    found: list[Tensor] = []
+    seen: set[int] = set()
+
+    def walk(v: Any, depth: int) -> None:
+        if isinstance(v, Tensor):
+            found.append(v)
+            return
+        if depth == 0 or id(v) in seen or isinstance(
+                v, (nn.Module, type, str, bytes, int, float, bool, complex, type(None))):
+            return
+        seen.add(id(v))
+        if isinstance(v, dict):
+            items = list(v.values())
+        elif isinstance(v, (tuple, list, set, frozenset)):
+            items = list(v)
+        else:
+            try:
+                items = list(vars(v).values())
+            except TypeError:  # no __dict__ (slots, builtins)
+                items = [getattr(v, s, None) for s in getattr(type(v), "__slots__", ())]
+        for item in items:
+            walk(item, depth - 1)
+
+    walk(x, depth)
+    return found
 
 
 def _layout(t: Any, layout_of: Callable[[Tensor], Layout]) -> Layout:

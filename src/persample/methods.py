@@ -29,8 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import REFUSALS, CertificateError, InternalError, internal_errors_raised
-from .rng import restore, snapshot
+from .errors import (
+    REFUSALS,
+    CertificateError,
+    DrawNotReplayable,
+    InternalError,
+    LossNotPerSampleError,
+    internal_errors_raised,
+)
+from .rng import Draws, host_moved, restore, snapshot
 
 METHODS = ("auto", "rules", "vmap", "loop")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -46,6 +53,7 @@ class Taken:
     reason: str = ""
     plan: str = ""  # the rules' last capture: from an earlier call's data flow, or new
     certificates: list = field(default_factory=list)  # each certificate run, in order
+    mixing: bool = False  # the rules found samples mixed (LossNotPerSampleError)
 
     def describe(self) -> str:
         """``"rules"``, or the method taken and why."""
@@ -75,8 +83,6 @@ def answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None
 
 def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | None,
             loop: Callable[[], Any], taken: Taken, certify: Callable | None) -> Any:
-    from .certificate import Draws
-
     draws = Draws.now()  # each method tried draws what the first one drew
     if (method == "auto" and taken.method == "rules" and certify is not None
             and certify.rejected("rules")):
@@ -127,9 +133,6 @@ def _replayable(how: str, draws: Any) -> None:
     """Refuse the result of ``torch.func`` or the loop where the forward drew from
     numpy's or Python's global generator: each sample's forward ran alone and drew other
     numbers than the batch's forward would (``draws``: where the generators stood)."""
-    from .certificate import host_moved
-    from .draws import DrawNotReplayable
-
     moved = host_moved(draws.host)
     if moved:
         raise DrawNotReplayable(
@@ -145,13 +148,20 @@ def _stands(how: str, taken: Taken, certify: Callable | None, draws: Any,
     """Does the result method ``how`` just gave stand? Certified where due; a mismatch
     raises (``explicit``: the method was asked for, or it is the last) or warns once per
     call and says to take the next method."""
-    cert = certify(how, draws) if certify is not None else None
+    cert = _certificate(certify, how, draws, explicit) if certify is not None else None
     if cert is None:
         return True
     taken.certificates.append(cert)
     if cert.ok:
         return True
     if explicit:
+        if how == "loop" and taken.mixing:
+            raise CertificateError(
+                f"the model mixes samples, so no per-sample gradient of the batch exists: "
+                f"{taken.reason.split('. ')[0]}; and the loop over samples (each sample's "
+                f"forward alone) disagrees with the batch's forward ({cert.describe()}). "
+                "method='loop' answers each sample's gradient in a batch of its own, if "
+                "that is what you want.")
         earlier = [c.describe() for c in taken.certificates[:-1] if not c.ok]
         raise CertificateError(
             f"persample's certificate rejects the result: {cert.describe()}."
@@ -168,6 +178,20 @@ def _stands(how: str, taken: Taken, certify: Callable | None, draws: Any,
             stacklevel=user_stacklevel())
     taken.method = {"rules": "vmap", "vmap": "loop"}.get(how, how)
     return False
+
+
+def _certificate(certify: Callable, how: str, draws: Any, explicit: bool) -> Any:
+    """``certify(how, draws)``; where persample's own code fails while certifying (it
+    reads the result from the rules' records), a failed certificate under ``auto``."""
+    from .certificate import Certificate
+
+    try:
+        return certify(how, draws)
+    except (InternalError, *REFUSALS) as err:
+        if explicit or internal_errors_raised():
+            raise
+        return Certificate("result", how, "its certificate could not be computed", ok=False,
+                           reason=f"persample's own code failed while certifying it: {err}")
 
 
 def _certificate_fix(how: str) -> str:
@@ -197,6 +221,7 @@ def leave_rules(taken: Taken, err: Exception) -> None:
     """Record and say (once per call) why ``auto`` leaves the rules: a refusal, or
     persample's own failure (an :class:`InternalError`, a bug)."""
     taken.reason = str(err)
+    taken.mixing = isinstance(err, LossNotPerSampleError)
     what = ("persample's own code failed on this model (a bug; please report it with "
             "this message)" if isinstance(err, InternalError)
             else "the rules cannot split this model by sample")

@@ -14,6 +14,7 @@ materialised per-sample gradient.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,8 +23,16 @@ from torch.utils._pytree import tree_leaves
 
 from . import checks
 from .capture import Op
-from .certificate import Checker, certify_grads, check_option, signature
+from .certificate import (
+    Checker,
+    certify_grads,
+    check_option,
+    norms_disagree,
+    signature,
+    summed_rows,
+)
 from .engine import Captured, loss_backprops, write_per_sample
+from .engine.weighted import op_weighted_sum
 from .errors import internal
 from .inputs import samples_of
 from .methods import Taken, answer
@@ -291,9 +300,35 @@ def _rules_norms(model, batch, targets, loss_fn, params, kept: dict) -> dict[str
     capture, the squared norms, the per-sample gradients materialised)."""
     captured = loss_backprops(model, batch, targets, loss_fn, {id(p): p for p in params.values()})
     with internal("the norm rules"):
-        sq, mats, _, _ = squared_norms(captured, params)
-    kept.update(captured=captured, squared=sq, materialised=mats)
+        sq, mats, ghosted, by_module = squared_norms(captured, params)
+    kept.update(captured=captured, squared=sq, materialised=mats, ghosted=ghosted,
+                by_module=by_module)
     return {name: sq[id(p)].sqrt() for name, p in params.items()}
+
+
+def weighted_sums(captured: Captured, params: dict[str, nn.Parameter],
+                  materialised: dict[int, Tensor], ghosted: dict[Op, set[int]], w: Tensor
+                  ) -> dict[str, Tensor]:
+    """``{name: sum_i w_i g_i}`` for weights ``w`` ``(n,)`` from what the norms used: the
+    per-sample gradients materialised, and each op whose parameters got ghost norms by
+    one backward of that op alone with its backprops scaled (never forming the others);
+    the parameters of neither (module norm rules) from their rows, a few at a time."""
+    names = {id(p): name for name, p in params.items()}
+    sums: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for pid, m in materialised.items():
+            if pid in names:
+                sums[names[pid]] = torch.tensordot(w.to(m.device, m.dtype), m[:, 0], dims=1)
+        for op, pids in ghosted.items():
+            group = [captured.param(pid) for pid in pids if pid in names]
+            dtype = accumulate_dtype(*(t.dtype for t in group))
+            for pid, got in op_weighted_sum(captured, op, group, w.to(dtype)).items():
+                name = names[pid]
+                sums[name] = got if name not in sums else sums[name] + got
+    rest = [name for name in params if name not in sums]
+    if rest:
+        sums.update(summed_rows(per_sample_rows(captured, params, materialised), rest)(w))
+    return sums
 
 
 def per_sample_rows(captured: Captured, params: dict[str, nn.Parameter],
@@ -422,14 +457,20 @@ def _norms_checker(model, batch, targets, loss_fn, params, kept: dict, check: An
                                               params.values()))
 
     def run(how: str, draws: Any) -> Any:
-        if how == "rules":
-            rows = per_sample_rows(kept["captured"], params, kept["materialised"])
-            norms = {name: kept["squared"][id(p)] for name, p in params.items()}
-        else:
-            grads = kept.pop("grads")
-            rows, norms = grads.__getitem__, None
-        return certify_grads(model, batch, targets, loss_fn, params, rows, draws, how,
-                             "per-sample gradient norms", norms)
+        if how != "rules":  # the norms are those of these rows
+            summed = summed_rows(kept.pop("grads").__getitem__, params)
+            return certify_grads(model, batch, targets, loss_fn, params, summed, draws, how,
+                                 "per-sample gradient norms")
+        captured, mats = kept["captured"], kept["materialised"]
+        summed = partial(weighted_sums, captured, params, mats, kept["ghosted"])
+        # the norms not from factors the identity checks: those of module norm rules
+        ruled = {id(p) for _, _, _, normed in kept["by_module"] for p in normed.values()}
+        squared = {name: kept["squared"][id(p)] for name, p in params.items()
+                   if id(p) in ruled}
+        rows = per_sample_rows(captured, params, mats)
+        return certify_grads(model, batch, targets, loss_fn, params, summed, draws, how,
+                             "per-sample gradient norms",
+                             lambda: norms_disagree(squared, rows))
 
     def certify(how: str, draws: Any) -> Any:
         try:

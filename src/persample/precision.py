@@ -87,7 +87,8 @@ def without_autocast() -> Iterator[None]:
 
 def accumulate_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype sums of squares and clipped sums accumulate in: float32 for bfloat16 and
-    float16, else the widest of ``dtypes`` (float64 stays float64).
+    float16, else the widest of ``dtypes`` (float64 stays float64); a complex dtype counts
+    as its real one (a squared norm is real).
 
     Examples:
         >>> accumulate_dtype(torch.bfloat16), accumulate_dtype(torch.float64)
@@ -95,6 +96,7 @@ def accumulate_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """
     found = torch.float32
     for d in dtypes:
+        d = d.to_real() if d.is_complex else d
         if d.is_floating_point:
             found = torch.promote_types(found, d)
     return found

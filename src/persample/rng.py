@@ -1,15 +1,20 @@
 """The states of random generators: which one an op draws from, a state to return to.
 
-Used to draw the same numbers again (:mod:`persample.draws`), and to let each method
-``method="auto"`` tries draw what the first one drew (:mod:`persample.methods`).
+Used to draw the same numbers again (:mod:`persample.draws`), to let each method
+``method="auto"`` tries draw what the first one drew (:mod:`persample.methods`), and
+to replay a call's draws in its certificate (:mod:`persample.certificate`), numpy's and
+Python's global generators included (:class:`Draws`).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -67,3 +72,44 @@ def restore(states: list[tuple[torch.Generator, Any]]) -> None:
     """Back to a :func:`snapshot`."""
     for g, state in states:
         g.set_state(state)
+
+
+def host_states() -> tuple:
+    """The states of numpy's and Python's global generators."""
+    return np.random.get_state(), random.getstate()
+
+
+def set_host_states(states: tuple) -> None:
+    """Back to a :func:`host_states`."""
+    np.random.set_state(states[0])
+    random.setstate(states[1])
+
+
+def host_moved(before: tuple) -> list[str]:
+    """Which of numpy's and Python's global generators moved since ``before``."""
+    now = host_states()
+    moved = []
+    if not (now[0][0] == before[0][0] and np.array_equal(now[0][1], before[0][1])
+            and now[0][2:] == before[0][2:]):
+        moved.append("numpy's global generator (np.random)")
+    if now[1] != before[1]:
+        moved.append("Python's random module")
+    return moved
+
+
+@dataclass
+class Draws:
+    """Where the generators stood when a method started (torch's default ones, numpy's
+    and Python's global ones), so that the reference forward draws what it drew."""
+
+    torch_states: list
+    host: tuple
+
+    @classmethod
+    def now(cls) -> Draws:
+        return cls(snapshot(), host_states())
+
+    def restore(self) -> None:
+        """Every generator back where it stood."""
+        restore(self.torch_states)
+        set_host_states(self.host)

@@ -16,6 +16,7 @@ the input in the parameters' dtype, the output cast back to the input's.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -88,16 +89,18 @@ def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn:
             "dim 0. Use method='rules', 'auto' or 'loop'.")
     rows, target_dims, one_target = mapped
 
+    direct = _DirectReads(params)
+
     def sample_loss(th: dict[str, Tensor], flat_i: list, rows_i: list, index: Tensor
                     ) -> tuple[Tensor, Tensor]:
         with around(index):
             output, targets_i = call(model, th, flat_i), one_target(rows_i)
-            with named_loss(loss_fn, output, targets_i):
+            with named_loss(loss_fn, output, targets_i), direct:
                 loss = loss_fn(output, targets_i).sum()
         return loss, loss.detach()
 
     index = torch.arange(batch.n, device=_device(flat))
-    with plain_checkpoints(), _unmixed_norms():
+    with plain_checkpoints(), _unmixed_norms(), _input_derivatives():
         grads, each = vmap(grad(sample_loss, has_aux=True), in_dims=(None, dims, target_dims,
                                                                      0))(theta, flat, rows, index)
     if losses is not None:
@@ -131,12 +134,66 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
             return call(model, th, flat_i)[0]  # (*out_shape)
 
     index = torch.arange(batch.n, device=_device(flat))
-    with plain_checkpoints(), _unmixed_norms():
+    with plain_checkpoints(), _unmixed_norms(), _input_derivatives():
         return vmap(jacrev(sample_output), in_dims=(None, dims, 0))(theta, flat, index)
+
+
+_GRAD = torch.autograd.grad.__code__
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+@contextmanager
+def _input_derivatives() -> Iterator[None]:
+    """A ``torch.autograd.grad`` of the forward or the loss (called from outside torch:
+    ``torch.func`` calls it too) that fails under the transforms (by an input that
+    requires grad: a PINN's ``u_x``, a gradient penalty; ``torch.func`` tracks only the
+    tensors it maps and differentiates) raised as a refusal naming it, which
+    ``method="auto"`` answers with the loop."""
+    try:
+        yield
+    except RuntimeError as err:
+        tb = err.__traceback__
+        while tb is not None and not (
+                tb.tb_frame.f_code is _GRAD and tb.tb_frame.f_back is not None
+                and not os.path.abspath(tb.tb_frame.f_back.f_code.co_filename).startswith(
+                    _TORCH)):
+            tb = tb.tb_next
+        if tb is None:
+            raise
+        raise UnsupportedModuleError(
+            "method='vmap': torch.autograd.grad inside the model or loss_fn failed under "
+            f"torch.func ({err}): a derivative by an input that requires grad (input "
+            "derivatives, a gradient penalty) has no form there, as torch.func tracks only "
+            "the tensors it maps and differentiates. Use method='loop' or 'auto'.") from err
 
 
 def _device(flat: list) -> torch.device:
     return next((t.device for t in flat if isinstance(t, Tensor)), torch.device("cpu"))
+
+
+class _DirectReads(TorchFunctionMode):
+    """While the loss runs: a trainable parameter read there itself (an L2 penalty on
+    ``model.weight``), not through the model's output, is refused.
+    ``grad`` differentiates the copies ``functional_call`` gives the forward (a
+    distribution's parameters the forward stored in its output are those copies), so
+    such a read would get no gradient: silently wrong."""
+
+    def __init__(self, params: dict[str, nn.Parameter]):
+        super().__init__()
+        self.names = {id(p): (name, p) for name, p in params.items()}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                found = self.names.get(id(t)) if isinstance(t, Tensor) else None
+                if found is not None and found[1] is t:
+                    raise UnsupportedModuleError(
+                        f"method='vmap': loss_fn reads parameter '{found[0]}' itself, not "
+                        "through the model's output; torch.func differentiates the copies "
+                        "functional_call gives the forward, so that read would get no "
+                        "gradient. Use method='rules', 'auto' or 'loop'.")
+        return func(*args, **kwargs)
 
 
 # the input first, then the shape, running statistics, weight and bias

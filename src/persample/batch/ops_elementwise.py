@@ -186,6 +186,18 @@ SHAPE_READERS.update(aliases(*(name for name in _FREE_DATA if name != "new_tenso
 VALUE_READERS.update(_SELF_ONLY_OPS + _BROADCAST_OPS)  # they carry Partly themselves
 
 
+def _as_tensor(ctx, func, args, kwargs, out) -> Any:
+    """``as_tensor(data, dtype, device)`` (``Gamma.log_prob`` reads its value so): a
+    tensor keeps its layout; tensors inside a list are not followed."""
+    data = args[0] if args else kwargs.get("data")
+    if isinstance(data, Tensor):
+        return self_only(ctx, func, (data,), {}, out)
+    return every(out, Unknown(f"{name_of(func)} of a list holding sample data"))
+
+
+register(_as_tensor, *aliases("as_tensor"))
+
+
 def _where(ctx, func, args, kwargs, out) -> Any:
     if len(args) + len(kwargs) == 1:  # where(cond): nonzero(cond, as_tuple=True)
         return where_positions(ctx, func, args, kwargs, out)

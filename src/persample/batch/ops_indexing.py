@@ -454,10 +454,16 @@ VALUE_READERS.add(torch.Tensor.__getitem__)
 
 
 def _index_select(ctx, func, args, kwargs, out) -> Any:
-    """``index_select(x, dim, idx)``: ``x[:, ..., idx]``."""
+    """``index_select(x, dim, idx)``: ``x[:, ..., idx]``; a 0-dim ``idx`` (``nonzero()
+    .squeeze()`` of one row: ``nn.AdaptiveLogSoftmaxWithLoss``'s cluster of one sample)
+    keeps the dim, as the ``(1,)`` index of the same layout does."""
     x = args[0]
     d = dim_of(arg(args, kwargs, 1, "dim"), x.dim())
     idx = arg(args, kwargs, 2, "index")
+    if isinstance(idx, Tensor) and idx.dim() == 0:
+        one, own, outer = idx.reshape(1), ctx.layout(idx), ctx
+        ctx = Ctx(ctx.n, lambda t: own if t is one else outer.layout(t))
+        idx = one
     items = [slice(None)] * d + [idx]
     return indexed_layout(ctx, x, items, out, name_of(func)) or Unknown(
         f"{name_of(func)} of dim {d} moves the samples irregularly")

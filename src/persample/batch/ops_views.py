@@ -193,6 +193,8 @@ def _squeeze(ctx, func, args, kwargs, out) -> Any:
         return lay
     dims = dims_arg(args, kwargs, 1, x.dim())
     dims = [d for d in (dims if dims is not None else range(x.dim())) if x.shape[d] == 1]
+    if lay.dim in dims:  # one position of the batch dim (one sample's) leaves no batch dim
+        return Unknown(f"{name_of(func)} removes the batch dim (one sample's position)")
     return lay.moved(lay.dim - sum(1 for d in dims if d < lay.dim))
 
 
@@ -222,6 +224,23 @@ def _expand(ctx, func, args, kwargs, out) -> Any:
 
 
 register(follows_partly(_expand), *aliases("expand", "broadcast_to", "expand_as"))
+
+
+def _broadcast_tensors(ctx, func, args, kwargs, out) -> Any:
+    """``broadcast_tensors(*xs)`` (what ``torch.distributions`` does to its parameters):
+    output ``k`` is input ``k`` expanded to the common shape, ``expand``'s data flow
+    output by output; it combines nothing, so a shared input stays shared beside a
+    batched one and an input whose samples are mixed or unknown affects its own
+    output only."""
+    xs = [t for t in (args[0] if len(args) == 1 and isinstance(args[0], (list, tuple))
+                      else args) if isinstance(t, Tensor)]
+    return tuple(_EXPANDED(ctx, func, (x,), {}, o) for x, o in zip(xs, out))
+
+
+_EXPANDED = follows_partly(_expand)
+
+
+register(_broadcast_tensors, *aliases("broadcast_tensors"))
 
 
 def _repeat(ctx, func, args, kwargs, out) -> Any:
@@ -381,7 +400,8 @@ register(_stack, *aliases("stack"))
 # views and joins carry positions that hold no sample's data (ops_indexing.Partly)
 VALUE_READERS.update(aliases("permute", "transpose", "swapaxes", "swapdims", "transpose_", "t",
                              "t_", "movedim", "moveaxis", "squeeze", "squeeze_", "unsqueeze",
-                             "unsqueeze_", "expand", "broadcast_to", "expand_as", "narrow",
+                             "unsqueeze_", "expand", "broadcast_to", "expand_as",
+                             "broadcast_tensors", "narrow",
                              "select", "split", "chunk", "tensor_split", "split_with_sizes",
                              "unbind", "unsafe_split", "unsafe_chunk", "cat", "concat",
                              "concatenate"))
@@ -403,10 +423,12 @@ register(_pad, F.pad, getattr(torch._C._nn, "pad", None))
 
 
 def _unfold_dim(ctx, func, args, kwargs, out) -> Any:
-    """``x.unfold(dim, size, step)``: a new last dim; the batch dim must not be unfolded."""
+    """``x.unfold(dimension, size, step)`` (PatchTST's patches of a ``(B, C, L)`` series,
+    ``(B, C, N, size)``): a new last dim, the batch dim in place; the batch dim must not
+    be unfolded."""
     x = args[0]
     lay = ctx.layout(x)
-    if isinstance(lay, Batched) and dim_of(args[1], x.dim()) == lay.dim:
+    if isinstance(lay, Batched) and dim_of(arg(args, kwargs, 1, "dimension"), x.dim()) == lay.dim:
         return Unknown("unfold of the batch dim")
     return lay
 

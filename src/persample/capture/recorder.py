@@ -29,7 +29,9 @@ Every random op is recorded as a :class:`~persample.draws.Draw` (``draws``, in o
 an op's own in ``Op.draw``, a call's range in ``Call.first_draw``/``end_draw``), so that
 whatever is evaluated again draws the numbers this forward drew. While the loss runs
 (:meth:`Capture.follow`), the first of its ops that mixes samples (``mixing``) is kept:
-such a loss has no per-sample form.
+such a loss has no per-sample form. ``torch.autograd.grad(..., create_graph=True)``
+in the forward or the loss is refused (:class:`~persample.errors.NeedsWholeModel`): the
+backward ops of a gradient's own graph run inside autograd, unseen.
 
 State lives in the :class:`Capture` object, never on the model, and the hooks exist only
 inside the ``with`` block: they are removed in ``finally``. What a capture changes
@@ -367,6 +369,8 @@ class Capture:
         """Run one op (the model's own: its errors propagate as they are); record its
         outputs' layouts, and the op if it reads parameters (persample's work: an error
         there is an :class:`~persample.errors.InternalError` naming the op)."""
+        if func is torch.autograd.grad:
+            self._refuse_graph_of_grads(args, kwargs)
         if func in METADATA:  # (a shape, a dtype: no tensor made)
             self.steps.append(None)
             return func(*args, **kwargs)
@@ -409,6 +413,29 @@ class Capture:
             return out
         except Exception as err:
             raise_internal(err, f"the data flow of {name_of(func)}")
+
+    def _refuse_graph_of_grads(self, args: tuple, kwargs: dict) -> None:
+        """Raise :class:`~persample.errors.NeedsWholeModel` for ``torch.autograd.grad(...,
+        create_graph=True)`` (input derivatives in a physics-informed loss, a gradient
+        penalty, an inner optimisation step): the gradient it returns is differentiated
+        again, through the backward ops autograd runs for it, which no capture sees. In the
+        loss, also without a graph: each sample's loss evaluated again on its part of the
+        outputs would differentiate tensors that part's graph does not hold. (In the
+        forward, a gradient without a graph is a constant, followed as the output of an op
+        without a data-flow rule.)"""
+        create = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
+        if not create and not self.following:
+            return
+        where = ("loss_fn" if self.following else
+                 f"module {self.stack[-1].describe()}" if self.stack else "the forward")
+        raise NeedsWholeModel(
+            f"torch.autograd.grad(..., create_graph=True) in {where}: the gradient it returns "
+            "is differentiated again, through the backward ops autograd runs for it, which "
+            "the capture cannot see, so the rules cannot split the parameters' gradients by "
+            "sample" if create else
+            "torch.autograd.grad in loss_fn: the samples of the gradient it returns are not "
+            "followed, and each sample's loss evaluated again on its part of the model's "
+            "outputs would differentiate tensors outside that part's graph")
 
     def _step(self, func, args: tuple, kwargs: dict, layouts: list[Layout], leaves: list,
               out: Any) -> Step | None:

@@ -29,16 +29,17 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks
-from ..batch import Batched
 from ..certificate import (
     Certificate,
     Checker,
     Draws,
     certify_clipped,
     certify_grads,
+    norms_disagree,
     signature,
 )
 from ..engine import Captured, loss_backprops
+from ..engine.weighted import edge_weighted_sum, op_weighted_sum
 from ..errors import CertificateError, InternalError, internal, internal_errors_raised
 from ..inputs import Batch
 from ..methods import Taken, answer, leave_rules, slower, user_stacklevel
@@ -46,7 +47,6 @@ from ..norms import group_squared_norms, per_sample_rows, squared_norms, sum_of_
 from ..plan import Plan
 from ..precision import LOW, accumulate_dtype, cast, without_autocast
 from ..rules import Decline, OpCall, rules_of
-from ..rules.vjp import summed_vjp
 from ..sharded import fsdp_units
 from ..whole import loop_grads, vmap_grads
 from .clipping import Clipping
@@ -427,24 +427,40 @@ class Clipped:
         """
         micro = self.micro
         params = micro.params
-        if self.captured is not None:
-            rows = per_sample_rows(self.captured, params, self.materialised)
-        else:
-            rows = lambda name: self.materialised[id(params[name])][:, 0]  # noqa: E731
-        squared = {name: self.squared[id(p)] for name, p in params.items()}
+        names = list(params)
+
+        def summed(w: Tensor) -> dict[str, Tensor]:  # this step's machinery, weights w
+            w = w.to(next(iter(self.factors.values())).dtype)
+            factors, self.factors = self.factors, {id(p): w for p in params.values()}
+            try:
+                return {name: total for name, total in zip(names, self._sums().values())}
+            finally:
+                self.factors = factors
+
+        rows = (per_sample_rows(self.captured, params, self.materialised)
+                if self.captured is not None
+                else lambda name: self.materialised[id(params[name])][:, 0])
+        ruled = {id(p) for _, _, _, normed in self.module_normed for p in normed.values()}
+        squared = {name: self.squared[id(p)] for name, p in params.items() if id(p) in ruled}
         cert = certify_grads(micro.model, micro.batch, micro.targets, micro.loss_fn, params,
-                             rows, draws, how, "per-sample gradients and norms of a DP step",
-                             squared, self.groups)
+                             summed, draws, how, "per-sample gradients of a DP step",
+                             lambda: norms_disagree(squared, rows, self.groups))
         if cert is not None and not cert.ok:
             return cert
-        with torch.no_grad():
-            sums = {id(p): torch.zeros_like(p, dtype=accumulate_dtype(p.dtype))
-                    for p in params.values()}
-            self.add_group(sums, set(sums))
+        sums = self._sums()
         return certify_clipped(
             micro.model, micro.batch, micro.targets, micro.loss_fn, params,
             {name: self.factors[id(p)] for name, p in params.items()},
             {name: sums[id(p)] for name, p in params.items()}, draws, how)
+
+    def _sums(self) -> dict[int, Tensor]:
+        """``{id(p): sum_i c_i g_i}`` of every parameter with the factors set now, into
+        memory of their own."""
+        with torch.no_grad():
+            sums = {id(p): torch.zeros_like(p, dtype=accumulate_dtype(p.dtype))
+                    for p in self.micro.params.values()}
+            self.add_group(sums, set(sums))
+        return sums
 
     def norms(self) -> Tensor:
         """``(n,)`` per-sample gradient norms over all parameters (with users: each
@@ -515,7 +531,7 @@ class Clipped:
         for _call, edge, layout, normed in self.module_normed:
             for p in normed.values():
                 if id(p) in group:
-                    got = _edge_backward(self.captured, edge, layout, [p],
+                    got = edge_weighted_sum(self.captured, edge, layout, [p],
                                          self.factors[id(p)])[id(p)]
                     into[id(p)].add_(got)
                     done.add(id(p))
@@ -624,7 +640,7 @@ def _complete(captured: Captured, ghosted: dict, left: dict[int, list],
         with without_autocast():
             for op in ops:
                 p = next(t for t in op.leaves if id(t) == pid)
-                into[pid].add_(_local_backward(captured, op, [p], factors[pid])[pid])
+                into[pid].add_(op_weighted_sum(captured, op, [p], factors[pid])[pid])
         done.add(pid)
 
 
@@ -640,7 +656,7 @@ def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor,
         with torch.no_grad():
             if rule(captured.n, dtype, cast(g, dtype), c.to(dtype), {p: into}):
                 return
-    into.add_(_local_backward(captured, op, [p], c)[pid])
+    into.add_(op_weighted_sum(captured, op, [p], c)[pid])
 
 
 def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
@@ -648,34 +664,3 @@ def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
     backprops are bfloat16: the GEMM runs there, as autograd's weight gradient would,
     and is added to the float32 sums), else the sums'."""
     return op_dtype if op_dtype in LOW and into_dtype not in LOW else into_dtype
-
-
-def _local_backward(captured: Captured, op, group: list, c: Tensor) -> dict[int, Tensor]:
-    """``d/dW <c * G, out>`` for ``group``'s parameters: the op replayed on the values it
-    read (unchanged since: ``squared_norms`` ghosts no other) and one backward of it
-    alone (the model's graph is not kept for this)."""
-    (edge,), (lay,) = op.edges, op.out_layouts
-    scaled = _scaled(captured.grad(edge)[0], lay, c)  # (*out)
-    wanted = {id(p) for p in group}
-    wrt = [k for k, t in enumerate(op.leaves) if id(t) in wanted]
-    found: dict[int, Tensor] = {}
-    for k, got in zip(wrt, summed_vjp(op, scaled, wrt)):
-        pid = id(op.leaves[k])
-        found[pid] = got if pid not in found else found[pid] + got
-    return found
-
-
-def _edge_backward(captured: Captured, edge, lay, group: list, c: Tensor) -> dict[int, Tensor]:
-    """``d/dW <c * G, out>`` for the output at ``edge`` (layout ``lay``) of a module call
-    normed by a module norm rule: the gradient of ``group``'s parameters for that
-    output's backprops scaled per sample, through the model's graph (kept for this:
-    :func:`_keeps_graph`)."""
-    scaled = _scaled(captured.grad(edge)[0], lay, c)
-    grads = torch.autograd.grad([edge.edge], group, [edge.place(scaled)], retain_graph=True)
-    return {id(p): got for p, got in zip(group, grads)}
-
-
-def _scaled(g: Tensor, lay, c: Tensor) -> Tensor:
-    """Backprops ``g`` (an output's own shape, layout ``lay``) times each sample's clip
-    factor ``c (n,)``; a shared output (no samples) as it is."""
-    return g * lay.scale(c, g) if isinstance(lay, Batched) else g

@@ -52,12 +52,13 @@ from .spec import (
     register_module,
     register_norm_rule,
     register_rule,
+    rules_of,
     spec_of,
 )
 
 __all__ = ["OpCall", "OpSpec", "ModuleSpec", "ModuleRule", "Decline", "register",
-           "register_module", "register_rule", "register_norm_rule", "spec_of", "module_rule",
-           "module_rule_of", "module_front", "module_inputs", "open_capture"]
+           "register_module", "register_rule", "register_norm_rule", "spec_of", "rules_of",
+           "module_rule", "module_rule_of", "module_front", "module_inputs", "open_capture"]
 
 
 def open_capture(model: nn.Module | None, watched: dict[int, nn.Parameter], n: int,

@@ -94,19 +94,23 @@ def target_shape(call: OpCall, p: Tensor) -> tuple[int, ...]:
 
 
 def operand(call: OpCall, x: Any, rank: int) -> Any:
-    """``x`` broadcastable against ``g (n, v, *s)`` with ``len(s) == rank``."""
+    """``x`` broadcastable against ``g (n, v, *s)`` with ``len(s) == rank``, conjugated
+    where complex: the factor a product's vector-Jacobian product multiplies ``g`` by
+    (``g * conj(a)`` for ``a * b``, PyTorch's convention)."""
     if not isinstance(x, Tensor):
-        return x
+        return x.conjugate() if isinstance(x, complex) else x
     if call.shared(x):
-        return x.detach()
+        return x.detach().conj()
     xf = call.front(x)  # (n, *per_sample)
-    return xf.view(xf.shape[0], 1, *[1] * (rank - (xf.dim() - 1)), *xf.shape[1:])
+    return xf.view(xf.shape[0], 1, *[1] * (rank - (xf.dim() - 1)), *xf.shape[1:]).conj()
 
 
 def write_reduced(call: OpCall, out: dict, p: Tensor, value: Tensor) -> None:
     """``value (n, v, *s)`` summed over the dims ``p`` was broadcast over, into ``p``'s
-    result (``p``'s own shape, or its per-sample shape where the op pairs it)."""
-    out[p].copy_(reduce_to(value, target_shape(call, p)))
+    result (``p``'s own shape, or its per-sample shape where the op pairs it); a real
+    ``p`` read by a complex op gets the real part."""
+    value = reduce_to(value, target_shape(call, p))
+    out[p].copy_(value.real if value.is_complex() and not out[p].is_complex() else value)
 
 
 def module_front(g: Tensor, lay: Layout, n: int, lead: int) -> Tensor:

@@ -9,7 +9,9 @@ sum_{broadcast} g * x``: the product summed over the dims ``w`` is broadcast ove
 (``w`` shared by all samples: its own shape; ``w`` paired with the samples, as a
 class token expanded to the batch: its per-sample shape). ``y = x + w`` gives
 ``sum_{broadcast} g``. In-place forms (``x.mul_(gamma)``, ``scores += bias``) read
-the value ``x`` had before the op.
+the value ``x`` had before the op. Complex tensors (GFNet's global filter, a complex
+weight times a spectrum) follow PyTorch's convention: ``g * conj(x)``, and a real ``w``
+read by a complex op gets the real part.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .calls import OpCall, operand, reduce_to, target_shape, write_reduced
+from .calls import OpCall, operand, write_reduced
 from .spec import Decline, OpSpec, register
 
 
@@ -27,7 +29,7 @@ def _distinct(a, b) -> None:
 
 
 def mul(call: OpCall, g: Tensor, out: dict) -> None:
-    """``y = a * b``: ``grad_a = sum g * b``, ``grad_b = sum g * a``."""
+    """``y = a * b``: ``grad_a = sum g * conj(b)``, ``grad_b = sum g * conj(a)``."""
     a, b = call.operands()
     _distinct(a, b)
     call.only(out, a, b)
@@ -44,6 +46,7 @@ def shift(call: OpCall, g: Tensor, out: dict, sign: int = 1) -> None:
     _distinct(a, b)
     call.only(out, a, b)
     scale = sign * call.kwargs.get("alpha", 1)
+    scale = scale.conjugate() if isinstance(scale, complex) else scale
     for p, by in ((a, 1), (b, scale)):
         if isinstance(p, Tensor) and p in out:
             write_reduced(call, out, p, g if by == 1 else g * by)
@@ -55,7 +58,7 @@ def subtract(call: OpCall, g: Tensor, out: dict) -> None:
 
 
 def div(call: OpCall, g: Tensor, out: dict) -> None:
-    """``y = a / b``: ``grad_a = sum g / b``, ``grad_b = -sum g a / b^2``."""
+    """``y = a / b``: ``grad_a = sum g / conj(b)``, ``grad_b = -sum g conj(a / b^2)``."""
     if call.kwargs.get("rounding_mode") is not None:
         raise Decline("a rounding division")
     a, b = call.operands()
@@ -82,8 +85,7 @@ def cat(call: OpCall, g: Tensor, out: dict) -> None:
             continue
         size = t.shape[dim]
         if t in out:
-            part = g.narrow(2 + dim, start, size)
-            out[t].copy_(reduce_to(part, target_shape(call, t)))
+            write_reduced(call, out, t, g.narrow(2 + dim, start, size))
         start += size
 
 
@@ -94,13 +96,29 @@ def expand(call: OpCall, g: Tensor, out: dict) -> None:
     if x not in out or not call.shared(x):
         raise Decline("not a shared tensor expanded")
     call.only(out, x)
-    out[x].copy_(reduce_to(g, tuple(x.shape)))
+    write_reduced(call, out, x, g)
 
 
-MUL = register(OpSpec((torch.mul,), grad=mul))
-ADD = register(OpSpec((torch.add,), grad=shift, reads_inputs=False))
-SUB = register(OpSpec((torch.sub,), grad=subtract, reads_inputs=False))
-DIV = register(OpSpec((torch.div,), grad=div))
-CAT = register(OpSpec((torch.cat,), grad=cat))
+def broadcast_tensors(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``torch.broadcast_tensors`` (``torch.distributions`` broadcasts its parameters
+    with it) as one ``expand`` per input, to the common shape: the same views, each
+    then an op with one output, so that a shared tensor widened to the batch (a
+    state-independent ``log_std`` beside batched means) is a derived tensor the
+    ``expand`` rule pulls back, and the ops that broadcast it anyway read the tensor it
+    widens. (A multi-output op has no gradient rule; its per-sample VJP would be
+    ``torch.func``'s.)"""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    return tuple(t.expand(shape) for t in tensors)
+
+
+# (complex tensors too: operand() conjugates, write_reduced() keeps a real input's part)
+MUL = register(OpSpec((torch.mul,), grad=mul, complex=True))
+ADD = register(OpSpec((torch.add,), grad=shift, reads_inputs=False, complex=True))
+SUB = register(OpSpec((torch.sub,), grad=subtract, reads_inputs=False, complex=True))
+DIV = register(OpSpec((torch.div,), grad=div, complex=True))
+CAT = register(OpSpec((torch.cat,), grad=cat, complex=True))
 EXPAND = register(OpSpec((torch.Tensor.expand, torch.broadcast_to, torch.Tensor.expand_as),
-                         grad=expand))
+                         grad=expand, complex=True))
+BROADCAST_TENSORS = register(OpSpec((torch.broadcast_tensors,), expand=broadcast_tensors))

@@ -43,9 +43,30 @@ def _scaled_smaller(a: Tensor, g: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     return (a * c, g) if a.shape[2] <= g.shape[2] else (a, g * c)
 
 
-def _bias_factors(gt: Tensor) -> Factors:
-    """A bias's gradient ``sum_t g_t``: ``g_t outer 1``."""
-    return Factors(gt, gt.new_ones(*gt.shape[:2], 1))
+def _one_entry(b: Tensor, o: int) -> bool:
+    """Is the bias one entry broadcast over the ``o`` outputs (0-dim, or ``(1,)`` beside
+    ``o > 1``: a learned offset), rather than a vector of the outputs? Any other shape is
+    declined (:func:`_check_bias`)."""
+    return tuple(b.shape) != (o,)
+
+
+def _check_bias(b: Tensor | None, o: int) -> None:
+    """Decline a bias (``None``: none wanted) that is neither ``(o,)`` nor one entry."""
+    if b is not None and tuple(b.shape) != (o,) and b.numel() != 1:
+        raise Decline("a bias that is neither a vector of the outputs nor one entry")
+
+
+def _bias_rows(gt: Tensor, b: Tensor, o: int) -> Tensor:
+    """A bias's per-sample gradient from backprops ``gt (n, t, o)``: ``sum_t g_t (n, o)``,
+    or for one entry (:func:`_one_entry`) also summed over the outputs, ``(n, 1)``."""
+    return gt.sum((1, 2)).unsqueeze(1) if _one_entry(b, o) else gt.sum(1)
+
+
+def _bias_factors(gt: Tensor, b: Tensor, o: int) -> Factors:
+    """A bias's gradient ``sum_t g_t``: ``g_t outer 1`` (for one entry, the outputs'
+    sum: a ``(1, 1)`` matrix, as ``matrix_shape`` sees a 0-dim parameter)."""
+    left = gt.sum(2, keepdim=True) if _one_entry(b, o) else gt  # (n, t, o or 1)
+    return Factors(left, gt.new_ones(*gt.shape[:2], 1))
 
 
 # ---------------------------------------------------------------------------
@@ -60,15 +81,17 @@ def linear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
         raise Decline("a weight paired with the samples")
     if w in out and w.dim() != 2:
         raise Decline("a 1-d weight")
-    if b is not None and b in out and b.dim() != 1:
-        raise Decline("a bias that is not a vector")
     n, v = g.shape[:2]
     o, i = w.shape if w.dim() == 2 else (1, w.shape[0])
+    _check_bias(b if b in out else None, o)
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
     if w in out:
         sum_outer_into(gt, as_rows(call, x, i), out[w])  # (n, v, o, i)
     if b is not None and b in out:
-        torch.sum(gt, dim=2, out=out[b])  # (n, v, o)
+        if _one_entry(b, o):  # (0-dim or (1,): the outputs' sum too)
+            out[b].view(n, v).copy_(gt.sum((2, 3)))
+        else:
+            torch.sum(gt, dim=2, out=out[b])  # (n, v, o)
 
 
 def linear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor]:
@@ -83,6 +106,7 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Te
     if call.shared(x) or w.dim() != 2:
         raise Decline("a shared input, or a 1-d weight")
     o, i = w.shape
+    _check_bias(b if b in wanted else None, o)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if w in wanted:
@@ -90,7 +114,7 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Te
         if found[w] is None:
             raise Decline("materialising is cheaper")
     if b is not None and b in wanted:
-        found[b] = gt.sum(1).square().sum(1)  # (n,)
+        found[b] = _bias_rows(gt, b, o).square().sum(1)  # (n,)
     return found
 
 
@@ -102,12 +126,13 @@ def linear_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) -
     if call.shared(x) or w.dim() != 2:
         raise Decline("a shared input, or a 1-d weight")
     o, i = w.shape
+    _check_bias(b if b in into else None, o)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     if w in into:
         a, gw = _scaled_smaller(as_rows(call, x, i), gt, c)
         add_product(into[w], gw.reshape(-1, o).T, a.reshape(-1, i))  # (o, n*t) @ (n*t, i)
     if b is not None and b in into:
-        into[b].add_(c @ gt.sum(1))  # (n,) @ (n, o)
+        into[b].add_((c @ _bias_rows(gt, b, o)).view(b.shape))  # (n,) @ (n, o or 1)
 
 
 def linear_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors]:
@@ -116,12 +141,13 @@ def linear_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor,
     if w.dim() != 2 or not call.shared(w) or (b is not None and not call.shared(b)):
         raise Decline("a 1-d weight, or a weight paired with the samples")
     o, i = w.shape
+    _check_bias(b if b in wanted else None, o)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if w in wanted:
         found[w] = Factors(gt, _expanded(call, x, i, gt.shape[0]))
     if b is not None and b in wanted:
-        found[b] = _bias_factors(gt)
+        found[b] = _bias_factors(gt, b, o)
     return found
 
 
@@ -142,16 +168,20 @@ def addmm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     call.only(out, b, w)
     if any(t in out and not call.shared(t) for t in (b, w)):
         raise Decline("a paired operand is a parameter")
-    if b in out and b.dim() != 1:
-        raise Decline("a bias with rows")
     n, v = g.shape[:2]
     i, o = w.shape
+    if b in out and b.dim() > 1:
+        raise Decline("a bias with rows")
+    _check_bias(b if b in out else None, o)
     gt = g.reshape(n, v, -1, o)  # (n, v, t, o)
     if w in out:
         dst = out[w].transpose(2, 3)  # (n, v, o, i) view of (n, v, i, o)
         sum_outer_into(gt if alpha == 1 else gt * alpha, as_rows(call, x, i), dst)
     if b in out:
-        torch.sum(gt, dim=2, out=out[b])
+        if _one_entry(b, o):  # (0-dim or (1,): the outputs' sum too)
+            out[b].view(n, v).copy_(gt.sum((2, 3)))
+        else:
+            torch.sum(gt, dim=2, out=out[b])
         if beta != 1:
             out[b].mul_(beta)
 
@@ -159,9 +189,10 @@ def addmm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
 def addmm_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Tensor]:
     """The ghost norms of :func:`linear_norm`, times ``alpha^2`` and ``beta^2``."""
     b, x, w, beta, alpha = _addmm_args(call)
-    if call.shared(x) or b.dim() != 1:
+    if call.shared(x) or b.dim() > 1:
         raise Decline("a shared input, or a bias with rows")
     i, o = w.shape
+    _check_bias(b if b in wanted else None, o)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if w in wanted:
@@ -170,7 +201,7 @@ def addmm_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Ten
             raise Decline("materialising is cheaper")
         found[w] = norm * alpha**2
     if b in wanted:
-        found[b] = gt.sum(1).square().sum(1) * beta**2
+        found[b] = _bias_rows(gt, b, o).square().sum(1) * beta**2
     return found
 
 
@@ -178,30 +209,32 @@ def addmm_sum(call: OpCall, g: Tensor, c: Tensor, into: dict[Tensor, Tensor]) ->
     """``beta * b + alpha * x @ W``: ``W (i, o)`` gets ``alpha (c x)^T g``, ``b``
     ``beta c^T sum_t g``."""
     b, x, w, beta, alpha = _addmm_args(call)
-    if call.shared(x) or b.dim() != 1:
+    if call.shared(x) or b.dim() > 1:
         raise Decline("a shared input, or a bias with rows")
     i, o = w.shape
+    _check_bias(b if b in into else None, o)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     if w in into:
         a, gw = _scaled_smaller(as_rows(call, x, i), gt, c)
         add_product(into[w], a.reshape(-1, i).T, gw.reshape(-1, o), alpha)  # (i, o)
     if b in into:
-        into[b].add_(c @ gt.sum(1), alpha=beta)
+        into[b].add_((c @ _bias_rows(gt, b, o)).view(b.shape), alpha=beta)
 
 
 def addmm_factors(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Factors]:
     """``W (i, o)``: ``L = x``, ``R = alpha g``; ``b``: ``L = beta g``, ``R = 1``."""
     b, x, w, beta, alpha = _addmm_args(call)
-    if b.dim() != 1 or not call.shared(w) or not call.shared(b) or x in wanted:
+    if b.dim() > 1 or not call.shared(w) or not call.shared(b) or x in wanted:
         raise Decline("a bias with rows, a paired operand, or the first matrix wanted")
     i, o = w.shape
+    _check_bias(b if b in wanted else None, o)
     gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
     found = {}
     if w in wanted:
         found[w] = Factors(_expanded(call, x, i, gt.shape[0]), gt if alpha == 1 else gt * alpha,
                            "right")
     if b in wanted:
-        found[b] = _bias_factors(gt if beta == 1 else gt * beta)
+        found[b] = _bias_factors(gt if beta == 1 else gt * beta, b, o)
     return found
 
 

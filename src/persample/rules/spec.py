@@ -94,6 +94,12 @@ class OpSpec:
         reads_inputs: the rules read the op's input values (``False`` for a shift,
             whose gradient is the backprops alone: an input changed in place after the
             op does not matter).
+        complex: the rules hold for complex tensors too, in PyTorch's convention (the
+            vector-Jacobian product of ``a * b`` w.r.t. ``b`` is ``g * conj(a)``; a real
+            input of a complex op gets the real part). Without it, a call reading or
+            making a complex tensor takes the exact slower paths (:func:`rules_of`):
+            formulas written for real tensors, ``g x^T`` for ``g x^H``, would be
+            silently wrong there.
         funcs: every function covered, found by :func:`register`.
     """
 
@@ -107,6 +113,7 @@ class OpSpec:
     flow: Handler | None = None
     adds: bool = False
     reads_inputs: bool = True
+    complex: bool = False
     funcs: tuple[Any, ...] = ()
 
     @property
@@ -185,6 +192,20 @@ def _check(spec: OpSpec) -> None:
 def spec_of(func: Any) -> OpSpec | None:
     """The spec covering ``func`` (as the capture's mode sees it), or ``None``."""
     return SPECS.get(func)
+
+
+def rules_of(op: Any) -> OpSpec | None:
+    """The spec whose rules (gradient, norm, sum, factors) apply to the recorded ``op``
+    (:class:`persample.capture.Op`): ``spec_of(op.func)``, or ``None`` where the op
+    reads or makes a complex tensor and the spec's rules are written for real ones
+    (``OpSpec.complex``); the engine then takes the exact slower paths."""
+    spec = SPECS.get(op.func)
+    if spec is None or spec.complex:
+        return spec
+    if any(t.is_complex() for t in op.leaves) or any(
+            t.is_complex() for t in op.outputs):
+        return None
+    return spec
 
 
 # ---------------------------------------------------------------------------
