@@ -202,9 +202,11 @@ def test_frozen_part_that_mixes_samples_is_found(inner, op, snapshot):
     with pytest.raises((persample.NeedsWholeModel, persample.LossNotPerSampleError),
                        match=op):
         persample.per_sample_grads(model, x, y, ce, method="rules")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # auto: refused by name (no per-sample gradient)
         warnings.simplefilter("ignore")
-        got = persample.per_sample_grads(model, x, y, ce)
+        with pytest.raises(persample.CertificateError, match="mixes samples"):
+            persample.per_sample_grads(model, x, y, ce)
+    got = persample.per_sample_grads(model, x, y, ce, method="loop")  # asked for
     assert_exact(got, persample.loop_per_sample_grads(model, x, y, ce))
     state.assert_unchanged()
 

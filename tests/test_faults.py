@@ -30,6 +30,7 @@ from persample import (
     per_sample_grads,
 )
 from persample.dp import private_grad
+from persample.errors import CertificateError
 
 N = 4
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks",
@@ -435,8 +436,8 @@ class SubBatch(nn.Module):
 
 def test_module_called_on_a_sub_batch(snapshot):
     """Sample 0's ``fc(h[:1])`` is added to every sample's output: the samples interact.
-    The rules refuse, naming where; ``auto`` warns and gives the loop's answer (each
-    sample alone)."""
+    The rules refuse, naming where; ``auto`` refuses too (the loop's each-sample-alone
+    answer fails the certificate), and ``method="loop"`` gives that answer when asked."""
     model = SubBatch()
     x, y = torch.randn(N, 4), torch.randn(N, 3)
     state = snapshot(model)
@@ -448,22 +449,24 @@ def test_module_called_on_a_sub_batch(snapshot):
     with pytest.raises(Exception, match="spreads one sample"):
         param_jacobian(model, x, method="rules")
     with pytest.warns(UserWarning, match=pattern):
-        got = per_sample_grads(model, x, y, nn.MSELoss())
+        with pytest.raises(CertificateError, match="the model mixes samples.*" + pattern):
+            per_sample_grads(model, x, y, nn.MSELoss())
+    got = per_sample_grads(model, x, y, nn.MSELoss(), method="loop")
     assert_grads_equal(got, loop_per_sample_grads(model, x, y, nn.MSELoss()))
     state.assert_unchanged()
     assert_nothing_left(model)
 
 
 def test_module_called_on_a_sub_batch_in_private_grad():
-    """private_grad, like method="auto", warns and clips the loop's per-sample gradients."""
+    """private_grad, like method="auto", refuses: a sample's gradient, its clipping and
+    the guarantee are not defined; ``p.grad`` is left as it was."""
     model = SubBatch()
     x, y = torch.randn(N, 4), torch.randn(N, 3)
-    want = flat(loop_per_sample_grads(model, x, y, nn.MSELoss()))
-    c = (1.0 / (want.norm(dim=1) + 1e-6)).clamp(max=1.0)
-    with pytest.warns(UserWarning, match=r"(?s)in module '<root>' \(SubBatch\).*Falling back"):
-        private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0)
-    got = torch.cat([p.grad.flatten() for p in model.parameters()])
-    torch.testing.assert_close(got, (c[:, None] * want).sum(0) / N, **TOL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CertificateError, match="mixes samples"):
+            private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0)
+    assert all(p.grad is None for p in model.parameters())
     assert_nothing_left(model)
 
 

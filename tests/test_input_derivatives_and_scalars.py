@@ -412,9 +412,6 @@ def test_create_graph_is_refused_by_the_rules_and_answered_exactly(name):
     assert x.grad is None if isinstance(x, Tensor) else True  # the user's inputs untouched
 
 
-@pytest.mark.xfail(strict=True, reason="param_jacobian's probe of the output shape runs "
-                   "the forward without autograd, where the forward's own autograd.grad "
-                   "raises")
 @pytest.mark.parametrize("name", ["pinn-forward", "inner-step"])
 def test_param_jacobian_of_a_forward_with_create_graph(name):
     model, x, _, _, runs = derivative_case(name)

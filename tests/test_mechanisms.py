@@ -247,14 +247,19 @@ class ExpertChoice(nn.Module):
         return out.view(b, t, e).sum(1)
 
 
-def test_routing_that_compares_samples_is_refused_and_auto_takes_the_loop():
+def test_routing_that_compares_samples_is_refused_by_rules_and_auto():
+    """Expert-choice routing picks tokens across the batch: samples mix, so ``auto``
+    refuses too (the loop's each-sample-alone answer fails the certificate); the loop
+    answers when asked for."""
     torch.manual_seed(0)
     model = ExpertChoice()
     x, y = torch.randn(B, T, E), torch.randn(B, E)
     with pytest.raises(ValueError, match="topk selects positions of several samples"):
         per_sample_grads(model, x, y, mse, method="rules")
     with pytest.warns(UserWarning, match="topk selects positions"):
-        got = per_sample_grads(model, x, y, mse)
+        with pytest.raises(persample.CertificateError, match="mixes samples.*topk"):
+            per_sample_grads(model, x, y, mse)
+    got = per_sample_grads(model, x, y, mse, method="loop")
     assert_exact(got, loop_per_sample_grads(model, x, y, mse))
 
 

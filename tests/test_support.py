@@ -136,10 +136,15 @@ def test_verify_finds_a_wrong_rule():
 
     net = nn.Sequential(nn.Linear(2, 3), Gain())
     x, y = torch.randn(6, 2), torch.randn(6, 3)
-    report = verify(net, x, y, nn.MSELoss(), samples=10)
+    report = verify(net, x, y, nn.MSELoss(), samples=10, method="rules")
     assert not report.ok and report.worst == "1.w" and report.samples == 6
     assert report.rel_error["0.weight"] < 1e-10
     assert "MISMATCH" in str(report)
+    with pytest.warns(UserWarning, match="certificate caught"):  # auto: caught, answered
+        report = verify(net, x, y, nn.MSELoss())
+    assert report.ok and report.method.startswith("vmap")
+    assert [c.ok for c in report.certificates] == [False, True]
+    assert "1.w" in report.certificates[0].reason
 
 
 def test_verify_float32_tolerance_and_bad_samples():

@@ -160,37 +160,42 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
     for start in range(0, n, step):
         a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
         d = {key: part[start : start + step] for key, part in dest.items()}
+        losses = torch.empty(a.n, dtype=torch.float64)  # each method's, for its certificate
         answer(
             method,
-            rules=lambda a=a, t=t, d=d: _noted(
-                taken, rules_grads(model, a, t, loss_fn, d, watched)),
-            vmap=lambda a=a, t=t, d=d: _copy(
-                vmap_grads(model, a, t, loss_fn, params), params, d),
-            loop=lambda a=a, t=t, d=d: _copy(
-                loop_grads(model, a.as_inputs(), t, loss_fn), params, d),
+            rules=lambda a=a, t=t, d=d, losses=losses: _noted(
+                taken, rules_grads(model, a, t, loss_fn, d, watched), losses),
+            vmap=lambda a=a, t=t, d=d, losses=losses: _copy(
+                vmap_grads(model, a, t, loss_fn, params, losses), params, d),
+            loop=lambda a=a, t=t, d=d, losses=losses: _copy(
+                loop_grads(model, a.as_inputs(), t, loss_fn, losses), params, d),
             taken=taken, hint=lambda: checks.dtype_note(batch, params),
-            certify=_grads_checker(model, a, t, loss_fn, params, d, check, taken))
+            certify=_grads_checker(model, a, t, loss_fn, params, d, check, losses))
     return result, taken
 
 
 def _grads_checker(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
                    params: dict[str, nn.Parameter], dest: dict[int, Tensor], check: Any,
-                   taken: Taken) -> Callable:
-    """``certify(how, draws)`` of the rows ``dest`` of one batch (see :func:`answer`)."""
+                   losses: Tensor) -> Callable:
+    """``certify(how, draws)`` of the rows ``dest`` of one batch (see :func:`answer`;
+    ``losses``: the method's per-sample losses)."""
     checker = Checker(check, model, signature("grads", model, batch, targets,
                                               params.values()))
 
     def certify(how: str, draws: Any) -> Any:
         return checker(how, lambda: certify_grads(
             model, batch, targets, loss_fn, params,
-            summed_rows(lambda name: dest[id(params[name])], params), draws, how))
+            summed_rows(lambda name: dest[id(params[name])], params), draws, how,
+            losses=losses))
     certify.rejected = checker.rejected
     return certify
 
 
-def _noted(taken: Taken, captured: Any) -> Any:
-    """``captured``, its plan's note kept in ``taken``."""
+def _noted(taken: Taken, captured: Any, losses: Tensor) -> Any:
+    """``captured``, its plan's note kept in ``taken``, its per-sample losses in
+    ``losses``."""
     taken.plan = captured.plan_note()
+    losses.copy_(captured.losses)
     return captured
 
 
@@ -309,13 +314,14 @@ def _jacobian_checker(model: nn.Module, batch: Batch, params: dict[str, nn.Param
 
 
 def _output_shape(model: nn.Module, batch: Batch) -> torch.Size:
-    """``out_shape`` of one sample, from a forward of the first sample without autograd
-    (its draws and buffer updates undone: the call draws what one forward draws)."""
+    """``out_shape`` of one sample, from a forward of the first sample (its draws and
+    buffer updates undone: the call draws what one forward draws; with autograd on, as a
+    forward that calls ``torch.autograd.grad`` itself needs)."""
     if batch.n == 0:
         raise ValueError("param_jacobian needs at least one sample to know the output shape")
     states = snapshot()
     try:
-        with torch.no_grad(), checks.kept_buffers(model):
+        with torch.enable_grad(), checks.kept_buffers(model):
             output = batch.samples(0, 1).call(model)
     finally:
         restore(states)

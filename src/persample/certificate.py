@@ -22,8 +22,9 @@ found them), never persample's data flow, rules or fallbacks:
 Each parameter's two sides are compared in float64 as ``||got - want|| <= tol *
 max(||got||, ||want||) + floor``, with ``tol`` by the computation's precision
 (:data:`TOLERANCES`; under autocast, its dtype's) and ``floor = max(64 eps, tol /
-1000)`` times the norm of the whole right side: a parameter whose true gradient is
-zero (a key bias before a softmax) holds rounding noise on both sides.
+1000)`` times the norm of the whole right side, plus ``64 eps``: a parameter whose true
+gradient is zero (a key bias before a softmax, the weight of a normalisation summed
+out) holds rounding noise on both sides.
 
 The policy, ``check=``, of every function that takes it: ``"first"`` (default)
 certifies the first call of each new plan (a model, its mode, the inputs' shapes
@@ -257,18 +258,30 @@ def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
     return grads, moved
 
 
-def _losses(output: Any, targets: Any, loss_fn: Callable, n: int) -> Tensor:
-    """``(n,)`` each sample's loss from the batch's output, its rows in dim 0."""
-    if n > 1 and any(isinstance(t, Tensor) and (t.dim() == 0 or t.shape[0] != n)
-                     for t in tree_leaves(output)):
+def _losses(output: Any, targets: Any, loss_fn: Callable, n: int,
+            expected: Tensor | None = None) -> Tensor:
+    """``(n,)`` each sample's loss from the batch's output, its rows in dim 0.
+
+    ``expected``: the method's own per-sample losses ``(n,)``. Where they differ and an
+    output tensor has another dim of size ``n`` (its samples could be there: a
+    sequence-first output with as many positions as samples), the identity cannot tell
+    where the samples are without persample's data flow: not certified. Elsewhere a
+    difference is the forward's (it does not reproduce), and shows in the identity."""
+    leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
+    if n > 1 and any(t.dim() == 0 or t.shape[0] != n for t in leaves):
         loss = loss_fn(output, targets)
         if isinstance(loss, Tensor) and loss.shape == (n,):
             return loss
         raise _NoIdentity("the model's output has no row per sample in dim 0")
     try:
-        return per_sample_losses(output, targets, loss_fn, n)
+        loss = per_sample_losses(output, targets, loss_fn, n)
     except NeedsWholeModel as err:  # an output no pytree opens (a distribution), a scalar
         raise _NoIdentity(str(err)) from err  # loss: no sample's part of it to give
+    if (expected is not None and n > 1 and any(n in t.shape[1:] for t in leaves)
+            and not torch.allclose(loss.detach().double(), expected.double().to(loss.device),
+                                   rtol=1e-3, atol=1e-6 * float(expected.abs().max()))):
+        raise _NoIdentity("the output's samples may be in another dim of the same size")
+    return loss
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
@@ -290,7 +303,7 @@ def _compared(got: Mapping[str, Tensor], want: Mapping[str, Tensor], tol: float,
     """Per parameter the relative error of ``got`` against ``want``, and the names beyond
     ``tol`` (see the module docstring)."""
     norms = {name: float(_wide(w).norm()) for name, w in want.items()}
-    floor = max(64 * eps, 1e-3 * tol) * sum(v * v for v in norms.values()) ** 0.5
+    floor = max(64 * eps, 1e-3 * tol) * sum(v * v for v in norms.values()) ** 0.5 + 64 * eps
     errors, bad = {}, []
     for name, w in want.items():
         g = _wide(got[name]).to(w.device)
@@ -335,7 +348,8 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
                   params: Mapping[str, Tensor],
                   summed: Callable[[Tensor], Mapping[str, Tensor]], draws: Draws,
                   method: str, what: str = "per-sample gradients",
-                  norms_off: Callable[[], list[str]] | None = None) -> Certificate | None:
+                  norms_off: Callable[[], list[str]] | None = None,
+                  losses: Tensor | None = None) -> Certificate | None:
     """Certify per-sample gradients: ``sum_i u_i g_i`` against the gradient of ``sum_i
     u_i L_i`` (see the module docstring).
 
@@ -349,6 +363,8 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
         what: the quantity, for the report.
         norms_off: ``norms_off()`` gives the parameters whose norms disagree with their
             rows' (the norm path), or ``None``.
+        losses: the method's own per-sample losses ``(n,)``, or ``None`` (see
+            :func:`_losses`).
 
     Returns:
         The :class:`Certificate`, or ``None`` where the output cannot give each
@@ -361,7 +377,7 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     u = _gaussian(n)
     try:
         (want,), moved = _weighted_gradients(model, [(batch, targets, u)], loss_fn, params,
-                                             draws)
+                                             draws, [losses])
     except _NoIdentity:
         return None
     _verdict(cert, summed(u), want, moved, eps)
@@ -405,8 +421,8 @@ def norms_disagree(norms: Mapping[str, Tensor], rows: Callable[[str], Tensor],
 
 def certify_clipped(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
                     params: Mapping[str, Tensor], factors: Mapping[str, Tensor],
-                    sums: Mapping[str, Tensor], draws: Draws, method: str
-                    ) -> Certificate | None:
+                    sums: Mapping[str, Tensor], draws: Draws, method: str,
+                    losses: Tensor | None = None) -> Certificate | None:
     """Certify a DP step's clipped sums ``sum_i c_i g_i`` ``{name: (*shape)}`` against the
     gradient of ``sum_i c_i L_i``, the clip factors ``factors`` ``{name: (n,)}`` held
     constant (one backward per distinct factor vector). ``None`` where the output cannot
@@ -427,7 +443,7 @@ def certify_clipped(model: nn.Module, batch: Batch, targets: Any, loss_fn: Calla
         distinct.setdefault(k, []).append(name)
 
     def roots(out: Any) -> list:
-        loss = _losses(out, targets, loss_fn, n)
+        loss = _losses(out, targets, loss_fn, n, losses)
         return [((c.to(loss.device, loss.dtype) * loss).sum(), None) for c in vectors]
 
     try:
@@ -491,11 +507,14 @@ def certify_input_jacobian(model: Callable[[Tensor], Tensor], inputs: Tensor, ja
 
 
 def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]],
-                        loss_fn: Callable, params: Mapping[str, Tensor], draws: Draws
+                        loss_fn: Callable, params: Mapping[str, Tensor], draws: Draws,
+                        expected: list[Tensor | None] | None = None
                         ) -> tuple[list[dict[str, Tensor]], list[str]]:
     """For each ``(batch, targets, u)`` of ``sides`` (forwards in that order, from
     ``draws``; a batch repeated is one forward), the gradient of ``sum_i u_i L_i``
-    ``{name: (*shape)}``."""
+    ``{name: (*shape)}`` (``expected``: each side's method's losses, or ``None``)."""
+    expected = expected or [None] * len(sides)
+    known = {id(b): e for (b, _, _), e in zip(sides, expected)}
     batches = list(dict.fromkeys(id(b) for b, _, _ in sides))
     by_id = {id(b): (b, t) for b, t, _ in sides}
 
@@ -503,7 +522,7 @@ def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]]
         return [by_id[k][0].call(_plain_model(model)) for k in batches]
 
     def roots(outs: list) -> list:
-        losses = {k: _losses(out, by_id[k][1], loss_fn, by_id[k][0].n)
+        losses = {k: _losses(out, by_id[k][1], loss_fn, by_id[k][0].n, known[k])
                   for k, out in zip(batches, outs)}
         return [((u.to(losses[id(b)].device, losses[id(b)].dtype) * losses[id(b)]).sum(),
                  None) for b, _, u in sides]

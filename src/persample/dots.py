@@ -76,10 +76,10 @@ def per_sample_grad_dots(
         unit squared, in the parameters' dtype, at least float32 (accumulated there).
 
     Raises:
-        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError,
-            CertificateError: as :func:`persample.per_sample_grads`, for either batch;
-            ``ValueError`` for
-            an ``other`` that is not an ``(inputs, targets)`` pair.
+        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError: as
+            :func:`persample.per_sample_grads`, for either batch; ``ValueError`` for an
+            ``other`` that is not an ``(inputs, targets)`` pair.
+        InternalError, CertificateError: as :func:`persample.per_sample_grads`.
 
     Examples:
         >>> import torch

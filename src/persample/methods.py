@@ -148,7 +148,14 @@ def _stands(how: str, taken: Taken, certify: Callable | None, draws: Any,
     """Does the result method ``how`` just gave stand? Certified where due; a mismatch
     raises (``explicit``: the method was asked for, or it is the last) or warns once per
     call and says to take the next method."""
-    cert = _certificate(certify, how, draws, explicit) if certify is not None else None
+    try:
+        cert = certify(how, draws) if certify is not None else None
+    except (InternalError, *REFUSALS) as err:  # persample's own code, reading the result
+        if explicit or internal_errors_raised():
+            raise
+        leave_rules(taken, err)
+        taken.method = {"rules": "vmap", "vmap": "loop"}.get(how, how)
+        return False
     if cert is None:
         return True
     taken.certificates.append(cert)
@@ -178,20 +185,6 @@ def _stands(how: str, taken: Taken, certify: Callable | None, draws: Any,
             stacklevel=user_stacklevel())
     taken.method = {"rules": "vmap", "vmap": "loop"}.get(how, how)
     return False
-
-
-def _certificate(certify: Callable, how: str, draws: Any, explicit: bool) -> Any:
-    """``certify(how, draws)``; where persample's own code fails while certifying (it
-    reads the result from the rules' records), a failed certificate under ``auto``."""
-    from .certificate import Certificate
-
-    try:
-        return certify(how, draws)
-    except (InternalError, *REFUSALS) as err:
-        if explicit or internal_errors_raised():
-            raise
-        return Certificate("result", how, "its certificate could not be computed", ok=False,
-                           reason=f"persample's own code failed while certifying it: {err}")
 
 
 def _certificate_fix(how: str) -> str:

@@ -302,7 +302,7 @@ def _rules_norms(model, batch, targets, loss_fn, params, kept: dict) -> dict[str
     with internal("the norm rules"):
         sq, mats, ghosted, by_module = squared_norms(captured, params)
     kept.update(captured=captured, squared=sq, materialised=mats, ghosted=ghosted,
-                by_module=by_module)
+                by_module=by_module, losses=captured.losses)
     return {name: sq[id(p)].sqrt() for name, p in params.items()}
 
 
@@ -411,8 +411,9 @@ def per_sample_grad_norms(
         ``per_layer=True`` a tuple ``((B,), {name: (B,)})``.
 
     Raises:
-        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError, InternalError,
-            CertificateError: as :func:`persample.per_sample_grads`.
+        TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError: as
+            :func:`persample.per_sample_grads`.
+        InternalError, CertificateError: as :func:`persample.per_sample_grads`.
 
     Examples:
         >>> import torch
@@ -437,16 +438,22 @@ def per_sample_grad_norms(
             method,
             rules=lambda a=a, t=t, kept=kept: _rules_norms(model, a, t, loss_fn, params, kept),
             vmap=lambda a=a, t=t, kept=kept: _norms_of(kept.setdefault(
-                "grads", vmap_grads(model, a, t, loss_fn, params))),
+                "grads", vmap_grads(model, a, t, loss_fn, params, _losses_in(kept, a.n)))),
             loop=lambda a=a, t=t, kept=kept: _norms_of(kept.setdefault("grads", {
-                name: g for name, g in loop_grads(model, a, t, loss_fn).items()
-                if name in params})),
+                name: g for name, g in loop_grads(model, a, t, loss_fn, _losses_in(
+                    kept, a.n)).items() if name in params})),
             taken=taken, hint=lambda: checks.dtype_note(batch, params),
             certify=_norms_checker(model, a, t, loss_fn, params, kept, check))
         for name, norms in chunk.items():
             layers[name][start : start + step] = norms
     total = torch.stack(list(layers.values())).square().sum(0).sqrt()  # (B,)
     return (total, layers) if per_layer else total
+
+
+def _losses_in(kept: dict, n: int) -> Tensor:
+    """A ``(n,)`` buffer in ``kept`` for a method's per-sample losses (its certificate's)."""
+    kept["losses"] = torch.empty(n, dtype=torch.float64)
+    return kept["losses"]
 
 
 def _norms_checker(model, batch, targets, loss_fn, params, kept: dict, check: Any
@@ -460,7 +467,7 @@ def _norms_checker(model, batch, targets, loss_fn, params, kept: dict, check: An
         if how != "rules":  # the norms are those of these rows
             summed = summed_rows(kept.pop("grads").__getitem__, params)
             return certify_grads(model, batch, targets, loss_fn, params, summed, draws, how,
-                                 "per-sample gradient norms")
+                                 "per-sample gradient norms", losses=kept.get("losses"))
         captured, mats = kept["captured"], kept["materialised"]
         summed = partial(weighted_sums, captured, params, mats, kept["ghosted"])
         # the norms not from factors the identity checks: those of module norm rules
@@ -470,7 +477,7 @@ def _norms_checker(model, batch, targets, loss_fn, params, kept: dict, check: An
         rows = per_sample_rows(captured, params, mats)
         return certify_grads(model, batch, targets, loss_fn, params, summed, draws, how,
                              "per-sample gradient norms",
-                             lambda: norms_disagree(squared, rows))
+                             lambda: norms_disagree(squared, rows), kept.get("losses"))
 
     def certify(how: str, draws: Any) -> Any:
         try:

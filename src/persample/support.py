@@ -267,6 +267,7 @@ class Verification:
         verdict = "OK" if self.ok else "MISMATCH"
         if self.plan and self.method == "rules":
             lines.append(f"plan: {self.plan}")
+        lines += [f"certificate: {c.describe()}" for c in self.certificates]
         lines.append(f"{verdict}: {self.samples} samples, rtol {self.rtol:g}")
         if self.mismatched:
             lines.append(f"samples beyond rtol: {_listed(self.mismatched)}")
@@ -277,7 +278,6 @@ class Verification:
                          "forward that ran (the same draws)")
         if self.method != "rules":
             lines.append(f"method: {self.method}")
-        lines += [f"certificate: {c.describe()}" for c in self.certificates]
         return "\n".join(lines)
 
 
@@ -334,9 +334,11 @@ def verify(
         where the capture took the data flow of an earlier call like it, see
         :func:`persample.clear_plans`, else ``"new: ..."``), ``random_ops`` (``["dropout in module
         'drop' (Dropout)", ...]``, empty for a model that draws nothing),
-        ``certificates`` (each :class:`~persample.certificate.Certificate` the fast call
-        ran: it is always certified here, and a rejected method's is listed before the
-        one that answered), ``abs_error`` and ``rel_error`` (dicts by
+        ``certificates`` (with ``method="auto"``, each
+        :class:`~persample.certificate.Certificate` the fast call ran: it is always
+        certified here, and a rejected method's is listed before the one that answered;
+        an explicit method is not certified, its rows are compared), ``abs_error`` and
+        ``rel_error`` (dicts by
         parameter name, in the parameters' units), ``ok``, ``worst``, ``mismatched``
         (the samples beyond ``rtol``) and ``note``: for a model below float64 whose
         mismatched samples agree with the loop when a float64 copy of the model is
@@ -370,8 +372,9 @@ def verify(
     k = batch.n if samples is None else min(samples, batch.n)
     part, t = batch.samples(0, k), samples_of(targets, 0, k)
     states = snapshot()
-    fast, taken = grads_taken(model, part, t, loss_fn, method=method,
-                              loss_reduction=loss_reduction, check="always")
+    fast, taken = grads_taken(model, part, t, loss_fn, method=method,  # (an explicit
+                              loss_reduction=loss_reduction,  # method: its rows compared)
+                              check="always" if method == "auto" else "never")
     restore(states)
     random_ops = [d.describe() for d in recorded_draws(model, part)]
     restore(states)

@@ -444,14 +444,14 @@ class Clipped:
         squared = {name: self.squared[id(p)] for name, p in params.items() if id(p) in ruled}
         cert = certify_grads(micro.model, micro.batch, micro.targets, micro.loss_fn, params,
                              summed, draws, how, "per-sample gradients of a DP step",
-                             lambda: norms_disagree(squared, rows, self.groups))
+                             lambda: norms_disagree(squared, rows, self.groups), self.losses)
         if cert is not None and not cert.ok:
             return cert
         sums = self._sums()
         return certify_clipped(
             micro.model, micro.batch, micro.targets, micro.loss_fn, params,
             {name: self.factors[id(p)] for name, p in params.items()},
-            {name: sums[id(p)] for name, p in params.items()}, draws, how)
+            {name: sums[id(p)] for name, p in params.items()}, draws, how, self.losses)
 
     def _sums(self) -> dict[int, Tensor]:
         """``{id(p): sum_i c_i g_i}`` of every parameter with the factors set now, into
