@@ -58,6 +58,36 @@ SLOW_DOCTESTS = {"persample.cli.bench.bench_case", "persample.cli.bench.format_r
                  "persample.cli.anchors.builders.backprops"}
 
 
+# Tests of seconds each (summed over their parametrizations): anchors' own runs
+# (kronfluence, BackPACK, Opacus's layer configurations drawn by hypothesis), accounting
+# sweeps, real-size rows and real models, training runs, the API site's build. They run
+# under the slow marker, so that the default run stays near six minutes on two cores.
+SLOW_TESTS = {
+    "tests/test_peer_suites.py::test_opacus_layer_configurations",
+    "tests/test_peer_suites.py::test_backpack_batch_grad_problems",
+    "tests/test_peer_suites.py::test_opacus_embedding_bag_configurations",
+    "tests/test_peer_suites.py::test_opinfo_samples_match_the_loop",
+    "tests/test_bench_real.py::test_every_row_agrees_with_the_reference",
+    "tests/test_bench_real.py::test_very_slow_baseline_and_methods_are_timed_in_one_round",
+    "tests/test_influence_anchors.py::test_scores_match_kronfluence",
+    "tests/test_influence.py::test_projected_scores_are_the_projections_of_the_exact_ones",
+    "tests/test_real_models.py::test_param_jacobian",
+    "tests/test_real_models.py::test_per_sample_grads",
+    "tests/test_dp_accounting.py::test_noise_multiplier_for_prv_meets_the_target",
+    "tests/test_dp_accounting.py::test_epsilon_matches_dp_accounting",
+    "tests/test_dp_accounting.py::test_prv_is_opacus_prv_and_as_tight_as_pld",
+    "tests/test_dp_accounting.py::test_noise_multiplier_round_trip",
+    "tests/test_dp_accounting.py::test_noise_multiplier_for_pld_is_near_the_exact_gaussian",
+    "tests/test_dp_audit.py::test_the_command_line",
+    "tests/test_dp_training.py::test_a_seed_reproduces_the_run",
+    "tests/test_dp_training.py::test_the_target_is_spent_over_the_planned_steps",
+    "tests/test_dp_training.py::test_a_dataloader_is_taken_as_opacus_takes_it",
+    "tests/test_ggn_diag.py::test_monte_carlo_draws_by_hand_and_their_mean",
+    "tests/test_laplace_backend.py::test_monte_carlo_fisher_is_the_ggn_on_average",
+    "tests/test_readme.py::test_api_reference_has_every_public_name",
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Mark the doctests of :data:`SLOW_DOCTESTS` slow (a doctest takes no marker of its
@@ -68,6 +98,8 @@ def pytest_collection_modifyitems(config, items):
 
     for item in items:
         if type(item).__name__ == "DoctestItem" and item.name in SLOW_DOCTESTS:
+            item.add_marker(pytest.mark.slow)
+        if item.nodeid.split("[")[0] in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
 
     def exists(item) -> bool:

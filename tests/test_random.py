@@ -347,8 +347,8 @@ def test_a_loss_on_an_output_the_model_mixed_is_the_models_matter():
     model = Centred().double()
     x, y = torch.randn(B, 4).double(), torch.randint(0, 3, (B, 4))
     with pytest.warns(UserWarning, match="output, in which the samples are mixed"):
-        with pytest.raises(persample.CertificateError, match="the model mixes samples"):
-            persample.per_sample_grads(model, x, y, loss_fn)
+        with pytest.raises(persample.CertificateError, match="samples mixed|mixes samples"):
+            persample.per_sample_grads(model, x, y, loss_fn)  # (T == B: either refusal)
     got = persample.per_sample_grads(model, x, y, loss_fn, method="loop")
     assert_exact(got, persample.loop_per_sample_grads(model, x, y, loss_fn))
 

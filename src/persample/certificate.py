@@ -57,6 +57,7 @@ from .checks import kept_buffers
 from .errors import NeedsWholeModel
 from .inputs import Batch
 from .loss import per_sample_losses
+from .methods import AMBIGUOUS
 from .patches import plain_checkpoints
 from .precision import autocast_state
 from .rng import Draws, host_moved, host_states, restore, set_host_states, snapshot
@@ -85,7 +86,10 @@ class Certificate:
             ``max(||got||, ||want||)``, float).
         tol: the relative tolerance applied.
         reason: why not ok: the parameters whose rows disagree and the likely causes;
-            ``""`` when ok.
+            ``""`` when ok; why not decided.
+        decided: ``False`` where the identity cannot be formed without persample's own
+            reading of the output (its samples not in dim 0 under a scalar loss, or
+            possibly in another dim of the batch's size); ``ok`` is then ``True``.
     """
 
     what: str
@@ -95,9 +99,17 @@ class Certificate:
     errors: dict[str, float] = field(default_factory=dict)
     tol: float = 0.0
     reason: str = ""
+    decided: bool = True
+
+    def undecided(self, why: str) -> Certificate:
+        """This certificate, not decided: the identity cannot be formed (``why``)."""
+        self.decided, self.reason = False, why
+        return self
 
     def describe(self) -> str:
         """One line: what was checked, by which identity, and the verdict."""
+        if not self.decided:
+            return f"not certified: {self.what} of method {self.method!r}: {self.reason}"
         worst = max(self.errors.values(), default=0.0)
         verdict = "certified" if self.ok else "MISMATCH"
         line = (f"{verdict}: {self.what} of method {self.method!r} ({self.identity}), "
@@ -280,7 +292,7 @@ def _losses(output: Any, targets: Any, loss_fn: Callable, n: int,
     if (expected is not None and n > 1 and any(n in t.shape[1:] for t in leaves)
             and not torch.allclose(loss.detach().double(), expected.double().to(loss.device),
                                    rtol=1e-3, atol=1e-6 * float(expected.abs().max()))):
-        raise _NoIdentity("the output's samples may be in another dim of the same size")
+        raise _NoIdentity(AMBIGUOUS)
     return loss
 
 
@@ -378,8 +390,8 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     try:
         (want,), moved = _weighted_gradients(model, [(batch, targets, u)], loss_fn, params,
                                              draws, [losses])
-    except _NoIdentity:
-        return None
+    except _NoIdentity as why:
+        return cert.undecided(str(why))
     _verdict(cert, summed(u), want, moved, eps)
     off = norms_off() if norms_off is not None else []
     if off:
@@ -448,8 +460,8 @@ def certify_clipped(model: nn.Module, batch: Batch, targets: Any, loss_fn: Calla
 
     try:
         grads, moved = _reference(model, batch, draws, roots, list(params.values()))
-    except _NoIdentity:
-        return None
+    except _NoIdentity as why:
+        return cert.undecided(str(why))
     index = {name: j for j, name in enumerate(params)}
     want = {}
     for k, names in distinct.items():
@@ -546,8 +558,8 @@ def certify_dots(model: nn.Module, side: tuple[Batch, Any], second: tuple[Batch,
     try:
         (gu, gv), moved = _weighted_gradients(model, [(*a, u), (*b, v)], loss_fn, params,
                                               draws)
-    except _NoIdentity:
-        return None
+    except _NoIdentity as why:
+        return cert.undecided(str(why))
     flat_u = torch.cat([g.double().flatten() for g in gu.values()])
     flat_v = torch.cat([g.double().flatten() for g in gv.values()])
     want = torch.dot(flat_u, flat_v).reshape(1)
@@ -575,8 +587,8 @@ def certify_projection(model: nn.Module, batch: Batch, targets: Any, loss_fn: Ca
     try:
         (g,), moved = _weighted_gradients(model, [(batch, targets, u)], loss_fn, params,
                                           draws)
-    except _NoIdentity:
-        return None
+    except _NoIdentity as why:
+        return cert.undecided(str(why))
     want = project({name: t.unsqueeze(0) for name, t in g.items()})[0]  # (k,)
     got = u.to(projected.device, projected.dtype) @ projected
     return _verdict(cert, {"projection": got}, {"projection": want}, moved, eps)

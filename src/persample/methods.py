@@ -40,6 +40,9 @@ from .errors import (
 from .rng import Draws, host_moved, restore, snapshot
 
 METHODS = ("auto", "rules", "vmap", "loop")
+AMBIGUOUS = "the output's samples may be in another dim of the same size"
+"""Why a certificate is not decided where the method's per-sample losses are not those
+of the output's dim 0 and another dim has the batch's size."""
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -159,6 +162,12 @@ def _stands(how: str, taken: Taken, certify: Callable | None, draws: Any,
     if cert is None:
         return True
     taken.certificates.append(cert)
+    if not cert.decided and cert.reason == AMBIGUOUS and taken.mixing and how != "rules":
+        raise CertificateError(
+            f"the rules found this model's samples mixed ({taken.reason.split('. ')[0]}), and "
+            f"the whole-model answer cannot be certified ({cert.describe()}): a per-sample "
+            "gradient may not exist. method='loop' answers each sample's gradient in a batch "
+            "of its own, if that is what you want.")
     if cert.ok:
         return True
     if explicit:

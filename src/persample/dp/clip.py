@@ -42,7 +42,7 @@ from ..engine import Captured, loss_backprops
 from ..engine.weighted import edge_weighted_sum, op_weighted_sum
 from ..errors import CertificateError, InternalError, internal, internal_errors_raised
 from ..inputs import Batch
-from ..methods import Taken, answer, leave_rules, slower, user_stacklevel
+from ..methods import AMBIGUOUS, Taken, answer, leave_rules, slower, user_stacklevel
 from ..norms import group_squared_norms, per_sample_rows, squared_norms, sum_of_squares
 from ..plan import Plan
 from ..precision import LOW, accumulate_dtype, cast, without_autocast
@@ -224,6 +224,13 @@ def _certified(micro: MicroBatch, clipping: Clipping, into: Destination) -> Clip
         how = "rules" if clipped.captured is not None else taken.method
         cert = None if micro.sharded else checker(
             how, lambda clipped=clipped, draws=draws, how=how: clipped.certify(draws, how))
+        if (cert is not None and not cert.decided and cert.reason == AMBIGUOUS
+                and taken.mixing and how != "rules"):
+            raise CertificateError(
+                f"the rules found this model's samples mixed ({taken.reason.split('. ')[0]}),"
+                f" and the whole-model answer cannot be certified ({cert.describe()}): a "
+                "sample's gradient, its clipping and the privacy guarantee may not be "
+                "defined.")
         if cert is None or cert.ok:
             return clipped
         if how == "loop":
@@ -422,8 +429,8 @@ class Clipped:
             how: the method that measured it.
 
         Returns:
-            The first failing :class:`~persample.certificate.Certificate`, else the
-            clipped sum's; ``None`` where the output cannot give each sample's loss.
+            The first failing or undecided :class:`~persample.certificate.Certificate`,
+            else the clipped sum's.
         """
         micro = self.micro
         params = micro.params
@@ -445,7 +452,7 @@ class Clipped:
         cert = certify_grads(micro.model, micro.batch, micro.targets, micro.loss_fn, params,
                              summed, draws, how, "per-sample gradients of a DP step",
                              lambda: norms_disagree(squared, rows, self.groups), self.losses)
-        if cert is not None and not cert.ok:
+        if not cert.ok or not cert.decided:
             return cert
         sums = self._sums()
         return certify_clipped(
