@@ -45,7 +45,8 @@ from __future__ import annotations
 import math
 import random
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,19 +247,24 @@ class _NoIdentity(Exception):
 
 def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
                run: Callable[[Any], list[tuple[Tensor, Any]]], inputs: list[Tensor]
-               ) -> tuple[list[tuple[Tensor, ...]], list[str]]:
+               ) -> tuple[list[tuple[Tensor, ...]], list[str], torch.dtype | None]:
     """One batch forward from ``draws`` (buffers kept; ``batch`` a :class:`Batch` of the
     model's inputs, or the forward itself), ``run(output)`` giving the ``(scalar,
     grad_outputs)`` pairs to differentiate, each differentiated w.r.t. ``inputs``; the
-    generators are left where they were. Returns the gradients and the host generators
-    the forward moved."""
+    generators are left where they were. Returns the gradients, the host generators
+    the forward moved, and the lowest floating dtype of the forward's output (a forward
+    under its own autocast computes below its parameters' precision)."""
     after, host_after = snapshot(), host_states()
     restore(draws.torch_states)
     set_host_states(draws.host)
     try:
-        with torch.enable_grad(), kept_buffers(model), plain_checkpoints():
+        with torch.enable_grad(), kept_buffers(model), plain_checkpoints(), \
+                _autocast_seen() as seen:
             output = batch() if callable(batch) else batch.call(_plain_model(model))
             moved = host_moved(draws.host)
+            low = min([*seen, *(t.dtype for t in tree_leaves(output) if isinstance(t, Tensor)
+                                and t.is_floating_point())],
+                      key=lambda d: torch.finfo(d).bits, default=None)
             roots = run(output)
             grads = []
             for k, (root, cot) in enumerate(roots):
@@ -267,7 +273,26 @@ def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
     finally:
         restore(after)
         set_host_states(host_after)
-    return grads, moved
+    return grads, moved, low
+
+
+@contextmanager
+def _autocast_seen() -> Iterator[set]:
+    """Inside: a set that collects the dtype of any autocast enabled when a module is
+    called (a forward that enters autocast itself, as accelerate's wrapped ``forward``
+    does, computes below its parameters' precision)."""
+    seen: set = set()
+
+    def hook(module: nn.Module, args: Any) -> None:
+        for _, enabled, dtype in autocast_state():
+            if enabled:
+                seen.add(dtype)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def _losses(output: Any, targets: Any, loss_fn: Callable, n: int,
@@ -308,6 +333,14 @@ def _precision(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
 
 def _wide(t: Tensor) -> Tensor:
     return t.to(torch.complex128 if t.is_complex() else torch.float64)
+
+
+def _lowered(tol: float, eps: float, low: torch.dtype | None) -> tuple[float, float]:
+    """The tolerance and epsilon, loosened to ``low``'s where the forward's output came in
+    a lower precision than the call's parameters (autocast inside ``forward``)."""
+    if low is None or low not in TOLERANCES:
+        return tol, eps
+    return max(tol, TOLERANCES[low]), max(eps, torch.finfo(low).eps)
 
 
 def _compared(got: Mapping[str, Tensor], want: Mapping[str, Tensor], tol: float, eps: float
@@ -388,10 +421,11 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     cert = Certificate(what, method, "sum_i u_i g_i = d(sum_i u_i L_i)/dtheta", tol=tol)
     u = _gaussian(n)
     try:
-        (want,), moved = _weighted_gradients(model, [(batch, targets, u)], loss_fn, params,
-                                             draws, [losses])
+        (want,), moved, low = _weighted_gradients(model, [(batch, targets, u)], loss_fn,
+                                                  params, draws, [losses])
     except _NoIdentity as why:
         return cert.undecided(str(why))
+    cert.tol, eps = _lowered(cert.tol, eps, low)
     _verdict(cert, summed(u), want, moved, eps)
     off = norms_off() if norms_off is not None else []
     if off:
@@ -459,9 +493,10 @@ def certify_clipped(model: nn.Module, batch: Batch, targets: Any, loss_fn: Calla
         return [((c.to(loss.device, loss.dtype) * loss).sum(), None) for c in vectors]
 
     try:
-        grads, moved = _reference(model, batch, draws, roots, list(params.values()))
+        grads, moved, low = _reference(model, batch, draws, roots, list(params.values()))
     except _NoIdentity as why:
         return cert.undecided(str(why))
+    cert.tol, eps = _lowered(cert.tol, eps, low)
     index = {name: j for j, name in enumerate(params)}
     want = {}
     for k, names in distinct.items():
@@ -487,7 +522,8 @@ def certify_jacobian(model: nn.Module, batch: Batch, params: Mapping[str, Tensor
     def roots(out: Tensor) -> list:
         return [(out, w.to(out.device, out.dtype).view(out.shape))]
 
-    (want,), moved = _reference(model, batch, draws, roots, list(params.values()))
+    (want,), moved, low = _reference(model, batch, draws, roots, list(params.values()))
+    cert.tol, eps = _lowered(cert.tol, eps, low)
     got = {name: torch.tensordot(w.to(r.device, r.dtype), r, dims=2)
            for name, r in rows.items()}
     want_d = {name: p.new_zeros(p.shape) if g is None else g
@@ -512,7 +548,8 @@ def certify_input_jacobian(model: Callable[[Tensor], Tensor], inputs: Tensor, ja
     def roots(out: Tensor) -> list:
         return [(out, w.to(out.device, out.dtype).view(out.shape))]
 
-    ((want,),), moved = _reference(model, lambda: model(xg), draws, roots, [xg])
+    ((want,),), moved, low = _reference(model, lambda: model(xg), draws, roots, [xg])
+    cert.tol, eps = _lowered(cert.tol, eps, low)
     got = torch.einsum("ny,nyd->nd", w.to(jac.device, jac.dtype), jac.reshape(n, y, d))
     want = torch.zeros_like(got) if want is None else want.reshape(n, d)
     return _verdict(cert, {"inputs": got}, {"inputs": want}, moved, eps)
@@ -521,7 +558,7 @@ def certify_input_jacobian(model: Callable[[Tensor], Tensor], inputs: Tensor, ja
 def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]],
                         loss_fn: Callable, params: Mapping[str, Tensor], draws: Draws,
                         expected: list[Tensor | None] | None = None
-                        ) -> tuple[list[dict[str, Tensor]], list[str]]:
+                        ) -> tuple[list[dict[str, Tensor]], list[str], torch.dtype | None]:
     """For each ``(batch, targets, u)`` of ``sides`` (forwards in that order, from
     ``draws``; a batch repeated is one forward), the gradient of ``sum_i u_i L_i``
     ``{name: (*shape)}`` (``expected``: each side's method's losses, or ``None``)."""
@@ -539,9 +576,9 @@ def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]]
         return [((u.to(losses[id(b)].device, losses[id(b)].dtype) * losses[id(b)]).sum(),
                  None) for b, _, u in sides]
 
-    grads, moved = _reference(model, forward, draws, roots, list(params.values()))
+    grads, moved, low = _reference(model, forward, draws, roots, list(params.values()))
     return [{name: p.new_zeros(p.shape) if g is None else g
-             for (name, p), g in zip(params.items(), gs)} for gs in grads], moved
+             for (name, p), g in zip(params.items(), gs)} for gs in grads], moved, low
 
 
 def certify_dots(model: nn.Module, side: tuple[Batch, Any], second: tuple[Batch, Any] | None,
@@ -556,10 +593,12 @@ def certify_dots(model: nn.Module, side: tuple[Batch, Any], second: tuple[Batch,
                        "u^T D v = <d(u.L)/dtheta, d(v.L')/dtheta>", tol=tol)
     u, v = _gaussian(a[0].n), _gaussian(b[0].n)
     try:
-        (gu, gv), moved = _weighted_gradients(model, [(*a, u), (*b, v)], loss_fn, params,
-                                              draws)
+        (gu, gv), moved, low = _weighted_gradients(model, [(*a, u), (*b, v)], loss_fn,
+                                                   params, draws)
     except _NoIdentity as why:
         return cert.undecided(str(why))
+    cert.tol, eps = _lowered(cert.tol, eps, low)
+    tol = cert.tol
     flat_u = torch.cat([g.double().flatten() for g in gu.values()])
     flat_v = torch.cat([g.double().flatten() for g in gv.values()])
     want = torch.dot(flat_u, flat_v).reshape(1)
@@ -567,7 +606,7 @@ def certify_dots(model: nn.Module, side: tuple[Batch, Any], second: tuple[Batch,
     scale = float(flat_u.norm() * flat_v.norm())  # Cauchy-Schwarz: the size of the terms
     err = float((got.cpu() - want.cpu()).abs())
     cert.errors = {"<all parameters>": err / max(scale, 1e-300)}
-    if err > tol * scale + 64 * eps * scale:
+    if err > tol * scale + 64 * eps * (scale + 1):
         cert.ok = False
         cert.reason = _why(["<all parameters>"], cert, moved)
     return cert
@@ -585,10 +624,11 @@ def certify_projection(model: nn.Module, batch: Batch, targets: Any, loss_fn: Ca
                        "u^T R = P d(sum_i u_i L_i)/dtheta", tol=tol)
     u = _gaussian(batch.n)
     try:
-        (g,), moved = _weighted_gradients(model, [(batch, targets, u)], loss_fn, params,
-                                          draws)
+        (g,), moved, low = _weighted_gradients(model, [(batch, targets, u)], loss_fn, params,
+                                               draws)
     except _NoIdentity as why:
         return cert.undecided(str(why))
+    cert.tol, eps = _lowered(cert.tol, eps, low)
     want = project({name: t.unsqueeze(0) for name, t in g.items()})[0]  # (k,)
     got = u.to(projected.device, projected.dtype) @ projected
     return _verdict(cert, {"projection": got}, {"projection": want}, moved, eps)
