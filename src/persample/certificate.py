@@ -13,7 +13,9 @@ found them), never persample's data flow, rules or fallbacks:
   and not the right one, so it is caught with probability 1 in exact arithmetic,
   whatever went wrong. The norms are then compared with the norms of those rows;
 - a DP step's clipped sum ``sum_i c_i g_i`` equals the gradient of ``sum_i c_i L_i``
-  with the step's clip factors ``c_i`` held constant (one backward per clipping group);
+  with the step's clip factors ``c_i`` held constant. Both at once: the step's own
+  machinery with the weights ``u + lam c`` against the gradient of ``sum_i (u_i + lam
+  c_i) L_i`` (one backward per clipping group);
 - the parameter Jacobian ``J_i`` ``(Y, P)``: for Gaussian output weights ``w``
   ``(B, Y)``, ``sum_i w_i^T J_i`` equals the gradient of ``<w, f(x)>`` (one backward);
 - the input Jacobian: samples are independent, so for Gaussian ``w`` ``(B, Y)`` sample
@@ -465,45 +467,63 @@ def norms_disagree(norms: Mapping[str, Tensor], rows: Callable[[str], Tensor],
     return off
 
 
-def certify_clipped(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
-                    params: Mapping[str, Tensor], factors: Mapping[str, Tensor],
-                    sums: Mapping[str, Tensor], draws: Draws, method: str,
-                    losses: Tensor | None = None) -> Certificate | None:
-    """Certify a DP step's clipped sums ``sum_i c_i g_i`` ``{name: (*shape)}`` against the
-    gradient of ``sum_i c_i L_i``, the clip factors ``factors`` ``{name: (n,)}`` held
-    constant (one backward per distinct factor vector). ``None`` where the output cannot
-    give each sample's loss without persample's data flow."""
+def certify_step(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
+                 params: Mapping[str, Tensor], factors: Mapping[str, Tensor],
+                 summed: Callable[[Mapping[str, Tensor]], Mapping[str, Tensor]],
+                 draws: Draws, method: str, norms_off: Callable[[], list[str]] | None = None,
+                 losses: Tensor | None = None) -> Certificate:
+    """Certify a DP step's micro-batch: its per-sample gradients and its clipped sum
+    ``sum_i c_i g_i`` at once. For Gaussian ``u`` ``(n,)`` and ``lam``, the step's own
+    machinery with the weights ``w = u + lam c`` (``summed({name: (n,)})``: the clipped
+    sum's code with other factors) must give the gradient of ``sum_i w_i L_i``: a wrong
+    row shows in the ``u`` part, a wrong clipped sum in the ``c`` part (with probability
+    1 over ``u`` and ``lam``). One backward per distinct factor vector (per clipping
+    group: one for flat clipping).
+
+    Args:
+        model, batch, targets, loss_fn, params, draws, method, norms_off, losses: as
+            for :func:`certify_grads`.
+        factors: ``{name: (n,)}`` the step's clip factors.
+        summed: the weighted sums ``{name: sum_i w_i g_i}`` of the step's machinery for
+            the weights ``{name: (n,)}``.
+
+    Returns:
+        The :class:`Certificate` (undecided where the output cannot give each sample's
+        loss without persample's data flow).
+    """
     n = batch.n
     first = next(iter(params.values()))
     tol, eps = _precision(first.dtype, first.device)
-    cert = Certificate("clipped sum", method, "sum_i c_i g_i = d(sum_i c_i L_i)/dtheta",
-                       tol=tol)
-    distinct: dict[int, list[str]] = {}
+    cert = Certificate("per-sample gradients and clipped sum of a DP step", method,
+                       "sum_i w_i g_i = d(sum_i w_i L_i)/dtheta, w = u + lam c", tol=tol)
+    u, lam = _gaussian(n), float(_gaussian(1))
     vectors: list[Tensor] = []
+    group: dict[str, int] = {}
     for name in params:
         c = factors[name]
         k = next((j for j, v in enumerate(vectors) if v is c or torch.equal(v, c)), None)
         if k is None:
             k = len(vectors)
             vectors.append(c)
-        distinct.setdefault(k, []).append(name)
-
-    def roots(out: Any) -> list:
-        loss = _losses(out, targets, loss_fn, n, losses)
-        return [((c.to(loss.device, loss.dtype) * loss).sum(), None) for c in vectors]
-
+        group[name] = k
+    weights = [u + lam * c.detach().double().cpu() for c in vectors]
     try:
-        grads, moved, low = _reference(model, batch, draws, roots, list(params.values()))
+        grads, moved, low = _weighted_gradients(
+            model, [(batch, targets, w) for w in weights], loss_fn, params, draws,
+            [losses] * len(weights))
     except _NoIdentity as why:
         return cert.undecided(str(why))
     cert.tol, eps = _lowered(cert.tol, eps, low)
-    index = {name: j for j, name in enumerate(params)}
-    want = {}
-    for k, names in distinct.items():
-        for name in names:
-            g = grads[k][index[name]]
-            want[name] = params[name].new_zeros(params[name].shape) if g is None else g
-    return _verdict(cert, sums, want, moved, eps)
+    want = {name: grads[group[name]][name] for name in params}
+    got = summed({name: weights[group[name]] for name in params})
+    _verdict(cert, got, want, moved, eps)
+    off = norms_off() if norms_off is not None else []
+    if off:
+        cert.ok = False
+        cert.reason = (f"{cert.reason}; " if cert.reason else "") + (
+            "the norms of " + ", ".join(off[:6]) + " disagree with the norms of their "
+            "per-sample gradients (a norm rule that does not hold on this model)")
+    return cert
 
 
 def certify_jacobian(model: nn.Module, batch: Batch, params: Mapping[str, Tensor],

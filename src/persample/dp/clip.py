@@ -33,8 +33,7 @@ from ..certificate import (
     Certificate,
     Checker,
     Draws,
-    certify_clipped,
-    certify_grads,
+    certify_step,
     norms_disagree,
     signature,
 )
@@ -418,29 +417,30 @@ class Clipped:
             loop=by(lambda m, b, t, f, _, losses: loop_grads(m, b, t, f, losses)),
             taken=taken, hint=lambda: checks.dtype_note(micro.batch, params))
 
-    def certify(self, draws: Draws, how: str) -> Certificate | None:
-        """The certificate of this micro-batch once clipped (:mod:`persample.certificate`):
-        the per-sample gradients behind the norms (formed a few parameters at a time
-        where the rules did not), the norms against theirs, and the clipped sum against
-        the gradient of ``sum_i c_i L_i`` (computed here into memory of its own).
+    def certify(self, draws: Draws, how: str) -> Certificate:
+        """The certificate of this micro-batch once clipped
+        (:func:`persample.certificate.certify_step`): its per-sample gradients and its
+        clipped sum, from this step's own machinery with random weights added to the
+        clip factors, and the norms of module norm rules against their rows.
 
         Args:
             draws: where the generators stood when the micro-batch was measured.
             how: the method that measured it.
 
         Returns:
-            The first failing or undecided :class:`~persample.certificate.Certificate`,
-            else the clipped sum's.
+            The :class:`~persample.certificate.Certificate`.
         """
         micro = self.micro
         params = micro.params
         names = list(params)
+        dtype = next(iter(self.factors.values())).dtype
 
-        def summed(w: Tensor) -> dict[str, Tensor]:  # this step's machinery, weights w
-            w = w.to(next(iter(self.factors.values())).dtype)
-            factors, self.factors = self.factors, {id(p): w for p in params.values()}
+        def summed(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+            factors = self.factors
+            self.factors = {id(p): weights[name].to(factors[id(p)].device, dtype)
+                            for name, p in params.items()}
             try:
-                return {name: total for name, total in zip(names, self._sums().values())}
+                return dict(zip(names, self._sums().values()))
             finally:
                 self.factors = factors
 
@@ -449,16 +449,10 @@ class Clipped:
                 else lambda name: self.materialised[id(params[name])][:, 0])
         ruled = {id(p) for _, _, _, normed in self.module_normed for p in normed.values()}
         squared = {name: self.squared[id(p)] for name, p in params.items() if id(p) in ruled}
-        cert = certify_grads(micro.model, micro.batch, micro.targets, micro.loss_fn, params,
-                             summed, draws, how, "per-sample gradients of a DP step",
-                             lambda: norms_disagree(squared, rows, self.groups), self.losses)
-        if not cert.ok or not cert.decided:
-            return cert
-        sums = self._sums()
-        return certify_clipped(
-            micro.model, micro.batch, micro.targets, micro.loss_fn, params,
-            {name: self.factors[id(p)] for name, p in params.items()},
-            {name: sums[id(p)] for name, p in params.items()}, draws, how, self.losses)
+        return certify_step(micro.model, micro.batch, micro.targets, micro.loss_fn, params,
+                            {name: self.factors[id(p)] for name, p in params.items()},
+                            summed, draws, how,
+                            lambda: norms_disagree(squared, rows, self.groups), self.losses)
 
     def _sums(self) -> dict[int, Tensor]:
         """``{id(p): sum_i c_i g_i}`` of every parameter with the factors set now, into
