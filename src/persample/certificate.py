@@ -429,6 +429,13 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
         return cert.undecided(str(why))
     cert.tol, eps = _lowered(cert.tol, eps, low)
     _verdict(cert, summed(u), want, moved, eps)
+    return _with_norms(cert, norms_off)
+
+
+def _with_norms(cert: Certificate, norms_off: Callable[[], list[str]] | None
+                ) -> Certificate:
+    """``cert``, failed where ``norms_off()`` names parameters whose norms disagree with
+    their rows'."""
     off = norms_off() if norms_off is not None else []
     if off:
         cert.ok = False
@@ -517,13 +524,7 @@ def certify_step(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable
     want = {name: grads[group[name]][name] for name in params}
     got = summed({name: weights[group[name]] for name in params})
     _verdict(cert, got, want, moved, eps)
-    off = norms_off() if norms_off is not None else []
-    if off:
-        cert.ok = False
-        cert.reason = (f"{cert.reason}; " if cert.reason else "") + (
-            "the norms of " + ", ".join(off[:6]) + " disagree with the norms of their "
-            "per-sample gradients (a norm rule that does not hold on this model)")
-    return cert
+    return _with_norms(cert, norms_off)
 
 
 def certify_jacobian(model: nn.Module, batch: Batch, params: Mapping[str, Tensor],
