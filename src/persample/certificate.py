@@ -11,7 +11,9 @@ found them), never persample's data flow, rules or fallbacks:
   DP step): for Gaussian weights ``u`` ``(B,)``, ``sum_i u_i g_i`` equals the gradient
   of ``sum_i u_i L_i`` (one backward of the batch). A wrong row changes the left side
   and not the right one, so it is caught with probability 1 in exact arithmetic,
-  whatever went wrong. The norms are then compared with the norms of those rows;
+  whatever went wrong. For the norms, ``sum_i u_i g_i`` comes from the factors the
+  norms came from (each op's backprops scaled by ``u`` and pulled back through that op
+  alone), and the norms of module norm rules are compared with their rows;
 - a DP step's clipped sum ``sum_i c_i g_i`` equals the gradient of ``sum_i c_i L_i``
   with the step's clip factors ``c_i`` held constant. Both at once: the step's own
   machinery with the weights ``u + lam c`` against the gradient of ``sum_i (u_i + lam
@@ -19,7 +21,10 @@ found them), never persample's data flow, rules or fallbacks:
 - the parameter Jacobian ``J_i`` ``(Y, P)``: for Gaussian output weights ``w``
   ``(B, Y)``, ``sum_i w_i^T J_i`` equals the gradient of ``<w, f(x)>`` (one backward);
 - the input Jacobian: samples are independent, so for Gaussian ``w`` ``(B, Y)`` sample
-  ``i``'s ``w_i^T J_i`` is row ``i`` of the gradient of ``<w, f(x)>`` w.r.t. the input.
+  ``i``'s ``w_i^T J_i`` is row ``i`` of the gradient of ``<w, f(x)>`` w.r.t. the input;
+- gradient inner products ``D`` ``(B, B')``: ``u^T D v`` is the inner product of the
+  gradients of ``sum_i u_i L_i`` and ``sum_j v_j L'_j``; projections ``R`` ``(B, k)``:
+  ``u^T R`` is the projection of the gradient of ``sum_i u_i L_i``.
 
 Each parameter's two sides are compared in float64 as ``||got - want|| <= tol *
 max(||got||, ||want||) + floor``, with ``tol`` by the computation's precision
@@ -34,8 +39,10 @@ beyond the batch size and their dtypes, the parameters and the method not seen
 together before: a Poisson-sampled batch of another size is no new plan); ``"always"``
 every call;
 ``"never"`` none; an ``int`` ``N`` the first call of each plan and every ``N``-th
-after it. A certified call costs one more forward and backward of the batch (at most
-about twice an uncertified call); the others nothing.
+after it. A certified call costs one more forward and backward of the batch (and for
+the norms and a DP step one more weighted sum of their factors): about twice an
+uncertified call that forms per-sample gradients, more for a call much cheaper than a
+training step (the norms of an MLP); the other calls nothing.
 
 Source: the identities are linearity of the gradient, ``sum_i u_i dL_i/dtheta =
 d(sum_i u_i L_i)/dtheta``, the randomised check of a product by a random vector
