@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -268,7 +269,7 @@ def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
     set_host_states(draws.host)
     try:
         with torch.enable_grad(), kept_buffers(model), plain_checkpoints(), \
-                _autocast_seen() as seen:
+                _autocast_seen(model) as seen:
             output = batch() if callable(batch) else batch.call(_plain_model(model))
             moved = host_moved(draws.host)
             low = min([*seen, *(t.dtype for t in tree_leaves(output) if isinstance(t, Tensor)
@@ -286,11 +287,19 @@ def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
 
 
 @contextmanager
-def _autocast_seen() -> Iterator[set]:
+def _autocast_seen(model: Any) -> Iterator[set]:
     """Inside: a set that collects the dtype of any autocast enabled when a module is
     called (a forward that enters autocast itself, as accelerate's wrapped ``forward``
-    does, computes below its parameters' precision)."""
+    does, computes below its parameters' precision). Not for a model holding a module
+    compiled by ``torch.compile``, which a global module hook would disturb."""
     seen: set = set()
+    dynamo = sys.modules.get("torch._dynamo")
+    compiled = dynamo is not None and isinstance(model, nn.Module) and any(
+        isinstance(m, dynamo.eval_frame.OptimizedModule) or getattr(
+            m, "_compiled_call_impl", None) is not None for m in model.modules())
+    if compiled:
+        yield seen
+        return
 
     def hook(module: nn.Module, args: Any) -> None:
         for _, enabled, dtype in autocast_state():
