@@ -160,7 +160,8 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
     for start in range(0, n, step):
         a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
         d = {key: part[start : start + step] for key, part in dest.items()}
-        losses = torch.empty(a.n, dtype=torch.float64)  # each method's, for its certificate
+        losses = torch.empty(a.n, dtype=torch.float64,  # each method's, for its certificate
+                             device=next(iter(params.values())).device)  # (no host sync)
         answer(
             method,
             rules=lambda a=a, t=t, d=d, losses=losses: _noted(

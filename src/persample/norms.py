@@ -431,6 +431,7 @@ def per_sample_grad_norms(
                                            loss_reduction, chunk_size, params)
     layers = {name: p.new_zeros(n, dtype=accumulate_dtype(p.dtype)) for name, p in params.items()}
     step, taken = chunk_size or max(n, 1), Taken()
+    device = next(iter(params.values())).device
     for start in range(0, n, step):
         a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
         kept: dict = {}
@@ -438,10 +439,11 @@ def per_sample_grad_norms(
             method,
             rules=lambda a=a, t=t, kept=kept: _rules_norms(model, a, t, loss_fn, params, kept),
             vmap=lambda a=a, t=t, kept=kept: _norms_of(kept.setdefault(
-                "grads", vmap_grads(model, a, t, loss_fn, params, _losses_in(kept, a.n)))),
+                "grads", vmap_grads(model, a, t, loss_fn, params,
+                                    _losses_in(kept, a.n, device)))),
             loop=lambda a=a, t=t, kept=kept: _norms_of(kept.setdefault("grads", {
                 name: g for name, g in loop_grads(model, a, t, loss_fn, _losses_in(
-                    kept, a.n)).items() if name in params})),
+                    kept, a.n, device)).items() if name in params})),
             taken=taken, hint=lambda: checks.dtype_note(batch, params),
             certify=_norms_checker(model, a, t, loss_fn, params, kept, check))
         for name, norms in chunk.items():
@@ -450,9 +452,10 @@ def per_sample_grad_norms(
     return (total, layers) if per_layer else total
 
 
-def _losses_in(kept: dict, n: int) -> Tensor:
-    """A ``(n,)`` buffer in ``kept`` for a method's per-sample losses (its certificate's)."""
-    kept["losses"] = torch.empty(n, dtype=torch.float64)
+def _losses_in(kept: dict, n: int, device: torch.device) -> Tensor:
+    """A ``(n,)`` buffer in ``kept`` for a method's per-sample losses (its certificate's),
+    on the parameters' device (no copy to the host on a GPU's hot path)."""
+    kept["losses"] = torch.empty(n, dtype=torch.float64, device=device)
     return kept["losses"]
 
 
