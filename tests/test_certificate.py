@@ -9,6 +9,7 @@ pass their certificates (no false alarm).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -188,6 +189,40 @@ def test_the_policy_certifies_the_calls_it_says(check, certified, monkeypatch):
     for _ in range(5):
         persample.per_sample_grads(model, x, y, nn.MSELoss(), check=check)
     assert len(seen) == certified
+
+
+def test_checking_sets_the_policy_of_calls_that_do_not_pass_one(monkeypatch):
+    seen = _count(monkeypatch)
+    model, (x, y) = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), _data()
+    with persample.checking("always"):
+        for _ in range(3):
+            persample.per_sample_grads(model, x, y, nn.MSELoss())
+        persample.per_sample_grads(model, x, y, nn.MSELoss(), check="never")  # its own
+        with persample.checking("never"):
+            persample.per_sample_grads(model, x, y, nn.MSELoss())
+        persample.per_sample_grads(model, x, y, nn.MSELoss())
+    persample.per_sample_grads(model, x, y, nn.MSELoss())  # "first": certified already
+    assert len(seen) == 4
+    with pytest.raises(ValueError, match="check="):
+        with persample.checking("sometimes"):
+            pass
+
+
+def test_checking_reaches_the_dp_step(monkeypatch):
+    seen = []
+    real = certificate.certify_step
+    monkeypatch.setattr("persample.dp.clip.certify_step",
+                        lambda *a, **k: seen.append(1) or real(*a, **k))
+    model, (x, y) = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), _data()
+    step = PrivateStep(model, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0,
+                       expected_batch_size=B)
+    for check, runs in [("always", 2), ("never", 0), (None, 0)]:
+        before = len(seen)
+        with persample.checking(check) if check else contextlib.nullcontext():
+            for _ in range(runs or 2):
+                step.accumulate(x, y)
+                step.release()
+        assert len(seen) - before == runs  # (outside: "first", certified by "always")
 
 
 def test_a_new_shape_or_mode_is_certified_again_a_new_batch_size_is_not(monkeypatch):

@@ -13,8 +13,9 @@ from torch import Tensor, nn
 
 from cases import clipped_mean
 from persample import loop_per_sample_grads
-from persample.dp import clip, private_grad
+from persample.dp import private_grad
 from persample.dp.noise import PARALLEL_MIN, gaussian_like
+from persample.engine import weighted
 
 B = T = 4  # sizes chosen to coincide
 E = 16  # wide enough for ghost norms over 4 positions (2T(i+o) < T i o)
@@ -88,10 +89,10 @@ def _clipped_by_hand(model, x, y, loss_fn, c: float) -> dict[str, Tensor]:
 def test_clipped_sums_match_the_loop(make, weighted_sums, monkeypatch):
     used = []
     if weighted_sums:
-        found = clip._op_sum_rule
-        monkeypatch.setattr(clip, "_op_sum_rule", lambda op: used.append(op.func) or found(op))
+        found = weighted.op_sum_rule
+        monkeypatch.setattr(weighted, "op_sum_rule", lambda op: used.append(op.func) or found(op))
     else:  # every op through its own autograd node instead
-        monkeypatch.setattr(clip, "_op_sum_rule", lambda op: None)
+        monkeypatch.setattr(weighted, "op_sum_rule", lambda op: None)
     torch.manual_seed(0)
     model = make()
     x = {SmallConvs: torch.randn(B, 2, 4, 4), Lookups: torch.randint(0, 10, (B, T))}.get(

@@ -16,6 +16,7 @@ and
 """
 
 from .api import aligned_empty, param_jacobian, per_sample_grads
+from .certificate import checking
 from .curvature import KFAC, ggn_diag, per_sample_ggn_diag
 from .dots import per_sample_grad_dots
 from .draws import DrawNotReplayable
@@ -69,5 +70,6 @@ __all__ = [
     "DrawNotReplayable",
     "InternalError",
     "CertificateError",
+    "checking",
 ]
 __version__ = "0.1.0"

@@ -39,7 +39,7 @@ def per_sample_grads(
     out: Tensor | None = None,
     loss_reduction: str | None = None,
     params: Iterable[str | Tensor] | None = None,
-    check: str | int = "first",
+    check: str | int | None = None,
 ) -> dict[str, Tensor] | Tensor:
     """Per-sample gradients of a loss w.r.t. every trainable parameter.
 
@@ -147,7 +147,7 @@ def per_sample_grads(
 def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
                 method: str = "auto", flat: bool = False, chunk_size: int | None = None,
                 out: Tensor | None = None, loss_reduction: str | None = None,
-                params: Iterable[str | Tensor] | None = None, check: str | int = "first"
+                params: Iterable[str | Tensor] | None = None, check: str | int | None = None
                 ) -> tuple[dict[str, Tensor] | Tensor, Taken]:
     """:func:`per_sample_grads`, and the method that answered (:class:`Taken`, with the
     certificates run)."""
@@ -210,7 +210,7 @@ def param_jacobian(
     chunk_size: int | None = None,
     out: Tensor | None = None,
     params: Iterable[str | Tensor] | None = None,
-    check: str | int = "first",
+    check: str | int | None = None,
 ) -> dict[str, Tensor] | Tensor:
     """Per-sample Jacobian of the model's outputs w.r.t. its parameters.
 

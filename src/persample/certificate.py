@@ -26,12 +26,12 @@ found them), never persample's data flow, rules or fallbacks:
   gradients of ``sum_i u_i L_i`` and ``sum_j v_j L'_j``; projections ``R`` ``(B, k)``:
   ``u^T R`` is the projection of the gradient of ``sum_i u_i L_i``.
 
-Each parameter's two sides are compared in float64 as ``||got - want|| <= tol *
-max(||got||, ||want||) + floor``, with ``tol`` by the computation's precision
-(:data:`TOLERANCES`; under autocast, its dtype's) and ``floor = max(64 eps, tol /
-1000)`` times the norm of the whole right side, plus ``64 eps``: a parameter whose true
-gradient is zero (a key bias before a softmax, the weight of a normalisation summed
-out) holds rounding noise on both sides.
+Each parameter's two sides are compared (in float64 for float64, else float32) as
+``||got - want|| <= tol * max(||got||, ||want||) + floor``, with ``tol`` by the
+computation's precision (:data:`TOLERANCES`; under autocast, its dtype's) and
+``floor = max(64 eps, tol / 1000)`` times the norm of the whole right side, plus
+``64 eps``: a parameter whose true gradient is zero (a key bias before a softmax, the
+weight of a normalisation summed out) holds rounding noise on both sides.
 
 The policy, ``check=``, of every function that takes it: ``"first"`` (default)
 certifies the first call of each new plan (a model, its mode, the inputs' shapes
@@ -57,6 +57,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,9 +131,50 @@ class Certificate:
 
 # -- the policy --------------------------------------------------------------------
 
+_POLICY: ContextVar = ContextVar("persample_check", default="first")
+
+
+@contextmanager
+def checking(check: str | int) -> Iterator[None]:
+    """Inside, every call that does not pass ``check=`` itself (``check=None``, the
+    default of every function that takes it) certifies under the policy ``check``;
+    outside any, the policy is ``"first"``.
+
+    Args:
+        check: ``"first"`` (the first call of each plan), ``"always"``, ``"never"``, or
+            a positive ``int`` ``N`` (the first call of each plan and every ``N``-th).
+
+    Raises:
+        ValueError: ``check`` is none of these.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> import persample
+        >>> model = nn.Linear(3, 2)
+        >>> x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+        >>> with persample.checking("always"):  # a test suite: certify every call
+        ...     grads = persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+        >>> grads["weight"].shape
+        torch.Size([4, 2, 3])
+    """
+    check_option(check)
+    token = _POLICY.set(check)
+    try:
+        yield
+    finally:
+        _POLICY.reset(token)
+
+
+def policy(check: str | int | None) -> str | int:
+    """The policy a call runs under: its own ``check``, or ``None``: the enclosing
+    :func:`checking`'s (``"first"`` outside one)."""
+    return _POLICY.get() if check is None else check
+
+
 def check_option(check: Any) -> None:
-    """Raise ``ValueError`` unless ``check`` is ``"first"``, ``"always"``, ``"never"`` or a
-    positive ``int``.
+    """Raise ``ValueError`` unless ``check`` is ``"first"``, ``"always"``, ``"never"``, a
+    positive ``int``, or ``None`` (the policy of the enclosing :func:`checking`).
 
     Examples:
         >>> check_option("first")
@@ -141,7 +183,7 @@ def check_option(check: Any) -> None:
         ...
         ValueError: check=0 is not one of ('first', 'always', 'never') or a positive int ...
     """
-    if check in CHECKS and isinstance(check, str):
+    if check is None or (check in CHECKS and isinstance(check, str)):
         return
     if isinstance(check, int) and not isinstance(check, bool) and check >= 1:
         return
@@ -206,6 +248,9 @@ class Checker:
     check: Any
     model: nn.Module
     key: tuple
+
+    def __post_init__(self) -> None:
+        self.check = policy(self.check)
 
     def __call__(self, how: str, run: Callable[[], Certificate | None]
                  ) -> Certificate | None:
@@ -349,8 +394,11 @@ def _precision(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     return TOLERANCES.get(low, 1e-2), eps
 
 
-def _wide(t: Tensor) -> Tensor:
-    return t.to(torch.complex128 if t.is_complex() else torch.float64)
+def _working(a: Tensor, b: Tensor) -> torch.dtype:
+    """The dtype two sides are compared in: the wider of theirs, at least float32 (a
+    norm accumulated there is exact to about 1e-6, far below any tolerance but
+    float64's, which is kept)."""
+    return torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
 
 
 def _lowered(tol: float, eps: float, low: torch.dtype | None) -> tuple[float, float]:
@@ -365,13 +413,23 @@ def _compared(got: Mapping[str, Tensor], want: Mapping[str, Tensor], tol: float,
               ) -> tuple[dict[str, float], list[str]]:
     """Per parameter the relative error of ``got`` against ``want``, and the names beyond
     ``tol`` (see the module docstring)."""
-    norms = {name: float(_wide(w).norm()) for name, w in want.items()}
-    floor = max(64 * eps, 1e-3 * tol) * sum(v * v for v in norms.values()) ** 0.5 + 64 * eps
-    errors, bad = {}, []
+    stats = {}  # name -> (||want||, ||got||, ||got - want||), one host copy per device
     for name, w in want.items():
-        g = _wide(got[name]).to(w.device)
-        err = float((g - _wide(w)).norm())
-        scale = max(float(g.norm()), norms[name])
+        g = got[name].to(w.device)
+        dtype = _working(g, w)
+        stats[name] = torch.stack([torch.linalg.vector_norm(t, dtype=dtype) for t in
+                                   (w, g, g.to(dtype) - w.to(dtype))]).double()
+    by_device: dict[torch.device, list[str]] = {}
+    for name, t in stats.items():
+        by_device.setdefault(t.device, []).append(name)
+    sizes = {}
+    for names in by_device.values():
+        sizes.update(zip(names, torch.stack([stats[k] for k in names]).tolist()))
+    floor = max(64 * eps, 1e-3 * tol) * sum(w * w for w, _, _ in sizes.values()) ** 0.5 \
+        + 64 * eps
+    errors, bad = {}, []
+    for name, (w, g, err) in sizes.items():
+        scale = max(g, w)
         errors[name] = err / max(scale, floor / tol, 1e-300)
         if err > tol * scale + floor:
             bad.append(name)

@@ -45,7 +45,7 @@ def per_sample_grad_dots(
     params: Iterable[str | Tensor] | None = None,
     method: str = "auto",
     loss_reduction: str | None = None,
-    check: str | int = "first",
+    check: str | int | None = None,
 ) -> Tensor:
     """Inner products ``<g_i, g'_j>`` of the per-sample gradients of one batch with those
     of another (``other``), or with each other (the Gram matrix), without forming them

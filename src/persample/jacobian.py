@@ -47,7 +47,7 @@ def input_jacobian(
     mode: str = "auto",
     chunk_size: int | None = None,
     check_independence: bool = False,
-    check: str | int = "first",
+    check: str | int | None = None,
 ) -> Tensor:
     """Per-sample Jacobian of the outputs w.r.t. the inputs, for a whole batch.
 

@@ -32,7 +32,7 @@ from .certificate import (
     summed_rows,
 )
 from .engine import Captured, loss_backprops, write_per_sample
-from .engine.weighted import op_weighted_sum
+from .engine.weighted import book_keeping
 from .errors import internal
 from .inputs import samples_of
 from .methods import Taken, answer
@@ -311,7 +311,8 @@ def weighted_sums(captured: Captured, params: dict[str, nn.Parameter],
                   ) -> dict[str, Tensor]:
     """``{name: sum_i w_i g_i}`` for weights ``w`` ``(n,)`` from what the norms used: the
     per-sample gradients materialised, and each op whose parameters got ghost norms by
-    one backward of that op alone with its backprops scaled (never forming the others);
+    its backprops scaled (the DP step's book-keeping: the op's weighted-sum rule, else
+    one backward of that op alone; never forming the others);
     the parameters of neither (module norm rules) from their rows, a few at a time."""
     names = {id(p): name for name, p in params.items()}
     sums: dict[str, Tensor] = {}
@@ -319,12 +320,17 @@ def weighted_sums(captured: Captured, params: dict[str, nn.Parameter],
         for pid, m in materialised.items():
             if pid in names:
                 sums[names[pid]] = torch.tensordot(w.to(m.device, m.dtype), m[:, 0], dims=1)
-        for op, pids in ghosted.items():
-            group = [captured.param(pid) for pid in pids if pid in names]
-            dtype = accumulate_dtype(*(t.dtype for t in group))
-            for pid, got in op_weighted_sum(captured, op, group, w.to(dtype)).items():
-                name = names[pid]
-                sums[name] = got if name not in sums else sums[name] + got
+    ghosts = {op: {pid for pid in pids if pid in names and pid not in materialised}
+              for op, pids in ghosted.items()}
+    ghosts = {op: pids for op, pids in ghosts.items() if pids}
+    into = {pid: torch.zeros_like(p, dtype=accumulate_dtype(p.dtype))
+            for pid, p in ((pid, captured.param(pid)) for pids in ghosts.values()
+                           for pid in pids)}
+    factors = {pid: w.to(t.device, t.dtype) for pid, t in into.items()}
+    book_keeping(captured, ghosts, factors, into, set(), {})
+    for pid, got in into.items():
+        name = names[pid]
+        sums[name] = got if name not in sums else sums[name] + got
     rest = [name for name in params if name not in sums]
     if rest:
         sums.update(summed_rows(per_sample_rows(captured, params, materialised), rest)(w))
@@ -378,7 +384,7 @@ def per_sample_grad_norms(
     chunk_size: int | None = None,
     loss_reduction: str | None = None,
     params: Iterable[str | Tensor] | None = None,
-    check: str | int = "first",
+    check: str | int | None = None,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """L2 norm of each sample's gradient over all trainable parameters.
 

@@ -129,7 +129,7 @@ class GradientProjector:
 
     def __call__(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
                  method: str = "auto", loss_reduction: str | None = None,
-                 check: str | int = "first") -> Tensor:
+                 check: str | int | None = None) -> Tensor:
         """The projected per-sample gradients of a batch, ``(B, proj.dim)``.
 
         Args:

@@ -42,6 +42,8 @@ import torch
 from tqdm import tqdm
 
 from ..api import aligned_empty
+from ..certificate import checking, forget
+from ..engine.plans import clear_plans
 from . import anchors
 from ._rss import reset_peak_rss, status_kib
 from .anchors import Case, Method, as_flat, curvature_rows
@@ -134,6 +136,8 @@ class Report:
     speedup_over_best_other: float | None = None
     best_other: str | None = None
     diagnostics: dict[str, float] = field(default_factory=dict)  # label -> median ms
+    # persample's first call of a new plan: {"certified": ms, "never": ms} (check=)
+    first_calls: dict[str, float] = field(default_factory=dict)
 
 
 def _reps(quick: bool) -> tuple[int, int]:
@@ -269,6 +273,8 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
             timer.row.median_ms = statistics.median(timer.row.times_ms)
     w.model.zero_grad(set_to_none=True)
     rows = [t.row for t in timers[fixed:]]
+    ours_at = next(k for k, m in enumerate(case.methods) if m.ours)
+    first_calls = _first_calls(case.methods[ours_at], buf, rows[ours_at], quick, device, step)
     bytes_out = buf.numel() * buf.element_size()
     del timers, timer, buf, reference  # a real-size result is gigabytes: freed for the probes
     gc.collect()
@@ -290,8 +296,36 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
         product.median_ms if product is not None else None, case.reference_label, ours, rows,
         memory_label(device) if probe is not None or device.type == "cuda" else "not measured")
     report.diagnostics = {row.method: row.median_ms for row in diagnostics}
+    report.first_calls = first_calls
     _speedup(report)
     return report
+
+
+def _first_calls(method: Method, buf: torch.Tensor, row: Measured, quick: bool,
+                 device: torch.device, step: Callable[[str], None]) -> dict[str, float]:
+    """persample's first call of a plan not seen before (:func:`persample.clear_plans`,
+    :func:`persample.certificate.forget`), certified (``check="first"``) and not
+    (``"never"``), alternated: 3 pairs, one where a call is slow or ``quick``. Median ms
+    of each, ``{}`` where the method did not run."""
+    if method.fn is None or row.status != "ok":
+        return {}
+    sync = _synchronizer(device)
+    times: dict[str, list[float]] = {"certified": [], "never": []}
+    pairs = 1 if quick or (row.first_ms or 0) > SLOW_S * 1e3 else 3
+    for k in range(pairs):
+        for label, check in (("certified", "first"), ("never", "never")):
+            step(f"first call, {label} ({k + 1} of {pairs})")
+            clear_plans()
+            forget()
+            gc.collect()
+            with checking(check):
+                sync()
+                start = time.perf_counter()
+                result = method.fn(buf)
+                sync()
+                times[label].append((time.perf_counter() - start) * 1e3)
+            del result
+    return {label: statistics.median(v) for label, v in times.items()}
 
 
 def _reseed(seed: int | None) -> Callable[[], None]:
@@ -549,6 +583,10 @@ def format_report(r: Report) -> str:
     if plain and captured:
         lines.append(f"  capture overhead: forward under capture {captured:.2f} ms, plain "
                      f"forward {plain:.2f} ms ({captured / plain:.2f}x)")
+    certified, never = (r.first_calls.get(k) for k in ("certified", "never"))
+    if certified and never:
+        lines.append(f"  {r.ours}, first call of a new plan: certified {certified:.2f} ms, "
+                     f"check='never' {never:.2f} ms ({certified / never:.2f}x)")
     draws = {k.removeprefix("noise: "): v for k, v in r.diagnostics.items()
              if k.startswith("noise: ") and v is not None}
     if draws:

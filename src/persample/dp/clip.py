@@ -38,14 +38,13 @@ from ..certificate import (
     signature,
 )
 from ..engine import Captured, loss_backprops
-from ..engine.weighted import edge_weighted_sum, op_weighted_sum
+from ..engine.weighted import book_keeping, complete_sums, edge_weighted_sum
 from ..errors import CertificateError, InternalError, internal, internal_errors_raised
 from ..inputs import Batch
 from ..methods import AMBIGUOUS, Taken, answer, leave_rules, slower, user_stacklevel
 from ..norms import group_squared_norms, per_sample_rows, squared_norms, sum_of_squares
 from ..plan import Plan
-from ..precision import LOW, accumulate_dtype, cast, without_autocast
-from ..rules import Decline, OpCall, rules_of
+from ..precision import accumulate_dtype
 from ..sharded import fsdp_units
 from ..whole import loop_grads, vmap_grads
 from .clipping import Clipping
@@ -105,7 +104,7 @@ class MicroBatch:
     loss_fn: Callable[[Any, Any], Tensor]
     params: dict[str, nn.Parameter]
     users: Tensor | None = None
-    check: str | int = "first"
+    check: str | int | None = None
     sharded: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -505,7 +504,7 @@ class Clipped:
             with internal("the clipped sums"):
                 self._add_module_normed(into, group, done)
                 if self.captured is not None:
-                    _book_keeping(self.captured, {op: pids & group for op, pids in
+                    book_keeping(self.captured, {op: pids & group for op, pids in
                                                   self.ghosted.items() if pids & group},
                                   self.factors, into, done, left)
         except InternalError as err:  # the norms are right: the rest from per-sample gradients
@@ -513,7 +512,7 @@ class Clipped:
                 raise
             leave_rules(Taken(), err)
             with internal("the clipped sums of the uses left"):
-                _complete(self.captured, self.ghosted, left, self.factors, into, done)
+                complete_sums(self.captured, self.ghosted, left, self.factors, into, done)
             self._add_per_sample(into, group, done)
 
     def _add_materialised(self, into: dict[int, Tensor], group: set[int]) -> set[int]:
@@ -582,86 +581,3 @@ def _keeps_graph(plan: Plan) -> bool:
 def _module_norm_rule(call: Any) -> Any:
     """The module norm rule of a module call (``ModuleSpec.norm``), or ``None``."""
     return call.rule.spec.norm
-
-
-def _op_sum_rule(op: Any) -> Callable[[int, torch.dtype, Tensor, Tensor, dict], bool] | None:
-    """The weighted-sum rule of ``op`` (``OpSpec.sum``), called as ``rule(n, dtype, g, c,
-    into)``: backprops ``g (n, 1, *out)`` and factors ``c (n,)`` in ``dtype``, ``into``
-    ``{param: tensor}`` added to; it returns ``False`` where the rule declines (having
-    added nothing). ``None``: the op has none."""
-    spec = rules_of(op)
-    if spec is None or spec.sum is None:
-        return None
-
-    def rule(n: int, dtype: torch.dtype, g: Tensor, c: Tensor, into: dict) -> bool:
-        try:
-            spec.sum(OpCall(op, n, dtype), g, c, into)
-        except Decline:
-            return False
-        return True
-
-    return rule
-
-
-def _book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
-                  into: dict[int, Tensor], done: set[int], left: dict[int, list]) -> None:
-    """Add the clipped sums of the ghost-normed parameters into ``into``, op by op
-    (``ghosted``: op -> the parameters it sums; ``done``: parameters whose sums are
-    complete, those summed from materialised gradients already in it; ``left``: filled
-    here with each parameter's ops not yet added, for :func:`_complete` after a failure).
-
-    ``sum_i c_i g_i`` is the op's ordinary weight gradient for backprops scaled by
-    the clip factors: the op's weighted-sum rule where it has one (one GEMM for a
-    linear map), else one local backward from the op's own autograd node. A
-    parameter several ops read gets each one's sum.
-    """
-    for op, pids in ghosted.items():
-        for pid in pids - done:
-            left.setdefault(pid, []).append(op)
-    with without_autocast():
-        for op, pids in ghosted.items():
-            rule = _op_sum_rule(op)
-            g = (captured.backprops(op.edges, op.out_layouts)[0]  # (n, 1, *out)
-                 if rule else None)
-            for pid in [pid for pid in pids if pid in left]:  # one at a time: a failure
-                _add_op_sum(captured, op, pid, factors[pid], into[pid], rule, g)  # adds
-                left[pid].remove(op)  # nothing
-                if not left[pid]:
-                    done.add(pid)
-
-
-def _complete(captured: Captured, ghosted: dict, left: dict[int, list],
-              factors: dict[int, Tensor], into: dict[int, Tensor], done: set[int]) -> None:
-    """After a failure: a parameter some of whose uses were added gets the other uses'
-    sums from each op's own backward (exact, and apart from the rules)."""
-    for pid, ops in left.items():
-        uses = sum(pid in pids for pids in ghosted.values())
-        if pid in done or not ops or len(ops) == uses:
-            continue  # complete, or nothing added: summed from per-sample gradients
-        with without_autocast():
-            for op in ops:
-                p = next(t for t in op.leaves if id(t) == pid)
-                into[pid].add_(op_weighted_sum(captured, op, [p], factors[pid])[pid])
-        done.add(pid)
-
-
-def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor,
-                rule: Callable | None, g: Tensor | None) -> None:
-    """Add one op's share of ``sum_i c_i g_i`` of the parameter ``pid`` (clip factors
-    ``c (n,)``) into ``into``: its weighted-sum ``rule`` (:func:`_op_sum_rule`) with the
-    op's backprops ``g (n, 1, *out)`` (``None``: it has none), else (it has none, or it
-    declines, having added nothing) one local backward."""
-    p = next(t for t in op.leaves if id(t) == pid)
-    if rule is not None and g is not None:
-        dtype = _sum_dtype(g.dtype, into.dtype)
-        with torch.no_grad():
-            if rule(captured.n, dtype, cast(g, dtype), c.to(dtype), {p: into}):
-                return
-    into.add_(op_weighted_sum(captured, op, [p], c)[pid])
-
-
-def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
-    """The dtype an op's clipped sum is computed in: the op's own under autocast (its
-    backprops are bfloat16: the GEMM runs there, as autograd's weight gradient would,
-    and is added to the float32 sums), else the sums'."""
-    return op_dtype if op_dtype in LOW and into_dtype not in LOW else into_dtype

@@ -189,7 +189,7 @@ class PrivateStep:
                  param_groups: list[list[str]] | None = None,
                  automatic_gamma: float = 0.01,
                  adaptive_clipping: AdaptiveClipping | None = None,
-                 check: str | int = "first") -> None:
+                 check: str | int | None = None) -> None:
         _check_options(noise_multiplier, expected_batch_size)
         check_option(check)
         self.check = check
@@ -475,7 +475,7 @@ def private_grad(
     param_groups: list[list[str]] | None = None,
     automatic_gamma: float = 0.01,
     user_ids: Tensor | None = None,
-    check: str | int = "first",
+    check: str | int | None = None,
 ) -> Accumulated:
     """Set every trainable ``p.grad`` to a differentially private gradient of the batch.
 

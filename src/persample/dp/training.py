@@ -190,7 +190,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  automatic_gamma: float = 0.01, user_ids: Any = None,
                  records_per_user: int | None = None,
                  adaptive_clipping: AdaptiveClipping | None = None,
-                 check: str | int = "first") -> PrivateTraining:
+                 check: str | int | None = None) -> PrivateTraining:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
 

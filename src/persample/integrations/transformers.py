@@ -119,7 +119,7 @@ class PrivacyArguments:
     secure_mode: bool = False
     user_ids: str | None = None
     records_per_user: int | None = None
-    check: str | int = "first"
+    check: str | int | None = None
 
     def __post_init__(self) -> None:
         given = (self.target_epsilon is not None, self.noise_multiplier is not None)
