@@ -53,9 +53,9 @@ def pytest_configure(config):
 
 
 # Doctests that run whole benchmark workloads (seconds each): slow, like the tests that do.
-SLOW_DOCTESTS = {"persample.cli.bench.bench_case", "persample.cli.bench.format_report",
-                 "persample.cli.bench.run", "persample.cli.anchors.case.under_autocast",
-                 "persample.cli.anchors.builders.backprops"}
+SLOW_DOCTESTS = {"persample_bench.bench.bench_case", "persample_bench.bench.format_report",
+                 "persample_bench.bench.run", "persample_bench.anchors.case.under_autocast",
+                 "persample_bench.anchors.builders.backprops"}
 
 
 # Tests of seconds each (summed over their parametrizations): anchors' own runs

@@ -153,11 +153,10 @@ def test_out_not_contiguous_along_columns(snapshot):
 @pytest.mark.parametrize("kwargs, pattern", [
     ({"method": "fast"}, r"method='fast' is not one of"),
     ({"method": "Rules"}, r"method='Rules' is not one of"),
-    ({"loss_reduction": "avg"}, r"loss_reduction='avg' is not one of"),
     ({"chunk_size": 0}, r"chunk_size must be a positive int or None, got 0"),
     ({"chunk_size": -2}, r"chunk_size must be a positive int or None, got -2"),
     ({"chunk_size": 1.5}, r"chunk_size must be a positive int or None, got 1\.5"),
-], ids=["method", "method-case", "reduction", "chunk-0", "chunk-neg", "chunk-float"])
+], ids=["method", "method-case", "chunk-0", "chunk-neg", "chunk-float"])
 def test_bad_options(kwargs, pattern, snapshot):
     model = mlp()
     x, y = data(3)

@@ -21,16 +21,16 @@ import torch
 
 import persample
 from cases import assert_exact
-from persample.cli import anchors, bench
-from persample.cli.anchors import memory
-from persample.cli.workloads import (
+from persample.dp import private_grad
+from persample_bench import anchors, bench
+from persample_bench.anchors import memory
+from persample_bench.workloads import (
     REAL_GRAD_WORKLOADS,
     REAL_WORKLOADS,
     SMALL_WORKLOADS,
     WORKLOADS,
     real_workload,
 )
-from persample.dp import private_grad
 from zoo import require
 
 PERSAMPLE_ROWS = {"persample", "persample (flat=True)", "persample (out=)"}

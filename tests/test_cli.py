@@ -8,10 +8,11 @@ import sys
 import pytest
 
 import zoo
-from persample.cli import bench as bench_module
-from persample.cli import bench_options, build_parser, main, threads
+from persample.cli import build_parser, main, threads
 from persample.cli.real_models import require
-from persample.cli.workloads import REAL_WORKLOADS, SMALL_WORKLOADS
+from persample_bench import bench as bench_module
+from persample_bench import bench_options
+from persample_bench.workloads import REAL_WORKLOADS, SMALL_WORKLOADS
 
 pytestmark = pytest.mark.keep_default_dtype  # the benchmark workloads are float32
 
@@ -114,15 +115,36 @@ def test_bench_memory_and_product_floor(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_module_entry_point_help():
-    done = subprocess.run([sys.executable, "-m", "persample", "bench", "--help"],
+@pytest.mark.parametrize("command", [["-m", "persample", "bench"], ["-m", "persample_bench"]])
+def test_module_entry_point_help(command):
+    """``python -m persample bench`` and ``python -m persample_bench``: the same options."""
+    done = subprocess.run([sys.executable, *command, "--help"],
                           capture_output=True, text=True, check=True)
+    prog = "persample bench" if "bench" in command else "persample-bench"
+    assert done.stdout.startswith(f"usage: {prog} ")
     assert "--workload" in done.stdout and "--quick" in done.stdout
     assert "--device" in done.stdout and "--no-memory" in done.stdout
     assert "_memory-probe" not in done.stdout  # internal
     text = " ".join(done.stdout.split())  # how the options combine, the default threads
     assert "the small workloads only (unless --real or --workload)" in text
     assert "1-minute load average" in text
+
+
+def test_bench_hands_what_follows_it_to_the_benchmark(capsys):
+    """``persample bench ARGS`` is the benchmark's parser on ``ARGS``, named ``persample
+    bench``; ``persample --help`` lists it beside the other subcommands."""
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: persample bench ") and "--workload" in out
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--workload", "no-such-workload"])
+    assert done.value.code == 2
+    assert "persample bench: error: argument --workload" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "time every per-sample method" in capsys.readouterr().out
 
 
 def test_a_missing_package_is_reported_not_raised(tmp_path, monkeypatch, capsys):
@@ -184,7 +206,7 @@ def test_bench_curvature_workloads(tmp_path, workload):
 
 def bench_plan(*args: str) -> bench_options.BenchPlan:
     """What ``persample bench ARGS`` would run (nothing is run)."""
-    return bench_options.plan(build_parser().parse_args(["bench", *args]))
+    return bench_options.plan(bench_options.build_parser().parse_args(list(args)))
 
 
 def test_quick_selects_the_small_workloads_at_a_small_batch_without_memory_probes():
@@ -218,7 +240,9 @@ def test_the_default_threads_are_the_free_cpus(monkeypatch, cpus, load, want):
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, 0.0, 0.0))
     assert threads.default_threads() == want
     parse = build_parser().parse_args
-    for command in ("bench", "attribute", "dp-train", "dp-finetune"):
+    for command in ("attribute", "dp-train", "dp-finetune"):
         assert parse([command]).threads == want, command
         assert parse([command, "--threads", "3"]).threads == 3, command
+    bench = bench_options.build_parser().parse_args  # what `persample bench` hands on
+    assert bench([]).threads == want and bench(["--threads", "3"]).threads == 3
 

@@ -10,7 +10,7 @@ import pytest
 def test_docstrings_do_not_change_when_transformers_is_imported():
     """transformers sets a function on the standard library's logging.Logger; the corpus
     keeps the standard library's own docstrings, so it is the same before and after."""
-    code = ("from persample.data import stdlib_docstrings, docstring_examples\n"
+    code = ("from persample.cli.data import stdlib_docstrings, docstring_examples\n"
             "before = stdlib_docstrings()\n"
             "import transformers\n"
             "from transformers import BertModel\n"

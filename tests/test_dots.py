@@ -17,7 +17,7 @@ from torch import Tensor, nn
 import persample
 from cases import BY_ID, CASE_IDS, CASES, N, TiedLM, build
 from persample import loop_per_sample_grads, per_sample_grad_dots
-from persample.captured_batch import CapturedBatch
+from persample.engine.captured_batch import CapturedBatch
 from test_real_models import masked_loop
 from zoo import ZOO
 

@@ -113,7 +113,7 @@ def test_bounds_and_the_checkpoint():
                         expected_batch_size=B, adaptive_clipping=ada)
     again.load_state_dict(saved)
     assert again.max_grad_norm == step.max_grad_norm and again.unclipped == step.unclipped
-    assert again.clipping.bounds == (step.max_grad_norm,)
+    assert again.bounds.bounds == (step.max_grad_norm,)
 
 
 @pytest.mark.parametrize(("options", "ada", "match"), [

@@ -156,9 +156,9 @@ def test_flat_and_per_layer_factors_are_the_step_before():
     """Flat and per-layer clipping through Clipping compute what the step computed
     before: the same ops, so the same bits."""
     sq = {"a": torch.tensor([4.0, 0.01, 9.0]), "b": torch.tensor([1.0, 0.0, 16.0])}
-    flat = Clipping.of(2.0, ["a", "b"]).factors(sq)
+    flat = Clipping.flat(2.0).bound(["a", "b"]).factors(sq)
     norms = torch.stack([sq["a"], sq["b"]]).sum(0).sqrt()
     assert torch.equal(flat["a"], (2.0 / (norms + 1e-6)).clamp(max=1.0))
-    per = Clipping.of(2.0, ["a", "b"], per_layer=True).factors(sq)
+    per = Clipping.layerwise(2.0).bound(["a", "b"]).factors(sq)
     bound = 2.0 / math.sqrt(2)
     assert torch.equal(per["b"], (bound / (sq["b"].sqrt() + 1e-6)).clamp(max=1.0))

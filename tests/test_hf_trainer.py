@@ -1,7 +1,7 @@
 """PrivateTrainer: DP-SGD inside the Hugging Face Trainer, against PrivateStep by hand.
 
 Tiny BERT classifier and GPT-2 (with and without LoRA) on the standard library's
-docstrings (persample.data.docstring_examples), in float64. The Trainer's batches
+docstrings (persample.cli.data.docstring_examples), in float64. The Trainer's batches
 are recorded by the collator; the same micro-batches accumulated into a PrivateStep
 by hand, released and stepped with the same optimizer give the same parameters.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from persample.data import docstring_examples
+from persample.cli.data import docstring_examples
 from persample.dp import PoissonBatchSampler, PrivacyAccountant, PrivateStep
 from persample.dp.noise import SecureSource
 from zoo import require
@@ -397,7 +397,7 @@ def test_empty_micro_batches(tmp_path):
 WORKER = '''
 import os, sys, torch
 from transformers import TrainingArguments
-from persample.data import docstring_examples
+from persample.cli.data import docstring_examples
 from persample.integrations.transformers import PrivacyArguments, PrivateTrainer
 sys.path.insert(0, {tests!r})
 from test_hf_trainer import gpt2, sgd

@@ -54,7 +54,7 @@ def test_import_persample_loads_none_of_the_cli_extra():
 
 def test_persample_imports_and_runs_without_the_cli_extra():
     done = without_cli_extra(
-        "import torch, persample, persample.dp, persample.data\n"
+        "import torch, persample, persample.dp, persample.cli.data\n"
         "model = torch.nn.Linear(3, 2)\n"
         "x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))\n"
         "loss = torch.nn.CrossEntropyLoss(reduction='none')\n"
@@ -95,7 +95,7 @@ def test_only_what_the_command_uses_is_required(monkeypatch):
 
 
 def test_the_digits_without_scikit_learn_say_to_install_the_extra(monkeypatch):
-    from persample.data import digits_features, digits_images
+    from persample.cli.data import digits_features, digits_images
 
     for name in [m for m in sys.modules if m.partition(".")[0] == "sklearn"] + ["sklearn"]:
         monkeypatch.setitem(sys.modules, name, None)  # (loaded by earlier tests: all of it)

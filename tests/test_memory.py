@@ -125,8 +125,8 @@ def test_the_dp_backward_frees_activations_as_a_plain_backward_does():
     from persample import checks
     from persample.batch import located
     from persample.capture import Capture
-    from persample.dp import clip
     from persample.engine import loss_backprops
+    from persample.engine.weighted import keeps_graph
 
     torch.manual_seed(0)
     frozen, block_tanh = nn.Linear(5, 16), nn.Tanh()
@@ -159,7 +159,7 @@ def test_the_dp_backward_frees_activations_as_a_plain_backward_does():
     assert capture.calls and seen["frozen"].expired() and not seen["tanh"].expired()
     del out, capture
     cap = loss_backprops(net, batch, y, nn.CrossEntropyLoss(), watched,
-                         retain_graph=clip._keeps_graph)
+                         retain_graph=keeps_graph)
     assert cap.grads and seen["frozen"].expired() and seen["tanh"].expired()
     del cap
     _, norms = persample.dp.private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=0.01,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 import persample
-import persample.norms as norms_module
+import persample.engine.norms as norms_module
 import persample.rules as rules
 from battery import METHODS, REDUCTIONS, TOL, layer_norms, norms_of
 from cases import (
@@ -405,9 +405,8 @@ def test_model_unchanged(c, method, snapshot):
 
 @pytest.mark.parametrize("kwargs, pattern", [
     ({"method": "fast"}, r"method='fast' is not one of"),
-    ({"loss_reduction": "avg"}, r"loss_reduction='avg' is not one of"),
     ({"chunk_size": 0}, r"chunk_size must be a positive int or None, got 0"),
-], ids=["method", "reduction", "chunk-0"])
+], ids=["method", "chunk-0"])
 def test_bad_options(kwargs, pattern, snapshot):
     model, inputs, targets, loss_fn, _ = reference(BY_ID["mlp"])
     state = snapshot(model)

@@ -79,15 +79,6 @@ def test_rows_are_each_samples_own_gradient():
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_loss_reduction_is_deprecated_and_changes_nothing(reduction):
-    c = BY_ID["linear-seq-nobias-persample"]
-    model, inputs, targets, loss_fn, want = reference(c)
-    with pytest.warns(FutureWarning, match="loss_reduction is deprecated"):
-        got = per_sample_grads(model, inputs, targets, loss_fn, loss_reduction=reduction)
-    assert_grads_equal(got, want)
-
-
-@pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_scalar_loss_is_evaluated_per_sample_whatever_its_reduction(reduction):
     """A vmappable scalar loss is re-evaluated per sample, so its reduction cannot matter."""
     model, inputs, targets, loss_fn, want = reference(BY_ID["mlp"], 4, reduction)

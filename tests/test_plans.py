@@ -1,4 +1,4 @@
-"""The data flow kept from earlier calls (persample.capture.tape, persample.engine.plans):
+"""The data flow kept from earlier calls (persample.capture.tape, persample.engine.tapes):
 later calls like the first take it op by op, and any op that differs (another path
 through the code, other arguments, an input from elsewhere, other values) is decided
 again: every answer equals the loop's, in float64, whatever changed between calls."""

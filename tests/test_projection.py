@@ -15,7 +15,7 @@ from torch import Tensor, nn
 import persample.projection as projection_module
 from cases import CASE_IDS, CASES, N, build
 from persample import GradientProjector, loop_per_sample_grads, per_sample_grads
-from persample.captured_batch import CapturedBatch, matrix_shape
+from persample.engine.captured_batch import CapturedBatch, matrix_shape
 from test_real_models import masked_loop
 from zoo import ZOO
 

@@ -16,8 +16,8 @@ from cases import assert_exact, clipped_mean
 from persample import loop_per_sample_grads
 from persample.dp import PrivateStep, private_grad
 from persample.engine import loss_backprops
+from persample.engine.norms import squared_norms
 from persample.inputs import as_batch
-from persample.norms import squared_norms
 from persample.rules import ghost
 
 B = T = 6  # sizes chosen to coincide

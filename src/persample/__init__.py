@@ -20,7 +20,7 @@ from .certificate import checking
 from .curvature import KFAC, ggn_diag, per_sample_ggn_diag
 from .dots import per_sample_grad_dots
 from .draws import DrawNotReplayable
-from .engine.plans import cache_plans, clear_plans
+from .engine.tapes import cache_plans, clear_plans
 from .errors import (
     CertificateError,
     InternalError,

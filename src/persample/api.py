@@ -37,7 +37,6 @@ def per_sample_grads(
     flat: bool = False,
     chunk_size: int | None = None,
     out: Tensor | None = None,
-    loss_reduction: str | None = None,
     params: Iterable[str | Tensor] | None = None,
     check: str | int | None = None,
 ) -> dict[str, Tensor] | Tensor:
@@ -85,8 +84,6 @@ def per_sample_grads(
             memory of activations and backprops (the result is still whole).
         out: a caller-owned ``(B, P)`` buffer, the parameters' dtype and device, to
             write the flat result into (implies ``flat=True``).
-        loss_reduction: deprecated, no effect (a ``FutureWarning``): each sample's
-            own loss is evaluated, whatever the loss's reduction.
         params: the parameters to differentiate, as names (``"0.weight"``) or the
             parameters themselves (default: every trainable one). The rest of the model
             is left untouched (not frozen) and costs no per-sample work; the result has
@@ -140,20 +137,20 @@ def per_sample_grads(
         torch.Size([16, 67])
     """
     return grads_taken(model, inputs, targets, loss_fn, method=method, flat=flat,
-                       chunk_size=chunk_size, out=out, loss_reduction=loss_reduction,
+                       chunk_size=chunk_size, out=out,
                        params=params, check=check)[0]
 
 
 def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
                 method: str = "auto", flat: bool = False, chunk_size: int | None = None,
-                out: Tensor | None = None, loss_reduction: str | None = None,
+                out: Tensor | None = None,
                 params: Iterable[str | Tensor] | None = None, check: str | int | None = None
                 ) -> tuple[dict[str, Tensor] | Tensor, Taken]:
     """:func:`per_sample_grads`, and the method that answered (:class:`Taken`, with the
     certificates run)."""
     check_option(check)
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
-                                           loss_reduction, chunk_size, params)
+                                           chunk_size, params)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
     watched = {id(p): p for p in params.values()}
     step, taken = chunk_size or max(n, 1), Taken()
@@ -267,7 +264,7 @@ def param_jacobian(
         torch.Size([8, 10, 15910])
     """
     check_option(check)
-    batch, n, params = checks.validate_call(model, inputs, None, None, method, None, chunk_size,
+    batch, n, params = checks.validate_call(model, inputs, None, None, method, chunk_size,
                                            params)
     watched = {id(p): p for p in params.values()}
     out_shape = _output_shape(model, batch)

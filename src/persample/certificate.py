@@ -394,6 +394,10 @@ def _precision(dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     return TOLERANCES.get(low, 1e-2), eps
 
 
+def _dense(t: Tensor) -> Tensor:
+    return t.to_dense() if t.layout != torch.strided else t
+
+
 def _working(a: Tensor, b: Tensor) -> torch.dtype:
     """The dtype two sides are compared in: the wider of theirs, at least float32 (a
     norm accumulated there is exact to about 1e-6, far below any tolerance but
@@ -415,7 +419,8 @@ def _compared(got: Mapping[str, Tensor], want: Mapping[str, Tensor], tol: float,
     ``tol`` (see the module docstring)."""
     stats = {}  # name -> (||want||, ||got||, ||got - want||), one host copy per device
     for name, w in want.items():
-        g = got[name].to(w.device)
+        g = _dense(got[name].to(w.device))
+        w = _dense(w)  # a sparse embedding's gradient
         dtype = _working(g, w)
         stats[name] = torch.stack([torch.linalg.vector_norm(t, dtype=dtype) for t in
                                    (w, g, g.to(dtype) - w.to(dtype))]).double()

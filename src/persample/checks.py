@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,10 +12,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from .inputs import Batch, as_batch
-from .methods import METHODS, user_stacklevel
+from .methods import METHODS
 from .sharded import Sharding, fsdp_units, reshard_all
-
-REDUCTIONS = ("mean", "sum")
 
 
 def check_targets(targets: Any, n: int) -> None:
@@ -29,28 +26,12 @@ def check_targets(targets: Any, n: int) -> None:
             )
 
 
-def check_options(method: str, loss_reduction: str | None, chunk_size: int | None) -> None:
+def check_options(method: str, chunk_size: int | None) -> None:
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
-    check_loss_reduction(loss_reduction)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
             chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-
-
-def check_loss_reduction(loss_reduction: str | None) -> None:
-    """``loss_reduction`` is deprecated: each sample's own loss is evaluated on its slice of
-    the output, so how a scalar loss reduces over the batch never matters."""
-    if loss_reduction is None:
-        return
-    if loss_reduction not in REDUCTIONS:
-        raise ValueError(
-            f"loss_reduction={loss_reduction!r} is not one of {REDUCTIONS} (and it is "
-            "deprecated: leave it out; each sample's loss is evaluated on its own)")
-    warnings.warn(
-        "loss_reduction is deprecated and has no effect: persample evaluates each sample's "
-        "own loss (a scalar loss on that sample's slice of the output), whatever the loss's "
-        "reduction. Leave it out.", FutureWarning, stacklevel=user_stacklevel())
 
 
 def check_loss_fn(loss_fn: Any, targets: Any) -> None:
@@ -187,12 +168,12 @@ def common_dtype_device(params: dict[str, nn.Parameter]) -> tuple[torch.dtype, t
 
 def validate_call(
     model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, method: str,
-    loss_reduction: str | None, chunk_size: int | None, selected: Any = None,
+    chunk_size: int | None, selected: Any = None,
 ) -> tuple[Batch, int, dict[str, nn.Parameter]]:
     """Validate the arguments every per-sample function shares: ``(batch, size, params)``.
     ``loss_fn=None``: a function without a loss (the parameter Jacobian); ``selected``:
     the ``params=`` argument (:func:`selected_parameters`)."""
-    check_options(method, loss_reduction, chunk_size)
+    check_options(method, chunk_size)
     check_per_sample_model(model)
     if loss_fn is not None or targets is not None:
         check_loss_fn(loss_fn, targets)

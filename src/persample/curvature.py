@@ -37,14 +37,13 @@ from torch import Tensor, nn
 from torch.func import hessian, vmap
 
 from . import checks
-from .captured_batch import parameter_groups
-from .engine import Captured, cotangent_backprops, loss_backprops, write_per_sample
+from .engine import Captured, Factors, cotangent_backprops, loss_backprops, write_per_sample
+from .engine.captured_batch import parameter_groups
+from .engine.norms import use_factors
 from .errors import internal
 from .loss import per_sample_losses
 from .memory import result_empty
-from .norms import use_factors
 from .precision import accumulate_dtype, without_autocast
-from .rules.ghost import Factors
 
 FISHERS = ("type-2", "mc", "empirical")
 KINDS = ("expand", "reduce")
@@ -53,7 +52,7 @@ KINDS = ("expand", "reduce")
 @dataclass
 class KroneckerFactors:
     """One use's K-FAC factors of a parameter seen as a matrix ``(rows, cols)``
-    (:func:`persample.captured_batch.matrix_shape`): its curvature block ``~ A (x) G``.
+    (:func:`persample.engine.captured_batch.matrix_shape`): its curvature block ``~ A (x) G``.
 
     Attributes:
         A: the input side's second moment ``(d_in, d_in)``, or for a lookup (whose input
@@ -191,7 +190,7 @@ class KFAC:
                 (not ``(B, C)``), and the errors of ``per_sample_grads``' validation.
         """
         batch, n, _ = checks.validate_call(self.model, inputs, targets, loss_fn, "rules",
-                                           None, None)
+                                           None)
         if n == 0:
             return
         captured = self.capture(batch, targets, loss_fn, self.params)
@@ -503,7 +502,7 @@ def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
         raise ValueError(f"mc_samples must be an int >= 0 (0: exact), got {mc_samples!r}")
     batch, n, chosen = checks.validate_call(model, inputs, targets, loss_fn, "rules", None,
-                                            None, params)
+                                            params)
     if mc_samples:
         draw = label_sampler(loss_fn, generator)
         captured = cotangent_backprops(

@@ -14,7 +14,7 @@ it is a sum over the ops that read it:
   chosen where it costs fewer multiply-adds than forming the gradients;
 - every other parameter (convolutions, normalisation layers, scales, what the rules
   answer by module or by ``torch.func``) from its per-sample gradients, a few
-  parameters at a time (:func:`persample.captured_batch.parameter_groups`).
+  parameters at a time (:func:`persample.engine.captured_batch.parameter_groups`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .captured_batch import CapturedBatch, matrix_shape, parameter_groups
 from .certificate import Checker, certify_dots, check_option, signature
+from .engine import Factors, cross_inner, forming_cost
+from .engine.captured_batch import CapturedBatch, matrix_shape, parameter_groups
 from .errors import internal
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
-from .rules.ghost import Factors, cross_inner, forming_cost
 from .whole import loop_grads, vmap_grads
 
 
@@ -44,7 +44,6 @@ def per_sample_grad_dots(
     other: tuple[Any, Any] | None = None,
     params: Iterable[str | Tensor] | None = None,
     method: str = "auto",
-    loss_reduction: str | None = None,
     check: str | int | None = None,
 ) -> Tensor:
     """Inner products ``<g_i, g'_j>`` of the per-sample gradients of one batch with those
@@ -56,7 +55,7 @@ def per_sample_grad_dots(
     ``per_sample_grads(..., flat=True) @ per_sample_grads(other..., flat=True).T``.
 
     Args:
-        model, inputs, targets, loss_fn, loss_reduction: as for
+        model, inputs, targets, loss_fn: as for
             :func:`persample.per_sample_grads` (``B`` samples).
         other: ``(inputs', targets')`` of a second batch of ``B'`` samples for the same
             model and ``loss_fn``; default ``None``, the batch with itself.
@@ -101,13 +100,13 @@ def per_sample_grad_dots(
     products).
     """
     batch, n, chosen = checks.validate_call(model, inputs, targets, loss_fn, method,
-                                           loss_reduction, None, params)
+                                           None, params)
     if other is not None:
         if not (isinstance(other, tuple) and len(other) == 2):
             raise ValueError("other must be a pair (inputs, targets) of a second batch, got "
                              f"{type(other).__name__}")
         batch2, _, _ = checks.validate_call(model, other[0], other[1], loss_fn, method,
-                                           loss_reduction, None, params)
+                                           None, params)
         targets2 = other[1]
     else:
         batch2, targets2 = None, None

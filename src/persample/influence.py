@@ -30,9 +30,9 @@ from torch import Tensor, nn
 
 from . import checks
 from .api import per_sample_grads
-from .captured_batch import matrix_shape
 from .curvature import KFAC, KroneckerFactors
 from .engine import Captured, write_per_sample
+from .engine.captured_batch import matrix_shape
 from .errors import internal
 from .inputs import as_batch, samples_of
 from .precision import accumulate_dtype, without_autocast
@@ -135,7 +135,7 @@ class EKFAC:
         """Add one batch's per-sample gradients, in each basis, squared."""
         kfac = self.kfac
         batch, n, _ = checks.validate_call(kfac.model, inputs, targets, loss_fn, "rules",
-                                           None, None)
+                                           None)
         if n == 0:
             return
         params = {name: kfac.params[name] for name in self._bases}

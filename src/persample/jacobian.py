@@ -30,11 +30,11 @@ from torch.func import functional_call, jvp, vmap
 from .batch import Batched, Mixed
 from .certificate import Checker, Draws, certify_input_jacobian, check_option
 from .checks import kept_buffers
+from .engine import open_capture
 from .engine.backward import one_hot
 from .errors import CertificateError, InternalError
 from .memory import result_empty
 from .methods import Taken, leave_rules, user_stacklevel
-from .rules import open_capture
 
 MODES = ("auto", "reverse", "forward")
 _CHUNK_NUMBERS = 2**22  # jacobian_diagonal's default: tangents of a chunk, in numbers

@@ -38,13 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .captured_batch import CapturedBatch, matrix_shape, parameter_groups
 from .certificate import Checker, certify_projection, check_option, signature
+from .engine import Factors
+from .engine.captured_batch import CapturedBatch, matrix_shape, parameter_groups
 from .errors import internal
 from .inputs import Batch
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
-from .rules.ghost import Factors
 from .whole import loop_grads, vmap_grads
 
 KINDS = ("kronecker", "gaussian", "rademacher")
@@ -128,12 +128,12 @@ class GradientProjector:
     # -- what users call --------------------------------------------------------------
 
     def __call__(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
-                 method: str = "auto", loss_reduction: str | None = None,
+                 method: str = "auto",
                  check: str | int | None = None) -> Tensor:
         """The projected per-sample gradients of a batch, ``(B, proj.dim)``.
 
         Args:
-            inputs, targets, loss_fn, method, loss_reduction: as for
+            inputs, targets, loss_fn, method: as for
                 :func:`persample.per_sample_grads` (``B`` samples).
             check: when the result ``R`` is certified (:mod:`persample.certificate`:
                 for Gaussian ``u``, ``u^T R`` is :meth:`project` of the gradient of
@@ -157,7 +157,7 @@ class GradientProjector:
         """
         check_option(check)
         batch, _, params = checks.validate_call(self.model, inputs, targets, loss_fn, method,
-                                               loss_reduction, None, list(self.params))
+                                               None, list(self.params))
         checker = Checker(check, self.model, signature("projection", self.model, batch,
                                                        targets, params.values(), id(self)))
         kept: list[Tensor] = []

@@ -21,14 +21,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from . import checks
-from .engine import capture_backprops, loss_backprops, write_per_sample
+from .engine import capture_backprops, loss_backprops, module_rule_of, write_per_sample
+from .engine.paths import Path
 from .errors import REFUSALS, InternalError, internal, internal_errors_raised
 from .inputs import Batch, as_batch, samples_of
-from .plan import Path
 from .precision import autocast_state, without_autocast
 from .reference import forward_per_sample_grads, loop_per_sample_grads
 from .rng import restore, snapshot
-from .rules import module_rule_of
 
 
 @dataclass(frozen=True)
@@ -298,7 +297,6 @@ def verify(
     *,
     method: str = "auto",
     rtol: float | None = None,
-    loss_reduction: str | None = None,
 ) -> Verification:
     """Check the fast per-sample gradients against the loop, on every sample of the batch
     (or its first ``samples``).
@@ -318,7 +316,7 @@ def verify(
     the random ops (``random_ops``).
 
     Args:
-        model, inputs, targets, loss_fn, loss_reduction, method: as for
+        model, inputs, targets, loss_fn, method: as for
             :func:`persample.per_sample_grads`.
         samples: how many samples (from the start of the batch) to check; default
             (``None``) the whole batch: a difference in one sample (a float32 near-tie
@@ -373,8 +371,8 @@ def verify(
     part, t = batch.samples(0, k), samples_of(targets, 0, k)
     states = snapshot()
     fast, taken = grads_taken(model, part, t, loss_fn, method=method,  # (an explicit
-                              loss_reduction=loss_reduction,  # method: its rows compared)
-                              check="always" if method == "auto" else "never")
+                              check="always" if method == "auto" else "never")  # method:
+    # its rows compared)
     restore(states)
     random_ops = [d.describe() for d in recorded_draws(model, part)]
     restore(states)
@@ -389,7 +387,7 @@ def verify(
                           plan=taken.plan, random_ops=random_ops,
                           certificates=taken.certificates)
     if bad and dtype != torch.float64 and not random_ops:
-        report.note = _rounding_note(model, part, t, loss_fn, method, loss_reduction, bad)
+        report.note = _rounding_note(model, part, t, loss_fn, method, bad)
     return report
 
 
@@ -429,7 +427,7 @@ def _errors(fast: dict[str, Tensor], slow: dict[str, Tensor]
 _MAXIMA = ("MaxPool", "AdaptiveMaxPool", "FractionalMaxPool", "MaxUnpool")
 
 
-def _rounding_note(model, part, targets, loss_fn, method, loss_reduction, bad: list[int]
+def _rounding_note(model, part, targets, loss_fn, method, bad: list[int]
                    ) -> str | None:
     """When the samples beyond tolerance agree in float64 (a copy of the model, the
     inputs widened), the difference is the low precision's rounding, not an error of
@@ -442,8 +440,7 @@ def _rounding_note(model, part, targets, loss_fn, method, loss_reduction, bad: l
                        and t.is_floating_point() else t)
         part64 = dataclasses.replace(part, args=to64(part.args), kwargs=to64(part.kwargs))
         with without_autocast():
-            fast, _ = grads_taken(wide, part64, to64(targets), loss_fn, method=method,
-                                  loss_reduction=loss_reduction)
+            fast, _ = grads_taken(wide, part64, to64(targets), loss_fn, method=method)
             slow = loop_per_sample_grads(wide, part64, to64(targets), loss_fn)
     except Exception:  # the float64 copy is a diagnosis, never a new failure
         return None

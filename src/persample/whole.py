@@ -21,12 +21,12 @@ from torch import Tensor, nn
 from .batch import located, located_of
 from .checks import kept_buffers
 from .draws import Draw, Recorder, replayed
+from .engine import EXPANSIONS, open_capture
 from .engine.backward import mixing_error
 from .inputs import Batch, as_batch
 from .patches import plain_checkpoints
 from .reference import loop_param_jacobian, loop_per_sample_grads
 from .rng import restore, snapshot
-from .rules import EXPANSIONS, open_capture
 from .vmap import vmap_param_jacobian, vmap_per_sample_grads
 
 

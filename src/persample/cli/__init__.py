@@ -1,25 +1,38 @@
-"""The ``persample`` command line (also ``python -m persample``)."""
+"""The ``persample`` command line (also ``python -m persample``).
+
+``persample bench`` is the benchmark, a package of its own beside the library
+(:mod:`persample_bench`, also ``persample-bench``): this command line imports it only
+when the subcommand is ``bench``, and hands it the arguments that follow.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 
-from ..errors import STRICT_ENV
-from . import _deps, attribute, audit, bench_options, dp_finetune, dp_train
+from . import _deps, attribute, audit, dp_finetune, dp_train
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``persample`` argument parser: ``bench``, ``dp-train``, ``dp-finetune``,
-    ``attribute`` and ``audit`` subcommands.
+    ``attribute`` and ``audit`` subcommands. ``bench`` keeps what follows it as it is
+    (``args``), for the benchmark's own parser.
 
     Examples:
-        >>> build_parser().parse_args(["bench", "--quick", "--no-memory"]).no_memory
-        True
+        >>> build_parser().parse_args(["bench", "--quick", "--no-memory"]).args
+        ['--quick', '--no-memory']
+        >>> build_parser().parse_args(["dp-train", "--epochs", "2"]).epochs
+        2
     """
-    parser = argparse.ArgumentParser(prog="persample", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="persample", description="The persample command line (also python -m persample).")
     sub = parser.add_subparsers(dest="command", required=True)
-    bench_options.add_parser(sub)
+    # no option of its own (no prefix character any argument starts with), so that every
+    # argument after `bench`, --help included, goes to the benchmark's parser
+    bench = sub.add_parser(
+        "bench", prefix_chars="\0", add_help=False,
+        help="time every per-sample method side by side on the workloads (real data); "
+        "persample bench --help for its options")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
     dp_train.add_parser(sub)
     dp_finetune.add_parser(sub)
     attribute.add_parser(sub)
@@ -38,24 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             the command starts.
     """
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from persample_bench import main as bench  # the one import of the benchmark
+
+        return bench(args.args, prog="persample bench")
     _deps.require(args)
-    if args.command == "bench":  # a bug of persample fails its row, never hides
-        os.environ.setdefault(STRICT_ENV, "1")  # behind a fallback (probes inherit it)
-    if args.command == "bench" and args._memory_probe:
-        import json
-
-        from .bench import memory_probe
-
-        workload, method = args._memory_probe
-        print(json.dumps(memory_probe(workload, method, args.batch, args.threads,
-                                      args.device)))
-    elif args.command == "bench":
-        from .bench import run
-
-        plan = bench_options.plan(args)
-        run(plan.workloads, plan.quick, plan.batch, args.threads, args.json, args.plot,
-            device=args.device, memory=plan.memory)
-    elif args.command == "dp-train":
+    if args.command == "dp-train":
         dp_train.run_from_args(args)
     elif args.command == "dp-finetune":
         dp_finetune.run_from_args(args)

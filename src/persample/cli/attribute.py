@@ -91,7 +91,7 @@ def cnn() -> nn.Module:
 def _data(cfg: AttributeConfig) -> tuple[Tensor, ...]:
     from sklearn.model_selection import train_test_split
 
-    from ..data import digits_images
+    from .data import digits_images
 
     x, y = digits_images(size=16)
     train, val = train_test_split(torch.arange(len(y)).numpy(), test_size=0.2,

@@ -64,8 +64,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     status: 0, or 1 when a bound is above the accountant's epsilon."""
     from ..dp import PrivateStep
     from ..dp.auditing import BROKEN, audit
-    from .dp_train import load_split
-    from .workloads import simple_cnn
+    from .dp_train import load_split, simple_cnn
 
     torch.set_num_threads(args.threads or default_threads())
     x, y, _, _ = load_split(args.subset)

@@ -2,7 +2,7 @@
 
 A transformers GPT-2 (random weights, optionally trained briefly without privacy
 first) is fine-tuned on the docstrings of Python's standard library, tokenised as
-bytes (:func:`persample.data.docstring_batch`), fully or with LoRA adapters
+bytes (:func:`persample.cli.data.docstring_batch`), fully or with LoRA adapters
 (``peft``), with DP-SGD over Poisson-sampled logical batches split into physical
 micro-batches (:class:`persample.dp.PrivateStep`). The same loop without privacy
 (gradients accumulated over the same micro-batches) is the baseline: perplexity on
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..data import ByteTokenizer, docstring_batch
 from ._rss import reset_peak_rss, status_kib
-from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_options
+from .data import ByteTokenizer, docstring_batch
+from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_of
 from .real_models import causal_lm_loss, gpt2, with_lora
 from .threads import add_threads_argument, default_threads, threads_label
 
@@ -143,7 +143,7 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     step = PrivateStep(model, causal_lm_loss, noise_multiplier=sigma,
                        expected_batch_size=expected, generator=noise_gen,
                        secure_mode=cfg.secure_mode,
-                       **clipping_options(model, cfg, expected)
+                       clipping=clipping_of(model, cfg, expected)
                        ) if private else None
     accountant = PrivacyAccountant()
     times, rss_before = [], _rss_mb("VmRSS")

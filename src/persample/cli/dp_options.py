@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch import nn
+
+from ..dp import AdaptiveClipping, Clipping
 
 CLIPPINGS = ("flat", "per-layer", "per-module", "automatic", "adaptive")
 
 
 class DPOptions(Protocol):
-    """What :func:`clipping_options` and :func:`check_dp_options` read of a config."""
+    """What :func:`clipping_of` and :func:`check_dp_options` read of a config."""
 
     clipping: str
     max_grad_norm: float
@@ -33,9 +35,8 @@ class DPOptions(Protocol):
     nproc: int
 
 
-def clipping_options(model: nn.Module, cfg: DPOptions, expected_batch_size: float
-                     ) -> dict[str, Any]:
-    """The clipping options of ``PrivateStep`` for ``cfg.clipping``: flat (``C``), per
+def clipping_of(model: nn.Module, cfg: DPOptions, expected_batch_size: float) -> Clipping:
+    """The :class:`~persample.dp.Clipping` of ``cfg.clipping``: flat (``C``), per
     layer (each parameter to ``C / sqrt(K)``), per module (the trainable parameters of
     each module as one group, each to ``C / sqrt(m)``), automatic (Bu et al. 2023,
     "Automatic clipping: differentially private deep learning made easier and
@@ -47,28 +48,27 @@ def clipping_options(model: nn.Module, cfg: DPOptions, expected_batch_size: floa
         >>> from types import SimpleNamespace
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
         >>> cfg = SimpleNamespace(clipping="per-module", max_grad_norm=2.0)
-        >>> clipping_options(net, cfg, expected_batch_size=64)
-        {'max_grad_norm': [1.414..., 1.414...], 'param_groups': [['0.weight', '0.bias'], ['2.weight', '2.bias']]}
-    """  # noqa: E501
+        >>> clip = clipping_of(net, cfg, expected_batch_size=64)
+        >>> clip.max_grad_norm, clip.param_groups
+        ((1.414..., 1.414...), (('0.weight', '0.bias'), ('2.weight', '2.bias')))
+    """
     if cfg.clipping == "automatic":
-        return {"max_grad_norm": "automatic", "automatic_gamma": cfg.automatic_gamma}
+        return Clipping.automatic(cfg.automatic_gamma)
     if cfg.clipping == "adaptive":
-        from ..dp import AdaptiveClipping
-
         std = cfg.unclipped_num_std or expected_batch_size / 20
-        return {"max_grad_norm": cfg.max_grad_norm, "adaptive_clipping": AdaptiveClipping(
+        return Clipping.flat(cfg.max_grad_norm, adaptive=AdaptiveClipping(
             target_unclipped_quantile=cfg.target_unclipped_quantile, unclipped_num_std=std,
-            clipbound_learning_rate=cfg.clipbound_learning_rate)}
+            clipbound_learning_rate=cfg.clipbound_learning_rate))
     if cfg.clipping == "per-layer":
-        return {"max_grad_norm": cfg.max_grad_norm, "per_layer": True}
+        return Clipping.layerwise(cfg.max_grad_norm)
     if cfg.clipping == "per-module":
         groups: dict[str, list[str]] = {}
         for name, p in model.named_parameters():
             if p.requires_grad:
                 groups.setdefault(name.rpartition(".")[0], []).append(name)
         bound = cfg.max_grad_norm / math.sqrt(len(groups))
-        return {"max_grad_norm": [bound] * len(groups), "param_groups": list(groups.values())}
-    return {"max_grad_norm": cfg.max_grad_norm}
+        return Clipping.grouped([bound] * len(groups), list(groups.values()))
+    return Clipping.flat(cfg.max_grad_norm)
 
 
 def clipping_label(cfg: DPOptions) -> str:

@@ -9,7 +9,7 @@ step Poisson-samples a batch (each training example with probability
 ``p.grad`` it writes. The privacy spent is counted by
 ``persample.dp.accounting.PrivacyAccountant`` (Google's ``dp-accounting``).
 
-Data: the 1,797 digits as 1x28x28 images (``persample.data.digits_images``), a
+Data: the 1,797 digits as 1x28x28 images (``persample.cli.data.digits_images``), a
 fixed stratified 80/20 split (1,437 train, 360 test; ``random_state=0``, the
 same whatever ``--seed``). ``--compare-nonprivate`` trains the same model from
 the same initial weights on the same kind of batches, without clipping or noise
@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -31,14 +32,39 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_options
+from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_of
 from .threads import add_threads_argument, default_threads, threads_label
-from .workloads import simple_cnn
 
 if TYPE_CHECKING:  # dp_accounting (scipy) takes ~1.5 s to import: only when training
     from ..dp.accounting import PrivacyAccountant
 
 EPS_EVERY = 10  # steps between epsilon updates in the progress bar (RDP costs ~50 ms)
+
+
+def simple_cnn() -> nn.Sequential:
+    """The SimpleCNN of torch.func's "Per-sample-gradients" tutorial (conv 1->32 k3,
+    conv 32->64 k3, maxpool 2, fc 9216->128->10): the model ``dp-train`` and ``audit``
+    train, and the benchmark's CNN workloads.
+
+    Takes ``(B, 1, 28, 28)``, returns logits ``(B, 10)``; 1,199,882 parameters.
+
+    Examples:
+        >>> simple_cnn()(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+    """
+    return nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(1, 32, 3, 1),
+            relu1=nn.ReLU(),
+            conv2=nn.Conv2d(32, 64, 3, 1),
+            relu2=nn.ReLU(),
+            pool=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(9216, 128),
+            relu3=nn.ReLU(),
+            fc2=nn.Linear(128, 10),
+        )
+    )
 
 
 @dataclass
@@ -107,7 +133,7 @@ def load_split(subset: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tenso
     """
     from sklearn.model_selection import train_test_split
 
-    from ..data import digits_images
+    from .data import digits_images
 
     x, y = digits_images(dtype=torch.float32)
     train, test = train_test_split(torch.arange(len(y)).numpy(), test_size=0.2,
@@ -215,7 +241,7 @@ def train(
     step = None if sigma is None else PrivateStep(
         model, loss_fn, noise_multiplier=sigma, expected_batch_size=expected,
         generator=noise_gen, secure_mode=cfg.secure_mode,
-        **clipping_options(model, cfg, expected))
+        clipping=clipping_of(model, cfg, expected))
     run = Run("private" if sigma is not None else "non-private")
     model.train()
     eps = 0.0  # spent so far, refreshed every EPS_EVERY steps

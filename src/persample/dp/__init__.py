@@ -31,6 +31,7 @@ from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .auditing import Audit, audit
 from .clip import Accumulated
+from .clipping import Clipping
 from .privacy_engine import BatchMemoryManager, PrivacyEngine
 from .sampling import (
     EmptySafeCollate,
@@ -58,6 +59,7 @@ __all__ = [
     "EmptySafeCollate",
     "PrivacyEngine",
     "BatchMemoryManager",
+    "Clipping",
     "AdaptiveClipping",
     "audit",
     "Audit",

@@ -413,9 +413,9 @@ class _WithoutClipping(PrivateStep):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.claimed = self.clipping.sensitivity
-        self.clipping = dataclasses.replace(self.clipping, bounds=tuple(
-            math.inf for _ in self.clipping.bounds))
+        self.claimed = self.bounds.sensitivity
+        self.bounds = dataclasses.replace(self.bounds, bounds=tuple(
+            math.inf for _ in self.bounds.bounds))
 
     def _terms(self) -> Any:
         terms = super()._terms()

@@ -38,16 +38,21 @@ from ..certificate import (
     signature,
 )
 from ..engine import Captured, loss_backprops
-from ..engine.weighted import book_keeping, complete_sums, edge_weighted_sum
+from ..engine.norms import group_squared_norms, per_sample_rows, squared_norms, sum_of_squares
+from ..engine.weighted import (
+    add_materialised,
+    add_module_normed,
+    book_keeping,
+    complete_sums,
+    keeps_graph,
+)
 from ..errors import CertificateError, InternalError, internal, internal_errors_raised
 from ..inputs import Batch
 from ..methods import AMBIGUOUS, Taken, answer, leave_rules, slower, user_stacklevel
-from ..norms import group_squared_norms, per_sample_rows, squared_norms, sum_of_squares
-from ..plan import Plan
 from ..precision import accumulate_dtype
 from ..sharded import fsdp_units
 from ..whole import loop_grads, vmap_grads
-from .clipping import Clipping
+from .clipping import ClipBounds
 
 
 class Accumulated(NamedTuple):
@@ -92,7 +97,7 @@ class MicroBatch:
         >>> from persample import checks
         >>> net, loss_fn = nn.Linear(3, 2), nn.MSELoss()
         >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
-        >>> batch, n, params = checks.validate_call(net, x, y, loss_fn, "auto", None, None)
+        >>> batch, n, params = checks.validate_call(net, x, y, loss_fn, "auto", None)
         >>> micro = MicroBatch(net, batch, y, loss_fn, params)
         >>> micro.batch.n, micro.sharded
         (4, False)
@@ -146,7 +151,7 @@ class Destination(Protocol):
         """The group's sums (``make``'s tensors), complete."""
 
 
-def clipped_sums(micro: MicroBatch, *, clipping: Clipping, into: Destination) -> Accumulated:
+def clipped_sums(micro: MicroBatch, *, clipping: ClipBounds, into: Destination) -> Accumulated:
     """Add ``sum_i c_i g_i`` of every parameter of one micro-batch into ``into``.
 
     ``g_i`` is sample ``i``'s own gradient and ``c_i`` its clip factor for the
@@ -175,10 +180,10 @@ def clipped_sums(micro: MicroBatch, *, clipping: Clipping, into: Destination) ->
 
     Examples:
         >>> from persample import checks
+        >>> from persample.dp import Clipping
         >>> net = nn.Linear(3, 2)
         >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
-        >>> batch, _, params = checks.validate_call(net, x, y, nn.MSELoss(), "auto", None,
-        ...                                         None)
+        >>> batch, _, params = checks.validate_call(net, x, y, nn.MSELoss(), "auto", None)
         >>> class Zeros:
         ...     groups = [[id(p) for p in params.values()]]
         ...     def check(self, norms): assert torch.isfinite(norms).all()
@@ -187,7 +192,8 @@ def clipped_sums(micro: MicroBatch, *, clipping: Clipping, into: Destination) ->
         ...     def flush(self, sums): self.sums = sums
         >>> zeros = Zeros()
         >>> losses, norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
-        ...                              clipping=Clipping.of(1e-3, list(params)), into=zeros)
+        ...                              clipping=Clipping.flat(1e-3).bound(list(params)),
+        ...                              into=zeros)
         >>> norms.shape, zeros.sums[id(net.weight)].shape
         (torch.Size([4]), torch.Size([2, 3]))
     """
@@ -201,7 +207,7 @@ def clipped_sums(micro: MicroBatch, *, clipping: Clipping, into: Destination) ->
     return Accumulated(clipped.losses, clipped.norms())
 
 
-def _certified(micro: MicroBatch, clipping: Clipping, into: Destination) -> Clipped:
+def _certified(micro: MicroBatch, clipping: ClipBounds, into: Destination) -> Clipped:
     """The micro-batch measured and clipped, its result certified where due: the
     per-sample gradients behind the norms, the norms, and the clipped sum (see
     :mod:`persample.certificate`). A mismatch warns and takes the next exact method
@@ -342,12 +348,13 @@ class Clipped:
 
     Examples:
         >>> from persample import checks
+        >>> from persample.dp import Clipping
         >>> net, loss_fn = nn.Linear(3, 2), nn.MSELoss()
         >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
-        >>> batch, _, params = checks.validate_call(net, x, y, loss_fn, "auto", None, None)
+        >>> batch, _, params = checks.validate_call(net, x, y, loss_fn, "auto", None)
         >>> clipped = Clipped.measure(MicroBatch(net, batch, y, loss_fn, params))
         >>> norms = clipped.norms()  # (4,) before clipping
-        >>> clipped.clip(Clipping.of(1e-3, list(params)))
+        >>> clipped.clip(Clipping.flat(1e-3).bound(list(params)))
         >>> sums = {id(p): torch.zeros_like(p) for p in params.values()}
         >>> clipped.add_group(sums, set(sums))  # each sample's gradient clipped to 1e-3
         >>> total = torch.cat([t.flatten() for t in sums.values()]).norm()
@@ -389,7 +396,7 @@ class Clipped:
 
         def by_rules() -> Clipped:
             captured = loss_backprops(micro.model, micro.batch, micro.targets, micro.loss_fn,
-                                      watched, retain_graph=_keeps_graph)
+                                      watched, retain_graph=keeps_graph)
             with internal("the norm rules"):
                 if groups is None:
                     return cls(micro, captured, *squared_norms(captured, params),
@@ -470,7 +477,7 @@ class Clipped:
                             ).sum(0).sqrt()
         return norms if self.groups is None else norms[self.groups]
 
-    def clip(self, clipping: Clipping) -> None:
+    def clip(self, clipping: ClipBounds) -> None:
         """Set :attr:`factors` from the squared norms: each sample's factor for each
         parameter's group (the same for every parameter of a group).
 
@@ -498,11 +505,12 @@ class Clipped:
             persample's ``InternalError`` where its own code fails on a sharded model
             (no whole-model fallback there); the errors of ``torch.func`` and the loop.
         """
-        done = self._add_materialised(into, group)
+        done = add_materialised(self.materialised, self.factors, into, group)
         left: dict[int, list] = {}  # id -> the ops whose sums are not added yet
         try:
             with internal("the clipped sums"):
-                self._add_module_normed(into, group, done)
+                add_module_normed(self.captured, self.module_normed, self.factors, into,
+                                  group, done)
                 if self.captured is not None:
                     book_keeping(self.captured, {op: pids & group for op, pids in
                                                   self.ghosted.items() if pids & group},
@@ -514,27 +522,6 @@ class Clipped:
             with internal("the clipped sums of the uses left"):
                 complete_sums(self.captured, self.ghosted, left, self.factors, into, done)
             self._add_per_sample(into, group, done)
-
-    def _add_materialised(self, into: dict[int, Tensor], group: set[int]) -> set[int]:
-        """The parameters whose per-sample gradients ``(n, 1, *shape)`` were materialised:
-        ``tensordot(c, g)``. Returns their ids."""
-        done = {pid for pid in self.materialised if pid in group}
-        for pid in done:
-            m = self.materialised[pid]
-            into[pid].add_(torch.tensordot(self.factors[pid].to(m.dtype), m[:, 0], dims=1))
-        return done
-
-    def _add_module_normed(self, into: dict[int, Tensor], group: set[int],
-                           done: set[int]) -> None:
-        """The parameters a module norm rule normed: their module call's backward for the
-        backprops scaled per sample (adds their ids to ``done``)."""
-        for _call, edge, layout, normed in self.module_normed:
-            for p in normed.values():
-                if id(p) in group:
-                    got = edge_weighted_sum(self.captured, edge, layout, [p],
-                                         self.factors[id(p)])[id(p)]
-                    into[id(p)].add_(got)
-                    done.add(id(p))
 
     def _add_per_sample(self, into: dict[int, Tensor], group: set[int],
                         done: set[int]) -> None:
@@ -568,16 +555,3 @@ def _summed(rows: Tensor, groups: Tensor | None, count: int) -> Tensor:
     if groups is None:
         return rows
     return rows.new_zeros(count, rows.shape[1]).index_add_(0, groups, rows)
-
-
-def _keeps_graph(plan: Plan) -> bool:
-    """Whether the model's autograd graph must outlive the backward: only for the module
-    calls a module norm rule may norm (their clipped sums come from a backward through
-    the graph). Everything else is summed from the captured values, so the graph's saved
-    activations are freed as the backward goes, as in a plain step."""
-    return any(_module_norm_rule(call) is not None for call, _ in plan.module_jobs)
-
-
-def _module_norm_rule(call: Any) -> Any:
-    """The module norm rule of a module call (``ModuleSpec.norm``), or ``None``."""
-    return call.rule.spec.norm

@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
+from .clipping import Clipping
 from .noise import SecureSource
 from .reduce import world
 from .sampling import EmptySafeCollate, PoissonBatchSampler, dataset_size, loader_options
@@ -331,9 +332,11 @@ class PrivacyEngine:
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                      data_loader: DataLoader, noise_multiplier: float,
-                     max_grad_norm: float | list[float], criterion: Callable | None = None,
+                     max_grad_norm: float | list[float] | None = None,
+                     criterion: Callable | None = None,
                      loss_reduction: str = "mean", poisson_sampling: bool = True,
-                     clipping: str = "flat", noise_generator: torch.Generator | None = None,
+                     clipping: str | Clipping = "flat",
+                     noise_generator: torch.Generator | None = None,
                      grad_sample_mode: str = "hooks", batch_first: bool = True,
                      **kwargs: Any) -> tuple:
         """Opacus's ``make_private``: the model, the optimizer and a Poisson-sampling
@@ -360,7 +363,9 @@ class PrivacyEngine:
                 :class:`~persample.dp.AdaptiveClipping`, from Opacus's options
                 ``target_unclipped_quantile``, ``unclipped_num_std``,
                 ``clipbound_learning_rate``, ``max_clipbound``, ``min_clipbound``;
-                ``max_grad_norm`` is the first ``C``; one process).
+                ``max_grad_norm`` is the first ``C``; one process); or persample's
+                :class:`~persample.dp.Clipping` (any kind, automatic and by groups
+                too), without ``max_grad_norm``.
             noise_generator: a ``torch.Generator`` for the noise (not in secure mode;
                 with FSDP2 seeded alike on every rank).
             grad_sample_mode: ``"hooks"`` (and Opacus's other names: ``"functorch"``,
@@ -380,7 +385,7 @@ class PrivacyEngine:
                 data loader whose dataset has no length.
         """
         adaptive = {k: kwargs.pop(k) for k in ADAPTIVE_OPTIONS if k in kwargs}
-        check = kwargs.pop("check", "first")
+        check = kwargs.pop("check", None)
         self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
                      grad_sample_mode, kwargs)
         n = dataset_size(data_loader.dataset, "DataLoader's dataset")
@@ -388,7 +393,7 @@ class PrivacyEngine:
         expected = max(1, int(n * q))
         inner = unwrapped(module)
         params = [name for name, p in inner.named_parameters() if p.requires_grad]
-        clip_options = _clipping(clipping, max_grad_norm, params, adaptive)
+        chosen = _clipping(clipping, max_grad_norm, params, adaptive)
         seed = _shared_seed()  # several processes: one draw for the batches and the noise
         if noise_generator is None and seed is not None and not self.secure_mode:
             noise_generator = torch.Generator().manual_seed(seed + 1)  # alike on every rank
@@ -396,7 +401,7 @@ class PrivacyEngine:
                            noise_multiplier=noise_multiplier, expected_batch_size=expected,
                            generator=noise_generator, sample_rate=q,
                            accountant=self.accountant_kind, secure_mode=self.secure_mode,
-                           check=check, **clip_options)
+                           check=check, clipping=chosen)
         self.steps.append(step)
         wrapped = PrivateModule(module)
         private = PrivateOptimizer(optimizer, wrapped, step, loss_reduction)
@@ -409,7 +414,8 @@ class PrivacyEngine:
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                                   data_loader: DataLoader, target_epsilon: float,
                                   target_delta: float, epochs: int,
-                                  max_grad_norm: float | list[float], **kwargs: Any) -> tuple:
+                                  max_grad_norm: float | list[float] | None = None,
+                                  **kwargs: Any) -> tuple:
         """Opacus's ``make_private_with_epsilon``: the noise multiplier that spends
         ``(target_epsilon, target_delta)`` in ``epochs`` epochs of ``len(data_loader)``
         steps (:func:`~persample.dp.noise_multiplier_for`), then :meth:`make_private`."""
@@ -428,7 +434,8 @@ class PrivacyEngine:
         return self.steps[-1].epsilon(delta) if self.steps else 0.0
 
     def _refuse(self, optimizer: torch.optim.Optimizer, module: nn.Module,
-                poisson_sampling: bool, clipping: str, batch_first: bool, loss_reduction: str,
+                poisson_sampling: bool, clipping: str | Clipping, batch_first: bool,
+                loss_reduction: str,
                 grad_sample_mode: str, kwargs: dict) -> None:
         ours = {id(p) for p in module.parameters()}
         if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
@@ -436,8 +443,9 @@ class PrivacyEngine:
         reasons = {
             "poisson_sampling=False (the accounting assumes Poisson sampling)":
                 not poisson_sampling,
-            f"clipping={clipping!r} (flat, per_layer or adaptive)":
-                clipping not in ("flat", "per_layer", "adaptive"),
+            f"clipping={clipping!r} (flat, per_layer, adaptive or a persample.dp.Clipping)":
+                not isinstance(clipping, Clipping)
+                and clipping not in ("flat", "per_layer", "adaptive"),
             "batch_first=False": not batch_first,
             f"loss_reduction={loss_reduction!r} (mean or sum)":
                 loss_reduction not in ("mean", "sum"),
@@ -458,10 +466,17 @@ ADAPTIVE_OPTIONS = ("target_unclipped_quantile", "clipbound_learning_rate", "max
                     "min_clipbound", "unclipped_num_std")  # Opacus's, for clipping="adaptive"
 
 
-def _clipping(clipping: str, max_grad_norm: Any, names: list[str], adaptive: dict[str, Any]
-              ) -> dict[str, Any]:
-    """PrivateStep's clipping options for Opacus's ``clipping``, ``max_grad_norm`` and
-    (``"adaptive"``) its options of adaptive clipping."""
+def _clipping(clipping: str | Clipping, max_grad_norm: Any, names: list[str],
+              adaptive: dict[str, Any]) -> Clipping:
+    """The :class:`Clipping` of Opacus's ``clipping``, ``max_grad_norm`` and
+    (``"adaptive"``) its options of adaptive clipping, or persample's own value."""
+    if isinstance(clipping, Clipping):
+        if max_grad_norm is not None or adaptive:
+            raise ValueError("with clipping=persample.dp.Clipping(...), pass no "
+                             "max_grad_norm or adaptive options: the Clipping holds them")
+        return clipping
+    if max_grad_norm is None:
+        raise ValueError(f"clipping={clipping!r} needs max_grad_norm (the clipping norm C)")
     if adaptive and clipping != "adaptive":
         raise ValueError(f"persample's PrivacyEngine takes {', '.join(sorted(adaptive))} "
                          "with clipping='adaptive' only")
@@ -470,16 +485,15 @@ def _clipping(clipping: str, max_grad_norm: Any, names: list[str], adaptive: dic
                    if k not in adaptive]
         if missing:
             raise ValueError(f"clipping='adaptive' needs {' and '.join(missing)}")
-        return {"max_grad_norm": max_grad_norm,
-                "adaptive_clipping": AdaptiveClipping(**adaptive)}
+        return Clipping.flat(max_grad_norm, adaptive=AdaptiveClipping(**adaptive))
     if clipping == "flat":
-        return {"max_grad_norm": max_grad_norm}
+        return Clipping.flat(max_grad_norm)
     if isinstance(max_grad_norm, (list, tuple)):
         if len(max_grad_norm) != len(names):
             raise ValueError(f"clipping='per_layer' takes one max_grad_norm per trainable "
                              f"parameter ({len(names)}), got {len(max_grad_norm)}")
-        return {"max_grad_norm": list(max_grad_norm), "param_groups": [[n] for n in names]}
-    return {"max_grad_norm": max_grad_norm, "per_layer": True}
+        return Clipping.grouped(list(max_grad_norm), [[n] for n in names])
+    return Clipping.layerwise(max_grad_norm)
 
 
 def _shared_seed() -> int | None:

@@ -150,7 +150,7 @@ class Reducer(ABC):
         Raises:
             ValueError, TypeError: the errors of ``per_sample_grads``'s validation.
         """
-        return checks.validate_call(model, inputs, targets, loss_fn, "auto", None, None)
+        return checks.validate_call(model, inputs, targets, loss_fn, "auto", None)
 
     @abstractmethod
     def micro_batch(self, sums: Sums | None, params: dict[str, nn.Parameter], terms: Terms
@@ -335,7 +335,7 @@ class Local(Reducer):
         >>> into = local.micro_batch(None, params, terms)
         >>> from persample.dp.clipping import Clipping
         >>> losses, norms = clipped_sums(MicroBatch(net, batch, y, nn.MSELoss(), params),
-        ...                              clipping=Clipping.of(1.0, list(params)), into=into)
+        ...                              clipping=Clipping.flat(1.0).bound(list(params)), into=into)
         >>> local.release(into.commit(), terms)
         >>> net.weight.grad.shape
         torch.Size([2, 3])
@@ -659,7 +659,7 @@ class Sharded(Reducer):
             raise ValueError("the model is sharded with FSDP2 but torch.distributed is not "
                              "initialised: call torch.distributed.init_process_group first")
         self.ranks.arrive("accumulate()")
-        return checks.validate_call(model, inputs, targets, loss_fn, "rules", None, None)
+        return checks.validate_call(model, inputs, targets, loss_fn, "rules", None)
 
     def micro_batch(self, sums: Sums | None, params: dict[str, nn.Parameter], terms: Terms
                     ) -> Accumulation:

@@ -54,26 +54,25 @@ class PrivateStep:
             step's (``named_parameters()`` order). Nothing is stored on it.
         loss_fn: ``loss_fn(output, targets)``, per-sample ``(b,)`` or a scalar (see
             ``per_sample_grads``).
-        max_grad_norm: the clipping norm ``C > 0`` (loss units per parameter unit); a
-            list of norms ``C_g``, one per group of ``param_groups``; or
-            ``"automatic"`` (``c_i = 1 / (||g_i|| + gamma)``, Bu et al. 2023). The
-            kinds, their sensitivity ``S`` and their sources:
-            :mod:`persample.dp.clipping`.
+        clipping: how each sample's gradient is clipped, a
+            :class:`~persample.dp.Clipping` (``Clipping.flat(C)``, ``.layerwise(C)``,
+            ``.grouped([C_g], groups)``, ``.automatic()``, ``Clipping.flat(C,
+            adaptive=...)``); the kinds, their sensitivity ``S`` and their sources:
+            :mod:`persample.dp.clipping`. Or the shorthand keywords:
+        max_grad_norm: the clipping norm ``C > 0`` (loss units per parameter unit), for
+            ``Clipping.flat(C)`` (Opacus's name); with the keywords below, a list of
+            norms ``C_g`` (``param_groups``) or ``"automatic"``.
         noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * S`` (``S = C``
             flat or per layer, ``sqrt(sum_g C_g^2)`` by groups, 1 automatic).
         expected_batch_size: ``B' > 0``, the divisor: with Poisson sampling ``q * N``
             (the logical batch's expected size), so that it does not depend on the data.
         generator: ``torch.Generator`` (on the parameters' device) for the noise.
-        per_layer: clip each parameter's gradient to ``C / sqrt(K)`` instead of the
-            whole gradient to ``C`` (the budget split equally, McMahan et al. 2018).
-        param_groups: lists of parameter names (as ``named_parameters()`` gives them),
-            every trainable parameter in exactly one: each group's part of a sample's
-            gradient clipped to its own ``C_g`` (a list ``max_grad_norm``).
-        automatic_gamma: the stability constant ``gamma > 0`` of automatic clipping.
-        adaptive_clipping: a :class:`~persample.dp.AdaptiveClipping`: ``max_grad_norm``
-            (a number) is the first ``C``, and each release moves it towards a quantile
-            of the per-sample norms, from a noised count of the unclipped samples
-            (Andrew et al. 2021); the gradient's noise multiplier becomes
+        per_layer, param_groups, automatic_gamma, adaptive_clipping: the shorthand of
+            ``Clipping(max_grad_norm, per_layer, param_groups, automatic_gamma,
+            adaptive_clipping)`` (:class:`~persample.dp.Clipping`); not with
+            ``clipping``. Adaptive clipping (Andrew et al. 2021) moves ``C`` at each
+            release towards a quantile of the per-sample norms, from a noised count of
+            the unclipped samples; the gradient's noise multiplier becomes
             ``(sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` so that the step still costs
             ``sigma`` (:mod:`persample.dp.adaptive`). One process, flat clipping, no
             ``user_ids``.
@@ -94,7 +93,6 @@ class PrivateStep:
         accountant: ``"rdp"`` (default), ``"pld"``, ``"prv"`` or a
             :class:`~persample.dp.PrivacyAccountant` to continue (its steps so far
             count); only with ``sample_rate``.
-        loss_reduction: deprecated, no effect (each sample's own loss is evaluated).
         secure_mode: draw the noise from the operating system's cryptographically
             secure generator (``os.urandom``) instead of a seeded one, so that it
             cannot be computed from a seed or earlier draws: about 20 ns per number
@@ -131,8 +129,9 @@ class PrivateStep:
     the sums in float32), for the optimizer on the sharded model. FSDP1 is refused.
 
     Raises:
-        ValueError: a bad ``max_grad_norm``, ``param_groups`` (a parameter in none or
-            two, an unknown name) or ``automatic_gamma``, ``noise_multiplier < 0``
+        ValueError: a bad clipping (a bound, ``param_groups`` with a parameter in none
+            or two or an unknown name, ``automatic_gamma``; ``clipping`` and
+            ``max_grad_norm`` both or neither), ``noise_multiplier < 0``
             (with ``adaptive_clipping``: ``>= 2 * unclipped_num_std``), a bad
             ``expected_batch_size``, ``sample_rate`` outside ``(0, 1]``, an
             ``accountant`` without ``sample_rate`` or of an unknown kind, a model without trainable
@@ -165,8 +164,10 @@ class PrivateStep:
 
     Attributes:
         params: ``{name: parameter}``, the step's (FSDP2: sharded ``DTensor``).
-        max_grad_norm: as given; with ``adaptive_clipping``, the ``C`` of the next
-            micro-batches (updated at each release).
+        clipping: the :class:`~persample.dp.Clipping` (given, or made of the
+            shorthand keywords).
+        max_grad_norm: its ``C`` (a tuple by groups, or ``"automatic"``); with adaptive
+            clipping, the ``C`` of the next micro-batches (updated at each release).
         sums: ``{name: tensor}``, the clipped sums so far (``None`` before a step's first
             micro-batch), in the dtype sums accumulate in (float32 at least).
         samples: the samples accumulated since the last release.
@@ -180,9 +181,10 @@ class PrivateStep:
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], *,
-                 max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
+                 max_grad_norm: Any = None, clipping: Clipping | None = None,
+                 noise_multiplier: float, expected_batch_size: float,
                  generator: torch.Generator | None = None, per_layer: bool = False,
-                 timeout: float = 300.0, loss_reduction: str | None = None,
+                 timeout: float = 300.0,
                  sample_rate: float | None = None,
                  accountant: str | PrivacyAccountant | None = None,
                  secure_mode: bool = False,
@@ -198,23 +200,25 @@ class PrivateStep:
         if expected_batch_size is None:
             raise ValueError("expected_batch_size is required: the divisor of the noised sum "
                              "(q * N with Poisson sampling)")
-        checks.check_loss_reduction(loss_reduction)
         checks.check_loss_fn(loss_fn, None)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module  # its own gradient all-reduce must not run: release reduces
         self.model, self.loss_fn = model, loss_fn
-        self.max_grad_norm, self.noise_multiplier = max_grad_norm, float(noise_multiplier)
+        self.clipping = Clipping.resolve(
+            clipping, max_grad_norm, per_layer=per_layer, param_groups=param_groups,
+            automatic_gamma=automatic_gamma, adaptive_clipping=adaptive_clipping)
+        self.max_grad_norm = self.clipping.max_grad_norm
+        self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
-        self.generator, self.per_layer = generator, per_layer
+        self.generator = generator
         self.timeout = timedelta(seconds=timeout)
         self.reducer: Reducer = self._reducer()
         self.params = self.reducer.trainable(model)  # name -> parameter (sharded: the DTensor)
-        self.clipping = Clipping.of(max_grad_norm, list(self.params), per_layer=per_layer,
-                                    param_groups=param_groups, automatic_gamma=automatic_gamma)
-        self.adaptive = adaptive_clipping
+        self.bounds = self.clipping.bound(list(self.params))  # groups and their bounds
+        self.adaptive = self.clipping.adaptive
         self.unclipped = 0  # adaptive clipping: the samples left unclipped in this step
-        if adaptive_clipping is not None:
-            self._check_adaptive(max_grad_norm, per_layer, param_groups)
+        if self.adaptive is not None:
+            self._check_adaptive()
         self._sums: Sums | None = None  # made by the first micro-batch of a step
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
@@ -270,7 +274,7 @@ class PrivateStep:
             with checks.kept_buffers(self.model):
                 got = clipped_sums(MicroBatch(self.model, batch, targets, self.loss_fn,
                                               working, users, self.check),
-                                   clipping=self.clipping, into=into)
+                                   clipping=self.bounds, into=into)
         except FloatingPointError as err:
             return self.reducer.failed(err, n)
         self._sums = into.commit()  # only once the whole micro-batch succeeded
@@ -334,14 +338,14 @@ class PrivateStep:
             count = self.adaptive.noised_count(unclipped, self.generator, like)
             self.max_grad_norm = self.adaptive.updated(self.max_grad_norm, count,
                                                        self.expected_batch_size)
-            self.clipping = Clipping.of(self.max_grad_norm, list(self.params))
+            self.bounds = Clipping.flat(self.max_grad_norm).bound(list(self.params))
 
     def _terms(self) -> Terms:
         """What the reducer needs of the step: its parameters, the noise, the divisor, the
         users accumulated."""
         sigma = self.noise_multiplier if self.adaptive is None else \
             self.adaptive.gradient_noise_multiplier(self.noise_multiplier)
-        return Terms(self.params, sigma * self.clipping.sensitivity,
+        return Terms(self.params, sigma * self.bounds.sensitivity,
                      self.generator, self.expected_batch_size, frozenset(self.users))
 
     def _drop(self) -> None:
@@ -419,16 +423,11 @@ class PrivateStep:
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.max_grad_norm = float(state["adaptive"]["max_grad_norm"])
             self.unclipped = int(state["adaptive"]["unclipped"])
-            self.clipping = Clipping.of(self.max_grad_norm, list(self.params))
+            self.bounds = Clipping.flat(self.max_grad_norm).bound(list(self.params))
 
-    def _check_adaptive(self, max_grad_norm: Any, per_layer: bool,
-                        param_groups: list[list[str]] | None) -> None:
-        """Adaptive clipping moves one flat ``C`` in one process; its noise must leave the
-        count its share (``sigma < 2 sigma_b``)."""
-        flat = isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
-        if not flat or per_layer or param_groups is not None:
-            raise ValueError("adaptive_clipping moves one clipping norm: give max_grad_norm "
-                             "as a number (the first C), without per_layer or param_groups")
+    def _check_adaptive(self) -> None:
+        """Adaptive clipping (flat: :class:`Clipping` checks) runs in one process; its
+        noise must leave the count its share (``sigma < 2 sigma_b``)."""
         if not isinstance(self.adaptive, AdaptiveClipping):
             raise ValueError("adaptive_clipping must be a persample.dp.AdaptiveClipping, got "
                              f"{type(self.adaptive).__name__}")
@@ -465,12 +464,12 @@ def private_grad(
     targets: Any,
     loss_fn: Callable[[Any, Any], Tensor],
     *,
-    max_grad_norm: float,
+    max_grad_norm: Any = None,
+    clipping: Clipping | None = None,
     noise_multiplier: float,
     generator: torch.Generator | None = None,
     per_layer: bool = False,
     expected_batch_size: float | None = None,
-    loss_reduction: str | None = None,
     secure_mode: bool = False,
     param_groups: list[list[str]] | None = None,
     automatic_gamma: float = 0.01,
@@ -485,12 +484,13 @@ def private_grad(
     (default: the batch size). Then step any ``torch.optim`` optimizer as usual.
 
     Args:
-        model, inputs, targets, loss_fn, loss_reduction: as for
+        model, inputs, targets, loss_fn: as for
             :func:`persample.per_sample_grads`. ``p.grad`` of every trainable
             parameter is overwritten (not accumulated); nothing else changes.
-        max_grad_norm: clipping norm ``C > 0``, in loss units per parameter unit; a
-            list of norms, one per group of ``param_groups``; or ``"automatic"``
-            (:class:`PrivateStep`; :mod:`persample.dp.clipping`).
+        clipping: a :class:`~persample.dp.Clipping`, or ``max_grad_norm``: the
+            clipping norm ``C > 0`` in loss units per parameter unit (with the shorthand
+            keywords, a list of norms, one per group of ``param_groups``, or
+            ``"automatic"``), as for :class:`PrivateStep`.
         noise_multiplier: ``sigma >= 0``; the noise std is ``sigma * S``, ``S`` the
             sensitivity of the clipping (``C`` flat or per layer).
         generator: ``torch.Generator`` (on the parameters' device) for the noise.
@@ -525,8 +525,8 @@ def private_grad(
         the model as autocast runs it.
 
     Raises:
-        ValueError: a bad ``max_grad_norm`` or ``param_groups`` (naming the parameter or
-            the number), ``noise_multiplier < 0``, a bad
+        ValueError: a bad clipping (naming the parameter or the number; ``clipping``
+            and ``max_grad_norm`` both or neither), ``noise_multiplier < 0``, a bad
             ``expected_batch_size``, an empty batch without ``expected_batch_size``,
             and the errors of ``per_sample_grads`` (TypeError too). Where the rules
             cannot split the model by sample, or persample's own code fails on it, or
@@ -558,8 +558,7 @@ def private_grad(
     if isinstance(model, nn.Module):
         fsdp_units(model)  # refuses FSDP1 before anything else
     _check_options(noise_multiplier, expected_batch_size)
-    _, n, _ = checks.validate_call(model, inputs, targets, loss_fn, "auto", loss_reduction,
-                                   None)
+    _, n, _ = checks.validate_call(model, inputs, targets, loss_fn, "auto", None)
     if n == 0 and expected_batch_size is None:
         raise ValueError(
             "the batch is empty (Poisson sampling can draw one): pass expected_batch_size "
@@ -568,7 +567,7 @@ def private_grad(
     if expected_batch_size is None:  # (with users: the users of the batch)
         count = len(torch.unique(user_ids)) if isinstance(user_ids, Tensor) else n
         expected_batch_size = total_samples(model, count)
-    step = _OneCall(model, loss_fn, max_grad_norm=max_grad_norm,
+    step = _OneCall(model, loss_fn, max_grad_norm=max_grad_norm, clipping=clipping,
                     noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                     generator=generator, per_layer=per_layer, secure_mode=secure_mode,
                     param_groups=param_groups, automatic_gamma=automatic_gamma, check=check)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clip import Accumulated
+from .clipping import Clipping
 from .sampling import (
     PoissonBatchSampler,
     UserPoissonSampler,
@@ -181,7 +182,8 @@ class PhysicalBatches(Sampler[list[int]]):
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  data: Dataset | DataLoader, loss_fn: Callable[[Any, Any], Tensor], *,
-                 epochs: int, max_grad_norm: float, target_epsilon: float | None = None,
+                 epochs: int, max_grad_norm: Any = None, clipping: Clipping | None = None,
+                 target_epsilon: float | None = None,
                  target_delta: float | None = None, noise_multiplier: float | None = None,
                  expected_batch_size: int | None = None, physical_batch_size: int | None = None,
                  accountant: str = "rdp", generator: torch.Generator | None = None,
@@ -214,8 +216,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``N``), or a ``torch.utils.data.DataLoader`` over one.
         loss_fn: ``loss_fn(output, targets)``, as for :class:`PrivateStep`.
         epochs: passes over the data planned, ``>= 1``.
-        max_grad_norm: the clipping norm ``C > 0``, a list of norms (one per group of
-            ``param_groups``) or ``"automatic"``, as for :class:`PrivateStep`.
+        clipping: a :class:`~persample.dp.Clipping`, or ``max_grad_norm``: the clipping
+            norm ``C > 0`` (with the shorthand keywords, a list of norms, one per group
+            of ``param_groups``, or ``"automatic"``), as for :class:`PrivateStep`.
         target_epsilon: the epsilon budget, ``> 0``; or pass ``noise_multiplier``.
         target_delta: ``delta`` in ``(0, 1)`` (below ``1 / N`` as a rule), with
             ``target_epsilon``.
@@ -233,9 +236,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
         collate_fn: how samples become a batch (default: the ``DataLoader``'s, else
             ``default_collate``); an empty logical batch has no physical batch to
             collate (its release is noise only).
-        per_layer: clip each parameter's gradient to ``C / sqrt(K)``.
-        param_groups, automatic_gamma, adaptive_clipping, check: as for
-            :class:`PrivateStep` (``adaptive_clipping``: record-level DP only).
+        per_layer, param_groups, automatic_gamma, adaptive_clipping, check: as for
+            :class:`PrivateStep` (adaptive clipping: record-level DP only).
         user_ids: user-level DP: each record's user, ``(N,)`` integers, or the name of
             the dataset's field that holds it (``"user_id"``: a column of a Hugging
             Face ``datasets.Dataset``, or a key of each sample). Users are then sampled
@@ -292,7 +294,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     dataset = loader.dataset if loader is not None else data
     n = dataset_size(dataset, "DataLoader's dataset" if loader is not None else "dataset")
     users = None if user_ids is None else users_of_records(dataset, user_ids, n)
-    if users is not None and adaptive_clipping is not None:
+    clipping = Clipping.resolve(clipping, max_grad_norm, per_layer=per_layer,
+                                param_groups=param_groups, automatic_gamma=automatic_gamma,
+                                adaptive_clipping=adaptive_clipping)
+    if users is not None and clipping.adaptive is not None:
         raise ValueError("adaptive_clipping counts unclipped samples, not users: pass "
                          "user_ids or adaptive_clipping, not both")
     if users is not None and expected_batch_size is None:
@@ -325,12 +330,11 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
         device = next(model.parameters()).device
         seed = int(torch.randint(2**62, (1,), generator=generator))
         noise = torch.Generator(device=device).manual_seed(seed)
-    step = PrivateStep(model, loss_fn, max_grad_norm=max_grad_norm, noise_multiplier=sigma,
+    step = PrivateStep(model, loss_fn, clipping=clipping, noise_multiplier=sigma,
                        expected_batch_size=expected_batch_size,
-                       generator=generator if secure_mode else noise, per_layer=per_layer,
+                       generator=generator if secure_mode else noise,
                        sample_rate=q, accountant=accountant, secure_mode=secure_mode,
-                       param_groups=param_groups, automatic_gamma=automatic_gamma,
-                       adaptive_clipping=adaptive_clipping, check=check)
+                       check=check)
     batches_from = step.generator if secure_mode else generator
     if users is None:
         sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from)

@@ -1,7 +1,7 @@
 """Capture, plan and backward: one batch's backprops at every planned edge.
 
 :func:`capture_backprops` runs the forward under a :class:`~persample.capture.Capture`,
-plans the per-sample work (:func:`persample.plan.plan`), and pulls the cotangents back
+plans the per-sample work (:func:`persample.engine.paths.plan`), and pulls the cotangents back
 to the planned gradient edges in one backward; :func:`loss_backprops` does it for the
 per-sample losses, :func:`rules_grads` and :func:`rules_param_jacobian` then run the
 rules (:mod:`persample.engine.pullback`). A batch of one needs no capture: its
@@ -26,11 +26,11 @@ from ..capture import Capture
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
 from ..loss import per_sample_losses
-from ..plan import Path, Plan, edge_key, param_name, plan
 from ..rules import open_capture
 from ..sharded import fsdp_units, gatherer
-from . import plans
+from . import tapes
 from .captured import Captured
+from .paths import Path, Plan, edge_key, param_name, plan
 from .pullback import write_per_sample
 
 Backward = Callable[[Tensor, list[GradientEdge], Plan], tuple]
@@ -53,8 +53,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     if batch.n == 1 and not units and not records:  # (sharded: every rank replays, below)
         return _one_sample(model, batch, root, backward, watched, v)
     inputs = located(batch)
-    key = plans.key_of(batch.n, v, inputs)
-    tape = plans.tape_for(model, key)
+    key = tapes.key_of(batch.n, v, inputs)
+    tape = tapes.tape_for(model, key)
     with torch.enable_grad():
         with open_capture(model, watched, batch.n, inputs, batch.shared,
                           tape=tape) as cap:
@@ -84,7 +84,7 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
             f"parameter {param_name(model, id(hidden[0]))} gets gradient through ops the "
             "capture cannot follow (a custom autograd.Function, TorchScript code, a "
             "tensor it was written into in place, or a tensor kept from an earlier call)")
-    plans.keep(model, key, cap.steps)
+    tapes.keep(model, key, cap.steps)
     return Captured(cap, result, grads, batch.n, v)
 
 

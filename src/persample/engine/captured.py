@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..batch import Batched, Layout, front_cotangents
 from ..capture import Capture, Edge
-from ..plan import Path, Plan, edge_key
+from .paths import Path, Plan, edge_key
 
 
 @dataclass
@@ -17,7 +17,7 @@ class Captured:
     """One batch after its backward: the capture, the plan, and the gradients at the
     planned edges.
 
-    ``grads``: per gradient edge (:func:`persample.plan.edge_key`), ``(v, *shape)`` or
+    ``grads``: per gradient edge (:func:`persample.engine.paths.edge_key`), ``(v, *shape)`` or
     ``None``. A batch of one takes no capture: ``whole`` lists the parameters, whose
     plain gradients ``grads`` holds by ``id(param)`` (the per-sample gradient of a batch
     of one is the gradient). ``taken``: the paths the rules actually took, recorded as

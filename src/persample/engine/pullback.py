@@ -4,8 +4,8 @@ tensors computed from parameters is pulled back to the parameters.
 :func:`write_per_sample` runs, for one captured batch (:class:`Captured`),
 the module rules, then each op's rule with the backprops of its output (or, where
 no rule applies, the op's own backward on per-sample copies of the inputs it
-broadcasts, :func:`persample.rules.vjp.expand_vjp`, or its exact per-sample VJP,
-:func:`persample.rules.vjp.op_vjp`), then the derived tensors newest first through the ops that
+broadcasts, :func:`persample.engine.vjp.expand_vjp`, or its exact per-sample VJP,
+:func:`persample.engine.vjp.op_vjp`), then the derived tensors newest first through the ops that
 made them, then the per-module fallbacks. Results go to :class:`GradSink`: the first
 contribution to a parameter is written in place, later ones (tied weights, several
 calls) are added.
@@ -23,7 +23,6 @@ from ..batch import SHARED, Batched, Ctx, Layout, broadcasts, propagate
 from ..batch.ops_views import reshaped
 from ..capture import Call, Derived, Op
 from ..errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
-from ..plan import Path
 from ..precision import cast, without_autocast
 from ..rules import (
     Decline,
@@ -36,8 +35,9 @@ from ..rules import (
 )
 from ..rules.calls import cast_input
 from ..rules.spec import InnerOp
-from ..rules.vjp import expand_vjp, module_vjp, op_vjp, shared_vjp
 from .captured import Captured
+from .paths import Path
+from .vjp import expand_vjp, module_vjp, op_vjp, shared_vjp
 
 
 class GradSink:
@@ -210,7 +210,7 @@ class Pullbacks:
     def _broadcast(self, op: Op, call: OpCall, wrt: list[int], out_pairings: list, out: dict
                    ) -> bool:
         """Shared inputs of an op that broadcasts them over the samples: the op's own
-        backward on per-sample copies (:func:`persample.rules.vjp.expand_vjp`)."""
+        backward on per-sample copies (:func:`persample.engine.vjp.expand_vjp`)."""
         if (len(op.outputs) != 1 or not isinstance(out_pairings[0], Batched)
                 or not broadcasts(op.func) or op.edges[0] is None):
             return False

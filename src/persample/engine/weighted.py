@@ -16,8 +16,8 @@ from torch import Tensor
 from ..batch import Batched
 from ..precision import LOW, cast, without_autocast
 from ..rules import Decline, OpCall, rules_of
-from ..rules.vjp import summed_vjp
 from .captured import Captured
+from .vjp import summed_vjp
 
 
 def scaled(g: Tensor, lay: Any, w: Tensor) -> Tensor:
@@ -71,7 +71,8 @@ def op_sum_rule(op: Any) -> Callable[[int, torch.dtype, Tensor, Tensor, dict], b
 
 
 def book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
-                  into: dict[int, Tensor], done: set[int], left: dict[int, list]) -> None:
+                  into: dict[int, Tensor], done: set[int], left: dict[int, list],
+                  sum_rules: bool = True) -> None:
     """Add the clipped sums of the ghost-normed parameters into ``into``, op by op
     (``ghosted``: op -> the parameters it sums; ``done``: parameters whose sums are
     complete, those summed from materialised gradients already in it; ``left``: filled
@@ -87,7 +88,7 @@ def book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
             left.setdefault(pid, []).append(op)
     with without_autocast():
         for op, pids in ghosted.items():
-            rule = op_sum_rule(op)
+            rule = op_sum_rule(op) if sum_rules else None
             g = (captured.backprops(op.edges, op.out_layouts)[0]  # (n, 1, *out)
                  if rule else None)
             for pid in [pid for pid in pids if pid in left]:  # one at a time: a failure
@@ -132,3 +133,39 @@ def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:
     backprops are bfloat16: the GEMM runs there, as autograd's weight gradient would,
     and is added to the float32 sums), else the sums'."""
     return op_dtype if op_dtype in LOW and into_dtype not in LOW else into_dtype
+
+
+def add_materialised(materialised: dict[int, Tensor], factors: dict[int, Tensor],
+                     into: dict[int, Tensor], group: set[int]) -> set[int]:
+    """Add ``sum_i c_i g_i`` of the parameters of ``group`` whose per-sample gradients
+    ``(n, 1, *shape)`` were materialised (``tensordot(c, g)``, ``c = factors[id] (n,)``)
+    into ``into``. Returns their ids."""
+    done = {pid for pid in materialised if pid in group}
+    for pid in done:
+        m = materialised[pid]
+        into[pid].add_(torch.tensordot(factors[pid].to(m.dtype), m[:, 0], dims=1))
+    return done
+
+
+def add_module_normed(captured: Captured | None, module_normed: list[tuple],
+                      factors: dict[int, Tensor], into: dict[int, Tensor], group: set[int],
+                      done: set[int]) -> None:
+    """Add ``sum_i c_i g_i`` of the parameters of ``group`` a module norm rule normed
+    (``module_normed``: ``(call, output edge, its layout, {name: param})``): their
+    module call's backward for the backprops scaled per sample (the graph kept,
+    :func:`keeps_graph`). Adds their ids to ``done``."""
+    for _call, edge, layout, normed in module_normed:
+        for p in normed.values():
+            if id(p) in group:
+                into[id(p)].add_(edge_weighted_sum(captured, edge, layout, [p],
+                                                   factors[id(p)])[id(p)])
+                done.add(id(p))
+
+
+def keeps_graph(plan: Any) -> bool:
+    """Whether the model's autograd graph must outlive the backward of ``plan``
+    (:class:`persample.engine.paths.Plan`): only for the module calls a module norm rule
+    may norm (their weighted sums come from a backward through the graph). Everything
+    else is summed from the captured values, so the graph's saved activations are freed
+    as the backward goes, as in a plain step."""
+    return any(call.rule.spec.norm is not None for call, _ in plan.module_jobs)

@@ -73,6 +73,10 @@ class PrivacyArguments:
         param_groups: lists of the model's trainable parameter names, each clipped as a
             group to its own norm (a list ``max_grad_norm``).
         automatic_gamma: ``gamma > 0`` of automatic clipping.
+        clipping: a :class:`persample.dp.Clipping` instead of the four fields above
+            (any kind: flat, per layer, by groups, automatic, adaptive with
+            ``Clipping.flat(C, adaptive=AdaptiveClipping(...))``, one process), which
+            then keep their defaults.
         accountant: ``"rdp"`` (default), ``"pld"`` or ``"prv"``.
         seed: seeds the Poisson sampling (the same on every process) and the noise;
             default: the sampling from ``TrainingArguments.data_seed`` (else ``seed``)
@@ -114,12 +118,34 @@ class PrivacyArguments:
     per_layer: bool = False
     param_groups: list[list[str]] | None = None
     automatic_gamma: float = 0.01
+    clipping: Clipping | None = None
     accountant: str = "rdp"
     seed: int | None = None
     secure_mode: bool = False
     user_ids: str | None = None
     records_per_user: int | None = None
     check: str | int | None = None
+
+    def chosen_clipping(self) -> Clipping:
+        """The :class:`persample.dp.Clipping` these arguments give (``clipping``, else
+        one of ``max_grad_norm``, ``per_layer``, ``param_groups`` and
+        ``automatic_gamma``).
+
+        Raises:
+            ValueError: ``clipping`` with any of those fields changed from its default,
+                or a bad clipping.
+        """
+        if self.clipping is not None:
+            moved = [name for name, default in (("max_grad_norm", 1.0), ("per_layer", False),
+                                                ("param_groups", None),
+                                                ("automatic_gamma", 0.01))
+                     if getattr(self, name) != default]
+            if moved:
+                raise ValueError(f"pass clipping= or {', '.join(moved)}, not both: the "
+                                 "Clipping holds them")
+            return Clipping.resolve(self.clipping)
+        return Clipping(self.max_grad_norm, self.per_layer, self.param_groups,
+                        self.automatic_gamma)
 
     def __post_init__(self) -> None:
         given = (self.target_epsilon is not None, self.noise_multiplier is not None)
@@ -133,10 +159,7 @@ class PrivacyArguments:
             raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
         if not 0 < self.target_delta < 1:
             raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta!r}")
-        names = [n for group in self.param_groups or [] for n in group]
-        Clipping.of(self.max_grad_norm, list(dict.fromkeys(names)) or ["?"],
-                    per_layer=self.per_layer, param_groups=self.param_groups,
-                    automatic_gamma=self.automatic_gamma)  # (the names: at train())
+        self.chosen_clipping()  # checked here (the names: at train())
         if self.secure_mode and self.seed is not None:
             raise ValueError("secure_mode=True draws the noise from the operating system's "
                              "secure generator, which has no seed: pass seed=None")
@@ -376,7 +399,7 @@ class PrivateTrainer(transformers.Trainer):
 
     Examples:
         >>> from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
-        >>> from persample.data import docstring_examples
+        >>> from persample.cli.data import docstring_examples
         >>> bert = BertForSequenceClassification(BertConfig(
         ...     vocab_size=257, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         ...     intermediate_size=32, num_labels=4))
@@ -500,12 +523,11 @@ class PrivateTrainer(transformers.Trainer):
         # a second train() continues the accounting of the first
         accountant = privacy.accountant if self.private_step is None else \
             self.private_step.accountant
-        step = PrivateStep(self.model, self._loss, max_grad_norm=privacy.max_grad_norm,
+        step = PrivateStep(self.model, self._loss, clipping=privacy.chosen_clipping(),
                            noise_multiplier=sigma, expected_batch_size=expected,
-                           generator=noise, per_layer=privacy.per_layer, sample_rate=q,
+                           generator=noise, sample_rate=q,
                            accountant=accountant, secure_mode=privacy.secure_mode,
-                           param_groups=privacy.param_groups,
-                           automatic_gamma=privacy.automatic_gamma, check=privacy.check)
+                           check=privacy.check)
         if self._resume_from is not None:
             path = os.path.join(self._resume_from, PRIVACY_STATE)
             if not os.path.isfile(path):

@@ -7,7 +7,7 @@ op is one new file here and one line below. The files a family may share:
 :mod:`~persample.rules.spec` (the table), :mod:`~persample.rules.calls` (what a rule
 reads), :mod:`~persample.rules.outer` (sums of outer products),
 :mod:`~persample.rules.ghost` (factored gradients and their inner products) and
-:mod:`~persample.rules.vjp` (the exact per-op and per-module VJPs the engine falls
+:mod:`~persample.engine.vjp` (the exact per-op and per-module VJPs the engine falls
 back on); a family imports no other family.
 
 **Op rules** are keyed by the op a parameter enters, whatever module class wraps it:

@@ -47,11 +47,11 @@ def ggn_diag_case(w: Workload, mc: bool = False) -> Case:
     """The per-sample GGN diagonal ``{name: (B, *shape)}``, exact or Monte Carlo.
 
     Examples:
-        >>> from persample.cli.workloads import curvature_workload
+        >>> from persample_bench.workloads import curvature_workload
         >>> ggn_diag_case(curvature_workload("ggn-diag", 2)).result_shape
         (2, 1199882)
     """
-    from ... import per_sample_ggn_diag
+    from persample import per_sample_ggn_diag
 
     params = dict(w.model.named_parameters())
     total = sum(p.numel() for p in params.values())
@@ -80,7 +80,7 @@ def kfac_case(w: Workload) -> Case:
     each linear or convolution layer's ``A`` then ``G``.
 
     Examples:
-        >>> from persample.cli.workloads import curvature_workload
+        >>> from persample_bench.workloads import curvature_workload
         >>> kfac_case(curvature_workload("kfac-factors", 2)).result_shape
         (1, 85055669)
     """
@@ -89,7 +89,7 @@ def kfac_case(w: Workload) -> Case:
     size = sum(_factor_size(m) for _, m in layers)
 
     def ours(_: Tensor | None) -> Tensor:
-        from ... import KFAC
+        from persample import KFAC
 
         kfac = KFAC(w.model, fisher="mc",
                     generator=torch.Generator().manual_seed(KFAC_SEED),
@@ -113,7 +113,7 @@ def gpt2_kfac_case(w: Workload) -> Case:
     position table's exact diagonals, then each ``Conv1D`` weight's ``A`` and ``G``.
 
     Examples:
-        >>> from persample.cli.workloads import real_workload
+        >>> from persample_bench.workloads import real_workload
         >>> w = real_workload("gpt2-768-grads", size="tiny")
         >>> gpt2_kfac_case(w).result_shape
         (1, 844048)
@@ -129,7 +129,7 @@ def gpt2_kfac_case(w: Workload) -> Case:
         for name in layers)
 
     def ours(_: Tensor | None) -> Tensor:
-        from ... import KFAC
+        from persample import KFAC
 
         kfac = KFAC(w.model, fisher="empirical", params=params, shared="diagonal")
         kfac.update(w.inputs, w.targets, w.loss_fn)
@@ -196,7 +196,7 @@ def influence_case(w: Workload, train: int = 1000) -> Case:
     samples are the training set, the rest the queries.
 
     Examples:
-        >>> from persample.cli.workloads import curvature_workload
+        >>> from persample_bench.workloads import curvature_workload
         >>> influence_case(curvature_workload("ekfac-influence", 12), 10).result_shape
         (2, 10)
     """
@@ -204,7 +204,7 @@ def influence_case(w: Workload, train: int = 1000) -> Case:
     data, queries = (x[:train], y[:train]), (x[train:], y[train:])
 
     def ours(_: Tensor | None) -> Tensor:
-        from ... import influence
+        from persample import influence
 
         return influence(w.model, data, queries, nn.CrossEntropyLoss(), curvature="ekfac",
                          fisher="empirical", batch_size=250)
@@ -300,7 +300,7 @@ def _loop_ggn(w: Workload, mc: bool) -> dict[str, Tensor]:
     """Each sample alone: its output's Jacobian by ``C`` backward passes, its loss's
     Hessian at the output (exact: ``diag(J^T H J)``), or the gradient at a drawn label
     (Monte Carlo, the same draws as persample's)."""
-    from ...curvature import hessian_columns, label_sampler
+    from persample.curvature import hessian_columns, label_sampler
 
     params = dict(w.model.named_parameters())
     loss_fn = nn.CrossEntropyLoss()
@@ -372,7 +372,7 @@ def _watch(modules: dict[str, nn.Module]) -> tuple[dict, dict, list]:
 def _kfac_by_hand(w: Workload, layers: list[tuple[str, nn.Module]]) -> Tensor:
     """The factors from module hooks: each layer's inputs (a convolution's unfolded
     patches) and the gradients at its outputs for labels drawn as persample draws them."""
-    from ...curvature import label_sampler
+    from persample.curvature import label_sampler
 
     inputs, grads, handles = _watch(dict(layers))
     try:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ...api import param_jacobian, per_sample_grads
+from persample.api import param_jacobian, per_sample_grads
+
 from ..workloads import DP_MAX_GRAD_NORM, Workload
 from .case import Method, scalar_loss
 
@@ -23,7 +24,7 @@ def grads_rows(w: Workload) -> list[Method]:
     caller's buffer).
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> [m.name for m in grads_rows(grads_workload("cnn-grads", 2))]
         ['persample', 'persample (flat=True)', 'persample (out=)']
     """
@@ -42,17 +43,17 @@ def grads_rows(w: Workload) -> list[Method]:
 
 def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
     """The plain forward (autograd on) and the same forward under persample's capture
-    (:func:`persample.rules.open_capture`: the data-flow rule of every op, the module
+    (:func:`persample.engine.open_capture`: the data-flow rule of every op, the module
     calls): the capture's overhead, timed beside the methods.
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> [label for label, _ in capture_overhead(grads_workload("cnn-grads", 2))]
         ['plain forward', 'forward under capture']
     """
-    from ...batch import located
-    from ...inputs import as_batch
-    from ...rules import open_capture
+    from persample.batch import located
+    from persample.engine import open_capture
+    from persample.inputs import as_batch
 
     batch = as_batch(w.inputs)
     watched = {id(p): p for p in w.model.parameters() if p.requires_grad}
@@ -81,12 +82,12 @@ def noise_draws(w: Workload) -> list[tuple[str, Callable[[], object]]]:
     ``Generator.standard_normal`` (float32, into a buffer); timed beside the methods.
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> [label for label, _ in noise_draws(dp_workload("cnn-dp-step", 2))]  # doctest: +NORMALIZE_WHITESPACE
         ['noise: persample', 'noise: persample secure_mode', 'noise: torch normal_',
          'noise: numpy standard_normal']
     """  # noqa: E501
-    from ...dp.noise import SecureSource, gaussian_like
+    from persample.dp.noise import SecureSource, gaussian_like
 
     params = [p for p in w.model.parameters() if p.requires_grad]
     first = params[0]
@@ -110,7 +111,7 @@ def param_jacobian_rows(w: Workload) -> list[Method]:
     ``flat=True`` and ``out=``.
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> rows = param_jacobian_rows(jacobian_workload("mlp-param-jac", 2))
         >>> rows[1].fn(None).shape
         torch.Size([2, 10, 15910])
@@ -125,11 +126,11 @@ def input_jacobian_row(w: Workload) -> Method:
     """``input_jacobian``: ``(B, Y, D)``.
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> input_jacobian_row(jacobian_workload("pinn-input-jac", 2)).fn(None).shape
         torch.Size([2, 400, 1])
     """
-    from ...jacobian import input_jacobian
+    from persample.jacobian import input_jacobian
 
     return Method("persample", lambda _: input_jacobian(w.model, w.inputs), ours=True)
 
@@ -138,11 +139,11 @@ def norms_row(w: Workload) -> Method:
     """``per_sample_grad_norms``: ``(B,)``, with no ``(B, P)`` gradients formed.
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> norms_row(dp_workload("cnn-norms", 2)).fn(None).shape
         torch.Size([2])
     """
-    from ...norms import per_sample_grad_norms
+    from persample.norms import per_sample_grad_norms
 
     return Method("persample", lambda _: per_sample_grad_norms(
         w.model, w.inputs, w.targets, w.loss_fn), ours=True)
@@ -153,11 +154,11 @@ def dots_row(w: Workload) -> Method:
     where a rule has factors.
 
     Examples:
-        >>> from persample.cli.workloads import attribution_workload
+        >>> from persample_bench.workloads import attribution_workload
         >>> dots_row(attribution_workload("deep-mlp-gram", 2)).fn(None).shape
         torch.Size([2, 2])
     """
-    from ...dots import per_sample_grad_dots
+    from persample.dots import per_sample_grad_dots
 
     return Method("persample", lambda _: per_sample_grad_dots(
         w.model, w.inputs, w.targets, w.loss_fn), ours=True)
@@ -168,7 +169,7 @@ def projector_row(w: Workload, proj) -> Method:
 
     Examples:
         >>> from persample import GradientProjector
-        >>> from persample.cli.workloads import attribution_workload
+        >>> from persample_bench.workloads import attribution_workload
         >>> w = attribution_workload("deep-mlp-project", 2)
         >>> projector_row(w, GradientProjector(w.model, 64, seed=0)).fn(None).shape
         torch.Size([2, 64])
@@ -182,12 +183,12 @@ def dp_step_row(w: Workload, noise: dict) -> Method:
     read at each call.
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> row = dp_step_row(dp_workload("deep-mlp-dp-step", 2), {"sigma": 0.0})
         >>> row.name, row.ours, len(row.fn(None))
         ('persample', True, 102)
     """
-    from ...dp import private_grad
+    from persample.dp import private_grad
 
     own = copy.deepcopy(w.model)
     own_opt = torch.optim.SGD(own.parameters(), lr=0.0)
@@ -210,14 +211,14 @@ def privacy_engine_row(w: Workload, noise: dict) -> Method:
     ``noise["sigma"]`` changes (its optimizer fixes sigma, as Opacus's does).
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> row = privacy_engine_row(dp_workload("deep-mlp-dp-step", 2), {"sigma": 0.0})
         >>> row.name, row.ours, len(row.fn(None))
         ('persample PrivacyEngine (Opacus loop)', False, 102)
     """
     from torch.utils.data import DataLoader
 
-    from ...dp import PrivacyEngine
+    from persample.dp import PrivacyEngine
 
     own = copy.deepcopy(w.model)
     state: dict = {}

@@ -41,11 +41,11 @@ def saved_bytes_per_sample(w: Workload) -> int:
     the parameters' own not counted. Outside the timed calls.
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> saved_bytes_per_sample(grads_workload("deep-mlp-grads", 2)) > 0
         True
     """
-    from ...inputs import samples_of
+    from persample.inputs import samples_of
 
     own = {p.untyped_storage().data_ptr() for p in w.model.parameters()}
     seen: dict[int, int] = {}
@@ -107,7 +107,7 @@ def memory_estimate(w: Workload) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of a per-sample gradients workload on its device.
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> e = memory_estimate(grads_workload("cnn-grads", 2))
         >>> e.result == 2 * 1199882 * 4, e.skip("torch.func vmap")
         (True, None)
@@ -127,7 +127,7 @@ def reference_fits(w: Workload) -> MemoryEstimate:
         MemoryError: the loop would need over the limit; the message names the workload.
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> reference_fits(grads_workload("cnn-grads", 2)).n
         2
     """

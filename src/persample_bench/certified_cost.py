@@ -1,5 +1,5 @@
 """What a certificate costs: the first call of a plan with and without it, and the later
-calls, alternated in one process (``python -m persample.cli.certified_cost``).
+calls, alternated in one process (``python -m persample_bench.certified_cost``).
 
 Each workload is timed as its users call it: per-sample gradients of the PyTorch
 tutorial's CNN (B=64), per-sample gradient norms of a 20-layer MLP of width 512

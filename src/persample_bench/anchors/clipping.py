@@ -38,7 +38,7 @@ def clipped_step(w: Workload, per_sample_fn: Callable[[Tensor | None], dict[str,
 
     Examples:
         >>> from torch import nn
-        >>> from persample.cli.anchors.loop_rows import loop_grads
+        >>> from persample_bench.anchors.loop_rows import loop_grads
         >>> w = Workload("tiny", "", nn.Linear(3, 2), torch.randn(4, 3),
         ...              torch.tensor([0, 1, 0, 1]), nn.CrossEntropyLoss(), "")
         >>> grads = clipped_step(w, loop_grads(w).fn, {"sigma": 0.0})(None)

@@ -28,7 +28,7 @@ def torch_func(w: Workload) -> Method:
     same function without it.
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> m = torch_func(grads_workload("cnn-grads", 2))
         >>> m.fn(None)["conv1.weight"].shape
         torch.Size([2, 32, 1, 3, 3])
@@ -66,10 +66,10 @@ def param_jacobian_rows(w: Workload) -> list[Method]:
     """``vmap(jacrev)`` and ``vmap(jacfwd)`` of one sample's output with respect to the
     parameters (dicts ``{name: (B, Y, *shape)}``), as the question's accepted answer
     writes them; ``vmap(jacfwd)`` is skipped where it would need over the memory limit
-    (:func:`~persample.cli.anchors.memory.jacfwd_skip`).
+    (:func:`~persample_bench.anchors.memory.jacfwd_skip`).
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> rev, fwd = param_jacobian_rows(jacobian_workload("mlp-param-jac", 2))
         >>> rev.name, rev.fn(None)["0.weight"].shape, fwd.fn is None
         ('vmap(jacrev)', torch.Size([2, 10, 20, 784]), False)
@@ -98,7 +98,7 @@ def input_jacobian_rows(w: Workload) -> list[Method]:
     input: ``(B, Y, D)`` tensors.
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> [m.fn(None).shape for m in input_jacobian_rows(jacobian_workload("pinn-input-jac", 2))]
         [torch.Size([2, 400, 1]), torch.Size([2, 400, 1])]
     """

@@ -19,10 +19,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves
 
-from .batch import Batched
-from .capture import Call, Capture, Op
-from .errors import NeedsWholeModel
-from .rules import spec_of
+from ..batch import Batched
+from ..capture import Call, Capture, Op
+from ..errors import NeedsWholeModel
+from ..rules import spec_of
 
 
 @dataclass

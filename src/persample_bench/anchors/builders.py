@@ -59,7 +59,7 @@ def grads_case(w: Workload, only: str | None = None) -> Case:
     persample's default call (a dict), ``flat=True`` and ``out=`` (where the workload
     has ``layout_rows``). Result ``(B, P)``,
     ``P`` the trainable parameters' entries; the baseline is a plain backward of the
-    mean loss. A competitor whose :class:`~persample.cli.anchors.memory.MemoryEstimate`
+    mean loss. A competitor whose :class:`~persample_bench.anchors.memory.MemoryEstimate`
     is over the memory limit is skipped with a note. ``only``: build that row only (and
     estimate nothing), for a memory probe of a row that ran.
 
@@ -67,7 +67,7 @@ def grads_case(w: Workload, only: str | None = None) -> Case:
         MemoryError: the loop, the reference, would need over the limit.
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> case = grads_case(grads_workload("cnn-grads", 2))
         >>> case.result_shape, [m.name for m in case.methods][-3:]
         ((2, 1199882), ['persample', 'persample (flat=True)', 'persample (out=)'])
@@ -104,7 +104,7 @@ def param_jacobian_case(w: Workload) -> Case:
     ``vmap(jacfwd)`` is skipped when it would need over the memory limit.
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> param_jacobian_case(jacobian_workload("mlp-param-jac", 2)).result_shape
         (2, 10, 15910)
 
@@ -136,7 +136,7 @@ def input_jacobian_case(w: Workload) -> Case:
     (``H`` the first layer's width), into touched memory.
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> input_jacobian_case(jacobian_workload("clf-input-jac", 2)).floor_label
         '(20, 256) x (256, 784) product'
     """
@@ -184,11 +184,11 @@ def _post_processed(method: Method, after: Callable[[object], Tensor],
 
 def norms_case(w: Workload) -> Case:
     """Per-sample gradient norms ``(B,)``: each gradients method followed by
-    :func:`~persample.cli.anchors.clipping.grad_norms`, Opacus ghost clipping's norms,
+    :func:`~persample_bench.anchors.clipping.grad_norms`, Opacus ghost clipping's norms,
     BackPACK ``BatchL2Grad`` and persample's ``per_sample_grad_norms``.
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> norms_case(dp_workload("cnn-norms", 2)).result_shape
         (2,)
     """
@@ -208,11 +208,11 @@ def dp_step_case(w: Workload, only: str | None = None) -> Case:
     """One DP-SGD step (clip to ``C``, sum, add noise, divide by ``B``, SGD step) on any
     gradients workload. Every row returns the noised gradients ``{name: p.grad}``
     (result ``(P,)``): the loop or ``torch.func`` followed by clipping as users write
-    it (:mod:`~persample.cli.anchors.clipping`), Opacus ``DPOptimizer`` with hooks or
+    it (:mod:`~persample_bench.anchors.clipping`), Opacus ``DPOptimizer`` with hooks or
     ghost clipping, and persample's ``dp.private_grad``. The baseline is a plain SGD
     step. Noise is off while the results are checked, then ``sigma = 1``; ``lr = 0``, so
     that the weights stay as they are. Opacus is called with the inputs as its users
-    pass them (:meth:`~persample.cli.workloads.Workload.opacus_call`), its ghost
+    pass them (:meth:`~persample_bench.workloads.Workload.opacus_call`), its ghost
     clipping given the loss as an ``nn.CrossEntropyLoss`` of the logits where the
     workload says how (``opacus_ce``). The loop, ``torch.func`` and Opacus hooks are
     subject to the memory estimate as in :func:`grads_case`; ``only`` as there.
@@ -221,7 +221,7 @@ def dp_step_case(w: Workload, only: str | None = None) -> Case:
         MemoryError: the loop, the reference, would need over the memory limit.
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> case = dp_step_case(dp_workload("cnn-dp-step", 2))
         >>> case.base_label, case.result_shape
         ('plain SGD step', (1199882,))
@@ -291,7 +291,7 @@ def gram_case(w: Workload, only: str | None = None) -> Case:
     ``only``: build that row's gradients method only, for a memory probe.
 
     Examples:
-        >>> from persample.cli.workloads import attribution_workload
+        >>> from persample_bench.workloads import attribution_workload
         >>> gram_case(attribution_workload("deep-mlp-gram", 2)).result_shape
         (2, 2)
     """
@@ -315,11 +315,11 @@ def project_case(w: Workload, dim: int = PROJECTED_DIM, only: str | None = None)
     has factors. ``only``: build that row's gradients method only, for a memory probe.
 
     Examples:
-        >>> from persample.cli.workloads import attribution_workload
+        >>> from persample_bench.workloads import attribution_workload
         >>> project_case(attribution_workload("deep-mlp-project", 2), 64).result_shape
         (2, 64)
     """
-    from ...projection import GradientProjector
+    from persample.projection import GradientProjector
 
     grads = grads_case(w, _gradients_row(only))
     by_name = {m.name: m for m in grads.methods}
@@ -361,7 +361,7 @@ def backprops(w: Workload) -> Callable[[], object]:
     projections from factors) costs at least.
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> backprops(grads_workload("deep-mlp-grads", 2))() is None
         True
     """

@@ -12,16 +12,16 @@ note saying why (not installed, not applicable, failed to build, skipped).
 
 The modules, one concern each:
 
-- :mod:`~persample.cli.anchors.case`: what a case and a row are, and what every
+- :mod:`~persample_bench.anchors.case`: what a case and a row are, and what every
   builder shares (flattening results, the mean loss, running under autocast);
-- :mod:`~persample.cli.anchors.memory`: how much memory a method would need, to
+- :mod:`~persample_bench.anchors.memory`: how much memory a method would need, to
   skip the ones that would not fit;
-- one module per competitor: :mod:`~persample.cli.anchors.loop_rows` (the loops,
-  the reference), :mod:`~persample.cli.anchors.torch_func_rows`,
-  :mod:`~persample.cli.anchors.opacus_rows`, :mod:`~persample.cli.anchors.backpack_rows`,
-  :mod:`~persample.cli.anchors.clipping` (DP-SGD by hand around the loop or
-  ``torch.func``) and :mod:`~persample.cli.anchors.persample_rows` (persample's own);
-- :mod:`~persample.cli.anchors.builders`: the case of each kind of workload, its
+- one module per competitor: :mod:`~persample_bench.anchors.loop_rows` (the loops,
+  the reference), :mod:`~persample_bench.anchors.torch_func_rows`,
+  :mod:`~persample_bench.anchors.opacus_rows`, :mod:`~persample_bench.anchors.backpack_rows`,
+  :mod:`~persample_bench.anchors.clipping` (DP-SGD by hand around the loop or
+  ``torch.func``) and :mod:`~persample_bench.anchors.persample_rows` (persample's own);
+- :mod:`~persample_bench.anchors.builders`: the case of each kind of workload, its
   rows in the table's order.
 """
 

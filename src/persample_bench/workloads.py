@@ -6,7 +6,7 @@ grouped-query attention and LoRA) on the standard library's docstrings, each
 piece of text hashed into the model's vocabulary (:func:`hashed_ids`).
 
 The real models' packages are imported only when their workload is built
-(:mod:`persample.cli.real_models`). The real-size workloads also build at a
+(:mod:`persample_bench.real_models`). The real-size workloads also build at a
 tiny test size (``size="tiny"``: same vocabulary, data, loss and trainable
 parameters).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from ..data import (
+from persample.cli.data import (
     ByteTokenizer,
     digits_features,
     digits_images,
@@ -33,32 +32,9 @@ from ..data import (
     docstring_examples,
     stdlib_docstrings,
 )
+from persample.cli.dp_train import simple_cnn  # the model dp-train and audit train too
+
 from . import real_models
-
-
-def simple_cnn() -> nn.Sequential:
-    """The SimpleCNN of torch.func's "Per-sample-gradients" tutorial (conv 1->32 k3,
-    conv 32->64 k3, maxpool 2, fc 9216->128->10).
-
-    Takes ``(B, 1, 28, 28)``, returns logits ``(B, 10)``; 1,199,882 parameters.
-
-    Examples:
-        >>> simple_cnn()(torch.zeros(2, 1, 28, 28)).shape
-        torch.Size([2, 10])
-    """
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(1, 32, 3, 1),
-            relu1=nn.ReLU(),
-            conv2=nn.Conv2d(32, 64, 3, 1),
-            relu2=nn.ReLU(),
-            pool=nn.MaxPool2d(2),
-            flatten=nn.Flatten(),
-            fc1=nn.Linear(9216, 128),
-            relu3=nn.ReLU(),
-            fc2=nn.Linear(128, 10),
-        )
-    )
 
 
 def deep_mlp(depth: int = 50, width: int = 300, classes: int = 2) -> nn.Sequential:
@@ -768,7 +744,7 @@ def curvature_workload(name: str, batch: int | None = None, device: torch.device
 def _influence_workload(n: int, device: torch.device | str) -> Workload:
     """``ekfac-influence``: a small CNN without biases (kronfluence joins biases to the
     weights) on the 16x16 digits, ``n`` samples (1,000 training, the rest queries)."""
-    from ..data import digits_images
+    from persample.cli.data import digits_images
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 16, 3, bias=False), nn.ReLU(), nn.MaxPool2d(2),
@@ -784,7 +760,7 @@ def _influence_workload(n: int, device: torch.device | str) -> Workload:
 
 REAL_ATTRIBUTION_WORKLOADS = ("gpt2-768-project",)
 REAL_CURVATURE_WORKLOADS = ("gpt2-768-kfac-factors",)
-"""GPT-2 4x768's K-FAC factors (:func:`~persample.cli.anchors.curvature_rows.gpt2_kfac_case`)
+"""GPT-2 4x768's K-FAC factors (:func:`~persample_bench.anchors.curvature_rows.gpt2_kfac_case`)
 on ``gpt2-768-grads``'s model and text."""
 ATTRIBUTION_WORKLOADS = ("deep-mlp-gram", "cnn-gram", "deep-mlp-project", "gpt2-project"
                          ) + REAL_ATTRIBUTION_WORKLOADS

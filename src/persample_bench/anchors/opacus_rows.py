@@ -3,7 +3,7 @@ ghost clipping's per-sample norms, and one DP-SGD step by ``DPOptimizer`` with
 hooks or with ghost clipping.
 
 Opacus is called as its documentation shows and with the inputs as its users pass
-them (:meth:`~persample.cli.workloads.Workload.opacus_call`: per-sample
+them (:meth:`~persample_bench.workloads.Workload.opacus_call`: per-sample
 ``position_ids``). A model Opacus refuses gives a row with ``fn=None`` and
 ``"failed: ..."``; Opacus missing, ``"not installed ..."``.
 """
@@ -45,7 +45,7 @@ def opacus(w: Workload) -> Method:
     (``loss_reduction="mean"``, so that the rows are each sample's own gradient).
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> opacus(grads_workload("cnn-grads", 2)).name
         'Opacus hooks'
 
@@ -76,7 +76,7 @@ def ghost_norms(w: Workload) -> Method:
     ``nn.CrossEntropyLoss`` on a tensor input only.
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> ghost_norms(dp_workload("cnn-norms", 2)).name
         'Opacus ghost clipping'
     """
@@ -97,7 +97,7 @@ def opacus_dp_step(w: Workload, noise: dict, ghost: bool) -> Method:
         ghost: ghost clipping instead of hooks.
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> opacus_dp_step(dp_workload("cnn-dp-step", 2), {"sigma": 0.0}, ghost=True).name
         'Opacus ghost clipping'
 

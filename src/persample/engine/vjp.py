@@ -31,7 +31,7 @@ from ..batch import Batched, front
 from ..draws import Draw, DrawNotReplayable, Replay, at
 from ..errors import UnsupportedModuleError
 from ..precision import replaying
-from .spec import EXPANSIONS
+from ..rules.spec import EXPANSIONS
 
 
 def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings: list,
@@ -185,7 +185,7 @@ def expand_vjp(op: Any, wrt: list[int], g: Tensor, out_layout: Batched, n: int,
     *input.shape)`` per input of ``wrt`` (``(n, v, *per_sample_shape)`` for a paired
     one).
     """
-    from .calls import reduce_to
+    from ..rules.calls import reduce_to
 
     func, kwargs = _out_of_place(op.func, op.kwargs)
     flat, spec = tree_flatten((op.args, kwargs))

@@ -14,7 +14,7 @@ bracketed by ``torch.cuda.synchronize()``.
 
 Peak memory of one call per method: on the GPU ``torch.cuda.max_memory_allocated``
 (reset before the call) above ``memory_allocated`` before it; on the CPU the peak
-resident set size of the call in a fresh process (``persample bench
+resident set size of the call in a fresh process (``python -m persample_bench
 --_memory-probe WORKLOAD METHOD``), above the process's RSS after building the case.
 """
 
@@ -41,14 +41,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..api import aligned_empty
-from ..certificate import checking, forget
-from ..engine.plans import clear_plans
+import persample
+from persample import aligned_empty, clear_plans
+from persample.certificate import checking, forget
+from persample.cli._rss import reset_peak_rss, status_kib
+from persample.cli.threads import load_average, threads_label, usable_cpus
+
 from . import anchors
-from ._rss import reset_peak_rss, status_kib
 from .anchors import Case, Method, as_flat, curvature_rows
 from .real_models import NotInstalled
-from .threads import load_average, threads_label, usable_cpus
 from .workloads import (
     ATTRIBUTION_WORKLOADS,
     CURVATURE_WORKLOADS,
@@ -207,7 +208,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     reference and the ``out=`` buffer are freed before the memory probes.
 
     Args:
-        case: the workload and its methods (:mod:`persample.cli.anchors`).
+        case: the workload and its methods (:mod:`persample_bench.anchors`).
         quick: no warm-up, 2 rounds, the collections between timed calls limited to
             what the rounds made (:func:`_older_objects_frozen`).
         step: called with a label before each stage (progress display).
@@ -641,16 +642,16 @@ def plot_reports(reports: list[Report], path: str) -> None:
 
 def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
                size: str = "full", only: str | None = None) -> Case:
-    """The :class:`~persample.cli.anchors.Case` of workload ``name`` on ``device``.
+    """The :class:`~persample_bench.anchors.Case` of workload ``name`` on ``device``.
 
     Args:
-        name: one of :data:`~persample.cli.workloads.WORKLOADS`.
+        name: one of :data:`~persample_bench.workloads.WORKLOADS`.
         batch: overrides the workload's batch size.
         device: where the model and the data go (``"cpu"`` or ``"cuda"``); on a GPU,
             ``gpt2-768-*`` has GPT-2 small's 12 layers (4 on the CPU).
-        size: ``"tiny"``: a real-size workload (:data:`~persample.cli.workloads.
+        size: ``"tiny"``: a real-size workload (:data:`~persample_bench.workloads.
             REAL_WORKLOADS`) built at test size, same data, loss and trainable
-            parameters (:func:`~persample.cli.workloads.real_workload`).
+            parameters (:func:`~persample_bench.workloads.real_workload`).
         only: build only this row of a gradients or DP-step case (or none but the
             baseline, when it names the baseline), for a memory probe.
 
@@ -751,7 +752,7 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
     """Run the benchmark, print the tables, and write the JSON and the plot if asked.
 
     Args:
-        workloads: names from :data:`~persample.cli.workloads.WORKLOADS`.
+        workloads: names from :data:`~persample_bench.workloads.WORKLOADS`.
         quick: a smoke run (no warm-up, 2 rounds).
         batch: overrides every workload's batch size.
         threads: ``torch.set_num_threads`` on the CPU (ignored with ``device="cuda"``).
@@ -889,15 +890,16 @@ def memory_probe(workload: str, method: str, batch: int | None, threads: int,
 
 
 def _run_probe(workload: str, method: str, batch: int | None, threads: int) -> dict:
-    """:func:`memory_probe` in a fresh ``python -m persample`` process; ``{}`` if it fails
-    (the failure is printed on stderr)."""
-    cmd = [sys.executable, "-m", "persample", "bench", "--_memory-probe", workload, method,
+    """:func:`memory_probe` in a fresh ``python -m persample_bench`` process; ``{}`` if it
+    fails (the failure is printed on stderr)."""
+    cmd = [sys.executable, "-m", "persample_bench", "--_memory-probe", workload, method,
            "--threads", str(threads)]
     if batch:
         cmd += ["--batch", str(batch)]
-    src = str(Path(__file__).resolve().parents[2])  # where this persample is imported from
+    # where this persample_bench and the persample it times are imported from
+    src = dict.fromkeys(str(Path(f).resolve().parents[1]) for f in (__file__, persample.__file__))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*src, env.get("PYTHONPATH")) if p)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         if done.returncode == 0:

@@ -1,8 +1,9 @@
 """``persample bench``'s options, and what they select: which workloads run, at which
 batch size, with memory probes or not, in a smoke run or a full one.
 
-Light on purpose (no tqdm, no model built): ``persample bench --help`` and the
-choice of workloads work without the command line's extra.
+Light on purpose (no tqdm, no model built): ``persample bench --help`` (also
+``persample-bench --help``) and the choice of workloads work without the command
+line's extra.
 
 How the options combine:
 
@@ -21,7 +22,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from .threads import add_threads_argument
+from persample.cli.threads import add_threads_argument
+
 from .workloads import REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
 
 QUICK_BATCH = 4
@@ -33,7 +35,7 @@ class BenchPlan:
     """What ``persample bench`` runs.
 
     Attributes:
-        workloads: names from :data:`~persample.cli.workloads.WORKLOADS`, in its order.
+        workloads: names from :data:`~persample_bench.workloads.WORKLOADS`, in its order.
         batch: every workload's batch size, or ``None`` for each workload's own.
         quick: a smoke run (no warm-up, 2 rounds).
         memory: measure each method's peak memory.
@@ -45,28 +47,36 @@ class BenchPlan:
     memory: bool
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``bench`` and its options to ``persample``'s subcommands; returns its parser.
+DESCRIPTION = (
+    "Per-sample gradients, Jacobians and DP-SGD steps on real data (the "
+    "digits, the standard library's docstrings), small models and real ones (torchvision "
+    "resnet18, timm ViT, transformers GPT-2; real-size GPT-2 small, BERT and Llama with "
+    "LoRA and their real vocabularies): the plain backward and the floor, the "
+    "loop, torch.func, Opacus and BackPACK when installed, and persample, each called "
+    "as its users call it; medians after warm-up, ratios to the floor, peak memory, and "
+    "each result's largest difference from the reference. Without options: every "
+    "workload at its own batch, with memory probes (tens of minutes on a CPU); "
+    "--quick: a smoke run of the small workloads (a minute or two).")
+"""What ``--help`` says the benchmark does."""
+
+
+def build_parser(prog: str = "persample-bench") -> argparse.ArgumentParser:
+    """The benchmark's argument parser (``persample-bench``, ``python -m persample_bench``;
+    ``persample bench`` passes it what follows ``bench``, with ``prog="persample bench"``).
 
     Examples:
-        >>> parser = argparse.ArgumentParser(prog="persample")
-        >>> _ = add_parser(parser.add_subparsers(dest="command"))
-        >>> parser.parse_args(["bench", "--quick", "--no-memory"]).no_memory
+        >>> build_parser().parse_args(["--quick", "--no-memory"]).no_memory
         True
     """
-    bench = subparsers.add_parser(
-        "bench",
-        help="time every per-sample method side by side on the workloads (real data)",
-        description="Per-sample gradients, Jacobians and DP-SGD steps on real data (the "
-        "digits, the standard library's docstrings), small models and real ones (torchvision "
-        "resnet18, timm ViT, transformers GPT-2; real-size GPT-2 small, BERT and Llama with "
-        "LoRA and their real vocabularies): the plain backward and the floor, the "
-        "loop, torch.func, Opacus and BackPACK when installed, and persample, each called "
-        "as its users call it; medians after warm-up, ratios to the floor, peak memory, and "
-        "each result's largest difference from the reference. Without options: every "
-        "workload at its own batch, with memory probes (tens of minutes on a CPU); "
-        "--quick: a smoke run of the small workloads (a minute or two).",
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """Add the benchmark's options to ``bench``; the parsed ``command`` is ``"bench"``
+    (what :func:`persample.cli._deps.require` checks the ``cli`` extra for)."""
+    bench.set_defaults(command="bench")
     bench.add_argument("--workload", action="append", choices=WORKLOADS,
                        help="run only this workload (repeatable; also under --quick); "
                        "default: all, or the small ones under --quick or --no-real")
@@ -96,7 +106,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help=argparse.SUPPRESS)  # internal: one call's peak RSS, as JSON
     bench.add_argument("--json", metavar="FILE", help="write all figures as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the times as a bar chart")
-    return bench
 
 
 def selected_workloads(args: argparse.Namespace) -> list[str]:
@@ -106,13 +115,12 @@ def selected_workloads(args: argparse.Namespace) -> list[str]:
     the real-size ones out even when named.
 
     Examples:
-        >>> from persample.cli import build_parser
         >>> parse = build_parser().parse_args
-        >>> selected_workloads(parse(["bench", "--real"]))[:2]
+        >>> selected_workloads(parse(["--real"]))[:2]
         ['gpt2-768-grads', 'gpt2-768-dp-step']
-        >>> selected_workloads(parse(["bench", "--workload", "cnn-grads", "--no-real"]))
+        >>> selected_workloads(parse(["--workload", "cnn-grads", "--no-real"]))
         ['cnn-grads']
-        >>> selected_workloads(parse(["bench", "--quick"])) == list(SMALL_WORKLOADS)
+        >>> selected_workloads(parse(["--quick"])) == list(SMALL_WORKLOADS)
         True
     """
     named = set(args.workload or ())
@@ -127,8 +135,7 @@ def plan(args: argparse.Namespace) -> BenchPlan:
     """The :class:`BenchPlan` of the parsed ``bench`` options (see the module docstring).
 
     Examples:
-        >>> from persample.cli import build_parser
-        >>> plan(build_parser().parse_args(["bench", "--quick", "--batch", "8"]))
+        >>> plan(build_parser().parse_args(["--quick", "--batch", "8"]))
         ... # doctest: +ELLIPSIS
         BenchPlan(workloads=['cnn-grads', ...], batch=8, quick=True, memory=False)
     """

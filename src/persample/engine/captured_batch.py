@@ -24,12 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .engine import Captured, loss_backprops, write_per_sample
-from .errors import internal
-from .inputs import Batch
+from ..errors import internal
+from ..inputs import Batch
+from ..precision import accumulate_dtype, cast, without_autocast
+from ..rules.ghost import Factors
+from .backward import loss_backprops
+from .captured import Captured
 from .norms import use_factors
-from .precision import accumulate_dtype, cast, without_autocast
-from .rules.ghost import Factors
+from .pullback import write_per_sample
 
 GROUP_BYTES = 1 << 28
 """At most this many bytes of materialised per-sample gradients per batch at once."""

@@ -1,4 +1,5 @@
-"""Real data that needs no download, for the benchmark's workloads.
+"""Real data that needs no download, for the command line (``persample dp-train``,
+``attribute``, ``dp-finetune``), the benchmark's workloads and the guides' examples.
 
 Images: scikit-learn's 1,797 handwritten 8x8 digits (``sklearn.datasets.load_digits``
 reads a file shipped in the scikit-learn wheel), as images of any size and channels
@@ -23,7 +24,7 @@ def _load_digits(caller: str):
         if (err.name or "sklearn").partition(".")[0] != "sklearn":
             raise  # scikit-learn is there but something it imports is not
         raise ModuleNotFoundError(
-            f"persample.data.{caller} needs scikit-learn (not installed): install the "
+            f"persample.cli.data.{caller} needs scikit-learn (not installed): install the "
             'command line\'s extra, pip install "persample[cli]" (or pip install -e ".[cli]" '
             "from a checkout)", name="sklearn") from err
     return load_digits()

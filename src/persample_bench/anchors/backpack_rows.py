@@ -31,7 +31,7 @@ def backpack(w: Workload) -> Method:
     """BackPACK ``BatchGrad``: ``{name: p.grad_batch * B}`` (it gives the mean loss's terms).
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> backpack(grads_workload("cnn-grads", 2)).name
         'BackPACK BatchGrad'
 
@@ -69,7 +69,7 @@ def batch_l2(w: Workload) -> Method:
     loss's terms, times ``B``).
 
     Examples:
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.workloads import dp_workload
         >>> batch_l2(dp_workload("cnn-norms", 2)).name
         'BackPACK BatchL2Grad'
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...reference import forward_per_sample_grads, loop_param_jacobian, loop_per_sample_grads
+from persample.reference import forward_per_sample_grads, loop_param_jacobian, loop_per_sample_grads
+
 from ..workloads import Workload
 from .case import Method
 
@@ -20,7 +21,7 @@ def loop_grads(w: Workload) -> Method:
     """The ``"loop"`` row: one ``autograd.grad`` per sample, ``{name: (B, *shape)}``.
 
     Examples:
-        >>> from persample.cli.workloads import grads_workload
+        >>> from persample_bench.workloads import grads_workload
         >>> m = loop_grads(grads_workload("cnn-grads", 2))
         >>> m.name, m.fn(None)["conv1.weight"].shape
         ('loop', torch.Size([2, 32, 1, 3, 3]))
@@ -48,7 +49,7 @@ def question_param_jacobian(w: Workload) -> Method:
     outputs, ``{name: (B, Y, *shape)}``.
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> m = question_param_jacobian(jacobian_workload("mlp-param-jac", 2))
         >>> m.fn(None)["0.weight"].shape
         torch.Size([2, 10, 20, 784])
@@ -68,7 +69,7 @@ def question_input_jacobian(w: Workload) -> Method:
     ``autograd.functional.jacobian`` and then its diagonal blocks (``pinn-input-jac``).
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> m = question_input_jacobian(jacobian_workload("clf-input-jac", 2))
         >>> m.name, m.fn(None).shape
         ('loop over classes', torch.Size([2, 10, 784]))

@@ -1,7 +1,7 @@
 """What a benchmark case is: a workload, its baseline, its reference and its rows.
 
 A row is a :class:`Method`: a function ``(buf) -> result`` that does what its
-users write and returns what they get (see :mod:`persample.cli.anchors`), or
+users write and returns what they get (see :mod:`persample_bench.anchors`), or
 ``None`` with a note saying why it cannot run here. This module also holds what
 every case builder shares: flattening a result to compare it
 (:func:`as_flat`), the loss a plain step calls ``backward()`` on, the rows that
@@ -43,7 +43,7 @@ class Case:
     """A workload with its baseline, its reference and the methods to compare.
 
     Attributes:
-        workload: the :class:`~persample.cli.workloads.Workload`.
+        workload: the :class:`~persample_bench.workloads.Workload`.
         base_label: what ``t_plain`` measures (``"plain backward"``, ``"one backward"``,
             ``"plain SGD step"``).
         base: runs it once.
@@ -153,7 +153,7 @@ def optional_method(build: Callable[[], Any], name: str, module: str, w: Workloa
         ``"failed: ..."`` where ``build()`` raised.
 
     Examples:
-        >>> from persample.cli.workloads import jacobian_workload
+        >>> from persample_bench.workloads import jacobian_workload
         >>> optional_method(lambda: None, "x", "json", jacobian_workload("pinn-input-jac", 2),
         ...                 lambda built: built).note
         'not applicable: it takes an nn.CrossEntropyLoss'
@@ -177,8 +177,8 @@ def under_autocast(case: Case) -> Case:
     one); returns ``case``, changed in place.
 
     Examples:
-        >>> from persample.cli.anchors.builders import dp_step_case
-        >>> from persample.cli.workloads import dp_workload
+        >>> from persample_bench.anchors.builders import dp_step_case
+        >>> from persample_bench.workloads import dp_workload
         >>> w = dp_workload("deep-mlp-dp-step", 2)
         >>> w.autocast = torch.bfloat16
         >>> case = under_autocast(dp_step_case(w))
