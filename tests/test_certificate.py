@@ -211,7 +211,7 @@ def test_checking_sets_the_policy_of_calls_that_do_not_pass_one(monkeypatch):
 def test_checking_reaches_the_dp_step(monkeypatch):
     seen = []
     real = certificate.certify_step
-    monkeypatch.setattr("persample.dp.clip.certify_step",
+    monkeypatch.setattr("persample.dp.microbatch.certify_step",
                         lambda *a, **k: seen.append(1) or real(*a, **k))
     model, (x, y) = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), _data()
     step = PrivateStep(model, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0,

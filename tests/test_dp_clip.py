@@ -20,7 +20,7 @@ from battery import REDUCTIONS, TOL
 from battery import norms_of as flat_norms
 from cases import BY_ID, OpaqueGate, TiedLM, build, randn
 from persample import loop_per_sample_grads
-from persample.dp import clip, private_grad
+from persample.dp import microbatch, private_grad
 from persample.errors import NeedsWholeModel
 
 STABILITY = 1e-6
@@ -489,7 +489,7 @@ def test_losses_of_the_torch_func_fallback(monkeypatch):
     def refused(*args, **kwargs):
         raise NeedsWholeModel("a refusal made for this test")
 
-    monkeypatch.setattr(clip, "loss_backprops", refused)
+    monkeypatch.setattr(microbatch, "loss_backprops", refused)
     with pytest.warns(UserWarning, match=r"(?s)a refusal made for this test.*torch\.func"):
         losses, norms = private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0,
                                      noise_multiplier=0.0)

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 import persample
 from fsdp_workers import LiveBytes
-from persample.dp import PrivateStep, clip, noise, private_grad
+from persample.dp import PrivateStep, microbatch, noise, private_grad
 from persample.dp.noise import BLOCK, add_gaussian, gaussian_like, pooled_like
 
 WIDTH, LAYERS, B = 256, 8, 4
@@ -154,7 +154,7 @@ def test_a_micro_batch_failing_after_its_sums_were_made_adds_nothing(first, monk
             t.add_(1.0)
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(clip.Clipped, "add_group", broken)
+    monkeypatch.setattr(microbatch.Clipped, "add_group", broken)
     with pytest.raises(RuntimeError, match="injected"):
         step.accumulate(*_data(1))
     if first:

@@ -15,7 +15,7 @@ from battery import TOL, clipped_sum_by_hand
 from cases import BY_ID, build
 from persample import checks, loop_per_sample_grads
 from persample.dp import PrivateStep, UserPoissonSampler, make_private, private_grad
-from persample.dp.clip import Clipped, MicroBatch
+from persample.dp.microbatch import Clipped, MicroBatch
 
 # 15 samples of 6 users with 1 to 5 records each, interleaved (not in runs)
 USERS = torch.tensor([40, 7, 40, 3, 7, 40, 12, 3, 40, 90, 7, 40, 3, 55, 7])

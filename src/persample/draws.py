@@ -22,7 +22,7 @@ back:
   ``F.dropout`` of the attention weights, read back the same way; sample ``i`` is then
   replayed as the attention's equations with its part of that mask.
 
-``F.gumbel_softmax`` runs as the ops it is made of (``persample.rules.sampling``), as does
+``F.gumbel_softmax`` runs as the ops it is made of (``persample.rules.random_ops``), as does
 multi-head attention under the capture, so that their draws are the ops above.
 
 Reuse: :func:`at` runs an op again on the whole batch at its recorded state (same

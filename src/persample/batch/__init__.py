@@ -12,7 +12,7 @@ from . import (  # noqa: F401  (the handler families: importing one registers it
     ops_views,
 )
 from .flow import Ctx, Flow, broadcasts, in_place, op_leaves, propagate
-from .inputs import located, located_of
+from .input_layouts import located, located_of
 from .layouts import (
     SHARED,
     Batched,

@@ -20,7 +20,7 @@
   run actually has, from canaries, in one run (Steinke et al. 2023): above the
   accountant's epsilon, the step is broken.
 
-Inside: :mod:`~persample.dp.clip` computes one micro-batch's clipped sums (Bu et al.
+Inside: :mod:`~persample.dp.microbatch` computes one micro-batch's clipped sums (Bu et al.
 2023's book-keeping), :mod:`~persample.dp.reduce` takes a step's sums to ``p.grad`` in
 each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the noise (or,
 ``secure_mode``, takes it from the operating system's secure generator), and
@@ -30,8 +30,8 @@ each mode (one process, several, FSDP2), :mod:`~persample.dp.noise` draws the no
 from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .auditing import Audit, audit
-from .clip import Accumulated
 from .clipping import Clipping
+from .microbatch import Accumulated
 from .privacy_engine import BatchMemoryManager, PrivacyEngine
 from .sampling import (
     EmptySafeCollate,

@@ -1,7 +1,7 @@
 """How one DP-SGD step's clipped sums become ``p.grad``: one reducer per mode.
 
 A :class:`~persample.dp.PrivateStep` adds each micro-batch's clipped sums ``sum_i c_i
-g_i`` (:mod:`persample.dp.clip`) to sums it keeps; its release sets ``p.grad = (sums +
+g_i`` (:mod:`persample.dp.microbatch`) to sums it keeps; its release sets ``p.grad = (sums +
 N(0, sigma^2 C^2 I)) / B'`` (Abadi et al. 2016). Where the sums live, who draws the
 noise and how the processes' sums meet depend on the mode: one :class:`Reducer` per
 mode, picked once by :func:`reducer_for` when the step is made.
@@ -45,7 +45,7 @@ from .. import checks
 from ..inputs import Batch
 from ..precision import accumulate_dtype
 from ..sharded import Sharding, as_sharded_grad, fsdp_units, reduce_to_shards, shard_rows
-from .clip import Accumulated, check_finite
+from .microbatch import Accumulated, check_finite
 from .noise import (
     SecureSource,
     add_gaussian,
@@ -208,7 +208,7 @@ class Reducer(ABC):
 
 class Accumulation(ABC):
     """One micro-batch's clipped sums on their way to the step's: a
-    :class:`~persample.dp.clip.Destination` for :func:`~persample.dp.clip.clipped_sums`,
+    :class:`~persample.dp.microbatch.Destination` for :func:`~persample.dp.microbatch.clipped_sums`,
     then :meth:`commit` once the micro-batch is complete (a failed micro-batch is never
     committed: the step's sums stay as they were). :class:`Local`'s example uses one.
     """
@@ -326,7 +326,7 @@ class Local(Reducer):
             release only divides).
 
     Examples:
-        >>> from persample.dp.clip import MicroBatch, clipped_sums
+        >>> from persample.dp.microbatch import MicroBatch, clipped_sums
         >>> net = nn.Linear(3, 2)
         >>> x, y = torch.randn(4, 3), torch.randn(4, 2)
         >>> local = Local()

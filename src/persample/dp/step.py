@@ -4,7 +4,7 @@ single call.
 A logical batch (thousands of samples, so that the noise divided by the batch size
 is small) is processed as physical micro-batches: each :meth:`PrivateStep.accumulate`
 adds its samples' clipped gradients ``sum_i c_i g_i`` to sums kept in the object (the
-book-keeping of :mod:`persample.dp.clip`: one forward and one backward, no ``(B, P)``
+book-keeping of :mod:`persample.dp.microbatch`: one forward and one backward, no ``(B, P)``
 tensor); :meth:`PrivateStep.release` adds the Gaussian noise once, divides by the
 expected batch size and writes ``p.grad``, through the step's reducer
 (:mod:`persample.dp.reduce`: one process, several, or FSDP2). Opacus calls this
@@ -30,8 +30,8 @@ from ..certificate import check_option
 from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
 from .adaptive import AdaptiveClipping, unclipped_count
-from .clip import Accumulated, MicroBatch, clipped_sums
 from .clipping import Clipping
+from .microbatch import Accumulated, MicroBatch, clipped_sums
 from .noise import noise_source
 from .reduce import Local, Reducer, Sums, Terms, reducer_for, total_samples
 

@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
-from .clip import Accumulated
 from .clipping import Clipping
+from .microbatch import Accumulated
 from .sampling import (
     PoissonBatchSampler,
     UserPoissonSampler,

@@ -192,7 +192,7 @@ def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | No
                 column: int | None = None, curvature: bool = False
                 ) -> dict[int, tuple[list[Op], list]]:
     """``{id(p): (ops, [Factors of each op's use])}`` for the parameters ``wanted`` (ids)
-    every one of whose uses is an op with a factor rule (``register_op_factors``): read
+    every one of whose uses is an op with a factor rule (an ``OpSpec`` ``factors`` rule): read
     directly (not through a derived tensor), by ops not changed in place since, with one
     output each. The factors are in the dtype the norms accumulate in; ``column``: of
     that cotangent of a backward with several (``captured.v``), else of the one;

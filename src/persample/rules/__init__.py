@@ -35,8 +35,8 @@ from . import (  # noqa: F401  (the families: importing one registers its specs)
     experts,
     linear,
     norm,
+    random_ops,
     recurrent,
-    sampling,
     views,
 )
 from .calls import OpCall, module_front, module_inputs
