@@ -17,7 +17,7 @@ from torch import Tensor, nn
 import persample
 from cases import BY_ID, CASE_IDS, CASES, N, TiedLM, build
 from persample import loop_per_sample_grads, per_sample_grad_dots
-from persample.engine.captured_batch import CapturedBatch
+from persample.engine.factored_batch import FactoredBatch
 from test_real_models import masked_loop
 from zoo import ZOO
 
@@ -76,7 +76,7 @@ def test_linear_layers_take_the_factors(monkeypatch):
     def forbidden(self, group):
         raise AssertionError(f"materialised {len(group)} parameters")
 
-    monkeypatch.setattr(CapturedBatch, "grads", forbidden)
+    monkeypatch.setattr(FactoredBatch, "grads", forbidden)
     model = nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 5))
     x, y = torch.randn(7, 30), torch.randint(0, 5, (7,))
     x2, y2 = torch.randn(4, 30), torch.randint(0, 5, (4,))

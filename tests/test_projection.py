@@ -15,7 +15,7 @@ from torch import Tensor, nn
 import persample.projection as projection_module
 from cases import CASE_IDS, CASES, N, build
 from persample import GradientProjector, loop_per_sample_grads, per_sample_grads
-from persample.engine.captured_batch import CapturedBatch, matrix_shape
+from persample.engine.factored_batch import FactoredBatch, matrix_shape
 from test_real_models import masked_loop
 from zoo import ZOO
 
@@ -64,7 +64,7 @@ def test_real_models(name):
 def test_kronecker_map_and_factor_path(monkeypatch):
     """A Linear's block is P_out^T G P_in of its per-sample gradient; MLP weights and
     biases come from the factors (materialising is forbidden here)."""
-    monkeypatch.setattr(CapturedBatch, "grads",
+    monkeypatch.setattr(FactoredBatch, "grads",
                         lambda self, group: (_ for _ in ()).throw(AssertionError("formed")))
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
     x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))

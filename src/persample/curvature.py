@@ -38,7 +38,7 @@ from torch.func import hessian, vmap
 
 from . import checks
 from .engine import Captured, Factors, cotangent_backprops, loss_backprops, write_per_sample
-from .engine.captured_batch import parameter_groups
+from .engine.factored_batch import parameter_groups
 from .engine.norms import use_factors
 from .errors import internal
 from .loss import per_sample_losses
@@ -52,7 +52,7 @@ KINDS = ("expand", "reduce")
 @dataclass
 class KroneckerFactors:
     """One use's K-FAC factors of a parameter seen as a matrix ``(rows, cols)``
-    (:func:`persample.engine.captured_batch.matrix_shape`): its curvature block ``~ A (x) G``.
+    (:func:`persample.engine.factored_batch.matrix_shape`): its curvature block ``~ A (x) G``.
 
     Attributes:
         A: the input side's second moment ``(d_in, d_in)``, or for a lookup (whose input

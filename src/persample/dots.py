@@ -14,7 +14,7 @@ it is a sum over the ops that read it:
   chosen where it costs fewer multiply-adds than forming the gradients;
 - every other parameter (convolutions, normalisation layers, scales, what the rules
   answer by module or by ``torch.func``) from its per-sample gradients, a few
-  parameters at a time (:func:`persample.engine.captured_batch.parameter_groups`).
+  parameters at a time (:func:`persample.engine.factored_batch.parameter_groups`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from . import checks
 from .certificate import Checker, certify_dots, check_option, signature
 from .engine import Factors, cross_inner, forming_cost
-from .engine.captured_batch import CapturedBatch, matrix_shape, parameter_groups
+from .engine.factored_batch import FactoredBatch, matrix_shape, parameter_groups
 from .errors import internal
 from .methods import Taken, answer
 from .precision import accumulate_dtype, cast
@@ -159,8 +159,8 @@ def _rules_dots(model: nn.Module, side: tuple, second: tuple | None, loss_fn: Ca
     """``(B, B')`` by the rules: each batch captured once; a parameter from the cross
     products of its factors where :func:`_factors_cheaper`, else from its per-sample
     gradients formed a few parameters at a time."""
-    a = CapturedBatch(model, *side, loss_fn, params)
-    b = a if second is None else CapturedBatch(model, *second, loss_fn, params)
+    a = FactoredBatch(model, *side, loss_fn, params)
+    b = a if second is None else FactoredBatch(model, *second, loss_fn, params)
     dtype = accumulate_dtype(*(p.dtype for p in params.values()))
     total = torch.zeros(a.n, b.n, dtype=dtype, device=next(iter(params.values())).device)
     rest = []

@@ -32,7 +32,7 @@ from . import checks
 from .api import per_sample_grads
 from .curvature import KFAC, KroneckerFactors
 from .engine import Captured, write_per_sample
-from .engine.captured_batch import matrix_shape
+from .engine.factored_batch import matrix_shape
 from .errors import internal
 from .inputs import as_batch, samples_of
 from .precision import accumulate_dtype, without_autocast

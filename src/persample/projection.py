@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from . import checks
 from .certificate import Checker, certify_projection, check_option, signature
 from .engine import Factors
-from .engine.captured_batch import CapturedBatch, matrix_shape, parameter_groups
+from .engine.factored_batch import FactoredBatch, matrix_shape, parameter_groups
 from .errors import internal
 from .inputs import Batch
 from .methods import Taken, answer
@@ -257,7 +257,7 @@ class GradientProjector:
     def _by_rules(self, batch: Batch, targets: Any, loss_fn: Callable) -> Tensor:
         """``(B, proj.dim)``: the batch captured once; the parameters with factors from
         them where this kind can, the rest from their gradients a few at a time."""
-        side = CapturedBatch(self.model, batch, targets, loss_fn, self.params)
+        side = FactoredBatch(self.model, batch, targets, loss_fn, self.params)
         dtype = accumulate_dtype(*(p.dtype for p in self.params.values()))
         with torch.no_grad(), internal("the projection of factors"):
             parts = self._from_factors(side.factors, dtype)  # {name: (B, d)}

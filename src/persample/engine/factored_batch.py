@@ -2,8 +2,8 @@
 them all: inner products (:mod:`persample.dots`) and random projections
 (:mod:`persample.projection`).
 
-A :class:`CapturedBatch` runs the model's forward and one backward of the per-sample
-losses once, and keeps
+A :class:`FactoredBatch` (the factors of one captured batch) runs the model's forward
+and one backward of the per-sample losses once, and keeps
 
 - the factors of every parameter whose ops have a factor rule (a linear map at ``T``
   positions, a table lookup: ``G_i = sum_t L[i, t] outer R[i, t]``, ``rules.ghost``),
@@ -37,7 +37,7 @@ GROUP_BYTES = 1 << 28
 """At most this many bytes of materialised per-sample gradients per batch at once."""
 
 
-class CapturedBatch:
+class FactoredBatch:
     """One batch's capture: the factors of the parameters that have them, and the
     per-sample gradients of the others on demand.
 
@@ -67,7 +67,7 @@ class CapturedBatch:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Unflatten(1, (1, 8)),
         ...                     nn.Conv1d(1, 2, 3))
         >>> x, y = torch.randn(5, 4), torch.randn(5, 2, 6)
-        >>> side = CapturedBatch(net, as_batch(x), y, nn.MSELoss(), dict(net.named_parameters()))
+        >>> side = FactoredBatch(net, as_batch(x), y, nn.MSELoss(), dict(net.named_parameters()))
         >>> side.n, [id(p) in side.factors for p in net.parameters()]
         (5, [True, True, False, False])
         >>> side.grads([net[3].weight])[id(net[3].weight)].shape  # (n, 2 * 1 * 3)
