@@ -165,7 +165,7 @@ def test_an_unfinished_logical_batch_is_skipped_whole():
                            nn.CrossEntropyLoss(), noise_multiplier=1.0, epochs=1,
                            max_grad_norm=1.0, expected_batch_size=B, physical_batch_size=8,
                            generator=torch.Generator().manual_seed(0))
-    drawn = list(PoissonBatchSampler(N, B / N, 10, _generator_after_noise_seed(0)))
+    drawn = list(PoissonBatchSampler(N, B / N, 10, _batch_generator(0)))
     got = []
     for k, logical in enumerate(private.batches()):
         first = next(logical, None)  # one physical batch of each logical one only
@@ -178,11 +178,11 @@ def test_an_unfinished_logical_batch_is_skipped_whole():
             assert sum(len(b[1]) for b in rest) + len(y) == len(want)
 
 
-def _generator_after_noise_seed(seed: int) -> torch.Generator:
-    """make_private's batch generator after it drew the noise's seed."""
-    g = torch.Generator().manual_seed(seed)
-    torch.randint(2**62, (1,), generator=g)
-    return g
+def _batch_generator(seed: int) -> torch.Generator:
+    """make_private's batch generator: seeded with one draw ``s`` of the generator it was
+    given (the noise's seed is ``s + 1``)."""
+    s = int(torch.randint(2**62, (1,), generator=torch.Generator().manual_seed(seed)))
+    return torch.Generator().manual_seed(s)
 
 
 def test_a_noise_multiplier_instead_of_a_target():

@@ -91,7 +91,7 @@ def test_every_rule_family_is_listed():
                 for spec in SPECS.values()}
     listed = {f"persample.rules.{name}" for name in ("activation", "addcmul", "attention",
               "conv", "einsum", "elementwise", "embedding", "linear", "norm", "recurrent",
-              "sampling",
+              "random_ops",
               "views")}
     assert families <= listed
     assert rules.recurrent.RECURRENT.grad.__module__ in listed

@@ -119,6 +119,7 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     rank)`` of this process among those of a distributed private run (sharded with FSDP2
     if ``cfg.fsdp``), which takes its share of every logical batch."""
     from ..dp import PrivacyAccountant, PrivateStep
+    from ..dp.setup import shared_seeds
 
     inputs, labels = data
     n = len(labels)
@@ -137,9 +138,10 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     before = perplexity(model, *test)
     q, expected = sample_rate(cfg), sample_rate(cfg) * (cfg.users or train_n)  # records or users
     user_of = window_users(cfg)  # (train_n,) or None
-    sampler = _sampler(cfg, q, user_of)
+    seeds = shared_seeds(cfg.seed)  # rank 0's on every process
+    sampler = _sampler(cfg, q, user_of, seeds.sampling_generator())
     opt = torch.optim.Adam(params, lr=cfg.lr)
-    noise_gen = None if cfg.secure_mode else torch.Generator().manual_seed(cfg.seed + 1)
+    noise_gen = None if cfg.secure_mode else seeds.noise_generator()
     step = PrivateStep(model, causal_lm_loss, noise_multiplier=sigma,
                        expected_batch_size=expected, generator=noise_gen,
                        secure_mode=cfg.secure_mode,
@@ -151,7 +153,8 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     for logical in sampler:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        for part in _my_parts(logical, cfg.physical, world, user_of):
+        for records in _micro_batches(logical, cfg.physical, world, user_of):
+            part = torch.tensor(records, dtype=torch.int64)  # (b,)
             micro = {k: v[part] for k, v in inputs.items()}
             if step is not None:
                 step.accumulate(micro, labels[part], None if user_of is None else user_of[part])
@@ -191,43 +194,39 @@ def window_users(cfg: FinetuneConfig) -> Tensor | None:
     return torch.arange(cfg.train_windows) * cfg.users // cfg.train_windows
 
 
-def _sampler(cfg: FinetuneConfig, q: float, user_of: Tensor | None):
+def _sampler(cfg: FinetuneConfig, q: float, user_of: Tensor | None, gen: torch.Generator):
     """The logical batches: Poisson over the windows, or over the users (whole users, at
-    most ``cfg.records_per_user`` windows each); the same on every process."""
+    most ``cfg.records_per_user`` windows each); the same on every process (``gen``
+    seeded alike)."""
     from ..dp import PoissonBatchSampler, UserPoissonSampler
 
-    gen = torch.Generator().manual_seed(cfg.seed)
     if user_of is None:
         return PoissonBatchSampler(cfg.train_windows, q, cfg.steps, gen)
     return UserPoissonSampler(user_of, q, cfg.steps, gen, cfg.records_per_user)
 
 
-def _my_parts(logical: list[int], physical: int, world: tuple[int, int],
-              user_of: Tensor | None = None) -> list[Tensor]:
+def _micro_batches(logical: list[int], physical: int, world: tuple[int, int],
+                   user_of: Tensor | None) -> list[list[int]]:
     """This process's micro-batches of a logical batch, as many as every process's (each
-    runs the same collectives): its contiguous share; with ``user_of``, whole users
-    (every ``size``-th), cut at users' ends and padded with empty micro-batches.
+    runs the same collectives): its share of the windows in near-equal ones of at most
+    ``physical`` (at least one); with ``user_of``, its whole users filled in order
+    (:mod:`persample.dp.setup`).
 
     Examples:
         >>> users = torch.tensor([0, 0, 1, 1, 2, 3, 3])
-        >>> [p.tolist() for p in _my_parts([0, 1, 2, 3, 4, 5, 6], 3, (2, 0), users)]
-        [[0, 1, 4], []]
-        >>> [p.tolist() for p in _my_parts([0, 1, 2, 3, 4, 5, 6], 3, (2, 1), users)]
+        >>> _micro_batches([0, 1, 2, 3, 4, 5, 6], 3, (2, 1), users)
         [[2, 3], [5, 6]]
+        >>> _micro_batches([0, 1, 2, 3, 4, 5, 6], 2, (2, 0), None)
+        [[0, 2], [4, 6]]
     """
-    from ..dp.sampling import physical_batches
+    from ..dp.setup import even_parts, physical_batches
 
     size, rank = world
-    drawn = torch.tensor(logical, dtype=torch.long)
-    if user_of is None:
-        count = max(1, -(-len(logical) // (size * physical)))
-        return list(drawn.tensor_split(size)[rank].tensor_split(count))
-    users = user_of[drawn]  # a user's windows are consecutive in the draw
-    cuts = [physical_batches(drawn[torch.isin(users, users.unique()[r::size])].tolist(),
-                             physical, user_of) for r in range(size)]
-    count = max(1, *(len(c) for c in cuts))
-    mine = cuts[rank] + [[]] * (count - len(cuts[rank]))  # empty parts run the collectives
-    return [torch.tensor(p, dtype=torch.long) for p in mine]
+    if user_of is not None:
+        return physical_batches(logical, physical, user_of=user_of, rank=rank,
+                                world_size=size)
+    return physical_batches(logical, parts=even_parts(len(logical), physical, size),
+                            rank=rank, world_size=size)
 
 
 def _spawned(cfg: FinetuneConfig, sigma: float) -> list[dict[str, Any]]:

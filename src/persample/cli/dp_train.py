@@ -37,6 +37,7 @@ from .threads import add_threads_argument, default_threads, threads_label
 
 if TYPE_CHECKING:  # dp_accounting (scipy) takes ~1.5 s to import: only when training
     from ..dp.accounting import PrivacyAccountant
+    from ..dp.setup import Seeds
 
 EPS_EVERY = 10  # steps between epsilon updates in the progress bar (RDP costs ~50 ms)
 
@@ -214,26 +215,33 @@ def train(
     cfg: DPTrainConfig,
     sigma: float | None,
     accountant: PrivacyAccountant | None = None,
+    *,
+    seeds: Seeds,
 ) -> Run:
     """Train ``model`` in place for ``cfg.epochs`` epochs; DP-SGD when ``sigma`` is given.
 
-    Both runs sample batches the same way (Poisson, rate ``q``, from ``cfg.seed``)
-    and scale the gradient by the expected batch size, so they differ only in the
-    clipping, the noise, and the learning rate (``cfg.lr`` or ``cfg.nonprivate_lr``).
-    ``accountant`` (private only) records every step, empty batches included.
+    Both runs sample batches the same way (Poisson, rate ``q``, from ``seeds.sampling``,
+    :func:`persample.dp.setup.shared_seeds` of ``cfg.seed``) and scale the gradient by
+    the expected batch size, so they differ only in the clipping, the noise (from
+    ``seeds.noise``) and the learning rate (``cfg.lr`` or ``cfg.nonprivate_lr``).
+    ``accountant`` (private only) records every step, empty batches included. With
+    several processes the private run takes this rank's share of each logical batch
+    (:func:`persample.dp.setup.share`).
     """
     from tqdm import tqdm  # the cli extra: imported here, so --help works without it
 
     from ..dp import PrivateStep
     from ..dp.reduce import world
+    from ..dp.setup import share
 
     x, y, x_test, y_test = data
     n = len(y)
     q = sample_rate(cfg, n)
     expected = q * (n if cfg.users is None else cfg.users)  # records, or users
     steps = min(round(1 / q), cfg.max_steps or math.inf)
-    batch_gen = torch.Generator().manual_seed(cfg.seed)
-    noise_gen = None if cfg.secure_mode else torch.Generator().manual_seed(cfg.seed + 1)
+    user_of = None if cfg.users is None else synthetic_users(n, cfg.users)  # (n,) or None
+    batch_gen = seeds.sampling_generator()
+    noise_gen = None if cfg.secure_mode else seeds.noise_generator()
     lr = cfg.lr if sigma is not None else cfg.nonprivate_lr
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum)
     loss_fn = _LossRecorder()
@@ -246,16 +254,19 @@ def train(
     model.train()
     eps = 0.0  # spent so far, refreshed every EPS_EVERY steps
     for epoch in range(cfg.epochs):
-        bar = tqdm(_batches(x, y, cfg, q, steps, batch_gen), total=steps,
+        bar = tqdm(_batches(n, cfg, q, steps, batch_gen, user_of), total=steps,
                    desc=f"{run.name} epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress,
                    leave=True, dynamic_ncols=True)
         tally, accounting_s = _Tally(), 0.0
         start = time.perf_counter()
-        for k, (xb, yb, ub) in enumerate(bar):  # (b, 1, 28, 28), (b,), users (b,) or None
+        for k, drawn in enumerate(bar):  # the logical batch's record indices
             loss_fn.seen = None
             if step is not None:  # this rank's share of the one Poisson sample
-                mine = _share(len(yb), ub, rank, size)
-                xb, yb, ub = xb[mine], yb[mine], None if ub is None else ub[mine]
+                drawn = share(drawn, rank, size, user_of)
+            index = torch.tensor(drawn, dtype=torch.int64)  # (b,)
+            xb, yb = x[index], y[index]  # (b, 1, 28, 28), (b,)
+            ub = None if user_of is None else user_of[index]  # users (b,) or None
+            if step is not None:
                 step.accumulate(xb, yb, ub)
                 step.release()  # with several processes: summed over all, noised once
             else:
@@ -300,27 +311,16 @@ def synthetic_users(n: int, users: int) -> Tensor:
     return out
 
 
-def _batches(x: Tensor, y: Tensor, cfg: DPTrainConfig, q: float, steps: int,
-             gen: torch.Generator):
-    """One epoch's Poisson-sampled ``(x, y, users)``: records, or with ``cfg.users`` whole
-    users (at most ``cfg.records_per_user`` records each), ``users`` then ``(b,)``."""
-    from ..dp.sampling import UserPoissonSampler, poisson_batches
+def _batches(n: int, cfg: DPTrainConfig, q: float, steps: int, gen: torch.Generator,
+             user_of: Tensor | None):
+    """One epoch's Poisson-sampled logical batches of the ``n`` records, each a list of
+    indices: records, or with ``user_of`` whole users (at most ``cfg.records_per_user``
+    records each)."""
+    from ..dp.sampling import PoissonBatchSampler, UserPoissonSampler
 
-    if cfg.users is None:
-        for xb, yb in poisson_batches((x, y), q, steps, gen):
-            yield xb, yb, None
-        return
-    users = synthetic_users(len(y), cfg.users)
-    for picked in UserPoissonSampler(users, q, steps, gen, cfg.records_per_user):
-        index = torch.tensor(picked, dtype=torch.int64)
-        yield x[index], y[index], users[index]
-
-
-def _share(b: int, users: Tensor | None, rank: int, size: int) -> Tensor | slice:
-    """This process's part of a batch of ``b``: every ``size``-th sample, or whole users."""
-    if users is None:
-        return slice(rank, None, size)
-    return torch.isin(users, users.unique()[rank::size])
+    if user_of is None:
+        return PoissonBatchSampler(n, q, steps, gen)
+    return UserPoissonSampler(user_of, q, steps, gen, cfg.records_per_user)
 
 
 def run(cfg: DPTrainConfig) -> dict:
@@ -352,10 +352,12 @@ def run(cfg: DPTrainConfig) -> dict:
     """
     from ..dp.accounting import PrivacyAccountant
     from ..dp.reduce import world
+    from ..dp.setup import shared_seeds
 
     _check(cfg)
     if cfg.nproc > 1 and world() is None:
         return _spawn(cfg)
+    seeds = shared_seeds(cfg.seed)  # rank 0's on every process
     torch.set_num_threads(cfg.threads)
     data = load_split(cfg.subset)
     n = len(data[1])
@@ -374,10 +376,10 @@ def run(cfg: DPTrainConfig) -> dict:
     model = simple_cnn().to(torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     accountant = PrivacyAccountant(cfg.accountant)
-    runs = [train(model, data, cfg, sigma, accountant)]
+    runs = [train(model, data, cfg, sigma, accountant, seeds=seeds)]
     if cfg.compare_nonprivate:
         model.load_state_dict(initial)
-        runs.append(train(model, data, cfg, None))
+        runs.append(train(model, data, cfg, None, seeds=seeds))
     eps = accountant.epsilon(cfg.delta)
     other = "pld" if cfg.accountant == "rdp" else "rdp"
     # PLD's cost grows with epsilon (minutes, or out of memory, for sigma << 0.5): skip it there

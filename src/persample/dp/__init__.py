@@ -15,6 +15,10 @@
   quantile of the norms (:mod:`persample.dp.adaptive`); ``user_ids=`` clips each user's
   gradient once (user-level DP), :class:`UserPoissonSampler` samples users.
 - :mod:`persample.dp.sampling`: Poisson sampling of batches.
+- :mod:`persample.dp.setup`: what every front door above (and ``PrivateTrainer``, ``persample
+  dp-train``, ``persample dp-finetune``) sets up alike: each process's share of a
+  logical batch, its cut into physical batches (a user's records in one), and the
+  seeds all ranks share.
 - :mod:`persample.dp.accounting`: privacy accounting with Google's ``dp-accounting``.
 - :func:`audit` (:mod:`persample.dp.auditing`): a lower bound on the epsilon a training
   run actually has, from canaries, in one run (Steinke et al. 2023): above the

@@ -38,7 +38,6 @@ no second pass; it is for moving a script over first.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,17 +45,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clipping import Clipping
-from .noise import SecureSource
 from .reduce import world
 from .sampling import EmptySafeCollate, PoissonBatchSampler, dataset_size, loader_options
+from .setup import PhysicalBatches, Seeds, even_parts, physical_batches, shared_seeds
 from .step import PrivateStep
 
 
@@ -351,8 +349,9 @@ class PrivacyEngine:
                 batch of the whole dataset (the same ``len(loader)`` batches on every
                 rank) and ``optimizer.step()`` sums the ranks' clipped gradients, the
                 noise added once (:class:`PrivateStep`); DDP's own gradient all-reduce
-                never runs. The batches' and the noise's seeds are drawn by rank 0
-                (from torch's generator) and sent to every rank.
+                never runs. The batches' and the noise's seeds are one draw from torch's
+                generator, rank 0's on every rank
+                (:func:`~persample.dp.setup.shared_seeds`).
             max_grad_norm: ``C``; with ``clipping="per_layer"`` one number per trainable
                 parameter (or one, split as ``C / sqrt(K)``).
             criterion: the loss (``"ghost"``: evaluated per sample by persample).
@@ -367,22 +366,26 @@ class PrivacyEngine:
                 :class:`~persample.dp.Clipping` (any kind, automatic and by groups
                 too), without ``max_grad_norm``.
             noise_generator: a ``torch.Generator`` for the noise (not in secure mode;
-                with FSDP2 seeded alike on every rank).
+                with FSDP2 seeded alike on every rank); default one seeded from the
+                shared seed.
             grad_sample_mode: ``"hooks"`` (and Opacus's other names: ``"functorch"``,
                 ``"ew"``) or ``"ghost"`` (and ``"ghost_fsdp"``).
             batch_first: must be ``True``.
             **kwargs: ``check=`` (persample's own: when a physical batch's result is
                 certified, as for :class:`PrivateStep`); Opacus's other options are
-                refused by name.
+                refused by name, and so is user-level DP (``user_ids=``,
+                ``records_per_user=``: the loader's batches reach the optimizer's step
+                without their users; :func:`~persample.dp.make_private` and
+                ``PrivateTrainer`` take it).
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
             data_loader)`` with ``"ghost"``.
 
         Raises:
-            ValueError: an option persample does not take (named), optimizer parameters
-                that are not the module's, ``secure_mode`` with several processes, or a
-                data loader whose dataset has no length.
+            ValueError: an option persample does not take (named), user-level DP,
+                optimizer parameters that are not the module's, ``secure_mode`` with
+                several processes, or a data loader whose dataset has no length.
         """
         adaptive = {k: kwargs.pop(k) for k in ADAPTIVE_OPTIONS if k in kwargs}
         check = kwargs.pop("check", None)
@@ -394,9 +397,9 @@ class PrivacyEngine:
         inner = unwrapped(module)
         params = [name for name, p in inner.named_parameters() if p.requires_grad]
         chosen = _clipping(clipping, max_grad_norm, params, adaptive)
-        seed = _shared_seed()  # several processes: one draw for the batches and the noise
-        if noise_generator is None and seed is not None and not self.secure_mode:
-            noise_generator = torch.Generator().manual_seed(seed + 1)  # alike on every rank
+        seeds = None if self.secure_mode else shared_seeds()  # rank 0's, on every rank
+        if noise_generator is None and seeds is not None:
+            noise_generator = seeds.noise_generator(next(inner.parameters()).device)
         step = PrivateStep(inner, criterion if "ghost" in grad_sample_mode else _LinearLoss(),
                            noise_multiplier=noise_multiplier, expected_batch_size=expected,
                            generator=noise_generator, sample_rate=q,
@@ -405,7 +408,7 @@ class PrivacyEngine:
         self.steps.append(step)
         wrapped = PrivateModule(module)
         private = PrivateOptimizer(optimizer, wrapped, step, loss_reduction)
-        loader = _poisson_loader(data_loader, q, step, seed)
+        loader = _poisson_loader(data_loader, q, step, seeds)
         if "ghost" in grad_sample_mode:
             private.criterion = criterion
             return wrapped, private, PrivateCriterion(criterion, wrapped, private), loader
@@ -453,6 +456,9 @@ class PrivacyEngine:
                 grad_sample_mode not in ("hooks", "functorch", "ew", "ghost", "ghost_fsdp"),
             "secure_mode with several processes (the ranks split one Poisson sample, drawn "
             "alike from one seed)": self.secure_mode and (world() or (1, 0))[0] > 1,
+            "user-level DP (user_ids=, records_per_user=): the loader's batches reach the "
+            "optimizer's step without their users; use persample.dp.make_private(..., "
+            "user_ids=) or PrivateTrainer": bool({"user_ids", "records_per_user"} & set(kwargs)),
         }
         reasons.update({f"the option {name}={value!r}": True for name, value in kwargs.items()
                         if name not in ("wrap_model", "rand_on_empty") or value not in (
@@ -496,27 +502,16 @@ def _clipping(clipping: str | Clipping, max_grad_norm: Any, names: list[str],
     return Clipping.layerwise(max_grad_norm)
 
 
-def _shared_seed() -> int | None:
-    """Several processes: a seed rank 0 draws from torch's generator and sends to every
-    rank (one collective); one process: ``None``."""
-    if (world() or (1, 0))[0] == 1:
-        return None
-    seed = [int(torch.randint(1 << 62, ()))]  # rank 0's is the one kept
-    dist.broadcast_object_list(seed, src=0)
-    return seed[0]
-
-
-def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep, seed: int | None
+def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep, seeds: Seeds | None
                     ) -> DataLoader:
     """The loader's dataset, collate function and workers, with Poisson-sampled batches:
-    ``len(loader)`` an epoch at rate ``q`` (Opacus's ``DPDataLoader``); in secure mode
-    drawn from the OS's secure generator. With several processes every rank draws the
-    same sample of the whole dataset from the shared ``seed`` and keeps its every
-    ``world_size``-th index: the ranks' batches make one Poisson sample."""
-    source = step.generator if isinstance(step.generator, SecureSource) else None
+    ``len(loader)`` an epoch at rate ``q`` (Opacus's ``DPDataLoader``), drawn from the
+    shared ``seeds`` (``None``, secure mode: from the OS's secure generator). With
+    several processes every rank draws the same sample of the whole dataset and keeps
+    its share (:func:`~persample.dp.setup.share`): the ranks' batches make one Poisson
+    sample."""
+    source = step.generator if seeds is None else seeds.sampling_generator()
     size, rank = world() or (1, 0)
-    if seed is not None:
-        source = torch.Generator().manual_seed(seed)
     sampler = PoissonBatchSampler(len(loader.dataset), q, len(loader), source, rank, size)
     keep = dict(loader_options(loader),
                 collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn))
@@ -595,30 +590,27 @@ class BatchMemoryManager:
         self.optimizer.skips.clear()
 
 
-class _Splitting(Sampler[list[int]]):
-    """Each logical batch of ``logical`` (a rank's share of one Poisson sample) in
-    balanced physical batches, telling the optimizer, in order, which of them end their
-    logical batch (a data loader's workers draw ahead of the steps, so the marks queue).
-    One process: ``ceil(b / size)`` of them, as Opacus cuts. Several: every rank cuts
-    its share in ``ceil(b / (size * world_size))`` for the whole sample's ``b``, so the
-    ranks step alike (FSDP2's collectives), a rank's share possibly in empty parts."""
+class _Splitting(PhysicalBatches):
+    """Each logical batch of the loader's sampler ``logical`` (drawn whole, alike on
+    every rank) as this rank's physical batches, Opacus's count of them (at least one):
+    ``ceil(b / (size * world_size))`` of near-equal size for the whole sample's ``b``,
+    as many on every rank (FSDP2's collectives), a rank's share possibly in empty ones.
+    Tells the optimizer, in order, which of them end their logical batch (a data
+    loader's workers draw ahead of the steps, so the marks queue)."""
 
     def __init__(self, logical: PoissonBatchSampler, size: int, skips: deque[bool]):
-        self.size, self.skips = size, skips
-        self.rank, self.world_size = logical.rank, logical.world_size
-        self.whole = PoissonBatchSampler(logical.num_samples, logical.sample_rate,
-                                         len(logical), logical.generator)  # every rank's
+        whole = PoissonBatchSampler(logical.num_samples, logical.sample_rate, len(logical),
+                                    logical.generator)  # every rank's
+        super().__init__(whole, size, rank=logical.rank, world_size=logical.world_size)
+        self.skips = skips
 
-    def __len__(self) -> int:
-        """Opacus's estimate: the expected physical batches an epoch."""
-        per = self.whole.expected_batch_size / (self.size * self.world_size)
-        return math.ceil(len(self.whole) * per)
+    def cut(self, drawn: list[int]) -> list[list[int]]:
+        count = even_parts(len(drawn), self.size, self.world_size)  # Opacus's
+        return physical_batches(drawn, parts=count, rank=self.rank, world_size=self.world_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for drawn in self.whole:  # the whole sample: (b,) indices
-            count = max(1, math.ceil(len(drawn) / (self.size * self.world_size)))
-            mine = torch.tensor(drawn[self.rank :: self.world_size], dtype=torch.int64)
-            parts = mine.tensor_split(count)
+        for drawn in self.logical:  # the whole sample: (b,) indices
+            parts = self.cut(drawn)
             for k, part in enumerate(parts):
                 self.skips.append(k < len(parts) - 1)
-                yield part.tolist()
+                yield part

@@ -36,6 +36,7 @@ from torch.utils.data import (
 )
 
 from .noise import SecureSource, secure_uniform
+from .setup import check_world, share
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -59,9 +60,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
         rank, world_size: for several processes: every rank draws the same Poisson
             sample of the whole dataset (so every rank needs a generator seeded
             alike) and keeps the indices at positions ``rank, rank + world_size, ...``
-            of it: the ranks' batches are disjoint and their union is one Poisson
-            sample, so the privacy analysis is the single-process one. Default: the
-            whole sample (one process).
+            of it (:func:`persample.dp.setup.share`): the ranks' batches are disjoint
+            and their union is one Poisson sample, so the privacy analysis is the
+            single-process one. Default: the whole sample (one process).
 
     Raises:
         ValueError: an argument outside its range.
@@ -88,10 +89,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         world_size: int = 1,
     ):
         _check_rate(sample_rate)
-        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
-                and 0 <= rank < world_size):
-            raise ValueError(f"need 0 <= rank < world_size, got rank {rank!r}, world_size "
-                             f"{world_size!r}")
+        check_world(rank, world_size)
         if world_size > 1 and (generator is None or isinstance(generator, SecureSource)):
             raise ValueError("with world_size > 1 pass a generator seeded alike on every "
                              "rank: the ranks must draw the same Poisson sample to split it")
@@ -121,7 +119,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         gen = self._generator()
         for _ in range(self.steps_per_epoch):
             picked = poisson_mask(self.num_samples, self.sample_rate, gen).nonzero()[:, 0]
-            yield picked[self.rank :: self.world_size].tolist()
+            yield share(picked.tolist(), self.rank, self.world_size)
 
     def _generator(self) -> torch.Generator | SecureSource:
         """The epoch's generator: the one given, or one seeded from torch's global RNG
@@ -151,7 +149,8 @@ class UserPoissonSampler(PoissonBatchSampler):
         records_per_user: at most this many records of a user per step, ``>= 1``;
             default all of them.
         rank, world_size: several processes: each rank keeps the users at positions
-            ``rank, rank + world_size, ...`` of the sample (whole users).
+            ``rank, rank + world_size, ...`` of the sample, whole
+            (:func:`persample.dp.setup.share`).
 
     Raises:
         ValueError: ``user_ids`` not a 1-d integer sequence, or an argument outside its
@@ -203,13 +202,13 @@ class UserPoissonSampler(PoissonBatchSampler):
         k = self.records_per_user
         for _ in range(self.steps_per_epoch):
             picked = poisson_mask(self.num_users, self.sample_rate, gen).nonzero()[:, 0]
-            chosen = []
+            drawn = []
             for u in picked.tolist():  # every rank draws every user's records alike
                 records = self.records[u]
                 if k is not None and len(records) > k:
                     records = records[_choice(len(records), k, gen)].sort().values
-                chosen.append(records.tolist())
-            yield [i for records in chosen[self.rank :: self.world_size] for i in records]
+                drawn += records.tolist()  # a user's records consecutive
+            yield share(drawn, self.rank, self.world_size, self.user_of)
 
 
 def _choice(n: int, k: int, generator: torch.Generator | SecureSource) -> Tensor:
@@ -217,45 +216,6 @@ def _choice(n: int, k: int, generator: torch.Generator | SecureSource) -> Tensor
     if isinstance(generator, SecureSource):
         return secure_uniform(n).argsort()[:k]
     return torch.randperm(n, generator=generator)[:k]
-
-
-def physical_batches(drawn: list[int], size: int, user_of: Tensor | None = None
-                     ) -> list[list[int]]:
-    """One logical batch cut in physical batches of at most ``size`` indices; with
-    ``user_of``, whole users in each (user-level DP clips a user's records together, so
-    they must meet in one forward).
-
-    Args:
-        drawn: the logical batch's record indices; with ``user_of``, a user's records
-            consecutive (as :class:`UserPoissonSampler` yields them).
-        size: the most indices a physical batch holds, ``>= 1``.
-        user_of: ``(N,)`` each record's user, or ``None`` (record-level DP).
-
-    Returns:
-        Lists of indices, in ``drawn``'s order, whose concatenation is ``drawn``; with
-        users, consecutive users share a batch while they fit. A user with more than
-        ``size`` records gets a batch of its own, larger than ``size`` (the callers
-        refuse such a ``size`` beforehand). No batch for an empty ``drawn``.
-
-    Examples:
-        >>> physical_batches([0, 1, 2, 3, 4], 2)
-        [[0, 1], [2, 3], [4]]
-        >>> physical_batches([5, 0, 1, 3, 4], 3, torch.tensor([0, 0, 1, 2, 2, 1]))
-        [[5, 0, 1], [3, 4]]
-    """
-    if user_of is None:
-        return [drawn[k:k + size] for k in range(0, len(drawn), size)]
-    parts: list[list[int]] = []
-    users = user_of[torch.tensor(drawn, dtype=torch.int64)].tolist()
-    start = 0
-    for end in range(1, len(drawn) + 1):  # a user's records are consecutive
-        if end == len(drawn) or users[end] != users[end - 1]:
-            if parts and len(parts[-1]) + end - start <= size:
-                parts[-1] += drawn[start:end]
-            else:
-                parts.append(drawn[start:end])
-            start = end
-    return parts
 
 
 def poisson_mask(num_samples: int, sample_rate: float,

@@ -14,27 +14,28 @@ release.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clipping import Clipping
 from .microbatch import Accumulated
+from .reduce import world
 from .sampling import (
+    EmptySafeCollate,
     PoissonBatchSampler,
     UserPoissonSampler,
     dataset_size,
     loader_options,
-    physical_batches,
     users_of_records,
 )
+from .setup import PhysicalBatches, shared_seeds
 from .step import PrivateStep
 
 
@@ -132,54 +133,6 @@ class PrivateTraining:
         return self.step.epsilon(delta)
 
 
-class PhysicalBatches(Sampler[list[int]]):
-    """A ``batch_sampler``: an epoch's logical batches (``logical``, a
-    :class:`PoissonBatchSampler`) cut into physical batches of at most ``size``
-    indices. :meth:`plan` draws an epoch ahead and says how many physical batches
-    each logical one has; iterating then gives that epoch (a ``DataLoader`` with
-    workers starts its sampler twice), else a freshly drawn one.
-
-    Examples:
-        >>> logical = PoissonBatchSampler(10, 0.5, 2, torch.Generator().manual_seed(0))
-        >>> cut = PhysicalBatches(logical, 2)
-        >>> counts = cut.plan()
-        >>> parts = list(cut)
-        >>> len(parts) == sum(counts) and all(0 < len(p) <= 2 for p in parts)
-        True
-    """
-
-    def __init__(self, logical: PoissonBatchSampler, size: int):
-        self.logical, self.size = logical, size
-        self.planned: list[list[int]] | None = None
-
-    def plan(self) -> list[int]:
-        """Draw an epoch's logical batches; the number of physical batches of each (0 for
-        an empty one). A user's records (:class:`UserPoissonSampler`) stay together."""
-        self.planned, counts = [], []
-        for drawn in self.logical:
-            parts = self._cut(drawn)
-            self.planned += parts
-            counts.append(len(parts))
-        return counts
-
-    def _cut(self, drawn: list[int]) -> list[list[int]]:
-        """One logical batch in physical batches of at most ``size`` indices, whole users
-        in each."""
-        return physical_batches(drawn, self.size, getattr(self.logical, "user_of", None))
-
-    def __len__(self) -> int:
-        """An estimate (Poisson sizes vary): the expected physical batches per epoch."""
-        per = math.ceil(self.logical.expected_batch_size / self.size)
-        return len(self.logical) * per
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if self.planned is not None:  # (planned by PrivateTraining.batches)
-            return iter(self.planned)
-        self.plan()
-        planned, self.planned = self.planned, None
-        return iter(planned)
-
-
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  data: Dataset | DataLoader, loss_fn: Callable[[Any, Any], Tensor], *,
                  epochs: int, max_grad_norm: Any = None, clipping: Clipping | None = None,
@@ -205,9 +158,17 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``make_private``: its dataset, collate function, workers, pinned memory and
     worker settings are kept, its batch size is the expected logical batch size, and
     its sampler and ``drop_last`` are replaced by Poisson sampling (as Opacus's
-    ``DPDataLoader`` does). One process: with several, give each rank its share of
-    every logical batch (``PoissonBatchSampler(..., rank=r, world_size=W)``) and a
-    :class:`PrivateStep`.
+    ``DPDataLoader`` does).
+
+    Several processes (``torch.distributed`` initialised, every rank calling
+    ``make_private`` alike; the model plain, in ``DistributedDataParallel`` or sharded
+    with FSDP2's ``fully_shard``): every rank draws the same logical batches (the seeds
+    rank 0 draws: :func:`~persample.dp.setup.shared_seeds`), takes its share of each,
+    whole users with ``user_ids`` (:func:`~persample.dp.setup.share`), in as many
+    physical batches as every other rank (empty ones at the end where its share is
+    smaller: the loader collates them as empty tensors); :meth:`PrivateTraining.release`
+    sums the ranks' clipped sums, the noise added once (:class:`PrivateStep`), so the
+    run is the one of a single process on the whole logical batches.
 
     Args:
         model: the ``nn.Module`` (plain, or wrapped in ``DistributedDataParallel``).
@@ -231,8 +192,11 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``>= 1``; default ``expected_batch_size`` (a Poisson batch above it is cut).
         accountant: ``"rdp"``, ``"pld"`` or ``"prv"``: how epsilon is computed, for the
             calibration and during training.
-        generator: a CPU ``torch.Generator`` for the batches (seed it to reproduce a
-            run); the noise's generator, on the parameters' device, is seeded from it.
+        generator: a ``torch.Generator`` to seed the run from (seed it to reproduce
+            a run; default torch's, so a run follows ``torch.manual_seed``): one draw
+            ``s`` from it (rank 0's, with several processes) seeds the batches' CPU
+            generator, and ``s + 1`` the noise's, on the parameters' device
+            (:func:`~persample.dp.setup.shared_seeds`).
         collate_fn: how samples become a batch (default: the ``DataLoader``'s, else
             ``default_collate``); an empty logical batch has no physical batch to
             collate (its release is noise only).
@@ -251,8 +215,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             one physical batch.
         secure_mode: the noise and the Poisson sampling from the operating system's
             cryptographically secure generator (``os.urandom``), as Opacus's
-            ``secure_mode``: nothing to learn from a seed; not with ``generator``
-            (threat model and cost: :class:`persample.dp.noise.SecureSource`).
+            ``secure_mode``: nothing to learn from a seed; not with ``generator``, nor
+            with several processes, which must draw one sample alike (threat model and
+            cost: :class:`persample.dp.noise.SecureSource`).
 
     Returns:
         a :class:`PrivateTraining`: ``batches()`` per epoch, ``accumulate`` and
@@ -264,8 +229,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``target_epsilon`` and ``noise_multiplier``, ``target_epsilon`` without
             ``target_delta``, an empty dataset or one without ``len()`` (an
             ``IterableDataset``), no ``expected_batch_size`` with a dataset (or a
-            ``DataLoader`` without a ``batch_size``), or an expected batch larger than
-            the dataset.
+            ``DataLoader`` without a ``batch_size``), an expected batch larger than
+            the dataset, or ``secure_mode`` with several processes.
 
     Examples:
         >>> import torch
@@ -325,17 +290,13 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     steps_per_epoch = max(1, round(1 / q))
     sigma = _noise_multiplier(target_epsilon, target_delta, noise_multiplier, q,
                               epochs * steps_per_epoch, accountant)
-    noise = None
-    if generator is not None and not secure_mode:
-        device = next(model.parameters()).device
-        seed = int(torch.randint(2**62, (1,), generator=generator))
-        noise = torch.Generator(device=device).manual_seed(seed)
+    size, rank = world() or (1, 0)
+    batches_from, noise = _sources(model, generator, secure_mode, size)
     step = PrivateStep(model, loss_fn, clipping=clipping, noise_multiplier=sigma,
-                       expected_batch_size=expected_batch_size,
-                       generator=generator if secure_mode else noise,
+                       expected_batch_size=expected_batch_size, generator=noise,
                        sample_rate=q, accountant=accountant, secure_mode=secure_mode,
                        check=check)
-    batches_from = step.generator if secure_mode else generator
+    batches_from = batches_from or step.generator  # secure_mode: the step's SecureSource
     if users is None:
         sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from)
     else:
@@ -349,10 +310,27 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     options = loader_options(loader) if loader is not None else {}
     if collate_fn is not None:
         options["collate_fn"] = collate_fn
-    physical = DataLoader(dataset, batch_sampler=PhysicalBatches(sampler, physical_batch_size),
-                          **options)
+    if size > 1:  # a rank's share may be cut in fewer batches than another's: empty ones
+        options["collate_fn"] = EmptySafeCollate(dataset, options.get("collate_fn"))
+    cut = PhysicalBatches(sampler, physical_batch_size, rank=rank, world_size=size)
+    physical = DataLoader(dataset, batch_sampler=cut, **options)
     return PrivateTraining(step, optimizer, physical, sampler, physical_batch_size,
                            sigma, q, steps_per_epoch, epochs)
+
+
+def _sources(model: nn.Module, generator: torch.Generator | None, secure_mode: bool,
+             size: int) -> tuple[torch.Generator | None, torch.Generator | None]:
+    """The batches' generator and the noise's, from the seeds every rank shares; with
+    ``secure_mode`` (one process) neither: both come from the step's secure source."""
+    if secure_mode:
+        if size > 1:
+            raise ValueError("make_private does not take secure_mode with several "
+                             "processes: the ranks split one Poisson sample, which they "
+                             "must draw alike from a shared seed")
+        return None, generator  # (a generator with secure_mode: PrivateStep refuses it)
+    seeds = shared_seeds(generator)
+    device = next(model.parameters()).device
+    return seeds.sampling_generator(), seeds.noise_generator(device)
 
 
 def _noise_multiplier(target_epsilon: float | None, target_delta: float | None,

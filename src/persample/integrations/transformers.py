@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from ..dp import (
     EmptySafeCollate,
@@ -42,6 +42,7 @@ from ..dp import (
 )
 from ..dp.clipping import Clipping
 from ..dp.sampling import users_of_records
+from ..dp.setup import PhysicalBatches, Seeds, shared_seeds
 
 PRIVACY_STATE = "privacy_state.pt"
 """The file in each checkpoint folder that holds the accountant's steps (resuming needs it)."""
@@ -78,9 +79,9 @@ class PrivacyArguments:
             ``Clipping.flat(C, adaptive=AdaptiveClipping(...))``, one process), which
             then keep their defaults.
         accountant: ``"rdp"`` (default), ``"pld"`` or ``"prv"``.
-        seed: seeds the Poisson sampling (the same on every process) and the noise;
-            default: the sampling from ``TrainingArguments.data_seed`` (else ``seed``)
-            and the noise from torch's global generator, which the ``Trainer`` seeds.
+        seed: seeds the Poisson sampling (``seed``) and the noise (``seed + 1``), rank
+            0's on every process (:func:`persample.dp.setup.shared_seeds`); default
+            ``TrainingArguments.data_seed``, else its ``seed``.
         user_ids: user-level DP: the name of the training set's field that holds each
             record's user (``"user_id"``: a ``datasets.Dataset`` column or a key of each
             sample; never passed to the model). Users are then Poisson-sampled, ``E``
@@ -280,48 +281,6 @@ def _shifts_labels(model: nn.Module) -> bool:
 # ---------------------------------------------------------------------------
 # the batches
 
-class _MicroBatches(Sampler[list[int]]):
-    """Each Poisson logical batch (this process's share) as ``parts`` micro-batches of
-    near-equal size (consecutive, possibly empty)."""
-
-    def __init__(self, logical: PoissonBatchSampler, parts: int):
-        self.logical, self.parts = logical, parts
-
-    def __len__(self) -> int:
-        return len(self.logical) * self.parts
-
-    def __iter__(self) -> Iterator[list[int]]:
-        user_of = getattr(self.logical, "user_of", None)
-        for indices in self.logical:
-            if user_of is None:
-                n = len(indices)
-                for k in range(self.parts):
-                    yield indices[k * n // self.parts : (k + 1) * n // self.parts]
-            else:
-                yield from _whole_users(indices, user_of[indices].tolist(), self.parts)
-
-
-def _whole_users(indices: list[int], users: list[int], parts: int) -> Iterator[list[int]]:
-    """``indices`` (a user's consecutive) in ``parts`` micro-batches of near-equal size,
-    each user whole in one."""
-    runs, start = [], 0
-    for end in range(1, len(indices) + 1):
-        if end == len(indices) or users[end] != users[end - 1]:
-            runs.append(indices[start:end])
-            start = end
-    total, done, k = len(indices), 0, 0
-    batch: list[int] = []
-    for run in runs:
-        while k < parts - 1 and done + len(run) / 2 > (k + 1) * total / parts:
-            yield batch
-            batch, k = [], k + 1
-        batch += run
-        done += len(run)
-    yield batch
-    for _ in range(parts - 1 - k):
-        yield []
-
-
 USER_TAG = "persample_user_id"
 """The key each sample's user travels under from the dataset to ``training_step``."""
 
@@ -363,7 +322,8 @@ class PrivateTrainer(transformers.Trainer):
     probability ``q = E / N``, ``E = per_device_train_batch_size *
     gradient_accumulation_steps * world_size``), an epoch ``round(N / E)`` such steps;
     each process's share of a logical batch is split into ``gradient_accumulation_steps``
-    micro-batches (about ``per_device_train_batch_size`` each, empty ones included);
+    micro-batches (about ``per_device_train_batch_size`` each, empty ones included, a
+    user's records in one: :func:`persample.dp.setup.physical_batches`);
     the gradient the optimizer steps with is ``(sum_i clip(g_i) + N(0, sigma^2 C^2 I)) /
     E`` (:class:`~persample.dp.PrivateStep`; ``g_i`` sample ``i``'s gradient of its own
     loss); ``max_grad_norm`` of the ``TrainingArguments`` is not applied (the per-sample
@@ -374,7 +334,8 @@ class PrivateTrainer(transformers.Trainer):
     without them is refused. Evaluation and prediction are the ``Trainer``'s.
 
     With several processes (``torchrun``; DDP as the ``Trainer`` sets it up), every
-    process draws the same Poisson sample (seeded alike) and takes its own part of it;
+    process draws the same Poisson sample (rank 0's seed) and takes its own share of it
+    (:func:`persample.dp.setup.share`);
     the clipped sums of all processes and rank 0's noise are summed with one
     all-reduce (DDP's own gradient reduction does not run), and every process
     accounts each step.
@@ -493,33 +454,34 @@ class PrivateTrainer(transformers.Trainer):
         seed = privacy.seed
         if seed is None:
             seed = args.data_seed if args.data_seed is not None else args.seed
-        gen = torch.Generator().manual_seed(seed)
+        seeds = shared_seeds(seed)  # rank 0's on every process
+        gen = seeds.sampling_generator()
         if users is None:
-            logical = PoissonBatchSampler(n, q, steps_per_epoch, gen,
-                                          rank=args.process_index, world_size=args.world_size)
+            logical = PoissonBatchSampler(n, q, steps_per_epoch, gen)
         else:  # each record tagged with its user, the tag taken off before the model
             logical = UserPoissonSampler(users, q, steps_per_epoch, gen,
-                                         privacy.records_per_user, rank=args.process_index,
-                                         world_size=args.world_size)
+                                         privacy.records_per_user)
             dataset, collate = _Tagged(dataset, users), _TaggedCollate(collate)
         planned = (args.max_steps if args.max_steps > 0
                    else math.ceil(args.num_train_epochs * steps_per_epoch))
-        self.private_step = self._make_step(q, expected, planned)
-        return DataLoader(dataset, batch_sampler=_MicroBatches(logical, parts),
+        self.private_step = self._make_step(q, expected, planned, seeds)
+        micro = PhysicalBatches(logical, parts=parts, rank=args.process_index,
+                                world_size=args.world_size)  # this process's share, cut
+        return DataLoader(dataset, batch_sampler=micro,
                           collate_fn=EmptySafeCollate(dataset, collate),
                           num_workers=args.dataloader_num_workers,
                           pin_memory=args.dataloader_pin_memory)
 
-    def _make_step(self, q: float, expected: int, planned: int) -> PrivateStep:
+    def _make_step(self, q: float, expected: int, planned: int, seeds: Seeds) -> PrivateStep:
         privacy = self.privacy_args
         sigma = privacy.noise_multiplier
         if sigma is None:
             sigma = noise_multiplier_for(privacy.target_epsilon, privacy.target_delta, q,
                                          planned, privacy.accountant)
         noise = None
-        if privacy.seed is not None:
+        if not privacy.secure_mode:
             device = next(p for p in self.model.parameters() if p.requires_grad).device
-            noise = torch.Generator(device=device).manual_seed(privacy.seed + 1)
+            noise = seeds.noise_generator(device)
         # a second train() continues the accounting of the first
         accountant = privacy.accountant if self.private_step is None else \
             self.private_step.accountant
