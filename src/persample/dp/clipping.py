@@ -219,7 +219,8 @@ class Clipping:
 
     def bound(self, names: Sequence[str] | None) -> ClipBounds:
         """This clipping over a step's parameters ``names`` (``named_parameters()``
-        order): their groups and bounds.
+        order): their groups and bounds. ``names=None`` runs only the checks that need
+        no names (what :class:`Clipping` does when made; the groups come out empty).
 
         Raises:
             ValueError: groups that miss, repeat or name unknown parameters, and what
