@@ -16,9 +16,9 @@ from torch.utils.data import TensorDataset
 from persample.dp import make_private
 from persample.dp.setup import shared_seeds
 
-# records; the most records of a physical batch; the run's seed (with it no rank's
-# physical batch holds a single record: FSDP2 refuses a micro-batch of one sample)
-N, SIZE, SEED = 60, 5, 39
+# records; the most records of a physical batch; the run's seed (with it ranks get
+# physical batches of a single record, which FSDP2 captures at n = 1)
+N, SIZE, SEED = 60, 5, 6
 # 20 users of 2 to 4 records (at most 3 a step), interleaved, ids not 0..19
 USERS = torch.repeat_interleave(torch.arange(20) * 3 + 1, torch.tensor([2, 3, 4] * 6 + [2, 4])
                                 )[torch.randperm(N, generator=torch.Generator().manual_seed(1))]

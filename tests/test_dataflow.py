@@ -519,6 +519,19 @@ def test_reshape_merges_by_index_arithmetic():
                            [(odd, Batched(0))]), Unknown)
 
 
+def test_a_reshape_of_one_sample_keeps_the_batch_dim_it_leaves_alone():
+    """At n = 1 the samples' digit has radix 1 and fits in any dim: a reshape that
+    leaves the batch dim alone keeps it (FSDP2's ``view_as`` of each block's input);
+    one that merges it follows the index arithmetic as for any n."""
+    ctx = Ctx(1, lambda t: Batched(0))
+    for before, after, want in [((1, 8), (1, 8), Batched(0)), ((1, 2, 4), (1, 8), Batched(0)),
+                                ((1, 8), (1, 1, 8), Batched(0)),
+                                ((1, 8), (8,), Batched(0, inner=8))]:
+        x = torch.randn(before)
+        got = propagate(ctx, torch.Tensor.reshape, (x, *after), {}, x.reshape(after))
+        assert got.outputs == want, (before, after)
+
+
 def test_transpose_and_broadcast_follow_the_dims():
     x = torch.randn(B, T, E)
     assert flow(torch.Tensor.transpose, (x, 0, 1), {}, x.transpose(0, 1),

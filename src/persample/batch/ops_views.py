@@ -73,15 +73,12 @@ def reshaped(lay: Batched, before: tuple, after: tuple, n: int) -> Batched | Non
         d = lay.dim
         return lay if tuple(after[:d + 1]) == tuple(before[:d + 1]) else None
     if lay.index is not None:  # irregular: only if the batch dim itself is untouched
-        d = lay.dim
-        prefix = math.prod(before[:d])
-        suffix = math.prod(before[d + 1:])
-        acc = 1
-        for k in range(len(after)):
-            if acc == prefix and after[k] == before[d] and math.prod(after[k + 1:]) == suffix:
-                return lay.moved(k)
-            acc *= after[k]
-        return None
+        return _untouched(lay, before, after)
+    if n == 1:  # a digit of radix 1 fits in any dim: keep the batch dim where it was if
+        # the reshape leaves it alone (FSDP2's view_as of (1, 8) as (1, 8) is not (1, inner 8))
+        kept = _untouched(lay, before, after)
+        if kept is not None:
+            return kept
     place = lay.inner * math.prod(before[lay.dim + 1:])
     suffix = 1
     for k in range(len(after) - 1, -1, -1):
@@ -90,6 +87,20 @@ def reshaped(lay: Batched, before: tuple, after: tuple, n: int) -> Batched | Non
             inner = place // suffix
             return Batched(k, size // (inner * n), inner)
         suffix *= size
+    return None
+
+
+def _untouched(lay: Batched, before: tuple, after: tuple) -> Batched | None:
+    """The batch dim moved to the output dim of its size with as many entries before and
+    after it as in ``before``, or ``None`` if the reshape touches it."""
+    d = lay.dim
+    prefix = math.prod(before[:d])
+    suffix = math.prod(before[d + 1:])
+    acc = 1
+    for k in range(len(after)):
+        if acc == prefix and after[k] == before[d] and math.prod(after[k + 1:]) == suffix:
+            return lay.moved(k)
+        acc *= after[k]
     return None
 
 
