@@ -4,7 +4,9 @@ labels: every score finds them."""
 import json
 
 import pytest
+import torch
 
+import persample
 from persample.cli import main
 
 
@@ -21,7 +23,8 @@ def test_attribute_finds_the_flipped_labels(tmp_path, capsys):
     for curvature in ("EKFAC", "KFAC", "DIAGONAL"):  # influence functions
         assert auc[f"self-influence ({curvature} influence function)"] >= 0.95
     assert figures["projection_rel_difference_materialised"] < 1e-4  # the same map
-    assert len(figures["phases"]) >= 5 and png.stat().st_size > 0  # 6 with dattri
+    assert len(figures["phases"]) >= 5 and png.stat().st_size > 0
+    assert figures["beside"] == {}  # the library's command runs no other library
     printed = capsys.readouterr().out
     assert "AUC of finding the flipped labels" in printed and "ekfac fit" in printed
 
@@ -32,3 +35,32 @@ def test_influence_is_the_same_command(capsys):
     from persample.cli import build_parser
 
     assert build_parser().parse_args(["influence", "--dim", "64"]).dim == 64
+
+
+@pytest.mark.slow
+@pytest.mark.keep_default_dtype
+def test_the_benchmark_runs_dattri_beside(tmp_path, monkeypatch):
+    """``python -m persample_bench.attribution``: the same command with dattri's scores
+    beside, a phase and an AUC of their own (persample's TracIn standing in for dattri,
+    which this environment does not install); not installed, said so."""
+    from persample_bench import attribution
+
+    def stand_in(model, checkpoints, x, y, cfg):
+        return sum(cfg.lr * persample.per_sample_grad_norms(
+            model, x, y, torch.nn.CrossEntropyLoss()).square() for _ in checkpoints)
+
+    def missing(*args):
+        raise ImportError("No module named 'dattri'")
+
+    name, out = attribution.DATTRI, tmp_path / "attr.json"
+    options = ["--epochs", "2", "--checkpoints", "1", "--threads", "1", "--json", str(out)]
+    monkeypatch.setattr(attribution, "dattri_self_influence", stand_in)
+    assert attribution.main(options) == 0
+    figures = json.loads(out.read_text())
+    assert figures["beside"] == {name: "ran"}
+    assert figures["auc"][name] > 0.8 and f"self-influence ({name})" in figures["phases"]
+    monkeypatch.setattr(attribution, "dattri_self_influence", missing)
+    attribution.main(options)
+    figures = json.loads(out.read_text())
+    assert figures["beside"] == {name: "not installed (No module named 'dattri')"}
+    assert name not in figures["auc"] and f"self-influence ({name})" not in figures["phases"]

@@ -14,7 +14,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import setup_workers as workers
-from persample.dp import PoissonBatchSampler, PrivacyEngine, UserPoissonSampler
+from persample.dp import (
+    CyclicPoissonSampler,
+    PoissonBatchSampler,
+    PrivacyEngine,
+    UserPoissonSampler,
+)
 from persample.dp.setup import (
     PhysicalBatches,
     Seeds,
@@ -208,6 +213,23 @@ def test_the_batch_sampler_plans_and_cuts():
     assert counts == [len(w) for w in want] and list(by_size) == [b for w in want for b in w]
     into = PhysicalBatches(PoissonBatchSampler(30, 0.4, 3, torch.Generator()), parts=2)
     assert len(into) == 6 and len(list(into)) == 6
+
+
+def test_the_batch_sampler_cuts_cyclic_samples_into_every_ranks_share():
+    """Cyclic Poisson sampling through the same cut: each rank's physical batches of
+    step t come from group t mod b, and the ranks' together are the step's sample."""
+    def logical():
+        return CyclicPoissonSampler(50, 0.6, 3, generator=torch.Generator().manual_seed(4))
+
+    drawn = list(logical())
+    ranks = [PhysicalBatches(logical(), 4, rank=r, world_size=2) for r in range(2)]
+    counts = [r.plan() for r in ranks]
+    assert counts[0] == counts[1] and len(counts[0]) == len(drawn) == 6
+    parts = [iter(list(r)) for r in ranks]
+    groups = logical().groups
+    for t, (whole, k) in enumerate(zip(drawn, counts[0])):
+        mine = [[i for _ in range(k) for i in next(p)] for p in parts]
+        assert sorted(mine[0] + mine[1]) == whole and set(whole) <= set(groups[t % 3])
 
 
 def test_privacy_engine_refuses_user_level_dp_by_name():

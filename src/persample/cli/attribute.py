@@ -18,9 +18,9 @@ three ways:
 
 Each score's AUC of finding the flipped labels (scikit-learn's ``roc_auc_score``), the
 time and peak RSS of each phase, and the same projections by materialising the
-per-sample gradients first (``per_sample_grads`` then ``proj.project``). Where dattri
-is installed, its TracIn self-influence (``torch.func`` per-sample gradients, projected
-to 512 dimensions) beside.
+per-sample gradients first (``per_sample_grads`` then ``proj.project``). Other
+libraries' scores are the benchmark's (``python -m persample_bench.attribution`` runs
+dattri's TracIn beside); this command imports none.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -110,8 +111,17 @@ def _chunks(x: Tensor, y: Tensor, size: int):
         yield x[start : start + size], y[start : start + size]
 
 
-def run(cfg: AttributeConfig) -> dict[str, Any]:
-    """Train, score, report; returns every figure (what ``--json`` writes)."""
+# another library's self-influence of every training sample ``(n,)``, from the model,
+# the TracIn checkpoints (state dicts), the training images and labels and the options
+Beside = Callable[[nn.Module, list, Tensor, Tensor, AttributeConfig], Tensor]
+
+
+def run(cfg: AttributeConfig, beside: dict[str, Beside] | None = None) -> dict[str, Any]:
+    """Train, score, report; returns every figure (what ``--json`` writes).
+
+    ``beside``: other libraries' self-influence by name (the benchmark's), each timed
+    as a phase and scored by its AUC; one that raises ``ImportError`` is reported as not
+    installed."""
     from sklearn.metrics import roc_auc_score
 
     import persample
@@ -142,7 +152,7 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
             norms = torch.cat([persample.per_sample_grad_norms(model, xb, yb, loss_fn)
                                for xb, yb in _chunks(x, y, cfg.chunk)])
             self_influence += cfg.lr * norms.square()
-    others = _dattri_self_influence(model, checkpoints, x, y, cfg, phases)
+    others = _beside(beside or {}, model, checkpoints, x, y, cfg, phases)
 
     influence, same = torch.zeros(len(y), dtype=torch.float64), 0.0
     for c, state in enumerate(checkpoints):  # TRAK's ensemble: a projection per checkpoint
@@ -166,15 +176,16 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
            "TRAK-style (harmful to validation)": float(roc_auc_score(labels,
                                                                       (-influence).numpy()))}
     auc.update({name: float(roc_auc_score(labels, s.numpy())) for name, s in curvatures.items()})
-    if isinstance(others, Tensor):
-        auc[DATTRI] = float(roc_auc_score(labels, others.numpy()))
+    auc.update({name: float(roc_auc_score(labels, s.numpy())) for name, s in others.items()
+                if isinstance(s, Tensor)})
     figures = {"config": asdict(cfg), "train_samples": len(y), "flipped": int(flipped.sum()),
                "validation_samples": len(y_val), "validation_accuracy": val_accuracy,
                "projected_dim": proj.dim, "parameters": sum(p.numel() for p in
                                                             model.parameters()),
                "auc": auc, "phases": phases,
                "projection_rel_difference_materialised": same,
-               "dattri": "ran" if isinstance(others, Tensor) else others}
+               "beside": {name: "ran" if isinstance(s, Tensor) else s
+                          for name, s in others.items()}}
     print(format_figures(figures))
     if cfg.json:
         with open(cfg.json, "w") as f:
@@ -185,9 +196,6 @@ def run(cfg: AttributeConfig) -> dict[str, Any]:
                                   "harm to validation (TRAK-style)": -influence})
         print(f"wrote {cfg.plot}")
     return figures
-
-
-DATTRI = "dattri TracInAttributor (projected to 512)"
 
 
 def _influence_functions(model: nn.Module, x: Tensor, y: Tensor, loss_fn: nn.Module,
@@ -211,30 +219,19 @@ def _influence_functions(model: nn.Module, x: Tensor, y: Tensor, loss_fn: nn.Mod
     return scores
 
 
-def _dattri_self_influence(model: nn.Module, checkpoints: list[dict], x: Tensor, y: Tensor,
-                           cfg: AttributeConfig, phases: dict) -> Tensor | str:
-    """The same TracIn self-influence by dattri (``torch.func`` per-sample gradients,
-    randomly projected to 512 dimensions, its default), where dattri is installed;
-    else why not."""
-    try:
-        from dattri.algorithm.tracin import TracInAttributor
-        from dattri.task import AttributionTask
-    except ImportError as err:
-        return f"not installed ({err})"
-    from torch.utils.data import DataLoader, TensorDataset
-
-    def loss_func(params, data):  # one sample, as dattri vmaps it
-        image, label = data
-        out = torch.func.functional_call(model, params, image.unsqueeze(0))
-        return nn.functional.cross_entropy(out, label.unsqueeze(0))
-
-    task = AttributionTask(loss_func=loss_func, model=model, checkpoints=checkpoints)
-    attributor = TracInAttributor(task=task, weight_list=torch.full((len(checkpoints),), cfg.lr),
-                                  normalized_grad=False,
-                                  projector_kwargs={"proj_dim": 512, "device": "cpu"})
-    loader = DataLoader(TensorDataset(x, y), batch_size=cfg.chunk, shuffle=False)
-    with _Phase(f"self-influence ({DATTRI})", phases):
-        return attributor.self_attribute(loader)
+def _beside(beside: dict[str, Beside], model: nn.Module, checkpoints: list[dict], x: Tensor,
+            y: Tensor, cfg: AttributeConfig, phases: dict) -> dict[str, Tensor | str]:
+    """Each other library's scores, timed as a phase; why not where it is not
+    installed."""
+    got: dict[str, Tensor | str] = {}
+    for name, score in beside.items():
+        try:
+            with _Phase(f"self-influence ({name})", phases):
+                got[name] = score(model, checkpoints, x, y, cfg).double()
+        except ImportError as err:
+            phases.pop(f"self-influence ({name})", None)
+            got[name] = f"not installed ({err})"
+    return got
 
 
 def _trak(phi: Tensor, phi_val: Tensor, ridge: float) -> Tensor:
@@ -271,8 +268,9 @@ def format_figures(f: dict) -> str:
         lines.append(f"  {name:<58}{p['seconds']:9.2f}{peak:>13}")
     agree = f["projection_rel_difference_materialised"]
     lines.append(f"  (the two projections agree to {agree:.1e} relative)")
-    if f.get("dattri", "ran") != "ran":
-        lines.append(f"  dattri: {f['dattri']}")
+    for name, why in f.get("beside", {}).items():
+        if why != "ran":
+            lines.append(f"  {name}: {why}")
     return "\n".join(lines)
 
 
@@ -325,11 +323,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def run_from_args(args: argparse.Namespace) -> dict:
-    """Run ``attribute`` with the options parsed by :func:`add_parser`'s parser."""
+def run_from_args(args: argparse.Namespace, beside: dict[str, Beside] | None = None) -> dict:
+    """Run ``attribute`` with the options parsed by :func:`add_parser`'s parser (and
+    ``beside``, as :func:`run` takes it)."""
     cfg = AttributeConfig(flip=args.flip, epochs=args.epochs, checkpoints=args.checkpoints,
                           lr=args.lr, dim=args.dim, kind=args.kind, seed=args.seed,
                           threads=args.threads, json=args.json, plot=args.plot)
     if not 0 < cfg.flip < 1 or not 1 <= cfg.checkpoints <= cfg.epochs:
         raise SystemExit("attribute: need 0 < --flip < 1 and 1 <= --checkpoints <= --epochs")
-    return run(cfg)
+    return run(cfg, beside)

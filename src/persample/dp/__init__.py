@@ -14,7 +14,8 @@
   the sensitivity each gives the noise; :class:`AdaptiveClipping` moves ``C`` towards a
   quantile of the norms (:mod:`persample.dp.adaptive`); ``user_ids=`` clips each user's
   gradient once (user-level DP), :class:`UserPoissonSampler` samples users.
-- :mod:`persample.dp.sampling`: Poisson sampling of batches.
+- :mod:`persample.dp.sampling`: Poisson sampling of batches (of records, of users, or
+  cyclic: a record in one step of every few, as correlated noise needs).
 - :mod:`persample.dp.setup`: what every front door above (and ``PrivateTrainer``, ``persample
   dp-train``, ``persample dp-finetune``) sets up alike: each process's share of a
   logical batch, its cut into physical batches (a user's records in one), and the
@@ -39,23 +40,25 @@ from .microbatch import Accumulated
 from .privacy_engine import BatchMemoryManager, PrivacyEngine
 from .sampling import (
     EmptySafeCollate,
+    CyclicPoissonSampler,
     PoissonBatchSampler,
     UserPoissonSampler,
     poisson_batches,
     poisson_loader,
 )
 from .step import PrivateStep, private_grad
-from .training import PrivateTraining, make_private
+from .training import PrivateRun, make_private
 
 __all__ = [
     "private_grad",
     "PrivateStep",
     "Accumulated",
     "make_private",
-    "PrivateTraining",
+    "PrivateRun",
     "PrivacyAccountant",
     "epsilon",
     "noise_multiplier_for",
+    "CyclicPoissonSampler",
     "PoissonBatchSampler",
     "UserPoissonSampler",
     "poisson_batches",

@@ -2,7 +2,8 @@
 
 A logical batch (Abadi et al. 2016's "lot") is one Poisson sample of the records, or,
 with user-level DP, of the users, each drawn user bringing all its records (McMahan et
-al. 2018). With several processes every rank draws the same sample and keeps its
+al. 2018), or, with cyclic Poisson sampling, of one group of the records, the groups
+taken in turn (Choquette-Choo et al. 2023). With several processes every rank draws the same sample and keeps its
 :func:`share`: the records (or whole users) at positions ``rank, rank + world_size,
 ...`` of it, so that the ranks' shares partition the sample and the privacy analysis is
 the one of a single process. :func:`physical_batches` cuts a rank's share into the
@@ -16,8 +17,9 @@ to a sampler's logical batches.
 Every front door sets its batches up here: :func:`~persample.dp.make_private`,
 :class:`~persample.dp.PrivacyEngine` (with :class:`~persample.dp.BatchMemoryManager`),
 :class:`~persample.integrations.transformers.PrivateTrainer`, ``persample dp-train`` and
-``persample dp-finetune``; :class:`~persample.dp.PoissonBatchSampler` and
-:class:`~persample.dp.UserPoissonSampler` take their ``rank``'s :func:`share`.
+``persample dp-finetune``; :class:`~persample.dp.PoissonBatchSampler`,
+:class:`~persample.dp.UserPoissonSampler` and :class:`~persample.dp.CyclicPoissonSampler`
+take their ``rank``'s :func:`share`.
 """
 
 from __future__ import annotations
@@ -302,7 +304,7 @@ class PhysicalBatches(Sampler[list[int]]):
         return len(self.logical) * max(1, math.ceil(share / self.size))
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.planned is not None:  # (planned by PrivateTraining.batches)
+        if self.planned is not None:  # (planned by PrivateRun.batches)
             return iter(self.planned)
         return (part for drawn in self.logical for part in self.cut(drawn))
 

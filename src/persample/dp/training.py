@@ -40,7 +40,7 @@ from .step import PrivateStep
 
 
 @dataclass
-class PrivateTraining:
+class PrivateRun:
     """What :func:`make_private` sets up. ``step``: the :class:`PrivateStep` (its
     ``accountant`` counts the releases); ``loader``: the ``DataLoader`` of the physical
     batches (the user's dataset, collate function, workers and pinned memory; its
@@ -145,7 +145,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  automatic_gamma: float = 0.01, user_ids: Any = None,
                  records_per_user: int | None = None,
                  adaptive_clipping: AdaptiveClipping | None = None,
-                 check: str | int | None = None) -> PrivateTraining:
+                 check: str | int | None = None) -> PrivateRun:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
 
@@ -166,7 +166,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     rank 0 draws: :func:`~persample.dp.setup.shared_seeds`), takes its share of each,
     whole users with ``user_ids`` (:func:`~persample.dp.setup.share`), in as many
     physical batches as every other rank (empty ones at the end where its share is
-    smaller: the loader collates them as empty tensors); :meth:`PrivateTraining.release`
+    smaller: the loader collates them as empty tensors); :meth:`PrivateRun.release`
     sums the ranks' clipped sums, the noise added once (:class:`PrivateStep`), so the
     run is the one of a single process on the whole logical batches.
 
@@ -184,7 +184,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
         target_delta: ``delta`` in ``(0, 1)`` (below ``1 / N`` as a rule), with
             ``target_epsilon``.
         noise_multiplier: ``sigma >= 0`` instead of a target (Opacus's
-            ``make_private``); :meth:`PrivateTraining.epsilon` then says what it spent.
+            ``make_private``); :meth:`PrivateRun.epsilon` then says what it spent.
         expected_batch_size: the logical batch size expected, ``q * N``, ``>= 1``;
             default the ``DataLoader``'s ``batch_size`` (required with a dataset); with
             ``user_ids``, the users expected per logical batch (required).
@@ -220,7 +220,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             cost: :class:`persample.dp.noise.SecureSource`).
 
     Returns:
-        a :class:`PrivateTraining`: ``batches()`` per epoch, ``accumulate`` and
+        a :class:`PrivateRun`: ``batches()`` per epoch, ``accumulate`` and
         ``release``, ``epsilon(delta)``, the ``loader``, and the plan
         (``noise_multiplier``, ``sample_rate``, ``steps_per_epoch``).
 
@@ -314,7 +314,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
         options["collate_fn"] = EmptySafeCollate(dataset, options.get("collate_fn"))
     cut = PhysicalBatches(sampler, physical_batch_size, rank=rank, world_size=size)
     physical = DataLoader(dataset, batch_sampler=cut, **options)
-    return PrivateTraining(step, optimizer, physical, sampler, physical_batch_size,
+    return PrivateRun(step, optimizer, physical, sampler, physical_batch_size,
                            sigma, q, steps_per_epoch, epochs)
 
 
