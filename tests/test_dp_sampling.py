@@ -164,18 +164,18 @@ def test_empty_batch_of_a_mapping_collator_has_zero_rows():
 
 def test_cyclic_poisson_draws_each_step_from_its_group_only():
     """N = 103 records in b = 4 groups of 25-26 (a random split, drawn once): step t
-    draws from group t mod 4 alone with rate q, so a record takes part in at most one
+    draws from group t mod 4 alone at rate b * q, so a record takes part in at most one
     of any 4 consecutive steps; the cycle runs on across epochs; each record's
-    frequency is q / b."""
-    n, q, b = 103, 0.3, 4
+    frequency is q, as with Poisson sampling."""
+    n, q, b = 103, 0.075, 4
     sampler = CyclicPoissonSampler(n, q, b, generator=_gen(2))
     groups = [set(g) for g in sampler.groups]
     assert sorted(len(g) for g in groups) == [25, 26, 26, 26]
     assert set().union(*groups) == set(range(n))
     assert sorted(groups[0]) != list(range(len(groups[0])))  # shuffled, not cut in order
-    assert len(sampler) == b * round(1 / q) == 12
-    batches = [bt for _ in range(300) for bt in sampler]  # 300 epochs, one cycle through
-    assert sampler.steps == len(batches) == 3600
+    assert len(sampler) == round(1 / q) == 13 and sampler.group_rate == pytest.approx(0.3)
+    batches = [bt for _ in range(300) for bt in sampler]  # 300 epochs, the cycle running on
+    assert sampler.steps == len(batches) == 3900
     last: dict[int, int] = {}
     for t, bt in enumerate(batches):
         assert bt == sorted(set(bt)) and set(bt) <= groups[t % b]
@@ -185,20 +185,22 @@ def test_cyclic_poisson_draws_each_step_from_its_group_only():
     counts = torch.zeros(n)
     for bt in batches:
         counts[bt] += 1
-    freq = counts / len(batches)  # each ~ Binomial(900, 0.3) / 3600: std 0.0042
-    assert freq.mean().item() == pytest.approx(q / b, abs=0.002)
-    assert freq.min().item() > q / b - 0.02 and freq.max().item() < q / b + 0.02
-    assert sampler.expected_batch_size == pytest.approx(q * n / b)
+    freq = counts / len(batches)  # each ~ Binomial(975, 0.3) / 3900: std 0.0037
+    assert freq.mean().item() == pytest.approx(q, abs=0.002)
+    assert freq.min().item() > q - 0.018 and freq.max().item() < q + 0.018
+    sizes = torch.tensor([len(bt) for bt in batches], dtype=torch.float64)
+    assert sampler.expected_batch_size == pytest.approx(q * n)
+    assert sizes.mean().item() == pytest.approx(q * n, abs=0.3)
     assert sampler.participations(12) == 3 and sampler.participations(13) == 4
 
 
 def test_cyclic_poisson_is_reproduced_by_its_seed_and_shared_by_ranks():
     """The same seed, the same split and batches; two ranks seeded alike get disjoint
     halves of each step's sample; one group is plain Poisson sampling."""
-    a, b = (CyclicPoissonSampler(40, 0.5, 3, generator=_gen(5)) for _ in range(2))
+    a, b = (CyclicPoissonSampler(40, 0.15, 3, generator=_gen(5)) for _ in range(2))
     assert a.groups == b.groups and list(a) == list(b)
-    whole = list(CyclicPoissonSampler(40, 0.5, 3, generator=_gen(6)))
-    ranks = [list(CyclicPoissonSampler(40, 0.5, 3, generator=_gen(6), rank=r, world_size=2))
+    whole = list(CyclicPoissonSampler(40, 0.15, 3, generator=_gen(6)))
+    ranks = [list(CyclicPoissonSampler(40, 0.15, 3, generator=_gen(6), rank=r, world_size=2))
              for r in range(2)]
     for t, drawn in enumerate(whole):
         assert sorted(ranks[0][t] + ranks[1][t]) == drawn
@@ -212,6 +214,7 @@ def test_cyclic_poisson_is_reproduced_by_its_seed_and_shared_by_ranks():
     ((10, 0.1, 0), "cycle_length must be an int >= 1"),
     ((10, 0.1, 2.0), "cycle_length must be an int >= 1"),
     ((3, 0.1, 4), "cycle_length 4 needs at least as many records"),
+    ((10, 0.3, 4), "need sample_rate <= 1 / cycle_length"),
     ((10, 0.0, 2), "sample_rate"),
 ])
 def test_cyclic_sampler_rejects_bad_input(args, match):

@@ -213,40 +213,47 @@ class UserPoissonSampler(PoissonBatchSampler):
 
 class CyclicPoissonSampler(PoissonBatchSampler):
     """Cyclic Poisson sampling: the records split once, at random, into ``cycle_length``
-    groups of near-equal size; step ``t`` draws a Poisson sample (rate ``q``) of group
-    ``t mod cycle_length`` only, so that a record takes part in at most one step of
-    every ``cycle_length`` consecutive ones.
+    groups of near-equal size; step ``t`` draws a Poisson sample of group
+    ``t mod cycle_length`` only, at rate ``cycle_length * q``, so that a record takes part
+    in at most one step of every ``cycle_length`` consecutive ones.
 
     The sampling the matrix-factorization mechanisms' amplified accounting assumes
-    (the "b-min-separated" participation of Choquette-Choo et al. 2023, with
-    ``b = cycle_length``; JAX-Privacy's cyclic Poisson sampling): with independent
-    noise each step, a record's privacy loss composes over the ``ceil(T / b)`` steps of
-    its own group (:meth:`participations`) rather than all ``T``. The step counter runs
+    (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", its
+    b-min-separated participation with ``b = cycle_length``; JAX-Privacy's cyclic Poisson
+    sampling). ``q`` means what it means for :class:`PoissonBatchSampler`: the expected
+    batch size is ``q * N`` and an epoch is ``round(1 / q)`` steps, so a run switches
+    sampling without changing either. With independent noise each step, a record's
+    privacy loss composes over the ``ceil(T / b)`` steps of its own group
+    (:meth:`participations`), each sampling it at rate ``b * q``. The step counter runs
     on across epochs (epoch 2 carries on the cycle where epoch 1 left it); the split is
     drawn once, when the sampler is made, from ``generator``.
 
     Args:
         num_samples: ``N``, ``>= cycle_length``.
-        sample_rate: ``q`` in ``(0, 1]`` within a group; ``q = 1`` takes the whole
-            group (shuffled, then cycled: DP-FTRL's "fixed batches", Kairouz et al.
-            2021). The expected batch size is ``q * N / cycle_length``.
-        cycle_length: ``b >= 1``, the number of groups; ``1`` is plain Poisson sampling.
-        steps_per_epoch: batches per iteration; default ``b * round(1 / q)``, so that an
-            epoch sees each record once in expectation.
+        sample_rate: ``q`` in ``(0, 1 / cycle_length]``: ``b * q = 1`` takes the whole
+            group each time (shuffled once, then cycled: DP-FTRL's fixed batches,
+            Kairouz et al. 2021).
+        cycle_length: ``b >= 1``, the number of groups; ``1`` is Poisson sampling.
+        steps_per_epoch: batches per iteration; default ``round(1 / q)``, an epoch
+            seeing each record once in expectation.
         generator, rank, world_size: as for :class:`PoissonBatchSampler` (the same
             generator on every rank: the split and the draws must agree).
 
     Raises:
-        ValueError: an argument outside its range, or fewer records than groups.
+        ValueError: an argument outside its range, ``b * q > 1``, or fewer records than
+            groups.
 
     Examples:
-        >>> sampler = CyclicPoissonSampler(12, 0.5, 3, generator=torch.Generator().manual_seed(0))
-        >>> len(sampler), sampler.expected_batch_size, sampler.participations(len(sampler))
-        (6, 2.0, 2)
+        >>> sampler = CyclicPoissonSampler(12, 1 / 6, 3,
+        ...                                generator=torch.Generator().manual_seed(0))
+        >>> len(sampler), sampler.expected_batch_size, sampler.group_rate
+        (6, 2.0, 0.5)
         >>> sorted(i for g in sampler.groups for i in g) == list(range(12))  # a partition
         True
         >>> all(set(b) <= set(sampler.groups[t % 3]) for t, b in enumerate(sampler))
         True
+        >>> sampler.participations(len(sampler))  # each record: at most 2 of the 6 steps
+        2
     """
 
     def __init__(self, num_samples: int, sample_rate: float, cycle_length: int,
@@ -256,25 +263,21 @@ class CyclicPoissonSampler(PoissonBatchSampler):
         if (isinstance(cycle_length, bool) or not isinstance(cycle_length, int)
                 or cycle_length < 1):
             raise ValueError(f"cycle_length must be an int >= 1, got {cycle_length!r}")
-        _check_rate(sample_rate)
-        if steps_per_epoch is None:
-            steps_per_epoch = cycle_length * max(1, round(1 / sample_rate))
         super().__init__(num_samples, sample_rate, steps_per_epoch, generator, rank,
                          world_size)
+        if cycle_length * self.sample_rate > 1 + 1e-12:
+            raise ValueError(f"sample_rate {sample_rate} with cycle_length {cycle_length} "
+                             f"samples each group at rate {cycle_length * sample_rate:g} > 1: "
+                             f"need sample_rate <= 1 / cycle_length")
         if num_samples < cycle_length:
             raise ValueError(f"cycle_length {cycle_length} needs at least as many records, "
                              f"got num_samples={num_samples}")
         self.cycle_length = cycle_length
+        self.group_rate = min(1.0, cycle_length * self.sample_rate)  # b * q
         order = _choice(num_samples, num_samples, self._generator())  # (N,) the split
         self.groups: list[list[int]] = [g.sort().values.tolist()
                                         for g in order.tensor_split(cycle_length)]
         self.steps = 0  # steps drawn so far, across epochs: the next one's group
-
-    @property
-    def expected_batch_size(self) -> float:
-        """``q * N / b``: what to divide the noised sum by (the groups' sizes differ by
-        at most one record: their mean)."""
-        return self.sample_rate * self.num_samples / self.cycle_length
 
     def participations(self, steps: int) -> int:
         """The most steps of the first ``steps`` that one record can take part in:
@@ -286,7 +289,7 @@ class CyclicPoissonSampler(PoissonBatchSampler):
         for _ in range(self.steps_per_epoch):
             group = self.groups[self.steps % self.cycle_length]
             self.steps += 1
-            picked = poisson_mask(len(group), self.sample_rate, gen).nonzero()[:, 0]
+            picked = poisson_mask(len(group), self.group_rate, gen).nonzero()[:, 0]
             yield share([group[i] for i in picked.tolist()], self.rank, self.world_size)
 
 
