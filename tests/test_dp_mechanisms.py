@@ -1,0 +1,183 @@
+"""BandMF, the banded matrix factorization mechanism: its strategy against JAX-Privacy's,
+the matrices it implies, the noise recursion against ``C^-1 Z``, the amplified
+accounting's runs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from persample.dp.mechanisms import (
+    BandMF,
+    CorrelatedNoise,
+    _loss,
+    amplified_runs,
+    check_mechanism,
+    max_error_coefs,
+    workload_coefs,
+)
+
+# JAX-Privacy 2.0.0 (jax 0.10.2, x64), for (steps, bands):
+# toeplitz.optimize_banded_toeplitz(n, bands), then toeplitz.loss(coef, n=n) ("mean")
+# and toeplitz.loss(coef, n=n, reduction_fn=jnp.max) ("max")
+JAX_PRIVACY = {
+    (64, 4): (10.501446861055825, 19.05753379814566),
+    (256, 8): (20.681211081439287, 38.080111632263936),
+    (1000, 16): (39.41531727284133, 73.38988416305021),
+    (2000, 32): (42.02465456957093, 77.02640284424717),
+}
+JAX_PRIVACY_COEFS_64_4 = [0.708060770482, 0.474552809218, 0.397744883258, 0.33948281902]
+# toeplitz.per_query_error(strategy_coef=<the (256, 8) coefs>, n=256,
+# workload_coef=(1 - 0.9 ** (k + 1)) / (1 - 0.9)), its mean
+JAX_PRIVACY_MOMENTUM_256_8 = 1616.664050763864
+
+
+@pytest.mark.parametrize(("steps", "bands"), list(JAX_PRIVACY))
+def test_the_strategy_is_jax_privacys(steps, bands):
+    """The optimised coefficients reach JAX-Privacy's expected error (mean and max, to
+    1e-12 relative): the same optimum, found by a different optimiser."""
+    mech = BandMF(steps, bands)
+    mean, most = JAX_PRIVACY[(steps, bands)]
+    assert mech.expected_error() == pytest.approx(mean, rel=1e-12)
+    assert mech.expected_error("max") == pytest.approx(most, rel=1e-9)
+    assert float(mech.coefs.norm()) == pytest.approx(1.0, abs=1e-14)
+    if (steps, bands) == (64, 4):
+        torch.testing.assert_close(mech.coefs, torch.tensor(JAX_PRIVACY_COEFS_64_4,
+                                                            dtype=torch.float64),
+                                   rtol=0, atol=1e-8)
+
+
+def test_the_momentum_workloads_error_is_jax_privacys():
+    mech = BandMF(256, 8)  # the prefix workload's strategy, scored on momentum 0.9
+    a = workload_coefs(256, "momentum", 0.9)
+    assert _loss(mech.coefs.numpy(), a, "mean")[0] == pytest.approx(
+        JAX_PRIVACY_MOMENTUM_256_8, rel=1e-9)  # (the coefficients agree to 1e-8)
+    tuned = BandMF(256, 8, workload="momentum", momentum=0.9)
+    assert tuned.expected_error() < JAX_PRIVACY_MOMENTUM_256_8 * 0.99  # tuned for it
+
+
+def test_the_gradient_of_the_error_is_exact():
+    """The analytic gradient against central differences, both errors and workloads."""
+    c = np.array([1.0, 0.6, 0.3, 0.1])
+    for a in (workload_coefs(40), workload_coefs(40, "momentum", 0.8)):
+        for error in ("mean", "max"):
+            _, grad = _loss(c, a, error)
+            h = 1e-6
+            numeric = [(_loss(c + h * e, a, error)[0] - _loss(c - h * e, a, error)[0]) / (2 * h)
+                       for e in np.eye(4)]
+            np.testing.assert_allclose(grad, numeric, rtol=1e-6)
+
+
+def test_one_band_is_dp_sgd():
+    """``bands=1``: C the identity, the noise independent, DP-SGD's error on the prefix
+    sums ((T + 1) / 2 on average, T at the last step), DP-SGD's accounting."""
+    mech = BandMF(50, 1)
+    assert mech.coefs.tolist() == [1.0]
+    eye = torch.eye(50, dtype=torch.float64)
+    assert torch.equal(mech.matrix, eye) and torch.equal(mech.noise_matrix, eye)
+    assert mech.expected_error() == pytest.approx(51 / 2)
+    assert mech.expected_error("max") == pytest.approx(50)
+    assert amplified_runs(mech, 1.1, 0.02, 50) == [(1.1, 0.02, 50)]
+
+
+@pytest.mark.parametrize(("steps", "bands"), [(30, 4), (7, 7), (12, 1), (25, 6)])
+def test_the_matrices(steps, bands):
+    """C: lower-triangular, ``bands`` diagonals (Toeplitz but for its last columns'
+    scale), every column of norm 1; ``noise_matrix`` its inverse; more bands, less
+    error than DP-SGD."""
+    mech = BandMF(steps, bands)
+    C = mech.matrix
+    k = torch.arange(steps)
+    outside = (k[:, None] < k[None, :]) | (k[:, None] - k[None, :] >= bands)
+    assert bool((C[outside] == 0).all()) and bool((C.diagonal() > 0).all())
+    torch.testing.assert_close(C.norm(dim=0), torch.ones(steps, dtype=torch.float64))
+    torch.testing.assert_close(mech.noise_matrix @ C, torch.eye(steps, dtype=torch.float64),
+                               rtol=0, atol=1e-10)
+    if bands > 1:
+        assert mech.expected_error() < BandMF(steps, 1).expected_error()
+
+
+def test_the_noise_recursion_is_the_noise_matrix():
+    """:class:`CorrelatedNoise` over T releases of independent draws Z (two parameters,
+    float64) gives ``C^-1 Z`` exactly: the recursion keeps the last ``bands - 1`` draws
+    (the states reused, not reallocated), and the last rows are scaled up."""
+    steps, bands = 20, 5
+    mech = BandMF(steps, bands)
+    g = torch.Generator().manual_seed(0)
+    z = {"w": torch.randn(steps, 3, 4, generator=g), "b": torch.randn(steps, 4, generator=g)}
+    noise, got = CorrelatedNoise(mech), {"w": [], "b": []}
+    for t in range(steps):
+        for name in z:
+            draw = z[name][t].clone()
+            noise.correlate(name, draw)
+            got[name].append(draw)
+        noise.advance()
+        assert all(len(h) == min(t + 1, bands - 1) for h in noise.history.values())
+    for name in z:
+        want = (mech.noise_matrix @ z[name].flatten(1)).view_as(z[name])
+        torch.testing.assert_close(torch.stack(got[name]), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="was made for 20 releases; this is release 21"):
+        noise.correlate("w", torch.zeros(3, 4))
+
+
+def test_a_resumed_state_continues_the_same_noise():
+    mech = BandMF(12, 3)
+    z = torch.randn(12, 6, generator=torch.Generator().manual_seed(1))
+
+    def run(noise, ts):
+        out = []
+        for t in ts:
+            draw = z[t].clone()
+            noise.correlate("p", draw)
+            noise.advance()
+            out.append(draw)
+        return out
+
+    whole = run(CorrelatedNoise(mech), range(12))
+    first = CorrelatedNoise(mech)
+    head = run(first, range(5))
+    saved = first.state_dict()
+    resumed = CorrelatedNoise(mech)
+    resumed.load_state_dict(saved)
+    tail = run(resumed, range(5, 12))
+    assert all(torch.equal(a, b) for a, b in zip(whole, head + tail))
+
+
+def test_amplified_accounting_runs():
+    """Theorem 4 of Choquette-Choo et al. 2023: ceil(T / b) steps at rate b q."""
+    mech = BandMF(100, 8)
+    assert amplified_runs(mech, 0.9, 0.01, 100) == [(0.9, 0.08, 13)]
+    assert amplified_runs(mech, 0.9, 0.01, 96) == [(0.9, 0.08, 12)]
+    assert amplified_runs(None, 0.9, 0.01, 100) == [(0.9, 0.01, 100)]
+    assert mech.participations(100) == math.ceil(100 / 8) == 13
+
+
+def test_given_coefficients_and_the_starting_point():
+    mech = BandMF(10, 3, coefs=[2.0, 1.0, 0.5])
+    torch.testing.assert_close(mech.coefs, torch.tensor([2.0, 1.0, 0.5],
+                                                        dtype=torch.float64) / math.sqrt(5.25))
+    assert max_error_coefs(4).tolist() == [1.0, 0.5, 0.375, 0.3125]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"steps": 0, "bands": 1}, "steps must be an int >= 1"),
+    ({"steps": 10, "bands": 1.5}, "bands must be an int >= 1"),
+    ({"steps": 3, "bands": 4}, "bands must be at most steps"),
+    ({"steps": 10, "bands": 2, "workload": "adam"}, "workload must be one of"),
+    ({"steps": 10, "bands": 2, "error": "rms"}, "error must be one of"),
+    ({"steps": 10, "bands": 2, "workload": "momentum", "momentum": 1.0}, "momentum must be"),
+    ({"steps": 10, "bands": 2, "coefs": [1.0]}, "coefs must be 2 finite numbers"),
+    ({"steps": 10, "bands": 2, "coefs": [-1.0, 0.5]}, "coefs\\[0\\] > 0"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BandMF(**kwargs)
+
+
+def test_only_a_mechanism_is_taken():
+    assert check_mechanism(None) is None
+    with pytest.raises(TypeError, match="mechanism must be a persample.dp.BandMF"):
+        check_mechanism("bandmf")
