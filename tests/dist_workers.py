@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from persample.dp import PrivateStep
+from persample.dp import BandMF, PrivateStep
 
 N, C = 8, 0.1
 # each sample's user: whole users on each of two ranks, or user 2 on both
@@ -125,6 +125,16 @@ def run_all(rank: int, world: int) -> dict:
         draws.append(torch.cat([noisy.weight.grad.flatten(), noisy.bias.grad]))
     saved["noise"] = torch.stack(draws)
     saved["accounted"] = step.accountant.steps, step.epsilon(1e-5)
+
+    banded = nn.Linear(30, 20).double()  # BandMF: rank 0's draws, correlated, added once
+    step = PrivateStep(banded, nn.MSELoss(), max_grad_norm=0.5, noise_multiplier=1.3,
+                       expected_batch_size=10, generator=torch.Generator().manual_seed(rank + 1),
+                       mechanism=BandMF(12, 3))
+    draws = []
+    for _ in range(12):
+        step.release()
+        draws.append(torch.cat([banded.weight.grad.flatten(), banded.bias.grad]))
+    saved["banded noise"] = torch.stack(draws)
 
     secure = nn.Linear(30, 20).double()  # secure_mode: rank 0's draw from the OS
     step = PrivateStep(secure, nn.MSELoss(), max_grad_norm=0.5, noise_multiplier=1.3,

@@ -14,7 +14,7 @@ from torch import nn
 import dist_workers
 from battery import clipped_sum_by_hand
 from persample import loop_per_sample_grads
-from persample.dp import PoissonBatchSampler, epsilon, private_grad
+from persample.dp import BandMF, PoissonBatchSampler, PrivateStep, epsilon, private_grad
 from spawned import ranks_of
 
 pytestmark = pytest.mark.slow  # several processes
@@ -90,6 +90,22 @@ def test_secure_noise_is_rank_0s_added_once(ranks):
     assert abs(float(z0.std()) / want - 1) < 0.04
     assert not torch.equal(z0[0], z0[1])  # a fresh draw each release
     assert all(seen["secure left torch's generator"] for seen in ranks)
+
+
+def test_banded_noise_is_rank_0s_correlated_draws_added_once(ranks):
+    """BandMF with two processes: rank 0's draws (its generator's), correlated by its
+    recursion, added once: ``C^-1 Z`` of the independent noise one process draws."""
+    z0, z1 = ranks[0]["banded noise"], ranks[1]["banded noise"]  # (12, 620)
+    assert torch.equal(z0, z1)
+    net = nn.Linear(30, 20).double()
+    step = PrivateStep(net, nn.MSELoss(), max_grad_norm=0.5, noise_multiplier=1.3,
+                       expected_batch_size=10, generator=torch.Generator().manual_seed(1))
+    independent = []
+    for _ in range(12):
+        step.release()
+        independent.append(torch.cat([net.weight.grad.flatten(), net.bias.grad]))
+    want = BandMF(12, 3).noise_matrix @ torch.stack(independent)
+    torch.testing.assert_close(z0, want, rtol=1e-10, atol=1e-14)
 
 
 def test_the_noise_is_added_once(ranks):

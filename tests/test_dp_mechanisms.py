@@ -9,7 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
+from persample.dp import PrivateStep
 from persample.dp.mechanisms import (
     BandMF,
     CorrelatedNoise,
@@ -181,3 +183,134 @@ def test_only_a_mechanism_is_taken():
     assert check_mechanism(None) is None
     with pytest.raises(TypeError, match="mechanism must be a persample.dp.BandMF"):
         check_mechanism("bandmf")
+
+
+# ---------------------------------------------------------------------------
+# the mechanism in PrivateStep
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _releases(mechanism, steps: int, sigma: float = 1.3, data=None, **options) -> list:
+    """``steps`` releases of a PrivateStep (seeded noise); each release's p.grad, flat;
+    ``data``: a micro-batch accumulated before each release."""
+    net = _net()
+    step = PrivateStep(net, nn.CrossEntropyLoss(), max_grad_norm=0.7, noise_multiplier=sigma,
+                       expected_batch_size=8, generator=torch.Generator().manual_seed(3),
+                       mechanism=mechanism, **options)
+    out = []
+    for _ in range(steps):
+        if data is not None:
+            step.accumulate(*data)
+        step.release()
+        out.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+    return out, step
+
+
+def test_the_steps_noise_is_the_noise_matrix_times_dp_sgds():
+    """With the same generator, a BandMF step's p.grad over T releases is ``C^-1`` times
+    the independent noise DP-SGD's step draws (float64, to rounding); ``bands=1`` is
+    DP-SGD's p.grad exactly."""
+    independent, _ = _releases(None, 10)
+    banded, _ = _releases(BandMF(10, 4), 10)
+    want = BandMF(10, 4).noise_matrix @ torch.stack(independent)
+    torch.testing.assert_close(torch.stack(banded), want, rtol=1e-12, atol=1e-15)
+    one, _ = _releases(BandMF(10, 1), 10)
+    assert all(torch.equal(a, b) for a, b in zip(one, independent))
+
+
+def test_without_noise_every_mechanism_is_the_clipped_mean():
+    g = torch.Generator().manual_seed(5)
+    data = (torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g))
+    plain, _ = _releases(None, 3, sigma=0.0, data=data)
+    for mech in (BandMF(3, 2), BandMF(3, 3, workload="momentum")):
+        got, _ = _releases(mech, 3, sigma=0.0, data=data)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+def test_the_noise_covariance_across_steps():
+    """Statistical: over 40,000 coordinates of zero-gradient releases, the covariance of
+    the T = 6 releases' noise is ``(sigma C / B')^2 C^-1 C^-T`` (entries within 4 standard
+    errors)."""
+    mech = BandMF(6, 3)
+    net = nn.Linear(200, 200, bias=False)
+    step = PrivateStep(net, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=2.0,
+                       expected_batch_size=4, generator=torch.Generator().manual_seed(0),
+                       mechanism=mech)
+    draws = []
+    for _ in range(6):
+        step.release()
+        draws.append(net.weight.grad.flatten().double() * 4 / 2.0)  # in units of sigma C
+    x = torch.stack(draws)  # (T, P)
+    got = x @ x.T / x.shape[1]
+    inv = mech.noise_matrix
+    want = inv @ inv.T
+    se = torch.sqrt((want.diagonal()[:, None] * want.diagonal()[None, :] + want ** 2)
+                    / x.shape[1])
+    assert bool(((got - want).abs() <= 4 * se + 1e-12).all()), (got - want).abs() / se
+
+
+def test_a_resumed_step_continues_the_same_noise():
+    """state_dict after 4 of 9 releases, loaded into a new step with the same mechanism:
+    the last 5 releases' noise is the uninterrupted run's; a state without the mechanism
+    (or with one into a step without) is refused by name."""
+    mech = BandMF(9, 3)
+    whole, _ = _releases(mech, 9)
+    head, step = _releases(mech, 4)
+    saved = {k: v for k, v in step.state_dict().items()}
+    net = _net()
+    resumed = PrivateStep(net, nn.CrossEntropyLoss(), max_grad_norm=0.7, noise_multiplier=1.3,
+                          expected_batch_size=8, generator=torch.Generator(), mechanism=mech)
+    resumed.load_state_dict(saved)
+    tail = []
+    for _ in range(5):
+        resumed.release()
+        tail.append(torch.cat([p.grad.flatten() for p in net.parameters()]))
+    assert all(torch.equal(a, b) for a, b in zip(whole, head + tail))
+    plain = PrivateStep(_net(), nn.CrossEntropyLoss(), max_grad_norm=0.7,
+                        noise_multiplier=1.3, expected_batch_size=8)
+    with pytest.raises(ValueError, match="with a mechanism .correlated noise.: pass the same"):
+        plain.load_state_dict(saved)
+    with pytest.raises(ValueError, match="without a mechanism: this one correlates"):
+        resumed.load_state_dict(plain.state_dict())
+    with pytest.raises(RuntimeError, match="was made for 9 releases; this is release 10"):
+        resumed.release()  # its tenth
+
+
+def test_the_step_accounts_the_amplified_runs():
+    """sample_rate q with b bands: every b-th release one step at rate b q, so that
+    epsilon after T releases is DP-SGD's of ceil(T / b) steps at b q (dp_accounting by
+    the same accountant)."""
+    from persample.dp import epsilon
+
+    _, step = _releases(BandMF(10, 4), 10, sample_rate=0.05)
+    assert step.accountant.steps == 3
+    assert step.epsilon(1e-5) == pytest.approx(epsilon(1.3, 0.2, 3, 1e-5), rel=1e-12)
+    _, plain = _releases(None, 10, sample_rate=0.05)
+    assert step.epsilon(1e-5) != plain.epsilon(1e-5)
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"sample_rate": 0.3}, "need sample_rate <= 1 / bands"),
+    ({"adaptive_clipping": "adaptive"}, "mechanism= with adaptive_clipping"),
+])
+def test_the_step_refuses_what_the_mechanism_cannot_take(options, match):
+    from persample.dp import AdaptiveClipping
+
+    if options.get("adaptive_clipping") == "adaptive":
+        options = {"adaptive_clipping": AdaptiveClipping(target_unclipped_quantile=0.5,
+                                                         unclipped_num_std=4.0)}
+        with pytest.raises(ValueError, match=match):
+            PrivateStep(_net(), nn.CrossEntropyLoss(), max_grad_norm=1.0,
+                        noise_multiplier=1.0, expected_batch_size=8,
+                        mechanism=BandMF(10, 4), **options)
+        return
+    with pytest.raises(ValueError, match=match):
+        PrivateStep(_net(), nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0,
+                    expected_batch_size=8, mechanism=BandMF(10, 4), **options)
+    with pytest.raises(TypeError, match="mechanism must be a persample.dp.BandMF"):
+        PrivateStep(_net(), nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0,
+                    expected_batch_size=8, mechanism="bandmf")

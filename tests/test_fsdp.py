@@ -189,6 +189,24 @@ def test_user_level_clipping(ranks):
         _close(seen["users"]["grads"], want, rtol=1e-10, atol=1e-13)
 
 
+def test_banded_noise_is_one_processs(ranks):
+    """BandMF over sharded parameters: each rank correlates its shard's draws, and the
+    whole noise is what one process draws from the same seed: ``C^-1 Z``."""
+    from persample.dp import BandMF
+
+    z0, z1 = ranks[0]["banded noise"], ranks[1]["banded noise"]  # (12 releases, P)
+    assert torch.equal(z0, z1)
+    model = fw.net()
+    step = PrivateStep(model, fw.lm_loss, max_grad_norm=fw.C, noise_multiplier=fw.SIGMA,
+                       expected_batch_size=10, generator=torch.Generator().manual_seed(7))
+    independent = []
+    for _ in range(12):
+        step.release()
+        independent.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    want = BandMF(12, 3).noise_matrix @ torch.stack(independent)
+    torch.testing.assert_close(z0, want, rtol=1e-10, atol=1e-14)
+
+
 def test_secure_noise_is_the_same_on_every_rank(ranks):
     """secure_mode: each parameter's noise drawn by rank 0 from the OS and broadcast, so
     that every coordinate is noised once and the ranks' shards fit together."""

@@ -36,6 +36,7 @@ from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .auditing import Audit, audit
 from .clipping import Clipping
+from .mechanisms import BandMF
 from .microbatch import Accumulated
 from .privacy_engine import BatchMemoryManager, PrivacyEngine
 from .sampling import (
@@ -66,6 +67,7 @@ __all__ = [
     "EmptySafeCollate",
     "PrivacyEngine",
     "BatchMemoryManager",
+    "BandMF",
     "Clipping",
     "AdaptiveClipping",
     "audit",

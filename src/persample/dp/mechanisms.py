@@ -284,13 +284,18 @@ class CorrelatedNoise:
         c = mechanism.coefs.tolist()
         self.c0, self.rest = c[0], c[1:]
 
-    def correlate(self, name: str, z: Tensor) -> None:
-        """``z`` (``Z_t`` of parameter ``name``, any shape) becomes its noise, in place."""
+    def check(self) -> None:
+        """Raise the error of :meth:`correlate` past the planned releases, before any
+        draw."""
         if self.t >= self.mechanism.steps:
             raise RuntimeError(
                 f"{self.mechanism} was made for {self.mechanism.steps} releases; this is "
                 f"release {self.t + 1}: its last columns are normalised for that many. Make "
                 f"the mechanism with the steps the run takes")
+
+    def correlate(self, name: str, z: Tensor) -> None:
+        """``z`` (``Z_t`` of parameter ``name``, any shape) becomes its noise, in place."""
+        self.check()
         past = self.history.get(name, [])
         for ck, w in zip(self.rest, past):  # W_t = (Z_t - sum_k c_k W_{t-k}) / c_0
             z.sub_(w.to(z.dtype), alpha=ck)

@@ -45,6 +45,7 @@ from .. import checks
 from ..inputs import Batch
 from ..precision import accumulate_dtype
 from ..sharded import Sharding, as_sharded_grad, fsdp_units, reduce_to_shards, shard_rows
+from .mechanisms import CorrelatedNoise
 from .microbatch import Accumulated, check_finite
 from .noise import (
     SecureSource,
@@ -71,6 +72,9 @@ class Terms:
         divisor: ``B' > 0``, the expected batch size the noised sums are divided by.
         users: the users (user-level DP) this process accumulated in the step: no two
             processes may hold records of one user.
+        noise: a mechanism's correlated noise (:mod:`persample.dp.mechanisms`): each
+            parameter's independent draw becomes its noise through it; ``None``:
+            DP-SGD's independent noise.
 
     Examples:
         >>> net = nn.Linear(3, 2)
@@ -85,6 +89,7 @@ class Terms:
     generator: torch.Generator | SecureSource | None
     divisor: float
     users: frozenset[int] = frozenset()
+    noise: CorrelatedNoise | None = None
 
 
 @dataclass
@@ -396,13 +401,25 @@ def _noised(sums: Sums | None, terms: Terms, buffers: list[Tensor]) -> list[Tens
     drawn into and the sums added to."""
     if sums is not None and sums.buffers:
         tensors = [sums.tensors[name] for name in terms.params]
-        if not sums.noised:
+        if terms.noise is not None:  # the draw apart: it becomes the noise, then is added
+            for tensor, noise in zip(tensors, _drawn(terms, [])):
+                tensor.add_(noise)
+        elif not sums.noised:
             add_gaussian(tensors, terms.std, terms.generator)
         buffers += sums.buffers
         return tensors
-    grads = gaussian_like(list(terms.params.values()), terms.std, terms.generator, buffers,
+    return _plus(_drawn(terms, buffers), sums, terms)
+
+
+def _drawn(terms: Terms, buffers: list[Tensor]) -> list[Tensor]:
+    """The release's noise of each parameter of ``terms``, in buffers appended to
+    ``buffers``: the independent draw, correlated by the mechanism if there is one."""
+    drawn = gaussian_like(list(terms.params.values()), terms.std, terms.generator, buffers,
                           accumulate=True)
-    return _plus(grads, sums, terms)
+    if terms.noise is not None:
+        for name, z in zip(terms.params, drawn):
+            terms.noise.correlate(name, z)
+    return drawn
 
 
 def _summed(sums: Sums | None, terms: Terms, buffers: list[Tensor]) -> list[Tensor]:
@@ -684,6 +701,8 @@ class Sharded(Reducer):
         for index, (name, p) in enumerate(terms.params.items()):
             local = self.sharding.local_like(name, accumulate_dtype(p.dtype))
             _shard_noise(self.sharding, name, local, terms.std, seed, index)
+            if terms.noise is not None:  # each shard's draws correlated where they are
+                terms.noise.correlate(name, local)
             if sums is not None:
                 local.add_(sums.tensors[name])
             yield local

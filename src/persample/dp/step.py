@@ -31,6 +31,7 @@ from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
 from .adaptive import AdaptiveClipping, unclipped_count
 from .clipping import Clipping
+from .mechanisms import BandMF, CorrelatedNoise, amplified_runs, check_mechanism
 from .microbatch import Accumulated, MicroBatch, clipped_sums
 from .noise import noise_source
 from .reduce import Local, Reducer, Sums, Terms, reducer_for, total_samples
@@ -76,6 +77,16 @@ class PrivateStep:
             ``(sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` so that the step still costs
             ``sigma`` (:mod:`persample.dp.adaptive`). One process, flat clipping, no
             ``user_ids``.
+        mechanism: correlated noise, a :class:`~persample.dp.BandMF` made for the
+            run's releases: release ``t``'s noise is ``sigma * S * (C^-1 Z)_t``, the
+            banded recursion over the last ``bands - 1`` draws (each kept in the sums'
+            dtype and, FSDP2, as the parameter's shard; rank 0's with several
+            processes); ``None`` (default): DP-SGD's independent noise. With
+            ``sample_rate=q`` the logical batches must come from cyclic Poisson
+            sampling with ``bands`` groups (:class:`~persample.dp.CyclicPoissonSampler`:
+            each group at rate ``bands * q``), and every ``bands``-th release is
+            accounted as one step at rate ``bands * q`` (Choquette-Choo et al. 2023,
+            Theorem 4). Not with ``adaptive_clipping``.
         check: when a micro-batch's result is certified by identities persample does
             not compute itself (:mod:`persample.certificate`): the per-sample gradients
             behind the norms, the norms, and the clipped sum against the gradient of
@@ -191,6 +202,7 @@ class PrivateStep:
                  param_groups: list[list[str]] | None = None,
                  automatic_gamma: float = 0.01,
                  adaptive_clipping: AdaptiveClipping | None = None,
+                 mechanism: BandMF | None = None,
                  check: str | int | None = None) -> None:
         _check_options(noise_multiplier, expected_batch_size)
         check_option(check)
@@ -219,6 +231,17 @@ class PrivateStep:
         self.unclipped = 0  # adaptive clipping: the samples left unclipped in this step
         if self.adaptive is not None:
             self._check_adaptive()
+        self.mechanism = check_mechanism(mechanism)
+        self.noise = None if mechanism is None else CorrelatedNoise(mechanism)
+        if self.noise is not None and self.adaptive is not None:
+            raise ValueError("mechanism= with adaptive_clipping: the noised count of "
+                             "adaptive clipping is accounted as DP-SGD's independent noise; "
+                             "use a fixed clipping norm with a mechanism")
+        if self.noise is not None and self.sample_rate is not None and \
+                self.sample_rate * mechanism.bands > 1:
+            raise ValueError(f"sample_rate {self.sample_rate} with {mechanism}: cyclic "
+                             f"sampling draws each of the {mechanism.bands} groups at rate "
+                             f"bands * q > 1; need sample_rate <= 1 / bands")
         self._sums: Sums | None = None  # made by the first micro-batch of a step
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
@@ -325,11 +348,16 @@ class PrivateStep:
                 gradient (on every rank; the step's sums are dropped).
             ValueError: several processes: the ranks hold different parameters or
                 ``expected_batch_size`` (FSDP2: or generators); ``p.grad`` unchanged.
-            RuntimeError: a rank did not arrive within ``timeout`` (gloo).
+            RuntimeError: a rank did not arrive within ``timeout`` (gloo); a release past
+                the ``steps`` a ``mechanism`` was made for (``p.grad`` unchanged).
         """
+        if self.noise is not None:  # (before the ranks meet: every rank raises alike)
+            self.noise.check()
         terms = self._terms()
         self.reducer.agree(terms, self._drop)
         self.reducer.release(self._sums, terms)
+        if self.noise is not None:
+            self.noise.advance()
         unclipped = self.unclipped
         self._drop()
         self._account()
@@ -346,7 +374,8 @@ class PrivateStep:
         sigma = self.noise_multiplier if self.adaptive is None else \
             self.adaptive.gradient_noise_multiplier(self.noise_multiplier)
         return Terms(self.params, sigma * self.bounds.sensitivity,
-                     self.generator, self.expected_batch_size, frozenset(self.users))
+                     self.generator, self.expected_batch_size, frozenset(self.users),
+                     self.noise)
 
     def _drop(self) -> None:
         """The step's sums released or lost: the next micro-batch starts a new step."""
@@ -354,9 +383,17 @@ class PrivateStep:
         self.unclipped = 0
 
     def _account(self) -> None:
-        """One release done: one step of ``(sigma, q)`` for the accountant, if any."""
-        if self.accountant is not None:
+        """One release done: one step of ``(sigma, q)`` for the accountant, if any; with
+        a mechanism of ``b`` bands, one step of ``(sigma, b q)`` every ``b`` releases
+        (its first), as the amplified analysis composes them."""
+        if self.accountant is None:
+            return
+        if self.noise is None:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
+        elif (self.noise.t - 1) % self.mechanism.bands == 0:
+            (sigma, rate, _), = amplified_runs(self.mechanism, self.noise_multiplier,
+                                               self.sample_rate, 1)
+            self.accountant.step(sigma, rate)
 
     def epsilon(self, delta: float) -> float:
         """The privacy spent by the releases so far: epsilon at ``delta`` (0 before the
@@ -395,6 +432,8 @@ class PrivateStep:
         if self.adaptive is not None:  # the clipping norm reached and this step's count
             state["adaptive"] = {"max_grad_norm": self.max_grad_norm,
                                  "unclipped": self.unclipped}
+        if self.noise is not None:  # the releases made and the draws the next ones need
+            state["mechanism"] = self.noise.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -420,6 +459,12 @@ class PrivateStep:
             self.generator.set_state(state["generator"])
         if self.accountant is not None and state.get("accountant") is not None:
             self.accountant.load_state_dict(state["accountant"])
+        if (self.noise is None) != (state.get("mechanism") is None):
+            raise ValueError("the saved state is of a step " + (
+                "without a mechanism: this one correlates its noise" if self.noise is not None
+                else "with a mechanism (correlated noise): pass the same mechanism="))
+        if self.noise is not None:
+            self.noise.load_state_dict(state["mechanism"])
         if self.adaptive is not None and state.get("adaptive") is not None:
             self.max_grad_norm = float(state["adaptive"]["max_grad_norm"])
             self.unclipped = int(state["adaptive"]["unclipped"])
