@@ -40,8 +40,8 @@ from .mechanisms import BandMF
 from .microbatch import Accumulated
 from .privacy_engine import BatchMemoryManager, PrivacyEngine
 from .sampling import (
-    EmptySafeCollate,
     CyclicPoissonSampler,
+    EmptySafeCollate,
     PoissonBatchSampler,
     UserPoissonSampler,
     poisson_batches,

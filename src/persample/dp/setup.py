@@ -3,14 +3,14 @@
 A logical batch (Abadi et al. 2016's "lot") is one Poisson sample of the records, or,
 with user-level DP, of the users, each drawn user bringing all its records (McMahan et
 al. 2018), or, with cyclic Poisson sampling, of one group of the records, the groups
-taken in turn (Choquette-Choo et al. 2023). With several processes every rank draws the same sample and keeps its
-:func:`share`: the records (or whole users) at positions ``rank, rank + world_size,
-...`` of it, so that the ranks' shares partition the sample and the privacy analysis is
-the one of a single process. :func:`physical_batches` cuts a rank's share into the
-batches one forward takes: the fewest of at most ``size`` samples, as many on every
-rank, or a given number of near-equal ones (:func:`even_parts`: the fewest that hold
-``size``); a user's records are never in two of them.
-:func:`shared_seeds` gives the seeds of the sampling and of the noise, rank 0's on every
+taken in turn (Choquette-Choo et al. 2023). With several processes every rank draws
+the same sample and keeps its :func:`share`: the records (or whole users) at positions
+``rank, rank + world_size, ...`` of it, so that the ranks' shares partition the sample
+and the privacy analysis is the one of a single process. :func:`physical_batches` cuts
+a rank's share into the batches one forward takes: the fewest of at most ``size``
+samples, as many on every rank, or a given number of near-equal ones
+(:func:`even_parts`: the fewest that hold ``size``); a user's records are never in two
+of them. :func:`shared_seeds` gives the seeds of the sampling and of the noise, rank 0's on every
 rank; :class:`PhysicalBatches` is the ``DataLoader`` batch sampler that applies the cut
 to a sampler's logical batches.
 
