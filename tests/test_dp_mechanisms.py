@@ -314,3 +314,70 @@ def test_the_step_refuses_what_the_mechanism_cannot_take(options, match):
     with pytest.raises(TypeError, match="mechanism must be a persample.dp.BandMF"):
         PrivateStep(_net(), nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0,
                     expected_batch_size=8, mechanism="bandmf")
+
+
+# ---------------------------------------------------------------------------
+# make_private
+
+
+def _data(n: int = 120):
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g),
+                         torch.arange(n))
+
+
+def _loss_of(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+def test_make_private_with_bandmf_samples_cyclically_and_spends_the_target():
+    """mechanism='bandmf', bands=4: q = 10 / 120, 12 steps an epoch, 24 in two; the
+    noise multiplier is DP-SGD's for ceil(24 / 4) = 6 steps at rate 4 q, the target
+    spent; every record in at most one of any 4 consecutive logical batches."""
+    from persample.dp import CyclicPoissonSampler, make_private, noise_multiplier_for
+
+    net = _net()
+    private = make_private(net, torch.optim.SGD(net.parameters(), lr=0.1), _data(), _loss_of,
+                           epochs=2, max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5,
+                           expected_batch_size=10, physical_batch_size=4,
+                           mechanism="bandmf", bands=4,
+                           generator=torch.Generator().manual_seed(1))
+    assert isinstance(private.sampler, CyclicPoissonSampler) and private.sampler.cycle_length == 4
+    assert private.step.mechanism.steps == 24 and private.step.mechanism.bands == 4
+    assert private.noise_multiplier == pytest.approx(
+        noise_multiplier_for(3.0, 1e-5, 4 * 10 / 120, 6), rel=1e-9)
+    last: dict[int, int] = {}
+    t = 0
+    for _ in range(2):
+        for logical in private.batches():
+            for x, y, index in logical:
+                private.accumulate(x, y)
+                for i in index.tolist():
+                    assert t - last.get(i, -4) >= 4
+                    last[i] = t
+            private.release()
+            t += 1
+    assert t == 24 and private.step.accountant.steps == 6
+    assert private.epsilon(1e-5) == pytest.approx(3.0, rel=0.02)
+    assert private.epsilon(1e-5) <= 3.0 + 1e-9
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"bands": 4}, "bands= goes with mechanism='bandmf'"),
+    ({"mechanism": "bandmf"}, "needs bands=b"),
+    ({"mechanism": "banded"}, "mechanism must be 'bandmf'"),
+    ({"mechanism": BandMF(10, 2)}, "was made for 10 releases; this run takes 12"),
+    ({"mechanism": "bandmf", "bands": 13}, "need bands <= 12"),
+    ({"mechanism": "bandmf", "bands": 2, "user_ids": torch.arange(120) // 2},
+     "user-level DP .user_ids=. takes DP-SGD's independent noise"),
+])
+def test_make_private_refuses_a_mechanism_it_cannot_run(options, match):
+    from persample.dp import make_private
+
+    net = _net()
+    with pytest.raises(ValueError, match=match):
+        make_private(net, torch.optim.SGD(net.parameters(), lr=0.1), _data(), _loss_of,
+                     epochs=1, max_grad_norm=1.0, noise_multiplier=1.0,
+                     expected_batch_size=10, **options)

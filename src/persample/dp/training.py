@@ -25,9 +25,11 @@ from torch.utils.data import DataLoader, Dataset
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clipping import Clipping
+from .mechanisms import BandMF, amplified_runs, check_mechanism
 from .microbatch import Accumulated
 from .reduce import world
 from .sampling import (
+    CyclicPoissonSampler,
     EmptySafeCollate,
     PoissonBatchSampler,
     UserPoissonSampler,
@@ -145,6 +147,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  automatic_gamma: float = 0.01, user_ids: Any = None,
                  records_per_user: int | None = None,
                  adaptive_clipping: AdaptiveClipping | None = None,
+                 mechanism: BandMF | str | None = None, bands: int | None = None,
                  check: str | int | None = None) -> PrivateRun:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
@@ -213,6 +216,16 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
         records_per_user: at most this many of a user's records per step (drawn at
             random), ``>= 1``; default all. Every user's (capped) records must fit in
             one physical batch.
+        mechanism: correlated noise: ``"bandmf"`` with ``bands=b`` (the strategy
+            optimised for the planned steps, :class:`~persample.dp.BandMF`), or a
+            ``BandMF`` made for exactly ``epochs * round(1 / q)`` steps; ``None``
+            (default): DP-SGD. The logical batches then come from cyclic Poisson
+            sampling with ``b`` groups (:class:`~persample.dp.CyclicPoissonSampler`,
+            each group at rate ``b q``), and the noise multiplier is calibrated, and
+            epsilon accounted, as DP-SGD over ``ceil(T / b)`` steps at rate ``b q``
+            (Choquette-Choo et al. 2023, Theorem 4). Record-level DP; not with
+            ``adaptive_clipping``.
+        bands: the bands of ``mechanism="bandmf"``, ``1 <= b <= 1 / q``.
         secure_mode: the noise and the Poisson sampling from the operating system's
             cryptographically secure generator (``os.urandom``), as Opacus's
             ``secure_mode``: nothing to learn from a seed; not with ``generator``, nor
@@ -288,16 +301,21 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"number of {what} ({units})")
     q = expected_batch_size / units
     steps_per_epoch = max(1, round(1 / q))
-    sigma = _noise_multiplier(target_epsilon, target_delta, noise_multiplier, q,
-                              epochs * steps_per_epoch, accountant)
+    mech = _mechanism(mechanism, bands, epochs * steps_per_epoch, q, users)
+    (rate, compositions), = [(r, k) for _, r, k in amplified_runs(
+        mech, 0.0, q, epochs * steps_per_epoch)]
+    sigma = _noise_multiplier(target_epsilon, target_delta, noise_multiplier, rate,
+                              compositions, accountant)
     size, rank = world() or (1, 0)
     batches_from, noise = _sources(model, generator, secure_mode, size)
     step = PrivateStep(model, loss_fn, clipping=clipping, noise_multiplier=sigma,
                        expected_batch_size=expected_batch_size, generator=noise,
                        sample_rate=q, accountant=accountant, secure_mode=secure_mode,
-                       check=check)
+                       mechanism=mech, check=check)
     batches_from = batches_from or step.generator  # secure_mode: the step's SecureSource
-    if users is None:
+    if mech is not None:
+        sampler = CyclicPoissonSampler(n, q, mech.bands, steps_per_epoch, batches_from)
+    elif users is None:
         sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from)
     else:
         sampler = UserPoissonSampler(users, q, steps_per_epoch, batches_from, records_per_user)
@@ -316,6 +334,48 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     physical = DataLoader(dataset, batch_sampler=cut, **options)
     return PrivateRun(step, optimizer, physical, sampler, physical_batch_size,
                            sigma, q, steps_per_epoch, epochs)
+
+
+def _mechanism(mechanism: BandMF | str | None, bands: int | None, steps: int, q: float,
+               users: Tensor | None) -> BandMF | None:
+    """The run's mechanism, made for its ``steps`` (``"bandmf"``) or checked against them.
+
+    Raises:
+        ValueError: ``bands`` without ``"bandmf"`` (or missing with it), a mechanism
+            made for other steps, ``b q > 1``, or user-level DP.
+    """
+    if mechanism is None:
+        if bands is not None:
+            raise ValueError("bands= goes with mechanism='bandmf'")
+        return None
+    if users is not None:
+        raise ValueError("a mechanism (correlated noise) samples records cyclically: "
+                         "user-level DP (user_ids=) takes DP-SGD's independent noise")
+    if mechanism == "bandmf":
+        if bands is None:
+            raise ValueError("mechanism='bandmf' needs bands=b, the bands of C (at most "
+                             "round(1 / q) here)")
+        _check_bands(bands, q)
+        mechanism = BandMF(steps, bands)
+    elif isinstance(mechanism, str):
+        raise ValueError(f"mechanism must be 'bandmf', a persample.dp.BandMF or None, got "
+                         f"{mechanism!r}")
+    elif bands is not None:
+        raise ValueError("bands= goes with mechanism='bandmf'; a BandMF has its own bands")
+    mech = check_mechanism(mechanism)
+    if mech.steps != steps:
+        raise ValueError(f"{mech} was made for {mech.steps} releases; this run takes "
+                         f"{steps} (epochs * round(1 / q)): make it with steps={steps}, or "
+                         f"pass mechanism='bandmf', bands={mech.bands}")
+    _check_bands(mech.bands, q)
+    return mech
+
+
+def _check_bands(bands: Any, q: float) -> None:
+    if isinstance(bands, int) and bands * q > 1 + 1e-12:
+        raise ValueError(f"bands={bands} with q={q:g}: cyclic sampling draws each of the "
+                         f"{bands} groups at rate bands * q > 1; need bands <= "
+                         f"{int(1 / q + 1e-9)}")
 
 
 def _sources(model: nn.Module, generator: torch.Generator | None, secure_mode: bool,
