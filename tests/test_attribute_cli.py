@@ -42,25 +42,30 @@ def test_influence_is_the_same_command(capsys):
 def test_the_benchmark_runs_dattri_beside(tmp_path, monkeypatch):
     """``python -m persample_bench.attribution``: the same command with dattri's scores
     beside, a phase and an AUC of their own (persample's TracIn standing in for dattri,
-    which this environment does not install); not installed, said so."""
+    which this environment does not install)."""
     from persample_bench import attribution
 
     def stand_in(model, checkpoints, x, y, cfg):
         return sum(cfg.lr * persample.per_sample_grad_norms(
             model, x, y, torch.nn.CrossEntropyLoss()).square() for _ in checkpoints)
 
-    def missing(*args):
-        raise ImportError("No module named 'dattri'")
-
     name, out = attribution.DATTRI, tmp_path / "attr.json"
-    options = ["--epochs", "2", "--checkpoints", "1", "--threads", "1", "--json", str(out)]
     monkeypatch.setattr(attribution, "dattri_self_influence", stand_in)
-    assert attribution.main(options) == 0
+    assert attribution.main(["--epochs", "2", "--checkpoints", "1", "--threads", "1",
+                             "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["beside"] == {name: "ran"}
     assert figures["auc"][name] > 0.8 and f"self-influence ({name})" in figures["phases"]
-    monkeypatch.setattr(attribution, "dattri_self_influence", missing)
-    attribution.main(options)
-    figures = json.loads(out.read_text())
-    assert figures["beside"] == {name: "not installed (No module named 'dattri')"}
-    assert name not in figures["auc"] and f"self-influence ({name})" not in figures["phases"]
+
+
+def test_a_library_not_installed_is_said_so():
+    """Another library's scores that raise ImportError: reported, no phase, no AUC."""
+    from persample.cli.attribute import AttributeConfig, _beside
+
+    def missing(*args):
+        raise ImportError("No module named 'dattri'")
+
+    phases: dict = {}
+    got = _beside({"dattri": missing}, torch.nn.Linear(2, 2), [], torch.zeros(1, 2),
+                  torch.zeros(1), AttributeConfig(), phases)
+    assert got == {"dattri": "not installed (No module named 'dattri')"} and phases == {}

@@ -143,7 +143,9 @@ def test_ci_runs_the_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text()
     bash = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
     setup, test, slow, docs = (b.strip() for b in bash[:4])
-    assert slow == f"{test} -m slow" and docs == ".venv/bin/mkdocs build --strict"
+    assert test.startswith(".venv/bin/python -m pytest -q")  # (spread over the cores)
+    assert slow == ".venv/bin/python -m pytest -q -m slow"  # one process: memory
+    assert docs == ".venv/bin/mkdocs build --strict"
     assert setup in ci and f"run {test}\n" in ci and f"run {slow}\n" in ci
     assert ci.index(f"run {slow}\n") < ci.index(f"\n{docs}\n")
 
