@@ -170,3 +170,22 @@ def test_two_processes_train_as_one(capfd):
     assert two["runs"][0]["steps"] == one["runs"][0]["steps"]
     assert two["privacy"]["epsilon"] == one["privacy"]["epsilon"]
     assert "2 processes" in capfd.readouterr().out  # printed by rank 0's process
+
+
+def test_bandmf_runs_cyclically_and_is_accounted_over_its_groups(capsys):
+    """--mechanism bandmf --bands 3 at q = 16 / 96 (6 steps an epoch, two epochs): the
+    strategy made for the 12 steps (SGD with momentum), each record in at most one of
+    every 3 steps, epsilon DP-SGD's over ceil(12 / 3) = 4 steps at rate 3 q; the target
+    met by the calibration; bands * q > 1 refused."""
+    figures = dp_train(["--epochs", "2", "--subset", "96", "--batch-size", "16",
+                        "--threads", "1", "--no-progress", "--mechanism", "bandmf",
+                        "--bands", "3", "--target-epsilon", "5"])
+    p = figures["privacy"]
+    assert p["mechanism"] == "BandMF (3 bands)" and p["bands"] == 3
+    assert p["steps"] == 12 and p["accounted_steps"] == 4
+    assert p["epsilon"] == pytest.approx(epsilon(p["sigma"], 3 * 16 / 96, 4, 1e-5), rel=1e-9)
+    assert p["epsilon"] == pytest.approx(5.0, rel=2e-3)
+    assert "accounted as DP-SGD at rate 3 q" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="at most 6 bands"):
+        dp_train(["--epochs", "1", "--subset", "96", "--batch-size", "16", "--threads", "1",
+                  "--no-progress", "--mechanism", "bandmf", "--bands", "7", "--sigma", "1"])

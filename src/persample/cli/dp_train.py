@@ -37,6 +37,7 @@ from .threads import add_threads_argument, default_threads, threads_label
 
 if TYPE_CHECKING:  # dp_accounting (scipy) takes ~1.5 s to import: only when training
     from ..dp.accounting import PrivacyAccountant
+    from ..dp.mechanisms import BandMF
     from ..dp.setup import Seeds
 
 EPS_EVERY = 10  # steps between epsilon updates in the progress bar (RDP costs ~50 ms)
@@ -91,6 +92,8 @@ class DPTrainConfig:
     clipbound_learning_rate: float = 0.2
     users: int | None = None  # user-level DP: the training records dealt to this many users
     records_per_user: int | None = None  # at most this many of a user's records a step
+    mechanism: str = "dpsgd"  # or "bandmf": correlated noise (BandMF, cyclic sampling)
+    bands: int = 4  # BandMF's bands (the sampling's groups)
     compare_nonprivate: bool = False
     subset: int | None = None  # train on the first SUBSET training examples only
     max_steps: int | None = None  # cap on steps per epoch (tests)
@@ -144,14 +147,29 @@ def load_split(subset: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tenso
     return x[train], y[train], x[test], y[test]
 
 
-def resolve_sigma(cfg: DPTrainConfig, sample_rate: float, steps: int) -> float:
-    """``cfg.sigma``, or the smallest sigma meeting ``cfg.target_epsilon`` after ``steps``."""
+def resolve_sigma(cfg: DPTrainConfig, sample_rate: float, steps: int,
+                  mechanism: BandMF | None = None) -> float:
+    """``cfg.sigma``, or the smallest sigma meeting ``cfg.target_epsilon`` after ``steps``
+    (with a mechanism: over its amplified runs)."""
     from ..dp.accounting import noise_multiplier_for
+    from ..dp.mechanisms import amplified_runs
 
     if cfg.sigma is not None:
         return cfg.sigma
-    return noise_multiplier_for(cfg.target_epsilon, cfg.delta, sample_rate, steps,
+    (_, rate, count), = amplified_runs(mechanism, 0.0, sample_rate, steps)
+    return noise_multiplier_for(cfg.target_epsilon, cfg.delta, rate, count,
                                 accountant=cfg.accountant, tol=1e-3)
+
+
+def mechanism_of(cfg: DPTrainConfig, steps: int) -> BandMF | None:
+    """BandMF for the run's ``steps`` (optimised for SGD with ``cfg.momentum``), or
+    ``None`` for DP-SGD."""
+    from ..dp import BandMF
+
+    if cfg.mechanism == "dpsgd":
+        return None
+    workload = "momentum" if cfg.momentum > 0 else "prefix"
+    return BandMF(steps, cfg.bands, workload=workload, momentum=cfg.momentum or 0.9)
 
 
 class _LossRecorder:
@@ -217,6 +235,7 @@ def train(
     accountant: PrivacyAccountant | None = None,
     *,
     seeds: Seeds,
+    mechanism: BandMF | None = None,
 ) -> Run:
     """Train ``model`` in place for ``cfg.epochs`` epochs; DP-SGD when ``sigma`` is given.
 
@@ -226,11 +245,14 @@ def train(
     ``seeds.noise``) and the learning rate (``cfg.lr`` or ``cfg.nonprivate_lr``).
     ``accountant`` (private only) records every step, empty batches included. With
     several processes the private run takes this rank's share of each logical batch
-    (:func:`persample.dp.setup.share`).
+    (:func:`persample.dp.setup.share`). With a ``mechanism`` (BandMF) both runs sample
+    cyclically (one split for the whole run), the private one's noise is correlated and
+    every ``bands``-th step is accounted at rate ``bands * q``.
     """
     from tqdm import tqdm  # the cli extra: imported here, so --help works without it
 
     from ..dp import PrivateStep
+    from ..dp.mechanisms import amplified_runs
     from ..dp.reduce import world
     from ..dp.setup import share
 
@@ -249,12 +271,14 @@ def train(
     step = None if sigma is None else PrivateStep(
         model, loss_fn, noise_multiplier=sigma, expected_batch_size=expected,
         generator=noise_gen, secure_mode=cfg.secure_mode,
-        clipping=clipping_of(model, cfg, expected))
+        clipping=clipping_of(model, cfg, expected), mechanism=mechanism)
+    sampler = _sampler(n, cfg, q, steps, batch_gen, user_of, mechanism)
+    (_, rate, _), = amplified_runs(mechanism, 0.0, q, 1)
     run = Run("private" if sigma is not None else "non-private")
     model.train()
     eps = 0.0  # spent so far, refreshed every EPS_EVERY steps
     for epoch in range(cfg.epochs):
-        bar = tqdm(_batches(n, cfg, q, steps, batch_gen, user_of), total=steps,
+        bar = tqdm(sampler, total=steps,
                    desc=f"{run.name} epoch {epoch + 1}/{cfg.epochs}", disable=not cfg.progress,
                    leave=True, dynamic_ncols=True)
         tally, accounting_s = _Tally(), 0.0
@@ -278,7 +302,8 @@ def train(
             tally.add(loss_fn.seen, yb)
             postfix = tally.postfix()
             if accountant is not None:
-                accountant.step(sigma, q)
+                if mechanism is None or (run.steps - 1) % mechanism.bands == 0:
+                    accountant.step(sigma, rate)
                 if k == 0 or (k + 1) % EPS_EVERY == 0 or k + 1 == steps:  # from the first
                     t = time.perf_counter()
                     eps = accountant.epsilon(cfg.delta)
@@ -311,13 +336,16 @@ def synthetic_users(n: int, users: int) -> Tensor:
     return out
 
 
-def _batches(n: int, cfg: DPTrainConfig, q: float, steps: int, gen: torch.Generator,
-             user_of: Tensor | None):
-    """One epoch's Poisson-sampled logical batches of the ``n`` records, each a list of
-    indices: records, or with ``user_of`` whole users (at most ``cfg.records_per_user``
-    records each)."""
-    from ..dp.sampling import PoissonBatchSampler, UserPoissonSampler
+def _sampler(n: int, cfg: DPTrainConfig, q: float, steps: int, gen: torch.Generator,
+             user_of: Tensor | None, mechanism: BandMF | None):
+    """The run's sampler of logical batches of the ``n`` records (each iteration an
+    epoch's, lists of indices): Poisson-sampled records, or with ``user_of`` whole users
+    (at most ``cfg.records_per_user`` records each), or with a mechanism cyclic Poisson
+    sampling with ``bands`` groups."""
+    from ..dp.sampling import CyclicPoissonSampler, PoissonBatchSampler, UserPoissonSampler
 
+    if mechanism is not None:
+        return CyclicPoissonSampler(n, q, mechanism.bands, steps, gen)
     if user_of is None:
         return PoissonBatchSampler(n, q, steps, gen)
     return UserPoissonSampler(user_of, q, steps, gen, cfg.records_per_user)
@@ -364,22 +392,26 @@ def run(cfg: DPTrainConfig) -> dict:
     q = sample_rate(cfg, n)
     steps_per_epoch = min(round(1 / q), cfg.max_steps or math.inf)
     total_steps = cfg.epochs * steps_per_epoch
-    sigma = resolve_sigma(cfg, q, total_steps)
+    if cfg.mechanism == "bandmf" and cfg.bands * q > 1:
+        raise ValueError(f"--bands {cfg.bands} samples each of its groups at rate bands * q "
+                         f"> 1 (q {q:.4f}): at most {int(1 / q)} bands")
+    mechanism = mechanism_of(cfg, total_steps)
+    sigma = resolve_sigma(cfg, q, total_steps, mechanism)
     procs = f", {cfg.nproc} processes of" if cfg.nproc > 1 else ","
     units = n if cfg.users is None else cfg.users
     unit = "" if cfg.users is None else f" users (user-level DP, {cfg.users} users)"
     print(f"dp-train: SimpleCNN on digits 1x28x28, {n} train / {len(data[3])} test; "
-          f"DP-SGD with sigma {sigma:.3f}, {clipping_label(cfg)}, expected batch "
+          f"{_label(mechanism)} with sigma {sigma:.3f}, {clipping_label(cfg)}, expected batch "
           f"{q * units:.0f}{unit} (q {q:.4f}), {steps_per_epoch} steps/epoch, delta "
           f"{cfg.delta:g}{procs} {threads_label(cfg.threads)}")
     torch.manual_seed(cfg.seed)
     model = simple_cnn().to(torch.float32)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     accountant = PrivacyAccountant(cfg.accountant)
-    runs = [train(model, data, cfg, sigma, accountant, seeds=seeds)]
+    runs = [train(model, data, cfg, sigma, accountant, seeds=seeds, mechanism=mechanism)]
     if cfg.compare_nonprivate:
         model.load_state_dict(initial)
-        runs.append(train(model, data, cfg, None, seeds=seeds))
+        runs.append(train(model, data, cfg, None, seeds=seeds, mechanism=mechanism))
     eps = accountant.epsilon(cfg.delta)
     other = "pld" if cfg.accountant == "rdp" else "rdp"
     # PLD's cost grows with epsilon (minutes, or out of memory, for sigma << 0.5): skip it there
@@ -387,8 +419,11 @@ def run(cfg: DPTrainConfig) -> dict:
     result = {
         "config": asdict(cfg),
         "data": {"train": n, "test": len(data[3]), "image": [1, 28, 28], "split_seed": 0},
-        "privacy": {"sigma": sigma, "max_grad_norm": cfg.max_grad_norm, "sample_rate": q,
-                    "expected_batch_size": q * units, "steps": accountant.steps,
+        "privacy": {"mechanism": _label(mechanism),
+                    "bands": 1 if mechanism is None else mechanism.bands, "sigma": sigma,
+                    "max_grad_norm": cfg.max_grad_norm, "sample_rate": q,
+                    "expected_batch_size": q * units,
+                    "steps": cfg.epochs * steps_per_epoch, "accounted_steps": accountant.steps,
                     "unit": "record" if cfg.users is None else "user",
                     "delta": cfg.delta, "accountant": cfg.accountant, "epsilon": eps,
                     f"epsilon_{other}": eps_other},
@@ -406,6 +441,10 @@ def run(cfg: DPTrainConfig) -> dict:
         plot_result(result, cfg.plot)
         print(f"wrote {cfg.plot}")
     return result
+
+
+def _label(mechanism: BandMF | None) -> str:
+    return "DP-SGD" if mechanism is None else f"BandMF ({mechanism.bands} bands)"
 
 
 def _spawn(cfg: DPTrainConfig) -> dict:
@@ -463,9 +502,12 @@ def format_result(result: dict) -> str:
     other = "pld" if p["accountant"] == "rdp" else "rdp"
     eps_other = p[f"epsilon_{other}"]
     eps_other = "not computed" if eps_other is None else f"{eps_other:.2f}"
+    accounted = "" if p.get("bands", 1) == 1 else (
+        f" (BandMF: each record in at most one of every {p['bands']} steps; accounted as "
+        f"DP-SGD at rate {p['bands']} q)")
     lines.append(f"  epsilon at delta {p['delta']:g} ({p['accountant']}; {other}: "
                  f"{eps_other}) after {p['steps']} steps of sigma "
-                 f"{p['sigma']:.3f}, q {p['sample_rate']:.4f}")
+                 f"{p['sigma']:.3f}, q {p['sample_rate']:.4f}{accounted}")
     if len(result["runs"]) == 2:
         ratio = result["runs"][0]["seconds_per_epoch"] / result["runs"][1]["seconds_per_epoch"]
         lines.append(f"  a private epoch takes {ratio:.2f}x the time of a non-private one")
@@ -528,6 +570,13 @@ def _check(cfg: DPTrainConfig) -> None:
         raise ValueError(f"sigma must be >= 0, got {cfg.sigma}")
     if not 0 < cfg.delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {cfg.delta}; e.g. 1e-5")
+    if cfg.mechanism not in ("dpsgd", "bandmf"):
+        raise ValueError(f"mechanism must be dpsgd or bandmf, got {cfg.mechanism!r}")
+    if cfg.mechanism == "bandmf" and (cfg.users is not None or cfg.clipping == "adaptive"):
+        raise ValueError("--mechanism bandmf samples records cyclically: not with --users "
+                         "or --clipping adaptive")
+    if not cfg.bands >= 1:
+        raise ValueError(f"bands must be >= 1, got {cfg.bands}")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -575,6 +624,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="privacy accountant: RDP (default), PLD (tighter, slower) or PRV "
                         "(Opacus's, where Opacus is installed)")
     add_dp_arguments(p, d, "records", "at random, fixed")
+    p.add_argument("--mechanism", choices=("dpsgd", "bandmf"), default=d.mechanism,
+                   help="the noise: DP-SGD's independent draws (default) or BandMF's "
+                   "correlated ones (Choquette-Choo et al. 2023; cyclic Poisson sampling, "
+                   "the strategy optimised for SGD with --momentum)")
+    p.add_argument("--bands", type=int, default=d.bands,
+                   help=f"BandMF's bands, at most 1 / q (default {d.bands})")
     p.add_argument("--compare-nonprivate", action="store_true",
                    help="also train the same model without DP and compare")
     p.add_argument("--subset", type=int, default=None,
@@ -602,7 +657,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
         nonprivate_lr=args.nonprivate_lr,
         momentum=args.momentum, seed=args.seed, accountant=args.accountant,
         secure_mode=args.secure_mode, clipping=args.clipping, users=args.users,
-        records_per_user=args.records_per_user,
+        records_per_user=args.records_per_user, mechanism=args.mechanism, bands=args.bands,
         automatic_gamma=args.automatic_gamma,
         target_unclipped_quantile=args.target_unclipped_quantile,
         unclipped_num_std=args.unclipped_num_std,
