@@ -381,3 +381,44 @@ def test_make_private_refuses_a_mechanism_it_cannot_run(options, match):
         make_private(net, torch.optim.SGD(net.parameters(), lr=0.1), _data(), _loss_of,
                      epochs=1, max_grad_norm=1.0, noise_multiplier=1.0,
                      expected_batch_size=10, **options)
+
+
+# ---------------------------------------------------------------------------
+# the Opacus-compatible engine
+
+
+def test_privacy_engine_with_bandmf_and_the_batch_memory_manager():
+    """make_private_with_epsilon(mechanism='bandmf', bands=3): the strategy made for
+    epochs * len(loader) steps, the loader cyclic (one split for the run, the cycle
+    running on across the BatchMemoryManager's epochs), each record in at most one of
+    every 3 logical batches, the accountant's steps amplified, the target spent."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from persample.dp import BatchMemoryManager, CyclicPoissonSampler, PrivacyEngine
+
+    n = 100  # 10 logical batches an epoch: not a multiple of the cycle
+    x = torch.randn(n, 5, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = torch.arange(n, dtype=x.dtype)  # each record's index, read back below
+    data = TensorDataset(x, torch.randint(0, 3, (n,), generator=torch.Generator()))
+    model = nn.Linear(5, 3)
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10), target_epsilon=4.0, target_delta=1e-5,
+        epochs=2, max_grad_norm=1.0, mechanism="bandmf", bands=3)
+    assert isinstance(loader.batch_sampler, CyclicPoissonSampler)
+    assert engine.steps[-1].mechanism.steps == 20  # 2 epochs of 10
+    noise = engine.steps[-1].noise  # its release count: the logical batch under way
+    last: dict[int, int] = {}
+    for _ in range(2):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4,
+                                optimizer=optimizer) as physical:
+            for xb, yb in physical:
+                optimizer.zero_grad()
+                nn.CrossEntropyLoss()(model(xb), yb).backward()
+                for i in xb[:, 0].long().tolist():
+                    assert noise.t - last.get(i, -3) >= 3, (i, noise.t, last.get(i))
+                    last[i] = noise.t
+                optimizer.step()
+    assert noise.t == 20 and engine.accountant.steps == 7
+    assert engine.get_epsilon(1e-5) == pytest.approx(4.0, rel=0.02)

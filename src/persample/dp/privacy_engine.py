@@ -52,8 +52,15 @@ from torch.utils.data import DataLoader
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clipping import Clipping
+from .mechanisms import BandMF, amplified_runs, check_mechanism
 from .reduce import world
-from .sampling import EmptySafeCollate, PoissonBatchSampler, dataset_size, loader_options
+from .sampling import (
+    CyclicPoissonSampler,
+    EmptySafeCollate,
+    PoissonBatchSampler,
+    dataset_size,
+    loader_options,
+)
 from .setup import PhysicalBatches, Seeds, even_parts, physical_batches, shared_seeds
 from .step import PrivateStep
 
@@ -372,7 +379,13 @@ class PrivacyEngine:
                 ``"ew"``) or ``"ghost"`` (and ``"ghost_fsdp"``).
             batch_first: must be ``True``.
             **kwargs: ``check=`` (persample's own: when a physical batch's result is
-                certified, as for :class:`PrivateStep`); Opacus's other options are
+                certified, as for :class:`PrivateStep`); ``mechanism=``, a
+                :class:`~persample.dp.BandMF` made for the run's steps (``epochs *
+                len(data_loader)``): correlated noise, the loader's batches then drawn by
+                cyclic Poisson sampling with ``bands`` groups and the accountant's steps
+                amplified as :class:`PrivateStep` takes them (with
+                :meth:`make_private_with_epsilon`, ``mechanism="bandmf", bands=b``
+                too); Opacus's other options are
                 refused by name, and so is user-level DP (``user_ids=``,
                 ``records_per_user=``: the loader's batches reach the optimizer's step
                 without their users; :func:`~persample.dp.make_private` and
@@ -389,6 +402,7 @@ class PrivacyEngine:
         """
         adaptive = {k: kwargs.pop(k) for k in ADAPTIVE_OPTIONS if k in kwargs}
         check = kwargs.pop("check", None)
+        mechanism = check_mechanism(kwargs.pop("mechanism", None))
         self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
                      grad_sample_mode, kwargs)
         n = dataset_size(data_loader.dataset, "DataLoader's dataset")
@@ -404,11 +418,11 @@ class PrivacyEngine:
                            noise_multiplier=noise_multiplier, expected_batch_size=expected,
                            generator=noise_generator, sample_rate=q,
                            accountant=self.accountant_kind, secure_mode=self.secure_mode,
-                           check=check, clipping=chosen)
+                           check=check, clipping=chosen, mechanism=mechanism)
         self.steps.append(step)
         wrapped = PrivateModule(module)
         private = PrivateOptimizer(optimizer, wrapped, step, loss_reduction)
-        loader = _poisson_loader(data_loader, q, step, seeds)
+        loader = _poisson_loader(data_loader, q, step, seeds, mechanism)
         if "ghost" in grad_sample_mode:
             private.criterion = criterion
             return wrapped, private, PrivateCriterion(criterion, wrapped, private), loader
@@ -422,8 +436,15 @@ class PrivacyEngine:
         """Opacus's ``make_private_with_epsilon``: the noise multiplier that spends
         ``(target_epsilon, target_delta)`` in ``epochs`` epochs of ``len(data_loader)``
         steps (:func:`~persample.dp.noise_multiplier_for`), then :meth:`make_private`."""
-        sigma = noise_multiplier_for(target_epsilon, target_delta, 1 / len(data_loader),
-                                     epochs * len(data_loader), self.accountant_kind)
+        steps = epochs * len(data_loader)
+        if kwargs.get("mechanism") == "bandmf":  # made for the epochs planned
+            if "bands" not in kwargs:
+                raise ValueError("mechanism='bandmf' needs bands=b, the bands of C")
+            kwargs["mechanism"] = BandMF(steps, kwargs.pop("bands"))
+        (_, rate, count), = amplified_runs(check_mechanism(kwargs.get("mechanism")), 0.0,
+                                           1 / len(data_loader), steps)
+        sigma = noise_multiplier_for(target_epsilon, target_delta, rate, count,
+                                     self.accountant_kind)
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
 
@@ -502,17 +523,19 @@ def _clipping(clipping: str | Clipping, max_grad_norm: Any, names: list[str],
     return Clipping.layerwise(max_grad_norm)
 
 
-def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep, seeds: Seeds | None
-                    ) -> DataLoader:
+def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep, seeds: Seeds | None,
+                    mechanism: BandMF | None = None) -> DataLoader:
     """The loader's dataset, collate function and workers, with Poisson-sampled batches:
     ``len(loader)`` an epoch at rate ``q`` (Opacus's ``DPDataLoader``), drawn from the
     shared ``seeds`` (``None``, secure mode: from the OS's secure generator). With
     several processes every rank draws the same sample of the whole dataset and keeps
     its share (:func:`~persample.dp.setup.share`): the ranks' batches make one Poisson
-    sample."""
+    sample. With a ``mechanism``, cyclic Poisson sampling with its ``bands`` groups."""
     source = step.generator if seeds is None else seeds.sampling_generator()
     size, rank = world() or (1, 0)
-    sampler = PoissonBatchSampler(len(loader.dataset), q, len(loader), source, rank, size)
+    n = len(loader.dataset)
+    sampler = PoissonBatchSampler(n, q, len(loader), source, rank, size) if mechanism is None \
+        else CyclicPoissonSampler(n, q, mechanism.bands, len(loader), source, rank, size)
     keep = dict(loader_options(loader),
                 collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn))
     return DataLoader(loader.dataset, batch_sampler=sampler, **keep)
@@ -599,9 +622,8 @@ class _Splitting(PhysicalBatches):
     loader's workers draw ahead of the steps, so the marks queue)."""
 
     def __init__(self, logical: PoissonBatchSampler, size: int, skips: deque[bool]):
-        whole = PoissonBatchSampler(logical.num_samples, logical.sample_rate, len(logical),
-                                    logical.generator)  # every rank's
-        super().__init__(whole, size, rank=logical.rank, world_size=logical.world_size)
+        super().__init__(logical.whole(), size, rank=logical.rank,  # every rank's sample
+                         world_size=logical.world_size)
         self.skips = skips
 
     def cut(self, drawn: list[int]) -> list[list[int]]:

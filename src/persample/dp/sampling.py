@@ -112,14 +112,25 @@ class PoissonBatchSampler(Sampler[list[int]]):
         """``q * N``: what to divide the noised sum by (``private_grad``'s argument)."""
         return self.sample_rate * self.num_samples
 
+    user_of: Tensor | None = None  # (N,) each record's user, for samplers of users
+
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[list[int]]:
+        for drawn in self.draws():
+            yield share(drawn, self.rank, self.world_size, self.user_of)
+
+    def draws(self) -> Iterator[list[int]]:
+        """One epoch's whole samples (every rank's share together), as drawn."""
         gen = self._generator()
         for _ in range(self.steps_per_epoch):
-            picked = poisson_mask(self.num_samples, self.sample_rate, gen).nonzero()[:, 0]
-            yield share(picked.tolist(), self.rank, self.world_size)
+            yield poisson_mask(self.num_samples, self.sample_rate, gen).nonzero()[:, 0].tolist()
+
+    def whole(self) -> WholeSamples:
+        """This sampler as one process draws it (its :meth:`draws`): the same generator
+        and state, so that iterating either advances both."""
+        return WholeSamples(self)
 
     def _generator(self) -> torch.Generator | SecureSource:
         """The epoch's generator: the one given, or one seeded from torch's global RNG
@@ -197,7 +208,7 @@ class UserPoissonSampler(PoissonBatchSampler):
         most = max(len(r) for r in self.records)
         return most if self.records_per_user is None else min(most, self.records_per_user)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def draws(self) -> Iterator[list[int]]:
         gen = self._generator()
         k = self.records_per_user
         for _ in range(self.steps_per_epoch):
@@ -208,7 +219,7 @@ class UserPoissonSampler(PoissonBatchSampler):
                 if k is not None and len(records) > k:
                     records = records[_choice(len(records), k, gen)].sort().values
                 drawn += records.tolist()  # a user's records consecutive
-            yield share(drawn, self.rank, self.world_size, self.user_of)
+            yield drawn
 
 
 class CyclicPoissonSampler(PoissonBatchSampler):
@@ -284,13 +295,40 @@ class CyclicPoissonSampler(PoissonBatchSampler):
         ``ceil(steps / b)`` (the accountant's number of compositions)."""
         return -(-steps // self.cycle_length)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def draws(self) -> Iterator[list[int]]:
         gen = self._generator()
         for _ in range(self.steps_per_epoch):
             group = self.groups[self.steps % self.cycle_length]
             self.steps += 1
             picked = poisson_mask(len(group), self.group_rate, gen).nonzero()[:, 0]
-            yield share([group[i] for i in picked.tolist()], self.rank, self.world_size)
+            yield [group[i] for i in picked.tolist()]
+
+
+class WholeSamples(Sampler[list[int]]):
+    """A sampler's whole samples (:meth:`PoissonBatchSampler.draws`), as one process
+    draws them: ``world_size`` 1, the sampler's other attributes its own.
+
+    Examples:
+        >>> sampler = PoissonBatchSampler(10, 0.5, 2, torch.Generator().manual_seed(0),
+        ...                               rank=1, world_size=2)
+        >>> whole = sampler.whole()
+        >>> whole.world_size, len(whole), whole.expected_batch_size
+        (1, 2, 5.0)
+    """
+
+    world_size, rank = 1, 0
+
+    def __init__(self, sampler: PoissonBatchSampler):
+        self.sampler = sampler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.sampler.draws()
 
 
 def _choice(n: int, k: int, generator: torch.Generator | SecureSource) -> Tensor:
