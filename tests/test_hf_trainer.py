@@ -486,3 +486,31 @@ def test_bf16_runs_under_autocast_as_private_step_by_hand(tmp_path):
     scale = max(want.abs().max().item() for _, want, _ in updates)
     for update, want, name in updates:
         torch.testing.assert_close(update, want, rtol=0, atol=2e-2 * scale, msg=name)
+
+
+def test_bandmf_trains_to_a_target_epsilon(tmp_path):
+    """PrivacyArguments(mechanism='bandmf', bands=2): the BERT classifier's 2 epochs of
+    round(N / 16) steps with the strategy made for them, cyclic sampling, the noise
+    multiplier calibrated over ceil(T / 2) steps at rate 2 q; refusals named."""
+    data = docstring_examples("module", seq_len=16)
+    trainer = PrivateTrainer(bert(), args(tmp_path, max_steps=-1, num_train_epochs=2,
+                                          learning_rate=1e-3),
+                             train_dataset=data,
+                             privacy_args=PrivacyArguments(target_epsilon=3.0,
+                                                           target_delta=1e-4,
+                                                           mechanism="bandmf", bands=2))
+    out = trainer.train()
+    planned = 2 * round(len(data) / 16)
+    step = trainer.private_step
+    assert out.global_step == planned == step.mechanism.steps == step.noise.t
+    assert step.mechanism.bands == 2 and step.accountant.steps == math.ceil(planned / 2)
+    by_hand = PrivacyAccountant()
+    by_hand.step(trainer.noise_multiplier, 2 * 16 / len(data), math.ceil(planned / 2))
+    assert trainer.epsilon() == pytest.approx(by_hand.epsilon(1e-4))
+    assert 2.9 < trainer.epsilon() <= 3.0
+    for bad, match in [({"mechanism": "bandmf"}, "goes with bands=b"),
+                       ({"mechanism": "blt", "bands": 2}, "mechanism must be None"),
+                       ({"mechanism": "bandmf", "bands": 2, "user_ids": "user"},
+                        "user-level DP")]:
+        with pytest.raises(ValueError, match=match):
+            PrivacyArguments(noise_multiplier=1.0, **bad)

@@ -34,6 +34,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..dp import (
+    BandMF,
+    CyclicPoissonSampler,
     EmptySafeCollate,
     PoissonBatchSampler,
     PrivateStep,
@@ -41,6 +43,7 @@ from ..dp import (
     noise_multiplier_for,
 )
 from ..dp.clipping import Clipping
+from ..dp.mechanisms import amplified_runs
 from ..dp.sampling import users_of_records
 from ..dp.setup import PhysicalBatches, Seeds, shared_seeds
 
@@ -93,6 +96,11 @@ class PrivacyArguments:
             generator (``os.urandom``; threat model and cost:
             :class:`persample.dp.noise.SecureSource`); the Poisson sampling stays seeded
             (every process must draw the same sample); not with ``seed``.
+        mechanism, bands: ``"bandmf"`` with ``bands=b``: correlated noise
+            (:class:`persample.dp.BandMF`, made for the planned steps), the training set
+            cyclically Poisson-sampled with ``b`` groups, the noise calibrated and
+            accounted over ``ceil(T / b)`` steps at rate ``b q`` (Choquette-Choo et al.
+            2023); record-level DP, not resumed from a checkpoint.
         check: when a micro-batch's result is certified by identities persample does
             not compute itself (:class:`persample.dp.PrivateStep`'s ``check``):
             ``"first"``, ``"always"``, ``"never"`` or ``N``.
@@ -125,6 +133,8 @@ class PrivacyArguments:
     secure_mode: bool = False
     user_ids: str | None = None
     records_per_user: int | None = None
+    mechanism: str | None = None
+    bands: int | None = None
     check: str | int | None = None
 
     def chosen_clipping(self) -> Clipping:
@@ -164,6 +174,18 @@ class PrivacyArguments:
         if self.secure_mode and self.seed is not None:
             raise ValueError("secure_mode=True draws the noise from the operating system's "
                              "secure generator, which has no seed: pass seed=None")
+        if self.mechanism not in (None, "bandmf"):
+            raise ValueError(f"mechanism must be None (DP-SGD) or 'bandmf', got "
+                             f"{self.mechanism!r}")
+        if (self.mechanism is None) != (self.bands is None):
+            raise ValueError("mechanism='bandmf' goes with bands=b (the bands of C), and "
+                             "bands= with mechanism='bandmf'")
+        if self.bands is not None and (isinstance(self.bands, bool) or not isinstance(
+                self.bands, int) or self.bands < 1):
+            raise ValueError(f"bands must be an int >= 1, got {self.bands!r}")
+        if self.mechanism is not None and self.user_ids is not None:
+            raise ValueError("mechanism='bandmf' samples records cyclically: user-level DP "
+                             "(user_ids=) takes DP-SGD's independent noise")
         if self.accountant not in _ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {_ACCOUNTANTS}, got "
                              f"{self.accountant!r}")
@@ -456,15 +478,18 @@ class PrivateTrainer(transformers.Trainer):
             seed = args.data_seed if args.data_seed is not None else args.seed
         seeds = shared_seeds(seed)  # rank 0's on every process
         gen = seeds.sampling_generator()
-        if users is None:
+        planned = (args.max_steps if args.max_steps > 0
+                   else math.ceil(args.num_train_epochs * steps_per_epoch))
+        mechanism = self._mechanism(planned, q)
+        if mechanism is not None:  # one split for the whole run: the cycle runs on
+            logical = CyclicPoissonSampler(n, q, mechanism.bands, steps_per_epoch, gen)
+        elif users is None:
             logical = PoissonBatchSampler(n, q, steps_per_epoch, gen)
         else:  # each record tagged with its user, the tag taken off before the model
             logical = UserPoissonSampler(users, q, steps_per_epoch, gen,
                                          privacy.records_per_user)
             dataset, collate = _Tagged(dataset, users), _TaggedCollate(collate)
-        planned = (args.max_steps if args.max_steps > 0
-                   else math.ceil(args.num_train_epochs * steps_per_epoch))
-        self.private_step = self._make_step(q, expected, planned, seeds)
+        self.private_step = self._make_step(q, expected, planned, seeds, mechanism)
         micro = PhysicalBatches(logical, parts=parts, rank=args.process_index,
                                 world_size=args.world_size)  # this process's share, cut
         return DataLoader(dataset, batch_sampler=micro,
@@ -472,12 +497,34 @@ class PrivateTrainer(transformers.Trainer):
                           num_workers=args.dataloader_num_workers,
                           pin_memory=args.dataloader_pin_memory)
 
-    def _make_step(self, q: float, expected: int, planned: int, seeds: Seeds) -> PrivateStep:
+    def _mechanism(self, planned: int, q: float) -> BandMF | None:
+        """BandMF made for the ``planned`` steps (``None``: DP-SGD).
+
+        Raises:
+            ValueError: ``bands * q > 1``, or a resumed run (its noise's state is not
+                in the Trainer's checkpoints).
+        """
+        privacy = self.privacy_args
+        if privacy.mechanism is None:
+            return None
+        if privacy.bands * q > 1:
+            raise ValueError(f"bands={privacy.bands} samples each of its groups at rate "
+                             f"bands * q > 1 (q = {q:.4g}): at most {int(1 / q)} bands")
+        if self._resume_from is not None:
+            raise ValueError("PrivateTrainer does not resume a mechanism='bandmf' run: the "
+                             "noise's last draws and the sampling cycle are not in its "
+                             "checkpoints; train from the start, or use PrivateStep's "
+                             "state_dict in a loop of your own")
+        return BandMF(planned, privacy.bands)
+
+    def _make_step(self, q: float, expected: int, planned: int, seeds: Seeds,
+                   mechanism: BandMF | None = None) -> PrivateStep:
         privacy = self.privacy_args
         sigma = privacy.noise_multiplier
         if sigma is None:
-            sigma = noise_multiplier_for(privacy.target_epsilon, privacy.target_delta, q,
-                                         planned, privacy.accountant)
+            (_, rate, count), = amplified_runs(mechanism, 0.0, q, planned)
+            sigma = noise_multiplier_for(privacy.target_epsilon, privacy.target_delta, rate,
+                                         count, privacy.accountant)
         noise = None
         if not privacy.secure_mode:
             device = next(p for p in self.model.parameters() if p.requires_grad).device
@@ -489,7 +536,7 @@ class PrivateTrainer(transformers.Trainer):
                            noise_multiplier=sigma, expected_batch_size=expected,
                            generator=noise, sample_rate=q,
                            accountant=accountant, secure_mode=privacy.secure_mode,
-                           check=privacy.check)
+                           mechanism=mechanism, check=privacy.check)
         if self._resume_from is not None:
             path = os.path.join(self._resume_from, PRIVACY_STATE)
             if not os.path.isfile(path):
