@@ -57,6 +57,10 @@ CHECKS = {
     "from_loader": ("from_loader.sample_rate == 256 / 1797 and from_loader.steps_per_epoch"
                     " == 7 == from_loader.step.accountant.steps"),
     "net": "all(p.grad is not None for p in net.parameters())",
+    # correlated noise: less noise on the prefix sums, the target spent in the run
+    "rmse_ratio": "0.3 < rmse_ratio < 1",
+    "banded": ("banded.step.noise.t == banded.step.mechanism.steps == 60 and "
+               "banded.epsilon(1e-5) <= 4.0 + 1e-9"),
     # user-level DP: each sample's norm its user's; every planned user-level step taken
     "user_norms": "len(user_norms.unique()) == 4",
     "by_user": ("by_user.sample_rate == 20 / len(owners.unique()) and "
