@@ -25,7 +25,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,9 @@ from .data import ByteTokenizer, docstring_batch
 from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_of
 from .real_models import causal_lm_loss, gpt2, with_lora
 from .threads import add_threads_argument, default_threads, threads_label
+
+if TYPE_CHECKING:
+    from ..dp import BandMF
 
 
 @dataclass
@@ -64,6 +67,8 @@ class FinetuneConfig:
     clipbound_learning_rate: float = 0.2
     users: int | None = None  # user-level DP: the training windows in this many users' runs
     records_per_user: int | None = None  # at most this many of a user's windows a step
+    mechanism: str = "dpsgd"  # or "bandmf": correlated noise (BandMF, cyclic sampling)
+    bands: int = 4  # BandMF's bands (the sampling's groups)
     secure_mode: bool = False  # the noise from the OS's secure generator, not the seed
     lr: float = 5e-4  # Adam
     seed: int = 0
@@ -119,6 +124,7 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     rank)`` of this process among those of a distributed private run (sharded with FSDP2
     if ``cfg.fsdp``), which takes its share of every logical batch."""
     from ..dp import PrivacyAccountant, PrivateStep
+    from ..dp.mechanisms import amplified_runs
     from ..dp.setup import shared_seeds
 
     inputs, labels = data
@@ -139,13 +145,15 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     q, expected = sample_rate(cfg), sample_rate(cfg) * (cfg.users or train_n)  # records or users
     user_of = window_users(cfg)  # (train_n,) or None
     seeds = shared_seeds(cfg.seed)  # rank 0's on every process
-    sampler = _sampler(cfg, q, user_of, seeds.sampling_generator())
+    mechanism = mechanism_of(cfg)
+    sampler = _sampler(cfg, q, user_of, seeds.sampling_generator(), mechanism)
+    (_, rate, _), = amplified_runs(mechanism, 0.0, q, 1)
     opt = torch.optim.Adam(params, lr=cfg.lr)
     noise_gen = None if cfg.secure_mode else seeds.noise_generator()
     step = PrivateStep(model, causal_lm_loss, noise_multiplier=sigma,
                        expected_batch_size=expected, generator=noise_gen,
                        secure_mode=cfg.secure_mode,
-                       clipping=clipping_of(model, cfg, expected)
+                       clipping=clipping_of(model, cfg, expected), mechanism=mechanism
                        ) if private else None
     accountant = PrivacyAccountant()
     times, rss_before = [], _rss_mb("VmRSS")
@@ -162,7 +170,8 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
                 (causal_lm_loss(model(**micro), labels[part]).sum() / expected).backward()
         if step is not None:
             step.release()
-            accountant.step(sigma, q)
+            if mechanism is None or (len(times) % mechanism.bands) == 0:
+                accountant.step(sigma, rate)  # (BandMF: every bands-th, at rate bands q)
         opt.step()
         times.append(time.perf_counter() - start)
     peak = _rss_mb("VmHWM")
@@ -194,12 +203,23 @@ def window_users(cfg: FinetuneConfig) -> Tensor | None:
     return torch.arange(cfg.train_windows) * cfg.users // cfg.train_windows
 
 
-def _sampler(cfg: FinetuneConfig, q: float, user_of: Tensor | None, gen: torch.Generator):
-    """The logical batches: Poisson over the windows, or over the users (whole users, at
-    most ``cfg.records_per_user`` windows each); the same on every process (``gen``
-    seeded alike)."""
-    from ..dp import PoissonBatchSampler, UserPoissonSampler
+def mechanism_of(cfg: FinetuneConfig) -> BandMF | None:
+    """BandMF made for ``cfg.steps`` (the prefix workload: Adam's updates are not a
+    linear workload), or ``None`` for DP-SGD."""
+    from ..dp import BandMF
 
+    return None if cfg.mechanism == "dpsgd" else BandMF(cfg.steps, cfg.bands)
+
+
+def _sampler(cfg: FinetuneConfig, q: float, user_of: Tensor | None, gen: torch.Generator,
+             mechanism: BandMF | None = None):
+    """The logical batches: Poisson over the windows, or over the users (whole users, at
+    most ``cfg.records_per_user`` windows each), or with a mechanism cyclic Poisson
+    sampling with ``bands`` groups; the same on every process (``gen`` seeded alike)."""
+    from ..dp import CyclicPoissonSampler, PoissonBatchSampler, UserPoissonSampler
+
+    if mechanism is not None:
+        return CyclicPoissonSampler(cfg.train_windows, q, mechanism.bands, cfg.steps, gen)
     if user_of is None:
         return PoissonBatchSampler(cfg.train_windows, q, cfg.steps, gen)
     return UserPoissonSampler(user_of, q, cfg.steps, gen, cfg.records_per_user)
@@ -321,6 +341,7 @@ def run(cfg: FinetuneConfig) -> dict:
         (['private', 'non-private'], 2)
     """
     from ..dp import noise_multiplier_for
+    from ..dp.mechanisms import amplified_runs
 
     for name in ("layers", "width", "heads", "seq_len", "train_windows", "test_windows",
                  "steps", "batch_size", "physical", "max_grad_norm", "lr", "threads", "rank",
@@ -332,8 +353,10 @@ def run(cfg: FinetuneConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     data = docstring_batch(cfg.train_windows + cfg.test_windows, cfg.seq_len)
     q = sample_rate(cfg)
+    _check_mechanism(cfg, q)
+    (_, rate, count), = amplified_runs(mechanism_of(cfg), 0.0, q, cfg.steps)
     sigma = cfg.sigma if cfg.sigma is not None else noise_multiplier_for(
-        cfg.target_epsilon, cfg.delta, q, cfg.steps)
+        cfg.target_epsilon, cfg.delta, rate, count)
     if cfg.fsdp and cfg.nproc < 2:
         raise ValueError("--fsdp shards the model over processes: give --nproc 2 or more")
     runs = [finetune(cfg, True, sigma, data), finetune(cfg, False, sigma, data)]
@@ -351,7 +374,8 @@ def run(cfg: FinetuneConfig) -> dict:
           f"library's docstrings; {cfg.steps} steps, logical batch {cfg.batch_size}"
           f"{'' if cfg.users is None else ' users'} (q "
           f"{q:.4f}{_users_label(cfg)}) in micro-batches of {cfg.physical}, sigma "
-          f"{sigma:.3f}{' (secure noise)' if cfg.secure_mode else ''}, "
+          f"{sigma:.3f}{' (secure noise)' if cfg.secure_mode else ''}"
+          f"{'' if cfg.mechanism == 'dpsgd' else f', BandMF ({cfg.bands} bands)'}, "
           f"{clipping_label(cfg)}; {threads_label(cfg.threads)}")
     print(f"  {'run':<12}{'ppl before':>11}{'ppl after':>11}{'epsilon':>9}{'ms/step':>10}"
           f"{'peak MB':>9}")
@@ -373,6 +397,19 @@ def run(cfg: FinetuneConfig) -> dict:
             json.dump(result, f, indent=2)
         print(f"wrote {cfg.json}")
     return result
+
+
+def _check_mechanism(cfg: FinetuneConfig, q: float) -> None:
+    if cfg.mechanism not in ("dpsgd", "bandmf"):
+        raise ValueError(f"mechanism must be dpsgd or bandmf, got {cfg.mechanism!r}")
+    if cfg.mechanism == "dpsgd":
+        return
+    if cfg.users is not None or cfg.clipping == "adaptive":
+        raise ValueError("--mechanism bandmf samples windows cyclically: not with --users or "
+                         "--clipping adaptive")
+    if not 1 <= cfg.bands <= cfg.steps or cfg.bands * q > 1:
+        raise ValueError(f"--bands must be in [1, steps] and at most 1 / q = {1 / q:.1f} "
+                         f"(each group sampled at rate bands * q), got {cfg.bands}")
 
 
 def _users_label(cfg: FinetuneConfig) -> str:
@@ -401,6 +438,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name),
                        help=f"default {getattr(d, name)}")
     add_dp_arguments(p, d, "windows", "runs of consecutive windows")
+    p.add_argument("--mechanism", choices=("dpsgd", "bandmf"), default=d.mechanism,
+                   help="DP-SGD's independent noise (default) or BandMF's correlated noise "
+                   "(Choquette-Choo et al. 2023; cyclic Poisson sampling)")
+    p.add_argument("--bands", type=int, default=d.bands,
+                   help=f"BandMF's bands, at most 1 / q (default {d.bands})")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="also run the private fine-tuning in this many processes (gloo), "
                    f"each on its share of every logical batch (default {d.nproc})")
