@@ -422,3 +422,21 @@ def test_privacy_engine_with_bandmf_and_the_batch_memory_manager():
                 optimizer.step()
     assert noise.t == 20 and engine.accountant.steps == 7
     assert engine.get_epsilon(1e-5) == pytest.approx(4.0, rel=0.02)
+
+
+def test_secure_noise_is_correlated_too():
+    """secure_mode: the OS's draws go through the same recursion (the states kept, the
+    releases counted); torch's generator untouched."""
+    net = nn.Linear(50, 40, bias=False)
+    step = PrivateStep(net, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=1.0,
+                       expected_batch_size=1, secure_mode=True, mechanism=BandMF(5, 3))
+    before = torch.get_rng_state()
+    grads = []
+    for _ in range(5):
+        step.release()
+        grads.append(net.weight.grad.clone())
+    assert step.noise.t == 5 and len(step.noise.history["weight"]) == 2
+    assert torch.equal(before, torch.get_rng_state())
+    want = BandMF(5, 3).noise_matrix.norm(dim=1)  # each release's std: its row's norm
+    for g, std in zip(grads, want.tolist()):  # 2,000 draws: the std within 10%
+        assert bool(torch.isfinite(g).all()) and abs(float(g.std()) / std - 1) < 0.1
