@@ -243,7 +243,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``target_delta``, an empty dataset or one without ``len()`` (an
             ``IterableDataset``), no ``expected_batch_size`` with a dataset (or a
             ``DataLoader`` without a ``batch_size``), an expected batch larger than
-            the dataset, or ``secure_mode`` with several processes.
+            the dataset, ``secure_mode`` with several processes, or a ``mechanism``
+            this run cannot take (made for other steps, ``bands * q > 1``, with
+            ``user_ids``; ``bands`` without ``"bandmf"``).
 
     Examples:
         >>> import torch
