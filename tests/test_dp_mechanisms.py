@@ -291,6 +291,15 @@ def test_the_step_accounts_the_amplified_runs():
     assert step.epsilon(1e-5) == pytest.approx(epsilon(1.3, 0.2, 3, 1e-5), rel=1e-12)
     _, plain = _releases(None, 10, sample_rate=0.05)
     assert step.epsilon(1e-5) != plain.epsilon(1e-5)
+    import dp_accounting  # the same events composed by hand in Google's library
+
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        0.2, dp_accounting.GaussianDpEvent(1.3)), 3)
+    for kind, accountant in (("rdp", dp_accounting.rdp.RdpAccountant()),
+                             ("pld", dp_accounting.pld.PLDAccountant())):
+        _, step = _releases(BandMF(10, 4), 10, sample_rate=0.05, accountant=kind)
+        want = accountant.compose(event).get_epsilon(1e-5)
+        assert step.epsilon(1e-5) == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize(("options", "match"), [
