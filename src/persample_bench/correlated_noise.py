@@ -44,6 +44,50 @@ def compare(epsilons: list[float], bands: list[int], seeds: list[int], epochs: i
     return rows
 
 
+def noise_cost(workload: str = "gpt2-768-dp-step", bands: int = 4, repeats: int = 5,
+               threads: int = 2) -> dict:
+    """The cost of BandMF's noise at real size: one DP step (``accumulate`` then
+    ``release``, sigma 1) of the bench's ``workload`` with DP-SGD's noise and with
+    BandMF's, alternated ``repeats`` times after a warm-up (median seconds each), and
+    the states the recursion keeps (``bands - 1`` parameter-sized, float32).
+
+    Returns:
+        ``{"workload", "parameters", "dpsgd_s", "bandmf_s", "ratio", "state_mb"}``.
+    """
+    import time
+
+    import torch
+
+    from persample.dp import BandMF, PrivateStep
+
+    from .workloads import dp_workload
+
+    torch.set_num_threads(threads)
+    w = dp_workload(workload)
+    steps = {}
+    for name, mech in (("dpsgd", None), ("bandmf", BandMF(10 * repeats + 10, bands))):
+        steps[name] = PrivateStep(w.model, w.loss_fn, max_grad_norm=1.0, noise_multiplier=1.0,
+                                  expected_batch_size=len(w.targets), mechanism=mech,
+                                  generator=torch.Generator().manual_seed(0), check="never")
+
+    def once(step) -> float:
+        start = time.perf_counter()
+        step.accumulate(w.inputs, w.targets)
+        step.release()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {"dpsgd": [], "bandmf": []}
+    for k in range(repeats + bands):  # the first bands: warm-up (and the states filled)
+        for name, step in steps.items():
+            t = once(step)
+            if k >= bands:
+                times[name].append(t)
+    params = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
+    dpsgd, bandmf = statistics.median(times["dpsgd"]), statistics.median(times["bandmf"])
+    return {"workload": workload, "parameters": params, "dpsgd_s": dpsgd, "bandmf_s": bandmf,
+            "ratio": bandmf / dpsgd, "state_mb": (bands - 1) * params * 4 / 2 ** 20}
+
+
 def format_rows(rows: list[dict]) -> str:
     """The table as Markdown.
 
@@ -77,7 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.add_argument("--cost", metavar="WORKLOAD", nargs="?", const="gpt2-768-dp-step",
+                   help="instead: the time and memory BandMF's noise adds to one DP step "
+                   "of this benchmark workload (default gpt2-768-dp-step), with the first "
+                   "of --bands")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.cost:
+        got = noise_cost(args.cost, args.bands[0], threads=args.threads)
+        print(f"{got['workload']} ({got['parameters']:,} parameters): DP step with DP-SGD's "
+              f"noise {got['dpsgd_s'] * 1e3:.1f} ms, with BandMF's ({args.bands[0]} bands) "
+              f"{got['bandmf_s'] * 1e3:.1f} ms ({got['ratio']:.3f}x); the recursion keeps "
+              f"{got['state_mb']:.0f} MB")
+        return 0
     rows = compare(args.epsilons, args.bands, args.seeds, args.epochs, args.batch_size,
                    args.threads)
     print(format_rows(rows))
