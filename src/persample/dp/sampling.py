@@ -322,6 +322,8 @@ class WholeSamples(Sampler[list[int]]):
         self.sampler = sampler
 
     def __getattr__(self, name: str) -> Any:
+        if name == "sampler":  # (not yet set: a copy being made)
+            raise AttributeError(name)
         return getattr(self.sampler, name)
 
     def __len__(self) -> int:
