@@ -250,18 +250,21 @@ def _check_int(name: str, value: Any) -> None:
 
 class CorrelatedNoise:
     """The running state of a mechanism's noise: the release count ``t`` and, for each
-    parameter (each shard of it, under FSDP2), its last ``bands - 1`` draws ``W``.
+    parameter (each shard of it, under FSDP2), its last ``bands - 1`` draws ``W``, one
+    ``(bands - 1, numel)`` ring per parameter.
 
     :meth:`correlate` turns the release's independent draw ``Z_t`` of a parameter into
-    its noise ``row_scale_t * W_t`` in place; :meth:`advance` ends the release. The
-    states are tensors of the draw's dtype and device, made at the first release.
+    its noise ``row_scale_t * W_t`` in place: one matrix-vector product with the ring
+    (each state read once), then the new draw written over the oldest; :meth:`advance`
+    ends the release. The rings are of the draw's dtype and device, made (zeros) at the
+    first release.
 
     Args:
         mechanism: the :class:`BandMF` strategy.
 
     Raises:
-        RuntimeError: from :meth:`correlate`, a release past the ``steps`` the mechanism
-            was made for.
+        RuntimeError: from :meth:`correlate` (and :meth:`check`), a release past the
+            ``steps`` the mechanism was made for.
 
     Examples:
         >>> mech = BandMF(steps=3, bands=2, coefs=[2.0, 1.0])
@@ -280,7 +283,7 @@ class CorrelatedNoise:
     def __init__(self, mechanism: BandMF) -> None:
         self.mechanism = mechanism
         self.t = 0  # releases made
-        self.history: dict[str, list[Tensor]] = {}  # name -> W_{t-1}, W_{t-2}, ...
+        self.history: dict[str, Tensor] = {}  # name -> (bands - 1, numel): W_s at s mod (b - 1)
         c = mechanism.coefs.tolist()
         self.c0, self.rest = c[0], c[1:]
 
@@ -294,21 +297,34 @@ class CorrelatedNoise:
                 f"the mechanism with the steps the run takes")
 
     def correlate(self, name: str, z: Tensor) -> None:
-        """``z`` (``Z_t`` of parameter ``name``, any shape) becomes its noise, in place."""
+        """``z`` (``Z_t`` of parameter ``name``, contiguous, any shape) becomes its
+        noise, in place."""
         self.check()
-        past = self.history.get(name, [])
-        for ck, w in zip(self.rest, past):  # W_t = (Z_t - sum_k c_k W_{t-k}) / c_0
-            z.sub_(w.to(z.dtype), alpha=ck)
+        flat = z.view(-1)  # (numel,)
+        k = len(self.rest)
+        ring = self.history.get(name)
+        if k and (ring is None or ring.shape[1] != flat.numel() or ring.dtype != z.dtype
+                  or ring.device != z.device):
+            ring = self.history[name] = torch.zeros((k, flat.numel()), dtype=z.dtype,
+                                                    device=z.device)
+        if k and self.t:  # W_t = (Z_t - sum_j c_j W_{t-j}) / c_0
+            flat.addmv_(ring.t(), self._weights(ring), alpha=-1)
         if self.c0 != 1.0:
-            z.div_(self.c0)
-        if self.rest:
-            kept = past[:len(self.rest)]
-            oldest = kept.pop() if len(kept) == len(self.rest) else None
-            w = oldest.copy_(z) if oldest is not None and oldest.shape == z.shape else z.clone()
-            self.history[name] = [w, *kept]
+            flat.div_(self.c0)
+        if k:
+            ring[self.t % k].copy_(flat)
         scale = float(self.mechanism.row_scale[self.t])
         if scale != 1.0:
-            z.mul_(scale)
+            flat.mul_(scale)
+
+    def _weights(self, ring: Tensor) -> Tensor:
+        """``(bands - 1,)``: ``c_j`` at the ring position of ``W_{t-j}``."""
+        k = len(self.rest)
+        weights = [0.0] * k
+        for j, cj in enumerate(self.rest, start=1):
+            if self.t - j >= 0:
+                weights[(self.t - j) % k] = cj
+        return torch.tensor(weights, dtype=ring.dtype, device=ring.device)
 
     def advance(self) -> None:
         """The release is complete: the next draws are step ``t + 1``'s."""
@@ -317,13 +333,12 @@ class CorrelatedNoise:
     def state_dict(self) -> dict[str, Any]:
         """The release count and the kept draws (each parameter's, this process's
         shard), for a checkpoint."""
-        return {"t": self.t, "history": {k: [w.clone() for w in v]
-                                         for k, v in self.history.items()}}
+        return {"t": self.t, "history": {k: v.clone() for k, v in self.history.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s release count and draws."""
         self.t = int(state["t"])
-        self.history = {k: [w.clone() for w in v] for k, v in state["history"].items()}
+        self.history = {k: v.clone() for k, v in state["history"].items()}
 
 
 def check_mechanism(mechanism: Any) -> BandMF | None:
