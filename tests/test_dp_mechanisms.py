@@ -104,8 +104,8 @@ def test_the_matrices(steps, bands):
 
 def test_the_noise_recursion_is_the_noise_matrix():
     """:class:`CorrelatedNoise` over T releases of independent draws Z (two parameters,
-    float64) gives ``C^-1 Z`` exactly: the recursion keeps the last ``bands - 1`` draws
-    (the states reused, not reallocated), and the last rows are scaled up."""
+    float64) gives ``C^-1 Z`` exactly: the recursion keeps a ring of ``bands`` draws
+    (reused, not reallocated), and the last rows are scaled up."""
     steps, bands = 20, 5
     mech = BandMF(steps, bands)
     g = torch.Generator().manual_seed(0)
@@ -117,7 +117,7 @@ def test_the_noise_recursion_is_the_noise_matrix():
             noise.correlate(name, draw)
             got[name].append(draw)
         noise.advance()
-        assert noise.history["w"].shape == (bands - 1, 12)  # one ring, reused
+        assert noise.history["w"].shape == (bands, 12)  # one ring, reused
     for name in z:
         want = (mech.noise_matrix @ z[name].flatten(1)).view_as(z[name])
         torch.testing.assert_close(torch.stack(got[name]), want, rtol=1e-12, atol=1e-12)
@@ -444,7 +444,7 @@ def test_secure_noise_is_correlated_too():
     for _ in range(5):
         step.release()
         grads.append(net.weight.grad.clone())
-    assert step.noise.t == 5 and step.noise.history["weight"].shape == (2, 2000)
+    assert step.noise.t == 5 and step.noise.history["weight"].shape == (3, 2000)
     assert torch.equal(before, torch.get_rng_state())
     want = BandMF(5, 3).noise_matrix.norm(dim=1)  # each release's std: its row's norm
     for g, std in zip(grads, want.tolist()):  # 2,000 draws: the std within 10%

@@ -49,7 +49,9 @@ def noise_cost(workload: str = "gpt2-768-dp-step", bands: int = 4, repeats: int 
     """The cost of BandMF's noise at real size: one DP step (``accumulate`` then
     ``release``, sigma 1) of the bench's ``workload`` with DP-SGD's noise and with
     BandMF's, alternated ``repeats`` times after a warm-up (median seconds each), and
-    the states the recursion keeps (``bands - 1`` parameter-sized, float32).
+    the ring the recursion keeps (``bands`` parameter-sized rows, float32: the last
+    ``bands - 1`` draws and the release's own, drawn there instead of a buffer of its
+    own).
 
     Returns:
         ``{"workload", "parameters", "dpsgd_s", "bandmf_s", "ratio", "state_mb"}``.
@@ -85,7 +87,7 @@ def noise_cost(workload: str = "gpt2-768-dp-step", bands: int = 4, repeats: int 
     params = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
     dpsgd, bandmf = statistics.median(times["dpsgd"]), statistics.median(times["bandmf"])
     return {"workload": workload, "parameters": params, "dpsgd_s": dpsgd, "bandmf_s": bandmf,
-            "ratio": bandmf / dpsgd, "state_mb": (bands - 1) * params * 4 / 2 ** 20}
+            "ratio": bandmf / dpsgd, "state_mb": bands * params * 4 / 2 ** 20}
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -12,9 +12,10 @@ the recursion
 
     W_t = (Z_t - sum_{k=1}^{bands-1} c_k W_{t-k}) / c_0,
 
-which keeps the last ``bands - 1`` draws (:class:`CorrelatedNoise`, one
-parameter-sized state each). ``C``'s columns are scaled to norm 1 (the last
-``bands - 1`` are shorter: their rows of ``C^-1`` scaled up to match), so that a
+which needs the last ``bands - 1`` draws (:class:`CorrelatedNoise`: a ring of
+``bands`` parameter-sized rows, the release's own draw made in the oldest). ``C``'s
+columns are scaled to norm 1 (the last ``bands - 1`` are shorter: their rows of
+``C^-1`` scaled up to match), so that a
 record sampled at most once in any ``bands`` consecutive steps (cyclic Poisson
 sampling, :class:`~persample.dp.CyclicPoissonSampler` with ``cycle_length=bands``)
 touches columns of disjoint support, and the run is accounted as DP-SGD over
@@ -250,21 +251,22 @@ def _check_int(name: str, value: Any) -> None:
 
 class CorrelatedNoise:
     """The running state of a mechanism's noise: the release count ``t`` and, for each
-    parameter (each shard of it, under FSDP2), its last ``bands - 1`` draws ``W``, one
-    ``(bands - 1, numel)`` ring per parameter.
+    parameter (each shard of it, under FSDP2), a ring of its last ``bands`` draws ``W``,
+    ``(bands, numel)``.
 
-    :meth:`correlate` turns the release's independent draw ``Z_t`` of a parameter into
-    its noise ``row_scale_t * W_t`` in place: one matrix-vector product with the ring
-    (each state read once), then the new draw written over the oldest; :meth:`advance`
-    ends the release. The rings are of the draw's dtype and device, made (zeros) at the
-    first release.
+    Release ``t`` draws ``Z_t`` into the ring's row ``t mod bands`` (:meth:`slot`: the
+    row of ``W_{t-bands}``, no longer needed), and :meth:`settle` turns it into ``W_t``
+    in place: one matrix-vector product with the other rows (each state read once),
+    then ``/ c_0``; the release's noise is ``row_scale_t * W_t``. :meth:`correlate` does
+    both for a draw made elsewhere. :meth:`advance` ends the release. The rings are of
+    the draw's dtype and device, made (zeros) at the first release.
 
     Args:
         mechanism: the :class:`BandMF` strategy.
 
     Raises:
-        RuntimeError: from :meth:`correlate` (and :meth:`check`), a release past the
-            ``steps`` the mechanism was made for.
+        RuntimeError: from :meth:`slot`, :meth:`correlate` (and :meth:`check`), a
+            release past the ``steps`` the mechanism was made for.
 
     Examples:
         >>> mech = BandMF(steps=3, bands=2, coefs=[2.0, 1.0])
@@ -283,9 +285,8 @@ class CorrelatedNoise:
     def __init__(self, mechanism: BandMF) -> None:
         self.mechanism = mechanism
         self.t = 0  # releases made
-        self.history: dict[str, Tensor] = {}  # name -> (bands - 1, numel): W_s at s mod (b - 1)
-        c = mechanism.coefs.tolist()
-        self.c0, self.rest = c[0], c[1:]
+        self.history: dict[str, Tensor] = {}  # name -> (bands, numel): W_s at s mod bands
+        self.coefs = mechanism.coefs.tolist()
 
     def check(self) -> None:
         """Raise the error of :meth:`correlate` past the planned releases, before any
@@ -296,35 +297,42 @@ class CorrelatedNoise:
                 f"release {self.t + 1}: its last columns are normalised for that many. Make "
                 f"the mechanism with the steps the run takes")
 
+    def slot(self, name: str, like: Tensor) -> Tensor:
+        """Where release ``t``'s draw ``Z_t`` of parameter ``name`` goes: its ring's row
+        ``t mod bands``, viewed as ``like`` (whose shape, dtype and device the ring
+        takes)."""
+        self.check()
+        ring = self.history.get(name)
+        if ring is None or ring.shape[1] != like.numel() or ring.dtype != like.dtype \
+                or ring.device != like.device:
+            ring = self.history[name] = torch.zeros((len(self.coefs), like.numel()),
+                                                    dtype=like.dtype, device=like.device)
+        return ring[self.t % len(self.coefs)].view(like.shape)
+
+    def settle(self, name: str) -> tuple[Tensor, float]:
+        """``Z_t`` in the slot becomes ``W_t = (Z_t - sum_j c_j W_{t-j}) / c_0`` in place;
+        returns the slot (flat) and ``row_scale_t``: the release's noise is their
+        product."""
+        ring = self.history[name]
+        b, here = len(self.coefs), self.t % len(self.coefs)
+        flat = ring[here]
+        if b > 1 and self.t:
+            weights = [0.0] * b
+            for j, cj in enumerate(self.coefs[1:], start=1):
+                if self.t - j >= 0:
+                    weights[(self.t - j) % b] = cj
+            flat.addmv_(ring.t(), torch.tensor(weights, dtype=ring.dtype, device=ring.device),
+                        alpha=-1)  # (the slot's own weight is 0)
+        if self.coefs[0] != 1.0:
+            flat.div_(self.coefs[0])
+        return flat, float(self.mechanism.row_scale[self.t])
+
     def correlate(self, name: str, z: Tensor) -> None:
         """``z`` (``Z_t`` of parameter ``name``, contiguous, any shape) becomes its
         noise, in place."""
-        self.check()
-        flat = z.view(-1)  # (numel,)
-        k = len(self.rest)
-        ring = self.history.get(name)
-        if k and (ring is None or ring.shape[1] != flat.numel() or ring.dtype != z.dtype
-                  or ring.device != z.device):
-            ring = self.history[name] = torch.zeros((k, flat.numel()), dtype=z.dtype,
-                                                    device=z.device)
-        if k and self.t:  # W_t = (Z_t - sum_j c_j W_{t-j}) / c_0
-            flat.addmv_(ring.t(), self._weights(ring), alpha=-1)
-        if self.c0 != 1.0:
-            flat.div_(self.c0)
-        if k:
-            ring[self.t % k].copy_(flat)
-        scale = float(self.mechanism.row_scale[self.t])
-        if scale != 1.0:
-            flat.mul_(scale)
-
-    def _weights(self, ring: Tensor) -> Tensor:
-        """``(bands - 1,)``: ``c_j`` at the ring position of ``W_{t-j}``."""
-        k = len(self.rest)
-        weights = [0.0] * k
-        for j, cj in enumerate(self.rest, start=1):
-            if self.t - j >= 0:
-                weights[(self.t - j) % k] = cj
-        return torch.tensor(weights, dtype=ring.dtype, device=ring.device)
+        self.slot(name, z).copy_(z)
+        flat, scale = self.settle(name)
+        z.view(-1).copy_(flat).mul_(scale)
 
     def advance(self) -> None:
         """The release is complete: the next draws are step ``t + 1``'s."""

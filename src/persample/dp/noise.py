@@ -181,13 +181,32 @@ def gaussian_like(params: list[nn.Parameter], std: float,
         [torch.Size([3, 2]), torch.Size([4])]
     """
     out = pooled_like(params, None, blocks, accumulate)
-    if isinstance(generator, SecureSource):
-        for t in out:
-            _secure_fill(t.view(-1), std)
-        return out
-    seed = release_seed(generator)
-    _in_parallel([(t.view(-1), std, seed, j, 0, t.numel()) for j, t in enumerate(out)])
+    fill_gaussian(out, std, generator)
     return out
+
+
+def fill_gaussian(tensors: list[Tensor], std: float,
+                  generator: torch.Generator | SecureSource | None) -> None:
+    """Fill each tensor, in place, with the noise :func:`gaussian_like` draws for tensors
+    of its shape, dtype and device from the same generator state (one seed): the same
+    numbers, in memory the caller holds (a correlated mechanism's ring).
+
+    Raises:
+        RuntimeError: a non-contiguous tensor (from torch's ``view``).
+
+    Examples:
+        >>> out = [torch.empty(3, 2), torch.empty(4)]
+        >>> fill_gaussian(out, 0.5, torch.Generator().manual_seed(0))
+        >>> drawn = gaussian_like(out, 0.5, torch.Generator().manual_seed(0))
+        >>> all(torch.equal(a, b) for a, b in zip(out, drawn))
+        True
+    """
+    if isinstance(generator, SecureSource):
+        for t in tensors:
+            _secure_fill(t.view(-1), std)
+        return
+    seed = release_seed(generator)
+    _in_parallel([(t.view(-1), std, seed, j, 0, t.numel()) for j, t in enumerate(tensors)])
 
 
 def add_gaussian(tensors: list[Tensor], std: float, generator: torch.Generator | None

@@ -50,6 +50,7 @@ from .microbatch import Accumulated, check_finite
 from .noise import (
     SecureSource,
     add_gaussian,
+    fill_gaussian,
     gaussian_like,
     noise_range,
     pooled_like,
@@ -401,9 +402,13 @@ def _noised(sums: Sums | None, terms: Terms, buffers: list[Tensor]) -> list[Tens
     drawn into and the sums added to."""
     if sums is not None and sums.buffers:
         tensors = [sums.tensors[name] for name in terms.params]
-        if terms.noise is not None:  # the draw apart: it becomes the noise, then is added
-            for tensor, noise in zip(tensors, _drawn(terms, [])):
-                tensor.add_(noise)
+        if terms.noise is not None:  # drawn into the mechanism's ring, settled, added
+            names = list(terms.params)
+            fill_gaussian([terms.noise.slot(name, t) for name, t in zip(names, tensors)],
+                          terms.std, terms.generator)
+            for name, tensor in zip(names, tensors):
+                w, scale = terms.noise.settle(name)
+                tensor.view(-1).add_(w, alpha=scale)
         elif not sums.noised:
             add_gaussian(tensors, terms.std, terms.generator)
         buffers += sums.buffers

@@ -79,9 +79,10 @@ class PrivateStep:
             ``user_ids``.
         mechanism: correlated noise, a :class:`~persample.dp.BandMF` made for the
             run's releases: release ``t``'s noise is ``sigma * S * (C^-1 Z)_t``, the
-            banded recursion over the last ``bands - 1`` draws (each kept in the sums'
-            dtype and, FSDP2, as the parameter's shard; rank 0's with several
-            processes); ``None`` (default): DP-SGD's independent noise. With
+            banded recursion over the last ``bands - 1`` draws (a ring of ``bands``
+            parameter-sized rows in the sums' dtype, the release drawn into it; FSDP2:
+            each shard's; rank 0's with several processes); ``None`` (default):
+            DP-SGD's independent noise. With
             ``sample_rate=q`` the logical batches must come from cyclic Poisson
             sampling with ``bands`` groups (:class:`~persample.dp.CyclicPoissonSampler`:
             each group at rate ``bands * q``), and every ``bands``-th release is
