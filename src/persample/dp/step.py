@@ -441,8 +441,14 @@ class PrivateStep:
         """Restore :meth:`state_dict`'s state (the same model's parameter names and shapes).
 
         Raises:
-            ValueError: the sums' names or shapes are not the step's parameters'.
+            ValueError: the sums' names or shapes are not the step's parameters', or the
+                state is of a step with a mechanism and this one has none (or the
+                reverse); the step unchanged.
         """
+        if (self.noise is None) != (state.get("mechanism") is None):  # (before any change)
+            raise ValueError("the saved state is of a step " + (
+                "without a mechanism: this one correlates its noise" if self.noise is not None
+                else "with a mechanism (correlated noise): pass the same mechanism="))
         sums = state["sums"]
         if sums is not None:
             for name, p in self.params.items():
@@ -460,10 +466,6 @@ class PrivateStep:
             self.generator.set_state(state["generator"])
         if self.accountant is not None and state.get("accountant") is not None:
             self.accountant.load_state_dict(state["accountant"])
-        if (self.noise is None) != (state.get("mechanism") is None):
-            raise ValueError("the saved state is of a step " + (
-                "without a mechanism: this one correlates its noise" if self.noise is not None
-                else "with a mechanism (correlated noise): pass the same mechanism="))
         if self.noise is not None:
             self.noise.load_state_dict(state["mechanism"])
         if self.adaptive is not None and state.get("adaptive") is not None:
