@@ -373,14 +373,43 @@ def test_make_private_with_bandmf_samples_cyclically_and_spends_the_target():
     assert private.epsilon(1e-5) <= 3.0 + 1e-9
 
 
+def test_make_private_with_bandmf_at_user_level():
+    """user_ids with mechanism='bandmf', bands=3: 30 users of 4 records, q = 3 / 30;
+    the users split into 3 groups, each user (all its records, in one physical batch) in
+    at most one of any 3 logical batches; epsilon per user over ceil(T / 3) steps at
+    rate 3 q."""
+    from persample.dp import CyclicUserPoissonSampler, epsilon, make_private
+
+    users = torch.arange(120) // 4 * 7 + 2  # 30 users, ids not 0..29
+    net = _net()
+    private = make_private(net, torch.optim.SGD(net.parameters(), lr=0.1), _data(), _loss_of,
+                           epochs=1, max_grad_norm=1.0, noise_multiplier=1.0,
+                           expected_batch_size=3, physical_batch_size=8, user_ids=users,
+                           mechanism="bandmf", bands=3,
+                           generator=torch.Generator().manual_seed(2))
+    assert isinstance(private.sampler, CyclicUserPoissonSampler)
+    last: dict[int, int] = {}
+    for t, logical in enumerate(private.batches()):
+        seen = set()
+        for x, y, index in logical:
+            private.accumulate(x, y)
+            mine = set(users[index].tolist())
+            assert not mine & seen and all(int((users[index] == u).sum()) == 4 for u in mine)
+            seen |= mine
+        for u in seen:
+            assert t - last.get(u, -3) >= 3
+            last[u] = t
+        private.release()
+    assert private.step.noise.t == 10 and private.step.accountant.steps == 4
+    assert private.epsilon(1e-5) == pytest.approx(epsilon(1.0, 0.3, 4, 1e-5), rel=1e-9)
+
+
 @pytest.mark.parametrize(("options", "match"), [
     ({"bands": 4}, "bands= goes with mechanism='bandmf'"),
     ({"mechanism": "bandmf"}, "needs bands=b"),
     ({"mechanism": "banded"}, "mechanism must be 'bandmf'"),
     ({"mechanism": BandMF(10, 2)}, "was made for 10 releases; this run takes 12"),
     ({"mechanism": "bandmf", "bands": 13}, "need bands <= 12"),
-    ({"mechanism": "bandmf", "bands": 2, "user_ids": torch.arange(120) // 2},
-     "user-level DP .user_ids=. takes DP-SGD's independent noise"),
 ])
 def test_make_private_refuses_a_mechanism_it_cannot_run(options, match):
     from persample.dp import make_private

@@ -509,8 +509,6 @@ def test_bandmf_trains_to_a_target_epsilon(tmp_path):
     assert trainer.epsilon() == pytest.approx(by_hand.epsilon(1e-4))
     assert 2.9 < trainer.epsilon() <= 3.0
     for bad, match in [({"mechanism": "bandmf"}, "goes with bands=b"),
-                       ({"mechanism": "blt", "bands": 2}, "mechanism must be None"),
-                       ({"mechanism": "bandmf", "bands": 2, "user_ids": "user"},
-                        "user-level DP")]:
+                       ({"mechanism": "blt", "bands": 2}, "mechanism must be None")]:
         with pytest.raises(ValueError, match=match):
             PrivacyArguments(noise_multiplier=1.0, **bad)

@@ -216,10 +216,18 @@ def _sampler(cfg: FinetuneConfig, q: float, user_of: Tensor | None, gen: torch.G
     """The logical batches: Poisson over the windows, or over the users (whole users, at
     most ``cfg.records_per_user`` windows each), or with a mechanism cyclic Poisson
     sampling with ``bands`` groups; the same on every process (``gen`` seeded alike)."""
-    from ..dp import CyclicPoissonSampler, PoissonBatchSampler, UserPoissonSampler
+    from ..dp import (
+        CyclicPoissonSampler,
+        CyclicUserPoissonSampler,
+        PoissonBatchSampler,
+        UserPoissonSampler,
+    )
 
     if mechanism is not None:
-        return CyclicPoissonSampler(cfg.train_windows, q, mechanism.bands, cfg.steps, gen)
+        if user_of is None:
+            return CyclicPoissonSampler(cfg.train_windows, q, mechanism.bands, cfg.steps, gen)
+        return CyclicUserPoissonSampler(user_of, q, mechanism.bands, cfg.steps, gen,
+                                        cfg.records_per_user)
     if user_of is None:
         return PoissonBatchSampler(cfg.train_windows, q, cfg.steps, gen)
     return UserPoissonSampler(user_of, q, cfg.steps, gen, cfg.records_per_user)
@@ -404,8 +412,8 @@ def _check_mechanism(cfg: FinetuneConfig, q: float) -> None:
         raise ValueError(f"mechanism must be dpsgd or bandmf, got {cfg.mechanism!r}")
     if cfg.mechanism == "dpsgd":
         return
-    if cfg.users is not None or cfg.clipping == "adaptive":
-        raise ValueError("--mechanism bandmf samples windows cyclically: not with --users or "
+    if cfg.clipping == "adaptive":
+        raise ValueError("--mechanism bandmf takes a fixed clipping norm: not with "
                          "--clipping adaptive")
     if not 1 <= cfg.bands <= cfg.steps or cfg.bands * q > 1:
         raise ValueError(f"--bands must be in [1, steps] and at most 1 / q = {1 / q:.1f} "

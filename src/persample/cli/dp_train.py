@@ -342,10 +342,18 @@ def _sampler(n: int, cfg: DPTrainConfig, q: float, steps: int, gen: torch.Genera
     epoch's, lists of indices): Poisson-sampled records, or with ``user_of`` whole users
     (at most ``cfg.records_per_user`` records each), or with a mechanism cyclic Poisson
     sampling with ``bands`` groups."""
-    from ..dp.sampling import CyclicPoissonSampler, PoissonBatchSampler, UserPoissonSampler
+    from ..dp.sampling import (
+        CyclicPoissonSampler,
+        CyclicUserPoissonSampler,
+        PoissonBatchSampler,
+        UserPoissonSampler,
+    )
 
     if mechanism is not None:
-        return CyclicPoissonSampler(n, q, mechanism.bands, steps, gen)
+        if user_of is None:
+            return CyclicPoissonSampler(n, q, mechanism.bands, steps, gen)
+        return CyclicUserPoissonSampler(user_of, q, mechanism.bands, steps, gen,
+                                        cfg.records_per_user)
     if user_of is None:
         return PoissonBatchSampler(n, q, steps, gen)
     return UserPoissonSampler(user_of, q, steps, gen, cfg.records_per_user)
@@ -503,7 +511,8 @@ def format_result(result: dict) -> str:
     eps_other = p[f"epsilon_{other}"]
     eps_other = "not computed" if eps_other is None else f"{eps_other:.2f}"
     accounted = "" if p.get("bands", 1) == 1 else (
-        f" (BandMF: each record in at most one of every {p['bands']} steps; accounted as "
+        f" (BandMF: each {p.get('unit', 'record')} in at most one of every {p['bands']} "
+        f"steps; accounted as "
         f"DP-SGD at rate {p['bands']} q)")
     lines.append(f"  epsilon at delta {p['delta']:g} ({p['accountant']}; {other}: "
                  f"{eps_other}) after {p['steps']} steps of sigma "
@@ -572,9 +581,9 @@ def _check(cfg: DPTrainConfig) -> None:
         raise ValueError(f"delta must be in (0, 1), got {cfg.delta}; e.g. 1e-5")
     if cfg.mechanism not in ("dpsgd", "bandmf"):
         raise ValueError(f"mechanism must be dpsgd or bandmf, got {cfg.mechanism!r}")
-    if cfg.mechanism == "bandmf" and (cfg.users is not None or cfg.clipping == "adaptive"):
-        raise ValueError("--mechanism bandmf samples records cyclically: not with --users "
-                         "or --clipping adaptive")
+    if cfg.mechanism == "bandmf" and cfg.clipping == "adaptive":
+        raise ValueError("--mechanism bandmf takes a fixed clipping norm: not with "
+                         "--clipping adaptive")
     if not cfg.bands >= 1:
         raise ValueError(f"bands must be >= 1, got {cfg.bands}")
 

@@ -41,6 +41,7 @@ from .microbatch import Accumulated
 from .privacy_engine import BatchMemoryManager, PrivacyEngine
 from .sampling import (
     CyclicPoissonSampler,
+    CyclicUserPoissonSampler,
     EmptySafeCollate,
     PoissonBatchSampler,
     UserPoissonSampler,
@@ -60,6 +61,7 @@ __all__ = [
     "epsilon",
     "noise_multiplier_for",
     "CyclicPoissonSampler",
+    "CyclicUserPoissonSampler",
     "PoissonBatchSampler",
     "UserPoissonSampler",
     "poisson_batches",

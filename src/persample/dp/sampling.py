@@ -210,16 +210,20 @@ class UserPoissonSampler(PoissonBatchSampler):
 
     def draws(self) -> Iterator[list[int]]:
         gen = self._generator()
-        k = self.records_per_user
         for _ in range(self.steps_per_epoch):
             picked = poisson_mask(self.num_users, self.sample_rate, gen).nonzero()[:, 0]
-            drawn = []
-            for u in picked.tolist():  # every rank draws every user's records alike
-                records = self.records[u]
-                if k is not None and len(records) > k:
-                    records = records[_choice(len(records), k, gen)].sort().values
-                drawn += records.tolist()  # a user's records consecutive
-            yield drawn
+            yield self._records_of(picked.tolist(), gen)
+
+    def _records_of(self, users: list[int], gen: torch.Generator | SecureSource) -> list[int]:
+        """The records of the drawn ``users`` (positions among the distinct ids), each
+        user's consecutive, at most ``records_per_user`` of them drawn at random."""
+        k, drawn = self.records_per_user, []
+        for u in users:  # every rank draws every user's records alike
+            records = self.records[u]
+            if k is not None and len(records) > k:
+                records = records[_choice(len(records), k, gen)].sort().values
+            drawn += records.tolist()
+        return drawn
 
 
 class CyclicPoissonSampler(PoissonBatchSampler):
@@ -276,19 +280,7 @@ class CyclicPoissonSampler(PoissonBatchSampler):
             raise ValueError(f"cycle_length must be an int >= 1, got {cycle_length!r}")
         super().__init__(num_samples, sample_rate, steps_per_epoch, generator, rank,
                          world_size)
-        if cycle_length * self.sample_rate > 1 + 1e-12:
-            raise ValueError(f"sample_rate {sample_rate} with cycle_length {cycle_length} "
-                             f"samples each group at rate {cycle_length * sample_rate:g} > 1: "
-                             f"need sample_rate <= 1 / cycle_length")
-        if num_samples < cycle_length:
-            raise ValueError(f"cycle_length {cycle_length} needs at least as many records, "
-                             f"got num_samples={num_samples}")
-        self.cycle_length = cycle_length
-        self.group_rate = min(1.0, cycle_length * self.sample_rate)  # b * q
-        order = _choice(num_samples, num_samples, self._generator())  # (N,) the split
-        self.groups: list[list[int]] = [g.sort().values.tolist()
-                                        for g in order.tensor_split(cycle_length)]
-        self.steps = 0  # steps drawn so far, across epochs: the next one's group
+        _split(self, cycle_length)
 
     def participations(self, steps: int) -> int:
         """The most steps of the first ``steps`` that one record can take part in:
@@ -298,10 +290,84 @@ class CyclicPoissonSampler(PoissonBatchSampler):
     def draws(self) -> Iterator[list[int]]:
         gen = self._generator()
         for _ in range(self.steps_per_epoch):
-            group = self.groups[self.steps % self.cycle_length]
-            self.steps += 1
-            picked = poisson_mask(len(group), self.group_rate, gen).nonzero()[:, 0]
-            yield [group[i] for i in picked.tolist()]
+            yield _next_group_sample(self, gen)
+
+
+class CyclicUserPoissonSampler(UserPoissonSampler):
+    """Cyclic Poisson sampling of users (user-level DP with a correlated mechanism): the
+    users split once, at random, into ``cycle_length`` groups; step ``t`` draws a
+    Poisson sample of group ``t mod cycle_length`` at rate ``cycle_length * q``, each
+    drawn user bringing its records (at most ``records_per_user``), as
+    :class:`UserPoissonSampler` does; a user takes part in at most one step of every
+    ``cycle_length`` (Choquette-Choo et al. 2023's b-min-separated participation, the
+    user as the unit).
+
+    Args:
+        user_ids, sample_rate, steps_per_epoch, generator, records_per_user, rank,
+            world_size: as for :class:`UserPoissonSampler` (``q`` over the users).
+        cycle_length: ``b >= 1``, the number of groups of users, at most the users.
+
+    Raises:
+        ValueError: as :class:`UserPoissonSampler` and :class:`CyclicPoissonSampler`.
+
+    Examples:
+        >>> users = torch.arange(24) // 3  # 8 users (ids 0..7) of 3 records each
+        >>> sampler = CyclicUserPoissonSampler(users, 0.25, 2,
+        ...                                    generator=torch.Generator().manual_seed(0))
+        >>> all(set(users[b].tolist()) <= set(sampler.groups[t % 2])
+        ...     for t, b in enumerate(sampler))  # (groups: positions among the sorted ids)
+        True
+        >>> all(len(b) % 3 == 0 for b in sampler)  # whole users
+        True
+    """
+
+    def __init__(self, user_ids: Any, sample_rate: float, cycle_length: int,
+                 steps_per_epoch: int | None = None,
+                 generator: torch.Generator | SecureSource | None = None,
+                 records_per_user: int | None = None, rank: int = 0, world_size: int = 1):
+        if (isinstance(cycle_length, bool) or not isinstance(cycle_length, int)
+                or cycle_length < 1):
+            raise ValueError(f"cycle_length must be an int >= 1, got {cycle_length!r}")
+        super().__init__(user_ids, sample_rate, steps_per_epoch, generator, records_per_user,
+                         rank, world_size)
+        _split(self, cycle_length)
+
+    participations = CyclicPoissonSampler.participations
+
+    def draws(self) -> Iterator[list[int]]:
+        gen = self._generator()
+        for _ in range(self.steps_per_epoch):
+            yield self._records_of(_next_group_sample(self, gen), gen)
+
+
+def _split(sampler: PoissonBatchSampler, cycle_length: int) -> None:
+    """Set up a cyclic sampler: its ``num_samples`` units (records or users) split at
+    random into ``cycle_length`` groups, each sampled at rate ``b * q``.
+
+    Raises:
+        ValueError: ``b * q > 1``, or fewer units than groups.
+    """
+    n, q = sampler.num_samples, sampler.sample_rate
+    if cycle_length * q > 1 + 1e-12:
+        raise ValueError(f"sample_rate {q} with cycle_length {cycle_length} samples each "
+                         f"group at rate {cycle_length * q:g} > 1: need sample_rate <= 1 / "
+                         f"cycle_length")
+    if n < cycle_length:
+        raise ValueError(f"cycle_length {cycle_length} needs at least as many records (or "
+                         f"users), got {n}")
+    sampler.cycle_length = cycle_length
+    sampler.group_rate = min(1.0, cycle_length * q)  # b * q
+    order = _choice(n, n, sampler._generator())  # (n,) the split
+    sampler.groups = [g.sort().values.tolist() for g in order.tensor_split(cycle_length)]
+    sampler.steps = 0  # steps drawn so far, across epochs: the next one's group
+
+
+def _next_group_sample(sampler: Any, gen: torch.Generator | SecureSource) -> list[int]:
+    """The next step's Poisson sample of its group's units (the cycle advanced)."""
+    group = sampler.groups[sampler.steps % sampler.cycle_length]
+    sampler.steps += 1
+    picked = poisson_mask(len(group), sampler.group_rate, gen).nonzero()[:, 0]
+    return [group[i] for i in picked.tolist()]
 
 
 class WholeSamples(Sampler[list[int]]):

@@ -84,8 +84,9 @@ class PrivateStep:
             each shard's; rank 0's with several processes); ``None`` (default):
             DP-SGD's independent noise. With
             ``sample_rate=q`` the logical batches must come from cyclic Poisson
-            sampling with ``bands`` groups (:class:`~persample.dp.CyclicPoissonSampler`:
-            each group at rate ``bands * q``), and every ``bands``-th release is
+            sampling with ``bands`` groups (:class:`~persample.dp.CyclicPoissonSampler`,
+            of users :class:`~persample.dp.CyclicUserPoissonSampler`: each group at rate
+            ``bands * q``), and every ``bands``-th release is
             accounted as one step at rate ``bands * q`` (Choquette-Choo et al. 2023,
             Theorem 4). Not with ``adaptive_clipping``.
         check: when a micro-batch's result is certified by identities persample does

@@ -30,6 +30,7 @@ from .microbatch import Accumulated
 from .reduce import world
 from .sampling import (
     CyclicPoissonSampler,
+    CyclicUserPoissonSampler,
     EmptySafeCollate,
     PoissonBatchSampler,
     UserPoissonSampler,
@@ -223,8 +224,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             sampling with ``b`` groups (:class:`~persample.dp.CyclicPoissonSampler`,
             each group at rate ``b q``), and the noise multiplier is calibrated, and
             epsilon accounted, as DP-SGD over ``ceil(T / b)`` steps at rate ``b q``
-            (Choquette-Choo et al. 2023, Theorem 4). Record-level DP; not with
-            ``adaptive_clipping``.
+            (Choquette-Choo et al. 2023, Theorem 4). With ``user_ids`` the users are
+            split and sampled so (:class:`~persample.dp.CyclicUserPoissonSampler`); not
+            with ``adaptive_clipping``.
         bands: the bands of ``mechanism="bandmf"``, ``1 <= b <= 1 / q``.
         secure_mode: the noise and the Poisson sampling from the operating system's
             cryptographically secure generator (``os.urandom``), as Opacus's
@@ -244,8 +246,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``IterableDataset``), no ``expected_batch_size`` with a dataset (or a
             ``DataLoader`` without a ``batch_size``), an expected batch larger than
             the dataset, ``secure_mode`` with several processes, or a ``mechanism``
-            this run cannot take (made for other steps, ``bands * q > 1``, with
-            ``user_ids``; ``bands`` without ``"bandmf"``).
+            this run cannot take (made for other steps, ``bands * q > 1``; ``bands``
+            without ``"bandmf"``).
 
     Examples:
         >>> import torch
@@ -303,7 +305,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"number of {what} ({units})")
     q = expected_batch_size / units
     steps_per_epoch = max(1, round(1 / q))
-    mech = _mechanism(mechanism, bands, epochs * steps_per_epoch, q, users)
+    mech = _mechanism(mechanism, bands, epochs * steps_per_epoch, q)
     (rate, compositions), = [(r, k) for _, r, k in amplified_runs(
         mech, 0.0, q, epochs * steps_per_epoch)]
     sigma = _noise_multiplier(target_epsilon, target_delta, noise_multiplier, rate,
@@ -315,12 +317,13 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                        sample_rate=q, accountant=accountant, secure_mode=secure_mode,
                        mechanism=mech, check=check)
     batches_from = batches_from or step.generator  # secure_mode: the step's SecureSource
-    if mech is not None:
-        sampler = CyclicPoissonSampler(n, q, mech.bands, steps_per_epoch, batches_from)
-    elif users is None:
-        sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from)
+    if users is None:
+        sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from) if mech is None \
+            else CyclicPoissonSampler(n, q, mech.bands, steps_per_epoch, batches_from)
     else:
-        sampler = UserPoissonSampler(users, q, steps_per_epoch, batches_from, records_per_user)
+        sampler = UserPoissonSampler(users, q, steps_per_epoch, batches_from, records_per_user) \
+            if mech is None else CyclicUserPoissonSampler(users, q, mech.bands, steps_per_epoch,
+                                                          batches_from, records_per_user)
         if sampler.most_records > physical_batch_size:
             raise ValueError(
                 f"a user brings {sampler.most_records} records to a step, more than "
@@ -338,21 +341,18 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                            sigma, q, steps_per_epoch, epochs)
 
 
-def _mechanism(mechanism: BandMF | str | None, bands: int | None, steps: int, q: float,
-               users: Tensor | None) -> BandMF | None:
+def _mechanism(mechanism: BandMF | str | None, bands: int | None, steps: int, q: float
+               ) -> BandMF | None:
     """The run's mechanism, made for its ``steps`` (``"bandmf"``) or checked against them.
 
     Raises:
         ValueError: ``bands`` without ``"bandmf"`` (or missing with it), a mechanism
-            made for other steps, ``b q > 1``, or user-level DP.
+            made for other steps, or ``b q > 1``.
     """
     if mechanism is None:
         if bands is not None:
             raise ValueError("bands= goes with mechanism='bandmf'")
         return None
-    if users is not None:
-        raise ValueError("a mechanism (correlated noise) samples records cyclically: "
-                         "user-level DP (user_ids=) takes DP-SGD's independent noise")
     if mechanism == "bandmf":
         if bands is None:
             raise ValueError("mechanism='bandmf' needs bands=b, the bands of C (at most "

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..dp import (
     BandMF,
     CyclicPoissonSampler,
+    CyclicUserPoissonSampler,
     EmptySafeCollate,
     PoissonBatchSampler,
     PrivateStep,
@@ -100,7 +101,8 @@ class PrivacyArguments:
             (:class:`persample.dp.BandMF`, made for the planned steps), the training set
             cyclically Poisson-sampled with ``b`` groups, the noise calibrated and
             accounted over ``ceil(T / b)`` steps at rate ``b q`` (Choquette-Choo et al.
-            2023); record-level DP, not resumed from a checkpoint.
+            2023; with ``user_ids``, the users so sampled); not resumed from a
+            checkpoint.
         check: when a micro-batch's result is certified by identities persample does
             not compute itself (:class:`persample.dp.PrivateStep`'s ``check``):
             ``"first"``, ``"always"``, ``"never"`` or ``N``.
@@ -183,9 +185,6 @@ class PrivacyArguments:
         if self.bands is not None and (isinstance(self.bands, bool) or not isinstance(
                 self.bands, int) or self.bands < 1):
             raise ValueError(f"bands must be an int >= 1, got {self.bands!r}")
-        if self.mechanism is not None and self.user_ids is not None:
-            raise ValueError("mechanism='bandmf' samples records cyclically: user-level DP "
-                             "(user_ids=) takes DP-SGD's independent noise")
         if self.accountant not in _ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {_ACCOUNTANTS}, got "
                              f"{self.accountant!r}")
@@ -481,13 +480,14 @@ class PrivateTrainer(transformers.Trainer):
         planned = (args.max_steps if args.max_steps > 0
                    else math.ceil(args.num_train_epochs * steps_per_epoch))
         mechanism = self._mechanism(planned, q)
-        if mechanism is not None:  # one split for the whole run: the cycle runs on
-            logical = CyclicPoissonSampler(n, q, mechanism.bands, steps_per_epoch, gen)
-        elif users is None:
-            logical = PoissonBatchSampler(n, q, steps_per_epoch, gen)
+        if users is None:  # (a mechanism: one split for the whole run, the cycle runs on)
+            logical = PoissonBatchSampler(n, q, steps_per_epoch, gen) if mechanism is None \
+                else CyclicPoissonSampler(n, q, mechanism.bands, steps_per_epoch, gen)
         else:  # each record tagged with its user, the tag taken off before the model
             logical = UserPoissonSampler(users, q, steps_per_epoch, gen,
-                                         privacy.records_per_user)
+                                         privacy.records_per_user) if mechanism is None \
+                else CyclicUserPoissonSampler(users, q, mechanism.bands, steps_per_epoch, gen,
+                                              privacy.records_per_user)
             dataset, collate = _Tagged(dataset, users), _TaggedCollate(collate)
         self.private_step = self._make_step(q, expected, planned, seeds, mechanism)
         micro = PhysicalBatches(logical, parts=parts, rank=args.process_index,
