@@ -303,8 +303,9 @@ class CyclicUserPoissonSampler(UserPoissonSampler):
     user as the unit).
 
     Args:
-        user_ids, sample_rate, steps_per_epoch, generator, records_per_user, rank,
-            world_size: as for :class:`UserPoissonSampler` (``q`` over the users).
+        user_ids, sample_rate, generator: as for :class:`UserPoissonSampler` (``q``
+            over the users).
+        steps_per_epoch, records_per_user, rank, world_size: likewise.
         cycle_length: ``b >= 1``, the number of groups of users, at most the users.
 
     Raises:
