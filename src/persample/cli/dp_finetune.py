@@ -216,21 +216,11 @@ def _sampler(cfg: FinetuneConfig, q: float, user_of: Tensor | None, gen: torch.G
     """The logical batches: Poisson over the windows, or over the users (whole users, at
     most ``cfg.records_per_user`` windows each), or with a mechanism cyclic Poisson
     sampling with ``bands`` groups; the same on every process (``gen`` seeded alike)."""
-    from ..dp import (
-        CyclicPoissonSampler,
-        CyclicUserPoissonSampler,
-        PoissonBatchSampler,
-        UserPoissonSampler,
-    )
+    from ..dp.sampling import logical_sampler
 
-    if mechanism is not None:
-        if user_of is None:
-            return CyclicPoissonSampler(cfg.train_windows, q, mechanism.bands, cfg.steps, gen)
-        return CyclicUserPoissonSampler(user_of, q, mechanism.bands, cfg.steps, gen,
-                                        cfg.records_per_user)
-    if user_of is None:
-        return PoissonBatchSampler(cfg.train_windows, q, cfg.steps, gen)
-    return UserPoissonSampler(user_of, q, cfg.steps, gen, cfg.records_per_user)
+    return logical_sampler(cfg.train_windows, q, cfg.steps, gen, user_of=user_of,
+                           records_per_user=cfg.records_per_user,
+                           cycle_length=None if mechanism is None else mechanism.bands)
 
 
 def _micro_batches(logical: list[int], physical: int, world: tuple[int, int],

@@ -342,21 +342,11 @@ def _sampler(n: int, cfg: DPTrainConfig, q: float, steps: int, gen: torch.Genera
     epoch's, lists of indices): Poisson-sampled records, or with ``user_of`` whole users
     (at most ``cfg.records_per_user`` records each), or with a mechanism cyclic Poisson
     sampling with ``bands`` groups."""
-    from ..dp.sampling import (
-        CyclicPoissonSampler,
-        CyclicUserPoissonSampler,
-        PoissonBatchSampler,
-        UserPoissonSampler,
-    )
+    from ..dp.sampling import logical_sampler
 
-    if mechanism is not None:
-        if user_of is None:
-            return CyclicPoissonSampler(n, q, mechanism.bands, steps, gen)
-        return CyclicUserPoissonSampler(user_of, q, mechanism.bands, steps, gen,
-                                        cfg.records_per_user)
-    if user_of is None:
-        return PoissonBatchSampler(n, q, steps, gen)
-    return UserPoissonSampler(user_of, q, steps, gen, cfg.records_per_user)
+    return logical_sampler(n, q, steps, gen, user_of=user_of,
+                           records_per_user=cfg.records_per_user,
+                           cycle_length=None if mechanism is None else mechanism.bands)
 
 
 def run(cfg: DPTrainConfig) -> dict:

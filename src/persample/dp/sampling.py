@@ -341,6 +341,37 @@ class CyclicUserPoissonSampler(UserPoissonSampler):
             yield self._records_of(_next_group_sample(self, gen), gen)
 
 
+def logical_sampler(num_samples: int, sample_rate: float, steps_per_epoch: int | None,
+                    generator: torch.Generator | SecureSource | None, *,
+                    user_of: Tensor | None = None, records_per_user: int | None = None,
+                    cycle_length: int | None = None) -> PoissonBatchSampler:
+    """The sampler of a run's logical batches, as every front door picks it: Poisson
+    sampling of the ``num_samples`` records, or with ``user_of`` ``(N,)`` of the users
+    (whole, at most ``records_per_user`` records each); with ``cycle_length`` (a
+    mechanism's bands) cyclic Poisson sampling of either.
+
+    Raises:
+        ValueError: as the sampler picked raises it.
+
+    Examples:
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> type(logical_sampler(12, 0.25, None, gen, cycle_length=2)).__name__
+        'CyclicPoissonSampler'
+        >>> type(logical_sampler(12, 0.25, None, gen, user_of=torch.arange(12) // 3)).__name__
+        'UserPoissonSampler'
+    """
+    if user_of is None:
+        if cycle_length is None:
+            return PoissonBatchSampler(num_samples, sample_rate, steps_per_epoch, generator)
+        return CyclicPoissonSampler(num_samples, sample_rate, cycle_length, steps_per_epoch,
+                                    generator)
+    if cycle_length is None:
+        return UserPoissonSampler(user_of, sample_rate, steps_per_epoch, generator,
+                                  records_per_user)
+    return CyclicUserPoissonSampler(user_of, sample_rate, cycle_length, steps_per_epoch,
+                                    generator, records_per_user)
+
+
 def _split(sampler: PoissonBatchSampler, cycle_length: int) -> None:
     """Set up a cyclic sampler: its ``num_samples`` units (records or users) split at
     random into ``cycle_length`` groups, each sampled at rate ``b * q``.

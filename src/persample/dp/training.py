@@ -29,13 +29,11 @@ from .mechanisms import BandMF, amplified_runs, check_mechanism
 from .microbatch import Accumulated
 from .reduce import world
 from .sampling import (
-    CyclicPoissonSampler,
-    CyclicUserPoissonSampler,
     EmptySafeCollate,
     PoissonBatchSampler,
-    UserPoissonSampler,
     dataset_size,
     loader_options,
+    logical_sampler,
     users_of_records,
 )
 from .setup import PhysicalBatches, shared_seeds
@@ -317,13 +315,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                        sample_rate=q, accountant=accountant, secure_mode=secure_mode,
                        mechanism=mech, check=check)
     batches_from = batches_from or step.generator  # secure_mode: the step's SecureSource
-    if users is None:
-        sampler = PoissonBatchSampler(n, q, steps_per_epoch, batches_from) if mech is None \
-            else CyclicPoissonSampler(n, q, mech.bands, steps_per_epoch, batches_from)
-    else:
-        sampler = UserPoissonSampler(users, q, steps_per_epoch, batches_from, records_per_user) \
-            if mech is None else CyclicUserPoissonSampler(users, q, mech.bands, steps_per_epoch,
-                                                          batches_from, records_per_user)
+    sampler = logical_sampler(n, q, steps_per_epoch, batches_from, user_of=users,
+                              records_per_user=records_per_user,
+                              cycle_length=None if mech is None else mech.bands)
+    if users is not None:
         if sampler.most_records > physical_batch_size:
             raise ValueError(
                 f"a user brings {sampler.most_records} records to a step, more than "

@@ -35,17 +35,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..dp import (
     BandMF,
-    CyclicPoissonSampler,
-    CyclicUserPoissonSampler,
     EmptySafeCollate,
-    PoissonBatchSampler,
     PrivateStep,
-    UserPoissonSampler,
     noise_multiplier_for,
 )
 from ..dp.clipping import Clipping
 from ..dp.mechanisms import amplified_runs
-from ..dp.sampling import users_of_records
+from ..dp.sampling import logical_sampler, users_of_records
 from ..dp.setup import PhysicalBatches, Seeds, shared_seeds
 
 PRIVACY_STATE = "privacy_state.pt"
@@ -480,14 +476,11 @@ class PrivateTrainer(transformers.Trainer):
         planned = (args.max_steps if args.max_steps > 0
                    else math.ceil(args.num_train_epochs * steps_per_epoch))
         mechanism = self._mechanism(planned, q)
-        if users is None:  # (a mechanism: one split for the whole run, the cycle runs on)
-            logical = PoissonBatchSampler(n, q, steps_per_epoch, gen) if mechanism is None \
-                else CyclicPoissonSampler(n, q, mechanism.bands, steps_per_epoch, gen)
-        else:  # each record tagged with its user, the tag taken off before the model
-            logical = UserPoissonSampler(users, q, steps_per_epoch, gen,
-                                         privacy.records_per_user) if mechanism is None \
-                else CyclicUserPoissonSampler(users, q, mechanism.bands, steps_per_epoch, gen,
-                                              privacy.records_per_user)
+        # (a mechanism: one split for the whole run, the cycle runs on)
+        logical = logical_sampler(n, q, steps_per_epoch, gen, user_of=users,
+                                  records_per_user=privacy.records_per_user,
+                                  cycle_length=None if mechanism is None else mechanism.bands)
+        if users is not None:  # each record tagged with its user, the tag taken off
             dataset, collate = _Tagged(dataset, users), _TaggedCollate(collate)
         self.private_step = self._make_step(q, expected, planned, seeds, mechanism)
         micro = PhysicalBatches(logical, parts=parts, rank=args.process_index,
