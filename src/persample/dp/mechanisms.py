@@ -354,7 +354,15 @@ def check_mechanism(mechanism: Any) -> BandMF | None:
 
     Raises:
         TypeError: anything else.
-    """
+
+    Examples:
+        >>> check_mechanism(None) is None
+        True
+        >>> check_mechanism("bandmf")
+        Traceback (most recent call last):
+        ...
+        TypeError: mechanism must be a persample.dp.BandMF (or None for DP-SGD's independent noise), got str
+    """  # noqa: E501
     if mechanism is None or isinstance(mechanism, BandMF):
         return mechanism
     raise TypeError(f"mechanism must be a persample.dp.BandMF (or None for DP-SGD's "
@@ -366,6 +374,9 @@ def amplified_runs(mechanism: BandMF | None, noise_multiplier: float, sample_rat
     """The DP-SGD runs ``(sigma, rate, steps)`` the accountant composes for ``releases``
     releases: DP-SGD's own, or, with a mechanism and cyclic Poisson sampling,
     ``ceil(T / b)`` steps at rate ``b * q`` (Choquette-Choo et al. 2023, Theorem 4).
+
+    Source: Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization",
+    Theorem 4.
 
     Examples:
         >>> amplified_runs(None, 1.0, 0.01, 10)

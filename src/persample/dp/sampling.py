@@ -359,6 +359,9 @@ def logical_sampler(num_samples: int, sample_rate: float, steps_per_epoch: int |
         'CyclicPoissonSampler'
         >>> type(logical_sampler(12, 0.25, None, gen, user_of=torch.arange(12) // 3)).__name__
         'UserPoissonSampler'
+
+    Source: Abadi et al. 2016 (Poisson lots); McMahan et al. 2018 (users);
+    Choquette-Choo et al. 2023 (cyclic Poisson sampling).
     """
     if user_of is None:
         if cycle_length is None:
