@@ -37,7 +37,7 @@ from .real_models import causal_lm_loss, gpt2, with_lora
 from .threads import add_threads_argument, default_threads, threads_label
 
 if TYPE_CHECKING:
-    from ..dp import BandMF
+    from ..dp.mechanisms import Mechanism
 
 
 @dataclass
@@ -67,8 +67,9 @@ class FinetuneConfig:
     clipbound_learning_rate: float = 0.2
     users: int | None = None  # user-level DP: the training windows in this many users' runs
     records_per_user: int | None = None  # at most this many of a user's windows a step
-    mechanism: str = "dpsgd"  # or "bandmf": correlated noise (BandMF, cyclic sampling)
+    mechanism: str = "dpsgd"  # or "bandmf", "blt": correlated noise (cyclic sampling)
     bands: int = 4  # BandMF's bands (the sampling's groups)
+    buffers: int = 3  # BLT's buffers
     secure_mode: bool = False  # the noise from the OS's secure generator, not the seed
     lr: float = 5e-4  # Adam
     seed: int = 0
@@ -124,7 +125,7 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     rank)`` of this process among those of a distributed private run (sharded with FSDP2
     if ``cfg.fsdp``), which takes its share of every logical batch."""
     from ..dp import PrivacyAccountant, PrivateStep
-    from ..dp.mechanisms import amplified_runs
+    from ..dp.mechanisms import release_runs
     from ..dp.setup import shared_seeds
 
     inputs, labels = data
@@ -145,9 +146,8 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
     q, expected = sample_rate(cfg), sample_rate(cfg) * (cfg.users or train_n)  # records or users
     user_of = window_users(cfg)  # (train_n,) or None
     seeds = shared_seeds(cfg.seed)  # rank 0's on every process
-    mechanism = mechanism_of(cfg)
+    mechanism = mechanism_of(cfg, q)
     sampler = _sampler(cfg, q, user_of, seeds.sampling_generator(), mechanism)
-    (_, rate, _), = amplified_runs(mechanism, 0.0, q, 1)
     opt = torch.optim.Adam(params, lr=cfg.lr)
     noise_gen = None if cfg.secure_mode else seeds.noise_generator()
     step = PrivateStep(model, causal_lm_loss, noise_multiplier=sigma,
@@ -170,8 +170,8 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
                 (causal_lm_loss(model(**micro), labels[part]).sum() / expected).backward()
         if step is not None:
             step.release()
-            if mechanism is None or (len(times) % mechanism.bands) == 0:
-                accountant.step(sigma, rate)  # (BandMF: every bands-th, at rate bands q)
+            for s, r in release_runs(mechanism, sigma, q, len(times)):
+                accountant.step(s, r)  # (a mechanism: its share of the run's privacy)
         opt.step()
         times.append(time.perf_counter() - start)
     peak = _rss_mb("VmHWM")
@@ -203,24 +203,33 @@ def window_users(cfg: FinetuneConfig) -> Tensor | None:
     return torch.arange(cfg.train_windows) * cfg.users // cfg.train_windows
 
 
-def mechanism_of(cfg: FinetuneConfig) -> BandMF | None:
-    """BandMF made for ``cfg.steps`` (the prefix workload: Adam's updates are not a
-    linear workload), or ``None`` for DP-SGD."""
-    from ..dp import BandMF
+def mechanism_of(cfg: FinetuneConfig, q: float) -> Mechanism | None:
+    """BandMF or BLT made for ``cfg.steps`` at sampling rate ``q`` (the prefix workload:
+    Adam's updates are not a linear workload), or ``None`` for DP-SGD.
 
-    return None if cfg.mechanism == "dpsgd" else BandMF(cfg.steps, cfg.bands)
+    Raises:
+        ValueError: ``cycle_length * q > 1`` (:func:`persample.dp.mechanisms.resolve_mechanism`).
+    """
+    from ..dp.mechanisms import resolve_mechanism
+
+    if cfg.mechanism == "dpsgd":
+        return None
+    return resolve_mechanism(cfg.mechanism, cfg.steps, q,
+                             bands=cfg.bands if cfg.mechanism == "bandmf" else None,
+                             buffers=cfg.buffers if cfg.mechanism == "blt" else None)
 
 
 def _sampler(cfg: FinetuneConfig, q: float, user_of: Tensor | None, gen: torch.Generator,
-             mechanism: BandMF | None = None):
+             mechanism: Mechanism | None = None):
     """The logical batches: Poisson over the windows, or over the users (whole users, at
     most ``cfg.records_per_user`` windows each), or with a mechanism cyclic Poisson
-    sampling with ``bands`` groups; the same on every process (``gen`` seeded alike)."""
+    sampling over its ``cycle_length`` groups; the same on every process (``gen``
+    seeded alike)."""
     from ..dp.sampling import logical_sampler
 
     return logical_sampler(cfg.train_windows, q, cfg.steps, gen, user_of=user_of,
                            records_per_user=cfg.records_per_user,
-                           cycle_length=None if mechanism is None else mechanism.bands)
+                           cycle_length=None if mechanism is None else mechanism.cycle_length)
 
 
 def _micro_batches(logical: list[int], physical: int, world: tuple[int, int],
@@ -339,7 +348,7 @@ def run(cfg: FinetuneConfig) -> dict:
         (['private', 'non-private'], 2)
     """
     from ..dp import noise_multiplier_for
-    from ..dp.mechanisms import amplified_runs
+    from ..dp.mechanisms import accounted_runs
 
     for name in ("layers", "width", "heads", "seq_len", "train_windows", "test_windows",
                  "steps", "batch_size", "physical", "max_grad_norm", "lr", "threads", "rank",
@@ -351,8 +360,8 @@ def run(cfg: FinetuneConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     data = docstring_batch(cfg.train_windows + cfg.test_windows, cfg.seq_len)
     q = sample_rate(cfg)
-    _check_mechanism(cfg, q)
-    (_, rate, count), = amplified_runs(mechanism_of(cfg), 0.0, q, cfg.steps)
+    _check_mechanism(cfg)
+    (_, rate, count), = accounted_runs(mechanism_of(cfg, q), 0.0, q, cfg.steps)
     sigma = cfg.sigma if cfg.sigma is not None else noise_multiplier_for(
         cfg.target_epsilon, cfg.delta, rate, count)
     if cfg.fsdp and cfg.nproc < 2:
@@ -373,7 +382,7 @@ def run(cfg: FinetuneConfig) -> dict:
           f"{'' if cfg.users is None else ' users'} (q "
           f"{q:.4f}{_users_label(cfg)}) in micro-batches of {cfg.physical}, sigma "
           f"{sigma:.3f}{' (secure noise)' if cfg.secure_mode else ''}"
-          f"{'' if cfg.mechanism == 'dpsgd' else f', BandMF ({cfg.bands} bands)'}, "
+          f"{_mechanism_label(cfg)}, "
           f"{clipping_label(cfg)}; {threads_label(cfg.threads)}")
     print(f"  {'run':<12}{'ppl before':>11}{'ppl after':>11}{'epsilon':>9}{'ms/step':>10}"
           f"{'peak MB':>9}")
@@ -397,17 +406,22 @@ def run(cfg: FinetuneConfig) -> dict:
     return result
 
 
-def _check_mechanism(cfg: FinetuneConfig, q: float) -> None:
-    if cfg.mechanism not in ("dpsgd", "bandmf"):
-        raise ValueError(f"mechanism must be dpsgd or bandmf, got {cfg.mechanism!r}")
+def _check_mechanism(cfg: FinetuneConfig) -> None:
+    if cfg.mechanism not in ("dpsgd", "bandmf", "blt"):
+        raise ValueError(f"mechanism must be dpsgd, bandmf or blt, got {cfg.mechanism!r}")
     if cfg.mechanism == "dpsgd":
         return
     if cfg.clipping == "adaptive":
-        raise ValueError("--mechanism bandmf takes a fixed clipping norm: not with "
-                         "--clipping adaptive")
-    if not 1 <= cfg.bands <= cfg.steps or cfg.bands * q > 1:
-        raise ValueError(f"--bands must be in [1, steps] and at most 1 / q = {1 / q:.1f} "
-                         f"(each group sampled at rate bands * q), got {cfg.bands}")
+        raise ValueError(f"--mechanism {cfg.mechanism} takes a fixed clipping norm: not "
+                         f"with --clipping adaptive")
+    if not 1 <= cfg.bands <= cfg.steps:
+        raise ValueError(f"--bands must be in [1, steps], got {cfg.bands}")
+
+
+def _mechanism_label(cfg: FinetuneConfig) -> str:
+    if cfg.mechanism == "bandmf":
+        return f", BandMF ({cfg.bands} bands)"
+    return f", BLT ({cfg.buffers} buffers)" if cfg.mechanism == "blt" else ""
 
 
 def _users_label(cfg: FinetuneConfig) -> str:
@@ -436,11 +450,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name),
                        help=f"default {getattr(d, name)}")
     add_dp_arguments(p, d, "windows", "runs of consecutive windows")
-    p.add_argument("--mechanism", choices=("dpsgd", "bandmf"), default=d.mechanism,
-                   help="DP-SGD's independent noise (default) or BandMF's correlated noise "
-                   "(Choquette-Choo et al. 2023; cyclic Poisson sampling)")
+    p.add_argument("--mechanism", choices=("dpsgd", "bandmf", "blt"), default=d.mechanism,
+                   help="DP-SGD's independent noise (default), BandMF's correlated noise "
+                   "(Choquette-Choo et al. 2023; cyclic Poisson sampling) or BLT's "
+                   "(McMahan et al. 2024; fixed batches)")
     p.add_argument("--bands", type=int, default=d.bands,
                    help=f"BandMF's bands, at most 1 / q (default {d.bands})")
+    p.add_argument("--buffers", type=int, default=d.buffers,
+                   help=f"BLT's buffers: parameter-sized states (default {d.buffers})")
     p.add_argument("--nproc", type=int, default=d.nproc,
                    help="also run the private fine-tuning in this many processes (gloo), "
                    f"each on its share of every logical batch (default {d.nproc})")

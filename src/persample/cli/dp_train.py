@@ -37,7 +37,7 @@ from .threads import add_threads_argument, default_threads, threads_label
 
 if TYPE_CHECKING:  # dp_accounting (scipy) takes ~1.5 s to import: only when training
     from ..dp.accounting import PrivacyAccountant
-    from ..dp.mechanisms import BandMF
+    from ..dp.mechanisms import Mechanism
     from ..dp.setup import Seeds
 
 EPS_EVERY = 10  # steps between epsilon updates in the progress bar (RDP costs ~50 ms)
@@ -92,8 +92,9 @@ class DPTrainConfig:
     clipbound_learning_rate: float = 0.2
     users: int | None = None  # user-level DP: the training records dealt to this many users
     records_per_user: int | None = None  # at most this many of a user's records a step
-    mechanism: str = "dpsgd"  # or "bandmf": correlated noise (BandMF, cyclic sampling)
+    mechanism: str = "dpsgd"  # or "bandmf", "blt": correlated noise (cyclic sampling)
     bands: int = 4  # BandMF's bands (the sampling's groups)
+    buffers: int = 3  # BLT's buffers
     compare_nonprivate: bool = False
     subset: int | None = None  # train on the first SUBSET training examples only
     max_steps: int | None = None  # cap on steps per epoch (tests)
@@ -148,28 +149,35 @@ def load_split(subset: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tenso
 
 
 def resolve_sigma(cfg: DPTrainConfig, sample_rate: float, steps: int,
-                  mechanism: BandMF | None = None) -> float:
+                  mechanism: Mechanism | None = None) -> float:
     """``cfg.sigma``, or the smallest sigma meeting ``cfg.target_epsilon`` after ``steps``
     (with a mechanism: over its amplified runs)."""
     from ..dp.accounting import noise_multiplier_for
-    from ..dp.mechanisms import amplified_runs
+    from ..dp.mechanisms import accounted_runs
 
     if cfg.sigma is not None:
         return cfg.sigma
-    (_, rate, count), = amplified_runs(mechanism, 0.0, sample_rate, steps)
+    (_, rate, count), = accounted_runs(mechanism, 0.0, sample_rate, steps)
     return noise_multiplier_for(cfg.target_epsilon, cfg.delta, rate, count,
                                 accountant=cfg.accountant, tol=1e-3)
 
 
-def mechanism_of(cfg: DPTrainConfig, steps: int) -> BandMF | None:
-    """BandMF for the run's ``steps`` (optimised for SGD with ``cfg.momentum``), or
-    ``None`` for DP-SGD."""
-    from ..dp import BandMF
+def mechanism_of(cfg: DPTrainConfig, steps: int, q: float) -> Mechanism | None:
+    """BandMF or BLT for the run's ``steps`` at sampling rate ``q`` (optimised for SGD
+    with ``cfg.momentum``), or ``None`` for DP-SGD.
+
+    Raises:
+        ValueError: ``cycle_length * q > 1`` (:func:`persample.dp.mechanisms.resolve_mechanism`).
+    """
+    from ..dp.mechanisms import resolve_mechanism
 
     if cfg.mechanism == "dpsgd":
         return None
     workload = "momentum" if cfg.momentum > 0 else "prefix"
-    return BandMF(steps, cfg.bands, workload=workload, momentum=cfg.momentum or 0.9)
+    return resolve_mechanism(
+        cfg.mechanism, steps, q, bands=cfg.bands if cfg.mechanism == "bandmf" else None,
+        buffers=cfg.buffers if cfg.mechanism == "blt" else None, workload=workload,
+        momentum=cfg.momentum or 0.9)
 
 
 class _LossRecorder:
@@ -235,7 +243,7 @@ def train(
     accountant: PrivacyAccountant | None = None,
     *,
     seeds: Seeds,
-    mechanism: BandMF | None = None,
+    mechanism: Mechanism | None = None,
 ) -> Run:
     """Train ``model`` in place for ``cfg.epochs`` epochs; DP-SGD when ``sigma`` is given.
 
@@ -245,14 +253,15 @@ def train(
     ``seeds.noise``) and the learning rate (``cfg.lr`` or ``cfg.nonprivate_lr``).
     ``accountant`` (private only) records every step, empty batches included. With
     several processes the private run takes this rank's share of each logical batch
-    (:func:`persample.dp.setup.share`). With a ``mechanism`` (BandMF) both runs sample
-    cyclically (one split for the whole run), the private one's noise is correlated and
-    every ``bands``-th step is accounted at rate ``bands * q``.
+    (:func:`persample.dp.setup.share`). With a ``mechanism`` (BandMF, BLT) both runs
+    sample cyclically (one split for the whole run), the private one's noise is
+    correlated and each step accounted as the mechanism has it
+    (:func:`persample.dp.mechanisms.release_runs`).
     """
     from tqdm import tqdm  # the cli extra: imported here, so --help works without it
 
     from ..dp import PrivateStep
-    from ..dp.mechanisms import amplified_runs
+    from ..dp.mechanisms import release_runs
     from ..dp.reduce import world
     from ..dp.setup import share
 
@@ -273,7 +282,6 @@ def train(
         generator=noise_gen, secure_mode=cfg.secure_mode,
         clipping=clipping_of(model, cfg, expected), mechanism=mechanism)
     sampler = _sampler(n, cfg, q, steps, batch_gen, user_of, mechanism)
-    (_, rate, _), = amplified_runs(mechanism, 0.0, q, 1)
     run = Run("private" if sigma is not None else "non-private")
     model.train()
     eps = 0.0  # spent so far, refreshed every EPS_EVERY steps
@@ -302,8 +310,8 @@ def train(
             tally.add(loss_fn.seen, yb)
             postfix = tally.postfix()
             if accountant is not None:
-                if mechanism is None or (run.steps - 1) % mechanism.bands == 0:
-                    accountant.step(sigma, rate)
+                for s, r in release_runs(mechanism, sigma, q, run.steps - 1):
+                    accountant.step(s, r)
                 if k == 0 or (k + 1) % EPS_EVERY == 0 or k + 1 == steps:  # from the first
                     t = time.perf_counter()
                     eps = accountant.epsilon(cfg.delta)
@@ -337,16 +345,16 @@ def synthetic_users(n: int, users: int) -> Tensor:
 
 
 def _sampler(n: int, cfg: DPTrainConfig, q: float, steps: int, gen: torch.Generator,
-             user_of: Tensor | None, mechanism: BandMF | None):
+             user_of: Tensor | None, mechanism: Mechanism | None):
     """The run's sampler of logical batches of the ``n`` records (each iteration an
     epoch's, lists of indices): Poisson-sampled records, or with ``user_of`` whole users
     (at most ``cfg.records_per_user`` records each), or with a mechanism cyclic Poisson
-    sampling with ``bands`` groups."""
+    sampling over its ``cycle_length`` groups."""
     from ..dp.sampling import logical_sampler
 
     return logical_sampler(n, q, steps, gen, user_of=user_of,
                            records_per_user=cfg.records_per_user,
-                           cycle_length=None if mechanism is None else mechanism.bands)
+                           cycle_length=None if mechanism is None else mechanism.cycle_length)
 
 
 def run(cfg: DPTrainConfig) -> dict:
@@ -390,10 +398,7 @@ def run(cfg: DPTrainConfig) -> dict:
     q = sample_rate(cfg, n)
     steps_per_epoch = min(round(1 / q), cfg.max_steps or math.inf)
     total_steps = cfg.epochs * steps_per_epoch
-    if cfg.mechanism == "bandmf" and cfg.bands * q > 1:
-        raise ValueError(f"--bands {cfg.bands} samples each of its groups at rate bands * q "
-                         f"> 1 (q {q:.4f}): at most {int(1 / q)} bands")
-    mechanism = mechanism_of(cfg, total_steps)
+    mechanism = mechanism_of(cfg, total_steps, q)
     sigma = resolve_sigma(cfg, q, total_steps, mechanism)
     procs = f", {cfg.nproc} processes of" if cfg.nproc > 1 else ","
     units = n if cfg.users is None else cfg.users
@@ -418,7 +423,8 @@ def run(cfg: DPTrainConfig) -> dict:
         "config": asdict(cfg),
         "data": {"train": n, "test": len(data[3]), "image": [1, 28, 28], "split_seed": 0},
         "privacy": {"mechanism": _label(mechanism),
-                    "bands": 1 if mechanism is None else mechanism.bands, "sigma": sigma,
+                    "bands": getattr(mechanism, "bands", 1),
+                    "cycle_length": getattr(mechanism, "cycle_length", 1), "sigma": sigma,
                     "max_grad_norm": cfg.max_grad_norm, "sample_rate": q,
                     "expected_batch_size": q * units,
                     "steps": cfg.epochs * steps_per_epoch, "accounted_steps": accountant.steps,
@@ -441,8 +447,12 @@ def run(cfg: DPTrainConfig) -> dict:
     return result
 
 
-def _label(mechanism: BandMF | None) -> str:
-    return "DP-SGD" if mechanism is None else f"BandMF ({mechanism.bands} bands)"
+def _label(mechanism: Mechanism | None) -> str:
+    if mechanism is None:
+        return "DP-SGD"
+    if hasattr(mechanism, "buffers"):
+        return f"BLT ({mechanism.buffers} buffers)"
+    return f"BandMF ({mechanism.bands} bands)"
 
 
 def _spawn(cfg: DPTrainConfig) -> dict:
@@ -500,10 +510,12 @@ def format_result(result: dict) -> str:
     other = "pld" if p["accountant"] == "rdp" else "rdp"
     eps_other = p[f"epsilon_{other}"]
     eps_other = "not computed" if eps_other is None else f"{eps_other:.2f}"
-    accounted = "" if p.get("bands", 1) == 1 else (
-        f" (BandMF: each {p.get('unit', 'record')} in at most one of every {p['bands']} "
-        f"steps; accounted as "
-        f"DP-SGD at rate {p['bands']} q)")
+    unit, cycle = p.get("unit", "record"), p.get("cycle_length", p.get("bands", 1))
+    accounted = "" if p.get("bands", 1) == 1 and not p["mechanism"].startswith("BLT") else (
+        f" (BLT: each {unit} in at most one of every {cycle} steps; accounted as one "
+        f"Gaussian mechanism of its sensitivity)" if p["mechanism"].startswith("BLT") else
+        f" (BandMF: each {unit} in at most one of every {cycle} steps; accounted as "
+        f"DP-SGD at rate {cycle} q)")
     lines.append(f"  epsilon at delta {p['delta']:g} ({p['accountant']}; {other}: "
                  f"{eps_other}) after {p['steps']} steps of sigma "
                  f"{p['sigma']:.3f}, q {p['sample_rate']:.4f}{accounted}")
@@ -569,13 +581,14 @@ def _check(cfg: DPTrainConfig) -> None:
         raise ValueError(f"sigma must be >= 0, got {cfg.sigma}")
     if not 0 < cfg.delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {cfg.delta}; e.g. 1e-5")
-    if cfg.mechanism not in ("dpsgd", "bandmf"):
-        raise ValueError(f"mechanism must be dpsgd or bandmf, got {cfg.mechanism!r}")
-    if cfg.mechanism == "bandmf" and cfg.clipping == "adaptive":
-        raise ValueError("--mechanism bandmf takes a fixed clipping norm: not with "
+    if cfg.mechanism not in ("dpsgd", "bandmf", "blt"):
+        raise ValueError(f"mechanism must be dpsgd, bandmf or blt, got {cfg.mechanism!r}")
+    if cfg.mechanism != "dpsgd" and cfg.clipping == "adaptive":
+        raise ValueError(f"--mechanism {cfg.mechanism} takes a fixed clipping norm: not with "
                          "--clipping adaptive")
-    if not cfg.bands >= 1:
-        raise ValueError(f"bands must be >= 1, got {cfg.bands}")
+    for name in ("bands", "buffers"):
+        if not getattr(cfg, name) >= 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -623,12 +636,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="privacy accountant: RDP (default), PLD (tighter, slower) or PRV "
                         "(Opacus's, where Opacus is installed)")
     add_dp_arguments(p, d, "records", "at random, fixed")
-    p.add_argument("--mechanism", choices=("dpsgd", "bandmf"), default=d.mechanism,
-                   help="the noise: DP-SGD's independent draws (default) or BandMF's "
-                   "correlated ones (Choquette-Choo et al. 2023; cyclic Poisson sampling, "
-                   "the strategy optimised for SGD with --momentum)")
+    p.add_argument("--mechanism", choices=("dpsgd", "bandmf", "blt"), default=d.mechanism,
+                   help="the noise: DP-SGD's independent draws (default), BandMF's "
+                   "correlated ones (Choquette-Choo et al. 2023; cyclic Poisson sampling "
+                   "over BANDS groups) or BLT's (McMahan et al. 2024; fixed batches, an "
+                   "epoch apart), the strategy optimised for SGD with --momentum")
     p.add_argument("--bands", type=int, default=d.bands,
                    help=f"BandMF's bands, at most 1 / q (default {d.bands})")
+    p.add_argument("--buffers", type=int, default=d.buffers,
+                   help=f"BLT's buffers: parameter-sized states (default {d.buffers})")
     p.add_argument("--compare-nonprivate", action="store_true",
                    help="also train the same model without DP and compare")
     p.add_argument("--subset", type=int, default=None,
@@ -657,6 +673,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
         momentum=args.momentum, seed=args.seed, accountant=args.accountant,
         secure_mode=args.secure_mode, clipping=args.clipping, users=args.users,
         records_per_user=args.records_per_user, mechanism=args.mechanism, bands=args.bands,
+        buffers=args.buffers,
         automatic_gamma=args.automatic_gamma,
         target_unclipped_quantile=args.target_unclipped_quantile,
         unclipped_num_std=args.unclipped_num_std,

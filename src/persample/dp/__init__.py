@@ -36,7 +36,7 @@ from .accounting import PrivacyAccountant, epsilon, noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .auditing import Audit, audit
 from .clipping import Clipping
-from .mechanisms import BandMF
+from .mechanisms import BLT, BandMF
 from .microbatch import Accumulated
 from .privacy_engine import BatchMemoryManager, PrivacyEngine
 from .sampling import (
@@ -70,6 +70,7 @@ __all__ = [
     "PrivacyEngine",
     "BatchMemoryManager",
     "BandMF",
+    "BLT",
     "Clipping",
     "AdaptiveClipping",
     "audit",

@@ -299,7 +299,13 @@ class _PrvAccountant(dp_accounting.PrivacyAccountant):
 
 
 def _event(runs: list[tuple[float, float, int]]) -> dp_accounting.DpEvent:
-    """``[(sigma, q, count)]`` -> the composed DP-SGD event."""
+    """``[(sigma, q, count)]`` -> the composed DP-SGD event. The unsampled (``q = 1``)
+    Gaussians compose exactly into one, of ``sigma = (sum count / sigma_i^2)^(-1/2)``
+    (a correlated mechanism's releases, spent one by one)."""
+    whole = [(sigma, count) for sigma, q, count in runs if q == 1.0]
+    if len(whole) > 1:
+        sigma = sum(count / s ** 2 for s, count in whole) ** -0.5
+        runs = [run for run in runs if run[1] != 1.0] + [(sigma, 1.0, 1)]
     events = [
         dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count)

@@ -1,4 +1,4 @@
-"""Correlated noise: the banded matrix factorization mechanism (BandMF).
+"""Correlated noise: the matrix factorization mechanisms (BandMF, BLT) and their state.
 
 DP-SGD releases each step's clipped sum ``g_t`` plus independent noise. Training
 uses only the prefix sums of the releases, ``A G`` (``A`` the lower-triangular
@@ -15,12 +15,14 @@ the recursion
 which needs the last ``bands - 1`` draws (:class:`CorrelatedNoise`: a ring of
 ``bands`` parameter-sized rows, the release's own draw made in the oldest). ``C``'s
 columns are scaled to norm 1 (the last ``bands - 1`` are shorter: their rows of
-``C^-1`` scaled up to match), so that a
-record sampled at most once in any ``bands`` consecutive steps (cyclic Poisson
-sampling, :class:`~persample.dp.CyclicPoissonSampler` with ``cycle_length=bands``)
-touches columns of disjoint support, and the run is accounted as DP-SGD over
-``ceil(T / bands)`` steps at rate ``bands * q`` (Choquette-Choo et al. 2023,
-Theorem 4). ``bands=1`` is DP-SGD exactly.
+``C^-1`` scaled up to match), so that a record sampled at most once in any
+``s >= bands`` consecutive steps (cyclic Poisson sampling,
+:class:`~persample.dp.CyclicPoissonSampler` with ``cycle_length=s``; ``s`` groups taken
+whole are fixed batches) touches columns of disjoint support, and the run is accounted
+as DP-SGD over ``ceil(T / s)`` steps at rate ``s * q`` (Choquette-Choo et al. 2023,
+Theorem 4; a ``b``-banded ``C`` is ``s``-banded too). ``bands=1`` is DP-SGD exactly.
+:class:`~persample.dp.blt.BLT` correlates every step with all earlier ones through a
+few buffers, accounted without amplification.
 
 The coefficients ``c`` minimise the expected squared error of the noisy prefix sums,
 ``||A C^-1||_F^2 / T`` (or the last step's, ``"max"``), times the sensitivity
@@ -33,7 +35,6 @@ the error and its exact gradient.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,8 +42,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-WORKLOADS = ("prefix", "momentum")
-ERRORS = ("mean", "max")
+from .blt import BLT
+from .toeplitz import ERRORS, WORKLOADS, check_int, toeplitz, workload_coefs
+
+Mechanism = Any  # a BandMF or a BLT: the strategy and how its noise is made and accounted
 
 
 class BandMF:
@@ -51,9 +54,7 @@ class BandMF:
     Args:
         steps: ``T >= 1``, the releases the run will make (the mechanism refuses more:
             ``C``'s last columns are normalised for this ``T``).
-        bands: ``b >= 1``, the nonzero diagonals of ``C``; the sampling must keep each
-            record's participations at least ``b`` steps apart (cyclic Poisson sampling
-            with ``b`` groups). ``1`` is DP-SGD.
+        bands: ``b >= 1``, the nonzero diagonals of ``C``. ``1`` is DP-SGD.
         workload: ``"prefix"``: the model after each SGD step (prefix sums of the
             gradients); ``"momentum"``: SGD with heavy-ball momentum ``momentum``.
         momentum: ``beta`` in ``[0, 1)`` of the ``"momentum"`` workload.
@@ -62,6 +63,9 @@ class BandMF:
             error, minimised.
         coefs: ``(b,)`` the coefficients, given instead of optimised (from another
             library or an earlier run); scaled to norm 1.
+        cycle_length: ``s >= bands``, the groups of cyclic Poisson sampling: each
+            record's participations at least ``s`` steps apart (default ``bands``; the
+            steps of an epoch, for fixed batches).
 
     Attributes:
         coefs: ``(b,)`` float64, ``C``'s first column's nonzero entries, norm 1.
@@ -90,11 +94,19 @@ class BandMF:
 
     def __init__(self, steps: int, bands: int, *, workload: str = "prefix",
                  momentum: float = 0.9, error: str = "mean",
-                 coefs: Iterable[float] | Tensor | None = None) -> None:
-        _check_int("steps", steps)
-        _check_int("bands", bands)
+                 coefs: Iterable[float] | Tensor | None = None,
+                 cycle_length: int | None = None) -> None:
+        check_int("steps", steps)
+        check_int("bands", bands)
         if bands > steps:
             raise ValueError(f"bands must be at most steps, got bands={bands}, steps={steps}")
+        cycle_length = bands if cycle_length is None else cycle_length
+        check_int("cycle_length", cycle_length)
+        if cycle_length < bands:
+            raise ValueError(f"cycle_length must be at least bands ({bands}): a record's "
+                             f"participations must touch disjoint columns of C, got "
+                             f"cycle_length={cycle_length}")
+        self.cycle_length = cycle_length
         if workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
         if error not in ERRORS:
@@ -119,26 +131,22 @@ class BandMF:
 
     def __repr__(self) -> str:
         extra = f", momentum={self.momentum}" if self.workload == "momentum" else ""
+        cycle = "" if self.cycle_length == self.bands else f", cycle_length={self.cycle_length}"
         return (f"BandMF(steps={self.steps}, bands={self.bands}, "
-                f"workload={self.workload!r}{extra})")
-
-    @property
-    def cycle_length(self) -> int:
-        """The fewest steps between two participations of a record: ``bands``."""
-        return self.bands
+                f"workload={self.workload!r}{extra}{cycle})")
 
     @property
     def matrix(self) -> Tensor:
         """``C`` ``(T, T)`` float64: lower-triangular, ``bands`` diagonals, columns of
         norm 1 (the Toeplitz matrix of :attr:`coefs` with its columns scaled)."""
-        return _toeplitz(self.coefs, self.steps) / self.row_scale  # (T, T)
+        return toeplitz(self.coefs, self.steps) / self.row_scale  # (T, T)
 
     @property
     def noise_matrix(self) -> Tensor:
         """``C^-1`` ``(T, T)`` float64: row ``t`` weighs the draws ``Z_0 .. Z_t`` of
         step ``t``'s noise."""
         inverse = _inverse_coefs(self.coefs.numpy(), self.steps)
-        return self.row_scale[:, None] * _toeplitz(torch.from_numpy(inverse), self.steps)
+        return self.row_scale[:, None] * toeplitz(torch.from_numpy(inverse), self.steps)
 
     def expected_error(self, error: str | None = None) -> float:
         """The squared error of the noisy workload per unit noise and sensitivity:
@@ -158,22 +166,57 @@ class BandMF:
 
     def participations(self, steps: int) -> int:
         """The most of the first ``steps`` releases one record takes part in under
-        cyclic sampling: ``ceil(steps / bands)``."""
-        return -(-steps // self.bands)
+        cyclic sampling: ``ceil(steps / cycle_length)``."""
+        return -(-steps // self.cycle_length)
 
+    # the noise: a ring of the last b draws (CorrelatedNoise)
+    @property
+    def rows(self) -> int:
+        """The rows of each parameter's ring: ``bands``."""
+        return self.bands
 
-def workload_coefs(steps: int, workload: str = "prefix", momentum: float = 0.9) -> np.ndarray:
-    """``(T,)`` float64: the first column of the workload ``A`` (Toeplitz): ones for the
-    prefix sums; ``(1 - beta^(k+1)) / (1 - beta)`` for SGD with momentum ``beta``.
+    def slot_row(self, t: int) -> int:
+        """The row release ``t``'s draw goes in: that of ``W_{t - bands}``."""
+        return t % self.bands
 
-    Examples:
-        >>> workload_coefs(3, "momentum", 0.5).tolist()
-        [1.0, 1.5, 1.75]
-    """
-    k = np.arange(steps)
-    if workload == "prefix":
-        return np.ones(steps)
-    return (1 - momentum ** (k + 1)) / (1 - momentum)
+    def settle(self, ring: Tensor, t: int) -> Tensor:
+        """``Z_t`` in its row becomes ``W_t = (Z_t - sum_j c_j W_{t-j}) / c_0`` in place:
+        one matrix-vector product with the other rows (each read once); returns it
+        (flat, before :meth:`noise_scale`)."""
+        b, flat = self.bands, ring[t % self.bands]
+        coefs = self.coefs.tolist()
+        if b > 1 and t:
+            weights = [0.0] * b
+            for j, cj in enumerate(coefs[1:], start=1):
+                if t - j >= 0:
+                    weights[(t - j) % b] = cj
+            flat.addmv_(ring.t(), torch.tensor(weights, dtype=ring.dtype, device=ring.device),
+                        alpha=-1)  # (the slot's own weight is 0)
+        if coefs[0] != 1.0:
+            flat.div_(coefs[0])
+        return flat
+
+    def noise_scale(self, t: int) -> float:
+        """The factor of release ``t``'s noise: ``row_scale_t``."""
+        return float(self.row_scale[t])
+
+    # the accounting: amplified by cyclic Poisson sampling (Theorem 4)
+    def release_runs(self, sigma: float, sample_rate: float, release: int
+                     ) -> list[tuple[float, float]]:
+        """What release ``release`` (from 0) adds to the accountant: a step of
+        ``(sigma, s q)`` at the first release of each cycle, nothing at the others."""
+        if release % self.cycle_length:
+            return []
+        return [(sigma, min(1.0, self.cycle_length * sample_rate))]
+
+    def runs(self, sigma: float, sample_rate: float, releases: int
+             ) -> list[tuple[float, float, int]]:
+        """The first ``releases`` releases for the accountant: ``ceil(releases / s)``
+        steps of ``(sigma, s q)``."""
+        if releases == 0:
+            return []
+        return [(sigma, min(1.0, self.cycle_length * sample_rate),
+                 self.participations(releases))]
 
 
 def max_error_coefs(bands: int) -> np.ndarray:
@@ -235,34 +278,21 @@ def _inverse_coefs(c: np.ndarray, steps: int) -> np.ndarray:
     return lfilter([1.0], c, impulse)
 
 
-def _toeplitz(first: Tensor, steps: int) -> Tensor:
-    """The ``(T, T)`` lower-triangular Toeplitz matrix of first column ``first``."""
-    col = torch.zeros(steps, dtype=torch.float64)
-    col[:min(len(first), steps)] = first[:steps]
-    k = torch.arange(steps)
-    diff = k[:, None] - k[None, :]  # (T, T)
-    return torch.where(diff >= 0, col[diff.clamp(min=0)], torch.zeros((), dtype=torch.float64))
-
-
-def _check_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 class CorrelatedNoise:
     """The running state of a mechanism's noise: the release count ``t`` and, for each
-    parameter (each shard of it, under FSDP2), a ring of its last ``bands`` draws ``W``,
-    ``(bands, numel)``.
+    parameter (each shard of it, under FSDP2), a ring of ``mechanism.rows`` flat rows:
+    :class:`BandMF`'s last ``bands`` draws ``W``, or a :class:`~persample.dp.blt.BLT`'s
+    ``d`` buffers and the draw.
 
-    Release ``t`` draws ``Z_t`` into the ring's row ``t mod bands`` (:meth:`slot`: the
-    row of ``W_{t-bands}``, no longer needed), and :meth:`settle` turns it into ``W_t``
-    in place: one matrix-vector product with the other rows (each state read once),
-    then ``/ c_0``; the release's noise is ``row_scale_t * W_t``. :meth:`correlate` does
-    both for a draw made elsewhere. :meth:`advance` ends the release. The rings are of
-    the draw's dtype and device, made (zeros) at the first release.
+    Release ``t`` draws ``Z_t`` into the ring's row ``mechanism.slot_row(t)`` (:meth:`slot`),
+    and :meth:`settle` turns it into the release's noise (the mechanism's recursion, in
+    place where it can); the noise is that times ``mechanism.noise_scale(t)``.
+    :meth:`correlate` does both for a draw made elsewhere. :meth:`advance` ends the
+    release. The rings are of the draw's dtype and device, made (zeros) at the first
+    release.
 
     Args:
-        mechanism: the :class:`BandMF` strategy.
+        mechanism: the strategy: :class:`BandMF` or :class:`~persample.dp.blt.BLT`.
 
     Raises:
         RuntimeError: from :meth:`slot`, :meth:`correlate` (and :meth:`check`), a
@@ -282,11 +312,10 @@ class CorrelatedNoise:
         True
     """
 
-    def __init__(self, mechanism: BandMF) -> None:
+    def __init__(self, mechanism: Mechanism) -> None:
         self.mechanism = mechanism
         self.t = 0  # releases made
-        self.history: dict[str, Tensor] = {}  # name -> (bands, numel): W_s at s mod bands
-        self.coefs = mechanism.coefs.tolist()
+        self.history: dict[str, Tensor] = {}  # name -> (rows, numel): the mechanism's state
 
     def check(self) -> None:
         """Raise the error of :meth:`correlate` past the planned releases, before any
@@ -294,38 +323,25 @@ class CorrelatedNoise:
         if self.t >= self.mechanism.steps:
             raise RuntimeError(
                 f"{self.mechanism} was made for {self.mechanism.steps} releases; this is "
-                f"release {self.t + 1}: its last columns are normalised for that many. Make "
-                f"the mechanism with the steps the run takes")
+                f"release {self.t + 1}: its strategy (and its accounting) is for that many. "
+                f"Make the mechanism with the steps the run takes")
 
     def slot(self, name: str, like: Tensor) -> Tensor:
-        """Where release ``t``'s draw ``Z_t`` of parameter ``name`` goes: its ring's row
-        ``t mod bands``, viewed as ``like`` (whose shape, dtype and device the ring
-        takes)."""
+        """Where release ``t``'s draw ``Z_t`` of parameter ``name`` goes: a row of its
+        ring, viewed as ``like`` (whose shape, dtype and device the ring takes)."""
         self.check()
         ring = self.history.get(name)
         if ring is None or ring.shape[1] != like.numel() or ring.dtype != like.dtype \
                 or ring.device != like.device:
-            ring = self.history[name] = torch.zeros((len(self.coefs), like.numel()),
+            ring = self.history[name] = torch.zeros((self.mechanism.rows, like.numel()),
                                                     dtype=like.dtype, device=like.device)
-        return ring[self.t % len(self.coefs)].view(like.shape)
+        return ring[self.mechanism.slot_row(self.t)].view(like.shape)
 
     def settle(self, name: str) -> tuple[Tensor, float]:
-        """``Z_t`` in the slot becomes ``W_t = (Z_t - sum_j c_j W_{t-j}) / c_0`` in place;
-        returns the slot (flat) and ``row_scale_t``: the release's noise is their
-        product."""
-        ring = self.history[name]
-        b, here = len(self.coefs), self.t % len(self.coefs)
-        flat = ring[here]
-        if b > 1 and self.t:
-            weights = [0.0] * b
-            for j, cj in enumerate(self.coefs[1:], start=1):
-                if self.t - j >= 0:
-                    weights[(self.t - j) % b] = cj
-            flat.addmv_(ring.t(), torch.tensor(weights, dtype=ring.dtype, device=ring.device),
-                        alpha=-1)  # (the slot's own weight is 0)
-        if self.coefs[0] != 1.0:
-            flat.div_(self.coefs[0])
-        return flat, float(self.mechanism.row_scale[self.t])
+        """The draw in the slot becomes the release's noise (before scaling); returns it
+        (flat) and the scale: the release's noise is their product."""
+        noise = self.mechanism.settle(self.history[name], self.t)
+        return noise, self.mechanism.noise_scale(self.t)
 
     def correlate(self, name: str, z: Tensor) -> None:
         """``z`` (``Z_t`` of parameter ``name``, contiguous, any shape) becomes its
@@ -339,17 +355,17 @@ class CorrelatedNoise:
         self.t += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """The release count and the kept draws (each parameter's, this process's
+        """The release count and the kept state (each parameter's, this process's
         shard), for a checkpoint."""
         return {"t": self.t, "history": {k: v.clone() for k, v in self.history.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s release count and draws."""
+        """Continue from :meth:`state_dict`'s release count and state."""
         self.t = int(state["t"])
         self.history = {k: v.clone() for k, v in state["history"].items()}
 
 
-def check_mechanism(mechanism: Any) -> BandMF | None:
+def check_mechanism(mechanism: Any) -> Mechanism | None:
     """``mechanism`` if it is one (or ``None``).
 
     Raises:
@@ -361,30 +377,137 @@ def check_mechanism(mechanism: Any) -> BandMF | None:
         >>> check_mechanism("bandmf")
         Traceback (most recent call last):
         ...
-        TypeError: mechanism must be a persample.dp.BandMF (or None for DP-SGD's independent noise), got str
+        TypeError: mechanism must be a persample.dp.BandMF or persample.dp.BLT (or None for DP-SGD's independent noise), got str
     """  # noqa: E501
-    if mechanism is None or isinstance(mechanism, BandMF):
+    if mechanism is None or isinstance(mechanism, (BandMF, BLT)):
         return mechanism
-    raise TypeError(f"mechanism must be a persample.dp.BandMF (or None for DP-SGD's "
-                    f"independent noise), got {type(mechanism).__name__}")
+    raise TypeError(f"mechanism must be a persample.dp.BandMF or persample.dp.BLT (or None "
+                    f"for DP-SGD's independent noise), got {type(mechanism).__name__}")
 
 
-def amplified_runs(mechanism: BandMF | None, noise_multiplier: float, sample_rate: float,
-                   releases: int) -> list[tuple[float, float, int]]:
-    """The DP-SGD runs ``(sigma, rate, steps)`` the accountant composes for ``releases``
-    releases: DP-SGD's own, or, with a mechanism and cyclic Poisson sampling,
-    ``ceil(T / b)`` steps at rate ``b * q`` (Choquette-Choo et al. 2023, Theorem 4).
+def check_sampling(mechanism: Mechanism | None, sample_rate: float | None) -> None:
+    """Refuse a sampling rate the mechanism's cyclic sampling cannot have: each of its
+    ``s = cycle_length`` groups is sampled at rate ``s q``, at most 1.
 
-    Source: Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization",
-    Theorem 4.
+    Raises:
+        ValueError: ``s q > 1``, naming the mechanism and the largest ``q``.
 
     Examples:
-        >>> amplified_runs(None, 1.0, 0.01, 10)
+        >>> check_sampling(BandMF(100, 4), 0.3)
+        Traceback (most recent call last):
+        ...
+        ValueError: sample_rate 0.3 with BandMF(steps=100, bands=4, workload='prefix'): its cyclic sampling draws each of 4 groups at rate cycle_length * q = 1.2 > 1; need sample_rate <= 1 / 4 (or fewer groups)
+    """  # noqa: E501
+    if mechanism is None or sample_rate is None:
+        return
+    s = mechanism.cycle_length
+    if s * sample_rate > 1 + 1e-12:
+        raise ValueError(f"sample_rate {sample_rate:g} with {mechanism}: its cyclic sampling "
+                         f"draws each of {s} groups at rate cycle_length * q = "
+                         f"{s * sample_rate:.4g} > 1; need sample_rate <= 1 / {s} (or fewer "
+                         f"groups)")
+
+
+def accounted_runs(mechanism: Mechanism | None, noise_multiplier: float, sample_rate: float,
+                   releases: int) -> list[tuple[float, float, int]]:
+    """The runs ``(sigma, rate, steps)`` the accountant composes for ``releases``
+    releases: DP-SGD's own; with :class:`BandMF` and cyclic Poisson sampling over ``s``
+    groups, ``ceil(T / s)`` steps at rate ``s * q`` (Choquette-Choo et al. 2023,
+    Theorem 4); with a :class:`~persample.dp.blt.BLT`, one Gaussian mechanism (rate 1) of
+    noise multiplier ``sigma / P``, ``P`` the sensitivity of the releases so far relative
+    to the run's.
+
+    Source: Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization",
+    Theorem 4; McMahan et al. 2024 (BLTs under min-separated participation).
+
+    Examples:
+        >>> accounted_runs(None, 1.0, 0.01, 10)
         [(1.0, 0.01, 10)]
-        >>> amplified_runs(BandMF(10, 4), 1.0, 0.01, 10)
+        >>> accounted_runs(BandMF(10, 4), 1.0, 0.01, 10)
         [(1.0, 0.04, 3)]
+        >>> accounted_runs(BLT(10, 1, cycle_length=5), 2.0, 0.2, 10)
+        [(2.0, 1.0, 1)]
     """
-    if mechanism is None or mechanism.bands == 1:
+    if mechanism is None:
         return [(noise_multiplier, sample_rate, releases)]
-    b = mechanism.bands
-    return [(noise_multiplier, min(1.0, b * sample_rate), math.ceil(releases / b))]
+    return mechanism.runs(noise_multiplier, sample_rate, releases)
+
+
+def release_runs(mechanism: Mechanism | None, noise_multiplier: float, sample_rate: float,
+                 release: int) -> list[tuple[float, float]]:
+    """What one release (``release``, from 0) adds to the accountant, as
+    ``[(sigma, rate)]`` steps: DP-SGD's one step, or the mechanism's share (none, one,
+    or a Gaussian of the sensitivity it adds): composed over the releases, the same
+    epsilon as :func:`accounted_runs`.
+
+    Examples:
+        >>> [release_runs(BandMF(10, 2), 1.0, 0.1, t) for t in range(3)]
+        [[(1.0, 0.2)], [], [(1.0, 0.2)]]
+    """
+    if mechanism is None:
+        return [(noise_multiplier, sample_rate)]
+    return mechanism.release_runs(noise_multiplier, sample_rate, release)
+
+
+MECHANISMS = ("bandmf", "blt")
+
+
+def resolve_mechanism(mechanism: Mechanism | str | None, steps: int, sample_rate: float, *,
+                      bands: int | None = None, buffers: int | None = None,
+                      workload: str = "prefix", momentum: float = 0.9
+                      ) -> Mechanism | None:
+    """A run's mechanism from a front door's arguments: ``"bandmf"`` with ``bands=b``
+    (cyclic Poisson sampling over ``b`` groups, amplified), ``"blt"`` with ``buffers=d``
+    (default 3; fixed batches cycled each epoch: ``cycle_length = floor(1 / q)``, at
+    most ``steps``), made for ``steps`` releases; or a :class:`BandMF` / ``BLT`` the caller
+    made, checked against them; ``None``: DP-SGD.
+
+    Raises:
+        ValueError: an unknown name, ``bands``/``buffers`` without their mechanism (or
+            ``bands`` missing with ``"bandmf"``), a mechanism made for other steps, or a
+            sampling rate its groups cannot have (:func:`check_sampling`).
+        TypeError: ``mechanism`` of another type.
+
+    Examples:
+        >>> resolve_mechanism("bandmf", 100, 0.05, bands=4)
+        BandMF(steps=100, bands=4, workload='prefix')
+        >>> resolve_mechanism("blt", 100, 0.05, buffers=2).cycle_length  # an epoch
+        20
+    """
+    if isinstance(mechanism, str) and mechanism not in MECHANISMS:
+        raise ValueError(f"mechanism must be one of {MECHANISMS}, a persample.dp.BandMF or "
+                         f"BLT, or None (DP-SGD), got {mechanism!r}")
+    if bands is not None and mechanism != "bandmf":
+        raise ValueError("bands= goes with mechanism='bandmf' (a BandMF made by the caller "
+                         "has its own bands)")
+    if buffers is not None and mechanism != "blt":
+        raise ValueError("buffers= goes with mechanism='blt' (a BLT made by the caller has "
+                         "its own buffers)")
+    if mechanism == "bandmf":
+        if bands is None:
+            raise ValueError(f"mechanism='bandmf' needs bands=b, the bands of C (at most "
+                             f"1 / q = {int(1 / sample_rate + 1e-9)} here)")
+        check_int("bands", bands)
+        check_sampling(_Cycle(bands), sample_rate)
+        return BandMF(steps, bands, workload=workload, momentum=momentum)
+    if mechanism == "blt":
+        epoch = min(steps, max(1, int(1 / sample_rate + 1e-9)))
+        return BLT(steps, 3 if buffers is None else buffers, cycle_length=epoch,
+                   workload=workload, momentum=momentum)
+    mech = check_mechanism(mechanism)
+    if mech is not None:
+        if mech.steps != steps:
+            raise ValueError(f"{mech} was made for {mech.steps} releases; this run takes "
+                             f"{steps}: make it with steps={steps}")
+        check_sampling(mech, sample_rate)
+    return mech
+
+
+class _Cycle:
+    """A mechanism's sampling before it is made (for :func:`check_sampling`'s message)."""
+
+    def __init__(self, bands: int) -> None:
+        self.cycle_length = bands
+
+    def __repr__(self) -> str:
+        return f"mechanism='bandmf', bands={self.cycle_length}"

@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clipping import Clipping
-from .mechanisms import BandMF, amplified_runs, check_mechanism
+from .mechanisms import Mechanism, accounted_runs, check_mechanism, resolve_mechanism
 from .reduce import world
 from .sampling import (
     CyclicPoissonSampler,
@@ -380,12 +380,12 @@ class PrivacyEngine:
             batch_first: must be ``True``.
             **kwargs: ``check=`` (persample's own: when a physical batch's result is
                 certified, as for :class:`PrivateStep`); ``mechanism=``, a
-                :class:`~persample.dp.BandMF` made for the run's steps (``epochs *
-                len(data_loader)``): correlated noise, the loader's batches then drawn by
-                cyclic Poisson sampling with ``bands`` groups and the accountant's steps
-                amplified as :class:`PrivateStep` takes them (with
-                :meth:`make_private_with_epsilon`, ``mechanism="bandmf", bands=b``
-                too); Opacus's other options are
+                :class:`~persample.dp.BandMF` or :class:`~persample.dp.BLT` made for the
+                run's steps (``epochs * len(data_loader)``): correlated noise, the
+                loader's batches then drawn by cyclic Poisson sampling over its
+                ``cycle_length`` groups and accounted as :class:`PrivateStep` does (with
+                :meth:`make_private_with_epsilon`, ``mechanism="bandmf", bands=b`` or
+                ``mechanism="blt", buffers=d`` too); Opacus's other options are
                 refused by name, and so is user-level DP (``user_ids=``,
                 ``records_per_user=``: the loader's batches reach the optimizer's step
                 without their users; :func:`~persample.dp.make_private` and
@@ -437,12 +437,12 @@ class PrivacyEngine:
         ``(target_epsilon, target_delta)`` in ``epochs`` epochs of ``len(data_loader)``
         steps (:func:`~persample.dp.noise_multiplier_for`), then :meth:`make_private`."""
         steps = epochs * len(data_loader)
-        if kwargs.get("mechanism") == "bandmf":  # made for the epochs planned
-            if "bands" not in kwargs:
-                raise ValueError("mechanism='bandmf' needs bands=b, the bands of C")
-            kwargs["mechanism"] = BandMF(steps, kwargs.pop("bands"))
-        (_, rate, count), = amplified_runs(check_mechanism(kwargs.get("mechanism")), 0.0,
-                                           1 / len(data_loader), steps)
+        mechanism = resolve_mechanism(  # (a name: made for the epochs planned)
+            kwargs.pop("mechanism", None), steps, 1 / len(data_loader),
+            bands=kwargs.pop("bands", None), buffers=kwargs.pop("buffers", None))
+        if mechanism is not None:
+            kwargs["mechanism"] = mechanism
+        (_, rate, count), = accounted_runs(mechanism, 0.0, 1 / len(data_loader), steps)
         sigma = noise_multiplier_for(target_epsilon, target_delta, rate, count,
                                      self.accountant_kind)
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
@@ -524,18 +524,20 @@ def _clipping(clipping: str | Clipping, max_grad_norm: Any, names: list[str],
 
 
 def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep, seeds: Seeds | None,
-                    mechanism: BandMF | None = None) -> DataLoader:
+                    mechanism: Mechanism | None = None) -> DataLoader:
     """The loader's dataset, collate function and workers, with Poisson-sampled batches:
     ``len(loader)`` an epoch at rate ``q`` (Opacus's ``DPDataLoader``), drawn from the
     shared ``seeds`` (``None``, secure mode: from the OS's secure generator). With
     several processes every rank draws the same sample of the whole dataset and keeps
     its share (:func:`~persample.dp.setup.share`): the ranks' batches make one Poisson
-    sample. With a ``mechanism``, cyclic Poisson sampling with its ``bands`` groups."""
+    sample. With a ``mechanism``, cyclic Poisson sampling over its ``cycle_length``
+    groups."""
     source = step.generator if seeds is None else seeds.sampling_generator()
     size, rank = world() or (1, 0)
     n = len(loader.dataset)
     sampler = PoissonBatchSampler(n, q, len(loader), source, rank, size) if mechanism is None \
-        else CyclicPoissonSampler(n, q, mechanism.bands, len(loader), source, rank, size)
+        else CyclicPoissonSampler(n, q, mechanism.cycle_length, len(loader), source, rank,
+                                  size)
     keep = dict(loader_options(loader),
                 collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn))
     return DataLoader(loader.dataset, batch_sampler=sampler, **keep)

@@ -31,7 +31,7 @@ from ..sharded import fsdp_units
 from .accounting import PrivacyAccountant
 from .adaptive import AdaptiveClipping, unclipped_count
 from .clipping import Clipping
-from .mechanisms import BandMF, CorrelatedNoise, amplified_runs, check_mechanism
+from .mechanisms import CorrelatedNoise, Mechanism, check_mechanism, check_sampling, release_runs
 from .microbatch import Accumulated, MicroBatch, clipped_sums
 from .noise import noise_source
 from .reduce import Local, Reducer, Sums, Terms, reducer_for, total_samples
@@ -77,18 +77,20 @@ class PrivateStep:
             ``(sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` so that the step still costs
             ``sigma`` (:mod:`persample.dp.adaptive`). One process, flat clipping, no
             ``user_ids``.
-        mechanism: correlated noise, a :class:`~persample.dp.BandMF` made for the
-            run's releases: release ``t``'s noise is ``sigma * S * (C^-1 Z)_t``, the
-            banded recursion over the last ``bands - 1`` draws (a ring of ``bands``
-            parameter-sized rows in the sums' dtype, the release drawn into it; FSDP2:
-            each shard's; rank 0's with several processes); ``None`` (default):
-            DP-SGD's independent noise. With
-            ``sample_rate=q`` the logical batches must come from cyclic Poisson
-            sampling with ``bands`` groups (:class:`~persample.dp.CyclicPoissonSampler`,
-            of users :class:`~persample.dp.CyclicUserPoissonSampler`: each group at rate
-            ``bands * q``), and every ``bands``-th release is
-            accounted as one step at rate ``bands * q`` (Choquette-Choo et al. 2023,
-            Theorem 4). Not with ``adaptive_clipping``.
+        mechanism: correlated noise, a :class:`~persample.dp.BandMF` or
+            :class:`~persample.dp.BLT` made for the run's releases: release ``t``'s noise
+            is ``sigma * S * (C^-1 Z)_t``, BandMF's recursion over the last
+            ``bands - 1`` draws or BLT's over ``buffers`` states (parameter-sized rows
+            in the sums' dtype, the release drawn into them; FSDP2: each shard's; rank
+            0's with several processes); ``None`` (default): DP-SGD's independent
+            noise. With ``sample_rate=q`` the logical batches must come from cyclic
+            Poisson sampling over the mechanism's ``cycle_length`` groups ``s``
+            (:class:`~persample.dp.CyclicPoissonSampler`, of users
+            :class:`~persample.dp.CyclicUserPoissonSampler`: each group at rate
+            ``s q``; ``s q = 1`` is fixed batches). BandMF's every ``s``-th release is
+            accounted as one step at rate ``s q`` (Choquette-Choo et al. 2023, Theorem
+            4); BLT's run as one Gaussian mechanism of its sensitivity, spent as it
+            grows. Not with ``adaptive_clipping``.
         check: when a micro-batch's result is certified by identities persample does
             not compute itself (:mod:`persample.certificate`): the per-sample gradients
             behind the norms, the norms, and the clipped sum against the gradient of
@@ -204,7 +206,7 @@ class PrivateStep:
                  param_groups: list[list[str]] | None = None,
                  automatic_gamma: float = 0.01,
                  adaptive_clipping: AdaptiveClipping | None = None,
-                 mechanism: BandMF | None = None,
+                 mechanism: Mechanism | None = None,
                  check: str | int | None = None) -> None:
         _check_options(noise_multiplier, expected_batch_size)
         check_option(check)
@@ -239,11 +241,7 @@ class PrivateStep:
             raise ValueError("mechanism= with adaptive_clipping: the noised count of "
                              "adaptive clipping is accounted as DP-SGD's independent noise; "
                              "use a fixed clipping norm with a mechanism")
-        if self.noise is not None and self.sample_rate is not None and \
-                self.sample_rate * mechanism.bands > 1:
-            raise ValueError(f"sample_rate {self.sample_rate} with {mechanism}: cyclic "
-                             f"sampling draws each of the {mechanism.bands} groups at rate "
-                             f"bands * q > 1; need sample_rate <= 1 / bands")
+        check_sampling(self.mechanism, self.sample_rate)
         self._sums: Sums | None = None  # made by the first micro-batch of a step
         self.samples = 0  # accumulated since the last release
         self.versions: dict[str, int] = {}  # each parameter's _version at the first accumulate
@@ -386,15 +384,14 @@ class PrivateStep:
 
     def _account(self) -> None:
         """One release done: one step of ``(sigma, q)`` for the accountant, if any; with
-        a mechanism of ``b`` bands, one step of ``(sigma, b q)`` every ``b`` releases
-        (its first), as the amplified analysis composes them."""
+        a mechanism, its share (:func:`~persample.dp.mechanisms.release_runs`: BandMF one
+        step of ``(sigma, s q)`` every ``s`` releases, its first, as the amplified
+        analysis composes them; a BLT the Gaussian of the sensitivity it adds)."""
         if self.accountant is None:
             return
-        if self.noise is None:
-            self.accountant.step(self.noise_multiplier, self.sample_rate)
-        elif (self.noise.t - 1) % self.mechanism.bands == 0:
-            (sigma, rate, _), = amplified_runs(self.mechanism, self.noise_multiplier,
-                                               self.sample_rate, 1)
+        release = 0 if self.noise is None else self.noise.t - 1
+        for sigma, rate in release_runs(self.mechanism, self.noise_multiplier,
+                                        self.sample_rate, release):
             self.accountant.step(sigma, rate)
 
     def epsilon(self, delta: float) -> float:

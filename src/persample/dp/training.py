@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clipping import Clipping
-from .mechanisms import BandMF, amplified_runs, check_mechanism
+from .mechanisms import Mechanism, accounted_runs, resolve_mechanism
 from .microbatch import Accumulated
 from .reduce import world
 from .sampling import (
@@ -146,7 +146,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                  automatic_gamma: float = 0.01, user_ids: Any = None,
                  records_per_user: int | None = None,
                  adaptive_clipping: AdaptiveClipping | None = None,
-                 mechanism: BandMF | str | None = None, bands: int | None = None,
+                 mechanism: Mechanism | str | None = None, bands: int | None = None,
+                 buffers: int | None = None,
                  check: str | int | None = None) -> PrivateRun:
     """Set up DP-SGD to spend at most ``(target_epsilon, target_delta)`` in ``epochs``
     (or to run ``epochs`` with a given ``noise_multiplier``).
@@ -216,16 +217,20 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             random), ``>= 1``; default all. Every user's (capped) records must fit in
             one physical batch.
         mechanism: correlated noise: ``"bandmf"`` with ``bands=b`` (the strategy
-            optimised for the planned steps, :class:`~persample.dp.BandMF`), or a
-            ``BandMF`` made for exactly ``epochs * round(1 / q)`` steps; ``None``
-            (default): DP-SGD. The logical batches then come from cyclic Poisson
-            sampling with ``b`` groups (:class:`~persample.dp.CyclicPoissonSampler`,
-            each group at rate ``b q``), and the noise multiplier is calibrated, and
-            epsilon accounted, as DP-SGD over ``ceil(T / b)`` steps at rate ``b q``
-            (Choquette-Choo et al. 2023, Theorem 4). With ``user_ids`` the users are
-            split and sampled so (:class:`~persample.dp.CyclicUserPoissonSampler`); not
-            with ``adaptive_clipping``.
+            optimised for the planned steps, :class:`~persample.dp.BandMF`), ``"blt"``
+            with ``buffers=d`` (:class:`~persample.dp.BLT`), or either made for exactly
+            ``epochs * round(1 / q)`` steps; ``None`` (default): DP-SGD. The logical
+            batches then come from cyclic Poisson sampling over the mechanism's
+            ``cycle_length`` groups ``s`` (:class:`~persample.dp.CyclicPoissonSampler`,
+            each group at rate ``s q``): BandMF's ``b`` groups, the noise multiplier
+            calibrated, and epsilon accounted, as DP-SGD over ``ceil(T / b)`` steps at
+            rate ``b q`` (Choquette-Choo et al. 2023, Theorem 4); BLT's ``floor(1 / q)``
+            (fixed batches, an epoch apart), as one Gaussian mechanism of the BLT's
+            sensitivity. With ``user_ids`` the users are split and sampled so
+            (:class:`~persample.dp.CyclicUserPoissonSampler`); not with
+            ``adaptive_clipping``.
         bands: the bands of ``mechanism="bandmf"``, ``1 <= b <= 1 / q``.
+        buffers: the buffers of ``mechanism="blt"`` (default 3).
         secure_mode: the noise and the Poisson sampling from the operating system's
             cryptographically secure generator (``os.urandom``), as Opacus's
             ``secure_mode``: nothing to learn from a seed; not with ``generator``, nor
@@ -244,8 +249,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
             ``IterableDataset``), no ``expected_batch_size`` with a dataset (or a
             ``DataLoader`` without a ``batch_size``), an expected batch larger than
             the dataset, ``secure_mode`` with several processes, or a ``mechanism``
-            this run cannot take (made for other steps, ``bands * q > 1``; ``bands``
-            without ``"bandmf"``).
+            this run cannot take (made for other steps, ``cycle_length * q > 1``;
+            ``bands`` without ``"bandmf"``, ``buffers`` without ``"blt"``).
 
     Examples:
         >>> import torch
@@ -303,8 +308,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"number of {what} ({units})")
     q = expected_batch_size / units
     steps_per_epoch = max(1, round(1 / q))
-    mech = _mechanism(mechanism, bands, epochs * steps_per_epoch, q)
-    (rate, compositions), = [(r, k) for _, r, k in amplified_runs(
+    mech = resolve_mechanism(mechanism, epochs * steps_per_epoch, q, bands=bands,
+                             buffers=buffers)
+    (rate, compositions), = [(r, k) for _, r, k in accounted_runs(
         mech, 0.0, q, epochs * steps_per_epoch)]
     sigma = _noise_multiplier(target_epsilon, target_delta, noise_multiplier, rate,
                               compositions, accountant)
@@ -317,7 +323,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     batches_from = batches_from or step.generator  # secure_mode: the step's SecureSource
     sampler = logical_sampler(n, q, steps_per_epoch, batches_from, user_of=users,
                               records_per_user=records_per_user,
-                              cycle_length=None if mech is None else mech.bands)
+                              cycle_length=None if mech is None else mech.cycle_length)
     if users is not None:
         if sampler.most_records > physical_batch_size:
             raise ValueError(
@@ -334,45 +340,6 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer,
     physical = DataLoader(dataset, batch_sampler=cut, **options)
     return PrivateRun(step, optimizer, physical, sampler, physical_batch_size,
                            sigma, q, steps_per_epoch, epochs)
-
-
-def _mechanism(mechanism: BandMF | str | None, bands: int | None, steps: int, q: float
-               ) -> BandMF | None:
-    """The run's mechanism, made for its ``steps`` (``"bandmf"``) or checked against them.
-
-    Raises:
-        ValueError: ``bands`` without ``"bandmf"`` (or missing with it), a mechanism
-            made for other steps, or ``b q > 1``.
-    """
-    if mechanism is None:
-        if bands is not None:
-            raise ValueError("bands= goes with mechanism='bandmf'")
-        return None
-    if mechanism == "bandmf":
-        if bands is None:
-            raise ValueError("mechanism='bandmf' needs bands=b, the bands of C (at most "
-                             "round(1 / q) here)")
-        _check_bands(bands, q)
-        mechanism = BandMF(steps, bands)
-    elif isinstance(mechanism, str):
-        raise ValueError(f"mechanism must be 'bandmf', a persample.dp.BandMF or None, got "
-                         f"{mechanism!r}")
-    elif bands is not None:
-        raise ValueError("bands= goes with mechanism='bandmf'; a BandMF has its own bands")
-    mech = check_mechanism(mechanism)
-    if mech.steps != steps:
-        raise ValueError(f"{mech} was made for {mech.steps} releases; this run takes "
-                         f"{steps} (epochs * round(1 / q)): make it with steps={steps}, or "
-                         f"pass mechanism='bandmf', bands={mech.bands}")
-    _check_bands(mech.bands, q)
-    return mech
-
-
-def _check_bands(bands: Any, q: float) -> None:
-    if isinstance(bands, int) and bands * q > 1 + 1e-12:
-        raise ValueError(f"bands={bands} with q={q:g}: cyclic sampling draws each of the "
-                         f"{bands} groups at rate bands * q > 1; need bands <= "
-                         f"{int(1 / q + 1e-9)}")
 
 
 def _sources(model: nn.Module, generator: torch.Generator | None, secure_mode: bool,

@@ -34,13 +34,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..dp import (
-    BandMF,
     EmptySafeCollate,
     PrivateStep,
     noise_multiplier_for,
 )
 from ..dp.clipping import Clipping
-from ..dp.mechanisms import amplified_runs
+from ..dp.mechanisms import Mechanism, accounted_runs, resolve_mechanism
 from ..dp.sampling import logical_sampler, users_of_records
 from ..dp.setup import PhysicalBatches, Seeds, shared_seeds
 
@@ -93,12 +92,14 @@ class PrivacyArguments:
             generator (``os.urandom``; threat model and cost:
             :class:`persample.dp.noise.SecureSource`); the Poisson sampling stays seeded
             (every process must draw the same sample); not with ``seed``.
-        mechanism, bands: ``"bandmf"`` with ``bands=b``: correlated noise
+        mechanism, bands, buffers: ``"bandmf"`` with ``bands=b``: correlated noise
             (:class:`persample.dp.BandMF`, made for the planned steps), the training set
             cyclically Poisson-sampled with ``b`` groups, the noise calibrated and
             accounted over ``ceil(T / b)`` steps at rate ``b q`` (Choquette-Choo et al.
-            2023; with ``user_ids``, the users so sampled); not resumed from a
-            checkpoint.
+            2023); ``"blt"`` with ``buffers=d`` (default 3; :class:`persample.dp.BLT`):
+            fixed batches cycled each epoch, accounted as one Gaussian mechanism of the
+            BLT's sensitivity (with ``user_ids``, the users so sampled); not resumed
+            from a checkpoint.
         check: when a micro-batch's result is certified by identities persample does
             not compute itself (:class:`persample.dp.PrivateStep`'s ``check``):
             ``"first"``, ``"always"``, ``"never"`` or ``N``.
@@ -133,6 +134,7 @@ class PrivacyArguments:
     records_per_user: int | None = None
     mechanism: str | None = None
     bands: int | None = None
+    buffers: int | None = None
     check: str | int | None = None
 
     def chosen_clipping(self) -> Clipping:
@@ -172,15 +174,19 @@ class PrivacyArguments:
         if self.secure_mode and self.seed is not None:
             raise ValueError("secure_mode=True draws the noise from the operating system's "
                              "secure generator, which has no seed: pass seed=None")
-        if self.mechanism not in (None, "bandmf"):
-            raise ValueError(f"mechanism must be None (DP-SGD) or 'bandmf', got "
+        if self.mechanism not in (None, "bandmf", "blt"):
+            raise ValueError(f"mechanism must be None (DP-SGD), 'bandmf' or 'blt', got "
                              f"{self.mechanism!r}")
-        if (self.mechanism is None) != (self.bands is None):
+        if (self.mechanism == "bandmf") != (self.bands is not None):
             raise ValueError("mechanism='bandmf' goes with bands=b (the bands of C), and "
                              "bands= with mechanism='bandmf'")
-        if self.bands is not None and (isinstance(self.bands, bool) or not isinstance(
-                self.bands, int) or self.bands < 1):
-            raise ValueError(f"bands must be an int >= 1, got {self.bands!r}")
+        if self.buffers is not None and self.mechanism != "blt":
+            raise ValueError("buffers= goes with mechanism='blt'")
+        for name in ("bands", "buffers"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.accountant not in _ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {_ACCOUNTANTS}, got "
                              f"{self.accountant!r}")
@@ -479,7 +485,8 @@ class PrivateTrainer(transformers.Trainer):
         # (a mechanism: one split for the whole run, the cycle runs on)
         logical = logical_sampler(n, q, steps_per_epoch, gen, user_of=users,
                                   records_per_user=privacy.records_per_user,
-                                  cycle_length=None if mechanism is None else mechanism.bands)
+                                  cycle_length=None if mechanism is None
+                                  else mechanism.cycle_length)
         if users is not None:  # each record tagged with its user, the tag taken off
             dataset, collate = _Tagged(dataset, users), _TaggedCollate(collate)
         self.private_step = self._make_step(q, expected, planned, seeds, mechanism)
@@ -490,32 +497,30 @@ class PrivateTrainer(transformers.Trainer):
                           num_workers=args.dataloader_num_workers,
                           pin_memory=args.dataloader_pin_memory)
 
-    def _mechanism(self, planned: int, q: float) -> BandMF | None:
-        """BandMF made for the ``planned`` steps (``None``: DP-SGD).
+    def _mechanism(self, planned: int, q: float) -> Mechanism | None:
+        """The mechanism made for the ``planned`` steps (``None``: DP-SGD).
 
         Raises:
-            ValueError: ``bands * q > 1``, or a resumed run (its noise's state is not
-                in the Trainer's checkpoints).
+            ValueError: ``cycle_length * q > 1``, or a resumed run (its noise's state is
+                not in the Trainer's checkpoints).
         """
         privacy = self.privacy_args
         if privacy.mechanism is None:
             return None
-        if privacy.bands * q > 1:
-            raise ValueError(f"bands={privacy.bands} samples each of its groups at rate "
-                             f"bands * q > 1 (q = {q:.4g}): at most {int(1 / q)} bands")
         if self._resume_from is not None:
-            raise ValueError("PrivateTrainer does not resume a mechanism='bandmf' run: the "
-                             "noise's last draws and the sampling cycle are not in its "
-                             "checkpoints; train from the start, or use PrivateStep's "
-                             "state_dict in a loop of your own")
-        return BandMF(planned, privacy.bands)
+            raise ValueError(f"PrivateTrainer does not resume a mechanism="
+                             f"{privacy.mechanism!r} run: the noise's state and the "
+                             f"sampling cycle are not in its checkpoints; train from the "
+                             f"start, or use PrivateStep's state_dict in a loop of your own")
+        return resolve_mechanism(privacy.mechanism, planned, q, bands=privacy.bands,
+                                 buffers=privacy.buffers)
 
     def _make_step(self, q: float, expected: int, planned: int, seeds: Seeds,
-                   mechanism: BandMF | None = None) -> PrivateStep:
+                   mechanism: Mechanism | None = None) -> PrivateStep:
         privacy = self.privacy_args
         sigma = privacy.noise_multiplier
         if sigma is None:
-            (_, rate, count), = amplified_runs(mechanism, 0.0, q, planned)
+            (_, rate, count), = accounted_runs(mechanism, 0.0, q, planned)
             sigma = noise_multiplier_for(privacy.target_epsilon, privacy.target_delta, rate,
                                          count, privacy.accountant)
         noise = None
