@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from persample.dp import BandMF, PrivateStep
+from persample.dp import BLT, BandMF, PrivateStep
+
+
+def GIVEN_BLT() -> BLT:
+    """A BLT of given decays (no optimisation in the workers)."""
+    return BLT(12, 2, cycle_length=4, decays=([0.9, 0.5], [0.7, 0.2]))
 
 N, C = 8, 0.1
 # each sample's user: whole users on each of two ranks, or user 2 on both
@@ -135,6 +140,16 @@ def run_all(rank: int, world: int) -> dict:
         step.release()
         draws.append(torch.cat([banded.weight.grad.flatten(), banded.bias.grad]))
     saved["banded noise"] = torch.stack(draws)
+
+    buffered = nn.Linear(30, 20).double()  # BLT: rank 0's draws through its buffers, once
+    step = PrivateStep(buffered, nn.MSELoss(), max_grad_norm=0.5, noise_multiplier=1.3,
+                       expected_batch_size=10, generator=torch.Generator().manual_seed(rank + 1),
+                       mechanism=GIVEN_BLT())
+    draws = []
+    for _ in range(12):
+        step.release()
+        draws.append(torch.cat([buffered.weight.grad.flatten(), buffered.bias.grad]))
+    saved["blt noise"] = torch.stack(draws)
 
     secure = nn.Linear(30, 20).double()  # secure_mode: rank 0's draw from the OS
     step = PrivateStep(secure, nn.MSELoss(), max_grad_norm=0.5, noise_multiplier=1.3,

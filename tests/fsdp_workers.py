@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import persample
 from dist_workers import _error
-from persample.dp import BandMF, PrivateStep, private_grad
+from persample.dp import BLT, BandMF, PrivateStep, private_grad
 
 V, D, T, LAYERS = 40, 12, 6, 2
 N, C, SIGMA = 8, 0.5, 1.3  # samples (N // world per rank), clipping norm, noise multiplier
@@ -214,6 +214,15 @@ def scenarios(rank: int, world: int) -> dict:
         step.release()
         draws.append(torch.cat([g.flatten() for g in grads(model).values()]))
     saved["banded noise"] = torch.stack(draws)
+    model = shard(net())  # BLT: each shard's buffers where it is
+    step = PrivateStep(model, lm_loss, max_grad_norm=C, noise_multiplier=SIGMA,
+                       expected_batch_size=10, generator=torch.Generator().manual_seed(7),
+                       mechanism=BLT(12, 2, cycle_length=4, decays=([0.9, 0.5], [0.7, 0.2])))
+    draws = []
+    for _ in range(12):
+        step.release()
+        draws.append(torch.cat([g.flatten() for g in grads(model).values()]))
+    saved["blt noise"] = torch.stack(draws)
     model = shard(net())  # secure_mode: rank 0 draws each parameter's noise, broadcast
     step = PrivateStep(model, lm_loss, max_grad_norm=C, noise_multiplier=SIGMA,
                        expected_batch_size=10, secure_mode=True)

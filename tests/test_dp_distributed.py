@@ -92,10 +92,12 @@ def test_secure_noise_is_rank_0s_added_once(ranks):
     assert all(seen["secure left torch's generator"] for seen in ranks)
 
 
-def test_banded_noise_is_rank_0s_correlated_draws_added_once(ranks):
-    """BandMF with two processes: rank 0's draws (its generator's), correlated by its
-    recursion, added once: ``C^-1 Z`` of the independent noise one process draws."""
-    z0, z1 = ranks[0]["banded noise"], ranks[1]["banded noise"]  # (12, 620)
+@pytest.mark.parametrize("kind", ["banded", "blt"])
+def test_banded_noise_is_rank_0s_correlated_draws_added_once(ranks, kind):
+    """BandMF (and BLT) with two processes: rank 0's draws (its generator's), correlated
+    by its recursion, added once: ``C^-1 Z`` of the independent noise one process
+    draws."""
+    z0, z1 = ranks[0][f"{kind} noise"], ranks[1][f"{kind} noise"]  # (12, 620)
     assert torch.equal(z0, z1)
     net = nn.Linear(30, 20).double()
     step = PrivateStep(net, nn.MSELoss(), max_grad_norm=0.5, noise_multiplier=1.3,
@@ -104,7 +106,8 @@ def test_banded_noise_is_rank_0s_correlated_draws_added_once(ranks):
     for _ in range(12):
         step.release()
         independent.append(torch.cat([net.weight.grad.flatten(), net.bias.grad]))
-    want = BandMF(12, 3).noise_matrix @ torch.stack(independent)
+    mech = BandMF(12, 3) if kind == "banded" else dist_workers.GIVEN_BLT()
+    want = mech.noise_matrix @ torch.stack(independent)
     torch.testing.assert_close(z0, want, rtol=1e-10, atol=1e-14)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from persample.dp import PrivateStep
+from persample.dp import BLT, PrivateStep
 from persample.dp.mechanisms import (
     BandMF,
     CorrelatedNoise,
@@ -210,14 +210,20 @@ def _releases(mechanism, steps: int, sigma: float = 1.3, data=None, **options) -
     return out, step
 
 
-def test_the_steps_noise_is_the_noise_matrix_times_dp_sgds():
-    """With the same generator, a BandMF step's p.grad over T releases is ``C^-1`` times
-    the independent noise DP-SGD's step draws (float64, to rounding); ``bands=1`` is
-    DP-SGD's p.grad exactly."""
+def _blt(steps: int, cycle_length: int = 2) -> BLT:
+    """A BLT of given decays (two buffers)."""
+    return BLT(steps, 2, cycle_length=cycle_length, decays=([0.9, 0.5], [0.7, 0.2]))
+
+
+@pytest.mark.parametrize("mech", [BandMF(10, 4), _blt(10)], ids=["bandmf", "blt"])
+def test_the_steps_noise_is_the_noise_matrix_times_dp_sgds(mech):
+    """With the same generator, a BandMF (or BLT) step's p.grad over T releases is
+    ``C^-1`` times the independent noise DP-SGD's step draws (float64, to rounding);
+    ``bands=1`` is DP-SGD's p.grad exactly."""
     independent, _ = _releases(None, 10)
-    banded, _ = _releases(BandMF(10, 4), 10)
-    want = BandMF(10, 4).noise_matrix @ torch.stack(independent)
-    torch.testing.assert_close(torch.stack(banded), want, rtol=1e-12, atol=1e-15)
+    correlated, _ = _releases(mech, 10)
+    want = mech.noise_matrix @ torch.stack(independent)
+    torch.testing.assert_close(torch.stack(correlated), want, rtol=1e-12, atol=1e-15)
     one, _ = _releases(BandMF(10, 1), 10)
     assert all(torch.equal(a, b) for a, b in zip(one, independent))
 
@@ -226,16 +232,16 @@ def test_without_noise_every_mechanism_is_the_clipped_mean():
     g = torch.Generator().manual_seed(5)
     data = (torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g))
     plain, _ = _releases(None, 3, sigma=0.0, data=data)
-    for mech in (BandMF(3, 2), BandMF(3, 3, workload="momentum")):
+    for mech in (BandMF(3, 2), BandMF(3, 3, workload="momentum"), _blt(3), BLT(3, 1)):
         got, _ = _releases(mech, 3, sigma=0.0, data=data)
         assert all(torch.equal(a, b) for a, b in zip(got, plain))
 
 
-def test_the_noise_covariance_across_steps():
+@pytest.mark.parametrize("mech", [BandMF(6, 3), _blt(6, 3)], ids=["bandmf", "blt"])
+def test_the_noise_covariance_across_steps(mech):
     """Statistical: over 40,000 coordinates of zero-gradient releases, the covariance of
     the T = 6 releases' noise is ``(sigma C / B')^2 C^-1 C^-T`` (entries within 4 standard
-    errors)."""
-    mech = BandMF(6, 3)
+    errors), C of sensitivity 1."""
     net = nn.Linear(200, 200, bias=False)
     step = PrivateStep(net, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=2.0,
                        expected_batch_size=4, generator=torch.Generator().manual_seed(0),
@@ -253,11 +259,11 @@ def test_the_noise_covariance_across_steps():
     assert bool(((got - want).abs() <= 4 * se + 1e-12).all()), (got - want).abs() / se
 
 
-def test_a_resumed_step_continues_the_same_noise():
+@pytest.mark.parametrize("mech", [BandMF(9, 3), _blt(9)], ids=["bandmf", "blt"])
+def test_a_resumed_step_continues_the_same_noise(mech):
     """state_dict after 4 of 9 releases, loaded into a new step with the same mechanism:
     the last 5 releases' noise is the uninterrupted run's; a state without the mechanism
     (or with one into a step without) is refused by name."""
-    mech = BandMF(9, 3)
     whole, _ = _releases(mech, 9)
     head, step = _releases(mech, 4)
     saved = {k: v for k, v in step.state_dict().items()}

@@ -189,12 +189,14 @@ def test_user_level_clipping(ranks):
         _close(seen["users"]["grads"], want, rtol=1e-10, atol=1e-13)
 
 
-def test_banded_noise_is_one_processs(ranks):
-    """BandMF over sharded parameters: each rank correlates its shard's draws, and the
-    whole noise is what one process draws from the same seed: ``C^-1 Z``."""
-    from persample.dp import BandMF
+@pytest.mark.parametrize("kind", ["banded", "blt"])
+def test_banded_noise_is_one_processs(ranks, kind):
+    """BandMF (and BLT) over sharded parameters: each rank correlates its shard's draws
+    (BLT: keeps its shard's buffers), and the whole noise is what one process draws from
+    the same seed: ``C^-1 Z``."""
+    from persample.dp import BLT, BandMF
 
-    z0, z1 = ranks[0]["banded noise"], ranks[1]["banded noise"]  # (12 releases, P)
+    z0, z1 = ranks[0][f"{kind} noise"], ranks[1][f"{kind} noise"]  # (12 releases, P)
     assert torch.equal(z0, z1)
     model = fw.net()
     step = PrivateStep(model, fw.lm_loss, max_grad_norm=fw.C, noise_multiplier=fw.SIGMA,
@@ -203,7 +205,9 @@ def test_banded_noise_is_one_processs(ranks):
     for _ in range(12):
         step.release()
         independent.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    want = BandMF(12, 3).noise_matrix @ torch.stack(independent)
+    mech = BandMF(12, 3) if kind == "banded" else BLT(12, 2, cycle_length=4,
+                                                       decays=([0.9, 0.5], [0.7, 0.2]))
+    want = mech.noise_matrix @ torch.stack(independent)
     torch.testing.assert_close(z0, want, rtol=1e-10, atol=1e-14)
 
 

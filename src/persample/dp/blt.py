@@ -80,7 +80,7 @@ class BLT:
 
     Raises:
         ValueError: an argument outside its range; ``decays`` of the wrong shape, or
-            whose ``C`` is not valid (decays in ``(0, 1)``, scales positive, summing
+            whose ``C`` is not valid (decays in ``(0, 1]``, scales nonnegative, summing
             to at most 1: nonnegative non-increasing coefficients, which the
             sensitivity needs).
         RuntimeError: the optimisation ended on an invalid ``C`` (try fewer buffers).
@@ -255,8 +255,8 @@ def _invalid(theta: Tensor, omega: Tensor) -> str:
     """What makes the BLT unfit for the min-separated sensitivity (empty: nothing)."""
     if not bool(((theta > 0) & (theta <= 1)).all()):
         return "its decays must lie in (0, 1]"
-    if not bool((omega > 0).all()):
-        return "its output scales must be positive"
+    if not bool((omega >= 0).all()):
+        return "its output scales must be nonnegative"
     if float(omega.sum()) > 1 + 1e-12:
         return "its scales must sum to at most 1 (non-increasing coefficients)"
     return ""
