@@ -129,5 +129,10 @@ def test_bandmf_fine_tunes_with_correlated_noise_and_amplified_accounting(tmp_pa
     assert private["epsilon"] == pytest.approx(epsilon(0.3, 3 * 16 / 128, 2, 1e-5), rel=1e-9)
     assert private["perplexity_after"] < private["perplexity_before"]
     assert "BandMF (3 bands)" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="at most 1 / q = 4.0"):
+    with pytest.raises(SystemExit, match="need sample_rate <= 1 / 5"):
         main(["dp-finetune", *TINY, "--mechanism", "bandmf", "--bands", "5"])
+    assert main(["dp-finetune", *TINY, "--batch-size", "16", "--mechanism", "blt",
+                 "--buffers", "2", "--json", str(path)]) == 0
+    private = json.loads(path.read_text())["runs"][0]  # one Gaussian mechanism of sigma
+    assert private["epsilon"] == pytest.approx(epsilon(0.3, 1.0, 1, 1e-5), rel=1e-9)
+    assert "BLT (2 buffers)" in capsys.readouterr().out

@@ -172,6 +172,20 @@ def test_two_processes_train_as_one(capfd):
     assert "2 processes" in capfd.readouterr().out  # printed by rank 0's process
 
 
+def test_blt_takes_fixed_batches_and_is_one_gaussian_mechanism(capsys):
+    """--mechanism blt --buffers 2 at q = 16 / 96: fixed batches of an epoch's 6 groups,
+    the whole run one Gaussian mechanism of the BLT's sensitivity: epsilon that of
+    sigma alone, the target met by the calibration."""
+    figures = dp_train(["--epochs", "2", "--subset", "96", "--batch-size", "16",
+                        "--threads", "1", "--no-progress", "--mechanism", "blt",
+                        "--buffers", "2", "--target-epsilon", "5"])
+    p = figures["privacy"]
+    assert p["mechanism"] == "BLT (2 buffers)" and p["cycle_length"] == 6
+    assert p["epsilon"] == pytest.approx(epsilon(p["sigma"], 1.0, 1, 1e-5), rel=1e-9)
+    assert p["epsilon"] == pytest.approx(5.0, rel=2e-3)
+    assert "accounted as one Gaussian mechanism" in capsys.readouterr().out
+
+
 def test_bandmf_runs_cyclically_and_is_accounted_over_its_groups(capsys):
     """--mechanism bandmf --bands 3 at q = 16 / 96 (6 steps an epoch, two epochs): the
     strategy made for the 12 steps (SGD with momentum), each record in at most one of
@@ -186,6 +200,6 @@ def test_bandmf_runs_cyclically_and_is_accounted_over_its_groups(capsys):
     assert p["epsilon"] == pytest.approx(epsilon(p["sigma"], 3 * 16 / 96, 4, 1e-5), rel=1e-9)
     assert p["epsilon"] == pytest.approx(5.0, rel=2e-3)
     assert "accounted as DP-SGD at rate 3 q" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="at most 6 bands"):
+    with pytest.raises(ValueError, match="need sample_rate <= 1 / 7"):
         dp_train(["--epochs", "1", "--subset", "96", "--batch-size", "16", "--threads", "1",
                   "--no-progress", "--mechanism", "bandmf", "--bands", "7", "--sigma", "1"])

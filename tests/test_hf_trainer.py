@@ -488,6 +488,26 @@ def test_bf16_runs_under_autocast_as_private_step_by_hand(tmp_path):
         torch.testing.assert_close(update, want, rtol=0, atol=2e-2 * scale, msg=name)
 
 
+def test_blt_trains_on_fixed_batches(tmp_path):
+    """PrivacyArguments(mechanism='blt', buffers=2): the strategy made for the planned
+    steps, fixed batches an epoch apart, the run one Gaussian mechanism of sigma."""
+    from persample.dp import BLT, epsilon
+
+    data = docstring_examples("module", seq_len=16)
+    trainer = PrivateTrainer(bert(), args(tmp_path, max_steps=-1, num_train_epochs=1,
+                                          learning_rate=1e-3),
+                             train_dataset=data,
+                             privacy_args=PrivacyArguments(noise_multiplier=1.0,
+                                                           target_delta=1e-4,
+                                                           mechanism="blt", buffers=2))
+    out = trainer.train()
+    step = trainer.private_step
+    assert isinstance(step.mechanism, BLT) and step.mechanism.buffers == 2
+    assert out.global_step == step.mechanism.steps == step.noise.t
+    assert step.mechanism.cycle_length == min(step.mechanism.steps, int(len(data) / 16))
+    assert trainer.epsilon() == pytest.approx(epsilon(1.0, 1.0, 1, 1e-4), rel=1e-9)
+
+
 def test_bandmf_trains_to_a_target_epsilon(tmp_path):
     """PrivacyArguments(mechanism='bandmf', bands=2): the BERT classifier's 2 epochs of
     round(N / 16) steps with the strategy made for them, cyclic sampling, the noise
@@ -509,6 +529,9 @@ def test_bandmf_trains_to_a_target_epsilon(tmp_path):
     assert trainer.epsilon() == pytest.approx(by_hand.epsilon(1e-4))
     assert 2.9 < trainer.epsilon() <= 3.0
     for bad, match in [({"mechanism": "bandmf"}, "goes with bands=b"),
-                       ({"mechanism": "blt", "bands": 2}, "mechanism must be None")]:
+                       ({"mechanism": "blt", "bands": 2}, "goes with bands=b"),
+                       ({"mechanism": "bandmf", "bands": 2, "buffers": 2},
+                        "buffers= goes with mechanism='blt'"),
+                       ({"mechanism": "tree"}, "mechanism must be None")]:
         with pytest.raises(ValueError, match=match):
             PrivacyArguments(noise_multiplier=1.0, **bad)
