@@ -87,6 +87,34 @@ def test_a_broken_step_is_caught(broken, seed):
     assert result.leaks and result.gradient.epsilon > 2 * result.epsilon
 
 
+MECHANISMS = [("bandmf", {"bands": 4}, 19.0), ("blt", {"buffers": 2}, 2.2)]
+"""Correlated noise at an accountant's epsilon near 2 over 300 steps of fixed batches
+(q about 1/4: four groups each taken whole, 75 participations): BandMF's sigma is
+the composition's (sqrt(75) times DP-SGD's), BLT's the run's Gaussian's."""
+
+
+@pytest.mark.parametrize(("mechanism", "size", "sigma"), MECHANISMS, ids=["bandmf", "blt"])
+@pytest.mark.parametrize("broken", [None, "correlation"])
+def test_correlated_noise_is_audited_and_a_wrong_recursion_caught(mechanism, size, sigma,
+                                                                  broken):
+    """A correct BandMF or BLT step stays below its accountant's epsilon; a step whose
+    recursion is not its strategy's (each release's noise cancelling the last draw, the
+    sums of the releases left with one) leaks above it, while its accountant counts the
+    mechanism."""
+    from persample.dp import PrivateStep
+
+    options = {**OPTIONS, "noise_multiplier": sigma, "expected_batch_size": 370,
+               "steps": 300}
+    result = audit(_net(), _data(), nn.CrossEntropyLoss(), mechanism=mechanism, **size,
+                   step_type=BROKEN[broken] if broken else PrivateStep,
+                   generator=torch.Generator().manual_seed(1), **options)
+    assert result.mechanism.cycle_length == 4 and 1.5 < result.epsilon < 2.5
+    if broken:
+        assert result.leaks and result.gradient.epsilon > result.epsilon + 0.3
+    else:
+        assert not result.leaks and result.gradient.epsilon < result.epsilon / 2
+
+
 def test_other_clipping_kinds_and_bad_input():
     result = audit(_net(), _data(), nn.CrossEntropyLoss(), per_layer=True,
                    generator=torch.Generator().manual_seed(0), **OPTIONS)
@@ -98,13 +126,18 @@ def test_other_clipping_kinds_and_bad_input():
             audit(_net(), bad, nn.CrossEntropyLoss(), **OPTIONS)
     with pytest.raises(ValueError, match="canaries must be an int >= 10"):
         audit(_net(), (x, y), nn.CrossEntropyLoss(), **{**OPTIONS, "canaries": 5})
+    with pytest.raises(ValueError, match="breaks a mechanism's noise: pass mechanism="):
+        audit(_net(), (x, y), nn.CrossEntropyLoss(), step_type=BROKEN["correlation"],
+              **OPTIONS)
     with pytest.raises(ValueError, match="needs per-sample losses"):
         audit(_net(), (x, y), lambda out, t: nn.functional.cross_entropy(out, t), **OPTIONS)
 
 
 @pytest.mark.keep_default_dtype
-@pytest.mark.parametrize("broken", [None, "noise"])
-def test_the_command_line(broken, tmp_path, capsys):
+@pytest.mark.parametrize(("broken", "mechanism"), [(None, []), ("noise", []),
+                                                   ("correlation", ["--mechanism", "bandmf",
+                                                                    "--bands", "2"])])
+def test_the_command_line(broken, mechanism, tmp_path, capsys):
     """``persample audit``: the bounds beside the accountant's epsilon; exit status 1
     and LEAKS for a broken step, 0 for persample's."""
     import json
@@ -114,12 +147,13 @@ def test_the_command_line(broken, tmp_path, capsys):
     out = tmp_path / "audit.json"
     argv = ["audit", "--subset", "300", "--canaries", "300", "--steps", "8", "--sigma", "2.0",
             "--batch-size", "100", "--threads", "1", "--json", str(out)]
-    status = main(argv + (["--broken", broken] if broken else []))
+    status = main(argv + mechanism + (["--broken", broken] if broken else []))
     figures = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert "accountant's epsilon at delta 1e-05" in printed
-    assert figures["epsilon"] == pytest.approx(accountant_epsilon(
-        2.0, figures["sample_rate"], 8, 1e-5))
+    rate, count = (figures["sample_rate"], 8) if not mechanism else \
+        (2 * figures["sample_rate"], 4)  # BandMF, 2 bands: amplified over 2 groups
+    assert figures["epsilon"] == pytest.approx(accountant_epsilon(2.0, rate, count, 1e-5))
     if broken:
         assert status == 1 and figures["leaks"] and "LEAKS" in printed
         assert figures["gradient"]["epsilon"] > figures["epsilon"]

@@ -7,7 +7,9 @@ final model's losses). The auditor's right guesses about which were added give a
 bound on epsilon (Steinke, Nasr & Jagielski 2023), printed beside the accountant's
 epsilon. A bound above it means the step leaks more than it claims: the command then
 exits with status 1. ``--broken noise`` or ``--broken clipping`` runs a step broken on
-purpose, to see the audit catch it.
+purpose, to see the audit catch it. ``--mechanism bandmf`` or ``blt`` audits correlated
+noise (its cyclic sampling, its accounting); ``--broken correlation`` then breaks its
+noise recursion.
 """
 
 from __future__ import annotations
@@ -47,9 +49,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--delta", type=float, default=1e-5, help="delta (default 1e-5)")
     p.add_argument("--confidence", type=float, default=0.95,
                    help="confidence of the lower bounds (default 0.95)")
-    p.add_argument("--broken", choices=("noise", "clipping"), default=None,
-                   help="audit a step broken on purpose (no noise, or no clipping) while "
-                   "the accountant counts both: the audit must flag it")
+    p.add_argument("--broken", choices=("noise", "clipping", "correlation"), default=None,
+                   help="audit a step broken on purpose (no noise, no clipping, or with "
+                   "--mechanism a noise recursion that is not its strategy's) while the "
+                   "accountant counts it as correct: the audit must flag it")
+    p.add_argument("--mechanism", choices=("dpsgd", "bandmf", "blt"), default="dpsgd",
+                   help="the noise: DP-SGD's (default), BandMF's or BLT's correlated noise")
+    p.add_argument("--bands", type=int, default=4, help="BandMF's bands (default 4)")
+    p.add_argument("--buffers", type=int, default=3, help="BLT's buffers (default 3)")
     p.add_argument("--subset", type=int, default=None,
                    help="train on the first SUBSET training examples only")
     p.add_argument("--seed", type=int, default=0,
@@ -66,6 +73,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     from ..dp.auditing import BROKEN, audit
     from .dp_train import load_split, simple_cnn
 
+    if args.broken == "correlation" and args.mechanism == "dpsgd":
+        raise SystemExit("persample audit: --broken correlation breaks a mechanism's noise: "
+                         "give --mechanism bandmf or blt")
     torch.set_num_threads(args.threads or default_threads())
     x, y, _, _ = load_split(args.subset)
     torch.manual_seed(args.seed)
@@ -76,7 +86,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                    steps=args.steps, canaries=args.canaries, lr=args.lr, delta=args.delta,
                    confidence=args.confidence, physical_batch_size=256,
                    generator=torch.Generator().manual_seed(args.seed),
-                   step_type=BROKEN[args.broken] if args.broken else PrivateStep)
+                   step_type=BROKEN[args.broken] if args.broken else PrivateStep,
+                   **_mechanism(args))
     seconds = time.perf_counter() - start
     print(report(result, len(y), args.broken, seconds))
     if args.json:
@@ -86,16 +97,30 @@ def run_from_args(args: argparse.Namespace) -> int:
                    "canaries": result.canaries, "added": result.added,
                    "noise_multiplier": result.noise_multiplier,
                    "sample_rate": result.sample_rate, "steps": result.steps,
-                   "broken": args.broken, "records": len(y), "seconds": seconds}
+                   "broken": args.broken, "records": len(y), "seconds": seconds,
+                   "mechanism": repr(result.mechanism) if result.mechanism else "DP-SGD"}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
     return 1 if result.leaks else 0
 
 
+def _mechanism(args: argparse.Namespace) -> dict:
+    """``audit``'s mechanism keywords from the options (none for DP-SGD)."""
+    if args.mechanism == "bandmf":
+        return {"mechanism": "bandmf", "bands": args.bands}
+    if args.mechanism == "blt":
+        return {"mechanism": "blt", "buffers": args.buffers}
+    return {}
+
+
+WHAT = {"noise": "a step without noise", "clipping": "a step without clipping",
+        "correlation": "a step whose noise recursion is not its strategy's", None:
+        "persample's DP step"}
+
+
 def report(result, records: int, broken: str | None, seconds: float) -> str:
     """The audit's lines for the terminal."""
-    what = "a step without noise" if broken == "noise" else (
-        "a step without clipping" if broken == "clipping" else "persample's DP step")
+    what = WHAT[broken] + ("" if result.mechanism is None else f" with {result.mechanism}")
     level = f"{100 * result.confidence:g}%"
     lines = [
         f"audit of {what}: SimpleCNN on digits, {records} records + {result.canaries} "

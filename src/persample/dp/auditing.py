@@ -23,6 +23,13 @@ Two kinds of canaries, in the same run:
   al.'s "Dirac canaries").
 - **input canaries** (black box: the final model only): mislabelled copies of training
   inputs (a random input, a random other class), scored by minus their loss.
+
+With a correlated mechanism (``mechanism=``: BandMF, BLT) the records are drawn by its
+cyclic sampling and the accountant's epsilon is the mechanism's; the white-box score
+stays the sum of the releases, which correlated noise makes less noisy than DP-SGD's
+(the prefix sums are what the strategy is optimised for): a valid score for any
+mechanism, and the one a recursion that cancels its own noise in those sums cannot hide
+from (``BROKEN["correlation"]``).
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ from scipy import stats
 from torch import Tensor, nn
 
 from ..loss import stock_per_sample
-from .accounting import epsilon as accountant_epsilon
-from .sampling import PoissonBatchSampler
+from .accounting import PrivacyAccountant
+from .mechanisms import CorrelatedNoise, Mechanism, accounted_runs, resolve_mechanism
+from .sampling import CyclicPoissonSampler, PoissonBatchSampler
 from .step import PrivateStep
 
 GUESSES = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
@@ -182,6 +190,7 @@ class Audit:
         canaries: ``m`` of each kind; added: ``{"gradient": count, "input": count}``.
         noise_multiplier, sample_rate, steps: the run.
         scores: ``{"gradient": (m,), "input": (m,)}``; added_mask: ``{kind: (m,) bool}``.
+        mechanism: the correlated mechanism audited (``None``: DP-SGD).
     """
 
     epsilon: float
@@ -196,6 +205,7 @@ class Audit:
     steps: int
     scores: dict[str, Tensor] = field(repr=False)
     added_mask: dict[str, Tensor] = field(repr=False)
+    mechanism: Mechanism | None = None
 
     @property
     def leaks(self) -> bool:
@@ -209,7 +219,9 @@ def audit(model: nn.Module, data: tuple[Tensor, Tensor], loss_fn: Callable[[Any,
           steps: int, canaries: int = 1000, lr: float = 0.1, delta: float = 1e-5,
           confidence: float = 0.95, accountant: str = "rdp",
           physical_batch_size: int | None = None, generator: torch.Generator | None = None,
-          step_type: Callable[..., Any] = PrivateStep, **step_options: Any) -> Audit:
+          step_type: Callable[..., Any] = PrivateStep,
+          mechanism: Mechanism | str | None = None, bands: int | None = None,
+          buffers: int | None = None, **step_options: Any) -> Audit:
     """Audit persample's DP step in one training run (Steinke et al. 2023): train a copy
     of ``model`` with DP-SGD on ``data`` plus ``canaries`` gradient canaries and as many
     input canaries, each added with probability 1/2, and bound epsilon from below by
@@ -238,6 +250,10 @@ def audit(model: nn.Module, data: tuple[Tensor, Tensor], loss_fn: Callable[[Any,
             noise (seed it to repeat an audit).
         step_type: makes the step, called as :class:`PrivateStep` is (a test passes a
             broken one, :data:`BROKEN`, to see the audit catch it).
+        mechanism, bands, buffers: correlated noise (as
+            :func:`~persample.dp.make_private` takes it: ``"bandmf"`` with ``bands``,
+            ``"blt"`` with ``buffers``, or one made for ``steps``): the records drawn by
+            its cyclic sampling, the epsilon its accounting's.
         **step_options: more arguments of the step (``per_layer``, ``param_groups``
             with the canary table named ``"canaries"``...).
 
@@ -269,6 +285,8 @@ def audit(model: nn.Module, data: tuple[Tensor, Tensor], loss_fn: Callable[[Any,
     (input and gradient canaries, the one-run bound).
     """
     x, y = _checked(data, canaries, steps)
+    if step_type is _WrongCorrelation and mechanism is None:
+        raise ValueError("BROKEN['correlation'] breaks a mechanism's noise: pass mechanism=")
     gen = generator if generator is not None else torch.Generator().manual_seed(
         int(torch.randint(2**62, (1,))))
     ix, iy = _mislabelled(x, y, canaries, gen)
@@ -279,6 +297,9 @@ def audit(model: nn.Module, data: tuple[Tensor, Tensor], loss_fn: Callable[[Any,
                        torch.cat([y, iy[added["input"]], y[:1].expand(len(dirac))]),
                        torch.cat([torch.full((len(y) + int(added["input"].sum()),), -1), dirac]))
     q = expected_batch_size / len(records.y)
+    mech = resolve_mechanism(mechanism, steps, q, bands=bands, buffers=buffers)
+    if mech is not None:
+        step_options["mechanism"] = mech
     bound = max_grad_norm if isinstance(max_grad_norm, (int, float)) else 1.0
     audited = _Audited(copy.deepcopy(model), canaries, scale=GRADIENT_SCALE * bound)
     step = step_type(audited, _AuditLoss(loss_fn), max_grad_norm=max_grad_norm,
@@ -288,7 +309,9 @@ def audit(model: nn.Module, data: tuple[Tensor, Tensor], loss_fn: Callable[[Any,
     optimizer = torch.optim.SGD(audited.model.parameters(), lr=lr)
     white = torch.zeros(canaries, dtype=torch.float64)
     size = physical_batch_size or len(records.y)
-    for picked in PoissonBatchSampler(len(records.y), q, steps, gen):
+    draws = PoissonBatchSampler(len(records.y), q, steps, gen) if mech is None else \
+        CyclicPoissonSampler(len(records.y), q, mech.cycle_length, steps, gen)
+    for picked in draws:
         for part in torch.tensor(picked, dtype=torch.int64).split(size):
             step.accumulate(*records.batch(part))
         step.release()
@@ -297,14 +320,17 @@ def audit(model: nn.Module, data: tuple[Tensor, Tensor], loss_fn: Callable[[Any,
         optimizer.zero_grad(set_to_none=True)
         audited.table.grad = None
     black = -_losses(audited.model, ix, iy, loss_fn, size)
+    spent = PrivacyAccountant(accountant)
+    for sigma, rate, count in accounted_runs(mech, noise_multiplier, q, steps):
+        spent.step(sigma, rate, count)
     return Audit(
-        epsilon=accountant_epsilon(noise_multiplier, q, steps, delta, accountant),
+        epsilon=spent.epsilon(delta),
         gradient=best_bound(white, added["gradient"], delta, confidence),
         input=best_bound(black, added["input"], delta, confidence), delta=delta,
         confidence=confidence, canaries=canaries,
         added={kind: int(mask.sum()) for kind, mask in added.items()},
         noise_multiplier=noise_multiplier, sample_rate=q, steps=steps,
-        scores={"gradient": white, "input": black}, added_mask=added)
+        scores={"gradient": white, "input": black}, added_mask=added, mechanism=mech)
 
 
 GRADIENT_SCALE = 100.0
@@ -422,6 +448,39 @@ class _WithoutClipping(PrivateStep):
         return dataclasses.replace(terms, std=self.noise_multiplier * self.claimed)
 
 
-BROKEN = {"noise": _WithoutNoise, "clipping": _WithoutClipping}
-"""Steps broken on purpose (no noise; no clipping), for ``audit(step_type=...)``: an
-audit must flag them (``persample audit --broken``)."""
+class _Differences:
+    """A wrong noise recursion: release ``t``'s noise ``Z_t - Z_{t-1}``, the inverse of
+    the prefix sums rather than of the mechanism's strategy (the mechanism's other
+    attributes as they are)."""
+
+    def __init__(self, mechanism: Mechanism) -> None:
+        self.mechanism, self.steps, self.rows = mechanism, mechanism.steps, 2
+
+    def slot_row(self, t: int) -> int:
+        return t % 2
+
+    def settle(self, ring: Tensor, t: int) -> Tensor:
+        return ring[t % 2] - ring[(t - 1) % 2] if t else ring[0].clone()
+
+    def noise_scale(self, t: int) -> float:
+        return self.mechanism.noise_scale(t)
+
+    def __repr__(self) -> str:
+        return repr(self.mechanism)
+
+
+class _WrongCorrelation(PrivateStep):
+    """A deliberately broken step: its noise recursion is not its mechanism's (each
+    release's noise cancels the last one's draw, so the sums of the releases carry one
+    draw), while the accountant counts the mechanism."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.noise = CorrelatedNoise(_Differences(self.mechanism))
+
+
+BROKEN = {"noise": _WithoutNoise, "clipping": _WithoutClipping,
+          "correlation": _WrongCorrelation}
+"""Steps broken on purpose (no noise; no clipping; with a mechanism, a noise recursion
+that is not its strategy's), for ``audit(step_type=...)``: an audit must flag them
+(``persample audit --broken``)."""
