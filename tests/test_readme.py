@@ -61,6 +61,10 @@ CHECKS = {
     "rmse_ratio": "0.3 < rmse_ratio < 1",
     "banded": ("banded.step.noise.t == banded.step.mechanism.steps == 60 and "
                "banded.epsilon(1e-5) <= 4.0 + 1e-9"),
+    "plan": "plan.participations(300) == 15 and plan.sensitivity > 1",
+    "buffered": ("buffered.step.noise.t == buffered.step.mechanism.steps == 60 and "
+                 "buffered.epsilon(1e-5) <= 4.0 + 1e-9 and "
+                 "buffered.step.mechanism.cycle_length == 20"),
     # user-level DP: each sample's norm its user's; every planned user-level step taken
     "user_norms": "len(user_norms.unique()) == 4",
     "by_user": ("by_user.sample_rate == 20 / len(owners.unique()) and "
