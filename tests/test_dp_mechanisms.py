@@ -484,3 +484,22 @@ def test_secure_noise_is_correlated_too():
     want = BandMF(5, 3).noise_matrix.norm(dim=1)  # each release's std: its row's norm
     for g, std in zip(grads, want.tolist()):  # 2,000 draws: the std within 10%
         assert bool(torch.isfinite(g).all()) and abs(float(g.std()) / std - 1) < 0.1
+
+
+def test_a_longer_cycle_keeps_the_columns_disjoint():
+    """BandMF with cycle_length s >= bands (fixed batches an epoch apart at s q = 1):
+    a record's columns touch disjoint rows, so the worst ``||C u||`` over every pattern
+    of releases ``s`` apart is ``sqrt(ceil(T / s))``, what ``ceil(T / s)`` compositions
+    at rate ``s q`` account; a cycle shorter than the bands is refused."""
+    import itertools
+
+    mech = BandMF(12, 3, cycle_length=4)
+    assert mech.runs(1.5, 0.25, 12) == [(1.5, 1.0, 3)] == accounted_runs(mech, 1.5, 0.25, 12)
+    C = mech.matrix
+    worst = max(float(C[:, list(p)].sum(1).norm())
+                for r in range(1, 13) for p in itertools.combinations(range(12), r)
+                if all(b - a >= 4 for a, b in zip(p, p[1:])))
+    assert worst == pytest.approx(math.sqrt(3), rel=1e-12)
+    assert "cycle_length=4" in repr(mech)
+    with pytest.raises(ValueError, match="cycle_length must be at least bands"):
+        BandMF(12, 3, cycle_length=2)
