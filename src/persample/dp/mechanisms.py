@@ -35,6 +35,7 @@ the error and its exact gradient.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,6 +46,7 @@ from torch import Tensor
 from .blt import BLT
 from .toeplitz import ERRORS, WORKLOADS, check_int, toeplitz, workload_coefs
 
+SCALE = 100.0  # the optimiser's variables are SCALE * c (see optimal_coefs)
 Mechanism = Any  # a BandMF or a BLT: the strategy and how its noise is made and accounted
 
 
@@ -247,7 +249,13 @@ def optimal_coefs(steps: int, bands: int, workload: np.ndarray, error: str = "me
     start = max_error_coefs(bands)
     if bands == 1:
         return start
-    found = minimize(_loss, start, args=(workload, error), jac=True, method="L-BFGS-B",
+    scale = SCALE  # over scale * c: the first trial step (unit length) a small one in c
+
+    def loss(x: np.ndarray) -> tuple[float, np.ndarray]:
+        value, grad = _loss(x / scale, workload, error)
+        return value, grad / scale
+
+    found = minimize(loss, start * scale, jac=True, method="L-BFGS-B",
                      options={"maxiter": max_iterations, "ftol": 1e-13, "gtol": 1e-10})
     c = found.x if found.x[0] > 0 else -found.x  # (the loss is even in c)
     return c / np.linalg.norm(c)
@@ -259,12 +267,15 @@ def _loss(c: np.ndarray, workload: np.ndarray, error: str) -> tuple[float, np.nd
     from scipy.signal import lfilter
 
     n = len(workload)
-    b = lfilter([1.0], c, workload)  # (T,) C b = a
-    weight = (n - np.arange(n)) / n if error == "mean" else np.ones(n)  # (T,)
-    e = float(weight @ (b * b))
-    g = 2 * weight * b  # dE/db
-    u = lfilter([1.0], c, g[::-1])[::-1]  # C^T u = g (upper-triangular Toeplitz)
-    de = -np.array([u[k:] @ b[:n - k] for k in range(len(c))])  # dE/dc_k = -u . S^k b
+    with np.errstate(over="ignore", invalid="ignore"):  # (a line search's unstable C)
+        b = lfilter([1.0], c, workload)  # (T,) C b = a
+        weight = (n - np.arange(n)) / n if error == "mean" else np.ones(n)  # (T,)
+        e = float(weight @ (b * b))
+        if not math.isfinite(e):  # C^-1 grows without bound: infinitely bad, step back
+            return 1e30, np.zeros_like(c)
+        g = 2 * weight * b  # dE/db
+        u = lfilter([1.0], c, g[::-1])[::-1]  # C^T u = g (upper-triangular Toeplitz)
+        de = -np.array([u[k:] @ b[:n - k] for k in range(len(c))])  # dE/dc_k = -u . S^k b
     s = float(c @ c)
     return e * s, s * de + 2 * e * c
 
