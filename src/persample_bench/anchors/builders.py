@@ -214,7 +214,8 @@ def dp_step_case(w: Workload, only: str | None = None) -> Case:
     that the weights stay as they are. Opacus is called with the inputs as its users
     pass them (:meth:`~persample_bench.workloads.Workload.opacus_call`), its ghost
     clipping given the loss as an ``nn.CrossEntropyLoss`` of the logits where the
-    workload says how (``opacus_ce``). The loop, ``torch.func`` and Opacus hooks are
+    workload says how (``opacus_ce``); persample's step with correlated noise (BandMF,
+    BLT) beside its own. The loop, ``torch.func`` and Opacus hooks are
     subject to the memory estimate as in :func:`grads_case`; ``only`` as there.
 
     Raises:
@@ -254,6 +255,8 @@ def dp_step_case(w: Workload, only: str | None = None) -> Case:
         _built("persample", only, lambda: persample_rows.dp_step_row(w, noise)),
         _built("persample PrivacyEngine (Opacus loop)", only,
                lambda: persample_rows.privacy_engine_row(w, noise)),
+        *[_built(name, only, lambda name=name: persample_rows.correlated_step_row(w, noise, name))
+          for name in persample_rows.MECHANISM_ROWS],
     ])
     case.after_check = lambda: noise.update(sigma=1.0)
     case.floor_label, case.floor = _step_and_draws(w, plain_step)

@@ -203,6 +203,51 @@ def dp_step_row(w: Workload, noise: dict) -> Method:
     return Method("persample", persample_step, ours=True)
 
 
+MECHANISM_ROWS = {"persample BandMF (4 bands)": ("bandmf", 4),
+                  "persample BLT (3 buffers)": ("blt", 3)}
+"""The correlated-noise rows of a DP step: name -> (mechanism, bands or buffers)."""
+
+
+def correlated_step_row(w: Workload, noise: dict, name: str) -> Method:
+    """The same DP step with correlated noise (:data:`MECHANISM_ROWS`: BandMF with 4
+    bands, BLT with 3 buffers, each made for 10,000 releases) through ``PrivateStep``
+    (``accumulate`` then ``release``, as a loop over micro-batches runs it, one here),
+    then an SGD step (``lr = 0``); returns the noised gradients ``{name: p.grad}``. The
+    step is made again when ``noise["sigma"]`` changes (its noise multiplier is fixed).
+
+    Examples:
+        >>> from persample_bench.workloads import dp_workload
+        >>> row = correlated_step_row(dp_workload("deep-mlp-dp-step", 2), {"sigma": 0.0},
+        ...                           "persample BandMF (4 bands)")
+        >>> row.name, row.ours, len(row.fn(None))
+        ('persample BandMF (4 bands)', True, 102)
+    """
+    from persample.dp import BLT, BandMF, PrivateStep
+
+    kind, size = MECHANISM_ROWS[name]
+    own = copy.deepcopy(w.model)
+    own_opt = torch.optim.SGD(own.parameters(), lr=0.0)
+    mech = BandMF(10_000, size) if kind == "bandmf" else BLT(10_000, size)  # (made once)
+    made: dict = {}
+
+    def step_of(sigma: float) -> PrivateStep:
+        if made.get("sigma") != sigma:
+            made.update(sigma=sigma, step=PrivateStep(
+                own, w.loss_fn, max_grad_norm=DP_MAX_GRAD_NORM, noise_multiplier=sigma,
+                expected_batch_size=len(w.targets), mechanism=mech))
+        return made["step"]
+
+    def correlated_step(_: Tensor | None) -> dict[str, Tensor]:
+        step = step_of(noise["sigma"])
+        own_opt.zero_grad(set_to_none=True)
+        step.accumulate(w.inputs, w.targets)
+        step.release()
+        own_opt.step()
+        return {k: p.grad for k, p in own.named_parameters() if p.requires_grad}
+
+    return Method(name, correlated_step, ours=True)
+
+
 def privacy_engine_row(w: Workload, noise: dict) -> Method:
     """The same DP-SGD step as an Opacus script runs it through persample's
     ``PrivacyEngine`` (``loss.backward(); optimizer.step()``, hooks mode: the forward
