@@ -23,10 +23,12 @@ scaled by that sensitivity, so that the ``noise_multiplier`` is the run's.
 The decays minimise the expected error of the workload times the squared sensitivity
 (McMahan et al. 2024, "A Hassle-free Algorithm for Private Learning in Practice: Don't
 Use Tree Aggregation, Use BLTs"), by L-BFGS (scipy) in float64 over the pair of decays
-with log barriers keeping both BLTs valid (Dvijotham et al. 2025, "An Inversion Theorem
-for Buffered Linear Toeplitz (BLT) Matrices"), from the rational approximation of
-``(1 - x)^(-1/2)`` (Dvijotham et al. 2024, Proposition 4.5), each evaluation
-``O(T d)`` with its exact gradient by autograd.
+(JAX-Privacy's parametrisation), kept interlaced, ``theta_1 > theta_hat_1 > theta_2 >
+...``, which makes ``C``'s scales positive and ``C^-1``'s negative (the valid BLTs of
+Dvijotham et al. 2025, "An Inversion Theorem for Buffered Linear Toeplitz (BLT)
+Matrices"), from the rational approximation of ``(1 - x)^(-1/2)`` (Dvijotham et al.
+2024, Proposition 4.5) and a few other starts, each evaluation ``O(T d)`` with its
+exact gradient by autograd.
 """
 
 from __future__ import annotations
@@ -279,7 +281,8 @@ def start_decays(buffers: int, top: float = 1 - 1e-6) -> tuple[np.ndarray, np.nd
     theta = _inverse_decays(theta_hat, omega_hat)  # C's
     omega = inverse_pair(torch.from_numpy(theta), torch.from_numpy(theta_hat))[0].numpy()
     theta = theta * min(1.0, top / theta.max())  # (the largest decay at most top)
-    omega = omega * min(1.0, (1 - 1e-6) / float(np.sum(omega / theta)))  # (the barrier's)
+    # its Pillutla score sum(w / theta) below 1 (Dvijotham et al. 2025, Theorem 1 (a)):
+    omega = omega * min(1.0, (1 - 1e-6) / float(np.sum(omega / theta)))
     return np.sort(theta)[::-1].copy(), np.sort(_inverse_decays(theta, omega))[::-1].copy()
 
 
@@ -311,7 +314,17 @@ def optimal_decays(mech: BLT, buffers: int, max_iterations: int = 1000
     L-BFGS (scipy) over interlaced decays ``1 > theta_1 > theta_hat_1 > theta_2 > ...
     > theta_hat_d > 0``, which make both BLTs valid (positive scales for ``C``,
     negative for ``C^-1``), from :func:`start_decays` and a few :func:`even_decays`
-    (the loss has local minima), the best kept."""
+    (the loss has local minima), the best kept.
+
+    Examples:
+        >>> mech = BLT(50, 1, decays=([0.5], [0.25]))  # a BLT whose plan is reused
+        >>> theta, theta_hat = optimal_decays(mech, 1)
+        >>> bool(0 < theta_hat[0] < theta[0] < 1)
+        True
+
+    Source: McMahan, Xu & Zhang 2024 (the loss); Dvijotham et al. 2024, Lemma 5.2 (the
+    scales from the decays).
+    """
     from scipy.optimize import minimize
 
     identity = torch.zeros(mech.steps, dtype=torch.float64)
