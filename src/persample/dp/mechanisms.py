@@ -255,8 +255,8 @@ def optimal_coefs(steps: int, bands: int, workload: np.ndarray, error: str = "me
         value, grad = _loss(x / scale, workload, error)
         return value, grad / scale
 
-    found = minimize(loss, start * scale, jac=True, method="L-BFGS-B",
-                     options={"maxiter": max_iterations, "ftol": 1e-13, "gtol": 1e-10})
+    found = minimize(loss, start * scale, jac=True, method="L-BFGS-B",  # (gtol of c's 1e-10)
+                     options={"maxiter": max_iterations, "ftol": 1e-13, "gtol": 1e-10 / scale})
     c = found.x if found.x[0] > 0 else -found.x  # (the loss is even in c)
     return c / np.linalg.norm(c)
 
