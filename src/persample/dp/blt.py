@@ -342,7 +342,7 @@ def optimal_decays(mech: BLT, buffers: int, max_iterations: int = 1000
 
     def run(x: np.ndarray) -> Any:
         return minimize(objective, x, jac=True, method="L-BFGS-B",
-                        options={"maxiter": max_iterations, "ftol": 1e-13, "gtol": 1e-10})
+                        options={"maxiter": max_iterations, "ftol": 1e-11, "gtol": 1e-9})
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (vectors of T: threads cost more than they give, 7x)
