@@ -133,13 +133,19 @@ def test_other_clipping_kinds_and_bad_input():
         audit(_net(), (x, y), lambda out, t: nn.functional.cross_entropy(out, t), **OPTIONS)
 
 
+BANDED = ["--mechanism", "bandmf", "--bands", "4", "--steps", "200", "--sigma", "15",
+          "--batch-size", "140"]
+"""BandMF on the command line: 200 steps of four groups (each at rate 4 q, near 1), 50
+participations, sigma 15: the accountant's epsilon near 2."""
+
+
 @pytest.mark.keep_default_dtype
 @pytest.mark.parametrize(("broken", "mechanism"), [(None, []), ("noise", []),
-                                                   ("correlation", ["--mechanism", "bandmf",
-                                                                    "--bands", "2"])])
+                                                   ("correlation", BANDED)])
 def test_the_command_line(broken, mechanism, tmp_path, capsys):
     """``persample audit``: the bounds beside the accountant's epsilon; exit status 1
-    and LEAKS for a broken step, 0 for persample's."""
+    and LEAKS for a broken step (no noise; with BandMF, a recursion that cancels the
+    last draw), 0 for persample's."""
     import json
 
     from persample.cli import main
@@ -151,9 +157,9 @@ def test_the_command_line(broken, mechanism, tmp_path, capsys):
     figures = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert "accountant's epsilon at delta 1e-05" in printed
-    rate, count = (figures["sample_rate"], 8) if not mechanism else \
-        (2 * figures["sample_rate"], 4)  # BandMF, 2 bands: amplified over 2 groups
-    assert figures["epsilon"] == pytest.approx(accountant_epsilon(2.0, rate, count, 1e-5))
+    sigma, rate, count = (2.0, figures["sample_rate"], 8) if not mechanism else \
+        (15.0, 4 * figures["sample_rate"], 50)  # BandMF: amplified over its 4 groups
+    assert figures["epsilon"] == pytest.approx(accountant_epsilon(sigma, rate, count, 1e-5))
     if broken:
         assert status == 1 and figures["leaks"] and "LEAKS" in printed
         assert figures["gradient"]["epsilon"] > figures["epsilon"]
