@@ -43,8 +43,8 @@ from torch import Tensor
 
 from .toeplitz import (
     ERRORS,
-    WORKLOADS,
     check_int,
+    check_strategy,
     separated_sensitivity,
     step_errors,
     toeplitz,
@@ -108,12 +108,7 @@ class BLT:
         check_int("buffers", buffers)
         cycle_length = steps if cycle_length is None else cycle_length
         check_int("cycle_length", cycle_length)
-        if workload not in WORKLOADS:
-            raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
-        if error not in ERRORS:
-            raise ValueError(f"error must be one of {ERRORS}, got {error!r}")
-        if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        check_strategy(workload, error, momentum)
         self.steps, self.buffers, self.cycle_length = steps, buffers, cycle_length
         self.workload, self.momentum, self.error = workload, float(momentum), error
         self.most = -(-steps // cycle_length)  # participations of the worst record

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from .blt import BLT
-from .toeplitz import ERRORS, WORKLOADS, check_int, toeplitz, workload_coefs
+from .toeplitz import ERRORS, check_int, check_strategy, toeplitz, workload_coefs
 
 SCALE = 100.0  # the optimiser's variables are SCALE * c (see optimal_coefs)
 Mechanism = Any  # a BandMF or a BLT: the strategy and how its noise is made and accounted
@@ -109,12 +109,7 @@ class BandMF:
                              f"participations must touch disjoint columns of C, got "
                              f"cycle_length={cycle_length}")
         self.cycle_length = cycle_length
-        if workload not in WORKLOADS:
-            raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
-        if error not in ERRORS:
-            raise ValueError(f"error must be one of {ERRORS}, got {error!r}")
-        if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        check_strategy(workload, error, momentum)
         self.steps, self.bands = steps, bands
         self.workload, self.momentum, self.error = workload, float(momentum), error
         if coefs is None:

@@ -95,3 +95,22 @@ def check_int(name: str, value: Any) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int ``>= 1``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_strategy(workload: str, error: str, momentum: float) -> None:
+    """Raise ``ValueError`` naming the argument unless ``workload`` is one of
+    :data:`WORKLOADS`, ``error`` one of :data:`ERRORS` and ``momentum`` in ``[0, 1)``.
+
+    Examples:
+        >>> check_strategy("prefix", "mean", 0.9)
+        >>> check_strategy("adam", "mean", 0.9)
+        Traceback (most recent call last):
+        ...
+        ValueError: workload must be one of ('prefix', 'momentum'), got 'adam'
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    if error not in ERRORS:
+        raise ValueError(f"error must be one of {ERRORS}, got {error!r}")
+    if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
