@@ -108,8 +108,9 @@ def test_the_scan_sees_imports_up_the_stack():
 
 # the rule families (one file per family of ops, listed in persample/rules/__init__.py)
 # and what they may share
-RULE_FAMILIES = {"activation", "addcmul", "attention", "conv", "einsum", "elementwise",
-                 "embedding", "experts", "linear", "norm", "recurrent", "random_ops", "views"}
+RULE_FAMILIES = {"activation", "addcmul", "attention", "composite", "conv", "einsum",
+                 "elementwise", "embedding", "experts", "linear", "norm", "recurrent",
+                 "random_ops", "views"}
 RULES_SHARED = {"spec", "calls", "outer", "ghost"}
 
 

@@ -90,9 +90,8 @@ def test_every_rule_family_is_listed():
     families = {spec.grad.__module__ if spec.grad else spec.expand.__module__
                 for spec in SPECS.values()}
     listed = {f"persample.rules.{name}" for name in ("activation", "addcmul", "attention",
-              "conv", "einsum", "elementwise", "embedding", "linear", "norm", "recurrent",
-              "random_ops",
-              "views")}
+              "composite", "conv", "einsum", "elementwise", "embedding", "experts", "linear",
+              "norm", "recurrent", "random_ops", "views")}
     assert families <= listed
     assert rules.recurrent.RECURRENT.grad.__module__ in listed
 

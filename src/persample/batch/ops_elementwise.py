@@ -169,7 +169,7 @@ lt_ le_ gt_ ge_ atan2_ hypot_ copy_ subtract_ multiply_ divide_ clamp""".split()
 # ops whose extra tensor arguments are references (dtype, device, shape), not data
 SELF_ONLY = "to type_as type contiguous".split()
 _FREE_DATA = """zeros_like ones_like empty_like full_like rand_like randn_like randint_like
-new_zeros new_ones new_full new_empty new_tensor""".split()
+new_zeros new_ones new_full new_empty""".split()
 
 
 def _free(ctx, func, args, kwargs, out) -> Any:
@@ -182,7 +182,7 @@ _BROADCAST_OPS = aliases(*_BINARY, "clamp", "clip", "clamp_", "clip_")
 register(broadcast, *_BROADCAST_OPS)
 register(self_only, *_SELF_ONLY_OPS)
 register(_free, *aliases(*_FREE_DATA))
-SHAPE_READERS.update(aliases(*(name for name in _FREE_DATA if name != "new_tensor")))
+SHAPE_READERS.update(aliases(*_FREE_DATA))
 VALUE_READERS.update(_SELF_ONLY_OPS + _BROADCAST_OPS)  # they carry Partly themselves
 
 
@@ -196,6 +196,20 @@ def _as_tensor(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_as_tensor, *aliases("as_tensor"))
+
+
+def _new(ctx, func, args, kwargs, out) -> Any:
+    """``x.new(sizes or data)``, ``x.new_tensor(data)`` (Reformer's buffers): a copy of a
+    tensor given as data keeps that tensor's layout; sizes or a list of numbers make a
+    tensor no sample's data is in (``x`` gives only the dtype and device)."""
+    data = [a for a in args[1:] if isinstance(a, Tensor)] + [
+        v for v in kwargs.values() if isinstance(v, Tensor)]
+    if not data:
+        return every(out, SHARED)
+    return self_only(ctx, func, (data[0],), {}, out)
+
+
+register(_new, *aliases("new", "new_tensor", where=(torch.Tensor,)))
 
 
 def _where(ctx, func, args, kwargs, out) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .flow import (
     VALUE_READERS,
@@ -256,8 +257,22 @@ def _getitem(ctx, func, args, kwargs, out) -> Any:
     if not isinstance(out, Tensor):
         return followed(ctx, x)
     items = list(index) if isinstance(index, tuple) else [index]
-    return indexed_layout(ctx, x, items, out, name_of(func)) or Unknown(
+    found = indexed_layout(ctx, x, items, out, name_of(func)) or Unknown(
         f"indexing {tuple(x.shape)} with {_describe(items)} moves the samples irregularly")
+    return _keys_of_index(ctx, items, found)
+
+
+def _keys_of_index(ctx: Ctx, items: list, found: Layout) -> Layout:
+    """Rows picked by an index sorted by a key (``x[perm // k]``, ``perm`` from
+    ``sort(experts)``): the picked rows are in the index's order, so they keep its keys."""
+    if (len(items) != 1 or not isinstance(items[0], Tensor) or items[0].dim() != 1
+            or not isinstance(found, Batched) or found.dim != 0):
+        return found
+    lay = ctx.layout(items[0])
+    keys = keys_of(lay)
+    if keys is None or lay.dim != 0:
+        return found
+    return _with_keys(found, keys)
 
 
 def _describe(items: list) -> str:
@@ -881,7 +896,26 @@ def _sort(ctx, func, args, kwargs, out) -> Any:
 def _with_keys(lay: Layout, keys: Tensor | None) -> Layout:
     if keys is None or not isinstance(lay, Batched):
         return lay
+    if lay.index is not None:
+        _KEYS[lay.index] = keys
     return Sorted(lay.dim, lay.outer, lay.inner, lay.index, keys)
+
+
+# the sort keys of positions laid out by an index tensor, by that tensor's identity: an op
+# that keeps the positions keeps the index tensor itself (``Batched.moved``), so the keys
+# of ``perm // k`` or of a slice ``gate_up[..., ::2]`` are found without each op carrying
+# them
+_KEYS = WeakIdKeyDictionary()
+
+
+def keys_of(lay: Layout) -> Tensor | None:
+    """The sort key of each position along a batch dim sorted by one (``sort`` of the
+    tokens' experts, and the ops that keep those positions), else ``None``."""
+    if not isinstance(lay, Batched):
+        return None
+    if isinstance(lay, Sorted) and lay.keys is not None:
+        return lay.keys
+    return None if lay.index is None else _KEYS.get(lay.index)
 
 
 _TOPK = set(aliases("topk"))

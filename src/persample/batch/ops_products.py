@@ -10,8 +10,10 @@ import string
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .flow import (
+    VALUE_READERS,
     Flow,
     aliases,
     arg,
@@ -21,7 +23,7 @@ from .flow import (
     register,
 )
 from .layouts import SHARED, Batched, Unknown
-from .ops_indexing import agree
+from .ops_indexing import agree, keys_of
 
 # ---------------------------------------------------------------------------
 # matrix products
@@ -118,6 +120,21 @@ def _rmatmul(ctx, func, args, kwargs, out) -> Any:
 register(_rmatmul, torch.Tensor.__rmatmul__)
 
 
+def _solve_triangular(ctx, func, args, kwargs, out) -> Any:
+    """``linalg.solve_triangular(A, B, upper=, left=)`` (gated DeltaNet's chunks):
+    ``X = A^-1 B`` (``B A^-1`` with ``left=False``) carries the samples as the product
+    with ``A^-1`` does; samples in ``A``'s matrix dims mix (the inverse mixes them)."""
+    a, b = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "B")
+    la = ctx.layout(a)
+    if isinstance(la, Batched) and la.dim >= a.dim() - 2:
+        return mixed(func, "inverts a matrix the samples are in")
+    left = kwargs.get("left", True)
+    return _matmul(ctx, torch.matmul, (a, b) if left else (b, a), {}, out)
+
+
+register(_solve_triangular, *aliases("solve_triangular", where=(torch.linalg,)))
+
+
 def einsum_subscripts(equation: str, ranks: list[int]) -> tuple[list[str], str]:
     """Each operand's subscripts and the output's, ``...`` spelled out as capitals not in
     the equation (aligned at the right end, as einsum broadcasts them), an implicit
@@ -209,3 +226,41 @@ def _bilinear(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_bilinear, *aliases("bilinear"))
+
+
+def _grouped_mm(ctx, func, args, kwargs, out) -> Any:
+    """``grouped_mm(x (S, K), W (G, K, N), offs=)`` (a mixture's experts, each on its
+    run of rows): row ``r`` is ``x_r @ W[g(r)]``, ``g(r)`` the run ``offs`` puts it in.
+    The rows keep their samples where each row's run is its own sort key (the rows sorted
+    by expert, ``offs`` the cumulative counts of the keys over the batch): then which
+    weights a row meets depends on that row's own routing alone. Any other grouping, or
+    rows past the last run, is not followed."""
+    a, b = arg(args, kwargs, 0, "mat_a"), arg(args, kwargs, 1, "mat_b")
+    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+    la, lb = ctx.layout(a), ctx.layout(b)
+    if lb is not SHARED or a.dim() != 2 or b.dim() != 3 or not isinstance(offs, Tensor):
+        return Unknown(f"{name_of(func)} other than per-sample rows times shared groups")
+    if la is SHARED:
+        return SHARED
+    if not isinstance(la, Batched) or la.dim != 0:
+        return la if not la.known else Unknown(f"{name_of(func)} of rows by another dim")
+    keys = keys_of(la)
+    rows = torch.arange(a.shape[0], device=offs.device)
+    if keys is None or int(offs[-1]) != a.shape[0] or not torch.equal(
+            torch.searchsorted(offs.long(), rows, right=True), keys.long().to(offs.device)):
+        return mixed(func, "groups rows by offsets that are not each row's own sort key")
+    return la
+
+
+register(_grouped_mm, *[f for f in (getattr(torch, "_grouped_mm", None),
+                                    getattr(torch.nn.functional, "grouped_mm", None)) if f])
+VALUE_READERS.update(f for f in (getattr(torch, "_grouped_mm", None),
+                                 getattr(torch.nn.functional, "grouped_mm", None)) if f)
+
+
+def _counts(ctx, func, args, kwargs, out) -> Any:
+    """``histc``/``bincount`` of values from several samples: counts over the batch."""
+    return mixed(func, "counts values over the batch")
+
+
+register(_counts, *aliases("histc", "bincount"))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..batch.flow import name_of
+from ..batch.flow import in_place, name_of
 from ..errors import raise_internal
 from ..patches import WhileCapturing
 
@@ -47,7 +47,7 @@ class Mode(TorchFunctionMode):
         if threading.get_ident() != recorder.thread:
             return func(*args, **kwargs)
         expansion = self.expansions.get(func) if self.expansions else None
-        if expansion is not None:
+        if expansion is not None and not in_place(func, kwargs):  # (an expansion makes anew)
             out = self._expanded(func, expansion, args, kwargs)
             if out is not NotImplemented:
                 return out

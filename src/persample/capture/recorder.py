@@ -540,6 +540,7 @@ class Capture:
         target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
         if target is not None and isinstance(out, Tensor):
+            self._base_written(target, flow.outputs)
             self.layouts.written(target, flow.outputs, out)
             if sources and flow.outputs is SHARED:  # parameters written into a shared tensor:
                 # what shares its storage no longer holds what the ops that made it computed
@@ -559,6 +560,23 @@ class Capture:
             self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before,
                             draw)
         return out
+
+    def _base_written(self, view: Tensor, layout: Layout) -> None:
+        """A slice of a shared tensor written in place with sample data (a key assembled
+        by ``new_empty`` and ``k[..., :d].copy_(...)``, as DeepSeek's latent attention
+        does): the base's layout after ``base[box] = data``, where the slice is a box of
+        it, so that its other slices read as what they hold."""
+        base = view._base
+        if (base is None or layout is SHARED or not isinstance(layout, Batched)
+                or self.layouts.layout(base) is not SHARED):
+            return
+        box = box_of(view, base)
+        if box is None:
+            return
+        self.layouts[view] = layout
+        found = written_layout(self.ctx, base, box, view)
+        if isinstance(found, Batched):
+            self.layouts[base] = found
 
     def _seen(self, t: Tensor) -> Layout:
         """``t``'s layout; a tensor the capture never saw made becomes Unknown, named
@@ -703,3 +721,19 @@ def _broadcasts(small: torch.Size, big: torch.Size) -> bool:
     if len(small) > len(big):
         return False
     return all(a == b or a == 1 for a, b in zip(reversed(small), reversed(big)))
+
+
+def box_of(view: Tensor, base: Tensor) -> tuple | None:
+    """The slices ``box`` with ``base[box]`` the same view as ``view`` (same offset, shape
+    and strides), where ``view`` keeps ``base``'s strides; ``None`` else."""
+    if view.dim() != base.dim() or view.stride() != base.stride() or any(
+            s1 < s2 for s1, s2 in zip(base.stride(), base.stride()[1:])):
+        return None
+    offset, box = view.storage_offset() - base.storage_offset(), []
+    for size, whole, stride in zip(view.shape, base.shape, base.stride()):
+        start = offset // stride if stride else 0
+        offset -= start * stride
+        if start + size > whole:
+            return None
+        box.append(slice(start, start + size))
+    return tuple(box) if offset == 0 else None

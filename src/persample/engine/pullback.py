@@ -37,7 +37,7 @@ from ..rules.calls import cast_input
 from ..rules.spec import InnerOp
 from .captured import Captured
 from .paths import Path
-from .vjp import expand_vjp, module_vjp, op_vjp, shared_vjp
+from .vjp import PIECES, expand_vjp, module_vjp, op_vjp, pieces_vjp, shared_vjp
 
 
 class GradSink:
@@ -246,7 +246,9 @@ class Pullbacks:
         pairings = [call.op.pairing(k) for k in range(len(op.leaves))]
         kind = "rule"
         try:
-            if all(a is None for a in pairings) and all(a is None for a in out_pairings):
+            if op.func in PIECES and wrt == [0]:  # (a multi-output op: no rule kind)
+                got = [pieces_vjp(op, cots, pairings[0], self.captured.n)]
+            elif all(a is None for a in pairings) and all(a is None for a in out_pairings):
                 got = shared_vjp(op, cots, wrt)  # the same op for every sample
             else:
                 got = op_vjp(op, cots, out_pairings, pairings, wrt, self.captured.n)

@@ -28,6 +28,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..batch import Batched, front
+from ..batch.forms import forms
 from ..draws import Draw, DrawNotReplayable, Replay, at
 from ..errors import UnsupportedModuleError
 from ..precision import replaying
@@ -139,6 +140,36 @@ def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tenso
     # position) gets zeros with the (n, v) dims, which materialize_grads would not give
     return [values[k].new_zeros((n, v, *values[k].shape)) if g is None else
             g.unflatten(0, (n, v)) for k, g in zip(wrt, grads)]
+
+
+_UNBINDS = frozenset(forms(torch.unbind))
+PIECES = frozenset(f for name in ("split", "chunk", "tensor_split", "split_with_sizes",
+                                  "unsafe_split", "unsafe_chunk", "unbind")
+                   for f in forms(getattr(torch, name)))
+
+
+def pieces_vjp(op: Any, cots: list[Tensor | None], pairing: Any, n: int) -> Tensor:
+    """The per-sample cotangent ``(n, v, *shape)`` of the one input of a ``split``,
+    ``chunk``, ``tensor_split`` or ``unbind`` (a derived tensor cut into gates, GRU's
+    ``W_hh h_0``): its pieces' cotangents ``(n, v, *per_sample_piece)`` joined along the
+    cut dim, zeros for pieces without one. ``pairing``: the input's (``None``: shared);
+    a cut of the dim that holds the samples is not handled (``ValueError``)."""
+    x, unbind = op.leaves[0], op.func in _UNBINDS
+    pos = 1 if unbind else 2
+    d = op.kwargs.get("dim", op.args[pos] if len(op.args) > pos else 0)
+    d = d + x.dim() if d < 0 else d
+    if pairing is not None and d == pairing.dim:
+        raise ValueError("a cut of the samples' dim")
+    given = next(c for c in cots if c is not None)
+    whole = list(x.shape if pairing is None else pairing.per_sample_shape(x, n))
+    parts = []
+    for out, c in zip(op.outputs, cots):
+        if c is None:  # (the input's per-sample shape, this piece's part of the cut dim)
+            shape = whole[:d] + whole[d + 1:] if unbind else (
+                whole[:d] + [out.shape[d]] + whole[d + 1:])
+            c = given.new_zeros((*given.shape[:2], *shape))
+        parts.append(c.unsqueeze(d + 2) if unbind else c)
+    return torch.cat(parts, d + 2)
 
 
 def summed_vjp(op: Any, g: Tensor, wrt: list[int]) -> list[Tensor]:

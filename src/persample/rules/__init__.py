@@ -28,6 +28,7 @@ from . import (  # noqa: F401  (the families: importing one registers its specs)
     activation,
     addcmul,
     attention,
+    composite,
     conv,
     einsum,
     elementwise,

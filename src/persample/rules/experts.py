@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .spec import Decline, InnerOp, ModuleSpec, register_module
+from .calls import OpCall
+from .spec import Decline, InnerOp, ModuleSpec, OpSpec, register, register_module
 
 _FORWARD = ["hidden_states", "top_k_index", "top_k_weights"]
 
@@ -300,5 +301,32 @@ def _groups(g: Tensor, x: Tensor) -> bool:
             and (x.shape[-1] * size) % 16 == 0)
 
 
+def grouped_mm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
+    """``y_r = x_r W[e(r)]`` for rows sorted by expert (``grouped_mm(x, W, offs=)``,
+    transformers' grouped experts with biases or a gate of their own, gpt-oss):
+    ``grad W[n, e] = sum_{r of n in run e} x_r^T g_r``, the rows of each (sample,
+    expert) pair summed in one call (:class:`_Padded`)."""
+    x, w = call.arg(0, "mat_a"), call.arg(1, "mat_b")
+    offs = call.kwargs.get("offs", call.args[2] if len(call.args) > 2 else None)
+    call.only(out, w)
+    if not call.shared(w) or call.shared(x) or w not in out:
+        raise Decline("not per-sample rows times shared groups")
+    n, v = g.shape[:2]
+    experts, k, o = w.shape
+    lay = call.pairing(x)
+    runs = torch.searchsorted(offs.long(), torch.arange(x.shape[0], device=offs.device),
+                              right=True)  # (S,) each row's expert
+    xf = call.front(x)  # (n, L, k), zero rows where a sample has fewer
+    length = xf.shape[1]
+    run = lay.front(runs.view(-1, 1), n).reshape(n * length)  # (n L,) (padding: 0)
+    owner = torch.arange(n, device=run.device).repeat_interleave(length) * experts + run
+    order = torch.argsort(owner, stable=True)
+    rows = g.reshape(n, v, length, o).transpose(0, 1).reshape(v, n * length, o)[:, order]
+    sums = _Padded(owner[order], n * experts).outer_sums(
+        rows, xf.reshape(n * length, k)[order])  # (n E, v, o, k)
+    out[w].copy_(sums.view(n, experts, v, o, k).permute(0, 2, 1, 4, 3))  # (n, v, E, k, o)
+
+
 EXPERTS = register_module(ModuleSpec((), grad=experts, check=check, match=is_experts,
                                      rows=True, keeps_layout=True, inner=_PRODUCTS))
+GROUPED_MM = register(OpSpec(_PRODUCTS, grad=grouped_mm))

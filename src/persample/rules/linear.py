@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .calls import OpCall
+from .calls import OpCall, write_reduced
 from .ghost import Factors
 from .outer import add_product, ghost_norm, sum_outer_into
 from .spec import Decline, OpSpec, register
@@ -74,13 +74,17 @@ def _bias_factors(gt: Tensor, b: Tensor, o: int) -> Factors:
 
 
 def linear(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
-    """``y = x W^T + b``: ``W (o, i)`` gets ``sum_t g^T x``, ``b (o,)`` gets ``sum_t g``."""
+    """``y = x W^T + b``: ``W (o, i)`` gets ``sum_t g^T x``, ``b (o,)`` gets ``sum_t g``;
+    a derived input ``x`` (computed from parameters, with or without the samples' pairing)
+    its cotangent ``g W``."""
     x, w, b = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
-    call.only(out, w, b)
+    call.only(out, x, w, b)
     if not call.shared(w) or (b is not None and not call.shared(b)):
         raise Decline("a weight paired with the samples")
-    if w in out and w.dim() != 2:
+    if (w in out or x in out) and w.dim() != 2:
         raise Decline("a 1-d weight")
+    if x in out:  # a derived input (a learned query, an initial state): g W
+        out[x].copy_(torch.matmul(g, call.front(w)).view(out[x].shape))
     n, v = g.shape[:2]
     o, i = w.shape if w.dim() == 2 else (1, w.shape[0])
     _check_bias(b if b in out else None, o)
@@ -266,8 +270,31 @@ def matmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
         xs = bx.transpose(-1, -2).reshape(-1, k) if call.shared(b) else (
             bx.transpose(-1, -2).reshape(n, -1, k))  # (n, t, k) with t = lead * p
         sum_outer_into(gm, xs, out[a])  # (n, v, m, k)
+    elif call.shared(a) or call.shared(b):
+        _broadcast_product(call, a, b, g, out)
     else:
         _paired(call, a, b, g, out)
+
+
+def _broadcast_product(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> None:
+    """Any operand asked for, at least one of them shared (a parameter with dims of its
+    own beside the matrices, RG-LRU's ``(heads, k, p)`` gates; a derived operand): each
+    sample's product ``A_n @ B_n`` broadcast as the op did, ``grad A_n = g B_n^T`` and
+    ``grad B_n = A_n^T g`` summed over the dims broadcasting added."""
+    if a.dim() < 2 or b.dim() < 2:
+        raise Decline("a vector operand")
+    fa, fb = call.front(a), call.front(b)  # (n, *per_sample) or shared
+    sa, sb = (f if call.shared(t) else f[0] for t, f in ((a, fa), (b, fb)))  # one sample's
+    if sa.shape[-1] != sb.shape[-2]:
+        raise Decline("the samples in a contracted dim")
+    lead = torch.broadcast_shapes(sa.shape[:-2], sb.shape[:-2])
+    if (*lead, sa.shape[-2], sb.shape[-1]) != tuple(g.shape[2:]):
+        raise Decline("a product whose samples' part is not the op's")
+    af, bf = (f if call.shared(t) else f.unsqueeze(1) for t, f in ((a, fa), (b, fb)))
+    if a in out:
+        write_reduced(call, out, a, torch.matmul(g, bf.transpose(-1, -2)))  # (n, v, .., m, k)
+    if b in out:
+        write_reduced(call, out, b, torch.matmul(af.transpose(-1, -2), g))  # (n, v, .., k, p)
 
 
 def _paired(call: OpCall, a: Tensor, b: Tensor, g: Tensor, out: dict) -> None:

@@ -1,0 +1,151 @@
+"""Parameters broadcast into the batch, and ops that run as the ops they are made of:
+a learned query of attention pooling (Set Transformer's PMA, timm's MAP head), a
+learned initial state of a GRU/LSTM/RNN cell decoder, ``baddbmm``/``addbmm`` with a
+bias and a weight per head (RecurrentGemma's RG-LRU gates), a product with a parameter
+that has dims of its own beside its matrices. Each against the loop in float64 on the
+rules (``supported`` says ``rule`` for every parameter), with ``B`` equal to the
+heads, the steps or the features."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import persample
+from battery import check
+
+B = 4  # = heads = steps = features below
+
+
+def mse(out, y):
+    return (out - y).pow(2).flatten(1).sum(1)
+
+
+class Pooling(nn.Module):
+    """Attention pooling by learned queries (Lee et al. 2019, PMA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(1, 2, 8))
+        self.attention = nn.MultiheadAttention(8, B, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        q = self.query.expand(x.shape[0], -1, -1)
+        pooled, _ = self.attention(q, x, x)
+        return self.head(pooled.flatten(1))
+
+
+class Decoder(nn.Module):
+    """A cell unrolled from a learned initial state, attending over the input."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        cell = {"gru": nn.GRUCell, "lstm": nn.LSTMCell, "rnn": nn.RNNCell,
+                "relu": lambda i, h: nn.RNNCell(i, h, nonlinearity="relu")}[kind]
+        self.cell = cell(B, 6)
+        self.h0 = nn.Parameter(torch.randn(6) * 0.5)
+        self.c0 = nn.Parameter(torch.randn(6) * 0.5) if kind == "lstm" else None
+        self.key = nn.Linear(6, B)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):  # (b, t, B)
+        h, c = self.h0.expand(x.shape[0], 6), None
+        for _ in range(B):
+            weights = torch.softmax(torch.einsum("btf,bf->bt", x, self.key(h)), 1)
+            context = torch.einsum("bt,btf->bf", weights, x)
+            if self.kind == "lstm":
+                h, c = self.cell(context, (h, self.c0.expand(x.shape[0], 6) if c is None else c))
+            else:
+                h = self.cell(context, h)
+        return self.out(h)
+
+
+class Gates(nn.Module):
+    """RG-LRU's gates: ``baddbmm`` of a bias, the activations by head and a weight per
+    head (De et al. 2024, Griffin), and ``addbmm`` of the heads' products."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(B, 3, 3) * 0.5)  # (heads, width, width)
+        self.bias = nn.Parameter(torch.randn(B, 3) * 0.5)
+        self.mix = nn.Parameter(torch.randn(3, 2) * 0.5)
+        self.offset = nn.Parameter(torch.randn(2) * 0.5)
+
+    def forward(self, x):  # (b, t, heads * width)
+        b, t, _ = x.shape
+        heads = x.reshape(b * t, B, 3).permute(1, 0, 2)  # (heads, b*t, width)
+        gate = torch.sigmoid(torch.baddbmm(self.bias[:, None, :], heads, self.weight))
+        mixed = torch.addbmm(self.offset, gate, self.mix.expand(B, 3, 2),
+                             beta=0.5, alpha=2.0)  # (b*t, 2)
+        return gate.permute(1, 0, 2).reshape(b, t, -1).sum(1)[:, :2] + mixed.view(b, t, 2).sum(1)
+
+
+def _inputs(*shape):
+    torch.manual_seed(1)
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def test_a_learned_query_pools_on_the_rules():
+    torch.manual_seed(0)
+    model = Pooling().double()
+    check(model, _inputs(B, 5, 8), _inputs(B, 3), mse)
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm", "rnn", "relu"])
+def test_a_cell_from_a_learned_state_on_the_rules(kind):
+    torch.manual_seed(0)
+    model = Decoder(kind).double()
+    check(model, _inputs(B, B, B), _inputs(B, 3), mse)
+
+
+def test_batched_products_with_a_weight_per_head_on_the_rules():
+    torch.manual_seed(0)
+    model = Gates().double()
+    x = _inputs(B, B, B * 3)  # b*t = 16 rows, 4 heads of width 3
+    got = check(model, x, _inputs(B, 2), mse)
+    assert got["weight"].shape == (B, B, 3, 3)
+
+
+def test_in_place_and_out_forms_run_whole_and_exact():
+    """``baddbmm_`` writes its first argument: it runs as itself, not as its ops."""
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2, 3, 3))
+
+        def forward(self, x):  # (b, 3)
+            y = x.new_ones(2, x.shape[0], 3)
+            y.baddbmm_(x.unsqueeze(0).expand(2, -1, -1), self.weight)  # (2, b, 3)
+            return y.sum(0)
+
+    torch.manual_seed(0)
+    model = InPlace().double()
+    x = _inputs(B, 3)
+    want = persample.loop_per_sample_grads(model, x, _inputs(B, 3), mse)
+    got = persample.per_sample_grads(model, x, _inputs(B, 3), mse)
+    torch.testing.assert_close(got["weight"], want["weight"], rtol=1e-10, atol=1e-12)
+
+
+def test_the_expansions_compute_what_the_ops_do():
+    from persample.rules import composite
+
+    torch.manual_seed(0)
+    x, h, c = torch.randn(5, 4), torch.randn(5, 6), torch.randn(5, 6)
+    cell = nn.LSTMCell(4, 6)
+    args = (cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    for ours, theirs in zip(composite.lstm_cell(x, (h, c), *args),
+                            torch.lstm_cell(x, (h, c), *args)):
+        torch.testing.assert_close(ours, theirs)
+    gru = nn.GRUCell(4, 6)
+    args = (gru.weight_ih, gru.weight_hh, gru.bias_ih, gru.bias_hh)
+    torch.testing.assert_close(composite.gru_cell(x, h, *args), torch.gru_cell(x, h, *args))
+    a, b1, b2 = torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    torch.testing.assert_close(composite.baddbmm(a, b1, b2, beta=0.5, alpha=3.0),
+                               torch.baddbmm(a, b1, b2, beta=0.5, alpha=3.0))
+    nan = torch.full((3, 5), float("nan"))
+    torch.testing.assert_close(composite.addbmm(nan, b1, b2, beta=0),
+                               torch.addbmm(nan, b1, b2, beta=0))
+
