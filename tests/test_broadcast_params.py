@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import persample
@@ -149,3 +150,56 @@ def test_the_expansions_compute_what_the_ops_do():
     torch.testing.assert_close(composite.addbmm(nan, b1, b2, beta=0),
                                torch.addbmm(nan, b1, b2, beta=0))
 
+
+
+class Warp(nn.Module):
+    """A spatial transformer's learned affine map, expanded to the batch: the grid is
+    paired with the samples in ``grid_sample``."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = nn.Parameter(torch.eye(2, 3) + 0.1 * torch.randn(2, 3))
+        self.conv = nn.Conv2d(B, 2, 3)
+        self.head = nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x):  # (b, B, 6, 6)
+        grid = F.affine_grid(self.theta.expand(x.shape[0], 2, 3), list(x.shape),
+                             align_corners=False)
+        return self.head(self.conv(F.grid_sample(x, grid, align_corners=False)).flatten(1))
+
+
+class Chain(nn.Module):
+    """Gates applied in place: ``h.mul_(g)`` then ``h.add_(1)`` (the value ``mul_``
+    overwrote is kept for its rule), and a bilinear form ``x^T W x`` by ``einsum``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(B, B)
+        self.gate = nn.Parameter(torch.randn(B))
+        self.form = nn.Parameter(torch.randn(B, B) * 0.3)
+
+    def forward(self, x):  # (b, B)
+        h = self.lin(x)
+        h.mul_(self.gate)
+        h.add_(1.0)
+        return torch.tanh(h) + torch.einsum("bi,ij,bj->b", x, self.form, x)[:, None]
+
+
+@pytest.mark.parametrize("model, shape", [(Warp, (B, B, 6, 6)), (Chain, (B, B))])
+def test_grids_in_place_chains_and_forms_on_the_rules(model, shape):
+    torch.manual_seed(0)
+    net = model().double()
+    out = 3 if model is Warp else B
+    check(net, _inputs(*shape), _inputs(B, out), mse)
+
+
+def test_spectral_norm_in_training_mode_is_captured():
+    """Its power iteration reads the weight through a view made under ``no_grad`` (no
+    gradient edge): the capture follows it, no internal error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(B, 5)), nn.Tanh(),
+                        nn.Linear(5, 3)).double()
+    x, y = _inputs(B, B), _inputs(B, 3)
+    assert {r.path for r in persample.supported(net, x, y, mse)} == {"rule"}
+    net.eval()
+    check(net, x, y, mse)

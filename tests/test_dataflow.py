@@ -589,3 +589,95 @@ def test_scalar_loss_on_merged_outputs_is_cut_per_sample():
 
     assert_grads_equal(per_sample_grads(model, ids, labels, loss_fn, method="rules"),
                  loop_per_sample_grads(model, ids, labels, loss_fn))
+
+
+# ---------------------------------------------------------------------------
+# the data flow of ops the architectures of 2025-26 use
+
+
+class AssembledKeys(nn.Module):
+    """DeepSeek's latent attention builds its keys in a fresh tensor, ``new_empty`` then
+    ``k[..., :d].copy_(nope)`` and ``k[..., d:].copy_(rope)``: the slices of a shared
+    tensor written with sample data make it batched where they were written."""
+
+    def __init__(self):
+        super().__init__()
+        self.nope = nn.Linear(E, H * 3)
+        self.rope = nn.Linear(E, 2)
+        self.out = nn.Linear(H * 5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (b, t, E)
+        b, t, _ = x.shape
+        nope = self.nope(x).view(b, t, H, 3).transpose(1, 2)  # (b, H, t, 3)
+        rope = self.rope(x).view(b, 1, t, 2).expand(-1, H, -1, -1)  # (b, H, t, 2)
+        keys = nope.new_empty(b, H, t, 5)
+        keys[..., :3].copy_(nope)
+        keys[..., 3:].copy_(rope)
+        return self.out(keys.transpose(1, 2).reshape(b, t, -1)).sum(1)
+
+
+class Triangular(nn.Module):
+    """Gated DeltaNet's chunks solve a per-sample unit lower-triangular system
+    (``linalg.solve_triangular``): the batch stays in the systems' batch dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(E, T)
+        self.b = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (b, T, E)
+        lower = torch.tril(torch.tanh(self.a(x)) * 0.3, -1) + torch.eye(T)  # (b, T, T)
+        solved = torch.linalg.solve_triangular(lower, self.b(x), upper=False,
+                                               unitriangular=True)  # (b, T, 3)
+        right = torch.linalg.solve_triangular(lower.transpose(1, 2), self.b(x).transpose(1, 2),
+                                              upper=True, left=False)  # (b, 3, T)
+        return solved.sum(1) + right.sum(2)
+
+
+class NewTensors(nn.Module):
+    """Reformer's ``x.new(sizes)``, and ``x.new_tensor(data)`` of per-sample data."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (b, E)
+        fresh = x.new(x.shape[0], 3).fill_(0.5)  # no sample's data
+        copied = x.new_tensor(x[:, :3])  # the samples' own data, no gradient
+        return self.lin(x) * fresh + copied
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct")  # (new_tensor of a tensor: meant)
+@pytest.mark.parametrize("model", [AssembledKeys, Triangular, NewTensors])
+def test_the_data_flow_of_newer_ops(model):
+    torch.manual_seed(0)
+    net = model().double()
+    x = torch.randn(B, T, E, dtype=torch.float64) if model is not NewTensors else (
+        torch.randn(B, E, dtype=torch.float64))
+    torch.manual_seed(1)
+    check(net, x, torch.randn(B, 3, dtype=torch.float64), mse)
+
+
+def test_a_slice_written_with_another_samples_data_is_not_followed():
+    """Sample data written into a slice at other samples' positions (rows rolled by one,
+    then paired with each sample's target) is not followed: the rules do not answer, and
+    ``auto`` says the model mixes samples."""
+    class Rolled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(E, E)
+
+        def forward(self, x):
+            h = self.lin(x)
+            buf = h.new_zeros(x.shape[0], 2 * E)
+            buf[:, :E].copy_(h.roll(1, 0))
+            return buf[:, E:] + buf[:, :E]
+
+    torch.manual_seed(0)
+    net = Rolled().double()
+    x, y = torch.randn(B, E, dtype=torch.float64), torch.randn(B, E, dtype=torch.float64)
+    assert {r.path for r in supported(net, x, y, mse)} == {"vmap"}
+    with pytest.raises(persample.NeedsWholeModel, match="written in place"):
+        per_sample_grads(net, x, y, mse, method="rules")
+    with pytest.raises(persample.CertificateError, match="mixes samples"):
+        per_sample_grads(net, x, y, mse)  # (the certificate: no method agrees with the batch)

@@ -261,3 +261,80 @@ def test_per_sample_outer_sums_grouped_and_padded_agree():
                             for k in range(4)])
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert not got[1].any()
+
+
+class _SortedRuns(nn.Module):
+    """A mixture written as transformers' grouped implementation is, with a bias per
+    expert (gpt-oss): the (token, expert) pairs sorted by expert, counted by ``histc``,
+    both products by ``F.grouped_mm`` over the runs, summed back by ``index_add_``.
+    ``by_key=False`` groups the rows in fixed runs instead (not each row's expert)."""
+
+    def __init__(self, by_key: bool = True, experts: int = B, top: int = 2, width: int = 8):
+        super().__init__()
+        self.by_key, self.experts, self.top = by_key, experts, top
+        self.router = nn.Linear(width, experts)
+        self.up = nn.Parameter(torch.randn(experts, width, 16) * 0.3)
+        self.bias = nn.Parameter(torch.randn(experts, 16) * 0.3)
+        self.down = nn.Parameter(torch.randn(experts, 16, width) * 0.3)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):  # (b, t, width)
+        rows = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(rows).softmax(-1).topk(self.top)  # (R, k) each
+        keys, perm = torch.sort(chosen.reshape(-1))  # (S,) the pairs by expert
+        tokens = rows[perm // self.top]  # (S, width)
+        counts = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
+        if not self.by_key:
+            counts = torch.full_like(counts, keys.numel() // self.experts)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.gelu(F.grouped_mm(tokens, self.up, offs=offs) + self.bias[keys])
+        y = F.grouped_mm(h, self.down, offs=offs) * weights.reshape(-1)[perm, None]
+        out = torch.zeros_like(rows).index_add_(0, perm // self.top, y)
+        return self.head(out.view(*x.shape).mean(1))
+
+
+def test_grouped_products_by_expert_take_their_rule():
+    """``grouped_mm`` over runs that are each row's own expert (sorted keys, ``histc``
+    offsets) is followed and takes its rule: each (sample, expert) pair's sum of outer
+    products; ``B`` = 4 = the experts = the tokens (float32: the kernel's dtype)."""
+    torch.manual_seed(0)
+    model = _SortedRuns().float()
+    x, y = torch.randn(B, T, 8, dtype=torch.float32), torch.randint(0, 3, (B,))
+    loss = nn.CrossEntropyLoss(reduction="none")
+    got = persample.per_sample_grads(model, x, y, loss, method="rules")
+    want = persample.loop_per_sample_grads(model, x, y, loss)
+    assert _rel(got, want) < 1e-5
+    assert bool((got["up"].flatten(1).norm(dim=1) > 0).all())
+    paths = {r.module or "<root>": r.path for r in persample.supported(model, x, y, loss)}
+    assert set(paths.values()) == {"rule"}, paths
+
+
+def test_grouped_products_by_position_are_not_followed():
+    """Fixed runs put a row with another expert's weights depending on where the other
+    samples' rows sorted: not per sample, refused by name."""
+    torch.manual_seed(0)
+    model = _SortedRuns(by_key=False).float()
+    x, y = torch.randn(B, T, 8, dtype=torch.float32), torch.randint(0, 3, (B,))
+    loss = nn.CrossEntropyLoss(reduction="none")
+    with pytest.raises(persample.LossNotPerSampleError, match="sort key"):
+        persample.per_sample_grads(model, x, y, loss, method="rules")
+    assert "rule" not in {r.path for r in persample.supported(model, x, y, loss)}
+
+
+def test_gpt_oss_experts_take_the_grouped_rule():
+    """gpt-oss's experts (biases, a clamped interleaved SwiGLU: not the module rule's) in
+    transformers' default grouped implementation: every parameter on the rules, the rows
+    the loop's (float32)."""
+    config = transformers.GptOssConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=T * 4,
+        use_cache=False, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).float().eval()
+    ids = torch.randint(0, 50, (B, T))
+    got = persample.per_sample_grads(model, {"input_ids": ids}, ids, next_token, method="rules")
+    want = persample.loop_per_sample_grads(model, {"input_ids": ids}, ids, next_token)
+    assert _rel(got, want) < 1e-5
+    paths = {r.path for r in persample.supported(model, {"input_ids": ids}, ids, next_token)}
+    assert paths == {"rule"}, paths

@@ -26,9 +26,9 @@ from persample.cli.real_models import (
     with_lora,
 )
 
-__all__ = ["VISION_DIR", "NotInstalled", "bert_classifier", "causal_lm_loss", "gpt2", "llama",
-           "load_torchvision", "lora", "mixtral", "require", "resnet18", "timm_vit",
-           "with_lora"]
+__all__ = ["VISION_DIR", "NotInstalled", "bert_classifier", "causal_lm_loss", "gcn", "gpt2",
+           "gpt_oss", "llama", "load_torchvision", "lora", "mixtral", "require", "resnet18",
+           "timm_vit", "vit_mae", "with_lora"]
 
 
 def resnet18(classes: int = 10) -> nn.Module:
@@ -96,6 +96,88 @@ def mixtral(vocab_size: int, seq_len: int = 64, layers: int = 2, width: int = 12
         bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(config).train()
+
+
+def gpt_oss(vocab_size: int, seq_len: int = 64, layers: int = 2, width: int = 128,
+            heads: int = 4, experts: int = 4, top_k: int = 2) -> nn.Module:
+    """transformers' ``GptOssForCausalLM`` from a small config: ``experts`` experts with
+    biases and a clamped SwiGLU (``top_k`` per token) in each of ``layers`` blocks of
+    ``width``, attention with sinks, sliding and full layers in turn; transformers'
+    default (grouped) experts implementation; random weights, eval mode, float32.
+
+    Raises:
+        NotInstalled: transformers is missing.
+
+    Examples:
+        >>> model = gpt_oss(257, seq_len=8, layers=2, width=16, heads=2)
+        >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape
+        torch.Size([1, 8, 257])
+    """
+    transformers = require("transformers")
+    config = transformers.GptOssConfig(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=width,
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), head_dim=width // heads,
+        num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=seq_len // 4,
+        max_position_embeddings=seq_len, use_cache=False,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2) + [
+            "sliding_attention"] * (layers % 2),
+        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1)
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(config).eval()
+
+
+def vit_mae(img_size: int = 32, patch: int = 4, width: int = 64, depth: int = 2,
+            heads: int = 4, mask_ratio: float = 0.75) -> nn.Module:
+    """transformers' ``ViTMAEForPreTraining`` from a small config (masked autoencoder:
+    ``depth`` encoder blocks of ``width`` on the visible patches, a decoder of one block
+    on them and the learned mask token repeated into the masked places); random weights,
+    eval mode, float32. Called with ``pixel_values`` and ``noise`` (which patches are
+    masked).
+
+    Raises:
+        NotInstalled: transformers is missing.
+
+    Examples:
+        >>> model = vit_mae(16, width=16, depth=1, heads=2)
+        >>> out = model(pixel_values=torch.zeros(1, 3, 16, 16), noise=torch.rand(1, 16))
+        >>> out.logits.shape
+        torch.Size([1, 16, 48])
+    """
+    transformers = require("transformers")
+    config = transformers.ViTMAEConfig(
+        image_size=img_size, patch_size=patch, hidden_size=width, num_hidden_layers=depth,
+        num_attention_heads=heads, intermediate_size=4 * width, decoder_hidden_size=width,
+        decoder_num_hidden_layers=1, decoder_num_attention_heads=heads,
+        decoder_intermediate_size=4 * width, mask_ratio=mask_ratio)
+    torch.manual_seed(0)
+    return transformers.ViTMAEForPreTraining(config).eval()
+
+
+def gcn(features: int, width: int = 64, classes: int = 2) -> nn.Module:
+    """Two torch_geometric ``GCNConv`` layers and a mean pool per graph, then a linear
+    classifier, on a ``Batch`` of graphs (``forward(batch)``: ``x``, ``edge_index``,
+    ``batch``); random weights, eval mode.
+
+    Raises:
+        NotInstalled: torch_geometric is missing.
+    """
+    geometric = require("torch_geometric")
+
+    class GCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = geometric.nn.GCNConv(features, width)
+            self.conv2 = geometric.nn.GCNConv(width, width)
+            self.head = nn.Linear(width, classes)
+
+        def forward(self, data):
+            h = self.conv1(data.x, data.edge_index).relu()
+            h = self.conv2(h, data.edge_index).relu()
+            return self.head(geometric.nn.global_mean_pool(h, data.batch))
+
+    torch.manual_seed(0)
+    return GCN().eval()
 
 
 def bert_classifier(vocab_size: int = 30522, layers: int = 4, width: int = 768,

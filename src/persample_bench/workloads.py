@@ -202,6 +202,37 @@ class Workload:
         return self
 
 
+def masked_reconstruction(out, patches: Tensor) -> Tensor:
+    """ViTMAE's loss per sample ``(B,)``: the squared error of the reconstructed patches
+    ``out.logits (B, L, p*p*C)`` against the image's ``patches``, averaged over each
+    sample's masked patches (``out.mask (B, L)``, 1 where masked; He et al. 2022)."""
+    error = (out.logits - patches).pow(2).mean(-1)  # (B, L)
+    return (error * out.mask).sum(1) / out.mask.sum(1)
+
+
+def graph_batch(batch: int) -> tuple[Any, Tensor]:
+    """``batch`` of the digits as graphs, a torch_geometric ``Batch``: the pixels of each
+    8x8 image above its median brightness are the nodes (16 to 64 of them; features: the
+    brightness and the position, one-hot, 17 in all), each joined to the 4 nodes nearest
+    in brightness; label 1 for the digits 5 to 9. Returns ``(Batch, labels (batch,))``.
+
+    Raises:
+        NotInstalled: torch_geometric is missing."""
+    geometric = real_models.require("torch_geometric")
+    x, y = digits_images(8)  # (N, 1, 8, 8)
+    graphs = []
+    for image in x[:batch]:
+        values = image.reshape(64)
+        kept = torch.nonzero(values >= values.median()).reshape(-1)  # (m,)
+        features = torch.cat([values[kept, None], F.one_hot(kept % 16, 16).float()], 1)
+        near = (values[kept, None] - values[None, kept]).abs().fill_diagonal_(float("inf"))
+        k = min(4, len(kept) - 1)
+        targets = near.topk(k, largest=False).indices  # (m, k)
+        edges = torch.stack([torch.arange(len(kept)).repeat_interleave(k), targets.reshape(-1)])
+        graphs.append(geometric.data.Data(x=features, edge_index=edges))
+    return geometric.data.Batch.from_data_list(graphs), (y[:batch] >= 5).long()
+
+
 def grads_workload(name: str, batch: int | None = None, size: str = "full",
                    device: torch.device | str = "cpu") -> Workload:
     """A per-sample gradients workload on the CPU (see :data:`GRAD_WORKLOADS`).
@@ -324,6 +355,33 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         nn.CrossEntropyLoss(),
                         f"MLP 64-64-64-2 ReLU (the size of a GNN's node MLP), batch {b}, "
                         "digits projected to 64, 2 classes, cross-entropy")
+    if name == "gpt-oss-grads":
+        b, t = batch or 16, 64
+        model = real_models.gpt_oss(ByteTokenizer.vocab_size, seq_len=t)
+        inputs, labels = docstring_batch(b, t)
+        return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
+                        f"transformers gpt-oss 2x128, 4 experts with biases top-2 (grouped), "
+                        f"attention sinks, sliding and full layers (eval), batch {b}, T={t}, "
+                        "stdlib docstrings as bytes, per-sample next-token cross-entropy")
+    if name == "vit-mae-grads":
+        model = real_models.vit_mae(img_size=32)
+        x, _ = digits_images(32, channels=3)
+        b = batch or 16
+        noise = torch.rand(b, 64, generator=torch.Generator().manual_seed(0))
+        pixels = x[:b]
+        return Workload(name, "transformers", model, {"pixel_values": pixels, "noise": noise},
+                        model.patchify(pixels).detach(), masked_reconstruction,
+                        f"transformers ViTMAE pretraining 2x64 (the mask token repeated "
+                        f"into the batch), 75% of 4x4 patches masked, batch {b}, digits "
+                        "3x32x32, per-sample masked reconstruction error")
+    if name == "gcn-batch-grads":
+        b = batch or 32
+        graphs, labels = graph_batch(b)
+        return Workload(name, "torch_geometric", real_models.gcn(graphs.x.shape[1]), graphs,
+                        labels, nn.CrossEntropyLoss(),
+                        f"torch_geometric GCN 2x64 and mean pool on a Batch of {b} graphs "
+                        "(the digits' 8x8 pixels as nodes joined to their 4 nearest in value, "
+                        "16 to 64 nodes), 2 classes, cross-entropy")
     if name in ("gpt2-grads", "gpt2-lora-grads"):
         b, t = batch or 16, 64
         model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t)
@@ -772,7 +830,8 @@ REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS)
 """The real-size transformers with their real vocabularies (``persample bench --real``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
-                  "vit-tiny-grads", "gnn-mlp-grads") + REAL_GRAD_WORKLOADS
+                  "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "vit-mae-grads",
+                  "gcn-batch-grads") + REAL_GRAD_WORKLOADS
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
                 "gpt2-dp-step", "gpt2-lora-dp-step", "encoder-dp-step") + REAL_DP_WORKLOADS

@@ -212,6 +212,19 @@ def _new(ctx, func, args, kwargs, out) -> Any:
 register(_new, *aliases("new", "new_tensor", where=(torch.Tensor,)))
 
 
+def _triangle(ctx, func, args, kwargs, out) -> Any:
+    """``tril``/``triu`` (a causal mask, a strictly lower chunk): per matrix of the last
+    two dims; samples in those dims would be masked by their place in the batch."""
+    x = args[0] if args else kwargs.get("input")
+    lay = ctx.layout(x)
+    if isinstance(lay, Batched) and lay.dim >= x.dim() - 2:
+        return every(out, Unknown(f"{name_of(func)} of matrices the samples are in"))
+    return self_only(ctx, func, args, kwargs, out)
+
+
+register(_triangle, *aliases("tril", "triu", "tril_", "triu_"))
+
+
 def _where(ctx, func, args, kwargs, out) -> Any:
     if len(args) + len(kwargs) == 1:  # where(cond): nonzero(cond, as_tuple=True)
         return where_positions(ctx, func, args, kwargs, out)

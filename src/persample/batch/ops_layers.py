@@ -70,12 +70,47 @@ for _k, _names in {1: ["conv1d", "conv_transpose1d", "max_pool1d", "avg_pool1d",
                        "adaptive_avg_pool2d", "adaptive_max_pool2d", "lp_pool2d",
                        "max_pool2d_with_indices", "adaptive_max_pool2d_with_indices",
                        "fractional_max_pool2d", "pixel_shuffle", "pixel_unshuffle",
-                       "grid_sample", "channel_shuffle"],
+                       "channel_shuffle"],
                    3: ["conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d",
                        "adaptive_avg_pool3d", "adaptive_max_pool3d", "lp_pool3d",
                        "max_pool3d_with_indices", "adaptive_max_pool3d_with_indices",
                        "fractional_max_pool3d"]}.items():
     register(lambda c, f, a, k, o, s=_k: _leading(c, f, a, k, o, s), *aliases(*_names))
+
+
+def _grid_sample(ctx, func, args, kwargs, out) -> Any:
+    """``grid_sample(x (N, C, *s), grid (N, *s', d))``: output ``n`` samples ``x[n]`` at
+    ``grid[n]``. The samples stay in dim 0 (in the channels too, for a shared grid); a
+    shared operand as long as the batch (a learned affine grid expanded to it) is paired
+    with the samples there."""
+    x, grid = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "grid")
+    lx, lg = ctx.layout(x), ctx.layout(grid)
+    if lg is SHARED and isinstance(lx, Batched) and lx.dim == 1 and x.dim() > 3:
+        return lx  # (the samples in the channels: each sampled at the same points)
+    found = [lay for lay in (lx, lg) if lay is not SHARED]
+    if any(not isinstance(lay, Batched) or lay.dim != 0 for lay in found):
+        return next((lay for lay in found if not lay.known),
+                    mixed(func, "has the samples in another dim than the op's batch"))
+    if len(found) == 2 and found[0] != found[1]:
+        return mixed(func, "pairs an input and a grid of different samples")
+    lay = found[0]
+    pairing = tuple(lay if own is SHARED and t.shape[0] == out.shape[0] else None
+                    for t, own in ((x, lx), (grid, lg)))
+    return Flow(lay, pairing if any(a is not None for a in pairing) else None)
+
+
+register(_grid_sample, *aliases("grid_sample", "grid_sampler"))
+
+
+def _affine_grid(ctx, func, args, kwargs, out) -> Any:
+    """``affine_grid(theta (N, d, d + 1), size)``: grid ``n`` from ``theta[n]``."""
+    lay = ctx.layout(arg(args, kwargs, 0, "theta"))
+    if isinstance(lay, Batched) and lay.dim != 0:
+        return mixed(func, "has the samples in a matrix's entries")
+    return lay
+
+
+register(_affine_grid, *aliases("affine_grid", "affine_grid_generator"))
 register(_leading, *aliases("group_norm", "interpolate", "upsample",
                               "upsample_nearest", "upsample_bilinear", "local_response_norm",
                               "convolution", "_convolution"), F.unfold, F.fold)

@@ -735,5 +735,5 @@ def box_of(view: Tensor, base: Tensor) -> tuple | None:
         offset -= start * stride
         if start + size > whole:
             return None
-        box.append(slice(start, start + size))
+        box.append(slice(None) if size == whole else slice(start, start + size))
     return tuple(box) if offset == 0 else None

@@ -33,11 +33,19 @@ from ..rules import (
     rules_of,
     spec_of,
 )
-from ..rules.calls import cast_input
+from ..rules.calls import NOT_COVERED, cast_input
 from ..rules.spec import InnerOp
 from .captured import Captured
 from .paths import Path
-from .vjp import PIECES, expand_vjp, module_vjp, op_vjp, pieces_vjp, shared_vjp
+from .vjp import (
+    PIECES,
+    expand_vjp,
+    module_vjp,
+    op_vjp,
+    paired_vjp,
+    pieces_vjp,
+    shared_vjp,
+)
 
 
 class GradSink:
@@ -137,8 +145,9 @@ def _needs_values(op: Op) -> bool:
     if spec is not None and not spec.reads_inputs:
         return False
     written = {id(t) for t, _ in op.flow.writes}
-    return any(t._version != v and id(t) not in written
-               for t, v in zip(op.leaves, op.versions))
+    saved = 0 if op.before is not None else None  # (the value it overwrote, kept)
+    return any(t._version != v and id(t) not in written and k != saved
+               for k, (t, v) in enumerate(zip(op.leaves, op.versions)))
 
 
 class Pullbacks:
@@ -163,6 +172,7 @@ class Pullbacks:
         call = OpCall(op, n)
         if pairings is not None:
             call.op = _Paired(op, pairings)
+            call.out_pairing = out_pairings[0] if len(out_pairings) == 1 else None
         shapes = {k: tuple(op.leaves[k].shape) if call.op.pairing(k) is None else
                   tuple(call.op.pairing(k).per_sample_shape(op.leaves[k], n)) for k in wrt}
         out = {}
@@ -181,11 +191,13 @@ class Pullbacks:
         call.dtype = next(iter(out.values())).dtype  # the results' (the parameter's)
         single = [cast(c, call.dtype) for c in cots if c is not None]
         reason = _run_rule(op, call, cots, single, out)
+        kind = "rule"
+        if reason == NOT_COVERED:  # a derived input beside the rule's own parameters
+            kind, reason = self._apart(op, call, wrt, cots, single, out_pairings, out)
         if reason is not None and call.adding:  # declined before writing: the others write
             for t in call.adding:  # into a temporary, added below
                 out[t] = torch.empty_like(out[t])
             call.adding = set()
-        kind = "rule"
         if reason is not None and not self._broadcast(op, call, wrt, out_pairings, out):
             kind = self._op_vjp(op, call, cots, out_pairings, wrt, out)
         self.note(op, wrt, kind, reason)
@@ -203,6 +215,21 @@ class Pullbacks:
                 raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
             else:
                 self.pending.setdefault(id(t), []).append((out[t], call.op.pairing(k)))
+
+    def _apart(self, op: Op, call: OpCall, wrt: list[int], cots: list, single: list,
+               out_pairings: list, out: dict) -> tuple[str, str | None]:
+        """The rule for the parameters the op reads, the derived inputs beside them by
+        their own VJP (one backward for the samples where the op is the same for each, or
+        paired with them): the path taken and the rule's reason if it still declines."""
+        params = [k for k in wrt if self._param(op.leaves[k]) is not None]
+        derived = [k for k in wrt if k not in params]
+        reason = None
+        if params:
+            reason = _run_rule(op, call, cots, single, {op.leaves[k]: out[op.leaves[k]]
+                                                        for k in params})
+        if reason is not None:
+            return "rule", reason
+        return self._op_vjp(op, call, cots, out_pairings, derived, out), None
 
     def _param(self, t: Tensor) -> nn.Parameter | None:
         return self.captured.watched_param(t)
@@ -250,6 +277,9 @@ class Pullbacks:
                 got = [pieces_vjp(op, cots, pairings[0], self.captured.n)]
             elif all(a is None for a in pairings) and all(a is None for a in out_pairings):
                 got = shared_vjp(op, cots, wrt)  # the same op for every sample
+            elif (found := paired_vjp(op, cots, out_pairings, pairings, wrt,
+                                      self.captured.n)) is not None:
+                got = found  # every sample's blocks in one backward
             else:
                 got = op_vjp(op, cots, out_pairings, pairings, wrt, self.captured.n)
                 kind = "op vjp"

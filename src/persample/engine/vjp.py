@@ -172,6 +172,45 @@ def pieces_vjp(op: Any, cots: list[Tensor | None], pairing: Any, n: int) -> Tens
     return torch.cat(parts, d + 2)
 
 
+def paired_vjp(op: Any, cots: list[Tensor | None], out_pairings: list, pairings: list,
+               wrt: list[int], n: int) -> list[Tensor] | None:
+    """Per-sample VJPs of a derived op whose output and inputs ``wrt`` are paired with the
+    samples (learned latents expanded to the batch, then normalised: each position along
+    the paired dim computed from the same position of its inputs), in one backward: every
+    sample's cotangent placed at its own positions, the gradient read back at them. The
+    data flow that paired them says no position reads another sample's, so the blocks do
+    not overlap. ``None`` where it does not apply (an input broadcast over the samples, a
+    pairing by index, a random op, several outputs): the caller takes :func:`op_vjp`."""
+    used = [k for k, c in enumerate(cots) if c is not None]
+    if (len(used) != 1 or op.draw is not None or not isinstance(out_pairings[used[0]], Batched)
+            or any(not _by_arithmetic(pairings[k]) for k in wrt)
+            or not _by_arithmetic(out_pairings[used[0]])):
+        return None
+    c = cots[used[0]]
+    v = c.shape[1]
+    g = _unfront(c, out_pairings[used[0]], n)  # (v, *out)
+    values, outs = _replay(op, wrt)
+    if tuple(outs[used[0]].shape) != tuple(g.shape[1:]):
+        return None
+    grads = torch.autograd.grad(outs[used[0]], [values[k] for k in wrt], g if v > 1 else g[0],
+                                is_grads_batched=v > 1, allow_unused=True,
+                                materialize_grads=True)
+    return [pairings[k].front_cotangents(gk if v > 1 else gk.unsqueeze(0), n)
+            for k, gk in zip(wrt, grads)]
+
+
+def _by_arithmetic(lay: Any) -> bool:
+    return isinstance(lay, Batched) and lay.index is None
+
+
+def _unfront(c: Tensor, lay: Batched, n: int) -> Tensor:
+    """``(n, v, *per_sample)`` -> ``(v, *shape)``: the inverse of ``front_cotangents``."""
+    d = lay.dim + 1  # (v leads once the samples' dim is back in place)
+    if lay.outer == 1 and lay.inner == 1:
+        return c.squeeze(d + 1).movedim(0, d)
+    return c.unflatten(d + 1, (lay.outer, lay.inner)).movedim(0, d + 1).flatten(d, d + 2)
+
+
 def summed_vjp(op: Any, g: Tensor, wrt: list[int]) -> list[Tensor]:
     """The VJP of a recorded single-output op for one cotangent ``g`` (the output's own
     shape, e.g. backprops already scaled per sample), with respect to its leaves ``wrt``:

@@ -17,6 +17,8 @@ from ..capture import Call, Capture
 from ..precision import cast
 from .spec import Decline
 
+NOT_COVERED = "asked for an input the rule does not cover"
+
 
 class OpCall:
     """One recorded op (:class:`persample.capture.Op`) as a rule sees it.
@@ -30,6 +32,8 @@ class OpCall:
     def __init__(self, op: Any, n: int, dtype: torch.dtype | None = None):
         self.op, self.n, self.dtype = op, n, dtype
         self.adding: set[Tensor] = set()  # inputs whose result to add to (``adds`` rules)
+        self.out_pairing: Batched | None = None  # the output's, for a derived op pulled
+        # back per sample (its output paired with the samples), else None
         self.func, self.args, self.kwargs = op.func, op.args, op.kwargs
         self._pos = {}
         for k, t in enumerate(op.leaves):
@@ -68,7 +72,7 @@ class OpCall:
         then does)."""
         mine = [t for t in tensors if isinstance(t, Tensor)]
         if not all(any(k is t for t in mine) for k in out):
-            raise Decline("asked for an input the rule does not cover")
+            raise Decline(NOT_COVERED)
 
     def operands(self) -> tuple[Any, Any]:
         """The two operands of a binary op in the op's own order (``__r*__`` methods,

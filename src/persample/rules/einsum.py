@@ -7,8 +7,8 @@ batch dims), the gradient of a shared operand ``W`` (subscripts ``w``, each lett
 no ``b``) for sample ``n`` is the einsum of the cotangent (subscripts ``b v`` and the
 output's others) with every other operand, summed over what ``W`` does not index:
 ``einsum("bv<out>, <A>, ... -> bv<w>")``. Any subscripts, operands of any rank (a 3-d
-expert table ``"bti,hio->btho"``, Transformer-XL's ``"bid,jd->bij"``), ``...`` spelled
-out as letters.
+expert table ``"bti,hio->btho"``, Transformer-XL's ``"bid,jd->bij"``, a bilinear form ``"bi,ij,bj->b"`` reading ``x``
+twice), ``...`` spelled out as letters.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def einsum(call: OpCall, g: Tensor, out: dict) -> None:
     eq, operands = _operands(call)
     call.only(out, *operands)
     tensors = [t for t in operands if isinstance(t, Tensor)]
-    if len(tensors) != len(operands) or len({id(t) for t in tensors}) != len(tensors):
-        raise Decline("an operand that is not a tensor, or one tensor twice")
+    if len(tensors) != len(operands) or any(
+            sum(x is t for x in tensors) > 1 for t in tensors if t in out):
+        raise Decline("an operand that is not a tensor, or one asked for twice")
     try:
         subs, out_subs = einsum_subscripts(eq, [t.dim() for t in tensors])
     except ValueError as err:

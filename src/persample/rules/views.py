@@ -80,14 +80,25 @@ def reshape(call: OpCall, g: Tensor, out: dict) -> None:
 
 
 def repeat(call: OpCall, g: Tensor, out: dict) -> None:
-    """``x.repeat(...)`` whose output is paired with the samples one whole copy of ``x``
-    each (DeBERTa's ``pos_key.repeat(B, 1, 1)``): a sample's slice is ``x``."""
+    """``x.repeat(...)`` whose output is paired with the samples, each sample's slice
+    whole copies of ``x`` (DeBERTa's ``pos_key.repeat(B, 1, 1)``; ViTMAE's mask token
+    ``repeat(B, masked, 1)``): a sample's cotangent summed over its copies."""
     x = _input(call, out)
     if not call.shared(x):
         raise Decline("not a shared tensor repeated")
-    if tuple(g.shape[2:]) != tuple(x.shape):
-        raise Decline("a repeat whose sample slices are not one copy each")
-    out[x].copy_(g)
+    n, v = g.shape[:2]
+    part, whole = tuple(g.shape[2:]), tuple(call.op.outputs[0].shape)  # a sample's, all
+    tile = (1,) * (len(part) - x.dim()) + tuple(x.shape)
+    lay = call.out_pairing
+    if len(part) < x.dim() or any(p % t for p, t in zip(part, tile)) or any(
+            p != w for d, (p, w) in enumerate(zip(part, whole))
+            if lay is None or d != lay.dim) or (
+            lay is not None and (lay.index is not None or lay.inner % tile[lay.dim])):
+        # (each block of a sample's positions along the paired dim must be whole copies)
+        raise Decline("a repeat whose sample slices are not whole copies")
+    copies = g.reshape(n, v, *[k for p, t in zip(part, tile) for k in (p // t, t)])
+    summed = copies.sum([2 + 2 * d for d in range(len(part))])  # (n, v, *tile)
+    out[x].copy_(summed.reshape(n, v, *x.shape))
 
 
 TRANSPOSE = register(OpSpec((torch.transpose,), grad=transpose))

@@ -1,0 +1,164 @@
+"""transformers models of the architectures trained in 2025-26, from small configs
+(``B`` = 4 = heads = experts somewhere), in float64 and evaluation mode: every parameter a
+forward reads takes a rule or a module rule (none ``torch.func``, nor the fallback), and
+the per-sample gradients equal the loop's.
+
+DeepSeek-V3 (multi-head latent attention with keys assembled by writes into a fresh
+tensor, a group-limited sigmoid router, a shared expert), Qwen3-Next (gated DeltaNet by
+``linalg.solve_triangular``, gated attention, a mixture with a shared expert), Qwen2-MoE
+and OLMoE (mixtures), RecurrentGemma (RG-LRU gates by ``baddbmm`` of a bias and a weight
+per head), Perceiver (learned latents broadcast into the batch as the queries), ViTMAE
+(mask tokens repeated into the batch), Swin-v2 and ModernBERT. The mixtures run
+transformers' eager experts here: its grouped kernel has no float64 (``grouped_mm`` in
+float32 is tested with gpt-oss in ``test_experts.py``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import persample
+import zoo
+from battery import flat
+
+transformers = zoo.require("transformers")
+pytestmark = pytest.mark.slow
+B, L = 4, 8
+T = transformers
+
+
+def next_token(out, ids):
+    logits = out.logits[:, :-1]
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+def classes(out, y):
+    return F.cross_entropy(out.logits, y, reduction="none")
+
+
+def squares(out, y):
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
+    return hidden.pow(2).flatten(1).mean(1)
+
+
+def _ids(vocab: int = 50) -> tuple[dict, torch.Tensor]:
+    ids = torch.randint(1, vocab, (B, L))
+    return {"input_ids": ids}, ids
+
+
+def _eager(model):
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None:
+            config._experts_implementation = "eager"
+    return model
+
+
+def deepseek_v3():
+    return _eager(T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        vocab_size=50, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=8,
+        q_lora_rank=8, qk_rope_head_dim=4, v_head_dim=4, qk_nope_head_dim=4,
+        first_k_dense_replace=1, max_position_embeddings=64, use_cache=False))), *_ids(), next_token
+
+
+def qwen3_next():
+    return _eager(T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        shared_expert_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, num_experts=4, num_experts_per_tok=2,
+        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=4,
+        linear_value_head_dim=4, linear_conv_kernel_dim=2, max_position_embeddings=64,
+        use_cache=False))), *_ids(), next_token
+
+
+def qwen2_moe():
+    return _eager(T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, use_cache=False))), *_ids(), next_token
+
+
+def olmoe():
+    return _eager(T.OlmoeForCausalLM(T.OlmoeConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, use_cache=False))), *_ids(), next_token
+
+
+def recurrent_gemma():
+    return T.RecurrentGemmaForCausalLM(T.RecurrentGemmaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, lru_width=16, attention_window_size=4,
+        conv1d_width=2, block_types=["recurrent", "recurrent", "attention"], head_dim=8,
+        partial_rotary_factor=0.5)), *_ids(), next_token
+
+
+def perceiver():
+    model = T.PerceiverModel(T.PerceiverConfig(
+        num_latents=4, d_latents=16, d_model=16, num_blocks=1, num_self_attends_per_block=1,
+        num_self_attention_heads=2, num_cross_attention_heads=2, qk_channels=16,
+        v_channels=16))
+    return model, {"inputs": torch.randn(B, L, 16)}, None, squares
+
+
+def vit_mae():
+    model = T.ViTMAEForPreTraining(T.ViTMAEConfig(
+        image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=4, intermediate_size=32, decoder_hidden_size=16,
+        decoder_num_hidden_layers=1, decoder_num_attention_heads=4,
+        decoder_intermediate_size=32, mask_ratio=0.5))
+    inputs = {"pixel_values": torch.randn(B, 3, 16, 16), "noise": torch.rand(B, 16)}
+    return model, inputs, None, squares
+
+
+def swin_v2():
+    model = T.Swinv2ForImageClassification(T.Swinv2Config(
+        image_size=32, patch_size=4, embed_dim=16, depths=[2], num_heads=[2], window_size=4,
+        num_labels=3))
+    return model, {"pixel_values": torch.randn(B, 3, 32, 32)}, torch.randint(0, 3, (B,)), classes
+
+
+def modern_bert():
+    model = T.ModernBertForSequenceClassification(T.ModernBertConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_labels=3, max_position_embeddings=64,
+        global_attn_every_n_layers=2, local_attention=4, pad_token_id=0))
+    inputs, _ = _ids()
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[0, 5:] = 0
+    return model, {**inputs, "attention_mask": mask}, torch.randint(0, 3, (B,)), classes
+
+
+MODELS = {f.__name__: f for f in (deepseek_v3, qwen3_next, qwen2_moe, olmoe, recurrent_gemma,
+                                  perceiver, vit_mae, swin_v2, modern_bert)}
+
+
+def _to64(x):
+    if isinstance(x, dict):
+        return {k: _to64(v) for k, v in x.items()}
+    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_on_the_rules_and_exact(name):
+    torch.manual_seed(0)
+    model, x, y, loss_fn = MODELS[name]()
+    model, x = model.double().eval(), _to64(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # auto may not leave the rules
+        warnings.filterwarnings("ignore", message=".*(Initializing global|performance|"
+                                "falling back|not installed).*")
+        routes = persample.supported(model, x, y, loss_fn)
+        got = persample.per_sample_grads(model, x, y, loss_fn)
+    paths = {r.path for r in routes} - {"unused"}
+    assert paths <= {"rule", "module rule"}, [(r.module, r.path, r.reason) for r in routes
+                                              if r.path not in ("rule", "module rule")]
+    want = persample.loop_per_sample_grads(model, x, y, loss_fn)
+    err = (flat(got) - flat(want)).abs().max() / flat(want).abs().max()
+    assert err < 1e-9, err
