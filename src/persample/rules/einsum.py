@@ -7,8 +7,8 @@ batch dims), the gradient of a shared operand ``W`` (subscripts ``w``, each lett
 no ``b``) for sample ``n`` is the einsum of the cotangent (subscripts ``b v`` and the
 output's others) with every other operand, summed over what ``W`` does not index:
 ``einsum("bv<out>, <A>, ... -> bv<w>")``. Any subscripts, operands of any rank (a 3-d
-expert table ``"bti,hio->btho"``, Transformer-XL's ``"bid,jd->bij"``, a bilinear form ``"bi,ij,bj->b"`` reading ``x``
-twice), ``...`` spelled out as letters.
+expert table ``"bti,hio->btho"``, Transformer-XL's ``"bid,jd->bij"``, a bilinear form
+``"bi,ij,bj->b"`` reading ``x`` twice), ``...`` spelled out as letters.
 """
 
 from __future__ import annotations
