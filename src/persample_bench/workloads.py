@@ -33,6 +33,7 @@ from persample.cli.data import (
     stdlib_docstrings,
 )
 from persample.cli.dp_train import simple_cnn  # the model dp-train and audit train too
+from persample.inputs import as_batch
 
 from . import real_models
 
@@ -159,9 +160,9 @@ class Workload:
 
     @property
     def n(self) -> int:
-        """The batch size ``B``: dim 0 of the (first) input tensor."""
-        first = next(iter(self.inputs.values())) if isinstance(self.inputs, dict) else self.inputs
-        return first.shape[0]
+        """The batch size ``B``: dim 0 of the (first) input tensor, or the samples of a
+        packed form (the graphs of a torch_geometric ``Batch``)."""
+        return as_batch(self.inputs).n
 
     @property
     def device(self) -> torch.device:

@@ -607,10 +607,13 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
                 return mixed(func, "adds a source whose rows mix samples")
             own = merge(own, along[:, 0]) if along.shape[1] else own
     else:  # index as src: entry c lands in row index[c] of dim d
+        own = element_samples(ctx, idx, li)  # (broadcastable: the dims it is constant in 1)
         if src is not None and src.dim():
-            region = tuple(slice(0, s) for s in idx.shape)
             ls = followed(ctx, src)
-            own = merge(own, element_samples(ctx, src, ls).expand(src.shape)[region])
+            along = element_samples(ctx, src, ls)
+            along = along.reshape((1,) * (src.dim() - along.dim()) + tuple(along.shape))
+            own = merge(own, along[tuple(slice(0, s if a > 1 else 1)
+                                         for s, a in zip(idx.shape, along.shape))])
     if own is None:
         return mixed(func, "pairs an index with a source of other samples")
     return _landed(ctx, name_of(func), x, d, idx, li, own, out)
@@ -632,9 +635,10 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
     along ``d`` (same shape): each row's sample is that of what landed there and its own;
     an index whose values are its entries' own samples names the rows by sample."""
     size = x.shape[d]
+    idx = _distinct_entries(idx, own, d)
     landing = idx.long()
     landing = torch.where(landing < 0, landing + size, landing).reshape(-1)
-    own = own.reshape(-1)
+    own = own.expand(idx.shape).reshape(-1)
     keep = own >= 0
     hi = torch.full((size,), NO_SAMPLE, dtype=torch.long, device=x.device)
     lo = torch.full((size,), ctx.n, dtype=torch.long, device=x.device)
@@ -655,6 +659,17 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
         if rows is None:
             return Mixed(f"{what} puts one sample's data into another sample's rows")
     return located(d, rows, ctx.n, out, what)
+
+
+def _distinct_entries(idx: Tensor, own: Tensor, d: int) -> Tensor:
+    """``idx`` without the dims it only repeats (stride 0: torch_geometric's node ids
+    expanded over the features) where the samples ``own`` (broadcastable) repeat too:
+    the same (row, sample) pairs, each once per row of those dims."""
+    own = own.reshape((1,) * (idx.dim() - own.dim()) + tuple(own.shape))
+    for k in range(idx.dim()):
+        if k != d and idx.shape[k] > 1 and idx.stride(k) == 0 and own.shape[k] == 1:
+            idx = idx.narrow(k, 0, 1)
+    return idx
 
 
 def written_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout:
