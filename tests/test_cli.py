@@ -246,3 +246,16 @@ def test_the_default_threads_are_the_free_cpus(monkeypatch, cpus, load, want):
     bench = bench_options.build_parser().parse_args  # what `persample bench` hands on
     assert bench([]).threads == want and bench(["--threads", "3"]).threads == 3
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["gpt-oss-grads", "vit-mae-grads", "gcn-batch-grads"])
+def test_bench_family_workloads(tmp_path, workload):
+    """A mixture with biased experts in transformers' grouped kernel, a masked
+    autoencoder's mask token broadcast into the batch, a graph network on a Batch: every
+    row agrees with the loop or says why it cannot run (torch.func cannot take a
+    ``Batch``, Opacus's hooks the experts' routing)."""
+    figures = bench(tmp_path, "--workload", workload, "--batch", "4", "--no-memory")
+    (report,) = figures["workloads"]
+    by_name = check_rows(report, 1e-4)
+    assert by_name["loop"]["status"] == "ok"
