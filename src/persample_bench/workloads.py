@@ -254,7 +254,12 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     ``BertForSequenceClassification`` 4x128, 4 heads, T=64, B=32, which of 4 standard
     library modules a docstring documents, per-sample cross-entropy ``(B,)``),
     ``vit-tiny-grads`` (timm ViT-Tiny, 4x4 patches of the digits 3x32x32, B=16),
-    ``gnn-mlp-grads`` (MLP 64-64-64-2, B=256). The real-size transformers
+    ``gnn-mlp-grads`` (MLP 64-64-64-2, B=256). The families of 2025-26:
+    ``gpt-oss-grads`` (transformers gpt-oss 2x128, 4 experts with biases top-2 in the
+    grouped kernel, T=64, B=16, next-token cross-entropy), ``vit-mae-grads``
+    (transformers ViTMAE pretraining, the learned mask token repeated into the batch,
+    B=16, :func:`masked_reconstruction`), ``gcn-batch-grads`` (torch_geometric GCN on a
+    ``Batch`` of 32 graphs, :func:`graph_batch`). The real-size transformers
     (:data:`REAL_GRAD_WORKLOADS`) are :func:`real_workload`'s.
 
     Args:
