@@ -203,3 +203,33 @@ def test_spectral_norm_in_training_mode_is_captured():
     assert {r.path for r in persample.supported(net, x, y, mse)} == {"rule"}
     net.eval()
     check(net, x, y, mse)
+
+
+class LearnedStates(nn.Module):
+    """``nn.LSTM``/``nn.GRU`` from learned initial states expanded to the batch: the
+    module rule gives the layer's weights, the kernel's own backward (one for the batch,
+    each sequence its own column) the states' per-sample cotangents."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        layer = nn.LSTM if kind == "lstm" else nn.GRU
+        self.rnn = layer(B, 6, num_layers=2, batch_first=True)
+        self.h0 = nn.Parameter(torch.randn(2, 1, 6) * 0.5)
+        self.c0 = nn.Parameter(torch.randn(2, 1, 6) * 0.5) if kind == "lstm" else None
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):  # (b, B, B)
+        h0 = self.h0.expand(2, x.shape[0], 6).contiguous()
+        state = (h0, self.c0.expand(2, x.shape[0], 6).contiguous()) if self.c0 is not None \
+            else h0
+        out, _ = self.rnn(x, state)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_layers_from_learned_states(kind):
+    torch.manual_seed(0)
+    net = LearnedStates(kind).double()
+    paths = {"rule", "module rule"}
+    check(net, _inputs(B, B, B), _inputs(B, 3), mse, paths=paths)

@@ -251,7 +251,7 @@ def _sites(captured: Captured) -> dict[int, int]:
     for op in plan.uses:
         for k, pids in op.sources.items():
             through = 2 if id(op.leaves[k]) in derived else 1  # a derived tensor: materialise
-            for pid in pids - plan.by_fallback:
+            for pid in pids - plan.by_fallback - plan.ruled.get(id(op), set()):
                 count[pid] = count.get(pid, 0) + through
     return count
 

@@ -43,6 +43,9 @@ class Plan:
     fallback_jobs: list[tuple[Call, dict[str, nn.Parameter]]] = field(default_factory=list)
     handled: set[int] = field(default_factory=set)  # params handled by module/fallback jobs
     by_fallback: set[int] = field(default_factory=set)  # ... by fallback jobs: every read
+    # ops inside a module-rule call that also read other parameters (a learned initial
+    # state): id(op) -> the module's own parameters, which its rule gives, not the op
+    ruled: dict[int, set[int]] = field(default_factory=dict)
     paths: dict[int, Path] = field(default_factory=dict)
     reach: list[nn.Parameter] = field(default_factory=list)  # params to check for hidden paths
 
@@ -105,9 +108,9 @@ def plan(cap: Capture, watched: dict[int, nn.Parameter]) -> Plan:
 
 def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
     """Module-rule calls whose inputs and outputs have plain layouts: they take the ops
-    reading their own parameters inside them. A call whose ops also read other
-    parameters (a learned initial state expanded to the batch, a parametrized weight)
-    is left to those ops' paths: the module rule gives its own parameters only."""
+    reading their own parameters inside them. An op that also reads other parameters (a
+    learned initial state expanded to the batch) stays on its own path for those
+    (:attr:`Plan.ruled`): the module rule gives its own parameters only."""
     owned: set[Op] = set()
     by_call: dict[int, list[Op]] = {}
     for op in cap.ops:
@@ -119,13 +122,12 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
                 cap, call, ops):
             continue
         own = {id(p) for p in call.module.parameters(recurse=False)}
-        if any(not op.sources_all <= own for op in ops):
-            continue
         read = call.read.union(*(op.sources_all for op in ops))  # (unfollowed ops' too)
         params = {name: p for name, p in call.module.named_parameters(recurse=False)
                   if id(p) in own and id(p) in read}
         result.module_jobs.append((call, params))
-        owned.update(ops)
+        owned.update(op for op in ops if op.sources_all <= own)
+        result.ruled.update((id(op), own) for op in ops if not op.sources_all <= own)
         result.handled.update(id(p) for p in params.values())
     return owned
 

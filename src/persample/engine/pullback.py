@@ -164,7 +164,8 @@ class Pullbacks:
               pairings: list | None = None) -> None:
         """``cots`` per output ``(n, v, *per_sample)``; ``pairings`` overrides how the
         op's leaves pair with the samples (derived ops pulled back per sample)."""
-        n, handled = self.captured.n, self.captured.plan.by_fallback
+        n, plan = self.captured.n, self.captured.plan
+        handled = plan.by_fallback | plan.ruled.get(id(op), set())  # (given elsewhere)
         wrt = [k for k, pids in op.sources.items()
                if not pids <= handled and not pids.isdisjoint(self.only)]
         if not wrt or all(c is None for c in cots):

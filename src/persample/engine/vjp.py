@@ -179,22 +179,22 @@ def paired_vjp(op: Any, cots: list[Tensor | None], out_pairings: list, pairings:
     the paired dim computed from the same position of its inputs), in one backward: every
     sample's cotangent placed at its own positions, the gradient read back at them. The
     data flow that paired them says no position reads another sample's, so the blocks do
-    not overlap. ``None`` where it does not apply (an input broadcast over the samples, a
-    pairing by index, a random op, several outputs): the caller takes :func:`op_vjp`."""
+    not overlap (an LSTM's learned initial states: each sequence's own column). ``None``
+    where it does not apply (an input broadcast over the samples, a pairing by index, a
+    random op): the caller takes :func:`op_vjp`."""
     used = [k for k, c in enumerate(cots) if c is not None]
-    if (len(used) != 1 or op.draw is not None or not isinstance(out_pairings[used[0]], Batched)
-            or any(not _by_arithmetic(pairings[k]) for k in wrt)
-            or not _by_arithmetic(out_pairings[used[0]])):
+    if (not used or op.draw is not None
+            or any(not _by_arithmetic(out_pairings[k]) for k in used)
+            or any(not _by_arithmetic(pairings[k]) for k in wrt)):
         return None
-    c = cots[used[0]]
-    v = c.shape[1]
-    g = _unfront(c, out_pairings[used[0]], n)  # (v, *out)
+    v = cots[used[0]].shape[1]
+    gs = [_unfront(cots[k], out_pairings[k], n) for k in used]  # (v, *out) each
     values, outs = _replay(op, wrt)
-    if tuple(outs[used[0]].shape) != tuple(g.shape[1:]):
+    if any(tuple(outs[k].shape) != tuple(g.shape[1:]) for k, g in zip(used, gs)):
         return None
-    grads = torch.autograd.grad(outs[used[0]], [values[k] for k in wrt], g if v > 1 else g[0],
-                                is_grads_batched=v > 1, allow_unused=True,
-                                materialize_grads=True)
+    grads = torch.autograd.grad([outs[k] for k in used], [values[k] for k in wrt],
+                                gs if v > 1 else [g[0] for g in gs], is_grads_batched=v > 1,
+                                allow_unused=True, materialize_grads=True)
     return [pairings[k].front_cotangents(gk if v > 1 else gk.unsqueeze(0), n)
             for k, gk in zip(wrt, grads)]
 
