@@ -233,3 +233,25 @@ def test_recurrent_layers_from_learned_states(kind):
     net = LearnedStates(kind).double()
     paths = {"rule", "module rule"}
     check(net, _inputs(B, B, B), _inputs(B, 3), mse, paths=paths)
+
+
+class QueryPooling(nn.Module):
+    """Learned queries, one set per head, expanded to the batch and attending over each
+    sample's keys by ``F.scaled_dot_product_attention`` (timm's MAP head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(B, 2, 3))  # (heads, queries, width)
+        self.kv = nn.Linear(B, 2 * B * 3)
+        self.head = nn.Linear(B * 2 * 3, 3)
+
+    def forward(self, x):  # (b, t, B)
+        b, t, _ = x.shape
+        k, v = self.kv(x).view(b, t, 2, B, 3).permute(2, 0, 3, 1, 4)  # 2 x (b, heads, t, 3)
+        pooled = F.scaled_dot_product_attention(self.query.expand(b, -1, -1, -1), k, v)
+        return self.head(pooled.flatten(1))
+
+
+def test_a_learned_query_of_sdpa_on_the_rules():
+    torch.manual_seed(0)
+    check(QueryPooling().double(), _inputs(B, B + 1, B), _inputs(B, 3), mse)

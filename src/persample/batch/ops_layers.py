@@ -283,16 +283,21 @@ def _sdpa(ctx, func, args, kwargs, out) -> Any:
         if found is not None and found != here:
             return mixed(func, "pairs samples of its operands")
         found = here
-    if found is None or not isinstance(mask, Tensor) or not ctx.layout(mask).shared:
+    if found is None or found.dim >= rank - 2:
         return found
-    # a shared mask as long as the batch dim (a shift mask repeated for every sample's
-    # windows, Swin's): broadcasting pairs its rows with the samples' one to one
-    d = found.dim - (rank - mask.dim())
-    if d < 0 or mask.shape[d] == 1:
-        return found
-    leaves = op_leaves(args, kwargs)
-    return Flow(found, tuple(found.moved(d) if t is mask else (
-        ctx.layout(t) if isinstance(ctx.layout(t), Batched) else None) for t in leaves))
+    # a shared operand as long as the batch dim (a shift mask repeated for every sample's
+    # windows, Swin's; a learned query expanded to the batch, attention pooling's):
+    # broadcasting pairs its rows with the samples' one to one
+    pairing = []
+    for t in op_leaves(args, kwargs):
+        own = ctx.layout(t)
+        d = found.dim - (rank - t.dim())
+        pairing.append(own if isinstance(own, Batched) else found.moved(d) if (
+            own.shared and 0 <= d < t.dim() - 2 and t.shape[d] == out.shape[found.dim] > 1)
+            else None)
+    return Flow(found, tuple(pairing)) if any(
+        p is not None and not isinstance(ctx.layout(t), Batched)
+        for p, t in zip(pairing, op_leaves(args, kwargs))) else found
 
 
 register(_sdpa, *aliases("scaled_dot_product_attention"))
