@@ -465,7 +465,7 @@ def test_supported_reports_op_vjp_where_any_use_takes_it():
 
 
 class IntoFree(nn.Module):
-    """``buf.add_(g)`` on a fresh shared tensor."""
+    """``buf.add_(g)`` on a fresh shared tensor (on the rules: a derived tensor)."""
 
     def __init__(self):
         super().__init__()
@@ -554,12 +554,19 @@ def test_sample_data_written_into_a_derived_tensor_stays_on_the_rules(twice):
     check(SamplesAddedInPlace(twice), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce)
 
 
-@pytest.mark.parametrize("make, name", [(IntoFree, "g"), (IntoDerived, "h")],
-                         ids=["into-shared", "into-derived"])
+def test_a_parameter_written_into_a_fresh_tensor_takes_the_rules():
+    """``buf.add_(g)`` on a fresh shared tensor: ``buf`` is then a derived tensor, made by
+    the write (replayed out of place from the zeros it overwrote)."""
+    torch.manual_seed(0)
+    check(IntoFree(), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce)
+
+
+@pytest.mark.parametrize("make, name", [(IntoDerived, "h")], ids=["into-derived"])
 def test_a_parameter_written_into_a_free_tensor_is_refused_and_auto_is_exact(make, name):
-    """Where no module around the reads can be replayed per sample, the rules refuse,
-    naming the parameter; ``auto`` answers with torch.func over the whole model, exactly,
-    and ``supported`` says so."""
+    """A derived tensor written again in place (its two values one tensor to the
+    pullback), where no module around the reads can be replayed per sample: the rules
+    refuse, naming the parameter; ``auto`` answers with torch.func over the whole model,
+    exactly, and ``supported`` says so."""
     torch.manual_seed(0)
     model, x, y = make(), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2])
     with pytest.raises(persample.NeedsWholeModel, match=f"'{name}'.*in place"):

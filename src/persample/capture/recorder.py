@@ -65,7 +65,7 @@ from ..batch import (
 from ..batch.flow import METADATA, SHAPE_READERS, name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import written_layout
-from ..batch.table import MISSING, LayoutTable
+from ..batch.table import MISSING, LayoutTable, storage_of
 from ..draws import Draw, random_kind
 from ..errors import NeedsWholeModel, module_note, raise_internal
 from ..patches import WhileCapturing
@@ -162,6 +162,10 @@ class Capture:
         self.draws: list[Draw] = []  # every random op, in order (persample.draws)
         self.stack: list[Call] = []
         self.unseen_reads: set[int] = set()
+        # shared tensors parameters were written into in place (``w[:3] = p``), by storage:
+        # an alias of one read later was not made by the write's op
+        self.param_written: dict[int, Tensor] = {}
+        self._written_into: Tensor | None = None  # the op just followed made this derived
         self.following = False  # inside follow(): the loss's ops
         self.mixing: str | None = None  # the first op of the loss that mixes samples
         self.mixed_in_loss: set[int] = set()  # (ids: tensors the loss's own ops mixed)
@@ -395,7 +399,7 @@ class Capture:
             layouts = [self._seen(t) for t in leaves]
             mutates = in_place(func, kwargs)
             before = None
-            if sources and mutates and leaves and leaves[0] is args[0] and 0 not in sources:
+            if sources and (mutates or func is _SETITEM) and leaves and leaves[0] is args[0]:
                 before = args[0].detach().clone()  # the rule needs the value it overwrites
             kind = random_kind(func, args, kwargs)
             draw = None if kind is None else Draw(
@@ -524,10 +528,15 @@ class Capture:
                 draw=None) -> Any:
         """The layouts of an op's outputs, and the op recorded if it reads parameters
         (its data flow, if it has one, left in ``_flow``)."""
-        self._flow = None
-        if func is torch.Tensor.__setitem__:
-            self.layouts.written(args[0], written_layout(self.ctx, *args[:3]))
-            if sources:  # a parameter written into a tensor: no rule follows it
+        self._flow, self._written_into = None, None
+        if func is _SETITEM:
+            lay = written_layout(self.ctx, *args[:3])
+            self.layouts.written(args[0], lay)
+            if sources and self._param_write(args[0], lay):  # ``w[:3] = p``: derived
+                self._flow = Flow(SHARED)
+                self._record_op(func, args, kwargs, args[0], leaves, layouts, self._flow,
+                                sources, before, draw)
+            elif sources:  # a parameter written into a tensor: no rule follows it
                 self.unseen_reads |= frozenset().union(*sources.values())
             return out
         if not has_tensor(out):
@@ -542,8 +551,10 @@ class Capture:
         if target is not None and isinstance(out, Tensor):
             self._base_written(target, flow.outputs)
             self.layouts.written(target, flow.outputs, out)
-            if sources and flow.outputs is SHARED:  # parameters written into a shared tensor:
-                # what shares its storage no longer holds what the ops that made it computed
+            if sources and flow.outputs is SHARED and not (
+                    out is target and self._param_write(target, SHARED)):
+                # parameters written into a shared tensor: what shares its storage no
+                # longer holds what the ops that made it computed
                 self.unseen_reads |= frozenset().union(*sources.values())
         else:
             self.layouts.set_outputs(out, flow.outputs)
@@ -560,6 +571,20 @@ class Capture:
             self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before,
                             draw)
         return out
+
+    def _param_write(self, target: Tensor, layout: Layout) -> bool:
+        """Parameters written in place into a whole shared tensor (``w = buf.clone();
+        w[:3] = p``, ``w.index_put_(idx, p)``): the tensor becomes a derived one, made by
+        the write (replayed out of place from the value it overwrote). Not for a view (the
+        base it writes into would not know), a tensor already derived (written twice: its
+        earlier value and its new one would be one tensor to the pullback), nor outside
+        autograd."""
+        if (layout is not SHARED or target._base is not None or not torch.is_grad_enabled()
+                or id(target) in self.derived):  # (written twice: one op per tensor)
+            return False
+        self._written_into = target
+        self.param_written[storage_of(target)] = target
+        return True
 
     def _base_written(self, view: Tensor, layout: Layout) -> None:
         """A slice of a shared tensor written in place with sample data (a key assembled
@@ -613,6 +638,9 @@ class Capture:
         for k, (o, lay) in enumerate(zip(outs, lays)):
             if lay is SHARED and o.requires_grad and not any(o is t for t in leaves):
                 self.derived[id(o)] = Derived(o, op, k, o._version)  # (x.to() may be x)
+        target, self._written_into = self._written_into, None
+        if target is not None and target.requires_grad:  # its new value is this op's
+            self.derived[id(target)] = Derived(target, op, 0, target._version)
         op.output = shapes_only(out, op.flow.outputs)
 
     def _claim(self, pids: frozenset[int]) -> Call | None:
@@ -634,7 +662,13 @@ class Capture:
             key = id(t)
             if watched.get(key) is t:
                 found[k] = frozenset((key,))
-            elif derived:
+                continue
+            if self.param_written and id(t) not in derived and (
+                    written := self.param_written.get(storage_of(t))) is not None:
+                d = derived.get(id(written))  # an alias of a tensor parameters were written
+                if d is not None:  # into: its value is not an op's the capture followed
+                    self.unseen_reads |= d.op.sources_all
+            if derived:
                 d = derived.get(key)
                 if d is not None and d.tensor is t:
                     with torch._C.DisableTorchFunction():
@@ -679,6 +713,7 @@ def _kept_inside(call: Call, func: Any, leaves: list) -> bool:
 
 
 _GETITEM = torch.Tensor.__getitem__
+_SETITEM = torch.Tensor.__setitem__
 
 
 def _any_mixed(outputs: Any) -> bool:

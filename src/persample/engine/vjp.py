@@ -90,6 +90,8 @@ def _out_of_place(func: Any, kwargs: dict) -> tuple[Any, dict]:
     captured tensors (``add_`` -> ``add``, ``__iadd__`` -> ``__add__``, ``inplace=True``)."""
     name = getattr(func, "__name__", "")
     kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    if func in _WRITES:
+        return _WRITES[func], kwargs
     if kwargs.get("inplace"):
         kwargs["inplace"] = False
     if name.startswith("__i") and name.endswith("__"):
@@ -99,6 +101,22 @@ def _out_of_place(func: Any, kwargs: dict) -> tuple[Any, dict]:
         if found is not None:
             return found, kwargs
     return func, kwargs
+
+
+def _setitem(x: Tensor, index: Any, value: Any) -> Tensor:
+    """``x[index] = value`` out of place: a copy of ``x`` with ``value`` written."""
+    y = x.clone()
+    y[index] = value
+    return y
+
+
+def _copied(x: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
+    """``x.copy_(src)`` out of place: ``src`` broadcast to ``x`` in ``x``'s dtype (no
+    gradient to ``x``, whose values it replaces)."""
+    return torch.where(torch.ones_like(x, dtype=torch.bool), src.to(x.dtype), x)
+
+
+_WRITES = {torch.Tensor.__setitem__: _setitem, torch.Tensor.copy_: _copied}
 
 
 def op_vjp(op: Any, cots: list[Tensor | None], out_pairings: list, pairings: list, wrt: list[int],
