@@ -11,6 +11,8 @@ checked by the op's data-flow rule).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -89,16 +91,23 @@ def repeat(call: OpCall, g: Tensor, out: dict) -> None:
     n, v = g.shape[:2]
     part, whole = tuple(g.shape[2:]), tuple(call.op.outputs[0].shape)  # a sample's, all
     tile = (1,) * (len(part) - x.dim()) + tuple(x.shape)
-    lay = call.out_pairing
-    if len(part) < x.dim() or any(p % t for p, t in zip(part, tile)) or any(
-            p != w for d, (p, w) in enumerate(zip(part, whole))
-            if lay is None or d != lay.dim) or (
-            lay is not None and (lay.index is not None or lay.inner % tile[lay.dim])):
-        # (each block of a sample's positions along the paired dim must be whole copies)
+    if len(part) < x.dim() or not _whole_copies(part, whole, tile, call.out_pairing):
         raise Decline("a repeat whose sample slices are not whole copies")
     copies = g.reshape(n, v, *[k for p, t in zip(part, tile) for k in (p // t, t)])
     summed = copies.sum([2 + 2 * d for d in range(len(part))])  # (n, v, *tile)
     out[x].copy_(summed.reshape(n, v, *x.shape))
+
+
+def _whole_copies(part: tuple, whole: tuple, tile: tuple, lay: Any) -> bool:
+    """Is a sample's slice ``part`` of a repeat's output ``whole`` made of whole copies of
+    ``tile``: every dim a multiple of it, the dims other than the paired one whole, and
+    along the paired dim each block of a sample's positions (``inner`` of them) whole
+    copies (``lay``: the output's pairing, ``None`` where it is not paired)?"""
+    if any(p % t for p, t in zip(part, tile)):
+        return False
+    if any(p != w for d, (p, w) in enumerate(zip(part, whole)) if lay is None or d != lay.dim):
+        return False
+    return lay is None or (lay.index is None and lay.inner % tile[lay.dim] == 0)
 
 
 TRANSPOSE = register(OpSpec((torch.transpose,), grad=transpose))
