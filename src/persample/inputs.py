@@ -325,7 +325,10 @@ class Batch:
         return _walk((self.args, self.kwargs), lambda leaf, _: next(found), "inputs")
 
     def samples(self, start: int, stop: int) -> Batch:
-        """Samples ``start:stop``; shared tensors stay whole."""
+        """Samples ``start:stop``; shared tensors stay whole (the whole batch: itself, not
+        rebuilt: a graph ``Batch`` cut again costs a ``from_data_list``)."""
+        if start <= 0 and stop >= self.n:
+            return self
         counter = iter(range(1 << 62))
 
         def cut(leaf: Any, _: str) -> Any:
