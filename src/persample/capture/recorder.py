@@ -575,12 +575,10 @@ class Capture:
     def _param_write(self, target: Tensor, layout: Layout) -> bool:
         """Parameters written in place into a whole shared tensor (``w = buf.clone();
         w[:3] = p``, ``w.index_put_(idx, p)``): the tensor becomes a derived one, made by
-        the write (replayed out of place from the value it overwrote). Not for a view (the
-        base it writes into would not know), a tensor already derived (written twice: its
-        earlier value and its new one would be one tensor to the pullback), nor outside
-        autograd."""
-        if (layout is not SHARED or target._base is not None or not torch.is_grad_enabled()
-                or id(target) in self.derived):  # (written twice: one op per tensor)
+        the write (replayed out of place from the value it overwrote; written again, the
+        earlier value's cotangent goes to the op that made it, :attr:`Op.previous`). Not
+        for a view (the base it writes into would not know), nor outside autograd."""
+        if layout is not SHARED or target._base is not None or not torch.is_grad_enabled():
             return False
         self._written_into = target
         self.param_written[storage_of(target)] = target
@@ -640,6 +638,10 @@ class Capture:
                 self.derived[id(o)] = Derived(o, op, k, o._version)  # (x.to() may be x)
         target, self._written_into = self._written_into, None
         if target is not None and target.requires_grad:  # its new value is this op's
+            earlier = self.derived.get(id(target))
+            if earlier is not None and earlier.tensor is target and 0 in op.sources:
+                op.previous = earlier  # (kept under its own id: the pullback's key)
+                self.derived[id(earlier)] = earlier
             self.derived[id(target)] = Derived(target, op, 0, target._version)
         op.output = shapes_only(out, op.flow.outputs)
 

@@ -84,6 +84,9 @@ class Op:
     autocast: AutocastState | None = None  # the autocast state it ran under
     gather: Callable[[list[Tensor]], None] | None = None  # makes freed leaves readable (FSDP)
     draw: Any = None  # its random numbers, if it draws (persample.draws.Draw)
+    # a write of parameters into a tensor already derived (``w[3:] = q`` after ``w[:3] =
+    # p``): the Derived its first leaf was before, which that leaf's cotangent goes to
+    previous: Any = None
 
     @property
     def outputs(self) -> list[Tensor]:
@@ -120,8 +123,11 @@ class Op:
             self.gather(self.leaves)
 
     def changed(self) -> bool:
-        """Was a leaf modified in place after the op ran?"""
-        return any(t._version != v for t, v in zip(self.leaves, self.versions))
+        """Was a leaf modified in place after the op ran (one whose value the op kept,
+        :attr:`before`, does not count: what the op read is at hand)?"""
+        saved = 0 if self.before is not None else -1
+        return any(t._version != v and k != saved
+                   for k, (t, v) in enumerate(zip(self.leaves, self.versions)))
 
     def where(self) -> str:
         name = getattr(self.func, "__name__", repr(self.func))

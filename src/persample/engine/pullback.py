@@ -145,9 +145,9 @@ def _needs_values(op: Op) -> bool:
     if spec is not None and not spec.reads_inputs:
         return False
     written = {id(t) for t, _ in op.flow.writes}
-    saved = 0 if op.before is not None else None  # (the value it overwrote, kept)
-    return any(t._version != v and id(t) not in written and k != saved
-               for k, (t, v) in enumerate(zip(op.leaves, op.versions)))
+    return any(t._version != v and id(t) not in written
+               for k, (t, v) in enumerate(zip(op.leaves, op.versions))
+               if k != 0 or op.before is None)  # (the value it overwrote is kept)
 
 
 class Pullbacks:
@@ -214,8 +214,9 @@ class Pullbacks:
                 self.sink.commit(id(t), out[t])
             elif self._param(t) is not None:
                 raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
-            else:
-                self.pending.setdefault(id(t), []).append((out[t], call.op.pairing(k)))
+            else:  # (the first leaf of a second write: the tensor's earlier value)
+                key = id(op.previous) if k == 0 and op.previous is not None else id(t)
+                self.pending.setdefault(key, []).append((out[t], call.op.pairing(k)))
 
     def _apart(self, op: Op, call: OpCall, wrt: list[int], cots: list, single: list,
                out_pairings: list, out: dict) -> tuple[str, str | None]:
