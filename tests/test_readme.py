@@ -30,7 +30,7 @@ CHECKS = {
     "all_outputs": ("all_outputs.shape == (64, 10, 15910) and torch.allclose("
                     "all_outputs, calculate_gradients_loop(mlp_model, X), atol=1e-6)"),
     "dt": ("dt.shape == (3, 4, 1) and torch.allclose(dt, torch.stack("
-           "[full[i, :, i] for i in range(3)]))"),
+           "[full[i, :, i] for i in range(3)]), atol=1e-6)"),  # (float32 rounding)
     "by_class": ("by_class.shape == (128, 5, 30) and torch.allclose("
                  "by_class, compute_grad(inputs, clf), atol=1e-6)"),
     "each": ('each["6.weight"].shape == (64, 128, 9216) and all(torch.allclose('
