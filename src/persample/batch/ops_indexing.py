@@ -597,8 +597,9 @@ def _per_sample(ctx: Ctx, func, named: list, x: Tensor, b: int, out: Tensor) -> 
 def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tensor | None,
                        out: Tensor) -> Any:
     li = followed(ctx, idx)
-    own = element_samples(ctx, idx, li).expand(idx.shape)
+    own = element_samples(ctx, idx, li)  # (broadcastable: the dims it is constant in 1)
     if func in _INDEX_OPS:  # index (J,): slice j of the source lands in row idx[j]
+        own = own.expand(idx.shape)
         if src is not None and src.dim():
             ls = followed(ctx, src)
             along = element_samples(ctx, src, ls)
@@ -607,7 +608,6 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
                 return mixed(func, "adds a source whose rows mix samples")
             own = merge(own, along[:, 0]) if along.shape[1] else own
     else:  # index as src: entry c lands in row index[c] of dim d
-        own = element_samples(ctx, idx, li)  # (broadcastable: the dims it is constant in 1)
         if src is not None and src.dim():
             ls = followed(ctx, src)
             along = element_samples(ctx, src, ls)
