@@ -12,7 +12,7 @@ from persample.cli import build_parser, main, threads
 from persample.cli.real_models import require
 from persample_bench import bench as bench_module
 from persample_bench import bench_options
-from persample_bench.workloads import REAL_WORKLOADS, SMALL_WORKLOADS
+from persample_bench.workloads import PROXY_WORKLOADS, REAL_WORKLOADS, SMALL_WORKLOADS
 
 pytestmark = pytest.mark.keep_default_dtype  # the benchmark workloads are float32
 
@@ -220,6 +220,31 @@ def test_quick_selects_the_small_workloads_at_a_small_batch_without_memory_probe
     named = bench_plan("--quick", "--workload", "cnn-grads", "--workload", "gpt2-768-grads")
     assert named.workloads == ["cnn-grads", "gpt2-768-grads"]
     assert bench_plan("--quick", "--no-real", "--workload", "gpt2-768-grads").workloads == []
+
+
+def test_proxy_selects_the_tiny_configurations_of_a_gpu_regime():
+    proxy = bench_plan("--proxy")
+    assert proxy.workloads == [w for w in SMALL_WORKLOADS if w in PROXY_WORKLOADS]
+    assert set(proxy.workloads) == set(PROXY_WORKLOADS) and proxy.batch is None
+    assert bench_plan("--proxy", "--workload", "cnn-grads").workloads[0] == "cnn-grads"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["bert-tiny-grads", "gpt2-tiny-grads", "mlp-tiny-grads"])
+def test_bench_proxy_reports_the_fixed_cost_per_op(tmp_path, workload):
+    """The GPU proxies: persample, torch.func and Opacus's hooks (given per-sample position
+    and token type ids) all agree with the loop, and each row's time over the plain step is
+    reported per forward op."""
+    figures = bench(tmp_path, "--workload", workload, "--batch", "4", "--no-memory")
+    (report,) = figures["workloads"]
+    by_name = check_rows(report, 1e-4)
+    for method in ("persample", "torch.func vmap", "Opacus hooks"):
+        assert by_name[method]["status"] == "ok" and by_name[method]["agrees"], method
+        assert method in report["us_per_op"]
+    assert report["forward_ops"] >= 15
+    us = report["us_per_op"]["persample"]
+    ms = by_name["persample"]["median_ms"] - report["t_plain_ms"]
+    assert us == pytest.approx(ms * 1e3 / report["forward_ops"])
 
 
 def test_the_full_run_keeps_every_workload_at_its_own_batch_with_memory_probes():

@@ -139,6 +139,9 @@ class Report:
     diagnostics: dict[str, float] = field(default_factory=dict)  # label -> median ms
     # persample's first call of a new plan: {"certified": ms, "never": ms} (check=)
     first_calls: dict[str, float] = field(default_factory=dict)
+    forward_ops: int | None = None  # ops of one forward (a TorchFunctionMode's count)
+    # method -> (median ms - t_plain ms) / forward_ops, in microseconds
+    us_per_op: dict[str, float] = field(default_factory=dict)
 
 
 def _reps(quick: bool) -> tuple[int, int]:
@@ -298,6 +301,11 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
         memory_label(device) if probe is not None or device.type == "cuda" else "not measured")
     report.diagnostics = {row.method: row.median_ms for row in diagnostics}
     report.first_calls = first_calls
+    report.forward_ops = case.forward_ops
+    if case.forward_ops:
+        report.us_per_op = {row.method: (row.median_ms - base.median_ms) * 1e3 / case.forward_ops
+                            for row in rows if row.median_ms is not None
+                            and row.agrees is not False}
     _speedup(report)
     return report
 
@@ -601,6 +609,9 @@ def format_report(r: Report) -> str:
     if plain and captured:
         lines.append(f"  capture overhead: forward under capture {captured:.2f} ms, plain "
                      f"forward {plain:.2f} ms ({captured / plain:.2f}x)")
+    if r.us_per_op:
+        lines.append(f"  fixed cost per forward op ((median - t_plain) / {r.forward_ops} ops): "
+                     + ", ".join(f"{k} {v:.0f} us" for k, v in r.us_per_op.items()))
     certified, never = (r.first_calls.get(k) for k in ("certified", "never"))
     if certified and never:
         lines.append(f"  {r.ours}, first call of a new plan: certified {certified:.2f} ms, "

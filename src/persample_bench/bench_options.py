@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from persample.cli.threads import add_threads_argument
 
-from .workloads import REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
+from .workloads import PROXY_WORKLOADS, REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
 
 QUICK_BATCH = 4
 """The batch size of every workload under ``--quick`` (unless ``--batch``)."""
@@ -87,6 +87,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        + ", ".join(REAL_WORKLOADS) + "; seconds per call on a CPU")
     group.add_argument("--no-real", action="store_true",
                        help="leave the real-size transformers out, even when named")
+    bench.add_argument("--proxy", action="store_true",
+                       help="the tiny configurations whose kernels are as short as a real "
+                       "model's on a GPU (with --workload: those too): "
+                       + ", ".join(PROXY_WORKLOADS) + "; read the fixed cost per op")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: the small workloads only (unless --real or "
                        f"--workload), batch {QUICK_BATCH} (unless --batch), no memory "
@@ -110,7 +114,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
 
 def selected_workloads(args: argparse.Namespace) -> list[str]:
     """The workloads ``persample bench`` runs, in :data:`WORKLOADS`' order: those named
-    by ``--workload``, plus the real-size ones with ``--real``; with neither, all of
+    by ``--workload``, plus the real-size ones with ``--real`` and the GPU proxies with
+    ``--proxy``; with none of these, all of
     them, or the small ones under ``--quick`` or ``--no-real``. ``--no-real`` leaves
     the real-size ones out even when named.
 
@@ -126,6 +131,8 @@ def selected_workloads(args: argparse.Namespace) -> list[str]:
     named = set(args.workload or ())
     if args.real:
         named |= set(REAL_WORKLOADS)
+    if args.proxy:
+        named |= set(PROXY_WORKLOADS)
     if not named:
         return list(SMALL_WORKLOADS if args.no_real or args.quick else WORKLOADS)
     return [w for w in WORKLOADS if w in named and not (args.no_real and w in REAL_WORKLOADS)]

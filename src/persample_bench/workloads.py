@@ -259,7 +259,11 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     grouped kernel, T=64, B=16, next-token cross-entropy), ``vit-mae-grads``
     (transformers ViTMAE pretraining, the learned mask token repeated into the batch,
     B=16, :func:`masked_reconstruction`), ``gcn-batch-grads`` (torch_geometric GCN on a
-    ``Batch`` of 32 graphs, :func:`graph_batch`). The real-size transformers
+    ``Batch`` of 32 graphs, :func:`graph_batch`). The proxies of a GPU's short kernels
+    (:data:`PROXY_WORKLOADS`, with ``vit-grads`` and ``lstm-grads``): ``bert-tiny-grads``
+    (BERT 2x64, 2 heads, T=16, B=16, as ``bert-small-grads``), ``gpt2-tiny-grads``
+    (GPT-2 2x64, 2 heads, T=16, B=16, as ``gpt2-grads``), ``mlp-tiny-grads`` (MLP 8x64,
+    B=64, as ``gnn-mlp-grads``). The real-size transformers
     (:data:`REAL_GRAD_WORKLOADS`) are :func:`real_workload`'s.
 
     Args:
@@ -361,6 +365,8 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         nn.CrossEntropyLoss(),
                         f"MLP 64-64-64-2 ReLU (the size of a GNN's node MLP), batch {b}, "
                         "digits projected to 64, 2 classes, cross-entropy")
+    if name in PROXY_WORKLOADS[:3]:
+        return _proxy_workload(name, batch)
     if name == "gpt-oss-grads":
         b, t = batch or 16, 64
         model = real_models.gpt_oss(ByteTokenizer.vocab_size, seq_len=t)
@@ -653,6 +659,37 @@ def real_workload(name: str, batch: int | None = None, size: str = "full",
     raise ValueError(f"unknown workload {name!r}; choose from {REAL_GRAD_WORKLOADS}")
 
 
+def _proxy_workload(name: str, batch: int | None) -> Workload:
+    """The tiny configurations whose kernels are as short as a real model's on a GPU."""
+    if name == "mlp-tiny-grads":
+        x, y = digits_features(64)
+        b = batch or 64
+        return Workload(name, "gpu proxy", mlp([64] * 9 + [2], nn.ReLU).eval(), x[:b], y[:b],
+                        nn.CrossEntropyLoss(), f"MLP 8x64 ReLU, batch {b}, digits projected "
+                        "to 64, 2 classes, cross-entropy")
+    b, t = batch or 16, 16
+    if name == "gpt2-tiny-grads":
+        model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t, layers=2, width=64,
+                                 heads=2)
+        inputs, labels = docstring_batch(b, t)
+        return Workload(name, "gpu proxy", model, inputs, labels, real_models.causal_lm_loss,
+                        f"transformers GPT-2 2x64, 2 heads (eval), batch {b}, T={t}, stdlib "
+                        "docstrings as bytes, per-sample next-token cross-entropy",
+                        per_sample_positions(inputs), causal_lm_ce)
+    model = real_models.bert_classifier(ByteTokenizer.vocab_size, layers=2, width=64, heads=2,
+                                        intermediate=256, classes=4, max_positions=t)
+    examples = docstring_examples("module", seq_len=t)
+    picked = [examples[k * len(examples) // b] for k in range(b)]
+    inputs = {key: torch.stack([e[key] for e in picked]) for key in ("input_ids", "attention_mask")}
+    labels = torch.stack([e["labels"] for e in picked])
+    types = torch.zeros_like(inputs["input_ids"])  # (B, T): per sample, as Opacus needs
+    opacus_inputs = {**per_sample_positions(inputs), "token_type_ids": types}
+    return Workload(name, "gpu proxy", model, inputs, labels, logits_cross_entropy,
+                    f"transformers BERT 2x64, 2 heads, for sequence classification (eval), "
+                    f"batch {b}, T={t}, which of 4 stdlib modules a docstring documents, "
+                    "per-sample cross-entropy", opacus_inputs, classifier_ce)
+
+
 def mlp(sizes: list[int], activation: type[nn.Module]) -> nn.Sequential:
     """Linear layers of the given sizes with ``activation`` between them (not after the last).
 
@@ -834,10 +871,14 @@ REAL_DP_WORKLOADS = tuple(name.replace("-grads", "-dp-step") for name in REAL_GR
 REAL_WORKLOADS = tuple(w for pair in zip(REAL_GRAD_WORKLOADS, REAL_DP_WORKLOADS) for w in pair
                        ) + BF16_DP_WORKLOADS + REAL_ATTRIBUTION_WORKLOADS + REAL_CURVATURE_WORKLOADS
 """The real-size transformers with their real vocabularies (``persample bench --real``)."""
+PROXY_WORKLOADS = ("bert-tiny-grads", "gpt2-tiny-grads", "mlp-tiny-grads", "vit-grads",
+                   "lstm-grads")
+"""Tiny configurations whose kernels are as short as a real model's on a GPU, where the
+fixed cost per op decides the step (``persample bench --proxy``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
                   "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "vit-mae-grads",
-                  "gcn-batch-grads") + REAL_GRAD_WORKLOADS
+                  "gcn-batch-grads") + PROXY_WORKLOADS[:3] + REAL_GRAD_WORKLOADS
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
                 "gpt2-dp-step", "gpt2-lora-dp-step", "encoder-dp-step") + REAL_DP_WORKLOADS

@@ -84,6 +84,7 @@ def grads_case(w: Workload, only: str | None = None) -> Case:
         *persample_rows.grads_rows(w),
     ])
     case.diagnostics = persample_rows.capture_overhead(w)
+    case.forward_ops = persample_rows.forward_ops(w)
     return case
 
 

@@ -57,6 +57,8 @@ class Case:
             input Jacobian's last matrix product), it is timed as the floor.
         diagnostics: ``(label, fn)`` timed in the same rounds and shown for information
             (the plain forward and the forward under persample's capture).
+        forward_ops: the ops one forward of the model runs, as a ``TorchFunctionMode``
+            sees them (the fixed cost per op is reported over it); ``None``: not counted.
     """
 
     workload: Workload
@@ -70,6 +72,7 @@ class Case:
     floor_label: str | None = None
     floor: Callable[[], object] | None = None
     diagnostics: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
+    forward_ops: int | None = None
 
 
 def as_flat(result: Any, shape: tuple[int, ...]) -> Tensor:

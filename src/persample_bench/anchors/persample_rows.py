@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from persample.api import param_jacobian, per_sample_grads
 
@@ -72,6 +73,32 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
         return out
 
     return [("plain forward", plain), ("forward under capture", captured)]
+
+
+class _Counting(TorchFunctionMode):
+    """Counts the calls a ``TorchFunctionMode`` sees (the ops persample's capture sees)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def forward_ops(w: Workload) -> int:
+    """The ops one forward of ``w``'s model runs (autograd on), as a
+    ``TorchFunctionMode`` sees them: what a per-op fixed cost is paid for.
+
+    Examples:
+        >>> from persample_bench.workloads import grads_workload
+        >>> forward_ops(grads_workload("gnn-mlp-grads", 2))
+        5
+    """
+    with torch.enable_grad(), _Counting() as counting:
+        w.call()
+    return counting.ops
 
 
 def noise_draws(w: Workload) -> list[tuple[str, Callable[[], object]]]:
