@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
+from ..capture.stock import StockCapture, Template, template_of
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
 from ..loss import per_sample_losses
@@ -55,14 +56,14 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     inputs = located(batch)
     key = tapes.key_of(batch.n, v, inputs)
     tape = tapes.tape_for(model, key)
+    template = tapes.stock_for(model, key)
     with torch.enable_grad():
-        with open_capture(model, watched, batch.n, inputs, batch.shared,
-                          tape=tape) as cap:
-            output = batch.call(model)
+        cap, output = _forward(model, batch, watched, inputs, tape, template)
         value = root(output, cap)
     gather = gatherer(units)
     for op in cap.ops if gather is not None else ():  # FSDP frees what the ops read
         op.gather = gather
+    out_layout = cap.layout(output) if isinstance(output, Tensor) else None
     del output  # the model's output holds nothing the backward needs beyond `value`
     with internal("planning the per-sample work"):
         result = plan(cap, watched)
@@ -85,7 +86,33 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
             "capture cannot follow (a custom autograd.Function, TorchScript code, a "
             "tensor it was written into in place, or a tensor kept from an earlier call)")
     tapes.keep(model, key, cap.steps)
+    if not isinstance(cap, StockCapture):
+        tapes.keep_stock(model, key, template_of(model, cap, inputs, batch.shared, out_layout,
+                                                 _plain(result, cap)))
     return Captured(cap, result, grads, batch.n, v)
+
+
+def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], inputs: list,
+             tape: list | None, template: Template | None) -> tuple[Capture, Any]:
+    """The forward under a capture: unintercepted where a stock model's template holds
+    (:mod:`persample.capture.stock`), else (or where its guards fail after the forward,
+    which is then run again) under the full capture."""
+    if template is not None and tape is not None and template.holds(model, watched):
+        with StockCapture(model, watched, batch.n, inputs, template, tape) as cap:
+            output = batch.call(model)
+        if not cap.missed:
+            return cap, output
+        del output
+    with open_capture(model, watched, batch.n, inputs, batch.shared, tape=tape) as cap:
+        output = batch.call(model)
+    return cap, output
+
+
+def _plain(result: Plan, cap: Capture) -> bool:
+    """Does every parameter the forward read take an op's rule, with nothing left to the
+    module rules, the fallback or autograd's confirmation?"""
+    return not (result.module_jobs or result.fallback_jobs or result.ruled or result.reach
+                or result.handled) and len(result.uses) == len(cap.ops)
 
 
 class _Whole:

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ..batch import Batched, Layout, front_cotangents
 from ..capture import Capture, Edge
+from ..capture.stock import StockCapture
 from .paths import Path, Plan, edge_key
 
 
@@ -49,6 +50,10 @@ class Captured:
         steps = getattr(self.capture, "steps", None)
         if steps is None:
             return "new: a batch of one takes no capture"
+        if isinstance(self.capture, StockCapture):
+            return (f"cached: torch's own layers only, run as they are (no op intercepted; "
+                    f"the {len(self.capture.ops)} linear layers' inputs and outputs kept by "
+                    "a hook each), the data flow an earlier call's like it")
         done = getattr(self.capture, "replayed", 0)
         if not done:
             return f"new: the data flow of its {len(steps)} ops decided in this call"

@@ -16,11 +16,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..capture.stock import Template
 from ..capture.tape import Step
 
 PER_MODEL = 8  # tapes kept per model (the most recently used)
 
 _TAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> {key: Template}: calls of a stock model that may run unintercepted
+_STOCK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENABLED = [True]
 
 
@@ -44,6 +47,30 @@ def keep(model: nn.Module, key: tuple, tape: list[Step | None]) -> None:
     tapes[key] = tape
     while len(tapes) > PER_MODEL:
         tapes.pop(next(iter(tapes)))
+
+
+def stock_for(model: nn.Module, key: tuple) -> Template | None:
+    """The template of the last call on ``model`` with ``key`` that may run unintercepted
+    (:mod:`persample.capture.stock`), if caching is on."""
+    if not _ENABLED[0] or model is None:
+        return None
+    kept = _STOCK.get(model)
+    return kept.get(key) if kept is not None else None
+
+
+def keep_stock(model: nn.Module, key: tuple, template: Template | None) -> None:
+    """Keep ``template`` for the next call on ``model`` with ``key`` (``None``: forget)."""
+    if not _ENABLED[0] or model is None:
+        return
+    try:
+        kept = _STOCK.setdefault(model, {})
+    except TypeError:
+        return
+    kept.pop(key, None)
+    if template is not None:
+        kept[key] = template
+    while len(kept) > PER_MODEL:
+        kept.pop(next(iter(kept)))
 
 
 def key_of(n: int, v: int, inputs: list[tuple[Tensor, Any]]) -> tuple:
@@ -71,6 +98,7 @@ def clear_plans() -> None:
         >>> persample.clear_plans()
     """
     _TAPES.clear()
+    _STOCK.clear()
 
 
 def cache_plans(enabled: bool = True) -> bool:
@@ -98,4 +126,5 @@ def cache_plans(enabled: bool = True) -> bool:
     before, _ENABLED[0] = _ENABLED[0], enabled
     if not enabled:
         _TAPES.clear()
+        _STOCK.clear()
     return before

@@ -1,0 +1,248 @@
+"""The cached call of a model built of torch's own layers only: no op intercepted.
+
+A model that is an ``nn.Sequential`` (nested ones included) of ``nn.Linear`` and
+parameter-free elementwise or shape layers (activations, ``nn.Flatten``,
+``nn.Identity``) runs code persample knows: each layer's ``forward`` is torch's, which
+reads no other tensor and never mixes samples. Once a full capture of a call has decided
+its data flow (:class:`~persample.capture.recorder.Capture`), a later call like it (same
+layers, parameters, shapes, dtypes and watched set, nothing hooked or patched) needs no
+``TorchFunctionMode``: :class:`StockCapture` runs the forward as it is, with a forward
+hook on each ``nn.Linear`` only, and rebuilds the records the rules read (each linear's
+:class:`~persample.capture.records.Op`: input, parameters, output's gradient edge) from
+the :class:`Template` of the full capture. The per-op cost of the forward is then that
+of the ops that read parameters, one hook each.
+
+The guards: :meth:`Template.holds` before the forward (every module the same object of
+the same type, with no hook and no ``forward`` of its own; the same parameters, shapes,
+dtypes, devices and ``requires_grad``; the functions the layers call not patched; no
+``TorchFunctionMode`` or global module hook active), and after it the linears called in
+the template's order on inputs of its shapes. A call that fails a guard after the
+forward ran it again under the full capture: these layers hold no state and draw no
+random numbers, so running them twice is running them once.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
+
+from ..batch import Batched, Flow, Layout
+from ..precision import autocast_state
+from .edges import edge_of
+from .recorder import Capture
+from .records import Call, Op, shapes_only
+
+ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU,
+               nn.Softplus, nn.Mish, nn.Hardtanh, nn.ReLU6, nn.Softsign, nn.Identity,
+               nn.Flatten)
+"""Layers without parameters whose ``forward`` is one elementwise or shape op of each
+position: the samples stay where they are."""
+_FUNCTIONS = ("linear", "relu", "gelu", "tanh", "sigmoid", "silu", "leaky_relu", "elu",
+              "softplus", "mish", "hardtanh", "relu6", "softsign")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                 "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def _functions() -> tuple:
+    """The functional forms the layers call, as they are now (a patched one differs)."""
+    return tuple(getattr(F, name, None) for name in _FUNCTIONS) + (torch.flatten,
+                                                                  Tensor.flatten)
+
+
+def _plain_module(m: nn.Module) -> bool:
+    """torch's own code, untouched: no hook, no ``forward`` of the instance's own."""
+    return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks or "forward" in m.__dict__)
+
+
+def _stock(m: nn.Module) -> bool:
+    kind = type(m)
+    if kind is nn.Sequential:
+        return not m._parameters and not m._buffers
+    if kind is nn.Linear:
+        return set(m._parameters) <= {"weight", "bias"} and not m._buffers
+    return kind in ELEMENTWISE and not m._parameters and not m._buffers
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One ``nn.Linear`` call of the template: its module, the shape and dtype of its
+    input, and what the full capture recorded of its op (function, leaf layouts, data
+    flow, which leaves are which watched parameters)."""
+
+    name: str
+    module: weakref.ref
+    shape: torch.Size
+    dtype: torch.dtype
+    func: Any
+    layouts: tuple[Layout, ...]
+    flow: Flow
+    sources: dict[int, frozenset[int]]
+
+
+@dataclass(frozen=True)
+class Template:
+    """What a full capture of a stock model's call decided, and what it ran on."""
+
+    modules: tuple[tuple[weakref.ref, type], ...]  # model.modules(), in order
+    params: tuple[tuple[weakref.ref, torch.Size, torch.dtype, torch.device, bool], ...]
+    watched: frozenset[int]
+    functions: tuple
+    reads: tuple[_Read, ...]
+    output: Layout  # the model output's layout
+
+    def holds(self, model: nn.Module, watched: dict[int, nn.Parameter]) -> bool:
+        """May a call on ``model`` with ``watched`` take this template (before its
+        forward)?"""
+        if torch._C._is_torch_function_mode_enabled() or any(
+                getattr(torch_module, name, None) for name in _GLOBAL_HOOKS):
+            return False
+        if frozenset(watched) != self.watched or _functions() != self.functions:
+            return False
+        mods = self.modules
+        k = -1
+        for k, m in enumerate(model.modules()):
+            if k >= len(mods) or mods[k][0]() is not m or type(m) is not mods[k][1] or (
+                    not _plain_module(m)):
+                return False
+        if k + 1 != len(mods):
+            return False
+        params = self.params
+        k = -1
+        for k, p in enumerate(model.parameters()):
+            if k >= len(params):
+                return False
+            ref, shape, dtype, device, grad = params[k]
+            if ref() is not p or p.shape != shape or p.dtype != dtype or (
+                    p.device != device or p.requires_grad != grad):
+                return False
+        return k + 1 == len(params)
+
+
+def template_of(model: nn.Module, cap: Capture, inputs: list, shared: tuple,
+                output: Layout | None, plain_plan: bool) -> Template | None:
+    """The template of a full capture of ``model``'s call, if a later call like it may run
+    unintercepted: a stock model (every module torch's own ``nn.Sequential``, ``nn.Linear``
+    or a layer of :data:`ELEMENTWISE`, untouched), one input batched in dim 0 and nothing
+    shared, every recorded op a linear layer's ``F.linear`` on its own parameters taking
+    the rules (``plain_plan``), no derived tensor, random draw or read the capture could
+    not follow, and a model output (a tensor, laid out as ``output``) whose samples are
+    known."""
+    if not plain_plan or shared or len(inputs) != 1 or type(inputs[0][0]) is not Tensor:
+        return None
+    if not isinstance(inputs[0][1], Batched) or inputs[0][1] != Batched(0):
+        return None
+    if cap.derived or cap.draws or cap.unseen_reads or cap.param_written or cap.mixing:
+        return None
+    modules = list(model.modules())
+    if not all(_stock(m) and _plain_module(m) for m in modules):
+        return None
+    if torch._C._is_torch_function_mode_enabled() or any(
+            getattr(torch_module, name, None) for name in _GLOBAL_HOOKS):
+        return None
+    if not isinstance(output, Batched):
+        return None
+    reads = []
+    for op in cap.ops:
+        m = op.call.module if op.call is not None else None
+        if type(m) is not nn.Linear or op.kwargs or len(op.args) != 3 or not (
+                op.args[1] is m.weight and op.args[2] is m.bias) or op.claimed is not None or (
+                op.before is not None or op.draw is not None or op.previous is not None):
+            return None
+        if not isinstance(op.layouts[0], Batched) or op.flow.pairing is not None:
+            return None
+        x = op.args[0]
+        reads.append(_Read(op.call.name, weakref.ref(m), x.shape, x.dtype, op.func,
+                           tuple(op.layouts), op.flow, dict(op.sources)))
+    params = tuple((weakref.ref(p), p.shape, p.dtype, p.device, p.requires_grad)
+                   for p in model.parameters())
+    return Template(tuple((weakref.ref(m), type(m)) for m in modules), params,
+                    frozenset(cap.watched), _functions(), tuple(reads), output)
+
+
+class StockCapture(Capture):
+    """A capture of a stock model's call that takes its :class:`Template`: the forward
+    runs unintercepted, a forward hook on each ``nn.Linear`` keeps its input and output,
+    and on leaving the records are those the full capture would have made. The loss is
+    followed as in any capture (:meth:`Capture.follow`). :attr:`missed` says a guard
+    failed after the forward (the caller runs it again under a full capture)."""
+
+    def __init__(self, model: nn.Module, watched: dict[int, nn.Parameter], n: int,
+                 batched: list, template: Template, tape: list):
+        super().__init__(None, watched, n, batched)
+        self.model, self.template = model, template
+        self.steps = tape  # (the data flow is the earlier call's: kept as it was)
+        self.replayed = len(tape)
+        self.missed = False
+        self._seen_calls: list[tuple] = []  # (module, input, output, edge, versions)
+        self._output: Tensor | None = None
+
+    def __enter__(self) -> StockCapture:
+        try:
+            for read in self.template.reads:
+                m = read.module()
+                if m is None:
+                    raise RuntimeError("a layer of the template was freed")
+                self._handles.append(m.register_forward_hook(self._linear, with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(self._root))
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, _type, exc, _tb) -> None:
+        self._remove()
+        if exc is None:
+            self.missed = not self._records()
+
+    def _linear(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Keep the call's input and output, with the output's gradient edge and the
+        inputs' versions taken now: a later in-place op (``nn.ReLU(inplace=True)``)
+        moves the output's own node (:mod:`persample.capture.edges`)."""
+        if threading.get_ident() != self.thread:
+            return
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(output, Tensor) or not isinstance(x, Tensor):
+            self._seen_calls.append((module, x, output, None, None))
+            return
+        leaves = [t for t in (x, module.weight, module.bias) if t is not None]
+        self._seen_calls.append((module, x, output, edge_of(output),
+                                 [t._version for t in leaves]))
+
+    def _root(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if threading.get_ident() == self.thread:
+            self._output = output
+
+    def _records(self) -> bool:
+        """The ops and calls from the hooked linears, if every one ran as the template's
+        did (``False`` where they did not: nothing recorded)."""
+        reads, seen = self.template.reads, self._seen_calls
+        if len(seen) != len(reads) or not isinstance(self._output, Tensor):
+            return False
+        for read, (m, x, out, _, versions) in zip(reads, seen):
+            if read.module() is not m or versions is None or x.shape != read.shape \
+                    or x.dtype != read.dtype:
+                return False
+        state = autocast_state()
+        for k, (read, (m, x, out, edge, versions)) in enumerate(zip(reads, seen)):
+            args = (x, m.weight, m.bias)
+            leaves = [t for t in args if t is not None]
+            call = Call(read.name, m, (x,), {}, out)
+            op = Op(read.func, args, {}, out, leaves, list(read.layouts), read.flow,
+                    read.sources, call, index=k)
+            op.sources_all = frozenset().union(*read.sources.values())
+            op.autocast = state
+            op.versions = versions
+            op.edges = [edge]
+            op.output = shapes_only(out, read.flow.outputs)
+            self.ops.append(op)
+            self.calls.append(call)
+        self.layouts[self._output] = self.template.output
+        return True
