@@ -226,7 +226,7 @@ class StockCapture(Capture):
         reads, seen = self.template.reads, self._seen_calls
         if len(seen) != len(reads) or not isinstance(self._output, Tensor):
             return False
-        for read, (m, x, out, _, versions) in zip(reads, seen):
+        for read, (m, x, _out, _, versions) in zip(reads, seen):
             if read.module() is not m or versions is None or x.shape != read.shape \
                     or x.dtype != read.dtype:
                 return False
