@@ -195,3 +195,55 @@ def test_the_model_is_not_kept_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+def _cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(3),
+        nn.Conv2d(4, B, 3), nn.Flatten(), nn.Dropout(0.5), nn.LayerNorm(B),
+        nn.Linear(B, 3)).double().eval()
+
+
+def _text() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(11, D), nn.LayerNorm(D), nn.Flatten(),
+                         nn.Linear(D * D, 3)).double()
+
+
+def test_convolutions_norms_and_embeddings_take_it_too():
+    torch.manual_seed(2)
+    images, tokens = torch.randn(B, 1, 6, 6, dtype=torch.float64), torch.randint(0, 11, (B, D))
+    y = torch.randint(0, 3, (B,))
+    for model, x in ((_cnn(), images), (_text(), tokens)):
+        for _ in range(3):
+            _check(model, x, y)
+        assert _unintercepted(_plan(model, x, y)), model
+
+
+def test_a_layer_argument_changed_between_calls_is_read_anew():
+    """A LayerNorm's ``eps`` changes no shape: the arguments other than tensors are
+    compared with the template's after the forward, and the full capture runs again."""
+    torch.manual_seed(2)
+    x, y = torch.randn(B, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (B,))
+    model = _cnn()
+    for _ in range(2):
+        _check(model, x, y)
+    model[7].eps = 0.5
+    _check(model, x, y)
+    model[0].stride = (2, 2)  # (the same shapes after the adaptive pooling)
+    for _ in range(2):
+        _check(model, x, y)
+    assert _unintercepted(_plan(model, x, y))
+
+
+def test_dropout_that_draws_takes_the_full_capture():
+    torch.manual_seed(2)
+    x, y = torch.randn(B, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (B,))
+    model = _cnn()
+    for _ in range(2):
+        _check(model, x, y)
+    assert _unintercepted(_plan(model, x, y))
+    model.train()  # (dropout draws: each call's masks are recorded by the full capture)
+    for _ in range(2):
+        assert not _unintercepted(_plan(model, x, y))

@@ -52,8 +52,8 @@ class Captured:
             return "new: a batch of one takes no capture"
         if isinstance(self.capture, StockCapture):
             return (f"cached: torch's own layers only, run as they are (no op intercepted; "
-                    f"the {len(self.capture.ops)} linear layers' inputs and outputs kept by "
-                    "a hook each), the data flow an earlier call's like it")
+                    f"the {len(self.capture.ops)} layers that read parameters kept by a hook "
+                    "each), the data flow an earlier call's like it")
         done = getattr(self.capture, "replayed", 0)
         if not done:
             return f"new: the data flow of its {len(steps)} ops decided in this call"

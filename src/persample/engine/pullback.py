@@ -174,14 +174,15 @@ class Pullbacks:
         if pairings is not None:
             call.op = _Paired(op, pairings)
             call.out_pairing = out_pairings[0] if len(out_pairings) == 1 else None
-        shapes = {k: tuple(op.leaves[k].shape) if call.op.pairing(k) is None else
-                  tuple(call.op.pairing(k).per_sample_shape(op.leaves[k], n)) for k in wrt}
+        paired = {k: call.op.pairing(k) for k in wrt}
+        shapes = {k: tuple(op.leaves[k].shape) if paired[k] is None else
+                  tuple(paired[k].per_sample_shape(op.leaves[k], n)) for k in wrt}
         out = {}
         for k in wrt:
             t = op.leaves[k]
             if t in out:
                 continue
-            direct = self._param(t) is not None and call.op.pairing(k) is None
+            direct = self._param(t) is not None and paired[k] is None
             if direct and _adds(op) and self.sink.holds(id(t)):
                 out[t] = self.sink.dest[id(t)]  # the rule adds to what is there
                 call.adding.add(t)
@@ -210,13 +211,13 @@ class Pullbacks:
             done.add(id(t))
             if t in call.adding:
                 continue  # added in place
-            if self._param(t) is not None and call.op.pairing(k) is None:
+            if self._param(t) is not None and paired[k] is None:
                 self.sink.commit(id(t), out[t])
             elif self._param(t) is not None:
                 raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
             else:  # (the first leaf of a second write: the tensor's earlier value)
                 key = id(op.previous) if k == 0 and op.previous is not None else id(t)
-                self.pending.setdefault(key, []).append((out[t], call.op.pairing(k)))
+                self.pending.setdefault(key, []).append((out[t], paired[k]))
 
     def _apart(self, op: Op, call: OpCall, wrt: list[int], cots: list, single: list,
                out_pairings: list, out: dict) -> tuple[str, str | None]:
@@ -258,11 +259,10 @@ class Pullbacks:
     def note(self, op: Op, wrt: list[int], kind: str, reason: str | None) -> None:
         """Record the path the parameters behind ``wrt`` took here (``op vjp`` outweighs
         ``rule``; the ops are listed)."""
-        paths = self.captured.taken
+        paths, where = self.captured.taken, op.where()
         for k in wrt:
             for pid in op.sources[k]:
                 old = paths.get(pid)
-                where = op.where()
                 if old is None or pid not in self.seen:
                     paths[pid] = Path(kind, where, "" if kind == "rule" else f"{reason}")
                 elif kind == "op vjp" and old.kind == "rule":
