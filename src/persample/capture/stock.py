@@ -127,12 +127,13 @@ def _constants(args: tuple, kwargs: dict) -> tuple:
 def _same(a: Any, b: Any) -> bool:
     """Tensors the same object; tuples and lists item by item; the rest equal and of the
     same type (``1`` is not ``True``, ``(2, 2)`` not ``[2, 2]``)."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return a is b
-    if type(a) is not type(b):
+    kind = type(a)
+    if kind is not type(b):
         return False
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if kind is tuple or kind is list:
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, Tensor):
+        return a is b
     return a is b or a == b
 
 
@@ -170,7 +171,8 @@ class Template:
     """What a full capture of a stock model's call decided, and what it ran on."""
 
     modules: tuple[tuple[weakref.ref, type], ...]  # model.modules(), in order
-    params: tuple[tuple[weakref.ref, torch.Size, torch.dtype, torch.device, bool], ...]
+    # every module's parameter slots, in order: (ref, shape, dtype, device, requires_grad)
+    params: tuple[tuple[weakref.ref, torch.Size, torch.dtype, torch.device, bool] | None, ...]
     watched: frozenset[int]
     functions: tuple
     reads: tuple[_Read, ...]
@@ -184,24 +186,29 @@ class Template:
             return False
         if frozenset(watched) != self.watched or _functions() != self.functions:
             return False
-        mods = self.modules
-        k = -1
+        mods, params = self.modules, self.params
+        k = j = -1
         for k, m in enumerate(model.modules()):
             if k >= len(mods) or mods[k][0]() is not m or type(m) is not mods[k][1] or (
                     not _plain_module(m)):
                 return False
-        if k + 1 != len(mods):
-            return False
-        params = self.params
-        k = -1
-        for k, p in enumerate(model.parameters()):
-            if k >= len(params):
-                return False
-            ref, shape, dtype, device, grad = params[k]
-            if ref() is not p or p.shape != shape or p.dtype != dtype or (
-                    p.device != device or p.requires_grad != grad):
-                return False
-        return k + 1 == len(params)
+            for p in m._parameters.values():
+                j += 1
+                if j >= len(params) or (p is None) != (params[j] is None):
+                    return False
+                if p is None:
+                    continue
+                ref, shape, dtype, device, grad = params[j]
+                if ref() is not p or p.shape != shape or p.dtype != dtype or (
+                        p.device != device or p.requires_grad != grad):
+                    return False
+        return k + 1 == len(mods) and j + 1 == len(params)
+
+
+def _parameters(model: nn.Module) -> list[Tensor | None]:
+    """Every module's registered parameters, in ``modules()`` order (a shared one as
+    often as it is registered, ``None`` where a slot is empty: ``bias=False``)."""
+    return [p for m in model.modules() for p in m._parameters.values()]
 
 
 def template_of(model: nn.Module, cap: Capture, inputs: list, shared: tuple,
@@ -242,8 +249,8 @@ def template_of(model: nn.Module, cap: Capture, inputs: list, shared: tuple,
         constants = _constants(op.args, op.kwargs)
         reads.append(_Read(op.call.name, weakref.ref(m), x.shape, x.dtype, op.func,
                            constants, tuple(op.layouts), op.flow, dict(op.sources)))
-    params = tuple((weakref.ref(p), p.shape, p.dtype, p.device, p.requires_grad)
-                   for p in model.parameters())
+    params = tuple(None if p is None else (weakref.ref(p), p.shape, p.dtype, p.device,
+                                           p.requires_grad) for p in _parameters(model))
     return Template(tuple((weakref.ref(m), type(m)) for m in modules), params,
                     frozenset(cap.watched), _functions(), tuple(reads), output)
 

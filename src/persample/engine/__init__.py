@@ -18,6 +18,7 @@ from ..rules import EXPANSIONS, module_rule_of, open_capture
 from ..rules.ghost import Factors, cross_inner, forming_cost
 from .backward import (
     capture_backprops,
+    captured_forward,
     cotangent_backprops,
     loss_backprops,
     one_hot,
@@ -30,7 +31,8 @@ from .pullback import write_per_sample
 # what the public modules read of the rules, through the engine: the capture with the
 # rules' handlers, the module expansions the whole-model methods share, a module's
 # rule, and the factors ``(A, G)`` of a linear use with their inner products
-__all__ = ["Captured", "capture_backprops", "cotangent_backprops", "loss_backprops",
+__all__ = ["Captured", "capture_backprops", "captured_forward", "cotangent_backprops",
+           "loss_backprops",
            "one_hot", "rules_grads", "rules_param_jacobian", "write_per_sample",
            "EXPANSIONS", "Factors", "cross_inner", "forming_cost", "module_rule_of",
            "open_capture"]

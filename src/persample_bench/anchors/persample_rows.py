@@ -43,17 +43,18 @@ def grads_rows(w: Workload) -> list[Method]:
 
 
 def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
-    """The plain forward (autograd on) and the same forward under persample's capture
-    (:func:`persample.engine.open_capture`: the data-flow rule of every op, the module
-    calls): the capture's overhead, timed beside the methods.
+    """The plain forward (autograd on) and the same forward as persample's calls run it
+    (:func:`persample.engine.captured_forward`: under the capture, the data-flow rule of
+    every op and the module calls, with the tape the calls before it left; a model of
+    torch's own layers unintercepted once a call left its template), timed beside the
+    methods.
 
     Examples:
         >>> from persample_bench.workloads import grads_workload
         >>> [label for label, _ in capture_overhead(grads_workload("cnn-grads", 2))]
         ['plain forward', 'forward under capture']
     """
-    from persample.batch import located
-    from persample.engine import open_capture
+    from persample.engine import captured_forward
     from persample.inputs import as_batch
 
     batch = as_batch(w.inputs)
@@ -63,14 +64,8 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
         with torch.enable_grad():
             return w.call()
 
-    kept: dict[str, list] = {}
-
-    def captured() -> object:  # (the steady state: the data flow of the call before kept)
-        with torch.enable_grad(), open_capture(w.model, watched, batch.n, located(batch),
-                                               batch.shared, tape=kept.get("steps")) as cap:
-            out = batch.call(w.model)
-        kept["steps"] = cap.steps
-        return out
+    def captured() -> object:  # (the steady state: the persample rows' calls came first)
+        return captured_forward(w.model, batch, watched)[1]
 
     return [("plain forward", plain), ("forward under capture", captured)]
 
