@@ -168,6 +168,20 @@ def test_hooks_and_patches_take_the_full_capture(monkeypatch):
     assert Counted.ops > 0
 
 
+def test_an_input_of_a_tensor_subclass_takes_the_full_capture():
+    """A subclass's ``__torch_function__`` runs code of its own on every op."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    model, (x, y) = _model(), _data()
+    for _ in range(2):
+        _check(model, x, y)
+    tagged = x.as_subclass(Tagged)
+    assert not _unintercepted(_plan(model, tagged, y))
+    _check(model, tagged, y)
+
+
 def test_a_patched_function_that_mixes_samples_is_refused(monkeypatch):
     """``nn.ReLU`` calls ``F.relu``: patched to subtract the batch mean, the model mixes
     samples, which the full capture sees and refuses; the template must not answer."""

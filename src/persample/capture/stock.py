@@ -90,8 +90,8 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
 
 def _functions() -> tuple:
     """The functional forms the layers call, as they are now (a patched one differs)."""
-    return tuple(getattr(F, name, None) for name in _FUNCTIONS) + (torch.flatten,
-                                                                  Tensor.flatten)
+    return tuple(getattr(F, name, None) for name in _FUNCTIONS) + (
+        torch.flatten, Tensor.flatten, torch.sigmoid, torch.tanh)
 
 
 def _plain_module(m: nn.Module) -> bool:
@@ -178,9 +178,11 @@ class Template:
     reads: tuple[_Read, ...]
     output: Layout  # the model output's layout
 
-    def holds(self, model: nn.Module, watched: dict[int, nn.Parameter]) -> bool:
-        """May a call on ``model`` with ``watched`` take this template (before its
-        forward)?"""
+    def holds(self, model: nn.Module, watched: dict[int, nn.Parameter], inputs: list) -> bool:
+        """May a call on ``model`` with ``watched`` and ``inputs`` (``(tensor, layout)``)
+        take this template (before its forward)?"""
+        if len(inputs) != 1 or type(inputs[0][0]) is not Tensor:  # (a subclass runs code)
+            return False
         if torch._C._is_torch_function_mode_enabled() or any(
                 getattr(torch_module, name, None) for name in _GLOBAL_HOOKS):
             return False

@@ -119,7 +119,7 @@ def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], i
     """The forward under a capture: unintercepted where a stock model's template holds
     (:mod:`persample.capture.stock`), else (or where its guards fail after the forward,
     which is then run again) under the full capture."""
-    if template is not None and tape is not None and template.holds(model, watched):
+    if template is not None and tape is not None and template.holds(model, watched, inputs):
         with StockCapture(model, watched, batch.n, inputs, template, tape) as cap:
             output = batch.call(model)
         if not cap.missed:
