@@ -142,7 +142,7 @@ def test_a_model_changed_between_calls_is_answered_for_what_it_is_now(change):
         _check(model, x, y, SQUARES)
 
 
-def test_hooks_and_patches_take_the_full_capture(monkeypatch):
+def test_hooks_and_patches_take_the_full_capture():
     model, (x, y) = _model(), _data()
     _check(model, x, y)
     assert _unintercepted(_plan(model, x, y))
