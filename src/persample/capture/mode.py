@@ -34,12 +34,16 @@ class Mode(TorchFunctionMode):
     Args:
         recorder: has ``thread`` (the capturing thread's id), ``expansions`` (``{func:
             fn}``) and ``record``; held through a weak proxy by the caller.
+        tracer: has ``traced(func, args, kwargs)``, which records through ``recorder``
+            and traces (:class:`persample.capture.lean.Tracer`), and ``dead``; or
+            ``None``.
     """
 
-    def __init__(self, recorder: Any):
+    def __init__(self, recorder: Any, tracer: Any = None):
         super().__init__()
         self.recorder = recorder
         self.expansions = recorder.expansions  # (read per op: not through the proxy)
+        self.tracer = tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -48,9 +52,13 @@ class Mode(TorchFunctionMode):
             return func(*args, **kwargs)
         expansion = self.expansions.get(func) if self.expansions else None
         if expansion is not None and not in_place(func, kwargs):  # (an expansion makes anew)
+            if self.tracer is not None:
+                self.tracer.dead = f"an op run as its expansion ({name_of(func)})"
             out = self._expanded(func, expansion, args, kwargs)
             if out is not NotImplemented:
                 return out
+        if self.tracer is not None:
+            return self.tracer.traced(func, args, kwargs)
         return recorder.record(func, args, kwargs)
 
     def _expanded(self, func: Any, expansion: Callable, args: tuple, kwargs: dict) -> Any:

@@ -180,6 +180,7 @@ class Capture:
         self._quiet: Call | None = None  # the module-rule call whose ops are not followed
         self.steps: list[Step | None] = []  # every op seen, in order (the next tape)
         self._replay = tape  # the steps of an earlier capture of this call
+        self.tracer: Any = None  # traces the forward (persample.capture.lean.Tracer)
         self.replayed = 0  # ops whose data flow was taken from the tape
         for t in free_tensors(model, shared):
             self.layouts[t] = SHARED
@@ -231,7 +232,7 @@ class Capture:
                 self._handles.append(module.register_forward_pre_hook(
                     hidden(pre) if hide else pre, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(post, with_kwargs=True))
-            self._mode = mode_class(hide)(weakref.proxy(self))
+            self._mode = mode_class(hide)(weakref.proxy(self), self.tracer)
             self._mode.__enter__()
         except BaseException:
             self._remove()

@@ -269,7 +269,7 @@ class StockCapture(Capture):
                  batched: list, template: Template, tape: list):
         super().__init__(None, watched, n, batched)
         self.model, self.template = model, template
-        self.steps = tape  # (the data flow is the earlier call's: kept as it was)
+        self.steps = list(tape)  # (the data flow is the earlier call's: kept as it was)
         self.replayed = len(tape)
         self.missed = False
         self._seen_calls: list[tuple] = []  # (module, input, output, edge, versions)

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
+from ..capture.lean import Deopt, LeanCapture, Program, Tracer
 from ..capture.stock import StockCapture, Template, template_of
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
@@ -60,6 +61,7 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     with torch.enable_grad():
         cap, output = _forward(model, batch, watched, inputs, tape, template)
         value = root(output, cap)
+    traced = cap.tracer.program(cap, output) if cap.tracer is not None else None
     gather = gatherer(units)
     for op in cap.ops if gather is not None else ():  # FSDP frees what the ops read
         op.gather = gather
@@ -85,10 +87,18 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
             f"parameter {param_name(model, id(hidden[0]))} gets gradient through ops the "
             "capture cannot follow (a custom autograd.Function, TorchScript code, a "
             "tensor it was written into in place, or a tensor kept from an earlier call)")
-    tapes.keep(model, key, cap.steps)
-    if not isinstance(cap, StockCapture):
-        tapes.keep_stock(model, key, template_of(model, cap, inputs, batch.shared, out_layout,
-                                                 _plain(result, cap)))
+    if isinstance(cap, (StockCapture, LeanCapture)):
+        tapes.keep(model, key, tape)
+    else:
+        tapes.keep(model, key, cap.steps)
+        plain = _plain(result, cap)
+        found = template_of(model, cap, inputs, batch.shared, out_layout, plain)
+        if found is None and cap.tracer is not None:
+            found = traced if plain else None
+            found = tapes.RETRY if found is None else found
+        elif found is None and isinstance(template, int):
+            found = template - 1 if template > 1 else None  # (then traced again)
+        tapes.keep_stock(model, key, found)
     return Captured(cap, result, grads, batch.n, v)
 
 
@@ -115,26 +125,47 @@ def captured_forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Param
 
 
 def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], inputs: list,
-             tape: list | None, template: Template | None) -> tuple[Capture, Any]:
+             tape: list | None, template: Template | Program | int | None
+             ) -> tuple[Capture, Any]:
     """The forward under a capture: unintercepted where a stock model's template holds
-    (:mod:`persample.capture.stock`), else (or where its guards fail after the forward,
-    which is then run again) under the full capture."""
-    if template is not None and tape is not None and template.holds(model, watched, inputs):
+    (:mod:`persample.capture.stock`), each op checked against an earlier call's program
+    where one holds (:mod:`persample.capture.lean`), else (or where either's guards fail,
+    the forward then run again) under the full capture, which traces a program where
+    the call has a tape and no template (or a program that failed)."""
+    if tape is not None and isinstance(template, Template) and template.holds(
+            model, watched, inputs):
         with StockCapture(model, watched, batch.n, inputs, template, tape) as cap:
             output = batch.call(model)
         if not cap.missed:
             return cap, output
         del output
-    with open_capture(model, watched, batch.n, inputs, batch.shared, tape=tape) as cap:
+    if tape is not None and isinstance(template, Program) and not batch.shared and (
+            template.holds(watched, inputs)):
+        lean = LeanCapture(watched, batch.n, inputs, template, tape)
+        try:
+            with lean:
+                output = batch.call(model)
+            if lean.finish(output):
+                return lean, output
+            del output
+        except Deopt:
+            pass
+    cap = open_capture(model, watched, batch.n, inputs, batch.shared, tape=tape)
+    if tape is not None and (template is None or isinstance(template, Program)) and (
+            not batch.shared):  # (a program that failed: traced again)
+        cap.tracer = Tracer(cap, inputs)
+    with cap:
         output = batch.call(model)
     return cap, output
 
 
 def _plain(result: Plan, cap: Capture) -> bool:
-    """Does every parameter the forward read take an op's rule, with nothing left to the
-    module rules, the fallback or autograd's confirmation?"""
+    """Does every parameter the forward read take an op's rule (or make a derived tensor
+    that ops taking rules read), with nothing left to the module rules, the fallback or
+    autograd's confirmation?"""
     return not (result.module_jobs or result.fallback_jobs or result.ruled or result.reach
-                or result.handled) and len(result.uses) == len(cap.ops)
+                or result.handled) and len(result.uses) == sum(
+        1 for op in cap.ops if not all(lay.shared for lay in op.out_layouts))
 
 
 class _Whole:

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ..batch import Batched, Layout, front_cotangents
 from ..capture import Capture, Edge
+from ..capture.lean import LeanCapture
 from ..capture.stock import StockCapture
 from .paths import Path, Plan, edge_key
 
@@ -54,6 +55,10 @@ class Captured:
             return (f"cached: torch's own layers only, run as they are (no op intercepted; "
                     f"the {len(self.capture.ops)} layers that read parameters kept by a hook "
                     "each), the data flow an earlier call's like it")
+        if isinstance(self.capture, LeanCapture):
+            return (f"cached: each of its {len(self.capture.program.entries)} forward ops "
+                    "checked against the program of an earlier call like it (its data flow "
+                    "taken from there; ops that may read values decided again)")
         done = getattr(self.capture, "replayed", 0)
         if not done:
             return f"new: the data flow of its {len(steps)} ops decided in this call"

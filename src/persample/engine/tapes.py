@@ -16,13 +16,17 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..capture.lean import Program
 from ..capture.stock import Template
 from ..capture.tape import Step
 
 PER_MODEL = 8  # tapes kept per model (the most recently used)
+RETRY = 64  # a call whose program could not be kept: full calls before tracing again
 
 _TAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> {key: Template}: calls of a stock model that may run unintercepted
+# model -> {key: Template | Program | int}: calls of a stock model that may run
+# unintercepted, calls that may run a program (persample.capture.lean), or how many more
+# full captures before tracing one again
 _STOCK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENABLED = [True]
 
@@ -49,16 +53,18 @@ def keep(model: nn.Module, key: tuple, tape: list[Step | None]) -> None:
         tapes.pop(next(iter(tapes)))
 
 
-def stock_for(model: nn.Module, key: tuple) -> Template | None:
+def stock_for(model: nn.Module, key: tuple) -> Template | Program | int | None:
     """The template of the last call on ``model`` with ``key`` that may run unintercepted
-    (:mod:`persample.capture.stock`), if caching is on."""
+    (:mod:`persample.capture.stock`), or its program (:mod:`persample.capture.lean`), or
+    how many more full captures before one is traced again, if caching is on."""
     if not _ENABLED[0] or model is None:
         return None
     kept = _STOCK.get(model)
     return kept.get(key) if kept is not None else None
 
 
-def keep_stock(model: nn.Module, key: tuple, template: Template | None) -> None:
+def keep_stock(model: nn.Module, key: tuple, template: Template | Program | int | None
+               ) -> None:
     """Keep ``template`` for the next call on ``model`` with ``key`` (``None``: forget)."""
     if not _ENABLED[0] or model is None:
         return

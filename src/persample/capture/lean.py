@@ -1,0 +1,454 @@
+"""The cached call of any model: every op checked against the program a full capture
+traced, none of them followed again.
+
+A full capture (:class:`~persample.capture.recorder.Capture`) decides, op by op, where
+the samples are; given the tape of an earlier call like it
+(:mod:`persample.capture.tape`) it takes most ops' layouts from their steps, but still
+pays, per op, for comparing the op with its step and keeping the layouts of its outputs
+(about 100 us an op here, most of a small model's step). Where a full capture with a
+tape ran with a :class:`Tracer`, the :class:`Program` it leaves lets a later call like
+it run under :class:`LeanCapture` instead: a ``TorchFunctionMode`` that checks each op
+of the forward against the program's entry at its place and keeps what the rules need
+of the ops that read parameters, with no layout decided, unless the op's data flow may
+read values.
+
+What an entry checks, before the op runs: the same function; the same tensors read, each
+by where it comes from (the output of the op at the same place, the same input, or the
+same parameter or buffer object, of the same shape, dtype and ``requires_grad``); the
+same arguments other than tensors (:func:`~persample.capture.tape.arguments_key`); and
+after it, the outputs' shapes and dtypes. These are what a step of the tape compares (a
+tensor's layout follows from where it comes from when every op before it matched), so a
+call that passes them has the full capture's data flow; an op whose data flow may read
+values (an index, a mask: no step on the tape) has it decided again
+(:func:`~persample.batch.flow.propagate`) from its inputs' layouts, and compared. Where
+an op differs, the forward stops (:class:`Deopt`, raised inside it) and runs again under
+the full capture: programs hold no op that draws random numbers or writes a tensor in
+place, so the ops run before the stop changed nothing (Python code of the model's own
+between them, a counter it keeps, runs twice).
+
+Where each tensor comes from is kept on the tensor (an attribute holding the number of
+its op's output in this call, :data:`TAG`): a tensor of an earlier call, or of another
+thread, never holds one of this call's numbers.
+
+The parameters' reads, and the loss, are recorded as under the full capture
+(:class:`~persample.capture.records.Op`, :meth:`Capture.follow`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from ..batch import Batched, Flow, Layout, op_leaves, propagate
+from ..batch.flow import METADATA, Ctx, in_place
+from ..batch.layouts import SHARED, Mixed, Unknown
+from ..patches import WhileCapturing
+from ..precision import autocast_state
+from .edges import edge_of
+from .mode import hidden, must_hide
+from .recorder import Capture
+from .records import Call, Derived, Op, shapes_only
+from .tape import Opaque, Step, arguments_key, outs_of
+from .tensors import KEPT, tensor_leaves
+
+TAG = "_persample_made"  # a tensor's number in the call that made it (see the docstring)
+_SPAN = 1 << 40  # the numbers one call may give (each call its own span)
+_SPANS = itertools.count(1)
+
+META, STEP, PARAM, DECIDE = "meta", "step", "param", "decide"
+
+
+class Deopt(BaseException):
+    """The forward left the program (raised inside it: a ``BaseException``, so that no
+    ``except Exception`` of the model's own takes it)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One op of the program (see the module docstring)."""
+
+    func: Any
+    kind: str  # META, STEP, PARAM or DECIDE
+    wants: tuple = ()  # per leaf: its op output's number (int), or the tensor itself
+    metas: tuple = ()  # per leaf: (shape, dtype, requires_grad) of a tensor itself, or None
+    key: tuple | None = None  # arguments_key (STEP, PARAM)
+    outs: tuple | None = None  # outs_of its output
+    made: int = 0  # how many outputs it numbers
+    layouts: tuple = ()  # its leaves' layouts, as propagate read them
+    flow: Flow | None = None  # its data flow (DECIDE, and PARAM reading values: matched)
+    decide: bool = False  # its data flow is decided again (it may read values)
+    keep: bool = False  # its output is shared and outlives the call as a constant (KEPT)
+    op: int = -1  # PARAM: the number of its Op
+    derives: tuple = ()  # PARAM: which of its outputs are derived tensors (shared, grad)
+
+
+@dataclass(frozen=True, eq=False)
+class _Read:
+    """What the full capture recorded of an op reading parameters, without its tensors."""
+
+    layouts: tuple
+    flow: Flow
+    sources: dict
+    call: tuple | None  # the module call it ran in: (name, weakref to the module)
+    output: Any  # its output's stand-in (shapes_only): shapes, strides and dtypes
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """A traced forward: its entries, the layout of every tensor it numbers, and the
+    parameters it read (see the module docstring)."""
+
+    entries: tuple[Entry, ...]
+    layouts: tuple[Layout, ...]  # by number: inputs first, then each op's outputs
+    inputs: int
+    watched: frozenset[int]
+    reads: tuple[_Read, ...]
+    output: Any  # the model output's tensors: their numbers or themselves, in order
+
+    def holds(self, watched: dict, inputs: list) -> bool:
+        """May a call with ``watched`` and ``inputs`` (``(tensor, layout)``) take it?"""
+        if frozenset(watched) != self.watched or len(inputs) != self.inputs:
+            return False
+        if torch._C._is_torch_function_mode_enabled():
+            return False
+        return all(type(t) is Tensor and lay == self.layouts[k]
+                   for k, (t, lay) in enumerate(inputs))
+
+
+def _outputs(out: Any) -> list[Tensor]:
+    """An op's output tensors (a tensor, or a tuple or list of them)."""
+    if isinstance(out, Tensor):
+        return [out]
+    return [o for o in out if isinstance(o, Tensor)] if isinstance(out, (tuple, list)) else []
+
+
+def _made(out: Any, leaves: list) -> list[Tensor]:
+    """An op's output tensors that are new (``x.to(x.dtype)`` returns ``x``: not new)."""
+    return [o for o in _outputs(out) if not any(o is t for t in leaves)]
+
+
+def _plain(lay: Any) -> bool:
+    """A layout that holds no tensor: shared, mixed, unknown, or batched by position."""
+    if lay is SHARED or lay is None or type(lay) in (Mixed, Unknown):
+        return True
+    if isinstance(lay, tuple):
+        return all(_plain(x) for x in lay)
+    return type(lay) is Batched and lay.index is None
+
+
+class Tracer:
+    """Traces the forward of a full capture into a :class:`Program` (the capture's forward
+    mode hands it each op, :meth:`traced`). ``dead`` says why the call cannot be one."""
+
+    def __init__(self, cap: Capture, inputs: list):
+        self.cap = weakref.proxy(cap)
+        self.base = next(_SPANS) * _SPAN
+        self.entries: list[Entry] = []
+        self.layouts: list[Layout] = []
+        self.dead: str | None = None
+        for t, lay in inputs:
+            if type(t) is not Tensor:
+                self.dead = "an input of a tensor subclass"
+            setattr(t, TAG, self.base + len(self.layouts))
+            self.layouts.append(lay)
+        self.inputs = len(self.layouts)
+
+    def _want(self, t: Tensor) -> Any:
+        tag = getattr(t, TAG, None)
+        base = self.base
+        if tag is not None and base <= tag < base + _SPAN:
+            return tag - base
+        return t
+
+    def traced(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run the op under the capture (:meth:`Capture.record`), and trace it."""
+        cap = self.cap
+        if self.dead is not None:
+            return cap.record(func, args, kwargs)
+        if func in METADATA:
+            self.entries.append(Entry(func, META))
+            return cap.record(func, args, kwargs)
+        leaves = op_leaves(args, kwargs)
+        wants = [self._want(t) for t in leaves]
+        k, n_ops = len(cap.steps), len(cap.ops)
+        out = cap.record(func, args, kwargs)
+        try:
+            self._trace(func, args, kwargs, out, leaves, wants, k, n_ops)
+        except Opaque:
+            self.dead = "an argument that cannot be compared"
+        return out
+
+    def _trace(self, func, args, kwargs, out, leaves, wants, k, n_ops) -> None:
+        cap = self.cap
+        if len(cap.steps) != k + 1 or len(cap.ops) > n_ops + 1:
+            self.dead = "an op that ran others under the capture"
+            return
+        if in_place(func, kwargs) or func is Tensor.__setitem__:
+            self.dead = f"an op writing in place ({getattr(func, '__name__', func)})"
+            return
+        layout = cap.layouts.layout
+        lays = tuple(layout(t) for t in leaves)
+        if not all(_plain(lay) for lay in lays):
+            self.dead = f"a tensor whose samples are not plain ({getattr(func, '__name__', func)}: {lays})"
+            return
+        metas = tuple(None if type(w) is int else (t.shape, t.dtype, t.requires_grad)
+                      for t, w in zip(leaves, wants))
+        made = _made(out, leaves)
+        step = cap.steps[k]
+        flow = cap._flow
+        derives = ()
+        if len(cap.ops) == n_ops + 1:  # (an index or ids among its inputs: values read)
+            op = cap.ops[n_ops]
+            if op.args is not args or op.kwargs is not kwargs:  # (a derived operand read
+                # as the tensor it expands: the op recorded is not the op that ran)
+                self.dead = f"an op reading a narrowed operand ({getattr(func, '__name__', func)})"
+                return
+            kind, key, flow = PARAM, arguments_key(args, kwargs), op.flow
+            decide = any(not (t.is_floating_point() or t.is_complex()) for t in leaves)
+            derived = cap.derived
+            derives = tuple(k for k, o in enumerate(_outputs(out)) if (
+                d := derived.get(id(o))) is not None and d.tensor is o and d.op is op)
+        elif isinstance(step, Step):
+            kind, key, decide = STEP, step.key, False
+        else:
+            kind, key, decide = DECIDE, None, flow is not None
+        keep = False
+        for o in made:
+            lay = layout(o)
+            if not _plain(lay):
+                self.dead = f"an output whose samples are not plain ({getattr(func, '__name__', func)}: {lay})"
+                return
+            keep = keep or (lay is SHARED and not o.requires_grad)
+            setattr(o, TAG, self.base + len(self.layouts))
+            self.layouts.append(lay)
+        self.entries.append(Entry(func, kind, tuple(wants), metas, key, outs_of(out),
+                                  len(made), lays, flow, decide, keep,
+                                  n_ops if kind is PARAM else -1, derives))
+
+    def program(self, cap: Capture, output: Any) -> Program | None:
+        """The program, if a later call may run it (the capture's parameters all read by
+        ops the rules take: the caller checks the plan)."""
+        if self.dead is not None or cap.draws or cap.unseen_reads or (
+                cap.param_written or cap.mixing or cap.calls and any(
+                    c.rule is not None for c in cap.calls)):
+            return None
+        reads = []
+        for op in cap.ops:
+            if op.claimed is not None or op.before is not None or op.draw is not None or (
+                    op.previous is not None or not _plain(op.flow.outputs)):
+                return None
+            call = None if op.call is None else (op.call.name, weakref.ref(op.call.module))
+            reads.append(_Read(tuple(op.layouts), op.flow, dict(op.sources), call,
+                               op.output))
+        found = []
+        for t in tensor_leaves(output):
+            want = self._want(t)
+            if type(want) is not int:
+                return None
+            found.append(want)
+        return Program(tuple(self.entries), tuple(self.layouts), self.inputs,
+                       frozenset(cap.watched), tuple(reads), tuple(found))
+
+
+class _LeanMode(TorchFunctionMode):
+    def __init__(self, cap: LeanCapture):
+        super().__init__()
+        self.cap = cap  # (the cycle is broken on leaving: LeanCapture.__exit__)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        cap = self.cap
+        if threading.get_ident() != cap.thread:
+            return func(*args, **(kwargs or {}))
+        return cap.run(func, args, kwargs or {})
+
+
+class _HiddenLeanMode(_LeanMode):
+    pass
+
+
+class LeanCapture(Capture):
+    """A capture that runs a :class:`Program` (see the module docstring). On leaving
+    without an error, :meth:`finish` with the model's output makes the records; a
+    :class:`Deopt` propagates out of the forward (the caller runs it again under the
+    full capture)."""
+
+    def __init__(self, watched: dict, n: int, batched: list, program: Program, tape: list):
+        super().__init__(None, watched, n, batched)
+        self.program = program
+        self.steps = list(tape)  # (the data flow is the earlier call's)
+        self.replayed = len(tape)
+        self.base = next(_SPANS) * _SPAN
+        self.k = 0  # the next entry
+        self.made = program.inputs  # the next output's number
+        self.seen: list[tuple] = []  # per parameter read: its op as it ran
+        self.lean_ctx = Ctx(n, self._layout_of)
+        self._deciding: tuple = ((), ())  # the leaves and layouts of the op deciding
+        self._lean: _LeanMode | None = None
+        self.no_autocast = None  # autocast_state() where none is on (taken on entering)
+        for k, (t, _) in enumerate(batched):
+            setattr(t, TAG, self.base + k)
+
+    def _layout_of(self, t: Tensor) -> Layout:
+        """A tensor's layout, for an op whose data flow is decided again: its leaves' as
+        the full capture had them, a numbered tensor's by its number."""
+        leaves, layouts = self._deciding
+        for x, lay in zip(leaves, layouts):
+            if x is t:
+                return lay
+        tag = getattr(t, TAG, None)
+        if tag is not None and self.base <= tag < self.base + _SPAN:
+            return self.program.layouts[tag - self.base]
+        return SHARED if self.watched.get(id(t)) is t else self.layouts.layout(t)
+
+    def __enter__(self) -> LeanCapture:
+        with torch._C.DisableTorchFunction():
+            self.no_autocast = autocast_state() if not (
+                torch._C._is_any_autocast_enabled()) else None
+        WhileCapturing.enter()
+        try:
+            kind = _LeanMode
+            if must_hide():
+                if "__torch_function__" not in _HiddenLeanMode.__dict__:
+                    _HiddenLeanMode.__torch_function__ = hidden(_LeanMode.__torch_function__)
+                kind = _HiddenLeanMode
+            self._lean = kind(self)
+            self._lean.__enter__()
+        except BaseException:
+            WhileCapturing.exit()
+            raise
+        return self
+
+    def __exit__(self, _type, exc, _tb) -> None:
+        try:
+            self._lean.__exit__(None, None, None)
+        finally:
+            self._lean.cap = None
+            self._lean = None
+            WhileCapturing.exit()
+
+    def run(self, func, args: tuple, kwargs: dict) -> Any:
+        """One op of the forward: checked against its entry, run, its outputs numbered."""
+        entries, k = self.program.entries, self.k
+        if k >= len(entries):
+            raise Deopt
+        e = entries[k]
+        if e.func is not func and e.func != func:  # (a getter's method-wrapper is new)
+            raise Deopt
+        self.k = k + 1
+        if e.kind is META:
+            return func(*args, **kwargs)
+        leaves = op_leaves(args, kwargs)
+        if len(leaves) != len(e.wants):
+            raise Deopt
+        base = self.base
+        for t, want, meta in zip(leaves, e.wants, e.metas):
+            if meta is None:
+                if getattr(t, TAG, None) != base + want:
+                    raise Deopt
+            elif t is not want or t.shape != meta[0] or t.dtype != meta[1] or (
+                    t.requires_grad != meta[2]):
+                raise Deopt
+        if e.key is not None:
+            try:
+                if arguments_key(args, kwargs) != e.key:
+                    raise Deopt
+            except Opaque:
+                raise Deopt from None
+        out = func(*args, **kwargs)
+        if outs_of(out) != e.outs:
+            raise Deopt
+        made = _made(out, leaves)
+        if len(made) != e.made:
+            raise Deopt
+        for o in made:
+            setattr(o, TAG, base + self.made)
+            self.made += 1
+        if e.decide:
+            self._deciding = (leaves, e.layouts)
+            flow = propagate(self.lean_ctx, func, args, kwargs, out, list(e.layouts))
+            if not _same_flow(flow, e.flow):
+                raise Deopt
+        if e.kind is PARAM:
+            with torch._C.DisableTorchFunction():
+                versions = [t._version for t in leaves]
+                outs = _outputs(out)
+                edges = [edge_of(o) for o in outs]
+                derived = tuple((k, outs[k], outs[k]._version) for k in e.derives)
+            state = self.no_autocast
+            if state is None or torch._C._is_any_autocast_enabled():
+                state = autocast_state()
+            self.seen.append((e.op, func, args, kwargs, out, leaves, versions, edges, state,
+                              derived))
+        if e.keep:
+            for o in made:
+                if not o.requires_grad:
+                    KEPT.add(o)
+        return out
+
+    def finish(self, output: Any) -> bool:
+        """After the forward: did it run the whole program? Then the records the full
+        capture would have made, and the output's layouts."""
+        program = self.program
+        if self.k != len(program.entries):
+            return False
+        leaves = tensor_leaves(output)
+        if len(leaves) != len(program.output):
+            return False
+        base = self.base
+        for t, want in zip(leaves, program.output):
+            if getattr(t, TAG, None) != base + want:
+                return False
+        for t, want in zip(leaves, program.output):
+            self.layouts[t] = program.layouts[want]
+        for index, func, args, kwargs, out, leaves_, versions, edges, state, derived in (
+                self.seen):
+            read = program.reads[index]
+            call = None
+            if read.call is not None:
+                module = read.call[1]()
+                if module is None:
+                    return False
+                call = Call(read.call[0], module)
+            op = Op(func, args, kwargs, out, leaves_, list(read.layouts), read.flow,
+                    read.sources, call, index=index)
+            op.sources_all = frozenset().union(*read.sources.values())
+            op.autocast = state
+            op.versions = versions
+            op.edges = edges
+            op.output = read.output if _stands_for(read.output, out) else shapes_only(
+                out, read.flow.outputs)
+            self.ops.append(op)
+            for k, o, version in derived:
+                self.derived[id(o)] = Derived(o, op, k, version)
+        return True
+
+
+def _stands_for(stand_in: Any, out: Any) -> bool:
+    """Does an earlier call's stand-in of an op's output (a tensor on the meta device)
+    have this output's shape, strides and dtype?"""
+    if not isinstance(stand_in, Tensor) or not isinstance(out, Tensor):
+        return False
+    return stand_in.device.type == "meta" and stand_in.shape == out.shape and (
+        stand_in.stride() == out.stride() and stand_in.dtype == out.dtype)
+
+
+def _same_flow(a: Flow, b: Flow) -> bool:
+    """The same layouts (mixed and unknown ones whatever their reason: the full capture
+    names the module where they arose), writing nothing."""
+    return _same(a.outputs, b.outputs) and _same(a.pairing, b.pairing) and not a.writes and (
+        not b.writes)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(map(_same, a, b))
+    return type(a) in (Mixed, Unknown) or a == b
