@@ -47,7 +47,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Flow, Layout, op_leaves, propagate
-from ..batch.flow import METADATA, Ctx, in_place
+from ..batch.flow import METADATA, Ctx, in_place, name_of
 from ..batch.layouts import SHARED, Mixed, Unknown
 from ..patches import WhileCapturing
 from ..precision import autocast_state
@@ -191,12 +191,12 @@ class Tracer:
             self.dead = "an op that ran others under the capture"
             return
         if in_place(func, kwargs) or func is Tensor.__setitem__:
-            self.dead = f"an op writing in place ({getattr(func, '__name__', func)})"
+            self.dead = f"an op writing in place ({name_of(func)})"
             return
         layout = cap.layouts.layout
         lays = tuple(layout(t) for t in leaves)
         if not all(_plain(lay) for lay in lays):
-            self.dead = f"a tensor whose samples are not plain ({getattr(func, '__name__', func)}: {lays})"
+            self.dead = f"a tensor whose samples are held by a tensor ({name_of(func)})"
             return
         metas = tuple(None if type(w) is int else (t.shape, t.dtype, t.requires_grad)
                       for t, w in zip(leaves, wants))
@@ -208,7 +208,7 @@ class Tracer:
             op = cap.ops[n_ops]
             if op.args is not args or op.kwargs is not kwargs:  # (a derived operand read
                 # as the tensor it expands: the op recorded is not the op that ran)
-                self.dead = f"an op reading a narrowed operand ({getattr(func, '__name__', func)})"
+                self.dead = f"an op reading a narrowed operand ({name_of(func)})"
                 return
             kind, key, flow = PARAM, arguments_key(args, kwargs), op.flow
             decide = any(not (t.is_floating_point() or t.is_complex()) for t in leaves)
@@ -223,7 +223,7 @@ class Tracer:
         for o in made:
             lay = layout(o)
             if not _plain(lay):
-                self.dead = f"an output whose samples are not plain ({getattr(func, '__name__', func)}: {lay})"
+                self.dead = f"an output whose samples are held by a tensor ({name_of(func)})"
                 return
             keep = keep or (lay is SHARED and not o.requires_grad)
             setattr(o, TAG, self.base + len(self.layouts))
