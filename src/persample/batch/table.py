@@ -10,6 +10,7 @@ Unknown from then on.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -40,6 +41,9 @@ class LayoutTable:
         # storages of shared tensors written with samples, kept alive (so that no new tensor
         # is allocated at their address while the table is in use)
         self.contaminated: dict[int, Any] = {}
+        # the layout of a tensor never set here, where another record has it (a cached
+        # call's numbered tensors: persample.capture.lean), else None
+        self.fallback: Callable[[Tensor], Layout | None] | None = None
 
     def __setitem__(self, t: Tensor, layout: Layout) -> None:
         self._by_id[id(t)] = (weakref.ref(t), layout)
@@ -49,7 +53,8 @@ class LayoutTable:
         later written with sample data is Unknown)."""
         entry = self._by_id.get(id(t))
         if entry is None or entry[0]() is not t:
-            return MISSING
+            found = self.fallback(t) if self.fallback is not None else None
+            return MISSING if found is None else found
         lay = entry[1]
         if lay is SHARED and self.contaminated and storage_of(t) in self.contaminated:
             return Unknown("a shared tensor later written in place with per-sample data")

@@ -294,6 +294,14 @@ class LeanCapture(Capture):
         self.no_autocast = None  # autocast_state() where none is on (taken on entering)
         for k, (t, _) in enumerate(batched):
             setattr(t, TAG, self.base + k)
+        self.layouts.fallback = self._numbered  # (what the loss reads: any of the tensors)
+
+    def _numbered(self, t: Tensor) -> Layout | None:
+        """The layout of a tensor this call numbered (``None``: not one)."""
+        tag = getattr(t, TAG, None)
+        if tag is not None and self.base <= tag < self.base + _SPAN:
+            return self.program.layouts[tag - self.base]
+        return None
 
     def _layout_of(self, t: Tensor) -> Layout:
         """A tensor's layout, for an op whose data flow is decided again: its leaves' as
@@ -302,9 +310,6 @@ class LeanCapture(Capture):
         for x, lay in zip(leaves, layouts):
             if x is t:
                 return lay
-        tag = getattr(t, TAG, None)
-        if tag is not None and self.base <= tag < self.base + _SPAN:
-            return self.program.layouts[tag - self.base]
         return SHARED if self.watched.get(id(t)) is t else self.layouts.layout(t)
 
     def __enter__(self) -> LeanCapture:
