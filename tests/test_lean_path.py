@@ -226,3 +226,99 @@ def test_the_model_is_not_kept_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+class Frozen(nn.Module):
+    """A block run without autograd by a flag: the same ops, shapes and arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, D), nn.Linear(D, 2)
+        self.frozen = False
+
+    def forward(self, x):
+        with torch.set_grad_enabled(not self.frozen):
+            h = torch.tanh(self.lin(x))
+        return self.head(h)
+
+
+def test_a_block_run_without_autograd_is_caught():
+    torch.manual_seed(0)
+    model = Frozen().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 2, (B,))
+    _steady(model, x, y, F.cross_entropy)
+    model.frozen = True
+    fast = persample.per_sample_grads(model, x, y, F.cross_entropy)
+    slow = persample.loop_per_sample_grads(model, x, y, F.cross_entropy)
+    for name in slow:  # (the frozen block's parameters: no gradient, zero or absent)
+        want = slow[name] if slow[name] is not None else torch.zeros_like(fast[name])
+        torch.testing.assert_close(fast.get(name, torch.zeros_like(want)), want)
+    assert torch.is_grad_enabled()
+
+
+class Swallows(nn.Module):
+    """A forward that takes any exception for a fallback of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, D), nn.Linear(D, 2)
+        self.odd = False
+
+    def forward(self, x):
+        h = self.lin(x)
+        try:
+            h = torch.sin(h) if self.odd else torch.tanh(h)
+        except BaseException:  # noqa: BLE001 (what the test is about)
+            h = torch.tanh(h)
+        return self.head(h)
+
+
+def test_a_forward_that_swallows_the_stop_still_runs_again():
+    torch.manual_seed(0)
+    model = Swallows().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 2, (B,))
+    _steady(model, x, y, F.cross_entropy)
+    model.odd = True
+    _check(model, x, y, F.cross_entropy)
+    _check(model, x, y, F.cross_entropy)
+
+
+def test_a_program_that_keeps_failing_is_dropped():
+    """A buffer replaced before every call (a new object where the program had another):
+    every call leaves the program; after a few, none is kept, and every answer is exact."""
+    torch.manual_seed(0)
+    model = Switch().double()
+    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 2, (B,))
+    for k in range(8):
+        model.register_buffer("scale", torch.full((D,), 1.0 + k, dtype=torch.float64))
+        _check(model, x, y, nn.CrossEntropyLoss())
+    assert not any(isinstance(kept, Program) for kept in _kept(model))
+
+
+class Casts(nn.Module):
+    """A block under autocast by a flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, D), nn.Linear(D, 2)
+        self.cast = False
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cast):
+            h = torch.tanh(self.lin(x))
+        return self.head(h.float())
+
+
+def test_a_stop_leaves_autograd_and_autocast_as_they_were():
+    torch.manual_seed(0)
+    model = Casts().float()
+    x, y = torch.randn(B, D, dtype=torch.float32), torch.randint(0, 2, (B,))
+    for _ in range(3):
+        persample.per_sample_grads(model, x, y, F.cross_entropy)
+    assert isinstance(_capture_of(model, x), LeanCapture)
+    model.cast = True
+    fast = persample.per_sample_grads(model, x, y, F.cross_entropy)
+    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    slow = persample.loop_per_sample_grads(model, x, y, F.cross_entropy)
+    for name in slow:
+        torch.testing.assert_close(fast[name], slow[name], rtol=2e-2, atol=2e-2)

@@ -87,6 +87,7 @@ class Entry:
     keep: bool = False  # its output is shared and outlives the call as a constant (KEPT)
     op: int = -1  # PARAM: the number of its Op
     derives: tuple = ()  # PARAM: which of its outputs are derived tensors (shared, grad)
+    grad: bool = True  # autograd was on when it ran
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,6 +112,7 @@ class Program:
     watched: frozenset[int]
     reads: tuple[_Read, ...]
     output: Any  # the model output's tensors: their numbers or themselves, in order
+    fails: int = 0  # calls that left the programs before it (since a first was traced)
 
     def holds(self, watched: dict, inputs: list) -> bool:
         """May a call with ``watched`` and ``inputs`` (``(tensor, layout)``) take it?"""
@@ -190,7 +192,7 @@ class Tracer:
         if len(cap.steps) != k + 1 or len(cap.ops) > n_ops + 1:
             self.dead = "an op that ran others under the capture"
             return
-        if in_place(func, kwargs) or func is Tensor.__setitem__:
+        if in_place(func, kwargs) or func is Tensor.__setitem__ or name_of(func) == "__set__":
             self.dead = f"an op writing in place ({name_of(func)})"
             return
         layout = cap.layouts.layout
@@ -230,11 +232,13 @@ class Tracer:
             self.layouts.append(lay)
         self.entries.append(Entry(func, kind, tuple(wants), metas, key, outs_of(out),
                                   len(made), lays, flow, decide, keep,
-                                  n_ops if kind is PARAM else -1, derives))
+                                  n_ops if kind is PARAM else -1, derives,
+                                  torch.is_grad_enabled()))
 
-    def program(self, cap: Capture, output: Any) -> Program | None:
+    def program(self, cap: Capture, output: Any, fails: int = 0) -> Program | None:
         """The program, if a later call may run it (the capture's parameters all read by
-        ops the rules take: the caller checks the plan)."""
+        ops the rules take: the caller checks the plan); ``fails``: how many calls left
+        the programs before this one."""
         if self.dead is not None or cap.draws or cap.unseen_reads or (
                 cap.param_written or cap.mixing or cap.calls and any(
                     c.rule is not None for c in cap.calls)):
@@ -254,7 +258,7 @@ class Tracer:
                 return None
             found.append(want)
         return Program(tuple(self.entries), tuple(self.layouts), self.inputs,
-                       frozenset(cap.watched), tuple(reads), tuple(found))
+                       frozenset(cap.watched), tuple(reads), tuple(found), fails)
 
 
 class _LeanMode(TorchFunctionMode):
@@ -266,7 +270,11 @@ class _LeanMode(TorchFunctionMode):
         cap = self.cap
         if threading.get_ident() != cap.thread:
             return func(*args, **(kwargs or {}))
-        return cap.run(func, args, kwargs or {})
+        try:
+            return cap.run(func, args, kwargs or {})
+        except Deopt:
+            cap.failed = True  # (and every later op: a model's bare except cannot go on)
+            raise
 
 
 class _HiddenLeanMode(_LeanMode):
@@ -286,12 +294,14 @@ class LeanCapture(Capture):
         self.replayed = len(tape)
         self.base = next(_SPANS) * _SPAN
         self.k = 0  # the next entry
+        self.failed = False  # an op left the program
         self.made = program.inputs  # the next output's number
         self.seen: list[tuple] = []  # per parameter read: its op as it ran
         self.lean_ctx = Ctx(n, self._layout_of)
         self._deciding: tuple = ((), ())  # the leaves and layouts of the op deciding
         self._lean: _LeanMode | None = None
         self.no_autocast = None  # autocast_state() where none is on (taken on entering)
+        self.saved: tuple = ()  # autograd's and autocast's state on entering (_restore)
         for k, (t, _) in enumerate(batched):
             setattr(t, TAG, self.base + k)
         self.layouts.fallback = self._numbered  # (what the loss reads: any of the tensors)
@@ -316,6 +326,7 @@ class LeanCapture(Capture):
         with torch._C.DisableTorchFunction():
             self.no_autocast = autocast_state() if not (
                 torch._C._is_any_autocast_enabled()) else None
+            self.saved = (torch.is_grad_enabled(), self.no_autocast or autocast_state())
         WhileCapturing.enter()
         try:
             kind = _LeanMode
@@ -337,11 +348,13 @@ class LeanCapture(Capture):
             self._lean.cap = None
             self._lean = None
             WhileCapturing.exit()
+            if self.failed:  # (a stop inside a context manager's entering skips its exit)
+                _restore(self.saved)
 
     def run(self, func, args: tuple, kwargs: dict) -> Any:
         """One op of the forward: checked against its entry, run, its outputs numbered."""
         entries, k = self.program.entries, self.k
-        if k >= len(entries):
+        if k >= len(entries) or self.failed:
             raise Deopt
         e = entries[k]
         if e.func is not func and e.func != func:  # (a getter's method-wrapper is new)
@@ -349,6 +362,8 @@ class LeanCapture(Capture):
         self.k = k + 1
         if e.kind is META:
             return func(*args, **kwargs)
+        if torch.is_grad_enabled() is not e.grad:
+            raise Deopt
         leaves = op_leaves(args, kwargs)
         if len(leaves) != len(e.wants):
             raise Deopt
@@ -401,7 +416,7 @@ class LeanCapture(Capture):
         """After the forward: did it run the whole program? Then the records the full
         capture would have made, and the output's layouts."""
         program = self.program
-        if self.k != len(program.entries):
+        if self.k != len(program.entries) or self.failed:
             return False
         leaves = tensor_leaves(output)
         if len(leaves) != len(program.output):
@@ -433,6 +448,20 @@ class LeanCapture(Capture):
             for k, o, version in derived:
                 self.derived[id(o)] = Derived(o, op, k, version)
         return True
+
+
+def _restore(saved: tuple) -> None:
+    """Autograd's and autocast's global state as it was before a forward that stopped
+    (the ops before the stop may have set them: ``torch.set_grad_enabled(False)``'s own
+    op, then a stop before its ``with`` block, whose exit would have reset it)."""
+    grad, autocast = saved
+    with torch._C.DisableTorchFunction():
+        torch._C._set_grad_enabled(grad)
+        for device, enabled, dtype in autocast:
+            if device == "cuda" and not torch.cuda.is_available():
+                continue
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
 
 
 def _stands_for(stand_in: Any, out: Any) -> bool:

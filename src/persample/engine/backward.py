@@ -61,7 +61,10 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     with torch.enable_grad():
         cap, output = _forward(model, batch, watched, inputs, tape, template)
         value = root(output, cap)
-    traced = cap.tracer.program(cap, output) if cap.tracer is not None else None
+    traced = None
+    if cap.tracer is not None:  # (after a program that failed: one more failure counted)
+        fails = template.fails + 1 if isinstance(template, Program) else 0
+        traced = cap.tracer.program(cap, output, fails) if fails < 3 else None
     gather = gatherer(units)
     for op in cap.ops if gather is not None else ():  # FSDP frees what the ops read
         op.gather = gather
