@@ -55,7 +55,7 @@ from .edges import edge_of
 from .mode import hidden, must_hide
 from .recorder import Capture
 from .records import Call, Derived, Op, shapes_only
-from .tape import Opaque, Step, arguments_key, outs_of
+from .tape import _PLAIN, _TENSOR, Opaque, Step, _key, arguments_key, outs_of
 from .tensors import KEPT, tensor_leaves
 
 TAG = "_persample_made"  # a tensor's number in the call that made it (see the docstring)
@@ -375,12 +375,8 @@ class LeanCapture(Capture):
             elif t is not want or t.shape != meta[0] or t.dtype != meta[1] or (
                     t.requires_grad != meta[2]):
                 raise Deopt
-        if e.key is not None:
-            try:
-                if arguments_key(args, kwargs) != e.key:
-                    raise Deopt
-            except Opaque:
-                raise Deopt from None
+        if e.key is not None and not _same_key(args, kwargs, e.key):
+            raise Deopt
         out = func(*args, **kwargs)
         if outs_of(out) != e.outs:
             raise Deopt
@@ -448,6 +444,34 @@ class LeanCapture(Capture):
             for k, o, version in derived:
                 self.derived[id(o)] = Derived(o, op, k, version)
         return True
+
+
+def _same_key(args: tuple, kwargs: dict, key: tuple) -> bool:
+    """``arguments_key(args, kwargs) == key``, without making the key where the
+    arguments are tensors and plain values (most ops)."""
+    (_, want), named = key  # (the arguments' key: (tuple, per argument))
+    if len(args) != len(want) or bool(kwargs) != bool(named):
+        return False
+    for a, w in zip(args, want):
+        kind = type(a)
+        if w is _TENSOR:
+            if not isinstance(a, Tensor):
+                return False
+        elif kind in _PLAIN:
+            if type(w) is not tuple or w[0] is not kind or w[1] != a:
+                return False
+        else:
+            try:
+                if _key(a) != w:
+                    return False
+            except Opaque:
+                return False
+    if not named:
+        return True
+    try:
+        return arguments_key((), kwargs)[1] == named
+    except Opaque:
+        return False
 
 
 def _restore(saved: tuple) -> None:
