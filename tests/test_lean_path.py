@@ -193,10 +193,7 @@ def test_buffers_parameters_and_modules_changed_between_calls():
     _check(model, x.float(), y, loss, rtol=1e-5, atol=1e-6)
 
 
-def test_random_ops_and_in_place_writes_keep_the_full_capture():
-    torch.manual_seed(0)
-    drop = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5), nn.Linear(D, 2)).double()
-
+def test_in_place_writes_keep_the_full_capture():
     class InPlace(nn.Module):
         def __init__(self):
             super().__init__()
@@ -208,7 +205,7 @@ def test_random_ops_and_in_place_writes_keep_the_full_capture():
             return self.lin(h)
 
     x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 2, (B,))
-    for model in (drop.train(), InPlace().double()):
+    for model in (InPlace().double(),):
         for _ in range(3):
             persample.per_sample_grads(model, x, y, F.cross_entropy)
         assert not any(isinstance(kept, Program) for kept in _kept(model))
@@ -322,3 +319,65 @@ def test_a_stop_leaves_autograd_and_autocast_as_they_were():
     slow = persample.loop_per_sample_grads(model, x, y, F.cross_entropy)
     for name in slow:
         torch.testing.assert_close(fast[name], slow[name], rtol=2e-2, atol=2e-2)
+
+
+class Logits(nn.Module):
+    """A transformers classifier called with ids, its logits out (rows by sample)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(input_ids=ids).logits
+
+
+def test_training_mode_draws_in_the_program():
+    """Dropout on (BERT's, 0.1): each call's draws are the forward's own, against one
+    batch forward under the same seed."""
+    from persample.reference import forward_per_sample_grads
+
+    model, y = Logits(_bert().train()), torch.randint(0, 3, (B,))
+    for k in range(4):
+        ids = torch.randint(2, 50, (B, T))
+        torch.manual_seed(k)
+        fast = persample.per_sample_grads(model, ids, y, F.cross_entropy)
+        torch.manual_seed(k)
+        slow = forward_per_sample_grads(model, ids, y, F.cross_entropy)
+        for name in slow:
+            torch.testing.assert_close(fast[name], slow[name], rtol=1e-10, atol=1e-12)
+    cap = _capture_of(model, ids)
+    assert isinstance(cap, LeanCapture) and len(cap.draws) > 0
+
+
+class DropThenBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop, self.head = nn.Linear(D, D), nn.Dropout(0.5), nn.Linear(D, 2)
+
+    def forward(self, x):
+        h = self.drop(self.lin(x))
+        if bool((x[:, 0] > 5).any()):  # after the draw: a stop here has drawn already
+            h = h * 2.0
+        return self.head(h)
+
+
+def test_a_stop_after_a_draw_draws_the_same_numbers_again():
+    from persample.reference import forward_per_sample_grads
+
+    torch.manual_seed(0)
+    model = DropThenBranch().double().train()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 2, (B,))
+    for _ in range(3):
+        persample.per_sample_grads(model, x, y, F.cross_entropy)
+    assert isinstance(_capture_of(model, x), LeanCapture)
+    x2 = x.clone()
+    x2[2, 0] = 9.0
+    torch.manual_seed(5)
+    fast = persample.per_sample_grads(model, x2, y, F.cross_entropy)
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    slow = forward_per_sample_grads(model, x2, y, F.cross_entropy)
+    assert torch.equal(torch.rand(1), after)  # (as many numbers drawn as one forward)
+    for name in slow:
+        torch.testing.assert_close(fast[name], slow[name], rtol=1e-10, atol=1e-12)

@@ -49,8 +49,10 @@ from torch.overrides import TorchFunctionMode
 from ..batch import Batched, Flow, Layout, op_leaves, propagate
 from ..batch.flow import METADATA, Ctx, in_place, name_of
 from ..batch.layouts import SHARED, Mixed, Unknown
+from ..draws import RANDOM, Draw
 from ..patches import WhileCapturing
 from ..precision import autocast_state
+from ..rng import generator_of
 from .edges import edge_of
 from .mode import hidden, must_hide
 from .recorder import Capture
@@ -88,6 +90,7 @@ class Entry:
     op: int = -1  # PARAM: the number of its Op
     derives: tuple = ()  # PARAM: which of its outputs are derived tensors (shared, grad)
     grad: bool = True  # autograd was on when it ran
+    draw: tuple | None = None  # a random op: (its kind, the layout of its numbers, where)
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +115,7 @@ class Program:
     watched: frozenset[int]
     reads: tuple[_Read, ...]
     output: Any  # the model output's tensors: their numbers or themselves, in order
+    generators: tuple = ()  # the generators its random ops draw from
     fails: int = 0  # calls that left the programs before it (since a first was traced)
 
     def holds(self, watched: dict, inputs: list) -> bool:
@@ -155,6 +159,7 @@ class Tracer:
         self.entries: list[Entry] = []
         self.layouts: list[Layout] = []
         self.dead: str | None = None
+        self.generators: list = []
         for t, lay in inputs:
             if type(t) is not Tensor:
                 self.dead = "an input of a tensor subclass"
@@ -179,19 +184,28 @@ class Tracer:
             return cap.record(func, args, kwargs)
         leaves = op_leaves(args, kwargs)
         wants = [self._want(t) for t in leaves]
-        k, n_ops = len(cap.steps), len(cap.ops)
+        k, n_ops, n_draws = len(cap.steps), len(cap.ops), len(cap.draws)
         out = cap.record(func, args, kwargs)
         try:
-            self._trace(func, args, kwargs, out, leaves, wants, k, n_ops)
+            self._trace(func, args, kwargs, out, leaves, wants, k, n_ops, n_draws)
         except Opaque:
             self.dead = "an argument that cannot be compared"
         return out
 
-    def _trace(self, func, args, kwargs, out, leaves, wants, k, n_ops) -> None:
+    def _trace(self, func, args, kwargs, out, leaves, wants, k, n_ops, n_draws) -> None:
         cap = self.cap
-        if len(cap.steps) != k + 1 or len(cap.ops) > n_ops + 1:
+        if len(cap.steps) != k + 1 or len(cap.ops) > n_ops + 1 or len(cap.draws) > n_draws + 1:
             self.dead = "an op that ran others under the capture"
             return
+        draw = None
+        if len(cap.draws) == n_draws + 1:
+            d = cap.draws[-1]
+            if d.generator is None or d.generator is not generator_of(args, {}):
+                self.dead = f"a random op drawing from a generator of its own ({name_of(func)})"
+                return
+            draw = (d.kind, d.layout, d.where)
+            if d.generator not in self.generators:
+                self.generators.append(d.generator)
         if in_place(func, kwargs) or func is Tensor.__setitem__ or name_of(func) == "__set__":
             self.dead = f"an op writing in place ({name_of(func)})"
             return
@@ -233,13 +247,13 @@ class Tracer:
         self.entries.append(Entry(func, kind, tuple(wants), metas, key, outs_of(out),
                                   len(made), lays, flow, decide, keep,
                                   n_ops if kind is PARAM else -1, derives,
-                                  torch.is_grad_enabled()))
+                                  torch.is_grad_enabled(), draw))
 
     def program(self, cap: Capture, output: Any, fails: int = 0) -> Program | None:
         """The program, if a later call may run it (the capture's parameters all read by
         ops the rules take: the caller checks the plan); ``fails``: how many calls left
         the programs before this one."""
-        if self.dead is not None or cap.draws or cap.unseen_reads or (
+        if self.dead is not None or cap.unseen_reads or (
                 cap.param_written or cap.mixing or cap.calls and any(
                     c.rule is not None for c in cap.calls)):
             return None
@@ -258,7 +272,8 @@ class Tracer:
                 return None
             found.append(want)
         return Program(tuple(self.entries), tuple(self.layouts), self.inputs,
-                       frozenset(cap.watched), tuple(reads), tuple(found), fails)
+                       frozenset(cap.watched), tuple(reads), tuple(found),
+                       tuple(self.generators), fails)
 
 
 class _LeanMode(TorchFunctionMode):
@@ -326,7 +341,8 @@ class LeanCapture(Capture):
         with torch._C.DisableTorchFunction():
             self.no_autocast = autocast_state() if not (
                 torch._C._is_any_autocast_enabled()) else None
-            self.saved = (torch.is_grad_enabled(), self.no_autocast or autocast_state())
+            self.saved = (torch.is_grad_enabled(), self.no_autocast or autocast_state(),
+                          [(g, g.get_state()) for g in self.program.generators])
         WhileCapturing.enter()
         try:
             kind = _LeanMode
@@ -377,7 +393,17 @@ class LeanCapture(Capture):
                 raise Deopt
         if e.key is not None and not _same_key(args, kwargs, e.key):
             raise Deopt
+        kind = RANDOM.get(func)
+        if kind is not None and kind.draws(args, kwargs) is not (e.draw is not None):
+            raise Deopt  # (drawing now where it did not, or the reverse: training flags)
+        draw = None
+        if e.draw is not None:
+            draw = Draw(func, e.draw[0], args, kwargs, e.draw[2])
+            draw.layout = e.draw[1]
+            self.draws.append(draw)
         out = func(*args, **kwargs)
+        if draw is not None:
+            draw.finish(out)
         if outs_of(out) != e.outs:
             raise Deopt
         made = _made(out, leaves)
@@ -475,12 +501,14 @@ def _same_key(args: tuple, kwargs: dict, key: tuple) -> bool:
 
 
 def _restore(saved: tuple) -> None:
-    """Autograd's and autocast's global state as it was before a forward that stopped
+    """Autograd's, autocast's and the generators' state as before a forward that stopped
     (the ops before the stop may have set them: ``torch.set_grad_enabled(False)``'s own
     op, then a stop before its ``with`` block, whose exit would have reset it)."""
-    grad, autocast = saved
+    grad, autocast, generators = saved
     with torch._C.DisableTorchFunction():
         torch._C._set_grad_enabled(grad)
+        for g, state in generators:  # (the random ops run before the stop drew nothing)
+            g.set_state(state)
         for device, enabled, dtype in autocast:
             if device == "cuda" and not torch.cuda.is_available():
                 continue
