@@ -22,9 +22,12 @@ call that passes them has the full capture's data flow; an op whose data flow ma
 values (an index, a mask: no step on the tape) has it decided again
 (:func:`~persample.batch.flow.propagate`) from its inputs' layouts, and compared. Where
 an op differs, the forward stops (:class:`Deopt`, raised inside it) and runs again under
-the full capture: programs hold no op that draws random numbers or writes a tensor in
-place, so the ops run before the stop changed nothing (Python code of the model's own
-between them, a counter it keeps, runs twice).
+the full capture: programs hold no op that writes a tensor in place or draws from a
+generator of its own, and a stop puts autograd's and autocast's modes and the default
+generators back as they were, so the ops run before the stop changed nothing (Python
+code of the model's own between them, a counter it keeps, runs twice). A random op
+(dropout in training) is recorded as the full capture records it
+(:class:`~persample.draws.Draw`), and must draw where the traced one drew.
 
 Where each tensor comes from is kept on the tensor (an attribute holding the number of
 its op's output in this call, :data:`TAG`): a tensor of an earlier call, or of another
