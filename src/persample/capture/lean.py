@@ -29,9 +29,11 @@ code of the model's own between them, a counter it keeps, runs twice). A random 
 (dropout in training) is recorded as the full capture records it
 (:class:`~persample.draws.Draw`), and must draw where the traced one drew.
 
-Where each tensor comes from is kept on the tensor (an attribute holding the number of
-its op's output in this call, :data:`TAG`): a tensor of an earlier call, or of another
-thread, never holds one of this call's numbers.
+Where each tensor comes from is kept by the call (:class:`Numbers`: the number of each
+op output, by identity, holding no tensor alive): a tensor of an earlier call, or of
+another thread, has none of this call's numbers. (Not an attribute on the tensor: a
+tensor with state of its own outlives its Python object's last reference while autograd
+keeps it, and a forward's worth of them made every call pay a full garbage collection.)
 
 The parameters' reads, and the loss, are recorded as under the full capture
 (:class:`~persample.capture.records.Op`, :meth:`Capture.follow`).
@@ -39,7 +41,6 @@ The parameters' reads, and the loss, are recorded as under the full capture
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -63,9 +64,34 @@ from .records import Call, Derived, Op, shapes_only
 from .tape import _PLAIN, _TENSOR, Opaque, Step, _key, arguments_key, outs_of
 from .tensors import KEPT, tensor_leaves
 
-TAG = "_persample_made"  # a tensor's number in the call that made it (see the docstring)
-_SPAN = 1 << 40  # the numbers one call may give (each call its own span)
-_SPANS = itertools.count(1)
+
+class Numbers:
+    """Each tensor's number in one call (inputs first, then each op's outputs in order),
+    by identity: ``id -> (weak reference, number)``, an entry valid while its tensor
+    lives.
+
+    Examples:
+        >>> import torch
+        >>> numbers, x = Numbers(), torch.zeros(2)
+        >>> numbers.give(x), numbers.give(torch.ones(1)), numbers.of(x), numbers.of(x + 1)
+        (0, 1, 0, None)
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, int]] = {}
+        self.count = 0
+
+    def give(self, t: Tensor) -> int:
+        """The next number, to ``t``."""
+        k = self.count
+        self._by_id[id(t)] = (weakref.ref(t), k)
+        self.count = k + 1
+        return k
+
+    def of(self, t: Tensor) -> int | None:
+        """``t``'s number, or ``None``."""
+        entry = self._by_id.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
 META, STEP, PARAM, DECIDE = "meta", "step", "param", "decide"
 
@@ -158,7 +184,7 @@ class Tracer:
 
     def __init__(self, cap: Capture, inputs: list):
         self.cap = weakref.proxy(cap)
-        self.base = next(_SPANS) * _SPAN
+        self.numbers = Numbers()
         self.entries: list[Entry] = []
         self.layouts: list[Layout] = []
         self.dead: str | None = None
@@ -166,16 +192,13 @@ class Tracer:
         for t, lay in inputs:
             if type(t) is not Tensor:
                 self.dead = "an input of a tensor subclass"
-            setattr(t, TAG, self.base + len(self.layouts))
+            self.numbers.give(t)
             self.layouts.append(lay)
         self.inputs = len(self.layouts)
 
     def _want(self, t: Tensor) -> Any:
-        tag = getattr(t, TAG, None)
-        base = self.base
-        if tag is not None and base <= tag < base + _SPAN:
-            return tag - base
-        return t
+        k = self.numbers.of(t)
+        return t if k is None else k
 
     def traced(self, func, args: tuple, kwargs: dict) -> Any:
         """Run the op under the capture (:meth:`Capture.record`), and trace it."""
@@ -245,7 +268,7 @@ class Tracer:
                 self.dead = f"an output whose samples are held by a tensor ({name_of(func)})"
                 return
             keep = keep or (lay is SHARED and not o.requires_grad)
-            setattr(o, TAG, self.base + len(self.layouts))
+            self.numbers.give(o)
             self.layouts.append(lay)
         self.entries.append(Entry(func, kind, tuple(wants), metas, key, outs_of(out),
                                   len(made), lays, flow, decide, keep,
@@ -310,26 +333,25 @@ class LeanCapture(Capture):
         self.program = program
         self.steps = list(tape)  # (the data flow is the earlier call's)
         self.replayed = len(tape)
-        self.base = next(_SPANS) * _SPAN
+        self.numbers = Numbers()
         self.k = 0  # the next entry
         self.failed = False  # an op left the program
-        self.made = program.inputs  # the next output's number
         self.seen: list[tuple] = []  # per parameter read: its op as it ran
-        self.lean_ctx = Ctx(n, self._layout_of)
+        me = weakref.proxy(self)  # (no reference cycle: the records hold activations)
+        self.lean_ctx = Ctx(n, lambda t: me._layout_of(t))
         self._deciding: tuple = ((), ())  # the leaves and layouts of the op deciding
         self._lean: _LeanMode | None = None
         self.no_autocast = None  # autocast_state() where none is on (taken on entering)
         self.saved: tuple = ()  # autograd's and autocast's state on entering (_restore)
-        for k, (t, _) in enumerate(batched):
-            setattr(t, TAG, self.base + k)
-        self.layouts.fallback = self._numbered  # (what the loss reads: any of the tensors)
+        for t, _ in batched:
+            self.numbers.give(t)
+        self.layouts.fallback = lambda t: me._numbered(t)  # (what the loss reads: any of
+        # the tensors it numbered)
 
     def _numbered(self, t: Tensor) -> Layout | None:
         """The layout of a tensor this call numbered (``None``: not one)."""
-        tag = getattr(t, TAG, None)
-        if tag is not None and self.base <= tag < self.base + _SPAN:
-            return self.program.layouts[tag - self.base]
-        return None
+        k = self.numbers.of(t)
+        return None if k is None else self.program.layouts[k]
 
     def _layout_of(self, t: Tensor) -> Layout:
         """A tensor's layout, for an op whose data flow is decided again: its leaves' as
@@ -386,10 +408,11 @@ class LeanCapture(Capture):
         leaves = op_leaves(args, kwargs)
         if len(leaves) != len(e.wants):
             raise Deopt
-        base = self.base
+        numbers = self.numbers._by_id
         for t, want, meta in zip(leaves, e.wants, e.metas):
             if meta is None:
-                if getattr(t, TAG, None) != base + want:
+                entry = numbers.get(id(t))
+                if entry is None or entry[1] != want or entry[0]() is not t:
                     raise Deopt
             elif t is not want or t.shape != meta[0] or t.dtype != meta[1] or (
                     t.requires_grad != meta[2]):
@@ -413,8 +436,7 @@ class LeanCapture(Capture):
         if len(made) != e.made:
             raise Deopt
         for o in made:
-            setattr(o, TAG, base + self.made)
-            self.made += 1
+            self.numbers.give(o)
         if e.decide:
             self._deciding = (leaves, e.layouts)
             flow = propagate(self.lean_ctx, func, args, kwargs, out, list(e.layouts))
@@ -446,9 +468,8 @@ class LeanCapture(Capture):
         leaves = tensor_leaves(output)
         if len(leaves) != len(program.output):
             return False
-        base = self.base
         for t, want in zip(leaves, program.output):
-            if getattr(t, TAG, None) != base + want:
+            if self.numbers.of(t) != want:
                 return False
         for t, want in zip(leaves, program.output):
             self.layouts[t] = program.layouts[want]
