@@ -93,6 +93,7 @@ class Numbers:
         entry = self._by_id.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
 
+
 META, STEP, PARAM, DECIDE = "meta", "step", "param", "decide"
 
 
