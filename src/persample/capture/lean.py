@@ -144,7 +144,7 @@ class Program:
     inputs: int
     watched: frozenset[int]
     reads: tuple[_Read, ...]
-    output: Any  # the model output's tensors: their numbers or themselves, in order
+    output: tuple[int, ...]  # the numbers of the model output's tensors, in order
     generators: tuple = ()  # the generators its random ops draw from
     fails: int = 0  # calls that left the programs before it (since a first was traced)
 
