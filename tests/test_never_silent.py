@@ -725,3 +725,60 @@ def test_a_packed_output_read_by_the_loss(reduce):
     if reduce:
         with pytest.raises(persample.NeedsWholeModel, match="rows are packed"):
             per_sample_grads(model, packed, None, loss_fn, method="rules")
+
+
+# ---------------------------------------------------------------------------
+# an empty batch and non-finite samples: never a silent result
+
+
+def _edge_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+_EDGE_CALLS = {
+    "per_sample_grads": lambda m, x, y: per_sample_grads(m, x, y, nn.CrossEntropyLoss()),
+    "per_sample_grad_norms": lambda m, x, y: per_sample_grad_norms(m, x, y,
+                                                                   nn.CrossEntropyLoss()),
+    "input_jacobian": lambda m, x, y: input_jacobian(m, x),
+    "jacobian_diagonal": lambda m, x, y: jacobian_diagonal(lambda v: torch.tanh(v) * 2, x),
+    "per_sample_ggn_diag": lambda m, x, y: persample.per_sample_ggn_diag(
+        m, x, y, nn.CrossEntropyLoss()),
+    "ggn_diag": lambda m, x, y: persample.ggn_diag(m, x, y, nn.CrossEntropyLoss()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EDGE_CALLS))
+def test_an_empty_batch_is_named(name):
+    x, y = torch.randn(0, 4), torch.zeros(0, dtype=torch.long)
+    with pytest.warns(UserWarning, match=f"{name} got an empty batch"):
+        _EDGE_CALLS[name](_edge_net(), x, y)
+    with pytest.raises(ValueError, match="at least one sample"):
+        param_jacobian(_edge_net(), x)
+
+
+_NAN_CALLS = {**{k: v for k, v in _EDGE_CALLS.items() if "ggn" not in k},
+              "param_jacobian": lambda m, x, y: param_jacobian(m, x),
+              "per_sample_grads (loop)": lambda m, x, y: per_sample_grads(
+                  m, x, y, nn.CrossEntropyLoss(), method="loop"),
+              "per_sample_grads (chunks of 2)": lambda m, x, y: per_sample_grads(
+                  m, x, y, nn.CrossEntropyLoss(), chunk_size=2)}
+
+
+@pytest.mark.parametrize("name", sorted(_NAN_CALLS))
+def test_a_non_finite_sample_is_named(name):
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a clean batch: no warning of ours
+        _NAN_CALLS[name](_edge_net(), x, y)
+    x[3, 1] = float("nan")
+    with pytest.warns(RuntimeWarning, match=r"of samples \[3\] is not finite"):
+        _NAN_CALLS[name](_edge_net(), x, y)
+
+
+@pytest.mark.parametrize("name", ["per_sample_ggn_diag", "ggn_diag"])
+def test_the_ggn_refuses_a_non_finite_output_by_sample(name):
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    x[4, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=rf"{name}: the output of samples \[4\]"):
+        _EDGE_CALLS[name](_edge_net(), x, y)

@@ -36,6 +36,10 @@ CHECKS = {
     "each": ('each["6.weight"].shape == (64, 128, 9216) and all(torch.allclose('
              'each[k][:4], loop[k], atol=1e-6) for k in loop)'),
     "jacobian": "jacobian.shape == (32, 4, 1604)",
+    # a sample that is not finite: its rows, and a warning naming it
+    "nan_warning": ("torch.isnan(nan_grads['0.weight'][3]).all() and not torch.isnan("
+                    "nan_grads['0.weight'][[0, 1, 2, 4, 5]]).any() and nan_warning"
+                    ".startswith('per_sample_grads: the loss of samples [3] is not finite')"),
     # the README's quick start
     "quick_grads": 'quick_grads["0.weight"].shape == (32, 64, 20)',
     "quick_jac": "quick_jac.shape == (32, 4, 1604)",

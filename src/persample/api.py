@@ -103,6 +103,11 @@ def per_sample_grads(
         parameter unit. A batch of 0 samples gives empty results of these shapes
         without running the model.
 
+    Warns:
+        UserWarning: an empty batch (0 samples).
+        RuntimeWarning: a sample whose loss holds a NaN or an Inf, naming it (its
+            results are not finite either).
+
     Raises:
         TypeError: ``loss_fn`` a loss class rather than an instance, not callable, or
             swapped with ``targets``; an input or target that holds tensors in an
@@ -151,14 +156,16 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
     check_option(check)
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
                                            chunk_size, params)
+    checks.warn_empty("per_sample_grads", n)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
     watched = {id(p): p for p in params.values()}
     step, taken = chunk_size or max(n, 1), Taken()
+    every = torch.empty(n, dtype=torch.float64,  # each sample's loss, from each method (for
+                        device=next(iter(params.values())).device)  # its certificate)
     for start in range(0, n, step):
         a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
         d = {key: part[start : start + step] for key, part in dest.items()}
-        losses = torch.empty(a.n, dtype=torch.float64,  # each method's, for its certificate
-                             device=next(iter(params.values())).device)  # (no host sync)
+        losses = every[start : start + step]
         answer(
             method,
             rules=lambda a=a, t=t, d=d, losses=losses: _noted(
@@ -169,6 +176,7 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
                 loop_grads(model, a.as_inputs(), t, loss_fn, losses), params, d),
             taken=taken, hint=lambda: checks.dtype_note(batch, params),
             certify=_grads_checker(model, a, t, loss_fn, params, d, check, losses))
+    checks.warn_non_finite("per_sample_grads", every, "loss")
     return result, taken
 
 
@@ -246,6 +254,11 @@ def param_jacobian(
         ``(B, Y, P)`` with ``flat=True``. Its size is ``B * Y * P * itemsize`` bytes
         (an MLP 784->20->10 at B=256 in float32: 163 MB).
 
+    Warns:
+        UserWarning: an empty batch (0 samples).
+        RuntimeWarning: a sample whose result holds a NaN or an Inf, naming it (its
+            results are not finite either).
+
     Raises:
         ValueError: a model whose output is not one tensor with the batch in dim 0,
             BatchNorm in training mode, no trainable parameters, ``out`` of the
@@ -267,7 +280,7 @@ def param_jacobian(
     batch, n, params = checks.validate_call(model, inputs, None, None, method, chunk_size,
                                            params)
     watched = {id(p): p for p in params.values()}
-    out_shape = _output_shape(model, batch)
+    out_shape = _output_shape(model, batch)  # (refuses an empty batch)
     num_out = out_shape.numel()
     result, dest = _allocate(params, n, (num_out,), flat or out is not None, out)
     # vmap and loop compute all outputs at once: chunking them would repeat the work
@@ -288,9 +301,19 @@ def param_jacobian(
                     _select(loop_jacobian(model, a.as_inputs()), o, params), params, d),
                 taken=taken, hint=lambda: checks.dtype_note(batch, params),
                 certify=_jacobian_checker(model, a, params, d, check, o, num_out))
+    checks.warn_non_finite("param_jacobian", _finite_rows(dest.values(), n), "result")
     if isinstance(result, dict):
         return {name: t.view(n, *out_shape, *t.shape[2:]) for name, t in result.items()}
     return result
+
+
+def _finite_rows(parts: Any, n: int) -> Tensor:
+    """``(n,)``: 1 where every part ``(n, ...)`` is finite in that sample's rows, else NaN
+    (what :func:`persample.checks.warn_non_finite` reads)."""
+    ok = torch.ones(n, dtype=torch.bool)
+    for t in parts:
+        ok = ok.to(t.device) & torch.isfinite(t.reshape(n, -1)).all(1)
+    return torch.where(ok, 1.0, float("nan"))
 
 
 def _jacobian_checker(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter],

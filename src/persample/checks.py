@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from .inputs import Batch, as_batch
-from .methods import METHODS
+from .methods import METHODS, user_stacklevel
 from .sharded import Sharding, fsdp_units, reshard_all
 
 
@@ -241,3 +242,56 @@ def keeps_buffers(fn: Callable) -> Callable:
             return fn(model, *args, **kwargs)
 
     return wrapper
+
+
+def warn_empty(function: str, n: int) -> None:
+    """Warn that ``function`` got a batch of ``n == 0`` samples (its result is then empty:
+    usually a data loader or a slice that went wrong).
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_empty("per_sample_grads", 0)
+        >>> str(caught[0].message).split(":")[0]
+        'per_sample_grads got an empty batch (0 samples)'
+    """
+    if n == 0:
+        warnings.warn(
+            f"{function} got an empty batch (0 samples): its result is empty. Check the "
+            "data loader or the slice that made the batch.", UserWarning,
+            stacklevel=user_stacklevel())
+
+
+def non_finite_samples(values: Tensor) -> list[int]:
+    """The samples whose rows of ``values`` ``(n, ...)`` hold a NaN or an Inf.
+
+    Examples:
+        >>> non_finite_samples(torch.tensor([[0.0, 1.0], [float("nan"), 2.0]]))
+        [1]
+    """
+    if values.numel() == 0 or not values.is_floating_point():
+        return []
+    rows = torch.isfinite(values.detach().reshape(values.shape[0], -1)).all(1)  # (n,)
+    return (~rows).nonzero().flatten().tolist()
+
+
+def warn_non_finite(function: str, values: Tensor, what: str) -> None:
+    """Warn, naming the samples (the first ten), where ``values`` ``(n, ...)`` (each
+    sample's ``what``: its loss, its output, or ``"result"``) hold a NaN or an Inf.
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_non_finite("per_sample_grads", torch.tensor([1.0, float("inf")]), "loss")
+        >>> str(caught[0].message).split(",")[0]
+        'per_sample_grads: the loss of samples [1] is not finite (NaN or Inf)'
+    """
+    bad = non_finite_samples(values)
+    if bad:
+        warnings.warn(
+            f"{function}: the {what} of samples {bad[:10]}{'...' if len(bad) > 10 else ''} "
+            f"is not finite (NaN or Inf){'' if what == 'result' else ', nor are their results'}"
+            ". Check those samples' inputs, or leave them out.", RuntimeWarning,
+            stacklevel=user_stacklevel())

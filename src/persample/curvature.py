@@ -438,9 +438,14 @@ def per_sample_ggn_diag(model: nn.Module, inputs: Any, targets: Any,
         ``{name: (B, *param.shape)}`` (or ``(B, P)``), in loss units per parameter unit
         squared, in the parameters' dtype or float32 if that is lower.
 
+    Warns:
+        UserWarning: an empty batch (0 samples): zeros of the result's shapes.
+
     Raises:
         ValueError: ``mc_samples < 0``, an output exact cannot take (not ``(B, C)``), a
             loss MC cannot sample from; the errors of ``per_sample_grads``.
+        FloatingPointError: exact (``mc_samples=0``), a sample whose output holds a NaN
+            or an Inf (named).
 
     Examples:
         >>> import torch
@@ -474,8 +479,11 @@ def ggn_diag(model: nn.Module, inputs: Any, targets: Any,
     Returns:
         ``{name: param.shape}``, loss units per parameter unit squared.
 
+    Warns:
+        UserWarning: as :func:`per_sample_ggn_diag`.
+
     Raises:
-        ValueError: as :func:`per_sample_ggn_diag`.
+        ValueError, FloatingPointError: as :func:`per_sample_ggn_diag`.
 
     Examples:
         >>> import torch
@@ -503,6 +511,13 @@ def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
         raise ValueError(f"mc_samples must be an int >= 0 (0: exact), got {mc_samples!r}")
     batch, n, chosen = checks.validate_call(model, inputs, targets, loss_fn, "rules", None,
                                             params)
+    function = "per_sample_ggn_diag" if per_sample else "ggn_diag"
+    checks.warn_empty(function, n)
+    if n == 0:
+        result, dest = _rows_result(chosen, n, flat, per_sample)
+        for t in dest.values():
+            t.zero_()
+        return result
     if mc_samples:
         draw = label_sampler(loss_fn, generator)
         captured = cotangent_backprops(
@@ -511,7 +526,7 @@ def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
             {id(p): p for p in chosen.values()}, mc_samples)
     else:
         captured = cotangent_backprops(
-            model, batch, lambda out: hessian_columns(out, targets, loss_fn),
+            model, batch, lambda out: hessian_columns(_finite(out, function), targets, loss_fn),
             {id(p): p for p in chosen.values()})
     scale = 1.0 / mc_samples if mc_samples else 1.0
     names = {id(p): name for name, p in chosen.items()}
@@ -532,6 +547,18 @@ def _ggn_rows(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
             for t in dest.values():
                 t.mul_(scale)
     return result
+
+
+def _finite(out: Tensor, function: str) -> Tensor:
+    """``out`` ``(n, ...)``, the model's output; a ``FloatingPointError`` naming the samples
+    whose output holds a NaN or an Inf (the loss's Hessian there has no eigenvectors)."""
+    bad = checks.non_finite_samples(out) if isinstance(out, Tensor) else []
+    if bad:
+        raise FloatingPointError(
+            f"{function}: the output of samples {bad[:10]}{'...' if len(bad) > 10 else ''} "
+            "is not finite (NaN or Inf), so the loss's curvature there is not either. Check "
+            "those samples' inputs, or leave them out.")
+    return out
 
 
 def _rows_result(chosen: dict[str, nn.Parameter], n: int, flat: bool, per_sample: bool

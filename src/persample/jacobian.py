@@ -29,7 +29,7 @@ from torch.func import functional_call, jvp, vmap
 
 from .batch import Batched, Mixed
 from .certificate import Checker, Draws, certify_input_jacobian, check_option
-from .checks import kept_buffers
+from .checks import kept_buffers, warn_empty, warn_non_finite
 from .engine import open_capture
 from .engine.backward import one_hot
 from .errors import CertificateError, InternalError
@@ -101,6 +101,11 @@ def input_jacobian(
         would cost as much as a large part of the work; ``.contiguous()`` makes
         one). ``B = 0`` gives an empty tensor of that shape.
 
+    Warns:
+        UserWarning: an empty batch (0 samples).
+        RuntimeWarning: a sample whose output holds a NaN or an Inf, naming it (its
+            results are not finite either).
+
     Raises:
         TypeError: ``inputs`` is not a floating tensor; the model does not return
             a tensor.
@@ -128,6 +133,7 @@ def input_jacobian(
     x = _as_batch(inputs)
     _check_options(mode, chunk_size)
     check_option(check)
+    warn_empty("input_jacobian", x.shape[0])
     draws = Draws.now()
     jac = _input_jacobian(model, x, mode, chunk_size, check_independence)
     checker = Checker(check, model, ("input jacobian", mode, tuple(x.shape[1:]), x.dtype,
@@ -159,6 +165,7 @@ def _input_jacobian(model: Callable, x: Tensor, mode: str, chunk_size: int | Non
             _check_independence(model, x)
         xg = x.detach().requires_grad_()
         out, why = _followed_forward(model, xg)  # (B, *out_shape)
+        warn_non_finite("input_jacobian", out, "output")
         if why is not None:  # samples not one per row: the diagonal blocks one by one
             _warn_blockwise(why)
             return _blockwise_jacobian(out, xg, chunk_size)
@@ -197,6 +204,11 @@ def jacobian_diagonal(
     Returns:
         ``(B, *in_shape)`` in ``fn``'s output dtype and device.
 
+    Warns:
+        UserWarning: an empty batch (0 samples).
+        RuntimeWarning: a sample whose output holds a NaN or an Inf, naming it (its
+            results are not finite either).
+
     Raises:
         TypeError: ``inputs`` is not a floating tensor; ``fn`` does not return a tensor.
         ValueError: ``inputs`` has no batch dim; ``fn``'s output shape differs from
@@ -218,6 +230,7 @@ def jacobian_diagonal(
     x = _as_batch(inputs)
     _check_options("auto", chunk_size)
     n, d = x.shape[0], math.prod(x.shape[1:])
+    warn_empty("jacobian_diagonal", n)
     with kept_buffers(fn):
         if n == 0 or d == 0:
             with torch.no_grad():
@@ -226,6 +239,7 @@ def jacobian_diagonal(
         xg = x.detach().requires_grad_()
         out, why = _followed_forward(fn, xg)
         _check_square(out.unsqueeze(0), x)
+        warn_non_finite("jacobian_diagonal", out, "output")
         if why is not None:  # samples not one per row: each entry's own derivative
             _warn_blockwise(why)
             return _blockwise_jacobian(out, xg, chunk_size, diagonal=True)

@@ -90,6 +90,11 @@ def per_sample_grad_norms(
         least float32 (accumulated there for bfloat16 and float16 parameters); with
         ``per_layer=True`` a tuple ``((B,), {name: (B,)})``.
 
+    Warns:
+        UserWarning: an empty batch (0 samples).
+        RuntimeWarning: a sample whose gradient norm holds a NaN or an Inf, naming it (its
+            results are not finite either).
+
     Raises:
         TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError: as
             :func:`persample.per_sample_grads`.
@@ -109,6 +114,7 @@ def per_sample_grad_norms(
     check_option(check)
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
                                            chunk_size, params)
+    checks.warn_empty("per_sample_grad_norms", n)
     layers = {name: p.new_zeros(n, dtype=accumulate_dtype(p.dtype)) for name, p in params.items()}
     step, taken = chunk_size or max(n, 1), Taken()
     device = next(iter(params.values())).device
@@ -129,6 +135,7 @@ def per_sample_grad_norms(
         for name, norms in chunk.items():
             layers[name][start : start + step] = norms
     total = torch.stack(list(layers.values())).square().sum(0).sqrt()  # (B,)
+    checks.warn_non_finite("per_sample_grad_norms", total, "result")
     return (total, layers) if per_layer else total
 
 

@@ -174,7 +174,7 @@ def _front(x: Tensor, lay: Batched, n: int, lead: int) -> Tensor:
     if lay.index is not None:
         return _front_indexed(x, lay.index, n, d)
     if lay.outer == 1 and lay.inner == 1:
-        return x.movedim(d, 0).unsqueeze(d + 1)  # (n, ..., 1, ...)
+        return (x if d == 0 else x.movedim(d, 0)).unsqueeze(d + 1)  # (n, ..., 1, ...)
     y = x.unflatten(d, (lay.outer, n, lay.inner)).movedim(d + 1, 0)  # (n, ..., a, b, ...)
     return y.flatten(d + 1, d + 2)  # (n, ..., a*b, ...)
 
