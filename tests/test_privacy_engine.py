@@ -364,3 +364,129 @@ def test_two_processes_are_one_step_over_both_ranks_batches(saved, how, loop):
     for p, q in zip(ranks[0]["weights"], want.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
     assert any(not torch.equal(p, q) for p, q in zip(want.parameters(), _twin(0.3).parameters()))
+
+
+# ---------------------------------------------------------------------------
+# what an Opacus script reads besides the loop: attributes, checkpoints, the
+# accountant, ModuleValidator
+
+
+def _made(engine: PrivacyEngine, model: nn.Module, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return engine.make_private(module=model, optimizer=opt,
+                               data_loader=DataLoader(_data(), batch_size=B),
+                               noise_multiplier=1.0, max_grad_norm=1.0, **kw)
+
+
+def test_the_wrapped_model_passes_attributes_and_loads_either_checkpoint():
+    base = _twin(0.0)
+    model, _, _ = _made(PrivacyEngine(), base)
+    assert model.fc is base.fc and model.out is base.out  # as GradSampleModule's
+    assert model.forward.__self__ is model  # (its own methods stay its own)
+    with pytest.raises(AttributeError, match="nothing"):
+        _ = model.nothing
+    other = _twin(0.0)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    model.load_state_dict(other.state_dict())  # the user's module's names
+    assert torch.equal(base.fc.weight, other.fc.weight)
+    model.load_state_dict({k: v - 1 for k, v in model.state_dict().items()})  # "_module."
+    assert torch.allclose(base.fc.weight, other.fc.weight - 1)
+
+
+def test_the_accountant_reads_as_opacus_accountants_do():
+    from opacus.accountants import RDPAccountant
+
+    engine, theirs = PrivacyEngine(), RDPAccountant()
+    model, opt, loader = _made(engine, _twin(0.0))
+    for x, y in loader:
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+        theirs.step(noise_multiplier=1.0, sample_rate=1 / len(loader))
+    assert engine.accountant.mechanism() == theirs.mechanism() == "rdp"
+    assert len(engine.accountant) == len(theirs) == 1
+    assert [tuple(run) for run in engine.accountant.history] == theirs.history
+    # (their RDP orders are not dp_accounting's: a few parts in 1e5)
+    assert math.isclose(engine.get_epsilon(1e-5), theirs.get_epsilon(1e-5), rel_tol=1e-4)
+
+
+def test_a_checkpoint_brings_back_the_model_the_accountant_and_the_noise(tmp_path):
+    torch.manual_seed(1)
+    engine = PrivacyEngine()
+    model, opt, loader = _made(engine, _twin(0.0))
+    batches = [next(iter(loader)) for _ in range(3)]
+
+    def step(x, y):
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+
+    for x, y in batches[:2]:
+        step(x, y)
+    engine.save_checkpoint(path=tmp_path / "ckpt.pt", module=model, optimizer=opt,
+                           checkpoint_dict={"epoch": 7})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    step(*batches[2])
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    steps = engine.accountant.steps
+    got = engine.load_checkpoint(path=tmp_path / "ckpt.pt", module=model, optimizer=opt)
+    assert got["epoch"] == 7 and engine.accountant.steps == steps - 1
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    step(*batches[2])  # the same noise drawn again: the generator's state came back
+    assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="call make_private first"):
+        PrivacyEngine().save_checkpoint(path=tmp_path / "x.pt", module=model)
+
+
+def test_an_opacus_checkpoint_loads_its_accountant(tmp_path):
+    engine = PrivacyEngine()
+    model, _, _ = _made(engine, _twin(0.0))
+    torch.save({"module_state_dict": model.state_dict(),
+                "privacy_accountant_state_dict": {"history": [(1.0, 1 / 6, 12)],
+                                                  "mechanism": "rdp"}}, tmp_path / "o.pt")
+    engine.load_checkpoint(path=tmp_path / "o.pt", module=model)
+    assert engine.accountant.steps == 12
+    assert math.isclose(engine.get_epsilon(1e-5), epsilon(1.0, 1 / 6, 12, 1e-5), rel_tol=1e-9)
+
+
+class _WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 48, 3), nn.BatchNorm2d(48)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(48 * 4, 3), nn.BatchNorm1d(3))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))))
+
+
+def test_batch_norm_is_refused_at_make_private_and_fixed_as_opacus_fixes_it():
+    from opacus.validators import ModuleValidator as Theirs
+
+    from persample.dp import ModuleValidator
+
+    model = _WithBatchNorm()
+    data = TensorDataset(torch.randn(8, 1, 4, 6), torch.randint(0, 3, (8,)))
+    with pytest.raises(ValueError, match=r"module 'bn' \(BatchNorm2d\).*ModuleValidator.fix"):
+        PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=4), noise_multiplier=1.0,
+            max_grad_norm=1.0)
+    errors = ModuleValidator.validate(model)
+    assert [str(e).split(" mixes")[0] for e in errors] == ["module 'bn' (BatchNorm2d)",
+                                                          "module 'head.2' (BatchNorm1d)"]
+    with pytest.raises(Exception, match="module 'bn'"):
+        ModuleValidator.validate(model, strict=True)
+    fixed, theirs = ModuleValidator.fix(model), Theirs.fix(model)
+    assert isinstance(model.bn, nn.BatchNorm2d)  # the model itself unchanged
+    for name in ("bn", "head.2"):
+        ours_m, their_m = fixed.get_submodule(name), theirs.get_submodule(name)
+        assert type(ours_m) is type(their_m) is nn.GroupNorm
+        assert (ours_m.num_groups, ours_m.num_channels) == (their_m.num_groups,
+                                                            their_m.num_channels)
+    assert ModuleValidator.is_valid(fixed) and not ModuleValidator.is_valid(model)
+    assert ModuleValidator.fix(model, num_groups=3).bn.num_groups == 3
+    PrivacyEngine().make_private(
+        module=fixed, optimizer=torch.optim.SGD(fixed.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)

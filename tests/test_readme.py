@@ -36,6 +36,9 @@ CHECKS = {
     "each": ('each["6.weight"].shape == (64, 128, 9216) and all(torch.allclose('
              'each[k][:4], loop[k], atol=1e-6) for k in loop)'),
     "jacobian": "jacobian.shape == (32, 4, 1604)",
+    # Opacus's checkpoints, accountant and ModuleValidator
+    "checkpoint_engine": ("checkpoint_engine.accountant.steps == 4 and len(accountant) == 1 "
+                          "and type(cnn._module[1]).__name__ == 'GroupNorm'"),
     # a sample that is not finite: its rows, and a warning naming it
     "nan_warning": ("torch.isnan(nan_grads['0.weight'][3]).all() and not torch.isnan("
                     "nan_grads['0.weight'][[0, 1, 2, 4, 5]]).any() and nan_warning"

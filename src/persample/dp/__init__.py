@@ -50,6 +50,7 @@ from .sampling import (
 )
 from .step import PrivateStep, private_grad
 from .training import PrivateRun, make_private
+from .validator import ModuleValidator
 
 __all__ = [
     "private_grad",
@@ -69,6 +70,7 @@ __all__ = [
     "EmptySafeCollate",
     "PrivacyEngine",
     "BatchMemoryManager",
+    "ModuleValidator",
     "BandMF",
     "BLT",
     "Clipping",

@@ -201,6 +201,29 @@ class PrivacyAccountant:
             return 0.0
         return _epsilon_of([tuple(run) for run in self.history], delta, accountant)
 
+    def __len__(self) -> int:
+        """The runs of identical steps in :attr:`history` (what ``len()`` of an Opacus
+        accountant counts; :attr:`steps` is the steps).
+
+        Examples:
+            >>> acct = PrivacyAccountant()
+            >>> acct.step(1.0, 0.01, count=100)
+            >>> acct.step(2.0, 0.01)
+            >>> len(acct), acct.steps
+            (2, 101)
+        """
+        return len(self.history)
+
+    def mechanism(self) -> str:
+        """The accounting's name, as an Opacus accountant's ``mechanism()`` gives it:
+        ``"rdp"``, ``"pld"`` or ``"prv"``.
+
+        Examples:
+            >>> PrivacyAccountant("pld").mechanism()
+            'pld'
+        """
+        return self.accountant
+
     def get_epsilon(self, delta: float) -> float:
         """Opacus's accountants' name for :meth:`epsilon` (``get_epsilon(delta=...)``), so
         that a script reading ``privacy_engine.accountant`` runs as it is.

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
+from ..checks import mixing_reason_of
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clipping import Clipping
@@ -95,6 +96,27 @@ class PrivateModule(nn.Module):
         self._module = module
         self.__dict__["inner"] = unwrapped(module)  # not a submodule: no second state_dict
         self.forwards: list[_Forward] = []
+
+    def __getattr__(self, name: str) -> Any:
+        """The module's own attributes (``model.fc``), as Opacus's ``GradSampleModule``
+        passes them through."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("inner")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False
+                        ) -> Any:
+        """As ``nn.Module``'s (``state_dict()`` names each entry ``_module.<name>``, as
+        Opacus's ``GradSampleModule`` does); a checkpoint of the user's module, without
+        the ``_module.`` in front, loads into it too."""
+        prefix = "_module."
+        if not state_dict or any(k.startswith(prefix) for k in state_dict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        return self.inner.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         states = _rng_states()
@@ -398,7 +420,9 @@ class PrivacyEngine:
         Raises:
             ValueError: an option persample does not take (named), user-level DP,
                 optimizer parameters that are not the module's, ``secure_mode`` with
-                several processes, or a data loader whose dataset has no length.
+                several processes, a data loader whose dataset has no length, or a module
+                that mixes samples (BatchNorm in training mode: named, with the fix,
+                :class:`~persample.dp.ModuleValidator`).
         """
         adaptive = {k: kwargs.pop(k) for k in ADAPTIVE_OPTIONS if k in kwargs}
         check = kwargs.pop("check", None)
@@ -409,6 +433,11 @@ class PrivacyEngine:
         q = 1 / len(data_loader)  # as Opacus: one epoch of len(loader) Poisson batches
         expected = max(1, int(n * q))
         inner = unwrapped(module)
+        mixing = mixing_reason_of(inner)
+        if mixing is not None:  # (refused now, not at the first optimizer.step())
+            raise ValueError(f"{mixing} In a DP training script: model = "
+                             "persample.dp.ModuleValidator.fix(model) before make_private "
+                             "(BatchNorm to GroupNorm, as Opacus's ModuleValidator does).")
         params = [name for name, p in inner.named_parameters() if p.requires_grad]
         chosen = _clipping(clipping, max_grad_norm, params, adaptive)
         seeds = None if self.secure_mode else shared_seeds()  # rank 0's, on every rank
@@ -456,6 +485,92 @@ class PrivacyEngine:
     def get_epsilon(self, delta: float) -> float:
         """The privacy spent by the optimizer steps so far, at ``delta``."""
         return self.steps[-1].epsilon(delta) if self.steps else 0.0
+
+    def save_checkpoint(self, *, path: Any, module: nn.Module,
+                        optimizer: Any = None, noise_scheduler: Any = None,
+                        grad_clip_scheduler: Any = None,
+                        checkpoint_dict: dict[str, Any] | None = None,
+                        module_state_dict_kwargs: dict[str, Any] | None = None,
+                        torch_save_kwargs: dict[str, Any] | None = None) -> None:
+        """Opacus's ``save_checkpoint``: the module's, the accountant's and the optimizer's
+        (and the schedulers') state in one ``torch.save`` at ``path``, under Opacus's keys;
+        and the DP step's own (its noise generator, a mechanism's draws) under
+        ``"persample_step_state_dict"``.
+
+        Args:
+            path: a file name or a binary file object, as ``torch.save`` takes.
+            module: the model :meth:`make_private` returned (its names are the user's
+                module's) or the module itself.
+            optimizer, noise_scheduler, grad_clip_scheduler: saved where given.
+            checkpoint_dict: entries to save beside them.
+            module_state_dict_kwargs, torch_save_kwargs: passed on.
+
+        Raises:
+            ValueError: before :meth:`make_private` (no accountant yet).
+
+        Examples:
+            >>> import io
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> net = nn.Linear(4, 2)
+            >>> engine = PrivacyEngine()
+            >>> model, opt, loader = engine.make_private(
+            ...     module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+            ...     data_loader=DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4),
+            ...     noise_multiplier=1.0, max_grad_norm=1.0)
+            >>> buf = io.BytesIO()
+            >>> engine.save_checkpoint(path=buf, module=model, optimizer=opt)
+            >>> _ = buf.seek(0)
+            >>> sorted(engine.load_checkpoint(path=buf, module=model, optimizer=opt))[:2]
+            ['module_state_dict', 'optimizer_state_dict']
+        """
+        step = self._last_step("save_checkpoint")
+        checkpoint = dict(checkpoint_dict or {})
+        checkpoint["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
+        checkpoint["privacy_accountant_state_dict"] = self.accountant.state_dict()
+        checkpoint["persample_step_state_dict"] = step.state_dict()
+        for key, value in (("optimizer_state_dict", optimizer),
+                           ("noise_scheduler_state_dict", noise_scheduler),
+                           ("grad_clip_scheduler_state_dict", grad_clip_scheduler)):
+            if value is not None:
+                checkpoint[key] = value.state_dict()
+        torch.save(checkpoint, path, **(torch_save_kwargs or {}))
+
+    def load_checkpoint(self, *, path: Any, module: nn.Module, optimizer: Any = None,
+                        noise_scheduler: Any = None, grad_clip_scheduler: Any = None,
+                        module_load_dict_kwargs: dict[str, Any] | None = None,
+                        torch_load_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Opacus's ``load_checkpoint``: :meth:`save_checkpoint`'s states back into the
+        module, the accountant (an Opacus checkpoint's too: its ``history`` and
+        ``mechanism``), the DP step, and the optimizer and schedulers given; returns the
+        checkpoint (a dict).
+
+        Raises:
+            ValueError: before :meth:`make_private`; and the errors of each
+                ``load_state_dict``.
+        """
+        step = self._last_step("load_checkpoint")
+        checkpoint = torch.load(path, **{"weights_only": False, **(torch_load_kwargs or {})})
+        module.load_state_dict(checkpoint["module_state_dict"],
+                               **(module_load_dict_kwargs or {}))
+        if "persample_step_state_dict" in checkpoint:
+            step.load_state_dict(checkpoint["persample_step_state_dict"])
+        else:  # an Opacus checkpoint: {"history": [(sigma, q, steps)], "mechanism"}
+            saved = checkpoint["privacy_accountant_state_dict"]
+            self.accountant.load_state_dict({
+                "accountant": saved.get("accountant", saved.get("mechanism")),
+                "history": [list(run) for run in saved["history"]]})
+        for key, value in (("optimizer_state_dict", optimizer),
+                           ("noise_scheduler_state_dict", noise_scheduler),
+                           ("grad_clip_scheduler_state_dict", grad_clip_scheduler)):
+            if value is not None and checkpoint.get(key):
+                value.load_state_dict(checkpoint[key])
+        return checkpoint
+
+    def _last_step(self, what: str) -> PrivateStep:
+        if not self.steps or self.accountant is None:
+            raise ValueError(f"{what} needs the accountant that make_private makes: call "
+                             "make_private first")
+        return self.steps[-1]
 
     def _refuse(self, optimizer: torch.optim.Optimizer, module: nn.Module,
                 poisson_sampling: bool, clipping: str | Clipping, batch_first: bool,
