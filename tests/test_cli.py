@@ -204,6 +204,20 @@ def test_bench_curvature_workloads(tmp_path, workload):
         assert m["agrees"], m
 
 
+def test_bench_without_the_reference_library_says_so(tmp_path, monkeypatch):
+    """kronfluence, the EK-FAC row's reference, not installed: its row says so, and
+    persample's row says its result is unchecked (no crash)."""
+    monkeypatch.setitem(sys.modules, "kronfluence", None)  # (its import then fails)
+    figures = bench(tmp_path, "--workload", "ekfac-influence", "--no-memory")
+    (report,) = figures["workloads"]
+    assert "3 training samples x 1 queries" in report["description"]
+    assert report["result_shape"] == [1, 3]
+    by_name = {m["method"]: m for m in report["methods"]}
+    assert by_name["kronfluence"]["status"] == "not installed"
+    ours = by_name["persample (unchecked: kronfluence not installed)"]
+    assert ours["status"] == "ok" and report["reference"] == ours["method"]
+
+
 def bench_plan(*args: str) -> bench_options.BenchPlan:
     """What ``persample bench ARGS`` would run (nothing is run)."""
     return bench_options.plan(bench_options.build_parser().parse_args(list(args)))

@@ -62,6 +62,7 @@ from .workloads import (
     curvature_workload,
     dp_workload,
     grads_workload,
+    influence_train,
     jacobian_workload,
     projected_dim,
 )
@@ -705,7 +706,7 @@ def build_case(name: str, batch: int | None, device: torch.device | str = "cpu",
         if name == "kfac-factors":
             return curvature_rows.kfac_case(w)
         if name == "ekfac-influence":
-            return curvature_rows.influence_case(w, min(1000, w.n - 1))
+            return curvature_rows.influence_case(w, influence_train(w.n))
         return curvature_rows.ggn_diag_case(w, mc=name.endswith("-mc"))
     raise SystemExit(f"unknown workload {name!r}; choose from {WORKLOADS}")
 

@@ -842,9 +842,21 @@ def curvature_workload(name: str, batch: int | None = None, device: torch.device
     return replace(w, name=name, description=f"{w.description}; {what[name]}")
 
 
+def influence_train(n: int) -> int:
+    """How many of ``ekfac-influence``'s ``n`` samples are the training set: 1,000, and
+    at least one query (a smaller batch: all but the last).
+
+    Examples:
+        >>> influence_train(1100), influence_train(4)
+        (1000, 3)
+    """
+    return min(1000, n - 1)
+
+
 def _influence_workload(n: int, device: torch.device | str) -> Workload:
     """``ekfac-influence``: a small CNN without biases (kronfluence joins biases to the
-    weights) on the 16x16 digits, ``n`` samples (1,000 training, the rest queries)."""
+    weights) on the 16x16 digits, ``n`` samples (:func:`influence_train` of them the
+    training set, the rest queries)."""
     from persample.cli.data import digits_images
 
     torch.manual_seed(0)
@@ -855,7 +867,8 @@ def _influence_workload(n: int, device: torch.device | str) -> Workload:
     return Workload("ekfac-influence", "kronfluence's EK-FAC influence", model,
                     x[:n].to(device), y[:n].to(device), nn.CrossEntropyLoss(),
                     "CNN (2 conv, linear; no biases) on digits 1x16x16, "
-                    f"{min(n, 1000)} training samples x {max(n - 1000, 0)} queries; "
+                    f"{influence_train(n)} training samples x {n - influence_train(n)} "
+                    "queries; "
                     "EK-FAC influence scores (empirical Fisher)").to(device)
 
 
