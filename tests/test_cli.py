@@ -1,6 +1,7 @@
 """The main job, `persample bench`, end to end on real data (small batches, one thread:
 these check what the rows return and how they are compared, not the speed)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -216,6 +217,22 @@ def test_bench_without_the_reference_library_says_so(tmp_path, monkeypatch):
     assert by_name["kronfluence"]["status"] == "not installed"
     ours = by_name["persample (unchecked: kronfluence not installed)"]
     assert ours["status"] == "ok" and report["reference"] == ours["method"]
+
+
+def test_every_help_is_plain_text():
+    """``--help`` prints the docstrings' reStructuredText as text: no ````code```` and no
+    roles (``:func:`...```), for the command line, each subcommand and the benchmark."""
+    import re
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {"persample": parser.format_help(),
+             "persample bench": bench_options.build_parser().format_help(),
+             **{name: sub.format_help() for name, sub in commands.choices.items()}}
+    assert len(helps) == 8
+    for name, text in helps.items():
+        assert "``" not in text and not re.search(r":[a-z]+:`", text), (name, text)
+    assert "persample dp-finetune: a small GPT-2" in helps["dp-finetune"]
 
 
 def bench_plan(*args: str) -> bench_options.BenchPlan:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from persample.cli.plain import PlainHelp
 from persample.cli.threads import add_threads_argument
 
 from .workloads import PROXY_WORKLOADS, REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
@@ -68,7 +69,7 @@ def build_parser(prog: str = "persample-bench") -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["--quick", "--no-memory"]).no_memory
         True
     """
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=PlainHelp)
     add_arguments(parser)
     return parser
 

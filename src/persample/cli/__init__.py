@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from . import _deps, attribute, audit, dp_finetune, dp_train
+from .plain import PlainHelp
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         2
     """
     parser = argparse.ArgumentParser(
-        prog="persample", description="The persample command line (also python -m persample).")
+        prog="persample", description="The persample command line (also python -m persample).",
+        formatter_class=PlainHelp)
     sub = parser.add_subparsers(dest="command", required=True)
     # no option of its own (no prefix character any argument starts with), so that every
     # argument after `bench`, --help included, goes to the benchmark's parser

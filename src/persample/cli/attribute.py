@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ._rss import reset_peak_rss, status_kib
+from .plain import PlainHelp
 from .threads import add_threads_argument, default_threads, threads_label
 
 
@@ -305,6 +306,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "attribute", aliases=["influence"],
         help="find flipped labels in the digits by gradient influence and influence functions",
         description=__doc__.split("\n\n")[1])
+    p.formatter_class = PlainHelp  # (the docstring's markup as text)
     p.add_argument("--flip", type=float, default=d.flip,
                    help=f"fraction of training labels flipped (default {d.flip})")
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"default {d.epochs}")

@@ -22,6 +22,7 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
+from .plain import PlainHelp
 from .threads import add_threads_argument, default_threads
 
 
@@ -37,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "audit", help="audit the privacy of the DP step in one training run",
         description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.formatter_class = PlainHelp  # (the docstring's markup as text)
     p.add_argument("--canaries", type=int, default=1000,
                    help="canaries of each kind, each added with probability 1/2 (default 1000)")
     p.add_argument("--steps", type=int, default=40, help="DP-SGD steps (default 40)")

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from ._rss import reset_peak_rss, status_kib
 from .data import ByteTokenizer, docstring_batch
 from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_of
+from .plain import PlainHelp
 from .real_models import causal_lm_loss, gpt2, with_lora
 from .threads import add_threads_argument, default_threads, threads_label
 
@@ -438,6 +439,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "dp-finetune", help="fine-tune a small GPT-2 with DP-SGD on the standard library's "
         "docstrings, with LoRA or fully, against the same loop without privacy",
         description=__doc__)
+    p.formatter_class = PlainHelp  # (the docstring's markup as text)
     p.add_argument("--full", dest="lora", action="store_false",
                    help="fine-tune every parameter (default: LoRA adapters)")
     for name in ("rank", "layers", "width", "heads", "seq_len", "train_windows",

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .dp_options import add_dp_arguments, check_dp_options, clipping_label, clipping_of
+from .plain import PlainHelp
 from .threads import add_threads_argument, default_threads, threads_label
 
 if TYPE_CHECKING:  # dp_accounting (scipy) takes ~1.5 s to import: only when training
@@ -609,6 +610,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "persample.dp.private_grad (per-sample clipping and Gaussian noise from one forward "
         "and one backward), SGD with momentum, privacy accounting with Google's dp-accounting.",
     )
+    p.formatter_class = PlainHelp  # (the docstring's markup as text)
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"default {d.epochs}")
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="expected batch size; each example is in a batch with probability "
