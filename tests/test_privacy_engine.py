@@ -104,7 +104,8 @@ def test_the_accounting_and_the_target_epsilon():
             optimizer.step()
     assert engine.accountant.steps == 12
     sigma = optimizer.noise_multiplier
-    assert engine.get_epsilon(1e-5) == pytest.approx(epsilon(sigma, B / N, 12, 1e-5))
+    assert engine.accountant.mechanism() == "prv"  # Opacus's default
+    assert engine.get_epsilon(1e-5) == pytest.approx(epsilon(sigma, B / N, 12, 1e-5, "prv"))
     assert engine.accountant.get_epsilon(delta=1e-5) == engine.get_epsilon(1e-5)  # Opacus's
     assert 1.9 < engine.get_epsilon(1e-5) <= 2.0
 
@@ -398,7 +399,7 @@ def test_the_wrapped_model_passes_attributes_and_loads_either_checkpoint():
 def test_the_accountant_reads_as_opacus_accountants_do():
     from opacus.accountants import RDPAccountant
 
-    engine, theirs = PrivacyEngine(), RDPAccountant()
+    engine, theirs = PrivacyEngine(accountant="rdp"), RDPAccountant()
     model, opt, loader = _made(engine, _twin(0.0))
     for x, y in loader:
         opt.zero_grad()
@@ -490,3 +491,31 @@ def test_batch_norm_is_refused_at_make_private_and_fixed_as_opacus_fixes_it():
     PrivacyEngine().make_private(
         module=fixed, optimizer=torch.optim.SGD(fixed.parameters(), lr=0.1),
         data_loader=DataLoader(data, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_the_default_accountant_gives_opacus_sigma_for_a_target():
+    """Opacus's default accountant (PRV): the noise ``make_private_with_epsilon`` picks for
+    a target is Opacus's (within the calibrations' tolerances); without Opacus, PLD."""
+    import opacus
+
+    sigmas = []
+    for engine in (PrivacyEngine(), opacus.PrivacyEngine()):
+        model = _twin(0.0)
+        _, optimizer, _ = engine.make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=B), target_epsilon=3.0,
+            target_delta=1e-5, epochs=5, max_grad_norm=1.0)
+        sigmas.append(optimizer.noise_multiplier)
+    assert sigmas[0] == pytest.approx(sigmas[1], rel=0.01), sigmas
+
+
+def test_without_opacus_the_default_accountant_is_pld(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "opacus" else real(name, *a))
+    with pytest.warns(UserWarning, match="Opacus is not installed"):
+        engine = PrivacyEngine()
+    _made(engine, _twin(0.0))
+    assert engine.accountant.mechanism() == "pld"

@@ -38,6 +38,8 @@ no second pass; it is for moving a script over first.
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -324,8 +326,8 @@ class PrivacyEngine:
     """Opacus's ``PrivacyEngine`` on persample's DP step (see the module's docstring).
 
     Args:
-        accountant: ``"rdp"`` (Opacus's default ``"prv"`` is taken too, where Opacus is
-            installed), ``"pld"``.
+        accountant: ``"prv"`` (Opacus's default: its PRV accountant, Opacus installed;
+            without Opacus ``"pld"``, as tight, with a warning), ``"rdp"`` or ``"pld"``.
         secure_mode: the noise and the Poisson sampling from the operating system's
             secure generator (:class:`persample.dp.noise.SecureSource`).
 
@@ -353,7 +355,13 @@ class PrivacyEngine:
     al. 2016 (DP-SGD).
     """
 
-    def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False):
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
+        if accountant == "prv" and importlib.util.find_spec("opacus") is None:
+            warnings.warn("accountant='prv' is Opacus's PRV accountant and Opacus is not "
+                          "installed: the privacy loss distribution accountant ('pld') "
+                          "accounts instead, as tight (pass accountant='pld' to say so, or "
+                          "pip install opacus)", stacklevel=2)
+            accountant = "pld"
         self.accountant_kind, self.secure_mode = accountant, secure_mode
         self.steps: list[PrivateStep] = []
 
