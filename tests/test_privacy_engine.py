@@ -519,3 +519,22 @@ def test_without_opacus_the_default_accountant_is_pld(monkeypatch):
         engine = PrivacyEngine()
     _made(engine, _twin(0.0))
     assert engine.accountant.mechanism() == "pld"
+
+
+def test_the_loader_is_a_dp_data_loader_as_opacus_makes_it():
+    from persample.dp import DPDataLoader
+
+    _, _, loader = _made(PrivacyEngine(), _twin(0.0))
+    assert isinstance(loader, DPDataLoader) and loader.sample_rate == pytest.approx(B / N)
+    mine = DPDataLoader.from_data_loader(DataLoader(_data(), batch_size=B),
+                                         generator=torch.Generator().manual_seed(0))
+    assert isinstance(mine, DPDataLoader) and len(mine) == N // B
+    sizes = [len(y) for _ in range(20) for _, y in mine]
+    assert len(set(sizes)) > 3 and abs(sum(sizes) / len(sizes) - B) < 2  # Poisson, mean B
+    empty = DPDataLoader(_data(), sample_rate=1e-9)  # every batch empty, collated as such
+    x, y = next(iter(empty))
+    assert x.shape == (0, 6) and y.shape == (0,)
+    with pytest.raises(ValueError, match="rand_on_empty"):
+        DPDataLoader(_data(), sample_rate=0.1, rand_on_empty=True)
+    with pytest.raises(ValueError, match="batch_size"):
+        DPDataLoader(_data(), sample_rate=0.1, batch_size=4)

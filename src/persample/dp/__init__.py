@@ -38,7 +38,7 @@ from .auditing import Audit, audit
 from .clipping import Clipping
 from .mechanisms import BLT, BandMF
 from .microbatch import Accumulated
-from .privacy_engine import BatchMemoryManager, PrivacyEngine
+from .privacy_engine import BatchMemoryManager, DPDataLoader, PrivacyEngine
 from .sampling import (
     CyclicPoissonSampler,
     CyclicUserPoissonSampler,
@@ -70,6 +70,7 @@ __all__ = [
     "EmptySafeCollate",
     "PrivacyEngine",
     "BatchMemoryManager",
+    "DPDataLoader",
     "ModuleValidator",
     "BandMF",
     "BLT",

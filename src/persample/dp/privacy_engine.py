@@ -646,6 +646,73 @@ def _clipping(clipping: str | Clipping, max_grad_norm: Any, names: list[str],
     return Clipping.layerwise(max_grad_norm)
 
 
+class DPDataLoader(DataLoader):
+    """Opacus's ``DPDataLoader``: a ``DataLoader`` whose batches are Poisson samples of
+    its dataset (each sample in with probability ``sample_rate``, so batch sizes vary and
+    may be 0), collated safely when empty. :meth:`PrivacyEngine.make_private` returns one.
+
+    Args:
+        dataset: a map-style dataset (with a length).
+        sample_rate: ``q`` in ``(0, 1]``; ``round(1 / q)`` batches an iteration.
+        collate_fn: as ``DataLoader``'s (default ``default_collate``); an empty batch
+            comes as the dataset's first sample's tensors with 0 rows.
+        drop_last: ignored (as Opacus's: no batch is dropped).
+        generator: the ``torch.Generator`` that draws the batches; with
+            ``distributed=True`` seeded alike on every rank (default: one seed, rank 0's,
+            :func:`~persample.dp.setup.shared_seeds`).
+        distributed: every rank draws the same Poisson sample and keeps its share.
+        batch_first: must be ``True``.
+        rand_on_empty: must be ``False`` (an empty batch is empty).
+        **kwargs: ``DataLoader``'s other arguments (workers, pinned memory).
+
+    Raises:
+        ValueError: ``batch_first=False``, ``rand_on_empty=True``, a batch size or a
+            sampler given (the Poisson sampler is the loader's), ``q`` outside ``(0, 1]``.
+
+    Examples:
+        >>> from torch.utils.data import TensorDataset
+        >>> data = TensorDataset(torch.randn(100, 3), torch.arange(100))
+        >>> loader = DPDataLoader.from_data_loader(DataLoader(data, batch_size=10))
+        >>> loader.sample_rate, len(loader), isinstance(loader, DataLoader)
+        (0.1, 10, True)
+
+    Source: Opacus (Yousefpour et al. 2021), ``opacus.data_loader.DPDataLoader``; Poisson
+    sampling as DP-SGD's accounting assumes (Abadi et al. 2016).
+    """
+
+    def __init__(self, dataset: Any, *, sample_rate: float, collate_fn: Any = None,
+                 drop_last: bool = False, generator: torch.Generator | None = None,
+                 distributed: bool = False, batch_first: bool = True,
+                 rand_on_empty: bool = False, **kwargs: Any):
+        sampler = kwargs.pop("_batch_sampler", None)  # (make_private's own)
+        taken = [k for k in ("batch_size", "sampler", "batch_sampler", "shuffle") if k in kwargs]
+        if not batch_first or rand_on_empty or taken:
+            raise ValueError("persample's DPDataLoader does not take " + (
+                "batch_first=False" if not batch_first else "rand_on_empty=True"
+                if rand_on_empty else f"{taken[0]}= (its batches are Poisson samples)"))
+        if sampler is None:
+            size, rank = (world() or (1, 0)) if distributed else (1, 0)
+            if size > 1 and generator is None:
+                generator = shared_seeds().sampling_generator()
+            sampler = PoissonBatchSampler(dataset_size(dataset, "dataset"), sample_rate,
+                                          None, generator, rank, size)
+        self.sample_rate, self.distributed = float(sample_rate), distributed
+        super().__init__(dataset, batch_sampler=sampler,
+                         collate_fn=EmptySafeCollate(dataset, collate_fn), **kwargs)
+
+    @classmethod
+    def from_data_loader(cls, data_loader: DataLoader, *, distributed: bool = False,
+                         generator: torch.Generator | None = None, batch_first: bool = True,
+                         rand_on_empty: bool = False) -> DPDataLoader:
+        """``data_loader``'s dataset, collate function and workers, with Poisson batches
+        at rate ``1 / len(data_loader)`` (the same expected batch size), as Opacus's."""
+        options = loader_options(data_loader)
+        collate = options.pop("collate_fn")
+        return cls(data_loader.dataset, sample_rate=1 / len(data_loader), collate_fn=collate,
+                   generator=generator, distributed=distributed, batch_first=batch_first,
+                   rand_on_empty=rand_on_empty, **options)
+
+
 def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep, seeds: Seeds | None,
                     mechanism: Mechanism | None = None) -> DataLoader:
     """The loader's dataset, collate function and workers, with Poisson-sampled batches:
@@ -661,9 +728,8 @@ def _poisson_loader(loader: DataLoader, q: float, step: PrivateStep, seeds: Seed
     sampler = PoissonBatchSampler(n, q, len(loader), source, rank, size) if mechanism is None \
         else CyclicPoissonSampler(n, q, mechanism.cycle_length, len(loader), source, rank,
                                   size)
-    keep = dict(loader_options(loader),
-                collate_fn=EmptySafeCollate(loader.dataset, loader.collate_fn))
-    return DataLoader(loader.dataset, batch_sampler=sampler, **keep)
+    return DPDataLoader(loader.dataset, sample_rate=q, _batch_sampler=sampler,
+                        **loader_options(loader))
 
 
 class BatchMemoryManager:
