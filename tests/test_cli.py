@@ -53,6 +53,7 @@ def test_bench_quick_deep_mlp(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "deep-mlp-grads" in printed and "floor" in printed
     assert "persample (default call) is" in printed
+    assert "of 1 workloads compared" in printed.split("summary (x floor")[1]
     assert figures["machine"]["device"] == "cpu" and figures["machine"]["threads"] == 1
     assert figures["machine"]["load_average_max"] >= 0  # and a warning when above the cores
     (report,) = figures["workloads"]
@@ -205,11 +206,15 @@ def test_bench_curvature_workloads(tmp_path, workload):
         assert m["agrees"], m
 
 
-def test_bench_without_the_reference_library_says_so(tmp_path, monkeypatch):
+def test_bench_without_the_reference_library_says_so(tmp_path, monkeypatch, capsys):
     """kronfluence, the EK-FAC row's reference, not installed: its row says so, and
-    persample's row says its result is unchecked (no crash)."""
+    persample's row says its result is unchecked (no crash); the summary at the end."""
     monkeypatch.setitem(sys.modules, "kronfluence", None)  # (its import then fails)
     figures = bench(tmp_path, "--workload", "ekfac-influence", "--no-memory")
+    printed = capsys.readouterr().out
+    assert "summary (x floor" in printed
+    assert "(no other method agreed)" in printed.split("summary")[-1]
+    assert "ahead of the best other method on 0 of 0 workloads compared (a quick run" in printed
     (report,) = figures["workloads"]
     assert "3 training samples x 1 queries" in report["description"]
     assert report["result_shape"] == [1, 3]

@@ -551,17 +551,60 @@ def _spread(times: list[float]) -> str:
 def _round_range(r: Report) -> str:
     """The speed-up round by round (the rounds are interleaved, so each pair ran under
     the same load): ``" (per round 0.95-1.40x)"``; blank without paired rounds."""
+    found = _round_ratios(r)
+    return "" if found is None else f" (per round {found[0]:.2f}-{found[1]:.2f}x)"
+
+
+def _round_ratios(r: Report) -> tuple[float, float] | None:
+    """The lowest and highest speed-up over the paired rounds; ``None`` without them."""
     ours = next(m for m in r.methods if m.method == r.ours)
     best = next(m for m in r.methods if m.method == r.best_other)
     pairs = list(zip(best.times_ms, ours.times_ms))
     if len(pairs) < 2 or len(best.times_ms) != len(ours.times_ms):
-        return ""
+        return None
     ratios = [b / o for b, o in pairs]
-    return f" (per round {min(ratios):.2f}-{max(ratios):.2f}x)"
+    return min(ratios), max(ratios)
 
 
 def _fmt(value: float | None, spec: str, width: int) -> str:
     return f"{value:>{width}{spec}}" if value is not None else " " * width
+
+
+def format_summary(reports: list[Report], quick: bool = False) -> str:
+    """One screen after the tables: per workload persample's default call and the best
+    other method that agreed with the reference, each x its floor, and the speed-up (the
+    best other's time over persample's) with its range round by round; then how many
+    workloads persample leads. ``quick``: says a quick run's figures are rough.
+
+    Examples:
+        >>> print(format_summary([]))
+        summary: no workload ran
+    """
+    if not reports:
+        return "summary: no workload ran"
+    lines = ["summary (x floor; speed-up: the best other method's time over persample's, "
+             "its range over the rounds in brackets):",
+             f"  {'workload':<24}{'persample':>10}  {'best other':<32}{'speed-up':>9}"]
+    ahead = compared = 0
+    for r in reports:
+        ours = next(m for m in r.methods if m.method == r.ours)
+        mine = "failed" if ours.ratio_to_floor is None else f"{ours.ratio_to_floor:.2f}"
+        if r.best_other is None or r.speedup_over_best_other is None:
+            lines.append(f"  {r.workload:<24}{mine:>10}  (no other method agreed)")
+            continue
+        best = next(m for m in r.methods if m.method == r.best_other)
+        compared += 1
+        ahead += r.speedup_over_best_other >= 1
+        other = f"{r.best_other} {best.ratio_to_floor:.2f}"[:31]
+        spread = _round_ratios(r)
+        lines.append(f"  {r.workload:<24}{mine:>10}  {other:<32}"
+                     f"{r.speedup_over_best_other:>8.2f}x" + (
+                         f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else ""))
+    lines.append(f"persample is ahead of the best other method on {ahead} of {compared} "
+                 "workloads compared" + (" (a quick run: small batches and 2 rounds; the "
+                                         "full run's figures are the ones to quote)"
+                                         if quick else ""))
+    return "\n".join(lines)
 
 
 def format_report(r: Report) -> str:
@@ -823,6 +866,7 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
     loads.append(load_average())
     for skipped in not_run:
         print(f"{skipped['workload']}: {skipped['status']}")
+    print(format_summary(reports, quick))
     busy = load_warning(loads)
     if busy:
         print(busy)

@@ -157,8 +157,8 @@ def finetune(cfg: FinetuneConfig, private: bool, sigma: float,
                        clipping=clipping_of(model, cfg, expected), mechanism=mechanism
                        ) if private else None
     accountant = PrivacyAccountant()
+    reset_peak_rss()  # (the memory earlier runs freed given back first)
     times, rss_before = [], _rss_mb("VmRSS")
-    reset_peak_rss()
     for logical in sampler:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
