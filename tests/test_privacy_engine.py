@@ -488,6 +488,7 @@ def test_batch_norm_is_refused_at_make_private_and_fixed_as_opacus_fixes_it():
                                                             their_m.num_channels)
     assert ModuleValidator.is_valid(fixed) and not ModuleValidator.is_valid(model)
     assert ModuleValidator.fix(model, num_groups=3).bn.num_groups == 3
+    assert type(PrivacyEngine.get_compatible_module(model).bn) is nn.GroupNorm  # Opacus's name
     PrivacyEngine().make_private(
         module=fixed, optimizer=torch.optim.SGD(fixed.parameters(), lr=0.1),
         data_loader=DataLoader(data, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)

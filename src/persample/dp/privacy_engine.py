@@ -66,6 +66,7 @@ from .sampling import (
 )
 from .setup import PhysicalBatches, Seeds, even_parts, physical_batches, shared_seeds
 from .step import PrivateStep
+from .validator import ModuleValidator
 
 
 @dataclass
@@ -364,6 +365,18 @@ class PrivacyEngine:
             accountant = "pld"
         self.accountant_kind, self.secure_mode = accountant, secure_mode
         self.steps: list[PrivateStep] = []
+
+    @classmethod
+    def get_compatible_module(cls, module: nn.Module) -> nn.Module:
+        """Opacus's ``get_compatible_module``: :meth:`ModuleValidator.fix
+        <persample.dp.ModuleValidator.fix>` (a copy, BatchNorm to GroupNorm), validated.
+
+        Examples:
+            >>> net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+            >>> type(PrivacyEngine.get_compatible_module(net)[1]).__name__
+            'GroupNorm'
+        """
+        return ModuleValidator.fix_and_validate(module)
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                      data_loader: DataLoader, noise_multiplier: float,
