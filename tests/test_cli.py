@@ -13,7 +13,12 @@ from persample.cli import build_parser, main, threads
 from persample.cli.real_models import require
 from persample_bench import bench as bench_module
 from persample_bench import bench_options
-from persample_bench.workloads import PROXY_WORKLOADS, REAL_WORKLOADS, SMALL_WORKLOADS
+from persample_bench.workloads import (
+    PROXY_WORKLOADS,
+    QUICK_WORKLOADS,
+    REAL_WORKLOADS,
+    SMALL_WORKLOADS,
+)
 
 pytestmark = pytest.mark.keep_default_dtype  # the benchmark workloads are float32
 
@@ -210,7 +215,7 @@ def test_bench_without_the_reference_library_says_so(tmp_path, monkeypatch, caps
     """kronfluence, the EK-FAC row's reference, not installed: its row says so, and
     persample's row says its result is unchecked (no crash); the summary at the end."""
     monkeypatch.setitem(sys.modules, "kronfluence", None)  # (its import then fails)
-    figures = bench(tmp_path, "--workload", "ekfac-influence", "--no-memory")
+    figures = bench(tmp_path, "--workload", "ekfac-influence", "--batch", "4", "--no-memory")
     printed = capsys.readouterr().out
     assert "summary (x floor" in printed
     assert "(no other method agreed)" in printed.split("summary")[-1]
@@ -245,11 +250,12 @@ def bench_plan(*args: str) -> bench_options.BenchPlan:
     return bench_options.plan(bench_options.build_parser().parse_args(list(args)))
 
 
-def test_quick_selects_the_small_workloads_at_a_small_batch_without_memory_probes():
+def test_quick_selects_the_headline_subset_at_its_own_sizes_without_memory_probes():
     quick = bench_plan("--quick")
-    assert quick.workloads == list(SMALL_WORKLOADS)
-    assert not set(quick.workloads) & set(REAL_WORKLOADS)
-    assert (quick.batch, quick.quick, quick.memory) == (bench_options.QUICK_BATCH, True, False)
+    assert quick.workloads == list(QUICK_WORKLOADS)
+    assert set(quick.workloads) < set(SMALL_WORKLOADS)
+    assert (quick.batch, quick.quick, quick.memory) == (None, True, False)  # the full run's
+    assert bench_plan("--quick", "--no-real").workloads == list(SMALL_WORKLOADS)
     assert bench_plan("--quick", "--batch", "16").batch == 16
     real = bench_plan("--quick", "--real")
     assert real.workloads == list(REAL_WORKLOADS) and not real.memory

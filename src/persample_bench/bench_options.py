@@ -8,11 +8,13 @@ line's extra.
 How the options combine:
 
 - the workloads: those named by ``--workload``, plus the real-size transformers
-  with ``--real``; with neither, the small workloads under ``--quick`` or
-  ``--no-real``, else all of them; ``--no-real`` leaves the real-size ones out in
-  every case;
-- ``--quick``: a smoke run: no warm-up, 2 rounds, a slow method's first run is its
-  time, no memory probes, and a batch of :data:`QUICK_BATCH` unless ``--batch``;
+  with ``--real``; with neither, the headline subset
+  (:data:`~persample_bench.workloads.QUICK_WORKLOADS`) under ``--quick``, the small
+  workloads under ``--no-real``, else all of them; ``--no-real`` leaves the real-size
+  ones out in every case;
+- ``--quick``: a quick run: no warm-up, 2 rounds, a slow method's first run is its
+  time, no memory probes; each workload at its own size (as the full run) unless
+  ``--batch``;
 - ``--batch N``: every workload's batch size, with or without ``--quick``;
 - ``--no-memory``: no memory probes (on the CPU one fresh process per method).
 """
@@ -25,10 +27,13 @@ from dataclasses import dataclass
 from persample.cli.plain import PlainHelp
 from persample.cli.threads import add_threads_argument
 
-from .workloads import PROXY_WORKLOADS, REAL_WORKLOADS, SMALL_WORKLOADS, WORKLOADS
-
-QUICK_BATCH = 4
-"""The batch size of every workload under ``--quick`` (unless ``--batch``)."""
+from .workloads import (
+    PROXY_WORKLOADS,
+    QUICK_WORKLOADS,
+    REAL_WORKLOADS,
+    SMALL_WORKLOADS,
+    WORKLOADS,
+)
 
 
 @dataclass
@@ -38,7 +43,7 @@ class BenchPlan:
     Attributes:
         workloads: names from :data:`~persample_bench.workloads.WORKLOADS`, in its order.
         batch: every workload's batch size, or ``None`` for each workload's own.
-        quick: a smoke run (no warm-up, 2 rounds).
+        quick: a quick run (no warm-up, 2 rounds).
         memory: measure each method's peak memory.
     """
 
@@ -57,7 +62,8 @@ DESCRIPTION = (
     "as its users call it; medians after warm-up, ratios to the floor, peak memory, and "
     "each result's largest difference from the reference. Without options: every "
     "workload at its own batch, with memory probes (tens of minutes on a CPU); "
-    "--quick: a smoke run of the small workloads (a minute or two).")
+    "--quick: the headline rows that fit in two minutes (" + ", ".join(QUICK_WORKLOADS)
+    + "), each at its own size, with fewer rounds and a summary at the end.")
 """What ``--help`` says the benchmark does."""
 
 
@@ -80,11 +86,12 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.set_defaults(command="bench")
     bench.add_argument("--workload", action="append", choices=WORKLOADS,
                        help="run only this workload (repeatable; also under --quick); "
-                       "default: all, or the small ones under --quick or --no-real")
+                       "default: all, the headline subset under --quick, the small ones "
+                       "under --no-real")
     group = bench.add_mutually_exclusive_group()
     group.add_argument("--real", action="store_true",
                        help="the real-size transformers only (with --workload: those too; "
-                       "with --quick: quickly, at the quick batch): "
+                       "with --quick: with fewer rounds): "
                        + ", ".join(REAL_WORKLOADS) + "; seconds per call on a CPU")
     group.add_argument("--no-real", action="store_true",
                        help="leave the real-size transformers out, even when named")
@@ -93,12 +100,13 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "model's on a GPU (with --workload: those too): "
                        + ", ".join(PROXY_WORKLOADS) + "; read the fixed cost per op")
     bench.add_argument("--quick", action="store_true",
-                       help="a smoke run: the small workloads only (unless --real or "
-                       f"--workload), batch {QUICK_BATCH} (unless --batch), no memory "
-                       "probes, no warm-up, 2 rounds, a slow method's first run is its time")
+                       help="a quick run: the headline rows that fit in two minutes ("
+                       + ", ".join(QUICK_WORKLOADS) + "; unless --real or --workload), "
+                       "each at its own size (unless --batch), no memory probes, no "
+                       "warm-up, 2 rounds, a slow method's first run is its time")
     bench.add_argument("--batch", type=int, default=None,
                        help="every workload's batch size, with or without --quick (default: "
-                       f"each workload's own; {QUICK_BATCH} under --quick)")
+                       "each workload's own)")
     add_threads_argument(bench, "torch CPU threads on --device cpu")
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                        help="where models and data go (default cpu); on cuda every timed "
@@ -116,9 +124,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
 def selected_workloads(args: argparse.Namespace) -> list[str]:
     """The workloads ``persample bench`` runs, in :data:`WORKLOADS`' order: those named
     by ``--workload``, plus the real-size ones with ``--real`` and the GPU proxies with
-    ``--proxy``; with none of these, all of
-    them, or the small ones under ``--quick`` or ``--no-real``. ``--no-real`` leaves
-    the real-size ones out even when named.
+    ``--proxy``; with none of these, all of them, the headline subset under ``--quick``,
+    or the small ones under ``--no-real``. ``--no-real`` leaves the real-size ones out
+    even when named.
 
     Examples:
         >>> parse = build_parser().parse_args
@@ -126,7 +134,7 @@ def selected_workloads(args: argparse.Namespace) -> list[str]:
         ['gpt2-768-grads', 'gpt2-768-dp-step']
         >>> selected_workloads(parse(["--workload", "cnn-grads", "--no-real"]))
         ['cnn-grads']
-        >>> selected_workloads(parse(["--quick"])) == list(SMALL_WORKLOADS)
+        >>> selected_workloads(parse(["--quick"])) == list(QUICK_WORKLOADS)
         True
     """
     named = set(args.workload or ())
@@ -134,8 +142,10 @@ def selected_workloads(args: argparse.Namespace) -> list[str]:
         named |= set(REAL_WORKLOADS)
     if args.proxy:
         named |= set(PROXY_WORKLOADS)
+    if not named and args.quick and not args.no_real:
+        return list(QUICK_WORKLOADS)
     if not named:
-        return list(SMALL_WORKLOADS if args.no_real or args.quick else WORKLOADS)
+        return list(SMALL_WORKLOADS if args.no_real else WORKLOADS)
     return [w for w in WORKLOADS if w in named and not (args.no_real and w in REAL_WORKLOADS)]
 
 
@@ -147,6 +157,5 @@ def plan(args: argparse.Namespace) -> BenchPlan:
         ... # doctest: +ELLIPSIS
         BenchPlan(workloads=['cnn-grads', ...], batch=8, quick=True, memory=False)
     """
-    batch = args.batch if args.batch is not None or not args.quick else QUICK_BATCH
-    return BenchPlan(selected_workloads(args), batch, args.quick,
+    return BenchPlan(selected_workloads(args), args.batch, args.quick,
                      memory=not (args.no_memory or args.quick))
