@@ -12,9 +12,9 @@ How the options combine:
   (:data:`~persample_bench.workloads.QUICK_WORKLOADS`) under ``--quick``, the small
   workloads under ``--no-real``, else all of them; ``--no-real`` leaves the real-size
   ones out in every case;
-- ``--quick``: a quick run: no warm-up, 2 rounds, a slow method's first run is its
-  time, no memory probes; each workload at its own size (as the full run) unless
-  ``--batch``;
+- ``--quick``: a quick run: no warm-up, 2 rounds (a method whose first call takes over
+  5 s is timed by that call alone), no memory probes; each workload at its own size (as
+  the full run) unless ``--batch``;
 - ``--batch N``: every workload's batch size, with or without ``--quick``;
 - ``--no-memory``: no memory probes (on the CPU one fresh process per method).
 """
@@ -103,7 +103,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="a quick run: the headline rows that fit in two minutes ("
                        + ", ".join(QUICK_WORKLOADS) + "; unless --real or --workload), "
                        "each at its own size (unless --batch), no memory probes, no "
-                       "warm-up, 2 rounds, a slow method's first run is its time")
+                       "warm-up, 2 rounds (a method whose first call takes over 5 s: that "
+                       "call alone)")
     bench.add_argument("--batch", type=int, default=None,
                        help="every workload's batch size, with or without --quick (default: "
                        "each workload's own)")

@@ -900,7 +900,7 @@ SMALL_WORKLOADS = tuple(w for w in GRAD_WORKLOADS + JACOBIAN_WORKLOADS + DP_WORK
 """The workloads of small models (seconds each; ``persample bench --no-real``)."""
 WORKLOADS = SMALL_WORKLOADS + REAL_WORKLOADS
 QUICK_WORKLOADS = ("cnn-grads", "cnn-dp-step", "ggn-diag", "ekfac-influence")
-"""``persample bench --quick``: the README's headline rows that fit in two minutes and
-2 GB on a 2-core CPU, each at its own size (the tutorial's CNN: per-sample gradients,
+"""``persample bench --quick``: the README's headline rows that fit in two minutes on a
+2-core CPU (about 2.5 GB), each at its own size (the tutorial's CNN: per-sample gradients,
 a DP-SGD step, the exact GGN diagonal; EK-FAC influence, 1,000 x 100). Left out: the
 50-layer MLP (a 1.8 GB result), ResNet-18 (torchvision) and the real-size GPT-2."""
