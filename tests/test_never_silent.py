@@ -782,3 +782,25 @@ def test_the_ggn_refuses_a_non_finite_output_by_sample(name):
     x[4, 0] = float("nan")
     with pytest.raises(FloatingPointError, match=rf"{name}: the output of samples \[4\]"):
         _EDGE_CALLS[name](_edge_net(), x, y)
+
+
+@pytest.mark.parametrize("which", ["influence", "self_influence"])
+def test_influence_names_a_non_finite_sample_by_its_place_in_the_whole_set(which):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    q = (torch.randn(3, 4), torch.randint(0, 3, (3,)))
+    from persample.influence import fit_preconditioner
+
+    fit = fit_preconditioner(net, (x, y), nn.CrossEntropyLoss(), batch_size=5)
+    x[7, 2] = float("nan")  # the third batch of five holds it at its own index 2
+    call = {"influence": lambda: persample.influence(
+                net, (x, y), q, nn.CrossEntropyLoss(), preconditioner=fit, batch_size=5),
+            "self_influence": lambda: persample.self_influence(
+                net, (x, y), nn.CrossEntropyLoss(), preconditioner=fit, batch_size=5)}[which]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and f"{which}: the " in messages[0], messages
+    assert "of samples [7] is not finite" in messages[0], messages

@@ -141,9 +141,11 @@ def per_sample_grads(
         >>> persample.per_sample_grads(net, x, y, nn.CrossEntropyLoss(), flat=True).shape
         torch.Size([16, 67])
     """
-    return grads_taken(model, inputs, targets, loss_fn, method=method, flat=flat,
-                       chunk_size=chunk_size, out=out,
-                       params=params, check=check)[0]
+    result, taken = grads_taken(model, inputs, targets, loss_fn, method=method, flat=flat,
+                                chunk_size=chunk_size, out=out, params=params, check=check)
+    checks.warn_empty("per_sample_grads", len(taken.losses))
+    checks.warn_non_finite("per_sample_grads", taken.losses, "loss")
+    return result
 
 
 def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, *,
@@ -151,17 +153,16 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
                 out: Tensor | None = None,
                 params: Iterable[str | Tensor] | None = None, check: str | int | None = None
                 ) -> tuple[dict[str, Tensor] | Tensor, Taken]:
-    """:func:`per_sample_grads`, and the method that answered (:class:`Taken`, with the
-    certificates run)."""
+    """:func:`per_sample_grads` without its warnings, and the method that answered
+    (:class:`Taken`, with the certificates run and each sample's loss)."""
     check_option(check)
     batch, n, params = checks.validate_call(model, inputs, targets, loss_fn, method,
                                            chunk_size, params)
-    checks.warn_empty("per_sample_grads", n)
     result, dest = _allocate(params, n, (), flat or out is not None, out)
     watched = {id(p): p for p in params.values()}
     step, taken = chunk_size or max(n, 1), Taken()
-    every = torch.empty(n, dtype=torch.float64,  # each sample's loss, from each method (for
-                        device=next(iter(params.values())).device)  # its certificate)
+    every = taken.losses = torch.empty(  # each sample's loss, from each method (for its
+        n, dtype=torch.float64, device=next(iter(params.values())).device)  # certificate)
     for start in range(0, n, step):
         a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
         d = {key: part[start : start + step] for key, part in dest.items()}
@@ -176,7 +177,6 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
                 loop_grads(model, a.as_inputs(), t, loss_fn, losses), params, d),
             taken=taken, hint=lambda: checks.dtype_note(batch, params),
             certify=_grads_checker(model, a, t, loss_fn, params, d, check, losses))
-    checks.warn_non_finite("per_sample_grads", every, "loss")
     return result, taken
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from . import checks
-from .api import per_sample_grads
+from .api import grads_taken
 from .curvature import KFAC, KroneckerFactors
 from .engine import Captured, write_per_sample
 from .engine.factored_batch import matrix_shape
@@ -299,6 +299,10 @@ def influence(model: nn.Module, train: tuple[Any, Any], query: tuple[Any, Any],
         units squared per curvature unit; positive where the training sample's gradient
         helps the query's loss go down with it.
 
+    Warns:
+        RuntimeWarning: a training sample or a query whose loss holds a NaN or an Inf,
+            named by its index in ``train`` or ``query``.
+
     Raises:
         ValueError: as :func:`fit_preconditioner`, and the errors of
             :func:`persample.per_sample_grads`; a ``projector`` of another model or
@@ -327,12 +331,13 @@ def influence(model: nn.Module, train: tuple[Any, Any], query: tuple[Any, Any],
     queries = _preconditioned(model, query, loss_fn, pre, batch_size, params)
     if projector is not None:
         return _projected_scores(model, train, loss_fn, queries, projector, batch_size)
-    scores = []
+    scores, each = [], _Grads("influence", "training loss")
     for inputs, targets in _batches(train, batch_size):
-        grads = per_sample_grads(model, inputs, targets, loss_fn, params=params)
+        grads = each(model, inputs, targets, loss_fn, params)
         scores.append(sum(q.unsqueeze(-1).flatten(1)  # (a 0-dim parameter's (B,) too)
                           @ grads[name].unsqueeze(-1).flatten(1).to(q.dtype).T
                           for name, q in queries.items()))
+    each.warn()
     return torch.cat(scores, 1)
 
 
@@ -352,6 +357,10 @@ def self_influence(model: nn.Module, train: tuple[Any, Any],
     Returns:
         ``(n_train,)``, in the units of :func:`influence`'s scores.
 
+    Warns:
+        RuntimeWarning: a training sample whose loss holds a NaN or an Inf, named by its
+            index in ``train``.
+
     Raises:
         ValueError: as :func:`influence`.
 
@@ -370,13 +379,14 @@ def self_influence(model: nn.Module, train: tuple[Any, Any],
     pre = preconditioner or fit_preconditioner(
         model, train, loss_fn, curvature=curvature, damping=damping, fisher=fisher,
         kind=kind, batch_size=batch_size, params=params)
-    out = []
+    out, each = [], _Grads("self_influence", "loss")
     for inputs, targets in _batches(train, batch_size):
-        grads = per_sample_grads(model, inputs, targets, loss_fn, params=params)
+        grads = each(model, inputs, targets, loss_fn, params)
         grads = {k: g.to(accumulate_dtype(g.dtype)) for k, g in grads.items()}
         pre_grads = pre.apply(grads)
         out.append(sum((pre_grads[k] * grads[k]).unsqueeze(-1).flatten(1).sum(1)
                        for k in grads))
+    each.warn()
     return torch.cat(out)
 
 
@@ -399,12 +409,33 @@ def _preconditioned(model: nn.Module, query: tuple[Any, Any], loss_fn: Callable,
                     pre: Preconditioner, batch_size: int, params: Any) -> dict[str, Tensor]:
     """``{name: (n_query, *shape)}``: each query's gradient through the inverse."""
     parts: dict[str, list[Tensor]] = {}
+    each = _Grads("influence", "query loss")
     for inputs, targets in _batches(query, batch_size):
-        grads = per_sample_grads(model, inputs, targets, loss_fn, params=params)
+        grads = each(model, inputs, targets, loss_fn, params)
         grads = {k: g.to(accumulate_dtype(g.dtype)) for k, g in grads.items()}
         for name, g in pre.apply(grads).items():
             parts.setdefault(name, []).append(g)
+    each.warn()
     return {name: torch.cat(p) for name, p in parts.items()}
+
+
+class _Grads:
+    """Per-sample gradients batch by batch (``grads_taken``), each sample's loss kept:
+    one warning at the end names the samples whose loss is not finite by their index in
+    the whole set (``what``: whose loss, in ``function``'s words)."""
+
+    def __init__(self, function: str, what: str):
+        self.function, self.what, self.losses = function, what, []
+
+    def __call__(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
+                 params: Any) -> dict[str, Tensor]:
+        grads, taken = grads_taken(model, inputs, targets, loss_fn, params=params)
+        self.losses.append(taken.losses)
+        return grads
+
+    def warn(self) -> None:
+        if self.losses:
+            checks.warn_non_finite(self.function, torch.cat(self.losses), self.what)
 
 
 def _batches(data: tuple[Any, Any], size: int):

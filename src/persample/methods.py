@@ -57,6 +57,7 @@ class Taken:
     plan: str = ""  # the rules' last capture: from an earlier call's data flow, or new
     certificates: list = field(default_factory=list)  # each certificate run, in order
     mixing: bool = False  # the rules found samples mixed (LossNotPerSampleError)
+    losses: Any = None  # (n,) each sample's loss, where the call had a loss
 
     def describe(self) -> str:
         """``"rules"``, or the method taken and why."""
