@@ -255,9 +255,8 @@ def param_jacobian(
         (an MLP 784->20->10 at B=256 in float32: 163 MB).
 
     Warns:
-        UserWarning: an empty batch (0 samples).
-        RuntimeWarning: a sample whose result holds a NaN or an Inf, naming it (its
-            results are not finite either).
+        RuntimeWarning: a sample whose rows of the result hold a NaN or an Inf, naming
+            it.
 
     Raises:
         ValueError: a model whose output is not one tensor with the batch in dim 0,
@@ -301,19 +300,21 @@ def param_jacobian(
                     _select(loop_jacobian(model, a.as_inputs()), o, params), params, d),
                 taken=taken, hint=lambda: checks.dtype_note(batch, params),
                 certify=_jacobian_checker(model, a, params, d, check, o, num_out))
-    checks.warn_non_finite("param_jacobian", _finite_rows(dest.values(), n), "result")
+    checks.warn_non_finite("param_jacobian", _row_sums(dest.values(), n), "result")
     if isinstance(result, dict):
         return {name: t.view(n, *out_shape, *t.shape[2:]) for name, t in result.items()}
     return result
 
 
-def _finite_rows(parts: Any, n: int) -> Tensor:
-    """``(n,)``: 1 where every part ``(n, ...)`` is finite in that sample's rows, else NaN
-    (what :func:`persample.checks.warn_non_finite` reads)."""
-    ok = torch.ones(n, dtype=torch.bool)
+def _row_sums(parts: Any, n: int) -> Tensor:
+    """``(n,)`` float64: each sample's entries summed over every part ``(n, ...)``, not
+    finite where one of them is not (what :func:`persample.checks.warn_non_finite`
+    reads); one read of the result, no copy of it (the parts may be strided views)."""
+    total = None
     for t in parts:
-        ok = ok.to(t.device) & torch.isfinite(t.reshape(n, -1)).all(1)
-    return torch.where(ok, 1.0, float("nan"))
+        rows = t.sum(dim=tuple(range(1, t.dim())), dtype=torch.float64)  # (n,)
+        total = rows if total is None else total + rows
+    return torch.zeros(n, dtype=torch.float64) if total is None else total
 
 
 def _jacobian_checker(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter],
