@@ -520,8 +520,8 @@ class PrivacyEngine:
 
         Args:
             path: a file name or a binary file object, as ``torch.save`` takes.
-            module: the model :meth:`make_private` returned (its names are the user's
-                module's) or the module itself.
+            module: the model :meth:`make_private` returned (its state under Opacus's
+                ``_module.`` names) or the module itself.
             optimizer, noise_scheduler, grad_clip_scheduler: saved where given.
             checkpoint_dict: entries to save beside them.
             module_state_dict_kwargs, torch_save_kwargs: passed on.
