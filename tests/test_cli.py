@@ -133,7 +133,8 @@ def test_module_entry_point_help(command):
     assert "--device" in done.stdout and "--no-memory" in done.stdout
     assert "_memory-probe" not in done.stdout  # internal
     text = " ".join(done.stdout.split())  # how the options combine, the default threads
-    assert "the small workloads only (unless --real or --workload)" in text
+    assert ("the headline rows that fit in two minutes (" + ", ".join(QUICK_WORKLOADS)
+            + "; unless --real or --workload), each at its own size") in text
     assert "1-minute load average" in text
 
 
