@@ -269,7 +269,7 @@ def check_finite(norms: Tensor) -> None:
         ...
         FloatingPointError: the gradients of samples [1] are not finite (NaN or Inf), ...
     """
-    bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+    bad = checks.non_finite_samples(norms)
     if bad:
         raise FloatingPointError(
             f"the gradients of samples {bad[:10]}{'...' if len(bad) > 10 else ''} are not "
