@@ -10,7 +10,8 @@ factors of the curvature from the same records) and :func:`per_sample_ggn_diag` 
 :func:`supported` / :func:`verify` to check a custom model (every result is also
 certified on the first call of each plan: :mod:`persample.certificate`),
 :func:`empty_cache` to free the result memory persample keeps for reuse,
-:func:`clear_plans` / :func:`cache_plans` for the data flow it keeps from earlier calls,
+:func:`clear_plans` / :func:`cache_plans` / :func:`compile_calls` for the data flow it keeps
+from earlier calls,
 and
 :class:`PackedRows` to pass the rows of several samples packed into one tensor.
 """
@@ -20,7 +21,7 @@ from .certificate import checking
 from .curvature import KFAC, ggn_diag, per_sample_ggn_diag
 from .dots import per_sample_grad_dots
 from .draws import DrawNotReplayable
-from .engine.tapes import cache_plans, clear_plans
+from .engine.tapes import cache_plans, clear_plans, compile_calls
 from .errors import (
     CertificateError,
     InternalError,
@@ -56,6 +57,7 @@ __all__ = [
     "empty_cache",
     "clear_plans",
     "cache_plans",
+    "compile_calls",
     "loop_param_jacobian",
     "loop_per_sample_grads",
     "forward_per_sample_grads",

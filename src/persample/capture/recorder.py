@@ -182,6 +182,9 @@ class Capture:
         self._replay = tape  # the steps of an earlier capture of this call
         self.tracer: Any = None  # traces the forward (persample.capture.lean.Tracer)
         self.replayed = 0  # ops whose data flow was taken from the tape
+        # a compiled graph's first call ran under it: keeps the graph's plan, given
+        # whether the call's plan took the rules alone (persample.capture.compiled)
+        self.settle: Callable[[bool], None] | None = None
         for t in free_tensors(model, shared):
             self.layouts[t] = SHARED
         for item in batched:

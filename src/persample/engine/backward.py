@@ -23,11 +23,14 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
-from ..capture.lean import Deopt, LeanCapture, Program, Tracer
+from ..capture.compiled import Cannot, Compiled, CompiledCapture, broken, compiled_of, unmark
+from ..capture.lean import Deopt, LeanCapture, Program, Tracer, _restore
 from ..capture.stock import StockCapture, Template, template_of
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
 from ..loss import per_sample_losses
+from ..patches import WhileCapturing
+from ..precision import autocast_state
 from ..rules import open_capture
 from ..sharded import fsdp_units, gatherer
 from . import tapes
@@ -59,7 +62,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     tape = tapes.tape_for(model, key)
     template = tapes.stock_for(model, key)
     with torch.enable_grad():
-        cap, output = _forward(model, batch, watched, inputs, tape, template)
+        cap, output = _forward(model, batch, watched, inputs, tape, template,
+                               compiles=not units)
         value = root(output, cap)
     traced = None
     if cap.tracer is not None:  # (after a program that failed: one more failure counted)
@@ -92,6 +96,15 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
             "tensor it was written into in place, or a tensor kept from an earlier call)")
     if isinstance(cap, (StockCapture, LeanCapture)):
         tapes.keep(model, key, tape)
+        if type(cap) is LeanCapture and not units and (
+                tapes.lean_ran(model, key) >= tapes.COMPILE_AFTER):
+            tapes.keep_stock(model, key, compiled_of(model, cap.program) or cap.program)
+    elif cap.settle is not None:  # (the compiled graph's first call: tape and program kept)
+        plain = _plain(result, cap)
+        cap.settle(plain)
+        tapes.keep(model, key, tape)
+        if not plain:
+            tapes.keep_stock(model, key, template.program)
     else:
         tapes.keep(model, key, cap.steps)
         plain = _plain(result, cap)
@@ -99,6 +112,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
         if found is None and cap.tracer is not None:
             found = traced if plain else None
             found = tapes.RETRY if found is None else found
+            if isinstance(found, Program) and tapes.COMPILE_AFTER == 0 and not units:
+                found = compiled_of(model, found) or found
         elif found is None and isinstance(template, int):
             found = template - 1 if template > 1 else None  # (then traced again)
         tapes.keep_stock(model, key, found)
@@ -109,8 +124,9 @@ def captured_forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Param
                      v: int = 1) -> tuple[Capture, Any]:
     """The forward as a call of the engine runs it (autograd on): under the full capture
     with the tape an earlier call like it left, or unintercepted where that call left a
-    stock model's template (:mod:`persample.capture.stock`); ``(capture, output)``. What
-    the benchmark times against the plain forward.
+    stock model's template (:mod:`persample.capture.stock`) or compiled
+    (:mod:`persample.capture.compiled`); ``(capture, output)``. What the benchmark times
+    against the plain forward.
 
     Examples:
         >>> net = torch.nn.Linear(3, 2)
@@ -123,18 +139,31 @@ def captured_forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Param
     inputs = located(batch)
     key = tapes.key_of(batch.n, v, inputs)
     with torch.enable_grad():
-        return _forward(model, batch, watched, inputs, tapes.tape_for(model, key),
-                        tapes.stock_for(model, key))
+        cap, output = _forward(model, batch, watched, inputs, tapes.tape_for(model, key),
+                               tapes.stock_for(model, key), compiles=not fsdp_units(model))
+    if cap.settle is not None:  # (a compiled graph's first call: its plan kept or not)
+        with internal("planning the per-sample work"):
+            cap.settle(_plain(plan(cap, watched), cap))
+    return cap, output
 
 
 def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], inputs: list,
-             tape: list | None, template: Template | Program | int | None
-             ) -> tuple[Capture, Any]:
+             tape: list | None, template: Template | Program | Compiled | int | None,
+             compiles: bool = False) -> tuple[Capture, Any]:
     """The forward under a capture: unintercepted where a stock model's template holds
-    (:mod:`persample.capture.stock`), each op checked against an earlier call's program
-    where one holds (:mod:`persample.capture.lean`), else (or where either's guards fail,
-    the forward then run again) under the full capture, which traces a program where
-    the call has a tape and no template (or a program that failed)."""
+    (:mod:`persample.capture.stock`), compiled where an earlier call's program has held
+    often (:mod:`persample.capture.compiled`, where ``compiles``), each op checked
+    against an earlier call's program where one holds (:mod:`persample.capture.lean`),
+    else (or where the guards fail, the forward then run again) under the full capture,
+    which traces a program where the call has a tape and no template (or a program that
+    failed)."""
+    if isinstance(template, Compiled):
+        if compiles and not template.dead and tape is not None and not batch.shared and (
+                template.program.holds(watched, inputs)):
+            got = _compiled(model, batch, watched, inputs, tape, template)
+            if got is not None:
+                return got
+        template = template.program
     if tape is not None and isinstance(template, Template) and template.holds(
             model, watched, inputs):
         with StockCapture(model, watched, batch.n, inputs, template, tape) as cap:
@@ -162,7 +191,58 @@ def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], i
     return cap, output
 
 
+def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], inputs: list,
+              tape: list, template: Compiled) -> tuple[Capture, Any] | None:
+    """The forward compiled (:mod:`persample.capture.compiled`): ``(capture, output)``,
+    or ``None`` where it did not run as a plan of its graph (then autograd's and
+    autocast's modes and the default generators are put back; where it never can,
+    ``template.dead``)."""
+    if WhileCapturing.users:  # (a capture open in any thread: compiled code runs eagerly)
+        return None
+    with torch._C.DisableTorchFunction():
+        saved = (torch.is_grad_enabled(), autocast_state(),
+                 [(g, g.get_state()) for g in _generators()])
+    cap = CompiledCapture(watched, batch.n, inputs, template.program, tape, lambda: (
+        open_capture(model, watched, batch.n, inputs, batch.shared)))
+    try:
+        with cap:
+            try:
+                output = template.fn(model, batch.args, batch.kwargs)
+            finally:
+                if cap.got is None:  # (traced in this call: the model left as it was)
+                    unmark(model, template.marked)
+    except Cannot:
+        template.dead = True
+    except Exception:  # (TorchDynamo cannot trace it, or the model's own error: the full
+        template.dead = True  # capture raises that again)
+        broken(model)
+    else:
+        if cap.analysis is not None:
+            cap.analysis.settle = cap.keep_plan
+            return cap.analysis, output
+        if cap.finish(output):
+            return cap, output
+        del output
+        template.fails += 1  # (run otherwise, or another data flow)
+        if template.fails >= 3:
+            template.dead = True
+            if cap.got is None:  # (TorchDynamo ran the forward without the graph)
+                broken(model)
+    _restore(saved)
+    return None
+
+
+def _generators() -> list[torch.Generator]:
+    """The default generators a forward's random ops may draw from (CPU, and each CUDA
+    device's where CUDA is initialised)."""
+    found = [torch.default_generator]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        found.extend(torch.cuda.default_generators)
+    return found
+
+
 def _plain(result: Plan, cap: Capture) -> bool:
+
     """Does every parameter the forward read take an op's rule (or make a derived tensor
     that ops taking rules read), with nothing left to the module rules, the fallback or
     autograd's confirmation?"""

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ..batch import Batched, Layout, front_cotangents
 from ..capture import Capture, Edge
+from ..capture.compiled import CompiledCapture
 from ..capture.lean import LeanCapture
 from ..capture.stock import StockCapture
 from .paths import Path, Plan, edge_key
@@ -55,6 +56,10 @@ class Captured:
             return (f"cached: torch's own layers only, run as they are (no op intercepted; "
                     f"the {len(self.capture.ops)} layers that read parameters kept by a hook "
                     "each), the data flow an earlier call's like it")
+        if isinstance(self.capture, CompiledCapture):
+            return (f"cached: compiled (its forward one TorchDynamo graph, no op "
+                    f"intercepted; the {len(self.capture.ops)} ops that read parameters "
+                    "kept by the graph), the data flow an earlier call's like it")
         if isinstance(self.capture, LeanCapture):
             return (f"cached: each of its {len(self.capture.program.entries)} forward ops "
                     "checked against the program of an earlier call like it (its data flow "

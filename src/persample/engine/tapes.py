@@ -16,11 +16,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..capture.compiled import _ENABLED as COMPILED_ON
+from ..capture.compiled import Compiled
 from ..capture.lean import Program
 from ..capture.stock import Template
 from ..capture.tape import Step
 
 PER_MODEL = 8  # tapes kept per model (the most recently used)
+COMPILE_AFTER = 4  # calls that ran a program before the forward is compiled
 RETRY = 64  # a call whose program could not be kept: full calls before tracing again
 
 _TAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -29,6 +32,7 @@ _TAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # full captures before tracing one again
 _STOCK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENABLED = [True]
+_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: calls}
 
 
 def tape_for(model: nn.Module, key: tuple) -> list[Step | None] | None:
@@ -79,6 +83,18 @@ def keep_stock(model: nn.Module, key: tuple, template: Template | Program | int 
         kept.pop(next(iter(kept)))
 
 
+def lean_ran(model: nn.Module, key: tuple) -> int:
+    """Count a call on ``model`` with ``key`` that ran its program; how many have."""
+    try:
+        counts = _LEAN.setdefault(model, {})
+    except TypeError:
+        return 0
+    counts[key] = counts.get(key, 0) + 1
+    if len(counts) > PER_MODEL:
+        counts.pop(next(iter(counts)))
+    return counts[key]
+
+
 def key_of(n: int, v: int, inputs: list[tuple[Tensor, Any]]) -> tuple:
     """Which tape a call may use: its batch size, cotangents per sample, and each input
     tensor's shape, dtype and device (the tape's steps check everything else, op by
@@ -105,6 +121,7 @@ def clear_plans() -> None:
     """
     _TAPES.clear()
     _STOCK.clear()
+    _LEAN.clear()
 
 
 def cache_plans(enabled: bool = True) -> bool:
@@ -133,4 +150,48 @@ def cache_plans(enabled: bool = True) -> bool:
     if not enabled:
         _TAPES.clear()
         _STOCK.clear()
+    return before
+
+
+def compile_calls(enabled: bool = True) -> bool:
+    """Turn compiling the forward of a call that keeps coming back on or off (for every
+    later call).
+
+    A call whose plan has held for a few calls like it (same model, batch size and input
+    shapes; :data:`COMPILE_AFTER`) is a training loop. Its forward is then handed to
+    TorchDynamo (``torch.compile`` with a backend of persample's own; one graph,
+    guarded by TorchDynamo's checks of every Python value it was traced from), and later
+    calls run that graph as plain torch calls with no op intercepted: the per-op cost
+    of persample's capture is gone, the data flow is the one the full capture decided
+    (:mod:`persample.capture.compiled`). The first such call traces the graph (about a
+    second for a small transformer); a forward TorchDynamo cannot take as one graph (a
+    branch on a tensor's values, ``.item()``) keeps the checked program instead. Off,
+    the cached calls check each op against the earlier call's program
+    (:mod:`persample.capture.lean`). Results are the same either way. TorchDynamo is
+    Ansel et al., "PyTorch 2: Faster Machine Learning Through Dynamic Python Bytecode
+    Transformation and Graph Compilation" (ASPLOS 2024).
+
+    Args:
+        enabled: compile (the default) or not.
+
+    Returns:
+        bool: whether compiling was on before this call (to restore it).
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+
+    Examples:
+        >>> import persample
+        >>> before = persample.compile_calls(False)
+        >>> persample.compile_calls(before)
+        False
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"compile_calls(enabled=...) takes a bool, got {type(enabled).__name__}")
+    before, COMPILED_ON[0] = COMPILED_ON[0], enabled
+    if not enabled:
+        for kept in _STOCK.values():
+            for key, found in list(kept.items()):
+                if isinstance(found, Compiled):
+                    kept[key] = found.program
     return before

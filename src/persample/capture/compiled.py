@@ -1,0 +1,459 @@
+"""The cached call of any model with no op intercepted: its forward compiled by
+TorchDynamo into one graph, the graph run as plain torch calls.
+
+A call that has run its :class:`~persample.capture.lean.Program` (every op checked
+against an earlier call's, about 50 us an op here) a few times over is a training loop.
+Its forward is then handed to TorchDynamo (``torch.compile`` with a backend of
+persample's own, :func:`compiled_for`, one graph or none: ``fullgraph=True``), which
+turns it into a graph of torch calls and guards it: the graph runs again only while
+every Python value it was traced from still holds (the model's modules, their flags,
+the functions they call, the shapes, dtypes and ``requires_grad`` of every tensor read,
+autograd's mode); where one does not, it traces again, and a branch on a tensor's
+values cannot be traced at all (then this path is not taken).
+
+The first time a graph runs for a call, the graph is run under the full capture
+(:class:`~persample.capture.recorder.Capture` with a
+:class:`~persample.capture.lean.Tracer`), node by node (:class:`_Analysis`): that
+decides every tensor's layout as any call's capture does, and leaves a :class:`Plan`:
+which nodes' values the records need (the operands and outputs of the ops that read
+parameters; those of the ops whose data flow may read values, decided again at every
+call), and the layouts of the graph's outputs. Each later call runs a copy of the graph
+that also returns those values (:class:`CompiledCapture`), and makes the records from
+them as :class:`~persample.capture.lean.LeanCapture` does: the per-op cost of the
+forward is then a few Python calls per op that reads parameters, none for the others.
+
+Beyond TorchDynamo's guards, a call takes a plan only where each tensor the graph reads
+is what it was when the plan was made: the same input of the batch (by place), a
+watched parameter, or neither (a buffer, a frozen parameter), each with the same
+``requires_grad``. Where anything differs, or TorchDynamo runs the forward without the
+graph (another thread's capture, a recompilation limit), the forward runs again under
+the full capture (the default generators put back first: its random ops draw what they
+would have drawn).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import weakref
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..batch import op_leaves, propagate
+from ..precision import autocast_state
+from .edges import edge_of
+from .lean import PARAM, LeanCapture, Program, Tracer, _outputs, _same_flow, _stands_for
+from .records import Call, Derived, Op, shapes_only
+from .tensors import KEPT, tensor_leaves
+
+_LOCAL = threading.local()  # .job: the CompiledCapture of this thread's call, if any
+_NUMBER = count()
+
+
+class Cannot(BaseException):
+    """The graph cannot take a plan for this call (raised before it runs anything)."""
+
+
+@dataclass(eq=False)
+class Plan:
+    """What a graph's call needs kept, for one kind of call (see the module docstring)."""
+
+    program: Program  # the analysis's: its entries, layouts and reads
+    graph: torch.fx.GraphModule  # the graph, returning the values below after its own
+    n_out: int  # how many outputs the graph itself returns
+    reads: tuple  # per op reading parameters: (its Op's index, func, args, kwargs, out,
+    # entry), each tensor a _Slot of the values
+    decide: tuple  # per op whose data flow may read values: (func, args, kwargs, out, entry)
+    keep: tuple  # per op whose shared outputs outlive the call as constants: its out
+    outputs: tuple  # per graph output: its layout, or None where it is no tensor
+    calls: tuple  # per op reading parameters: (name, weakref to the module) or None
+
+
+class _Slot:
+    """The ``k``-th value the graph's copy returns, in an op's arguments."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+
+def _fill(x: Any, values: tuple) -> Any:
+    """``x`` with each :class:`_Slot` replaced by its value."""
+    kind = type(x)
+    if kind is _Slot:
+        return values[x.k]
+    if kind is tuple or kind is list:
+        return kind(_fill(a, values) for a in x)
+    if kind is dict:
+        return {k: _fill(a, values) for k, a in x.items()}
+    return x
+
+
+def _slotted(x: Any, slot: Any) -> Any:
+    """``x`` with each tensor replaced by ``slot(tensor)``."""
+    if isinstance(x, Tensor):
+        return slot(x)
+    if type(x) in (tuple, list):
+        return type(x)(_slotted(a, slot) for a in x)
+    if type(x) is dict:
+        return {k: _slotted(a, slot) for k, a in x.items()}
+    return x
+
+
+class _Runner:
+    """TorchDynamo's answer for one graph: runs it as the calling thread's call wants
+    (analysed, run with its values kept), or as it is outside persample's calls."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.plans: dict[tuple, Plan | None] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        job = getattr(_LOCAL, "job", None)
+        if job is None:
+            return self.gm(*args)
+        return job.run(self, args)
+
+
+def _backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    return _Runner(gm)
+
+
+_STATIC = "_dynamo_static_input_type"  # what TorchDynamo's tracing sets on parameters
+
+
+def _marked(model: nn.Module) -> frozenset[int]:
+    """The parameters and buffers of ``model`` that carry TorchDynamo's static mark."""
+    return frozenset(id(t) for t in (*model.parameters(), *model.buffers())
+                     if _STATIC in t.__dict__)
+
+
+def unmark(model: nn.Module, kept: frozenset[int]) -> None:
+    """Take TorchDynamo's static mark, which its tracing set, off ``model``'s parameters
+    and buffers (but those in ``kept``, marked before): the model is left as it was."""
+    for t in (*model.parameters(), *model.buffers()):
+        if _STATIC in t.__dict__ and id(t) not in kept:
+            del t.__dict__[_STATIC]
+
+
+def _call(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    return model(*args, **kwargs)
+
+
+def compiled_for(model: nn.Module) -> Any:
+    """``model``'s forward as ``f(model, args, kwargs)``, compiled by TorchDynamo with
+    persample's backend. Each model gets a code object of its own: its graphs and guards
+    are kept apart from every other model's (and from the user's own ``torch.compile``).
+    """
+    code = _call.__code__.replace(co_name=f"_persample_forward_{next(_NUMBER)}")
+    fn = types.FunctionType(code, _call.__globals__, code.co_name)
+    return torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)
+
+
+def kind_of(args: tuple, inputs: list, watched: dict) -> tuple:
+    """Which tensor each input of the graph is, as a plan is made for it: the batch's
+    input at a place, a watched parameter (which one), or another tensor (and its
+    ``requires_grad``); other values as they are."""
+    found = []
+    for a in args:
+        if isinstance(a, Tensor):
+            place = next((k for k, (t, _) in enumerate(inputs) if t is a), None)
+            if place is not None:
+                found.append(("input", place))
+            elif watched.get(id(a)) is a:  # (by identity: the records name it)
+                found.append(("watched", id(a)))
+            else:
+                found.append(("other", a.requires_grad))
+        elif isinstance(a, (int, float, bool, str, type(None))):
+            found.append(("value", type(a), a))
+        else:
+            found.append(("object", id(a)))
+    return tuple(found)
+
+
+def _with_outputs(gm: torch.fx.GraphModule, nodes: list) -> tuple[torch.fx.GraphModule, int]:
+    """A copy of ``gm`` that returns ``nodes``' values after its own outputs."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    out_node = None
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            out_node = node
+            continue
+        env[node] = graph.node_copy(node, lambda m: env[m])
+    own = out_node.args[0]
+    if not isinstance(own, (tuple, list)):
+        raise _NoPlan("a graph whose output is not a tuple")
+    graph.output(tuple(torch.fx.map_arg(tuple(own), lambda m: env[m]))
+                 + tuple(env[m] for m in nodes))
+    return torch.fx.GraphModule(gm, graph), len(own)
+
+
+class _NoPlan(Exception):
+    """Why a graph's call can take no plan."""
+
+
+class _Keeping(Tracer):
+    """A tracer that also keeps each entry's op as it ran: ``(func, args, kwargs, out)``."""
+
+    def __init__(self, cap: Any, inputs: list):
+        super().__init__(cap, inputs)
+        self.ran: list = []
+
+    def traced(self, func, args: tuple, kwargs: dict) -> Any:
+        k = len(self.entries)
+        out = super().traced(func, args, kwargs)
+        if self.dead is None:
+            if len(self.entries) != k + 1:
+                self.dead = "an op that made no entry"
+            else:
+                self.ran.append((func, args, kwargs, out))
+        return out
+
+
+def _calls(ops: list, program: Program) -> list:
+    """The module call each op reading parameters ran in, by the eager forward's
+    program (the graph has no module calls) where its reads are the same ops on the same
+    parameters, in order; ``None`` each where they are not."""
+    reads = program.reads
+    if len(reads) != len(ops) or any(
+            dict(op.sources) != read.sources or list(op.layouts) != list(read.layouts)
+            for op, read in zip(ops, reads)):
+        return [None] * len(ops)
+    found = []
+    for read in reads:
+        module = read.call[1]() if read.call is not None else None
+        found.append(None if module is None else Call(read.call[0], module))
+    return found
+
+
+def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
+            output: tuple, calls: list) -> Plan:
+    """The plan of a graph's call that ran under ``cap`` (a full capture traced by
+    ``tracer``), ``values`` the value of each node of ``gm``, ``calls`` the module call
+    of each of its ops reading parameters (or ``None``); raises :class:`_NoPlan`."""
+    program = tracer.program(cap, list(output))
+    if program is None:
+        raise _NoPlan(tracer.dead or "no program")
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    for n in nodes:
+        if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", ""):
+            raise _NoPlan("autocast entered inside the forward")
+    producer: dict[int, Any] = {}
+    for n, v in zip(nodes, values):
+        if isinstance(v, Tensor):
+            producer.setdefault(id(v), n)
+    wanted: dict = {}
+
+    def slot(t: Tensor) -> _Slot:
+        n = producer.get(id(t))
+        if n is None:
+            raise _NoPlan("a tensor made outside the graph's nodes")
+        return _Slot(wanted.setdefault(n, len(wanted)))
+
+    reads, decide, keep = [], [], []
+    for e, (func, args, kwargs, out) in zip(program.entries, tracer.ran):
+        if e.kind is PARAM:
+            reads.append((e.op, func, _slotted(args, slot), _slotted(kwargs, slot),
+                          _slotted(out, slot), e))
+        elif e.decide:
+            decide.append((func, _slotted(args, slot), _slotted(kwargs, slot),
+                           _slotted(out, slot), e))
+        if e.keep:
+            keep.append(_slotted(out, slot))
+    if len(tracer.ran) != len(program.entries) or len(reads) != len(program.reads):
+        raise _NoPlan("ops that ran and entries differ")
+    reads.sort(key=lambda r: r[0])
+    layouts = []
+    numbers = tracer.numbers
+    for o in output:
+        k = numbers.of(o) if isinstance(o, Tensor) else None
+        layouts.append(None if k is None else program.layouts[k])
+    graph, n_out = _with_outputs(gm, list(wanted))
+    names = tuple(None if c is None else (c.name, weakref.ref(c.module)) for c in calls)
+    return Plan(program, graph, n_out, tuple(reads), tuple(decide), tuple(keep),
+                tuple(layouts), names)
+
+
+class CompiledCapture(LeanCapture):
+    """A capture of a call that runs the compiled forward (see the module docstring).
+
+    Where the graph has a plan for the call, :meth:`finish` with the model's output
+    makes the records from the values its copy returned (``False``: the forward ran
+    otherwise or its data flow differs: run it again under the full capture). Where it
+    has none yet, the graph runs under the full capture ``analyse()`` makes, which is
+    then this call's (:attr:`analysis`; :meth:`keep_plan` keeps its plan once the call's
+    plan is known). :class:`Cannot` propagates out of a graph that can take no plan.
+    """
+
+    def __init__(self, watched: dict, n: int, batched: list, program: Program, tape: list,
+                 analyse: Any):
+        super().__init__(watched, n, batched, program, tape)
+        self.inputs = batched
+        self.analyse = analyse
+        self.layouts.fallback = None
+        self.got: tuple | None = None  # (plan, values, the graph's outputs)
+        self.analysis: Any = None  # the full capture the graph ran under
+        self.pending: tuple | None = None  # (runner, key, plan or the reason for none)
+
+    def __enter__(self) -> CompiledCapture:
+        if getattr(_LOCAL, "job", None) is not None:
+            raise Cannot
+        _LOCAL.job = self
+        return self
+
+    def __exit__(self, _type, exc, _tb) -> None:
+        _LOCAL.job = None
+
+    def run(self, runner: _Runner, args: tuple) -> Any:
+        """The graph's run for this call (called by TorchDynamo's code)."""
+        if self.got is not None or self.analysis is not None:
+            raise Cannot  # (a second graph: not one forward)
+        key = kind_of(args, self.inputs, self.watched)
+        plan = runner.plans.get(key, False)
+        if plan is None:
+            raise Cannot
+        if plan is False:
+            return self._analysed(runner, key, args)
+        out = plan.graph(*args)
+        self.got = (plan, out[plan.n_out:], out[:plan.n_out])
+        return out[:plan.n_out]
+
+    def _analysed(self, runner: _Runner, key: tuple, args: tuple) -> Any:
+        gm = runner.gm
+        nodes = [n for n in gm.graph.nodes if n.op != "output"]
+        everything, n_out = _with_outputs(gm, nodes)
+        cap = self.analyse()
+        tracer = cap.tracer = _Keeping(cap, self.inputs)
+        _LOCAL.job = None  # (the graph's own calls, if any, run as they are)
+        try:
+            with cap:
+                out = everything(*args)
+        finally:
+            _LOCAL.job = self
+        own, values = out[:n_out], out[n_out:]
+        self.analysis = cap
+        calls = _calls(cap.ops, self.program)
+        for op, call in zip(cap.ops, calls):
+            op.call = call
+        try:
+            self.pending = (runner, key, plan_of(gm, cap, tracer, values, own, calls))
+        except _NoPlan as why:
+            self.pending = (runner, key, str(why))
+        cap.tracer = None
+        return own
+
+    def keep_plan(self, plain: bool) -> None:
+        """Keep the analysed graph's plan for later calls like this one, if the call's
+        plan took the rules alone (``plain``); else mark the graph as taking none."""
+        if self.pending is not None:
+            runner, key, plan = self.pending
+            runner.plans[key] = plan if plain and isinstance(plan, Plan) else None
+            self.pending = None
+
+    def finish(self, output: Any) -> bool:
+        """After the forward: did it run one plan's graph, with the data flow of its
+        analysis? Then the records, and the output's layouts."""
+        if self.got is None:
+            return False
+        plan, values, outs = self.got
+        program = plan.program
+        ctx = self.lean_ctx
+        for func, args, kwargs, out, entry in plan.decide:
+            args, kwargs = _fill(args, values), _fill(kwargs, values)
+            self._deciding = (op_leaves(args, kwargs), entry.layouts)
+            flow = propagate(ctx, func, args, kwargs, _fill(out, values), list(entry.layouts))
+            if not _same_flow(flow, entry.flow):
+                return False
+        for o, lay in zip(outs, plan.outputs):  # (every one: a distribution's too)
+            if lay is not None:
+                self.layouts[o] = lay
+        for t in tensor_leaves(output):
+            if not any(o is t for o in outs):
+                return False
+        state = self.no_autocast
+        if state is None:
+            state = autocast_state()
+        with torch._C.DisableTorchFunction():
+            for index, func, args, kwargs, out, entry in plan.reads:
+                args, kwargs, out = _fill(args, values), _fill(kwargs, values), _fill(
+                    out, values)
+                leaves = op_leaves(args, kwargs)
+                read, call = program.reads[index], plan.calls[index]
+                if call is not None:
+                    module = call[1]()
+                    if module is None:
+                        return False
+                    call = Call(call[0], module)
+                op = Op(func, args, kwargs, out, leaves, list(read.layouts), read.flow,
+                        read.sources, call, index=index)
+                op.sources_all = frozenset().union(*read.sources.values())
+                op.autocast = state
+                op.versions = [t._version for t in leaves]
+                made = _outputs(out)
+                op.edges = [edge_of(o) for o in made]
+                op.output = read.output if _stands_for(read.output, out) else shapes_only(
+                    out, read.flow.outputs)
+                self.ops.append(op)
+                for k in entry.derives:
+                    self.derived[id(made[k])] = Derived(made[k], op, k, made[k]._version)
+            for out in plan.keep:
+                for o in _outputs(_fill(out, values)):
+                    if not o.requires_grad:
+                        KEPT.add(o)
+        return True
+
+
+@dataclass(eq=False)
+class Compiled:
+    """A call that runs its forward compiled: the function (:func:`compiled_for`, one per
+    model) and the program it was taken from (run where the compiled call cannot)."""
+
+    fn: Any
+    program: Program
+    marked: frozenset[int]  # the model's tensors TorchDynamo's static mark was on before
+    dead: bool = False  # it cannot run (then the program runs)
+    fails: int = 0  # calls whose forward ran, but not as a plan of its graph
+
+
+_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (fn, marked)
+_BROKEN: weakref.WeakSet = weakref.WeakSet()  # models TorchDynamo could not compile
+_ENABLED = [True]
+
+
+def broken(model: nn.Module) -> None:
+    """``model``'s forward could not be compiled (or ran otherwise): not tried again."""
+    try:
+        _BROKEN.add(model)
+    except TypeError:
+        pass
+
+
+def compiled_of(model: nn.Module, program: Program) -> Compiled | None:
+    """The compiled call of ``model`` for calls that run ``program``, where TorchDynamo
+    can run it: ``None`` where compiling is off or unsupported, or for a model that is
+    compiled already or distributed (``DistributedDataParallel``)."""
+    if not _ENABLED[0]:
+        return None
+    try:
+        import torch._dynamo as dynamo
+    except Exception:  # (a build without TorchDynamo)
+        return None
+    if not dynamo.is_dynamo_supported() or isinstance(
+            model, (dynamo.eval_frame.OptimizedModule,
+                    torch.nn.parallel.DistributedDataParallel)):
+        return None
+    if model in _BROKEN:
+        return None
+    found = _FNS.get(model)
+    if found is None:
+        try:
+            found = _FNS[model] = (compiled_for(model), _marked(model))
+        except TypeError:  # (no weak reference to the model)
+            return None
+    return Compiled(found[0], program, found[1])

@@ -1,0 +1,292 @@
+"""The compiled call (persample.capture.compiled): once a call's program has held, its
+forward runs as one TorchDynamo graph with no op intercepted, and every answer still
+equals the loop's in float64, whatever changed between calls."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import persample
+from persample.capture import Capture
+from persample.capture.compiled import Compiled, CompiledCapture
+from persample.capture.lean import LeanCapture, Program
+from persample.engine import tapes
+
+B = T = 6  # batch size, sequence length and width coincide: nothing inferred from sizes
+D = 6
+
+
+@pytest.fixture(autouse=True)
+def compile_at_once(monkeypatch):
+    """The forward compiled from the call after the one that traced its program."""
+    monkeypatch.setattr(tapes, "COMPILE_AFTER", 0)
+    persample.clear_plans()
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Per call since: did it run the compiled graph's plan (True), or not (False)."""
+    found = []
+    finish = CompiledCapture.finish
+
+    def spy(self, output):
+        done = finish(self, output)
+        found.append(done)
+        return done
+
+    monkeypatch.setattr(CompiledCapture, "finish", spy)
+    return found
+
+
+def _check(model, x, y, loss_fn, rtol=1e-10, atol=1e-12):
+    fast = persample.per_sample_grads(model, x, y, loss_fn, method="rules")
+    slow = persample.loop_per_sample_grads(model, x, y, loss_fn)
+    assert fast.keys() == slow.keys()
+    for name in slow:
+        torch.testing.assert_close(fast[name], slow[name], rtol=rtol, atol=atol)
+
+
+def _kept(model):
+    return list(tapes._STOCK.get(model, {}).values())
+
+
+def _bert():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=D, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=2 * D,
+                                  num_labels=3, max_position_embeddings=16)
+    return transformers.BertForSequenceClassification(cfg).eval().double()
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=D, n_layer=2, n_head=2,
+                                  n_positions=16, num_labels=3, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=1)
+    return transformers.GPT2ForSequenceClassification(cfg).eval().double()
+
+
+def _logits_loss(out, y):
+    return F.cross_entropy(out.logits, y, reduction="none")
+
+
+@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_transformers_run_compiled_and_stay_exact(make, ran):
+    torch.manual_seed(0)
+    model, y = make(), torch.randint(0, 3, (B,))
+    for k in range(5):
+        ids = torch.randint(2, 50, (B, T))
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[k % B, T - 2:] = 0  # (another sample padded in each call)
+        _check(model, {"input_ids": ids, "attention_mask": mask}, y, _logits_loss)
+    assert any(isinstance(kept, Compiled) for kept in _kept(model))
+    assert ran[-2:] == [True, True], ran
+    note = persample.verify(model, {"input_ids": ids, "attention_mask": mask}, y,
+                            _logits_loss).plan
+    assert note.startswith("cached: compiled"), note
+
+
+def test_a_steady_call_follows_no_forward_op(monkeypatch, ran):
+    """Counted: in the steady state no forward op reaches a capture or a program's
+    check; only the loss's ops are followed."""
+    torch.manual_seed(0)
+    model, y = _bert(), torch.randint(0, 3, (B,))
+    inputs = {"input_ids": torch.randint(2, 50, (B, T))}
+    for _ in range(4):
+        persample.per_sample_grads(model, inputs, y, _logits_loss)
+    seen, checked = [], []
+    record, run = Capture.record, LeanCapture.run
+
+    def counting(self, func, args, kwargs):
+        seen.append(func)
+        return record(self, func, args, kwargs)
+
+    def checking(self, func, args, kwargs):
+        checked.append(func)
+        return run(self, func, args, kwargs)
+
+    monkeypatch.setattr(Capture, "record", counting)
+    monkeypatch.setattr(LeanCapture, "run", checking)
+    persample.per_sample_grads(model, inputs, y, _logits_loss)
+    assert ran[-1] is True
+    assert len(seen) <= 3 and not checked, (seen, checked)
+
+
+class Switch(nn.Module):
+    """Paths taken by Python attributes (no branch on values: one graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.head = nn.Linear(D, 2)
+        self.register_buffer("scale", torch.ones(D))
+        self.dim, self.perm, self.wire = 1, None, "own"
+
+    def forward(self, x):  # (B, T, D)
+        h = torch.tanh(self.lin(x)) * self.scale  # (B, T, D)
+        if self.perm is not None:  # rows of each sample taken by an index of this call
+            h = h[:, self.perm]
+        if self.wire == "shared":  # the same ops on a tensor with no sample in it
+            h = torch.sin(self.scale.expand_as(h) * 1.0) + h.detach() * 0
+            h = h.mean(0, keepdim=True) + self.lin(x)
+        return self.head(h.sum(self.dim))  # dim 1: per sample; dim 0: sums the samples
+
+
+def _data():
+    torch.manual_seed(0)
+    return torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 2, (B,))
+
+
+def _steady(model, x, y, loss, ran):
+    for _ in range(4):
+        _check(model, x, y, loss)
+    assert ran[-1] is True, ran
+
+
+def test_an_attribute_that_changes_an_argument_is_caught(ran):
+    model, (x, y) = Switch().double(), _data()
+    loss = nn.CrossEntropyLoss()
+    _steady(model, x, y, loss, ran)
+    model.dim = 0  # (B == T: the same shapes)
+    with pytest.raises(persample.LossNotPerSampleError, match="reduces over the batch"):
+        persample.per_sample_grads(model, x, y, loss, method="rules")
+    model.dim = 1
+    _check(model, x, y, loss)
+    assert ran[-1] is True
+
+
+def test_an_input_from_elsewhere_is_caught(ran):
+    model, (x, y) = Switch().double(), _data()
+    loss = nn.CrossEntropyLoss()
+    _steady(model, x, y, loss, ran)
+    model.wire = "shared"  # its mean over dim 0 now mixes per-sample rows
+    with pytest.raises(persample.LossNotPerSampleError, match="batch"):
+        persample.per_sample_grads(model, x, y, loss, method="rules")
+
+
+def test_index_values_are_read_in_every_call(ran):
+    model, (x, y) = Switch().double(), _data()
+    loss = nn.CrossEntropyLoss()
+    model.perm = torch.arange(T)
+    _steady(model, x, y, loss, ran)
+    model.perm = torch.tensor([2, 0, 3, 1, 5, 4])  # same shape, other rows per sample
+    _check(model, x, y, loss)
+    model.perm = torch.tensor([1, 1, 1, 0, 0, 0])
+    _check(model, x, y, loss)
+    assert ran[-1] is True
+
+
+def test_buffers_parameters_and_modules_changed_between_calls(ran):
+    model, (x, y) = Switch().double(), _data()
+    loss = nn.CrossEntropyLoss()
+    _steady(model, x, y, loss, ran)
+    model.scale.mul_(3.0)  # a buffer's values
+    _check(model, x, y, loss)
+    with torch.no_grad():
+        model.lin.weight.add_(1.0)  # a parameter's values
+    _check(model, x, y, loss)
+    model.lin.weight.requires_grad_(False)  # frozen
+    _check(model, x, y, loss)
+    model.lin.weight.requires_grad_(True)
+    model.lin = nn.Linear(D, D).double()  # a replaced layer
+    _check(model, x, y, loss)
+    model.register_buffer("scale", torch.full((D,), 2.0, dtype=torch.float64))  # replaced
+    _check(model, x, y, loss)
+    model.float()  # other dtypes
+    _check(model, x.float(), y, loss, rtol=1e-5, atol=1e-6)
+    _check(model, x.float()[:4], y[:4], loss, rtol=1e-5, atol=1e-6)  # another batch size
+
+
+class Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, D), nn.Linear(D, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        if bool((x[:, 0] > 5).any()):  # a branch on values: no one graph
+            h = h + h.mean(0, keepdim=True)
+        return self.head(h)
+
+
+def test_a_branch_on_values_keeps_the_program(ran):
+    torch.manual_seed(0)
+    model = Branch().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 2, (B,))
+    for _ in range(4):
+        _check(model, x, y, F.cross_entropy)
+    assert not any(ran)  # (TorchDynamo refused the one graph: the program kept instead)
+    assert _kept(model) and all(isinstance(kept, Program) for kept in _kept(model))
+    x2 = x.clone()
+    x2[3, 0] = 9.0  # the branch that mixes the samples
+    with pytest.raises(persample.LossNotPerSampleError):
+        persample.per_sample_grads(model, x2, y, F.cross_entropy, method="rules")
+
+
+class Logits(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(input_ids=ids).logits
+
+
+def test_training_mode_draws_as_the_forward_that_ran(ran):
+    """Dropout on (BERT's, 0.1): each call's draws are the forward's own, against one
+    batch forward under the same seed, and the generator is left where it would be."""
+    from persample.reference import forward_per_sample_grads
+
+    model, y = Logits(_bert().train()), torch.randint(0, 3, (B,))
+    for k in range(5):
+        ids = torch.randint(2, 50, (B, T))
+        torch.manual_seed(k)
+        fast = persample.per_sample_grads(model, ids, y, F.cross_entropy)
+        after = torch.rand(3)
+        torch.manual_seed(k)
+        slow = forward_per_sample_grads(model, ids, y, F.cross_entropy)
+        assert torch.equal(after, torch.rand(3))
+        for name in slow:
+            torch.testing.assert_close(fast[name], slow[name], rtol=1e-10, atol=1e-12)
+    assert ran[-2:] == [True, True], ran
+
+
+def test_the_model_is_not_kept_alive(ran):
+    model, y = _gpt2(), torch.randint(0, 3, (B,))
+    inputs = {"input_ids": torch.randint(2, 50, (B, T))}
+    for _ in range(4):
+        persample.per_sample_grads(model, inputs, y, _logits_loss)
+    assert ran[-1] is True
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+class Scaled(nn.Module):
+    """Not an ``nn.Sequential`` of torch's layers: the stock path does not take it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 3))
+
+    def forward(self, x):
+        return self.inner(x) * 2.0
+
+
+def test_gradient_norms_take_it(ran):
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(4):
+        norms = persample.per_sample_grad_norms(model, x, y, F.cross_entropy)
+    assert ran[-1] is True
+    slow = persample.loop_per_sample_grads(model, x, y, F.cross_entropy)
+    want = torch.cat([g.flatten(1) for g in slow.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms, want, rtol=1e-10, atol=1e-12)
