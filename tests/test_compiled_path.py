@@ -290,3 +290,129 @@ def test_gradient_norms_take_it(ran):
     slow = persample.loop_per_sample_grads(model, x, y, F.cross_entropy)
     want = torch.cat([g.flatten(1) for g in slow.values()], 1).norm(dim=1)
     torch.testing.assert_close(norms, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_hook_added_later_is_followed(ran):
+    """A forward hook registered after the graph was traced changes the forward:
+    TorchDynamo traces it again, and the answer follows the hook."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(4):
+        _check(model, x, y, F.cross_entropy)
+    assert ran[-1] is True
+    handle = model.inner[0].register_forward_hook(lambda m, a, out: out * 3.0 + 1.0)
+    try:
+        _check(model, x, y, F.cross_entropy)
+        _check(model, x, y, F.cross_entropy)
+        assert ran[-1] is True
+    finally:
+        handle.remove()
+    _check(model, x, y, F.cross_entropy)
+
+
+def test_certified_calls_replay_the_draws_of_the_compiled_forward(ran):
+    """A certificate asked for every call checks the compiled call's rows against one
+    batch forward that draws what it drew."""
+    model, y = Logits(_bert().train()), torch.randint(0, 3, (B,))
+    ids = torch.randint(2, 50, (B, T))
+    for _ in range(5):
+        persample.per_sample_grads(model, ids, y, F.cross_entropy, check="always")
+    assert ran[-2:] == [True, True], ran
+
+
+class AutocastInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            h = torch.tanh(self.lin(x))
+        return self.head(h)
+
+
+def test_autocast_entered_inside_keeps_the_program(ran):
+    torch.manual_seed(0)
+    model = AutocastInside().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(5):
+        _check(model, x, y, F.cross_entropy)
+    assert not any(ran)
+
+
+def test_compile_calls_off_and_on(ran):
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    before = persample.compile_calls(False)
+    try:
+        assert before is True
+        for _ in range(4):
+            _check(model, x, y, F.cross_entropy)
+        assert not ran and not any(isinstance(k, Compiled) for k in _kept(model))
+    finally:
+        persample.compile_calls(before)
+    for _ in range(3):
+        _check(model, x, y, F.cross_entropy)
+    assert ran[-1] is True
+    with pytest.raises(TypeError, match="takes a bool"):
+        persample.compile_calls("no")
+
+
+def test_the_model_is_left_as_it_was(ran):
+    """TorchDynamo's tracing marks the parameters it reads; the marks are taken off."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(4):
+        _check(model, x, y, F.cross_entropy)
+    assert ran[-1] is True
+    assert all(not vars(p) for p in model.parameters())
+
+
+def test_a_global_hook_added_later_is_followed(ran):
+    """TorchDynamo guards no global module hook: with one registered, the forward runs
+    under the program, and the answer follows the hook."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(4):
+        _check(model, x, y, F.cross_entropy)
+    assert ran[-1] is True
+    done = len(ran)
+
+    def hook(module, args, out):
+        return out * 2.0 + 1.0 if isinstance(module, nn.Linear) else None
+
+    handle = nn.modules.module.register_module_forward_hook(hook)
+    try:
+        for _ in range(3):
+            _check(model, x, y, F.cross_entropy)
+        assert len(ran) == done
+    finally:
+        handle.remove()
+    _check(model, x, y, F.cross_entropy)
+    assert ran[-1] is True
+
+
+@pytest.mark.parametrize("when", ["after the trace", "before the trace"])
+def test_a_patched_torch_function_is_followed(monkeypatch, ran, when):
+    """TorchDynamo guards none of torch's functions, and the graph's code calls them by
+    name: a patched one (after the trace, or before it: the trace inlined the patch)
+    keeps the program, and the answer follows the patch."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    original = torch.tanh
+    if when == "before the trace":
+        monkeypatch.setattr(torch, "tanh", lambda t: original(t) * 0.5)
+    for _ in range(4):
+        _check(model, x, y, F.cross_entropy)
+    if when == "after the trace":
+        assert ran[-1] is True
+        monkeypatch.setattr(torch, "tanh", lambda t: original(t) * 0.5)
+    done = sum(ran)
+    for _ in range(3):
+        _check(model, x, y, F.cross_entropy)
+    assert sum(ran) == done

@@ -11,9 +11,9 @@ the functions they call, the shapes, dtypes and ``requires_grad`` of every tenso
 autograd's mode); where one does not, it traces again, and a branch on a tensor's
 values cannot be traced at all (then this path is not taken).
 
-The first time a graph runs for a call, the graph is run under the full capture
-(:class:`~persample.capture.recorder.Capture` with a
-:class:`~persample.capture.lean.Tracer`), node by node (:class:`_Analysis`): that
+The first time a graph runs for a kind of call, a copy of it returning every node's
+value runs under the full capture (:class:`~persample.capture.recorder.Capture` with a
+:class:`~persample.capture.lean.Tracer`; that call is then a full capture's): that
 decides every tensor's layout as any call's capture does, and leaves a :class:`Plan`:
 which nodes' values the records need (the operands and outputs of the ops that read
 parameters; those of the ops whose data flow may read values, decided again at every
@@ -21,18 +21,26 @@ call), and the layouts of the graph's outputs. Each later call runs a copy of th
 that also returns those values (:class:`CompiledCapture`), and makes the records from
 them as :class:`~persample.capture.lean.LeanCapture` does: the per-op cost of the
 forward is then a few Python calls per op that reads parameters, none for the others.
+The graph has no module calls: each record's module is the eager forward's, where the
+program's reads are the same ops on the same parameters.
 
 Beyond TorchDynamo's guards, a call takes a plan only where each tensor the graph reads
-is what it was when the plan was made: the same input of the batch (by place), a
+is what it was when the plan was made: the same input of the batch (by place), the same
 watched parameter, or neither (a buffer, a frozen parameter), each with the same
-``requires_grad``. Where anything differs, or TorchDynamo runs the forward without the
+``requires_grad``. Where anything differs the graph is analysed again; where the data
+flow of an op that may read values differs, or TorchDynamo runs the forward without the
 graph (another thread's capture, a recompilation limit), the forward runs again under
 the full capture (the default generators put back first: its random ops draw what they
-would have drawn).
+would have drawn). TorchDynamo's tracing marks the parameters it reads (an attribute);
+the marks are taken off after it, so that the model is left as it was.
+
+TorchDynamo: Ansel et al., "PyTorch 2: Faster Machine Learning Through Dynamic Python
+Bytecode Transformation and Graph Compilation" (ASPLOS 2024).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 import weakref
@@ -52,6 +60,7 @@ from .tensors import KEPT, tensor_leaves
 
 _LOCAL = threading.local()  # .job: the CompiledCapture of this thread's call, if any
 _NUMBER = count()
+PLANS = 8  # kinds of call one graph keeps a plan for
 
 
 class Cannot(BaseException):
@@ -105,6 +114,58 @@ def _slotted(x: Any, slot: Any) -> Any:
     return x
 
 
+class Namespaces:
+    """torch's namespaces as a graph was traced from them: TorchDynamo does not guard the
+    functions it calls there (``torch.tanh``, ``F.gelu``), so a function patched after
+    the trace would not run. :meth:`hold` is a dict version read per namespace while
+    nothing changed; where one did, every name it had must still be the same object
+    (a name added, a lazily imported submodule, is no change)."""
+
+    def __init__(self) -> None:
+        spaces = _namespaces()
+        self.versions = [dict_version(vars(m)) for m in spaces]
+        self.copies = [dict(vars(m)) for m in spaces]
+
+    def hold(self) -> bool:
+        for k, m in enumerate(_namespaces()):
+            now = vars(m)
+            version = dict_version(now)
+            if version == self.versions[k]:
+                continue
+            if any(now.get(name, _MISSING) is not value
+                   for name, value in self.copies[k].items()):
+                return False
+            self.versions[k] = version
+        return True
+
+
+_MISSING = object()
+
+
+def _namespaces() -> tuple:
+    import torch.nn.functional as F
+
+    return torch, F, torch._C._nn, torch.special, torch.linalg, torch.fft
+
+
+def dict_version(d: dict) -> int:
+    """CPython's version tag of a dict (changed by every write to it), as TorchDynamo's
+    guards read it."""
+    from torch._C._dynamo.guards import dict_version as version
+
+    return version(d)
+
+
+def global_hooks() -> bool:
+    """Is any global module hook registered (``register_module_forward_hook``...)?
+    TorchDynamo does not guard them."""
+    from torch.nn.modules import module as torch_module
+
+    return any(getattr(torch_module, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks", "_global_forward_hooks_always_called"))
+
+
 class _Runner:
     """TorchDynamo's answer for one graph: runs it as the calling thread's call wants
     (analysed, run with its values kept), or as it is outside persample's calls."""
@@ -112,6 +173,11 @@ class _Runner:
     def __init__(self, gm: torch.fx.GraphModule):
         self.gm = gm
         self.plans: dict[tuple, Plan | None] = {}
+        self.namespaces = Namespaces()  # (as they were when it was traced)
+        # its code calls torch's functions by name: none may be patched (the patch, which
+        # the trace inlined, would run again)
+        self.sound = all(_resolves(n.target) for n in gm.graph.nodes
+                         if n.op == "call_function")
 
     def __call__(self, *args: Any) -> Any:
         job = getattr(_LOCAL, "job", None)
@@ -152,7 +218,22 @@ def compiled_for(model: nn.Module) -> Any:
     """
     code = _call.__code__.replace(co_name=f"_persample_forward_{next(_NUMBER)}")
     fn = types.FunctionType(code, _call.__globals__, code.co_name)
-    return torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)
+    import torch._dynamo as dynamo
+
+    def run(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        with dynamo.config.patch(_GUARDS):  # (read when a graph's guards are made)
+            return compiled(model, args, kwargs)
+
+    return run
+
+
+# TorchDynamo's guards it leaves out by default, each unsafe for persample: hooks added to
+# or removed from a module after the trace (the graph would run without them), a
+# parameter passed twice, a tensor changed in place where its module's dict did not
+_GUARDS = {"skip_nnmodule_hook_guards": False,
+           "skip_no_tensor_aliasing_guards_on_parameters": False,
+           "skip_tensor_guards_with_matching_dict_tags": False}
 
 
 def kind_of(args: tuple, inputs: list, watched: dict) -> tuple:
@@ -166,9 +247,9 @@ def kind_of(args: tuple, inputs: list, watched: dict) -> tuple:
             if place is not None:
                 found.append(("input", place))
             elif watched.get(id(a)) is a:  # (by identity: the records name it)
-                found.append(("watched", id(a)))
+                found.append(("watched", id(a), a.shape, a.dtype))
             else:
-                found.append(("other", a.requires_grad))
+                found.append(("other", a.requires_grad, a.shape, a.dtype))
         elif isinstance(a, (int, float, bool, str, type(None))):
             found.append(("value", type(a), a))
         else:
@@ -230,6 +311,25 @@ def _calls(ops: list, program: Program) -> list:
         module = read.call[1]() if read.call is not None else None
         found.append(None if module is None else Call(read.call[0], module))
     return found
+
+
+def _resolves(target: Any) -> bool:
+    """Does the name the graph's code calls ``target`` by (``torch.tanh``: looked up when
+    it runs) give ``target`` itself? Not where the function was patched: the graph would
+    call the patch, which it has traced already."""
+    from torch.fx.node import _get_qualified_name
+
+    try:
+        name = _get_qualified_name(target)
+    except Exception:  # (no name: the graph holds the object itself)
+        return True
+    if not name.startswith("torch"):
+        return True
+    parts = name.split(".")
+    found: Any = sys.modules.get(parts[0])
+    for part in parts[1:]:
+        found = getattr(found, part, _MISSING)
+    return found is target
 
 
 def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
@@ -314,11 +414,15 @@ class CompiledCapture(LeanCapture):
         """The graph's run for this call (called by TorchDynamo's code)."""
         if self.got is not None or self.analysis is not None:
             raise Cannot  # (a second graph: not one forward)
+        if not runner.sound or not runner.namespaces.hold():
+            raise Cannot  # (a function of torch's patched, before the trace or since)
         key = kind_of(args, self.inputs, self.watched)
         plan = runner.plans.get(key, False)
         if plan is None:
             raise Cannot
         if plan is False:
+            if len(runner.plans) >= PLANS:  # (a value among its inputs that keeps changing)
+                raise Cannot
             return self._analysed(runner, key, args)
         out = plan.graph(*args)
         self.got = (plan, out[plan.n_out:], out[:plan.n_out])

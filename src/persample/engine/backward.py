@@ -23,7 +23,15 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
-from ..capture.compiled import Cannot, Compiled, CompiledCapture, broken, compiled_of, unmark
+from ..capture.compiled import (
+    Cannot,
+    Compiled,
+    CompiledCapture,
+    broken,
+    compiled_of,
+    global_hooks,
+    unmark,
+)
 from ..capture.lean import Deopt, LeanCapture, Program, Tracer, _restore
 from ..capture.stock import StockCapture, Template, template_of
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
@@ -31,6 +39,7 @@ from ..inputs import Batch
 from ..loss import per_sample_losses
 from ..patches import WhileCapturing
 from ..precision import autocast_state
+from ..rng import snapshot
 from ..rules import open_capture
 from ..sharded import fsdp_units, gatherer
 from . import tapes
@@ -197,11 +206,10 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
     or ``None`` where it did not run as a plan of its graph (then autograd's and
     autocast's modes and the default generators are put back; where it never can,
     ``template.dead``)."""
-    if WhileCapturing.users:  # (a capture open in any thread: compiled code runs eagerly)
-        return None
+    if WhileCapturing.users or global_hooks():  # (a capture open in any thread: compiled
+        return None  # code runs eagerly; a global module hook: TorchDynamo guards none)
     with torch._C.DisableTorchFunction():
-        saved = (torch.is_grad_enabled(), autocast_state(),
-                 [(g, g.get_state()) for g in _generators()])
+        saved = (torch.is_grad_enabled(), autocast_state(), snapshot())
     cap = CompiledCapture(watched, batch.n, inputs, template.program, tape, lambda: (
         open_capture(model, watched, batch.n, inputs, batch.shared)))
     try:
@@ -230,15 +238,6 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
                 broken(model)
     _restore(saved)
     return None
-
-
-def _generators() -> list[torch.Generator]:
-    """The default generators a forward's random ops may draw from (CPU, and each CUDA
-    device's where CUDA is initialised)."""
-    found = [torch.default_generator]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        found.extend(torch.cuda.default_generators)
-    return found
 
 
 def _plain(result: Plan, cap: Capture) -> bool:

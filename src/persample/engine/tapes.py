@@ -23,7 +23,7 @@ from ..capture.stock import Template
 from ..capture.tape import Step
 
 PER_MODEL = 8  # tapes kept per model (the most recently used)
-COMPILE_AFTER = 4  # calls that ran a program before the forward is compiled
+COMPILE_AFTER = 2  # calls that ran a program before the forward is compiled
 RETRY = 64  # a call whose program could not be kept: full calls before tracing again
 
 _TAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
