@@ -22,6 +22,15 @@ B = T = 6  # batch size, sequence length and width coincide: nothing inferred fr
 D = 6
 
 
+@pytest.fixture(autouse=True)
+def programs_not_compiled():
+    """The program's own path: a call that keeps coming back is not compiled here
+    (tests/test_compiled_path.py runs the same questions compiled)."""
+    before = persample.compile_calls(False)
+    yield
+    persample.compile_calls(before)
+
+
 def _check(model, x, y, loss_fn, rtol=1e-10, atol=1e-12):
     fast = persample.per_sample_grads(model, x, y, loss_fn, method="rules")
     slow = persample.loop_per_sample_grads(model, x, y, loss_fn)
