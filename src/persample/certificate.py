@@ -256,7 +256,7 @@ class Checker:
                  ) -> Certificate | None:
         key = (*self.key, how)
         cert = None
-        if uncertifiable(self.model) is None and due(self.check, self.model, key):
+        if due(self.check, self.model, key) and uncertifiable(self.model) is None:
             cert = run()
         if cert is None or cert.ok:
             called(self.model, key)

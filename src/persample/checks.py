@@ -272,7 +272,10 @@ def non_finite_samples(values: Tensor) -> list[int]:
     """
     if values.numel() == 0 or not values.is_floating_point():
         return []
-    rows = torch.isfinite(values.detach().reshape(values.shape[0], -1)).all(1)  # (n,)
+    finite = torch.isfinite(values.detach())
+    if finite.all():  # (the common case: one reduction)
+        return []
+    rows = finite.reshape(values.shape[0], -1).all(1)  # (n,)
     return (~rows).nonzero().flatten().tolist()
 
 

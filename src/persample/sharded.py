@@ -45,8 +45,6 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     except ImportError:  # a torch built without distributed support
         return []
-    if not torch.distributed.is_initialized() and not FSDPModule.__subclasses__():
-        return []  # (either needs a process group; fully_shard makes a subclass)
     units = []
     for name, m in model.named_modules():
         if isinstance(m, FullyShardedDataParallel):

@@ -75,7 +75,7 @@ class Plan:
     graph: torch.fx.GraphModule  # the graph, returning the values below after its own
     n_out: int  # how many outputs the graph itself returns
     reads: tuple  # per op reading parameters: (its Op's index, func, args, kwargs, out,
-    # entry), each tensor a _Slot of the values
+    # entry, its leaves' indices, every parameter it reads), each tensor a _Slot
     decide: tuple  # per op whose data flow may read values: (func, args, kwargs, out, entry)
     keep: tuple  # per op whose shared outputs outlive the call as constants: its out
     outputs: tuple  # per graph output: its layout, or None where it is no tensor
@@ -359,8 +359,11 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
     reads, decide, keep = [], [], []
     for e, (func, args, kwargs, out) in zip(program.entries, tracer.ran):
         if e.kind is PARAM:
+            leaves = tuple(slot(t).k for t in op_leaves(args, kwargs))
+            sources = program.reads[e.op].sources
             reads.append((e.op, func, _slotted(args, slot), _slotted(kwargs, slot),
-                          _slotted(out, slot), e))
+                          _slotted(out, slot), e, leaves,
+                          frozenset().union(*sources.values())))
         elif e.decide:
             decide.append((func, _slotted(args, slot), _slotted(kwargs, slot),
                            _slotted(out, slot), e))
@@ -484,10 +487,10 @@ class CompiledCapture(LeanCapture):
         if state is None:
             state = autocast_state()
         with torch._C.DisableTorchFunction():
-            for index, func, args, kwargs, out, entry in plan.reads:
+            for index, func, args, kwargs, out, entry, at, sources_all in plan.reads:
                 args, kwargs, out = _fill(args, values), _fill(kwargs, values), _fill(
                     out, values)
-                leaves = op_leaves(args, kwargs)
+                leaves = [values[k] for k in at]
                 read, call = program.reads[index], plan.calls[index]
                 if call is not None:
                     module = call[1]()
@@ -496,7 +499,7 @@ class CompiledCapture(LeanCapture):
                     call = Call(call[0], module)
                 op = Op(func, args, kwargs, out, leaves, list(read.layouts), read.flow,
                         read.sources, call, index=index)
-                op.sources_all = frozenset().union(*read.sources.values())
+                op.sources_all = sources_all
                 op.autocast = state
                 op.versions = [t._version for t in leaves]
                 made = _outputs(out)
