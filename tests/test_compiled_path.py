@@ -13,13 +13,24 @@ import torch.nn.functional as F
 from torch import nn
 
 import persample
+from cached_calls import (
+    B,
+    D,
+    Logits,
+    Switch,
+    T,
+    bert,
+    changed_between_calls,
+    check,
+    data,
+    gpt2,
+    kept,
+    logits_loss,
+)
 from persample.capture import Capture
 from persample.capture.compiled import Compiled, CompiledCapture
 from persample.capture.lean import LeanCapture, Program
 from persample.engine import tapes
-
-B = T = 6  # batch size, sequence length and width coincide: nothing inferred from sizes
-D = 6
 
 
 @pytest.fixture(autouse=True)
@@ -44,39 +55,17 @@ def ran(monkeypatch):
     return found
 
 
-def _check(model, x, y, loss_fn, rtol=1e-10, atol=1e-12):
-    fast = persample.per_sample_grads(model, x, y, loss_fn, method="rules")
-    slow = persample.loop_per_sample_grads(model, x, y, loss_fn)
-    assert fast.keys() == slow.keys()
-    for name in slow:
-        torch.testing.assert_close(fast[name], slow[name], rtol=rtol, atol=atol)
 
 
-def _kept(model):
-    return list(tapes._STOCK.get(model, {}).values())
 
 
-def _bert():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=D, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=2 * D,
-                                  num_labels=3, max_position_embeddings=16)
-    return transformers.BertForSequenceClassification(cfg).eval().double()
 
 
-def _gpt2():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=50, n_embd=D, n_layer=2, n_head=2,
-                                  n_positions=16, num_labels=3, pad_token_id=0,
-                                  bos_token_id=1, eos_token_id=1)
-    return transformers.GPT2ForSequenceClassification(cfg).eval().double()
 
 
-def _logits_loss(out, y):
-    return F.cross_entropy(out.logits, y, reduction="none")
 
 
-@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
+@pytest.mark.parametrize("make", [bert, gpt2], ids=["bert", "gpt2"])
 def test_transformers_run_compiled_and_stay_exact(make, ran):
     torch.manual_seed(0)
     model, y = make(), torch.randint(0, 3, (B,))
@@ -84,11 +73,11 @@ def test_transformers_run_compiled_and_stay_exact(make, ran):
         ids = torch.randint(2, 50, (B, T))
         mask = torch.ones(B, T, dtype=torch.long)
         mask[k % B, T - 2:] = 0  # (another sample padded in each call)
-        _check(model, {"input_ids": ids, "attention_mask": mask}, y, _logits_loss)
-    assert any(isinstance(kept, Compiled) for kept in _kept(model))
+        check(model, {"input_ids": ids, "attention_mask": mask}, y, logits_loss)
+    assert any(isinstance(kept, Compiled) for kept in kept(model))
     assert ran[-2:] == [True, True], ran
     note = persample.verify(model, {"input_ids": ids, "attention_mask": mask}, y,
-                            _logits_loss).plan
+                            logits_loss).plan
     assert note.startswith("cached: compiled"), note
 
 
@@ -96,10 +85,10 @@ def test_a_steady_call_follows_no_forward_op(monkeypatch, ran):
     """Counted: in the steady state no forward op reaches a capture or a program's
     check; only the loss's ops are followed."""
     torch.manual_seed(0)
-    model, y = _bert(), torch.randint(0, 3, (B,))
+    model, y = bert(), torch.randint(0, 3, (B,))
     inputs = {"input_ids": torch.randint(2, 50, (B, T))}
     for _ in range(4):
-        persample.per_sample_grads(model, inputs, y, _logits_loss)
+        persample.per_sample_grads(model, inputs, y, logits_loss)
     seen, checked = [], []
     record, run = Capture.record, LeanCapture.run
 
@@ -113,56 +102,35 @@ def test_a_steady_call_follows_no_forward_op(monkeypatch, ran):
 
     monkeypatch.setattr(Capture, "record", counting)
     monkeypatch.setattr(LeanCapture, "run", checking)
-    persample.per_sample_grads(model, inputs, y, _logits_loss)
+    persample.per_sample_grads(model, inputs, y, logits_loss)
     assert ran[-1] is True
     assert len(seen) <= 3 and not checked, (seen, checked)
 
 
-class Switch(nn.Module):
-    """Paths taken by Python attributes (no branch on values: one graph)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.head = nn.Linear(D, 2)
-        self.register_buffer("scale", torch.ones(D))
-        self.dim, self.perm, self.wire = 1, None, "own"
-
-    def forward(self, x):  # (B, T, D)
-        h = torch.tanh(self.lin(x)) * self.scale  # (B, T, D)
-        if self.perm is not None:  # rows of each sample taken by an index of this call
-            h = h[:, self.perm]
-        if self.wire == "shared":  # the same ops on a tensor with no sample in it
-            h = torch.sin(self.scale.expand_as(h) * 1.0) + h.detach() * 0
-            h = h.mean(0, keepdim=True) + self.lin(x)
-        return self.head(h.sum(self.dim))  # dim 1: per sample; dim 0: sums the samples
 
 
-def _data():
-    torch.manual_seed(0)
-    return torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 2, (B,))
 
 
 def _steady(model, x, y, loss, ran):
     for _ in range(4):
-        _check(model, x, y, loss)
+        check(model, x, y, loss)
     assert ran[-1] is True, ran
 
 
 def test_an_attribute_that_changes_an_argument_is_caught(ran):
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch(values=False).double(), data()
     loss = nn.CrossEntropyLoss()
     _steady(model, x, y, loss, ran)
     model.dim = 0  # (B == T: the same shapes)
     with pytest.raises(persample.LossNotPerSampleError, match="reduces over the batch"):
         persample.per_sample_grads(model, x, y, loss, method="rules")
     model.dim = 1
-    _check(model, x, y, loss)
+    check(model, x, y, loss)
     assert ran[-1] is True
 
 
 def test_an_input_from_elsewhere_is_caught(ran):
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch(values=False).double(), data()
     loss = nn.CrossEntropyLoss()
     _steady(model, x, y, loss, ran)
     model.wire = "shared"  # its mean over dim 0 now mixes per-sample rows
@@ -171,36 +139,22 @@ def test_an_input_from_elsewhere_is_caught(ran):
 
 
 def test_index_values_are_read_in_every_call(ran):
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch(values=False).double(), data()
     loss = nn.CrossEntropyLoss()
     model.perm = torch.arange(T)
     _steady(model, x, y, loss, ran)
     model.perm = torch.tensor([2, 0, 3, 1, 5, 4])  # same shape, other rows per sample
-    _check(model, x, y, loss)
+    check(model, x, y, loss)
     model.perm = torch.tensor([1, 1, 1, 0, 0, 0])
-    _check(model, x, y, loss)
+    check(model, x, y, loss)
     assert ran[-1] is True
 
 
 def test_buffers_parameters_and_modules_changed_between_calls(ran):
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch(values=False).double(), data()
     loss = nn.CrossEntropyLoss()
     _steady(model, x, y, loss, ran)
-    model.scale.mul_(3.0)  # a buffer's values
-    _check(model, x, y, loss)
-    with torch.no_grad():
-        model.lin.weight.add_(1.0)  # a parameter's values
-    _check(model, x, y, loss)
-    model.lin.weight.requires_grad_(False)  # frozen
-    _check(model, x, y, loss)
-    model.lin.weight.requires_grad_(True)
-    model.lin = nn.Linear(D, D).double()  # a replaced layer
-    _check(model, x, y, loss)
-    model.register_buffer("scale", torch.full((D,), 2.0, dtype=torch.float64))  # replaced
-    _check(model, x, y, loss)
-    model.float()  # other dtypes
-    _check(model, x.float(), y, loss, rtol=1e-5, atol=1e-6)
-    _check(model, x.float()[:4], y[:4], loss, rtol=1e-5, atol=1e-6)  # another batch size
+    changed_between_calls(model, x, y, loss)
 
 
 class Branch(nn.Module):
@@ -220,22 +174,15 @@ def test_a_branch_on_values_keeps_the_program(ran):
     model = Branch().double()
     x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 2, (B,))
     for _ in range(4):
-        _check(model, x, y, F.cross_entropy)
+        check(model, x, y, F.cross_entropy)
     assert not any(ran)  # (TorchDynamo refused the one graph: the program kept instead)
-    assert _kept(model) and all(isinstance(kept, Program) for kept in _kept(model))
+    assert kept(model) and all(isinstance(kept, Program) for kept in kept(model))
     x2 = x.clone()
     x2[3, 0] = 9.0  # the branch that mixes the samples
     with pytest.raises(persample.LossNotPerSampleError):
         persample.per_sample_grads(model, x2, y, F.cross_entropy, method="rules")
 
 
-class Logits(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, ids):
-        return self.inner(input_ids=ids).logits
 
 
 def test_training_mode_draws_as_the_forward_that_ran(ran):
@@ -243,7 +190,7 @@ def test_training_mode_draws_as_the_forward_that_ran(ran):
     batch forward under the same seed, and the generator is left where it would be."""
     from persample.reference import forward_per_sample_grads
 
-    model, y = Logits(_bert().train()), torch.randint(0, 3, (B,))
+    model, y = Logits(bert().train()), torch.randint(0, 3, (B,))
     for k in range(5):
         ids = torch.randint(2, 50, (B, T))
         torch.manual_seed(k)
@@ -258,10 +205,10 @@ def test_training_mode_draws_as_the_forward_that_ran(ran):
 
 
 def test_the_model_is_not_kept_alive(ran):
-    model, y = _gpt2(), torch.randint(0, 3, (B,))
+    model, y = gpt2(), torch.randint(0, 3, (B,))
     inputs = {"input_ids": torch.randint(2, 50, (B, T))}
     for _ in range(4):
-        persample.per_sample_grads(model, inputs, y, _logits_loss)
+        persample.per_sample_grads(model, inputs, y, logits_loss)
     assert ran[-1] is True
     ref = weakref.ref(model)
     del model
@@ -280,6 +227,17 @@ class Scaled(nn.Module):
         return self.inner(x) * 2.0
 
 
+def _scaled_steady(ran):
+    """A :class:`Scaled` in float64 and its data, after the calls that compile it."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(4):
+        check(model, x, y, F.cross_entropy)
+    assert ran[-1] is True
+    return model, x, y
+
+
 def test_gradient_norms_take_it(ran):
     torch.manual_seed(0)
     model = Scaled().double()
@@ -295,26 +253,21 @@ def test_gradient_norms_take_it(ran):
 def test_a_hook_added_later_is_followed(ran):
     """A forward hook registered after the graph was traced changes the forward:
     TorchDynamo traces it again, and the answer follows the hook."""
-    torch.manual_seed(0)
-    model = Scaled().double()
-    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
-    for _ in range(4):
-        _check(model, x, y, F.cross_entropy)
-    assert ran[-1] is True
+    model, x, y = _scaled_steady(ran)
     handle = model.inner[0].register_forward_hook(lambda m, a, out: out * 3.0 + 1.0)
     try:
-        _check(model, x, y, F.cross_entropy)
-        _check(model, x, y, F.cross_entropy)
+        check(model, x, y, F.cross_entropy)
+        check(model, x, y, F.cross_entropy)
         assert ran[-1] is True
     finally:
         handle.remove()
-    _check(model, x, y, F.cross_entropy)
+    check(model, x, y, F.cross_entropy)
 
 
 def test_certified_calls_replay_the_draws_of_the_compiled_forward(ran):
     """A certificate asked for every call checks the compiled call's rows against one
     batch forward that draws what it drew."""
-    model, y = Logits(_bert().train()), torch.randint(0, 3, (B,))
+    model, y = Logits(bert().train()), torch.randint(0, 3, (B,))
     ids = torch.randint(2, 50, (B, T))
     for _ in range(5):
         persample.per_sample_grads(model, ids, y, F.cross_entropy, check="always")
@@ -337,7 +290,7 @@ def test_autocast_entered_inside_keeps_the_program(ran):
     model = AutocastInside().double()
     x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
     for _ in range(5):
-        _check(model, x, y, F.cross_entropy)
+        check(model, x, y, F.cross_entropy)
     assert not any(ran)
 
 
@@ -349,12 +302,12 @@ def test_compile_calls_off_and_on(ran):
     try:
         assert before is True
         for _ in range(4):
-            _check(model, x, y, F.cross_entropy)
-        assert not ran and not any(isinstance(k, Compiled) for k in _kept(model))
+            check(model, x, y, F.cross_entropy)
+        assert not ran and not any(isinstance(k, Compiled) for k in kept(model))
     finally:
         persample.compile_calls(before)
     for _ in range(3):
-        _check(model, x, y, F.cross_entropy)
+        check(model, x, y, F.cross_entropy)
     assert ran[-1] is True
     with pytest.raises(TypeError, match="takes a bool"):
         persample.compile_calls("no")
@@ -362,24 +315,14 @@ def test_compile_calls_off_and_on(ran):
 
 def test_the_model_is_left_as_it_was(ran):
     """TorchDynamo's tracing marks the parameters it reads; the marks are taken off."""
-    torch.manual_seed(0)
-    model = Scaled().double()
-    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
-    for _ in range(4):
-        _check(model, x, y, F.cross_entropy)
-    assert ran[-1] is True
+    model, x, y = _scaled_steady(ran)
     assert all(not vars(p) for p in model.parameters())
 
 
 def test_a_global_hook_added_later_is_followed(ran):
     """TorchDynamo guards no global module hook: with one registered, the forward runs
     under the program, and the answer follows the hook."""
-    torch.manual_seed(0)
-    model = Scaled().double()
-    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
-    for _ in range(4):
-        _check(model, x, y, F.cross_entropy)
-    assert ran[-1] is True
+    model, x, y = _scaled_steady(ran)
     done = len(ran)
 
     def hook(module, args, out):
@@ -388,11 +331,11 @@ def test_a_global_hook_added_later_is_followed(ran):
     handle = nn.modules.module.register_module_forward_hook(hook)
     try:
         for _ in range(3):
-            _check(model, x, y, F.cross_entropy)
+            check(model, x, y, F.cross_entropy)
         assert len(ran) == done
     finally:
         handle.remove()
-    _check(model, x, y, F.cross_entropy)
+    check(model, x, y, F.cross_entropy)
     assert ran[-1] is True
 
 
@@ -408,11 +351,11 @@ def test_a_patched_torch_function_is_followed(monkeypatch, ran, when):
     if when == "before the trace":
         monkeypatch.setattr(torch, "tanh", lambda t: original(t) * 0.5)
     for _ in range(4):
-        _check(model, x, y, F.cross_entropy)
+        check(model, x, y, F.cross_entropy)
     if when == "after the trace":
         assert ran[-1] is True
         monkeypatch.setattr(torch, "tanh", lambda t: original(t) * 0.5)
     done = sum(ran)
     for _ in range(3):
-        _check(model, x, y, F.cross_entropy)
+        check(model, x, y, F.cross_entropy)
     assert sum(ran) == done

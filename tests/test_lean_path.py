@@ -13,13 +13,24 @@ import torch.nn.functional as F
 from torch import nn
 
 import persample
+from cached_calls import (
+    B,
+    D,
+    Logits,
+    Switch,
+    T,
+    bert,
+    changed_between_calls,
+    check,
+    data,
+    gpt2,
+    kept,
+    logits_loss,
+)
 from persample.capture import Capture
 from persample.capture.lean import LeanCapture, Program
-from persample.engine import captured_forward, tapes
+from persample.engine import captured_forward
 from persample.inputs import as_batch
-
-B = T = 6  # batch size, sequence length and width coincide: nothing inferred from sizes
-D = 6
 
 
 @pytest.fixture(autouse=True)
@@ -31,12 +42,6 @@ def programs_not_compiled():
     persample.compile_calls(before)
 
 
-def _check(model, x, y, loss_fn, rtol=1e-10, atol=1e-12):
-    fast = persample.per_sample_grads(model, x, y, loss_fn, method="rules")
-    slow = persample.loop_per_sample_grads(model, x, y, loss_fn)
-    assert fast.keys() == slow.keys()
-    for name in slow:
-        torch.testing.assert_close(fast[name], slow[name], rtol=rtol, atol=atol)
 
 
 def _capture_of(model, x) -> Capture:
@@ -45,31 +50,15 @@ def _capture_of(model, x) -> Capture:
     return cap
 
 
-def _kept(model):
-    return list(tapes._STOCK.get(model, {}).values())
 
 
-def _bert():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=D, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=2 * D,
-                                  num_labels=3, max_position_embeddings=16)
-    return transformers.BertForSequenceClassification(cfg).eval().double()
 
 
-def _gpt2():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=50, n_embd=D, n_layer=2, n_head=2,
-                                  n_positions=16, num_labels=3, pad_token_id=0,
-                                  bos_token_id=1, eos_token_id=1)
-    return transformers.GPT2ForSequenceClassification(cfg).eval().double()
 
 
-def _logits_loss(out, y):
-    return F.cross_entropy(out.logits, y, reduction="none")
 
 
-@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
+@pytest.mark.parametrize("make", [bert, gpt2], ids=["bert", "gpt2"])
 def test_transformers_take_the_program_and_stay_exact(make):
     torch.manual_seed(0)
     model, y = make(), torch.randint(0, 3, (B,))
@@ -79,19 +68,19 @@ def test_transformers_take_the_program_and_stay_exact(make):
         mask = torch.ones(B, T, dtype=torch.long)
         mask[k % B, T - 2:] = 0  # (another sample padded in each call)
         inputs = {"input_ids": ids, "attention_mask": mask}
-        _check(model, inputs, y, _logits_loss)
-    assert any(isinstance(kept, Program) for kept in _kept(model))
+        check(model, inputs, y, logits_loss)
+    assert any(isinstance(kept, Program) for kept in kept(model))
     assert isinstance(_capture_of(model, inputs), LeanCapture)
-    assert persample.verify(model, inputs, y, _logits_loss).plan.startswith("cached: each")
+    assert persample.verify(model, inputs, y, logits_loss).plan.startswith("cached: each")
 
 
 def test_a_steady_call_follows_no_forward_op(monkeypatch):
     """Counted: in the steady state only the loss's ops reach the full capture."""
     torch.manual_seed(0)
-    model, y = _bert(), torch.randint(0, 3, (B,))
+    model, y = bert(), torch.randint(0, 3, (B,))
     inputs = {"input_ids": torch.randint(2, 50, (B, T))}
     for _ in range(3):
-        persample.per_sample_grads(model, inputs, y, _logits_loss)
+        persample.per_sample_grads(model, inputs, y, logits_loss)
     seen = []
     record = Capture.record
 
@@ -100,70 +89,47 @@ def test_a_steady_call_follows_no_forward_op(monkeypatch):
         return record(self, func, args, kwargs)
 
     monkeypatch.setattr(Capture, "record", counting)
-    persample.per_sample_grads(model, inputs, y, _logits_loss)
+    persample.per_sample_grads(model, inputs, y, logits_loss)
     forward_ops = len(_capture_of(model, inputs).program.entries)
     assert forward_ops > 50 and len(seen) <= 3, (forward_ops, seen)
 
 
-class Switch(nn.Module):
-    """Paths taken by Python attributes and by values."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.head = nn.Linear(D, 2)
-        self.register_buffer("scale", torch.ones(D))
-        self.dim, self.perm, self.wire = 1, None, "own"
-
-    def forward(self, x):  # (B, T, D)
-        h = torch.tanh(self.lin(x)) * self.scale  # (B, T, D)
-        if self.perm is not None:  # rows of each sample taken by an index of this call
-            h = h[:, self.perm]
-        if self.wire == "shared":  # the same ops on a tensor with no sample in it
-            h = torch.sin(self.scale.expand_as(h) * 1.0) + h.detach() * 0
-            h = h.mean(0, keepdim=True) + self.lin(x)
-        if bool((x[:, 0, 0] > 5).any()):  # a branch on the values: mixes the samples
-            h = h + h.mean(0, keepdim=True)
-        return self.head(h.sum(self.dim))  # dim 1: per sample; dim 0: sums the samples
 
 
 def _steady(model, x, y, loss):
     persample.clear_plans()
     for _ in range(3):
-        _check(model, x, y, loss)
+        check(model, x, y, loss)
     assert isinstance(_capture_of(model, x), LeanCapture)
 
 
-def _data():
-    torch.manual_seed(0)
-    return torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 2, (B,))
 
 
 def test_an_attribute_that_changes_an_argument_is_caught():
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch().double(), data()
     loss = nn.CrossEntropyLoss()
     _steady(model, x, y, loss)
     model.dim = 0  # (B == T: the same shapes)
     with pytest.raises(persample.LossNotPerSampleError, match="reduces over the batch"):
         persample.per_sample_grads(model, x, y, loss, method="rules")
     model.dim = 1
-    _check(model, x, y, loss)
+    check(model, x, y, loss)
     assert isinstance(_capture_of(model, x), LeanCapture)
 
 
 def test_a_branch_on_values_is_caught():
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch().double(), data()
     loss = nn.CrossEntropyLoss()
     _steady(model, x, y, loss)
     x2 = x.clone()
     x2[3, 0, 0] = 9.0  # the same shapes; the branch that mixes the samples
     with pytest.raises(persample.LossNotPerSampleError):
         persample.per_sample_grads(model, x2, y, loss, method="rules")
-    _check(model, torch.randn_like(x), y, loss)
+    check(model, torch.randn_like(x), y, loss)
 
 
 def test_an_input_from_elsewhere_is_caught():
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch().double(), data()
     loss = nn.CrossEntropyLoss()
     _steady(model, x, y, loss)
     model.wire = "shared"  # its mean over dim 0 now mixes per-sample rows
@@ -172,34 +138,21 @@ def test_an_input_from_elsewhere_is_caught():
 
 
 def test_index_values_are_read_in_every_call():
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch().double(), data()
     loss = nn.CrossEntropyLoss()
     model.perm = torch.arange(T)
     _steady(model, x, y, loss)
     model.perm = torch.tensor([2, 0, 3, 1, 5, 4])  # same shape, other rows per sample
-    _check(model, x, y, loss)
+    check(model, x, y, loss)
     model.perm = torch.tensor([1, 1, 1, 0, 0, 0])
-    _check(model, x, y, loss)
+    check(model, x, y, loss)
 
 
 def test_buffers_parameters_and_modules_changed_between_calls():
-    model, (x, y) = Switch().double(), _data()
+    model, (x, y) = Switch().double(), data()
     loss = nn.CrossEntropyLoss()
     _steady(model, x, y, loss)
-    model.scale.mul_(3.0)  # a buffer's values
-    _check(model, x, y, loss)
-    with torch.no_grad():
-        model.lin.weight.add_(1.0)  # a parameter's values
-    _check(model, x, y, loss)
-    model.lin.weight.requires_grad_(False)  # frozen
-    _check(model, x, y, loss)
-    model.lin.weight.requires_grad_(True)
-    model.lin = nn.Linear(D, D).double()  # a replaced layer
-    _check(model, x, y, loss)
-    model.register_buffer("scale", torch.full((D,), 2.0, dtype=torch.float64))  # replaced
-    _check(model, x, y, loss)
-    model.float()  # other dtypes
-    _check(model, x.float(), y, loss, rtol=1e-5, atol=1e-6)
+    changed_between_calls(model, x, y, loss)
 
 
 def test_in_place_writes_keep_the_full_capture():
@@ -217,17 +170,17 @@ def test_in_place_writes_keep_the_full_capture():
     for model in (InPlace().double(),):
         for _ in range(3):
             persample.per_sample_grads(model, x, y, F.cross_entropy)
-        assert not any(isinstance(kept, Program) for kept in _kept(model))
+        assert not any(isinstance(kept, Program) for kept in kept(model))
         assert not isinstance(_capture_of(model, x), LeanCapture)
-    _check(InPlace().double(), x, y, F.cross_entropy)
+    check(InPlace().double(), x, y, F.cross_entropy)
 
 
 def test_the_model_is_not_kept_alive():
-    model, y = _gpt2(), torch.randint(0, 3, (B,))
+    model, y = gpt2(), torch.randint(0, 3, (B,))
     inputs = {"input_ids": torch.randint(2, 50, (B, T))}
     for _ in range(3):
-        persample.per_sample_grads(model, inputs, y, _logits_loss)
-    assert any(isinstance(kept, Program) for kept in _kept(model))
+        persample.per_sample_grads(model, inputs, y, logits_loss)
+    assert any(isinstance(kept, Program) for kept in kept(model))
     ref = weakref.ref(model)
     del model
     gc.collect()
@@ -285,8 +238,8 @@ def test_a_forward_that_swallows_the_stop_still_runs_again():
     x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 2, (B,))
     _steady(model, x, y, F.cross_entropy)
     model.odd = True
-    _check(model, x, y, F.cross_entropy)
-    _check(model, x, y, F.cross_entropy)
+    check(model, x, y, F.cross_entropy)
+    check(model, x, y, F.cross_entropy)
 
 
 def test_a_program_that_keeps_failing_is_dropped():
@@ -297,8 +250,8 @@ def test_a_program_that_keeps_failing_is_dropped():
     x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 2, (B,))
     for k in range(8):
         model.register_buffer("scale", torch.full((D,), 1.0 + k, dtype=torch.float64))
-        _check(model, x, y, nn.CrossEntropyLoss())
-    assert not any(isinstance(kept, Program) for kept in _kept(model))
+        check(model, x, y, nn.CrossEntropyLoss())
+    assert not any(isinstance(kept, Program) for kept in kept(model))
 
 
 class Casts(nn.Module):
@@ -330,15 +283,6 @@ def test_a_stop_leaves_autograd_and_autocast_as_they_were():
         torch.testing.assert_close(fast[name], slow[name], rtol=2e-2, atol=2e-2)
 
 
-class Logits(nn.Module):
-    """A transformers classifier called with ids, its logits out (rows by sample)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, ids):
-        return self.inner(input_ids=ids).logits
 
 
 def test_training_mode_draws_in_the_program():
@@ -346,7 +290,7 @@ def test_training_mode_draws_in_the_program():
     batch forward under the same seed."""
     from persample.reference import forward_per_sample_grads
 
-    model, y = Logits(_bert().train()), torch.randint(0, 3, (B,))
+    model, y = Logits(bert().train()), torch.randint(0, 3, (B,))
     for k in range(4):
         ids = torch.randint(2, 50, (B, T))
         torch.manual_seed(k)
