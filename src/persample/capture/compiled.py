@@ -241,10 +241,11 @@ def kind_of(args: tuple, inputs: list, watched: dict) -> tuple:
     input at a place, a watched parameter (which one), or another tensor (and its
     ``requires_grad``); other values as they are."""
     found = []
+    places = {id(t): k for k, (t, _) in enumerate(inputs)}
     for a in args:
         if isinstance(a, Tensor):
-            place = next((k for k, (t, _) in enumerate(inputs) if t is a), None)
-            if place is not None:
+            place = places.get(id(a))
+            if place is not None and inputs[place][0] is a:
                 found.append(("input", place))
             elif watched.get(id(a)) is a:  # (by identity: the records name it)
                 found.append(("watched", id(a), a.shape, a.dtype))
