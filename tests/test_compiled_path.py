@@ -359,3 +359,30 @@ def test_a_patched_torch_function_is_followed(monkeypatch, ran, when):
     for _ in range(3):
         check(model, x, y, F.cross_entropy)
     assert sum(ran) == done
+
+
+def test_bfloat16_autocast_gives_the_programs_answer(ran):
+    """Under bfloat16 autocast (entered around the call), the compiled call's records
+    carry the autocast state its ops ran under: its answer is the program's, to the bit,
+    and near the loop's (bfloat16's precision)."""
+    torch.manual_seed(0)
+    model = Scaled()
+    x, y = torch.randn(B, D), torch.randint(0, 3, (B,))
+
+    def grads():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return persample.per_sample_grads(model, x, y, F.cross_entropy, method="rules")
+
+    for _ in range(4):
+        compiled = grads()
+    assert ran[-1] is True
+    before = persample.compile_calls(False)
+    try:
+        program = grads()
+    finally:
+        persample.compile_calls(before)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        slow = persample.loop_per_sample_grads(model, x, y, F.cross_entropy)
+    for name in slow:
+        assert torch.equal(compiled[name], program[name]), name
+        torch.testing.assert_close(compiled[name], slow[name], rtol=2e-2, atol=2e-2)

@@ -74,12 +74,26 @@ class Plan:
     program: Program  # the analysis's: its entries, layouts and reads
     graph: torch.fx.GraphModule  # the graph, returning the values below after its own
     n_out: int  # how many outputs the graph itself returns
-    reads: tuple  # per op reading parameters: (its Op's index, func, args, kwargs, out,
-    # entry, its leaves' indices, every parameter it reads), each tensor a _Slot
+    reads: tuple[_ReadOf, ...]  # per op reading parameters, in the program's order
     decide: tuple  # per op whose data flow may read values: (func, args, kwargs, out, entry)
     keep: tuple  # per op whose shared outputs outlive the call as constants: its out
     outputs: tuple  # per graph output: its layout, or None where it is no tensor
-    calls: tuple  # per op reading parameters: (name, weakref to the module) or None
+
+
+@dataclass(frozen=True, eq=False)
+class _ReadOf:
+    """One op that reads parameters, as a plan makes its record: each tensor of its
+    arguments and output a :class:`_Slot` of the values the graph's copy returns."""
+
+    index: int  # its Op's index (the program's read)
+    func: Any
+    args: Any
+    kwargs: Any
+    out: Any
+    leaves: tuple[int, ...]  # the values its leaves are, in order
+    sources_all: frozenset[int]  # every parameter it reads
+    derives: tuple[int, ...]  # which of its outputs are derived tensors
+    call: tuple | None  # the module call it ran in: (name, weakref to the module)
 
 
 class _Slot:
@@ -154,16 +168,6 @@ def dict_version(d: dict) -> int:
     from torch._C._dynamo.guards import dict_version as version
 
     return version(d)
-
-
-def global_hooks() -> bool:
-    """Is any global module hook registered (``register_module_forward_hook``...)?
-    TorchDynamo does not guard them."""
-    from torch.nn.modules import module as torch_module
-
-    return any(getattr(torch_module, name, None) for name in (
-        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-        "_global_backward_pre_hooks", "_global_forward_hooks_always_called"))
 
 
 class _Runner:
@@ -360,11 +364,12 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
     reads, decide, keep = [], [], []
     for e, (func, args, kwargs, out) in zip(program.entries, tracer.ran):
         if e.kind is PARAM:
-            leaves = tuple(slot(t).k for t in op_leaves(args, kwargs))
-            sources = program.reads[e.op].sources
-            reads.append((e.op, func, _slotted(args, slot), _slotted(kwargs, slot),
-                          _slotted(out, slot), e, leaves,
-                          frozenset().union(*sources.values())))
+            c = calls[e.op]
+            reads.append(_ReadOf(
+                e.op, func, _slotted(args, slot), _slotted(kwargs, slot), _slotted(out, slot),
+                tuple(slot(t).k for t in op_leaves(args, kwargs)),
+                frozenset().union(*program.reads[e.op].sources.values()), e.derives,
+                None if c is None else (c.name, weakref.ref(c.module))))
         elif e.decide:
             decide.append((func, _slotted(args, slot), _slotted(kwargs, slot),
                            _slotted(out, slot), e))
@@ -372,16 +377,15 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
             keep.append(_slotted(out, slot))
     if len(tracer.ran) != len(program.entries) or len(reads) != len(program.reads):
         raise _NoPlan("ops that ran and entries differ")
-    reads.sort(key=lambda r: r[0])
+    reads.sort(key=lambda r: r.index)
     layouts = []
     numbers = tracer.numbers
     for o in output:
         k = numbers.of(o) if isinstance(o, Tensor) else None
         layouts.append(None if k is None else program.layouts[k])
     graph, n_out = _with_outputs(gm, list(wanted))
-    names = tuple(None if c is None else (c.name, weakref.ref(c.module)) for c in calls)
     return Plan(program, graph, n_out, tuple(reads), tuple(decide), tuple(keep),
-                tuple(layouts), names)
+                tuple(layouts))
 
 
 class CompiledCapture(LeanCapture):
@@ -488,19 +492,19 @@ class CompiledCapture(LeanCapture):
         if state is None:
             state = autocast_state()
         with torch._C.DisableTorchFunction():
-            for index, func, args, kwargs, out, entry, at, sources_all in plan.reads:
-                args, kwargs, out = _fill(args, values), _fill(kwargs, values), _fill(
-                    out, values)
-                leaves = [values[k] for k in at]
-                read, call = program.reads[index], plan.calls[index]
-                if call is not None:
-                    module = call[1]()
+            for r in plan.reads:
+                args, kwargs, out = _fill(r.args, values), _fill(r.kwargs, values), _fill(
+                    r.out, values)
+                leaves = [values[k] for k in r.leaves]
+                read, call = program.reads[r.index], None
+                if r.call is not None:
+                    module = r.call[1]()
                     if module is None:
                         return False
-                    call = Call(call[0], module)
-                op = Op(func, args, kwargs, out, leaves, list(read.layouts), read.flow,
-                        read.sources, call, index=index)
-                op.sources_all = sources_all
+                    call = Call(r.call[0], module)
+                op = Op(r.func, args, kwargs, out, leaves, list(read.layouts), read.flow,
+                        read.sources, call, index=r.index)
+                op.sources_all = r.sources_all
                 op.autocast = state
                 op.versions = [t._version for t in leaves]
                 made = _outputs(out)
@@ -508,7 +512,7 @@ class CompiledCapture(LeanCapture):
                 op.output = read.output if _stands_for(read.output, out) else shapes_only(
                     out, read.flow.outputs)
                 self.ops.append(op)
-                for k in entry.derives:
+                for k in r.derives:
                     self.derived[id(made[k])] = Derived(made[k], op, k, made[k]._version)
             for out in plan.keep:
                 for o in _outputs(_fill(out, values)):

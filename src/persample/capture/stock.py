@@ -85,7 +85,15 @@ _FUNCTIONS = ("linear", "conv1d", "conv2d", "layer_norm", "embedding", "relu", "
               "adaptive_avg_pool1d", "adaptive_avg_pool2d", "dropout", "dropout1d",
               "dropout2d")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
-                 "_global_backward_hooks", "_global_backward_pre_hooks")
+                 "_global_backward_hooks", "_global_backward_pre_hooks",
+                 "_global_forward_hooks_always_called")
+
+
+def global_hooks() -> bool:
+    """Is any global module hook registered (``register_module_forward_hook``...)? Both
+    cached calls that run no capture (this one, and the compiled forward's, which
+    TorchDynamo does not guard for them) leave such a call to the full capture."""
+    return any(getattr(torch_module, name, None) for name in _GLOBAL_HOOKS)
 
 
 def _functions() -> tuple:
@@ -183,8 +191,7 @@ class Template:
         take this template (before its forward)?"""
         if len(inputs) != 1 or type(inputs[0][0]) is not Tensor:  # (a subclass runs code)
             return False
-        if torch._C._is_torch_function_mode_enabled() or any(
-                getattr(torch_module, name, None) for name in _GLOBAL_HOOKS):
+        if torch._C._is_torch_function_mode_enabled() or global_hooks():
             return False
         if frozenset(watched) != self.watched or _functions() != self.functions:
             return False
@@ -231,8 +238,7 @@ def template_of(model: nn.Module, cap: Capture, inputs: list, shared: tuple,
     modules = list(model.modules())
     if not all(_stock(m) and _plain_module(m) for m in modules):
         return None
-    if torch._C._is_torch_function_mode_enabled() or any(
-            getattr(torch_module, name, None) for name in _GLOBAL_HOOKS):
+    if torch._C._is_torch_function_mode_enabled() or global_hooks():
         return None
     if not isinstance(output, Batched):
         return None

@@ -29,11 +29,10 @@ from ..capture.compiled import (
     CompiledCapture,
     broken,
     compiled_of,
-    global_hooks,
     unmark,
 )
 from ..capture.lean import Deopt, LeanCapture, Program, Tracer, _restore
-from ..capture.stock import StockCapture, Template, template_of
+from ..capture.stock import StockCapture, Template, global_hooks, template_of
 from ..errors import LossNotPerSampleError, NeedsWholeModel, internal
 from ..inputs import Batch
 from ..loss import per_sample_losses
@@ -105,9 +104,9 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
             "tensor it was written into in place, or a tensor kept from an earlier call)")
     if isinstance(cap, (StockCapture, LeanCapture)):
         tapes.keep(model, key, tape)
-        if type(cap) is LeanCapture and not units and (
-                tapes.lean_ran(model, key) >= tapes.COMPILE_AFTER):
-            tapes.keep_stock(model, key, compiled_of(model, cap.program) or cap.program)
+        if type(cap) is LeanCapture:
+            tapes.keep_stock(model, key, _kept_program(model, cap.program, units,
+                                                       tapes.lean_ran(model, key)))
     elif cap.settle is not None:  # (the compiled graph's first call: tape and program kept)
         plain = _plain(result, cap)
         cap.settle(plain)
@@ -121,8 +120,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
         if found is None and cap.tracer is not None:
             found = traced if plain else None
             found = tapes.RETRY if found is None else found
-            if isinstance(found, Program) and tapes.COMPILE_AFTER == 0 and not units:
-                found = compiled_of(model, found) or found
+            if isinstance(found, Program):
+                found = _kept_program(model, found, units, 0)
         elif found is None and isinstance(template, int):
             found = template - 1 if template > 1 else None  # (then traced again)
         tapes.keep_stock(model, key, found)
@@ -200,6 +199,16 @@ def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], i
     return cap, output
 
 
+def _kept_program(model: nn.Module, program: Program, units: list, ran: int
+                  ) -> Program | Compiled:
+    """What to keep for later calls of a program that ``ran`` calls like it have run (0:
+    just traced): the program, or once it has run :data:`tapes.COMPILE_AFTER` calls, its
+    compiled call (:mod:`persample.capture.compiled`) where the model can take one."""
+    if units or ran < tapes.COMPILE_AFTER:
+        return program
+    return compiled_of(model, program) or program
+
+
 def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], inputs: list,
               tape: list, template: Compiled) -> tuple[Capture, Any] | None:
     """The forward compiled (:mod:`persample.capture.compiled`): ``(capture, output)``,
@@ -241,7 +250,6 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
 
 
 def _plain(result: Plan, cap: Capture) -> bool:
-
     """Does every parameter the forward read take an op's rule (or make a derived tensor
     that ops taking rules read), with nothing left to the module rules, the fallback or
     autograd's confirmation?"""

@@ -150,6 +150,7 @@ def cache_plans(enabled: bool = True) -> bool:
     if not enabled:
         _TAPES.clear()
         _STOCK.clear()
+        _LEAN.clear()
     return before
 
 
