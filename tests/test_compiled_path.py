@@ -386,3 +386,26 @@ def test_bfloat16_autocast_gives_the_programs_answer(ran):
     for name in slow:
         assert torch.equal(compiled[name], program[name]), name
         torch.testing.assert_close(compiled[name], slow[name], rtol=2e-2, atol=2e-2)
+
+
+class NewTensor(nn.Module):
+    """``x.new_tensor(y)``: ``torch.tensor`` in TorchDynamo's graph, an op with no data
+    flow rule, where the eager forward's op has one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 2)
+
+    def forward(self, x):  # (B, D)
+        fresh = x.new(x.shape[0], 2).fill_(0.5)  # (B, 2), no sample's data
+        return self.lin(x) * fresh + x.new_tensor(x[:, :2])
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct")
+def test_a_graph_whose_ops_have_another_data_flow_runs_eagerly(ran):
+    model, y = NewTensor().double(), torch.randint(0, 2, (B,))
+    x = torch.randn(B, D, dtype=torch.float64)
+    for _ in range(4):  # (the graph's analysis finds no layout for its output: not taken)
+        check(model, x, y, F.cross_entropy)
+    assert ran == [], ran
+    assert kept(model) and all(isinstance(found, Program) for found in kept(model))

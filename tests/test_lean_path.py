@@ -155,26 +155,6 @@ def test_buffers_parameters_and_modules_changed_between_calls():
     changed_between_calls(model, x, y, loss)
 
 
-def test_in_place_writes_keep_the_full_capture():
-    class InPlace(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(D, 2)
-
-        def forward(self, x):
-            h = x * 1.0
-            h.add_(1.0)
-            return self.lin(h)
-
-    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 2, (B,))
-    for model in (InPlace().double(),):
-        for _ in range(3):
-            persample.per_sample_grads(model, x, y, F.cross_entropy)
-        assert not any(isinstance(kept, Program) for kept in kept(model))
-        assert not isinstance(_capture_of(model, x), LeanCapture)
-    check(InPlace().double(), x, y, F.cross_entropy)
-
-
 def test_the_model_is_not_kept_alive():
     model, y = gpt2(), torch.randint(0, 3, (B,))
     inputs = {"input_ids": torch.randint(2, 50, (B, T))}

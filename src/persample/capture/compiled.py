@@ -51,10 +51,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch import op_leaves, propagate
+from ..batch import op_leaves
 from ..precision import autocast_state
 from .edges import edge_of
-from .lean import PARAM, LeanCapture, Program, Tracer, _outputs, _same_flow, _stands_for
+from .lean import (
+    PARAM,
+    LeanCapture,
+    Program,
+    Tracer,
+    _outputs,
+    _same,
+    _same_flow,
+    _stands_for,
+    decided,
+)
 from .records import Call, Derived, Op, shapes_only
 from .tensors import KEPT, tensor_leaves
 
@@ -460,6 +470,19 @@ class CompiledCapture(LeanCapture):
         cap.tracer = None
         return own
 
+    def as_traced(self, output: Any) -> bool:
+        """Did the analysed graph's call find the data flow of the eager forward's
+        program: its output's layouts, nothing read unseen, no samples mixed? (The graph's
+        ops may be others than the eager forward's: ``x.new_tensor(y)`` is
+        ``torch.tensor`` there.)"""
+        cap, program = self.analysis, self.program
+        if cap is None or cap.unseen_reads or cap.mixing or cap.param_written:
+            return False
+        leaves = tensor_leaves(output)
+        return len(leaves) == len(program.output) and all(
+            _same(cap.layouts.layout(t), program.layouts[k])
+            for t, k in zip(leaves, program.output))
+
     def keep_plan(self, plain: bool) -> None:
         """Keep the analysed graph's plan for later calls like this one, if the call's
         plan took the rules alone (``plain``); else mark the graph as taking none."""
@@ -479,7 +502,7 @@ class CompiledCapture(LeanCapture):
         for func, args, kwargs, out, entry in plan.decide:
             args, kwargs = _fill(args, values), _fill(kwargs, values)
             self._deciding = (op_leaves(args, kwargs), entry.layouts)
-            flow = propagate(ctx, func, args, kwargs, _fill(out, values), list(entry.layouts))
+            flow = decided(ctx, func, args, kwargs, _fill(out, values), list(entry.layouts))
             if not _same_flow(flow, entry.flow):
                 return False
         for o, lay in zip(outs, plan.outputs):  # (every one: a distribution's too)

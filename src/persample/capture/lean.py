@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from ..batch import Batched, Flow, Layout, op_leaves, propagate
 from ..batch.flow import METADATA, Ctx, in_place, name_of
 from ..batch.layouts import SHARED, Mixed, Unknown
+from ..batch.ops_indexing import written_layout
 from ..draws import RANDOM, Draw
 from ..patches import WhileCapturing
 from ..precision import autocast_state
@@ -121,6 +122,7 @@ class Entry:
     derives: tuple = ()  # PARAM: which of its outputs are derived tensors (shared, grad)
     grad: bool = True  # autograd was on when it ran
     draw: tuple | None = None  # a random op: (its kind, the layout of its numbers, where)
+    write: bool = False  # it writes its first argument in place (a tensor of this call)
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,6 +192,7 @@ class Tracer:
         self.layouts: list[Layout] = []
         self.dead: str | None = None
         self.generators: list = []
+        self.decided: list[list] = []  # per op deciding again: its leaves and their versions
         for t, lay in inputs:
             if type(t) is not Tensor:
                 self.dead = "an input of a tensor subclass"
@@ -212,14 +215,44 @@ class Tracer:
         leaves = op_leaves(args, kwargs)
         wants = [self._want(t) for t in leaves]
         k, n_ops, n_draws = len(cap.steps), len(cap.ops), len(cap.draws)
+        before = None
+        if writes(func, kwargs):
+            before = self._writable(func, args, kwargs, leaves)
         out = cap.record(func, args, kwargs)
         try:
-            self._trace(func, args, kwargs, out, leaves, wants, k, n_ops, n_draws)
+            self._trace(func, args, kwargs, out, leaves, wants, k, n_ops, n_draws, before)
         except Opaque:
             self.dead = "an argument that cannot be compared"
         return out
 
-    def _trace(self, func, args, kwargs, out, leaves, wants, k, n_ops, n_draws) -> None:
+    def _writable(self, func, args: tuple, kwargs: dict, leaves: list) -> Layout | None:
+        """The layout of the tensor an in-place op is about to write, where a program may
+        hold the write (:func:`writable`), else ``None`` (the program dead)."""
+        if not writable(self.numbers, self.inputs, func, args, kwargs):
+            self.dead = f"an op writing into a tensor made before the call ({name_of(func)})"
+            return None
+        return self.cap.layouts.layout(args[0])
+
+    def _write_kept(self, func, args: tuple, out: Any, before: Layout | None, n_ops: int,
+                    draw: Any) -> bool:
+        """May the program hold this in-place op (run, its target's layout ``before``)?
+        Where it reads no parameter, draws nothing, writes no other input, and leaves its
+        target's layout as it was; else the program is dead."""
+        if before is None:
+            return False
+        cap, name = self.cap, name_of(func)
+        flow = cap._flow
+        if len(cap.ops) != n_ops or draw is not None or (flow is not None and flow.writes) or (
+                func is not _SETITEM and out is not args[0]):
+            self.dead = f"an op writing in place that reads parameters or draws ({name})"
+            return False
+        if not _same(cap.layouts.layout(args[0]), before) or not _plain(before):
+            self.dead = f"an op writing samples in place into a tensor laid out otherwise ({name})"
+            return False
+        return True
+
+    def _trace(self, func, args, kwargs, out, leaves, wants, k, n_ops, n_draws, before
+               ) -> None:
         cap = self.cap
         if len(cap.steps) != k + 1 or len(cap.ops) > n_ops + 1 or len(cap.draws) > n_draws + 1:
             self.dead = "an op that ran others under the capture"
@@ -233,10 +266,9 @@ class Tracer:
             draw = (d.kind, d.layout, d.where)
             if d.generator not in self.generators:
                 self.generators.append(d.generator)
-        if in_place(func, kwargs) or func is Tensor.__setitem__ or name_of(func) == "__set__":
-            self.dead = f"an op writing in place ({name_of(func)})"
-            return
         layout = cap.layouts.layout
+        if writes(func, kwargs) and not self._write_kept(func, args, out, before, n_ops, draw):
+            return
         lays = tuple(layout(t) for t in leaves)
         if not all(_plain(lay) for lay in lays):
             self.dead = f"a tensor whose samples are held by a tensor ({name_of(func)})"
@@ -260,8 +292,13 @@ class Tracer:
                 d := derived.get(id(o))) is not None and d.tensor is o and d.op is op)
         elif isinstance(step, Step):
             kind, key, decide = STEP, step.key, False
+        elif before is not None:  # (a write: its layout decided again at every call)
+            kind, key, decide = DECIDE, None, True
+            flow = Flow(before) if func is _SETITEM else flow
         else:
             kind, key, decide = DECIDE, None, flow is not None
+        if decide:
+            self.decided.append([(t, t._version) for t in leaves])
         keep = False
         for o in made:
             lay = layout(o)
@@ -274,7 +311,7 @@ class Tracer:
         self.entries.append(Entry(func, kind, tuple(wants), metas, key, outs_of(out),
                                   len(made), lays, flow, decide, keep,
                                   n_ops if kind is PARAM else -1, derives,
-                                  torch.is_grad_enabled(), draw))
+                                  torch.is_grad_enabled(), draw, before is not None))
 
     def program(self, cap: Capture, output: Any, fails: int = 0) -> Program | None:
         """The program, if a later call may run it (the capture's parameters all read by
@@ -283,6 +320,9 @@ class Tracer:
         if self.dead is not None or cap.unseen_reads or (
                 cap.param_written or cap.mixing or cap.calls and any(
                     c.rule is not None for c in cap.calls)):
+            return None
+        if any(t._version != v for leaves in self.decided for t, v in leaves) or any(
+                op.changed() for op in cap.ops):  # (written in place after an op read it)
             return None
         reads = []
         for op in cap.ops:
@@ -420,6 +460,8 @@ class LeanCapture(Capture):
                 raise Deopt
         if e.key is not None and not _same_key(args, kwargs, e.key):
             raise Deopt
+        if e.write and not writable(self.numbers, self.program.inputs, func, args, kwargs):
+            raise Deopt  # (a view of a tensor from before the call: its write would stay)
         kind = RANDOM.get(func)
         if kind is not None and kind.draws(args, kwargs) is not (e.draw is not None):
             raise Deopt  # (drawing now where it did not, or the reverse: training flags)
@@ -440,7 +482,7 @@ class LeanCapture(Capture):
             self.numbers.give(o)
         if e.decide:
             self._deciding = (leaves, e.layouts)
-            flow = propagate(self.lean_ctx, func, args, kwargs, out, list(e.layouts))
+            flow = decided(self.lean_ctx, func, args, kwargs, out, list(e.layouts))
             if not _same_flow(flow, e.flow):
                 raise Deopt
         if e.kind is PARAM:
@@ -495,6 +537,35 @@ class LeanCapture(Capture):
             for k, o, version in derived:
                 self.derived[id(o)] = Derived(o, op, k, version)
         return True
+
+
+_SETITEM = Tensor.__setitem__
+
+
+def writes(func: Any, kwargs: dict) -> bool:
+    """Does the op write a tensor in place (``x[i] = v``, ``x.add_(y)``, ``out=``)?"""
+    return func is _SETITEM or in_place(func, kwargs) or name_of(func) == "__set__"
+
+
+def writable(numbers: Numbers, inputs: int, func: Any, args: tuple, kwargs: dict) -> bool:
+    """May a program hold this write: one into its first argument, a tensor this call
+    made (itself or the tensor it views: numbered after the ``inputs``), so that a call
+    that stops and runs again under the full capture finds no write of its own left?"""
+    if name_of(func) == "__set__" or kwargs.get("out") is not None or not args or (
+            type(args[0]) is not Tensor):
+        return False
+    t = args[0]
+    k = numbers.of(t if t._base is None else t._base)
+    return k is not None and k >= inputs
+
+
+def decided(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
+            layouts: list[Layout]) -> Flow:
+    """The data flow of an op decided again (:func:`~persample.batch.flow.propagate`;
+    ``x[i] = v``: ``x``'s layout after it, as the full capture decides it)."""
+    if func is _SETITEM:
+        return Flow(written_layout(ctx, *args[:3]))
+    return propagate(ctx, func, args, kwargs, out, layouts)
 
 
 def _same_key(args: tuple, kwargs: dict, key: tuple) -> bool:

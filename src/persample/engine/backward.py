@@ -234,17 +234,22 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
         template.dead = True  # capture raises that again)
         broken(model)
     else:
-        if cap.analysis is not None:
+        if cap.analysis is not None and cap.as_traced(output):
             cap.analysis.settle = cap.keep_plan
             return cap.analysis, output
-        if cap.finish(output):
-            return cap, output
-        del output
-        template.fails += 1  # (run otherwise, or another data flow)
-        if template.fails >= 3:
+        if cap.analysis is not None:  # (its graph's ops have another data flow: the
+            cap.keep_plan(False)  # model not compiled again)
             template.dead = True
-            if cap.got is None:  # (TorchDynamo ran the forward without the graph)
-                broken(model)
+            broken(model)
+        elif cap.finish(output):
+            return cap, output
+        else:
+            template.fails += 1  # (run otherwise, or another data flow)
+            if template.fails >= 3:
+                template.dead = True
+                if cap.got is None:  # (TorchDynamo ran the forward without the graph)
+                    broken(model)
+        del output
     _restore(saved)
     return None
 
