@@ -157,3 +157,28 @@ def test_a_write_into_what_an_op_read_keeps_the_full_capture(compiled):
         with pytest.raises(InPlaceModificationError, match="modified in place"):
             persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
     assert not any(isinstance(found, (Program, Compiled)) for found in kept(model))
+
+
+class Residual(nn.Module):
+    """A residual block as torchvision's ResNet writes it: ``out += identity`` then
+    ``ReLU(inplace=True)``, the same tensor written twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.lin2, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 2)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):  # (B, T, D)
+        identity = self.relu(self.lin(x))
+        out = self.lin2(identity)
+        out += identity
+        out = self.relu(out)
+        return self.head(out.sum(1))
+
+
+def test_a_tensor_written_twice_takes_the_cached_call(compiled):
+    model, y, loss = Residual().double(), torch.randint(0, 2, (B,)), nn.CrossEntropyLoss()
+    for k in range(4):
+        check(model, _inputs(k)["x"], y, loss)
+    want = Compiled if compiled else Program
+    assert any(isinstance(found, want) for found in kept(model)), kept(model)

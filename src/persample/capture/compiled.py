@@ -88,6 +88,7 @@ class Plan:
     decide: tuple  # per op whose data flow may read values: (func, args, kwargs, out, entry)
     keep: tuple  # per op whose shared outputs outlive the call as constants: its out
     outputs: tuple  # per graph output: its layout, or None where it is no tensor
+    n_values: int  # how many node values the copy returns (then the reads' edges)
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,6 +105,7 @@ class _ReadOf:
     sources_all: frozenset[int]  # every parameter it reads
     derives: tuple[int, ...]  # which of its outputs are derived tensors
     call: tuple | None  # the module call it ran in: (name, weakref to the module)
+    edges: tuple[int, ...]  # per output tensor: the place of its edge after the values
 
 
 class _Slot:
@@ -272,21 +274,27 @@ def kind_of(args: tuple, inputs: list, watched: dict) -> tuple:
     return tuple(found)
 
 
-def _with_outputs(gm: torch.fx.GraphModule, nodes: list) -> tuple[torch.fx.GraphModule, int]:
-    """A copy of ``gm`` that returns ``nodes``' values after its own outputs."""
+def _with_outputs(gm: torch.fx.GraphModule, nodes: list, edges: list = ()
+                  ) -> tuple[torch.fx.GraphModule, int]:
+    """A copy of ``gm`` that returns ``nodes``' values after its own outputs, then the
+    gradient edge of each of ``edges``' values as it is right after its node ran (an
+    in-place op later moves a tensor's edge: ``ReLU(inplace=True)`` after a layer)."""
     graph = torch.fx.Graph()
     env: dict = {}
+    at: dict = {}
     out_node = None
     for node in gm.graph.nodes:
         if node.op == "output":
             out_node = node
             continue
         env[node] = graph.node_copy(node, lambda m: env[m])
+        if node in edges:
+            at[node] = graph.call_function(edge_of, (env[node],))
     own = out_node.args[0]
     if not isinstance(own, (tuple, list)):
         raise _NoPlan("a graph whose output is not a tuple")
     graph.output(tuple(torch.fx.map_arg(tuple(own), lambda m: env[m]))
-                 + tuple(env[m] for m in nodes))
+                 + tuple(env[m] for m in nodes) + tuple(at[m] for m in edges))
     return torch.fx.GraphModule(gm, graph), len(own)
 
 
@@ -371,6 +379,12 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
             raise _NoPlan("a tensor made outside the graph's nodes")
         return _Slot(wanted.setdefault(n, len(wanted)))
 
+    edges: dict = {}  # node -> the place of its edge among the edges returned
+
+    def edge(t: Tensor) -> int:
+        slot(t)
+        return edges.setdefault(producer[id(t)], len(edges))
+
     reads, decide, keep = [], [], []
     for e, (func, args, kwargs, out) in zip(program.entries, tracer.ran):
         if e.kind is PARAM:
@@ -379,7 +393,8 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
                 e.op, func, _slotted(args, slot), _slotted(kwargs, slot), _slotted(out, slot),
                 tuple(slot(t).k for t in op_leaves(args, kwargs)),
                 frozenset().union(*program.reads[e.op].sources.values()), e.derives,
-                None if c is None else (c.name, weakref.ref(c.module))))
+                None if c is None else (c.name, weakref.ref(c.module)),
+                tuple(edge(o) for o in _outputs(out))))
         elif e.decide:
             decide.append((func, _slotted(args, slot), _slotted(kwargs, slot),
                            _slotted(out, slot), e))
@@ -393,9 +408,9 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
     for o in output:
         k = numbers.of(o) if isinstance(o, Tensor) else None
         layouts.append(None if k is None else program.layouts[k])
-    graph, n_out = _with_outputs(gm, list(wanted))
+    graph, n_out = _with_outputs(gm, list(wanted), list(edges))
     return Plan(program, graph, n_out, tuple(reads), tuple(decide), tuple(keep),
-                tuple(layouts))
+                tuple(layouts), len(wanted))
 
 
 class CompiledCapture(LeanCapture):
@@ -531,7 +546,7 @@ class CompiledCapture(LeanCapture):
                 op.autocast = state
                 op.versions = [t._version for t in leaves]
                 made = _outputs(out)
-                op.edges = [edge_of(o) for o in made]
+                op.edges = [values[plan.n_values + k] for k in r.edges]
                 op.output = read.output if _stands_for(read.output, out) else shapes_only(
                     out, read.flow.outputs)
                 self.ops.append(op)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from ..batch import Batched, Flow, Layout, op_leaves, propagate
 from ..batch.flow import METADATA, Ctx, in_place, name_of
 from ..batch.layouts import SHARED, Mixed, Unknown
 from ..batch.ops_indexing import written_layout
+from ..batch.table import storage_of
 from ..draws import RANDOM, Draw
 from ..patches import WhileCapturing
 from ..precision import autocast_state
@@ -150,6 +152,11 @@ class Program:
     generators: tuple = ()  # the generators its random ops draw from
     fails: int = 0  # calls that left the programs before it (since a first was traced)
 
+    @property
+    def reads_outside(self) -> list[tuple]:
+        """Per entry, its leaves (numbers, or the tensors from before the call)."""
+        return [e.wants for e in self.entries]
+
     def holds(self, watched: dict, inputs: list) -> bool:
         """May a call with ``watched`` and ``inputs`` (``(tensor, layout)``) take it?"""
         if frozenset(watched) != self.watched or len(inputs) != self.inputs:
@@ -228,7 +235,8 @@ class Tracer:
     def _writable(self, func, args: tuple, kwargs: dict, leaves: list) -> Layout | None:
         """The layout of the tensor an in-place op is about to write, where a program may
         hold the write (:func:`writable`), else ``None`` (the program dead)."""
-        if not writable(self.numbers, self.inputs, func, args, kwargs):
+        if not writable(self.numbers, self.inputs, func, args, kwargs, lambda: _storages(
+                [e.wants for e in self.entries], self.numbers, self.inputs)):
             self.dead = f"an op writing into a tensor made before the call ({name_of(func)})"
             return None
         return self.cap.layouts.layout(args[0])
@@ -297,8 +305,9 @@ class Tracer:
             flow = Flow(before) if func is _SETITEM else flow
         else:
             kind, key, decide = DECIDE, None, flow is not None
-        if decide:
-            self.decided.append([(t, t._version) for t in leaves])
+        if decide:  # (a write's own target: its values are not what its layout reads)
+            self.decided.append([(t, t._version) for t in leaves
+                                 if before is None or t is not args[0]])
         keep = False
         for o in made:
             lay = layout(o)
@@ -460,7 +469,9 @@ class LeanCapture(Capture):
                 raise Deopt
         if e.key is not None and not _same_key(args, kwargs, e.key):
             raise Deopt
-        if e.write and not writable(self.numbers, self.program.inputs, func, args, kwargs):
+        if e.write and not writable(self.numbers, self.program.inputs, func, args, kwargs,
+                                    lambda: _storages(self.program.reads_outside,
+                                                      self.numbers, self.program.inputs)):
             raise Deopt  # (a view of a tensor from before the call: its write would stay)
         kind = RANDOM.get(func)
         if kind is not None and kind.draws(args, kwargs) is not (e.draw is not None):
@@ -547,16 +558,39 @@ def writes(func: Any, kwargs: dict) -> bool:
     return func is _SETITEM or in_place(func, kwargs) or name_of(func) == "__set__"
 
 
-def writable(numbers: Numbers, inputs: int, func: Any, args: tuple, kwargs: dict) -> bool:
+def writable(numbers: Numbers, inputs: int, func: Any, args: tuple, kwargs: dict,
+             outside: Callable[[], set]) -> bool:
     """May a program hold this write: one into its first argument, a tensor this call
-    made (itself or the tensor it views: numbered after the ``inputs``), so that a call
-    that stops and runs again under the full capture finds no write of its own left?"""
+    made (numbered after the ``inputs``), whose storage is that call's too (its base, if
+    a view, numbered so, or the hidden result of an op such as ``linear`` on 3-d
+    inputs: none of the storages ``outside()`` gives, those of the tensors from before
+    the call that the ops read)? Then a call that stops and runs again under the full
+    capture finds no write of its own left."""
     if name_of(func) == "__set__" or kwargs.get("out") is not None or not args or (
             type(args[0]) is not Tensor):
         return False
     t = args[0]
-    k = numbers.of(t if t._base is None else t._base)
-    return k is not None and k >= inputs
+    k = numbers.of(t)
+    if k is None or k < inputs:
+        return False
+    base = t._base
+    if base is None:
+        return True
+    k = numbers.of(base)
+    if k is not None:
+        return k >= inputs
+    return storage_of(base) not in outside()
+
+
+def _storages(wants: Any, numbers: Numbers, inputs: int) -> set:
+    """The storages of the tensors from before a call: its inputs (``numbers`` below
+    ``inputs``) and the tensors in ``wants`` (entries' leaves read as themselves)."""
+    found = {storage_of(t) for ws in wants for t in ws if type(t) is not int}
+    for ref, k in numbers._by_id.values():
+        t = ref()
+        if t is not None and k < inputs:
+            found.add(storage_of(t))
+    return found
 
 
 def decided(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
