@@ -22,10 +22,17 @@ call that passes them has the full capture's data flow; an op whose data flow ma
 values (an index, a mask: no step on the tape) has it decided again
 (:func:`~persample.batch.flow.propagate`) from its inputs' layouts, and compared. Where
 an op differs, the forward stops (:class:`Deopt`, raised inside it) and runs again under
-the full capture: programs hold no op that writes a tensor in place or draws from a
-generator of its own, and a stop puts autograd's and autocast's modes and the default
-generators back as they were, so the ops run before the stop changed nothing (Python
-code of the model's own between them, a counter it keeps, runs twice). A random op
+the full capture: programs hold no op that draws from a generator of its own, and no
+write into a tensor from before the call (a buffer, an input, a view of either), and a
+stop puts autograd's and autocast's modes and the default generators back as they were,
+so the ops run before the stop changed nothing (Python code of the model's own between
+them, a counter it keeps, runs twice).
+
+A write into a tensor the call made (a mask filled in place, ``w /= w.sum(-1)``,
+``ReLU(inplace=True)``) is an entry like any other, its target's layout decided again
+at every call (:func:`decided`); a program holds it only where the write reads no
+parameter, draws nothing, leaves its target's layout as it was, and writes no tensor
+an op reading parameters (or deciding its data flow by values) read before it. A random op
 (dropout in training) is recorded as the full capture records it
 (:class:`~persample.draws.Draw`), and must draw where the traced one drew.
 
