@@ -59,8 +59,11 @@ from .lean import (
     LeanCapture,
     Program,
     Tracer,
+    _alike,
+    _alike_flow,
     _outputs,
-    _same,
+    _paired,
+    _Read,
     _same_flow,
     _stands_for,
     decided,
@@ -133,8 +136,10 @@ def _slotted(x: Any, slot: Any) -> Any:
     """``x`` with each tensor replaced by ``slot(tensor)``."""
     if isinstance(x, Tensor):
         return slot(x)
-    if type(x) in (tuple, list):
-        return type(x)(_slotted(a, slot) for a in x)
+    if isinstance(x, tuple):  # (``torch.sort``'s named tuple too: a plain one here)
+        return tuple(_slotted(a, slot) for a in x)
+    if type(x) is list:
+        return [_slotted(a, slot) for a in x]
     if type(x) is dict:
         return {k: _slotted(a, slot) for k, a in x.items()}
     return x
@@ -326,8 +331,8 @@ def _calls(ops: list, program: Program) -> list:
     parameters, in order; ``None`` each where they are not."""
     reads = program.reads
     if len(reads) != len(ops) or any(
-            dict(op.sources) != read.sources or list(op.layouts) != list(read.layouts)
-            for op, read in zip(ops, reads)):
+            dict(op.sources) != read.sources or len(op.layouts) != len(read.layouts)
+            or not all(map(_alike, op.layouts, read.layouts)) for op, read in zip(ops, reads)):
         return [None] * len(ops)
     found = []
     for read in reads:
@@ -395,7 +400,7 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
                 frozenset().union(*program.reads[e.op].sources.values()), e.derives,
                 None if c is None else (c.name, weakref.ref(c.module)),
                 tuple(edge(o) for o in _outputs(out))))
-        elif e.decide:
+        if e.decide:  # (in order: a layout holding indices decided before its readers)
             decide.append((func, _slotted(args, slot), _slotted(kwargs, slot),
                            _slotted(out, slot), e))
         if e.keep:
@@ -495,7 +500,7 @@ class CompiledCapture(LeanCapture):
             return False
         leaves = tensor_leaves(output)
         return len(leaves) == len(program.output) and all(
-            _same(cap.layouts.layout(t), program.layouts[k])
+            _alike(cap.layouts.layout(t), program.layouts[k])
             for t, k in zip(leaves, program.output))
 
     def keep_plan(self, plain: bool) -> None:
@@ -514,15 +519,26 @@ class CompiledCapture(LeanCapture):
         plan, values, outs = self.got
         program = plan.program
         ctx = self.lean_ctx
+        dyn: dict[int, Any] = {}  # id -> a layout holding this call's indices
+        now: dict[int, tuple] = {}  # a read's index -> (its leaves' layouts, its data flow)
         for func, args, kwargs, out, entry in plan.decide:
-            args, kwargs = _fill(args, values), _fill(kwargs, values)
-            self._deciding = (op_leaves(args, kwargs), entry.layouts)
-            flow = decided(ctx, func, args, kwargs, _fill(out, values), list(entry.layouts))
-            if not _same_flow(flow, entry.flow):
+            args, kwargs, out = _fill(args, values), _fill(kwargs, values), _fill(out, values)
+            leaves, lays = op_leaves(args, kwargs), entry.layouts
+            if entry.dynamic:  # (a leaf's layout as this call decided it)
+                lays = tuple(dyn.get(id(t), lay) for t, lay in zip(leaves, lays))
+            self._deciding = (leaves, lays)
+            flow = decided(ctx, func, args, kwargs, out, list(lays))
+            if not (_alike_flow(flow, entry.flow) if entry.dynamic else _same_flow(
+                    flow, entry.flow)):
                 return False
+            if entry.dynamic:
+                for o, lay in _paired(args[0] if entry.write else out, flow.outputs):
+                    dyn[id(o)] = lay
+                if entry.kind is PARAM:
+                    now[entry.op] = (lays, flow)
         for o, lay in zip(outs, plan.outputs):  # (every one: a distribution's too)
             if lay is not None:
-                self.layouts[o] = lay
+                self.layouts[o] = dyn.get(id(o), lay)
         for t in tensor_leaves(output):
             if not any(o is t for o in outs):
                 return False
@@ -535,6 +551,9 @@ class CompiledCapture(LeanCapture):
                     r.out, values)
                 leaves = [values[k] for k in r.leaves]
                 read, call = program.reads[r.index], None
+                if r.index in now:
+                    lays, flow = now[r.index]
+                    read = _Read(lays, flow, read.sources, read.call, read.output)
                 if r.call is not None:
                     module = r.call[1]()
                     if module is None:

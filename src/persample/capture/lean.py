@@ -61,7 +61,7 @@ from torch.overrides import TorchFunctionMode
 from ..batch import Batched, Flow, Layout, op_leaves, propagate
 from ..batch.flow import METADATA, Ctx, in_place, name_of
 from ..batch.layouts import SHARED, Mixed, Unknown
-from ..batch.ops_indexing import written_layout
+from ..batch.ops_indexing import Partly, written_layout
 from ..batch.table import storage_of
 from ..draws import RANDOM, Draw
 from ..patches import WhileCapturing
@@ -132,6 +132,7 @@ class Entry:
     grad: bool = True  # autograd was on when it ran
     draw: tuple | None = None  # a random op: (its kind, the layout of its numbers, where)
     write: bool = False  # it writes its first argument in place (a tensor of this call)
+    dynamic: bool = False  # a leaf's or an output's layout holds this call's indices
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,6 +208,7 @@ class Tracer:
         self.dead: str | None = None
         self.generators: list = []
         self.decided: list[list] = []  # per op deciding again: its leaves and their versions
+        self.written: dict[int, Any] = {}  # storage -> the shared tensor written with samples
         for t, lay in inputs:
             if type(t) is not Tensor:
                 self.dead = "an input of a tensor subclass"
@@ -261,9 +263,15 @@ class Tracer:
                 func is not _SETITEM and out is not args[0]):
             self.dead = f"an op writing in place that reads parameters or draws ({name})"
             return False
-        if not _same(cap.layouts.layout(args[0]), before) or not _plain(before):
-            self.dead = f"an op writing samples in place into a tensor laid out otherwise ({name})"
-            return False
+        target = args[0]
+        if before is SHARED and cap.layouts.layout(target) is not SHARED:
+            where = storage_of(target)  # (a shared tensor written with samples: any other
+            # tensor of its storage then reads as unknown; the program holds none)
+            if any(t is not None and t is not target and storage_of(t) == where
+                   for t in (ref() for ref, _ in self.numbers._by_id.values())):
+                self.dead = f"an op writing samples into a shared tensor with views ({name})"
+                return False
+            self.written[where] = weakref.ref(target)
         return True
 
     def _trace(self, func, args, kwargs, out, leaves, wants, k, n_ops, n_draws, before
@@ -284,13 +292,21 @@ class Tracer:
         layout = cap.layouts.layout
         if writes(func, kwargs) and not self._write_kept(func, args, out, before, n_ops, draw):
             return
-        lays = tuple(layout(t) for t in leaves)
-        if not all(_plain(lay) for lay in lays):
-            self.dead = f"a tensor whose samples are held by a tensor ({name_of(func)})"
+        if self.written and any(
+                (ref := self.written.get(storage_of(t))) is not None and ref() is not t
+                for t in leaves):
+            self.dead = f"a view of a shared tensor written with samples ({name_of(func)})"
             return
+        lays = tuple(layout(t) for t in leaves)
         metas = tuple(None if type(w) is int else (t.shape, t.dtype, t.requires_grad)
                       for t, w in zip(leaves, wants))
         made = _made(out, leaves)
+        made_lays = [layout(o) for o in made]
+        dynamic = not all(map(_plain, lays)) or not all(map(_plain, made_lays))
+        if before is not None:  # (a write: its target read as it was before it; a layout
+            # it changes is decided at every call)
+            dynamic = dynamic or not _plain(before) or not _same(lays[0], before)
+            lays = (before,) + lays[1:]
         step = cap.steps[k]
         flow = cap._flow
         derives = ()
@@ -301,33 +317,34 @@ class Tracer:
                 self.dead = f"an op reading a narrowed operand ({name_of(func)})"
                 return
             kind, key, flow = PARAM, arguments_key(args, kwargs), op.flow
-            decide = any(not (t.is_floating_point() or t.is_complex()) for t in leaves)
+            decide = dynamic or any(not (t.is_floating_point() or t.is_complex())
+                                    for t in leaves)
             derived = cap.derived
             derives = tuple(k for k, o in enumerate(_outputs(out)) if (
                 d := derived.get(id(o))) is not None and d.tensor is o and d.op is op)
-        elif isinstance(step, Step):
-            kind, key, decide = STEP, step.key, False
+        elif isinstance(step, Step):  # (a layout holding this call's indices: decided)
+            kind, key, decide = (DECIDE if dynamic else STEP), step.key, dynamic
+            flow = step.flow
         elif before is not None:  # (a write: its layout decided again at every call)
             kind, key, decide = DECIDE, None, True
-            flow = Flow(before) if func is _SETITEM else flow
+            flow = Flow(layout(args[0])) if func is _SETITEM else flow
         else:
             kind, key, decide = DECIDE, None, flow is not None
+        if dynamic and flow is None:
+            self.dead = f"an op on a layout holding indices, with no data flow ({name_of(func)})"
+            return
         if decide:  # (a write's own target: its values are not what its layout reads)
             self.decided.append([(t, t._version) for t in leaves
                                  if before is None or t is not args[0]])
         keep = False
-        for o in made:
-            lay = layout(o)
-            if not _plain(lay):
-                self.dead = f"an output whose samples are held by a tensor ({name_of(func)})"
-                return
+        for o, lay in zip(made, made_lays):
             keep = keep or (lay is SHARED and not o.requires_grad)
             self.numbers.give(o)
             self.layouts.append(lay)
         self.entries.append(Entry(func, kind, tuple(wants), metas, key, outs_of(out),
                                   len(made), lays, flow, decide, keep,
                                   n_ops if kind is PARAM else -1, derives,
-                                  torch.is_grad_enabled(), draw, before is not None))
+                                  torch.is_grad_enabled(), draw, before is not None, dynamic))
 
     def program(self, cap: Capture, output: Any, fails: int = 0) -> Program | None:
         """The program, if a later call may run it (the capture's parameters all read by
@@ -343,7 +360,7 @@ class Tracer:
         reads = []
         for op in cap.ops:
             if op.claimed is not None or op.before is not None or op.draw is not None or (
-                    op.previous is not None or not _plain(op.flow.outputs)):
+                    op.previous is not None):
                 return None
             call = None if op.call is None else (op.call.name, weakref.ref(op.call.module))
             reads.append(_Read(tuple(op.layouts), op.flow, dict(op.sources), call,
@@ -394,6 +411,7 @@ class LeanCapture(Capture):
         self.k = 0  # the next entry
         self.failed = False  # an op left the program
         self.seen: list[tuple] = []  # per parameter read: its op as it ran
+        self.dyn: dict[int, Layout] = {}  # number -> a layout holding this call's indices
         me = weakref.proxy(self)  # (no reference cycle: the records hold activations)
         self.lean_ctx = Ctx(n, lambda t: me._layout_of(t))
         self._deciding: tuple = ((), ())  # the leaves and layouts of the op deciding
@@ -408,7 +426,7 @@ class LeanCapture(Capture):
     def _numbered(self, t: Tensor) -> Layout | None:
         """The layout of a tensor this call numbered (``None``: not one)."""
         k = self.numbers.of(t)
-        return None if k is None else self.program.layouts[k]
+        return None if k is None else self.dyn.get(k, self.program.layouts[k])
 
     def _layout_of(self, t: Tensor) -> Layout:
         """A tensor's layout, for an op whose data flow is decided again: its leaves' as
@@ -498,11 +516,23 @@ class LeanCapture(Capture):
             raise Deopt
         for o in made:
             self.numbers.give(o)
+        flow = None
         if e.decide:
-            self._deciding = (leaves, e.layouts)
-            flow = decided(self.lean_ctx, func, args, kwargs, out, list(e.layouts))
-            if not _same_flow(flow, e.flow):
+            lays = e.layouts
+            if e.dynamic:  # (a leaf's layout as this call decided it)
+                dyn = self.dyn
+                lays = tuple(dyn.get(w, lay) if type(w) is int else lay
+                             for w, lay in zip(e.wants, lays))
+            self._deciding = (leaves, lays)
+            flow = decided(self.lean_ctx, func, args, kwargs, out, list(lays))
+            if not (_alike_flow(flow, e.flow) if e.dynamic else _same_flow(flow, e.flow)):
                 raise Deopt
+            if e.dynamic:
+                for o, lay in _paired(args[0] if e.write else out, flow.outputs):
+                    entry = numbers.get(id(o))
+                    if entry is not None and entry[0]() is o:
+                        self.dyn[entry[1]] = lay
+                flow = (lays, flow)
         if e.kind is PARAM:
             with torch._C.DisableTorchFunction():
                 versions = [t._version for t in leaves]
@@ -513,7 +543,7 @@ class LeanCapture(Capture):
             if state is None or torch._C._is_any_autocast_enabled():
                 state = autocast_state()
             self.seen.append((e.op, func, args, kwargs, out, leaves, versions, edges, state,
-                              derived))
+                              derived, flow if e.dynamic else None))
         if e.keep:
             for o in made:
                 if not o.requires_grad:
@@ -533,10 +563,12 @@ class LeanCapture(Capture):
             if self.numbers.of(t) != want:
                 return False
         for t, want in zip(leaves, program.output):
-            self.layouts[t] = program.layouts[want]
-        for index, func, args, kwargs, out, leaves_, versions, edges, state, derived in (
+            self.layouts[t] = self.dyn.get(want, program.layouts[want])
+        for index, func, args, kwargs, out, leaves_, versions, edges, state, derived, now in (
                 self.seen):
             read = program.reads[index]
+            if now is not None:  # (its layouts as this call decided them)
+                read = _Read(now[0], now[1], read.sources, read.call, read.output)
             call = None
             if read.call is not None:
                 module = read.call[1]()
@@ -667,6 +699,42 @@ def _same_flow(a: Flow, b: Flow) -> bool:
     names the module where they arose), writing nothing."""
     return _same(a.outputs, b.outputs) and _same(a.pairing, b.pairing) and not a.writes and (
         not b.writes)
+
+
+def _alike_flow(a: Flow, b: Flow) -> bool:
+    """:func:`_same_flow`, where layouts holding indices need only hold them in the
+    same places (the indices are this call's)."""
+    return _alike(a.outputs, b.outputs) and _alike(a.pairing, b.pairing) and not (
+        a.writes or b.writes)
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """The same layout but for the values of the index tensors it holds."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(map(_alike, a, b))
+    if isinstance(a, Partly):
+        return a.dim == b.dim and _same_shape(a.rows, b.rows)
+    if isinstance(a, Batched):
+        return (a.dim, a.outer, a.inner) == (b.dim, b.outer, b.inner) and _same_shape(
+            a.index, b.index) and _same_shape(getattr(a, "keys", None), getattr(b, "keys", None))
+    return type(a) in (Mixed, Unknown) or a == b
+
+
+def _same_shape(a: Tensor | None, b: Tensor | None) -> bool:
+    return a is b if a is None or b is None else a.shape == b.shape
+
+
+def _paired(out: Any, layouts: Any) -> list[tuple[Tensor, Layout]]:
+    """An op's output tensors with their layouts (as :meth:`LayoutTable.set_outputs`
+    pairs them)."""
+    if isinstance(out, Tensor):
+        return [(out, layouts)]
+    if isinstance(out, (tuple, list)):
+        lays = layouts if isinstance(layouts, tuple) else (layouts,) * len(out)
+        return [(o, lay) for o, lay in zip(out, lays) if isinstance(o, Tensor)]
+    return []
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -290,12 +290,13 @@ class Capture:
             if threading.get_ident() != self.thread:
                 return
             try:
-                rule = self._module_rule(module) if self._module_rule else None
-                call = Call(name, module, args, kwargs, rule=rule,
-                            parent=self.stack[-1] if self.stack else None,
-                            autocast=autocast_state(), first_draw=len(self.draws))
                 with torch._C.DisableTorchFunction():  # reading tensors here is no op of
+                    # the model's (a rule's match reads its parameters' dims)
+                    rule = self._module_rule(module) if self._module_rule else None
                     leaves = tensor_leaves((args, kwargs))
+                    call = Call(name, module, args, kwargs, rule=rule,
+                                parent=self.stack[-1] if self.stack else None,
+                                autocast=autocast_state(), first_draw=len(self.draws))
                     call.versions = [t._version for t in leaves]
                 if (rule is not None and rule.spec.keeps_layout and self._quiet is None
                         and not self.following and not self._sources(leaves)

@@ -1,0 +1,89 @@
+"""Layouts that hold a call's own indices in the cached calls (persample.capture.lean,
+.compiled): tokens routed to experts by a sort of their expert ids (as transformers'
+grouped mixtures dispatch them), the rows' samples decided again at every call from
+that call's routing, every answer the loop's in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import persample
+from cached_calls import B, D, T, check, kept
+from persample.capture.compiled import Compiled
+from persample.capture.lean import Program
+from persample.engine import tapes
+
+E, K = 3, 2  # experts, experts per token
+
+
+@pytest.fixture(params=[False, True], ids=["program", "compiled"])
+def compiled(request, monkeypatch):
+    monkeypatch.setattr(tapes, "COMPILE_AFTER", 0)
+    before = persample.compile_calls(request.param)
+    persample.clear_plans()
+    yield request.param
+    persample.compile_calls(before)
+
+
+class Routed(nn.Module):
+    """A mixture of ``E`` experts, top-``K``, dispatched by a sort of the expert ids: each
+    token's rows gathered in expert order, each row multiplied by its expert's weight
+    (gathered by id), then put back by the inverse permutation and summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E)
+        self.weight = nn.Parameter(torch.randn(E, D, D) / D**0.5)
+        self.bias = nn.Parameter(torch.randn(E, D) * 0.1)
+        self.head = nn.Linear(D, 2)
+        self.shift = torch.zeros((), dtype=torch.long)  # (0: each row put back in place)
+
+    def forward(self, x):  # (B, T, D)
+        tokens = x.reshape(-1, D)  # (B*T, D)
+        weights, ids = torch.topk(torch.softmax(self.router(tokens), -1), K)  # (B*T, K)
+        weights = weights / weights.sum(-1, keepdim=True)
+        ids_g, perm = torch.sort(ids.reshape(-1))  # (B*T*K,) in expert order
+        rows = tokens[perm // K]  # (B*T*K, D)
+        out = torch.einsum("nd,nde->ne", rows, self.weight[ids_g])
+        out.add_(self.bias[ids_g])
+        out = out * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        inverse = (inverse + self.shift) % perm.shape[0]
+        out = out[inverse].reshape(-1, K, D).sum(1)  # (B*T, D)
+        return self.head(out.reshape(x.shape).mean(1))
+
+
+def _x(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, D, generator=g, dtype=torch.float64)
+
+
+def test_a_routing_of_each_call_takes_the_cached_call(compiled):
+    model, y, loss = Routed().double(), torch.randint(0, 2, (B,)), nn.CrossEntropyLoss()
+    routes = set()
+    for k in range(5):  # (each call routes its tokens otherwise)
+        x = _x(k)
+        routes.add(tuple(torch.topk(model.router(x.reshape(-1, D)), K).indices.flatten()
+                         .tolist()))
+        check(model, x, y, loss)
+    assert len(routes) == 5
+    assert any(isinstance(found, (Program, Compiled)) for found in kept(model)), kept(model)
+    note = persample.verify(model, _x(9), y, loss).plan
+    assert note.startswith("cached: compiled" if compiled else "cached: each of"), note
+    assert all(r.path == "rule" for r in persample.supported(model, _x(9), y, loss))
+
+
+def test_index_values_that_move_rows_to_another_sample_are_caught(compiled):
+    model, y, loss = Routed().double(), torch.randint(0, 2, (B,)), nn.CrossEntropyLoss()
+    for k in range(3):
+        check(model, _x(k), y, loss)
+    model.shift.fill_(T * K)  # (the same ops and arguments: each token's rows put back
+    for k in range(2):  # into the next sample's place)
+        with pytest.raises(persample.LossNotPerSampleError):
+            persample.per_sample_grads(model, _x(k), y, loss, method="rules")
+    model.shift.fill_(0)
+    for k in range(3):
+        check(model, _x(k), y, loss)
