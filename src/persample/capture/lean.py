@@ -28,11 +28,18 @@ stop puts autograd's and autocast's modes and the default generators back as the
 so the ops run before the stop changed nothing (Python code of the model's own between
 them, a counter it keeps, runs twice).
 
+A layout that holds the call's own indices (a mixture's rows sorted by expert,
+:class:`~persample.batch.ops_indexing.Sorted`; rows gathered by an index of the call)
+is decided again at every call, by every op that reads or makes one, from the layouts
+this call decided for its inputs; the program keeps its form (which dim, which layout
+type), and an op whose layout differs but for the indices' values stops the forward.
+
 A write into a tensor the call made (a mask filled in place, ``w /= w.sum(-1)``,
 ``ReLU(inplace=True)``) is an entry like any other, its target's layout decided again
 at every call (:func:`decided`); a program holds it only where the write reads no
-parameter, draws nothing, leaves its target's layout as it was, and writes no tensor
-an op reading parameters (or deciding its data flow by values) read before it. A random op
+parameter, draws nothing, writes samples into a shared tensor only where no other
+tensor views it, and writes no tensor an op reading parameters (or deciding its data
+flow by values) read before it. A random op
 (dropout in training) is recorded as the full capture records it
 (:class:`~persample.draws.Draw`), and must draw where the traced one drew.
 
@@ -253,8 +260,9 @@ class Tracer:
     def _write_kept(self, func, args: tuple, out: Any, before: Layout | None, n_ops: int,
                     draw: Any) -> bool:
         """May the program hold this in-place op (run, its target's layout ``before``)?
-        Where it reads no parameter, draws nothing, writes no other input, and leaves its
-        target's layout as it was; else the program is dead."""
+        Where it reads no parameter, draws nothing, writes no other input, and writes
+        samples into a shared tensor only where no other tensor views it; else the program
+        is dead."""
         if before is None:
             return False
         cap, name = self.cap, name_of(func)
