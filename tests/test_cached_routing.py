@@ -87,3 +87,34 @@ def test_index_values_that_move_rows_to_another_sample_are_caught(compiled):
     model.shift.fill_(0)
     for k in range(3):
         check(model, _x(k), y, loss)
+
+
+def test_gpt_oss_takes_the_program_and_stays_exact():
+    """transformers' gpt-oss (its experts dispatched by a sort, biases added in place,
+    the inverse permutation written into an empty tensor): a program holds its forward,
+    each call's routing decided again (float32: its router runs there)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=T * 4,
+        use_cache=False, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).float().eval()
+
+    def loss(out, ids):  # (B,) each sample's next-token cross-entropy
+        logits = out.logits[:, :-1]
+        return nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
+                                           reduction="none").mean(1)
+
+    before = persample.compile_calls(False)
+    try:
+        persample.clear_plans()
+        for k in range(4):
+            ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(k))
+            check(model, {"input_ids": ids}, ids, loss, rtol=1e-4, atol=1e-6)
+        assert any(isinstance(found, Program) for found in kept(model)), kept(model)
+        note = persample.verify(model, {"input_ids": ids}, ids, loss).plan
+        assert note.startswith("cached: each of"), note
+    finally:
+        persample.compile_calls(before)
