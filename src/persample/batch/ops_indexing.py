@@ -158,10 +158,11 @@ def regular(dim: int, rows: Tensor, n: int) -> Batched:
     size = rows.numel()
     if size and size % n == 0:
         k = size // n
-        position = torch.arange(size, device=rows.device)
-        for inner in (d for d in range(1, k + 1) if k % d == 0):
-            if torch.equal(rows, position // inner % n):
-                return Batched(dim, k // inner, inner)
+        inner = k if n == 1 else int((rows != 0).to(torch.int8).argmax())  # (n > 1: the
+        # only candidate is the first position of sample 1, the run of sample 0 before it)
+        if inner > 0 and k % inner == 0 and torch.equal(
+                rows, torch.arange(size, device=rows.device) // inner % n):
+            return Batched(dim, k // inner, inner) if n > 1 else Batched(dim, k, 1)
     return indexed(dim, rows, n)
 
 
@@ -398,13 +399,16 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
     shape = [1 if p[0] == "new" else len(range(*p[2].indices(x.shape[p[1]]))) for p in basics]
     if tuple(shape[:start]) + block + tuple(shape[start:]) != tuple(out.shape):
         return None
-    samples = torch.full(block, NO_SAMPLE, dtype=torch.long, device=x.device)
+    samples = None  # (no index tensor with samples of its own yet: none anywhere)
     for a in advs:
         if a.own is not None:
-            samples = merge(samples, a.own.expand(a.values.shape).expand(block))
+            own = a.own.expand(a.values.shape).expand(block)
+            samples = own.to(x.device) if samples is None else merge(samples, own)
             if samples is None:
                 return Mixed(f"{what} reads with one sample's index tensor another "
                              "sample's positions")
+    if samples is None:
+        samples = torch.full(block, NO_SAMPLE, dtype=torch.long, device=x.device)
     found = samples_along(ctx, x, lay)
     if found is not None:
         d, rows = found
