@@ -294,3 +294,23 @@ def test_a_batched_layout_is_what_the_op_does(name, build, keeps, data):
             own = _sample_of_each_position(out, lay, n).reshape(-1, 1)  # (out positions, 1)
             other = own != x_sample.reshape(1, -1)  # entries of another sample than its own
             assert not (reads & other).any(), (name, lay)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 5), outer=st.integers(1, 4), inner=st.integers(1, 4),
+       change=st.one_of(st.none(), st.integers(0, 10**6)), data=st.data())
+def test_a_regular_run_of_samples_is_named_by_its_layout(n, outer, inner, change, data):
+    """``regular``: the sample of each position, as ``Batched(dim, outer, inner)`` where
+    positions ``(o * n + i) * inner + k`` hold sample ``i``, else an index layout; every
+    answer names the samples it was given (and a rows pattern broken at one position is
+    not taken for a regular one)."""
+    from persample.batch.ops_indexing import regular
+
+    size = outer * n * inner
+    rows = torch.arange(size) // inner % n
+    if change is not None:
+        rows[change % size] = data.draw(st.integers(0, n - 1))
+    lay = regular(0, rows, n)
+    assert torch.equal(sample_of_positions(lay, size, n, torch.device("cpu")).long(), rows)
+    if change is None and n > 1:
+        assert lay.index is None and (lay.outer, lay.inner) == (outer, inner), lay
