@@ -314,3 +314,18 @@ def test_a_regular_run_of_samples_is_named_by_its_layout(n, outer, inner, change
     assert torch.equal(sample_of_positions(lay, size, n, torch.device("cpu")).long(), rows)
     if change is None and n > 1:
         assert lay.index is None and (lay.outer, lay.inner) == (outer, inner), lay
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes=st.lists(st.lists(st.sampled_from([0, 1, 1, 2, 3]), max_size=4),
+                       min_size=1, max_size=3))
+def test_shapes_broadcast_as_torch_broadcasts_them(shapes):
+    from persample.batch.flow import broadcast_shapes
+
+    def answer(fn):
+        try:
+            return tuple(fn(*[torch.Size(s) for s in shapes]))
+        except RuntimeError:
+            return "does not broadcast"
+
+    assert answer(broadcast_shapes) == answer(torch.broadcast_shapes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -223,6 +224,27 @@ def arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> An
     if name in kwargs:
         return kwargs[name]
     return args[i] if len(args) > i else default
+
+
+def broadcast_shapes(*shapes: Any) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` of plain integer shapes, in Python (torch's goes
+    through its reference implementation: tens of microseconds a call); raises
+    ``RuntimeError`` where they do not broadcast.
+
+    Examples:
+        >>> broadcast_shapes((3, 1), (1, 4)), broadcast_shapes((2,), ())
+        ((3, 4), (2,))
+    """
+    found: list[int] = []
+    for dims in zip_longest(*(reversed(tuple(s)) for s in shapes), fillvalue=1):
+        size = 1
+        for d in dims:
+            if d != 1:
+                if size != 1 and size != d:
+                    raise RuntimeError(f"shapes {shapes} do not broadcast")
+                size = d
+        found.append(size)
+    return tuple(reversed(found))
 
 
 def dim_of(d: int, rank: int) -> int:

@@ -39,6 +39,7 @@ from .flow import (
     Ctx,
     aliases,
     arg,
+    broadcast_shapes,
     dim_of,
     every,
     mixed,
@@ -390,7 +391,7 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
         else:  # an int: selects
             in_dim += 1
     try:
-        block = tuple(torch.broadcast_shapes(*[a.values.shape for a in advs]))
+        block = broadcast_shapes(*[a.values.shape for a in advs])
     except RuntimeError:
         return None
     places = [k for k, p in enumerate(post) if p[0] == "adv"]
