@@ -329,3 +329,26 @@ def test_shapes_broadcast_as_torch_broadcasts_them(shapes):
             return "does not broadcast"
 
     assert answer(broadcast_shapes) == answer(torch.broadcast_shapes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 4), each=st.integers(1, 3), equal=st.booleans(), d=st.integers(0, 2),
+       seed=st.integers(0, 10**6))
+def test_positions_grouped_by_sample_in_order_and_padded(n, each, equal, d, seed):
+    """An index layout's positions moved to ``(n, ..., L, ...)``: sample ``s``'s
+    positions in their order, zeros after them (as many each, or not)."""
+    from persample.batch.layouts import _front_indexed
+
+    g = torch.Generator().manual_seed(seed)
+    index = (torch.arange(n).repeat_interleave(each)[torch.randperm(n * each, generator=g)]
+             if equal else torch.randint(0, n, (n * each + 1,), generator=g))
+    shape = [2, 3, 2]
+    shape[d] = index.numel()
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    got = _front_indexed(x, index, n, d).movedim(d + 1, 1)  # (n, L, ...)
+    length = int(torch.bincount(index, minlength=n).max())
+    want = torch.zeros((n, length, *x.movedim(d, 0).shape[1:]), dtype=torch.float64)
+    for s in range(n):
+        rows = x.movedim(d, 0)[index == s]
+        want[s, :rows.shape[0]] = rows
+    assert torch.equal(got, want)

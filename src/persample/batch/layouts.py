@@ -185,11 +185,14 @@ def _front_indexed(x: Tensor, index: Tensor, n: int, d: int) -> Tensor:
     counts = torch.bincount(index, minlength=n)  # (n,)
     if one_per_sample(index, n):  # a permutation
         return in_sample_order(x, index, d).unsqueeze(d + 1)
-    length = int(counts.max()) if counts.numel() else 0
+    fewest, length = (int(counts.min()), int(counts.max())) if counts.numel() else (0, 0)
     order = torch.argsort(index, stable=True)  # positions sorted by sample
+    moved = x.movedim(d, 0)  # (positions, ...)
+    if fewest == length:  # (as many positions each, a mixture's rows sorted by expert:
+        # sample s's are order[s * L:(s + 1) * L], no padding)
+        return moved[order].unflatten(0, (n, length)).movedim(1, d + 1)
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(index.numel(), device=index.device) - starts[index[order]]
-    moved = x.movedim(d, 0)  # (positions, ...)
     out = x.new_zeros((n, length, *moved.shape[1:]))
     out[index[order], slot] = moved[order]
     return out.movedim(1, d + 1)  # (n, ..., L, ...)
