@@ -234,3 +234,17 @@ def patch_spec(monkeypatch):
 def snapshot():
     """``snapshot(model)`` -> a :class:`ModelState` with ``assert_unchanged()``."""
     return ModelState
+
+
+@pytest.fixture(params=[False, True], ids=["program", "compiled"])
+def compiled(request, monkeypatch):
+    """Each test of the cached calls twice: the program checked op by op, and the forward
+    compiled from the call after the one that traced its program."""
+    import persample
+    from persample.engine import tapes
+
+    monkeypatch.setattr(tapes, "COMPILE_AFTER", 0)
+    before = persample.compile_calls(request.param)
+    persample.clear_plans()
+    yield request.param
+    persample.compile_calls(before)

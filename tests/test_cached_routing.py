@@ -10,21 +10,12 @@ import torch
 from torch import nn
 
 import persample
+import zoo
 from cached_calls import B, D, T, check, kept
 from persample.capture.compiled import Compiled
 from persample.capture.lean import Program
-from persample.engine import tapes
 
 E, K = 3, 2  # experts, experts per token
-
-
-@pytest.fixture(params=[False, True], ids=["program", "compiled"])
-def compiled(request, monkeypatch):
-    monkeypatch.setattr(tapes, "COMPILE_AFTER", 0)
-    before = persample.compile_calls(request.param)
-    persample.clear_plans()
-    yield request.param
-    persample.compile_calls(before)
 
 
 class Routed(nn.Module):
@@ -93,28 +84,16 @@ def test_gpt_oss_takes_the_program_and_stays_exact():
     """transformers' gpt-oss (its experts dispatched by a sort, biases added in place,
     the inverse permutation written into an empty tensor): a program holds its forward,
     each call's routing decided again (float32: its router runs there)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GptOssConfig(
-        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=T * 4,
-        use_cache=False, layer_types=["sliding_attention", "full_attention"])
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).float().eval()
-
-    def loss(out, ids):  # (B,) each sample's next-token cross-entropy
-        logits = out.logits[:, :-1]
-        return nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
-                                           reduction="none").mean(1)
-
+    pytest.importorskip("transformers")
+    model = zoo.gpt_oss(T)
     before = persample.compile_calls(False)
     try:
         persample.clear_plans()
         for k in range(4):
             ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(k))
-            check(model, {"input_ids": ids}, ids, loss, rtol=1e-4, atol=1e-6)
+            check(model, {"input_ids": ids}, ids, zoo.causal_lm_loss, rtol=1e-4, atol=1e-6)
         assert any(isinstance(found, Program) for found in kept(model)), kept(model)
-        note = persample.verify(model, {"input_ids": ids}, ids, loss).plan
+        note = persample.verify(model, {"input_ids": ids}, ids, zoo.causal_lm_loss).plan
         assert note.startswith("cached: each of"), note
     finally:
         persample.compile_calls(before)

@@ -14,19 +14,7 @@ import persample
 from cached_calls import B, D, T, check, kept
 from persample.capture.compiled import Compiled
 from persample.capture.lean import Program
-from persample.engine import tapes
 from persample.errors import InPlaceModificationError
-
-
-@pytest.fixture(params=[False, True], ids=["program", "compiled"])
-def compiled(request, monkeypatch):
-    """Each test twice: the program checked op by op, and the forward compiled from the
-    call after the one that traced its program."""
-    monkeypatch.setattr(tapes, "COMPILE_AFTER", 0)
-    before = persample.compile_calls(request.param)
-    persample.clear_plans()
-    yield request.param
-    persample.compile_calls(before)
 
 
 class Writes(nn.Module):

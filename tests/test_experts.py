@@ -325,13 +325,7 @@ def test_gpt_oss_experts_take_the_grouped_rule():
     """gpt-oss's experts (biases, a clamped interleaved SwiGLU: not the module rule's) in
     transformers' default grouped implementation: every parameter on the rules, the rows
     the loop's (float32)."""
-    config = transformers.GptOssConfig(
-        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=T * 4,
-        use_cache=False, layer_types=["sliding_attention", "full_attention"])
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config).float().eval()
+    model = zoo.gpt_oss(T)
     ids = torch.randint(0, 50, (B, T))
     got = persample.per_sample_grads(model, {"input_ids": ids}, ids, next_token, method="rules")
     want = persample.loop_per_sample_grads(model, {"input_ids": ids}, ids, next_token)

@@ -104,6 +104,19 @@ def gpt2_config(**extra):
                                    n_head=HEADS, bos_token_id=1, eos_token_id=1, **extra)
 
 
+def gpt_oss(seq_len: int) -> nn.Module:
+    """transformers' gpt-oss 2x16, 4 experts with biases top-2 in the default grouped
+    implementation, sliding and full layers, float32 (its router runs there), eval."""
+    transformers = require("transformers")
+    config = transformers.GptOssConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=seq_len * 4,
+        use_cache=False, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(config).float().eval()
+
+
 def gpt2_lm():
     inputs, labels = _text()
     return _hf("GPT2LMHeadModel", gpt2_config()), inputs, labels, causal_lm_loss
