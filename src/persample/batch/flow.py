@@ -154,7 +154,10 @@ METADATA: frozenset = frozenset(
     + [getattr(torch._C.TensorBase, name) for name in (
         "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
         "is_floating_point", "is_complex", "element_size", "is_contiguous", "get_device")]
-    + [torch.Tensor.__len__])
+    + [torch.Tensor.__len__]
+    + [getattr(torch.ops.aten, op).default for op in ("sym_numel", "sym_storage_offset")]
+    + [getattr(torch.ops.aten, op).int for op in ("sym_size", "sym_stride")])  # (in a
+# compiled graph)
 
 
 def _reads_values(func: Any) -> bool:

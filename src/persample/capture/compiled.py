@@ -63,6 +63,7 @@ from .lean import (
     _alike_flow,
     _outputs,
     _paired,
+    _plain,
     _Read,
     _same_flow,
     _stands_for,
@@ -519,7 +520,8 @@ class CompiledCapture(LeanCapture):
         plan, values, outs = self.got
         program = plan.program
         ctx = self.lean_ctx
-        dyn: dict[int, Any] = {}  # id -> a layout holding this call's indices
+        dyn = {id(t): lay for t, lay in self.inputs if not _plain(lay)}  # id -> a layout
+        # holding this call's indices (a graph batch's inputs: theirs)
         now: dict[int, tuple] = {}  # a read's index -> (its leaves' layouts, its data flow)
         for func, args, kwargs, out, entry in plan.decide:
             args, kwargs, out = _fill(args, values), _fill(kwargs, values), _fill(out, values)

@@ -178,8 +178,8 @@ class Program:
             return False
         if torch._C._is_torch_function_mode_enabled():
             return False
-        return all(type(t) is Tensor and lay == self.layouts[k]
-                   for k, (t, lay) in enumerate(inputs))
+        return all(type(t) is Tensor and (lay == was if _plain(was) else _alike(lay, was))
+                   for (t, lay), was in zip(inputs, self.layouts))
 
 
 def _outputs(out: Any) -> list[Tensor]:
@@ -341,9 +341,10 @@ class Tracer:
         if dynamic and flow is None:
             self.dead = f"an op on a layout holding indices, with no data flow ({name_of(func)})"
             return
-        if decide:  # (a write's own target: its values are not what its layout reads)
-            self.decided.append([(t, t._version) for t in leaves
-                                 if before is None or t is not args[0]])
+        if decide:  # (the values a decision reads: indices and masks; a write's own
+            # target's are not what its layout reads)
+            self.decided.append([(t, t._version) for t in leaves if not (
+                t.is_floating_point() or t.is_complex()) and (before is None or t is not args[0])])
         keep = False
         for o, lay in zip(made, made_lays):
             keep = keep or (lay is SHARED and not o.requires_grad)
@@ -426,8 +427,10 @@ class LeanCapture(Capture):
         self._lean: _LeanMode | None = None
         self.no_autocast = None  # autocast_state() where none is on (taken on entering)
         self.saved: tuple = ()  # autograd's and autocast's state on entering (_restore)
-        for t, _ in batched:
-            self.numbers.give(t)
+        for t, lay in batched:
+            k = self.numbers.give(t)
+            if not _plain(lay):  # (an input's rows by this call's indices: a graph batch)
+                self.dyn[k] = lay
         self.layouts.fallback = lambda t: me._numbered(t)  # (what the loss reads: any of
         # the tensors it numbered)
 

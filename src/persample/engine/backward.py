@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from ..batch import Batched, Layout, located, located_of, op_leaves
+from ..batch import SHARED, Batched, Layout, located, located_of, op_leaves
 from ..capture import Capture
 from ..capture.compiled import (
     Cannot,
@@ -165,10 +165,11 @@ def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], i
     else (or where the guards fail, the forward then run again) under the full capture,
     which traces a program where the call has a tape and no template (or a program that
     failed)."""
+    numbered = inputs + [(t, SHARED) for t in batch.shared]  # (a program numbers both)
     if isinstance(template, Compiled):
-        if compiles and not template.dead and tape is not None and not batch.shared and (
-                template.program.holds(watched, inputs)):
-            got = _compiled(model, batch, watched, inputs, tape, template)
+        if compiles and not template.dead and tape is not None and (
+                template.program.holds(watched, numbered)):
+            got = _compiled(model, batch, watched, numbered, tape, template)
             if got is not None:
                 return got
         template = template.program
@@ -179,9 +180,9 @@ def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], i
         if not cap.missed:
             return cap, output
         del output
-    if tape is not None and isinstance(template, Program) and not batch.shared and (
-            template.holds(watched, inputs)):
-        lean = LeanCapture(watched, batch.n, inputs, template, tape)
+    if tape is not None and isinstance(template, Program) and template.holds(
+            watched, numbered):
+        lean = LeanCapture(watched, batch.n, numbered, template, tape)
         try:
             with lean:
                 output = batch.call(model)
@@ -191,9 +192,8 @@ def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], i
         except Deopt:
             pass
     cap = open_capture(model, watched, batch.n, inputs, batch.shared, tape=tape)
-    if tape is not None and (template is None or isinstance(template, Program)) and (
-            not batch.shared):  # (a program that failed: traced again)
-        cap.tracer = Tracer(cap, inputs)
+    if tape is not None and (template is None or isinstance(template, Program)):
+        cap.tracer = Tracer(cap, numbered)  # (a program that failed: traced again)
     with cap:
         output = batch.call(model)
     return cap, output
