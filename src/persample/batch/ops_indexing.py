@@ -134,6 +134,8 @@ def merge(a: Tensor, b: Tensor) -> Tensor | None:
     """Samples of the same positions from two sources (broadcast): one where only one
     names a sample, ``None`` where they name different ones."""
     b = b.to(a.device)  # an index tensor may live on the CPU beside CUDA data
+    if a.shape == b.shape and a.numel() and bool(torch.minimum(a.min(), b.min()) >= 0):
+        return a.clone() if torch.equal(a, b) else None  # (every position named by both)
     both = (a >= 0) & (b >= 0)
     if bool((both & (a != b)).any()):
         return None
@@ -145,9 +147,10 @@ def located(dim: int, rows: Tensor, n: int, out: Tensor, why: str) -> Layout:
     shared (no position holds a sample's data), :class:`Partly` (some do not), the plain
     or merged layout the samples form, else an index layout."""
     rows = rows.long()
-    if rows.numel() and bool((rows < 0).all()):
+    low, high = rows.aminmax() if rows.numel() else (0, 0)
+    if high < 0:
         return SHARED
-    if bool((rows < 0).any()):
+    if low < 0:
         return Partly(f"{why}: some positions hold no sample's data", dim, rows,
                       weakref.ref(out))
     return regular(dim, rows, n)
@@ -641,19 +644,25 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
     an index whose values are its entries' own samples names the rows by sample."""
     size = x.shape[d]
     idx = _distinct_entries(idx, own, d)
-    landing = idx.long()
-    landing = torch.where(landing < 0, landing + size, landing).reshape(-1)
+    landing = idx.long().reshape(-1)
+    if landing.numel() and bool(landing.min() < 0):
+        landing = torch.where(landing < 0, landing + size, landing)
     own = own.expand(idx.shape).reshape(-1)
-    keep = own >= 0
-    hi = torch.full((size,), NO_SAMPLE, dtype=torch.long, device=x.device)
-    lo = torch.full((size,), ctx.n, dtype=torch.long, device=x.device)
-    hi.scatter_reduce_(0, landing[keep], own[keep], "amax")
-    lo.scatter_reduce_(0, landing[keep], own[keep], "amin")
-    if bool(((hi >= 0) & (lo != hi)).any()):
-        return Mixed(f"{what} puts several samples' data into one position")
-    rows = hi
+    rows = torch.full((size,), NO_SAMPLE, dtype=torch.long, device=x.device)
+    if own.numel() and bool(own.min() >= 0):  # (every entry a sample's: graphs, routing)
+        rows.scatter_(0, landing, own)  # (one of the samples landing in each row: it is
+        if not torch.equal(rows[landing], own):  # every entry's only where no other lands)
+            return Mixed(f"{what} puts several samples' data into one position")
+    else:
+        keep = own >= 0
+        landing_kept, own_kept = landing[keep], own[keep]
+        lo = torch.full((size,), ctx.n, dtype=torch.long, device=x.device)
+        rows.scatter_reduce_(0, landing_kept, own_kept, "amax")
+        lo.scatter_reduce_(0, landing_kept, own_kept, "amin")
+        if bool(((rows >= 0) & (lo != rows)).any()):
+            return Mixed(f"{what} puts several samples' data into one position")
     named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
-    if li is not SHARED and bool((named >= 0).all()) and torch.equal(landing, named):
+    if li is not SHARED and torch.equal(landing, named) and bool((named >= 0).all()):
         position = torch.arange(size, device=x.device)  # index values are the samples
         rows = merge(rows, torch.where(position < ctx.n, position, NO_SAMPLE))
         if rows is None:
