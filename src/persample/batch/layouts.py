@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class _Questions:
@@ -182,20 +183,37 @@ def _front(x: Tensor, lay: Batched, n: int, lead: int) -> Tensor:
 def _front_indexed(x: Tensor, index: Tensor, n: int, d: int) -> Tensor:
     """Positions along ``d`` grouped by sample: ``(n, ..., L, ...)``, ``L`` the most
     positions of one sample, zero-padded (zeros add nothing to the sums rules take)."""
+    order, length, places = _grouping(index, n)
+    moved = x.movedim(d, 0)  # (positions, ...)
+    if places is None:  # (as many positions each, a permutation or a mixture's rows
+        # sorted by expert: sample s's are order[s * L:(s + 1) * L], no padding)
+        return moved[order].unflatten(0, (n, length)).movedim(1, d + 1)
+    out = x.new_zeros((n, length, *moved.shape[1:]))
+    out[places] = moved[order]
+    return out.movedim(1, d + 1)  # (n, ..., L, ...)
+
+
+_GROUPINGS = WeakIdKeyDictionary()  # index -> (n, its version, _grouping's answer)
+
+
+def _grouping(index: Tensor, n: int) -> tuple[Tensor, int, tuple | None]:
+    """``(order, L, places)``: the positions sorted by sample (stable), the most positions
+    of one sample, and where each sorted position goes in ``(n, L)`` (``None`` where every
+    sample has ``L``). Kept per index tensor: a rule groups its activations and its
+    backprops by the same one."""
+    found = _GROUPINGS.get(index)
+    if found is not None and found[0] == n and found[1] == index._version:
+        return found[2]
     counts = torch.bincount(index, minlength=n)  # (n,)
-    if one_per_sample(index, n):  # a permutation
-        return in_sample_order(x, index, d).unsqueeze(d + 1)
     fewest, length = (int(counts.min()), int(counts.max())) if counts.numel() else (0, 0)
     order = torch.argsort(index, stable=True)  # positions sorted by sample
-    moved = x.movedim(d, 0)  # (positions, ...)
-    if fewest == length:  # (as many positions each, a mixture's rows sorted by expert:
-        # sample s's are order[s * L:(s + 1) * L], no padding)
-        return moved[order].unflatten(0, (n, length)).movedim(1, d + 1)
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(index.numel(), device=index.device) - starts[index[order]]
-    out = x.new_zeros((n, length, *moved.shape[1:]))
-    out[index[order], slot] = moved[order]
-    return out.movedim(1, d + 1)  # (n, ..., L, ...)
+    places = None
+    if fewest != length:
+        starts = torch.cumsum(counts, 0) - counts
+        sample = index[order]
+        places = (sample, torch.arange(index.numel(), device=index.device) - starts[sample])
+    _GROUPINGS[index] = (n, index._version, (order, length, places))
+    return order, length, places
 
 
 def indexed(dim: int, index: Tensor, n: int) -> Batched:

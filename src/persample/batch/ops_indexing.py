@@ -190,6 +190,8 @@ def along_one_dim(samples: Tensor) -> tuple[int, Tensor] | None:
         return None
     if samples.numel() == 0:  # no entry: no sample anywhere
         return 0, samples.new_full((samples.shape[0],), NO_SAMPLE)
+    if samples.dim() == 1:
+        return 0, samples
     for k in range(samples.dim()):
         first = samples.movedim(k, 0).reshape(samples.shape[k], -1)
         if first.shape[1] == 0:
@@ -376,9 +378,9 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
         elif isinstance(item, Tensor) and item.dtype in (torch.bool, torch.uint8):
             if item.dim() == 0:
                 return None
-            own = _own(ctx, item)
-            where = item.bool().nonzero()  # (K, item.dim())
-            sel = None if own is None else own.expand(item.shape)[item.bool()]
+            own, mask = _own(ctx, item), item.bool()
+            where = mask.nonzero()  # (K, item.dim())
+            sel = None if own is None else own.expand(item.shape)[mask]
             for j in range(item.dim()):
                 advs.append(_Adv(in_dim + j, where[:, j], sel))
                 post.append(("adv", len(advs) - 1, None))
@@ -387,7 +389,8 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
             if item.is_floating_point() or item.is_complex():
                 return None
             values = item.long()
-            values = torch.where(values < 0, values + x.shape[in_dim], values)
+            if values.numel() and bool(values.min() < 0):
+                values = torch.where(values < 0, values + x.shape[in_dim], values)
             advs.append(_Adv(in_dim, values, _own(ctx, item)))
             post.append(("adv", len(advs) - 1, None))
             in_dim += 1
@@ -464,9 +467,9 @@ def _read_by_value(samples: Tensor, values: Tensor, size: int) -> bool:
     or sorted by value) are read by index entries that carry samples; shared entries must
     visit every position once (a permutation undone, a self loop per node): other shared
     positions would pick rows by where other samples' rows happen to lie."""
-    unpaired = samples < 0
-    if not bool(unpaired.any()):
+    if not samples.numel() or bool(samples.min() >= 0):
         return True
+    unpaired = samples < 0
     picked = values[unpaired]
     return picked.numel() == size and bool(
         (torch.bincount(picked, minlength=size) == 1).all())
