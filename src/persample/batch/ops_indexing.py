@@ -651,19 +651,14 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
     if landing.numel() and bool(landing.min() < 0):
         landing = torch.where(landing < 0, landing + size, landing)
     own = own.expand(idx.shape).reshape(-1)
-    rows = torch.full((size,), NO_SAMPLE, dtype=torch.long, device=x.device)
-    if own.numel() and bool(own.min() >= 0):  # (every entry a sample's: graphs, routing)
-        rows.scatter_(0, landing, own)  # (one of the samples landing in each row: it is
-        if not torch.equal(rows[landing], own):  # every entry's only where no other lands)
-            return Mixed(f"{what} puts several samples' data into one position")
-    else:
-        keep = own >= 0
-        landing_kept, own_kept = landing[keep], own[keep]
-        lo = torch.full((size,), ctx.n, dtype=torch.long, device=x.device)
-        rows.scatter_reduce_(0, landing_kept, own_kept, "amax")
-        lo.scatter_reduce_(0, landing_kept, own_kept, "amin")
-        if bool(((rows >= 0) & (lo != rows)).any()):
-            return Mixed(f"{what} puts several samples' data into one position")
+    rows = torch.full((size + 1,), NO_SAMPLE, dtype=torch.long, device=x.device)
+    shared = own.numel() and bool(own.min() < 0)  # (entries of no sample: a row past
+    target = torch.where(own >= 0, landing, size) if shared else landing  # the end)
+    rows.scatter_(0, target, own)  # (one of the samples landing in each row: it is every
+    landed = rows[target]  # entry's only where no other sample's lands there too)
+    if bool(((landed != own) & (own >= 0)).any()) if shared else not torch.equal(landed, own):
+        return Mixed(f"{what} puts several samples' data into one position")
+    rows = rows[:size]
     named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
     if li is not SHARED and torch.equal(landing, named) and bool((named >= 0).all()):
         position = torch.arange(size, device=x.device)  # index values are the samples

@@ -287,8 +287,9 @@ class _Padded:
         v, m, o = g.shape
         if _groups(g, x):
             rows = g.transpose(0, 1).reshape(m, v * o)  # (m, v * o)
-            sums = torch._grouped_mm(rows.t(), x.contiguous(), offs=self.ends.to(torch.int32))
-            return sums.view(self.n, v, o, x.shape[-1])
+            sums = torch._grouped_mm(x.contiguous().t(), rows, offs=self.ends.to(torch.int32))
+            return sums.view(self.n, -1, v, o).permute(0, 2, 3, 1)  # (from (n, i, v, o):
+            # the products' fast order on the CPU, half the time of (n, v o, i)'s)
         return (self.place(g).transpose(-1, -2) @ self.place(x)).transpose(0, 1)
 
 
