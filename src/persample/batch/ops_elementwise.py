@@ -34,6 +34,7 @@ from .ops_indexing import (
     agree,
     as_located,
     followed,
+    follows_partly,
     located,
     merge,
     partly,
@@ -183,6 +184,8 @@ register(broadcast, *_BROADCAST_OPS)
 register(self_only, *_SELF_ONLY_OPS)
 register(_free, *aliases(*_FREE_DATA))
 SHAPE_READERS.update(aliases(*_FREE_DATA))
+VALUE_READERS.update(aliases(*_FREE_DATA))  # (shared whatever their inputs hold: the
+# zeros of a graph's aggregation made like its messages, where some nodes got none)
 VALUE_READERS.update(_SELF_ONLY_OPS + _BROADCAST_OPS)  # they carry Partly themselves
 
 
@@ -310,10 +313,12 @@ def _reduce(ctx, func, args, kwargs, out, pos: int = 1, along: bool = False) -> 
     return every(out, lay.moved(d))
 
 
-register(_reduce, *aliases(
+_REDUCTIONS = aliases(
     "sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "argmax", "argmin", "all",
     "any", "logsumexp", "count_nonzero", "median", "nanmedian", "mode", "var", "std",
-    "var_mean", "std_mean", "aminmax"))
+    "var_mean", "std_mean", "aminmax")
+register(follows_partly(_reduce), *_REDUCTIONS)
+VALUE_READERS.update(_REDUCTIONS)  # (over another dim: a position of no sample stays one)
 register(lambda c, f, a, k, o: _reduce(c, f, a, k, o, pos=2), *aliases("kthvalue"))
 
 

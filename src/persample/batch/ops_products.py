@@ -23,7 +23,7 @@ from .flow import (
     register,
 )
 from .layouts import SHARED, Batched, Unknown
-from .ops_indexing import agree, keys_of
+from .ops_indexing import agree, follows_partly, keys_of
 
 # ---------------------------------------------------------------------------
 # matrix products
@@ -42,7 +42,8 @@ def _linear(ctx, func, args, kwargs, out) -> Any:
     return lay
 
 
-register(_linear, *aliases("linear"))
+register(follows_partly(_linear), *aliases("linear"))
+VALUE_READERS.update(aliases("linear"))  # (carries Partly: a row of no sample stays one)
 
 
 def _matmul(ctx, func, args, kwargs, out) -> Any:

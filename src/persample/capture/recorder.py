@@ -300,7 +300,8 @@ class Capture:
                     call.versions = [t._version for t in leaves]
                 if (rule is not None and rule.spec.keeps_layout and self._quiet is None
                         and not self.following and not self._sources(leaves)
-                        and all(self._plain(t, rule.spec.rows) for t in leaves)):
+                        and all(self._plain(t, rule.spec.rows) for t in leaves)
+                        and not all(self.layouts.layout(t).shared for t in leaves)):
                     self._quiet = call  # its ops are the rule's: run, not followed
                     call.own = frozenset(id(p) for p in module.parameters(recurse=False))
                     call.inputs = frozenset(id(t) for t in leaves)

@@ -145,6 +145,8 @@ def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:
     ins = [t for a in leaves for t in ((a.data,) if isinstance(a, PackedSequence) else (a,))
            if isinstance(t, Tensor)]
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor) and t.requires_grad]
+    if all(cap.layout(t).shared for t in ins + outs):  # (no sample inside: its ops make
+        return False  # derived tensors, pulled back from their consumers)
     rows = call.rule.spec.rows  # (several rows per sample: tokens merged with the batch)
     if not all(cap.layout(t).one_position_each() or (rows and _merged_rows(cap.layout(t)))
                for t in ins + outs):
