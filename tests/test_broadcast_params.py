@@ -235,6 +235,36 @@ def test_recurrent_layers_from_learned_states(kind):
     check(net, _inputs(B, B, B), _inputs(B, 3), mse, paths=paths)
 
 
+class TwoSteps(nn.Module):
+    """One ``nn.LSTM`` called twice (Set2Set's loop): first on zeros (no sample inside,
+    its outputs made from its own parameters alone), then on each sample's input from the
+    state of that first call. The second call's module rule gives the weights as that
+    call reads them; the state carries the first call's share, pulled back through it."""
+
+    def __init__(self, keep: str):
+        super().__init__()
+        self.keep = keep  # the first call's state kept whole, or only its h, or its c
+        self.rnn = nn.LSTM(B, B, batch_first=True)
+        self.head = nn.Linear(B, 3)
+
+    def forward(self, x):  # (b, B)
+        zeros = x.new_zeros(x.shape[0], 1, B)
+        first, (h, c) = self.rnn(zeros)
+        if self.keep == "h":
+            c = torch.zeros_like(c)
+        elif self.keep == "c":
+            h = torch.zeros_like(h)
+        out, _ = self.rnn(x.unsqueeze(1), (h, c))
+        return self.head(out[:, 0] + first[:, 0])
+
+
+@pytest.mark.parametrize("keep", ["both", "h", "c"])
+def test_a_recurrent_layer_from_its_own_earlier_state(keep):
+    torch.manual_seed(0)
+    net = TwoSteps(keep).double()
+    check(net, _inputs(B, B), _inputs(B, 3), mse, paths={"rule", "op vjp"})
+
+
 class QueryPooling(nn.Module):
     """Learned queries, one set per head, expanded to the batch and attending over each
     sample's keys by ``F.scaled_dot_product_attention`` (timm's MAP head)."""

@@ -122,6 +122,8 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
                 cap, call, ops):
             continue
         own = {id(p) for p in call.module.parameters(recurse=False)}
+        if _reads_own_derived(cap, call, own):
+            continue
         read = call.read.union(*(op.sources_all for op in ops))  # (unfollowed ops' too)
         params = {name: p for name, p in call.module.named_parameters(recurse=False)
                   if id(p) in own and id(p) in read}
@@ -130,6 +132,18 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
         result.ruled.update((id(op), own) for op in ops if not op.sources_all <= own)
         result.handled.update(id(p) for p in params.values())
     return owned
+
+
+def _reads_own_derived(cap: Capture, call: Call, own: set[int]) -> bool:
+    """Is an input of the call a tensor an earlier op made from the module's own
+    parameters (Set2Set's LSTM state from its step before)? The rule gives the gradients
+    of the parameters as this call reads them, not through that input: its ops keep
+    their own paths."""
+    for t in tree_leaves((call.args, call.kwargs)):
+        d = cap.derived.get(id(t)) if isinstance(t, Tensor) else None
+        if d is not None and d.tensor is t and not d.op.sources_all.isdisjoint(own):
+            return True
+    return False
 
 
 def _plain_layouts(cap: Capture, call: Call, ops: list[Op]) -> bool:

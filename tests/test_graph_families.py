@@ -1,0 +1,89 @@
+"""torch_geometric's message-passing layers on a ``Batch`` (each graph a sample), in
+float64: attention (GAT, GATv2, TransformerConv with a Set2Set readout), max and mean
+aggregation (EdgeConv, GraphConv, SAGE), sums (GIN). Node 0 of every graph receives no
+message, so its aggregate holds no sample's data until the layer adds the node's own
+features. Every answer equals the loop's; the parameters take the rules, or a fallback
+local to one module or op (never the whole model)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import persample
+from zoo import require
+
+B = N = D = 4  # graphs, nodes per graph and features coincide: nothing inferred from sizes
+EDGES = 3 * N
+
+
+def graphs():
+    """``B`` graphs of ``N`` nodes, ``EDGES`` random edges each, none into node 0."""
+    require("torch_geometric")
+    from torch_geometric.data import Batch, Data
+
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(B):
+        dst = torch.randint(1, N, (EDGES,), generator=g)
+        src = (dst + torch.randint(1, N, (EDGES,), generator=g)) % N  # (no self loop)
+        data.append(Data(x=torch.randn(N, D, generator=g, dtype=torch.float64),
+                         edge_index=torch.stack([src, dst])))
+    return Batch.from_data_list(data)
+
+
+class Net(nn.Module):
+    """One layer of the family, a ReLU, a readout per graph (mean, or Set2Set), a head."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        from torch_geometric import nn as gnn
+
+        mlp = nn.Sequential(nn.Linear(2 * D if kind == "edge" else D, D), nn.ReLU(),
+                            nn.Linear(D, D))
+        self.conv = {
+            "gat": lambda: gnn.GATConv(D, D, heads=2, concat=False),
+            "gatv2": lambda: gnn.GATv2Conv(D, D, heads=2, concat=False),
+            "transformer": lambda: gnn.TransformerConv(D, D, heads=2, concat=False),
+            "edge": lambda: gnn.EdgeConv(mlp),
+            "graph-max": lambda: gnn.GraphConv(D, D, aggr="max"),
+            "sage": lambda: gnn.SAGEConv(D, D),
+            "gin": lambda: gnn.GINConv(mlp),
+        }[kind]()
+        self.readout = gnn.aggr.Set2Set(D, processing_steps=2) if kind == "transformer" else (
+            gnn.aggr.MeanAggregation())
+        self.head = nn.Linear(2 * D if kind == "transformer" else D, 2)
+
+    def forward(self, data):
+        h = self.conv(data.x, data.edge_index).relu()
+        return self.head(self.readout(h, data.batch))
+
+
+# the path of the parameters that do not take a rule, and why
+LOCAL = {
+    "transformer": "op vjp",  # Set2Set's LSTM, from its first step's zero state on
+    "graph-max": "fallback",  # the linear layer on the aggregate, before the own features
+    "sage": "fallback",  # the same, after a mean
+}
+
+
+@pytest.mark.parametrize("kind", ["gat", "gatv2", "transformer", "edge", "graph-max", "sage",
+                                  "gin"])
+def test_message_passing_layers_are_exact_and_stay_local(kind):
+    torch.manual_seed(0)
+    model, batch = Net(kind).double(), graphs()
+    y, loss = torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a certificate's catch would warn, then fall back)
+        routes = persample.supported(model, batch, y, loss)
+        got = persample.per_sample_grads(model, batch, y, loss)
+    paths = {r.path for r in routes} - {"unused"}
+    assert paths <= {"rule", LOCAL.get(kind, "rule")}, [(r.module, r.path, r.reason)
+                                                        for r in routes if r.path != "rule"]
+    want = persample.loop_per_sample_grads(model, batch, y, loss)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
