@@ -1,6 +1,7 @@
 """torch_geometric's message-passing layers on a ``Batch`` (each graph a sample), in
 float64: attention (GAT, GATv2, TransformerConv with a Set2Set readout), max and mean
-aggregation (EdgeConv, GraphConv, SAGE), sums (GIN). Node 0 of every graph receives no
+aggregation (EdgeConv, GraphConv, SAGE), sums (GIN), an adjacency built in the forward
+and multiplied by ``torch.sparse.mm``. Node 0 of every graph receives no
 message, so its aggregate holds no sample's data until the layer adds the node's own
 features. Every answer equals the loop's; the parameters take the rules, or a fallback
 local to one module or op (never the whole model)."""
@@ -33,6 +34,27 @@ def graphs():
         data.append(Data(x=torch.randn(N, D, generator=g, dtype=torch.float64),
                          edge_index=torch.stack([src, dst])))
     return Batch.from_data_list(data)
+
+
+class SparseGCN(nn.Module):
+    """A graph convolution by ``torch.sparse.mm`` with the adjacency built in the forward
+    from the batch's edges (their weights ones, or, where ``weighted``, from the features
+    of the nodes they join: per-sample values)."""
+
+    def __init__(self, weighted: bool = False, width: int = D):
+        super().__init__()
+        self.weighted, self.width = weighted, width
+        self.lin, self.head = nn.Linear(width, width), nn.Linear(width, 2)
+
+    def forward(self, data):
+        x, (src, dst), n = data.x, data.edge_index, data.x.shape[0]
+        values = (x[src] * x[dst]).sum(-1).sigmoid() if self.weighted else torch.ones(
+            src.shape[0], dtype=x.dtype)
+        adj = torch.sparse_coo_tensor(torch.stack([dst, src]), values, (n, n),
+                                      check_invariants=True)
+        h = self.lin(torch.sparse.mm(adj, x) + x).relu()
+        return self.head(torch.zeros(data.num_graphs, self.width, dtype=h.dtype).index_add_(
+            0, data.batch, h))
 
 
 class Net(nn.Module):
@@ -71,10 +93,12 @@ LOCAL = {
 
 
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "transformer", "edge", "graph-max", "sage",
-                                  "gin"])
+                                  "gin", "sparse", "sparse-weighted"])
 def test_message_passing_layers_are_exact_and_stay_local(kind):
     torch.manual_seed(0)
-    model, batch = Net(kind).double(), graphs()
+    model = (SparseGCN(kind == "sparse-weighted") if kind.startswith("sparse") else
+             Net(kind)).double()
+    batch = graphs()
     y, loss = torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (a certificate's catch would warn, then fall back)
@@ -87,3 +111,14 @@ def test_message_passing_layers_are_exact_and_stay_local(kind):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_an_adjacency_joining_two_graphs_is_refused(weighted):
+    torch.manual_seed(0)
+    model, batch = SparseGCN(weighted).double(), graphs()
+    batch.edge_index[0, 0] = N  # (a node of graph 1 sends to one of graph 0)
+    y = torch.randn(B, 2, dtype=torch.float64)
+    with pytest.raises(persample.LossNotPerSampleError, match="sparse_mm" if not weighted else
+                       "__getitem__"):  # (the weights gather the two nodes first)
+        persample.per_sample_grads(model, batch, y, nn.MSELoss(), method="rules")

@@ -651,14 +651,9 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
     if landing.numel() and bool(landing.min() < 0):
         landing = torch.where(landing < 0, landing + size, landing)
     own = own.expand(idx.shape).reshape(-1)
-    rows = torch.full((size + 1,), NO_SAMPLE, dtype=torch.long, device=x.device)
-    shared = own.numel() and bool(own.min() < 0)  # (entries of no sample: a row past
-    target = torch.where(own >= 0, landing, size) if shared else landing  # the end)
-    rows.scatter_(0, target, own)  # (one of the samples landing in each row: it is every
-    landed = rows[target]  # entry's only where no other sample's lands there too)
-    if bool(((landed != own) & (own >= 0)).any()) if shared else not torch.equal(landed, own):
+    rows = landed_rows(landing, own, size)
+    if rows is None:
         return Mixed(f"{what} puts several samples' data into one position")
-    rows = rows[:size]
     named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
     if li is not SHARED and torch.equal(landing, named) and bool((named >= 0).all()):
         position = torch.arange(size, device=x.device)  # index values are the samples
@@ -671,6 +666,20 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
         if rows is None:
             return Mixed(f"{what} puts one sample's data into another sample's rows")
     return located(d, rows, ctx.n, out, what)
+
+
+def landed_rows(landing: Tensor, own: Tensor, size: int) -> Tensor | None:
+    """``(size,)``: the sample of what lands in each row, entry ``e`` (of sample
+    ``own[e]``, ``NO_SAMPLE`` for shared data) landing in row ``landing[e]``;
+    ``NO_SAMPLE`` where none of a sample lands; ``None`` where two samples land in one."""
+    rows = torch.full((size + 1,), NO_SAMPLE, dtype=torch.long, device=landing.device)
+    shared = own.numel() and bool(own.min() < 0)  # (entries of no sample: a row past
+    target = torch.where(own >= 0, landing, size) if shared else landing  # the end)
+    rows.scatter_(0, target, own)  # (one of the samples landing in each row: it is every
+    landed = rows[target]  # entry's only where no other sample's lands there too)
+    if bool(((landed != own) & (own >= 0)).any()) if shared else not torch.equal(landed, own):
+        return None
+    return rows[:size]
 
 
 def _distinct_entries(idx: Tensor, own: Tensor, d: int) -> Tensor:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .flow import (
     VALUE_READERS,
@@ -21,9 +22,21 @@ from .flow import (
     name_of,
     op_leaves,
     register,
+    worst,
 )
-from .layouts import SHARED, Batched, Unknown
-from .ops_indexing import agree, follows_partly, keys_of
+from .layouts import SHARED, Batched, Mixed, Unknown
+from .ops_indexing import (
+    NO_SAMPLE,
+    agree,
+    followed,
+    follows_partly,
+    keys_of,
+    landed_rows,
+    located,
+    merge,
+    samples_along,
+    trouble,
+)
 
 # ---------------------------------------------------------------------------
 # matrix products
@@ -110,8 +123,102 @@ def _matmul(ctx, func, args, kwargs, out) -> Any:
 _ADDMM = set(aliases("addmm", "baddbmm", "addmm_", "baddbmm_", "addmv"))
 _OPERANDS = {"baddbmm": ("batch1", "batch2"), "baddbmm_": ("batch1", "batch2"),
              "addmv": ("mat", "vec")}
-register(_matmul, *aliases("matmul", "mm", "bmm", "__matmul__", "addmm", "baddbmm", "mv",
-                             "addmv", "addmm_", "baddbmm_"))
+register(_matmul, *aliases("bmm", "addmm", "baddbmm", "mv", "addmv", "addmm_", "baddbmm_"))
+
+
+# ---------------------------------------------------------------------------
+# sparse adjacency products: ``sparse_coo_tensor(edge_index, values, (N, N)) @ x``
+
+_ENTRIES = WeakIdKeyDictionary()  # a sparse matrix -> (nnz,) the sample of each entry
+
+
+def _sparse_coo(ctx, func, args, kwargs, out) -> Any:
+    """``sparse_coo_tensor(indices (2, nnz), values (nnz,), size)``: an adjacency built
+    in the forward. Each stored entry's sample is that of its index column and its value
+    (a graph batch's edges); the matrix's rows hold the samples of the entries stored in
+    them (rows of none: :class:`~persample.batch.ops_indexing.Partly`). The entries'
+    samples are kept for the product that reads the matrix (:func:`_sparse_product`)."""
+    indices, values = arg(args, kwargs, 0, "indices"), arg(args, kwargs, 1, "values")
+    if not (isinstance(indices, Tensor) and isinstance(values, Tensor) and isinstance(
+            out, Tensor) and out.is_sparse and indices.shape == (2, values.shape[0])
+            and values.dim() == 1 and out.dim() == 2):
+        return Unknown(f"{name_of(func)} other than a matrix of (2, nnz) indices")
+    named = [(t, followed(ctx, t), d) for t, d in ((indices, 1), (values, 0))]
+    bad = trouble([lay for _, lay, _ in named])
+    if bad is not None:
+        return bad
+    own = None
+    for t, lay, d in named:
+        found = samples_along(ctx, t, lay)
+        if lay is SHARED:
+            continue
+        if found is None or found[0] != d:
+            return Unknown(f"{name_of(func)} with samples along the indices' rows")
+        own = found[1] if own is None else merge(own, found[1])
+        if own is None:
+            return mixed(func, "pairs one sample's indices with another's values")
+    if own is None:
+        return SHARED
+    _ENTRIES[out] = own
+    rows = landed_rows(indices[0].long(), own, out.shape[0])
+    if rows is None:
+        return mixed(func, "stores several samples' entries in one row")
+    return located(0, rows, ctx.n, out, name_of(func))
+
+
+def _sparse_product(ctx, func, args, kwargs, out) -> Any:
+    """``A @ x`` for a sparse ``A (N, M)`` (COO) and a dense ``x (M, F)``: row ``i`` sums
+    ``A[i, j] x[j]`` over the entries stored in row ``i``. Every entry must be of the
+    sample of the row of ``x`` it reads, where both name one (an adjacency joining two
+    graphs mixes them); each row of the result is the sample of its entries."""
+    a, x = args[0], args[1]
+    if not (isinstance(x, Tensor) and x.dim() == 2 and not x.is_sparse and a.dim() == 2
+            and a.layout == torch.sparse_coo):
+        return Unknown(f"{name_of(func)} other than a sparse COO matrix times a dense one")
+    la, lx = ctx.layout(a), followed(ctx, x)
+    bad = trouble([la, lx])  # (a matrix's rows of no entry: located)
+    if bad is not None:
+        return bad
+    indices = a._indices()  # (2, nnz), as stored
+    own = _ENTRIES.get(a)
+    if own is None and la is not SHARED or own is not None and own.shape[0] != indices.shape[1]:
+        return Unknown(f"{name_of(func)} of a sparse matrix whose entries' samples are "
+                       "not known (made by another op than sparse_coo_tensor)")
+    if own is None:
+        own = torch.full((indices.shape[1],), NO_SAMPLE, dtype=torch.long,
+                         device=indices.device)
+    if lx is not SHARED:
+        found = samples_along(ctx, x, lx)
+        if found is None or found[0] != 0:
+            return Unknown(f"{name_of(func)} of a dense matrix with samples in its columns")
+        own = merge(own, found[1][indices[1]])
+        if own is None:
+            return mixed(func, "reads with one sample's entries another sample's rows")
+    if bool((own < 0).all()):
+        return SHARED
+    rows = landed_rows(indices[0], own, a.shape[0])
+    if rows is None:
+        return mixed(func, "sums several samples' entries into one row")
+    return located(0, rows, ctx.n, out, name_of(func))
+
+
+def _products(ctx, func, args, kwargs, out) -> Any:
+    """``a @ b``, ``mm``: a sparse ``a`` by :func:`_sparse_product`, else :func:`_matmul`."""
+    a = args[0] if args else kwargs.get("input")
+    if isinstance(a, Tensor) and a.is_sparse:
+        return _sparse_product(ctx, func, args, kwargs, out)
+    bad = worst([ctx.layout(t) for t in op_leaves(args, kwargs)])
+    if isinstance(bad, (Mixed, Unknown)):  # (as for any op: a sparse matrix's own layout
+        return bad  # says only where its rows' entries are)
+    return _matmul(ctx, func, args, kwargs, out)
+
+
+_SPARSE = (*aliases("matmul", "mm", "__matmul__"), torch._C._sparse._sparse_mm)
+register(_products, *_SPARSE[:-1])
+register(_sparse_product, _SPARSE[-1])
+register(_sparse_coo, *aliases("sparse_coo_tensor"))
+VALUE_READERS.update(_SPARSE + tuple(aliases("sparse_coo_tensor")))  # (they check their
+# operands themselves: a sparse matrix's rows of no entry, a Partly)
 
 
 def _rmatmul(ctx, func, args, kwargs, out) -> Any:

@@ -326,7 +326,7 @@ class Tracer:
                 return
             kind, key, flow = PARAM, arguments_key(args, kwargs), op.flow
             decide = dynamic or any(not (t.is_floating_point() or t.is_complex())
-                                    for t in leaves)
+                                    or t.is_sparse for t in leaves)
             derived = cap.derived
             derives = tuple(k for k, o in enumerate(_outputs(out)) if (
                 d := derived.get(id(o))) is not None and d.tensor is o and d.op is op)
@@ -343,8 +343,9 @@ class Tracer:
             return
         if decide:  # (the values a decision reads: indices and masks; a write's own
             # target's are not what its layout reads)
-            self.decided.append([(t, t._version) for t in leaves if not (
-                t.is_floating_point() or t.is_complex()) and (before is None or t is not args[0])])
+            self.decided.append([(t, t._version) for t in leaves if (not (
+                t.is_floating_point() or t.is_complex()) or t.is_sparse) and (
+                    before is None or t is not args[0])])
         keep = False
         for o, lay in zip(made, made_lays):
             keep = keep or (lay is SHARED and not o.requires_grad)

@@ -98,10 +98,12 @@ def outs_of(out: Any) -> tuple | None:
 
 def reusable(flow: Flow, layouts: list, leaves: list[Tensor]) -> bool:
     """Can this op's data flow be taken from its step at a later call? Not where it may
-    read values (an integer or boolean input), where a layout holds a tensor (a packed
-    batch's sample ids, the keys of a sorted dim, the rows a scatter wrote: layouts
-    other than the plain kinds), or where the op writes other inputs."""
-    if flow.writes or any(not (t.is_floating_point() or t.is_complex()) for t in leaves):
+    read values (an integer or boolean input, a sparse matrix's indices), where a layout
+    holds a tensor (a packed batch's sample ids, the keys of a sorted dim, the rows a
+    scatter wrote: layouts other than the plain kinds), or where the op writes other
+    inputs."""
+    if flow.writes or any(not (t.is_floating_point() or t.is_complex()) or t.is_sparse
+                          for t in leaves):
         return False
     outs = flow.outputs if isinstance(flow.outputs, tuple) else (flow.outputs,)
     return all(_plain(lay) for lay in outs + tuple(flow.pairing or ()) + tuple(layouts))
