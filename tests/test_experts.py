@@ -332,3 +332,47 @@ def test_gpt_oss_experts_take_the_grouped_rule():
     assert _rel(got, want) < 1e-5
     paths = {r.path for r in persample.supported(model, {"input_ids": ids}, ids, next_token)}
     assert paths == {"rule"}, paths
+
+
+def _switch(capacity: int):
+    """Switch Transformers (Fedus et al. 2022) from a small config: top-1 routing, each
+    expert taking at most ``capacity`` tokens of a sequence (the rest dropped: their rows
+    zero), one sparse layer in the encoder and one in the decoder."""
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=50, d_model=8, d_kv=4, d_ff=16, num_layers=2, num_decoder_layers=2,
+        num_heads=4, num_experts=4, expert_capacity=capacity, num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1, decoder_start_token_id=0, pad_token_id=0,
+        dropout_rate=0.0)
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersForConditionalGeneration(config).double().eval()
+    for module in model.modules():  # (a router casts itself to its dtype at every call,
+        if type(module).__name__.endswith("Top1Router"):  # float32 by the config's
+            module.dtype = torch.float64  # choices: float64 here, as the rest)
+    ids = torch.randint(1, 50, (B, T))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids}
+    with torch.no_grad():  # (its routers keep an attribute of their first call)
+        model(**inputs)
+    return model, inputs, ids
+
+
+def next_logits(out, ids: Tensor) -> Tensor:
+    """Per-sample cross-entropy of the decoder's logits against ``ids`` ``(B,)``."""
+    return F.cross_entropy(out.logits.transpose(1, 2), ids, reduction="none").mean(1)
+
+
+@pytest.mark.parametrize("capacity", [1, T])
+def test_switch_experts_take_their_module_rule_and_are_exact(capacity):
+    """The experts (a ``ModuleDict`` run by a loop over the experts any token of the
+    batch chose) take their module rule; with a capacity of 1 tokens are dropped."""
+    model, inputs, ids = _switch(capacity)
+    dropped = []
+    hook = model.encoder.block[1].layer[1].mlp.router.register_forward_hook(
+        lambda module, args, out: dropped.append(bool((out[0].sum(-1) == 0).any())))
+    try:
+        check(model, inputs, ids, next_logits, paths={"rule", "module rule", "unused"})
+    finally:
+        hook.remove()
+    assert any(dropped) == (capacity == 1)
+    routes = {r.module: r.path for r in persample.supported(model, inputs, ids, next_logits)}
+    assert routes["encoder.block.1.layer.1.mlp.experts.expert_0.wi"] == "module rule"
+    assert routes["encoder.block.1.layer.1.mlp.router.classifier"] == "rule"

@@ -30,9 +30,10 @@ them, a counter it keeps, runs twice).
 
 A layout that holds the call's own indices (a mixture's rows sorted by expert,
 :class:`~persample.batch.ops_indexing.Sorted`; rows gathered by an index of the call; a
-graph batch's inputs, their rows by graph) is decided again at every call, by every op that reads or makes one, from the layouts
-this call decided for its inputs; the program keeps its form (which dim, which layout
-type), and an op whose layout differs but for the indices' values stops the forward.
+graph batch's inputs, their rows by graph) is decided again at every call, by every op
+that reads or makes one, from the layouts this call decided for its inputs; the program
+keeps its form (which dim, which layout type), and an op whose layout differs but for the
+indices' values stops the forward.
 
 A write into a tensor the call made (a mask filled in place, ``w /= w.sum(-1)``,
 ``ReLU(inplace=True)``) is an entry like any other, its target's layout decided again

@@ -303,7 +303,7 @@ class Capture:
                         and all(self._plain(t, rule.spec.rows) for t in leaves)
                         and not all(self.layouts.layout(t).shared for t in leaves)):
                     self._quiet = call  # its ops are the rule's: run, not followed
-                    call.own = frozenset(id(p) for p in module.parameters(recurse=False))
+                    call.own = frozenset(id(p) for _, p in rule.spec.params(module))
                     call.inputs = frozenset(id(t) for t in leaves)
             except Exception as err:
                 raise_internal(err, f"the call of module '{name or '<root>'}'")
@@ -655,7 +655,7 @@ class Capture:
         """The innermost module-rule call under way that holds one of these parameters."""
         for call in reversed(self.stack):
             if call.rule is not None and any(
-                    id(p) in pids for p in call.module.parameters(recurse=False)):
+                    id(p) in pids for _, p in call.rule.spec.params(call.module)):
                 return call
         return None
 

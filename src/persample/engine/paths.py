@@ -121,11 +121,11 @@ def _module_jobs(cap: Capture, result: Plan) -> set[Op]:
         if (not ops and not call.read) or call.rule is None or not _plain_layouts(
                 cap, call, ops):
             continue
-        own = {id(p) for p in call.module.parameters(recurse=False)}
+        own = {id(p) for _, p in call.rule.spec.params(call.module)}
         if _reads_own_derived(cap, call, own):
             continue
         read = call.read.union(*(op.sources_all for op in ops))  # (unfollowed ops' too)
-        params = {name: p for name, p in call.module.named_parameters(recurse=False)
+        params = {name: p for name, p in call.rule.spec.params(call.module)
                   if id(p) in own and id(p) in read}
         result.module_jobs.append((call, params))
         owned.update(op for op in ops if op.sources_all <= own)

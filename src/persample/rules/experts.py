@@ -331,3 +331,81 @@ def grouped_mm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
 EXPERTS = register_module(ModuleSpec((), grad=experts, check=check, match=is_experts,
                                      rows=True, keeps_layout=True, inner=_PRODUCTS))
 GROUPED_MM = register(OpSpec(_PRODUCTS, grad=grouped_mm))
+
+
+# ---------------------------------------------------------------------------
+# Switch Transformers' experts: a ModuleDict of MLPs, tokens dispatched by a one-hot mask
+
+_SWITCH_FORWARD = ["hidden_states", "selected_experts", "routing_weights"]
+
+
+def is_switch_experts(module: nn.Module) -> bool:
+    """Does ``module`` look like Switch Transformers' experts (transformers'
+    ``SwitchTransformersExperts``): a ``ModuleDict`` of ``expert_{i}`` MLPs called with
+    the tokens ``(R, H)``, a one-hot dispatch mask ``(R, 1, E)`` (all zeros for a token
+    its expert had no capacity left for) and the routing weights ``(R, 1)``?"""
+    if not isinstance(module, nn.ModuleDict) or not len(module):
+        return False
+    try:
+        names = list(inspect.signature(type(module).forward).parameters)[1:4]
+    except (TypeError, ValueError):
+        return False
+    return names == _SWITCH_FORWARD and all(
+        f"expert_{e}" in module._modules for e in range(len(module)))
+
+
+def check_switch(module: nn.Module) -> None:
+    """Decline experts other than ``wi``, an activation, dropout and ``wo`` (linear maps
+    without biases), and dropout that draws (training)."""
+    for name, expert in module.items():
+        wi, wo = getattr(expert, "wi", None), getattr(expert, "wo", None)
+        if not (type(expert).__name__.endswith("DenseActDense") and isinstance(wi, nn.Linear)
+                and isinstance(wo, nn.Linear) and wi.bias is None and wo.bias is None
+                and callable(getattr(expert, "act", None))):
+            raise Decline(f"experts other than wi, act, dropout, wo ({name})")
+        dropout = getattr(expert, "dropout", None)
+        if expert.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            raise Decline("experts with dropout in training")
+        if any(p.requires_grad for n, p in expert.named_parameters()
+               if n not in ("wi.weight", "wo.weight")):
+            raise Decline(f"experts with other trainable parameters ({name})")
+
+
+def switch_experts(layer: nn.Module, activations: tuple, backprops: Tensor, out: dict
+                   ) -> None:
+    """``out["expert_{e}.wi.weight"] (n, v, F, H)`` and ``out["expert_{e}.wo.weight"]
+    (n, v, H, F)``: token ``r`` dispatched to expert ``e`` with weight ``w`` computes
+    ``w W_o act(W_i x_r)``; the sums of outer products over each sample's tokens, as
+    for transformers' experts above (Fedus et al. 2022, Switch Transformers)."""
+    hidden, mask, weights = activations[:3]  # (n, T, H), (n, T, 1, E), (n, T, 1)
+    n, v = backprops.shape[:2]
+    rows = hidden.reshape(-1, hidden.shape[-1])  # (R, H), samples in order
+    per = rows.shape[0] // n
+    sample = torch.arange(n, device=rows.device).repeat_interleave(per)  # (R,)
+    mask, weights = mask.reshape(rows.shape[0], -1), weights.reshape(rows.shape[0])
+    g = backprops.reshape(n, v, per, -1).transpose(0, 1).reshape(v, rows.shape[0], -1)
+    for e in range(mask.shape[1]):
+        expert = layer[f"expert_{e}"]
+        want_i, want_o = out.get(f"expert_{e}.wi.weight"), out.get(f"expert_{e}.wo.weight")
+        token = torch.nonzero(mask[:, e]).squeeze(1)  # (m,) its tokens
+        if not len(token):
+            for t in (want_i, want_o):
+                if t is not None:
+                    t.zero_()
+            continue
+        wi, wo = expert.wi.weight.detach(), expert.wo.weight.detach()
+        x = rows.index_select(0, token).to(wi.dtype)  # (m, H)
+        h, pull = _activation(expert.act, F.linear(x, wi))  # (m, F)
+        gy = g.index_select(1, token) * weights[token].to(g.dtype)[None, :, None]  # (v, m, H)
+        padded = _Padded(sample[token], n)  # each sample's tokens, in rows of its own
+        if want_o is not None:
+            want_o.copy_(padded.outer_sums(gy, h.to(wo.dtype)))
+        if want_i is not None:
+            dpre = torch.empty((v, *h.shape), dtype=h.dtype, device=h.device)  # (v, m, F)
+            pull(gy @ wo, dpre)
+            want_i.copy_(padded.outer_sums(dpre, x))
+
+
+SWITCH_EXPERTS = register_module(ModuleSpec((), grad=switch_experts, check=check_switch,
+                                            match=is_switch_experts, rows=True,
+                                            keeps_layout=True, recurse=True))

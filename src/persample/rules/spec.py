@@ -38,7 +38,7 @@ module's own parameters inside its calls.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -247,6 +247,8 @@ class ModuleSpec:
             them) or gathered rows of its inputs, in order, as :class:`InnerOp` (with
             the backward's gradient at the output of each op of these functions, the
             backward asked for no other); else ``[]``.
+        recurse: the rule gives the parameters of the module's children too (a
+            ``ModuleDict`` of experts); ``out`` then has their dotted names.
     """
 
     types: tuple[type[nn.Module], ...]
@@ -260,6 +262,11 @@ class ModuleSpec:
     keeps_layout: bool = False
     outputs: bool = False
     inner: tuple = ()
+    recurse: bool = False
+
+    def params(self, module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of what the rule gives for ``module``."""
+        return module.named_parameters(recurse=self.recurse)
 
 
 class InnerOp(NamedTuple):
