@@ -317,9 +317,10 @@ def test_the_default_threads_are_the_free_cpus(monkeypatch, cpus, load, want):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["gpt-oss-grads", "vit-mae-grads", "gcn-batch-grads"])
+@pytest.mark.parametrize("workload", ["gpt-oss-grads", "qwen-moe-grads", "vit-mae-grads",
+                                      "gcn-batch-grads"])
 def test_bench_family_workloads(tmp_path, workload):
-    """A mixture with biased experts in transformers' grouped kernel, a masked
+    """Mixtures in transformers' grouped kernel (biased experts; a shared expert), a masked
     autoencoder's mask token broadcast into the batch, a graph network on a Batch: every
     row agrees with the loop or says why it cannot run (torch.func cannot take a
     ``Batch``, Opacus's hooks the experts' routing)."""

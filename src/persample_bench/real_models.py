@@ -127,6 +127,33 @@ def gpt_oss(vocab_size: int, seq_len: int = 64, layers: int = 2, width: int = 12
     return transformers.GptOssForCausalLM(config).eval()
 
 
+def qwen2_moe(vocab_size: int, seq_len: int = 64, layers: int = 2, width: int = 128,
+              heads: int = 4, experts: int = 4, top_k: int = 2) -> nn.Module:
+    """transformers' ``Qwen2MoeForCausalLM`` from a small config: in each of ``layers``
+    blocks of ``width``, ``experts`` routed experts (``top_k`` per token, transformers'
+    default grouped implementation) beside a shared expert with a gate of its own;
+    random weights, eval mode, float32.
+
+    Raises:
+        NotInstalled: transformers is missing.
+
+    Examples:
+        >>> model = qwen2_moe(257, seq_len=8, layers=1, width=16, heads=2)
+        >>> model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape
+        torch.Size([1, 8, 257])
+    """
+    transformers = require("transformers")
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width,
+        moe_intermediate_size=width, shared_expert_intermediate_size=2 * width,
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), num_experts=experts,
+        num_experts_per_tok=top_k, max_position_embeddings=seq_len, use_cache=False,
+        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 1)
+    torch.manual_seed(0)
+    return transformers.Qwen2MoeForCausalLM(config).eval()
+
+
 def vit_mae(img_size: int = 32, patch: int = 4, width: int = 64, depth: int = 2,
             heads: int = 4, mask_ratio: float = 0.75) -> nn.Module:
     """transformers' ``ViTMAEForPreTraining`` from a small config (masked autoencoder:

@@ -256,7 +256,9 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     ``vit-tiny-grads`` (timm ViT-Tiny, 4x4 patches of the digits 3x32x32, B=16),
     ``gnn-mlp-grads`` (MLP 64-64-64-2, B=256). The families of 2025-26:
     ``gpt-oss-grads`` (transformers gpt-oss 2x128, 4 experts with biases top-2 in the
-    grouped kernel, T=64, B=16, next-token cross-entropy), ``vit-mae-grads``
+    grouped kernel, T=64, B=16, next-token cross-entropy), ``qwen-moe-grads``
+    (transformers Qwen2-MoE 2x128, 4 experts top-2 in the grouped kernel beside a gated
+    shared expert, T=64, B=16, next-token cross-entropy), ``vit-mae-grads``
     (transformers ViTMAE pretraining, the learned mask token repeated into the batch,
     B=16, :func:`masked_reconstruction`), ``gcn-batch-grads`` (torch_geometric GCN on a
     ``Batch`` of 32 graphs, :func:`graph_batch`). The proxies of a GPU's short kernels
@@ -375,6 +377,14 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         f"transformers gpt-oss 2x128, 4 experts with biases top-2 (grouped), "
                         f"attention sinks, sliding and full layers (eval), batch {b}, T={t}, "
                         "stdlib docstrings as bytes, per-sample next-token cross-entropy")
+    if name == "qwen-moe-grads":
+        b, t = batch or 16, 64
+        model = real_models.qwen2_moe(ByteTokenizer.vocab_size, seq_len=t)
+        inputs, labels = docstring_batch(b, t)
+        return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
+                        f"transformers Qwen2-MoE 2x128, 4 experts top-2 (grouped) and a "
+                        f"gated shared expert (eval), batch {b}, T={t}, stdlib docstrings as "
+                        "bytes, per-sample next-token cross-entropy")
     if name == "vit-mae-grads":
         model = real_models.vit_mae(img_size=32)
         x, _ = digits_images(32, channels=3)
@@ -890,8 +900,8 @@ PROXY_WORKLOADS = ("bert-tiny-grads", "gpt2-tiny-grads", "mlp-tiny-grads", "vit-
 fixed cost per op decides the step (``persample bench --proxy``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
-                  "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "vit-mae-grads",
-                  "gcn-batch-grads") + PROXY_WORKLOADS[:3] + REAL_GRAD_WORKLOADS
+                  "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "qwen-moe-grads",
+                  "vit-mae-grads", "gcn-batch-grads") + PROXY_WORKLOADS[:3] + REAL_GRAD_WORKLOADS
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
                 "gpt2-dp-step", "gpt2-lora-dp-step", "encoder-dp-step") + REAL_DP_WORKLOADS
