@@ -48,6 +48,9 @@ def _linear(ctx, func, args, kwargs, out) -> Any:
     w = arg(args, kwargs, 1, "weight", None)
     lay = ctx.layout(x)
     others = [ctx.layout(t) for t in (w, arg(args, kwargs, 2, "bias", None))]
+    mixing = next((o for o in [lay, *others] if isinstance(o, Mixed)), None)
+    if mixing is not None:  # (inputs of any layout reach it: it carries Partly)
+        return mixing
     if any(o is not SHARED for o in others):
         return Unknown(f"{name_of(func)} with a per-sample weight")
     if isinstance(lay, Batched) and lay.dim == x.dim() - 1:
@@ -149,9 +152,9 @@ def _sparse_coo(ctx, func, args, kwargs, out) -> Any:
         return bad
     own = None
     for t, lay, d in named:
-        found = samples_along(ctx, t, lay)
         if lay is SHARED:
             continue
+        found = samples_along(ctx, t, lay)
         if found is None or found[0] != d:
             return Unknown(f"{name_of(func)} with samples along the indices' rows")
         own = found[1] if own is None else merge(own, found[1])
