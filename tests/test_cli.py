@@ -317,10 +317,11 @@ def test_the_default_threads_are_the_free_cpus(monkeypatch, cpus, load, want):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["gpt-oss-grads", "qwen-moe-grads", "vit-mae-grads",
-                                      "gcn-batch-grads"])
+@pytest.mark.parametrize("workload", ["gpt-oss-grads", "qwen-moe-grads", "switch-moe-grads",
+                                      "vit-mae-grads", "gcn-batch-grads"])
 def test_bench_family_workloads(tmp_path, workload):
-    """Mixtures in transformers' grouped kernel (biased experts; a shared expert), a masked
+    """Mixtures (transformers' grouped kernel with biased experts, and with a shared
+    expert; Switch's experts with a capacity), a masked
     autoencoder's mask token broadcast into the batch, a graph network on a Batch: every
     row agrees with the loop or says why it cannot run (torch.func cannot take a
     ``Batch``, Opacus's hooks the experts' routing)."""

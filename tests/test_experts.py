@@ -376,3 +376,17 @@ def test_switch_experts_take_their_module_rule_and_are_exact(capacity):
     routes = {r.module: r.path for r in persample.supported(model, inputs, ids, next_logits)}
     assert routes["encoder.block.1.layer.1.mlp.experts.expert_0.wi"] == "module rule"
     assert routes["encoder.block.1.layer.1.mlp.router.classifier"] == "rule"
+
+
+def test_a_router_casting_itself_with_gradients_kept_stays_on_the_rules():
+    """Switch's router calls ``self.classifier.to(dtype)`` in its forward, which reads
+    and sets each parameter's ``.grad`` where one is kept (a plain step before, gradients
+    accumulated): no gradient path, so the router keeps its rule."""
+    model, inputs, ids = _switch(1)
+    next_logits(model(**inputs), ids).sum().backward()
+    assert model.encoder.block[1].layer[1].mlp.router.classifier.weight.grad is not None
+    routes = {r.module: r.path for r in persample.supported(model, inputs, ids, next_logits)}
+    assert routes["encoder.block.1.layer.1.mlp.router.classifier"] == "rule"
+    got = persample.per_sample_grads(model, inputs, ids, next_logits, method="rules")
+    want = persample.loop_per_sample_grads(model, inputs, ids, next_logits)
+    assert_exact(got, want)

@@ -154,6 +154,34 @@ def qwen2_moe(vocab_size: int, seq_len: int = 64, layers: int = 2, width: int = 
     return transformers.Qwen2MoeForCausalLM(config).eval()
 
 
+def switch(vocab_size: int, layers: int = 2, width: int = 128, heads: int = 4,
+           experts: int = 4, capacity: int = 32) -> nn.Module:
+    """transformers' ``SwitchTransformersForConditionalGeneration`` from a small config:
+    ``layers`` encoder and decoder blocks of ``width``, every other one a mixture of
+    ``experts`` experts with top-1 routing, each expert taking at most ``capacity``
+    tokens of a sequence (the rest dropped); random weights, eval mode, float32 (the
+    routers in float32, as the config's choices all are narrower).
+
+    Raises:
+        NotInstalled: transformers is missing.
+
+    Examples:
+        >>> model = switch(257, width=16, heads=2, capacity=2)
+        >>> ids = torch.zeros(1, 8, dtype=torch.long)
+        >>> model(input_ids=ids, decoder_input_ids=ids).logits.shape
+        torch.Size([1, 8, 257])
+    """
+    transformers = require("transformers")
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=vocab_size, d_model=width, d_kv=width // heads, d_ff=2 * width,
+        num_layers=layers, num_decoder_layers=layers, num_heads=heads, num_experts=experts,
+        expert_capacity=capacity, num_sparse_encoder_layers=max(1, layers // 2),
+        num_sparse_decoder_layers=max(1, layers // 2), decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=vocab_size - 1)
+    torch.manual_seed(0)
+    return transformers.SwitchTransformersForConditionalGeneration(config).eval()
+
+
 def vit_mae(img_size: int = 32, patch: int = 4, width: int = 64, depth: int = 2,
             heads: int = 4, mask_ratio: float = 0.75) -> nn.Module:
     """transformers' ``ViTMAEForPreTraining`` from a small config (masked autoencoder:

@@ -258,7 +258,9 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     ``gpt-oss-grads`` (transformers gpt-oss 2x128, 4 experts with biases top-2 in the
     grouped kernel, T=64, B=16, next-token cross-entropy), ``qwen-moe-grads``
     (transformers Qwen2-MoE 2x128, 4 experts top-2 in the grouped kernel beside a gated
-    shared expert, T=64, B=16, next-token cross-entropy), ``vit-mae-grads``
+    shared expert, T=64, B=16, next-token cross-entropy), ``switch-moe-grads``
+    (transformers Switch Transformers 2x128, 4 experts top-1 with a capacity of 16
+    tokens of 64, T=64, B=16, the decoder's next-token cross-entropy), ``vit-mae-grads``
     (transformers ViTMAE pretraining, the learned mask token repeated into the batch,
     B=16, :func:`masked_reconstruction`), ``gcn-batch-grads`` (torch_geometric GCN on a
     ``Batch`` of 32 graphs, :func:`graph_batch`). The proxies of a GPU's short kernels
@@ -385,6 +387,18 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         f"transformers Qwen2-MoE 2x128, 4 experts top-2 (grouped) and a "
                         f"gated shared expert (eval), batch {b}, T={t}, stdlib docstrings as "
                         "bytes, per-sample next-token cross-entropy")
+    if name == "switch-moe-grads":
+        b, t = batch or 16, 64
+        model = real_models.switch(ByteTokenizer.vocab_size, capacity=t // 4)
+        inputs, labels = docstring_batch(b, t)
+        ids = inputs["input_ids"]
+        return Workload(name, "transformers", model,
+                        {"input_ids": ids, "decoder_input_ids": ids}, labels,
+                        real_models.causal_lm_loss,
+                        f"transformers Switch Transformers 2x128 encoder-decoder, 4 experts "
+                        f"top-1 with a capacity of {t // 4} tokens (the rest dropped), eval, "
+                        f"batch {b}, T={t}, stdlib docstrings as bytes in and out, per-sample "
+                        "next-token cross-entropy of the decoder")
     if name == "vit-mae-grads":
         model = real_models.vit_mae(img_size=32)
         x, _ = digits_images(32, channels=3)
@@ -901,7 +915,8 @@ fixed cost per op decides the step (``persample bench --proxy``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
                   "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "qwen-moe-grads",
-                  "vit-mae-grads", "gcn-batch-grads") + PROXY_WORKLOADS[:3] + REAL_GRAD_WORKLOADS
+                  "switch-moe-grads", "vit-mae-grads", "gcn-batch-grads"
+                  ) + PROXY_WORKLOADS[:3] + REAL_GRAD_WORKLOADS
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
                 "gpt2-dp-step", "gpt2-lora-dp-step", "encoder-dp-step") + REAL_DP_WORKLOADS

@@ -76,7 +76,9 @@ from .records import Call, Derived, Inner, Op, shapes_only
 from .tape import Opaque, Step, arguments_key, outs_of, reads_of, reusable
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
-_DETACHES = frozenset((torch.Tensor.detach, torch.detach))
+_DETACHES = frozenset((torch.Tensor.detach, torch.detach, torch._C.TensorBase.grad.__get__))
+# (a parameter's .grad is another tensor: read in the forward, as Module.to does, it is
+# no gradient path)
 _BY_MEMORY = frozenset(f for f in (torch.as_strided, torch.Tensor.as_strided,
                                    getattr(torch.Tensor, "as_strided_", None)) if f is not None)
 # (ops whose data flow reads strides and storage offsets: decided at every call)
