@@ -8,9 +8,11 @@ tensor, a group-limited sigmoid router, a shared expert), Qwen3-Next (gated Delt
 ``linalg.solve_triangular``, gated attention, a mixture with a shared expert), Qwen2-MoE
 and OLMoE (mixtures), RecurrentGemma (RG-LRU gates by ``baddbmm`` of a bias and a weight
 per head), Perceiver (learned latents broadcast into the batch as the queries), ViTMAE
-(mask tokens repeated into the batch), Swin-v2 and ModernBERT. The mixtures run
-transformers' eager experts here: its grouped kernel has no float64 (``grouped_mm`` in
-float32 is tested with gpt-oss in ``test_experts.py``)."""
+(mask tokens repeated into the batch), Swin-v2, ModernBERT, and attention variants:
+BEiT (a relative position bias per layer), Longformer (sliding windows by ``as_strided``
+chunks, a global token), T5 for sequence classification (its end-of-sequence state).
+The mixtures run transformers' eager experts here: its grouped kernel has no float64
+(``grouped_mm`` in float32 is tested with gpt-oss in ``test_experts.py``)."""
 
 from __future__ import annotations
 
@@ -135,8 +137,35 @@ def modern_bert():
     return model, {**inputs, "attention_mask": mask}, torch.randint(0, 3, (B,)), classes
 
 
+def beit():
+    model = T.BeitForImageClassification(T.BeitConfig(
+        image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=32, num_labels=3,
+        use_relative_position_bias=True))
+    return model, {"pixel_values": torch.randn(B, 3, 16, 16)}, torch.randint(0, 3, (B,)), classes
+
+
+def longformer():
+    model = T.LongformerForSequenceClassification(T.LongformerConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=32, num_labels=3, attention_window=4,
+        max_position_embeddings=2 * L + 4, pad_token_id=0))
+    ids = torch.randint(1, 50, (B, 2 * L))  # (windows of 4 over 16 tokens; the first global)
+    return model, {"input_ids": ids}, torch.randint(0, 3, (B,)), classes
+
+
+def t5_classifier():
+    model = T.T5ForSequenceClassification(T.T5Config(
+        vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, num_labels=3,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    ids = torch.randint(2, 50, (B, L))
+    ids[:, -1] = 1  # (one end-of-sequence token each: the classifier reads its state)
+    return model, {"input_ids": ids}, torch.randint(0, 3, (B,)), classes
+
+
 MODELS = {f.__name__: f for f in (deepseek_v3, qwen3_next, qwen2_moe, olmoe, recurrent_gemma,
-                                  perceiver, vit_mae, swin_v2, modern_bert)}
+                                  perceiver, vit_mae, swin_v2, modern_bert, beit, longformer,
+                                  t5_classifier)}
 
 
 def _to64(x):
