@@ -79,7 +79,7 @@ from .edges import edge_of
 from .mode import hidden, must_hide
 from .recorder import Capture
 from .records import Call, Derived, Op, shapes_only
-from .tape import _PLAIN, _TENSOR, Opaque, Step, _key, arguments_key, outs_of
+from .tape import _PLAIN, _TENSOR, Opaque, Step, _key, arguments_key, outs_of, value_leaf
 from .tensors import KEPT, tensor_leaves
 
 
@@ -326,8 +326,7 @@ class Tracer:
                 self.dead = f"an op reading a narrowed operand ({name_of(func)})"
                 return
             kind, key, flow = PARAM, arguments_key(args, kwargs), op.flow
-            decide = dynamic or any(not (t.is_floating_point() or t.is_complex())
-                                    or t.is_sparse for t in leaves)
+            decide = dynamic or any(map(value_leaf, leaves))
             derived = cap.derived
             derives = tuple(k for k, o in enumerate(_outputs(out)) if (
                 d := derived.get(id(o))) is not None and d.tensor is o and d.op is op)
@@ -344,9 +343,8 @@ class Tracer:
             return
         if decide:  # (the values a decision reads: indices and masks; a write's own
             # target's are not what its layout reads)
-            self.decided.append([(t, t._version) for t in leaves if (not (
-                t.is_floating_point() or t.is_complex()) or t.is_sparse) and (
-                    before is None or t is not args[0])])
+            self.decided.append([(t, t._version) for t in leaves if value_leaf(t) and (
+                before is None or t is not args[0])])
         keep = False
         for o, lay in zip(made, made_lays):
             keep = keep or (lay is SHARED and not o.requires_grad)

@@ -102,11 +102,16 @@ def reusable(flow: Flow, layouts: list, leaves: list[Tensor]) -> bool:
     holds a tensor (a packed batch's sample ids, the keys of a sorted dim, the rows a
     scatter wrote: layouts other than the plain kinds), or where the op writes other
     inputs."""
-    if flow.writes or any(not (t.is_floating_point() or t.is_complex()) or t.is_sparse
-                          for t in leaves):
+    if flow.writes or any(map(value_leaf, leaves)):
         return False
     outs = flow.outputs if isinstance(flow.outputs, tuple) else (flow.outputs,)
     return all(_plain(lay) for lay in outs + tuple(flow.pairing or ()) + tuple(layouts))
+
+
+def value_leaf(t: Tensor) -> bool:
+    """Does a data-flow decision read this input's values (an index, a mask: integer or
+    boolean; a sparse matrix, by its indices)?"""
+    return not (t.is_floating_point() or t.is_complex()) or t.is_sparse
 
 
 def _plain(lay: Any) -> bool:
