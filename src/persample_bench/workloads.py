@@ -333,14 +333,8 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         f"nn.TransformerEncoder over image rows, 2 layers of width 128, 4 "
                         f"heads, training mode (dropout 0.1), batch {b}, digits 1x28x28, "
                         "cross-entropy", seed=0)
-    if name == "moe-grads":
-        b, t = batch or 16, 64
-        model = real_models.mixtral(ByteTokenizer.vocab_size, seq_len=t)
-        inputs, labels = docstring_batch(b, t)
-        return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
-                        f"transformers Mixtral 2x128, 4 experts top-2 (training mode), "
-                        f"batch {b}, T={t}, stdlib docstrings as bytes, per-sample "
-                        "next-token cross-entropy")
+    if name in _MIXTURES:
+        return _mixture_workload(name, batch)
     if name == "bert-small-grads":
         b, t = batch or 32, 64
         model = real_models.bert_classifier(ByteTokenizer.vocab_size, layers=4, width=128,
@@ -371,34 +365,6 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         "digits projected to 64, 2 classes, cross-entropy")
     if name in PROXY_WORKLOADS[:3]:
         return _proxy_workload(name, batch)
-    if name == "gpt-oss-grads":
-        b, t = batch or 16, 64
-        model = real_models.gpt_oss(ByteTokenizer.vocab_size, seq_len=t)
-        inputs, labels = docstring_batch(b, t)
-        return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
-                        f"transformers gpt-oss 2x128, 4 experts with biases top-2 (grouped), "
-                        f"attention sinks, sliding and full layers (eval), batch {b}, T={t}, "
-                        "stdlib docstrings as bytes, per-sample next-token cross-entropy")
-    if name == "qwen-moe-grads":
-        b, t = batch or 16, 64
-        model = real_models.qwen2_moe(ByteTokenizer.vocab_size, seq_len=t)
-        inputs, labels = docstring_batch(b, t)
-        return Workload(name, "transformers", model, inputs, labels, real_models.causal_lm_loss,
-                        f"transformers Qwen2-MoE 2x128, 4 experts top-2 (grouped) and a "
-                        f"gated shared expert (eval), batch {b}, T={t}, stdlib docstrings as "
-                        "bytes, per-sample next-token cross-entropy")
-    if name == "switch-moe-grads":
-        b, t = batch or 16, 64
-        model = real_models.switch(ByteTokenizer.vocab_size, capacity=t // 4)
-        inputs, labels = docstring_batch(b, t)
-        ids = inputs["input_ids"]
-        return Workload(name, "transformers", model,
-                        {"input_ids": ids, "decoder_input_ids": ids}, labels,
-                        real_models.causal_lm_loss,
-                        f"transformers Switch Transformers 2x128 encoder-decoder, 4 experts "
-                        f"top-1 with a capacity of {t // 4} tokens (the rest dropped), eval, "
-                        f"batch {b}, T={t}, stdlib docstrings as bytes in and out, per-sample "
-                        "next-token cross-entropy of the decoder")
     if name == "vit-mae-grads":
         model = real_models.vit_mae(img_size=32)
         x, _ = digits_images(32, channels=3)
@@ -429,6 +395,35 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         f"transformers {what}, batch {b}, T={t}, stdlib docstrings "
                         "as bytes, per-sample next-token cross-entropy")
     raise ValueError(f"unknown workload {name!r}; choose from {GRAD_WORKLOADS}")
+
+
+_MIXTURES = {  # name -> (the model for sequences of T tokens, what it is)
+    "moe-grads": (lambda t: real_models.mixtral(ByteTokenizer.vocab_size, seq_len=t),
+                  "Mixtral 2x128, 4 experts top-2 (training mode)"),
+    "gpt-oss-grads": (lambda t: real_models.gpt_oss(ByteTokenizer.vocab_size, seq_len=t),
+                      "gpt-oss 2x128, 4 experts with biases top-2 (grouped), attention sinks, "
+                      "sliding and full layers (eval)"),
+    "qwen-moe-grads": (lambda t: real_models.qwen2_moe(ByteTokenizer.vocab_size, seq_len=t),
+                       "Qwen2-MoE 2x128, 4 experts top-2 (grouped) and a gated shared expert "
+                       "(eval)"),
+    "switch-moe-grads": (lambda t: real_models.switch(ByteTokenizer.vocab_size, capacity=t // 4),
+                         "Switch Transformers 2x128 encoder-decoder (the decoder fed the same "
+                         "ids), 4 experts top-1 with a capacity of a quarter of the tokens "
+                         "(the rest dropped), eval"),
+}
+
+
+def _mixture_workload(name: str, batch: int | None) -> Workload:
+    """A mixture of experts of :data:`_MIXTURES` on the standard library's docstrings as
+    bytes (``B`` = ``batch`` or 16, T=64), per-sample next-token cross-entropy."""
+    b, t = batch or 16, 64
+    make, what = _MIXTURES[name]
+    inputs, labels = docstring_batch(b, t)
+    if name == "switch-moe-grads":  # (an encoder-decoder: the ids in and out)
+        inputs = {"input_ids": inputs["input_ids"], "decoder_input_ids": inputs["input_ids"]}
+    return Workload(name, "transformers", make(t), inputs, labels, real_models.causal_lm_loss,
+                    f"transformers {what}, batch {b}, T={t}, stdlib docstrings as bytes, "
+                    "per-sample next-token cross-entropy")
 
 
 # --- real-size transformers: word ids hashed into a real vocabulary ----------------------

@@ -184,7 +184,8 @@ def _sparse_product(ctx, func, args, kwargs, out) -> Any:
         return bad
     indices = a._indices()  # (2, nnz), as stored
     own = _ENTRIES.get(a)
-    if own is None and la is not SHARED or own is not None and own.shape[0] != indices.shape[1]:
+    if (own is None and la is not SHARED) or (own is not None
+                                               and own.shape[0] != indices.shape[1]):
         return Unknown(f"{name_of(func)} of a sparse matrix whose entries' samples are "
                        "not known (made by another op than sparse_coo_tensor)")
     if own is None:
