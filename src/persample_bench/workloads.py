@@ -195,7 +195,8 @@ class Workload:
             (2, 'cpu')
         """
         self.model = self.model.to(device)
-        move = lambda t: t.to(device) if isinstance(t, Tensor) else t  # noqa: E731
+        # (a tensor, or an object that moves its own tensors: torch_geometric's Batch)
+        move = lambda t: t.to(device) if callable(getattr(t, "to", None)) else t  # noqa: E731
         self.inputs, self.opacus_inputs = tree_map(move, self.inputs), tree_map(
             move, self.opacus_inputs)
         if self.targets is not None:

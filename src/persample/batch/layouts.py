@@ -185,20 +185,23 @@ def _front_indexed(x: Tensor, index: Tensor, n: int, d: int) -> Tensor:
     positions of one sample, zero-padded (zeros add nothing to the sums rules take)."""
     order, length, places = _grouping(index, n)
     moved = x.movedim(d, 0)  # (positions, ...)
+    if order is not None:  # (index_select: advanced indexing costs several times more)
+        moved = moved.index_select(0, order)  # (positions sorted by sample, ...)
     if places is None:  # (as many positions each, a permutation or a mixture's rows
         # sorted by expert: sample s's are order[s * L:(s + 1) * L], no padding)
-        return moved[order].unflatten(0, (n, length)).movedim(1, d + 1)
-    out = x.new_zeros((n, length, *moved.shape[1:]))
-    out[places] = moved[order]
-    return out.movedim(1, d + 1)  # (n, ..., L, ...)
+        return moved.unflatten(0, (n, length)).movedim(1, d + 1)
+    out = x.new_zeros((n * length, *moved.shape[1:]))
+    out.index_copy_(0, places, moved)  # (row s * L + k: sample s's k-th position)
+    return out.unflatten(0, (n, length)).movedim(1, d + 1)  # (n, ..., L, ...)
 
 
 _GROUPINGS = WeakIdKeyDictionary()  # index -> (n, its version, _grouping's answer)
 
 
-def _grouping(index: Tensor, n: int) -> tuple[Tensor, int, tuple | None]:
-    """``(order, L, places)``: the positions sorted by sample (stable), the most positions
-    of one sample, and where each sorted position goes in ``(n, L)`` (``None`` where every
+def _grouping(index: Tensor, n: int) -> tuple[Tensor | None, int, Tensor | None]:
+    """``(order, L, places)``: the positions sorted by sample (stable; ``None`` where they
+    are in sample order already: a graph batch's nodes), the most positions of one
+    sample, and the row of ``(n * L)`` each sorted position goes to (``None`` where every
     sample has ``L``). Kept per index tensor: a rule groups its activations and its
     backprops by the same one."""
     found = _GROUPINGS.get(index)
@@ -206,12 +209,15 @@ def _grouping(index: Tensor, n: int) -> tuple[Tensor, int, tuple | None]:
         return found[2]
     counts = torch.bincount(index, minlength=n)  # (n,)
     fewest, length = (int(counts.min()), int(counts.max())) if counts.numel() else (0, 0)
-    order = torch.argsort(index, stable=True)  # positions sorted by sample
+    order, sample = None, index
+    if index.numel() > 1 and not bool((index[1:] >= index[:-1]).all()):
+        order = torch.argsort(index, stable=True)  # positions sorted by sample
+        sample = index.index_select(0, order)
     places = None
     if fewest != length:
-        starts = torch.cumsum(counts, 0) - counts
-        sample = index[order]
-        places = (sample, torch.arange(index.numel(), device=index.device) - starts[sample])
+        starts = torch.cumsum(counts, 0) - counts  # (n,)
+        places = sample * length + (torch.arange(index.numel(), device=index.device)
+                                    - starts.index_select(0, sample))
     _GROUPINGS[index] = (n, index._version, (order, length, places))
     return order, length, places
 

@@ -134,12 +134,19 @@ def merge(a: Tensor, b: Tensor) -> Tensor | None:
     """Samples of the same positions from two sources (broadcast): one where only one
     names a sample, ``None`` where they name different ones."""
     b = b.to(a.device)  # an index tensor may live on the CPU beside CUDA data
-    if a.shape == b.shape and a.numel() and bool(torch.minimum(a.min(), b.min()) >= 0):
-        return a.clone() if torch.equal(a, b) else None  # (every position named by both)
-    both = (a >= 0) & (b >= 0)
-    if bool((both & (a != b)).any()):
+    if a.shape == b.shape and torch.equal(a, b):
+        return a.clone()
+    high, low = torch.maximum(a, b), torch.minimum(a, b)  # (NO_SAMPLE is below every
+    if bool((low.ne(high) & low.ge(0)).any()):  # sample: the max is the one named)
         return None
-    return torch.where(a >= 0, a, b)
+    return high
+
+
+def gathered(rows: Tensor, values: Tensor) -> Tensor:
+    """``rows[values]`` for 1-d ``rows`` (the sample of each position) and integer
+    ``values`` of any shape, by ``index_select`` (a few microseconds less per call than
+    advanced indexing)."""
+    return rows.index_select(0, values.reshape(-1)).view(values.shape)
 
 
 def located(dim: int, rows: Tensor, n: int, out: Tensor, why: str) -> Layout:
@@ -440,7 +447,7 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
         if isinstance(lay, Batched) and lay.index is not None and not _read_by_value(
                 samples, values, x.shape[d]):
             return None
-        samples = merge(samples, rows[values])
+        samples = merge(samples, gathered(rows, values))
         if samples is None:
             return Mixed(f"{what} reads one sample's rows at positions another sample's "
                          "index gives")
@@ -676,7 +683,8 @@ def landed_rows(landing: Tensor, own: Tensor, size: int) -> Tensor | None:
     shared = own.numel() and bool(own.min() < 0)  # (entries of no sample: a row past
     target = torch.where(own >= 0, landing, size) if shared else landing  # the end)
     rows.scatter_(0, target, own)  # (one of the samples landing in each row: it is every
-    landed = rows[target]  # entry's only where no other sample's lands there too)
+    landed = gathered(rows, target)  # entry's only where no other sample's lands there
+    # too)
     if bool(((landed != own) & (own >= 0)).any()) if shared else not torch.equal(landed, own):
         return None
     return rows[:size]

@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from ..batch import op_leaves
 from ..precision import autocast_state
 from .edges import edge_of
+from .recall import Recall
 from .lean import (
     PARAM,
     LeanCapture,
@@ -523,13 +524,18 @@ class CompiledCapture(LeanCapture):
         dyn = {id(t): lay for t, lay in self.inputs if not _plain(lay)}  # id -> a layout
         # holding this call's indices (a graph batch's inputs: theirs)
         now: dict[int, tuple] = {}  # a read's index -> (its leaves' layouts, its data flow)
+        recall = Recall()
         for func, args, kwargs, out, entry in plan.decide:
             args, kwargs, out = _fill(args, values), _fill(kwargs, values), _fill(out, values)
             leaves, lays = op_leaves(args, kwargs), entry.layouts
             if entry.dynamic:  # (a leaf's layout as this call decided it)
                 lays = tuple(dyn.get(id(t), lay) for t, lay in zip(leaves, lays))
             self._deciding = (leaves, lays)
-            flow = decided(ctx, func, args, kwargs, out, list(lays))
+            made = _outputs(args[0] if entry.write else out)
+            flow = recall.flow(entry.recall, leaves, lays, made)
+            if flow is None:
+                flow = decided(ctx, func, args, kwargs, out, list(lays))
+                recall.keep(entry.recall, leaves, lays, made, flow)
             if not (_alike_flow(flow, entry.flow) if entry.dynamic else _same_flow(
                     flow, entry.flow)):
                 return False

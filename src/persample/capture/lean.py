@@ -78,6 +78,7 @@ from ..rng import generator_of
 from .edges import edge_of
 from .mode import hidden, must_hide
 from .recorder import Capture
+from .recall import Recall, recall_key
 from .records import Call, Derived, Op, shapes_only
 from .tape import _PLAIN, _TENSOR, Opaque, Step, _key, arguments_key, outs_of, value_leaf
 from .tensors import KEPT, tensor_leaves
@@ -141,6 +142,7 @@ class Entry:
     draw: tuple | None = None  # a random op: (its kind, the layout of its numbers, where)
     write: bool = False  # it writes its first argument in place (a tensor of this call)
     dynamic: bool = False  # a leaf's or an output's layout holds this call's indices
+    recall: tuple | None = None  # a decision: what the call keeps it under (recall_key)
 
 
 @dataclass(frozen=True, eq=False)
@@ -350,10 +352,13 @@ class Tracer:
             keep = keep or (lay is SHARED and not o.requires_grad)
             self.numbers.give(o)
             self.layouts.append(lay)
+        recall = recall_key(func, args, kwargs) if (
+            decide and kind is not PARAM and draw is None) else None
         self.entries.append(Entry(func, kind, tuple(wants), metas, key, outs_of(out),
                                   len(made), lays, flow, decide, keep,
                                   n_ops if kind is PARAM else -1, derives,
-                                  torch.is_grad_enabled(), draw, before is not None, dynamic))
+                                  torch.is_grad_enabled(), draw, before is not None, dynamic,
+                                  recall))
 
     def program(self, cap: Capture, output: Any, fails: int = 0) -> Program | None:
         """The program, if a later call may run it (the capture's parameters all read by
@@ -421,6 +426,7 @@ class LeanCapture(Capture):
         self.failed = False  # an op left the program
         self.seen: list[tuple] = []  # per parameter read: its op as it ran
         self.dyn: dict[int, Layout] = {}  # number -> a layout holding this call's indices
+        self.recall = Recall()  # the decisions made (dropped at the end of the forward)
         me = weakref.proxy(self)  # (no reference cycle: the records hold activations)
         self.lean_ctx = Ctx(n, lambda t: me._layout_of(t))
         self._deciding: tuple = ((), ())  # the leaves and layouts of the op deciding
@@ -535,7 +541,11 @@ class LeanCapture(Capture):
                 lays = tuple(dyn.get(w, lay) if type(w) is int else lay
                              for w, lay in zip(e.wants, lays))
             self._deciding = (leaves, lays)
-            flow = decided(self.lean_ctx, func, args, kwargs, out, list(lays))
+            outs = _outputs(args[0] if e.write else out)
+            flow = self.recall.flow(e.recall, leaves, lays, outs)
+            if flow is None:
+                flow = decided(self.lean_ctx, func, args, kwargs, out, list(lays))
+                self.recall.keep(e.recall, leaves, lays, outs, flow)
             if not (_alike_flow(flow, e.flow) if e.dynamic else _same_flow(flow, e.flow)):
                 raise Deopt
             if e.dynamic:
@@ -565,6 +575,7 @@ class LeanCapture(Capture):
         """After the forward: did it run the whole program? Then the records the full
         capture would have made, and the output's layouts."""
         program = self.program
+        self.recall = Recall()
         if self.k != len(program.entries) or self.failed:
             return False
         leaves = tensor_leaves(output)

@@ -1,0 +1,158 @@
+"""Data-flow decisions a call has made already, kept for the rest of the call.
+
+A cached call decides again, at every call, the data flow of each op whose layout may
+depend on values (an index, a mask; :func:`persample.capture.lean.decided`). Models often
+repeat such an op on the same values within one call: every torch_geometric layer adds
+the same self loops to the same ``edge_index`` and normalizes by the same degrees, every
+layer of a graph network gathers by the same rows. A decision is a function of the op,
+its arguments other than tensors, its tensors' values, their layouts, and which of them
+are the same tensor; where all of these equal an earlier decision's of the same call,
+that decision stands, its layouts re-attached to this op's outputs (a
+:class:`~persample.batch.ops_indexing.Partly` describes one tensor only). Comparing is
+one ``torch.equal`` per tensor, against the several passes over the indices a decision
+takes.
+
+Not kept: an op that draws random numbers (its values are not its inputs'), an op whose
+arguments other than tensors have no key (:func:`persample.capture.tape.arguments_key`),
+a decision that also rewrites other tensors (``Flow.writes``), and one whose tensors
+were written in place after it (their versions moved: the values it read are gone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..batch import Batched, Flow, Layout
+from ..batch.ops_indexing import Partly, Sorted
+from ..draws import RANDOM
+from .tape import Opaque, arguments_key
+
+
+def recall_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """What an op's decision is kept under (its function and arguments other than
+    tensors), or ``None`` where it may not be kept."""
+    if func in RANDOM:
+        return None
+    try:
+        return func, arguments_key(args, kwargs)
+    except Opaque:
+        return None
+
+
+@dataclass(eq=False)
+class _Made:
+    """One decision: the tensors it read and made (with their versions then), their
+    layouts, and its flow."""
+
+    tensors: list[Tensor]  # its leaves, then its output tensors
+    versions: list[int]
+    layouts: tuple  # its leaves' layouts
+    flow: Flow
+
+
+class Recall:
+    """The decisions of one call, by :func:`recall_key` (see the module docstring)."""
+
+    __slots__ = ("made",)
+
+    def __init__(self):
+        self.made: dict[tuple, list[_Made]] = {}
+
+    def flow(self, key: tuple | None, leaves: list, layouts: tuple, outs: list) -> Flow | None:
+        """The flow of an earlier decision on these values and layouts, its layouts
+        re-attached to ``outs``; ``None`` where none was made."""
+        if key is None:
+            return None
+        for old in self.made.get(key, ()):
+            if _same(old, leaves + outs, layouts):
+                return _reattached(old.flow, old.tensors[len(leaves):], outs)
+        return None
+
+    def keep(self, key: tuple | None, leaves: list, layouts: tuple, outs: list,
+             flow: Flow) -> None:
+        """Keep a decision just made."""
+        if key is None or flow.writes:
+            return
+        tensors = leaves + outs
+        self.made.setdefault(key, []).append(
+            _Made(tensors, [t._version for t in tensors], layouts, flow))
+
+
+def _same(old: _Made, tensors: list, layouts: tuple) -> bool:
+    """Do ``tensors`` and their ``layouts`` hold what ``old`` read and made? (The forms
+    first, the values last: most decisions that differ differ in a shape.)"""
+    if len(tensors) != len(old.tensors) or len(layouts) != len(old.layouts):
+        return False
+    for t, v in zip(old.tensors, old.versions):
+        if t._version != v:
+            return False
+    for k, (a, b) in enumerate(zip(tensors, old.tensors)):
+        if a is not b and not (a.shape == b.shape and a.dtype == b.dtype
+                               and a.device == b.device
+                               and a.layout == b.layout == torch.strided):
+            return False
+        for a2, b2 in zip(tensors[k + 1:], old.tensors[k + 1:]):
+            if (a is a2) != (b is b2):  # (a tensor read twice, or two equal ones)
+                return False
+    return all(_equal_layouts(la, a, lb, b) for la, a, lb, b in zip(
+        layouts, tensors, old.layouts, old.tensors)) and all(
+        a is b or torch.equal(a, b) for a, b in zip(tensors, old.tensors))
+
+
+def _equal_tensors(a: Tensor, b: Tensor) -> bool:
+    if a is b:
+        return True
+    return (a.layout == b.layout == torch.strided and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+
+
+def _equal_layouts(a: Layout, ta: Tensor, b: Layout, tb: Tensor) -> bool:
+    """The same layout, each of its own tensor (a :class:`Partly` counts as its tensor's
+    own where it was made for it, else as Unknown)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Partly):
+        return (a.dim == b.dim and (_refers(a, ta) == _refers(b, tb))
+                and _equal_indices(a.rows, b.rows))
+    if isinstance(a, Batched):
+        return ((a.dim, a.outer, a.inner) == (b.dim, b.outer, b.inner)
+                and _equal_indices(a.index, b.index)
+                and (not isinstance(a, Sorted) or _equal_indices(a.keys, b.keys)))
+    return False
+
+
+def _refers(lay: Partly, t: Tensor) -> bool:
+    return lay.ref is not None and lay.ref() is t
+
+
+def _equal_indices(a: Tensor | None, b: Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return _equal_tensors(a, b)
+
+
+def _reattached(flow: Flow, old: list[Tensor], outs: list[Tensor]) -> Flow:
+    """``flow`` with each :class:`Partly` made for one of ``old`` made for the output in
+    its place instead (``flow`` itself where it holds none)."""
+    def swap(lay: Any) -> Any:
+        if type(lay) is tuple:
+            return tuple(swap(x) for x in lay)
+        if isinstance(lay, Partly) and lay.ref is not None:
+            target = lay.ref()
+            for o, n in zip(old, outs):
+                if target is o:
+                    return dataclasses.replace(lay, ref=weakref.ref(n))
+        return lay
+    outputs = swap(flow.outputs)
+    if outputs is flow.outputs or (type(outputs) is tuple and all(
+            a is b for a, b in zip(outputs, flow.outputs))):
+        return flow
+    return dataclasses.replace(flow, outputs=outputs)
