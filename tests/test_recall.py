@@ -85,7 +85,8 @@ class TwoPasses(nn.Module):
 
 def _two_passes(seed: int, cross: bool = False):
     """``B`` graphs of ``B`` nodes, ``EDGES`` edges and a self loop per node (the same
-    shapes in every call), offsets zero; ``cross``: the first edge's offset points into the next graph."""
+    shapes in every call), offsets zero; ``cross``: the first edge's offset points into
+    the next graph."""
     pytest.importorskip("torch_geometric")
     from torch_geometric.data import Batch, Data
 

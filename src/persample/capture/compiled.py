@@ -54,7 +54,6 @@ from torch import Tensor, nn
 from ..batch import op_leaves
 from ..precision import autocast_state
 from .edges import edge_of
-from .recall import Recall
 from .lean import (
     PARAM,
     LeanCapture,
@@ -70,6 +69,7 @@ from .lean import (
     _stands_for,
     decided,
 )
+from .recall import Recall
 from .records import Call, Derived, Op, shapes_only
 from .tensors import KEPT, tensor_leaves
 

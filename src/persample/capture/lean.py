@@ -77,8 +77,8 @@ from ..precision import autocast_state
 from ..rng import generator_of
 from .edges import edge_of
 from .mode import hidden, must_hide
-from .recorder import Capture
 from .recall import Recall, recall_key
+from .recorder import Capture
 from .records import Call, Derived, Op, shapes_only
 from .tape import _PLAIN, _TENSOR, Opaque, Step, _key, arguments_key, outs_of, value_leaf
 from .tensors import KEPT, tensor_leaves
