@@ -100,9 +100,22 @@ def _same(old: _Made, tensors: list, layouts: tuple) -> bool:
         for a2, b2 in zip(tensors[k + 1:], old.tensors[k + 1:]):
             if (a is a2) != (b is b2):  # (a tensor read twice, or two equal ones)
                 return False
-    return all(_equal_layouts(la, a, lb, b) for la, a, lb, b in zip(
-        layouts, tensors, old.layouts, old.tensors)) and all(
-        a is b or torch.equal(a, b) for a, b in zip(tensors, old.tensors))
+    if not all(_equal_layouts(la, a, lb, b) for la, a, lb, b in zip(
+            layouts, tensors, old.layouts, old.tensors)):
+        return False
+    pairs = sorted(zip(tensors, old.tensors), key=lambda p: p[0].is_floating_point())
+    return all(a is b or torch.equal(*_unexpanded(a, b)) for a, b in pairs)  # (indices
+    # first: small, and where two decisions differ, most often their indices do)
+
+
+def _unexpanded(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``a`` and ``b`` (of one shape) without the dims both only repeat (stride 0:
+    torch_geometric's node ids expanded over the features), which ``torch.equal`` would
+    otherwise walk entry by entry."""
+    for k in range(a.dim()):
+        if a.shape[k] > 1 and a.stride(k) == 0 and b.stride(k) == 0:
+            a, b = a.narrow(k, 0, 1), b.narrow(k, 0, 1)
+    return a, b
 
 
 def _equal_tensors(a: Tensor, b: Tensor) -> bool:
