@@ -660,8 +660,8 @@ def test_the_data_flow_of_newer_ops(model):
 
 def test_a_slice_written_with_another_samples_data_is_not_followed():
     """Sample data written into a slice at other samples' positions (rows rolled by one,
-    then paired with each sample's target) is not followed: the rules do not answer, and
-    ``auto`` says the model mixes samples."""
+    then paired with each sample's target) is not followed: the rules refuse by the op
+    that mixed what was written, and ``auto`` says the model mixes samples."""
     class Rolled(nn.Module):
         def __init__(self):
             super().__init__()
@@ -677,7 +677,7 @@ def test_a_slice_written_with_another_samples_data_is_not_followed():
     net = Rolled().double()
     x, y = torch.randn(B, E, dtype=torch.float64), torch.randn(B, E, dtype=torch.float64)
     assert {r.path for r in supported(net, x, y, mse)} == {"vmap"}
-    with pytest.raises(persample.NeedsWholeModel, match="written in place"):
+    with pytest.raises(persample.LossNotPerSampleError, match="roll"):
         per_sample_grads(net, x, y, mse, method="rules")
     with pytest.raises(persample.CertificateError, match="mixes samples"):
         per_sample_grads(net, x, y, mse)  # (the certificate: no method agrees with the batch)

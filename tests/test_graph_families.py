@@ -122,3 +122,52 @@ def test_an_adjacency_joining_two_graphs_is_refused(weighted):
     with pytest.raises(persample.LossNotPerSampleError, match="sparse_mm" if not weighted else
                        "__getitem__"):  # (the weights gather the two nodes first)
         persample.per_sample_grads(model, batch, y, nn.MSELoss(), method="rules")
+
+
+class BatchLevel(nn.Module):
+    """Layers whose forward reads the whole batch: ``ChebConv`` scales every graph's
+    Laplacian by the largest edge weight of the batch (``lambda_max`` not given);
+    ``to_dense_batch`` places each graph's nodes by the node counts of the graphs before
+    it (a ``cumsum`` over the graphs); ``TopKPooling`` keeps each graph's top nodes by
+    the same offsets."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        from torch_geometric import nn as gnn
+
+        self.kind = kind
+        self.conv = gnn.ChebConv(D, D, K=2) if kind == "cheb" else gnn.GraphConv(D, D)
+        self.pool = gnn.TopKPooling(D, ratio=0.5) if kind == "topk" else None
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, data):
+        from torch_geometric.nn import global_add_pool
+        from torch_geometric.utils import to_dense_batch
+
+        h, batch = self.conv(data.x, data.edge_index).relu(), data.batch
+        if self.kind == "dense":
+            return self.head(to_dense_batch(h, batch)[0].sum(1))
+        if self.kind == "topk":
+            h, _, _, batch, _, _ = self.pool(h, data.edge_index, batch=batch)
+        return self.head(global_add_pool(h, batch))
+
+
+@pytest.mark.parametrize(("kind", "op"), [("cheb", "max reduces over the batch"),
+                                          ("dense", "cumsum works along the batch dim"),
+                                          ("topk", "cumsum works along the batch dim")])
+def test_layers_that_read_the_whole_batch_are_refused_by_the_op(kind, op):
+    """Their samples mix (a graph's output moves with the others' edges or sizes): the
+    rules refuse by the op's name, the routes say the same, and ``auto`` answers exactly
+    by another method."""
+    torch.manual_seed(0)
+    model, batch = BatchLevel(kind).double(), graphs()
+    y, loss = torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    with pytest.raises(persample.LossNotPerSampleError, match=op):
+        persample.per_sample_grads(model, batch, y, loss, method="rules")
+    assert any(op in r.reason for r in persample.supported(model, batch, y, loss))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (auto says which method it fell back to)
+        got = persample.per_sample_grads(model, batch, y, loss)
+    want = persample.loop_per_sample_grads(model, batch, y, loss)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)

@@ -327,7 +327,8 @@ def _norm(ctx, func, args, kwargs, out) -> Any:
     return _reduce(ctx, func, args, kwargs, out, pos=2)
 
 
-register(_norm, *aliases("norm", "vector_norm", "linalg_vector_norm"))
+register(follows_partly(_norm), *aliases("norm", "vector_norm", "linalg_vector_norm"))
+VALUE_READERS.update(aliases("norm", "vector_norm", "linalg_vector_norm"))
 
 
 def _max_min(ctx, func, args, kwargs, out) -> Any:
@@ -337,7 +338,8 @@ def _max_min(ctx, func, args, kwargs, out) -> Any:
     return _reduce(ctx, func, args, kwargs, out)
 
 
-register(_max_min, *aliases("max", "min"))
+register(follows_partly(_max_min), *aliases("max", "min"))
+VALUE_READERS.update(aliases("max", "min"))  # (over the batch: mixed, whatever it holds)
 
 
 def _along(ctx, func, args, kwargs, out, pos: int = 1) -> Any:
@@ -345,9 +347,11 @@ def _along(ctx, func, args, kwargs, out, pos: int = 1) -> Any:
     return _reduce(ctx, func, args, kwargs, out, pos, along=True)
 
 
-register(_along, *aliases(
+_ALONG = aliases(
     "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin",
-    "logcumsumexp", "normalize", "gumbel_softmax", "cumsum_", "cumprod_", "diff", "msort"))
+    "logcumsumexp", "normalize", "gumbel_softmax", "cumsum_", "cumprod_", "diff", "msort")
+register(follows_partly(_along), *_ALONG)
+VALUE_READERS.update(_ALONG)
 register(lambda c, f, a, k, o: _along(c, f, a, k, o, pos=1), *aliases("flip"))
 
 

@@ -708,6 +708,10 @@ def written_layout(ctx: Ctx, x: Tensor, index: Any, value: Any) -> Layout:
     found = setitem_layout(ctx, x, index, value)
     if found is not None:
         return found
+    items = index if isinstance(index, tuple) else (index,)
+    mixing = trouble([ctx.layout(i) for i in items if isinstance(i, Tensor)])
+    if isinstance(mixing, Mixed):  # (where the data lands depends on several samples)
+        return mixing
     lx = ctx.layout(x)
     lv = ctx.layout(value) if isinstance(value, Tensor) else SHARED
     if lv.shared or not lx.known:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .layouts import SHARED, Layout, Unknown
+from .layouts import SHARED, Layout, Mixed, Unknown
 
 MISSING = Unknown("a tensor made outside the captured ops (a custom autograd Function, "
                   "TorchScript, or a tensor kept from before)")
@@ -39,8 +39,9 @@ class LayoutTable:
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[weakref.ref, Layout]] = {}
         # storages of shared tensors written with samples, kept alive (so that no new tensor
-        # is allocated at their address while the table is in use)
-        self.contaminated: dict[int, Any] = {}
+        # is allocated at their address while the table is in use), with the layout of the
+        # data the first such write put there
+        self.contaminated: dict[int, tuple[Any, Layout]] = {}
         # the layout of a tensor never set here, where another record has it (a cached
         # call's numbered tensors: persample.capture.lean), else None
         self.fallback: Callable[[Tensor], Layout | None] | None = None
@@ -56,8 +57,11 @@ class LayoutTable:
             found = self.fallback(t) if self.fallback is not None else None
             return MISSING if found is None else found
         lay = entry[1]
-        if lay is SHARED and self.contaminated and storage_of(t) in self.contaminated:
-            return Unknown("a shared tensor later written in place with per-sample data")
+        if lay is SHARED and self.contaminated:
+            found = self.contaminated.get(storage_of(t))
+            if found is not None:  # (data that mixes samples: that, by the op's name)
+                return found[1] if isinstance(found[1], Mixed) else Unknown(
+                    "a shared tensor later written in place with per-sample data")
         return lay
 
     def set_outputs(self, out: Any, layouts: Any) -> None:
@@ -76,7 +80,8 @@ class LayoutTable:
         sample data marks its storage, for its aliases."""
         old = self.layout(target)
         if old is SHARED and layout is not SHARED:
-            self.contaminated[storage_of(target)] = target.untyped_storage()
+            self.contaminated.setdefault(storage_of(target),
+                                         (target.untyped_storage(), layout))
         self[target] = layout
         if out is not None and out is not target:
             self[out] = layout
