@@ -532,7 +532,7 @@ class CompiledCapture(LeanCapture):
                 lays = tuple(dyn.get(id(t), lay) for t, lay in zip(leaves, lays))
             self._deciding = (leaves, lays)
             made = _outputs(args[0] if entry.write else out)
-            flow = recall.flow(entry.recall, leaves, lays, made)
+            flow = recall.flow(entry, leaves, lays, made)
             if flow is None:
                 flow = decided(ctx, func, args, kwargs, out, list(lays))
                 recall.keep(entry.recall, leaves, lays, made, flow)

@@ -542,7 +542,7 @@ class LeanCapture(Capture):
                              for w, lay in zip(e.wants, lays))
             self._deciding = (leaves, lays)
             outs = _outputs(args[0] if e.write else out)
-            flow = self.recall.flow(e.recall, leaves, lays, outs)
+            flow = self.recall.flow(e, leaves, lays, outs)
             if flow is None:
                 flow = decided(self.lean_ctx, func, args, kwargs, out, list(lays))
                 self.recall.keep(e.recall, leaves, lays, outs, flow)

@@ -12,6 +12,10 @@ that decision stands, its layouts re-attached to this op's outputs (a
 one ``torch.equal`` per tensor, against the several passes over the indices a decision
 takes.
 
+An op whose first calls (three) found no earlier decision of its call to take is not
+compared again: comparing costs about a tenth of deciding, and most ops that repeat one
+layer's decision do so from the first call on.
+
 Not kept: an op that draws random numbers (its values are not its inputs'), an op whose
 arguments other than tensors have no key (:func:`persample.capture.tape.arguments_key`),
 a decision that also rewrites other tensors (``Flow.writes``), and one whose tensors
@@ -64,13 +68,26 @@ class Recall:
     def __init__(self):
         self.made: dict[tuple, list[_Made]] = {}
 
-    def flow(self, key: tuple | None, leaves: list, layouts: tuple, outs: list) -> Flow | None:
+    def flow(self, entry: Any, leaves: list, layouts: tuple, outs: list) -> Flow | None:
         """The flow of an earlier decision on these values and layouts, its layouts
-        re-attached to ``outs``; ``None`` where none was made."""
+        re-attached to ``outs``; ``None`` where none was made. (``entry``: the program's
+        entry of the op, whose ``recall`` is its key; an entry whose first calls found
+        no earlier decision to take is not compared again.)"""
+        key = entry.recall
         if key is None:
             return None
-        for old in self.made.get(key, ()):
+        candidates = self.made.get(key)
+        if not candidates:
+            return None
+        odds = _ODDS.get(entry)
+        if odds is None:
+            odds = _ODDS[entry] = [0, 0]  # (calls compared, calls that found one)
+        elif odds[0] >= _TRIES and not odds[1]:
+            return None
+        odds[0] += 1
+        for old in candidates:
             if _same(old, leaves + outs, layouts):
+                odds[1] += 1
                 return _reattached(old.flow, old.tensors[len(leaves):], outs)
         return None
 
@@ -82,6 +99,10 @@ class Recall:
         tensors = leaves + outs
         self.made.setdefault(key, []).append(
             _Made(tensors, [t._version for t in tensors], layouts, flow))
+
+
+_ODDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> [tried, found]
+_TRIES = 3  # calls an entry is compared in before one that never found is left alone
 
 
 def _same(old: _Made, tensors: list, layouts: tuple) -> bool:
