@@ -12,9 +12,10 @@ loss (any reduction, class weights, ``ignore_index``, a ``.item()`` inside); not
 "undone".
 
 An output that no pytree opens and that holds batched tensors (a
-``torch.distributions`` object) has no sample's slice: a loss that needs one raises
-``NeedsWholeModel``, where a ``(B,)`` loss whose ops keep the samples apart
-(``dist.log_prob(a)``) is summed as it is.
+``torch.distributions`` object, a key/value cache) has no sample's slice: a loss that
+reads it in a sample's evaluation raises ``NeedsWholeModel``, where a ``(B,)`` loss
+whose ops keep the samples apart (``dist.log_prob(a)``) is summed as it is, and a loss
+that leaves it unread (the logits beside a cache) is evaluated as any other.
 
 A scalar the model computed over the whole batch (``out.loss`` when ``labels`` go
 into the model) cannot be split by sample: reading such an output raises
@@ -213,17 +214,18 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
     with internal("cutting the model's output by sample"):
         paths, spec = tree_flatten_with_path(guarded)
         flat = [t for _, t in paths]
-        for path, t in paths:
+        for k, (path, t) in enumerate(paths):
             if not isinstance(t, Tensor) and any(layout_of(h) is not SHARED
                                                  for h in _held_tensors(t)):
-                raise NeedsWholeModel(
+                flat[k] = _Uncut(NeedsWholeModel(
                     f"each sample's loss is evaluated on its part of the model's outputs, "
                     f"and the model's {_output_name(path)} is a {type(t).__name__} that "
                     "holds tensors with the samples' data, which persample cannot cut by "
                     "sample (only tensors and what torch.utils._pytree opens: tuples, "
                     "lists, dicts, dataclasses registered with it); return per-sample "
                     f"losses ({n},) computed by ops that keep the samples apart"
-                    f"{f' ({why})' if why else ''}")
+                    f"{f' ({why})' if why else ''}"))
+                continue
             lay = _layout(t, layout_of)
             if isinstance(lay, Batched) and not lay.sliceable(n):
                 raise NeedsWholeModel(
@@ -235,7 +237,13 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
                for t in flat]
         dims = [0 if c is not t else None for c, t in zip(cut, flat)]
     if unfollowed is not None:
-        unfollowed()
+        uncut = next((t for t in flat if isinstance(t, _Uncut)), None)
+        try:
+            unfollowed()
+        except ValueError as why:  # (a parameter read where only the whole model's
+            if uncut is None:  # methods can say whose it is: theirs, if a part is uncut)
+                raise
+            raise object.__getattribute__(uncut, "_error") from why
     mapped = mapped_targets(targets)
     if mapped is not None:
         rows, target_dims, one_target = mapped
@@ -256,6 +264,31 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
         with named_loss(loss_fn, output_i, targets_i):
             each.append(loss_fn(output_i, targets_i).sum())
     return torch.stack(each)
+
+
+class _Uncut:
+    """In each sample's part of the output, an object that holds the samples' data and
+    cannot be cut by sample (a ``torch.distributions`` object, a key/value cache): the
+    loss may leave it unread (a cache beside the logits); reading it raises ``error``."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, error: Exception):
+        object.__setattr__(self, "_error", error)
+
+    def __getattr__(self, name: str) -> Any:
+        raise object.__getattribute__(self, "_error")
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise object.__getattribute__(self, "_error")
+
+    __getitem__ = __iter__ = __len__ = __bool__ = __call__ = __contains__ = _refuse
+    __setattr__ = __eq__ = __lt__ = __float__ = __int__ = __index__ = _refuse
+
+    def __repr__(self) -> str:
+        return "<a part of the output persample cannot cut by sample>"
+
+    __hash__ = object.__hash__
 
 
 def _held_tensors(x: Any, depth: int = 6) -> list[Tensor]:
