@@ -6,6 +6,7 @@ the loop's in float64, with sizes that coincide (B graphs of B nodes)."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import pytest
@@ -65,6 +66,18 @@ def test_any_difference_decides_anew(change):
     else:
         key = _key(torch.Tensor.index_select, None, 1, None)
     assert recall.flow(_At(key), leaves, lays, [out.clone()]) is None
+
+
+def test_sparse_and_nested_tensors_are_never_taken_for_equal():
+    recall, out = Recall(), torch.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (nested tensors: a prototype, torch warns)
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    sparse = torch.eye(2).to_sparse()
+    for t in (nested, sparse):
+        recall.keep(_key(), [t], (SHARED,), [out], Flow(SHARED))
+        assert recall.flow(_At(_key()), [t.clone()], (SHARED,), [out.clone()]) is None
+        recall = Recall()
 
 
 def test_random_ops_and_opaque_arguments_are_never_recalled():

@@ -114,9 +114,7 @@ def _same(old: _Made, tensors: list, layouts: tuple) -> bool:
         if t._version != v:
             return False
     for k, (a, b) in enumerate(zip(tensors, old.tensors)):
-        if a is not b and not (a.shape == b.shape and a.dtype == b.dtype
-                               and a.device == b.device
-                               and a.layout == b.layout == torch.strided):
+        if a is not b and not _comparable(a, b):
             return False
         for a2, b2 in zip(tensors[k + 1:], old.tensors[k + 1:]):
             if (a is a2) != (b is b2):  # (a tensor read twice, or two equal ones)
@@ -139,11 +137,15 @@ def _unexpanded(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a, b
 
 
+def _comparable(a: Tensor, b: Tensor) -> bool:
+    """Dense tensors of one shape, dtype and device (no sparse or nested one: they are
+    never taken for equal)."""
+    return (a.layout == b.layout == torch.strided and not a.is_nested and not b.is_nested
+            and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device)
+
+
 def _equal_tensors(a: Tensor, b: Tensor) -> bool:
-    if a is b:
-        return True
-    return (a.layout == b.layout == torch.strided and a.shape == b.shape
-            and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+    return a is b or (_comparable(a, b) and torch.equal(*_unexpanded(a, b)))
 
 
 def _equal_layouts(a: Layout, ta: Tensor, b: Layout, tb: Tensor) -> bool:
