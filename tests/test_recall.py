@@ -41,7 +41,7 @@ def test_a_decision_on_the_same_values_and_layouts_is_recalled_with_its_own_outp
     x, out = torch.zeros(4), torch.ones(4)
     lay = Partly("why", 0, torch.tensor([0, -1, 1, 1]), weakref.ref(out))
     flow = Flow(lay)
-    recall.keep(_key(), [x, idx], (SHARED, Batched(0)), [out], flow)
+    recall.keep(_At(_key()), [x, idx], (SHARED, Batched(0)), [out], flow)
     again = out.clone()
     got = recall.flow(_At(_key()), [x.clone(), idx.clone()], (SHARED, Batched(0)), [again])
     assert got is not None and got.outputs.ref() is again  # (its own output's layout)
@@ -51,7 +51,7 @@ def test_a_decision_on_the_same_values_and_layouts_is_recalled_with_its_own_outp
 @pytest.mark.parametrize("change", ["values", "layout", "written", "aliasing", "arguments"])
 def test_any_difference_decides_anew(change):
     recall, idx, x, out = Recall(), torch.tensor([0, 1, 1, 2]), torch.zeros(4), torch.ones(4)
-    recall.keep(_key(), [x, idx, idx], (SHARED, Batched(0), Batched(0)), [out], Flow(SHARED))
+    recall.keep(_At(_key()), [x, idx, idx], (SHARED, Batched(0), Batched(0)), [out], Flow(SHARED))
     same = idx.clone()
     leaves, lays, key = [x, same, same], (SHARED, Batched(0), Batched(0)), _key()
     assert recall.flow(_At(key), leaves, lays, [out.clone()]) is not None  # (as it is)
@@ -75,7 +75,7 @@ def test_sparse_and_nested_tensors_are_never_taken_for_equal():
         nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
     sparse = torch.eye(2).to_sparse()
     for t in (nested, sparse):
-        recall.keep(_key(), [t], (SHARED,), [out], Flow(SHARED))
+        recall.keep(_At(_key()), [t], (SHARED,), [out], Flow(SHARED))
         assert recall.flow(_At(_key()), [t.clone()], (SHARED,), [out.clone()]) is None
         recall = Recall()
 

@@ -535,7 +535,7 @@ class CompiledCapture(LeanCapture):
             flow = recall.flow(entry, leaves, lays, made)
             if flow is None:
                 flow = decided(ctx, func, args, kwargs, out, list(lays))
-                recall.keep(entry.recall, leaves, lays, made, flow)
+                recall.keep(entry, leaves, lays, made, flow)
             if not (_alike_flow(flow, entry.flow) if entry.dynamic else _same_flow(
                     flow, entry.flow)):
                 return False

@@ -545,7 +545,7 @@ class LeanCapture(Capture):
             flow = self.recall.flow(e, leaves, lays, outs)
             if flow is None:
                 flow = decided(self.lean_ctx, func, args, kwargs, out, list(lays))
-                self.recall.keep(e.recall, leaves, lays, outs, flow)
+                self.recall.keep(e, leaves, lays, outs, flow)
             if not (_alike_flow(flow, e.flow) if e.dynamic else _same_flow(flow, e.flow)):
                 raise Deopt
             if e.dynamic:

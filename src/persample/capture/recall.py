@@ -91,9 +91,9 @@ class Recall:
                 return _reattached(old.flow, old.tensors[len(leaves):], outs)
         return None
 
-    def keep(self, key: tuple | None, leaves: list, layouts: tuple, outs: list,
-             flow: Flow) -> None:
-        """Keep a decision just made."""
+    def keep(self, entry: Any, leaves: list, layouts: tuple, outs: list, flow: Flow) -> None:
+        """Keep a decision just made (``entry``: as for :meth:`flow`)."""
+        key = entry.recall
         if key is None or flow.writes:
             return
         tensors = leaves + outs
