@@ -682,9 +682,8 @@ def landed_rows(landing: Tensor, own: Tensor, size: int) -> Tensor | None:
     rows = torch.full((size + 1,), NO_SAMPLE, dtype=torch.long, device=landing.device)
     shared = own.numel() and bool(own.min() < 0)  # (entries of no sample: a row past
     target = torch.where(own >= 0, landing, size) if shared else landing  # the end)
-    rows.scatter_(0, target, own)  # (one of the samples landing in each row: it is every
-    landed = gathered(rows, target)  # entry's only where no other sample's lands there
-    # too)
+    rows.scatter_(0, target, own)  # (one of the samples landing in each row: it is
+    landed = gathered(rows, target)  # every entry's only where no other lands there too)
     if bool(((landed != own) & (own >= 0)).any()) if shared else not torch.equal(landed, own):
         return None
     return rows[:size]

@@ -123,8 +123,8 @@ def _same(old: _Made, tensors: list, layouts: tuple) -> bool:
             layouts, tensors, old.layouts, old.tensors)):
         return False
     pairs = sorted(zip(tensors, old.tensors), key=lambda p: p[0].is_floating_point())
-    return all(a is b or torch.equal(*_unexpanded(a, b)) for a, b in pairs)  # (indices
-    # first: small, and where two decisions differ, most often their indices do)
+    return all(_equal_tensors(a, b) for a, b in pairs)  # (indices first: small, and
+    # where two decisions differ, most often their indices do)
 
 
 def _unexpanded(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
