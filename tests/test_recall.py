@@ -68,6 +68,27 @@ def test_any_difference_decides_anew(change):
     assert recall.flow(_At(key), leaves, lays, [out.clone()]) is None
 
 
+@pytest.mark.parametrize("func, recalled", [
+    (torch.Tensor.index_select, True),  # (reads its index's values, never its data's)
+    (torch.Tensor.index_add_, True),
+    (torch.Tensor.mul, True),  # (elementwise: layouts alone)
+    (torch.nonzero, False),  # (its positions are those of its data's nonzero values)
+    (torch.sort, False),
+])
+def test_floating_point_data_is_compared_by_form_alone_where_no_decision_reads_it(
+        func, recalled):
+    recall, idx, x = Recall(), torch.tensor([0, 1, 1, 2]), torch.randn(4, 3)
+    out = torch.randn(4, 3)
+    key = recall_key(func, (None, 0, None), {})
+    recall.keep(_At(key), [x, idx], (SHARED, Batched(0)), [out], Flow(SHARED))
+    x.mul_(2)  # (written since, and other values: no decision of these reads them)
+    other = [torch.randn(4, 3), idx.clone()]
+    got = recall.flow(_At(key), other, (SHARED, Batched(0)), [torch.randn(4, 3)])
+    assert (got is not None) == recalled
+    wider = [torch.randn(4, 5), idx.clone()]  # (the form still counts)
+    assert recall.flow(_At(key), wider, (SHARED, Batched(0)), [torch.randn(4, 5)]) is None
+
+
 def test_sparse_and_nested_tensors_are_never_taken_for_equal():
     recall, out = Recall(), torch.ones(2)
     with warnings.catch_warnings():
@@ -103,18 +124,20 @@ class TwoPasses(nn.Module):
             0, data.batch, x))
 
 
-def _two_passes(seed: int, cross: bool = False):
-    """``B`` graphs of ``B`` nodes, ``EDGES`` edges and a self loop per node (the same
-    shapes in every call), offsets zero; ``cross``: the first edge's offset points into
-    the next graph."""
+def _two_passes(seed: int, cross: bool = False, uneven: bool = False):
+    """``B`` graphs of ``B`` nodes (``uneven``: every other one of ``B + 1``), ``EDGES``
+    edges and a self loop per node (the same shapes in every call), offsets zero;
+    ``cross``: the first edge's offset points into the next graph."""
     pytest.importorskip("torch_geometric")
     from torch_geometric.data import Batch, Data
 
     g = torch.Generator().manual_seed(seed)
-    loops = torch.arange(B).expand(2, B)  # (every node gets a message)
-    data = [Data(x=torch.randn(B, D, generator=g, dtype=torch.float64),
-                 edge_index=torch.cat([torch.randint(0, B, (2, EDGES), generator=g), loops], 1),
-                 hop=torch.zeros(EDGES + B, dtype=torch.long)) for _ in range(B)]
+    sizes = [B + (i % 2 if uneven else 0) for i in range(B)]
+    data = [Data(x=torch.randn(m, D, generator=g, dtype=torch.float64),
+                 edge_index=torch.cat([torch.randint(0, m, (2, EDGES), generator=g),
+                                       torch.arange(m).expand(2, m)], 1),  # (self loops:
+                 hop=torch.zeros(EDGES + m, dtype=torch.long)) for m in sizes]  # every
+    # node gets a message)
     batch = Batch.from_data_list(data)
     if cross:
         batch.hop[0] = B  # (a node of the next graph)
@@ -132,6 +155,26 @@ def test_a_second_pass_that_joins_graphs_is_caught_after_a_first_that_does_not(c
             persample.per_sample_grads(model, _two_passes(k, cross=True), y, loss,
                                        method="rules")
     check(model, _two_passes(7), y, loss)
+
+
+def test_a_second_pass_on_other_features_recalls_the_first_passs_gather_and_scatter(
+        compiled, monkeypatch):
+    torch.manual_seed(0)
+    model, y, loss = TwoPasses().double(), torch.randn(B, 2, dtype=torch.float64), (
+        nn.MSELoss())
+    for k in range(4):
+        check(model, _two_passes(k, uneven=True), y, loss)
+    made = []
+    for module in (lean, compiled_module):
+        real = module.decided
+        monkeypatch.setattr(module, "decided", lambda *a, real=real: made.append(a[1]) or (
+            real(*a)))
+    check(model, _two_passes(5, uneven=True), y, loss)
+    names = [getattr(f, "__name__", "") for f in made]
+    assert names.count("index_select") == 1 and names.count("index_add_") == 2, names
+    # (the second pass's gather and scatter recalled; the readout's scatter decided. Graphs
+    # of one size have their nodes' samples in a regular layout after the first scatter,
+    # and as indices before it: the forms differ, and the second pass decides anew)
 
 
 def test_gcn_layers_recall_the_normalisation_the_first_layer_decided(compiled, monkeypatch):

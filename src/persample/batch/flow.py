@@ -143,6 +143,19 @@ def _handler(func: Any) -> Handler | None:
 VALUE_READERS: set = set()
 
 
+# Handlers whose decision reads no floating-point tensor's values: only layouts, shapes,
+# and the values of integer and boolean tensors (indices, masks, counts). Elementwise ops,
+# views of one input, and reads and writes at index values are; ``nonzero`` and sorts,
+# whose positions come from any dtype's values, are not.
+FLOAT_BLIND: set = set()
+
+
+def reads_no_floats(func: Any) -> bool:
+    """Does ``func``'s data flow depend on no floating-point tensor's values (its
+    handler is in :data:`FLOAT_BLIND`)?"""
+    return _handler(func) in FLOAT_BLIND
+
+
 # ops that read only their tensor arguments' shape, dtype and device (``zeros_like``)
 SHAPE_READERS: set[Any] = set()
 

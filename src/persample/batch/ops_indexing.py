@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .flow import (
+    FLOAT_BLIND,
     VALUE_READERS,
     Ctx,
     aliases,
@@ -846,6 +847,8 @@ _SOURCE_NAME = {f: "source" for f in _INDEX_OPS}
 _SCATTERS = list(_INDEX_OPS) + aliases("scatter", "scatter_", "scatter_add", "scatter_add_",
                                        "scatter_reduce", "scatter_reduce_")
 register(_scatter, *_SCATTERS)
+FLOAT_BLIND.update((_getitem, _index_select, _gather, _scatter))  # (they read the index
+# tensors' values and masks, never the data's)
 VALUE_READERS.update(_SCATTERS)
 register(_index_put, *aliases("index_put", "index_put_"))
 VALUE_READERS.update(aliases("index_put", "index_put_"))

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .flow import (
+    FLOAT_BLIND,
     GETTERS,
+    HANDLERS,
     VALUE_READERS,
     Flow,
     aliases,
@@ -408,6 +410,11 @@ def _stack(ctx, func, args, kwargs, out) -> Any:
 
 register(_cat, *aliases("cat", "concat", "concatenate"))
 register(_stack, *aliases("stack"))
+FLOAT_BLIND.update(HANDLERS[f] for f in (  # (each reads layouts and shapes alone)
+    torch.Tensor.reshape, torch.Tensor.view, torch.permute, torch.transpose, torch.t,
+    torch.movedim, torch.squeeze, torch.unsqueeze, torch.Tensor.expand, torch.narrow,
+    torch.Tensor.repeat, torch.repeat_interleave, torch.split, torch.broadcast_tensors,
+    torch.cat, torch.stack))
 # views and joins carry positions that hold no sample's data (ops_indexing.Partly)
 VALUE_READERS.update(aliases("permute", "transpose", "swapaxes", "swapdims", "transpose_", "t",
                              "t_", "movedim", "moveaxis", "squeeze", "squeeze_", "unsqueeze",

@@ -10,7 +10,11 @@ are the same tensor; where all of these equal an earlier decision's of the same 
 that decision stands, its layouts re-attached to this op's outputs (a
 :class:`~persample.batch.ops_indexing.Partly` describes one tensor only). Comparing is
 one ``torch.equal`` per tensor, against the several passes over the indices a decision
-takes.
+takes. An op whose decision reads no floating-point values
+(:func:`~persample.batch.flow.reads_no_floats`: elementwise ops, reads and writes at
+index values) has its floating-point tensors compared by their form alone: every
+layer of a graph network gathers its own features by the same rows, and adds its
+messages into the same nodes, with the same decision.
 
 An op whose first calls (three) found no earlier decision of its call to take is not
 compared again: comparing costs about a tenth of deciding, and most ops that repeat one
@@ -33,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..batch import Batched, Flow, Layout
+from ..batch.flow import reads_no_floats
 from ..batch.ops_indexing import Partly, Sorted
 from ..draws import RANDOM
 from .tape import Opaque, arguments_key
@@ -58,6 +63,7 @@ class _Made:
     versions: list[int]
     layouts: tuple  # its leaves' layouts
     flow: Flow
+    blind: bool  # its floating-point tensors' values not read (compared by form alone)
 
 
 class Recall:
@@ -86,7 +92,7 @@ class Recall:
             return None
         odds[0] += 1
         for old in candidates:
-            if _same(old, leaves + outs, layouts):
+            if _same(old, leaves + outs, layouts, old.blind):
                 odds[1] += 1
                 return _reattached(old.flow, old.tensors[len(leaves):], outs)
         return None
@@ -97,21 +103,22 @@ class Recall:
         if key is None or flow.writes:
             return
         tensors = leaves + outs
-        self.made.setdefault(key, []).append(
-            _Made(tensors, [t._version for t in tensors], layouts, flow))
+        self.made.setdefault(key, []).append(_Made(
+            tensors, [t._version for t in tensors], layouts, flow, reads_no_floats(key[0])))
 
 
 _ODDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> [tried, found]
 _TRIES = 3  # calls an entry is compared in before one that never found is left alone
 
 
-def _same(old: _Made, tensors: list, layouts: tuple) -> bool:
-    """Do ``tensors`` and their ``layouts`` hold what ``old`` read and made? (The forms
-    first, the values last: most decisions that differ differ in a shape.)"""
+def _same(old: _Made, tensors: list, layouts: tuple, blind: bool) -> bool:
+    """Do ``tensors`` and their ``layouts`` hold what ``old`` read and made (``blind``:
+    floating-point tensors by their form alone)? (The forms first, the values last: most
+    decisions that differ differ in a shape.)"""
     if len(tensors) != len(old.tensors) or len(layouts) != len(old.layouts):
         return False
     for t, v in zip(old.tensors, old.versions):
-        if t._version != v:
+        if t._version != v and not (blind and _floating(t)):
             return False
     for k, (a, b) in enumerate(zip(tensors, old.tensors)):
         if a is not b and not _comparable(a, b):
@@ -123,8 +130,12 @@ def _same(old: _Made, tensors: list, layouts: tuple) -> bool:
             layouts, tensors, old.layouts, old.tensors)):
         return False
     pairs = sorted(zip(tensors, old.tensors), key=lambda p: p[0].is_floating_point())
-    return all(_equal_tensors(a, b) for a, b in pairs)  # (indices first: small, and
-    # where two decisions differ, most often their indices do)
+    return all(_equal_tensors(a, b) for a, b in pairs if not (blind and _floating(a)))
+    # (indices first: small, and where two decisions differ, most often their indices do)
+
+
+def _floating(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 def _unexpanded(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
