@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -266,6 +266,16 @@ class Batch:
     n: int
     sample_leaves: frozenset[int]
     form: str = "tuple"  # how the user passed them: "one", "tuple", "dict" or "pair"
+    opened: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (id of a special form -> (it, its parts): opened once per call, a graph batch's
+    # row indices being a repeat_interleave per attribute)
+
+    def _parts_of(self, leaf: Any) -> tuple[list[Part], list[Tensor]]:
+        """:func:`_special_parts` of one of this batch's special forms."""
+        found = self.opened.get(id(leaf))
+        if found is None or found[0] is not leaf:
+            found = self.opened[id(leaf)] = (leaf, _special_parts(leaf, _count(leaf)))
+        return found[1]
 
     def roots(self) -> list[tuple[Any, str]]:
         """The arguments with their names as the user passed them, in order."""
@@ -289,7 +299,7 @@ class Batch:
             if isinstance(leaf, Tensor):
                 found.append((leaf, 0, None))
             else:
-                found += _special_parts(leaf, _count(leaf))[0]
+                found += self._parts_of(leaf)[0]
         return found
 
     @property
@@ -300,12 +310,19 @@ class Batch:
             if isinstance(leaf, Tensor) and k not in self.sample_leaves:
                 found.append(leaf)
             elif not isinstance(leaf, Tensor):
-                found += _special_parts(leaf, _count(leaf))[1]
+                found += self._parts_of(leaf)[1]
         return found
 
     def named_tensors(self) -> list[tuple[str, Tensor]]:
         """``(name, tensor)`` for every tensor of the inputs (special forms opened)."""
-        return [found for root, name in self.roots() for found in named_tensors(root, name)]
+        found = []
+        for name, leaf in self.named_leaves():
+            if isinstance(leaf, Tensor):
+                found.append((name, leaf))
+            else:
+                parts, shared = self._parts_of(leaf)
+                found += [(name, t) for t, _, _ in parts] + [(name, t) for t in shared]
+        return found
 
     def call(self, model: Callable) -> Any:
         return model(*self.args, **self.kwargs)

@@ -69,10 +69,11 @@ class _Made:
 class Recall:
     """The decisions of one call, by :func:`recall_key` (see the module docstring)."""
 
-    __slots__ = ("made",)
+    __slots__ = ("made", "equal")
 
     def __init__(self):
         self.made: dict[tuple, list[_Made]] = {}
+        self.equal: dict[int, tuple] = {}  # id(t) -> (t, u, versions): t found equal to u
 
     def flow(self, entry: Any, leaves: list, layouts: tuple, outs: list) -> Flow | None:
         """The flow of an earlier decision on these values and layouts, its layouts
@@ -92,7 +93,7 @@ class Recall:
             return None
         odds[0] += 1
         for old in candidates:
-            if _same(old, leaves + outs, layouts, old.blind):
+            if _same(old, leaves + outs, layouts, old.blind, self.equal):
                 odds[1] += 1
                 return _reattached(old.flow, old.tensors[len(leaves):], outs)
         return None
@@ -111,10 +112,12 @@ _ODDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> [trie
 _TRIES = 3  # calls an entry is compared in before one that never found is left alone
 
 
-def _same(old: _Made, tensors: list, layouts: tuple, blind: bool) -> bool:
+def _same(old: _Made, tensors: list, layouts: tuple, blind: bool, equal: dict) -> bool:
     """Do ``tensors`` and their ``layouts`` hold what ``old`` read and made (``blind``:
     floating-point tensors by their form alone)? (The forms first, the values last: most
-    decisions that differ differ in a shape.)"""
+    decisions that differ differ in a shape.) ``equal``: the pairs of tensors found equal
+    so far in the call (an op's outputs compared when its decision was recalled are the
+    next op's inputs), kept up to date."""
     if len(tensors) != len(old.tensors) or len(layouts) != len(old.layouts):
         return False
     for t, v in zip(old.tensors, old.versions):
@@ -126,12 +129,27 @@ def _same(old: _Made, tensors: list, layouts: tuple, blind: bool) -> bool:
         for a2, b2 in zip(tensors[k + 1:], old.tensors[k + 1:]):
             if (a is a2) != (b is b2):  # (a tensor read twice, or two equal ones)
                 return False
-    if not all(_equal_layouts(la, a, lb, b) for la, a, lb, b in zip(
+    if not all(_equal_layouts(la, a, lb, b, equal) for la, a, lb, b in zip(
             layouts, tensors, old.layouts, old.tensors)):
         return False
     pairs = sorted(zip(tensors, old.tensors), key=lambda p: p[0].is_floating_point())
-    return all(_equal_tensors(a, b) for a, b in pairs if not (blind and _floating(a)))
+    return all(_known_equal(a, b, equal) for a, b in pairs if not (blind and _floating(a)))
     # (indices first: small, and where two decisions differ, most often their indices do)
+
+
+def _known_equal(a: Tensor, b: Tensor, equal: dict) -> bool:
+    """:func:`_equal_tensors`, a pair found equal earlier in the call (neither written
+    since) taken as it was found."""
+    if a is b:
+        return True
+    found = equal.get(id(a))
+    if found is not None and found[0] is a and found[1] is b and found[2] == (
+            a._version, b._version):
+        return True
+    if not _equal_tensors(a, b):
+        return False
+    equal[id(a)] = (a, b, (a._version, b._version))
+    return True
 
 
 def _floating(t: Tensor) -> bool:
@@ -159,7 +177,7 @@ def _equal_tensors(a: Tensor, b: Tensor) -> bool:
     return a is b or (_comparable(a, b) and torch.equal(*_unexpanded(a, b)))
 
 
-def _equal_layouts(a: Layout, ta: Tensor, b: Layout, tb: Tensor) -> bool:
+def _equal_layouts(a: Layout, ta: Tensor, b: Layout, tb: Tensor, equal: dict) -> bool:
     """The same layout, each of its own tensor (a :class:`Partly` counts as its tensor's
     own where it was made for it, else as Unknown)."""
     if a is b:
@@ -168,11 +186,11 @@ def _equal_layouts(a: Layout, ta: Tensor, b: Layout, tb: Tensor) -> bool:
         return False
     if isinstance(a, Partly):
         return (a.dim == b.dim and (_refers(a, ta) == _refers(b, tb))
-                and _equal_indices(a.rows, b.rows))
+                and _equal_indices(a.rows, b.rows, equal))
     if isinstance(a, Batched):
         return ((a.dim, a.outer, a.inner) == (b.dim, b.outer, b.inner)
-                and _equal_indices(a.index, b.index)
-                and (not isinstance(a, Sorted) or _equal_indices(a.keys, b.keys)))
+                and _equal_indices(a.index, b.index, equal)
+                and (not isinstance(a, Sorted) or _equal_indices(a.keys, b.keys, equal)))
     return False
 
 
@@ -180,10 +198,10 @@ def _refers(lay: Partly, t: Tensor) -> bool:
     return lay.ref is not None and lay.ref() is t
 
 
-def _equal_indices(a: Tensor | None, b: Tensor | None) -> bool:
+def _equal_indices(a: Tensor | None, b: Tensor | None, equal: dict) -> bool:
     if a is None or b is None:
         return a is b
-    return _equal_tensors(a, b)
+    return _known_equal(a, b, equal)
 
 
 def _reattached(flow: Flow, old: list[Tensor], outs: list[Tensor]) -> Flow:
