@@ -97,3 +97,34 @@ def test_gpt_oss_takes_the_program_and_stays_exact():
         assert note.startswith("cached: each of"), note
     finally:
         persample.compile_calls(before)
+
+
+def test_gpt_oss_compiled_runs_the_eager_grouped_product_and_stays_exact(monkeypatch):
+    """Under TorchDynamo transformers calls its own ``grouped_mm_fallback`` op for float32
+    experts, where its eager forward calls ``torch._grouped_mm``: the compiled call runs
+    the eager op (the fallback's backward would also make the weights' gradients), which
+    takes its rule, and every call stays the loop's."""
+    pytest.importorskip("transformers")
+    import transformers.integrations.moe  # noqa: F401  (it registers the op)
+
+    from persample.capture import compiled as compiled_module
+
+    model = zoo.gpt_oss(T)
+    before = persample.compile_calls(True)
+    graphs, real = [], compiled_module._as_eager
+    monkeypatch.setattr(compiled_module, "_as_eager", lambda gm: (real(gm), graphs.append(
+        [str(n.target) for n in gm.graph.nodes if n.op == "call_function"])))
+    try:
+        persample.clear_plans()
+        for k in range(6):
+            ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(k))
+            check(model, {"input_ids": ids}, ids, zoo.causal_lm_loss, rtol=1e-4, atol=1e-6)
+        assert any(isinstance(found, Compiled) for found in kept(model)), kept(model)
+        note = persample.verify(model, {"input_ids": ids}, ids, zoo.causal_lm_loss).plan
+        assert note.startswith("cached: compiled"), note
+        names = [name for graph in graphs for name in graph]
+        assert sum("_grouped_mm" in name for name in names) == 4, names  # (2 layers x 2)
+        assert not any("grouped_mm_fallback" in name for name in names)
+    finally:
+        persample.compile_calls(before)
+

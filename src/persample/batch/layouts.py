@@ -183,7 +183,7 @@ def _front(x: Tensor, lay: Batched, n: int, lead: int) -> Tensor:
 def _front_indexed(x: Tensor, index: Tensor, n: int, d: int) -> Tensor:
     """Positions along ``d`` grouped by sample: ``(n, ..., L, ...)``, ``L`` the most
     positions of one sample, zero-padded (zeros add nothing to the sums rules take)."""
-    order, length, places = _grouping(index, n)
+    order, length, places = grouping(index, n)
     moved = x.movedim(d, 0)  # (positions, ...)
     if order is not None:  # (index_select: advanced indexing costs several times more)
         moved = moved.index_select(0, order)  # (positions sorted by sample, ...)
@@ -195,10 +195,10 @@ def _front_indexed(x: Tensor, index: Tensor, n: int, d: int) -> Tensor:
     return out.unflatten(0, (n, length)).movedim(1, d + 1)  # (n, ..., L, ...)
 
 
-_GROUPINGS = WeakIdKeyDictionary()  # index -> (n, its version, _grouping's answer)
+_GROUPINGS = WeakIdKeyDictionary()  # index -> (n, its version, grouping's answer)
 
 
-def _grouping(index: Tensor, n: int) -> tuple[Tensor | None, int, Tensor | None]:
+def grouping(index: Tensor, n: int) -> tuple[Tensor | None, int, Tensor | None]:
     """``(order, L, places)``: the positions sorted by sample (stable; ``None`` where they
     are in sample order already: a graph batch's nodes), the most positions of one
     sample, and the row of ``(n * L)`` each sorted position goes to (``None`` where every

@@ -210,7 +210,30 @@ class _Runner:
 
 
 def _backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    _as_eager(gm)
     return _Runner(gm)
+
+
+# ops a library calls only while TorchDynamo traces, in place of an eager op it keeps
+# from the compiler, with that op's signature: qualified name -> the eager op
+_EAGER_TWINS = {"transformers::grouped_mm_fallback": getattr(torch, "_grouped_mm", None)}
+
+
+def _as_eager(gm: torch.fx.GraphModule) -> None:
+    """Calls of an op in :data:`_EAGER_TWINS` made calls of the eager op it stands for,
+    which the eager forward ran (transformers' ``grouped_mm_fallback``, a loop of one
+    product per expert with a backward that also makes the weights' gradients, for
+    ``torch._grouped_mm``): the graph runs the eager forward's kernels, and its ops
+    take their rules. Where the eager op cannot run the call, the graph's first run
+    fails and the forward is not compiled again."""
+    changed = False
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "_qualified_op_name", None)
+        twin = _EAGER_TWINS.get(name) if node.op == "call_function" and name else None
+        if twin is not None:
+            node.target, changed = twin, True
+    if changed:
+        gm.recompile()
 
 
 _STATIC = "_dynamo_static_input_type"  # what TorchDynamo's tracing sets on parameters

@@ -53,14 +53,17 @@ class OpCall:
     def shared(self, t: Tensor) -> bool:
         return self.pairing(t) is None
 
+    def value(self, t: Tensor) -> Tensor:
+        """The value of input ``t`` the op read (the saved one if the op overwrote it in
+        place), detached, as it is laid out."""
+        return cast(self.op.value(self._k(t)).detach(), self.dtype)
+
     def front(self, t: Tensor) -> Tensor:
         """``(n, *per_sample)`` for an input carrying samples; a shared input as it is.
         The value the op read (the saved one if the op overwrote it in place)."""
         if not isinstance(t, Tensor):
             return t
-        k = self._k(t)
-        value = cast(self.op.value(k).detach(), self.dtype)
-        lay = self.op.pairing(k)
+        value, lay = self.value(t), self.pairing(t)
         return value if lay is None else front(value, lay, self.n)
 
     def where(self) -> str:

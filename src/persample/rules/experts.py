@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..batch import Batched
+from ..batch.layouts import grouping
 from .calls import OpCall
 from .spec import Decline, InnerOp, ModuleSpec, OpSpec, register, register_module
 
@@ -314,18 +316,28 @@ def grouped_mm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
         raise Decline("not per-sample rows times shared groups")
     n, v = g.shape[:2]
     experts, k, o = w.shape
-    lay = call.pairing(x)
     runs = torch.searchsorted(offs.long(), torch.arange(x.shape[0], device=offs.device),
                               right=True)  # (S,) each row's expert
-    xf = call.front(x)  # (n, L, k), zero rows where a sample has fewer
-    length = xf.shape[1]
-    run = lay.front(runs.view(-1, 1), n).reshape(n * length)  # (n L,) (padding: 0)
-    owner = torch.arange(n, device=run.device).repeat_interleave(length) * experts + run
-    order = torch.argsort(owner, stable=True)
-    rows = g.reshape(n, v, length, o).transpose(0, 1).reshape(v, n * length, o)[:, order]
-    sums = _Padded(owner[order], n * experts).outer_sums(
-        rows, xf.reshape(n * length, k)[order])  # (n E, v, o, k)
+    xs, gs, samples, runs = _by_sample(call.pairing(x), call.value(x), g, runs.to(x.device), n)
+    sums = _Padded(samples * experts + runs, n * experts).outer_sums(gs, xs)  # (n E, v, o, k)
     out[w].copy_(sums.view(n, experts, v, o, k).permute(0, 2, 1, 4, 3))  # (n, v, E, k, o)
+
+
+def _by_sample(lay: Batched, x: Tensor, g: Tensor, runs: Tensor, n: int
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows ``x (S, k)`` sorted by sample, stably (a sample's rows keep their order:
+    by expert), with their backprops ``(v, S, o)`` from ``g (n, v, L, o)`` (the rows in
+    front, zero-padded to ``L``), their samples and their ``runs`` ``(S,)``."""
+    v, o = g.shape[1], g.shape[-1]
+    if lay.index is None:  # (rows sorted by a key keep it in an index layout only)
+        raise Decline("rows sorted by expert in a regular layout")
+    order, length, places = grouping(lay.index, n)
+    flat = g.transpose(0, 1).reshape(v, n * length, o)  # (v, n L, o)
+    gs = flat if places is None else flat.index_select(1, places)  # (v, S, o)
+    if order is None:
+        return x, gs, lay.index, runs
+    return (x.index_select(0, order), gs, lay.index.index_select(0, order),
+            runs.index_select(0, order))
 
 
 EXPERTS = register_module(ModuleSpec((), grad=experts, check=check, match=is_experts,
