@@ -155,7 +155,7 @@ def located(dim: int, rows: Tensor, n: int, out: Tensor, why: str) -> Layout:
     shared (no position holds a sample's data), :class:`Partly` (some do not), the plain
     or merged layout the samples form, else an index layout."""
     rows = rows.long()
-    low, high = rows.aminmax() if rows.numel() else (0, 0)
+    low, high = (t.item() for t in rows.aminmax()) if rows.numel() else (0, 0)
     if high < 0:
         return SHARED
     if low < 0:
@@ -627,15 +627,16 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
                 return mixed(func, "adds a source whose rows mix samples")
             own = merge(own, along[:, 0]) if along.shape[1] else own
     else:  # index as src: entry c lands in row index[c] of dim d
-        if src is not None and src.dim():
-            ls = followed(ctx, src)
+        ls = followed(ctx, src) if src is not None else SHARED
+        if src is not None and src.dim() and ls is not SHARED:  # (a shared source's
+            # entries name no sample: the index's own stand)
             along = element_samples(ctx, src, ls)
             along = along.reshape((1,) * (src.dim() - along.dim()) + tuple(along.shape))
             own = merge(own, along[tuple(slice(0, s if a > 1 else 1)
                                          for s, a in zip(idx.shape, along.shape))])
     if own is None:
         return mixed(func, "pairs an index with a source of other samples")
-    return _landed(ctx, name_of(func), x, d, idx, li, own, out)
+    return _landed(ctx, name_of(func), x, d, idx, li, own, out, wraps=func in _FILLS)
 
 
 def _names_samples(ctx: Ctx, idx: Tensor) -> bool:
@@ -649,14 +650,16 @@ def _names_samples(ctx: Ctx, idx: Tensor) -> bool:
 
 
 def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own: Tensor,
-            out: Tensor) -> Layout:
+            out: Tensor, wraps: bool = True) -> Layout:
     """The layout of ``x`` after entries with samples ``own`` landed in its rows ``idx``
     along ``d`` (same shape): each row's sample is that of what landed there and its own;
-    an index whose values are its entries' own samples names the rows by sample."""
+    an index whose values are its entries' own samples names the rows by sample.
+    ``wraps``: a negative index counts from the end (``x[idx] = v``, ``index_fill``;
+    the other scatters refuse one)."""
     size = x.shape[d]
     idx = _distinct_entries(idx, own, d)
     landing = idx.long().reshape(-1)
-    if landing.numel() and bool(landing.min() < 0):
+    if wraps and landing.numel() and bool(landing.min() < 0):
         landing = torch.where(landing < 0, landing + size, landing)
     own = own.expand(idx.shape).reshape(-1)
     rows = landed_rows(landing, own, size)
@@ -681,12 +684,11 @@ def landed_rows(landing: Tensor, own: Tensor, size: int) -> Tensor | None:
     ``own[e]``, ``NO_SAMPLE`` for shared data) landing in row ``landing[e]``;
     ``NO_SAMPLE`` where none of a sample lands; ``None`` where two samples land in one."""
     rows = torch.full((size + 1,), NO_SAMPLE, dtype=torch.long, device=landing.device)
-    shared = own.numel() and bool(own.min() < 0)  # (entries of no sample: a row past
+    shared = own.numel() and own.min().item() < 0  # (entries of no sample: a row past
     target = torch.where(own >= 0, landing, size) if shared else landing  # the end)
     rows.scatter_(0, target, own)  # (one of the samples landing in each row: it is
-    landed = gathered(rows, target)  # every entry's only where no other lands there too)
-    if bool(((landed != own) & (own >= 0)).any()) if shared else not torch.equal(landed, own):
-        return None
+    if not torch.equal(gathered(rows, target), own):  # every entry's only where no other
+        return None  # lands there too)
     return rows[:size]
 
 
@@ -844,6 +846,7 @@ def _index_put(ctx, func, args, kwargs, out) -> Any:
 _INDEX_OPS = set(aliases("index_add", "index_add_", "index_copy", "index_copy_",
                          "index_fill", "index_fill_", "index_reduce", "index_reduce_"))
 _SOURCE_NAME = {f: "source" for f in _INDEX_OPS}
+_FILLS = set(aliases("index_fill", "index_fill_"))
 _SCATTERS = list(_INDEX_OPS) + aliases("scatter", "scatter_", "scatter_add", "scatter_add_",
                                        "scatter_reduce", "scatter_reduce_")
 register(_scatter, *_SCATTERS)

@@ -90,10 +90,26 @@ class Plan:
     graph: torch.fx.GraphModule  # the graph, returning the values below after its own
     n_out: int  # how many outputs the graph itself returns
     reads: tuple[_ReadOf, ...]  # per op reading parameters, in the program's order
-    decide: tuple  # per op whose data flow may read values: (func, args, kwargs, out, entry)
+    decide: tuple[_DecideOf, ...]  # per op whose data flow may read values
     keep: tuple  # per op whose shared outputs outlive the call as constants: its out
     outputs: tuple  # per graph output: its layout, or None where it is no tensor
     n_values: int  # how many node values the copy returns (then the reads' edges)
+
+
+@dataclass(frozen=True, eq=False)
+class _DecideOf:
+    """One op whose data flow may read values, as a plan decides it again: its
+    arguments and output with :class:`_Slot` for tensors, its leaves and what it makes
+    (its output tensors, or the tensor it writes) as places in the values."""
+
+    func: Any
+    args: Any
+    kwargs: Any
+    out: Any
+    entry: Any  # the program's entry
+    leaves: tuple[int, ...]
+    made: Any  # the output (or the written argument), slotted
+    made_tensors: tuple[int, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -426,8 +442,11 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
                 None if c is None else (c.name, weakref.ref(c.module)),
                 tuple(edge(o) for o in _outputs(out))))
         if e.decide:  # (in order: a layout holding indices decided before its readers)
-            decide.append((func, _slotted(args, slot), _slotted(kwargs, slot),
-                           _slotted(out, slot), e))
+            made = args[0] if e.write else out
+            decide.append(_DecideOf(
+                func, _slotted(args, slot), _slotted(kwargs, slot), _slotted(out, slot), e,
+                tuple(slot(t).k for t in op_leaves(args, kwargs)), _slotted(made, slot),
+                tuple(slot(t).k for t in _outputs(made))))
         if e.keep:
             keep.append(_slotted(out, slot))
     if len(tracer.ran) != len(program.entries) or len(reads) != len(program.reads):
@@ -548,22 +567,23 @@ class CompiledCapture(LeanCapture):
         # holding this call's indices (a graph batch's inputs: theirs)
         now: dict[int, tuple] = {}  # a read's index -> (its leaves' layouts, its data flow)
         recall = Recall()
-        for func, args, kwargs, out, entry in plan.decide:
-            args, kwargs, out = _fill(args, values), _fill(kwargs, values), _fill(out, values)
-            leaves, lays = op_leaves(args, kwargs), entry.layouts
+        for d in plan.decide:
+            entry = d.entry
+            leaves, lays = [values[k] for k in d.leaves], entry.layouts
             if entry.dynamic:  # (a leaf's layout as this call decided it)
                 lays = tuple(dyn.get(id(t), lay) for t, lay in zip(leaves, lays))
             self._deciding = (leaves, lays)
-            made = _outputs(args[0] if entry.write else out)
+            made = [values[k] for k in d.made_tensors]
             flow = recall.flow(entry, leaves, lays, made)
             if flow is None:
-                flow = decided(ctx, func, args, kwargs, out, list(lays))
+                flow = decided(ctx, d.func, _fill(d.args, values), _fill(d.kwargs, values),
+                               _fill(d.out, values), list(lays))
                 recall.keep(entry, leaves, lays, made, flow)
             if not (_alike_flow(flow, entry.flow) if entry.dynamic else _same_flow(
                     flow, entry.flow)):
                 return False
             if entry.dynamic:
-                for o, lay in _paired(args[0] if entry.write else out, flow.outputs):
+                for o, lay in _paired(_fill(d.made, values), flow.outputs):
                     dyn[id(o)] = lay
                 if entry.kind is PARAM:
                     now[entry.op] = (lays, flow)

@@ -87,14 +87,18 @@ class Recall:
         if not candidates:
             return None
         odds = _ODDS.get(entry)
-        if odds is None:
-            odds = _ODDS[entry] = [0, 0]  # (calls compared, calls that found one)
+        if odds is None:  # (calls compared, calls that found one, where it was found)
+            odds = _ODDS[entry] = [0, 0, 0]
         elif odds[0] >= _TRIES and not odds[1]:
             return None
         odds[0] += 1
-        for old in candidates:
-            if _same(old, leaves + outs, layouts, old.blind, self.equal):
+        last = odds[2] if odds[2] < len(candidates) else 0  # (the same op's decision as
+        tensors = leaves + outs  # in the last call, most likely: tried first)
+        for k in (last, *range(last), *range(last + 1, len(candidates))):
+            old = candidates[k]
+            if _same(old, tensors, layouts, old.blind, self.equal):
                 odds[1] += 1
+                odds[2] = k
                 return _reattached(old.flow, old.tensors[len(leaves):], outs)
         return None
 
@@ -108,7 +112,8 @@ class Recall:
             tensors, [t._version for t in tensors], layouts, flow, reads_no_floats(key[0])))
 
 
-_ODDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> [tried, found]
+_ODDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> [tried, found,
+# the place among the candidates found last]
 _TRIES = 3  # calls an entry is compared in before one that never found is left alone
 
 
@@ -207,17 +212,23 @@ def _equal_indices(a: Tensor | None, b: Tensor | None, equal: dict) -> bool:
 def _reattached(flow: Flow, old: list[Tensor], outs: list[Tensor]) -> Flow:
     """``flow`` with each :class:`Partly` made for one of ``old`` made for the output in
     its place instead (``flow`` itself where it holds none)."""
-    def swap(lay: Any) -> Any:
-        if type(lay) is tuple:
-            return tuple(swap(x) for x in lay)
-        if isinstance(lay, Partly) and lay.ref is not None:
-            target = lay.ref()
-            for o, n in zip(old, outs):
-                if target is o:
-                    return dataclasses.replace(lay, ref=weakref.ref(n))
-        return lay
-    outputs = swap(flow.outputs)
-    if outputs is flow.outputs or (type(outputs) is tuple and all(
-            a is b for a, b in zip(outputs, flow.outputs))):
+    outputs = flow.outputs
+    swapped = (tuple(_swap(lay, old, outs) for lay in outputs) if type(outputs) is tuple
+               else _swap(outputs, old, outs))
+    if swapped is outputs or (type(swapped) is tuple and all(
+            a is b for a, b in zip(swapped, outputs))):
         return flow
-    return dataclasses.replace(flow, outputs=outputs)
+    return Flow(swapped, flow.pairing, flow.writes)
+
+
+def _swap(lay: Any, old: list[Tensor], outs: list[Tensor]) -> Any:
+    """``lay``, a :class:`Partly` made for one of ``old`` made for the output in its
+    place."""
+    if type(lay) is tuple:
+        return tuple(_swap(x, old, outs) for x in lay)
+    if isinstance(lay, Partly) and lay.ref is not None:
+        target = lay.ref()
+        for o, n in zip(old, outs):
+            if target is o:
+                return dataclasses.replace(lay, ref=weakref.ref(n))
+    return lay
