@@ -256,11 +256,14 @@ def test_per_sample_outer_sums_grouped_and_padded_agree():
     owner = torch.tensor([0, 0, 0, 2, 3, 3, 3, 3, 3])  # sample 1 has none
     for dtype in (torch.float32, torch.float64):
         g, x = torch.randn(2, 9, 8, dtype=dtype), torch.randn(9, 4, dtype=dtype)
-        got = _Padded(owner, 4).outer_sums(g, x)  # (n, v, o, i)
         want = torch.stack([torch.einsum("vmo,mi->voi", g[:, owner == k], x[owner == k])
                             for k in range(4)])
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        assert not got[1].any()
+        for order in ((0, 1, 2, 3), (0, 1, 3, 2)):  # (the result's (o, i) or (i, o) order)
+            held = torch.full([(4, 2, 8, 4)[k] for k in order], float("nan"), dtype=dtype)
+            into = held.permute(*order)  # (n, v, o, i)
+            _Padded(owner, 4).outer_sums(g, x, into)
+            torch.testing.assert_close(into, want, rtol=1e-6, atol=1e-6)
+            assert not into[1].any()
 
 
 class _SortedRuns(nn.Module):

@@ -128,13 +128,13 @@ def _computed_again(layer: nn.Module, hidden: Tensor, index: Tensor, weights: Te
         gy = g.index_select(1, token) * w[None, :, None]  # (v, m, H)
         padded = _Padded(sample[token], n)  # each sample's tokens, in rows of its own
         if want_d is not None:
-            want_d[:, :, e] = padded.outer_sums(gy, h)
+            padded.outer_sums(gy, h, want_d[:, :, e])
         if want_gu is not None:
             dh = gy @ down[e]  # (v, m, I)
             dgu = pre_up.new_empty((v, *pre_up.shape))  # (v, m, 2I): [dpre, dup]
             pull(dh * up, dgu[..., :pre.shape[-1]])
             torch.mul(dh, act, out=dgu[..., pre.shape[-1]:])
-            want_gu[:, :, e] = padded.outer_sums(dgu, x)
+            padded.outer_sums(dgu, x, want_gu[:, :, e])
 
 
 class _Run(NamedTuple):
@@ -201,9 +201,9 @@ def _from_run(ran: _Run, n: int, per: int, out: dict) -> None:
             continue
         padded = _Padded(owner[start:end], n)  # expert e's rows, by sample
         if want_d is not None:
-            want_d[:, :, e] = padded.outer_sums(gh[:, start:end], h[start:end])
+            padded.outer_sums(gh[:, start:end], h[start:end], want_d[:, :, e])
         if want_gu is not None:
-            want_gu[:, :, e] = padded.outer_sums(gx[:, start:end], x[start:end])
+            padded.outer_sums(gx[:, start:end], x[start:end], want_gu[:, :, e])
 
 
 def _unchosen(out: dict, e: int) -> None:
@@ -283,16 +283,23 @@ class _Padded:
         out[..., self.owner, self.slot, :] = t
         return out
 
-    def outer_sums(self, g: Tensor, x: Tensor) -> Tensor:
-        """``(n, v, o, i)``: per sample, ``sum_m g[v, m] x[m]^T`` for ``g (v, m, o)``,
-        ``x (m, i)``."""
+    def outer_sums(self, g: Tensor, x: Tensor, into: Tensor) -> None:
+        """``into (n, v, o, i)`` (a view of the result, any strides): per sample,
+        ``sum_m g[v, m]^T x[m]`` for ``g (v, m, o)``, ``x (m, i)``. The grouped products
+        are taken in the order of ``into``'s contiguous dim (``(o, i)`` matrices for a
+        table ``(E, o, i)``, ``(i, o)`` for one stored ``(E, i, o)``): copying the other
+        order in costs twice the products."""
         v, m, o = g.shape
-        if _groups(g, x):
-            rows = g.transpose(0, 1).reshape(m, v * o)  # (m, v * o)
-            sums = torch._grouped_mm(x.contiguous().t(), rows, offs=self.ends.to(torch.int32))
-            return sums.view(self.n, -1, v, o).permute(0, 2, 3, 1)  # (from (n, i, v, o):
-            # the products' fast order on the CPU, half the time of (n, v o, i)'s)
-        return (self.place(g).transpose(-1, -2) @ self.place(x)).transpose(0, 1)
+        if not _groups(g, x):
+            into.copy_((self.place(g).transpose(-1, -2) @ self.place(x)).transpose(0, 1))
+            return
+        rows, offs = g.transpose(0, 1).reshape(m, v * o), self.ends.to(torch.int32)
+        if into.stride(-2) == 1 and into.stride(-1) != 1:  # (o contiguous: (n, i, v o))
+            sums = torch._grouped_mm(x.contiguous().t(), rows, offs=offs)
+            into.copy_(sums.view(self.n, -1, v, o).permute(0, 2, 3, 1))
+        else:  # (n, v o, i)
+            sums = torch._grouped_mm(rows.t(), x.contiguous(), offs=offs)
+            into.copy_(sums.view(self.n, v, o, -1))
 
 
 def _groups(g: Tensor, x: Tensor) -> bool:
@@ -319,8 +326,12 @@ def grouped_mm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     runs = torch.searchsorted(offs.long(), torch.arange(x.shape[0], device=offs.device),
                               right=True)  # (S,) each row's expert
     xs, gs, samples, runs = _by_sample(call.pairing(x), call.value(x), g, runs.to(x.device), n)
-    sums = _Padded(samples * experts + runs, n * experts).outer_sums(gs, xs)  # (n E, v, o, k)
-    out[w].copy_(sums.view(n, experts, v, o, k).permute(0, 2, 1, 4, 3))  # (n, v, E, k, o)
+    into = out[w].permute(0, 2, 1, 4, 3)  # (n, E, v, o, k) of (n, v, E, k, o)
+    flat = into.flatten(0, 1)  # (n E, v, o, k): a view where v = 1
+    _Padded(samples * experts + runs, n * experts).outer_sums(gs, xs, flat)
+    if flat._base is None:  # (flatten copied: v > 1, or a result whose rows are not one
+        # block, flat=True)
+        into.copy_(flat.view(into.shape))
 
 
 def _by_sample(lay: Batched, x: Tensor, g: Tensor, runs: Tensor, n: int
@@ -411,11 +422,11 @@ def switch_experts(layer: nn.Module, activations: tuple, backprops: Tensor, out:
         gy = g.index_select(1, token) * weights[token].to(g.dtype)[None, :, None]  # (v, m, H)
         padded = _Padded(sample[token], n)  # each sample's tokens, in rows of its own
         if want_o is not None:
-            want_o.copy_(padded.outer_sums(gy, h.to(wo.dtype)))
+            padded.outer_sums(gy, h.to(wo.dtype), want_o)
         if want_i is not None:
             dpre = torch.empty((v, *h.shape), dtype=h.dtype, device=h.device)  # (v, m, F)
             pull(gy @ wo, dpre)
-            want_i.copy_(padded.outer_sums(dpre, x))
+            padded.outer_sums(dpre, x, want_i)
 
 
 SWITCH_EXPERTS = register_module(ModuleSpec((), grad=switch_experts, check=check_switch,
