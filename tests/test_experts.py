@@ -312,6 +312,42 @@ def test_grouped_products_by_expert_take_their_rule():
     assert set(paths.values()) == {"rule"}, paths
 
 
+class _EveryExpert(_SortedRuns):
+    """One grouped product of every token by every expert (top-k = all of them): each
+    token's rows repeated per expert and sorted by it, stably, hold the samples in a
+    regular layout (each expert's run the whole batch in order)."""
+
+    def __init__(self):
+        super().__init__(top=B)
+
+    def forward(self, x):  # (b, t, width)
+        rows = x.reshape(-1, x.shape[-1]).repeat_interleave(self.top, 0)  # (R k, width)
+        chosen = self.router(x.reshape(-1, x.shape[-1])).topk(self.top).indices  # (R, k)
+        keys, perm = torch.sort(chosen.reshape(-1), stable=True)  # (S,) by expert
+        counts = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.grouped_mm(rows.index_select(0, perm), self.up, offs=offs)  # (S, 16)
+        return self.head(h.view(self.experts, *x.shape[:2], -1)[..., :8].mean((0, 2)))
+
+
+def test_grouped_products_in_a_regular_layout_take_their_rule(monkeypatch):
+    """Rows sorted by expert that hold the samples in a regular layout (not an index
+    layout) are sorted by sample for the rule all the same (float32: the kernel's)."""
+    from persample.rules import experts as rule
+
+    torch.manual_seed(0)
+    model, loss = _EveryExpert().float(), nn.CrossEntropyLoss(reduction="none")
+    x, y = torch.randn(B, T, 8, dtype=torch.float32), torch.randint(0, 3, (B,))
+    seen, real = [], rule._by_sample
+    monkeypatch.setattr(rule, "_by_sample", lambda lay, *a: seen.append(lay) or real(lay, *a))
+    got = persample.per_sample_grads(model, x, y, loss, method="rules")
+    assert seen and all(lay.index is None for lay in seen), seen
+    want = persample.loop_per_sample_grads(model, x, y, loss)
+    assert _rel(got, want) < 1e-5 and bool((got["up"].flatten(1).norm(dim=1) > 0).all())
+    paths = {p: r.path for r in persample.supported(model, x, y, loss) for p in r.params}
+    assert paths["up"] == "rule", paths  # (the router's indices only are read: unused)
+
+
 def test_grouped_products_by_position_are_not_followed():
     """Fixed runs put a row with another expert's weights depending on where the other
     samples' rows sorted: not per sample, refused by name."""

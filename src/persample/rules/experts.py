@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..batch import Batched
-from ..batch.layouts import grouping
+from ..batch.layouts import grouping, sample_of_positions
 from .calls import OpCall
 from .spec import Decline, InnerOp, ModuleSpec, OpSpec, register, register_module
 
@@ -340,10 +340,13 @@ def _by_sample(lay: Batched, x: Tensor, g: Tensor, runs: Tensor, n: int
     by expert), with their backprops ``(v, S, o)`` from ``g (n, v, L, o)`` (the rows in
     front, zero-padded to ``L``), their samples and their ``runs`` ``(S,)``."""
     v, o = g.shape[1], g.shape[-1]
-    if lay.index is None:  # (rows sorted by a key keep it in an index layout only)
-        raise Decline("rows sorted by expert in a regular layout")
-    order, length, places = grouping(lay.index, n)
-    flat = g.transpose(0, 1).reshape(v, n * length, o)  # (v, n L, o)
+    flat = g.transpose(0, 1).reshape(v, -1, o)  # (v, n L, o)
+    if lay.index is None:  # (as many rows each: front() put them in that order, unpadded)
+        sample = sample_of_positions(lay, x.shape[0], n, x.device)  # (S,)
+        order = torch.argsort(sample, stable=True)
+        return (x.index_select(0, order), flat, sample.index_select(0, order),
+                runs.index_select(0, order))
+    order, _, places = grouping(lay.index, n)
     gs = flat if places is None else flat.index_select(1, places)  # (v, S, o)
     if order is None:
         return x, gs, lay.index, runs
