@@ -65,6 +65,29 @@ def test_parametrizations():
     check(parametrized(), torch.randn(B, E), torch.randn(B, 3), mse)
 
 
+def test_a_forward_that_updates_its_buffers_is_certified_from_where_it_began():
+    """spectral_norm in training mode (an SN-GAN's discriminator) runs a power iteration
+    at every forward, writing its ``u`` and ``v`` buffers in place: the batch forward's
+    weights are those of that iteration. The rules give each sample's gradient at the
+    forward that ran (one batch forward, ``autograd.grad`` of each sample's loss); the
+    certificate's reference forward starts from the buffers where the call began, so
+    it runs the same function and certifies it, where it had run another iteration
+    and rejected the result. The buffers are left as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.spectral_norm(nn.Linear(E, E)), nn.Tanh(),
+                          nn.Linear(E, 3)).double().train()
+    x, y = torch.randn(B, E, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
+    before = [b.clone() for b in model.buffers()]
+    want = persample.forward_per_sample_grads(model, x, y, mse)
+    for b, v in zip(model.buffers(), before):
+        b.copy_(v)
+    for method in ("rules", "auto"):
+        got = per_sample_grads(model, x, y, mse, method=method)  # (certified: check="first")
+        assert_exact(got, want)
+        assert all(torch.equal(b, v) for b, v in zip(model.buffers(), before))
+    assert {r.path for r in persample.supported(model, x, y, mse)} == {"rule"}
+
+
 class Checkpointed(nn.Module):
     """A block run through ``torch.utils.checkpoint`` between two Linear layers."""
 

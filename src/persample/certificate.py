@@ -72,7 +72,15 @@ from .loss import per_sample_losses
 from .methods import AMBIGUOUS
 from .patches import plain_checkpoints
 from .precision import autocast_state
-from .rng import Draws, host_moved, host_states, restore, set_host_states, snapshot
+from .rng import (
+    Draws,
+    host_moved,
+    host_states,
+    restore,
+    rewind_buffers,
+    set_host_states,
+    snapshot,
+)
 from .sharded import fsdp_units
 
 CHECKS = ("first", "always", "never")
@@ -312,6 +320,7 @@ def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
     after, host_after = snapshot(), host_states()
     restore(draws.torch_states)
     set_host_states(draws.host)
+    rewind_buffers(model)  # (and the buffers where the method's forward found them)
     try:
         with torch.enable_grad(), kept_buffers(model), plain_checkpoints(), \
                 _autocast_seen(model) as seen:

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from .inputs import Batch, as_batch
 from .methods import METHODS, user_stacklevel
+from .rng import buffers_at_start
 from .sharded import Sharding, fsdp_units, reshard_all
 
 
@@ -219,11 +220,14 @@ def dtype_note(batch: Batch, params: dict[str, nn.Parameter]) -> str | None:
 @contextmanager
 def kept_buffers(model: Any) -> Iterator[None]:
     """Restore a module's buffers (running statistics updated by a forward) on exit, and
-    shared the unsharded parameters of an FSDP2 model that the call gathered again."""
+    shared the unsharded parameters of an FSDP2 model that the call gathered again.
+    The values at the outermost call on the model are what
+    :func:`persample.rng.rewind_buffers` puts back."""
     units = fsdp_units(model) if isinstance(model, nn.Module) else []  # (refuses FSDP1)
     saved = [(b, b.clone()) for b in model.buffers()] if isinstance(model, nn.Module) else []
     try:
-        yield
+        with buffers_at_start(model, saved):
+            yield
     finally:
         with torch.no_grad():
             for b, value in saved:

@@ -37,7 +37,7 @@ from .errors import (
     LossNotPerSampleError,
     internal_errors_raised,
 )
-from .rng import Draws, host_moved, restore, snapshot
+from .rng import Draws, host_moved, restore, rewind_buffers, snapshot
 
 METHODS = ("auto", "rules", "vmap", "loop")
 AMBIGUOUS = "the output's samples may be in another dim of the same size"
@@ -112,6 +112,7 @@ def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | Non
                 return result
     if vmap is not None and taken.method in ("rules", "vmap"):
         draws.restore()
+        rewind_buffers()
         try:
             result = vmap()
         except Exception:  # torch.func cannot run this model: the loop always can
@@ -122,6 +123,7 @@ def _answer(method: str, rules: Callable[[], Any], vmap: Callable[[], Any] | Non
             if _stands("vmap", taken, certify, draws, explicit=False):
                 return result
     draws.restore()
+    rewind_buffers()
     taken.method = "loop"
     try:
         result = loop()

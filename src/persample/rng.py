@@ -3,7 +3,8 @@
 Used to draw the same numbers again (:mod:`persample.draws`), to let each method
 ``method="auto"`` tries draw what the first one drew (:mod:`persample.methods`), and
 to replay a call's draws in its certificate (:mod:`persample.certificate`), numpy's and
-Python's global generators included (:class:`Draws`).
+Python's global generators included (:class:`Draws`). Likewise the model's buffers
+where a call began (:func:`rewind_buffers`), for a forward that updates them in place.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,3 +115,41 @@ class Draws:
         """Every generator back where it stood."""
         restore(self.torch_states)
         set_host_states(self.host)
+
+
+_STARTS: ContextVar[tuple] = ContextVar("persample_buffers_at_start", default=())
+# (model, [(buffer, its value)] when the outermost call on it began), innermost call last
+
+
+@contextmanager
+def buffers_at_start(model: Any, saved: list[tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """Inside: ``saved`` (each buffer of ``model`` with its value now) is where
+    :func:`rewind_buffers` puts them back, unless a call on ``model`` is under way
+    already (its values stand)."""
+    starts = _STARTS.get()
+    if any(m is model for m, _ in starts):
+        yield
+        return
+    token = _STARTS.set((*starts, (model, saved)))
+    try:
+        yield
+    finally:
+        _STARTS.reset(token)
+
+
+def rewind_buffers(model: Any = None) -> None:
+    """The buffers of ``model`` (``None``: the model of the innermost call under way)
+    back to their values at the start of the call on it, so that a forward run again
+    (another method, the certificate's reference) starts where the first did: a
+    forward that updates a buffer in place (``spectral_norm``'s power iteration in
+    training mode) otherwise runs another function the second time. Nothing outside a
+    call on it."""
+    starts = _STARTS.get()
+    if model is None:
+        found = starts[-1][1] if starts else ()
+    else:
+        found = next((saved for m, saved in reversed(starts) if m is model), ())
+    with torch.no_grad():
+        for b, value in found:
+            b.copy_(value)
+
