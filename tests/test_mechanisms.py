@@ -85,6 +85,9 @@ def test_a_forward_that_updates_its_buffers_is_certified_from_where_it_began():
         got = per_sample_grads(model, x, y, mse, method=method)  # (certified: check="first")
         assert_exact(got, want)
         assert all(torch.equal(b, v) for b, v in zip(model.buffers(), before))
+    persample.verify(model, x, y, mse)  # (its own certificate of the rules: no rejection
+    assert_exact(per_sample_grads(model, x, y, mse, method="rules"), want)  # kept)
+    assert all(torch.equal(b, v) for b, v in zip(model.buffers(), before))
     assert {r.path for r in persample.supported(model, x, y, mse)} == {"rule"}
 
 

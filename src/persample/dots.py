@@ -35,6 +35,7 @@ from .precision import accumulate_dtype, cast
 from .whole import loop_grads, vmap_grads
 
 
+@checks.keeps_buffers
 def per_sample_grad_dots(
     model: nn.Module,
     inputs: Any,

@@ -155,6 +155,11 @@ class GradientProjector:
             >>> proj(torch.randn(5, 4), torch.randint(0, 3, (5,)), nn.CrossEntropyLoss()).shape
             torch.Size([5, 6])
         """
+        with checks.kept_buffers(self.model):  # (the model's buffers left as they were)
+            return self._projected(inputs, targets, loss_fn, method, check)
+
+    def _projected(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], Tensor],
+                   method: str, check: str | int | None) -> Tensor:
         check_option(check)
         batch, _, params = checks.validate_call(self.model, inputs, targets, loss_fn, method,
                                                None, list(self.params))

@@ -288,6 +288,7 @@ def _listed(samples: list[int], most: int = 10) -> str:
 _DEFAULT_RTOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
+@checks.keeps_buffers
 def verify(
     model: nn.Module,
     inputs: Tensor | tuple,
