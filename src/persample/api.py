@@ -165,7 +165,8 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
         n, dtype=torch.float64, device=next(iter(params.values())).device)  # certificate)
     for start in range(0, n, step):
         a, t = batch.samples(start, start + step), samples_of(targets, start, start + step)
-        d = {key: part[start : start + step] for key, part in dest.items()}
+        d = dest if step >= n else {key: part[start : start + step]
+                                    for key, part in dest.items()}
         losses = every[start : start + step]
         answer(
             method,
@@ -383,8 +384,8 @@ def _allocate(
             sizes = [-(-rows * p.numel() // step) * step for p in group.values()]
             block, offset = result_empty(sum(sizes), *kind), 0
             for (name, p), size in zip(group.items(), sizes):
-                result[name] = block[offset : offset + rows * p.numel()].view(
-                    n, *out_shape, *p.shape)
+                shape = (n, *out_shape, *p.shape)  # (contiguous, at ``offset``)
+                result[name] = block.as_strided(shape, _contiguous_strides(shape), offset)
                 offset += size
         result = {name: result[name] for name in params}
         return result, {id(params[name]): t for name, t in result.items()}
@@ -399,6 +400,14 @@ def _allocate(
         dest[id(p)] = out[..., offset : offset + p.numel()].view(n, *out_shape, *p.shape)
         offset += p.numel()
     return out, dest
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
