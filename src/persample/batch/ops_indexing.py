@@ -168,6 +168,8 @@ def regular(dim: int, rows: Tensor, n: int) -> Batched:
     """``Batched(dim, outer, inner)`` if ``rows`` is that layout's sample of each
     position (``(o * n + i) * inner + k`` holds sample ``i``), else the index layout."""
     size = rows.numel()
+    if size == n and torch.equal(rows, torch.arange(n, device=rows.device)):
+        return Batched(dim)  # (one position per sample, in order: the common case)
     if size and size % n == 0:
         k = size // n
         inner = k if n == 1 else int((rows != 0).to(torch.int8).argmax())  # (n > 1: the
@@ -397,7 +399,7 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
             if item.is_floating_point() or item.is_complex():
                 return None
             values = item.long()
-            if values.numel() and bool(values.min() < 0):
+            if values.numel() and values.min().item() < 0:
                 values = torch.where(values < 0, values + x.shape[in_dim], values)
             advs.append(_Adv(in_dim, values, _own(ctx, item)))
             post.append(("adv", len(advs) - 1, None))
@@ -422,7 +424,8 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
             if samples is None:
                 return Mixed(f"{what} reads with one sample's index tensor another "
                              "sample's positions")
-    if samples is None:
+    shared = samples is None  # (no index tensor with samples of its own)
+    if shared:
         samples = torch.full(block, NO_SAMPLE, dtype=torch.long, device=x.device)
     found = samples_along(ctx, x, lay)
     if found is not None:
@@ -448,7 +451,8 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
         if isinstance(lay, Batched) and lay.index is not None and not _read_by_value(
                 samples, values, x.shape[d]):
             return None
-        samples = merge(samples, gathered(rows, values))
+        picked = gathered(rows, values)  # (the sample of the row each entry reads)
+        samples = picked if shared else merge(samples, picked)
         if samples is None:
             return Mixed(f"{what} reads one sample's rows at positions another sample's "
                          "index gives")
