@@ -481,10 +481,11 @@ def _read_by_value(samples: Tensor, values: Tensor, size: int) -> bool:
     or sorted by value) are read by index entries that carry samples; shared entries must
     visit every position once (a permutation undone, a self loop per node): other shared
     positions would pick rows by where other samples' rows happen to lie."""
-    if not samples.numel() or bool(samples.min() >= 0):
+    if not samples.numel() or samples.min().item() >= 0:
         return True
     unpaired = samples < 0
-    picked = values[unpaired]
+    picked = (values.index_select(0, unpaired.nonzero().squeeze(1)) if values.dim() == 1
+              else values[unpaired])  # (1-d: gathered, cheaper than a boolean index)
     return picked.numel() == size and bool(
         (torch.bincount(picked, minlength=size) == 1).all())
 
