@@ -80,23 +80,30 @@ def test_index_values_that_move_rows_to_another_sample_are_caught(compiled):
         check(model, _x(k), y, loss)
 
 
+def _gpt_oss_calls(compiles: bool, calls: int, kind: type, plan: str) -> None:
+    """``calls`` calls of gpt-oss on other ids each, every one the loop's (float32: its
+    router runs there), with calls compiled or not: the kept plan is a ``kind`` and
+    ``verify`` says ``plan``."""
+    model = zoo.gpt_oss(T)
+    before = persample.compile_calls(compiles)
+    try:
+        persample.clear_plans()
+        for k in range(calls):
+            ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(k))
+            check(model, {"input_ids": ids}, ids, zoo.causal_lm_loss, rtol=1e-4, atol=1e-6)
+        assert any(isinstance(found, kind) for found in kept(model)), kept(model)
+        note = persample.verify(model, {"input_ids": ids}, ids, zoo.causal_lm_loss).plan
+        assert note.startswith(plan), note
+    finally:
+        persample.compile_calls(before)
+
+
 def test_gpt_oss_takes_the_program_and_stays_exact():
     """transformers' gpt-oss (its experts dispatched by a sort, biases added in place,
     the inverse permutation written into an empty tensor): a program holds its forward,
-    each call's routing decided again (float32: its router runs there)."""
+    each call's routing decided again."""
     pytest.importorskip("transformers")
-    model = zoo.gpt_oss(T)
-    before = persample.compile_calls(False)
-    try:
-        persample.clear_plans()
-        for k in range(4):
-            ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(k))
-            check(model, {"input_ids": ids}, ids, zoo.causal_lm_loss, rtol=1e-4, atol=1e-6)
-        assert any(isinstance(found, Program) for found in kept(model)), kept(model)
-        note = persample.verify(model, {"input_ids": ids}, ids, zoo.causal_lm_loss).plan
-        assert note.startswith("cached: each of"), note
-    finally:
-        persample.compile_calls(before)
+    _gpt_oss_calls(False, 4, Program, "cached: each of")
 
 
 def test_gpt_oss_compiled_runs_the_eager_grouped_product_and_stays_exact(monkeypatch):
@@ -109,22 +116,10 @@ def test_gpt_oss_compiled_runs_the_eager_grouped_product_and_stays_exact(monkeyp
 
     from persample.capture import compiled as compiled_module
 
-    model = zoo.gpt_oss(T)
-    before = persample.compile_calls(True)
     graphs, real = [], compiled_module._as_eager
     monkeypatch.setattr(compiled_module, "_as_eager", lambda gm: (real(gm), graphs.append(
         [str(n.target) for n in gm.graph.nodes if n.op == "call_function"])))
-    try:
-        persample.clear_plans()
-        for k in range(6):
-            ids = torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(k))
-            check(model, {"input_ids": ids}, ids, zoo.causal_lm_loss, rtol=1e-4, atol=1e-6)
-        assert any(isinstance(found, Compiled) for found in kept(model)), kept(model)
-        note = persample.verify(model, {"input_ids": ids}, ids, zoo.causal_lm_loss).plan
-        assert note.startswith("cached: compiled"), note
-        names = [name for graph in graphs for name in graph]
-        assert sum("_grouped_mm" in name for name in names) == 4, names  # (2 layers x 2)
-        assert not any("grouped_mm_fallback" in name for name in names)
-    finally:
-        persample.compile_calls(before)
-
+    _gpt_oss_calls(True, 6, Compiled, "cached: compiled")
+    names = [name for graph in graphs for name in graph]
+    assert sum("_grouped_mm" in name for name in names) == 4, names  # (2 layers x 2)
+    assert not any("grouped_mm_fallback" in name for name in names)
