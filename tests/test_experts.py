@@ -312,6 +312,22 @@ def test_grouped_products_by_expert_take_their_rule():
     assert set(paths.values()) == {"rule"}, paths
 
 
+def test_grouped_products_into_a_flat_result_and_a_jacobian():
+    """The grouped rule writes each (sample, expert) pair's sums into the result's
+    tables as a view where it can; into a flat result (the rows of one parameter not one
+    block) and a Jacobian's several cotangents it writes a copy back: both the loop's."""
+    torch.manual_seed(0)
+    model = _SortedRuns().float()
+    x, y = torch.randn(B, T, 8, dtype=torch.float32), torch.randint(0, 3, (B,))
+    loss = nn.CrossEntropyLoss(reduction="none")
+    flat = persample.per_sample_grads(model, x, y, loss, method="rules", flat=True)
+    want = persample.loop_per_sample_grads(model, x, y, loss)
+    assert _rel({"all": flat}, {"all": torch.cat([t.flatten(1) for t in want.values()], 1)}
+                ) < 1e-5
+    got = persample.param_jacobian(model, x, method="rules")  # (B, 3, *shape): v = 3
+    assert _rel(got, persample.loop_param_jacobian(model, x)) < 1e-5
+
+
 class _EveryExpert(_SortedRuns):
     """One grouped product of every token by every expert (top-k = all of them): each
     token's rows repeated per expert and sorted by it, stably, hold the samples in a
