@@ -19,7 +19,7 @@ ROOT = Path(persample.__file__).parent
 
 # lowest first; a module may import its own layer and those below it
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"errors", "precision", "memory", "sharded", "patches", "inputs", "rng"}),
+    ("base", {"errors", "precision", "memory", "sharded", "patches", "inputs", "rng", "walk"}),
     ("batch", {"batch"}),
     ("draws", {"draws"}),
     ("capture", {"capture", "loss"}),

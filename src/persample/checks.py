@@ -16,6 +16,7 @@ from .inputs import Batch, as_batch
 from .methods import METHODS, user_stacklevel
 from .rng import buffers_at_start
 from .sharded import Sharding, fsdp_units, reshard_all
+from .walk import named_modules, named_parameters
 
 
 def check_targets(targets: Any, n: int) -> None:
@@ -79,7 +80,7 @@ def mixing_reason(module: nn.Module) -> str | None:
 
 def mixing_reason_of(model: nn.Module) -> str | None:
     """The first module of ``model`` that mixes samples, and why; ``None`` if none does."""
-    for name, m in model.named_modules():
+    for name, m in named_modules(model):
         reason = mixing_reason(m)
         if reason:
             return f"module '{name}' ({type(m).__name__}) {reason}"
@@ -90,14 +91,14 @@ def check_per_sample_model(model: nn.Module) -> None:
     """Raise if a module mixes samples, so per-sample gradients are undefined."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for name, m in model.named_modules():
+    for name, m in named_modules(model):
         reason = mixing_reason(m)
         if reason:
             raise ValueError(f"module '{name}' ({type(m).__name__}) {reason}")
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    params = {n: p for n, p in named_parameters(model) if p.requires_grad}
     if not params:
         raise ValueError(
             f"{type(model).__name__} has no parameters with requires_grad=True: "

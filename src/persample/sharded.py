@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .walk import named_modules
+
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` that FSDP2's ``fully_shard`` was applied to, outermost
@@ -46,7 +48,7 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     except ImportError:  # a torch built without distributed support
         return []
     units = []
-    for name, m in model.named_modules():
+    for name, m in named_modules(model):
         if isinstance(m, FullyShardedDataParallel):
             raise ValueError(
                 f"module '{name or type(m).__name__}' is wrapped in FSDP1's "

@@ -1,0 +1,91 @@
+"""A model's modules and parameters, walked once and kept while its structure holds.
+
+Every call validates the model (a module that mixes samples), lists its trainable
+parameters and looks for FSDP2 units: each is a walk of ``named_modules()``, which
+costs tens of microseconds per hundred modules, several times per call. The walk's
+answer is a function of the modules' types and of their ``_modules`` and
+``_parameters`` dicts alone, so it is kept with a stamp of those: each module's type
+and the version tags CPython gives each dict (a new tag at every write to it, as
+TorchDynamo's guards read them). A module added, removed or replaced, a parameter
+registered, replaced or deleted, or a class swapped (``fully_shard``, a
+parametrization) changes the stamp, and the model is walked again. Reading the stamp
+costs a fraction of a walk; where the version tags cannot be read, every call walks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+
+try:  # (CPython's dict version tags, as TorchDynamo reads them)
+    from torch._C._dynamo.guards import dict_version as _version
+except ImportError:  # pragma: no cover - a torch without TorchDynamo's guards
+    _version = None
+
+
+class _Walk:
+    """One walk: the modules (held weakly, so that the walk keeps none of them alive,
+    the model included), the parameters and the stamp."""
+
+    __slots__ = ("names", "refs", "parameters", "stamp")
+
+    def __init__(self, model: nn.Module):
+        modules = list(model.named_modules())
+        self.names = [name for name, _ in modules]
+        self.refs = [weakref.ref(m) for _, m in modules]
+        self.parameters: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
+        self.stamp = _stamp([m for _, m in modules]) if all(
+            _walks_plainly(type(m)) for _, m in modules) else None  # (None: never kept)
+
+    def modules(self) -> list[nn.Module] | None:
+        """The modules, or ``None`` where one is gone."""
+        out = [r() for r in self.refs]
+        return None if any(m is None for m in out) else out
+
+
+def _walks_plainly(cls: type) -> bool:
+    """Does ``cls`` walk its modules and parameters as ``nn.Module`` does (no override
+    that could answer otherwise with the same dicts)?"""
+    return all(getattr(cls, name) is getattr(nn.Module, name) for name in _WALKERS)
+
+
+_WALKERS = ("named_modules", "named_parameters", "_named_members")
+
+
+_WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Walk
+
+
+def _stamp(modules: list[nn.Module]) -> list[Any]:
+    """Each module's type and its two dicts' version tags, in walk order."""
+    out: list[Any] = []
+    for m in modules:
+        out += (type(m), _version(m._modules), _version(m._parameters))
+    return out
+
+
+def _walk(model: nn.Module) -> tuple[_Walk, list[nn.Module]]:
+    """The model's walk and its modules, walked again where the stamp moved."""
+    found = _WALKS.get(model) if _version is not None else None
+    if found is not None and found.stamp is not None:
+        modules = found.modules()
+        if modules is not None and _stamp(modules) == found.stamp:
+            return found, modules
+    found = _Walk(model)
+    if _version is not None:
+        _WALKS[model] = found
+    return found, found.modules()
+
+
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(model.named_modules())``, kept while the model's structure holds (see the
+    module docstring)."""
+    walk, modules = _walk(model)
+    return list(zip(walk.names, modules))
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``list(model.named_parameters())``, kept while the model's structure holds (see
+    the module docstring). The list is shared: do not change it."""
+    return _walk(model)[0].parameters

@@ -1,0 +1,74 @@
+"""The model's walk kept between calls: every change to its structure is seen."""
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+
+from persample import per_sample_grads
+from persample.walk import named_modules, named_parameters
+
+
+def _same(model: nn.Module) -> None:
+    assert [(n, id(m)) for n, m in named_modules(model)] == [
+        (n, id(m)) for n, m in model.named_modules()]
+    assert [(n, id(p)) for n, p in named_parameters(model)] == [
+        (n, id(p)) for n, p in model.named_parameters()]
+
+
+def test_the_walk_follows_every_change_of_structure():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
+    _same(model)
+    model.append(nn.Linear(2, 2))  # a module added
+    _same(model)
+    model[2][0] = nn.Linear(4, 2)  # one replaced, deep down
+    _same(model)
+    model[0].weight = nn.Parameter(torch.randn(4, 3))  # a parameter replaced
+    _same(model)
+    model[0].register_parameter("extra", nn.Parameter(torch.zeros(1)))  # one registered
+    _same(model)
+    del model[0].extra  # and deleted
+    _same(model)
+    model[2]._modules = {"0": nn.Linear(4, 2)}  # a dict rebound
+    _same(model)
+    shared = model[0]
+    model.append(shared)  # a module twice: walked once
+    _same(model)
+
+
+def test_a_class_swapped_is_walked_again():
+    class Hiding(nn.Sequential):  # (walks itself its own way)
+        def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+            yield prefix, self
+
+    model = nn.Sequential(nn.Linear(3, 2))
+    _same(model)
+    model.__class__ = Hiding  # (as fully_shard and parametrizations swap classes)
+    _same(model)
+    assert len(named_modules(model)) == 1
+
+
+def test_per_sample_grads_sees_a_module_added_and_a_parameter_frozen():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    loss = nn.CrossEntropyLoss()
+    assert set(per_sample_grads(model, x, y, loss)) == {"0.weight", "0.bias", "2.weight",
+                                                         "2.bias"}
+    model[0].bias.requires_grad_(False)
+    assert set(per_sample_grads(model, x, y, loss)) == {"0.weight", "2.weight", "2.bias"}
+    model.append(nn.Linear(2, 2))
+    assert set(per_sample_grads(model, x, y, loss)) == {"0.weight", "2.weight", "2.bias",
+                                                         "3.weight", "3.bias"}
+
+
+def test_the_walk_keeps_no_model_alive():
+    model = nn.Sequential(nn.Linear(3, 2))
+    model.owner = [model]  # (a cycle back to the model, as some libraries keep)
+    named_parameters(model)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
