@@ -210,7 +210,7 @@ def grouping(index: Tensor, n: int) -> tuple[Tensor | None, int, Tensor | None]:
     counts = torch.bincount(index, minlength=n)  # (n,)
     fewest, length = (int(counts.min()), int(counts.max())) if counts.numel() else (0, 0)
     order, sample = None, index
-    if index.numel() > 1 and not bool((index[1:] >= index[:-1]).all()):
+    if index.numel() > 1 and index.diff().min().item() < 0:  # (not in sample order)
         order = torch.argsort(index, stable=True)  # positions sorted by sample
         sample = index.index_select(0, order)
     places = None
@@ -222,13 +222,27 @@ def grouping(index: Tensor, n: int) -> tuple[Tensor | None, int, Tensor | None]:
     return order, length, places
 
 
+def once_each(values: Tensor, size: int) -> bool:
+    """Does ``values`` (integers in ``[0, size)``) hold every one of them exactly once?
+    (A count's min and max, read together: cheaper than comparing every count.)"""
+    if not size:
+        return not values.numel()
+    low, high = torch.bincount(values.reshape(-1), minlength=size).aminmax()
+    return low.item() == 1 and high.item() == 1
+
+
+def nonnegative(values: Tensor) -> bool:
+    """No entry of ``values`` below zero (``NO_SAMPLE``): every one names a sample."""
+    return not values.numel() or values.min().item() >= 0
+
+
 def indexed(dim: int, index: Tensor, n: int) -> Batched:
     """Batched in ``dim`` with ``index`` the sample of each position; the plain
     ``Batched(dim)`` where ``index`` is ``arange(n)`` (one position per sample, in
     order: a permutation undone, the final states of a packed sequence in sample
     order), so that such a tensor meets every rule as the plain layout it is. Every
     data-flow rule that names the samples by position builds its layout here."""
-    if index.numel() == n and bool((index == torch.arange(n, device=index.device)).all()):
+    if index.numel() == n and torch.equal(index, torch.arange(n, device=index.device)):
         return Batched(dim)
     return Batched(dim, index=index)
 
@@ -237,7 +251,7 @@ def one_per_sample(index: Tensor, n: int) -> bool:
     """``index`` (the sample of each position) is a permutation of ``arange(n)``."""
     if index.numel() != n:
         return False
-    return bool((torch.bincount(index, minlength=n) == 1).all())
+    return once_each(index, n)
 
 
 def in_sample_order(x: Tensor, index: Tensor, d: int) -> Tensor:

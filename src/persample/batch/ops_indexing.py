@@ -48,7 +48,17 @@ from .flow import (
     propagate,
     register,
 )
-from .layouts import SHARED, Batched, Layout, Mixed, Unknown, indexed, sample_of_positions
+from .layouts import (
+    SHARED,
+    Batched,
+    Layout,
+    Mixed,
+    Unknown,
+    indexed,
+    nonnegative,
+    once_each,
+    sample_of_positions,
+)
 
 NO_SAMPLE = -1  # a position holding only data shared by all samples
 
@@ -138,8 +148,8 @@ def merge(a: Tensor, b: Tensor) -> Tensor | None:
     if a.shape == b.shape and torch.equal(a, b):
         return a.clone()
     high, low = torch.maximum(a, b), torch.minimum(a, b)  # (NO_SAMPLE is below every
-    if bool((low.ne(high) & low.ge(0)).any()):  # sample: the max is the one named)
-        return None
+    if not torch.equal(torch.where(low < 0, high, low), high):  # sample: the max is the
+        return None  # one named; two named ones differ where the min is a sample below it)
     return high
 
 
@@ -207,7 +217,7 @@ def along_one_dim(samples: Tensor) -> tuple[int, Tensor] | None:
         if first.shape[1] == 0:
             return k, samples.new_full((samples.shape[k],), NO_SAMPLE)
         rows = first[:, 0]
-        if bool((first == rows[:, None]).all()):
+        if torch.equal(first, rows[:, None].expand_as(first)):
             return k, rows
     return None
 
@@ -434,7 +444,7 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
         d, rows = found
         on_batch = [a for a in advs if a.dim == d]
         if not on_batch:  # the batch dim is a basic dim: index tensors must be shared
-            if bool((samples >= 0).any()):
+            if samples.numel() and samples.max().item() >= 0:
                 return Mixed(f"{what} indexes one sample's rows with another sample's "
                              "index tensor")
             here = next((p for p in basics if p[0] == "dim" and p[1] == d), None)
@@ -486,8 +496,7 @@ def _read_by_value(samples: Tensor, values: Tensor, size: int) -> bool:
     unpaired = samples < 0
     picked = (values.index_select(0, unpaired.nonzero().squeeze(1)) if values.dim() == 1
               else values[unpaired])  # (1-d: gathered, cheaper than a boolean index)
-    return picked.numel() == size and bool(
-        (torch.bincount(picked, minlength=size) == 1).all())
+    return picked.numel() == size and once_each(picked, size)
 
 
 register(_getitem, torch.Tensor.__getitem__)
@@ -630,7 +639,7 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
             ls = followed(ctx, src)
             along = element_samples(ctx, src, ls)
             along = along.expand(src.shape).movedim(d, 0).reshape(src.shape[d], -1)
-            if not bool((along == along[:, :1]).all()):
+            if not torch.equal(along, along[:, :1].expand_as(along)):
                 return mixed(func, "adds a source whose rows mix samples")
             own = merge(own, along[:, 0]) if along.shape[1] else own
     else:  # index as src: entry c lands in row index[c] of dim d
@@ -653,7 +662,7 @@ def _names_samples(ctx: Ctx, idx: Tensor) -> bool:
     if trouble([li]) is not None or li is SHARED:
         return False
     named = element_samples(ctx, idx, li).expand(idx.shape)
-    return bool((named >= 0).all()) and torch.equal(idx.long(), named)
+    return nonnegative(named) and torch.equal(idx.long(), named)
 
 
 def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own: Tensor,
@@ -673,7 +682,7 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
     if rows is None:
         return Mixed(f"{what} puts several samples' data into one position")
     named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
-    if li is not SHARED and torch.equal(landing, named) and bool((named >= 0).all()):
+    if li is not SHARED and torch.equal(landing, named) and nonnegative(named):
         position = torch.arange(size, device=x.device)  # index values are the samples
         rows = merge(rows, torch.where(position < ctx.n, position, NO_SAMPLE))
         if rows is None:
@@ -826,12 +835,12 @@ def _set_rows(ctx: Ctx, x: Tensor, items: list, picks: list[int], d: int, value:
         shape.insert(first, idx.shape[0])
         along = element_samples(ctx, value, lv).expand(value.shape).expand(shape)
         along = along.movedim(first, 0).reshape(shape[first], -1)
-        if along.shape[1] and not bool((along == along[:, :1]).all()):
+        if along.shape[1] and not torch.equal(along, along[:, :1].expand_as(along)):
             return None
         own = merge(own, along[:, 0]) if along.shape[1] else own
         if own is None:
             return Mixed("x[index] = value pairs an index with a value of other samples")
-    if not bool((own >= 0).any()):
+    if not own.numel() or own.max().item() < 0:
         return None
     return _landed(ctx, "x[index] = value", x, d, idx, li, own, x)
 
