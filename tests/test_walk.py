@@ -72,3 +72,10 @@ def test_the_walk_keeps_no_model_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_a_torchscript_submodule_is_walked_at_every_call():
+    model = nn.Sequential(torch.jit.script(nn.Linear(3, 2)), nn.ReLU())
+    _same(model)  # (TorchScript keeps its modules in a dict of its own: no stamp)
+    model.append(nn.Linear(2, 2))
+    _same(model)

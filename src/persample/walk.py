@@ -37,7 +37,8 @@ class _Walk:
         self.refs = [weakref.ref(m) for _, m in modules]
         self.parameters: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
         self.stamp = _stamp([m for _, m in modules]) if all(
-            _walks_plainly(type(m)) for _, m in modules) else None  # (None: never kept)
+            _walks_plainly(type(m)) for _, m in modules) else None  # (None: walked at
+        # every call)
 
     def modules(self) -> list[nn.Module] | None:
         """The modules, or ``None`` where one is gone."""
@@ -57,11 +58,15 @@ _WALKERS = ("named_modules", "named_parameters", "_named_members")
 _WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Walk
 
 
-def _stamp(modules: list[nn.Module]) -> list[Any]:
-    """Each module's type and its two dicts' version tags, in walk order."""
+def _stamp(modules: list[nn.Module]) -> list[Any] | None:
+    """Each module's type and its two dicts' version tags, in walk order; ``None`` where
+    a module keeps them in something else than a dict (TorchScript's modules)."""
     out: list[Any] = []
     for m in modules:
-        out += (type(m), _version(m._modules), _version(m._parameters))
+        held, params = m._modules, m._parameters
+        if not (isinstance(held, dict) and isinstance(params, dict)):
+            return None
+        out += (type(m), _version(held), _version(params))
     return out
 
 
