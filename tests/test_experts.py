@@ -312,10 +312,17 @@ def test_grouped_products_by_expert_take_their_rule():
     assert set(paths.values()) == {"rule"}, paths
 
 
-def test_grouped_products_into_a_flat_result_and_a_jacobian():
+@pytest.mark.parametrize("grouped", [True, False])
+def test_grouped_products_into_a_flat_result_and_a_jacobian(grouped, monkeypatch):
     """The grouped rule writes each (sample, expert) pair's sums into the result's
-    tables as a view where it can; into a flat result (the rows of one parameter not one
-    block) and a Jacobian's several cotangents it writes a copy back: both the loop's."""
+    tables, whatever their strides: a flat result (the rows of one parameter not one
+    block, so the (sample, expert) pairs are not one dim) and a Jacobian's several
+    cotangents, by torch's grouped kernel and by the padded products (``grouped``
+    False: rows it cannot take): both the loop's."""
+    from persample.rules import experts as rule
+
+    if not grouped:
+        monkeypatch.setattr(rule, "_groups", lambda g, x: False)
     torch.manual_seed(0)
     model = _SortedRuns().float()
     x, y = torch.randn(B, T, 8, dtype=torch.float32), torch.randint(0, 3, (B,))

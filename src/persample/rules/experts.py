@@ -284,22 +284,25 @@ class _Padded:
         return out
 
     def outer_sums(self, g: Tensor, x: Tensor, into: Tensor) -> None:
-        """``into (n, v, o, i)`` (a view of the result, any strides): per sample,
-        ``sum_m g[v, m]^T x[m]`` for ``g (v, m, o)``, ``x (m, i)``. The grouped products
-        are taken in the order of ``into``'s contiguous dim (``(o, i)`` matrices for a
-        table ``(E, o, i)``, ``(i, o)`` for one stored ``(E, i, o)``): copying the other
-        order in costs twice the products."""
+        """``into (*lead, v, o, i)`` (a view of the result, any strides; ``lead`` the
+        groups, ``(n,)`` or ``(n, E)`` for ``n E`` groups): per group, ``sum_m g[v, m]^T
+        x[m]`` for ``g (v, m, o)``, ``x (m, i)``. The grouped products are taken in the
+        order of ``into``'s contiguous dim (``(o, i)`` matrices for a table ``(E, o, i)``,
+        ``(i, o)`` for one stored ``(E, i, o)``): copying the other order in costs twice
+        the products."""
         v, m, o = g.shape
+        lead = into.shape[:-3]
         if not _groups(g, x):
-            into.copy_((self.place(g).transpose(-1, -2) @ self.place(x)).transpose(0, 1))
+            sums = (self.place(g).transpose(-1, -2) @ self.place(x)).transpose(0, 1)
+            into.copy_(sums.reshape(*lead, v, o, -1))  # (groups, v, o, i)
             return
         rows, offs = g.transpose(0, 1).reshape(m, v * o), self.ends.to(torch.int32)
-        if into.stride(-2) == 1 and into.stride(-1) != 1:  # (o contiguous: (n, i, v o))
+        if into.stride(-2) == 1 and into.stride(-1) != 1:  # (o contiguous: (groups, i, v o))
             sums = torch._grouped_mm(x.contiguous().t(), rows, offs=offs)
-            into.copy_(sums.view(self.n, -1, v, o).permute(0, 2, 3, 1))
-        else:  # (n, v o, i)
+            into.copy_(sums.view(*lead, -1, v, o).movedim(-3, -1))
+        else:  # (groups, v o, i)
             sums = torch._grouped_mm(rows.t(), x.contiguous(), offs=offs)
-            into.copy_(sums.view(self.n, v, o, -1))
+            into.copy_(sums.view(*lead, v, o, -1))
 
 
 def _groups(g: Tensor, x: Tensor) -> bool:
@@ -326,12 +329,8 @@ def grouped_mm(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     runs = torch.searchsorted(offs.long(), torch.arange(x.shape[0], device=offs.device),
                               right=True)  # (S,) each row's expert
     xs, gs, samples, runs = _by_sample(call.pairing(x), call.value(x), g, runs.to(x.device), n)
-    into = out[w].permute(0, 2, 1, 4, 3)  # (n, E, v, o, k) of (n, v, E, k, o)
-    flat = into.flatten(0, 1)  # (n E, v, o, k): a view where v = 1
-    _Padded(samples * experts + runs, n * experts).outer_sums(gs, xs, flat)
-    if flat._base is None:  # (flatten copied: v > 1, or a result whose rows are not one
-        # block, flat=True)
-        into.copy_(flat.view(into.shape))
+    into = out[w].permute(0, 2, 1, 4, 3)  # (n, E, v, o, k) of (n, v, E, k, o), any strides
+    _Padded(samples * experts + runs, n * experts).outer_sums(gs, xs, into)
 
 
 def _by_sample(lay: Batched, x: Tensor, g: Tensor, runs: Tensor, n: int
