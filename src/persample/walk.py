@@ -35,7 +35,8 @@ class _Walk:
         modules = list(model.named_modules())
         self.names = [name for name, _ in modules]
         self.refs = [weakref.ref(m) for _, m in modules]
-        self.parameters: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
+        self.parameters: list[tuple[str, nn.Parameter]] | None = None  # (on first use:
+        # a model may fail to list them where its modules list fine, FSDP1's wrapper)
         self.stamp = _stamp([m for _, m in modules]) if all(
             _walks_plainly(type(m)) for _, m in modules) else None  # (None: walked at
         # every call)
@@ -93,4 +94,7 @@ def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``list(model.named_parameters())``, kept while the model's structure holds (see
     the module docstring). The list is shared: do not change it."""
-    return _walk(model)[0].parameters
+    walk = _walk(model)[0]
+    if walk.parameters is None:
+        walk.parameters = list(model.named_parameters())
+    return walk.parameters
