@@ -664,6 +664,17 @@ def test_free_positions_of_an_irregular_dim_are_not_picked():
     perm = torch.tensor([5, 4, 3, 2, 1, 0])
     assert flow(torch.Tensor.__getitem__, (x, perm), {}, x[perm], [(x, packed)]) == Batched(
         0, index=torch.tensor([3, 2, 2, 1, 0, 0]))
+    twice = torch.tensor([0, 0, 2, 3, 4, 5])  # (as many as the rows, one of them twice)
+    assert isinstance(flow(torch.Tensor.__getitem__, (x, twice), {}, x[twice],
+                           [(x, packed)]), Unknown)
+
+
+def test_one_position_per_sample_is_a_permutation():
+    from persample.batch.layouts import one_per_sample
+
+    assert one_per_sample(torch.tensor([2, 0, 1]), 3)
+    assert not one_per_sample(torch.tensor([0, 0, 2]), 3)  # (one twice, one missing)
+    assert not one_per_sample(torch.tensor([0, 1]), 3)
 
 
 def test_free_rows_are_completed_by_the_data_added_to_them():
