@@ -670,11 +670,13 @@ def test_free_positions_of_an_irregular_dim_are_not_picked():
 
 
 def test_one_position_per_sample_is_a_permutation():
-    from persample.batch.layouts import one_per_sample
+    from persample.batch.layouts import nonnegative, one_per_sample
 
     assert one_per_sample(torch.tensor([2, 0, 1]), 3)
     assert not one_per_sample(torch.tensor([0, 0, 2]), 3)  # (one twice, one missing)
     assert not one_per_sample(torch.tensor([0, 1]), 3)
+    assert nonnegative(torch.tensor([0, 2])) and nonnegative(torch.tensor([], dtype=torch.long))
+    assert not nonnegative(torch.tensor([3, -1]))  # (a position of no sample)
 
 
 def test_free_rows_are_completed_by_the_data_added_to_them():
