@@ -49,6 +49,7 @@ from persample.cli.threads import load_average, threads_label, usable_cpus
 
 from . import anchors
 from .anchors import Case, Method, as_flat, curvature_rows
+from .anchors.persample_rows import NEW_BATCH_OURS, NEW_BATCH_PLAIN
 from .real_models import NotInstalled
 from .workloads import (
     ATTRIBUTION_WORKLOADS,
@@ -657,6 +658,12 @@ def format_report(r: Report) -> str:
     if plain and captured:
         lines.append(f"  capture overhead: forward under capture {captured:.2f} ms, plain "
                      f"forward {plain:.2f} ms ({captured / plain:.2f}x)")
+    new_plain, new_ours = (r.diagnostics.get(k) for k in (NEW_BATCH_PLAIN, NEW_BATCH_OURS))
+    if new_plain and new_ours:  # (each call a batch of shapes not seen before)
+        floor = new_plain + r.t_fill_ms
+        lines.append(f"  a new batch at each call, as an epoch runs: {r.ours} {new_ours:.2f} ms, "
+                     f"plain step {new_plain:.2f} ms, {new_ours / floor:.2f}x (plain step + "
+                     "write)")
     if r.us_per_op:
         lines.append(f"  fixed cost per forward op ((median - t_plain) / {r.forward_ops} ops): "
                      + ", ".join(f"{k} {v:.0f} us" for k, v in r.us_per_op.items()))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -140,6 +140,11 @@ class Workload:
             reference's and every method's checked first call run under
             ``torch.manual_seed(seed)``, so that they differentiate the same forward
             (``None``: the model draws nothing).
+        other_batches: ``(inputs, targets)`` of further batches of ``B`` samples whose
+            shapes differ from ``inputs``'s, as a training loop feeds them (graph batches
+            of other graphs: other node and edge counts); where there are any, the
+            plain step and persample's default call are also timed on them in turn
+            (the report's "a new batch at each call" line), as such a loop calls them.
     """
 
     name: str
@@ -154,6 +159,7 @@ class Workload:
     layout_rows: bool = True
     autocast: torch.dtype | None = None
     seed: int | None = None
+    other_batches: list[tuple[Any, Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = self.model.float()  # whatever torch's default dtype is
@@ -201,6 +207,7 @@ class Workload:
             move, self.opacus_inputs)
         if self.targets is not None:
             self.targets = self.targets.to(device)
+        self.other_batches = [(tree_map(move, x), y.to(device)) for x, y in self.other_batches]
         return self
 
 
@@ -212,18 +219,23 @@ def masked_reconstruction(out, patches: Tensor) -> Tensor:
     return (error * out.mask).sum(1) / out.mask.sum(1)
 
 
-def graph_batch(batch: int) -> tuple[Any, Tensor]:
-    """``batch`` of the digits as graphs, a torch_geometric ``Batch``: the pixels of each
-    8x8 image above its median brightness are the nodes (16 to 64 of them; features: the
-    brightness and the position, one-hot, 17 in all), each joined to the 4 nodes nearest
-    in brightness; label 1 for the digits 5 to 9. Returns ``(Batch, labels (batch,))``.
+_OTHER_GRAPH_BATCHES = 12  # more than the bench's calls of each method: each call of the
+# "a new batch at each call" line gets a batch of shapes it has not seen, as in an epoch
+
+
+def graph_batch(batch: int, start: int = 0) -> tuple[Any, Tensor]:
+    """``batch`` of the digits (from the ``start``-th on) as graphs, a torch_geometric
+    ``Batch``: the pixels of each 8x8 image above its median brightness are the nodes (16
+    to 64 of them; features: the brightness and the position, one-hot, 17 in all), each
+    joined to the 4 nodes nearest in brightness; label 1 for the digits 5 to 9. Returns
+    ``(Batch, labels (batch,))``.
 
     Raises:
         NotInstalled: torch_geometric is missing."""
     geometric = real_models.require("torch_geometric")
     x, y = digits_images(8)  # (N, 1, 8, 8)
     graphs = []
-    for image in x[:batch]:
+    for image in x[start:start + batch]:
         values = image.reshape(64)
         kept = torch.nonzero(values >= values.median()).reshape(-1)  # (m,)
         features = torch.cat([values[kept, None], F.one_hot(kept % 16, 16).float()], 1)
@@ -232,7 +244,7 @@ def graph_batch(batch: int) -> tuple[Any, Tensor]:
         targets = near.topk(k, largest=False).indices  # (m, k)
         edges = torch.stack([torch.arange(len(kept)).repeat_interleave(k), targets.reshape(-1)])
         graphs.append(geometric.data.Data(x=features, edge_index=edges))
-    return geometric.data.Batch.from_data_list(graphs), (y[:batch] >= 5).long()
+    return geometric.data.Batch.from_data_list(graphs), (y[start:start + batch] >= 5).long()
 
 
 def grads_workload(name: str, batch: int | None = None, size: str = "full",
@@ -380,11 +392,12 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     if name == "gcn-batch-grads":
         b = batch or 32
         graphs, labels = graph_batch(b)
+        others = [graph_batch(b, start=k * b) for k in range(1, 1 + _OTHER_GRAPH_BATCHES)]
         return Workload(name, "torch_geometric", real_models.gcn(graphs.x.shape[1]), graphs,
                         labels, nn.CrossEntropyLoss(),
                         f"torch_geometric GCN 2x64 and mean pool on a Batch of {b} graphs "
                         "(the digits' 8x8 pixels as nodes joined to their 4 nearest in value, "
-                        "16 to 64 nodes), 2 classes, cross-entropy")
+                        "16 to 64 nodes), 2 classes, cross-entropy", other_batches=others)
     if name in ("gpt2-grads", "gpt2-lora-grads"):
         b, t = batch or 16, 64
         model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t)

@@ -83,7 +83,7 @@ def grads_case(w: Workload, only: str | None = None) -> Case:
         *(_competitor(name, build, w, estimate, only) for name, build in competitors),
         *persample_rows.grads_rows(w),
     ])
-    case.diagnostics = persample_rows.capture_overhead(w)
+    case.diagnostics = persample_rows.capture_overhead(w) + persample_rows.new_batches(w)
     case.forward_ops = persample_rows.forward_ops(w)
     return case
 

@@ -70,6 +70,43 @@ def capture_overhead(w: Workload) -> list[tuple[str, Callable[[], object]]]:
     return [("plain forward", plain), ("forward under capture", captured)]
 
 
+NEW_BATCH_PLAIN = "plain step, a new batch at each call"
+NEW_BATCH_OURS = "persample, a new batch at each call"
+
+
+def new_batches(w: Workload) -> list[tuple[str, Callable[[], object]]]:
+    """Where the workload has :attr:`~persample_bench.workloads.Workload.other_batches`
+    (batches whose shapes differ, as an epoch of graph batches has them), the plain step
+    and persample's default call, each taking the next of them at every call, timed
+    beside the methods: what a training loop pays, where every other row times the same
+    batch again. ``[]`` where it has none.
+
+    Examples:
+        >>> from persample_bench.workloads import grads_workload
+        >>> new_batches(grads_workload("cnn-grads", 2))
+        []
+    """
+    if not w.other_batches:
+        return []
+    turn = {NEW_BATCH_PLAIN: 0, NEW_BATCH_OURS: 0}
+
+    def next_batch(label: str) -> tuple:
+        k = turn[label]
+        turn[label] = k + 1
+        return w.other_batches[k % len(w.other_batches)]
+
+    def plain() -> None:
+        inputs, targets = next_batch(NEW_BATCH_PLAIN)
+        for p in w.model.parameters():
+            p.grad = None
+        scalar_loss(w.loss_fn(w.call(inputs=inputs), targets)).backward()
+
+    def ours() -> object:
+        inputs, targets = next_batch(NEW_BATCH_OURS)
+        return per_sample_grads(w.model, inputs, targets, w.loss_fn)
+
+    return [(NEW_BATCH_PLAIN, plain), (NEW_BATCH_OURS, ours)]
+
 class _Counting(TorchFunctionMode):
     """Counts the calls a ``TorchFunctionMode`` sees (the ops persample's capture sees)."""
 
