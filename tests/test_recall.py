@@ -29,14 +29,21 @@ def _key(func=torch.Tensor.index_select, *args):
     return recall_key(func, args or (None, 0, None), {})
 
 
+class _At:
+    """A program's entry, as far as a recall reads one: the key it keeps decisions by."""
+
+    def __init__(self, key):
+        self.recall = key
+
+
 def test_a_decision_on_the_same_values_and_layouts_is_recalled_with_its_own_output():
     recall, idx = Recall(), torch.tensor([0, 1, 1, 2])
     x, out = torch.zeros(4), torch.ones(4)
     lay = Partly("why", 0, torch.tensor([0, -1, 1, 1]), weakref.ref(out))
     flow = Flow(lay)
-    recall.keep(_key(), [x, idx], (SHARED, Batched(0)), [out], flow)
+    recall.keep(_At(_key()), [x, idx], (SHARED, Batched(0)), [out], flow)
     again = out.clone()
-    got = recall.flow(_key(), [x.clone(), idx.clone()], (SHARED, Batched(0)), [again])
+    got = recall.flow(_At(_key()), [x.clone(), idx.clone()], (SHARED, Batched(0)), [again])
     assert got is not None and got.outputs.ref() is again  # (its own output's layout)
     assert torch.equal(got.outputs.rows, lay.rows) and lay.ref() is out
 
@@ -44,10 +51,10 @@ def test_a_decision_on_the_same_values_and_layouts_is_recalled_with_its_own_outp
 @pytest.mark.parametrize("change", ["values", "layout", "written", "aliasing", "arguments"])
 def test_any_difference_decides_anew(change):
     recall, idx, x, out = Recall(), torch.tensor([0, 1, 1, 2]), torch.zeros(4), torch.ones(4)
-    recall.keep(_key(), [x, idx, idx], (SHARED, Batched(0), Batched(0)), [out], Flow(SHARED))
+    recall.keep(_At(_key()), [x, idx, idx], (SHARED, Batched(0), Batched(0)), [out], Flow(SHARED))
     same = idx.clone()
     leaves, lays, key = [x, same, same], (SHARED, Batched(0), Batched(0)), _key()
-    assert recall.flow(key, leaves, lays, [out.clone()]) is not None  # (as it is)
+    assert recall.flow(_At(key), leaves, lays, [out.clone()]) is not None  # (as it is)
     if change == "values":  # (equal shapes, one entry other)
         leaves[1][0] = 3
     elif change == "layout":
@@ -58,7 +65,7 @@ def test_any_difference_decides_anew(change):
         leaves = [x, same, same.clone()]
     else:
         key = _key(torch.Tensor.index_select, None, 1, None)
-    assert recall.flow(key, leaves, lays, [out.clone()]) is None
+    assert recall.flow(_At(key), leaves, lays, [out.clone()]) is None
 
 
 @pytest.mark.parametrize("func, recalled", [
@@ -73,13 +80,13 @@ def test_floating_point_data_is_compared_by_form_alone_where_no_decision_reads_i
     recall, idx, x = Recall(), torch.tensor([0, 1, 1, 2]), torch.randn(4, 3)
     out = torch.randn(4, 3)
     key = recall_key(func, (None, 0, None), {})
-    recall.keep(key, [x, idx], (SHARED, Batched(0)), [out], Flow(SHARED))
+    recall.keep(_At(key), [x, idx], (SHARED, Batched(0)), [out], Flow(SHARED))
     x.mul_(2)  # (written since, and other values: no decision of these reads them)
     other = [torch.randn(4, 3), idx.clone()]
-    got = recall.flow(key, other, (SHARED, Batched(0)), [torch.randn(4, 3)])
+    got = recall.flow(_At(key), other, (SHARED, Batched(0)), [torch.randn(4, 3)])
     assert (got is not None) == recalled
     wider = [torch.randn(4, 5), idx.clone()]  # (the form still counts)
-    assert recall.flow(key, wider, (SHARED, Batched(0)), [torch.randn(4, 5)]) is None
+    assert recall.flow(_At(key), wider, (SHARED, Batched(0)), [torch.randn(4, 5)]) is None
 
 
 def test_sparse_and_nested_tensors_are_never_taken_for_equal():
@@ -89,8 +96,8 @@ def test_sparse_and_nested_tensors_are_never_taken_for_equal():
         nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
     sparse = torch.eye(2).to_sparse()
     for t in (nested, sparse):
-        recall.keep(_key(), [t], (SHARED,), [out], Flow(SHARED))
-        assert recall.flow(_key(), [t.clone()], (SHARED,), [out.clone()]) is None
+        recall.keep(_At(_key()), [t], (SHARED,), [out], Flow(SHARED))
+        assert recall.flow(_At(_key()), [t.clone()], (SHARED,), [out.clone()]) is None
         recall = Recall()
 
 

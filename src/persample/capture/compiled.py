@@ -69,7 +69,7 @@ from .lean import (
     _stands_for,
     decided,
 )
-from .recall import Recall, odds_of
+from .recall import Recall
 from .records import Call, Derived, Op, shapes_only
 from .tensors import KEPT, tensor_leaves
 
@@ -574,11 +574,11 @@ class CompiledCapture(LeanCapture):
                 lays = tuple(dyn.get(id(t), lay) for t, lay in zip(leaves, lays))
             self._deciding = (leaves, lays)
             made = [values[k] for k in d.made_tensors]
-            flow = recall.flow(entry.recall, leaves, lays, made, odds_of(entry))
+            flow = recall.flow(entry, leaves, lays, made)
             if flow is None:
                 flow = decided(ctx, d.func, _fill(d.args, values), _fill(d.kwargs, values),
                                _fill(d.out, values), list(lays))
-                recall.keep(entry.recall, leaves, lays, made, flow)
+                recall.keep(entry, leaves, lays, made, flow)
             if not (_alike_flow(flow, entry.flow) if entry.dynamic else _same_flow(
                     flow, entry.flow)):
                 return False

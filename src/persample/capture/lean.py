@@ -77,7 +77,7 @@ from ..precision import autocast_state
 from ..rng import generator_of
 from .edges import edge_of
 from .mode import hidden, must_hide
-from .recall import Recall, odds_of, recall_key
+from .recall import Recall, recall_key
 from .recorder import Capture
 from .records import Call, Derived, Op, shapes_only
 from .tape import _PLAIN, _TENSOR, Opaque, Step, _key, arguments_key, outs_of, value_leaf
@@ -542,10 +542,10 @@ class LeanCapture(Capture):
                              for w, lay in zip(e.wants, lays))
             self._deciding = (leaves, lays)
             outs = _outputs(args[0] if e.write else out)
-            flow = self.recall.flow(e.recall, leaves, lays, outs, odds_of(e))
+            flow = self.recall.flow(e, leaves, lays, outs)
             if flow is None:
                 flow = decided(self.lean_ctx, func, args, kwargs, out, list(lays))
-                self.recall.keep(e.recall, leaves, lays, outs, flow)
+                self.recall.keep(e, leaves, lays, outs, flow)
             if not (_alike_flow(flow, e.flow) if e.dynamic else _same_flow(flow, e.flow)):
                 raise Deopt
             if e.dynamic:

@@ -1,9 +1,7 @@
 """Data-flow decisions a call has made already, kept for the rest of the call.
 
 A cached call decides again, at every call, the data flow of each op whose layout may
-depend on values (an index, a mask; :func:`persample.capture.lean.decided`), and the full
-capture decides every op's (a call of new shapes: each batch of an epoch of graphs has
-its own node and edge counts; there only the ops that read values are kept). Models often
+depend on values (an index, a mask; :func:`persample.capture.lean.decided`). Models often
 repeat such an op on the same values within one call: every torch_geometric layer adds
 the same self loops to the same ``edge_index`` and normalizes by the same degrees, every
 layer of a graph network gathers by the same rows. A decision is a function of the op,
@@ -77,50 +75,41 @@ class Recall:
         self.made: dict[tuple, list[_Made]] = {}
         self.equal: dict[int, tuple] = {}  # id(t) -> (t, u, versions): t found equal to u
 
-    def flow(self, key: tuple | None, leaves: list, layouts: tuple, outs: list,
-             odds: list[int] | None = None) -> Flow | None:
+    def flow(self, entry: Any, leaves: list, layouts: tuple, outs: list) -> Flow | None:
         """The flow of an earlier decision on these values and layouts, its layouts
-        re-attached to ``outs``; ``None`` where none was made. (``key``: the op's
-        :func:`recall_key`; ``odds``: a program entry's record of its earlier calls,
-        :func:`odds_of`, where one whose first calls found no earlier decision to take is
-        not compared again.)"""
+        re-attached to ``outs``; ``None`` where none was made. (``entry``: the program's
+        entry of the op, whose ``recall`` is its key; an entry whose first calls found
+        no earlier decision to take is not compared again.)"""
+        key = entry.recall
         if key is None:
             return None
         candidates = self.made.get(key)
         if not candidates:
             return None
-        if odds is not None:
-            if odds[0] >= _TRIES and not odds[1]:
-                return None
-            odds[0] += 1
-        last = odds[2] if odds is not None and odds[2] < len(candidates) else 0  # (the
-        tensors = leaves + outs  # same op's decision as in the last call: tried first)
+        odds = _ODDS.get(entry)
+        if odds is None:  # (calls compared, calls that found one, where it was found)
+            odds = _ODDS[entry] = [0, 0, 0]
+        elif odds[0] >= _TRIES and not odds[1]:
+            return None
+        odds[0] += 1
+        last = odds[2] if odds[2] < len(candidates) else 0  # (the same op's decision as
+        tensors = leaves + outs  # in the last call, most likely: tried first)
         for k in (last, *range(last), *range(last + 1, len(candidates))):
             old = candidates[k]
             if _same(old, tensors, layouts, old.blind, self.equal):
-                if odds is not None:
-                    odds[1] += 1
-                    odds[2] = k
+                odds[1] += 1
+                odds[2] = k
                 return _reattached(old.flow, old.tensors[len(leaves):], outs)
         return None
 
-    def keep(self, key: tuple | None, leaves: list, layouts: tuple, outs: list, flow: Flow
-             ) -> None:
-        """Keep a decision just made (``key``: as for :meth:`flow`)."""
+    def keep(self, entry: Any, leaves: list, layouts: tuple, outs: list, flow: Flow) -> None:
+        """Keep a decision just made (``entry``: as for :meth:`flow`)."""
+        key = entry.recall
         if key is None or flow.writes:
             return
         tensors = leaves + outs
         self.made.setdefault(key, []).append(_Made(
             tensors, [t._version for t in tensors], layouts, flow, reads_no_floats(key[0])))
-
-
-def odds_of(entry: Any) -> list[int]:
-    """A program entry's calls compared, calls that found an earlier decision, and where
-    among the candidates it found it last (kept with the entry, weakly)."""
-    odds = _ODDS.get(entry)
-    if odds is None:
-        odds = _ODDS[entry] = [0, 0, 0]
-    return odds
 
 
 _ODDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # entry -> [tried, found,

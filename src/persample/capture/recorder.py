@@ -62,9 +62,9 @@ from ..batch import (
     op_leaves,
     propagate,
 )
-from ..batch.flow import METADATA, SHAPE_READERS, VALUE_READERS, name_of, unbroadcast
+from ..batch.flow import METADATA, SHAPE_READERS, name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
-from ..batch.ops_indexing import Partly, written_layout
+from ..batch.ops_indexing import written_layout
 from ..batch.table import MISSING, LayoutTable, storage_of
 from ..draws import Draw, random_kind
 from ..errors import NeedsWholeModel, module_note, raise_internal
@@ -72,7 +72,6 @@ from ..patches import WhileCapturing
 from ..precision import autocast_state
 from .edges import edge_of
 from .mode import hidden, mode_class, must_hide
-from .recall import Recall, recall_key
 from .records import Call, Derived, Inner, Op, shapes_only
 from .tape import Opaque, Step, arguments_key, outs_of, reads_of, reusable
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
@@ -185,9 +184,6 @@ class Capture:
         self._replay = tape  # the steps of an earlier capture of this call
         self.tracer: Any = None  # traces the forward (persample.capture.lean.Tracer)
         self.replayed = 0  # ops whose data flow was taken from the tape
-        # the decisions of this call on indices, for its later ops on the same values
-        # (persample.capture.recall; dropped with the forward's end)
-        self.recall: Recall | None = Recall()
         # a compiled graph's first call ran under it: keeps the graph's plan, given
         # whether the call's plan took the rules alone (persample.capture.compiled)
         self.settle: Callable[[bool], None] | None = None
@@ -250,7 +246,6 @@ class Capture:
         return self
 
     def __exit__(self, _type, exc, _tb) -> None:
-        self.recall = None  # (the forward's decisions: the loss's ops start afresh)
         try:
             self._mode.__exit__(None, None, None)
         finally:
@@ -554,7 +549,7 @@ class Capture:
             return out
         if not has_tensor(out):
             return out
-        flow = self._decided(func, args, kwargs, out, leaves, layouts, sources, draw)
+        flow = propagate(self.ctx, func, args, kwargs, out, layouts)
         if self.stack and new_trouble(flow.outputs, layouts):
             flow = Flow(placed(flow.outputs, self.stack[-1].describe()), flow.pairing,
                         flow.writes)
@@ -584,24 +579,6 @@ class Capture:
             self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before,
                             draw)
         return out
-
-    def _decided(self, func, args, kwargs, out, leaves, layouts, sources, draw) -> Flow:
-        """The op's data flow, or where it reads values (an index, a mask: a decision
-        that takes several passes over them) and reads no parameter and draws nothing,
-        the flow an earlier op of this call decided on the same values, layouts and
-        aliasing (every torch_geometric layer gathers and scatters by the same
-        ``edge_index``: :mod:`persample.capture.recall`)."""
-        key = None
-        if self.recall is not None and func in VALUE_READERS and not sources and draw is None:
-            key = recall_key(func, args, kwargs)
-        if key is None:
-            return propagate(self.ctx, func, args, kwargs, out, layouts)
-        lays, outs = tuple(layouts), tensor_leaves(out)
-        flow = self.recall.flow(key, leaves, lays, outs)
-        if flow is None:
-            flow = propagate(self.ctx, func, args, kwargs, out, layouts)
-            self.recall.keep(key, leaves, lays, outs, flow)
-        return flow
 
     def _param_write(self, target: Tensor, layout: Layout) -> bool:
         """Parameters written in place into a whole shared tensor (``w = buf.clone();
@@ -805,4 +782,3 @@ def box_of(view: Tensor, base: Tensor) -> tuple | None:
             return None
         box.append(slice(None) if size == whole else slice(start, start + size))
     return tuple(box) if offset == 0 else None
-
