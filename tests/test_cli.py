@@ -13,6 +13,7 @@ from persample.cli import build_parser, main, threads
 from persample.cli.real_models import require
 from persample_bench import bench as bench_module
 from persample_bench import bench_options
+from persample_bench.anchors.persample_rows import NEW_BATCH_OURS, NEW_BATCH_PLAIN
 from persample_bench.workloads import (
     PROXY_WORKLOADS,
     QUICK_WORKLOADS,
@@ -329,3 +330,23 @@ def test_bench_family_workloads(tmp_path, workload):
     (report,) = figures["workloads"]
     by_name = check_rows(report, 1e-4)
     assert by_name["loop"]["status"] == "ok"
+    if workload == "gcn-batch-grads":  # (graph batches of other shapes, one per call)
+        assert all(report["diagnostics"][k] > 0 for k in (NEW_BATCH_OURS, NEW_BATCH_PLAIN))
+
+
+def test_the_graph_workload_feeds_a_new_batch_of_other_shapes_at_each_call():
+    """The graph network's "a new batch at each call" line times batches of ``B`` graphs
+    whose node and edge counts differ from each other's and the timed batch's, more of
+    them than the data-flow records persample keeps per model: every call of that line
+    has shapes the calls before it did not (an epoch of graph batches)."""
+    pytest.importorskip("torch_geometric")
+    from persample.engine.tapes import PER_MODEL
+    from persample_bench.anchors.persample_rows import new_batches
+    from persample_bench.workloads import grads_workload
+
+    w = grads_workload("gcn-batch-grads", 4)
+    batches = [(w.inputs, w.targets)] + w.other_batches
+    assert len(w.other_batches) > PER_MODEL
+    assert all(g.num_graphs == 4 and y.shape == (4,) for g, y in batches)
+    assert len({(g.num_nodes, g.num_edges) for g, _ in batches}) == len(batches)
+    assert [label for label, _ in new_batches(w)] == [NEW_BATCH_PLAIN, NEW_BATCH_OURS]

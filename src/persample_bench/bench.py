@@ -575,6 +575,16 @@ def _fmt(value: float | None, spec: str, width: int) -> str:
     return f"{value:>{width}{spec}}" if value is not None else " " * width
 
 
+def _new_batch_ratio(r: Report) -> float | None:
+    """persample's default call over the plain step plus the result's write, each taking
+    a new batch at every call (the workload's other batches, of other shapes), or
+    ``None`` where the workload has none."""
+    ours, plain = (r.diagnostics.get(k) for k in (NEW_BATCH_OURS, NEW_BATCH_PLAIN))
+    if not ours or not plain:
+        return None
+    return ours / (plain + r.t_fill_ms)
+
+
 def format_summary(reports: list[Report], quick: bool = False) -> str:
     """One screen after the tables: per workload persample's default call and the best
     other method that agreed with the reference, each x its floor, and the speed-up (the
@@ -605,6 +615,11 @@ def format_summary(reports: list[Report], quick: bool = False) -> str:
         lines.append(f"  {r.workload:<24}{mine:>10}  {other:<32}"
                      f"{r.speedup_over_best_other:>8.2f}x" + (
                          f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else ""))
+    for r in reports:
+        new_batch = _new_batch_ratio(r)
+        if new_batch is not None:
+            lines.append(f"  {r.workload}, a new batch (of other shapes) at each call, as an "
+                         f"epoch runs: persample {new_batch:.2f}x (plain step + write)")
     lines.append(f"persample is ahead of the best other method on {ahead} of {compared} "
                  "workloads compared" + (" (a quick run: no warm-up and 2 rounds; the "
                                          "full run's figures are the ones to quote)"
@@ -658,12 +673,12 @@ def format_report(r: Report) -> str:
     if plain and captured:
         lines.append(f"  capture overhead: forward under capture {captured:.2f} ms, plain "
                      f"forward {plain:.2f} ms ({captured / plain:.2f}x)")
-    new_plain, new_ours = (r.diagnostics.get(k) for k in (NEW_BATCH_PLAIN, NEW_BATCH_OURS))
-    if new_plain and new_ours:  # (each call a batch of shapes not seen before)
-        floor = new_plain + r.t_fill_ms
-        lines.append(f"  a new batch at each call, as an epoch runs: {r.ours} {new_ours:.2f} ms, "
-                     f"plain step {new_plain:.2f} ms, {new_ours / floor:.2f}x (plain step + "
-                     "write)")
+    new_batch = _new_batch_ratio(r)
+    if new_batch is not None:  # (each call a batch of shapes not seen before)
+        lines.append(f"  a new batch at each call, as an epoch runs: {r.ours} "
+                     f"{r.diagnostics[NEW_BATCH_OURS]:.2f} ms, plain step "
+                     f"{r.diagnostics[NEW_BATCH_PLAIN]:.2f} ms, {new_batch:.2f}x (plain step "
+                     "+ write)")
     if r.us_per_op:
         lines.append(f"  fixed cost per forward op ((median - t_plain) / {r.forward_ops} ops): "
                      + ", ".join(f"{k} {v:.0f} us" for k, v in r.us_per_op.items()))

@@ -223,6 +223,20 @@ _OTHER_GRAPH_BATCHES = 12  # more than the bench's calls of each method: each ca
 # "a new batch at each call" line gets a batch of shapes it has not seen, as in an epoch
 
 
+def _other_graph_batches(batch: int, first: Any) -> list[tuple[Any, Tensor]]:
+    """Up to :data:`_OTHER_GRAPH_BATCHES` more batches of ``batch`` digits as graphs (the
+    digits after ``first``'s), each of a node and edge count no batch before it has."""
+    seen, found = {(first.num_nodes, first.num_edges)}, []
+    start, total = batch, len(digits_images(8)[1])
+    while len(found) < _OTHER_GRAPH_BATCHES and start + batch <= total:
+        graphs, labels = graph_batch(batch, start)
+        start += batch
+        if (graphs.num_nodes, graphs.num_edges) not in seen:
+            seen.add((graphs.num_nodes, graphs.num_edges))
+            found.append((graphs, labels))
+    return found
+
+
 def graph_batch(batch: int, start: int = 0) -> tuple[Any, Tensor]:
     """``batch`` of the digits (from the ``start``-th on) as graphs, a torch_geometric
     ``Batch``: the pixels of each 8x8 image above its median brightness are the nodes (16
@@ -392,7 +406,7 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     if name == "gcn-batch-grads":
         b = batch or 32
         graphs, labels = graph_batch(b)
-        others = [graph_batch(b, start=k * b) for k in range(1, 1 + _OTHER_GRAPH_BATCHES)]
+        others = _other_graph_batches(b, graphs)
         return Workload(name, "torch_geometric", real_models.gcn(graphs.x.shape[1]), graphs,
                         labels, nn.CrossEntropyLoss(),
                         f"torch_geometric GCN 2x64 and mean pool on a Batch of {b} graphs "
