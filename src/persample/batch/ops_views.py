@@ -28,7 +28,7 @@ from .flow import (
     register,
 )
 from .forms import forms
-from .layouts import SHARED, Batched, Unknown, sample_of_positions
+from .layouts import SHARED, Batched, Unknown, nonnegative, sample_of_positions
 from .ops_elementwise import SELF_ONLY, dims_arg, self_only
 from .ops_indexing import (
     NO_SAMPLE,
@@ -54,8 +54,10 @@ def _reshape(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(x)
     if not isinstance(lay, Batched) or not isinstance(out, Tensor):
         return lay
-    if lay.index is not None and not isinstance(lay, Sorted) and bool((lay.index >= 0).all()):
+    if (lay.index is not None and not isinstance(lay, Sorted)
+            and lay.index.numel() % max(ctx.n, 1) == 0 and nonnegative(lay.index)):
         lay = regular(lay.dim, lay.index.long(), ctx.n)  # graphs of equal sizes: merged
+        # (only a multiple of the batch's positions can be: no pass over the index else)
     return reshaped(lay, tuple(x.shape), tuple(out.shape), ctx.n) or Unknown(
         f"{name_of(func)} {tuple(x.shape)} -> {tuple(out.shape)} splits the batch dim")
 
