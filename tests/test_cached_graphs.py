@@ -5,6 +5,8 @@ decided again from that call's node and edge ids, every answer the loop's in flo
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -104,3 +106,116 @@ def test_an_edge_between_graphs_in_a_later_call_is_caught(compiled, kind):
             persample.per_sample_grads(model, graphs(k, cross=True), y, loss, method="rules")
     for k in range(2):
         check(model, graphs(k), y, loss)
+
+
+def ragged(seed: int, cross: bool = False):
+    """A ``Batch`` of ``B`` graphs of 2 to ``2 N`` nodes each (graph 0 ``2 + seed``) and
+    twice as many edges, wired by ``seed``: each seed's node and edge counts are its own,
+    as in an epoch of graph batches; ``cross``: one edge of graph 0 then points into
+    graph 1."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.data import Batch, Data
+
+    g, counts = torch.Generator().manual_seed(100 + seed), torch.Generator().manual_seed(0)
+    data = []
+    for i in range(B):
+        nodes = 2 + seed if i == 0 else int(torch.randint(2, 2 * N + 1, (), generator=counts))
+        src = torch.randint(0, nodes, (2 * nodes,), generator=g)
+        dst = (src + torch.randint(1, nodes, (2 * nodes,), generator=g)) % nodes
+        data.append(Data(x=torch.randn(nodes, D, generator=g, dtype=torch.float64),
+                         edge_index=torch.stack([src, dst])))
+    batch = Batch.from_data_list(data)
+    if cross:
+        batch.edge_index[1, 0] = int(batch.ptr[1])  # (the first node of graph 1)
+    return batch
+
+
+@pytest.mark.parametrize("kind", ["hand-gin", "pyg-gcn"])
+def test_graph_batches_of_new_sizes_at_each_call_take_the_compiled_call(compiled, kind):
+    """Every call a batch of node and edge counts no call before it had: after the first
+    calls (the program traced, the forward compiled, then compiled again with its sizes
+    symbolic), each call runs the compiled graph with that call's wiring decided again,
+    and every answer is the loop's."""
+    model, y, loss = _model(kind), torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    sizes = set()
+    for k in range(8):
+        batch = ragged(k)
+        sizes.add((batch.num_nodes, batch.num_edges))
+        check(model, batch, y, loss)
+    assert len(sizes) == 8, sizes
+    later = ragged(20)
+    assert (later.num_nodes, later.num_edges) not in sizes
+    note = persample.verify(model, later, y, loss).plan
+    assert note.startswith("cached: compiled") == compiled, note
+    check(model, ragged(21), y, loss)
+
+
+@pytest.mark.parametrize("kind", ["hand-gin", "pyg-gcn"])
+def test_an_edge_between_graphs_of_a_batch_of_new_sizes_is_caught(compiled, kind):
+    model, y, loss = _model(kind), torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    for k in range(6):
+        check(model, ragged(k), y, loss)
+    for k in range(2):
+        with pytest.raises(persample.LossNotPerSampleError):
+            persample.per_sample_grads(model, ragged(10 + k, cross=True), y, loss,
+                                       method="rules")
+    check(model, ragged(12), y, loss)
+
+
+def equal(seed: int):
+    """A ``Batch`` of ``B`` graphs of ``2 + seed`` nodes each (graphs of equal sizes: a
+    position layout of ``2 + seed`` nodes per sample where the data flow finds one),
+    ``2 (2 + seed)`` edges each, wired by ``seed``."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.data import Batch, Data
+
+    g, nodes = torch.Generator().manual_seed(200 + seed), 2 + seed
+    data = []
+    for _ in range(B):
+        src = torch.randint(0, nodes, (2 * nodes,), generator=g)
+        dst = (src + torch.randint(1, nodes, (2 * nodes,), generator=g)) % nodes
+        data.append(Data(x=torch.randn(nodes, D, generator=g, dtype=torch.float64),
+                         edge_index=torch.stack([src, dst])))
+    return Batch.from_data_list(data)
+
+
+@pytest.mark.parametrize("kind", ["hand-gin", "pyg-gcn"])
+def test_graphs_of_equal_sizes_that_change_at_each_call_stay_exact(compiled, kind):
+    """Graphs of equal sizes, whose data flow may find a layout by position (so many
+    nodes per sample, a count that each call changes): every answer is the loop's."""
+    model, y, loss = _model(kind), torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    for k in range(8):
+        check(model, equal(k), y, loss)
+        check(model, ragged(k), y, loss)
+
+
+class SizedAlpha(nn.Module):
+    """``addmm`` with an ``alpha`` made of the batch's node count: an op reading
+    parameters that takes a size of the batch (a plan of any sizes would hold the size
+    of the call that made it). The node count is every graph's together, so the loop,
+    each graph alone, computes another function: the cached calls are checked against
+    the full capture's answer instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D, dtype=torch.float64))
+        self.b = nn.Parameter(torch.randn(D, dtype=torch.float64))
+        self.head = nn.Linear(D, 2, dtype=torch.float64)
+
+    def forward(self, data):
+        x = torch.addmm(self.b, data.x, self.w, alpha=10.0 / data.x.shape[0])
+        return self.head(torch.zeros(data.num_graphs, D, dtype=x.dtype).index_add_(
+            0, data.batch, x))
+
+
+def test_an_op_reading_parameters_with_a_size_of_the_batch_takes_no_plan_of_any_size(compiled):
+    """Where an op reading parameters takes a size of the batch, the graph of symbolic
+    sizes takes no plan: every call answers what the full capture answers."""
+    torch.manual_seed(0)
+    model, y, loss = SizedAlpha(), torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    for k in range(8):
+        got = persample.per_sample_grads(model, ragged(k), y, loss, method="rules")
+        fresh = copy.deepcopy(model)  # (its first call: the full capture)
+        want = persample.per_sample_grads(fresh, ragged(k), y, loss, method="rules")
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

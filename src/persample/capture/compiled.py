@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch import op_leaves
+from ..batch import Batched, op_leaves
 from ..precision import autocast_state
 from .edges import edge_of
 from .lean import (
@@ -94,6 +94,8 @@ class Plan:
     keep: tuple  # per op whose shared outputs outlive the call as constants: its out
     outputs: tuple  # per graph output: its layout, or None where it is no tensor
     n_values: int  # how many node values the copy returns (then the reads' edges)
+    sized: bool = False  # the graph takes the batch's sizes as arguments: the plan holds
+    # for calls of any sizes (a graph batch's nodes and edges: see plan_of)
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,8 +211,9 @@ class _Runner:
     """TorchDynamo's answer for one graph: runs it as the calling thread's call wants
     (analysed, run with its values kept), or as it is outside persample's calls."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, sizes: frozenset[int] = frozenset()):
         self.gm = gm
+        self.sizes = sizes  # the arguments that are sizes (a graph of symbolic shapes)
         self.plans: dict[tuple, Plan | None] = {}
         self.namespaces = Namespaces()  # (as they were when it was traced)
         # its code calls torch's functions by name: none may be patched (the patch, which
@@ -227,7 +230,8 @@ class _Runner:
 
 def _backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
     _as_eager(gm)
-    return _Runner(gm)
+    return _Runner(gm, frozenset(k for k, x in enumerate(example_inputs)
+                                 if isinstance(x, torch.SymInt)))
 
 
 # ops a library calls only while TorchDynamo traces, in place of an eager op it keeps
@@ -273,14 +277,18 @@ def _call(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     return model(*args, **kwargs)
 
 
-def compiled_for(model: nn.Module) -> Any:
+def compiled_for(model: nn.Module, sized: bool = False) -> Any:
     """``model``'s forward as ``f(model, args, kwargs)``, compiled by TorchDynamo with
     persample's backend. Each model gets a code object of its own: its graphs and guards
     are kept apart from every other model's (and from the user's own ``torch.compile``).
+    ``sized``: for calls whose sizes change from call to call (a graph batch's nodes and
+    edges), with TorchDynamo's automatic dynamic shapes (a second graph, its sizes
+    symbolic, once they have changed), else every size as it was traced.
     """
     code = _call.__code__.replace(co_name=f"_persample_forward_{next(_NUMBER)}")
     fn = types.FunctionType(code, _call.__globals__, code.co_name)
-    compiled = torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, backend=_backend, fullgraph=True,
+                             dynamic=None if sized else False)
     import torch._dynamo as dynamo
 
     def run(model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -298,14 +306,18 @@ _GUARDS = {"skip_nnmodule_hook_guards": False,
            "skip_tensor_guards_with_matching_dict_tags": False}
 
 
-def kind_of(args: tuple, inputs: list, watched: dict) -> tuple:
+def kind_of(args: tuple, inputs: list, watched: dict, sizes: frozenset[int] = frozenset()
+            ) -> tuple:
     """Which tensor each input of the graph is, as a plan is made for it: the batch's
     input at a place, a watched parameter (which one), or another tensor (and its
-    ``requires_grad``); other values as they are."""
+    ``requires_grad``); other values as they are, but the graph's sizes (``sizes``: their
+    places) as sizes, whatever they are."""
     found = []
     places = {id(t): k for k, (t, _) in enumerate(inputs)}
-    for a in args:
-        if isinstance(a, Tensor):
+    for k, a in enumerate(args):
+        if k in sizes:
+            found.append(("size",))
+        elif isinstance(a, Tensor):
             place = places.get(id(a))
             if place is not None and inputs[place][0] is a:
                 found.append(("input", place))
@@ -354,6 +366,8 @@ class _Keeping(Tracer):
     def __init__(self, cap: Any, inputs: list):
         super().__init__(cap, inputs)
         self.ran: list = []
+        self.node: torch.fx.Node | None = None  # the graph's node running (where known)
+        self.nodes: list = []  # per entry of ran: the node it ran in
 
     def traced(self, func, args: tuple, kwargs: dict) -> Any:
         k = len(self.entries)
@@ -363,7 +377,29 @@ class _Keeping(Tracer):
                 self.dead = "an op that made no entry"
             else:
                 self.ran.append((func, args, kwargs, out))
+                self.nodes.append(self.node)
         return out
+
+
+class _Tagging(torch.fx.Interpreter):
+    """Runs a graph node by node, telling the tracer which node each op runs in."""
+
+    def __init__(self, gm: torch.fx.GraphModule, tracer: _Keeping):
+        super().__init__(gm)
+        self.tracer = tracer
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.tracer.node = n
+        try:
+            return super().run_node(n)
+        finally:
+            self.tracer.node = None
+
+    def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[tuple, dict]:
+        """The node's arguments as the graph's own code passes them: plain lists and
+        dicts, not fx's immutable ones."""
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return _plain_tree(args), _plain_tree(kwargs)
 
 
 def _calls(ops: list, program: Program) -> list:
@@ -402,10 +438,18 @@ def _resolves(target: Any) -> bool:
 
 
 def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
-            output: tuple, calls: list) -> Plan:
+            output: tuple, calls: list, sized: bool = False) -> Plan:
     """The plan of a graph's call that ran under ``cap`` (a full capture traced by
     ``tracer``), ``values`` the value of each node of ``gm``, ``calls`` the module call
-    of each of its ops reading parameters (or ``None``); raises :class:`_NoPlan`."""
+    of each of its ops reading parameters (or ``None``); raises :class:`_NoPlan`.
+
+    ``sized``: the graph takes the batch's sizes as arguments (its shapes symbolic), and
+    the plan is for calls of any sizes. Then the ops reading parameters may take no
+    argument made of a size (their records are this call's arguments); an op whose data
+    flow is decided again takes its arguments from its node's, sizes included, as the
+    graph computes them at each call; and every layout the plan holds that is not
+    decided again must be one that no size moves (shared, or one position per sample
+    along a dim: not a dim of several positions per sample, whose count is a size)."""
     program = tracer.program(cap, list(output))
     if program is None:
         raise _NoPlan(tracer.dead or "no program")
@@ -418,6 +462,7 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
         if isinstance(v, Tensor):
             producer.setdefault(id(v), n)
     wanted: dict = {}
+    of_node = _NodeValues(gm, nodes, values) if sized else None
 
     def slot(t: Tensor) -> _Slot:
         n = producer.get(id(t))
@@ -432,8 +477,12 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
         return edges.setdefault(producer[id(t)], len(edges))
 
     reads, decide, keep = [], [], []
-    for e, (func, args, kwargs, out) in zip(program.entries, tracer.ran):
+    ran_in = tracer.nodes if sized else [None] * len(tracer.ran)
+    for e, (func, args, kwargs, out), node in zip(program.entries, tracer.ran, ran_in):
+        sizes = sized and (e.kind is PARAM or e.decide) and of_node.takes_sizes(node)
         if e.kind is PARAM:
+            if sizes:
+                raise _NoPlan(f"an op reading parameters ({func}) takes a size of the batch")
             c = calls[e.op]
             reads.append(_ReadOf(
                 e.op, func, _slotted(args, slot), _slotted(kwargs, slot), _slotted(out, slot),
@@ -443,8 +492,11 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
                 tuple(edge(o) for o in _outputs(out))))
         if e.decide:  # (in order: a layout holding indices decided before its readers)
             made = args[0] if e.write else out
+            slotted = (_slotted(args, slot), _slotted(kwargs, slot)) if not sizes else (
+                of_node.arguments(node, args, kwargs, lambda m: _Slot(
+                    wanted.setdefault(m, len(wanted)))))
             decide.append(_DecideOf(
-                func, _slotted(args, slot), _slotted(kwargs, slot), _slotted(out, slot), e,
+                func, slotted[0], slotted[1], _slotted(out, slot), e,
                 tuple(slot(t).k for t in op_leaves(args, kwargs)), _slotted(made, slot),
                 tuple(slot(t).k for t in _outputs(made))))
         if e.keep:
@@ -457,9 +509,87 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
     for o in output:
         k = numbers.of(o) if isinstance(o, Tensor) else None
         layouts.append(None if k is None else program.layouts[k])
+    if sized and not all(_sizeless(lay) for lay in layouts + [
+            x for r in program.reads for x in (*r.layouts, r.flow.outputs)]):
+        raise _NoPlan("a layout of several positions per sample along a dim")
     graph, n_out = _with_outputs(gm, list(wanted), list(edges))
     return Plan(program, graph, n_out, tuple(reads), tuple(decide), tuple(keep),
-                tuple(layouts), len(wanted))
+                tuple(layouts), len(wanted), sized)
+
+
+class _NodeValues:
+    """The value of each node of a graph in the call that analysed it (``values``, in
+    the order of ``nodes``), found for the nodes of the copy that ran (by name)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, nodes: list, values: tuple):
+        self.node = {n.name: n for n in nodes}
+        self.value = {n.name: v for n, v in zip(nodes, values)}
+
+    def _args(self, node: torch.fx.Node | None) -> list:
+        if node is None or node.name not in self.node:
+            raise _NoPlan("an op that ran outside the graph's nodes")
+        found: list = []
+        torch.fx.node.map_arg((node.args, node.kwargs), lambda m: found.append(m) or m)
+        return found
+
+    def takes_sizes(self, node: torch.fx.Node | None) -> bool:
+        """Does the op of ``node`` take an argument the graph computes that is no tensor
+        (a size, or a shape made of sizes)?"""
+        return any(not isinstance(self.value.get(m.name), Tensor) for m in self._args(node))
+
+    def arguments(self, node: torch.fx.Node, args: tuple, kwargs: dict, slot: Any
+                  ) -> tuple[Any, dict]:
+        """``(args, kwargs)`` of the op of ``node`` with each value the graph computes a
+        :func:`slot` of its node (of ``gm``), checked against the op's ``args`` and
+        ``kwargs`` as they ran in this call."""
+        self._args(node)
+
+        def slotted(x: Any) -> Any:
+            return torch.fx.node.map_arg(x, lambda m: slot(self.node[m.name]))
+
+        def filled(x: Any) -> Any:
+            return torch.fx.node.map_arg(x, lambda m: self.value[m.name])
+
+        mine = _plain_tree(slotted(node.args)), _plain_tree(slotted(dict(node.kwargs)))
+        if node.op == "call_method" and not args:  # (the method's self among the args)
+            raise _NoPlan("a method called without its tensor")
+        if not (_same_arguments(_plain_tree(filled(node.args)), args)
+                and _same_arguments(_plain_tree(filled(dict(node.kwargs))), kwargs)):
+            raise _NoPlan("an op whose arguments are not its node's")
+        return mine
+
+
+def _plain_tree(x: Any) -> Any:
+    """fx's immutable lists and dicts as plain tuples, lists and dicts (as ops take them)."""
+    if isinstance(x, tuple):
+        return tuple(_plain_tree(a) for a in x)
+    if isinstance(x, list):
+        return [_plain_tree(a) for a in x]
+    if isinstance(x, dict):
+        return {k: _plain_tree(a) for k, a in x.items()}
+    return x
+
+
+def _same_arguments(a: Any, b: Any) -> bool:
+    """The same arguments: the same tensors (by identity), equal values, lists and tuples
+    alike."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(map(_same_arguments, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_arguments(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _sizeless(lay: Any) -> bool:
+    """A layout no size of the batch moves: one that holds indices (decided again at
+    each call), shared, mixed or unknown, or one position per sample along a dim."""
+    if isinstance(lay, tuple):
+        return all(_sizeless(x) for x in lay)
+    if type(lay) is Batched and lay.index is None:
+        return lay.outer == 1 and lay.inner == 1
+    return True
 
 
 class CompiledCapture(LeanCapture):
@@ -474,9 +604,10 @@ class CompiledCapture(LeanCapture):
     """
 
     def __init__(self, watched: dict, n: int, batched: list, program: Program, tape: list,
-                 analyse: Any):
+                 analyse: Any, sized: bool = False):
         super().__init__(watched, n, batched, program, tape)
         self.inputs = batched
+        self.sized = sized  # a call whose graph batch has other sizes than the program's
         self.analyse = analyse
         self.layouts.fallback = None
         self.got: tuple | None = None  # (plan, values, the graph's outputs)
@@ -498,7 +629,7 @@ class CompiledCapture(LeanCapture):
             raise Cannot  # (a second graph: not one forward)
         if not runner.sound or not runner.namespaces.hold():
             raise Cannot  # (a function of torch's patched, before the trace or since)
-        key = kind_of(args, self.inputs, self.watched)
+        key = (*kind_of(args, self.inputs, self.watched, runner.sizes), self.n)
         plan = runner.plans.get(key, False)
         if plan is None:
             raise Cannot
@@ -518,8 +649,9 @@ class CompiledCapture(LeanCapture):
         tracer = cap.tracer = _Keeping(cap, self.inputs)
         _LOCAL.job = None  # (the graph's own calls, if any, run as they are)
         try:
-            with cap:
-                out = everything(*args)
+            with cap:  # (a graph of symbolic sizes node by node: each op's node known)
+                out = _Tagging(everything, tracer).run(*args) if runner.sizes else (
+                    everything(*args))
         finally:
             _LOCAL.job = self
         own, values = out[:n_out], out[n_out:]
@@ -528,7 +660,8 @@ class CompiledCapture(LeanCapture):
         for op, call in zip(cap.ops, calls):
             op.call = call
         try:
-            self.pending = (runner, key, plan_of(gm, cap, tracer, values, own, calls))
+            self.pending = (runner, key, plan_of(gm, cap, tracer, values, own, calls,
+                                                 bool(runner.sizes)))
         except _NoPlan as why:
             self.pending = (runner, key, str(why))
         cap.tracer = None
@@ -544,7 +677,7 @@ class CompiledCapture(LeanCapture):
             return False
         leaves = tensor_leaves(output)
         return len(leaves) == len(program.output) and all(
-            _alike(cap.layouts.layout(t), program.layouts[k])
+            _alike(cap.layouts.layout(t), program.layouts[k], self.sized)
             for t, k in zip(leaves, program.output))
 
     def keep_plan(self, plain: bool) -> None:
@@ -579,7 +712,7 @@ class CompiledCapture(LeanCapture):
                 flow = decided(ctx, d.func, _fill(d.args, values), _fill(d.kwargs, values),
                                _fill(d.out, values), list(lays))
                 recall.keep(entry, leaves, lays, made, flow)
-            if not (_alike_flow(flow, entry.flow) if entry.dynamic else _same_flow(
+            if not (_alike_flow(flow, entry.flow, plan.sized) if entry.dynamic else _same_flow(
                     flow, entry.flow)):
                 return False
             if entry.dynamic:
@@ -639,25 +772,30 @@ class Compiled:
     marked: frozenset[int]  # the model's tensors TorchDynamo's static mark was on before
     dead: bool = False  # it cannot run (then the program runs)
     fails: int = 0  # calls whose forward ran, but not as a plan of its graph
+    sized: bool = False  # for calls of any sizes of a graph batch (compiled_for's sized)
 
 
-_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (fn, marked)
+_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {sized: (fn,
+# marked)}
 _BROKEN: weakref.WeakSet = weakref.WeakSet()  # models TorchDynamo could not compile
+_BROKEN_SIZED: weakref.WeakSet = weakref.WeakSet()  # ... for calls of any sizes
 _ENABLED = [True]
 
 
-def broken(model: nn.Module) -> None:
-    """``model``'s forward could not be compiled (or ran otherwise): not tried again."""
+def broken(model: nn.Module, sized: bool = False) -> None:
+    """``model``'s forward could not be compiled (or ran otherwise): not tried again
+    (``sized``: for calls of any sizes, where the calls of one size may still be)."""
     try:
-        _BROKEN.add(model)
+        (_BROKEN_SIZED if sized else _BROKEN).add(model)
     except TypeError:
         pass
 
 
-def compiled_of(model: nn.Module, program: Program) -> Compiled | None:
+def compiled_of(model: nn.Module, program: Program, sized: bool = False) -> Compiled | None:
     """The compiled call of ``model`` for calls that run ``program``, where TorchDynamo
     can run it: ``None`` where compiling is off or unsupported, or for a model that is
-    compiled already or distributed (``DistributedDataParallel``)."""
+    compiled already or distributed (``DistributedDataParallel``). ``sized``: for calls
+    of a graph batch of any sizes (:func:`compiled_for`)."""
     if not _ENABLED[0]:
         return None
     try:
@@ -668,12 +806,13 @@ def compiled_of(model: nn.Module, program: Program) -> Compiled | None:
             model, (dynamo.eval_frame.OptimizedModule,
                     torch.nn.parallel.DistributedDataParallel)):
         return None
-    if model in _BROKEN:
+    if model in _BROKEN or (sized and model in _BROKEN_SIZED):
         return None
-    found = _FNS.get(model)
+    try:
+        fns = _FNS.setdefault(model, {})
+    except TypeError:  # (no weak reference to the model)
+        return None
+    found = fns.get(sized)
     if found is None:
-        try:
-            found = _FNS[model] = (compiled_for(model), _marked(model))
-        except TypeError:  # (no weak reference to the model)
-            return None
-    return Compiled(found[0], program, found[1])
+        found = fns[sized] = (compiled_for(model, sized), _marked(model))
+    return Compiled(found[0], program, found[1], sized=sized)

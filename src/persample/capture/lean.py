@@ -175,13 +175,15 @@ class Program:
         """Per entry, its leaves (numbers, or the tensors from before the call)."""
         return [e.wants for e in self.entries]
 
-    def holds(self, watched: dict, inputs: list) -> bool:
-        """May a call with ``watched`` and ``inputs`` (``(tensor, layout)``) take it?"""
+    def holds(self, watched: dict, inputs: list, sized: bool = False) -> bool:
+        """May a call with ``watched`` and ``inputs`` (``(tensor, layout)``) take it?
+        (``sized``: a graph batch's indices may have other lengths than the program's, as
+        a compiled call whose graph has the batch's sizes as arguments takes them.)"""
         if frozenset(watched) != self.watched or len(inputs) != self.inputs:
             return False
         if torch._C._is_torch_function_mode_enabled():
             return False
-        return all(type(t) is Tensor and (lay == was if _plain(was) else _alike(lay, was))
+        return all(type(t) is Tensor and (lay == was if _plain(was) else _alike(lay, was, sized))
                    for (t, lay), was in zip(inputs, self.layouts))
 
 
@@ -723,29 +725,33 @@ def _same_flow(a: Flow, b: Flow) -> bool:
         not b.writes)
 
 
-def _alike_flow(a: Flow, b: Flow) -> bool:
+def _alike_flow(a: Flow, b: Flow, sized: bool = False) -> bool:
     """:func:`_same_flow`, where layouts holding indices need only hold them in the
-    same places (the indices are this call's)."""
-    return _alike(a.outputs, b.outputs) and _alike(a.pairing, b.pairing) and not (
+    same places (the indices are this call's; ``sized``: of any lengths)."""
+    return _alike(a.outputs, b.outputs, sized) and _alike(a.pairing, b.pairing, sized) and not (
         a.writes or b.writes)
 
 
-def _alike(a: Any, b: Any) -> bool:
-    """The same layout but for the values of the index tensors it holds."""
+def _alike(a: Any, b: Any, sized: bool = False) -> bool:
+    """The same layout but for the values of the index tensors it holds (``sized``: and
+    their lengths: a graph batch's nodes and edges, which each batch has its own)."""
     if type(a) is not type(b):
         return False
     if type(a) is tuple:
-        return len(a) == len(b) and all(map(_alike, a, b))
+        return len(a) == len(b) and all(_alike(x, y, sized) for x, y in zip(a, b))
     if isinstance(a, Partly):
-        return a.dim == b.dim and _same_shape(a.rows, b.rows)
+        return a.dim == b.dim and _same_shape(a.rows, b.rows, sized)
     if isinstance(a, Batched):
         return (a.dim, a.outer, a.inner) == (b.dim, b.outer, b.inner) and _same_shape(
-            a.index, b.index) and _same_shape(getattr(a, "keys", None), getattr(b, "keys", None))
+            a.index, b.index, sized) and _same_shape(
+            getattr(a, "keys", None), getattr(b, "keys", None), sized)
     return type(a) in (Mixed, Unknown) or a == b
 
 
-def _same_shape(a: Tensor | None, b: Tensor | None) -> bool:
-    return a is b if a is None or b is None else a.shape == b.shape
+def _same_shape(a: Tensor | None, b: Tensor | None, sized: bool = False) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.dim() == b.dim() if sized else a.shape == b.shape
 
 
 def _paired(out: Any, layouts: Any) -> list[tuple[Tensor, Layout]]:

@@ -106,7 +106,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
         tapes.keep(model, key, tape)
         if type(cap) is LeanCapture:
             tapes.keep_stock(model, key, _kept_program(model, cap.program, units,
-                                                       tapes.lean_ran(model, key)))
+                                                       tapes.lean_ran(model, key),
+                                                       tapes.sized(key)))
     elif cap.settle is not None:  # (the compiled graph's first call: tape and program kept)
         plain = _plain(result, cap)
         cap.settle(plain)
@@ -120,8 +121,11 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
         if found is None and cap.tracer is not None:
             found = traced if plain else None
             found = tapes.RETRY if found is None else found
-            if isinstance(found, Program):
-                found = _kept_program(model, found, units, 0)
+            if isinstance(found, Program):  # (a graph batch of new sizes: each traced call
+                # counts as one that ran, none of its size coming back)
+                sized = tapes.sized(key)
+                found = _kept_program(model, found, units,
+                                      tapes.lean_ran(model, key) if sized else 0, sized)
         elif found is None and isinstance(template, int):
             found = template - 1 if template > 1 else None  # (then traced again)
         tapes.keep_stock(model, key, found)
@@ -168,7 +172,7 @@ def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], i
     numbered = inputs + [(t, SHARED) for t in batch.shared]  # (a program numbers both)
     if isinstance(template, Compiled):
         if compiles and not template.dead and tape is not None and (
-                template.program.holds(watched, numbered)):
+                template.program.holds(watched, numbered, template.sized)):
             got = _compiled(model, batch, watched, numbered, tape, template)
             if got is not None:
                 return got
@@ -199,14 +203,15 @@ def _forward(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], i
     return cap, output
 
 
-def _kept_program(model: nn.Module, program: Program, units: list, ran: int
-                  ) -> Program | Compiled:
+def _kept_program(model: nn.Module, program: Program, units: list, ran: int,
+                  sized: bool = False) -> Program | Compiled:
     """What to keep for later calls of a program that ``ran`` calls like it have run (0:
     just traced): the program, or once it has run :data:`tapes.COMPILE_AFTER` calls, its
-    compiled call (:mod:`persample.capture.compiled`) where the model can take one."""
+    compiled call (:mod:`persample.capture.compiled`) where the model can take one
+    (``sized``: for a graph batch of any sizes)."""
     if units or ran < tapes.COMPILE_AFTER:
         return program
-    return compiled_of(model, program) or program
+    return compiled_of(model, program, sized) or program
 
 
 def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], inputs: list,
@@ -220,7 +225,7 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
     with torch._C.DisableTorchFunction():
         saved = (torch.is_grad_enabled(), autocast_state(), snapshot())
     cap = CompiledCapture(watched, batch.n, inputs, template.program, tape, lambda: (
-        open_capture(model, watched, batch.n, inputs, batch.shared)))
+        open_capture(model, watched, batch.n, inputs, batch.shared)), template.sized)
     try:
         with cap:
             try:
@@ -232,7 +237,7 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
         template.dead = True
     except Exception:  # (TorchDynamo cannot trace it, or the model's own error: the full
         template.dead = True  # capture raises that again)
-        broken(model)
+        broken(model, template.sized)
     else:
         if cap.analysis is not None and cap.as_traced(output):
             cap.analysis.settle = cap.keep_plan
@@ -240,7 +245,7 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
         if cap.analysis is not None:  # (its graph's ops have another data flow: the
             cap.keep_plan(False)  # model not compiled again)
             template.dead = True
-            broken(model)
+            broken(model, template.sized)
         elif cap.finish(output):
             return cap, output
         else:
@@ -248,7 +253,7 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
             if template.fails >= 3:
                 template.dead = True
                 if cap.got is None:  # (TorchDynamo ran the forward without the graph)
-                    broken(model)
+                    broken(model, template.sized)
         del output
     _restore(saved)
     return None

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..batch import Batched
 from ..capture.compiled import _ENABLED as COMPILED_ON
 from ..capture.compiled import Compiled
 from ..capture.lean import Program
@@ -98,8 +99,21 @@ def lean_ran(model: nn.Module, key: tuple) -> int:
 def key_of(n: int, v: int, inputs: list[tuple[Tensor, Any]]) -> tuple:
     """Which tape a call may use: its batch size, cotangents per sample, and each input
     tensor's shape, dtype and device (the tape's steps check everything else, op by
-    op)."""
-    return n, v, tuple((t.shape, t.dtype, t.device) for t, _ in inputs)
+    op), but for the dim of an input whose positions hold samples by index (a graph
+    batch's nodes and edges, whose counts each batch has its own): its size is left out
+    (``-1``), and the calls of every size share what is kept (:func:`sized`)."""
+    return n, v, tuple((_shape(t, lay), t.dtype, t.device) for t, lay in inputs)
+
+
+def _shape(t: Tensor, lay: Any) -> tuple[int, ...]:
+    if isinstance(lay, Batched) and lay.index is not None:
+        return tuple(-1 if k == lay.dim else size for k, size in enumerate(t.shape))
+    return tuple(t.shape)
+
+
+def sized(key: tuple) -> bool:
+    """Is ``key`` (:func:`key_of`) one for calls of any sizes of a graph batch?"""
+    return any(-1 in shape for shape, _, _ in key[2])
 
 
 def clear_plans() -> None:
