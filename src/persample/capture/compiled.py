@@ -34,6 +34,17 @@ the full capture (the default generators put back first: its random ops draw wha
 would have drawn). TorchDynamo's tracing marks the parameters it reads (an attribute);
 the marks are taken off after it, so that the model is left as it was.
 
+A graph batch (torch_geometric's ``Batch``: its nodes and edges hold the samples by
+index) has node and edge counts of its own at every call. Its calls share one class of
+shapes (:func:`persample.engine.tapes.key_of`), and its forward is compiled with
+TorchDynamo's automatic dynamic shapes (:func:`compiled_for`, ``sized``): after a first
+graph of one batch's sizes, a second whose sizes are symbolic, passed as arguments, which
+every later batch runs. Its plan (:func:`plan_of`, ``sized``) holds for calls of any
+sizes: the sizes are left out of the key that picks it; an op whose data flow is decided
+again takes its arguments from its node (sizes as the graph computes them for the call);
+and there is no plan where an op reading parameters takes a size (its record would keep
+the size of the call that made it) or where a layout the plan keeps is one a size moves.
+
 TorchDynamo: Ansel et al., "PyTorch 2: Faster Machine Learning Through Dynamic Python
 Bytecode Transformation and Graph Compilation" (ASPLOS 2024).
 """
@@ -462,7 +473,7 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
         if isinstance(v, Tensor):
             producer.setdefault(id(v), n)
     wanted: dict = {}
-    of_node = _NodeValues(gm, nodes, values) if sized else None
+    of_node = _NodeValues(nodes, values) if sized else None
 
     def slot(t: Tensor) -> _Slot:
         n = producer.get(id(t))
@@ -519,9 +530,10 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
 
 class _NodeValues:
     """The value of each node of a graph in the call that analysed it (``values``, in
-    the order of ``nodes``), found for the nodes of the copy that ran (by name)."""
+    the order of ``nodes``), found for the nodes of the copy that ran (by name: the copy
+    keeps them)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, nodes: list, values: tuple):
+    def __init__(self, nodes: list, values: tuple):
         self.node = {n.name: n for n in nodes}
         self.value = {n.name: v for n, v in zip(nodes, values)}
 
@@ -551,8 +563,6 @@ class _NodeValues:
             return torch.fx.node.map_arg(x, lambda m: self.value[m.name])
 
         mine = _plain_tree(slotted(node.args)), _plain_tree(slotted(dict(node.kwargs)))
-        if node.op == "call_method" and not args:  # (the method's self among the args)
-            raise _NoPlan("a method called without its tensor")
         if not (_same_arguments(_plain_tree(filled(node.args)), args)
                 and _same_arguments(_plain_tree(filled(dict(node.kwargs))), kwargs)):
             raise _NoPlan("an op whose arguments are not its node's")

@@ -173,7 +173,8 @@ def compile_calls(enabled: bool = True) -> bool:
     later call).
 
     A call whose plan has held for a few calls like it (same model, batch size and input
-    shapes; :data:`COMPILE_AFTER`) is a training loop. Its forward is then handed to
+    shapes, a graph batch's node and edge counts aside; :data:`COMPILE_AFTER`) is a
+    training loop. Its forward is then handed to
     TorchDynamo (``torch.compile`` with a backend of persample's own; one graph,
     guarded by TorchDynamo's checks of every Python value it was traced from), and later
     calls run that graph as plain torch calls with no op intercepted: the per-op cost
