@@ -219,3 +219,17 @@ def test_an_op_reading_parameters_with_a_size_of_the_batch_takes_no_plan_of_any_
         want = persample.per_sample_grads(fresh, ragged(k), y, loss, method="rules")
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_a_graph_batchs_calls_of_any_sizes_share_one_key():
+    """The key of what is kept for later calls leaves out the sizes of the dims that hold
+    samples by index (a graph batch's nodes and edges), and only those: the calls of a
+    plain batch keep one key per shape."""
+    from persample.batch import located
+    from persample.engine import tapes
+    from persample.inputs import as_batch
+
+    keys = {tapes.key_of(B, 1, located(as_batch(ragged(k)))) for k in range(3)}
+    assert len(keys) == 1 and tapes.sized(keys.pop())
+    plain = [tapes.key_of(B, 1, located(as_batch(torch.zeros(B, t)))) for t in (3, 4)]
+    assert plain[0] != plain[1] and not any(map(tapes.sized, plain))
