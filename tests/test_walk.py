@@ -79,3 +79,13 @@ def test_a_torchscript_submodule_is_walked_at_every_call():
     _same(model)  # (TorchScript keeps its modules in a dict of its own: no stamp)
     model.append(nn.Linear(2, 2))
     _same(model)
+
+
+def test_a_torch_without_dict_version_tags_walks_at_every_call(monkeypatch):
+    import persample.walk as walk
+
+    monkeypatch.setattr(walk, "_version", None)
+    model = nn.Sequential(nn.Linear(3, 2))
+    _same(model)
+    model.append(nn.Linear(2, 2))
+    _same(model)

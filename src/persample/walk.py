@@ -37,7 +37,7 @@ class _Walk:
         self.refs = [weakref.ref(m) for _, m in modules]
         self.parameters: list[tuple[str, nn.Parameter]] | None = None  # (on first use:
         # a model may fail to list them where its modules list fine, FSDP1's wrapper)
-        self.stamp = _stamp([m for _, m in modules]) if all(
+        self.stamp = _stamp([m for _, m in modules]) if _version is not None and all(
             _walks_plainly(type(m)) for _, m in modules) else None  # (None: walked at
         # every call)
 
