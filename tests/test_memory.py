@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import persample
+import persample.dp
 from persample import memory
 
 

@@ -35,6 +35,7 @@ from ..rules import (
 )
 from ..rules.calls import NOT_COVERED, cast_input
 from ..rules.spec import InnerOp
+from . import replay
 from .captured import Captured
 from .paths import Path
 from .vjp import (
@@ -97,6 +98,52 @@ def write_per_sample(captured: Captured, dest: dict[int, Tensor], uses: list[Op]
 
 
 def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> None:
+    """The rules into ``dest``; on a cached call, their replay where one is kept
+    (:mod:`persample.engine.replay`)."""
+    found = replay.inputs_of(captured, dest) if uses is None and replay.ENABLED[0] else None
+    if found is None:
+        _rules(captured, dest, uses)
+        return
+    inputs, sig = found
+    kept, state = replay.replay_of(captured, sig)
+    if kept is not None:
+        _unchanged(captured.plan.uses, set(dest))
+        before = dict(captured.taken)
+        if replay.CHECK[0]:
+            _rules(captured, dest, uses)
+            replay.check(kept, inputs, dest)
+        else:
+            kept(inputs)
+        captured.taken.clear()
+        captured.taken.update({**before, **kept.taken})
+        return
+    before = dict(captured.taken)
+    if state is not replay.RECORD:
+        plain = _rules(captured, dest, uses)
+        if state is replay.FIRST:  # (a second call like it records them)
+            replay.keep(captured, sig, replay.RECORD if plain else None)
+        return
+    recorder = replay.Recorder(inputs)
+    with recorder:
+        plain = _rules(captured, dest, uses)
+    taken = {k: p for k, p in captured.taken.items() if before.get(k) is not p}
+    replay.keep(captured, sig, recorder.replay(taken) if plain and recorder.failed is None
+                else None)
+
+
+def _unchanged(ops: list[Op], wanted: set[int]) -> None:
+    """Raise where an input a rule reads was modified in place after its op ran."""
+    for op in ops:
+        if not op.sources_all.isdisjoint(wanted) and op.changed() and _needs_values(op):
+            raise InPlaceModificationError(
+                f"an input of {op.where()} was modified in place after the op ran, and "
+                "its rule needs it. Make that operation out of place, or use "
+                "method='vmap'.")
+
+
+def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> bool:
+    """The rules into ``dest``: whether every op took its own rule (no module rule,
+    fallback or VJP), the condition of a replay."""
     sink = GradSink(dest)
     pulls = Pullbacks(captured, sink)
     wanted = set(dest)
@@ -112,11 +159,7 @@ def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
         for op in sorted(ops, key=_adds):  # adding rules last
             if op.sources_all.isdisjoint(wanted):
                 continue
-            if op.changed() and _needs_values(op):
-                raise InPlaceModificationError(
-                    f"an input of {op.where()} was modified in place after the op ran, and "
-                    "its rule needs it. Make that operation out of place, or use "
-                    "method='vmap'.")
+            _unchanged([op], wanted)
             pulls.apply(op, captured.backprops(op.edges, op.out_layouts),
                         op.out_layouts)
         pulls.pull_derived()
@@ -128,6 +171,7 @@ def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
             captured.taken[pid] = Path("unused", captured.plan.paths[pid].where,
                                        "no gradient of the loss reaches it: zeros")
     sink.zero_unwritten()
+    return pulls.plain and not captured.plan.module_jobs and not captured.plan.fallback_jobs
 
 
 def _adds(op: Op) -> bool:
@@ -159,6 +203,7 @@ class Pullbacks:
         self.only = set(sink.dest)
         self.seen: set[int] = set()  # parameters whose path this run has recorded
         self.pending: dict[int, list[tuple[Tensor, Batched | None]]] = {}
+        self.plain = True  # every op took its own rule (none declined)
 
     def apply(self, op: Op, cots: list[Tensor | None], out_pairings: list,
               pairings: list | None = None) -> None:
@@ -194,6 +239,7 @@ class Pullbacks:
         single = [cast(c, call.dtype) for c in cots if c is not None]
         reason = _run_rule(op, call, cots, single, out)
         kind = "rule"
+        self.plain = self.plain and reason is None
         if reason == NOT_COVERED:  # a derived input beside the rule's own parameters
             kind, reason = self._apart(op, call, wrt, cots, single, out_pairings, out)
         if reason is not None and call.adding:  # declined before writing: the others write

@@ -355,7 +355,7 @@ def _by_sample(lay: Batched, x: Tensor, g: Tensor, runs: Tensor, n: int
 
 EXPERTS = register_module(ModuleSpec((), grad=experts, check=check, match=is_experts,
                                      rows=True, keeps_layout=True, inner=_PRODUCTS))
-GROUPED_MM = register(OpSpec(_PRODUCTS, grad=grouped_mm))
+GROUPED_MM = register(OpSpec(_PRODUCTS, grad=grouped_mm, reads_values=True))
 
 
 # ---------------------------------------------------------------------------

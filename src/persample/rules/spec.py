@@ -100,6 +100,9 @@ class OpSpec:
             making a complex tensor takes the exact slower paths (:func:`rules_of`):
             formulas written for real tensors, ``g x^T`` for ``g x^H``, would be
             silently wrong there.
+        reads_values: the gradient rule reads values into Python where the dispatcher
+            does not see it (``Tensor.tolist()``): a cached call runs it again rather
+            than replaying the ATen ops it ran (:mod:`persample.engine.replay`).
         funcs: every function covered, found by :func:`register`.
     """
 
@@ -114,6 +117,7 @@ class OpSpec:
     adds: bool = False
     reads_inputs: bool = True
     complex: bool = False
+    reads_values: bool = False
     funcs: tuple[Any, ...] = ()
 
     @property

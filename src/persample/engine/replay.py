@@ -1,0 +1,348 @@
+"""A cached call's rules run again as the ATen ops they ran, with no rule's Python.
+
+On a call whose data flow came from an earlier call like it (a stock template, a
+program, a compiled call), the rules do the same work as last time on new tensors: the
+same ops, in the same order, on inputs of the same shapes. The first such call runs the
+rules as usual under a recorder (a ``TorchDispatchMode``) that writes down every ATen op
+they run, where each tensor it reads comes from (an input of the rules, or an earlier
+op's output) and its other arguments; the record becomes one generated Python function
+(:class:`Replay`), as ``torch.fx`` generates code from a graph. Later calls with the same
+signature run that function on their own inputs: one line per ATen op that computes,
+and one ``as_strided`` per view an op reads, in place of the rules' Python and every
+view op they made.
+
+The inputs of the rules (:func:`inputs_of`) are every tensor an op's record holds (its
+leaves, outputs and overwritten value, for the planned ops and the derived tensors'
+ops), the backward's gradients at their edges, and the destinations. The signature of
+a call holds, besides the record it replays (the program or template, kept weakly), the
+batch size, each op's function, layouts, pairings, sources, edges' geometry and autocast
+state, the plan's sets that choose which parameters each rule writes, and each input's
+shape, strides, storage offset, dtype, device and identity (which inputs are the same
+tensor). A call that differs in any of these records anew.
+
+Nothing that could differ between calls of one signature is replayed:
+
+- a rule that reads a tensor's values into Python (``.item()``, ``torch.equal``,
+  ``bool(t)``: ``aten._local_scalar_dense`` and kin) or reads a tensor that is not an
+  input of the rules nor made by them (an index layout's, a module's buffer outside the
+  records);
+- a random op, a module rule, a per-module fallback, a rule that declined (its
+  parameters then take an op's VJP, which runs autograd or ``torch.func``), an op with
+  random numbers or gathered parameters (FSDP), a layout other than shared or a plain
+  batch dim (an index layout's values choose the rules' ops);
+
+such a call is not recorded, and its signature runs the rules as usual from then on.
+The in-place check (an input modified after the op ran) runs at every call, replayed or
+not. Random ops and value reads found while recording are the recorder's to see; the
+reads of values that bypass the dispatcher (``Tensor.tolist()``) are in the index
+layouts, excluded above, and in the rules that say so (``OpSpec.reads_values``: the
+experts' grouped product), never replayed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..batch import SHARED, Batched
+from ..capture.compiled import CompiledCapture
+from ..capture.lean import LeanCapture
+from ..capture.stock import StockCapture
+from ..errors import internal
+from ..rules import spec_of
+from .captured import Captured
+from .paths import edge_key
+
+ENABLED = [os.environ.get("PERSAMPLE_RULES_REPLAY", "1") != "0"]
+CHECK = [os.environ.get("PERSAMPLE_CHECK_REPLAY", "0") == "1"]  # replay beside the rules,
+# compared bit for bit (tests)
+PER_RECORD = 4  # signatures kept per program or template
+
+_REPLAYS: dict[int, tuple[weakref.ref, list]] = {}  # id(record) -> (record, [(sig, ...)])
+_aten = torch.ops.aten
+_VALUE_READS = {_aten._local_scalar_dense.default, _aten.equal.default,
+                _aten.is_nonzero.default, _aten.item.default}
+_METADATA = {_aten.promote_types.default}  # (their answer is the same for the same dtypes:
+# nothing to run again)
+
+
+class Replay:
+    """The ATen ops one run of the rules made, as a generated function of its inputs
+    (``(*inputs) -> None``; it writes into the destinations among them)."""
+
+    def __init__(self, fn: Callable, ops: int, taken: dict):
+        self.fn, self.ops, self.taken = fn, ops, taken
+
+    def __call__(self, inputs: list[Tensor]) -> None:
+        with torch.no_grad():  # (as the rules ran)
+            self.fn(*inputs)
+
+
+def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple] | None:
+    """``(inputs, signature)`` of the rules on ``captured`` into ``dest``, or ``None``
+    where they are not replayed (see the module's docstring)."""
+    cap, plan = captured.capture, captured.plan
+    if not isinstance(cap, (StockCapture, LeanCapture, CompiledCapture)):
+        return None
+    if captured.whole or plan.module_jobs or plan.fallback_jobs:
+        return None
+    tensors: list = []
+    sig: list = [captured.n, captured.v, frozenset(plan.handled),
+                 frozenset(plan.by_fallback), tuple(plan.paths)]
+    ops = list(plan.uses) + [d.op for d in captured.derived.values()]
+    for op in ops:
+        spec = spec_of(op.func)
+        if (op.draw is not None or op.gather is not None or op.claimed is not None
+                or (spec is not None and spec.reads_values)):
+            return None
+        layouts = (*op.layouts, *op.out_layouts, *(op.flow.pairing or ()))
+        if not all(_plain(lay) for lay in layouts) or op.flow.writes:
+            return None
+        sig.append((op.func, op.autocast, layouts, op.before is None, tuple(op.sources.items()),
+                    frozenset(plan.ruled.get(id(op), ())),
+                    tuple(None if e is None else e.view for e in op.edges)))
+        tensors += op.leaves
+        tensors += op.outputs
+        if op.before is not None:
+            tensors.append(op.before)
+        for e in op.edges:
+            g = None if e is None else captured.grads.get(edge_key(e.edge))
+            if g is not None:
+                tensors.append(g)
+            sig.append(g is None)
+    sig.append(tuple(dest))
+    tensors += dest.values()
+    seen: dict[int, int] = {}  # id -> which distinct tensor (a repeat is its number)
+    for t in tensors:
+        k = seen.get(id(t))
+        if k is None:
+            seen[id(t)] = len(seen)
+            sig.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
+                        t.requires_grad))
+        else:
+            sig.append(k)
+    return tensors, tuple(sig)
+
+
+def _plain(lay: Any) -> bool:
+    return lay is None or lay is SHARED or (type(lay) is Batched and lay.index is None)
+
+
+FIRST, RECORD = "first", "record"  # (the states of a signature before its replay)
+
+
+def replay_of(captured: Captured, sig: tuple) -> tuple[Replay | None, str | None]:
+    """``(replay, state)``: the replay kept for ``sig``, else what this call does:
+    ``FIRST`` (a signature not seen: run the rules, and keep whether they all took
+    their own rule), ``RECORD`` (they did last time: record them), ``None`` (run them)."""
+    kept = _kept(_record_of(captured))
+    if kept is None:
+        return None, None
+    for known, found in kept:  # (a few, compared as tuples: the layouts, dtypes and
+        if known == sig:  # devices of a call like it are the same objects)
+            return (found, None) if isinstance(found, Replay) else (None, found)
+    return None, FIRST if len(kept) < PER_RECORD else None
+
+
+def keep(captured: Captured, sig: tuple, replay: Replay | str | None) -> None:
+    kept = _kept(_record_of(captured))
+    if kept is None:
+        return
+    kept[:] = [(known, found) for known, found in kept if known != sig]
+    kept.insert(0, (sig, replay))
+
+
+def _kept(record: Any) -> list | None:
+    """The replays kept for ``record`` (a program or template, held weakly: its entry
+    goes with it); ``None`` for no record."""
+    if record is None:
+        return None
+    found = _REPLAYS.get(id(record))
+    if found is not None and found[0]() is record:
+        return found[1]
+    key = id(record)
+    _REPLAYS[key] = (weakref.ref(record, lambda _: _REPLAYS.pop(key, None)), [])
+    return _REPLAYS[key][1]
+
+
+def _record_of(captured: Captured) -> Any:
+    cap = captured.capture
+    return cap.template if isinstance(cap, StockCapture) else getattr(cap, "program", None)
+
+
+def check(replay: Replay, inputs: list[Tensor], dest: dict[int, Tensor]) -> None:
+    """Replay into copies of the destinations and compare with what the rules wrote
+    (``CHECK``: the tests' bit-for-bit check of the replay)."""
+    got = {k: _alike(t) for k, t in dest.items()}
+    swap = {id(t): got[k] for k, t in dest.items()}
+    replay([swap.get(id(t), t) for t in inputs])
+    for k, t in dest.items():
+        if not torch.equal(got[k], t):
+            raise internal(f"the replayed rules differ from the rules for parameter {k}")
+
+
+def _alike(t: Tensor) -> Tensor:
+    """An empty tensor of ``t``'s geometry: its shape, strides and storage offset in a
+    storage of its size (the replay makes views by their offsets in the storage)."""
+    size = t.untyped_storage().nbytes() // t.element_size()
+    return t.new_empty(size).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+class Recorder(TorchDispatchMode):
+    """Writes down the ATen ops run under it, each tensor argument by where it comes
+    from (an input, or an earlier op's output); ``failed`` says why the ops cannot be
+    replayed (``None``: they can).
+
+    A view (``view``, ``permute``, ``select``, ``expand``, ``detach``: the rules make
+    about three for each product) is not written down: it is kept as its root tensor's
+    geometry (shape, strides, storage offset) and made by one ``as_strided`` of the
+    root where an op reads it; the geometry is the recorded call's, which the replay's
+    signature (every input's shape, strides and offset) makes the same."""
+
+    def __init__(self, inputs: list[Tensor]):
+        super().__init__()
+        # id -> (a weak reference, the name): an id is a tensor's while the reference
+        # holds it (the rules' temporaries die as they go, as without the recorder)
+        self.names: dict[int, tuple[weakref.ref, str]] = {}
+        self.views: dict[int, tuple] = {}  # id -> (its reference, root's name, geometry)
+        for k, t in reversed(list(enumerate(inputs))):  # (the first of the same tensor)
+            self._call(t, f"s{k}")
+        self.n_inputs = len(inputs)
+        self.steps: list[tuple[Any, Any, dict, str]] = []
+        self.failed: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.failed is None:
+            try:
+                self._note(func, args, kwargs, out)
+            except _Unknown as why:
+                self.failed = str(why)
+        return out
+
+    def _note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if func in _METADATA:
+            return
+        if func in _VALUE_READS or torch.Tag.nondeterministic_seeded in func.tags:
+            raise _Unknown(f"{func} reads values or draws")
+        if self._view(func, args, out):
+            return
+        text = (self._source(args), {k: self._source(v) for k, v in kwargs.items()})
+        name = f"r{len(self.steps)}"
+        if isinstance(out, Tensor):
+            self._call(out, name)
+        elif isinstance(out, (tuple, list)) and all(
+                isinstance(o, Tensor) or o is None for o in out):
+            for j, o in enumerate(out):
+                if o is not None:
+                    self._call(o, f"{name}[{j}]")
+        elif out is not None:
+            raise _Unknown(f"{func} returns {type(out).__name__}")
+        self.steps.append((func, *text, name))
+
+    def _call(self, t: Tensor, name: str) -> None:
+        """Name ``t`` (an input, an op's output): read by that name from now on."""
+        self.names[id(t)] = (weakref.ref(t), name)
+        self.views.pop(id(t), None)
+
+    def _view(self, func: Any, args: tuple, out: Any) -> bool:
+        """Keep ``out``, a view of ``args[0]`` of the same dtype, as its root's geometry."""
+        if not (func.is_view and isinstance(out, Tensor) and args
+                and isinstance(args[0], Tensor) and out.dtype == args[0].dtype
+                and not out.is_conj() and not out.is_neg() and out is not args[0]):
+            return False
+        base = args[0]
+        found = self.views.get(id(base))
+        root = found[1] if found is not None and found[0]() is base else self._name(base)
+        self.names.pop(id(out), None)
+        self.views[id(out)] = (weakref.ref(out), root, tuple(out.shape), tuple(out.stride()),
+                               out.storage_offset())
+        return True
+
+    def _name(self, t: Tensor) -> str:
+        """``t``'s name, a view made by ``as_strided`` of its root where first read."""
+        found = self.names.get(id(t))
+        if found is not None and found[0]() is t:
+            return found[1]
+        found = self.views.get(id(t))
+        if found is None or found[0]() is not t:
+            raise _Unknown(f"reads a {tuple(t.shape)} tensor that is not an input")
+        name = f"r{len(self.steps)}"
+        self.steps.append((_aten.as_strided.default, (_Ref(found[1]), *found[2:]), {}, name))
+        self._call(t, name)
+        return name
+
+    def _source(self, value: Any) -> Any:
+        """``value`` with each tensor replaced by its name (:class:`_Ref`)."""
+        if isinstance(value, Tensor):
+            return _Ref(self._name(value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._source(v) for v in value)
+        if isinstance(value, dict):
+            raise _Unknown("a dict argument")
+        return value
+
+    def replay(self, taken: dict) -> Replay:
+        """The generated function of the ops written down."""
+        consts: dict[str, Any] = {}
+        lines = [f"def replay({', '.join(f's{k}' for k in range(self.n_inputs))}):"]
+        for k, (func, args, kwargs, name) in enumerate(self.steps):
+            consts[f"f{k}"] = func
+            call = ", ".join([_text(a, consts) for a in args]
+                             + [f"{key}={_text(v, consts)}" for key, v in kwargs.items()])
+            lines.append(f"    {name} = f{k}({call})")
+        lines.append("    return None")
+        code = "\n".join(_with_frees(lines))
+        scope: dict[str, Any] = dict(consts)
+        exec(compile(code, "<persample rules replay>", "exec"), scope)
+        return Replay(scope["replay"], len(self.steps), taken)
+
+
+class _Unknown(Exception):
+    """A tensor argument that is neither an input of the rules nor made by them."""
+
+
+class _Ref(str):
+    """A tensor argument: the name it has in the generated function."""
+
+
+def _text(value: Any, consts: dict) -> str:
+    """Source text of an argument: a name, a literal, or a constant of the scope."""
+    if isinstance(value, _Ref):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_text(v, consts) for v in value) + "]"
+    if isinstance(value, tuple):
+        return "(" + "".join(_text(v, consts) + ", " for v in value) + ")"
+    if value is None or isinstance(value, (bool, str)) or (
+            type(value) is int) or (type(value) is float and math.isfinite(value)):
+        return repr(value)
+    name = f"c{len(consts)}"
+    consts[name] = value
+    return name
+
+
+def _with_frees(lines: list[str]) -> list[str]:
+    """``del`` of each op's result after its last use (the rules free their
+    temporaries as they go; the replay must not hold them all to the end)."""
+    pattern = re.compile(r"\br(\d+)\b")
+    last: dict[str, int] = {}
+    for k, line in enumerate(lines):
+        for m in pattern.finditer(line):
+            last[f"r{m.group(1)}"] = k
+    out = []
+    for k, line in enumerate(lines):
+        out.append(line)
+        dead = sorted(name for name, at in last.items() if at == k)
+        if dead and k > 0:
+            out.append(f"    del {', '.join(dead)}")
+    return out

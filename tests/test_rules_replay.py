@@ -1,0 +1,176 @@
+"""A cached call's rules replayed as the ATen ops they ran (``persample.engine.replay``).
+
+Each model is called several times (the rules run, then record, then are replayed) and
+every call is compared with the loop in float64; a replayed call runs no rule, and
+anything that changes what the rules would do (shapes, a frozen parameter, a parameter
+replaced, a value read) records anew or runs the rules. Batch size = sequence length =
+heads where they can coincide.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from battery import assert_exact
+from persample import clear_plans, loop_per_sample_grads, per_sample_grads
+from persample.engine import pullback, replay
+
+B = T = 4
+E = 8
+
+
+class Block(nn.Module):
+    """Embedding, attention by hand, layer norm, an MLP with dropout: the rules of a
+    transformer's block (linear, layer norm, embedding, a derived position table)."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.tok = nn.Embedding(11, E)
+        self.pos = nn.Embedding(T, E)
+        self.qkv = nn.Linear(E, 3 * E)
+        self.out = nn.Linear(E, E)
+        self.norm = nn.LayerNorm(E)
+        self.mlp = nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(2 * E, E))
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, ids):
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        q, k, v = self.qkv(h).view(*ids.shape, 3, B, E // B).unbind(2)
+        att = torch.softmax(torch.einsum("bthd,bshd->bhts", q, k), -1)
+        h = h + self.out(torch.einsum("bhts,bshd->bthd", att, v).flatten(2))
+        h = h + self.mlp(self.norm(h))
+        return self.head(h.mean(1))
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(E, B), nn.Tanh(), nn.Linear(B, B), nn.ReLU(),
+                         nn.Linear(B, 3))
+
+
+def _ce(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+class Counts:
+    """How many calls ran the rules, and how many replayed them."""
+
+    def __init__(self, monkeypatch):
+        self.rules = self.replays = 0
+        rules, call = pullback._rules, replay.Replay.__call__
+
+        def counted_rules(*args):
+            self.rules += 1
+            return rules(*args)
+
+        def counted_call(kept, inputs):
+            self.replays += 1
+            return call(kept, inputs)
+
+        monkeypatch.setattr(pullback, "_rules", counted_rules)
+        monkeypatch.setattr(replay.Replay, "__call__", counted_call)
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    clear_plans()
+    monkeypatch.setattr(replay, "ENABLED", [True])
+    monkeypatch.setattr(replay, "CHECK", [False])
+    return Counts(monkeypatch)
+
+
+def _data(vocab: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 11, (B, T), generator=g) if vocab else torch.randn(
+        B, E, dtype=torch.float64, generator=g)
+    return x, torch.randint(0, 3, (B,), generator=g)
+
+
+@pytest.mark.parametrize("build", [_mlp, Block], ids=["stock-mlp", "block"])
+def test_replayed_calls_agree_with_the_loop_and_run_no_rule(build, counts, compiled):
+    torch.manual_seed(0)
+    model = build().double()
+    for call in range(8):  # (new values at every call: the replay reads this call's)
+        x, y = _data(build is Block, seed=call)
+        rules_before = counts.rules
+        got = per_sample_grads(model, x, y, _ce)
+        assert_exact(got, loop_per_sample_grads(model, x, y, _ce))
+        if call >= 6:  # (the compiled call: its first runs the rules, its second records)
+            assert counts.rules == rules_before, "a replayed call ran the rules"
+    assert counts.replays >= 2
+
+
+def test_dropout_replayed_against_the_forward_that_ran(counts):
+    """In training mode the rules read the masks this call drew (kept by the capture);
+    the replay reads them as the rules do: compared with the rules on the same call."""
+    torch.manual_seed(0)
+    model = Block(dropout=0.5).double().train()
+    x, y = _data(True)
+    for call in range(6):
+        torch.manual_seed(call)
+        got = per_sample_grads(model, x, y, _ce)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(replay, "ENABLED", [False])
+            torch.manual_seed(call)
+            want = per_sample_grads(model, x, y, _ce)
+        assert_exact(got, want, rel=0, abs_=0)
+
+
+def test_what_changes_the_rules_records_anew(counts):
+    torch.manual_seed(0)
+    model = _mlp().double()
+    x, y = _data(False)
+
+    def check(x, y):
+        assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
+
+    for _ in range(4):
+        check(x, y)
+    assert counts.replays
+    check(x[:3], y[:3])  # another batch size
+    model[2].bias.requires_grad_(False)  # a parameter frozen: another destination
+    for _ in range(4):
+        check(x, y)
+    model[2].bias.requires_grad_(True)
+    with torch.no_grad():
+        model[0].weight.mul_(3)  # new values in place: read by the replay
+    check(x, y)
+    model[0].weight = nn.Parameter(torch.randn(B, E, dtype=torch.float64))  # replaced
+    for _ in range(4):
+        check(x, y)
+    model[4] = nn.Linear(B, 3).double()  # a layer replaced
+    for _ in range(4):
+        check(x, y)
+
+
+def test_the_recorder_refuses_value_reads_and_unknown_tensors():
+    a = torch.randn(3)
+    rec = replay.Recorder([a])
+    with rec:
+        (a * 2).sum()
+    assert rec.failed is None and rec.replay({}).ops == 2
+    rec = replay.Recorder([a])
+    with rec:
+        if (a > 0).any():  # a value read into Python: its branch cannot be replayed
+            a.add_(1)
+    assert rec.failed is not None and "reads values" in rec.failed
+    other = torch.randn(3)
+    rec = replay.Recorder([a])
+    with rec:
+        a + other  # a tensor that is not an input
+    assert rec.failed is not None and "not an input" in rec.failed
+
+
+def test_the_replay_makes_views_by_their_geometry():
+    """Views are made from their root by ``as_strided`` where an op reads them: the
+    replay on new inputs computes what the ops compute."""
+    a, out = torch.randn(4, 6), torch.empty(3, 4)
+    rec = replay.Recorder([a, out])
+    with rec:
+        torch.mul(a.t()[1:4].unsqueeze(0), 2, out=out.unsqueeze(0))
+    kept = rec.replay({})
+    b, got = torch.randn(4, 6), torch.empty(3, 4)
+    kept([b, got])
+    assert torch.equal(got, b.t()[1:4] * 2)
