@@ -118,7 +118,7 @@ def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
         captured.taken.update({**before, **kept.taken})
         return
     before = dict(captured.taken)
-    if state is not replay.RECORD:
+    if state is not replay.RECORD and not replay.CHECK[0]:
         plain = _rules(captured, dest, uses)
         if state is replay.FIRST:  # (a second call like it records them)
             replay.keep(captured, sig, replay.RECORD if plain else None)
@@ -127,8 +127,11 @@ def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
     with recorder:
         plain = _rules(captured, dest, uses)
     taken = {k: p for k, p in captured.taken.items() if before.get(k) is not p}
-    replay.keep(captured, sig, recorder.replay(taken) if plain and recorder.failed is None
-                else None)
+    made = recorder.replay(taken) if plain and recorder.failed is None else None
+    if made is not None and replay.CHECK[0]:  # (checked on the call it recorded, too)
+        replay.check(made, inputs, dest)
+    if state is not None:
+        replay.keep(captured, sig, made)
 
 
 def _unchanged(ops: list[Op], wanted: set[int]) -> None:

@@ -62,8 +62,9 @@ from .captured import Captured
 from .paths import edge_key
 
 ENABLED = [os.environ.get("PERSAMPLE_RULES_REPLAY", "1") != "0"]
-CHECK = [os.environ.get("PERSAMPLE_CHECK_REPLAY", "0") == "1"]  # replay beside the rules,
-# compared bit for bit (tests)
+CHECK = [os.environ.get("PERSAMPLE_CHECK_REPLAY", "0") == "1"]  # (tests) every call that
+# can be recorded is, and its replay compared bit for bit with the rules on the spot; a
+# call that would replay runs the rules and compares
 PER_RECORD = 4  # signatures kept per program or template
 
 _REPLAYS: dict[int, tuple[weakref.ref, list]] = {}  # id(record) -> (record, [(sig, ...)])
