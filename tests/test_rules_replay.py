@@ -174,3 +174,19 @@ def test_the_replay_makes_views_by_their_geometry():
     b, got = torch.randn(4, 6), torch.empty(3, 4)
     kept([b, got])
     assert torch.equal(got, b.t()[1:4] * 2)
+
+
+def test_the_check_mode_finds_a_replay_that_differs():
+    """``PERSAMPLE_CHECK_REPLAY=1`` (the tests' check of every replay) raises where the
+    replay's result is not the rules' bit for bit, NaN included."""
+    from persample.errors import InternalError
+
+    a, out = torch.tensor([1.0, float("nan")]), torch.empty(2)
+    rec = replay.Recorder([a, out])
+    with rec:
+        torch.mul(a, 2, out=out)
+    kept = rec.replay({})
+    replay.check(kept, [a, out], {0: out})  # the same: NaN where NaN
+    out[0] = 3.0
+    with pytest.raises(InternalError, match="differ"):
+        replay.check(kept, [a, out], {0: out})

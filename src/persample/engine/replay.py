@@ -56,7 +56,7 @@ from ..batch import SHARED, Batched
 from ..capture.compiled import CompiledCapture
 from ..capture.lean import LeanCapture
 from ..capture.stock import StockCapture
-from ..errors import internal
+from ..errors import InternalError
 from ..rules import spec_of
 from .captured import Captured
 from .paths import edge_key
@@ -185,9 +185,14 @@ def check(replay: Replay, inputs: list[Tensor], dest: dict[int, Tensor]) -> None
     got = {k: _alike(t) for k, t in dest.items()}
     swap = {id(t): got[k] for k, t in dest.items()}
     replay([swap.get(id(t), t) for t in inputs])
-    for k, t in dest.items():
-        if not torch.equal(got[k], t):
-            raise internal(f"the replayed rules differ from the rules for parameter {k}")
+    for k, t in dest.items():  # (bit for bit: NaN where the rules wrote NaN)
+        if not torch.equal(_bits(got[k]), _bits(t)):
+            raise InternalError(f"the replayed rules differ from the rules for the "
+                                f"parameter of id {k}")
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.contiguous().view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
 def _alike(t: Tensor) -> Tensor:
