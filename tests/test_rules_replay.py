@@ -145,6 +145,24 @@ def test_what_changes_the_rules_records_anew(counts):
         check(x, y)
 
 
+@pytest.mark.parametrize("build", [_mlp, Block], ids=["stock", "block"])
+def test_an_argument_changed_between_calls_records_anew(build, counts):
+    """A layer norm's ``eps`` changed after the replay was kept: a value the rule reads
+    in Python (the replay holds the recorded one), so the call records again."""
+    torch.manual_seed(0)
+    model = build().double()
+    if build is _mlp:
+        model.insert(2, nn.LayerNorm(B).double())
+    norm = model[2] if build is _mlp else model.norm
+    x, y = _data(build is Block)
+    for _ in range(5):
+        per_sample_grads(model, x, y, _ce)
+    assert counts.replays
+    norm.eps = 0.5  # (large: a replay holding 1e-5 would differ far beyond rounding)
+    for _ in range(4):
+        assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
+
+
 def test_the_recorder_refuses_value_reads_and_unknown_tensors():
     a = torch.randn(3)
     rec = replay.Recorder([a])

@@ -15,10 +15,11 @@ The inputs of the rules (:func:`inputs_of`) are every tensor an op's record hold
 leaves, outputs and overwritten value, for the planned ops and the derived tensors'
 ops), the backward's gradients at their edges, and the destinations. The signature of
 a call holds, besides the record it replays (the program or template, kept weakly), the
-batch size, each op's function, layouts, pairings, sources, edges' geometry and autocast
-state, the plan's sets that choose which parameters each rule writes, and each input's
-shape, strides, storage offset, dtype, device and identity (which inputs are the same
-tensor). A call that differs in any of these records anew.
+batch size, each op's function, arguments other than tensors (a norm's ``eps``),
+layouts, pairings, sources, edges' geometry and autocast state, the plan's sets that
+choose which parameters each rule writes, and each input's shape, strides, storage
+offset, dtype, device and identity (which inputs are the same tensor). A call that
+differs in any of these records anew.
 
 Nothing that could differ between calls of one signature is replayed:
 
@@ -107,7 +108,8 @@ def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple]
         layouts = (*op.layouts, *op.out_layouts, *(op.flow.pairing or ()))
         if not all(_plain(lay) for lay in layouts) or op.flow.writes:
             return None
-        sig.append((op.func, op.autocast, layouts, op.before is None, tuple(op.sources.items()),
+        sig.append((op.func, _constants(op.args), _constants(op.kwargs), op.autocast,
+                    layouts, op.before is None, tuple(op.sources.items()),
                     frozenset(plan.ruled.get(id(op), ())),
                     tuple(None if e is None else e.view for e in op.edges)))
         tensors += op.leaves
@@ -131,6 +133,18 @@ def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple]
         else:
             sig.append(k)
     return tensors, tuple(sig)
+
+
+def _constants(value: Any) -> Any:
+    """An op's arguments with each tensor left out (``None``): the values its rule reads
+    in Python (a norm's ``eps``, a convolution's stride), which the replay holds."""
+    if isinstance(value, Tensor):
+        return None
+    if isinstance(value, (list, tuple)):
+        return tuple(_constants(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _constants(v)) for k, v in value.items())
+    return value
 
 
 def _plain(lay: Any) -> bool:
