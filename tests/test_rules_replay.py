@@ -155,7 +155,7 @@ def test_an_argument_changed_between_calls_records_anew(build, counts):
         model.insert(2, nn.LayerNorm(B).double())
     norm = model[2] if build is _mlp else model.norm
     x, y = _data(build is Block)
-    for _ in range(5):
+    for _ in range(8):
         per_sample_grads(model, x, y, _ce)
     assert counts.replays
     norm.eps = 0.5  # (large: a replay holding 1e-5 would differ far beyond rounding)
