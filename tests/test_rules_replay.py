@@ -163,6 +163,32 @@ def test_an_argument_changed_between_calls_records_anew(build, counts):
         assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
 
 
+class Distances(nn.Module):
+    """``cdist`` to learned centres: no rule, its parameter takes an op's VJP."""
+
+    def __init__(self):
+        super().__init__()
+        self.centres = nn.Parameter(torch.randn(B + 1, E))
+        self.lin = nn.Linear(B + 1, 3)
+
+    def forward(self, x):
+        return self.lin(torch.cdist(x, self.centres))
+
+
+def test_a_model_whose_rules_cannot_be_recorded_stops_trying(counts, monkeypatch):
+    """An op's VJP (no rule) is never recorded; after the first such call the record's
+    later calls do not even build a signature."""
+    torch.manual_seed(0)
+    model = Distances().double()
+    x, y = _data(False)
+    signatures = []
+    inputs_of = replay.inputs_of
+    monkeypatch.setattr(replay, "inputs_of", lambda *a: signatures.append(1) or inputs_of(*a))
+    for _ in range(6):
+        assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
+    assert counts.replays == 0 and 0 < len(signatures) < 6
+
+
 def test_the_recorder_refuses_value_reads_and_unknown_tensors():
     a = torch.randn(3)
     rec = replay.Recorder([a])

@@ -100,7 +100,8 @@ def write_per_sample(captured: Captured, dest: dict[int, Tensor], uses: list[Op]
 def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> None:
     """The rules into ``dest``; on a cached call, their replay where one is kept
     (:mod:`persample.engine.replay`)."""
-    found = replay.inputs_of(captured, dest) if uses is None and replay.ENABLED[0] else None
+    found = None if uses is not None or not replay.ENABLED[0] or replay.hopeless(
+        captured) else replay.inputs_of(captured, dest)
     if found is None:
         _rules(captured, dest, uses)
         return

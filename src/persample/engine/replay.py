@@ -30,7 +30,8 @@ Nothing that could differ between calls of one signature is replayed:
 - a random op, a module rule, a per-module fallback, a rule that declined (its
   parameters then take an op's VJP, which runs autograd or ``torch.func``), an op with
   random numbers or gathered parameters (FSDP), a layout other than shared or a plain
-  batch dim (an index layout's values choose the rules' ops);
+  batch dim (an index layout's values choose the rules' ops), an input that is a
+  tensor subclass, sparse or nested;
 
 such a call is not recorded, and its signature runs the rules as usual from then on.
 The in-place check (an input modified after the op ran) runs at every call, replayed or
@@ -72,6 +73,7 @@ _REPLAYS: dict[int, tuple[weakref.ref, list]] = {}  # id(record) -> (record, [(s
 _aten = torch.ops.aten
 _VALUE_READS = {_aten._local_scalar_dense.default, _aten.equal.default,
                 _aten.is_nonzero.default, _aten.item.default}
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 _METADATA = {_aten.promote_types.default}  # (their answer is the same for the same dtypes:
 # nothing to run again)
 
@@ -127,6 +129,8 @@ def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple]
     for t in tensors:
         k = seen.get(id(t))
         if k is None:
+            if type(t) not in _PLAIN_TYPES or t.layout is not torch.strided:
+                return None  # (a subclass, a sparse or nested tensor: not replayed)
             seen[id(t)] = len(seen)
             sig.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
                         t.requires_grad))
@@ -152,6 +156,15 @@ def _plain(lay: Any) -> bool:
 
 
 FIRST, RECORD = "first", "record"  # (the states of a signature before its replay)
+
+
+def hopeless(captured: Captured) -> bool:
+    """Has a call of this record failed to record (a value read, a declined rule)? Its
+    later calls then skip the signature (a few hundred microseconds on a transformer)."""
+    record = _record_of(captured)
+    found = _REPLAYS.get(id(record))
+    return found is not None and found[0]() is record and any(
+        state is None for _, state in found[1])
 
 
 def replay_of(captured: Captured, sig: tuple) -> tuple[Replay | None, str | None]:
