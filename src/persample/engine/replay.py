@@ -11,15 +11,15 @@ signature run that function on their own inputs: one line per ATen op that compu
 and one ``as_strided`` per view an op reads, in place of the rules' Python and every
 view op they made.
 
-The inputs of the rules (:func:`inputs_of`) are every tensor an op's record holds (its
-leaves, outputs and overwritten value, for the planned ops and the derived tensors'
-ops), the backward's gradients at their edges, and the destinations. The signature of
-a call holds, besides the record it replays (the program or template, kept weakly), the
-batch size, each op's function, arguments other than tensors (a norm's ``eps``),
-layouts, pairings, sources, edges' geometry and autocast state, the plan's sets that
-choose which parameters each rule writes, and each input's shape, strides, storage
-offset, dtype, device and identity (which inputs are the same tensor). A call that
-differs in any of these records anew.
+The inputs of the rules (:func:`inputs_of`) are the tensors an op's record holds (its
+leaves and overwritten value, for the planned ops and the derived tensors' ops: a rule
+that reads an op's output is not recorded), the backward's gradients at their edges,
+and the destinations. The signature of a call holds, besides the record it replays
+(the program or template, kept weakly), the batch size, each op's function, arguments
+other than tensors (a norm's ``eps``), layouts, pairings, sources, edges' geometry and
+autocast state, the plan's sets that choose which parameters each rule writes, and each
+input's shape, strides, storage offset, dtype, device and identity (which inputs are
+the same tensor). A call that differs in any of these records anew.
 
 Nothing that could differ between calls of one signature is replayed:
 
@@ -107,15 +107,20 @@ def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple]
         if (op.draw is not None or op.gather is not None or op.claimed is not None
                 or (spec is not None and spec.reads_values)):
             return None
-        layouts = (*op.layouts, *op.out_layouts, *(op.flow.pairing or ()))
-        if not all(_plain(lay) for lay in layouts) or op.flow.writes:
+        flow = op.flow
+        for group in (op.layouts, op.out_layouts, flow.pairing or ()):
+            for lay in group:
+                if not (lay is None or lay is SHARED or (
+                        type(lay) is Batched and lay.index is None)):
+                    return None
+        if flow.writes:
             return None
         sig.append((op.func, _constants(op.args), _constants(op.kwargs), op.autocast,
-                    layouts, op.before is None, tuple(op.sources.items()),
+                    op.layouts, flow.outputs, flow.pairing, op.before is None,
+                    tuple(op.sources.items()),
                     frozenset(plan.ruled.get(id(op), ())),
                     tuple(None if e is None else e.view for e in op.edges)))
-        tensors += op.leaves
-        tensors += op.outputs
+        tensors += op.leaves  # (not its outputs: a rule that reads one is not recorded)
         if op.before is not None:
             tensors.append(op.before)
         for e in op.edges:
@@ -145,14 +150,10 @@ def _constants(value: Any) -> Any:
     if isinstance(value, Tensor):
         return None
     if isinstance(value, (list, tuple)):
-        return tuple(_constants(v) for v in value)
+        return tuple([None if isinstance(v, Tensor) else _constants(v) for v in value])
     if isinstance(value, dict):
-        return tuple((k, _constants(v)) for k, v in value.items())
+        return tuple([(k, _constants(v)) for k, v in value.items()]) if value else ()
     return value
-
-
-def _plain(lay: Any) -> bool:
-    return lay is None or lay is SHARED or (type(lay) is Batched and lay.index is None)
 
 
 FIRST, RECORD = "first", "record"  # (the states of a signature before its replay)
