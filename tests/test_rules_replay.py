@@ -234,3 +234,28 @@ def test_the_check_mode_finds_a_replay_that_differs():
     out[0] = 3.0
     with pytest.raises(InternalError, match="differ"):
         replay.check(kept, [a, out], {0: out})
+
+
+def test_recording_does_not_import_torchdynamo():
+    """A stock model's calls never need TorchDynamo; the recorder must not import it
+    (over a second, once per process, at the third call), in a fresh interpreter."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, torch
+        from torch import nn
+        import persample
+        from persample.engine import replay
+        m = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 3))
+        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+        for _ in range(5):
+            persample.per_sample_grads(m, x, y, nn.CrossEntropyLoss())
+        kept = [type(v).__name__ for _, (r, d) in replay._REPLAYS.items() for _, v in d]
+        print("torch._dynamo" in sys.modules, kept)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "False" and "Replay" in done.stdout, done.stdout

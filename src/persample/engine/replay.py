@@ -253,6 +253,11 @@ class Recorder(TorchDispatchMode):
         self.steps: list[tuple[Any, Any, dict, str]] = []
         self.failed: str | None = None
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (the recorder runs in eager code only; wrapping it for TorchDynamo
+        # would import TorchDynamo at its first op: over a second, once per process)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
