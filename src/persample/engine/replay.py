@@ -238,8 +238,10 @@ class Recorder(TorchDispatchMode):
     A view (``view``, ``permute``, ``select``, ``expand``, ``detach``: the rules make
     about three for each product) is not written down: it is kept as its root tensor's
     geometry (shape, strides, storage offset) and made by one ``as_strided`` of the
-    root where an op reads it; the geometry is the recorded call's, which the replay's
-    signature (every input's shape, strides and offset) makes the same."""
+    root where an op first reads it (the root itself where the geometry is the root's;
+    one view for every view of the same geometry of the same root: the query, key and
+    value projections read one input); the geometry is the recorded call's, which the
+    replay's signature (every input's shape, strides and offset) makes the same."""
 
     def __init__(self, inputs: list[Tensor]):
         super().__init__()
@@ -247,6 +249,8 @@ class Recorder(TorchDispatchMode):
         # holds it (the rules' temporaries die as they go, as without the recorder)
         self.names: dict[int, tuple[weakref.ref, str]] = {}
         self.views: dict[int, tuple] = {}  # id -> (its reference, root's name, geometry)
+        self.geometry: dict[str, tuple] = {}  # name -> (shape, stride, offset)
+        self.made: dict[tuple, str] = {}  # (root's name, geometry) -> the view's name
         for k, t in reversed(list(enumerate(inputs))):  # (the first of the same tensor)
             self._call(t, f"s{k}")
         self.n_inputs = len(inputs)
@@ -292,6 +296,7 @@ class Recorder(TorchDispatchMode):
         """Name ``t`` (an input, an op's output): read by that name from now on."""
         self.names[id(t)] = (weakref.ref(t), name)
         self.views.pop(id(t), None)
+        self.geometry[name] = (tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def _view(self, func: Any, args: tuple, out: Any) -> bool:
         """Keep ``out``, a view of ``args[0]`` of the same dtype, as its root's geometry."""
@@ -315,9 +320,16 @@ class Recorder(TorchDispatchMode):
         found = self.views.get(id(t))
         if found is None or found[0]() is not t:
             raise _Unknown(f"reads a {tuple(t.shape)} tensor that is not an input")
-        name = f"r{len(self.steps)}"
-        self.steps.append((_aten.as_strided.default, (_Ref(found[1]), *found[2:]), {}, name))
-        self._call(t, name)
+        root, geometry = found[1], found[2:]
+        if self.geometry.get(root) == geometry:  # (the root itself: a detach, a view as is)
+            name = root
+        elif (root, geometry) in self.made:  # (the same view made for another rule)
+            name = self.made[root, geometry]
+        else:
+            name = self.made[root, geometry] = f"r{len(self.steps)}"
+            self.steps.append((_aten.as_strided.default, (_Ref(root), *geometry), {}, name))
+        self.names[id(t)] = (weakref.ref(t), name)
+        self.views.pop(id(t), None)
         return name
 
     def _source(self, value: Any) -> Any:
