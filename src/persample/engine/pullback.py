@@ -98,8 +98,8 @@ def write_per_sample(captured: Captured, dest: dict[int, Tensor], uses: list[Op]
 
 
 def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> None:
-    """The rules into ``dest``; on a cached call, their replay where one is kept
-    (:mod:`persample.engine.replay`)."""
+    """The rules into ``dest``; on a cached call, their replay where one is kept, or
+    their recording (:mod:`persample.engine.replay`)."""
     found = None if uses is not None or not replay.ENABLED[0] or replay.hopeless(
         captured) else replay.inputs_of(captured, dest)
     if found is None:
@@ -108,31 +108,46 @@ def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
     inputs, sig = found
     kept, state = replay.replay_of(captured, sig)
     if kept is not None:
-        _unchanged(captured.plan.uses, set(dest))
-        before = dict(captured.taken)
-        if replay.CHECK[0]:
-            _rules(captured, dest, uses)
-            replay.check(kept, inputs, dest)
-        else:
-            kept(inputs)
-        captured.taken.clear()
-        captured.taken.update({**before, **kept.taken})
-        return
-    before = dict(captured.taken)
-    if state is not replay.RECORD and not replay.CHECK[0]:
-        plain = _rules(captured, dest, uses)
+        _replayed(captured, kept, inputs, dest)
+    elif state is replay.RECORD or replay.CHECK[0]:
+        made = _recorded(captured, inputs, dest)
+        if state is not None:
+            replay.keep(captured, sig, made)
+    else:
+        plain = _rules(captured, dest, None)
         if state is replay.FIRST:  # (a second call like it records them)
             replay.keep(captured, sig, replay.RECORD if plain else None)
-        return
+
+
+def _replayed(captured: Captured, kept: replay.Replay, inputs: list[Tensor],
+              dest: dict[int, Tensor]) -> None:
+    """The kept replay into ``dest`` (checked against the rules under ``CHECK``), and
+    the paths the rules took when it was recorded."""
+    _unchanged(captured.plan.uses, set(dest))
+    before = dict(captured.taken)
+    if replay.CHECK[0]:
+        _rules(captured, dest, None)
+        replay.check(kept, inputs, dest)
+    else:
+        kept(inputs)
+    captured.taken.clear()
+    captured.taken.update({**before, **kept.taken})
+
+
+def _recorded(captured: Captured, inputs: list[Tensor], dest: dict[int, Tensor]
+              ) -> replay.Replay | None:
+    """The rules into ``dest`` under the recorder: their replay, or ``None`` where they
+    cannot be replayed (checked on the spot under ``CHECK``)."""
+    before = dict(captured.taken)
     recorder = replay.Recorder(inputs)
     with recorder:
-        plain = _rules(captured, dest, uses)
-    taken = {k: p for k, p in captured.taken.items() if before.get(k) is not p}
-    made = recorder.replay(taken) if plain and recorder.failed is None else None
-    if made is not None and replay.CHECK[0]:  # (checked on the call it recorded, too)
+        plain = _rules(captured, dest, None)
+    if not plain or recorder.failed is not None:
+        return None
+    made = recorder.replay({k: p for k, p in captured.taken.items() if before.get(k) is not p})
+    if replay.CHECK[0]:
         replay.check(made, inputs, dest)
-    if state is not None:
-        replay.keep(captured, sig, made)
+    return made
 
 
 def _unchanged(ops: list[Op], wanted: set[int]) -> None:
