@@ -347,7 +347,8 @@ class Recorder(TorchDispatchMode):
         consts: dict[str, Any] = {}
         lines = [f"def replay({', '.join(f's{k}' for k in range(self.n_inputs))}):"]
         for k, (func, args, kwargs, name) in enumerate(self.steps):
-            consts[f"f{k}"] = func
+            consts[f"f{k}"] = func._op if type(func) is torch._ops.OpOverload else func  # (what
+            # OpOverload.__call__ calls: one Python frame less per op)
             call = ", ".join([_text(a, consts) for a in args]
                              + [f"{key}={_text(v, consts)}" for key, v in kwargs.items()])
             lines.append(f"    {name} = f{k}({call})")
