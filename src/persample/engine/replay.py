@@ -268,8 +268,8 @@ class Recorder(TorchDispatchMode):
         if self.failed is None:
             try:
                 self._note(func, args, kwargs, out)
-            except _Unknown as why:
-                self.failed = str(why)
+            except Exception as why:  # (an op it cannot write down: the rules go on as
+                self.failed = f"{func}: {why}"  # they are, and are not replayed)
         return out
 
     def _note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
