@@ -58,6 +58,7 @@ from ..batch import SHARED, Batched
 from ..capture.compiled import CompiledCapture
 from ..capture.lean import LeanCapture
 from ..capture.stock import StockCapture
+from ..capture.tape import Opaque, arguments_key
 from ..errors import InternalError
 from ..rules import spec_of
 from .captured import Captured
@@ -115,7 +116,11 @@ def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple]
                     return None
         if flow.writes:
             return None
-        sig.append((op.func, _constants(op.args), _constants(op.kwargs), op.autocast,
+        try:
+            constants = arguments_key(op.args, op.kwargs)
+        except Opaque:  # (an argument of a type it cannot compare across calls)
+            return None
+        sig.append((op.func, constants, op.autocast,
                     op.layouts, flow.outputs, flow.pairing, op.before is None,
                     tuple(op.sources.items()),
                     frozenset(plan.ruled.get(id(op), ())),
@@ -142,18 +147,6 @@ def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple]
         else:
             sig.append(k)
     return tensors, tuple(sig)
-
-
-def _constants(value: Any) -> Any:
-    """An op's arguments with each tensor left out (``None``): the values its rule reads
-    in Python (a norm's ``eps``, a convolution's stride), which the replay holds."""
-    if isinstance(value, Tensor):
-        return None
-    if isinstance(value, (list, tuple)):
-        return tuple([None if isinstance(v, Tensor) else _constants(v) for v in value])
-    if isinstance(value, dict):
-        return tuple([(k, _constants(v)) for k, v in value.items()]) if value else ()
-    return value
 
 
 FIRST, RECORD = "first", "record"  # (the states of a signature before its replay)
