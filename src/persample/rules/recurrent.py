@@ -226,8 +226,8 @@ def _from_outputs(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor]
     (each direction's in its half), so every step's pre-activations come from two
     batched products, ``x W_ih^T`` and ``h_{t-1} W_hh^T``; an LSTM's cell states from one
     elementwise scan. The backward then runs step by step on ``(n, v, H)`` tensors (the
-    adjoint equations of the cell: :func:`_adjoint`), and the weight gradients are sums
-    over time of outer products, as in the module docstring."""
+    adjoint equations of the cell: :func:`_lstm_adjoint`, :func:`_adjoint`), and the
+    weight gradients are sums over time of outer products, as in the module docstring."""
     x, hx = activations[0], activations[1] if len(activations) > 1 else None
     lstm = layer.mode == "LSTM"
     if (layer.num_layers != 1 or getattr(layer, "proj_size", 0) or not isinstance(x, Tensor)
@@ -246,64 +246,126 @@ def _from_outputs(layer: nn.RNNBase, activations: tuple, backprops: list[Tensor]
         suffix = "_l0" + ("_reverse" if d else "")
         w_ih, b_ih, w_hh, b_hh = (_weights(layer, name + suffix, work) for name in (
             "weight_ih", "bias_ih", "weight_hh", "bias_hh"))
-        h = seq[..., d * hidden:(d + 1) * hidden]  # (n, T, H) the state after each step
-        first = h0[:, d, None]  # (n, 1, H)
-        h_prev = torch.cat([first, h[:, :-1]] if d == 0 else [h[:, 1:], first], 1)
-        gi, gh = F.linear(x, w_ih, b_ih), F.linear(h_prev, w_hh, b_hh)  # (n, T, G)
-        order = range(steps - 1, -1, -1) if d == 0 else range(steps)  # the backward's
+        h = seq[..., d * hidden:(d + 1) * hidden].transpose(0, 1)  # (T, n, H) after each step
+        first = h0[None, :, d]  # (1, n, H)
+        h_prev = torch.cat([first, h[:-1]] if d == 0 else [h[1:], first])  # (T, n, H)
+        dout = grads[0][..., d * hidden:(d + 1) * hidden]  # (n, v, T, H)
         ends = [g[:, :, d] for g in grads[1:]]  # (n, v, H): h_n's and c_n's backprops
-        dgi, dgh = _adjoint(layer.mode, gi, gh, h_prev, None if c0 is None else c0[:, d],
-                            grads[0][..., d * hidden:(d + 1) * hidden], ends, w_hh, order)
+        if lstm:
+            a = _preactivations(x, h_prev, w_ih, b_ih, w_hh, b_hh)  # (T, n, 4H)
+            dgates = _lstm_adjoint(a, c0[:, d], dout, ends, w_hh, forward=d == 0)
+            dgi = dgh = dgates.permute(1, 2, 0, 3)  # (n, v, T, 4H), a view
+            bias = dgates.sum(0)  # (n, v, 4H): both biases' gradient
+            for name in ("bias_ih", "bias_hh"):
+                if name + suffix in out:
+                    out[name + suffix].copy_(bias)
+        else:
+            hb = h_prev.transpose(0, 1)  # (n, T, H)
+            gi, gh = F.linear(x, w_ih, b_ih), F.linear(hb, w_hh, b_hh)  # (n, T, G)
+            order = range(steps - 1, -1, -1) if d == 0 else range(steps)  # the backward's
+            dgi, dgh = _adjoint(layer.mode, gi, gh, hb, dout, ends, w_hh, order)
         _write(out, "weight_ih" + suffix, dgi, x)
-        _write(out, "bias_ih" + suffix, dgi, None)
-        _write(out, "weight_hh" + suffix, dgh, h_prev)
-        _write(out, "bias_hh" + suffix, dgh, None)
+        _write(out, "weight_hh" + suffix, dgh, h_prev.transpose(0, 1))
+        if not lstm:
+            _write(out, "bias_ih" + suffix, dgi, None)
+            _write(out, "bias_hh" + suffix, dgh, None)
     return True
 
 
-def _adjoint(mode: str, gi: Tensor, gh: Tensor, h_prev: Tensor, c0: Tensor | None,
-             dout: Tensor, ends: list[Tensor], w_hh: Tensor, order: range
-             ) -> tuple[Tensor, Tensor]:
-    """The backprops ``(n, v, T, G)`` of one direction's input and hidden pre-activations
-    ``gi``, ``gh`` ``(n, T, G)``, from those of its outputs ``dout (n, v, T, H)`` and final
-    states ``ends`` (``dh_n``, and for an LSTM ``dc_n``, ``(n, v, H)``); ``order``: the
-    steps in the backward's order (the forward's reversed). Each step's factors (the
-    gates' derivatives, ``(n, T, ...)``) are computed for all steps at once; the loop
-    carries ``dh`` (and an LSTM's ``dc``) back through ``W_hh``."""
+def _preactivations(x: Tensor, h_prev: Tensor, w_ih: Tensor, b_ih: Tensor | None,
+                    w_hh: Tensor, b_hh: Tensor | None) -> Tensor:
+    """``x W_ih^T + b_ih + h_prev W_hh^T + b_hh`` ``(T, n, G)``, time-major, from ``x (n, T,
+    I)`` and the states fed in ``h_prev (T, n, H)``: two products into one buffer."""
+    steps, n = h_prev.shape[:2]
+    a = x.new_empty(steps * n, w_ih.shape[0])  # (T n, G)
+    xt = x.transpose(0, 1).reshape(steps * n, -1)  # (T n, I)
+    bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
+    if bias is None:
+        torch.mm(xt, w_ih.T, out=a)
+    else:
+        torch.addmm(bias, xt, w_ih.T, out=a)
+    a.addmm_(h_prev.reshape(steps * n, -1), w_hh.T)
+    return a.view(steps, n, -1)
+
+
+def _tanh(z: Tensor) -> Tensor:
+    """``tanh(z)`` as ``2 sigmoid(2 z) - 1``, the same function: torch's CPU ``tanh``
+    takes several times as long as its ``sigmoid``."""
+    return torch.sigmoid_(z * 2).mul_(2).sub_(1)
+
+
+def _lstm_adjoint(a: Tensor, c0: Tensor, dout: Tensor, ends: list[Tensor], w_hh: Tensor,
+                  forward: bool) -> Tensor:
+    """The backprops ``(T, n, v, 4H)`` (time-major) of one LSTM direction's pre-activations
+    ``a (T, n, 4H)`` (gates ``i, f, g, o``; time-major; overwritten), from those of its
+    outputs ``dout (n, v, T, H)`` and final states ``ends`` (``dh_n``, ``dc_n`` ``(n, v,
+    H)``); ``c0 (n, H)`` the initial cell state; ``forward``: the direction ran from
+    ``t = 0``. The cell states and each step's factors (the gates' derivatives) are
+    computed for all steps at once, time-major so that each step's rows are contiguous;
+    the loop carries ``dh`` and ``dc`` back through ``W_hh`` (the cell's adjoint
+    equations: ``dc_t += dh_t o_t (1 - tanh^2 c_t)``; ``da = (dc i', dc c_{t-1} f', dc i
+    (1 - g^2), dh tanh(c_t) o')`` with ``s' = s (1 - s)``; ``dh_{t-1} = dout_{t-1} + da
+    W_hh``; ``dc_{t-1} = dc f_t``)."""
+    steps, n, hidden = a.shape[0], a.shape[1], a.shape[2] // 4
+    v = dout.shape[1]
+
+    def gate(t: Tensor, k: int) -> Tensor:  # gate k of (..., 4H)
+        return t[..., k * hidden:(k + 1) * hidden]
+
+    s = _tanh_gate(a, hidden)  # (T, n, 4H): sigmoid(i, f, o), tanh(g)
+    i, f, g, o = (gate(s, k) for k in range(4))
+    c = i * g  # (T, n, H): i_t g_t, then the cell states c_t = f_t c_{t-1} + i_t g_t
+    order = range(steps) if forward else range(steps - 1, -1, -1)
+    prev = c0
+    for t in order:
+        prev = c[t].addcmul_(f[t], prev)
+    tc = _tanh(c)  # (T, n, H)
+    to_c = torch.addcmul(o, o, tc * tc, value=-1)  # d c_t / d h_t's share: o (1 - tanh^2 c)
+    factors = torch.addcmul(s, s, s, value=-1)  # s (1 - s), gate by gate (T, n, 4H)
+    gate(factors, 0).mul_(g)  # i' g
+    later, earlier = (slice(1, None), slice(None, -1)) if forward else (
+        slice(None, -1), slice(1, None))
+    gate(factors, 1)[later].mul_(c[earlier])  # f' c_{t-1}
+    gate(factors, 1)[order[0]].mul_(c0)
+    torch.addcmul(i, i, g * g, value=-1, out=gate(factors, 2))  # i (1 - g^2)
+    gate(factors, 3).mul_(tc)  # o' tanh(c_t)
+    dgates = dout.new_empty(steps, n, v, 4 * hidden)
+    back = order[::-1]
+    dc, dh = ends[1], dout[:, :, back[0]] + ends[0]  # (n, v, H)
+    for k, t in enumerate(back):
+        dc = torch.addcmul(dc, dh, to_c[t, :, None])
+        rows = dgates[t]  # (n, v, 4H)
+        quad, fac = rows.view(n, v, 4, hidden), factors[t].view(n, 1, 4, hidden)
+        torch.mul(dc[:, :, None], fac[:, :, :3], out=quad[:, :, :3])
+        torch.mul(dh, fac[:, :, 3], out=quad[:, :, 3])
+        if k + 1 < steps:  # the next step's dh: its output's, plus through W_hh
+            dh = torch.addmm(dout[:, :, back[k + 1]].reshape(n * v, hidden),
+                             rows.view(n * v, 4 * hidden), w_hh).view(n, v, hidden)
+            dc = dc * f[t, :, None]
+    return dgates
+
+
+def _tanh_gate(a: Tensor, hidden: int) -> Tensor:
+    """``a (..., 4H)`` in place: ``sigmoid`` of gates ``i, f, o``, ``tanh`` of ``g`` (as
+    :func:`_tanh`)."""
+    g = a[..., 2 * hidden:3 * hidden]
+    g.mul_(2)
+    torch.sigmoid_(a)
+    g.mul_(2).sub_(1)
+    return a
+
+
+def _adjoint(mode: str, gi: Tensor, gh: Tensor, h_prev: Tensor, dout: Tensor,
+             ends: list[Tensor], w_hh: Tensor, order: range) -> tuple[Tensor, Tensor]:
+    """The backprops ``(n, v, T, G)`` of one RNN or GRU direction's input and hidden
+    pre-activations ``gi``, ``gh`` ``(n, T, G)``, from those of its outputs ``dout (n, v,
+    T, H)`` and final state ``ends[0]`` (``dh_n``, ``(n, v, H)``); ``h_prev (n, T, H)``
+    the states fed in; ``order``: the steps in the backward's order (the forward's
+    reversed). Each step's factors (the gates' derivatives, ``(n, T, ...)``) are computed
+    for all steps at once; the loop carries ``dh`` back through ``W_hh``."""
     n, v, steps, hidden = dout.shape
-    a = gi + gh if mode != "GRU" else None
     dh_all = dout.new_empty(n, v, steps, hidden)
     dh_next = ends[0]
-    if mode == "LSTM":
-        s = torch.sigmoid(a)  # (n, T, 4H), of which i, f and o are used
-        i, f, o = s[..., :hidden], s[..., hidden:2 * hidden], s[..., 3 * hidden:]
-        g = torch.tanh(a[..., 2 * hidden:3 * hidden].contiguous())  # (torch's tanh of a
-        # strided slice takes a scalar path, several times slower than the copy)
-        written, cells, state = i * g, [None] * steps, c0
-        for t in reversed(order):  # the cell states c_t = f_t c_{t-1} + i_t g_t, in order
-            state = cells[t] = torch.addcmul(written[:, t], f[:, t], state)
-        c = torch.stack(cells, 1)  # (n, T, H)
-        first = c0[:, None]
-        c_prev = torch.cat([first, c[:, :-1]] if order[0] == steps - 1 else [c[:, 1:], first], 1)
-        tc = torch.tanh(c)
-        to_c = o * (1 - tc * tc)  # d c_t / d h_t's share (n, T, H)
-        factors = torch.stack([g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g),
-                               tc * o * (1 - o)], 2)  # (n, T, 4, H): i, f, g from dc; o from dh
-        dgates = dout.new_empty(n, v, steps, 4, hidden)
-        rows = (n * v, 4 * hidden)  # a step's gates, samples and cotangents as rows
-        dc, dh = ends[1], dout[:, :, order[0]] + dh_next  # (n, v, H)
-        for k, t in enumerate(order):
-            dc = torch.addcmul(dc, dh, to_c[:, None, t])
-            gates = dgates[:, :, t]  # (n, v, 4, H)
-            torch.mul(dc[:, :, None], factors[:, None, t, :3], out=gates[:, :, :3])
-            torch.mul(dh, factors[:, None, t, 3], out=gates[:, :, 3])
-            if k + 1 < len(order):  # the next step's dh: its output's, plus through W_hh
-                nxt = dout[:, :, order[k + 1]]
-                dh = torch.addmm(nxt.reshape(n * v, hidden), gates.reshape(rows),
-                                 w_hh).view(n, v, hidden)
-                dc = dc * f[:, None, t]
-        dgates = dgates.flatten(3)  # (n, v, T, 4H)
-        return dgates, dgates
     if mode == "GRU":
         ir, iz, in_ = gi.chunk(3, -1)
         hr, hz, hn = gh.chunk(3, -1)
@@ -318,6 +380,7 @@ def _adjoint(mode: str, gi: Tensor, gh: Tensor, h_prev: Tensor, c0: Tensor | Non
             dh_next = torch.addcmul(step @ w_hh, dh, z[:, None, t])
         triple = torch.cat([dh_all, dh_all, dh_all], -1)
         return triple * torch.cat([to_r, to_z, dn], -1)[:, None], triple * hidden_factors[:, None]
+    a = gi + gh
     act = torch.tanh(a) if mode == "RNN_TANH" else torch.relu(a)
     slope = 1 - act * act if mode == "RNN_TANH" else (a > 0).to(a.dtype)  # (n, T, H)
     for t in order:
