@@ -370,7 +370,7 @@ def _adjoint(mode: str, gi: Tensor, gh: Tensor, h_prev: Tensor, dout: Tensor,
         ir, iz, in_ = gi.chunk(3, -1)
         hr, hz, hn = gh.chunk(3, -1)
         r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-        new = torch.tanh(in_ + r * hn)
+        new = _tanh(in_ + r * hn)
         dn = (1 - z) * (1 - new * new)  # d pre-activation of the new gate / d h_t
         to_r, to_z = dn * hn * r * (1 - r), (h_prev - new) * z * (1 - z)
         hidden_factors = torch.cat([to_r, to_z, dn * r], -1)  # (n, T, 3H)
@@ -381,7 +381,7 @@ def _adjoint(mode: str, gi: Tensor, gh: Tensor, h_prev: Tensor, dout: Tensor,
         triple = torch.cat([dh_all, dh_all, dh_all], -1)
         return triple * torch.cat([to_r, to_z, dn], -1)[:, None], triple * hidden_factors[:, None]
     a = gi + gh
-    act = torch.tanh(a) if mode == "RNN_TANH" else torch.relu(a)
+    act = _tanh(a) if mode == "RNN_TANH" else torch.relu(a)
     slope = 1 - act * act if mode == "RNN_TANH" else (a > 0).to(a.dtype)  # (n, T, H)
     for t in order:
         dh = dout[:, :, t] + dh_next
