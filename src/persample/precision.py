@@ -94,6 +94,16 @@ def accumulate_dtype(*dtypes: torch.dtype) -> torch.dtype:
         >>> accumulate_dtype(torch.bfloat16), accumulate_dtype(torch.float64)
         (torch.float32, torch.float64)
     """
+    found = _ACCUMULATE.get(dtypes)
+    if found is None:
+        found = _ACCUMULATE[dtypes] = _accumulate(dtypes)
+    return found
+
+
+_ACCUMULATE: dict[tuple, torch.dtype] = {}  # (a few dtypes: each answer asked of ATen once)
+
+
+def _accumulate(dtypes: tuple[torch.dtype, ...]) -> torch.dtype:
     found = torch.float32
     for d in dtypes:
         d = d.to_real() if d.is_complex else d

@@ -59,7 +59,9 @@ def _check_bias(b: Tensor | None, o: int) -> None:
 def _bias_rows(gt: Tensor, b: Tensor, o: int) -> Tensor:
     """A bias's per-sample gradient from backprops ``gt (n, t, o)``: ``sum_t g_t (n, o)``,
     or for one entry (:func:`_one_entry`) also summed over the outputs, ``(n, 1)``."""
-    return gt.sum((1, 2)).unsqueeze(1) if _one_entry(b, o) else gt.sum(1)
+    if _one_entry(b, o):
+        return gt.sum((1, 2)).unsqueeze(1)
+    return gt[:, 0] if gt.shape[1] == 1 else gt.sum(1)  # (one position: a view)
 
 
 def _bias_factors(gt: Tensor, b: Tensor, o: int) -> Factors:
@@ -111,14 +113,26 @@ def linear_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Te
         raise Decline("a shared input, or a 1-d weight")
     o, i = w.shape
     _check_bias(b if b in wanted else None, o)
-    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
-    found = {}
+    return _ghost_norms(call, x, g.reshape(g.shape[0], -1, o), w, b, wanted, i)
+
+
+def _ghost_norms(call: OpCall, x: Tensor, gt: Tensor, w: Tensor, b: Tensor | None,
+                 wanted: set[Tensor], i: int) -> dict[Tensor, Tensor]:
+    """``{w, b: (n,)}`` squared per-sample norms (those ``wanted``) of a linear map's
+    weight and bias from its input ``x`` (``i`` features) and backprops ``gt (n, t, o)``.
+    At one position a vector bias's, ``|g_n|^2``, is the factor the weight's ``|a_n|^2
+    |g_n|^2`` has: computed once."""
+    o, found = gt.shape[2], {}
+    vector = b is not None and b in wanted and not _one_entry(b, o)
+    one = gt.shape[1] == 1 and (vector or w in wanted)
+    g_sq = gt.square().sum((1, 2)) if one else None  # (n,) at one position
     if w in wanted:
-        found[w] = ghost_norm(as_rows(call, x, i), gt)
+        a = as_rows(call, x, i)  # (n, t, i)
+        found[w] = a.square().sum((1, 2)) * g_sq if one else ghost_norm(a, gt)
         if found[w] is None:
             raise Decline("materialising is cheaper")
     if b is not None and b in wanted:
-        found[b] = _bias_rows(gt, b, o).square().sum(1)  # (n,)
+        found[b] = g_sq if one and vector else _bias_rows(gt, b, o).square().sum(1)
     return found
 
 
@@ -197,15 +211,10 @@ def addmm_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict[Tensor, Ten
         raise Decline("a shared input, or a bias with rows")
     i, o = w.shape
     _check_bias(b if b in wanted else None, o)
-    gt = g.reshape(g.shape[0], -1, o)  # (n, t, o)
-    found = {}
-    if w in wanted:
-        norm = ghost_norm(as_rows(call, x, i), gt)
-        if norm is None:
-            raise Decline("materialising is cheaper")
-        found[w] = norm * alpha**2
-    if b in wanted:
-        found[b] = _bias_rows(gt, b, o).square().sum(1) * beta**2
+    found = _ghost_norms(call, x, g.reshape(g.shape[0], -1, o), w, b, wanted, i)
+    for t, scale in ((w, alpha), (b, beta)):
+        if t in found and scale != 1:
+            found[t] = found[t] * scale**2
     return found
 
 
