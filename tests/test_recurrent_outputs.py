@@ -91,3 +91,32 @@ def test_the_parameter_jacobian_from_outputs(monkeypatch):
     slow = persample.loop_param_jacobian(model, x)
     for name in slow:
         torch.testing.assert_close(fast[name], slow[name], rtol=1e-9, atol=1e-12)
+
+
+class _Cells(nn.Module):
+    """A recurrence without biases whose loss also reads the final cell state (an LSTM's
+    ``c_n``: its own backprop enters the adjoint)."""
+
+    def __init__(self, rnn: nn.RNNBase):
+        super().__init__()
+        self.rnn = rnn
+        d = 2 if rnn.bidirectional else 1
+        self.head = nn.Linear(d * H, 3)
+
+    def forward(self, x):  # (B, T, 4)
+        out, state = self.rnn(x)
+        y = self.head(out[:, -1])
+        if isinstance(state, tuple):  # (h_n, c_n), each (D, B, H)
+            y = y + state[1].sum(0)[:, :3] ** 2
+        return y
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "tanh"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_without_biases_and_with_the_final_cell_state(monkeypatch, kind, bidirectional):
+    monkeypatch.setattr(rule, "_unrolled", lambda *a: (_ for _ in ()).throw(AssertionError))
+    torch.manual_seed(0)
+    cls, extra = {"lstm": (nn.LSTM, {}), "gru": (nn.GRU, {}),
+                  "tanh": (nn.RNN, {"nonlinearity": "tanh"})}[kind]
+    rnn = cls(4, H, batch_first=True, bidirectional=bidirectional, bias=False, **extra)
+    _check(_Cells(rnn).double())
