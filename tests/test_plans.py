@@ -203,13 +203,18 @@ def test_no_step_keeps_a_layout_that_holds_tensors():
 
     x = torch.zeros(4, 3)
     plain = Flow(Batched(0))
-    assert reusable(plain, [Batched(0), SHARED], [x, x])
+    assert reusable(torch.add, plain, [Batched(0), SHARED], [x, x])
     ids = torch.arange(4)
     for lay in (Batched(0, index=ids), Sorted(0, keys=ids), Partly("rows", rows=ids)):
-        assert not reusable(Flow(lay), [Batched(0)], [x])
-        assert not reusable(plain, [lay], [x])
-    assert not reusable(plain, [Batched(0)], [ids])  # an integer input: values are read
-
+        assert not reusable(torch.add, Flow(lay), [Batched(0)], [x])
+        assert not reusable(torch.add, plain, [lay], [x])
+    # an integer input whose values the op's flow reads (an index) is decided again at
+    # every call; one an elementwise op or a view reads (a mask's ge, its expand) is not
+    assert not reusable(torch.gather, plain, [Batched(0), Batched(0)], [x, ids])
+    assert not reusable(torch.Tensor.__getitem__, plain, [Batched(0), Batched(0)], [x, ids])
+    assert reusable(torch.ge, plain, [Batched(0)], [ids])
+    assert reusable(torch.Tensor.expand, plain, [Batched(0)], [ids])
+    assert reusable(torch.Tensor.__getitem__, plain, [Batched(0)], [ids])  # ids[:, None]
 
 
 def test_arguments_of_equal_value_and_other_type_differ():

@@ -150,6 +150,24 @@ VALUE_READERS: set = set()
 FLOAT_BLIND: set = set()
 
 
+# Handlers whose decision reads no tensor's values at all where every layout they see is
+# plain (batched by position, or shared): elementwise ops, and views and joins of whole
+# tensors (:func:`reads_layouts_only`). Where a layout holds rows of no sample
+# (``ops_indexing.Partly``) they read them, but such a layout is never plain.
+LAYOUTS_ONLY: set = set()
+
+
+def reads_layouts_only(func: Any, leaves: list) -> bool:
+    """Does ``func``'s data flow, on plain layouts, read only its tensors' layouts and
+    shapes, even of an integer or boolean tensor (a mask's ``ge``, ``to``, ``expand``, or
+    ``mask[:, None]``: basic indexing, no index tensor)? Then a call like an earlier one
+    may take the earlier call's flow."""
+    handler = _handler(func)
+    if handler in LAYOUTS_ONLY:
+        return True
+    return func is torch.Tensor.__getitem__ and len(leaves) == 1
+
+
 def reads_no_floats(func: Any) -> bool:
     """Does ``func``'s data flow depend on no floating-point tensor's values (its
     handler is in :data:`FLOAT_BLIND`)?"""

@@ -14,6 +14,7 @@ from torch import Tensor
 from .flow import (
     BROADCASTING,
     FLOAT_BLIND,
+    LAYOUTS_ONLY,
     SHAPE_READERS,
     UNBROADCASTS,
     VALUE_READERS,
@@ -185,6 +186,7 @@ register(broadcast, *_BROADCAST_OPS)
 register(self_only, *_SELF_ONLY_OPS)
 register(_free, *aliases(*_FREE_DATA))
 FLOAT_BLIND.update((broadcast, self_only, _free))
+LAYOUTS_ONLY.update((broadcast, self_only, _free))
 SHAPE_READERS.update(aliases(*_FREE_DATA))
 VALUE_READERS.update(aliases(*_FREE_DATA))  # (shared whatever their inputs hold: the
 # zeros of a graph's aggregation made like its messages, where some nodes got none)

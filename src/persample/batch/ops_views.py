@@ -17,6 +17,7 @@ from .flow import (
     FLOAT_BLIND,
     GETTERS,
     HANDLERS,
+    LAYOUTS_ONLY,
     VALUE_READERS,
     Flow,
     aliases,
@@ -417,6 +418,10 @@ FLOAT_BLIND.update(HANDLERS[f] for f in (  # (each reads layouts and shapes alon
     torch.movedim, torch.squeeze, torch.unsqueeze, torch.Tensor.expand, torch.narrow,
     torch.Tensor.repeat, torch.repeat_interleave, torch.split, torch.broadcast_tensors,
     torch.cat, torch.stack))
+LAYOUTS_ONLY.update(HANDLERS[f] for f in (  # (on plain layouts: no values read at all)
+    torch.Tensor.reshape, torch.Tensor.view, torch.permute, torch.transpose, torch.t,
+    torch.movedim, torch.squeeze, torch.unsqueeze, torch.Tensor.expand, torch.cat,
+    torch.stack))
 # views and joins carry positions that hold no sample's data (ops_indexing.Partly)
 VALUE_READERS.update(aliases("permute", "transpose", "swapaxes", "swapdims", "transpose_", "t",
                              "t_", "movedim", "moveaxis", "squeeze", "squeeze_", "unsqueeze",

@@ -455,8 +455,8 @@ class Capture:
         be decided at every call (:mod:`persample.capture.tape`)."""
         flow, outs = self._flow, outs_of(out)
         if flow is None or not outs or func in _BY_MEMORY or (
-                self.following and _any_mixed(flow.outputs)) or not reusable(flow, layouts,
-                                                                             leaves):
+                self.following and _any_mixed(flow.outputs)) or not reusable(
+                    func, flow, layouts, leaves):
             return None
         try:
             key = arguments_key(args, kwargs)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..batch import Batched, Flow, Mixed, Shared, Unknown
+from ..batch.flow import reads_layouts_only
 
 _PLAIN = frozenset((int, float, bool, str, type(None), type(Ellipsis), torch.dtype,
                     torch.device, torch.memory_format, torch.layout))
@@ -96,13 +97,14 @@ def outs_of(out: Any) -> tuple | None:
     return None
 
 
-def reusable(flow: Flow, layouts: list, leaves: list[Tensor]) -> bool:
+def reusable(func: Any, flow: Flow, layouts: list, leaves: list[Tensor]) -> bool:
     """Can this op's data flow be taken from its step at a later call? Not where it may
-    read values (an integer or boolean input, a sparse matrix's indices), where a layout
-    holds a tensor (a packed batch's sample ids, the keys of a sorted dim, the rows a
-    scatter wrote: layouts other than the plain kinds), or where the op writes other
-    inputs."""
-    if flow.writes or any(map(value_leaf, leaves)):
+    read values (an integer or boolean input, a sparse matrix's indices, unless the op's
+    flow reads layouts alone: :func:`~persample.batch.flow.reads_layouts_only`), where a
+    layout holds a tensor (a packed batch's sample ids, the keys of a sorted dim, the
+    rows a scatter wrote: layouts other than the plain kinds), or where the op writes
+    other inputs."""
+    if flow.writes or (any(map(value_leaf, leaves)) and not reads_layouts_only(func, leaves)):
         return False
     outs = flow.outputs if isinstance(flow.outputs, tuple) else (flow.outputs,)
     return all(_plain(lay) for lay in outs + tuple(flow.pairing or ()) + tuple(layouts))
