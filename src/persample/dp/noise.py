@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -336,12 +337,28 @@ def _pieces(out: Tensor, std: float, seed: int, index: int, start: int, numel: i
     return found
 
 
+_GENERATORS = threading.local()
+
+
+def _seeded(device: torch.device, seed: int) -> torch.Generator:
+    """A generator of ``device`` in the state ``manual_seed(seed)`` gives a new one: one
+    kept per thread and device, seeded again (making a CUDA generator costs several
+    times the launch of the draw it seeds)."""
+    kept = getattr(_GENERATORS, "by_device", None)
+    if kept is None:
+        kept = _GENERATORS.by_device = {}
+    gen = kept.get(device)
+    if gen is None:
+        gen = kept[device] = torch.Generator(device=device)
+    return gen.manual_seed(seed)
+
+
 def _draw_piece(out: Tensor, std: float, seed: int, offset: int, length: int,
                 add: bool = False) -> None:
     """Entries ``offset ..`` of a block of ``length`` numbers into ``out`` (``add``: added
     to it): a part of a block is cut from the whole block drawn (``normal_`` draws in
     groups whose values depend on the length drawn)."""
-    gen = torch.Generator(device=out.device).manual_seed(seed)
+    gen = _seeded(out.device, seed)
     if offset == 0 and out.numel() == length and not add:
         out.normal_(0.0, std, generator=gen)
         return

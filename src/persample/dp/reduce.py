@@ -313,9 +313,13 @@ def _write_grads(terms: Terms, tensors: Iterable[Tensor],
     """``p.grad = tensor / divisor`` for each parameter of ``terms`` (the tensors in their
     order, the step's own memory, divided in place), in the parameter's dtype as
     autograd gives it (``as_grad(p, tensor)``: FSDP2's sharded ``DTensor``). The one
-    place ``p.grad`` is written; ``tensors`` may be drawn lazily, one at a time."""
+    place ``p.grad`` is written; ``tensors`` may be drawn lazily, one at a time (a list is
+    divided by one ``_foreach_div_``: one call, and on a GPU a few kernels, for all)."""
+    whole = isinstance(tensors, list)
+    if whole and tensors:
+        torch._foreach_div_(tensors, terms.divisor)
     for p, t in zip(terms.params.values(), tensors):
-        t = t.div_(terms.divisor)
+        t = t if whole else t.div_(terms.divisor)
         p.grad = t.to(p.dtype) if as_grad is None else as_grad(p, t)
 
 

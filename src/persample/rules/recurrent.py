@@ -316,9 +316,9 @@ def _lstm_adjoint(a: Tensor, c0: Tensor, dout: Tensor, ends: list[Tensor], w_hh:
     i, f, g, o = (gate(s, k) for k in range(4))
     c = i * g  # (T, n, H): i_t g_t, then the cell states c_t = f_t c_{t-1} + i_t g_t
     order = range(steps) if forward else range(steps - 1, -1, -1)
-    prev = c0
+    prev, cells, forgets = c0, c.unbind(0), f.unbind(0)  # each step's (n, H), views
     for t in order:
-        prev = c[t].addcmul_(f[t], prev)
+        prev = cells[t].addcmul_(forgets[t], prev)
     tc = _tanh(c)  # (T, n, H)
     to_c = torch.addcmul(o, o, tc * tc, value=-1)  # d c_t / d h_t's share: o (1 - tanh^2 c)
     factors = torch.addcmul(s, s, s, value=-1)  # s (1 - s), gate by gate (T, n, 4H)
@@ -330,18 +330,27 @@ def _lstm_adjoint(a: Tensor, c0: Tensor, dout: Tensor, ends: list[Tensor], w_hh:
     torch.addcmul(i, i, g * g, value=-1, out=gate(factors, 2))  # i (1 - g^2)
     gate(factors, 3).mul_(tc)  # o' tanh(c_t)
     dgates = dout.new_empty(steps, n, v, 4 * hidden)
+    # Every step's operands as views made once (one op per list, not a few per step):
+    # the states carried back are (n, v, 1, H), so that each gate's rows are one
+    # broadcast product of a step's (n, 1, 4, H) factors.
+    quads = dgates.view(steps, n, v, 4, hidden)
+    rows = dgates.view(steps, n * v, 4 * hidden).unbind(0)  # (n v, 4H)
+    cell_rows, out_rows = quads[:, :, :, :3].unbind(0), quads[:, :, :, 3:].unbind(0)
+    quarters = factors.view(steps, n, 1, 4, hidden)
+    cell_f, out_f = quarters[:, :, :, :3].unbind(0), quarters[:, :, :, 3:].unbind(0)
+    to_cs = to_c.reshape(steps, n, 1, 1, hidden).unbind(0)
+    keeps = f[:, :, None, None].unbind(0)  # f_t (n, 1, 1, H)
+    douts = dout.permute(2, 0, 1, 3).reshape(steps, n * v, hidden).unbind(0)  # (n v, H)
     back = order[::-1]
-    dc, dh = ends[1], dout[:, :, back[0]] + ends[0]  # (n, v, H)
+    dc = ends[1].reshape(n, v, 1, hidden)
+    dh = (douts[back[0]] + ends[0].reshape(n * v, hidden)).view(n, v, 1, hidden)
     for k, t in enumerate(back):
-        dc = torch.addcmul(dc, dh, to_c[t, :, None])
-        rows = dgates[t]  # (n, v, 4H)
-        quad, fac = rows.view(n, v, 4, hidden), factors[t].view(n, 1, 4, hidden)
-        torch.mul(dc[:, :, None], fac[:, :, :3], out=quad[:, :, :3])
-        torch.mul(dh, fac[:, :, 3], out=quad[:, :, 3])
+        dc = torch.addcmul(dc, dh, to_cs[t])
+        torch.mul(dc, cell_f[t], out=cell_rows[t])
+        torch.mul(dh, out_f[t], out=out_rows[t])
         if k + 1 < steps:  # the next step's dh: its output's, plus through W_hh
-            dh = torch.addmm(dout[:, :, back[k + 1]].reshape(n * v, hidden),
-                             rows.view(n * v, 4 * hidden), w_hh).view(n, v, hidden)
-            dc = dc * f[t, :, None]
+            dh = torch.addmm(douts[back[k + 1]], rows[t], w_hh).view(n, v, 1, hidden)
+            dc = dc * keeps[t]
     return dgates
 
 
