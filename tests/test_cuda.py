@@ -81,3 +81,68 @@ def test_conv_methods_on_the_gpu(method):
         o = torch.nn.functional.conv2d(x[i], w, padding=1)
         torch.testing.assert_close(dst[i, 0], torch.autograd.grad(o, w, g[i, 0])[0],
                                    rtol=1e-8, atol=1e-11)
+
+
+class _LastRow(nn.Module):
+    """An LSTM read at its last step, then a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(6, 16, batch_first=True), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def _captured(call):
+    """``call()`` run on a side stream until its plan settles, then captured in a CUDA
+    graph: ``(graph, its outputs)``, as torch's guide to CUDA graphs warms up and
+    captures a training step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(6):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lstm"])
+def test_per_sample_grads_captured_in_a_cuda_graph_match_the_loop(kind):
+    """A steady-state call reads no value on the host, so a CUDA graph captures it whole:
+    each replay, on new inputs copied into the captured ones and parameters moved in place
+    (an optimizer's step), gives the loop's per-sample gradients of that batch."""
+    torch.manual_seed(0)
+    net = (nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 5)) if kind == "mlp"
+           else _LastRow()).double().to(CUDA)
+    shape = (8, 12) if kind == "mlp" else (8, 7, 6)
+    x = torch.randn(*shape, device=CUDA, dtype=torch.float64)
+    y = torch.randint(0, 5, (8,), device=CUDA)
+    loss_fn = nn.CrossEntropyLoss()
+    graph, grads = _captured(lambda: persample.per_sample_grads(net, x, y, loss_fn))
+    for _ in range(3):
+        new_x, new_y = torch.randn_like(x), torch.randint(0, 5, (8,), device=CUDA)
+        x.copy_(new_x)
+        y.copy_(new_y)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p), alpha=0.01)
+        graph.replay()
+        want = persample.loop_per_sample_grads(net, new_x, new_y, loss_fn)
+        assert set(grads) == set(want)
+        for key, g in grads.items():
+            torch.testing.assert_close(g, want[key], rtol=1e-8, atol=1e-11)
+
+
+def test_a_dp_step_refuses_to_be_captured_by_name():
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(CUDA)
+    x, y = torch.randn(6, 4, device=CUDA), torch.randint(0, 3, (6,), device=CUDA)
+
+    def step():
+        private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0, noise_multiplier=1.0)
+
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        _captured(step)

@@ -804,3 +804,26 @@ def test_influence_names_a_non_finite_sample_by_its_place_in_the_whole_set(which
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and f"{which}: the " in messages[0], messages
     assert "of samples [7] is not finite" in messages[0], messages
+
+
+def test_under_a_cuda_graph_capture_no_value_is_read(monkeypatch):
+    """While a CUDA graph is captured a read of values on the host would end the capture
+    (and a replay runs no Python): the non-finite warning checks nothing then; the DP
+    step, whose refusal of non-finite gradients cannot be skipped, refuses to be captured
+    by name, before reading any value and with p.grad untouched."""
+    from persample import checks
+
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    x[3, 1] = float("nan")
+    monkeypatch.setattr(checks, "capturing", lambda: True)
+    monkeypatch.setattr(checks, "non_finite_samples", None)  # any read of values: fails
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        grads = per_sample_grads(_edge_net(), x, y, nn.CrossEntropyLoss())
+    assert torch.isnan(grads["0.weight"][3]).all()
+    net = _edge_net()
+    before = {k: p.detach().clone() for k, p in net.named_parameters()}
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
+                     noise_multiplier=1.0)
+    assert all(p.grad is None and torch.equal(p, before[k]) for k, p in net.named_parameters())

@@ -268,6 +268,18 @@ def warn_empty(function: str, n: int) -> None:
             stacklevel=user_stacklevel())
 
 
+def capturing() -> bool:
+    """Is a CUDA graph being captured on the current stream (``torch.cuda.graph``)? Then
+    no value may be read on the host (a read would end the capture), and a replay runs
+    none of the Python that captured it.
+
+    Examples:
+        >>> capturing()  # (no capture here)
+        False
+    """
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def non_finite_samples(values: Tensor) -> list[int]:
     """The samples whose rows of ``values`` ``(n, ...)`` hold a NaN or an Inf.
 
@@ -287,6 +299,8 @@ def non_finite_samples(values: Tensor) -> list[int]:
 def warn_non_finite(function: str, values: Tensor, what: str) -> None:
     """Warn, naming the samples (the first ten), where ``values`` ``(n, ...)`` (each
     sample's ``what``: its loss, its output, or ``"result"``) hold a NaN or an Inf.
+    Nothing is checked while a CUDA graph is captured (:func:`capturing`): reading the
+    values would end the capture, and its replays run no Python.
 
     Examples:
         >>> import warnings
@@ -296,7 +310,7 @@ def warn_non_finite(function: str, values: Tensor, what: str) -> None:
         >>> str(caught[0].message).split(",")[0]
         'per_sample_grads: the loss of samples [1] is not finite (NaN or Inf)'
     """
-    bad = non_finite_samples(values)
+    bad = [] if capturing() else non_finite_samples(values)
     if bad:
         warnings.warn(
             f"{function}: the {what} of samples {bad[:10]}{'...' if len(bad) > 10 else ''} "

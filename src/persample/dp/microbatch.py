@@ -254,6 +254,21 @@ def _certified(micro: MicroBatch, clipping: ClipBounds, into: Destination) -> Cl
         draws.restore()
 
 
+def refuse_capture() -> None:
+    """Raise ``RuntimeError`` while a CUDA graph is captured (``torch.cuda.graph``): a DP
+    step refuses non-finite per-sample gradients by reading their norms on the host, which
+    a capture cannot do and its replays would skip.
+
+    Examples:
+        >>> refuse_capture()  # (no capture here: nothing raised)
+    """
+    if checks.capturing():
+        raise RuntimeError(
+            "a DP step cannot be captured in a CUDA graph: refusing non-finite per-sample "
+            "gradients reads their norms on the host, which a capture cannot do and its "
+            "replays would skip. Run the DP step outside torch.cuda.graph.")
+
+
 def check_finite(norms: Tensor) -> None:
     """Refuse non-finite per-sample norms: such gradients cannot be clipped.
 
@@ -262,6 +277,8 @@ def check_finite(norms: Tensor) -> None:
 
     Raises:
         FloatingPointError: naming the samples (the first ten) and the fix.
+        RuntimeError: while a CUDA graph is captured (the check reads the norms on the
+            host, which a capture cannot, and a replay would not check them).
 
     Examples:
         >>> check_finite(torch.tensor([1.0, float("nan")]))
@@ -269,6 +286,7 @@ def check_finite(norms: Tensor) -> None:
         ...
         FloatingPointError: the gradients of samples [1] are not finite (NaN or Inf), ...
     """
+    refuse_capture()
     bad = checks.non_finite_samples(norms)
     if bad:
         raise FloatingPointError(

@@ -32,7 +32,7 @@ from .accounting import PrivacyAccountant
 from .adaptive import AdaptiveClipping, unclipped_count
 from .clipping import Clipping
 from .mechanisms import CorrelatedNoise, Mechanism, check_mechanism, check_sampling, release_runs
-from .microbatch import Accumulated, MicroBatch, clipped_sums
+from .microbatch import Accumulated, MicroBatch, clipped_sums, refuse_capture
 from .noise import noise_source
 from .reduce import Local, Reducer, Sums, Terms, reducer_for, total_samples
 
@@ -288,7 +288,10 @@ class PrivateStep:
                 a user already accumulated in this step. And the errors of
                 ``private_grad``; the sums are then left as they were.
             FloatingPointError: a sample's gradient is not finite (nothing is added).
+            RuntimeError: called while a CUDA graph is captured (a DP step reads its
+                per-sample norms on the host to refuse non-finite ones).
         """
+        refuse_capture()
         self._check_parameters()
         batch, n, working = self.reducer.begin(self.model, inputs, targets, self.loss_fn)
         users = self._users_of(user_ids, n, working)
