@@ -146,3 +146,36 @@ def test_a_dp_step_refuses_to_be_captured_by_name():
 
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         _captured(step)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lstm"])
+def test_graphed_replays_match_the_loop_and_a_changed_model_is_captured_again(kind):
+    torch.manual_seed(0)
+    net = (nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 5)) if kind == "mlp"
+           else _LastRow()).double().to(CUDA)
+    shape = (8, 12) if kind == "mlp" else (8, 7, 6)
+    loss_fn = nn.CrossEntropyLoss()
+    step = persample.graphed(persample.per_sample_grads, net, loss_fn=loss_fn)
+    for k in range(4):
+        if k == 2:  # a new parameter tensor: the graph read the old one
+            head = net[2] if kind == "mlp" else net.head
+            head.weight = nn.Parameter(torch.randn_like(head.weight))
+        x = torch.randn(*shape, device=CUDA, dtype=torch.float64)
+        y = torch.randint(0, 5, (8,), device=CUDA)
+        got = step(x, y)
+        want = persample.loop_per_sample_grads(net, x, y, loss_fn)
+        assert set(got) == set(want)
+        for key, g in got.items():
+            torch.testing.assert_close(g, want[key], rtol=1e-8, atol=1e-11)
+    assert step.captures == 2
+
+
+def test_graphed_names_a_call_that_cannot_be_captured():
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(CUDA)
+    x, y = torch.randn(6, 4, device=CUDA), torch.randint(0, 3, (6,), device=CUDA)
+    step = persample.graphed(private_grad, net, loss_fn=nn.CrossEntropyLoss(),
+                             max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(RuntimeError, match="graphed: private_grad on this model cannot be "
+                                           "captured") as err:
+        step(x, y)
+    assert "cannot be captured in a CUDA graph" in str(err.value.__cause__)

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("engine", {"engine"}),
     ("public", {"checks", "methods", "certificate", "reference", "vmap", "whole", "api", "norms",
                 "dots", "projection", "jacobian", "support", "curvature", "influence",
-                "__init__"}),
+                "graphs", "__init__"}),
     ("applications", {"dp"}),
     ("integrations", {"integrations"}),
     ("cli", {"cli", "__main__"}),

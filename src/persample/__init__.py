@@ -11,7 +11,7 @@ factors of the curvature from the same records) and :func:`per_sample_ggn_diag` 
 certified on the first call of each plan: :mod:`persample.certificate`),
 :func:`empty_cache` to free the result memory persample keeps for reuse,
 :func:`clear_plans` / :func:`cache_plans` / :func:`compile_calls` for the data flow it keeps
-from earlier calls,
+from earlier calls, :func:`graphed` to replay a call from a CUDA graph on each new batch,
 and
 :class:`PackedRows` to pass the rows of several samples packed into one tensor.
 """
@@ -29,6 +29,7 @@ from .errors import (
     NeedsWholeModel,
     UnsupportedModuleError,
 )
+from .graphs import Graphed, graphed
 from .influence import influence, self_influence
 from .inputs import PackedRows
 from .jacobian import input_jacobian, jacobian_diagonal
@@ -58,6 +59,8 @@ __all__ = [
     "clear_plans",
     "cache_plans",
     "compile_calls",
+    "graphed",
+    "Graphed",
     "loop_param_jacobian",
     "loop_per_sample_grads",
     "forward_per_sample_grads",
