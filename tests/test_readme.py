@@ -50,6 +50,8 @@ CHECKS = {
     "head": 'list(head) == ["3.weight", "3.bias"]',
     "set_grads": 'set_grads["phi.weight"].shape == (4, 16, 3)',
     "graph_grads": 'graph_grads["conv.lin.weight"].shape == (6, 16, 3)',
+    # a call replayed from a CUDA graph (without a GPU: the call itself)
+    "replayed": 'replayed["0.weight"].shape == (64, 32, 12)',
     "jac": "jac.shape == (256, 10, 15910)",
     "dx": "dx.shape == (100, 400, 1)",
     "dclf": "dclf.shape == (256, 10, 784)",
