@@ -46,9 +46,11 @@ def graphed(function: Callable[..., Any], model: nn.Module, *, warmup: int = WAR
     graph of it.
 
     Args:
-        function: a persample function that reads no value on the host once settled:
-            :func:`~persample.per_sample_grads`, :func:`~persample.param_jacobian`,
-            :func:`~persample.per_sample_grad_norms`. A DP step cannot be captured.
+        function: a persample function that reads no value on the host once settled,
+            called as ``function(model, *args, **kwargs)``:
+            :func:`~persample.per_sample_grads` (replayed against the loop on a GPU in
+            the tests); others where they read no value (one that does raises at the
+            capture). A DP step cannot be captured.
         model: the ``nn.Module`` (on a CUDA device for a graph).
         warmup: calls run (on a side stream) before each capture, ``>= 1``.
         clone: return the results cloned (default); ``False``: the graph's own result

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from persample.api import param_jacobian, per_sample_grads
+from persample.graphs import graphed
 
 from ..workloads import DP_MAX_GRAD_NORM, Workload
 from .case import Method, scalar_loss
@@ -22,7 +23,9 @@ from .case import Method, scalar_loss
 def grads_rows(w: Workload) -> list[Method]:
     """``per_sample_grads``: ``"persample"`` (a dict), and where the workload has
     ``layout_rows``, ``"persample (flat=True)"`` and ``"persample (out=)"`` (into the
-    caller's buffer).
+    caller's buffer); on a GPU also ``"persample (graphed)"``, the same call replayed
+    from a CUDA graph by :func:`persample.graphed` (its first call warms up and
+    captures; a model that cannot be captured is a failed row that says why).
 
     Examples:
         >>> from persample_bench.workloads import grads_workload
@@ -39,6 +42,9 @@ def grads_rows(w: Workload) -> list[Method]:
             Method("persample (out=)", lambda buf: per_sample_grads(
                 model, w.inputs, w.targets, w.loss_fn, out=buf)),
         ]
+    if w.device.type == "cuda":
+        step = graphed(per_sample_grads, model, loss_fn=w.loss_fn)
+        rows.append(Method("persample (graphed)", lambda _: step(w.inputs, w.targets)))
     return rows
 
 
