@@ -115,6 +115,24 @@ def test_each_kind_of_batch_has_its_graph(as_on_a_gpu):
     assert step2.captures == 2
 
 
+def test_the_least_recently_used_kinds_of_batch_are_dropped(as_on_a_gpu):
+    net, loss_fn = _net(), nn.CrossEntropyLoss()
+    step = graphed(persample.per_sample_grads, net, loss_fn=loss_fn, warmup=1)
+    sizes = list(range(2, 3 + graphs.KEPT))  # one kind more than are kept
+    for n in sizes:
+        step(*_batch(n))
+    assert step.captures == len(sizes)
+    x, y = _batch(sizes[-1])  # kept: replayed
+    _assert_same(step(x, y), persample.loop_per_sample_grads(net, x, y, loss_fn))
+    assert step.captures == len(sizes)
+    x, y = _batch(sizes[0])  # the first kind, dropped: captured again
+    _assert_same(step(x, y), persample.loop_per_sample_grads(net, x, y, loss_fn))
+    assert step.captures == len(sizes) + 1
+    step.clear()
+    step(x, y)
+    assert step.captures == len(sizes) + 2
+
+
 def test_warmup_must_be_positive():
     with pytest.raises(ValueError, match="warmup=0"):
         graphed(persample.per_sample_grads, _net(), warmup=0)

@@ -28,6 +28,7 @@ captures a training step).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 WARMUP = 6
 """Calls run before a capture: enough for a call's plan to settle (a full capture, a
 traced program, then a compiled forward) so that the call captured is the steady one."""
+
+KEPT = 8
+"""Graphs a :class:`Graphed` keeps, one per kind of batch, the least recently used
+dropped first (each holds one call's memory)."""
 
 
 def graphed(function: Callable[..., Any], model: nn.Module, *, warmup: int = WARMUP,
@@ -63,7 +68,8 @@ def graphed(function: Callable[..., Any], model: nn.Module, *, warmup: int = WAR
         **kwargs)`` returns (e.g. ``{name: (B, *param.shape)}`` tensors in the
         parameters' dtype, on their device). Each kind of batch (its tensors' shapes,
         dtypes and devices; any other argument's value, or identity where it has no
-        hash) gets a graph of its own, which holds one call's memory while it is kept.
+        hash) gets a graph of its own, which holds one call's memory while it is kept
+        (the last :data:`KEPT` kinds; :meth:`Graphed.clear` drops them all).
 
     Raises:
         ValueError: ``warmup < 1``.
@@ -98,8 +104,13 @@ class Graphed:
         self.function, self.model, self.kwargs = function, model, kwargs
         self.warmup, self.clone = warmup, clone
         self.captures = 0
-        self._graphs: dict[tuple, _Replay] = {}
+        self._graphs: OrderedDict[tuple, _Replay] = OrderedDict()
         self._state: tuple | None = None
+
+    def clear(self) -> None:
+        """Drop every graph (and the memory each holds); the next call captures again."""
+        self._graphs.clear()
+        self._state = None
 
     def __call__(self, *args: Any) -> Any:
         """``function(model, *args, **kwargs)``, replayed (see :func:`graphed`)."""
@@ -116,6 +127,9 @@ class Graphed:
         if replay is None:
             replay = self._graphs[key] = self._capture(leaves, spec, device)
             self.captures += 1
+            if len(self._graphs) > KEPT:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
         replay.run(leaves)
         out = replay.out
         return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, out) \
