@@ -85,6 +85,9 @@ def graphed(function: Callable[..., Any], model: nn.Module, *, warmup: int = WAR
         >>> grads = step(torch.randn(4, 3), torch.randn(4, 2))  # the next batch
         >>> grads["weight"].shape  # (here no GPU: each call is the function's own)
         torch.Size([4, 2, 3])
+
+    Source: CUDA Graphs (NVIDIA, "CUDA C++ Programming Guide"), captured and replayed
+    through ``torch.cuda.graph``.
     """
     if warmup < 1:
         raise ValueError(f"graphed: warmup={warmup}; it must be >= 1 (calls before capture)")
