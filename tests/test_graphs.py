@@ -146,3 +146,24 @@ def test_without_a_gpu_a_call_is_the_functions_own():
     _assert_same(first, persample.loop_per_sample_grads(net, x, y, loss_fn))
     second = step(*_batch())
     assert step.captures == 0 and first["0.weight"] is not second["0.weight"]
+
+
+@pytest.mark.parametrize("name", ["per_sample_grad_norms", "param_jacobian"])
+def test_other_functions_replayed(name, as_on_a_gpu):
+    """A tensor result (the norms ``(n,)``) or a Jacobian's ``{name: (n, 3, *shape)}``, with the
+    batch alone as the call's argument where the function takes no targets."""
+    net, loss_fn = _net(), nn.CrossEntropyLoss()
+    if name == "per_sample_grad_norms":
+        step = graphed(persample.per_sample_grad_norms, net, loss_fn=loss_fn)
+        want = lambda x, y: persample.per_sample_grad_norms(net, x, y, loss_fn)  # noqa: E731
+        call = lambda x, y: step(x, y)  # noqa: E731
+    else:
+        step = graphed(persample.param_jacobian, net)
+        want = lambda x, y: persample.loop_param_jacobian(net, x)  # noqa: E731
+        call = lambda x, y: step(x)  # noqa: E731
+    for _ in range(3):
+        x, y = _batch()
+        with torch.no_grad():
+            net[0].weight.add_(torch.randn_like(net[0].weight), alpha=0.1)
+        torch.testing.assert_close(call(x, y), want(x, y), rtol=1e-10, atol=1e-12)
+    assert step.captures == 1
