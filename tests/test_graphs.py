@@ -133,6 +133,23 @@ def test_the_least_recently_used_kinds_of_batch_are_dropped(as_on_a_gpu):
     assert step.captures == len(sizes) + 2
 
 
+def test_a_call_under_autocast_has_its_own_graph(as_on_a_gpu):
+    net, loss_fn = _net().float(), nn.CrossEntropyLoss()
+    step = graphed(persample.per_sample_grads, net, loss_fn=loss_fn)
+    x, y = _batch()
+    x = x.float()
+    plain = step(x, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = step(x, y)
+        want = persample.per_sample_grads(net, x, y, loss_fn)
+    assert step.captures == 2
+    _assert_same(low, want)
+    again = step(x, y)  # back outside: the first graph, float32 throughout
+    assert step.captures == 2
+    torch.testing.assert_close(again, plain, rtol=0, atol=0)
+    assert not all(torch.equal(low[k], plain[k]) for k in plain)
+
+
 def test_warmup_must_be_positive():
     with pytest.raises(ValueError, match="warmup=0"):
         graphed(persample.per_sample_grads, _net(), warmup=0)

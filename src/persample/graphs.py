@@ -36,6 +36,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .precision import autocast_state
+
 WARMUP = 6
 """Calls run before a capture: enough for a call's plan to settle (a full capture, a
 traced program, then a compiled forward) so that the call captured is the steady one."""
@@ -68,8 +70,9 @@ def graphed(function: Callable[..., Any], model: nn.Module, *, warmup: int = WAR
         **kwargs)`` returns (e.g. ``{name: (B, *param.shape)}`` tensors in the
         parameters' dtype, on their device). Each kind of batch (its tensors' shapes,
         dtypes and devices; any other argument's value, or identity where it has no
-        hash) gets a graph of its own, which holds one call's memory while it is kept
-        (the last :data:`KEPT` kinds; :meth:`Graphed.clear` drops them all).
+        hash; the autocast state the call runs under) gets a graph of its own, which
+        holds one call's memory while it is kept (the last :data:`KEPT` kinds;
+        :meth:`Graphed.clear` drops them all).
 
     Raises:
         ValueError: ``warmup < 1``.
@@ -125,7 +128,7 @@ class Graphed:
         if state != self._state:  # (a changed model: every graph read the old one)
             self._graphs.clear()
             self._state = state
-        key = (spec, *(_leaf_key(leaf) for leaf in leaves))
+        key = (spec, autocast_state(), *(_leaf_key(leaf) for leaf in leaves))
         replay = self._graphs.get(key)
         if replay is None:
             replay = self._graphs[key] = self._capture(leaves, spec, device)
