@@ -150,6 +150,39 @@ def test_a_call_under_autocast_has_its_own_graph(as_on_a_gpu):
     assert not all(torch.equal(low[k], plain[k]) for k in plain)
 
 
+def test_a_call_that_cannot_be_captured_is_named(as_on_a_gpu, monkeypatch):
+    """The capture's failure names the function, torch's error as its cause; an error of
+    the call itself (run eagerly first) comes as it is."""
+    net, loss_fn = _net(), nn.CrossEntropyLoss()
+    step = graphed(persample.per_sample_grads, net, loss_fn=loss_fn)
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as err:
+        step(torch.randn(6, 4), torch.randint(0, 3, (6,)))  # a wrong width: the model's
+    assert "graphed" not in str(err.value)  # own error
+
+    def fails(call, device, warmup):
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        except RuntimeError as torch_error:
+            raise graphs._Uncapturable() from torch_error
+
+    monkeypatch.setattr(graphs, "_cuda_capture", fails)
+    with pytest.raises(RuntimeError, match="graphed: per_sample_grads on this model cannot "
+                                           "be captured") as err:
+        step(*_batch())
+    assert "not permitted when stream is capturing" in str(err.value.__cause__)
+    assert step.captures == 0
+
+
+def test_a_dp_step_is_refused_before_anything_runs():
+    from persample.dp import private_grad
+
+    net = _net()
+    with pytest.raises(ValueError, match="private_grad is a DP step"):
+        graphed(private_grad, net, loss_fn=nn.CrossEntropyLoss(), max_grad_norm=1.0,
+                noise_multiplier=1.0)
+    assert all(p.grad is None for p in net.parameters())
+
+
 def test_warmup_must_be_positive():
     with pytest.raises(ValueError, match="warmup=0"):
         graphed(persample.per_sample_grads, _net(), warmup=0)

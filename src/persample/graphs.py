@@ -75,9 +75,10 @@ def graphed(function: Callable[..., Any], model: nn.Module, *, warmup: int = WAR
         :meth:`Graphed.clear` drops them all).
 
     Raises:
-        ValueError: ``warmup < 1``.
+        ValueError: ``warmup < 1``, or ``function`` is a DP step (``persample.dp``).
         RuntimeError: at a call, where the call cannot be captured (it reads values on
-            the host), naming the function; torch's error is its cause.
+            the host), naming the function; torch's error is its cause. An error of the
+            call itself (run eagerly before the capture) is raised as it is.
 
     Examples:
         >>> from torch import nn
@@ -94,6 +95,11 @@ def graphed(function: Callable[..., Any], model: nn.Module, *, warmup: int = WAR
     """
     if warmup < 1:
         raise ValueError(f"graphed: warmup={warmup}; it must be >= 1 (calls before capture)")
+    if getattr(function, "__module__", "").startswith("persample.dp"):
+        raise ValueError(
+            f"graphed: {function.__name__} is a DP step, which cannot be captured in a CUDA "
+            "graph (it refuses non-finite per-sample gradients by reading their norms on "
+            "the host, and each step draws new noise). Call it eagerly.")
     return Graphed(function, model, kwargs, warmup, clone)
 
 
@@ -150,20 +156,26 @@ class Graphed:
 
         try:
             graph, out = _cuda_capture(call, device, self.warmup)
-        except Exception as e:
+        except _Uncapturable as e:
             name = getattr(self.function, "__name__", "the function")
             raise RuntimeError(
-                f"graphed: {name} on this model cannot be captured in a CUDA graph ({e}). "
-                "Something in the call reads values on the host: the model's own forward, "
-                "the loss, an index op whose layout persample decides from values (graph "
-                "batches, mixtures of experts), or a DP step. Call it eagerly.") from e
+                f"graphed: {name} on this model cannot be captured in a CUDA graph "
+                f"({e.__cause__}). Something in the call reads values on the host: the "
+                "model's own forward, the loss, or an index op whose layout persample "
+                "decides from values (graph batches, mixtures of experts). Call it "
+                "eagerly.") from e.__cause__
         return _Replay(static, graph, out)
+
+
+class _Uncapturable(Exception):
+    """A call that ran eagerly failed under the capture (its cause: torch's error)."""
 
 
 def _cuda_capture(call: Callable[[], Any], device: torch.device, warmup: int
                   ) -> tuple[Any, Any]:
     """``call`` run ``warmup`` times on a side stream, then captured: ``(the graph, the
-    outputs it writes)`` (the capture runs nothing: replay it for a result)."""
+    outputs it writes)`` (the capture runs nothing: replay it for a result). An error of
+    the warm-up is raised as it is; one of the capture as :class:`_Uncapturable`."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -171,8 +183,11 @@ def _cuda_capture(call: Callable[[], Any], device: torch.device, warmup: int
             call()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    try:
+        with torch.cuda.graph(graph):
+            out = call()
+    except Exception as e:  # (the warm-up ran the same call eagerly: the capture failed)
+        raise _Uncapturable() from e
     return graph, out
 
 
