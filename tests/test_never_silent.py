@@ -776,6 +776,22 @@ def test_a_non_finite_sample_is_named(name):
         _NAN_CALLS[name](_edge_net(), x, y)
 
 
+def test_a_jacobian_whose_float32_row_sum_overflows_is_not_taken_for_an_inf():
+    """param_jacobian sums each sample's rows in the result's dtype: a sample whose entries
+    are finite but sum past float32's largest (3.4e38) is read again entry by entry and not
+    named; one with an Inf entry is."""
+    net = nn.Linear(8, 2).float()
+    x = torch.randn(4, 8, dtype=torch.float32)
+    x[1] = 1e38  # its weight Jacobian rows: eight entries of 1e38, each finite
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        rows = param_jacobian(net, x)["weight"]
+    assert torch.isfinite(rows).all() and rows[1].sum() == float("inf")
+    x[2, 5] = float("inf")
+    with pytest.warns(RuntimeWarning, match=r"the result of samples \[2\] is not finite"):
+        param_jacobian(net, x)
+
+
 @pytest.mark.parametrize("name", ["per_sample_ggn_diag", "ggn_diag"])
 def test_the_ggn_refuses_a_non_finite_output_by_sample(name):
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))

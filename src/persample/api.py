@@ -308,14 +308,25 @@ def param_jacobian(
 
 
 def _row_sums(parts: Any, n: int) -> Tensor:
-    """``(n,)`` float64: each sample's entries summed over every part ``(n, ...)``, not
-    finite where one of them is not (what :func:`persample.checks.warn_non_finite`
-    reads); one read of the result, no copy of it (the parts may be strided views)."""
-    total = None
-    for t in parts:
-        rows = t.sum(dim=tuple(range(1, t.dim())), dtype=torch.float64)  # (n,)
-        total = rows if total is None else total + rows
-    return torch.zeros(n, dtype=torch.float64) if total is None else total
+    """``(n,)`` float64: 0 for a sample whose entries are finite in every part ``(n, ...)``,
+    NaN for one with a NaN or an Inf (what :func:`persample.checks.warn_non_finite` reads).
+    One summing read of the result in its own dtype, no copy of it (the parts may be
+    strided views; a float64 sum of float32 entries takes 20 times as long); a row whose
+    sum is not finite has its entries read again, so that a sum that overflowed the dtype
+    is not taken for an Inf. Nothing is read while a CUDA graph is captured."""
+    total = torch.zeros(n, dtype=torch.float64)
+    parts = list(parts)
+    if checks.capturing() or not parts:
+        return total
+    odd = ~torch.isfinite(torch.stack(  # (n, parts): each part's rows summed in its dtype
+        [t.sum(dim=tuple(range(1, t.dim()))).double() for t in parts], 1))
+    if not bool(odd.any()):  # (one read: no NaN nor Inf, nor a sum that overflowed)
+        return total
+    for t, flagged in zip(parts, odd.unbind(1)):
+        at = flagged.nonzero().flatten()
+        bad = at[~torch.isfinite(t[at].flatten(1)).all(1)]  # (its entries read again)
+        total[bad.cpu()] = float("nan")
+    return total
 
 
 def _jacobian_checker(model: nn.Module, batch: Batch, params: dict[str, nn.Parameter],
