@@ -54,6 +54,7 @@ def pytest_configure(config):
 
 # Doctests that run whole benchmark workloads (seconds each): slow, like the tests that do.
 SLOW_DOCTESTS = {"persample_bench.bench.bench_case", "persample_bench.bench.format_report",
+                 "persample_bench.bench.format_markdown",
                  "persample_bench.bench.run", "persample_bench.anchors.case.under_autocast",
                  "persample_bench.anchors.builders.backprops"}
 

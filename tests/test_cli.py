@@ -54,8 +54,9 @@ def check_rows(report: dict, tolerance: float) -> dict:
 @pytest.mark.slow
 def test_bench_quick_deep_mlp(tmp_path, capsys):
     png_path = tmp_path / "bench.png"
+    md_path = tmp_path / "bench.md"
     figures = bench(tmp_path, "--workload", "deep-mlp-grads", "--batch", "4", "--no-memory",
-                    "--plot", str(png_path))
+                    "--plot", str(png_path), "--markdown", str(md_path))
     printed = capsys.readouterr().out
     assert "deep-mlp-grads" in printed and "floor" in printed
     assert "persample (default call) is" in printed
@@ -73,6 +74,10 @@ def test_bench_quick_deep_mlp(tmp_path, capsys):
         assert by_name[name]["status"] == "ok" and by_name[name]["agrees"]
     assert report["speedup_over_best_other"] > 0
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    header, _, table = md_path.read_text().partition("\n\n")
+    assert header.startswith("`persample bench`, ") and "1 torch thread;" in header
+    (row,) = [line for line in table.splitlines() if line.startswith("| deep-mlp-grads ")]
+    assert f"**{by_name['persample']['ratio_to_floor']:.2f}**" in row
 
 
 @pytest.mark.slow
@@ -350,3 +355,29 @@ def test_the_graph_workload_feeds_a_new_batch_of_other_shapes_at_each_call():
     assert all(g.num_graphs == 4 and y.shape == (4,) for g, y in batches)
     assert len({(g.num_nodes, g.num_edges) for g, _ in batches}) == len(batches)
     assert [label for label, _ in new_batches(w)] == [NEW_BATCH_PLAIN, NEW_BATCH_OURS]
+
+
+def test_the_markdown_table_has_a_row_per_workload_with_its_figures():
+    """``format_markdown``: persample's time and ratio, the best other method's, the
+    speed-up with its range over the rounds, the capture's ratio and the first calls;
+    a workload no other method agreed on says so."""
+    def report(name: str, methods: list, best: str | None, speedup: float | None):
+        return bench_module.Report(
+            name, "a workload", "cpu", [4, 10], 160, "plain backward", 2.0, None, 0.5, 1.0,
+            "floor", 2.5, None, "loop", "persample", methods, "not measured", speedup, best,
+            {"plain forward": 1.0, "forward under capture": 1.25},
+            {"certified": 6.0, "never": 4.0})
+
+    ours = bench_module.Measured("persample", median_ms=3.0, times_ms=[3.0, 2.0],
+                                 ratio_to_floor=1.2, agrees=True)
+    other = bench_module.Measured("torch.func vmap", median_ms=6.0, times_ms=[6.0, 5.0],
+                                  ratio_to_floor=2.4, agrees=True)
+    table = bench_module.format_markdown([
+        report("first", [ours, other], "torch.func vmap", 2.0),
+        report("second", [ours], None, None)]).splitlines()
+    assert len(table) == 4 and table[0].count("|") == table[1].count("|") == 12
+    assert table[2] == ("| first | 2.00 | 2.50 | 3.00 | **1.20** | torch.func vmap | 6.00 | "
+                        "2.40 | 2.00x [2.00-2.50] | 1.25x | 6.0 / 4.0 |")
+    assert table[3].startswith("| second | 2.00 | 2.50 | 3.00 | **1.20** | (no other method "
+                               "agreed) |")
+    assert table[3].count("|") == 12

@@ -54,5 +54,5 @@ def main(argv: list[str] | None = None, prog: str = "persample-bench") -> int:
 
         chosen = plan(args)
         run(chosen.workloads, chosen.quick, chosen.batch, args.threads, args.json, args.plot,
-            device=args.device, memory=chosen.memory)
+            device=args.device, memory=chosen.memory, markdown_path=args.markdown)
     return 0

@@ -20,7 +20,9 @@ resident set size of the call in a fresh process (``python -m persample_bench
 
 from __future__ import annotations
 
+import datetime
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -70,6 +72,8 @@ from .workloads import (
 
 AGREE_TOLERANCE = 1e-4  # max |diff| <= this * max(1, max |reference|): the result agrees
 SLOW_S = 1.0  # a timer whose first call takes longer joins only the first 3 rounds
+SETTLE_CALLS = 5  # calls of a method whose first takes less than SLOW_S before its rounds:
+# persample's plan settles by its fifth call of a kind (a program traced, then compiled)
 VERY_SLOW_S = 5.0  # ... and one this slow only the first round (real-size models on a CPU)
 MB = 1e6  # bytes; peak memory and result sizes are in MB (10^6 bytes)
 
@@ -83,7 +87,8 @@ class Measured:
         status: ``"ok"``, ``"not installed ..."``, ``"not applicable: ..."``,
             ``"skipped: ..."`` or ``"failed: ..."``.
         median_ms: median time of one call in milliseconds (the steady state: the calls
-            after the first and a warm-up).
+            after :data:`SETTLE_CALLS` untimed ones, or after the first where it took
+            over :data:`SLOW_S`).
         first_ms: the first call's time in milliseconds (on a model no persample call
             has seen, for persample's first row: the data flow decided anew).
         times_ms: every timed call, in milliseconds.
@@ -203,7 +208,9 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
 
     Each method runs once first (its result is flattened and compared with the
     reference, and that run is a warm-up; on a GPU its peak memory is taken
-    then), then all methods are timed in interleaved rounds, so that the
+    then), and up to :data:`SETTLE_CALLS` times in all where that took under
+    :data:`SLOW_S` (persample's plan settles by then: the rounds time its steady
+    state), then all methods are timed in interleaved rounds, so that the
     machine's drift hits them alike. A method whose first run takes over
     :data:`SLOW_S` (a second) joins only the first 3 rounds, one over
     :data:`VERY_SLOW_S` only the first round; with ``quick``, a first run over
@@ -425,7 +432,7 @@ def _prepare(method: Method, buf: torch.Tensor, reference: torch.Tensor, repeats
         scale = _chunked_max(reference, None)
         row.agrees = row.max_abs_diff <= tolerance * max(1.0, scale)
         del result
-        for _ in range(1 if first < SLOW_S and not quick else 0):  # a second warm-up
+        for _ in range(SETTLE_CALLS - 1 if first < SLOW_S and not quick else 0):  # (warm-up)
             run()
     except Exception as err:  # a competitor failing must not stop the benchmark
         row.status = f"failed: {type(err).__name__}: {err}"[:200]
@@ -624,6 +631,45 @@ def format_summary(reports: list[Report], quick: bool = False) -> str:
                  "workloads compared" + (" (a quick run: no warm-up and 2 rounds; the "
                                          "full run's figures are the ones to quote)"
                                          if quick else ""))
+    return "\n".join(lines)
+
+
+def format_markdown(reports: list[Report]) -> str:
+    """The run as one Markdown table, a row per workload, for a page that shows the run:
+    ``t_plain`` and the floor (ms), persample's default call (ms and x the floor), the
+    best other method that agreed with the reference (its time and x the floor), the
+    speed-up (the best other's time over persample's) with its range round by round,
+    the capture's forward over the plain forward, and persample's first call of a new
+    plan, certified and not (ms). A blank cell: not measured for that workload.
+
+    Examples:
+        >>> r = bench_case(build_case("pinn-input-jac", 2), True, lambda label: None)
+        >>> print(format_markdown([r]).splitlines()[0])  # doctest: +ELLIPSIS
+        | workload | t_plain ms | floor ms | persample ms | x floor | best other method | ...
+    """
+    lines = ["| workload | t_plain ms | floor ms | persample ms | x floor | best other "
+             "method | its ms | its x floor | speed-up [per round] | capture / plain "
+             "forward | first call, certified / not (ms) |",
+             "|---|" + "---:|" * 4 + "---|" + "---:|" * 5]
+    for r in reports:
+        ours = next(m for m in r.methods if m.method == r.ours)
+        mine = (["failed", ""] if ours.median_ms is None else
+                [f"{ours.median_ms:,.2f}", f"**{ours.ratio_to_floor:.2f}**"])
+        other = ["(no other method agreed)", "", "", ""]
+        if r.best_other is not None and r.speedup_over_best_other is not None:
+            best = next(m for m in r.methods if m.method == r.best_other)
+            spread = _round_ratios(r)
+            other = [r.best_other, f"{best.median_ms:,.2f}", f"{best.ratio_to_floor:.2f}",
+                     f"{r.speedup_over_best_other:.2f}x" + (
+                         f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else "")]
+        plain, captured = (r.diagnostics.get(k)
+                           for k in ("plain forward", "forward under capture"))
+        capture = f"{captured / plain:.2f}x" if plain and captured else ""
+        certified, never = (r.first_calls.get(k) for k in ("certified", "never"))
+        first = f"{certified:,.1f} / {never:,.1f}" if certified and never else ""
+        cells = [r.workload, f"{r.t_plain_ms:,.2f}", f"{r.floor_ms:,.2f}", *mine, *other,
+                 capture, first]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -829,8 +875,9 @@ def header(workloads: list[str], quick: bool, batch: int | None, threads: int,
 
 def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
         json_path: str | None, plot_path: str | None, device: str = "cpu",
-        memory: bool = True) -> list[Report]:
-    """Run the benchmark, print the tables, and write the JSON and the plot if asked.
+        memory: bool = True, markdown_path: str | None = None) -> list[Report]:
+    """Run the benchmark, print the tables, and write the JSON, the plot and the Markdown
+    table if asked.
 
     Args:
         workloads: names from :data:`~persample_bench.workloads.WORKLOADS`.
@@ -841,6 +888,8 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
             ``workloads``: :class:`Report` s, ``not_run``: workloads whose package is
             missing).
         plot_path: draw the median times there (PNG).
+        markdown_path: write the run there as one Markdown table
+            (:func:`format_markdown`), with the machine and the command line above it.
         device: ``"cpu"`` or ``"cuda"``.
         memory: measure each method's peak memory (on the CPU: one fresh process per
             method, a few seconds each).
@@ -906,6 +955,11 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
     if plot_path and reports:
         plot_reports(reports, plot_path)
         print(f"wrote {plot_path}")
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(f"{markdown_header(machine_info(threads, dev))}\n\n"
+                    f"{format_markdown(reports)}\n")
+        print(f"wrote {markdown_path}")
     return reports
 
 
@@ -991,6 +1045,36 @@ def _run_probe(workload: str, method: str, batch: int | None, threads: int) -> d
         error = f"{type(err).__name__}: {err}"
     print(f"memory probe of {workload} / {method} failed: {error}", file=sys.stderr)
     return {}
+
+
+_ANCHOR_PACKAGES = {"opacus": "opacus", "backpack-for-pytorch": "backpack",
+                    "transformers": "transformers", "timm": "timm",
+                    "torch_geometric": "torch_geometric", "peft": "peft",
+                    "kronfluence": "kronfluence"}  # distribution -> module
+
+
+def markdown_header(machine: dict) -> str:
+    """The line above :func:`format_markdown`'s table: the day (UTC), the device, the
+    threads, torch's version and those of the other packages the run used (the ones
+    installed).
+
+    Examples:
+        >>> markdown_header(machine_info(2)).startswith("`persample bench`, ")
+        True
+    """
+    found = []
+    for name, module in _ANCHOR_PACKAGES.items():
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:  # (one on sys.path alone: the
+            version = getattr(sys.modules.get(module), "__version__", None)  # vision dir)
+            if version is not None:
+                found.append(f"{name} {version}")
+    threads = f", {threads_label(machine['threads'])}" if machine["threads"] else ""
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return (f"`persample bench`, {day}: {machine['device_name']} ({machine['device']})"
+            f"{threads}; torch {machine['torch']}, Python {machine['python']}"
+            + "".join(f", {x}" for x in found) + "; medians, ms.")
 
 
 def machine_info(threads: int, device: torch.device | str = "cpu") -> dict:

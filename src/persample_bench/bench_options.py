@@ -120,6 +120,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help=argparse.SUPPRESS)  # internal: one call's peak RSS, as JSON
     bench.add_argument("--json", metavar="FILE", help="write all figures as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw the times as a bar chart")
+    bench.add_argument("--markdown", metavar="FILE.md",
+                       help="write the run as one Markdown table (a row per workload: "
+                       "persample, the best other method, the speed-up, the first call), "
+                       "the machine and the packages' versions above it")
 
 
 def selected_workloads(args: argparse.Namespace) -> list[str]:
