@@ -48,6 +48,12 @@ class UnsupportedModuleError(RuntimeError):
     """A module or op has no rule and ``torch.func`` cannot differentiate it per sample."""
 
 
+class MixesSamplesError(UnsupportedModuleError, ValueError):
+    """A module mixes the samples of a batch (a batch normalisation in training mode), so
+    DP training cannot take it: :class:`persample.dp.ModuleValidator` names it and
+    ``fix`` replaces it (as Opacus's ``UnsupportedModuleError``; a ``ValueError`` too)."""
+
+
 class InPlaceModificationError(RuntimeError):
     """A tensor a rule needs was modified in place after its op ran."""
 

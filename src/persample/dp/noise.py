@@ -417,3 +417,36 @@ def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None
             out[k] = buf[offset : offset + size].view(params[k].shape)
             offset += size
     return out
+
+
+def generate_noise(std: float, reference: Tensor, generator: torch.Generator | None = None,
+                   secure_mode: bool = False) -> Tensor:
+    """``N(0, std^2)`` noise of ``reference``'s shape, dtype and device, as Opacus's
+    optimizer draws it for one parameter (its ``_generate_noise``).
+
+    Args:
+        std: the standard deviation (``sigma * C`` for DP-SGD), ``>= 0``.
+        reference: a floating-point tensor: the result's shape, dtype and device.
+        generator: a ``torch.Generator`` on ``reference``'s device, or ``None`` for
+            torch's default one.
+        secure_mode: draw from the operating system's secure generator
+            (:class:`SecureSource`) instead.
+
+    Returns:
+        A new tensor like ``reference``.
+
+    Raises:
+        ValueError: ``std < 0``, or a generator with ``secure_mode``.
+
+    Examples:
+        >>> noise = generate_noise(2.0, torch.zeros(10_000),
+        ...                        generator=torch.Generator().manual_seed(0))
+        >>> noise.shape, round(noise.std().item(), 1)
+        (torch.Size([10000]), 2.0)
+
+    Source: Abadi et al. 2016 (the Gaussian mechanism of DP-SGD); Opacus (Yousefpour et
+    al. 2021).
+    """
+    if not std >= 0:
+        raise ValueError(f"std must be >= 0, got {std}")
+    return gaussian_like([reference], std, noise_source(generator, secure_mode))[0]

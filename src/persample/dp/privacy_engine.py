@@ -48,10 +48,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
-from torch.utils.data import DataLoader
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.data import BatchSampler, DataLoader
 
 from ..checks import mixing_reason_of
+from ..errors import MixesSamplesError
 from .accounting import noise_multiplier_for
 from .adaptive import AdaptiveClipping
 from .clipping import Clipping
@@ -82,6 +83,40 @@ class _Forward:
     backward_done: bool = False
 
 
+class _Forwards:
+    """The forwards of the model since the optimizer's last step or ``zero_grad``, kept
+    by the wrapped module's ``forward`` or (``wrap_model=False``) by hooks on the user's
+    module; none while the step replays one (``replaying``) or without grad."""
+
+    def __init__(self) -> None:
+        self.kept: list[_Forward] = []
+        self.replaying = False
+
+    def keep(self, args: tuple, kwargs: dict, states: tuple, output: Any) -> None:
+        """Keep one forward; each output tensor keeps ``dL/d out`` once backpropagated."""
+        if self.replaying or not torch.is_grad_enabled():
+            return
+        record = _Forward(args, kwargs, states, output, {})
+        leaves, _ = tree_flatten(output)
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and leaf.requires_grad:
+                leaf.register_hook(_keeper(record, k))
+        self.kept.append(record)
+
+    def clear(self) -> None:
+        self.kept.clear()
+
+    @contextmanager
+    def replay(self, states: tuple) -> Iterator[None]:
+        """Inside: the generators as ``states`` had them, and no forward kept."""
+        self.replaying = True
+        try:
+            with _replayed(states):
+                yield
+        finally:
+            self.replaying = False
+
+
 class PrivateModule(nn.Module):
     """The model as :class:`PrivacyEngine` returns it: the forward as it is, its inputs
     and random-number state kept for the optimizer's step (the module itself under
@@ -98,7 +133,7 @@ class PrivateModule(nn.Module):
         super().__init__()
         self._module = module
         self.__dict__["inner"] = unwrapped(module)  # not a submodule: no second state_dict
-        self.forwards: list[_Forward] = []
+        self.__dict__["forwards"] = _Forwards()
 
     def __getattr__(self, name: str) -> Any:
         """The module's own attributes (``model.fc``), as Opacus's ``GradSampleModule``
@@ -124,15 +159,47 @@ class PrivateModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         states = _rng_states()
         output = self.inner(*args, **kwargs)
-        if not torch.is_grad_enabled():
-            return output
-        record = _Forward(args, kwargs, states, output, {})
-        leaves, _ = tree_flatten(output)
-        for k, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor) and leaf.requires_grad:
-                leaf.register_hook(_keeper(record, k))
-        self.forwards.append(record)
+        self.forwards.keep(args, kwargs, states, output)
         return output
+
+
+class PrivateHooks:
+    """What :meth:`PrivacyEngine.make_private` returns first with ``wrap_model=False``
+    (Opacus's ``GradSampleHooks``): the user's module is used as it is, and a forward
+    pre-hook and hook on it keep each forward's inputs, random-number state and output
+    for the optimizer's step, until :meth:`cleanup`.
+
+    Examples:
+        >>> net = nn.Linear(3, 2)
+        >>> hooks = PrivateHooks(net)
+        >>> _ = net(torch.ones(4, 3)); len(hooks.forwards.kept)
+        1
+        >>> hooks.cleanup(); _ = net(torch.ones(4, 3)); len(hooks.forwards.kept)
+        1
+    """
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+        self.forwards = _Forwards()
+        begun: list[tuple] = []  # the states of the forwards begun and not ended
+
+        def begin(_: nn.Module, args: tuple, kwargs: dict) -> None:
+            begun.append(_rng_states())
+
+        def end(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self.forwards.keep(args, kwargs, begun.pop(), output)
+
+        target = unwrapped(module)
+        self.handles = [target.register_forward_pre_hook(begin, with_kwargs=True),
+                        target.register_forward_hook(end, with_kwargs=True)]
+
+    def cleanup(self) -> None:
+        """Remove the hooks: the module is as it was before ``make_private``."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    remove_hooks = cleanup
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
@@ -224,11 +291,11 @@ class PrivateCriterion:
     """The criterion :class:`PrivacyEngine` returns with ``grad_sample_mode="ghost"``:
     called on the wrapped model's last output, a :class:`PrivateLoss`."""
 
-    def __init__(self, criterion: Callable, module: PrivateModule, optimizer: PrivateOptimizer):
-        self.criterion, self.module, self.optimizer = criterion, module, optimizer
+    def __init__(self, criterion: Callable, forwards: _Forwards, optimizer: PrivateOptimizer):
+        self.criterion, self.forwards, self.optimizer = criterion, forwards, optimizer
 
     def __call__(self, output: Any, targets: Any) -> PrivateLoss:
-        record = next((r for r in reversed(self.module.forwards) if r.output is output), None)
+        record = next((r for r in reversed(self.forwards.kept) if r.output is output), None)
         if record is None:
             raise ValueError("the criterion must be called on the output of the model "
                              "make_private returned (its last forward)")
@@ -243,26 +310,43 @@ class PrivateOptimizer:
     noise, ``p.grad``, one accounted step), then the optimizer's own step;
     ``zero_grad()`` also forgets the forwards. Everything else is the optimizer's.
 
+    After ``step()`` each trainable parameter's ``p.summed_grad`` holds the sum of the
+    batch's clipped per-sample gradients (before the noise, as Opacus's
+    ``DPOptimizer`` keeps it) until ``zero_grad()``. Unlike Opacus's hooks,
+    persample never makes the ``(B, *p.shape)`` per-sample gradients: there is no
+    ``p.grad_sample`` (:func:`persample.per_sample_grads` gives them).
+
     Attributes:
         original_optimizer: the optimizer given.
         private_step: the :class:`~persample.dp.PrivateStep`.
-        noise_multiplier, max_grad_norm, expected_batch_size: as Opacus's ``DPOptimizer``.
+        noise_multiplier, max_grad_norm: as Opacus's ``DPOptimizer`` (settable between
+            steps: a schedule, :mod:`persample.dp.schedulers`).
+        expected_batch_size: as Opacus's ``DPOptimizer``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, module: PrivateModule,
-                 step: PrivateStep, loss_reduction: str):
-        self.original_optimizer, self.module, self.private_step = optimizer, module, step
-        self.loss_reduction = loss_reduction
+    def __init__(self, optimizer: torch.optim.Optimizer, forwards: _Forwards,
+                 step: PrivateStep, loss_reduction: str, batch_first: bool = True):
+        self.original_optimizer, self.forwards, self.private_step = optimizer, forwards, step
+        self.loss_reduction, self.batch_first = loss_reduction, batch_first
         self.criterion: Callable | None = None  # "ghost": the user's criterion
-        self.skips: deque[bool] = deque()  # BatchMemoryManager: steps that only accumulate
+        self.skips: deque[bool] = deque()  # steps that only accumulate (signal_skip_step)
+        self.last_skipped = False
 
     @property
     def noise_multiplier(self) -> float:
         return self.private_step.noise_multiplier
 
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self.private_step.set_noise_multiplier(value)
+
     @property
     def max_grad_norm(self) -> Any:
         return self.private_step.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Any) -> None:
+        self.private_step.set_max_grad_norm(value)
 
     @property
     def expected_batch_size(self) -> float:
@@ -272,21 +356,36 @@ class PrivateOptimizer:
         return getattr(self.__dict__["original_optimizer"], name)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad``; the forwards kept are forgotten, and so is
+        ``p.summed_grad`` unless the last step was skipped (its sums go on)."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
-        self.module.forwards.clear()
+        self.forwards.clear()
+        if not self.last_skipped:
+            for p in self.private_step.params.values():
+                p.summed_grad = None
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Make the next ``step()`` only add its batch's clipped per-sample gradients to
+        the step's sums (no noise, no ``p.grad``, no optimizer step), as Opacus's
+        ``DPOptimizer.signal_skip_step`` (what :class:`BatchMemoryManager` calls)."""
+        self.skips.append(do_skip)
 
     def accumulate(self, record: _Forward, targets: Any) -> None:
         """One forward's clipped per-sample gradients into the step, replayed from its
         random-number state (the same dropout masks): ``targets`` for the step's loss,
         the criterion (``"ghost"``) or the linear loss's cotangents (``"hooks"``)."""
-        with _replayed(record.states):
-            self.private_step.accumulate((record.args, record.kwargs), targets)
+        inputs = (record.args, record.kwargs)
+        if not self.batch_first:
+            inputs = _batch_first(inputs)
+        with self.forwards.replay(record.states):
+            self.private_step.accumulate(inputs, targets)
 
     def step(self, closure: Callable | None = None) -> Any:
         """The DP step of the batch since ``zero_grad()``, then the optimizer's step.
-        Under :class:`BatchMemoryManager`, after a physical batch that does not end its
-        logical batch, only the batch's clipped per-sample gradients are added to the
-        step (no noise, no ``p.grad``, no optimizer step; returns ``None``).
+        After :meth:`signal_skip_step` (:class:`BatchMemoryManager`: a physical batch
+        that does not end its logical batch), only the batch's clipped per-sample
+        gradients are added to the step (no noise, no ``p.grad``, no optimizer step;
+        returns ``None``).
 
         Raises:
             ValueError: more than one forward and backward since the last step (Poisson
@@ -295,7 +394,7 @@ class PrivateOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        done = [r for r in self.module.forwards if r.backward_done]
+        done = [r for r in self.forwards.kept if r.backward_done]
         if len(done) > 1:
             raise ValueError(
                 f"{len(done)} forwards and backwards since the last step: with Poisson "
@@ -304,19 +403,73 @@ class PrivateOptimizer:
                 "memory use persample.dp.BatchMemoryManager, as with Opacus")
         if done and self.criterion is None:
             self.accumulate(done[0], self._cotangents(done[0]))
-        self.module.forwards.clear()
-        if self.skips and self.skips.popleft():
+        self.forwards.clear()
+        self._keep_sums()
+        self.last_skipped = bool(self.skips and self.skips.popleft())
+        if self.last_skipped:
             return None
         self.private_step.release()
         return self.original_optimizer.step()
+
+    def _keep_sums(self) -> None:
+        """``p.summed_grad``: the step's clipped sums so far (a copy: the release adds
+        the noise to the sums' memory)."""
+        sums = self.private_step.sums or {}
+        for name, p in self.private_step.params.items():
+            if name in sums:
+                p.summed_grad = sums[name].detach().clone()
 
     def _cotangents(self, record: _Forward) -> list[Tensor | None]:
         """Each output tensor's rows of ``dL/d out`` as each sample's own loss has them
         (times the batch size where the loss was a mean)."""
         leaves, _ = tree_flatten(record.output)
-        scale = _rows(leaves) if self.loss_reduction == "mean" else 1
+        rows = _rows(leaves)
+        first = record.args[0] if record.args else None
+        if isinstance(first, Tensor) and first.dim() > (0 if self.batch_first else 1):
+            samples = first.shape[0 if self.batch_first else 1]
+            if rows != samples:
+                where = "dim 0" if self.batch_first else "dim 1 (batch_first=False)"
+                raise ValueError(
+                    f"the model's output has {rows} rows but its input has {samples} "
+                    f"samples in {where}: the loss's rows must be the samples'. " + (
+                        "If the inputs are sequence-first (the batch in dim 1), pass "
+                        "batch_first=False to make_private" if self.batch_first else
+                        "Return the output with the batch in dim 0"))
+        scale = rows if self.loss_reduction == "mean" else 1
         return [record.grads[k] * scale if k in record.grads else None
                 for k in range(len(leaves))]
+
+
+class _BatchSecond(nn.Module):
+    """The model of a ``batch_first=False`` script as the DP step calls it: its tensor
+    inputs come with the batch in dim 0 (:func:`_batch_first`) and are given to the
+    model with it in dim 1 again, as the model was called."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _batch_first((args, kwargs))  # (the swap is its own inverse)
+        return self.module(*args, **kwargs)
+
+
+def _batch_first(inputs: Any) -> Any:
+    """``inputs`` with dims 0 and 1 of every tensor swapped (``batch_first=False``: the
+    batch in dim 1 of each input, as Opacus's option says).
+
+    Raises:
+        ValueError: a tensor input with fewer than 2 dims (no dim 1 to hold the batch).
+    """
+    def swap(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if t.dim() < 2:
+            raise ValueError(f"batch_first=False: an input of shape {tuple(t.shape)} has "
+                             "no dim 1 to hold the batch: every tensor input must have the "
+                             "batch in dim 1 (or use batch_first=True)")
+        return t.transpose(0, 1)
+    return tree_map(swap, inputs)
 
 
 def _rows(leaves: list) -> int:
@@ -407,7 +560,10 @@ class PrivacyEngine:
             criterion: the loss (``"ghost"``: evaluated per sample by persample).
             loss_reduction: ``"mean"`` or ``"sum"``: how the loss the user backpropagates
                 reduces the batch (``"hooks"``).
-            poisson_sampling: must be ``True`` (the accounting assumes it).
+            poisson_sampling: ``True``: the loader's batches Poisson samples at rate
+                ``1 / len(data_loader)``, as the accounting assumes. ``False`` (one
+                process): the loader returned as it is, with a warning: each step is
+                still accounted as a Poisson sample, as Opacus accounts it.
             clipping: ``"flat"``, ``"per_layer"`` or ``"adaptive"`` (Andrew et al. 2021:
                 :class:`~persample.dp.AdaptiveClipping`, from Opacus's options
                 ``target_unclipped_quantile``, ``unclipped_num_std``,
@@ -420,8 +576,13 @@ class PrivacyEngine:
                 shared seed.
             grad_sample_mode: ``"hooks"`` (and Opacus's other names: ``"functorch"``,
                 ``"ew"``) or ``"ghost"`` (and ``"ghost_fsdp"``).
-            batch_first: must be ``True``.
-            **kwargs: ``check=`` (persample's own: when a physical batch's result is
+            batch_first: ``False`` (one process): every tensor input has the batch in
+                dim 1, as Opacus's option says (a sequence-first model); the outputs
+                are read by the loss as they come.
+            **kwargs: ``wrap_model=False`` (Opacus's): the user's module is used as it
+                is, with hooks that keep its forwards, and a :class:`PrivateHooks`
+                (``cleanup()`` removes them) is returned in place of the wrapped model;
+                ``check=`` (persample's own: when a physical batch's result is
                 certified, as for :class:`PrivateStep`); ``mechanism=``, a
                 :class:`~persample.dp.BandMF` or :class:`~persample.dp.BLT` made for the
                 run's steps (``epochs * len(data_loader)``): correlated noise, the
@@ -436,18 +597,22 @@ class PrivacyEngine:
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
-            data_loader)`` with ``"ghost"``.
+            data_loader)`` with ``"ghost"``; ``module`` a :class:`PrivateModule`, or with
+            ``wrap_model=False`` a :class:`PrivateHooks`.
 
         Raises:
             ValueError: an option persample does not take (named), user-level DP,
-                optimizer parameters that are not the module's, ``secure_mode`` with
-                several processes, a data loader whose dataset has no length, or a module
-                that mixes samples (BatchNorm in training mode: named, with the fix,
-                :class:`~persample.dp.ModuleValidator`).
+                optimizer parameters that are not the module's, ``secure_mode``,
+                ``poisson_sampling=False`` or ``batch_first=False`` with several
+                processes, or a data loader whose dataset has no length.
+            MixesSamplesError: a module that mixes samples (BatchNorm in training mode:
+                named, with the fix, :class:`~persample.dp.ModuleValidator`), a
+                ``ValueError`` and persample's (and Opacus's) ``UnsupportedModuleError``.
         """
         adaptive = {k: kwargs.pop(k) for k in ADAPTIVE_OPTIONS if k in kwargs}
         check = kwargs.pop("check", None)
         mechanism = check_mechanism(kwargs.pop("mechanism", None))
+        wrap_model = kwargs.pop("wrap_model", True)
         self._refuse(optimizer, module, poisson_sampling, clipping, batch_first, loss_reduction,
                      grad_sample_mode, kwargs)
         n = dataset_size(data_loader.dataset, "DataLoader's dataset")
@@ -456,26 +621,36 @@ class PrivacyEngine:
         inner = unwrapped(module)
         mixing = mixing_reason_of(inner)
         if mixing is not None:  # (refused now, not at the first optimizer.step())
-            raise ValueError(f"{mixing} In a DP training script: model = "
-                             "persample.dp.ModuleValidator.fix(model) before make_private "
-                             "(BatchNorm to GroupNorm, as Opacus's ModuleValidator does).")
-        params = [name for name, p in inner.named_parameters() if p.requires_grad]
+            raise MixesSamplesError(
+                f"{mixing} In a DP training script: model = "
+                "persample.dp.ModuleValidator.fix(model) before make_private (BatchNorm to "
+                "GroupNorm, as Opacus's ModuleValidator does).")
+        if not poisson_sampling:
+            warnings.warn("poisson_sampling=False: the loader's batches are used as they "
+                          "are, and the accountant still accounts each step as a Poisson "
+                          f"sample of rate {q:.4g} (as Opacus does): the epsilon reported "
+                          "is not a guarantee for these batches", stacklevel=2)
+        stepped = inner if batch_first else _BatchSecond(inner)
+        params = [name for name, p in stepped.named_parameters() if p.requires_grad]
         chosen = _clipping(clipping, max_grad_norm, params, adaptive)
         seeds = None if self.secure_mode else shared_seeds()  # rank 0's, on every rank
         if noise_generator is None and seeds is not None:
             noise_generator = seeds.noise_generator(next(inner.parameters()).device)
-        step = PrivateStep(inner, criterion if "ghost" in grad_sample_mode else _LinearLoss(),
+        step = PrivateStep(stepped, criterion if "ghost" in grad_sample_mode else _LinearLoss(),
                            noise_multiplier=noise_multiplier, expected_batch_size=expected,
                            generator=noise_generator, sample_rate=q,
                            accountant=self.accountant_kind, secure_mode=self.secure_mode,
                            check=check, clipping=chosen, mechanism=mechanism)
         self.steps.append(step)
-        wrapped = PrivateModule(module)
-        private = PrivateOptimizer(optimizer, wrapped, step, loss_reduction)
-        loader = _poisson_loader(data_loader, q, step, seeds, mechanism)
+        wrapped = PrivateModule(module) if wrap_model else PrivateHooks(module)
+        private = PrivateOptimizer(optimizer, wrapped.forwards, step, loss_reduction,
+                                   batch_first)
+        loader = data_loader if not poisson_sampling else \
+            _poisson_loader(data_loader, q, step, seeds, mechanism)
         if "ghost" in grad_sample_mode:
             private.criterion = criterion
-            return wrapped, private, PrivateCriterion(criterion, wrapped, private), loader
+            return wrapped, private, PrivateCriterion(criterion, wrapped.forwards, private), \
+                loader
         return wrapped, private, loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -599,14 +774,17 @@ class PrivacyEngine:
                 grad_sample_mode: str, kwargs: dict) -> None:
         ours = {id(p) for p in module.parameters()}
         if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError("the optimizer's parameters are not the module's")
+            raise ValueError("Module parameters are different than optimizer Parameters (as "
+                             "Opacus says): make the optimizer from the parameters of the "
+                             "module passed to make_private, after ModuleValidator.fix")
         reasons = {
-            "poisson_sampling=False (the accounting assumes Poisson sampling)":
-                not poisson_sampling,
+            "poisson_sampling=False with several processes": not poisson_sampling and (
+                world() or (1, 0))[0] > 1,
             f"clipping={clipping!r} (flat, per_layer, adaptive or a persample.dp.Clipping)":
                 not isinstance(clipping, Clipping)
                 and clipping not in ("flat", "per_layer", "adaptive"),
-            "batch_first=False": not batch_first,
+            "batch_first=False with several processes": not batch_first and (
+                world() or (1, 0))[0] > 1,
             f"loss_reduction={loss_reduction!r} (mean or sum)":
                 loss_reduction not in ("mean", "sum"),
             f"grad_sample_mode={grad_sample_mode!r}":
@@ -618,8 +796,7 @@ class PrivacyEngine:
             "user_ids=) or PrivateTrainer": bool({"user_ids", "records_per_user"} & set(kwargs)),
         }
         reasons.update({f"the option {name}={value!r}": True for name, value in kwargs.items()
-                        if name not in ("wrap_model", "rand_on_empty") or value not in (
-                            True, False)})
+                        if name != "rand_on_empty" or value not in (True, False)})
         for reason, present in reasons.items():
             if present:
                 raise ValueError(f"persample's PrivacyEngine does not take {reason}")
@@ -797,9 +974,10 @@ class BatchMemoryManager:
         if not isinstance(optimizer, PrivateOptimizer):
             raise ValueError("BatchMemoryManager takes the optimizer PrivacyEngine."
                              f"make_private returned, got {type(optimizer).__name__}")
-        if not isinstance(data_loader.batch_sampler, PoissonBatchSampler):
+        if not isinstance(data_loader.batch_sampler, (PoissonBatchSampler, BatchSampler)):
             raise ValueError("BatchMemoryManager takes the data loader PrivacyEngine."
-                             "make_private returned (its batches are Poisson-sampled)")
+                             "make_private returned (Poisson-sampled batches, or with "
+                             "poisson_sampling=False the loader's own batches)")
         if (isinstance(max_physical_batch_size, bool)
                 or not isinstance(max_physical_batch_size, int) or max_physical_batch_size < 1):
             raise ValueError(f"max_physical_batch_size must be an int >= 1, got "
@@ -825,9 +1003,13 @@ class _Splitting(PhysicalBatches):
     Tells the optimizer, in order, which of them end their logical batch (a data
     loader's workers draw ahead of the steps, so the marks queue)."""
 
-    def __init__(self, logical: PoissonBatchSampler, size: int, skips: deque[bool]):
-        super().__init__(logical.whole(), size, rank=logical.rank,  # every rank's sample
-                         world_size=logical.world_size)
+    def __init__(self, logical: PoissonBatchSampler | BatchSampler, size: int,
+                 skips: deque[bool]):
+        if isinstance(logical, PoissonBatchSampler):
+            super().__init__(logical.whole(), size, rank=logical.rank,  # every rank's sample
+                             world_size=logical.world_size)
+        else:  # poisson_sampling=False: the loader's own batches, one process
+            super().__init__(_Fixed(logical), size)
         self.skips = skips
 
     def cut(self, drawn: list[int]) -> list[list[int]]:
@@ -840,3 +1022,17 @@ class _Splitting(PhysicalBatches):
             for k, part in enumerate(parts):
                 self.skips.append(k < len(parts) - 1)
                 yield part
+
+
+class _Fixed:
+    """A ``DataLoader``'s own ``BatchSampler`` as :class:`_Splitting` reads a logical
+    sampler: its batches, and their size as the expected one."""
+
+    def __init__(self, sampler: BatchSampler):
+        self.sampler, self.expected_batch_size = sampler, sampler.batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)

@@ -17,6 +17,7 @@ never on the model, with ``state_dict`` / ``load_state_dict`` for checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from datetime import timedelta
@@ -370,6 +371,58 @@ class PrivateStep:
             self.max_grad_norm = self.adaptive.updated(self.max_grad_norm, count,
                                                        self.expected_batch_size)
             self.bounds = Clipping.flat(self.max_grad_norm).bound(list(self.params))
+
+    def set_noise_multiplier(self, noise_multiplier: float) -> None:
+        """Run the next releases with ``sigma = noise_multiplier`` (a noise schedule, as
+        Opacus's ``opacus.schedulers``); each release is accounted with the sigma it
+        ran with.
+
+        Raises:
+            ValueError: ``noise_multiplier < 0`` or not finite; a step with a
+                ``mechanism`` (its correlated noise is analysed for one sigma), or with
+                adaptive clipping whose count would get all the noise.
+
+        Examples:
+            >>> step = PrivateStep(nn.Linear(2, 1), nn.MSELoss(), max_grad_norm=1.0,
+            ...                    noise_multiplier=1.0, expected_batch_size=8)
+            >>> step.set_noise_multiplier(0.5); step.noise_multiplier
+            0.5
+        """
+        _check_options(noise_multiplier, self.expected_batch_size)
+        if self.mechanism is not None:
+            raise ValueError("a step with a mechanism (correlated noise) keeps its sigma: "
+                             "the mechanism's privacy is analysed for one noise multiplier")
+        if self.adaptive is not None:
+            self.adaptive.gradient_noise_multiplier(noise_multiplier)  # raises if too large
+        self.noise_multiplier = float(noise_multiplier)
+
+    def set_max_grad_norm(self, max_grad_norm: Any) -> None:
+        """Clip the next steps' samples to ``max_grad_norm`` (the clipping norm ``C``, or
+        one per group of grouped clipping), the kind of clipping kept (a clipping-norm
+        schedule, as Opacus's ``opacus.schedulers``). Between steps only.
+
+        Raises:
+            ValueError: samples accumulated in this step and not released yet; adaptive or
+                automatic clipping (their ``C`` is not set by hand); a step with a
+                ``mechanism``; and what :class:`Clipping` raises for the value.
+
+        Examples:
+            >>> step = PrivateStep(nn.Linear(2, 1), nn.MSELoss(), max_grad_norm=1.0,
+            ...                    noise_multiplier=1.0, expected_batch_size=8)
+            >>> step.set_max_grad_norm(0.5); step.max_grad_norm, step.bounds.sensitivity
+            (0.5, 0.5)
+        """
+        if self._sums is not None or self.samples:
+            raise ValueError("the clipping norm changes between steps: this step has "
+                             "accumulated samples; call it after release()")
+        if self.adaptive is not None or isinstance(self.clipping.max_grad_norm, str):
+            raise ValueError("adaptive and automatic clipping set their own clipping norm")
+        if self.mechanism is not None:
+            raise ValueError("a step with a mechanism (correlated noise) keeps its clipping "
+                             "norm: the noise of every release is correlated at one scale")
+        clipping = dataclasses.replace(self.clipping, max_grad_norm=max_grad_norm)
+        self.bounds = clipping.bound(list(self.params))
+        self.clipping, self.max_grad_norm = clipping, clipping.max_grad_norm
 
     def _terms(self) -> Terms:
         """What the reducer needs of the step: its parameters, the noise, the divisor, the
