@@ -538,3 +538,173 @@ def test_the_loader_is_a_dp_data_loader_as_opacus_makes_it():
         DPDataLoader(_data(), sample_rate=0.1, rand_on_empty=True)
     with pytest.raises(ValueError, match="batch_size"):
         DPDataLoader(_data(), sample_rate=0.1, batch_size=4)
+
+
+class SeqFirst(nn.Module):
+    """A sequence-first text model (inputs ``(T, B)``, torch's attention with
+    ``batch_first=False``), its output ``(B, classes)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.attn = nn.Embedding(30, 8), nn.MultiheadAttention(8, 2)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):  # (T, B)
+        h = self.emb(x)
+        h, _ = self.attn(h, h, h)  # (T, B, 8)
+        return self.fc(h.mean(0))  # (B, 3)
+
+
+def _seq_first_loop_sums(model: nn.Module, x, y, c: float) -> dict:
+    """The clipped sum by hand: each sample's gradient from its own column of ``x``."""
+    from battery import clipped_sum_by_hand
+
+    params = dict(model.named_parameters())
+    rows = [torch.autograd.grad(nn.CrossEntropyLoss()(model(x[:, i:i + 1]), y[i:i + 1]),
+                                list(params.values())) for i in range(x.shape[1])]
+    grads = {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(params)}
+    return clipped_sum_by_hand(grads, c)
+
+
+@pytest.mark.parametrize("wrap_model", [True, False])
+def test_batch_first_false_and_wrap_model_false_are_the_loop_over_samples(wrap_model):
+    T = b = 5  # the sequence as long as the batch: a guess of the batch dim would show
+    torch.manual_seed(0)
+    base, twin = SeqFirst(), SeqFirst()
+    twin.load_state_dict(base.state_dict())
+    data = [(torch.randint(0, 30, (T,)), torch.randint(0, 3, ())) for _ in range(4 * b)]
+
+    def collate(batch):  # Opacus's test's: the batch in dim 1
+        return torch.stack([s for s, _ in batch]).T, torch.stack([t for _, t in batch])
+
+    opt = torch.optim.SGD(base.parameters(), lr=0.0)
+    got, opt, loader = PrivacyEngine().make_private(
+        module=base, optimizer=opt, data_loader=DataLoader(data, batch_size=b,
+                                                           collate_fn=collate),
+        noise_multiplier=0.0, max_grad_norm=0.05, batch_first=False, wrap_model=wrap_model,
+        poisson_sampling=True)
+    model = got if wrap_model else base
+    assert (not wrap_model) == bool(base._forward_hooks)  # hooks only without wrapping
+    x, y = next(iter(loader))
+    assert x.shape[0] == T and x.shape[1] == len(y)
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    opt.step()
+    want = _seq_first_loop_sums(twin, x, y, 0.05)
+    for (name, p), w in zip(base.named_parameters(), want.values()):
+        torch.testing.assert_close(p.summed_grad, w, rtol=1e-8, atol=1e-12, msg=name)
+        torch.testing.assert_close(p.grad, w / opt.expected_batch_size, rtol=1e-8,
+                                   atol=1e-12, msg=name)
+    if not wrap_model:
+        got.cleanup()
+        assert not base._forward_hooks and not base._forward_pre_hooks
+    with pytest.raises(ValueError, match=r"output has 3 rows but its input has 5 samples "
+                                         r"in dim 1 \(batch_first=False\)"):
+        class Wrong(nn.Module):  # the output's batch not in dim 0
+            def __init__(self):
+                super().__init__()
+                self.net = SeqFirst()
+
+            def forward(self, x):
+                return self.net(x).T
+
+        wrong = Wrong()
+        w_model, w_opt, _ = PrivacyEngine().make_private(
+            module=wrong, optimizer=torch.optim.SGD(wrong.parameters(), lr=0.0),
+            data_loader=DataLoader(data, batch_size=b, collate_fn=collate),
+            noise_multiplier=0.0, max_grad_norm=1.0, batch_first=False)
+        w_opt.zero_grad()
+        w_model(torch.randint(0, 30, (T, b))).sum().backward()  # 5 samples, 3 classes
+        w_opt.step()
+
+
+def test_poisson_sampling_false_keeps_the_loader_and_warns():
+    base = _twin(0.0)
+    plain = DataLoader(_data(), batch_size=B)
+    with pytest.warns(UserWarning, match="poisson_sampling=False: the loader's batches are "
+                                         "used as they are"):
+        model, opt, loader = PrivacyEngine().make_private(
+            module=base, optimizer=torch.optim.SGD(base.parameters(), lr=0.1),
+            data_loader=plain, noise_multiplier=1.0, max_grad_norm=1.0,
+            poisson_sampling=False)
+    assert loader is plain and opt.expected_batch_size == B
+
+
+def test_summed_grad_goes_on_over_skipped_steps_and_zero_grad_forgets_it():
+    base = _twin(0.0)
+    model, opt, _ = _made(PrivacyEngine(), base)
+    x, y = _data().tensors
+    sums = []
+    for part in (slice(0, 3), slice(3, 7)):
+        opt.signal_skip_step()
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x[part]), y[part]).backward()
+        before = base.fc.weight.detach().clone()
+        assert opt.step() is None  # skipped: no noise, no optimizer step
+        assert torch.equal(base.fc.weight, before)
+        sums.append(base.fc.weight.summed_grad.clone())
+    by_hand = PrivateStep(_twin(0.0), nn.CrossEntropyLoss(), max_grad_norm=1.0,
+                          noise_multiplier=0.0, expected_batch_size=B)
+    by_hand.accumulate(x[:7], y[:7])  # the 7 samples' clipped sum, in one go
+    torch.testing.assert_close(sums[-1], by_hand.sums["fc.weight"], rtol=1e-10, atol=1e-12)
+    assert not torch.equal(sums[0], sums[1])
+    opt.zero_grad()  # the last step was skipped: the sums go on
+    assert torch.equal(base.fc.weight.summed_grad, sums[-1])
+    nn.CrossEntropyLoss()(model(x[7:9]), y[7:9]).backward()
+    opt.step()
+    assert base.fc.weight.grad is not None
+    opt.zero_grad()
+    assert base.fc.weight.summed_grad is None
+
+
+def test_schedules_set_sigma_and_the_clipping_norm_and_each_step_is_accounted_as_it_ran():
+    from persample.dp.schedulers import StepGradClip, StepNoise
+
+    base = _twin(0.0)
+    engine = PrivacyEngine(accountant="rdp")
+    model, opt, loader = _made(engine, base)
+    noise, clip = StepNoise(opt, step_size=1, gamma=2.0), StepGradClip(opt, step_size=1,
+                                                                      gamma=0.5)
+    x, y = _data().tensors
+    for k in range(2):
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x[:1]), y[:1]).backward()
+        opt.step()
+        sums = torch.cat([p.summed_grad.flatten() for p in base.parameters()])
+        assert float(sums.norm()) == pytest.approx(0.5 ** k)  # one sample, clipped to C
+        noise.step()
+        clip.step()
+    assert [run[0] for run in engine.accountant.history] == [1.0, 2.0]
+    assert (opt.noise_multiplier, opt.max_grad_norm) == (4.0, 0.25)
+    spent = engine.get_epsilon(1e-5)  # one step at sigma 1, one at 2: between the two
+    assert epsilon(2.0, 1 / 6, 2, 1e-5, "rdp") < spent < epsilon(1.0, 1 / 6, 2, 1e-5, "rdp")
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(model(x[:1]), y[:1]).backward()
+    opt.signal_skip_step()
+    opt.step()  # accumulated, not released
+    with pytest.raises(ValueError, match="this step has accumulated samples"):
+        opt.max_grad_norm = 1.0
+    with pytest.raises(ValueError, match="must be >= 0"):
+        opt.noise_multiplier = -1.0
+
+
+def test_make_private_raises_opacus_error_for_batch_norm_and_fixes_to_instance_norm(caplog):
+    from persample.dp import ModuleValidator
+    from persample.errors import MixesSamplesError, UnsupportedModuleError
+
+    model = _WithBatchNorm()
+    data = TensorDataset(torch.randn(8, 1, 4, 6), torch.randint(0, 3, (8,)))
+    with pytest.raises(UnsupportedModuleError, match=r"module 'bn' \(BatchNorm2d\)") as err:
+        PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=4), noise_multiplier=1.0,
+            max_grad_norm=1.0)
+    assert isinstance(err.value, MixesSamplesError) and isinstance(err.value, ValueError)
+    with caplog.at_level("INFO", logger="persample.dp.validator"):
+        fixed = ModuleValidator.fix(model, replace_bn_with_in=True)
+    assert type(fixed.bn) is nn.InstanceNorm2d and fixed.bn.affine and fixed.bn.eps == 1e-5
+    assert type(fixed.get_submodule("head.2")) is nn.InstanceNorm1d
+    assert [r.getMessage().split(" :")[0] for r in caplog.records] == [
+        "Replaced sub_module bn", "Replaced sub_module head.2"]
+    with pytest.raises(ValueError, match="exclusive"):
+        ModuleValidator.fix(model, replace_bn_with_in=True, num_groups=4)
