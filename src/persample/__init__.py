@@ -26,6 +26,7 @@ from .errors import (
     CertificateError,
     InternalError,
     LossNotPerSampleError,
+    MixesSamplesError,
     NeedsWholeModel,
     UnsupportedModuleError,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "Route",
     "Verification",
     "UnsupportedModuleError",
+    "MixesSamplesError",
     "LossNotPerSampleError",
     "NeedsWholeModel",
     "DrawNotReplayable",
