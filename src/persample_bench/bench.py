@@ -20,6 +20,7 @@ resident set size of the call in a fresh process (``python -m persample_bench
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import importlib.metadata
@@ -217,13 +218,12 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     :data:`VERY_SLOW_S` is that method's only time. The baseline, the write and the
     diagnostics warm up with their first call, and a slow one skips the second
     warm-up and joins as few rounds. The reference method's first run is the
-    reference itself. The reference and the ``out=`` buffer are freed before the
-    memory probes.
+    reference itself. The reference is freed before the rounds, the ``out=`` buffer
+    before the memory probes.
 
     Args:
         case: the workload and its methods (:mod:`persample_bench.anchors`).
-        quick: no warm-up, 2 rounds, the collections between timed calls limited to
-            what the rounds made (:func:`_older_objects_frozen`).
+        quick: no warm-up, 2 rounds.
         step: called with a label before each stage (progress display).
         probe: on the CPU, ``probe(method_name) -> {"extra_peak_mb", "peak_rss_mb"}``
             measures one call's memory in a fresh process (``None``: no memory figures).
@@ -241,8 +241,10 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     device = w.device
     sync = _synchronizer(device)
     # the caller-owned result buffer for out=, as the README advises: rows 64-byte aligned
-    # (persample.aligned_empty), already touched
-    buf = aligned_empty(case.result_shape, w.dtype, device).zero_()
+    # (persample.aligned_empty); touched before the rounds (a method that writes into it
+    # touches it in its first call: the first calls hold no reference-sized page of it
+    # that no method writes)
+    buf = aligned_empty(case.result_shape, w.dtype, device)
     step(f"{case.reference_label} (reference)")
     reseed = _reseed(w.seed)
     reseed()
@@ -266,11 +268,13 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
         reseed()
         timers.append(_prepare(method, buf, reference, repeats, quick, first_run, device,
                                agree_tolerance(w)))
-    del first_run
+    del first_run, reference  # every result is checked: the rounds need no reference
+    gc.collect()
+    buf.zero_()
     case.after_check()
     for timer in timers[:fixed]:
         _warm_up(timer, warmup, repeats, sync)
-    with _older_objects_frozen(quick):
+    with _older_objects_frozen():
         for r in range(repeats):
             step(f"round {r + 1} of {repeats}")
             for timer in timers:
@@ -290,7 +294,7 @@ def bench_case(case: Case, quick: bool, step: Callable[[str], None],
     ours_at = next(k for k, m in enumerate(case.methods) if m.ours)
     first_calls = _first_calls(case.methods[ours_at], buf, rows[ours_at], quick, device, step)
     bytes_out = buf.numel() * buf.element_size()
-    del timers, timer, buf, reference  # a real-size result is gigabytes: freed for the probes
+    del timers, timer, buf  # a real-size result is gigabytes: freed for the probes
     gc.collect()
     if probe is not None:
         for row in [base] + [r for r in rows if r.status == "ok"]:
@@ -355,16 +359,15 @@ def _reseed(seed: int | None) -> Callable[[], None]:
 
 
 @contextmanager
-def _older_objects_frozen(active: bool) -> Iterator[None]:
-    """With ``active`` (a quick run), the objects alive as the rounds begin (the case, the
-    imported libraries: about 400,000 with transformers and Opacus, a quarter of a second
-    a full collection on a 2-core machine) are frozen (``gc.freeze``) until they end, so
-    that the collection after each timed call looks only at what that call left: a
-    quick run's rounds take seconds, not tens of seconds. Outside the clock; the full
-    run collects the whole heap after each call, as it always has."""
-    if not active:
-        yield
-        return
+def _older_objects_frozen() -> Iterator[None]:
+    """The objects alive as the rounds begin (the case, the imported libraries: about
+    400,000 with transformers and Opacus) frozen (``gc.freeze``) until they end, so that
+    a collection looks only at what the rounds made: the benchmark's own after each
+    timed call (outside the clock), and any a method runs inside its call (kronfluence
+    collects about 7 times a call). A full collection of the benchmark's heap takes a
+    quarter of a second on a 2-core machine, which a user's script, importing one
+    library, would not pay: unfrozen, kronfluence's call measured 2.5 s against 0.8 s.
+    """
     gc.collect()
     gc.freeze()
     try:
@@ -938,6 +941,8 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
             del case
             bar.update(1)
             gc.collect()
+            persample.empty_cache()  # the free result blocks of this workload's sizes
+            _trim_heap()
     loads.append(load_average())
     for skipped in not_run:
         print(f"{skipped['workload']}: {skipped['status']}")
@@ -964,6 +969,16 @@ def run(workloads: list[str], quick: bool, batch: int | None, threads: int,
 
 
 # --- peak memory on the CPU: one call in a fresh process ----------------------------------
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; a
+    no-op elsewhere): a workload's freed tensors leave hundreds of MB there, which the
+    next workload's peak would otherwise stand on."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _maxrss_bytes() -> int:

@@ -59,7 +59,10 @@ def backpack(w: Workload) -> Method:
         with context(BatchGrad()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # full backward hooks on modules without input grads
             loss_fn(model(w.inputs), w.targets).backward()
-        return {k: p.grad_batch * n for k, p in model.named_parameters()}
+        out = {k: p.grad_batch * n for k, p in model.named_parameters()}
+        for p in model.parameters():  # (its own buffers, freed as users' next step would)
+            p.grad_batch = None
+        return out
 
     return Method(name, run)
 

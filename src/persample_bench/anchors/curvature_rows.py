@@ -340,7 +340,10 @@ def _batch_diag_ggn(w: Workload) -> Callable[[], dict[str, Tensor]]:
         with context(BatchDiagGGNExact()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loss_fn(model(w.inputs), w.targets).backward()
-        return {name: p.diag_ggn_exact_batch for name, p in model.named_parameters()}
+        out = {name: p.diag_ggn_exact_batch for name, p in model.named_parameters()}
+        for p in model.parameters():  # the result holds them; the model need not
+            p.diag_ggn_exact_batch = None
+        return out
     return run
 
 

@@ -64,8 +64,11 @@ def opacus(w: Workload) -> Method:
     def run(_: Tensor) -> dict[str, Tensor]:
         model.zero_grad(set_to_none=True)
         scalar_loss(w.loss_fn(w.opacus_call(model), w.targets)).backward()
-        return {k: p.grad_sample for k, p in model._module.named_parameters()
-                if p.requires_grad}
+        out = {k: p.grad_sample for k, p in model._module.named_parameters()
+               if p.requires_grad}
+        for p in model._module.parameters():  # the result holds them; the model need not
+            p.grad_sample = None  # (as Opacus's optimizer.zero_grad sets it)
+        return out
 
     return Method(name, run)
 
