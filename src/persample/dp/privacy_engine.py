@@ -167,7 +167,7 @@ class PrivateHooks:
     """What :meth:`PrivacyEngine.make_private` returns first with ``wrap_model=False``
     (Opacus's ``GradSampleHooks``): the user's module is used as it is, and a forward
     pre-hook and hook on it keep each forward's inputs, random-number state and output
-    for the optimizer's step, until :meth:`cleanup`.
+    for the optimizer's step, until :meth:`cleanup` (or the end of a ``with`` block).
 
     Examples:
         >>> net = nn.Linear(3, 2)
@@ -176,6 +176,10 @@ class PrivateHooks:
         1
         >>> hooks.cleanup(); _ = net(torch.ones(4, 3)); len(hooks.forwards.kept)
         1
+        >>> with PrivateHooks(net) as hooks:
+        ...     _ = net(torch.ones(4, 3))
+        >>> len(hooks.forwards.kept), len(net._forward_hooks)
+        (1, 0)
     """
 
     def __init__(self, module: nn.Module):
@@ -200,6 +204,12 @@ class PrivateHooks:
         self.handles = []
 
     remove_hooks = cleanup
+
+    def __enter__(self) -> PrivateHooks:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cleanup()
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
