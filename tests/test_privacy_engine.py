@@ -62,7 +62,10 @@ def _by_hand(seen, dropout: float, c: float, expected: int = B) -> nn.Module:
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_the_opacus_loop_is_private_step_by_hand(mode, dropout, reduction):
+@pytest.mark.parametrize("wrap_model", [True, False])
+def test_the_opacus_loop_is_private_step_by_hand(mode, dropout, reduction, wrap_model):
+    """With ``wrap_model=False`` the user's own module runs, its forwards (and dropout
+    masks) kept by hooks."""
     model = _twin(dropout)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -72,11 +75,13 @@ def test_the_opacus_loop_is_private_step_by_hand(mode, dropout, reduction):
                                    data_loader=DataLoader(_data(), batch_size=B, shuffle=True),
                                    noise_multiplier=0.0, max_grad_norm=0.3,
                                    criterion=criterion, loss_reduction=reduction,
-                                   grad_sample_mode=mode)
+                                   grad_sample_mode=mode, wrap_model=wrap_model)
     if mode == "ghost":
         private_model, private_opt, criterion, loader = returned
     else:
         private_model, private_opt, loader = returned
+    if not wrap_model:
+        private_model = model  # (the hooks' object only cleans up)
     assert private_opt.expected_batch_size == B
     seen = _opacus_loop(private_model, private_opt, loader, criterion, steps=3)
     assert len({len(y) for _, y, _ in seen}) > 1  # Poisson: sizes vary
