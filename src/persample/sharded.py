@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .walk import named_modules
+from .walk import picked_modules
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -44,21 +44,25 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
         # first call that does not need it)
         return []
     try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.fsdp import FSDPModule  # noqa: F401
     except ImportError:  # a torch built without distributed support
         return []
-    units = []
-    for name, m in named_modules(model):
-        if isinstance(m, FullyShardedDataParallel):
-            raise ValueError(
-                f"module '{name or type(m).__name__}' is wrapped in FSDP1's "
-                "FullyShardedDataParallel, whose flat parameters cannot be split by "
-                "sample: shard the model with FSDP2 instead, "
-                "torch.distributed.fsdp.fully_shard(block) for each block and then "
-                "fully_shard(model)")
-        if isinstance(m, FSDPModule):
-            units.append(m)
-    return units
+    return picked_modules(model, _fsdp_unit)
+
+
+def _fsdp_unit(name: str, m: nn.Module) -> bool:
+    """Is ``m`` an FSDP2 unit (``fully_shard`` swaps its class)? Raises for FSDP1's
+    wrapper."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(m, FullyShardedDataParallel):
+        raise ValueError(
+            f"module '{name or type(m).__name__}' is wrapped in FSDP1's "
+            "FullyShardedDataParallel, whose flat parameters cannot be split by "
+            "sample: shard the model with FSDP2 instead, "
+            "torch.distributed.fsdp.fully_shard(block) for each block and then "
+            "fully_shard(model)")
+    return isinstance(m, FSDPModule)
 
 
 def refuse_sharded(model: nn.Module, method: str) -> None:

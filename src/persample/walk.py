@@ -15,6 +15,8 @@ costs a fraction of a walk; where the version tags cannot be read, every call wa
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from torch import nn
@@ -29,7 +31,7 @@ class _Walk:
     """One walk: the modules (held weakly, so that the walk keeps none of them alive,
     the model included), the parameters and the stamp."""
 
-    __slots__ = ("names", "refs", "parameters", "stamp")
+    __slots__ = ("names", "refs", "parameters", "stamp", "picked")
 
     def __init__(self, model: nn.Module):
         modules = list(model.named_modules())
@@ -40,6 +42,7 @@ class _Walk:
         self.stamp = _stamp([m for _, m in modules]) if _version is not None and all(
             _walks_plainly(type(m)) for _, m in modules) else None  # (None: walked at
         # every call)
+        self.picked: dict[Any, list[int]] = {}  # (picked_modules' answers, by test)
 
     def modules(self) -> list[nn.Module] | None:
         """The modules, or ``None`` where one is gone."""
@@ -59,16 +62,18 @@ _WALKERS = ("named_modules", "named_parameters", "_named_members")
 _WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Walk
 
 
-def _stamp(modules: list[nn.Module]) -> list[Any] | None:
-    """Each module's type and its two dicts' version tags, in walk order; ``None`` where
-    a module keeps them in something else than a dict (TorchScript's modules)."""
-    out: list[Any] = []
-    for m in modules:
-        held, params = m._modules, m._parameters
-        if not (isinstance(held, dict) and isinstance(params, dict)):
-            return None
-        out += (type(m), _version(held), _version(params))
-    return out
+def _stamp(modules: list[nn.Module]) -> tuple | None:
+    """The modules' types and their two dicts' version tags, in walk order; ``None``
+    where a module keeps them in something else than a dict (TorchScript's modules).
+    (Read by C calls alone: no Python frame per module.)"""
+    try:
+        return (tuple(map(type, modules)), tuple(map(_version, map(_HELD, modules))),
+                tuple(map(_version, map(_PARAMS, modules))))
+    except (AttributeError, RuntimeError, TypeError):  # (not a dict: dict_version raises)
+        return None
+
+
+_HELD, _PARAMS = attrgetter("_modules"), attrgetter("_parameters")
 
 
 def _walk(model: nn.Module) -> tuple[_Walk, list[nn.Module]]:
@@ -89,6 +94,28 @@ def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     module docstring)."""
     walk, modules = _walk(model)
     return list(zip(walk.names, modules))
+
+
+def picked_modules(model: nn.Module, test: Callable[[str, nn.Module], bool]
+                   ) -> list[nn.Module]:
+    """The modules ``m`` (named ``name``) of ``model`` with ``test(name, m)``, in
+    ``named_modules()`` order. The answer is kept with the walk (by ``test``, which must
+    read the modules' names, types and nesting alone: a module's class, never its flags
+    or tensors) while the model's structure holds; an error ``test`` raises is raised
+    again at every call.
+
+    Examples:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> picked_modules(net, lambda name, m: isinstance(m, nn.ReLU))
+        [ReLU()]
+    """
+    walk, modules = _walk(model)
+    found = walk.picked.get(test)
+    if found is None:
+        found = [k for k, (name, m) in enumerate(zip(walk.names, modules)) if test(name, m)]
+        if walk.stamp is not None:
+            walk.picked[test] = found
+    return [modules[k] for k in found]
 
 
 def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

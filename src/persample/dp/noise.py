@@ -327,6 +327,8 @@ def _pieces(out: Tensor, std: float, seed: int, index: int, start: int, numel: i
             ) -> list[tuple]:
     """The blocks ``out`` (entries ``start ..`` of parameter ``index`` of ``numel``)
     overlaps: ``(part of out, std, block seed, offset in the block, block length)``."""
+    if start == 0 and out.numel() == numel <= BLOCK:  # (one whole block: no slice)
+        return [(out, std, _mix(seed, index, 0), 0, numel)]
     found, done = [], 0
     while done < out.numel():
         block, offset = divmod(start + done, BLOCK)
@@ -411,11 +413,9 @@ def pooled_like(params: list[nn.Parameter], fill: Callable[[Tensor], Any] | None
             fill(buf)
         if blocks is not None:
             blocks.append(buf)
-        offset = 0
-        for k in picked:
-            size = params[k].numel()
-            out[k] = buf[offset : offset + size].view(params[k].shape)
-            offset += size
+        parts = buf.split([params[k].numel() for k in picked])  # (one op for all)
+        for k, part in zip(picked, parts):
+            out[k] = part.view(params[k].shape)
     return out
 
 

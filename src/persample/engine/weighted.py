@@ -91,9 +91,16 @@ def book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
             rule = op_sum_rule(op) if sum_rules else None
             g = (captured.backprops(op.edges, op.out_layouts)[0]  # (n, 1, *out)
                  if rule else None)
-            for pid in [pid for pid in pids if pid in left]:  # one at a time: a failure
-                _add_op_sum(captured, op, pid, factors[pid], into[pid], rule, g)  # adds
-                left[pid].remove(op)  # nothing
+            pending = [pid for pid in pids if pid in left]
+            if len(pending) > 1 and g is not None and _all_at_once(
+                    captured, op, pending, factors, into, rule, g):
+                summed = pending
+            else:
+                summed = []
+            for pid in pending:  # one at a time: a failure adds nothing
+                if pid not in summed:
+                    _add_op_sum(captured, op, pid, factors[pid], into[pid], rule, g)
+                left[pid].remove(op)
                 if not left[pid]:
                     done.add(pid)
 
@@ -126,6 +133,24 @@ def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor,
             if rule(captured.n, dtype, cast(g, dtype), c.to(dtype), {p: into}):
                 return
     into.add_(op_weighted_sum(captured, op, [p], c)[pid])
+
+
+def _all_at_once(captured: Captured, op, pids: list[int], factors: dict[int, Tensor],
+                 into: dict[int, Tensor], rule: Callable, g: Tensor) -> bool:
+    """Add one op's share of the clipped sums of all of ``pids`` by one call of its
+    weighted-sum ``rule`` (a linear map's weight and bias: its input and backprops
+    reshaped once), where they share one tensor of factors and one dtype of sums.
+    ``False`` (nothing added: a sum rule declines before it adds) where they do not or
+    the rule declines; then each is added alone."""
+    c = factors[pids[0]]
+    dtype = into[pids[0]].dtype
+    if any(factors[pid] is not c or into[pid].dtype != dtype for pid in pids):
+        return False
+    leaves = {id(t): t for t in op.leaves}
+    dtype = _sum_dtype(g.dtype, dtype)
+    with torch.no_grad():
+        return rule(captured.n, dtype, cast(g, dtype), c.to(dtype),
+                    {leaves[pid]: into[pid] for pid in pids})
 
 
 def _sum_dtype(op_dtype: torch.dtype, into_dtype: torch.dtype) -> torch.dtype:

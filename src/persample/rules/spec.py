@@ -64,7 +64,9 @@ class Decline(Exception):  # noqa: N818 (what a rule does, not an error)
 
 GradRule = Callable[..., None]  # (call, g (n, v, *out), out {t: (n, v, *shape)})
 NormRule = Callable[..., dict]  # (call, g (n, 1, *out), wanted) -> {t: (n,)}
-SumRule = Callable[..., None]  # (call, g (n, 1, *out), c (n,), into {t: t.shape})
+SumRule = Callable[..., None]  # (call, g (n, 1, *out), c (n,), into {t: t.shape});
+# it declines (raises Decline) before it adds anything, so that the engine may ask for
+# several parameters of one op at once and fall back for them all
 FactorRule = Callable[..., dict]  # (call, g (n, 1, *out), wanted) -> {t: Factors}
 
 
