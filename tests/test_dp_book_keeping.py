@@ -204,3 +204,55 @@ def test_a_module_norm_rule_gets_its_clipped_sum(monkeypatch):
     assert normed == [{"w"}]
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("make", [SequenceLinear, ScaledAddmm, SmallConvs])
+@pytest.mark.parametrize("declines", [False, True], ids=["one-call", "declines-together"])
+def test_an_ops_parameters_are_summed_by_one_call_of_its_rule(make, declines, monkeypatch):
+    """Flat clipping gives a weight and its bias one tensor of factors: one call of the
+    op's sum rule adds both. A rule that declines the pair (having added nothing) is
+    asked for each alone, and the sums still match the loop."""
+    asked = []
+    found = weighted.op_sum_rule
+
+    def counting(op):
+        rule = found(op)
+        if rule is None:
+            return None
+
+        def counted(n, dtype, g, c, into):
+            asked.append(len(into))
+            if declines and len(into) > 1:
+                return False
+            return rule(n, dtype, g, c, into)
+        return counted
+
+    monkeypatch.setattr(weighted, "op_sum_rule", counting)
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(B, 2, 4, 4) if make is SmallConvs else torch.randn(B, T, E)
+    y = torch.randint(0, 3, (B,))
+    loss_fn = nn.CrossEntropyLoss()
+    want = _clipped_by_hand(model, x, y, loss_fn, c=0.05)
+    private_grad(model, x, y, loss_fn, max_grad_norm=0.05, noise_multiplier=0.0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-13)
+    assert 2 in asked  # (a weight and its bias asked for together)
+    if declines:  # (then each alone)
+        assert asked.count(1) >= 2 * asked.count(2)
+    else:
+        assert 1 not in asked
+
+
+def test_layerwise_factors_sum_each_parameter_alone(monkeypatch):
+    asked = []
+    found = weighted.op_sum_rule
+    monkeypatch.setattr(weighted, "op_sum_rule", lambda op: (lambda rule: None if rule is None
+                        else (lambda n, dtype, g, c, into: asked.append(len(into))
+                              or rule(n, dtype, g, c, into)))(found(op)))
+    torch.manual_seed(0)
+    model = SequenceLinear()
+    x, y = torch.randn(B, T, E), torch.randint(0, 3, (B,))
+    private_grad(model, x, y, nn.CrossEntropyLoss(), max_grad_norm=0.05, per_layer=True,
+                 noise_multiplier=0.0)
+    assert asked and set(asked) == {1}  # (each parameter its own factors)

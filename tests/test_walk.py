@@ -89,3 +89,45 @@ def test_a_torch_without_dict_version_tags_walks_at_every_call(monkeypatch):
     _same(model)
     model.append(nn.Linear(2, 2))
     _same(model)
+
+
+def test_picked_modules_follow_every_change_of_structure():
+    from persample.walk import picked_modules
+
+    def relus(name, m):
+        return isinstance(m, nn.ReLU)
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
+    assert picked_modules(model, relus) == [model[1]]
+    assert picked_modules(model, relus)[0] is model[1]  # (kept: the same answer)
+    model[2][0] = nn.ReLU()  # replaced deep down
+    assert [id(m) for m in picked_modules(model, relus)] == [id(model[1]), id(model[2][0])]
+    model[1].__class__ = nn.Tanh  # a class swapped (as fully_shard swaps it)
+    assert [id(m) for m in picked_modules(model, relus)] == [id(model[2][0])]
+    model.append(nn.ReLU())
+    assert len(picked_modules(model, relus)) == 2
+
+
+def test_picked_modules_raise_at_every_call_and_keep_no_module_alive():
+    from persample.walk import picked_modules
+
+    def refusing(name, m):
+        if isinstance(m, nn.Tanh):
+            raise ValueError(f"module {name!r} is refused")
+        return isinstance(m, nn.Linear)
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh())
+    for _ in range(2):  # (an error is never kept as an answer)
+        try:
+            picked_modules(model, refusing)
+        except ValueError as err:
+            assert "'1'" in str(err)
+        else:
+            raise AssertionError("the test's error was not raised")
+    model[1] = nn.ReLU()
+    assert picked_modules(model, refusing) == [model[0]]
+    model.owner = [model]
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
