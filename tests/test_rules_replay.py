@@ -260,3 +260,43 @@ def test_recording_does_not_import_torchdynamo():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[0] == "False" and "Replay" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("build", [_mlp, Block], ids=["stock-mlp", "block"])
+def test_a_dp_steps_norms_and_clipped_sums_are_replayed(build, counts, compiled,
+                                                        monkeypatch):
+    """A DP step's ghost norms and clipped sums, replayed once its calls are cached: no
+    norm or sum rule runs, and every step's ``p.grad`` is the loop's clipped sum on that
+    step's own new data (float64, C small enough to clip every sample)."""
+    from battery import clipped_mean
+    from persample.dp import private_grad
+    from persample.engine import norms, weighted
+
+    ran = {"norm": 0, "sum": 0}
+    ghost, add = norms._backprops, weighted._add_op_sums
+
+    def counted_ghost(*args):
+        ran["norm"] += 1
+        return ghost(*args)
+
+    def counted_add(*args):
+        ran["sum"] += 1
+        return add(*args)
+
+    monkeypatch.setattr(norms, "_backprops", counted_ghost)
+    monkeypatch.setattr(weighted, "_add_op_sums", counted_add)
+    torch.manual_seed(0)
+    model = build().double()
+    replays = []
+    for call in range(8):
+        x, y = _data(build is Block, seed=call)
+        before = dict(ran)
+        replays_before = counts.replays
+        private_grad(model, x, y, _ce, max_grad_norm=1e-3, noise_multiplier=0.0, check="never")
+        want = clipped_mean(loop_per_sample_grads(model, x, y, _ce), 1e-3)[1]
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-15)
+        replays.append(counts.replays - replays_before)
+        if call >= 6:  # (cached, recorded: the norms and the sums replayed)
+            assert ran == before, f"a replayed DP step ran rules: {ran} after {before}"
+            assert replays[-1] >= 2

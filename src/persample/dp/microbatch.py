@@ -40,6 +40,7 @@ from ..certificate import (
 from ..engine import Captured, loss_backprops
 from ..engine.norms import group_squared_norms, per_sample_rows, squared_norms, sum_of_squares
 from ..engine.weighted import (
+    PartialSums,
     add_materialised,
     add_module_normed,
     book_keeping,
@@ -534,8 +535,8 @@ class Clipped:
                                                   self.ghosted.items() if pids & group},
                                   self.factors, into, done, left)
         except InternalError as err:  # the norms are right: the rest from per-sample gradients
-            if self.micro.sharded or internal_errors_raised():
-                raise
+            if self.micro.sharded or internal_errors_raised() or isinstance(err, PartialSums):
+                raise  # (partly added sums: nothing may add them again)
             leave_rules(Taken(), err)
             with internal("the clipped sums of the uses left"):
                 complete_sums(self.captured, self.ghosted, left, self.factors, into, done)

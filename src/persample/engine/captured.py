@@ -37,6 +37,8 @@ class Captured:
     whole: list[nn.Parameter] = field(default_factory=list)
     taken: dict[int, Path] = field(default_factory=dict)
     losses: Tensor | None = None  # (n,) each sample's loss, where the root was the loss
+    replay_base: Any = None  # (the records' part of a replay's signature, made once:
+    # :func:`persample.engine.replay.inputs_of`)
 
     @property
     def paths(self) -> dict[int, Path]:

@@ -24,6 +24,7 @@ from ..capture import Op
 from ..precision import accumulate_dtype, cast, without_autocast
 from ..rules import Decline, OpCall, module_front, module_inputs, rules_of
 from ..rules.ghost import Factors, ghost_cost, materialise_cost, squared_norm
+from . import replay
 from .captured import Captured
 from .pullback import write_per_sample
 from .weighted import book_keeping
@@ -42,28 +43,9 @@ def squared_norms(
     output edge, its layout, {name: param})``).
     """
     n = captured.n
-    sq: dict[int, Tensor] = {}
-    ghosted: dict[Op, set[int]] = {}
     with torch.no_grad(), without_autocast():
         sites = _sites(captured)
-        for op in captured.plan.uses:
-            direct = [k for k, pids in op.sources.items() if id(op.leaves[k]) in pids]
-            pids = {id(op.leaves[k]) for k in direct}
-            if (not pids or len(direct) != len(op.sources) or op.changed()
-                    or any(sites.get(pid) != 1 for pid in pids)):
-                continue  # materialised (an input changed in place: the rules say so)
-            spec = rules_of(op)
-            if spec is None or spec.norm is None or len(op.edges) != 1:
-                continue
-            g, call = _backprops(captured, op)
-            if g is None:
-                continue
-            try:
-                found = spec.norm(call, g, {op.leaves[k] for k in direct})  # {param: (n,)}
-            except Decline:
-                continue  # materialised
-            sq.update({id(t): v for t, v in found.items()})
-            ghosted[op] = {id(t) for t in found}
+        sq, ghosted = _ghost_norms(captured, sites)
         _shared_norms(captured, sites, sq, ghosted)
         by_module = _module_norms(captured, sq, sites)
         rest = [p for p in params.values() if id(p) not in sq]
@@ -165,10 +147,75 @@ def sum_of_squares(rows: Tensor) -> Tensor:
     return torch.linalg.vector_norm(rows, dim=1, dtype=dtype).square()
 
 
+def _ghost_norms(captured: Captured, sites: dict[int, int]
+                 ) -> tuple[dict[int, Tensor], dict[Op, set[int]]]:
+    """``({id(param): (n,)}, {op: ids})``: the squared norms each op's norm rule gives
+    the parameters it alone reads directly ("ghost norms"), and which op gave which.
+    On a cached call the rules' ATen ops are replayed (:mod:`persample.engine.replay`,
+    :data:`~persample.engine.replay.NORMS`), unless an op's input was modified in place
+    since it ran (then the rules run, and materialise that op's parameters)."""
+    uses = captured.plan.uses
+    eligible = []  # (index in uses, op, its spec, positions of the parameters it reads)
+    for i, op in enumerate(uses):
+        direct = [k for k, pids in op.sources.items() if id(op.leaves[k]) in pids]
+        pids = {id(op.leaves[k]) for k in direct}
+        if not pids or len(direct) != len(op.sources) or any(
+                sites.get(pid) != 1 for pid in pids):
+            continue  # materialised
+        spec = rules_of(op)
+        if spec is not None and spec.norm is not None and len(op.edges) == 1:
+            eligible.append((i, op, spec, direct))
+    dest: dict[int, Tensor] = {}  # id(param) -> (n,): where a rule's norms are written
+    for _, op, _, direct in eligible:
+        dtype = _norm_dtype(op)
+        for k in direct:
+            dest.setdefault(id(op.leaves[k]), op.leaves[k].new_empty(captured.n, dtype=dtype))
+
+    def run() -> tuple[bool, list[tuple[int, tuple[int, ...]]]]:
+        plain, taken = True, []  # (each op's index in uses, and its normed leaves)
+        for i, op, spec, direct in eligible:
+            if op.changed():
+                continue  # materialised (an input changed in place: the rules say so)
+            g, call = _backprops(captured, op)
+            if g is None:
+                continue
+            try:
+                found = spec.norm(call, g, {op.leaves[k] for k in direct})  # {param: (n,)}
+            except Decline:
+                continue  # materialised
+            ks = tuple(k for k in direct if op.leaves[k] in found)
+            for k in ks:
+                v, into = found[op.leaves[k]], dest[id(op.leaves[k])]
+                if v.shape == into.shape and v.dtype == into.dtype:
+                    into.copy_(v)
+                else:  # (not in the form expected: taken as it is, not recorded)
+                    dest[id(op.leaves[k])], plain = v, False
+            taken.append((i, ks))
+        return plain, taken
+
+    if any(op.changed() for _, op, _, _ in eligible):
+        taken = run()[1]  # (the in-place check decides which ops: not replayed)
+    else:
+        taken = replay.replayed(captured, replay.NORMS, dest, (), run, lambda taken: [
+            id(uses[i].leaves[k]) for i, ks in taken for k in ks])
+    sq: dict[int, Tensor] = {}
+    ghosted: dict[Op, set[int]] = {}
+    for i, ks in taken:
+        op = uses[i]
+        ghosted[op] = {id(op.leaves[k]) for k in ks}
+        sq.update({pid: dest[pid] for pid in ghosted[op]})
+    return sq, ghosted
+
+
+def _norm_dtype(op: Op) -> torch.dtype:
+    """The dtype an op's norms accumulate in (that of :func:`_backprops`)."""
+    return accumulate_dtype(*(op.leaves[k].dtype for k in op.sources))
+
+
 def _backprops(captured: Captured, op: Op) -> tuple[Tensor | None, OpCall]:
     """The op's backprops ``(n, 1, *out)`` and its :class:`OpCall`, both in the dtype its
     norms accumulate in."""
-    dtype = accumulate_dtype(*(op.leaves[k].dtype for k in op.sources))
+    dtype = _norm_dtype(op)
     (g,) = captured.backprops(op.edges, op.out_layouts)
     return cast(g, dtype), OpCall(op, captured.n, dtype)
 

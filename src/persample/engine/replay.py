@@ -68,7 +68,10 @@ ENABLED = [os.environ.get("PERSAMPLE_RULES_REPLAY", "1") != "0"]
 CHECK = [os.environ.get("PERSAMPLE_CHECK_REPLAY", "0") == "1"]  # (tests) every call that
 # can be recorded is, and its replay compared bit for bit with the rules on the spot; a
 # call that would replay runs the rules and compares
-PER_RECORD = 4  # signatures kept per program or template
+PER_RECORD = 8  # signatures kept per program or template (a DP step's norms and sums,
+# the per-sample gradients, at a few batch sizes)
+GRADS, NORMS, SUMS = "grads", "norms", "sums"  # (the rules a signature replays:
+# per-sample gradients, a DP step's ghost norms, its clipped sums)
 
 _REPLAYS: dict[int, tuple[weakref.ref, list]] = {}  # id(record) -> (record, [(sig, ...)])
 _aten = torch.ops.aten
@@ -85,15 +88,39 @@ class Replay:
 
     def __init__(self, fn: Callable, ops: int, taken: dict):
         self.fn, self.ops, self.taken = fn, ops, taken
+        self.answer: Any = None  # (what the rules' caller needs: :func:`replayed`)
 
     def __call__(self, inputs: list[Tensor]) -> None:
         with torch.no_grad():  # (as the rules ran)
             self.fn(*inputs)
 
 
-def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple] | None:
+def inputs_of(captured: Captured, dest: dict[int, Tensor], extra: tuple = (),
+              kind: str = GRADS) -> tuple[list, tuple] | None:
     """``(inputs, signature)`` of the rules on ``captured`` into ``dest``, or ``None``
-    where they are not replayed (see the module's docstring)."""
+    where they are not replayed (see the module's docstring). ``extra``: tensors the
+    rules read besides the records (a DP step's clip factors), after the destinations;
+    ``kind``: which rules (:data:`GRADS`, :data:`NORMS`, :data:`SUMS`), each replayed
+    apart. The records' part is made once per captured batch (a DP step replays two
+    kinds of rules on it)."""
+    base = captured.replay_base
+    if base is None:
+        base = captured.replay_base = _records_part(captured) or False
+    if base is False:
+        return None
+    tensors, sig, seen = list(base[0]), [kind, *base[1]], dict(base[2])
+    sig.append(tuple(dest))
+    sig.append(len(extra))
+    for t in (*dest.values(), *extra):
+        tensors.append(t)
+        if not _signed(t, seen, sig):
+            return None
+    return tensors, tuple(sig)
+
+
+def _records_part(captured: Captured) -> tuple[list, list, dict] | None:
+    """The records' inputs, their part of the signature and which distinct tensor each
+    is (``id -> number``), or ``None`` where the rules are not replayed."""
     cap, plan = captured.capture, captured.plan
     if not isinstance(cap, (StockCapture, LeanCapture, CompiledCapture)):
         return None
@@ -120,7 +147,8 @@ def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple]
             constants = arguments_key(op.args, op.kwargs)
         except Opaque:  # (an argument of a type it cannot compare across calls)
             return None
-        sig.append((op.func, constants, op.autocast,
+        sig.append((op.func, spec, constants, op.autocast,  # (the rules registered now:
+                    # a rule replaced since records anew)
                     op.layouts, flow.outputs, flow.pairing, op.before is None,
                     tuple(op.sources.items()),
                     frozenset(plan.ruled.get(id(op), ())),
@@ -133,32 +161,95 @@ def inputs_of(captured: Captured, dest: dict[int, Tensor]) -> tuple[list, tuple]
             if g is not None:
                 tensors.append(g)
             sig.append(g is None)
-    sig.append(tuple(dest))
-    tensors += dest.values()
     seen: dict[int, int] = {}  # id -> which distinct tensor (a repeat is its number)
     for t in tensors:
-        k = seen.get(id(t))
-        if k is None:
-            if type(t) not in _PLAIN_TYPES or t.layout is not torch.strided:
-                return None  # (a subclass, a sparse or nested tensor: not replayed)
-            seen[id(t)] = len(seen)
-            sig.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device,
-                        t.requires_grad))
-        else:
-            sig.append(k)
-    return tensors, tuple(sig)
+        if not _signed(t, seen, sig):
+            return None
+    return tensors, sig, seen
+
+
+def _signed(t: Tensor, seen: dict[int, int], sig: list) -> bool:
+    """Add input ``t`` to the signature: its geometry, dtype, device and
+    ``requires_grad``, or the number of the same tensor seen before; ``False`` for a
+    tensor that is not replayed (a subclass, a sparse or nested tensor)."""
+    k = seen.get(id(t))
+    if k is not None:
+        sig.append(k)
+        return True
+    if type(t) not in _PLAIN_TYPES or t.layout is not torch.strided:
+        return False
+    seen[id(t)] = len(seen)
+    sig.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad))
+    return True
 
 
 FIRST, RECORD = "first", "record"  # (the states of a signature before its replay)
 
 
-def hopeless(captured: Captured) -> bool:
-    """Has a call of this record failed to record (a value read, a declined rule)? Its
-    later calls then skip the signature (a few hundred microseconds on a transformer)."""
+def hopeless(captured: Captured, kind: str = GRADS) -> bool:
+    """Has a call of this record failed to record these rules (a value read, a declined
+    rule)? Its later calls then skip the signature (a few hundred microseconds on a
+    transformer)."""
     record = _record_of(captured)
     found = _REPLAYS.get(id(record))
     return found is not None and found[0]() is record and any(
-        state is None for _, state in found[1])
+        state is None and known[0] == kind for known, state in found[1])
+
+
+def replayed(captured: Captured, kind: str, dest: dict[int, Tensor], extra: tuple,
+             run: Callable[[], tuple[bool, Any]],
+             written: Callable[[Any], Any] | None = None) -> Any:
+    """``run()``'s answer, its rules replayed where a replay of them is kept.
+
+    ``run()`` runs the rules of ``kind`` into ``dest`` (reading ``extra`` too) and
+    returns ``(plain, answer)``: whether they may be recorded (every op took its own
+    rule), and what the caller needs besides ``dest`` (which ops took which rule: a
+    function of the signature, kept with the replay and given back on a replayed
+    call). The states as for the per-sample rules (:func:`replay_of`); under ``CHECK``
+    every call that can be recorded is, and its replay compared with the rules on the
+    destinations ``written(answer)`` names (default: all; a destination the rules left
+    unwritten holds whatever its memory held)."""
+
+    start = {k: t.clone() for k, t in dest.items()} if CHECK[0] else None  # (rules that
+    # add to the destinations: the replay is checked from the same start)
+
+    def checked(replay: Replay, answer: Any) -> None:
+        keys = dest if written is None else written(answer)
+        check(replay, inputs, {k: dest[k] for k in keys}, start)
+
+    found = None if not ENABLED[0] or hopeless(captured, kind) else inputs_of(
+        captured, dest, extra, kind)
+    if found is None:
+        return run()[1]
+    inputs, sig = found
+    kept, state = replay_of(captured, sig)
+    if kept is not None:
+        if not CHECK[0]:
+            kept(inputs)
+            return kept.answer
+        _, answer = run()
+        checked(kept, answer)
+        if answer != kept.answer:
+            raise InternalError(f"the replayed {kind} rules took other paths than the rules")
+        return answer
+    if state is RECORD or CHECK[0]:
+        recorder = Recorder(inputs)
+        with recorder:
+            plain, answer = run()
+        if plain and recorder.failed is None:
+            made = recorder.replay({})
+            made.answer = answer
+            if CHECK[0]:
+                checked(made, answer)
+            if state is not None:
+                keep(captured, sig, made)
+        elif state is not None:
+            keep(captured, sig, None)
+        return answer
+    plain, answer = run()
+    if state is FIRST:  # (a second call like it records them)
+        keep(captured, sig, RECORD if plain else None)
+    return answer
 
 
 def replay_of(captured: Captured, sig: tuple) -> tuple[Replay | None, str | None]:
@@ -200,10 +291,16 @@ def _record_of(captured: Captured) -> Any:
     return cap.template if isinstance(cap, StockCapture) else getattr(cap, "program", None)
 
 
-def check(replay: Replay, inputs: list[Tensor], dest: dict[int, Tensor]) -> None:
+def check(replay: Replay, inputs: list[Tensor], dest: dict[int, Tensor],
+          start: dict[int, Tensor] | None = None) -> None:
     """Replay into copies of the destinations and compare with what the rules wrote
-    (``CHECK``: the tests' bit-for-bit check of the replay)."""
+    (``CHECK``: the tests' bit-for-bit check of the replay). ``start``: the
+    destinations' values before the rules ran, for rules that add to them (a DP step's
+    clipped sums)."""
     got = {k: _alike(t) for k, t in dest.items()}
+    for k, t in (start or {}).items():
+        if k in got:
+            got[k].copy_(t)
     swap = {id(t): got[k] for k, t in dest.items()}
     replay([swap.get(id(t), t) for t in inputs])
     for k, t in dest.items():  # (bit for bit: NaN where the rules wrote NaN)

@@ -14,8 +14,10 @@ import torch
 from torch import Tensor
 
 from ..batch import Batched
+from ..errors import InternalError
 from ..precision import LOW, cast, without_autocast
 from ..rules import Decline, OpCall, rules_of
+from . import replay
 from .captured import Captured
 from .vjp import summed_vjp
 
@@ -86,23 +88,79 @@ def book_keeping(captured: Captured, ghosted: dict, factors: dict[int, Tensor],
     for op, pids in ghosted.items():
         for pid in pids - done:
             left.setdefault(pid, []).append(op)
+    jobs = [(op, [pid for pid in pids if pid in left]) for op, pids in ghosted.items()]
+    rules = [op_sum_rule(op) if sum_rules else None for op, _ in jobs]
     with without_autocast():
-        for op, pids in ghosted.items():
-            rule = op_sum_rule(op) if sum_rules else None
-            g = (captured.backprops(op.edges, op.out_layouts)[0]  # (n, 1, *out)
-                 if rule else None)
-            pending = [pid for pid in pids if pid in left]
-            if len(pending) > 1 and g is not None and _all_at_once(
-                    captured, op, pending, factors, into, rule, g):
-                summed = pending
-            else:
-                summed = []
-            for pid in pending:  # one at a time: a failure adds nothing
-                if pid not in summed:
-                    _add_op_sum(captured, op, pid, factors[pid], into[pid], rule, g)
+        if sum_rules and all(rules):
+            _replayed_sums(captured, jobs, rules, factors, into, done, left)
+            return
+        for (op, pending), rule in zip(jobs, rules):
+            _add_op_sums(captured, op, pending, factors, into, rule, done, left)
+
+
+class PartialSums(InternalError):
+    """A kept replay of the clipped sums raised part-way (out of memory, say): the sums
+    are partly added, so no fallback may add them again; the micro-batch fails."""
+
+
+def _replayed_sums(captured: Captured, jobs: list, rules: list, factors: dict[int, Tensor],
+                   into: dict[int, Tensor], done: set[int], left: dict[int, list]) -> None:
+    """Every op's weighted-sum rule, replayed on a cached call as the ATen ops they ran
+    (:mod:`persample.engine.replay`, :data:`~persample.engine.replay.SUMS`: the factors
+    read, the sums written). A call where a rule declines runs the rules."""
+    dest = {pid: into[pid] for _, pending in jobs for pid in pending}
+    extra = tuple(factors[pid] for pid in dest)
+
+    def run() -> tuple[bool, None]:
+        plain = True
+        for (op, pending), rule in zip(jobs, rules):
+            plain &= _add_op_sums(captured, op, pending, factors, into, rule, done, left)
+        return plain, None
+
+    state = {"ran": False}
+
+    def noted() -> tuple[bool, None]:
+        state["ran"] = True
+        return run()
+
+    try:
+        replay.replayed(captured, replay.SUMS, dest, extra, noted)
+    except InternalError:
+        raise
+    except Exception as err:
+        if state["ran"]:
+            raise
+        raise PartialSums(f"persample failed in the replayed clipped sums: "
+                          f"{type(err).__name__}: {err}") from err
+    if not state["ran"]:  # (replayed: every op's sums added)
+        for op, pending in jobs:
+            for pid in pending:
                 left[pid].remove(op)
                 if not left[pid]:
                     done.add(pid)
+
+
+def _add_op_sums(captured: Captured, op, pending: list[int], factors: dict[int, Tensor],
+                 into: dict[int, Tensor], rule: Callable | None, done: set[int],
+                 left: dict[int, list]) -> bool:
+    """One op's share of the clipped sums of its parameters ``pending``: by one call of
+    its rule where they share their factors, else one at a time (a failure adds
+    nothing), each marked added in ``left`` and ``done``. Whether the rule did all."""
+    g = (captured.backprops(op.edges, op.out_layouts)[0]  # (n, 1, *out)
+         if rule else None)
+    if len(pending) > 1 and g is not None and _all_at_once(
+            captured, op, pending, factors, into, rule, g):
+        summed = pending
+    else:
+        summed = []
+    plain = True
+    for pid in pending:  # one at a time: a failure adds nothing
+        if pid not in summed:
+            plain &= _add_op_sum(captured, op, pid, factors[pid], into[pid], rule, g)
+        left[pid].remove(op)
+        if not left[pid]:
+            done.add(pid)
+    return plain
 
 
 def complete_sums(captured: Captured, ghosted: dict, left: dict[int, list],
@@ -121,18 +179,19 @@ def complete_sums(captured: Captured, ghosted: dict, left: dict[int, list],
 
 
 def _add_op_sum(captured: Captured, op, pid: int, c: Tensor, into: Tensor,
-                rule: Callable | None, g: Tensor | None) -> None:
+                rule: Callable | None, g: Tensor | None) -> bool:
     """Add one op's share of ``sum_i c_i g_i`` of the parameter ``pid`` (clip factors
     ``c (n,)``) into ``into``: its weighted-sum ``rule`` (:func:`op_sum_rule`) with the
     op's backprops ``g (n, 1, *out)`` (``None``: it has none), else (it has none, or it
-    declines, having added nothing) one local backward."""
+    declines, having added nothing) one local backward. Whether the rule added it."""
     p = next(t for t in op.leaves if id(t) == pid)
     if rule is not None and g is not None:
         dtype = _sum_dtype(g.dtype, into.dtype)
         with torch.no_grad():
             if rule(captured.n, dtype, cast(g, dtype), c.to(dtype), {p: into}):
-                return
+                return True
     into.add_(op_weighted_sum(captured, op, [p], c)[pid])
+    return False
 
 
 def _all_at_once(captured: Captured, op, pids: list[int], factors: dict[int, Tensor],
