@@ -300,3 +300,35 @@ def test_a_dp_steps_norms_and_clipped_sums_are_replayed(build, counts, compiled,
         if call >= 6:  # (cached, recorded: the norms and the sums replayed)
             assert ran == before, f"a replayed DP step ran rules: {ran} after {before}"
             assert replays[-1] >= 2
+
+
+def test_a_replay_of_the_clipped_sums_that_fails_stops_the_step(counts, monkeypatch):
+    """A kept replay of the clipped sums that raises part-way (out of memory, say) has
+    added some sums already: no fallback may add them again. The step raises, naming
+    the replay, and ``p.grad`` is left as it was."""
+    from persample.dp import private_grad
+    from persample.engine.weighted import PartialSums
+
+    torch.manual_seed(0)
+    model = _mlp().double()
+    for call in range(4):  # (the rules, then recorded, then replayed)
+        x, y = _data(False, seed=call)
+        private_grad(model, x, y, _ce, max_grad_norm=1e-3, noise_multiplier=0.0,
+                     check="never")
+    call_replay = replay.Replay.__call__
+
+    def failing(kept, inputs):
+        if kept.answer is None:  # (the sums' replay: the norms' answer is a list)
+            raise RuntimeError("out of memory (a test's)")
+        return call_replay(kept, inputs)
+
+    monkeypatch.setattr(replay.Replay, "__call__", failing)
+    sentinel = {name: torch.full_like(p, 7.0) for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = sentinel[name].clone()
+    x, y = _data(False, seed=9)
+    with pytest.raises(PartialSums, match="replayed clipped sums.*out of memory"):
+        private_grad(model, x, y, _ce, max_grad_norm=1e-3, noise_multiplier=0.0,
+                     check="never")
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, sentinel[name])

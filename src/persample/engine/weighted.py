@@ -111,28 +111,23 @@ def _replayed_sums(captured: Captured, jobs: list, rules: list, factors: dict[in
     dest = {pid: into[pid] for _, pending in jobs for pid in pending}
     extra = tuple(factors[pid] for pid in dest)
 
+    ran: list[bool] = []  # (whether the rules ran: else the replay added every sum)
+
     def run() -> tuple[bool, None]:
+        ran.append(True)
         plain = True
         for (op, pending), rule in zip(jobs, rules):
             plain &= _add_op_sums(captured, op, pending, factors, into, rule, done, left)
         return plain, None
 
-    state = {"ran": False}
-
-    def noted() -> tuple[bool, None]:
-        state["ran"] = True
-        return run()
-
     try:
-        replay.replayed(captured, replay.SUMS, dest, extra, noted)
-    except InternalError:
-        raise
+        replay.replayed(captured, replay.SUMS, dest, extra, run)
     except Exception as err:
-        if state["ran"]:
-            raise
+        if ran or isinstance(err, InternalError):
+            raise  # (the rules' own failure: ``left`` says what they added)
         raise PartialSums(f"persample failed in the replayed clipped sums: "
                           f"{type(err).__name__}: {err}") from err
-    if not state["ran"]:  # (replayed: every op's sums added)
+    if not ran:
         for op, pending in jobs:
             for pid in pending:
                 left[pid].remove(op)
