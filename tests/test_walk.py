@@ -131,3 +131,35 @@ def test_picked_modules_raise_at_every_call_and_keep_no_module_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_buffers_follow_every_change_and_are_restored_after_a_call():
+    from persample.walk import buffers
+
+    class Counting(nn.Module):  # (a buffer its forward writes in place)
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen.add_(x.shape[0])
+            return self.lin(x)
+
+    def same(model):
+        assert [id(b) for b in buffers(model)] == [id(b) for b in model.buffers()]
+
+    torch.manual_seed(0)
+    model = Counting()
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    same(model)
+    per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    assert model.seen.item() == 0  # (restored after the call)
+    model.lin.register_buffer("scale", torch.ones(1))  # registered
+    same(model)
+    model.seen = torch.full((), 10.0)  # replaced by assignment: the new one is restored
+    same(model)
+    per_sample_grads(model, x, y, nn.CrossEntropyLoss())
+    assert model.seen.item() == 10
+    del model.lin.scale  # deleted
+    same(model)

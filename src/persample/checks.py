@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from . import walk
 from .inputs import Batch, as_batch
 from .methods import METHODS, user_stacklevel
 from .rng import buffers_at_start
@@ -225,7 +226,7 @@ def kept_buffers(model: Any) -> Iterator[None]:
     The values at the outermost call on the model are what
     :func:`persample.rng.rewind_buffers` puts back."""
     units = fsdp_units(model) if isinstance(model, nn.Module) else []  # (refuses FSDP1)
-    saved = [(b, b.clone()) for b in model.buffers()] if isinstance(model, nn.Module) else []
+    saved = [(b, b.clone()) for b in walk.buffers(model)] if isinstance(model, nn.Module) else []
     try:
         with buffers_at_start(model, saved):
             yield

@@ -1,15 +1,17 @@
-"""A model's modules and parameters, walked once and kept while its structure holds.
+"""A model's modules, parameters and buffers, walked once and kept while its structure
+holds.
 
 Every call validates the model (a module that mixes samples), lists its trainable
-parameters and looks for FSDP2 units: each is a walk of ``named_modules()``, which
-costs tens of microseconds per hundred modules, several times per call. The walk's
-answer is a function of the modules' types and of their ``_modules`` and
-``_parameters`` dicts alone, so it is kept with a stamp of those: each module's type
-and the version tags CPython gives each dict (a new tag at every write to it, as
-TorchDynamo's guards read them). A module added, removed or replaced, a parameter
-registered, replaced or deleted, or a class swapped (``fully_shard``, a
-parametrization) changes the stamp, and the model is walked again. Reading the stamp
-costs a fraction of a walk; where the version tags cannot be read, every call walks.
+parameters, keeps its buffers and looks for FSDP2 units: each is a walk of
+``named_modules()``, which costs tens of microseconds per hundred modules, several
+times per call. The walk's answer is a function of the modules' types and of their
+``_modules``, ``_parameters`` and ``_buffers`` dicts alone, so it is kept with a stamp
+of those: each module's type and the version tags CPython gives each dict (a new tag
+at every write to it, as TorchDynamo's guards read them). A module added, removed or
+replaced, a parameter or buffer registered, replaced or deleted, or a class swapped
+(``fully_shard``, a parametrization) changes the stamp, and the model is walked again.
+Reading the stamp costs a fraction of a walk; where the version tags cannot be read,
+every call walks.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 try:  # (CPython's dict version tags, as TorchDynamo reads them)
     from torch._C._dynamo.guards import dict_version as _version
@@ -31,12 +33,13 @@ class _Walk:
     """One walk: the modules (held weakly, so that the walk keeps none of them alive,
     the model included), the parameters and the stamp."""
 
-    __slots__ = ("names", "refs", "parameters", "stamp", "picked")
+    __slots__ = ("names", "refs", "parameters", "buffers", "stamp", "picked")
 
     def __init__(self, model: nn.Module):
         modules = list(model.named_modules())
         self.names = [name for name, _ in modules]
         self.refs = [weakref.ref(m) for _, m in modules]
+        self.buffers: list[Tensor] | None = None  # (on first use)
         self.parameters: list[tuple[str, nn.Parameter]] | None = None  # (on first use:
         # a model may fail to list them where its modules list fine, FSDP1's wrapper)
         self.stamp = _stamp([m for _, m in modules]) if _version is not None and all(
@@ -63,17 +66,19 @@ _WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Wal
 
 
 def _stamp(modules: list[nn.Module]) -> tuple | None:
-    """The modules' types and their two dicts' version tags, in walk order; ``None``
+    """The modules' types and their three dicts' version tags, in walk order; ``None``
     where a module keeps them in something else than a dict (TorchScript's modules).
     (Read by C calls alone: no Python frame per module.)"""
     try:
         return (tuple(map(type, modules)), tuple(map(_version, map(_HELD, modules))),
-                tuple(map(_version, map(_PARAMS, modules))))
+                tuple(map(_version, map(_PARAMS, modules))),
+                tuple(map(_version, map(_BUFFERS, modules))))
     except (AttributeError, RuntimeError, TypeError):  # (not a dict: dict_version raises)
         return None
 
 
-_HELD, _PARAMS = attrgetter("_modules"), attrgetter("_parameters")
+_HELD, _PARAMS, _BUFFERS = (attrgetter("_modules"), attrgetter("_parameters"),
+                            attrgetter("_buffers"))
 
 
 def _walk(model: nn.Module) -> tuple[_Walk, list[nn.Module]]:
@@ -116,6 +121,22 @@ def picked_modules(model: nn.Module, test: Callable[[str, nn.Module], bool]
         if walk.stamp is not None:
             walk.picked[test] = found
     return [modules[k] for k in found]
+
+
+def buffers(model: nn.Module) -> list[Tensor]:
+    """``list(model.buffers())``, kept while the model's structure holds (see the module
+    docstring: a buffer registered, replaced or deleted writes its module's ``_buffers``
+    dict, whose version tag the stamp holds). The list is shared: do not change it.
+
+    Examples:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        >>> [tuple(b.shape) for b in buffers(net)]
+        [(2,), (2,), ()]
+    """
+    walk = _walk(model)[0]
+    if walk.buffers is None:
+        walk.buffers = list(model.buffers())
+    return walk.buffers
 
 
 def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
