@@ -4,7 +4,10 @@ aggregation (EdgeConv, GraphConv, SAGE), sums (GIN), an adjacency built in the f
 and multiplied by ``torch.sparse.mm``. Node 0 of every graph receives no
 message, so its aggregate holds no sample's data until the layer adds the node's own
 features. Every answer equals the loop's; the parameters take the rules, or a fallback
-local to one module or op (never the whole model)."""
+local to one module or op (never the whole model). A linear layer on such an aggregate
+(``SAGEConv``, ``GraphConv``) takes its rule: the one op reading its output adds the
+node's own features, which gives each row of no message its node's sample; where a
+second op reads that output, the layer keeps its fallback."""
 
 from __future__ import annotations
 
@@ -72,7 +75,9 @@ class Net(nn.Module):
             "transformer": lambda: gnn.TransformerConv(D, D, heads=2, concat=False),
             "edge": lambda: gnn.EdgeConv(mlp),
             "graph-max": lambda: gnn.GraphConv(D, D, aggr="max"),
+            "graph": lambda: gnn.GraphConv(D, D),
             "sage": lambda: gnn.SAGEConv(D, D),
+            "sage-max": lambda: gnn.SAGEConv(D, D, aggr="max"),
             "gin": lambda: gnn.GINConv(mlp),
         }[kind]()
         self.readout = gnn.aggr.Set2Set(D, processing_steps=2) if kind == "transformer" else (
@@ -87,13 +92,11 @@ class Net(nn.Module):
 # the path of the parameters that do not take a rule, and why
 LOCAL = {
     "transformer": "op vjp",  # Set2Set's LSTM, from its first step's zero state on
-    "graph-max": "fallback",  # the linear layer on the aggregate, before the own features
-    "sage": "fallback",  # the same, after a mean
 }
 
 
-@pytest.mark.parametrize("kind", ["gat", "gatv2", "transformer", "edge", "graph-max", "sage",
-                                  "gin", "sparse", "sparse-weighted"])
+@pytest.mark.parametrize("kind", ["gat", "gatv2", "transformer", "edge", "graph-max", "graph",
+                                  "sage", "sage-max", "gin", "sparse", "sparse-weighted"])
 def test_message_passing_layers_are_exact_and_stay_local(kind):
     torch.manual_seed(0)
     model = (SparseGCN(kind == "sparse-weighted") if kind.startswith("sparse") else
@@ -109,6 +112,53 @@ def test_message_passing_layers_are_exact_and_stay_local(kind):
                                                         for r in routes if r.path != "rule"]
     want = persample.loop_per_sample_grads(model, batch, y, loss)
     assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
+class Readers(nn.Module):
+    """A linear layer on the messages summed into each node (node 0 of every graph gets
+    none: its row holds only the bias), its output read by the add of the node's own
+    features (``"one"``), and also by a sum of the rows of no message, spread to every
+    graph, before that add or after it. In the batch, that sum runs over every graph's
+    node 0, which no graph alone has: the reference is each graph's loss differentiated
+    in the batch's forward."""
+
+    def __init__(self, readers: str):
+        super().__init__()
+        self.readers = readers
+        self.lin, self.root = nn.Linear(D, D), nn.Linear(D, D, bias=False)
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, data):
+        x, (src, dst) = data.x, data.edge_index
+        y = self.lin(torch.zeros_like(x).index_add_(0, dst, x.index_select(0, src)))
+        def spread():
+            return y.index_select(0, torch.arange(0, x.shape[0], N)).sum(0)  # (shared)
+        if self.readers == "before":
+            h = spread() + (y + self.root(x))
+        elif self.readers == "after":
+            h = (y + self.root(x)) + spread()
+        else:
+            h = y + self.root(x)
+        return self.head(torch.zeros(data.num_graphs, D, dtype=h.dtype).index_add_(
+            0, data.batch, h.relu()))
+
+
+@pytest.mark.parametrize("readers", ["one", "before", "after"])
+def test_rows_of_no_message_take_the_sample_of_their_one_reader(readers):
+    """The layer on the aggregate takes its rule where its output has one reader, the
+    fallback where it has two (its rows of no message then reach every graph's loss).
+    Both answers equal the batch forward's per-sample gradients (the certificate off:
+    the values are what is checked)."""
+    torch.manual_seed(0)
+    model, batch = Readers(readers).double(), graphs()
+    y, loss = torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    paths = {r.module: r.path for r in persample.supported(model, batch, y, loss)}
+    assert paths == {"lin": "rule" if readers == "one" else "fallback", "root": "rule",
+                     "head": "rule"}
+    got = persample.per_sample_grads(model, batch, y, loss, method="rules", check="never")
+    want = persample.forward_per_sample_grads(model, batch, y, loss)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
 

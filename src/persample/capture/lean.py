@@ -366,7 +366,7 @@ class Tracer:
         """The program, if a later call may run it (the capture's parameters all read by
         ops the rules take: the caller checks the plan); ``fails``: how many calls left
         the programs before this one."""
-        if self.dead is not None or cap.unseen_reads or (
+        if self.dead is not None or cap.unseen_reads or cap.claims or (
                 cap.param_written or cap.mixing or cap.calls and any(
                     c.rule is not None for c in cap.calls)):
             return None

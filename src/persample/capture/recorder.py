@@ -25,6 +25,17 @@ inside do), the ops run unfollowed, their reads of the module's parameters noted
 call (``Call.read``); an op there that reads another parameter, draws random numbers or
 writes a tensor made before the call is followed as anywhere else.
 
+Rows of no sample given their sample by the op that meets them: a row-wise op reading
+parameters (a linear layer) on a tensor some of whose rows hold no sample's data (the
+aggregate of a node that got no message, :class:`~persample.batch.ops_indexing.Partly`)
+makes such rows too. Where the only op that ever reads that output pairs each of those
+rows with one sample's row (``SAGEConv``'s ``lin_l(mean) + lin_r(x)``: the node's own
+features added), that sample's loss is the only one the row reaches, so the row's
+cotangent is that sample's alone: the op's record takes the paired layout for its
+output and for the input rows it carried (``claims``). A second reader of the output,
+before or after (a gather could spread a row to other samples), leaves the record as
+it was: its parameters then take the per-module fallback.
+
 Every random op is recorded as a :class:`~persample.draws.Draw` (``draws``, in order;
 an op's own in ``Op.draw``, a call's range in ``Call.first_draw``/``end_draw``), so that
 whatever is evaluated again draws the numbers this forward drew. While the loss runs
@@ -64,7 +75,7 @@ from ..batch import (
 )
 from ..batch.flow import METADATA, SHAPE_READERS, name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
-from ..batch.ops_indexing import written_layout
+from ..batch.ops_indexing import Partly, written_layout
 from ..batch.table import MISSING, LayoutTable, storage_of
 from ..draws import Draw, random_kind
 from ..errors import NeedsWholeModel, module_note, raise_internal
@@ -168,6 +179,11 @@ class Capture:
         # an alias of one read later was not made by the write's op
         self.param_written: dict[int, Tensor] = {}
         self._written_into: Tensor | None = None  # the op just followed made this derived
+        # outputs of recorded row-wise ops whose rows of no sample their one reader may pair
+        # with samples (see the module docstring): id(output) -> (output, op, the record's
+        # layouts and flow before its reader completed it, or None while unread)
+        self._claimable: dict[int, tuple[Tensor, Op, tuple | None]] = {}
+        self.claims = 0  # records so completed (their layouts are this call's: no program)
         self.following = False  # inside follow(): the loss's ops
         self.mixing: str | None = None  # the first op of the loss that mixes samples
         self.mixed_in_loss: set[int] = set()  # (ids: tensors the loss's own ops mixed)
@@ -386,11 +402,13 @@ class Capture:
         if func in METADATA:  # (a shape, a dtype: no tensor made)
             self.steps.append(None)
             return func(*args, **kwargs)
-        if self._quiet is not None:
+        claimable = bool(self._claimable) and any(
+            id(t) in self._claimable for t in op_leaves(args, kwargs))  # (followed here)
+        if self._quiet is not None and not claimable:
             out = self._quietly(func, args, kwargs)
             if out is not _MISSED:
                 return out
-        if self._replay is not None:
+        if self._replay is not None and not claimable:
             out = self._from_tape(func, args, kwargs)
             if out is not _MISSED:
                 return out
@@ -537,6 +555,7 @@ class Capture:
         """The layouts of an op's outputs, and the op recorded if it reads parameters
         (its data flow, if it has one, left in ``_flow``)."""
         self._flow, self._written_into = None, None
+        pending = self._first_reads(leaves) if self._claimable else None
         if func is _SETITEM:
             lay = written_layout(self.ctx, *args[:3])
             self.layouts.written(args[0], lay)
@@ -553,6 +572,8 @@ class Capture:
         if self.stack and new_trouble(flow.outputs, layouts):
             flow = Flow(placed(flow.outputs, self.stack[-1].describe()), flow.pairing,
                         flow.writes)
+        if pending:
+            self._claimed(pending, leaves, layouts, flow)
         self._flow = flow
         target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
@@ -579,6 +600,34 @@ class Capture:
             self._record_op(func, args, kwargs, out, leaves, layouts, flow, sources, before,
                             draw)
         return out
+
+    def _first_reads(self, leaves: list) -> list[tuple[int, Tensor, Op]]:
+        """The claimable outputs an op reads: those read for the first time, ``(leaf
+        position, tensor, the op that made it)``; a record its first reader completed is
+        put back as it was (a second reader: see the module docstring)."""
+        found = []
+        for k, t in enumerate(leaves):
+            made = self._claimable.pop(id(t), None)
+            if made is None or made[0] is not t:
+                continue
+            if made[2] is not None:
+                made[1].layouts, made[1].flow = made[2]
+            else:
+                found.append((k, t, made[1]))
+        return found
+
+    def _claimed(self, pending: list, leaves: list, layouts: list[Layout], flow: Flow
+                 ) -> None:
+        """The records among ``pending`` (:meth:`_first_reads`) whose output's rows of no
+        sample the op reading them pairs with samples (``flow.pairing``), completed."""
+        for k, t, op in pending:
+            pair = flow.pairing[k] if flow.pairing is not None else None
+            own = layouts[k]
+            if (isinstance(pair, Batched) and own is op.flow.outputs and pair.dim == own.dim
+                    and sum(u is t for u in leaves) == 1):
+                self._claimable[id(t)] = (t, op, (op.layouts, op.flow))
+                _complete(op, own, pair)
+                self.claims += 1
 
     def _param_write(self, target: Tensor, layout: Layout) -> bool:
         """Parameters written in place into a whole shared tensor (``w = buf.clone();
@@ -651,6 +700,8 @@ class Capture:
                 op.previous = earlier  # (kept under its own id: the pullback's key)
                 self.derived[id(earlier)] = earlier
             self.derived[id(target)] = Derived(target, op, 0, target._version)
+        if _claimable(op, layouts):
+            self._claimable[id(out)] = (out, op, None)
         op.output = shapes_only(out, op.flow.outputs)
 
     def _claim(self, pids: frozenset[int]) -> Call | None:
@@ -782,3 +833,20 @@ def box_of(view: Tensor, base: Tensor) -> tuple | None:
             return None
         box.append(slice(None) if size == whole else slice(start, start + size))
     return tuple(box) if offset == 0 else None
+
+
+def _claimable(op: Op, layouts: list[Layout]) -> bool:
+    """Is the op row-wise along rows of no sample it carried from an input (its one output
+    a :class:`Partly` with the very rows of an input's, pairing nothing itself)?"""
+    own = op.flow.outputs
+    return (isinstance(own, Partly) and op.flow.pairing is None and len(op.outputs) == 1
+            and own.ref is not None and own.ref() is op.output and any(
+                isinstance(lay, Partly) and lay.rows is own.rows for lay in layouts))
+
+
+def _complete(op: Op, own: Partly, pair: Batched) -> None:
+    """``op``'s record with the rows of no sample of its output (``own``) and of the
+    inputs they came from taking the samples ``pair`` gave them."""
+    op.layouts = [pair.moved(lay.dim) if isinstance(lay, Partly) and lay.rows is own.rows
+                  else lay for lay in op.layouts]
+    op.flow = Flow(pair, op.flow.pairing, op.flow.writes)
