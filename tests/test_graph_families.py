@@ -36,6 +36,9 @@ def graphs():
         src = (dst + torch.randint(1, N, (EDGES,), generator=g)) % N  # (no self loop)
         data.append(Data(x=torch.randn(N, D, generator=g, dtype=torch.float64),
                          edge_index=torch.stack([src, dst])))
+    features = torch.Generator().manual_seed(2)  # (edge features, for the layers that take
+    for d in data:  # them: node 0's self loop gets the mean of none)
+        d.edge_attr = torch.randn(EDGES, 3, generator=features, dtype=torch.float64)
     return Batch.from_data_list(data)
 
 
@@ -72,6 +75,8 @@ class Net(nn.Module):
         self.conv = {
             "gat": lambda: gnn.GATConv(D, D, heads=2, concat=False),
             "gatv2": lambda: gnn.GATv2Conv(D, D, heads=2, concat=False),
+            "gat-edges": lambda: gnn.GATConv(D, D, heads=2, concat=False, edge_dim=3),
+            "gatv2-edges": lambda: gnn.GATv2Conv(D, D, heads=2, concat=False, edge_dim=3),
             "transformer": lambda: gnn.TransformerConv(D, D, heads=2, concat=False),
             "edge": lambda: gnn.EdgeConv(mlp),
             "graph-max": lambda: gnn.GraphConv(D, D, aggr="max"),
@@ -85,7 +90,8 @@ class Net(nn.Module):
         self.head = nn.Linear(2 * D if kind == "transformer" else D, 2)
 
     def forward(self, data):
-        h = self.conv(data.x, data.edge_index).relu()
+        edges = (data.edge_attr,) if getattr(self.conv, "edge_dim", None) else ()
+        h = self.conv(data.x, data.edge_index, *edges).relu()
         return self.head(self.readout(h, data.batch))
 
 
@@ -95,8 +101,9 @@ LOCAL = {
 }
 
 
-@pytest.mark.parametrize("kind", ["gat", "gatv2", "transformer", "edge", "graph-max", "graph",
-                                  "sage", "sage-max", "gin", "sparse", "sparse-weighted"])
+@pytest.mark.parametrize("kind", ["gat", "gatv2", "gat-edges", "gatv2-edges", "transformer",
+                                  "edge", "graph-max", "graph", "sage", "sage-max", "gin",
+                                  "sparse", "sparse-weighted"])
 def test_message_passing_layers_are_exact_and_stay_local(kind):
     torch.manual_seed(0)
     model = (SparseGCN(kind == "sparse-weighted") if kind.startswith("sparse") else
@@ -119,8 +126,8 @@ def test_message_passing_layers_are_exact_and_stay_local(kind):
 class Readers(nn.Module):
     """A linear layer on the messages summed into each node (node 0 of every graph gets
     none: its row holds only the bias), its output read by the add of the node's own
-    features (``"one"``), and also by a sum of the rows of no message, spread to every
-    graph, before that add or after it. In the batch, that sum runs over every graph's
+    features (``"one"``; through views: ``"view"``), and also by a sum of the rows of no
+    message, spread to every graph, before that add or after it. In the batch, that sum runs over every graph's
     node 0, which no graph alone has: the reference is each graph's loss differentiated
     in the batch's forward."""
 
@@ -139,13 +146,16 @@ class Readers(nn.Module):
             h = spread() + (y + self.root(x))
         elif self.readers == "after":
             h = (y + self.root(x)) + spread()
+        elif self.readers.startswith("view"):  # (the rows carried by a view to the add)
+            h = y.view(-1, 2, D // 2).flatten(1) + self.root(x)
+            h = h + spread() if self.readers == "view-after" else h
         else:
             h = y + self.root(x)
         return self.head(torch.zeros(data.num_graphs, D, dtype=h.dtype).index_add_(
             0, data.batch, h.relu()))
 
 
-@pytest.mark.parametrize("readers", ["one", "before", "after"])
+@pytest.mark.parametrize("readers", ["one", "before", "after", "view", "view-after"])
 def test_rows_of_no_message_take_the_sample_of_their_one_reader(readers):
     """The layer on the aggregate takes its rule where its output has one reader, the
     fallback where it has two (its rows of no message then reach every graph's loss).
@@ -155,8 +165,8 @@ def test_rows_of_no_message_take_the_sample_of_their_one_reader(readers):
     model, batch = Readers(readers).double(), graphs()
     y, loss = torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
     paths = {r.module: r.path for r in persample.supported(model, batch, y, loss)}
-    assert paths == {"lin": "rule" if readers == "one" else "fallback", "root": "rule",
-                     "head": "rule"}
+    one = readers in ("one", "view")
+    assert paths == {"lin": "rule" if one else "fallback", "root": "rule", "head": "rule"}
     got = persample.per_sample_grads(model, batch, y, loss, method="rules", check="never")
     want = persample.forward_per_sample_grads(model, batch, y, loss)
     for name in want:

@@ -56,6 +56,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -179,10 +180,10 @@ class Capture:
         # an alias of one read later was not made by the write's op
         self.param_written: dict[int, Tensor] = {}
         self._written_into: Tensor | None = None  # the op just followed made this derived
-        # outputs of recorded row-wise ops whose rows of no sample their one reader may pair
-        # with samples (see the module docstring): id(output) -> (output, op, the record's
-        # layouts and flow before its reader completed it, or None while unread)
-        self._claimable: dict[int, tuple[Tensor, Op, tuple | None]] = {}
+        # tensors carrying rows of no sample that a recorded row-wise op made, which their
+        # one reader may pair with samples (see the module docstring): id(tensor) ->
+        # (tensor, the chains of the ops whose rows it carries, whether it was read)
+        self._claimable: dict[int, tuple[Tensor, tuple[_Chain, ...], bool]] = {}
         self.claims = 0  # records so completed (their layouts are this call's: no program)
         self.following = False  # inside follow(): the loss's ops
         self.mixing: str | None = None  # the first op of the loss that mixes samples
@@ -565,15 +566,17 @@ class Capture:
                                 sources, before, draw)
             elif sources:  # a parameter written into a tensor: no rule follows it
                 self.unseen_reads |= frozenset().union(*sources.values())
+            _kill(pending)
             return out
         if not has_tensor(out):
+            _kill(pending)
             return out
         flow = propagate(self.ctx, func, args, kwargs, out, layouts)
         if self.stack and new_trouble(flow.outputs, layouts):
             flow = Flow(placed(flow.outputs, self.stack[-1].describe()), flow.pairing,
                         flow.writes)
         if pending:
-            self._claimed(pending, leaves, layouts, flow)
+            self._claimed(pending, leaves, layouts, flow, out)
         self._flow = flow
         target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
@@ -601,33 +604,49 @@ class Capture:
                             draw)
         return out
 
-    def _first_reads(self, leaves: list) -> list[tuple[int, Tensor, Op]]:
-        """The claimable outputs an op reads: those read for the first time, ``(leaf
-        position, tensor, the op that made it)``; a record its first reader completed is
-        put back as it was (a second reader: see the module docstring)."""
+    def _first_reads(self, leaves: list) -> list[tuple[int, Tensor, tuple[_Chain, ...]]]:
+        """The claimable tensors an op reads for the first time, ``(leaf position, tensor,
+        its chains)``, now marked read; a second read ends the chains of what it reads
+        (see the module docstring)."""
         found = []
         for k, t in enumerate(leaves):
-            made = self._claimable.pop(id(t), None)
-            if made is None or made[0] is not t:
+            entry = self._claimable.get(id(t))
+            if entry is None or entry[0] is not t:
                 continue
-            if made[2] is not None:
-                made[1].layouts, made[1].flow = made[2]
+            if entry[2]:
+                _kill([(k, t, entry[1])])
             else:
-                found.append((k, t, made[1]))
+                self._claimable[id(t)] = (t, entry[1], True)
+                found.append((k, t, entry[1]))
         return found
 
-    def _claimed(self, pending: list, leaves: list, layouts: list[Layout], flow: Flow
-                 ) -> None:
-        """The records among ``pending`` (:meth:`_first_reads`) whose output's rows of no
-        sample the op reading them pairs with samples (``flow.pairing``), completed."""
-        for k, t, op in pending:
+    def _claimed(self, pending: list, leaves: list, layouts: list[Layout], flow: Flow,
+                 out: Any) -> None:
+        """After the first read of claimable tensors (``pending``, :meth:`_first_reads`):
+        where the op pairs a tensor's rows with samples (``flow.pairing``), its chains'
+        records completed; where it carries the rows on (a view, an elementwise op with
+        shared operands), its output joins the chains; else the chains end."""
+        for k, t, chains in pending:
+            live = tuple(c for c in chains if not c.dead)
+            lay = layouts[k]
+            if not live or not (isinstance(lay, Partly) and lay.rows is live[0].own.rows
+                                and sum(u is t for u in leaves) == 1):
+                _kill([(k, t, live)])
+                continue
             pair = flow.pairing[k] if flow.pairing is not None else None
-            own = layouts[k]
-            if (isinstance(pair, Batched) and own is op.flow.outputs and pair.dim == own.dim
-                    and sum(u is t for u in leaves) == 1):
-                self._claimable[id(t)] = (t, op, (op.layouts, op.flow))
-                _complete(op, own, pair)
+            made = flow.outputs
+            if isinstance(pair, Batched) and pair.dim == lay.dim:
+                for chain in live:
+                    chain.complete(pair.moved(chain.own.dim))
                 self.claims += 1
+            elif (isinstance(out, Tensor) and not any(out is u for u in leaves)
+                  and isinstance(made, Partly) and made.rows is lay.rows and made.ref
+                  is not None and made.ref() is out and flow.pairing is None):
+                entry = self._claimable.get(id(out))
+                more = entry[1] if entry is not None and entry[0] is out else ()
+                self._claimable[id(out)] = (out, more + live, False)
+            else:
+                _kill([(k, t, live)])
 
     def _param_write(self, target: Tensor, layout: Layout) -> bool:
         """Parameters written in place into a whole shared tensor (``w = buf.clone();
@@ -700,8 +719,10 @@ class Capture:
                 op.previous = earlier  # (kept under its own id: the pullback's key)
                 self.derived[id(earlier)] = earlier
             self.derived[id(target)] = Derived(target, op, 0, target._version)
-        if _claimable(op, layouts):
-            self._claimable[id(out)] = (out, op, None)
+        if _row_wise_partly(op, layouts):
+            entry = self._claimable.get(id(out))
+            more = entry[1] if entry is not None and entry[0] is out else ()
+            self._claimable[id(out)] = (out, more + (_Chain(op, op.flow.outputs),), False)
         op.output = shapes_only(out, op.flow.outputs)
 
     def _claim(self, pids: frozenset[int]) -> Call | None:
@@ -835,7 +856,7 @@ def box_of(view: Tensor, base: Tensor) -> tuple | None:
     return tuple(box) if offset == 0 else None
 
 
-def _claimable(op: Op, layouts: list[Layout]) -> bool:
+def _row_wise_partly(op: Op, layouts: list[Layout]) -> bool:
     """Is the op row-wise along rows of no sample it carried from an input (its one output
     a :class:`Partly` with the very rows of an input's, pairing nothing itself)?"""
     own = op.flow.outputs
@@ -844,9 +865,36 @@ def _claimable(op: Op, layouts: list[Layout]) -> bool:
                 isinstance(lay, Partly) and lay.rows is own.rows for lay in layouts))
 
 
-def _complete(op: Op, own: Partly, pair: Batched) -> None:
-    """``op``'s record with the rows of no sample of its output (``own``) and of the
-    inputs they came from taking the samples ``pair`` gave them."""
-    op.layouts = [pair.moved(lay.dim) if isinstance(lay, Partly) and lay.rows is own.rows
-                  else lay for lay in op.layouts]
-    op.flow = Flow(pair, op.flow.pairing, op.flow.writes)
+@dataclass(eq=False)
+class _Chain:
+    """A recorded row-wise op whose output's rows of no sample may take the samples their
+    one reader pairs them with (see the module docstring)."""
+
+    op: Op
+    own: Partly  # the op's output layout: the chain's rows
+    saved: tuple | None = None  # (layouts, flow) of the record before it was completed
+    dead: bool = False
+
+    def complete(self, pair: Batched) -> None:
+        """The record's output, and the inputs whose rows it carried, paired as ``pair``
+        (in the output's dims) pairs them."""
+        op = self.op
+        if self.dead or self.saved is not None:
+            return
+        self.saved = (op.layouts, op.flow)
+        op.layouts = [pair.moved(lay.dim) if isinstance(lay, Partly)
+                      and lay.rows is self.own.rows else lay for lay in op.layouts]
+        op.flow = Flow(pair, op.flow.pairing, op.flow.writes)
+
+    def kill(self) -> None:
+        """No sample for the rows: the record as it was."""
+        if self.saved is not None:
+            self.op.layouts, self.op.flow = self.saved
+            self.saved = None
+        self.dead = True
+
+
+def _kill(pending: list | None) -> None:
+    for _, _, chains in pending or ():
+        for chain in chains:
+            chain.kill()
