@@ -231,3 +231,36 @@ def test_layers_that_read_the_whole_batch_are_refused_by_the_op(kind, op):
     want = persample.loop_per_sample_grads(model, batch, y, loss)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
+class Set2SetReadout(nn.Module):
+    """A GCN layer read out by ``Set2Set``, whose LSTM runs from its own earlier state."""
+
+    def __init__(self):
+        super().__init__()
+        from torch_geometric import nn as gnn
+
+        self.conv, self.readout = gnn.GCNConv(D, D), gnn.aggr.Set2Set(D, processing_steps=2)
+        self.head = nn.Linear(2 * D, 2)
+
+    def forward(self, data):
+        return self.head(self.readout(self.conv(data.x, data.edge_index).relu(), data.batch))
+
+
+def test_set2set_in_float32_keeps_its_vjp_local():
+    """In float32 on the CPU the LSTM's kernel is oneDNN's, whose backward ``vmap`` cannot
+    batch: the LSTM's per-op VJP runs it as PyTorch's own cell ops, so the model keeps
+    the rules everywhere else instead of going to the whole-model ``vmap``."""
+    torch.manual_seed(0)
+    model, batch = Set2SetReadout().float(), graphs()
+    batch.x, batch.edge_attr = batch.x.float(), batch.edge_attr.float()
+    y, loss = torch.randn(B, 2), nn.MSELoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = {r.module: r.path for r in persample.supported(model, batch, y, loss)}
+        got = persample.per_sample_grads(model, batch, y, loss, method="rules")
+    assert paths == {"conv.lin": "rule", "conv": "rule", "readout.lstm": "op vjp",
+                     "head": "rule"}, paths
+    want = persample.loop_per_sample_grads(model, batch, y, loss)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)

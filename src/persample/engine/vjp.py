@@ -19,7 +19,8 @@ Where the batch is in each input and output comes from the capture's data flow
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from ..rules.spec import EXPANSIONS
 
 def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings: list,
                    wrt: list[int], cots: list[Tensor], out_pairings: list, n: int,
-                   draws: list[Draw] | None = None) -> list[Tensor]:
+                   draws: list[Draw] | None = None, recurrent: bool = False) -> list[Tensor]:
     """Per-sample VJPs of ``fn(*values)`` with respect to ``values[k]`` for ``k`` in ``wrt``.
 
     ``pairings[k]``: how value ``k`` pairs with the samples (a layout; each sample gets
@@ -46,7 +47,8 @@ def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings
     inputs shared) is cut to sample ``i`` by ``out_pairings``. Returns per ``k`` in
     ``wrt``: ``(n, v, *shape)``, ``shape`` the value's own shape if shared, else its
     per-sample shape. ``draws``: the random ops ``fn`` runs, recorded by the capture:
-    each sample replays its part of them (:class:`persample.draws.Replay`).
+    each sample replays its part of them (:class:`persample.draws.Replay`). ``recurrent``:
+    ``fn`` runs a recurrent layer (:func:`_unfused`).
     """
     replay = Replay(draws, n, EXPANSIONS) if draws else None
     mapped = [k for k, a in enumerate(pairings) if a is not None]
@@ -73,7 +75,29 @@ def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings
         return vmap(pull)(tuple(cots_i))  # over the v cotangents
 
     index = torch.arange(n, device=cots[0].device)
-    return list(vmap(one)(fronted, index, cots))
+    with _unfused(recurrent):
+        return list(vmap(one)(fronted, index, cots))
+
+
+_RECURRENT = frozenset(("lstm", "gru", "rnn_tanh", "rnn_relu"))  # (the fused kernels' ops)
+
+
+@contextmanager
+def _unfused(recurrent: bool) -> Iterator[None]:
+    """Where ``recurrent``: oneDNN's and cuDNN's recurrent kernels off (their backward
+    has no batching rule for ``vmap``: an LSTM in float32 on the CPU fails in it), so that
+    the layers run as PyTorch's own cell ops, which ``vmap`` batches. The same function;
+    the flags are put back after."""
+    if not recurrent:
+        yield
+        return
+    backends = torch.backends
+    was = backends.mkldnn.enabled, backends.cudnn.enabled
+    backends.mkldnn.enabled = backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        backends.mkldnn.enabled, backends.cudnn.enabled = was
 
 
 def _sample(out: Tensor, shape: tuple, pairing: Any, index: Tensor, n: int) -> Tensor:
@@ -141,7 +165,8 @@ def op_vjp(op: Any, cots: list[Tensor | None], out_pairings: list, pairings: lis
     with replaying(op.autocast):
         return per_sample_vjp(fn, values, pairings, wrt, [cots[k] for k in used],
                               [out_pairings[k] for k in used], n,
-                              None if op.draw is None else [op.draw])
+                              None if op.draw is None else [op.draw],
+                              getattr(op.func, "__name__", "") in _RECURRENT)
 
 
 def shared_vjp(op: Any, cots: list[Tensor | None], wrt: list[int]) -> list[Tensor]:
@@ -347,7 +372,8 @@ def module_vjp(call: Any, params: dict[str, nn.Parameter], in_pairings: list, co
         with replaying(call.autocast):
             got = per_sample_vjp(fn, values, pairings, list(range(len(names))),
                                  [cots[k] for k in used], [out_pairings[k] for k in used], n,
-                                 draws)
+                                 draws, any(isinstance(m, nn.RNNBase)
+                                            for m in call.module.modules()))
     except DrawNotReplayable:
         raise
     except Exception as err:  # torch.func raises many kinds of errors
