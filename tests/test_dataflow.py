@@ -681,3 +681,28 @@ def test_a_slice_written_with_another_samples_data_is_not_followed():
         per_sample_grads(net, x, y, mse, method="rules")
     with pytest.raises(persample.CertificateError, match="mixes samples"):
         per_sample_grads(net, x, y, mse)  # (the certificate: no method agrees with the batch)
+
+
+@pytest.mark.parametrize("picked", ["none", "some"])
+def test_rows_written_through_a_mask(picked):
+    """``out[mask] = h[mask]`` into a shared tensor, the mask from the data: picking some
+    rows (each gets its own sample's data), or none (nothing written: ``out`` stays
+    shared). Both take the rules and equal the loop."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(E, E), nn.Linear(E, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            out = torch.zeros_like(h)
+            mask = x[:, 0] > (0.0 if picked == "some" else 1e9)
+            out[mask] = h[mask]
+            return self.head(out + h)
+
+    torch.manual_seed(0)
+    net = Masked().double()
+    x, y = torch.randn(B, E, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
+    x[:, 0] = torch.linspace(-1, 1, B, dtype=torch.float64)  # (some rows picked, not all)
+    assert {r.path for r in supported(net, x, y, mse)} == {"rule"}
+    check(net, x, y, mse)

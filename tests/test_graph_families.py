@@ -84,6 +84,9 @@ class Net(nn.Module):
             "sage": lambda: gnn.SAGEConv(D, D),
             "sage-max": lambda: gnn.SAGEConv(D, D, aggr="max"),
             "gin": lambda: gnn.GINConv(mlp),
+            "cluster": lambda: gnn.ClusterGCNConv(D, D),  # (x[row == col] += ...: a mask)
+            "pdn": lambda: gnn.PDNConv(D, D, edge_dim=3, hidden_channels=D),  # (a write
+            # of the self loops found among the edges: none)
         }[kind]()
         self.readout = gnn.aggr.Set2Set(D, processing_steps=2) if kind == "transformer" else (
             gnn.aggr.MeanAggregation())
@@ -103,7 +106,7 @@ LOCAL = {
 
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "gat-edges", "gatv2-edges", "transformer",
                                   "edge", "graph-max", "graph", "sage", "sage-max", "gin",
-                                  "sparse", "sparse-weighted"])
+                                  "cluster", "pdn", "sparse", "sparse-weighted"])
 def test_message_passing_layers_are_exact_and_stay_local(kind):
     torch.manual_seed(0)
     model = (SparseGCN(kind == "sparse-weighted") if kind.startswith("sparse") else

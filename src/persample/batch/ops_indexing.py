@@ -824,8 +824,11 @@ def _set_rows(ctx: Ctx, x: Tensor, items: list, picks: list[int], d: int, value:
         own = merge(own, element_samples(ctx, within, lw).expand(within.shape))
         if own is None:
             return Mixed("x[rows, cols] = value pairs rows and columns of other samples")
-    if idx.dtype in (torch.bool, torch.uint8):
-        own, idx = own[idx.bool()], idx.bool().nonzero()[:, 0]
+    if idx.dtype in (torch.bool, torch.uint8):  # (the positions a mask picks: their
+        # samples are the mask's entries', their values no sample ids)
+        own, idx, li = own[idx.bool()], idx.bool().nonzero()[:, 0], SHARED
+    if not idx.shape[0]:  # (no position picked: nothing written)
+        return ctx.layout(x)
     if isinstance(value, Tensor) and value.dim():
         lv = followed(ctx, value)
         if trouble([lv]) is not None:
