@@ -85,6 +85,8 @@ class Net(nn.Module):
             "sage-max": lambda: gnn.SAGEConv(D, D, aggr="max"),
             "gin": lambda: gnn.GINConv(mlp),
             "cluster": lambda: gnn.ClusterGCNConv(D, D),  # (x[row == col] += ...: a mask)
+            "gated": lambda: gnn.GatedGraphConv(D, num_layers=2),  # (a GRU cell on the sum:
+            # its input gates chunked, each piece added to the state's)
             "pdn": lambda: gnn.PDNConv(D, D, edge_dim=3, hidden_channels=D),  # (a write
             # of the self loops found among the edges: none)
         }[kind]()
@@ -106,7 +108,7 @@ LOCAL = {
 
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "gat-edges", "gatv2-edges", "transformer",
                                   "edge", "graph-max", "graph", "sage", "sage-max", "gin",
-                                  "cluster", "pdn", "sparse", "sparse-weighted"])
+                                  "cluster", "pdn", "gated", "sparse", "sparse-weighted"])
 def test_message_passing_layers_are_exact_and_stay_local(kind):
     torch.manual_seed(0)
     model = (SparseGCN(kind == "sparse-weighted") if kind.startswith("sparse") else

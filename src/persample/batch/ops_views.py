@@ -352,8 +352,8 @@ def _by_key(keys: Tensor, pieces: Any, d: int) -> bool:
 
 
 _UNBINDS = set(aliases("unbind"))
-register(_pieces, *aliases("split", "chunk", "tensor_split", "split_with_sizes", "unbind",
-                             "unsafe_split", "unsafe_chunk"))
+register(follows_partly(_pieces), *aliases("split", "chunk", "tensor_split", "split_with_sizes",
+                                            "unbind", "unsafe_split", "unsafe_chunk"))
 
 
 def _cat(ctx, func, args, kwargs, out) -> Flow:

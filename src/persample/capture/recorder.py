@@ -634,17 +634,16 @@ class Capture:
                 _kill([(k, t, live)])
                 continue
             pair = flow.pairing[k] if flow.pairing is not None else None
-            made = flow.outputs
+            carried = _carried(flow, out, leaves, lay.rows)
             if isinstance(pair, Batched) and pair.dim == lay.dim:
                 for chain in live:
                     chain.complete(pair.moved(chain.own.dim))
                 self.claims += 1
-            elif (isinstance(out, Tensor) and not any(out is u for u in leaves)
-                  and isinstance(made, Partly) and made.rows is lay.rows and made.ref
-                  is not None and made.ref() is out and flow.pairing is None):
-                entry = self._claimable.get(id(out))
-                more = entry[1] if entry is not None and entry[0] is out else ()
-                self._claimable[id(out)] = (out, more + live, False)
+            elif carried:
+                for o in carried:
+                    entry = self._claimable.get(id(o))
+                    more = entry[1] if entry is not None and entry[0] is o else ()
+                    self._claimable[id(o)] = (o, more + live, False)
             else:
                 _kill([(k, t, live)])
 
@@ -879,7 +878,11 @@ class _Chain:
         """The record's output, and the inputs whose rows it carried, paired as ``pair``
         (in the output's dims) pairs them."""
         op = self.op
-        if self.dead or self.saved is not None:
+        if self.dead:
+            return
+        if self.saved is not None:  # (a second piece of the rows paired: alike, or none)
+            if pair != op.flow.outputs:
+                self.kill()
             return
         self.saved = (op.layouts, op.flow)
         op.layouts = [pair.moved(lay.dim) if isinstance(lay, Partly)
@@ -892,6 +895,22 @@ class _Chain:
             self.op.layouts, self.op.flow = self.saved
             self.saved = None
         self.dead = True
+
+
+def _carried(flow: Flow, out: Any, leaves: list, rows: Tensor) -> list[Tensor]:
+    """The outputs of an op that carries the rows ``rows`` on unchanged to each of them
+    (a view, ``chunk`` of another dim, an elementwise op with shared operands: each
+    output a :class:`Partly` of those very rows, the op pairing nothing), else none."""
+    outs = [out] if isinstance(out, Tensor) else list(out) if isinstance(
+        out, (tuple, list)) else []
+    lays = flow.outputs if isinstance(flow.outputs, tuple) else (flow.outputs,)
+    if (flow.pairing is not None or not outs or len(outs) != len(lays)
+            or any(not isinstance(o, Tensor) or any(o is u for u in leaves) for o in outs)):
+        return []
+    if all(isinstance(lay, Partly) and lay.rows is rows and lay.ref is not None
+           and lay.ref() is o for o, lay in zip(outs, lays)):
+        return outs
+    return []
 
 
 def _kill(pending: list | None) -> None:
