@@ -83,6 +83,8 @@ class Net(nn.Module):
             "graph": lambda: gnn.GraphConv(D, D),
             "sage": lambda: gnn.SAGEConv(D, D),
             "sage-max": lambda: gnn.SAGEConv(D, D, aggr="max"),
+            "sage-no-root": lambda: gnn.SAGEConv(D, D, root_weight=False),  # (pooled as it is)
+            "gcn-sums": lambda: gnn.GCNConv(D, D, normalize=False),  # (its bias on the sum)
             "gin": lambda: gnn.GINConv(mlp),
             "cluster": lambda: gnn.ClusterGCNConv(D, D),  # (x[row == col] += ...: a mask)
             "gated": lambda: gnn.GatedGraphConv(D, num_layers=2),  # (a GRU cell on the sum:
@@ -107,7 +109,8 @@ LOCAL = {
 
 
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "gat-edges", "gatv2-edges", "transformer",
-                                  "edge", "graph-max", "graph", "sage", "sage-max", "gin",
+                                  "edge", "graph-max", "graph", "sage", "sage-max",
+                                  "sage-no-root", "gcn-sums", "gin",
                                   "cluster", "pdn", "gated", "sparse", "sparse-weighted"])
 def test_message_passing_layers_are_exact_and_stay_local(kind):
     torch.manual_seed(0)

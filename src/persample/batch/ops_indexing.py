@@ -38,6 +38,7 @@ from .flow import (
     FLOAT_BLIND,
     VALUE_READERS,
     Ctx,
+    Flow,
     aliases,
     arg,
     broadcast_shapes,
@@ -652,7 +653,35 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
                                          for s, a in zip(idx.shape, along.shape))])
     if own is None:
         return mixed(func, "pairs an index with a source of other samples")
-    return _landed(ctx, name_of(func), x, d, idx, li, own, out, wraps=func in _FILLS)
+    got = _landed(ctx, name_of(func), x, d, idx, li, own, out, wraps=func in _FILLS)
+    return _source_paired(ctx, func, (x, idx, src), src, d, own, idx, got)
+
+
+def _source_paired(ctx: Ctx, func, named: tuple, src: Tensor | None, d: int, own: Tensor,
+                   idx: Tensor, got: Layout) -> Any:
+    """A scatter's layout, with the pairing of a source whose rows along the scatter dim
+    hold no sample's data (:class:`Partly`) where each row lands in a row of one sample:
+    the sample ``own`` (each index entry's, merged with its source's) names there. Its
+    other inputs pair by their own layouts."""
+    lay = partly(ctx, src)
+    if lay is None or lay.dim != d or not isinstance(got, Batched) or any(
+            src is t for t in named[:2]):
+        return got
+    if func in _INDEX_OPS:  # (own: (J,), one per slice of the source along d)
+        rows = own.reshape(-1)
+    else:  # (own: per index entry; every entry of a source row must name one sample)
+        if idx.shape[d] != src.shape[d]:
+            return got
+        rows = own.expand(idx.shape).movedim(d, 0).reshape(idx.shape[d], -1)
+        if not torch.equal(rows, rows[:, :1].expand_as(rows)):
+            return got
+        rows = rows[:, 0]
+    if rows.shape[0] != src.shape[d] or not nonnegative(rows):
+        return got
+    pairing = tuple(Batched(d, index=rows) if t is src else (
+        ctx.layout(t) if isinstance(ctx.layout(t), Batched) else None)
+        for t in named if isinstance(t, Tensor))
+    return Flow(got, pairing)
 
 
 def _names_samples(ctx: Ctx, idx: Tensor) -> bool:

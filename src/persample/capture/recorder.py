@@ -74,7 +74,7 @@ from ..batch import (
     op_leaves,
     propagate,
 )
-from ..batch.flow import METADATA, SHAPE_READERS, name_of, unbroadcast
+from ..batch.flow import METADATA, SHAPE_READERS, aliases, name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import Partly, written_layout
 from ..batch.table import MISSING, LayoutTable, storage_of
@@ -110,6 +110,8 @@ def _inside_function() -> bool:
 
 # ops whose output is their first argument repeated along new or size-1 dims, where its
 # shape broadcasts to the output's
+_AS_OTHER = frozenset(aliases("expand_as", "view_as", "reshape_as", "type_as", "to"))  # ops
+# whose tensors after the first are read for their shape, dtype and device alone
 _WIDENINGS = frozenset(f for f in (
     torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to, torch.Tensor.broadcast_to,
     torch.Tensor.repeat, torch.tile, torch.Tensor.tile) if f is not None)
@@ -556,7 +558,7 @@ class Capture:
         """The layouts of an op's outputs, and the op recorded if it reads parameters
         (its data flow, if it has one, left in ``_flow``)."""
         self._flow, self._written_into = None, None
-        pending = self._first_reads(leaves) if self._claimable else None
+        pending = self._first_reads(leaves, func) if self._claimable else None
         if func is _SETITEM:
             lay = written_layout(self.ctx, *args[:3])
             self.layouts.written(args[0], lay)
@@ -604,14 +606,17 @@ class Capture:
                             draw)
         return out
 
-    def _first_reads(self, leaves: list) -> list[tuple[int, Tensor, tuple[_Chain, ...]]]:
+    def _first_reads(self, leaves: list, func: Any) -> list[tuple[int, Tensor, tuple]]:
         """The claimable tensors an op reads for the first time, ``(leaf position, tensor,
         its chains)``, now marked read; a second read ends the chains of what it reads
-        (see the module docstring)."""
+        (see the module docstring). A read of the shape alone (``new_zeros``, the
+        ``other`` of ``expand_as``) is none."""
         found = []
+        references = (range(len(leaves)) if func in SHAPE_READERS else
+                      range(1, len(leaves)) if func in _AS_OTHER else ())
         for k, t in enumerate(leaves):
             entry = self._claimable.get(id(t))
-            if entry is None or entry[0] is not t:
+            if entry is None or entry[0] is not t or k in references:
                 continue
             if entry[2]:
                 _kill([(k, t, entry[1])])
