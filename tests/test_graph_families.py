@@ -87,6 +87,9 @@ class Net(nn.Module):
             "gcn-sums": lambda: gnn.GCNConv(D, D, normalize=False),  # (its bias on the sum)
             "gin": lambda: gnn.GINConv(mlp),
             "cluster": lambda: gnn.ClusterGCNConv(D, D),  # (x[row == col] += ...: a mask)
+            "pna": lambda: gnn.PNAConv(D, D, ["mean", "max"], ["identity", "amplification"],
+                                       deg=torch.tensor([1, 2, 2]), towers=2),  # (its
+            # aggregates joined feature-wise, its towers a repeat of the nodes)
             "gated": lambda: gnn.GatedGraphConv(D, num_layers=2),  # (a GRU cell on the sum:
             # its input gates chunked, each piece added to the state's)
             "pdn": lambda: gnn.PDNConv(D, D, edge_dim=3, hidden_channels=D),  # (a write
@@ -111,7 +114,8 @@ LOCAL = {
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "gat-edges", "gatv2-edges", "transformer",
                                   "edge", "graph-max", "graph", "sage", "sage-max",
                                   "sage-no-root", "gcn-sums", "gin",
-                                  "cluster", "pdn", "gated", "sparse", "sparse-weighted"])
+                                  "cluster", "pdn", "pna", "gated", "sparse",
+                                  "sparse-weighted"])
 def test_message_passing_layers_are_exact_and_stay_local(kind):
     torch.manual_seed(0)
     model = (SparseGCN(kind == "sparse-weighted") if kind.startswith("sparse") else
@@ -272,3 +276,28 @@ def test_set2set_in_float32_keeps_its_vjp_local():
     want = persample.loop_per_sample_grads(model, batch, y, loss)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
+
+
+class Tiled(nn.Module):
+    """Node features tiled twice along the nodes (``repeat``), pooled by the batch vector
+    tiled alike: each copy keeps its node's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, D), nn.Linear(D, 2)
+
+    def forward(self, data):
+        h = self.lin(data.x).repeat(2, 1)
+        return self.head(torch.zeros(data.num_graphs, D, dtype=h.dtype).index_add_(
+            0, data.batch.repeat(2), h.relu()))
+
+
+def test_nodes_tiled_by_repeat_keep_their_graphs():
+    torch.manual_seed(0)
+    model, batch = Tiled().double(), graphs()
+    y, loss = torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    assert {r.path for r in persample.supported(model, batch, y, loss)} == {"rule"}
+    got = persample.per_sample_grads(model, batch, y, loss, method="rules")
+    want = persample.loop_per_sample_grads(model, batch, y, loss)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)

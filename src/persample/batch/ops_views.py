@@ -39,6 +39,7 @@ from .ops_indexing import (
     followed,
     follows_partly,
     located,
+    merge,
     regular,
     samples_along,
     trouble,
@@ -260,14 +261,17 @@ register(_broadcast_tensors, *aliases("broadcast_tensors"))
 
 
 def _repeat(ctx, func, args, kwargs, out) -> Any:
-    """``x.repeat(*reps)`` tiles: the batch dim repeated ``r`` times gets ``outer * r``."""
+    """``x.repeat(*reps)`` tiles: the batch dim repeated ``r`` times gets ``outer * r``
+    (an index layout: its sample ids tiled ``r`` times)."""
     x = args[0]
     lay = ctx.layout(x)
-    if not isinstance(lay, Batched) or lay.index is not None:
-        return lay if not isinstance(lay, Batched) else Unknown("repeat of an irregular batch")
+    if not isinstance(lay, Batched):
+        return lay
     reps = list(args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size))
                 else args[1:])
     d = lay.dim + len(reps) - x.dim()
+    if lay.index is not None:
+        return Batched(d, index=lay.index if reps[d] == 1 else lay.index.repeat(reps[d]))
     return Batched(d, lay.outer * reps[d], lay.inner)
 
 
@@ -373,7 +377,7 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
         found = [samples_along(ctx, t, lay) for t, lay in zip(joined, lays)]  # (dims: each its own)
         return Flow(_joined_along(ctx, func, joined, found, d, out))
     if any(isinstance(lay, Partly) for lay in lays):
-        return Flow(Unknown("cat of tensors with positions holding no sample's data"))
+        return _cat_free_positions(ctx, func, tensors, joined, lays, out)
     batched = [lay for lay in lays if isinstance(lay, Batched)]
     first = batched[0]
     for lay in batched[1:]:
@@ -384,6 +388,33 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
         first if t.dim() == rank and t.shape[first.dim] == out.shape[first.dim] else None)
         for t in tensors)
     return Flow(first, pairing)
+
+
+def _cat_free_positions(ctx, func, tensors: list, joined: list, lays: list, out: Tensor
+                        ) -> Flow:
+    """``cat`` along another dim than the samples' where an input has positions holding no
+    sample's data (:class:`~persample.batch.ops_indexing.Partly`: a graph's aggregates,
+    joined feature-wise): each position's samples merged over the inputs, as an
+    elementwise op merges them; the inputs paired with the result's samples where it has
+    them everywhere (a shared input of full size along that dim too)."""
+    dim, rows = None, None
+    for t, lay in zip(joined, lays):
+        found = samples_along(ctx, t, lay)
+        if found is None:
+            continue  # (shared: its positions hold none)
+        if dim is not None and found[0] != dim:
+            return Flow(mixed(func, "joins tensors with samples in different dims"))
+        dim = found[0]
+        rows = found[1] if rows is None else merge(rows, found[1])
+        if rows is None:
+            return Flow(mixed(func, "joins different samples' positions"))
+    got = located(dim, rows, ctx.n, out, name_of(func))
+    if not isinstance(got, Batched):
+        return Flow(got)
+    pairing = tuple(got if isinstance(ctx.layout(t), Partly) or (
+        ctx.layout(t) is SHARED and t.dim() == out.dim() and t.shape[dim] == out.shape[dim])
+        else ctx.layout(t) if isinstance(ctx.layout(t), Batched) else None for t in tensors)
+    return Flow(got, pairing)
 
 
 def _joined_along(ctx, func, joined: list, found: list, d: int, out: Tensor) -> Any:
