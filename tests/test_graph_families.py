@@ -301,3 +301,44 @@ def test_nodes_tiled_by_repeat_keep_their_graphs():
     want = persample.loop_per_sample_grads(model, batch, y, loss)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
+def _ring_graphs(seed: int, isolated: bool):
+    """``B`` graphs of ``N`` nodes: a ring (every node gets a message) and random edges,
+    or (``isolated``) the same without any edge into node 0."""
+    require("torch_geometric")
+    from torch_geometric.data import Batch, Data
+
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(B):
+        src = torch.cat([torch.arange(N), torch.randint(0, N, (N,), generator=g)])
+        dst = torch.cat([(torch.arange(N) + 1) % N, torch.randint(0, N, (N,), generator=g)])
+        keep = dst != 0 if isolated else torch.ones_like(dst, dtype=torch.bool)
+        data.append(Data(x=torch.randn(N, D, generator=g, dtype=torch.float64),
+                         edge_index=torch.stack([src[keep], dst[keep]])))
+    return Batch.from_data_list(data)
+
+
+def test_rows_of_no_message_that_come_and_go_between_calls(monkeypatch):
+    """A training loop whose batches have nodes without messages at some calls only: the
+    calls without them take the cached paths (a program, then the compiled forward),
+    those with them the full capture, whose completed records no cached path keeps (a
+    cached path would decide the layer's rows again, without their reader, and take the
+    module fallback). Every call equals the loop, and none takes a fallback."""
+    from persample.engine import pullback
+
+    fallbacks = []
+    original = pullback._fallback
+    monkeypatch.setattr(pullback, "_fallback", lambda *a: fallbacks.append(1) or original(*a))
+    torch.manual_seed(0)
+    net = Net("sage").double()
+    loss = nn.MSELoss()
+    calls = [(_ring_graphs(k, isolated), torch.randn(B, 2, dtype=torch.float64)) for k, isolated
+             in enumerate([True] * 10 + [False] * 5 + [True] * 3)]
+    wants = [persample.loop_per_sample_grads(net, batch, y, loss) for batch, y in calls]
+    for (batch, y), want in zip(calls, wants):  # (one after another, as a loop calls)
+        got = persample.per_sample_grads(net, batch, y, loss, check="never")
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+    assert not fallbacks

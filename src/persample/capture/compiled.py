@@ -683,7 +683,7 @@ class CompiledCapture(LeanCapture):
         ops may be others than the eager forward's: ``x.new_tensor(y)`` is
         ``torch.tensor`` there.)"""
         cap, program = self.analysis, self.program
-        if cap is None or cap.unseen_reads or cap.mixing or cap.param_written or cap.claims:
+        if cap is None or cap.unseen_reads or cap.mixing or cap.param_written:
             return False
         leaves = tensor_leaves(output)
         return len(leaves) == len(program.output) and all(
