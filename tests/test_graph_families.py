@@ -139,9 +139,9 @@ class Readers(nn.Module):
     """A linear layer on the messages summed into each node (node 0 of every graph gets
     none: its row holds only the bias), its output read by the add of the node's own
     features (``"one"``; through views: ``"view"``), and also by a sum of the rows of no
-    message, spread to every graph, before that add or after it. In the batch, that sum runs over every graph's
-    node 0, which no graph alone has: the reference is each graph's loss differentiated
-    in the batch's forward."""
+    message, spread to every graph, before that add or after it. In the batch, that sum
+    runs over every graph's node 0, which no graph alone has: the reference is each
+    graph's loss differentiated in the batch's forward."""
 
     def __init__(self, readers: str):
         super().__init__()
