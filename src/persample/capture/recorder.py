@@ -28,13 +28,16 @@ writes a tensor made before the call is followed as anywhere else.
 Rows of no sample given their sample by the op that meets them: a row-wise op reading
 parameters (a linear layer) on a tensor some of whose rows hold no sample's data (the
 aggregate of a node that got no message, :class:`~persample.batch.ops_indexing.Partly`)
-makes such rows too. Where the only op that ever reads that output pairs each of those
-rows with one sample's row (``SAGEConv``'s ``lin_l(mean) + lin_r(x)``: the node's own
-features added), that sample's loss is the only one the row reaches, so the row's
-cotangent is that sample's alone: the op's record takes the paired layout for its
-output and for the input rows it carried (``claims``). A second reader of the output,
-before or after (a gather could spread a row to other samples), leaves the record as
-it was: its parameters then take the per-module fallback.
+makes such rows too. Where the only op that ever reads that output (through views,
+``chunk`` and elementwise ops with shared operands, which carry the rows on) pairs each
+of those rows with one sample's row (``SAGEConv``'s ``lin_l(mean) + lin_r(x)``: the
+node's own features added; a pool's scatter into each graph's row), that sample's loss
+is the only one the row reaches, so the row's cotangent is that sample's alone: the
+op's record takes the paired layout for its output and for the input rows it carried
+(``claims``: such a capture makes no program). A second reader of a tensor on the way,
+before or after (a gather could spread a row to other samples), leaves the record as it
+was: its parameters then take the per-module fallback. A read of the shape alone
+(``new_zeros``, the ``other`` of ``expand_as``) is no read.
 
 Every random op is recorded as a :class:`~persample.draws.Draw` (``draws``, in order;
 an op's own in ``Op.draw``, a call's range in ``Call.first_draw``/``end_draw``), so that
@@ -108,10 +111,10 @@ def _inside_function() -> bool:
         frame = frame.f_back
     return False
 
-# ops whose output is their first argument repeated along new or size-1 dims, where its
-# shape broadcasts to the output's
 _AS_OTHER = frozenset(aliases("expand_as", "view_as", "reshape_as", "type_as", "to"))  # ops
 # whose tensors after the first are read for their shape, dtype and device alone
+# ops whose output is their first argument repeated along new or size-1 dims, where its
+# shape broadcasts to the output's
 _WIDENINGS = frozenset(f for f in (
     torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to, torch.Tensor.broadcast_to,
     torch.Tensor.repeat, torch.tile, torch.Tensor.tile) if f is not None)
