@@ -342,3 +342,38 @@ def test_rows_of_no_message_that_come_and_go_between_calls(monkeypatch):
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
     assert not fallbacks
+
+
+class Dropped(nn.Module):
+    """GATv2 with edge features and attention dropout, then SAGE and a dropout: the
+    records completed by their readers in a training-mode forward."""
+
+    def __init__(self):
+        super().__init__()
+        from torch_geometric import nn as gnn
+
+        self.gat = gnn.GATv2Conv(D, D, heads=2, concat=False, edge_dim=3, dropout=0.3)
+        self.sage, self.drop, self.head = gnn.SAGEConv(D, D), nn.Dropout(0.2), nn.Linear(D, 2)
+
+    def forward(self, data):
+        from torch_geometric import nn as gnn
+
+        h = self.gat(data.x, data.edge_index, data.edge_attr).relu()
+        h = self.drop(self.sage(h, data.edge_index)).relu()
+        return self.head(gnn.global_mean_pool(h, data.batch))
+
+
+def test_completed_records_in_training_mode_follow_the_forward_that_ran():
+    """Each call's per-sample gradients are those of the forward that ran: one batch
+    forward under the call's seed, each graph's loss differentiated."""
+    torch.manual_seed(0)
+    model, batch = Dropped().double().train(), graphs()
+    y, loss = torch.randn(B, 2, dtype=torch.float64), nn.MSELoss()
+    assert {r.path for r in persample.supported(model, batch, y, loss)} == {"rule"}
+    for seed in range(3):
+        torch.manual_seed(seed)
+        got = persample.per_sample_grads(model, batch, y, loss, method="rules")
+        torch.manual_seed(seed)
+        want = persample.forward_per_sample_grads(model, batch, y, loss)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
