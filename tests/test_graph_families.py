@@ -377,3 +377,14 @@ def test_completed_records_in_training_mode_follow_the_forward_that_ran():
         want = persample.forward_per_sample_grads(model, batch, y, loss)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
+def test_the_graph_layers_table_runs(capsys):
+    """``python -m persample_bench.graph_layers``, as the performance log names it, on one
+    layer and size: a row with both times and their ratio."""
+    require("torch_geometric")
+    from persample_bench import graph_layers
+
+    graph_layers.main(["--layer", "sage", "--size", "digits", "--rounds", "1"])
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith("| sage | digits | ") and row.endswith("x |"), row
