@@ -33,7 +33,8 @@ import persample
 from .real_models import require
 from .workloads import graph_batch
 
-LAYERS = ("gcn", "sage", "graph", "gin")
+LAYERS = ("gcn", "sage", "graph", "gin", "gcn-set2set")  # (the last: GCN layers read out
+# by Set2Set, 3 steps, in place of the mean pool)
 SIZES = ("digits", "graphs-128")
 
 
@@ -47,19 +48,23 @@ def _layer(kind: str, fan_in: int, fan_out: int) -> nn.Module:
 
 
 class Stack(nn.Module):
-    """Layers of one kind, a ReLU after each, a mean pool per graph, a linear head."""
+    """Layers of one kind, a ReLU after each, a mean pool per graph (``Set2Set`` for
+    ``"gcn-set2set"``), a linear head."""
 
     def __init__(self, kind: str, widths: list[int], classes: int):
         super().__init__()
-        self.convs = nn.ModuleList(_layer(kind, a, b) for a, b in zip(widths, widths[1:]))
-        self.head = nn.Linear(widths[-1], classes)
+        gnn = require("torch_geometric").nn
+        conv = kind.removesuffix("-set2set")
+        self.convs = nn.ModuleList(_layer(conv, a, b) for a, b in zip(widths, widths[1:]))
+        self.readout = (gnn.aggr.Set2Set(widths[-1], processing_steps=3) if conv != kind
+                        else gnn.aggr.MeanAggregation())
+        self.head = nn.Linear(widths[-1] * (2 if conv != kind else 1), classes)
 
     def forward(self, data: Any) -> torch.Tensor:
-        pool = require("torch_geometric").nn.global_mean_pool
         h = data.x
         for conv in self.convs:
             h = conv(h, data.edge_index).relu()
-        return self.head(pool(h, data.batch))
+        return self.head(self.readout(h, data.batch))
 
 
 def _random_graphs(count: int, seed: int) -> Any:
