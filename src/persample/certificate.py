@@ -31,7 +31,16 @@ Each parameter's two sides are compared (in float64 for float64, else float32) a
 computation's precision (:data:`TOLERANCES`; under autocast, its dtype's) and
 ``floor = max(64 eps, tol / 1000)`` times the norm of the whole right side, plus
 ``64 eps``: a parameter whose true gradient is zero (a key bias before a softmax, the
-weight of a normalisation summed out) holds rounding noise on both sides.
+weight of a normalisation summed out) holds rounding noise on both sides. Below float64
+a model can be ill-conditioned enough that float32 autograd itself is off by more than
+``tol`` (an attention whose keys are all alike: its softmax backward cancels). Where
+every parameter beyond ``tol`` is off by less than :data:`GRAY` times it, the identity's
+right side is computed again in float64 (the parameters, buffers and floating inputs
+cast, through ``torch.func.functional_call``: the model untouched), and such a
+parameter passes if the result is within ``tol`` of that, or within
+:data:`AS_AUTOGRAD` times float32 autograd's own distance to it: as exact as the
+precision allows on this batch. A wrong row is off by far more than autograd's
+rounding.
 
 The policy, ``check=``, of every function that takes it: ``"first"`` (default)
 certifies the first call of each new plan (a model, its mode, the inputs' shapes
@@ -63,7 +72,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .checks import kept_buffers
 from .errors import NeedsWholeModel
@@ -91,6 +100,12 @@ TOLERANCES = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 1e-1,
 (under autocast, its dtype; float32 with TF32 matrix products allowed: 1e-2). float64
 models often compute parts in float32 (transformers' rotary embeddings): 1e-5 leaves
 them room, and a wrong row is off by far more."""
+GRAY = 100
+"""How far beyond ``tol`` (a factor) a parameter's error may be and still be judged
+against a float64 reference (see the module docstring)."""
+AS_AUTOGRAD = 8
+"""How many times float32 autograd's own error against the float64 reference the
+result's may be (an association of sums other than autograd's rounds otherwise)."""
 
 
 @dataclass
@@ -110,6 +125,9 @@ class Certificate:
         decided: ``False`` where the identity cannot be formed without persample's own
             reading of the output (its samples not in dim 0 under a scalar loss, or
             possibly in another dim of the batch's size); ``ok`` is then ``True``.
+        rounded: ``{parameter name: relative error of float32 autograd against float64}``
+            for the parameters beyond ``tol`` that passed because the float64 reference
+            showed the precision itself off by as much (see the module docstring).
     """
 
     what: str
@@ -120,6 +138,7 @@ class Certificate:
     tol: float = 0.0
     reason: str = ""
     decided: bool = True
+    rounded: dict[str, float] = field(default_factory=dict)
 
     def undecided(self, why: str) -> Certificate:
         """This certificate, not decided: the identity cannot be formed (``why``)."""
@@ -134,6 +153,9 @@ class Certificate:
         verdict = "certified" if self.ok else "MISMATCH"
         line = (f"{verdict}: {self.what} of method {self.method!r} ({self.identity}), "
                 f"largest relative error {worst:.2g} (tol {self.tol:g})")
+        if self.rounded:
+            line += "; " + ", ".join(self.rounded) + " within the precision's own rounding " \
+                f"(autograd off by up to {max(self.rounded.values()):.2g} against float64)"
         return line if self.ok else f"{line}: {self.reason}"
 
 
@@ -432,9 +454,9 @@ def _lowered(tol: float, eps: float, low: torch.dtype | None) -> tuple[float, fl
 
 
 def _compared(got: Mapping[str, Tensor], want: Mapping[str, Tensor], tol: float, eps: float
-              ) -> tuple[dict[str, float], list[str]]:
-    """Per parameter the relative error of ``got`` against ``want``, and the names beyond
-    ``tol`` (see the module docstring)."""
+              ) -> tuple[dict[str, float], list[str], float]:
+    """Per parameter the relative error of ``got`` against ``want``, the names beyond
+    ``tol`` and the absolute floor (see the module docstring)."""
     stats = {}  # name -> (||want||, ||got||, ||got - want||), one host copy per device
     for name, w in want.items():
         g = _dense(got[name].to(w.device))
@@ -456,7 +478,7 @@ def _compared(got: Mapping[str, Tensor], want: Mapping[str, Tensor], tol: float,
         errors[name] = err / max(scale, floor / tol, 1e-300)
         if err > tol * scale + floor:
             bad.append(name)
-    return errors, bad
+    return errors, bad, floor
 
 
 def _gaussian(n: int, *rest: int) -> Tensor:
@@ -467,12 +489,43 @@ def _gaussian(n: int, *rest: int) -> Tensor:
 
 
 def _verdict(cert: Certificate, got: Mapping[str, Tensor], want: Mapping[str, Tensor],
-             moved: list[str], eps: float) -> Certificate:
-    cert.errors, bad = _compared(got, want, cert.tol, eps)
+             moved: list[str], eps: float,
+             exact: Callable[[], Mapping[str, Tensor] | None] | None = None) -> Certificate:
+    """``cert`` with the errors of ``got`` against ``want``, failed where a parameter is
+    beyond ``tol``. ``exact()``: the right side in float64 (``None`` where it cannot be
+    computed), asked for only where every such parameter is within :data:`GRAY` times
+    ``tol`` (see the module docstring)."""
+    cert.errors, bad, floor = _compared(got, want, cert.tol, eps)
+    if bad and exact is not None and cert.tol > TOLERANCES[torch.float64] and all(
+            cert.errors[name] <= GRAY * cert.tol for name in bad):
+        bad = _beyond_rounding(cert, bad, got, want, exact(), floor)
     if bad:
         cert.ok = False
         cert.reason = _why(bad, cert, moved)
     return cert
+
+
+def _beyond_rounding(cert: Certificate, bad: list[str], got: Mapping[str, Tensor],
+                     want: Mapping[str, Tensor], exact: Mapping[str, Tensor] | None,
+                     floor: float) -> list[str]:
+    """The names of ``bad`` whose result is off the float64 reference ``exact`` by more
+    than ``tol`` and more than :data:`AS_AUTOGRAD` times float32 autograd's own error
+    (``want``'s); all of them without a reference, or where autograd is itself further
+    than :data:`GRAY` times ``tol`` from it (a forward that did not reproduce in float64:
+    not a reference). The others go into ``cert.rounded``."""
+    if exact is None:
+        return bad
+    left = []
+    for name in bad:
+        x = _dense(exact[name]).double().cpu()
+        size = float(x.norm())
+        off = float((_dense(got[name]).double().cpu() - x).norm())
+        own = float((_dense(want[name]).double().cpu() - x).norm())
+        if own > GRAY * cert.tol * size or off > max(cert.tol * size, AS_AUTOGRAD * own) + floor:
+            left.append(name)
+        else:
+            cert.rounded[name] = own / max(size, 1e-300)
+    return left
 
 
 def _why(bad: list[str], cert: Certificate, moved: list[str]) -> str:
@@ -525,7 +578,13 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     except _NoIdentity as why:
         return cert.undecided(str(why))
     cert.tol, eps = _lowered(cert.tol, eps, low)
-    _verdict(cert, summed(u), want, moved, eps)
+
+    def exact() -> dict[str, Tensor] | None:
+        found = _weighted_in_float64(model, [(batch, targets, u)], loss_fn, params,
+                                     draws)
+        return None if found is None else found[0]
+
+    _verdict(cert, summed(u), want, moved, eps, exact)
     return _with_norms(cert, norms_off)
 
 
@@ -620,7 +679,13 @@ def certify_step(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable
     cert.tol, eps = _lowered(cert.tol, eps, low)
     want = {name: grads[group[name]][name] for name in params}
     got = summed({name: weights[group[name]] for name in params})
-    _verdict(cert, got, want, moved, eps)
+
+    def exact() -> dict[str, Tensor] | None:
+        found = _weighted_in_float64(model, [(batch, targets, w) for w in weights], loss_fn,
+                                     params, draws)
+        return None if found is None else {name: found[group[name]][name] for name in params}
+
+    _verdict(cert, got, want, moved, eps, exact)
     return _with_norms(cert, norms_off)
 
 
@@ -646,7 +711,12 @@ def certify_jacobian(model: nn.Module, batch: Batch, params: Mapping[str, Tensor
            for name, r in rows.items()}
     want_d = {name: p.new_zeros(p.shape) if g is None else g
               for (name, p), g in zip(params.items(), want)}
-    return _verdict(cert, got, want_d, moved, eps)
+
+    def exact() -> dict[str, Tensor] | None:
+        found = _in_float64(model, [batch], lambda outs: roots(outs[0]), params, draws)
+        return None if found is None else found[0]
+
+    return _verdict(cert, got, want_d, moved, eps, exact)
 
 
 def certify_input_jacobian(model: Callable[[Tensor], Tensor], inputs: Tensor, jac: Tensor,
@@ -684,9 +754,10 @@ def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]]
     known = {id(b): e for (b, _, _), e in zip(sides, expected)}
     batches = list(dict.fromkeys(id(b) for b, _, _ in sides))
     by_id = {id(b): (b, t) for b, t, _ in sides}
+    call, inputs = _plain_model(model), list(params.values())
 
     def forward() -> list:
-        return [by_id[k][0].call(_plain_model(model)) for k in batches]
+        return [by_id[k][0].call(call) for k in batches]
 
     def roots(outs: list) -> list:
         losses = {k: _losses(out, by_id[k][1], loss_fn, by_id[k][0].n, known[k])
@@ -694,9 +765,72 @@ def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]]
         return [((u.to(losses[id(b)].device, losses[id(b)].dtype) * losses[id(b)]).sum(),
                  None) for b, _, u in sides]
 
-    grads, moved, low = _reference(model, forward, draws, roots, list(params.values()))
+    grads, moved, low = _reference(model, forward, draws, roots, inputs)
     return [{name: p.new_zeros(p.shape) if g is None else g
              for (name, p), g in zip(params.items(), gs)} for gs in grads], moved, low
+
+
+def _in_float64(model: nn.Module, batches: list[Batch],
+                roots: Callable[[list], list[tuple[Tensor, Any]]],
+                params: Mapping[str, Tensor], draws: Draws) -> list[dict[str, Tensor]] | None:
+    """The reference of an identity computed in float64: each of ``batches``' forwards
+    (from ``draws``) with the model's parameters and floating buffers (as the forward
+    finds them) cast into a ``functional_call`` and the floating inputs cast (the model
+    itself untouched), ``roots(outputs)`` differentiated w.r.t. ``params``' copies.
+    ``None`` where it cannot be (a parameter not the model's, an op that refuses the
+    mixed dtypes of a forward that casts by itself, an output that is not float64)."""
+    plain = _plain_model(model)
+    if not isinstance(plain, nn.Module):
+        return None
+    names: dict[int, list[str]] = {}
+    for name, p in plain.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    if any(id(p) not in names for p in params.values()):
+        return None
+    leaves = {id(p): p.detach().double().requires_grad_() for p in params.values()}
+    cast = {name: leaves.get(i, p.detach().double() if p.is_floating_point() else p)
+            for i, p in {id(p): p for p in plain.parameters()}.items() for name in names[i]}
+
+    def call(*args: Any, **kwargs: Any) -> Any:  # (the buffers as the forward finds them)
+        state = dict(cast)
+        state.update({name: b.detach().double() for name, b in plain.named_buffers(
+            remove_duplicate=False) if b.is_floating_point()})
+        args, kwargs = _doubled((args, kwargs))
+        out = torch.func.functional_call(plain, state, args, kwargs)
+        if any(t.is_floating_point() and t.dtype != torch.float64 for t in tree_leaves(out)
+               if isinstance(t, Tensor)):
+            raise _NoIdentity("the forward does not compute in float64")
+        return out
+
+    try:
+        grads, _, _ = _reference(model, lambda: [b.call(call) for b in batches], draws, roots,
+                                 list(leaves.values()))
+    except Exception:  # (a best effort: without it the certificate stands as it was)
+        return None
+    return [{name: p.new_zeros(p.shape, dtype=torch.float64) if g is None else g
+             for (name, p), g in zip(params.items(), gs)} for gs in grads]
+
+
+def _weighted_in_float64(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]],
+                         loss_fn: Callable, params: Mapping[str, Tensor], draws: Draws
+                         ) -> list[dict[str, Tensor]] | None:
+    """:func:`_weighted_gradients` in float64 (:func:`_in_float64`; the floating targets
+    cast too), or ``None``."""
+    batches = {id(b): (b, t) for b, t, _ in sides}
+
+    def roots(outs: list) -> list:
+        losses = {k: _losses(out, _doubled(t), loss_fn, b.n)
+                  for (k, (b, t)), out in zip(batches.items(), outs)}
+        return [((u.to(losses[id(b)].device, losses[id(b)].dtype) * losses[id(b)]).sum(), None)
+                for b, _, u in sides]
+
+    return _in_float64(model, [b for b, _ in batches.values()], roots, params, draws)
+
+
+def _doubled(tree: Any) -> Any:
+    """``tree`` with its floating tensors in float64."""
+    return tree_map(lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point()
+                    else t, tree)
 
 
 def certify_dots(model: nn.Module, side: tuple[Batch, Any], second: tuple[Batch, Any] | None,
