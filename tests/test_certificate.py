@@ -483,9 +483,9 @@ def test_float32_rounding_of_an_ill_conditioned_model_is_not_a_mismatch():
     """float32 autograd is off the float64 answer by 1e-3 to 1e-2 here (beyond the
     certificate's float32 tolerance, 1e-3), and so is any float32 method: every
     certificate passes (judged against a float64 reference, the parameters named in
-    ``rounded``), the rules answer, and neither the DP step nor the Jacobian warns of
-    anything. Before, the rules, torch.func and the loop were each rejected and the
-    model refused as mixing samples."""
+    ``rounded``), the rules answer, and no other function warns of anything (the DP
+    step, the norms, both Jacobians, projections). Before, the rules, torch.func and the
+    loop were each rejected and the model refused as mixing samples."""
     for seed in range(3):
         torch.manual_seed(seed)
         model = _offset_layer_norm(3000.0)
@@ -509,6 +509,9 @@ def test_float32_rounding_of_an_ill_conditioned_model_is_not_a_mismatch():
             private_grad(model, x, y, nn.MSELoss(), max_grad_norm=1.0, noise_multiplier=0.0,
                          check="always")
             persample.param_jacobian(model, x, check="always")
+            persample.input_jacobian(model, x, check="always")
+            persample.per_sample_grad_norms(model, x, y, nn.MSELoss(), check="always")
+            persample.GradientProjector(model, 20, seed=0)(x, y, nn.MSELoss(), check="always")
         assert (_flat(got).double() - _flat(want)).norm() / _flat(want).norm() < 4 * own
 
 

@@ -34,8 +34,10 @@ computation's precision (:data:`TOLERANCES`; under autocast, its dtype's) and
 weight of a normalisation summed out) holds rounding noise on both sides. Below float64
 a model can be ill-conditioned enough that float32 autograd itself is off by more than
 ``tol`` (an attention whose keys are all alike: its softmax backward cancels). Where
-every parameter beyond ``tol`` is off by less than :data:`GRAY` times it, the identity's
-right side is computed again in float64 (the parameters, buffers and floating inputs
+every parameter beyond ``tol`` is off by less than :data:`GRAY` times it (per-sample
+gradients and norms, a DP step, both Jacobians, projections; inner products are
+compared against the size of their terms already), the identity's right side is
+computed again in float64 (the parameters, buffers and floating inputs
 cast, through ``torch.func.functional_call``: the model untouched), and such a
 parameter passes if the result is within ``tol`` of that, or within
 :data:`AS_AUTOGRAD` times float32 autograd's own distance to it: as exact as the
@@ -740,7 +742,19 @@ def certify_input_jacobian(model: Callable[[Tensor], Tensor], inputs: Tensor, ja
     cert.tol, eps = _lowered(cert.tol, eps, low)
     got = torch.einsum("ny,nyd->nd", w.to(jac.device, jac.dtype), jac.reshape(n, y, d))
     want = torch.zeros_like(got) if want is None else want.reshape(n, d)
-    return _verdict(cert, {"inputs": got}, {"inputs": want}, moved, eps)
+
+    def exact() -> dict[str, Tensor] | None:
+        made = _float64_call(model, {})
+        if made is None:
+            return None
+        x64 = inputs.detach().double().requires_grad_()
+        try:
+            ((g,),), _, _ = _reference(model, lambda: made[0](x64), draws, roots, [x64])
+        except Exception:  # (a best effort, as in _in_float64)
+            return None
+        return {"inputs": torch.zeros_like(x64).reshape(n, d) if g is None else g.reshape(n, d)}
+
+    return _verdict(cert, {"inputs": got}, {"inputs": want}, moved, eps, exact)
 
 
 def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]],
@@ -774,11 +788,31 @@ def _in_float64(model: nn.Module, batches: list[Batch],
                 roots: Callable[[list], list[tuple[Tensor, Any]]],
                 params: Mapping[str, Tensor], draws: Draws) -> list[dict[str, Tensor]] | None:
     """The reference of an identity computed in float64: each of ``batches``' forwards
-    (from ``draws``) with the model's parameters and floating buffers (as the forward
-    finds them) cast into a ``functional_call`` and the floating inputs cast (the model
-    itself untouched), ``roots(outputs)`` differentiated w.r.t. ``params``' copies.
-    ``None`` where it cannot be (a parameter not the model's, an op that refuses the
-    mixed dtypes of a forward that casts by itself, an output that is not float64)."""
+    (from ``draws``) by :func:`_float64_call`, ``roots(outputs)`` differentiated w.r.t.
+    ``params``' float64 copies. ``None`` where it cannot be (a parameter not the model's,
+    an op that refuses the mixed dtypes of a forward that casts by itself, an output that
+    is not float64)."""
+    made = _float64_call(model, params)
+    if made is None:
+        return None
+    call, leaves = made
+    try:
+        grads, _, _ = _reference(model, lambda: [b.call(call) for b in batches], draws, roots,
+                                 leaves)
+    except Exception:  # (a best effort: without it the certificate stands as it was)
+        return None
+    return [{name: p.new_zeros(p.shape, dtype=torch.float64) if g is None else g
+             for (name, p), g in zip(params.items(), gs)} for gs in grads]
+
+
+def _float64_call(model: Any, params: Mapping[str, Tensor]
+                  ) -> tuple[Callable[..., Any], list[Tensor]] | None:
+    """``(call, leaves)``: ``call(*args, **kwargs)`` runs ``model``'s forward in float64
+    (its parameters and floating buffers, as the forward finds them, cast into a
+    ``torch.func.functional_call``; the floating inputs cast; the model itself
+    untouched), with ``leaves`` (float64 copies of ``params``, in order) for its
+    parameters of ``params``. ``None`` for a model that is not a module, or a parameter
+    of ``params`` not the model's."""
     plain = _plain_model(model)
     if not isinstance(plain, nn.Module):
         return None
@@ -802,13 +836,7 @@ def _in_float64(model: nn.Module, batches: list[Batch],
             raise _NoIdentity("the forward does not compute in float64")
         return out
 
-    try:
-        grads, _, _ = _reference(model, lambda: [b.call(call) for b in batches], draws, roots,
-                                 list(leaves.values()))
-    except Exception:  # (a best effort: without it the certificate stands as it was)
-        return None
-    return [{name: p.new_zeros(p.shape, dtype=torch.float64) if g is None else g
-             for (name, p), g in zip(params.items(), gs)} for gs in grads]
+    return call, list(leaves.values())
 
 
 def _weighted_in_float64(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]],
@@ -890,4 +918,15 @@ def certify_projection(model: nn.Module, batch: Batch, targets: Any, loss_fn: Ca
     cert.tol, eps = _lowered(cert.tol, eps, low)
     want = project({name: t.unsqueeze(0) for name, t in g.items()})[0]  # (k,)
     got = u.to(projected.device, projected.dtype) @ projected
-    return _verdict(cert, {"projection": got}, {"projection": want}, moved, eps)
+
+    def exact() -> dict[str, Tensor] | None:
+        found = _weighted_in_float64(model, [(batch, targets, u)], loss_fn, params, draws)
+        if found is None:
+            return None
+        try:  # (the projection's own rounding is the method's too)
+            return {"projection": project({name: t.unsqueeze(0) for name, t in
+                                           found[0].items()})[0]}
+        except Exception:  # (a best effort, as in _in_float64)
+            return None
+
+    return _verdict(cert, {"projection": got}, {"projection": want}, moved, eps, exact)
