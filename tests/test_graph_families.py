@@ -388,3 +388,29 @@ def test_the_graph_layers_table_runs(capsys):
     graph_layers.main(["--layer", "sage", "--size", "digits", "--rounds", "1"])
     row = capsys.readouterr().out.strip().splitlines()[-1]
     assert row.startswith("| sage | digits | ") and row.endswith("x |"), row
+
+
+def test_a_scatter_of_no_rows_is_no_internal_error():
+    """MFConv writes each degree's nodes into its output by ``index_copy_``, an empty
+    index for every degree no node has: the data flow of a scatter of no rows had failed
+    (reshaping 0 entries to ``(0, -1)``). Its answer (whichever method answers) is the
+    loop's, with persample's internal errors raised."""
+    from torch_geometric import nn as gnn
+
+    class MF(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = gnn.MFConv(3, D, max_degree=6), nn.Linear(D, 2)
+
+        def forward(self, data):
+            return self.head(gnn.global_mean_pool(self.conv(data.x, data.edge_index).relu(),
+                                                  data.batch))
+
+    from test_mechanisms import graph_batch  # (rings: every node of degree 2 or more)
+
+    torch.manual_seed(0)
+    model, data, y = MF(), graph_batch(), torch.randn(B, 2)
+    got = persample.per_sample_grads(model, data, y, nn.MSELoss())
+    want = persample.loop_per_sample_grads(model, data, y, nn.MSELoss())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

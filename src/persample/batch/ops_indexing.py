@@ -639,7 +639,7 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
         if src is not None and src.dim():
             ls = followed(ctx, src)
             along = element_samples(ctx, src, ls)
-            along = along.expand(src.shape).movedim(d, 0).reshape(src.shape[d], -1)
+            along = _by_rows(along.expand(src.shape), d)
             if not torch.equal(along, along[:, :1].expand_as(along)):
                 return mixed(func, "adds a source whose rows mix samples")
             own = merge(own, along[:, 0]) if along.shape[1] else own
@@ -657,6 +657,15 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
     return _source_paired(ctx, func, (x, idx, src), src, d, own, idx, got)
 
 
+def _by_rows(t: Tensor, d: int) -> Tensor:
+    """``(t.shape[d], rest)``: ``t``'s entries by their index along ``d`` (``rest`` may be
+    0: an empty tensor has rows and no entries in them)."""
+    rest = 1
+    for k, size in enumerate(t.shape):
+        rest *= size if k != d else 1
+    return t.movedim(d, 0).reshape(t.shape[d], rest)
+
+
 def _source_paired(ctx: Ctx, func, named: tuple, src: Tensor | None, d: int, own: Tensor,
                    idx: Tensor, got: Layout) -> Any:
     """A scatter's layout, with the pairing of a source whose rows along the scatter dim
@@ -672,7 +681,7 @@ def _source_paired(ctx: Ctx, func, named: tuple, src: Tensor | None, d: int, own
     else:  # (own: per index entry; every entry of a source row must name one sample)
         if idx.shape[d] != src.shape[d]:
             return got
-        rows = own.expand(idx.shape).movedim(d, 0).reshape(idx.shape[d], -1)
+        rows = _by_rows(own.expand(idx.shape), d)
         if not torch.equal(rows, rows[:, :1].expand_as(rows)):
             return got
         rows = rows[:, 0]
@@ -866,7 +875,7 @@ def _set_rows(ctx: Ctx, x: Tensor, items: list, picks: list[int], d: int, value:
         shape = [size for k, size in enumerate(x.shape) if k not in picks]
         shape.insert(first, idx.shape[0])
         along = element_samples(ctx, value, lv).expand(value.shape).expand(shape)
-        along = along.movedim(first, 0).reshape(shape[first], -1)
+        along = _by_rows(along, first)
         if along.shape[1] and not torch.equal(along, along[:, :1].expand_as(along)):
             return None
         own = merge(own, along[:, 0]) if along.shape[1] else own
