@@ -390,11 +390,13 @@ def test_the_graph_layers_table_runs(capsys):
     assert row.startswith("| sage | digits | ") and row.endswith("x |"), row
 
 
-def test_a_scatter_of_no_rows_is_no_internal_error():
+def test_a_scatter_of_no_rows_is_no_error_and_names_no_sample():
     """MFConv writes each degree's nodes into its output by ``index_copy_``, an empty
     index for every degree no node has: the data flow of a scatter of no rows had failed
-    (reshaping 0 entries to ``(0, -1)``). Its answer (whichever method answers) is the
-    loop's, with persample's internal errors raised."""
+    (reshaping 0 entries to ``(0, -1)``), and an empty index had passed for one whose
+    values are its entries' samples (rows 0..B-1 of the output named samples 0..B-1,
+    then "mixed" by the next degree's nodes). On the rules, equal to the loop, with
+    persample's internal errors raised."""
     from torch_geometric import nn as gnn
 
     class MF(nn.Module):
@@ -410,7 +412,8 @@ def test_a_scatter_of_no_rows_is_no_internal_error():
 
     torch.manual_seed(0)
     model, data, y = MF(), graph_batch(), torch.randn(B, 2)
-    got = persample.per_sample_grads(model, data, y, nn.MSELoss())
+    assert persample.verify(model, data, y, nn.MSELoss()).method == "rules"
+    got = persample.per_sample_grads(model, data, y, nn.MSELoss(), method="rules")
     want = persample.loop_per_sample_grads(model, data, y, nn.MSELoss())
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

@@ -720,7 +720,8 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
     if rows is None:
         return Mixed(f"{what} puts several samples' data into one position")
     named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
-    if li is not SHARED and torch.equal(landing, named) and nonnegative(named):
+    if li is not SHARED and landing.numel() and torch.equal(landing, named) and nonnegative(
+            named):  # (an empty index names nothing)
         position = torch.arange(size, device=x.device)  # index values are the samples
         rows = merge(rows, torch.where(position < ctx.n, position, NO_SAMPLE))
         if rows is None:
