@@ -417,3 +417,39 @@ def test_a_scatter_of_no_rows_is_no_error_and_names_no_sample():
     want = persample.loop_per_sample_grads(model, data, y, nn.MSELoss())
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_nodes_whose_ids_equal_their_graphs_name_no_sample():
+    """Node 0 (of graph 0) picked alone by a mask on the features and written back by
+    ``index_copy_``: its id equals its graph's, which once named rows 0..B-1 of the
+    output samples 0..B-1 (the rows of an output of one row per sample), and the other
+    nodes written next were called mixing samples. On the rules, equal to the loop,
+    whichever node is picked."""
+    from torch_geometric import nn as gnn
+
+    from test_mechanisms import graph_batch
+
+    class Pick(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, data):
+            x = data.x
+            picked = x[:, 0] > 50
+            out = x.new_empty(x.shape[0], 4)
+            for lin, idx in ((self.a, picked.nonzero().view(-1)),
+                             (self.b, (~picked).nonzero().view(-1))):
+                out.index_copy_(0, idx, lin(x.index_select(0, idx)))
+            return self.head(gnn.global_mean_pool(out.relu(), data.batch))
+
+    torch.manual_seed(0)
+    model, y = Pick(), torch.randn(B, 2)
+    for node in (0, 5):
+        data = graph_batch()
+        data.x[node, 0] = 100.0
+        assert persample.verify(model, data, y, nn.MSELoss()).method == "rules", node
+        got = persample.per_sample_grads(model, data, y, nn.MSELoss(), method="rules")
+        want = persample.loop_per_sample_grads(model, data, y, nn.MSELoss())
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

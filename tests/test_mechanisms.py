@@ -931,7 +931,9 @@ def scatters(draw):
 def test_scatters_say_the_truth_or_nothing(case):
     """Each row of ``index_add_``'s result holds the samples of what landed in it and
     its own: one sample, the layout says it; several, mixed; none, the row is shared (or,
-    for an index naming samples, the sample it names)."""
+    for an index naming samples into a result of one row per sample, the sample it
+    names: into rows of anything else, graph nodes, values equal to their samples are a
+    coincidence)."""
     source, index, target, own = case
     idx = torch.tensor(index)
     if own == "values":
@@ -950,8 +952,9 @@ def test_scatters_say_the_truth_or_nothing(case):
     truth = [set() if target is None else {target[r]} for r in range(size)]
     for s, r in zip(source, index):
         truth[r].add(s)
-    if own != "shared" and index == source:  # the index names samples (by draw or by chance)
-        for r in range(min(size, B)):
+    if own != "shared" and index == source and size == B:  # the index names samples (by
+        # draw or by chance) of a result with a row per sample
+        for r in range(size):
             truth[r].add(r)
     if any(len(t) > 1 for t in truth):
         assert isinstance(got, Mixed), (got, truth)

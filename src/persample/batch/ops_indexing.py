@@ -707,7 +707,9 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
             out: Tensor, wraps: bool = True) -> Layout:
     """The layout of ``x`` after entries with samples ``own`` landed in its rows ``idx``
     along ``d`` (same shape): each row's sample is that of what landed there and its own;
-    an index whose values are its entries' own samples names the rows by sample.
+    an index whose values are its entries' own samples names the rows of a result of one
+    row per sample by sample (into rows of anything else, graph nodes, such values are a
+    coincidence).
     ``wraps``: a negative index counts from the end (``x[idx] = v``, ``index_fill``;
     the other scatters refuse one)."""
     size = x.shape[d]
@@ -720,8 +722,8 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
     if rows is None:
         return Mixed(f"{what} puts several samples' data into one position")
     named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
-    if li is not SHARED and landing.numel() and torch.equal(landing, named) and nonnegative(
-            named):  # (an empty index names nothing)
+    if li is not SHARED and landing.numel() and size == ctx.n and torch.equal(
+            landing, named) and nonnegative(named):  # (an empty index names nothing)
         position = torch.arange(size, device=x.device)  # index values are the samples
         rows = merge(rows, torch.where(position < ctx.n, position, NO_SAMPLE))
         if rows is None:
