@@ -104,7 +104,8 @@ models often compute parts in float32 (transformers' rotary embeddings): 1e-5 le
 them room, and a wrong row is off by far more."""
 GRAY = 100
 """How far beyond ``tol`` (a factor) a parameter's error may be and still be judged
-against a float64 reference (see the module docstring)."""
+against a float64 reference (see the module docstring), up to a relative error of 0.1
+(bfloat16's tolerance: a float64 copy of a model trained in it is not made)."""
 AS_AUTOGRAD = 8
 """How many times float32 autograd's own error against the float64 reference the
 result's may be (an association of sums other than autograd's rounds otherwise)."""
@@ -499,7 +500,7 @@ def _verdict(cert: Certificate, got: Mapping[str, Tensor], want: Mapping[str, Te
     ``tol`` (see the module docstring)."""
     cert.errors, bad, floor = _compared(got, want, cert.tol, eps)
     if bad and exact is not None and cert.tol > TOLERANCES[torch.float64] and all(
-            cert.errors[name] <= GRAY * cert.tol for name in bad):
+            cert.errors[name] <= min(GRAY * cert.tol, 0.1) for name in bad):
         bad = _beyond_rounding(cert, bad, got, want, exact(), floor)
     if bad:
         cert.ok = False
