@@ -765,24 +765,32 @@ def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]]
     """For each ``(batch, targets, u)`` of ``sides`` (forwards in that order, from
     ``draws``; a batch repeated is one forward), the gradient of ``sum_i u_i L_i``
     ``{name: (*shape)}`` (``expected``: each side's method's losses, or ``None``)."""
+    batches, roots = _weighted_roots(sides, loss_fn, expected)
+    call = _plain_model(model)
+    grads, moved, low = _reference(model, lambda: [b.call(call) for b in batches], draws,
+                                   roots, list(params.values()))
+    return [{name: p.new_zeros(p.shape) if g is None else g
+             for (name, p), g in zip(params.items(), gs)} for gs in grads], moved, low
+
+
+def _weighted_roots(sides: list[tuple[Batch, Any, Tensor]], loss_fn: Callable,
+                    expected: list[Tensor | None] | None = None,
+                    cast: Callable[[Any], Any] = lambda targets: targets
+                    ) -> tuple[list[Batch], Callable[[list], list[tuple[Tensor, None]]]]:
+    """``(batches, roots)``: the distinct batches of ``sides`` in order, and
+    ``roots(outputs)`` giving each side's ``sum_i u_i L_i`` from those batches' outputs
+    (the targets through ``cast``; ``expected`` as for :func:`_weighted_gradients`)."""
     expected = expected or [None] * len(sides)
     known = {id(b): e for (b, _, _), e in zip(sides, expected)}
-    batches = list(dict.fromkeys(id(b) for b, _, _ in sides))
     by_id = {id(b): (b, t) for b, t, _ in sides}
-    call, inputs = _plain_model(model), list(params.values())
-
-    def forward() -> list:
-        return [by_id[k][0].call(call) for k in batches]
 
     def roots(outs: list) -> list:
-        losses = {k: _losses(out, by_id[k][1], loss_fn, by_id[k][0].n, known[k])
-                  for k, out in zip(batches, outs)}
+        losses = {k: _losses(out, cast(t), loss_fn, b.n, known[k])
+                  for (k, (b, t)), out in zip(by_id.items(), outs)}
         return [((u.to(losses[id(b)].device, losses[id(b)].dtype) * losses[id(b)]).sum(),
                  None) for b, _, u in sides]
 
-    grads, moved, low = _reference(model, forward, draws, roots, inputs)
-    return [{name: p.new_zeros(p.shape) if g is None else g
-             for (name, p), g in zip(params.items(), gs)} for gs in grads], moved, low
+    return [b for b, _ in by_id.values()], roots
 
 
 def _in_float64(model: nn.Module, batches: list[Batch],
@@ -845,15 +853,8 @@ def _weighted_in_float64(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]
                          ) -> list[dict[str, Tensor]] | None:
     """:func:`_weighted_gradients` in float64 (:func:`_in_float64`; the floating targets
     cast too), or ``None``."""
-    batches = {id(b): (b, t) for b, t, _ in sides}
-
-    def roots(outs: list) -> list:
-        losses = {k: _losses(out, _doubled(t), loss_fn, b.n)
-                  for (k, (b, t)), out in zip(batches.items(), outs)}
-        return [((u.to(losses[id(b)].device, losses[id(b)].dtype) * losses[id(b)]).sum(), None)
-                for b, _, u in sides]
-
-    return _in_float64(model, [b for b, _ in batches.values()], roots, params, draws)
+    batches, roots = _weighted_roots(sides, loss_fn, cast=_doubled)
+    return _in_float64(model, batches, roots, params, draws)
 
 
 def _doubled(tree: Any) -> Any:

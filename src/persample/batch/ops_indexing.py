@@ -26,6 +26,7 @@ Registered with :func:`persample.batch.flow.register`; see that module.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -660,9 +661,7 @@ def _along_scatter_dim(ctx: Ctx, func, x: Tensor, d: int, idx: Tensor, src: Tens
 def _by_rows(t: Tensor, d: int) -> Tensor:
     """``(t.shape[d], rest)``: ``t``'s entries by their index along ``d`` (``rest`` may be
     0: an empty tensor has rows and no entries in them)."""
-    rest = 1
-    for k, size in enumerate(t.shape):
-        rest *= size if k != d else 1
+    rest = math.prod(size for k, size in enumerate(t.shape) if k != d)
     return t.movedim(d, 0).reshape(t.shape[d], rest)
 
 
@@ -724,8 +723,7 @@ def _landed(ctx: Ctx, what: str, x: Tensor, d: int, idx: Tensor, li: Layout, own
     named = element_samples(ctx, idx, li).expand(idx.shape).reshape(-1)
     if li is not SHARED and landing.numel() and size == ctx.n and torch.equal(
             landing, named) and nonnegative(named):  # (an empty index names nothing)
-        position = torch.arange(size, device=x.device)  # index values are the samples
-        rows = merge(rows, torch.where(position < ctx.n, position, NO_SAMPLE))
+        rows = merge(rows, torch.arange(size, device=x.device))  # (values are samples)
         if rows is None:
             return Mixed(f"{what} puts a sample's rows in another sample's place")
     lx = followed(ctx, x)
