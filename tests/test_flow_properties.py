@@ -197,6 +197,21 @@ def _rows(data, x, d):
     return layer
 
 
+def _cross(data, x, d):
+    """``cross`` along a dim of 3 positions: a new one (``stack`` of three), or a dim of
+    the input of that size, the batch dim included (then it mixes the samples)."""
+    threes = [k for k, size in enumerate(x.shape) if size == 3]
+    if threes and data.draw(st.booleans()):
+        k = data.draw(st.sampled_from(threes))
+        return lambda t: torch.linalg.cross(t, const(*t.shape), dim=k)
+    s = data.draw(st.integers(0, x.dim()))
+
+    def run(t: Tensor) -> Tensor:
+        three = torch.stack([t, t * 2, t.exp()], s)
+        return torch.cross(three, const(*three.shape), dim=s)
+    return run
+
+
 def _widen(data, x, d):
     """``repeat``, ``tile`` and ``expand`` of a size-1 dim."""
     reps = [data.draw(st.integers(1, 2)) for _ in range(x.dim() + data.draw(st.integers(0, 1)))]
@@ -237,7 +252,8 @@ OPS: list[tuple[str, Callable, bool]] = [
     ("slices", _slices, False), ("picked", _picked, False), ("joins", _joins, False),
     ("joins-other-dim", _joins_other_dim, True),
     ("broadcast-shared", _broadcast_shared, True), ("products", _products, False),
-    ("rows", _rows, True), ("widen", _widen, False), ("chains", _chains, False),
+    ("rows", _rows, True), ("widen", _widen, False), ("cross", _cross, False),
+    ("chains", _chains, False),
 ]
 KEEPS = {name for name, _, keeps in OPS if keeps}
 

@@ -453,3 +453,56 @@ def test_nodes_whose_ids_equal_their_graphs_name_no_sample():
         want = persample.loop_per_sample_grads(model, data, y, nn.MSELoss())
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+class MeanTimesWeight(nn.Module):
+    """The mean of each node's messages times a weight by ``@`` (node 0 of every graph
+    gets none: its row holds no sample's data), plus the node's own features times
+    another, pooled per graph; with ``relations``, ``RGCNConv`` (a mean per edge type)."""
+
+    def __init__(self, relations: bool = False):
+        super().__init__()
+        from torch_geometric import nn as gnn
+
+        self.relations = relations
+        if relations:
+            self.conv = gnn.RGCNConv(D, D, num_relations=3)
+        else:
+            self.w_l, self.w_r = (nn.Parameter(torch.randn(D, D)) for _ in range(2))
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, data):
+        from torch_geometric.utils import scatter
+
+        if self.relations:
+            types = (data.edge_attr[:, :2] > 0).sum(1)  # (each edge's own: its graph's)
+            h = self.conv(data.x, data.edge_index, types)
+        else:
+            src, dst = data.edge_index
+            mean = scatter(data.x[src], dst, 0, dim_size=data.x.shape[0], reduce="mean")
+            h = mean @ self.w_l + data.x @ self.w_r
+        return self.head(scatter(h.relu(), data.batch, 0, reduce="mean"))
+
+
+@pytest.mark.parametrize("relations", [False, True])
+def test_rows_of_no_message_times_a_weight_by_matmul_stay_rows_of_no_sample(relations):
+    """``mean @ W`` carries the rows of no sample on, made for its own output (it had
+    passed on its input's, which every later op took for an unknown layout: the whole
+    model went to ``vmap``). With the node's own features added, on the rules;
+    ``RGCNConv``, whose means per edge type meet before the node's own features, keeps
+    the fallback of its own module for the weight they are multiplied by (its root
+    weight and bias on the rules). Equal to the loop."""
+    torch.manual_seed(0)
+    model, batch, y = MeanTimesWeight(relations), graphs(), torch.randn(B, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = {f"{r.module}.{p}": r.path
+                 for r in persample.supported(model, batch, y, nn.MSELoss()) for p in r.params}
+        got = persample.per_sample_grads(model, batch, y, nn.MSELoss())
+    assert paths == ({"conv.weight": "fallback", "conv.root": "rule", "conv.bias": "rule",
+                      "head.weight": "rule", "head.bias": "rule"} if relations else
+                     {".w_l": "rule", ".w_r": "rule", "head.weight": "rule",
+                      "head.bias": "rule"}), paths
+    want = persample.loop_per_sample_grads(model, batch, y, nn.MSELoss())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

@@ -359,6 +359,25 @@ VALUE_READERS.update(_ALONG)
 register(lambda c, f, a, k, o: _along(c, f, a, k, o, pos=1), *aliases("flip"))
 
 
+def _cross(ctx, func, args, kwargs, out) -> Any:
+    """``cross(a, b, dim)``: elementwise (broadcast) but along ``dim``, whose 3 positions
+    each read the others (``torch.cross`` without ``dim``: its first dim of size 3;
+    ``torch.linalg.cross``: the last)."""
+    got = broadcast(ctx, func, args, kwargs, out)
+    d = arg(args, kwargs, 2, "dim", None)
+    if d is None:
+        d = -1 if func is torch.linalg.cross else next(
+            (k for k, size in enumerate(out.shape) if size == 3), -1)
+    lay = got.outputs
+    if isinstance(lay, (Batched, Partly)) and lay.dim == dim_of(d, out.dim()):
+        return mixed(func, "reads the other positions of the batch dim")
+    return got
+
+
+register(_cross, *aliases("cross"))
+VALUE_READERS.update(aliases("cross"))  # (it carries Partly itself, as broadcast does)
+
+
 def _roll(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(args[0])
     if isinstance(lay, Batched):

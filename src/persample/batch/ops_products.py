@@ -34,6 +34,7 @@ from .ops_indexing import (
     landed_rows,
     located,
     merge,
+    partly,
     samples_along,
     trouble,
 )
@@ -211,12 +212,17 @@ def _products(ctx, func, args, kwargs, out) -> Any:
     a = args[0] if args else kwargs.get("input")
     if isinstance(a, Tensor) and a.is_sparse:
         return _sparse_product(ctx, func, args, kwargs, out)
+    if partly(ctx, a) is not None and all(
+            followed(ctx, t) is SHARED for t in op_leaves(args, kwargs) if t is not a):
+        return _partly_matmul(ctx, func, args, kwargs, out)  # (a row of no sample times a
+        # shared matrix stays one: RGCNConv's mean per relation, ``h @ weight[i]``)
     bad = worst([ctx.layout(t) for t in op_leaves(args, kwargs)])
     if isinstance(bad, (Mixed, Unknown)):  # (as for any op: a sparse matrix's own layout
         return bad  # says only where its rows' entries are)
     return _matmul(ctx, func, args, kwargs, out)
 
 
+_partly_matmul = follows_partly(_matmul)
 _SPARSE = (*aliases("matmul", "mm", "__matmul__"), torch._C._sparse._sparse_mm)
 register(_products, *_SPARSE[:-1])
 register(_sparse_product, _SPARSE[-1])
