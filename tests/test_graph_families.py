@@ -106,9 +106,7 @@ class Net(nn.Module):
 
 
 # the path of the parameters that do not take a rule, and why
-LOCAL = {
-    "transformer": "op vjp",  # Set2Set's LSTM, from its first step's zero state on
-}
+LOCAL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "gat-edges", "gatv2-edges", "transformer",
@@ -259,10 +257,13 @@ class Set2SetReadout(nn.Module):
         return self.head(self.readout(self.conv(data.x, data.edge_index).relu(), data.batch))
 
 
-def test_set2set_in_float32_keeps_its_vjp_local():
-    """In float32 on the CPU the LSTM's kernel is oneDNN's, whose backward ``vmap`` cannot
-    batch: the LSTM's per-op VJP runs it as PyTorch's own cell ops, so the model keeps
-    the rules everywhere else instead of going to the whole-model ``vmap``."""
+def test_set2set_in_float32_takes_the_rules():
+    """``Set2Set``'s LSTM runs from its own earlier state: its first step, on zeros,
+    makes a state from the parameters alone, whose rows the next step and the nodes'
+    graph index pair with the samples. Each step's weights take the recurrent kernel's
+    rule (the first step's state pulled back once for every graph's row, its three
+    outputs at once); in float32 on the CPU, where the kernel is oneDNN's, whose
+    backward ``vmap`` cannot batch."""
     torch.manual_seed(0)
     model, batch = Set2SetReadout().float(), graphs()
     batch.x, batch.edge_attr = batch.x.float(), batch.edge_attr.float()
@@ -271,7 +272,7 @@ def test_set2set_in_float32_keeps_its_vjp_local():
         warnings.simplefilter("error")
         paths = {r.module: r.path for r in persample.supported(model, batch, y, loss)}
         got = persample.per_sample_grads(model, batch, y, loss, method="rules")
-    assert paths == {"conv.lin": "rule", "conv": "rule", "readout.lstm": "op vjp",
+    assert paths == {"conv.lin": "rule", "conv": "rule", "readout.lstm": "rule",
                      "head": "rule"}, paths
     want = persample.loop_per_sample_grads(model, batch, y, loss)
     for name in want:
@@ -503,6 +504,80 @@ def test_rows_of_no_message_times_a_weight_by_matmul_stay_rows_of_no_sample(rela
                       "head.weight": "rule", "head.bias": "rule"} if relations else
                      {".w_l": "rule", ".w_r": "rule", "head.weight": "rule",
                       "head.bias": "rule"}), paths
+    want = persample.loop_per_sample_grads(model, batch, y, nn.MSELoss())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+class Recurrent(nn.Module):
+    """A graph readout by a recurrent layer run from its own earlier state, as
+    ``Set2Set`` runs its LSTM (``kind``: ``"lstm"``, ``"gru"``, ``"rnn"``): the first
+    step on zeros (a state from the parameters alone), each next step on the attention
+    over the graph's nodes; ``steps`` steps."""
+
+    def __init__(self, kind: str, steps: int = 3):
+        super().__init__()
+        from torch_geometric import nn as gnn
+
+        self.conv, self.steps = gnn.GCNConv(D, D), steps
+        self.cell = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[kind](2 * D, D)
+        self.head = nn.Linear(2 * D, 2)
+
+    def forward(self, data):
+        from torch_geometric.utils import scatter, softmax
+
+        x, index = self.conv(data.x, data.edge_index).relu(), data.batch
+        zeros = x.new_zeros(1, data.num_graphs, D)
+        h = (zeros, zeros) if isinstance(self.cell, nn.LSTM) else zeros
+        q_star = x.new_zeros(data.num_graphs, 2 * D)
+        for _ in range(self.steps):
+            q, h = self.cell(q_star.unsqueeze(0), h)
+            q = q.view(data.num_graphs, D)
+            a = softmax((x * q[index]).sum(-1, keepdim=True), index)
+            q_star = torch.cat([q, scatter(a * x, index, 0, reduce="sum")], -1)
+        return self.head(q_star)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_a_recurrent_readout_from_its_own_state_takes_the_rules(kind):
+    """Each step of the recurrent layer on the rules (graphs, nodes, features and the
+    hidden size all ``B``), every answer equal to the loop in float64: the rows of the
+    first step's state paired with the graphs by their readers."""
+    torch.manual_seed(0)
+    model, batch, y = Recurrent(kind).double(), graphs(), torch.randn(B, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = {r.module: r.path for r in persample.supported(model, batch, y, nn.MSELoss())}
+        got = persample.per_sample_grads(model, batch, y, nn.MSELoss(), method="rules")
+    assert paths == {"conv": "rule", "conv.lin": "rule", "cell": "rule", "head": "rule"}, paths
+    want = persample.loop_per_sample_grads(model, batch, y, nn.MSELoss())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_the_first_steps_state_is_pulled_back_once_for_every_graph(monkeypatch):
+    """The first step's output and final states (made from the parameters alone) get
+    each sample's cotangent at that sample's row only: they are pulled back paired with
+    the graphs, the three at once (the kernel's rule runs for that step once, and once
+    for the second step; the third takes the LSTM's module rule), never by a VJP per
+    sample over every row (a batch of graphs times itself)."""
+    import persample.engine.pullback as pullback
+    import persample.rules.recurrent as recurrent
+
+    counts = {"kernel": 0, "shared": 0}
+
+    def counted(fn, key):
+        def run(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(recurrent, "recurrent", counted(recurrent.recurrent, "kernel"))
+    monkeypatch.setattr(pullback, "shared_vjp", counted(pullback.shared_vjp, "shared"))
+    torch.manual_seed(0)
+    model, batch, y = Recurrent("lstm").double(), graphs(), torch.randn(B, 2)
+    got = persample.per_sample_grads(model, batch, y, nn.MSELoss(), method="rules")
+    assert counts == {"kernel": 2, "shared": 0}, counts
     want = persample.loop_per_sample_grads(model, batch, y, nn.MSELoss())
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

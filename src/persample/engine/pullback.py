@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 
 from ..batch import SHARED, Batched, Ctx, Layout, broadcasts, propagate
 from ..batch.ops_views import reshaped
-from ..capture import Call, Derived, Op
+from ..capture import Call, Op
 from ..errors import InPlaceModificationError, NeedsWholeModel, UnsupportedModuleError
 from ..precision import cast, without_autocast
 from ..rules import (
@@ -235,6 +235,7 @@ class Pullbacks:
         if not wrt or all(c is None for c in cots):
             return
         call = OpCall(op, n)
+        call.out_pairings = out_pairings
         if pairings is not None:
             call.op = _Paired(op, pairings)
             call.out_pairing = out_pairings[0] if len(out_pairings) == 1 else None
@@ -282,7 +283,10 @@ class Pullbacks:
                 raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
             else:  # (the first leaf of a second write: the tensor's earlier value)
                 key = id(op.previous) if k == 0 and op.previous is not None else id(t)
-                self.pending.setdefault(key, []).append((out[t], paired[k]))
+                cot, pairing = out[t], paired[k]
+                if pairing is None:
+                    cot, pairing = _on_own_positions(cot, self.captured.n)
+                self.pending.setdefault(key, []).append((cot, pairing))
 
     def _apart(self, op: Op, call: OpCall, wrt: list[int], cots: list, single: list,
                out_pairings: list, out: dict) -> tuple[str, str | None]:
@@ -360,16 +364,32 @@ class Pullbacks:
 
     def pull_derived(self) -> None:
         """Derived tensors, newest first: their cotangents back through their ops."""
-        derived = self.captured.derived
+        derived, n = self.captured.derived, self.captured.n
         while self.pending:
             key = max(self.pending, key=lambda i: derived[i].op.index)
-            d: Derived = derived[key]
-            for cot, pairing in _merge(self.pending.pop(key)):
-                cots = [None] * len(d.op.outputs)
-                cots[d.out] = cot
-                pairings = [None] * len(d.op.outputs)
-                pairings[d.out] = pairing
-                self.apply(d.op, cots, pairings, _producer_pairings(d.op, pairing, self.captured.n))
+            op = derived[key].op
+            keys = [k for k in self.pending if derived[k].op is op]  # (an op's outputs)
+            items = [(derived[k].out, cot, pairing) for k in keys
+                     for cot, pairing in _merge(self.pending.pop(k))]
+            for out, cot, pairing in _together(op, items, n):
+                cots, pairings = [None] * len(op.outputs), [None] * len(op.outputs)
+                for k, c, a in zip(out, cot, pairing):
+                    cots[k], pairings[k] = c, a
+                self.apply(op, cots, pairings, _producer_pairings(op, pairing[0], n))
+
+
+def _together(op: Op, items: list[tuple[int, Tensor, Batched | None]], n: int) -> list:
+    """The cotangents of a derived op's outputs (``(output, cotangent, pairing)``), as
+    ``(outputs, cotangents, pairings)`` pulled back at once: those of distinct outputs
+    whose pairings give its inputs one pairing (a recurrent kernel's output and final
+    states, each paired with the samples by its sequences), else one at a time."""
+    outs = [k for k, _, _ in items]
+    if len(items) > 1 and len(set(outs)) == len(outs) and all(
+            p is not None for _, _, p in items):
+        first = _producer_pairings(op, items[0][2], n)
+        if all(_producer_pairings(op, p, n) == first for _, _, p in items[1:]):
+            return [tuple(zip(*items))]
+    return [((k,), (c,), (p,)) for k, c, p in items]
 
 
 def _run_rule(op: Op, call: OpCall, cots: list, single: list[Tensor], out: dict) -> str | None:
@@ -377,13 +397,37 @@ def _run_rule(op: Op, call: OpCall, cots: list, single: list[Tensor], out: dict)
     spec = rules_of(op)
     if spec is None and spec_of(op.func) is not None:
         return "complex tensors, which its rule is not written for"
-    if spec is None or spec.grad is None or len(cots) != 1 or len(single) != 1:
+    if spec is None or spec.grad is None or (not spec.multi_output and (
+            len(cots) != 1 or len(single) != 1)):
         return "no rule"
+    g = [None if c is None else cast(c, call.dtype) for c in cots] if spec.multi_output else (
+        single[0])
     try:
-        spec.grad(call, single[0], out)
+        spec.grad(call, g, out)
     except Decline as why:
         return str(why)
     return None
+
+
+def _on_own_positions(cot: Tensor, n: int) -> tuple[Tensor, Batched | None]:
+    """A shared tensor's per-sample cotangents ``(n, v, *shape)``, as cotangents paired
+    with the samples where each sample's is zero but at its own position along a dim
+    (``(n, v, *per_sample)``, ``Batched(dim)``): the same numbers, so a row-wise op that
+    made the tensor is pulled back once for every sample's row instead of once per
+    sample over every row (Set2Set's LSTM state, read per graph by the nodes' graph
+    index). Else the cotangents as they are, unpaired."""
+    ar = None
+    for d, size in enumerate(cot.shape[2:]):
+        if size != n or n < 2:
+            continue
+        ar = torch.arange(n, device=cot.device) if ar is None else ar
+        moved = cot.movedim(2 + d, 2)  # (n, v, n, *rest)
+        own = moved[ar, :, ar]  # (n, v, *rest): sample i's cotangent at its position i
+        off = moved.clone()
+        off[ar, :, ar] = 0
+        if not off.any():
+            return own, Batched(d)
+    return cot, None
 
 
 def _merge(items: list[tuple[Tensor, Batched | None]]) -> list[tuple[Tensor, Batched | None]]:

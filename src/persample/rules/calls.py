@@ -34,6 +34,8 @@ class OpCall:
         self.adding: set[Tensor] = set()  # inputs whose result to add to (``adds`` rules)
         self.out_pairing: Batched | None = None  # the output's, for a derived op pulled
         # back per sample (its output paired with the samples), else None
+        self.out_pairings: list = []  # each output's (its layout; for a derived op
+        # pulled back, its cotangent's pairing, None: every sample's of the whole output)
         self.func, self.args, self.kwargs = op.func, op.args, op.kwargs
         self._pos = {}
         for k, t in enumerate(op.leaves):

@@ -27,6 +27,7 @@ written in the results' dtype at the end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -34,9 +35,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from ..batch import Batched
 from ..precision import accumulate_dtype, cast
 from .outer import sum_outer_into
-from .spec import ModuleSpec, register_module
+from .spec import Decline, ModuleSpec, OpSpec, register, register_module
 
 
 @dataclass
@@ -435,3 +437,72 @@ def _write(out: dict, name: str, g: Tensor, a: Tensor | None) -> None:
 RECURRENT = register_module(ModuleSpec((nn.RNN, nn.LSTM, nn.GRU), grad=recurrent,
                                        refusal=training_dropout, multi_output=True,
                                        outputs=True))
+
+
+_MODES = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TANH",
+          torch.rnn_relu: "RNN_RELU"}
+
+
+def kernel(call: Any, g: list, out: dict) -> None:
+    """Per-sample gradients of the weights of one call of a recurrent kernel
+    (``torch.lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu`` on a padded input) that no
+    module rule claims: a layer called again from its own earlier state (``Set2Set``'s
+    LSTM, whose state after one step is the next step's initial state), or one called
+    on a shared input and state whose rows its readers pair with the samples (that
+    first step, pulled back as a derived tensor). The input and states are read as the
+    op pairs them with the samples (:meth:`OpCall.front`: ``(n, T, I)`` and ``(n, L *
+    D, H)``), ``g`` is one ``(n, v, ...)`` per output (``None``: zeros), and the
+    gradients are the recurrent rule's (:func:`recurrent`). Declines a packed sequence,
+    a projection (``proj_size``), dropout between layers in training mode, inputs not
+    all paired with the samples, and derived inputs beside the weights (the engine
+    differentiates those)."""
+    args = call.args
+    if isinstance(args[1], Tensor) and args[1].dim() == 1 and not args[1].is_floating_point():
+        raise Decline("a packed sequence outside its module")
+    x, hx, weights, has_biases, layers, dropout, train, bidirectional = args[:8]
+    call.only(out, *weights)
+    layer = _kernel_layer(_MODES[call.func], list(weights), has_biases, layers, dropout,
+                          train, bidirectional)
+    states = list(hx) if isinstance(hx, (tuple, list)) else [hx]
+    pairings = [call.pairing(t) for t in [x, *states]]
+    if not all(_one_each(p) for p in pairings) or not all(
+            p is None or _one_each(p) for p in call.out_pairings):
+        raise Decline("an input or state not paired one sequence per sample")
+    xs, *hs = [call.front(t).squeeze(p.dim + 1) for t, p in zip([x, *states], pairings)]
+    given = next(gk for gk in g if gk is not None)  # (n, v, ..., 1, ...) per output
+    n, v = given.shape[:2]
+    shapes = [(xs.shape[1], (2 if bidirectional else 1) * hs[0].shape[-1]),
+              *[tuple(h.shape[1:]) for h in hs]]  # output (T, D * H), states (L * D, H)
+    backprops = [given.new_zeros(n, v, *shape) if gk is None else gk.squeeze(p.dim + 2)
+                 for gk, p, shape in zip(g, call.out_pairings, shapes)]
+    named = {name: out[w] for name, w in zip(layer.names, weights) if w in out}
+    recurrent(layer, (xs, tuple(hs) if layer.mode == "LSTM" else hs[0]), backprops, named)
+
+
+def _one_each(lay: Any) -> bool:
+    """A pairing of one position per sample, in order (a kernel's sequences)."""
+    return isinstance(lay, Batched) and lay.plain
+
+
+def _kernel_layer(mode: str, weights: list[Tensor], has_biases: bool, layers: int,
+                  dropout: float, train: bool, bidirectional: bool) -> SimpleNamespace:
+    """The attributes of an ``nn.RNNBase`` the recurrent rule reads, for a kernel's flat
+    weights (per layer and direction: ``w_ih, w_hh[, b_ih, b_hh]``); ``names``: each
+    weight's name in the layer."""
+    directions = 2 if bidirectional else 1
+    each = 4 if has_biases else 2
+    if len(weights) != layers * directions * each:
+        raise Decline("a projection (proj_size)")
+    kinds = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")[:each]
+    names = [f"{kind}_l{k}" + ("_reverse" if d else "")
+             for k in range(layers) for d in range(directions) for kind in kinds]
+    layer = SimpleNamespace(mode=mode, num_layers=layers, bidirectional=bidirectional,
+                            hidden_size=weights[1].shape[1], proj_size=0, dropout=dropout,
+                            training=train, names=names, **dict(zip(names, weights)))
+    reason = training_dropout(layer)
+    if reason:
+        raise Decline(reason)
+    return layer
+
+
+KERNELS = register(OpSpec(tuple(_MODES), grad=kernel, multi_output=True))

@@ -105,6 +105,9 @@ class OpSpec:
         reads_values: the gradient rule reads values into Python where the dispatcher
             does not see it (``Tensor.tolist()``): a cached call runs it again rather
             than replaying the ATen ops it ran (:mod:`persample.engine.replay`).
+        multi_output: the op returns several tensors (a recurrent kernel's output and
+            final states); the gradient rule gets ``g`` as a list, one ``(n, v, *out_k)``
+            per output (``None`` where no cotangent reaches it).
         funcs: every function covered, found by :func:`register`.
     """
 
@@ -120,6 +123,7 @@ class OpSpec:
     reads_inputs: bool = True
     complex: bool = False
     reads_values: bool = False
+    multi_output: bool = False
     funcs: tuple[Any, ...] = ()
 
     @property
