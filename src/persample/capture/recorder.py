@@ -77,7 +77,7 @@ from ..batch import (
     op_leaves,
     propagate,
 )
-from ..batch.flow import METADATA, SHAPE_READERS, aliases, name_of, unbroadcast
+from ..batch.flow import METADATA, SHAPE_READERS, aliases, broadcasts, name_of, unbroadcast
 from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import Partly, written_layout
 from ..batch.table import MISSING, LayoutTable, storage_of
@@ -188,7 +188,7 @@ class Capture:
         # tensors carrying rows of no sample that a recorded row-wise op made, which their
         # one reader may pair with samples (see the module docstring): id(tensor) ->
         # (tensor, the chains of the ops whose rows it carries, whether it was read)
-        self._claimable: dict[int, tuple[Tensor, tuple[_Chain, ...], bool]] = {}
+        self._claimable: dict[int, tuple[Tensor, tuple[_Chain, ...], bool, Tensor]] = {}
         self.claims = 0  # records so completed (their layouts are this call's: no program)
         self.following = False  # inside follow(): the loss's ops
         self.mixing: str | None = None  # the first op of the loss that mixes samples
@@ -581,7 +581,7 @@ class Capture:
             flow = Flow(placed(flow.outputs, self.stack[-1].describe()), flow.pairing,
                         flow.writes)
         if pending:
-            self._claimed(pending, leaves, layouts, flow, out)
+            self._claimed(pending, func, leaves, layouts, flow, out)
         self._flow = flow
         target = kwargs.get("out") if isinstance(kwargs.get("out"), Tensor) else (
             args[0] if mutates and args and isinstance(args[0], Tensor) else None)
@@ -609,9 +609,10 @@ class Capture:
                             draw)
         return out
 
-    def _first_reads(self, leaves: list, func: Any) -> list[tuple[int, Tensor, tuple]]:
+    def _first_reads(self, leaves: list, func: Any) -> list[tuple[int, Tensor, tuple, Tensor]]:
         """The claimable tensors an op reads for the first time, ``(leaf position, tensor,
-        its chains)``, now marked read; a second read ends the chains of what it reads
+        its chains, the rows of no sample it holds)``, now marked read; a second read
+        ends the chains of what it reads
         (see the module docstring). A read of the shape alone (``new_zeros``, the
         ``other`` of ``expand_as``) is none."""
         found = []
@@ -624,34 +625,36 @@ class Capture:
             if entry[2]:
                 _kill([(k, t, entry[1])])
             else:
-                self._claimable[id(t)] = (t, entry[1], True)
-                found.append((k, t, entry[1]))
+                self._claimable[id(t)] = (t, entry[1], True, entry[3])
+                found.append((k, t, entry[1], entry[3]))
         return found
 
-    def _claimed(self, pending: list, leaves: list, layouts: list[Layout], flow: Flow,
-                 out: Any) -> None:
+    def _claimed(self, pending: list, func: Any, leaves: list, layouts: list[Layout],
+                 flow: Flow, out: Any) -> None:
         """After the first read of claimable tensors (``pending``, :meth:`_first_reads`):
         where the op pairs a tensor's rows with samples (``flow.pairing``), its chains'
         records completed; where it carries the rows on (a view, an elementwise op with
-        shared operands), its output joins the chains; else the chains end."""
-        for k, t, chains in pending:
+        shared operands; an elementwise op merging such rows with another tensor's, some
+        of them given a sample there), its output joins the chains; else the chains
+        end."""
+        for k, t, chains, rows in pending:
             live = tuple(c for c in chains if not c.dead)
             lay = layouts[k]
-            if not live or not (isinstance(lay, Partly) and lay.rows is live[0].own.rows
+            if not live or not (isinstance(lay, Partly) and lay.rows is rows
                                 and sum(u is t for u in leaves) == 1):
                 _kill([(k, t, live)])
                 continue
             pair = flow.pairing[k] if flow.pairing is not None else None
-            carried = _carried(flow, out, leaves, lay.rows)
+            carried = _carried(flow, out, leaves, lay.rows, broadcasts(func))
             if isinstance(pair, Batched) and pair.dim == lay.dim:
                 for chain in live:
                     chain.complete(pair.moved(chain.own.dim))
                 self.claims += 1
             elif carried:
-                for o in carried:
+                for o, at in carried:
                     entry = self._claimable.get(id(o))
                     more = entry[1] if entry is not None and entry[0] is o else ()
-                    self._claimable[id(o)] = (o, more + live, False)
+                    self._claimable[id(o)] = (o, more + live, False, at)
             else:
                 _kill([(k, t, live)])
 
@@ -729,7 +732,8 @@ class Capture:
         if _row_wise_partly(op, layouts):
             entry = self._claimable.get(id(out))
             more = entry[1] if entry is not None and entry[0] is out else ()
-            self._claimable[id(out)] = (out, more + (_Chain(op, op.flow.outputs),), False)
+            self._claimable[id(out)] = (out, more + (_Chain(op, op.flow.outputs),), False,
+                                        op.flow.outputs.rows)
         op.output = shapes_only(out, op.flow.outputs)
 
     def _claim(self, pids: frozenset[int]) -> Call | None:
@@ -905,23 +909,32 @@ class _Chain:
         self.dead = True
 
 
-def _carried(flow: Flow, out: Any, leaves: list, rows: Tensor) -> list[Tensor]:
-    """The outputs of an op that carries the rows ``rows`` on unchanged to each of them
-    (a view, ``chunk`` of another dim, an elementwise op with shared operands: each
-    output a :class:`Partly` of those very rows, the op pairing nothing), else none."""
+def _carried(flow: Flow, out: Any, leaves: list, rows: Tensor, aligned: bool = False
+             ) -> list[tuple[Tensor, Tensor]]:
+    """The outputs of an op that carries the rows ``rows`` on to each of them, with the
+    rows of no sample each holds (``(output, its rows)``), else none: a view, ``chunk``
+    of another dim, an elementwise op with shared operands (each output a
+    :class:`Partly` of those very rows, the op pairing nothing); ``aligned`` (an
+    elementwise op: its output's positions are its inputs'), an output of as many rows
+    that another input's samples filled in part (``RGCNConv``'s sum of its relations'
+    means)."""
     outs = [out] if isinstance(out, Tensor) else list(out) if isinstance(
         out, (tuple, list)) else []
     lays = flow.outputs if isinstance(flow.outputs, tuple) else (flow.outputs,)
     if (flow.pairing is not None or not outs or len(outs) != len(lays)
             or any(not isinstance(o, Tensor) or any(o is u for u in leaves) for o in outs)):
         return []
-    if all(isinstance(lay, Partly) and lay.rows is rows and lay.ref is not None
-           and lay.ref() is o for o, lay in zip(outs, lays)):
-        return outs
+    if not all(isinstance(lay, Partly) and lay.ref is not None and lay.ref() is o
+               for o, lay in zip(outs, lays)):
+        return []
+    if all(lay.rows is rows for lay in lays):
+        return [(o, rows) for o in outs]
+    if aligned and len(outs) == 1 and lays[0].rows.shape == rows.shape:
+        return [(outs[0], lays[0].rows)]
     return []
 
 
 def _kill(pending: list | None) -> None:
-    for _, _, chains in pending or ():
-        for chain in chains:
+    for item in pending or ():
+        for chain in item[2]:
             chain.kill()
