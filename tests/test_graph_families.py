@@ -596,3 +596,48 @@ def test_the_first_steps_state_is_pulled_back_once_for_every_graph(monkeypatch):
     want = persample.loop_per_sample_grads(model, batch, y, nn.MSELoss())
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def _isolated_graphs():
+    """``B`` graphs of ``N`` nodes whose node 0 has no edge in or out."""
+    from torch_geometric.data import Batch, Data
+
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(B):
+        dst = torch.randint(1, N, (EDGES,), generator=g)
+        src = (dst - 1 + torch.randint(1, N - 1, (EDGES,), generator=g)) % (N - 1) + 1
+        data.append(Data(x=torch.randn(N, D, generator=g, dtype=torch.float64),
+                         edge_index=torch.stack([src, dst])))  # (no self loop, none at 0)
+    return Batch.from_data_list(data)
+
+
+@pytest.mark.parametrize("inner", ["sage", "gcn"])
+def test_both_directions_rows_of_no_message_meet_on_the_rules(inner):
+    """``DirGNNConv`` sums its layer over the incoming and over the outgoing edges (an
+    isolated node: a row of no sample in both) before the node's own features: the
+    rows of no sample carried through that sum take the sample of the node they are
+    added to. On the rules, equal to the loop."""
+    require("torch_geometric")
+    from torch_geometric import nn as gnn
+
+    class Dir(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = gnn.SAGEConv(D, D) if inner == "sage" else gnn.GCNConv(D, D)
+            self.conv, self.head = gnn.DirGNNConv(layer), nn.Linear(D, 2)
+
+        def forward(self, data):
+            h = self.conv(data.x, data.edge_index).relu()
+            return self.head(gnn.global_mean_pool(h, data.batch))
+
+    torch.manual_seed(0)
+    model, batch, y = Dir().double(), _isolated_graphs(), torch.randn(B, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = {r.path for r in persample.supported(model, batch, y, nn.MSELoss())}
+        got = persample.per_sample_grads(model, batch, y, nn.MSELoss())
+    assert paths <= {"rule", "unused"}, paths
+    want = persample.loop_per_sample_grads(model, batch, y, nn.MSELoss())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
