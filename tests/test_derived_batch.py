@@ -568,3 +568,23 @@ def test_a_parameter_written_into_a_fresh_tensor_takes_the_rules():
     check(IntoFree(), torch.randn(B, T, E), torch.tensor([0, 2, 1, 2]), ce)
 
 
+
+
+def test_cotangents_each_at_its_own_position_are_paired_with_the_samples():
+    """A shared tensor's per-sample cotangents ``(n, v, *shape)`` zero but at each
+    sample's own position along a dim become cotangents paired there ``(n, v, ..., 1,
+    ...)`` holding the same numbers; one entry elsewhere keeps them unpaired. Sizes
+    coincide (every dim 3): the dim is found by the zeros, not by a size."""
+    from persample.batch import Batched
+    from persample.engine.pullback import _on_own_positions
+
+    n = 3
+    full = torch.zeros(n, 2, 3, n, 3, dtype=torch.float64)  # (n, v, 3, n, 3): dim 1 holds them
+    for i in range(n):
+        full[i, :, :, i] = torch.randn(2, 3, 3, dtype=torch.float64)
+    got, pairing = _on_own_positions(full, n)
+    assert pairing == Batched(1) and got.shape == (n, 2, 3, 1, 3)
+    assert torch.equal(pairing.front_cotangents(full.sum(0), n), got)  # (the same numbers)
+    full[0, 0, 0, 1, 0] = 1.0  # (sample 0 reaches sample 1's position)
+    got, pairing = _on_own_positions(full, n)
+    assert pairing is None and got is full

@@ -422,11 +422,10 @@ def _on_own_positions(cot: Tensor, n: int) -> tuple[Tensor, Batched | None]:
             continue
         ar = torch.arange(n, device=cot.device) if ar is None else ar
         moved = cot.movedim(2 + d, 2)  # (n, v, n, *rest)
-        own = moved[ar, :, ar]  # (n, v, *rest): sample i's cotangent at its position i
         off = moved.clone()
         off[ar, :, ar] = 0
-        if not off.any():
-            return own, Batched(d)
+        if not off.any():  # sample i's cotangent at its position i, (n, v, ..., 1, ...)
+            return moved[ar, :, ar].unsqueeze(2 + d), Batched(d)
     return cot, None
 
 
