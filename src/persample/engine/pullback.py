@@ -422,6 +422,8 @@ def _on_own_positions(cot: Tensor, n: int) -> tuple[Tensor, Batched | None]:
             continue
         ar = torch.arange(n, device=cot.device) if ar is None else ar
         moved = cot.movedim(2 + d, 2)  # (n, v, n, *rest)
+        if moved[0, :, 1:].any():  # (sample 0 off its own position: a quick no)
+            continue
         off = moved.clone()
         off[ar, :, ar] = 0
         if not off.any():  # sample i's cotangent at its position i, (n, v, ..., 1, ...)
