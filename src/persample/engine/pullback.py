@@ -283,10 +283,7 @@ class Pullbacks:
                 raise NeedsWholeModel(f"a parameter paired with the samples in {op.where()}")
             else:  # (the first leaf of a second write: the tensor's earlier value)
                 key = id(op.previous) if k == 0 and op.previous is not None else id(t)
-                cot, pairing = out[t], paired[k]
-                if pairing is None:
-                    cot, pairing = _on_own_positions(cot, self.captured.n)
-                self.pending.setdefault(key, []).append((cot, pairing))
+                self.pending.setdefault(key, []).append((out[t], paired[k]))
 
     def _apart(self, op: Op, call: OpCall, wrt: list[int], cots: list, single: list,
                out_pairings: list, out: dict) -> tuple[str, str | None]:
@@ -369,13 +366,35 @@ class Pullbacks:
             key = max(self.pending, key=lambda i: derived[i].op.index)
             op = derived[key].op
             keys = [k for k in self.pending if derived[k].op is op]  # (an op's outputs)
-            items = [(derived[k].out, cot, pairing) for k in keys
-                     for cot, pairing in _merge(self.pending.pop(k))]
+            items = [(derived[k].out, *self._own_positions(op, cot, pairing))
+                     for k in keys for cot, pairing in _merge(self.pending.pop(k))]
             for out, cot, pairing in _together(op, items, n):
                 cots, pairings = [None] * len(op.outputs), [None] * len(op.outputs)
                 for k, c, a in zip(out, cot, pairing):
                     cots[k], pairings[k] = c, a
                 self.apply(op, cots, pairings, _producer_pairings(op, pairing[0], n))
+
+
+    def _own_positions(self, op: Op, cot: Tensor, pairing: Batched | None
+                       ) -> tuple[Tensor, Batched | None]:
+        """An unpaired cotangent of a derived op's output as one paired with the samples
+        where each sample's is zero but at its own position (:func:`_on_own_positions`)
+        and the op carries that pairing to an input that is not a parameter (a
+        parameter is never paired: its gradient is its own); else as it is. Tried only
+        where the op also reads a floating-point tensor that is not a parameter (the
+        state of Set2Set's first step, pulled back through the kernel that made it):
+        reading the cotangent's values keeps a cached call from replaying its rules."""
+        if pairing is not None or not any(
+                t.is_floating_point() and self._param(t) is None for t in op.leaves):
+            return cot, pairing
+        got, found = _on_own_positions(cot, self.captured.n)
+        if found is None:
+            return cot, None
+        leaves = _producer_pairings(op, found, self.captured.n)
+        if not any(leaves) or any(a is not None and self._param(t) is not None
+                                  for t, a in zip(op.leaves, leaves)):
+            return cot, None
+        return got, found
 
 
 def _together(op: Op, items: list[tuple[int, Tensor, Batched | None]], n: int) -> list:
