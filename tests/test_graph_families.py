@@ -641,3 +641,47 @@ def test_both_directions_rows_of_no_message_meet_on_the_rules(inner):
     want = persample.loop_per_sample_grads(model, batch, y, nn.MSELoss())
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+class ByGraph(nn.Module):
+    """Each node given a row of a table by its graph's id in the batch (``kind``): a
+    parameter of a row per graph (``"table"``), rows computed from it (``"scaled"``), an
+    embedding looked up by the graph ids (``"embedding"``); or a virtual node, one
+    learned row for every graph (an embedding of zeros, ``"virtual"``), read the same
+    way, which each graph alone reads alike."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.table = nn.Parameter(torch.randn(B, D))
+        self.emb, self.head = nn.Embedding(B, D), nn.Linear(D, 2)
+
+    def forward(self, data):
+        from torch_geometric.nn import global_mean_pool
+
+        graph = data.batch
+        rows = {"table": lambda: self.table[graph], "scaled": lambda: (self.table * 2)[graph],
+                "embedding": lambda: self.emb(graph),
+                "virtual": lambda: self.emb(graph.new_zeros(data.num_graphs))[graph]}[
+            self.kind]()
+        return self.head(global_mean_pool(data.x + rows, graph))
+
+
+@pytest.mark.parametrize("kind", ["table", "scaled", "embedding", "virtual"])
+def test_a_table_read_at_each_graphs_own_id_is_refused_by_name(kind):
+    """In the batch graph ``i`` reads row ``i``; alone it is graph 0 and reads row 0: a
+    table of a row per graph mixes the samples by their place in the batch, and the rules
+    refuse it naming the op (the loop's answer differs from the batch's). A virtual node,
+    the same row for every graph, reads alike in both: on the rules, equal to the loop."""
+    torch.manual_seed(0)
+    model, batch, y = ByGraph(kind).double(), graphs(), torch.randn(B, 2)
+    if kind == "virtual":
+        paths = {r.path for r in persample.supported(model, batch, y, nn.MSELoss())}
+        got = persample.per_sample_grads(model, batch, y, nn.MSELoss(), method="rules")
+        want = persample.loop_per_sample_grads(model, batch, y, nn.MSELoss())
+        assert paths <= {"rule", "unused"}, paths
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+        return
+    with pytest.raises(persample.LossNotPerSampleError, match="the rows its"):
+        persample.per_sample_grads(model, batch, y, nn.MSELoss(), method="rules")

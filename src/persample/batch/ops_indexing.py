@@ -430,6 +430,11 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
     shape = [1 if p[0] == "new" else len(range(*p[2].indices(x.shape[p[1]]))) for p in basics]
     if tuple(shape[:start]) + block + tuple(shape[start:]) != tuple(out.shape):
         return None
+    if lay is SHARED and any(a.own is not None and by_own_ids(x, a.dim, a.values, a.own)
+                             for a in advs):
+        return Mixed(f"{what} reads a shared table at the rows its entries' own samples "
+                     "name (a row per sample in the batch: each sample alone would read "
+                     "the first)")
     samples = None  # (no index tensor with samples of its own yet: none anywhere)
     for a in advs:
         if a.own is not None:
@@ -477,6 +482,22 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
     keys = [lay.keys for lay in (followed(ctx, t) for t in tensors) if isinstance(lay, Sorted)]
     return _with_keys(located(start + k, rows, ctx.n, out, what),
                       keys[0] if len(block) == 1 and len(keys) == 1 else None)
+
+
+def by_own_ids(x: Tensor, dim: int, values: Tensor, own: Tensor) -> bool:
+    """Does an index read shared ``x`` along ``dim`` at the positions its entries' own
+    samples name (``table[batch]``, a graph batch's graph of each node), from rows that
+    differ or from a parameter's? In the batch sample ``i`` reads row ``i``; alone it is
+    sample 0 and reads row 0, which is the same only where the rows are equal and no
+    parameter's (a state made from zeros for each graph, ``Set2Set``'s; an embedding of
+    zeros, a virtual node's). ``own`` broadcasts to ``values``."""
+    own = own.expand(values.shape)
+    if not own.numel() or not nonnegative(own) or not torch.equal(values.long(), own.long()):
+        return False
+    base = x if x._base is None else x._base
+    if isinstance(base, torch.nn.Parameter):
+        return True
+    return not torch.equal(x, x.narrow(dim, 0, 1).expand_as(x))
 
 
 def _own(ctx: Ctx, t: Tensor) -> Tensor | None:

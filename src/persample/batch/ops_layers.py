@@ -36,6 +36,7 @@ from .layouts import (
     sample_of_positions,
 )
 from .ops_elementwise import broadcast
+from .ops_indexing import by_own_ids, element_samples
 
 # ---------------------------------------------------------------------------
 # layers: the op's own batch dim (0) holds the samples
@@ -208,7 +209,12 @@ def _embedding(ctx, func, args, kwargs, out) -> Any:
     weight = arg(args, kwargs, 1, "weight") if func is F.embedding else args[0]
     if ctx.layout(weight) is not SHARED:
         return Unknown("embedding with a per-sample table")
-    return ctx.layout(ids)
+    lay = ctx.layout(ids)
+    if isinstance(lay, Batched) and by_own_ids(
+            weight, 0, ids, element_samples(ctx, ids, lay)):
+        return mixed(func, "looks up the rows its ids' own samples name (a row per sample "
+                     "in the batch: each sample alone would read the first)")
+    return lay
 
 
 register(_embedding, F.embedding, torch.embedding)
