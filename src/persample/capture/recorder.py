@@ -29,7 +29,8 @@ Rows of no sample given their sample by the op that meets them: a row-wise op re
 parameters (a linear layer) on a tensor some of whose rows hold no sample's data (the
 aggregate of a node that got no message, :class:`~persample.batch.ops_indexing.Partly`)
 makes such rows too. Where the only op that ever reads that output (through views,
-``chunk`` and elementwise ops with shared operands, which carry the rows on) pairs each
+``chunk`` and elementwise ops, which carry the rows on: with shared operands, or merging
+them with another tensor's rows, ``RGCNConv``'s sum over its relations) pairs each
 of those rows with one sample's row (``SAGEConv``'s ``lin_l(mean) + lin_r(x)``: the
 node's own features added; a pool's scatter into each graph's row), that sample's loss
 is the only one the row reaches, so the row's cotangent is that sample's alone: the
@@ -187,7 +188,8 @@ class Capture:
         self._written_into: Tensor | None = None  # the op just followed made this derived
         # tensors carrying rows of no sample that a recorded row-wise op made, which their
         # one reader may pair with samples (see the module docstring): id(tensor) ->
-        # (tensor, the chains of the ops whose rows it carries, whether it was read)
+        # (tensor, the chains of the ops whose rows it carries, whether it was read, the
+        # rows of no sample it holds)
         self._claimable: dict[int, tuple[Tensor, tuple[_Chain, ...], bool, Tensor]] = {}
         self.claims = 0  # records so completed (their layouts are this call's: no program)
         self.following = False  # inside follow(): the loss's ops
@@ -612,9 +614,8 @@ class Capture:
     def _first_reads(self, leaves: list, func: Any) -> list[tuple[int, Tensor, tuple, Tensor]]:
         """The claimable tensors an op reads for the first time, ``(leaf position, tensor,
         its chains, the rows of no sample it holds)``, now marked read; a second read
-        ends the chains of what it reads
-        (see the module docstring). A read of the shape alone (``new_zeros``, the
-        ``other`` of ``expand_as``) is none."""
+        ends the chains of what it reads (see the module docstring). A read of the shape
+        alone (``new_zeros``, the ``other`` of ``expand_as``) is none."""
         found = []
         references = (range(len(leaves)) if func in SHAPE_READERS else
                       range(1, len(leaves)) if func in _AS_OTHER else ())
