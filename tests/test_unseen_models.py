@@ -4,7 +4,9 @@ or a module rule (none its op's VJP by ``torch.func``, nor the fallback), and th
 per-sample gradients equal the loop's (float64).
 
 Swin (shifted windows: a shift mask repeated per sample's windows beside a learned
-bias), BEiT (a relative bias gathered from a table by a buffer of indices), XLNet
+bias), Swin-v2 (its position bias from an MLP on a table of coordinates, whose ReLU
+writes in place into the first layer's output, a view of the product ``F.linear`` makes
+of a 4-d input), BEiT (a relative bias gathered from a table by a buffer of indices), XLNet
 (relative attention by ``einsum`` with a segment matrix as long as the batch), FNet
 (FFT token mixing), Funnel (sequence pooling between blocks), T5 for classification
 (pooling at ``<eos>`` by a boolean mask regrouped by a view), Longformer (overlapping
@@ -46,6 +48,9 @@ def _t5_ids() -> dict:
 T = transformers
 MODELS = {
     "swin": (lambda: T.SwinForImageClassification(T.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+        window_size=4, num_labels=3)), _pixels),
+    "swinv2": (lambda: T.Swinv2ForImageClassification(T.Swinv2Config(
         image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
         window_size=4, num_labels=3)), _pixels),
     "beit": (lambda: T.BeitForImageClassification(T.BeitConfig(
@@ -92,6 +97,28 @@ def test_on_the_rules_and_exact(name):
     read = sum(dict(model.named_parameters())[f"{r.module}.{p}" if r.module else p].numel()
                for r in routes for p in r.params if r.path != "unused")
     assert on_rules == read, (on_rules, read)
+    want = persample.loop_per_sample_grads(model, x, y, loss_fn)
+    err = (flat(got) - flat(want)).abs().max() / flat(want).abs().max()
+    assert err < 1e-10, err
+
+
+def test_swinv2_position_bias_mlp_runs_no_fallback(monkeypatch):
+    """Swin-v2's position-bias MLP writes its ReLU in place into its first layer's output,
+    a view of all of the product ``F.linear`` makes of the 4-d table of coordinates (a
+    base no op showed the capture): the write is taken as one into the whole tensor, so
+    that layer's parameters are pulled back with the others, none by the per-module
+    fallback (which had run for each block while ``supported()`` reported the rules)."""
+    import persample.engine.pullback as pullback
+
+    calls = []
+    fallback = pullback._fallback
+    monkeypatch.setattr(pullback, "_fallback", lambda *a: calls.append(1) or fallback(*a))
+    build, inputs = MODELS["swinv2"]
+    torch.manual_seed(0)
+    model, x = build().double().eval(), inputs()
+    y = torch.randint(0, 3, (B,))
+    got = persample.per_sample_grads(model, x, y, loss_fn)
+    assert not calls, len(calls)
     want = persample.loop_per_sample_grads(model, x, y, loss_fn)
     err = (flat(got) - flat(want)).abs().max() / flat(want).abs().max()
     assert err < 1e-10, err

@@ -664,12 +664,24 @@ class Capture:
         w[:3] = p``, ``w.index_put_(idx, p)``): the tensor becomes a derived one, made by
         the write (replayed out of place from the value it overwrote; written again, the
         earlier value's cotangent goes to the op that made it, :attr:`Op.previous`). Not
-        for a view (the base it writes into would not know), nor outside autograd."""
-        if layout is not SHARED or target._base is not None or not torch.is_grad_enabled():
+        for a view (the base it writes into would not know) unless it is the whole of a
+        base no op showed the capture (the product ``F.linear`` makes of a 3-d input,
+        returned reshaped: Swin-v2's position-bias MLP, whose ReLU is in place), nor
+        outside autograd."""
+        if layout is not SHARED or not torch.is_grad_enabled() or not self._whole(target):
             return False
         self._written_into = target
         self.param_written[storage_of(target)] = target
         return True
+
+    def _whole(self, t: Tensor) -> bool:
+        """Is ``t`` all there is of its storage to the model: no view, or a view of all of
+        a base that no recorded op made or read (made inside the op that returned ``t``)?"""
+        base = t._base
+        if base is None:
+            return True
+        return self.layouts.layout(base) is MISSING and t.numel() == base.numel() and (
+            t.storage_offset() == base.storage_offset())
 
     def _base_written(self, view: Tensor, layout: Layout) -> None:
         """A slice of a shared tensor written in place with sample data (a key assembled
