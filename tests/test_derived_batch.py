@@ -588,3 +588,43 @@ def test_cotangents_each_at_its_own_position_are_paired_with_the_samples():
     full[0, 0, 0, 1, 0] = 1.0  # (sample 0 reaches sample 1's position)
     got, pairing = _on_own_positions(full, n)
     assert pairing is None and got is full
+
+
+class PartlyRelu(nn.Module):
+    """A table of coordinates through a linear layer whose output's first half is then
+    rectified in place (a write into part of it: the layer's parameters are read where
+    autograd cannot be followed), then a second layer, added to every sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("coords", torch.randn(5, 2, dtype=torch.float64))
+        self.first, self.second = nn.Linear(2, 8), nn.Linear(4, 1)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = self.first(self.coords)
+        part = h[:, :4]
+        part.relu_()
+        return self.head(x + self.second(part).squeeze(-1))
+
+
+def test_supported_names_the_fallback_a_derived_tensor_is_also_read_through(monkeypatch):
+    """The first layer takes its module's fallback; the ops that read the derived tensor
+    made from both layers' parameters had recorded it under their own rule, so that
+    ``supported()`` said ``rule`` where the fallback ran. It says what ran; the answer
+    equals the loop's."""
+    import persample.engine.pullback as pullback
+
+    calls = []
+    fallback = pullback._fallback
+    monkeypatch.setattr(pullback, "_fallback", lambda *a: calls.append(1) or fallback(*a))
+    torch.manual_seed(0)
+    model = PartlyRelu().double()
+    x, y = torch.randn(B, 5, dtype=torch.float64), torch.randn(B, 2, dtype=torch.float64)
+    paths = {r.module: r.path for r in persample.supported(model, x, y, nn.MSELoss())}
+    assert paths == {"first": "fallback", "second": "rule", "head": "rule"}, paths
+    assert calls, "the fallback ran"
+    got = persample.per_sample_grads(model, x, y, nn.MSELoss())
+    want = persample.loop_per_sample_grads(model, x, y, nn.MSELoss())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

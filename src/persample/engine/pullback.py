@@ -268,7 +268,7 @@ class Pullbacks:
             call.adding = set()
         if reason is not None and not self._broadcast(op, call, wrt, out_pairings, out):
             kind = self._op_vjp(op, call, cots, out_pairings, wrt, out)
-        self.note(op, wrt, kind, reason)
+        self.note(op, wrt, kind, reason, handled)
         done = set()
         for k in wrt:
             t = op.leaves[k]
@@ -322,12 +322,17 @@ class Pullbacks:
             out[op.leaves[k]].copy_(value)
         return True
 
-    def note(self, op: Op, wrt: list[int], kind: str, reason: str | None) -> None:
+    def note(self, op: Op, wrt: list[int], kind: str, reason: str | None,
+             handled: frozenset | set = frozenset()) -> None:
         """Record the path the parameters behind ``wrt`` took here (``op vjp`` outweighs
-        ``rule``; the ops are listed)."""
+        ``rule``; the ops are listed), but for those ``handled`` elsewhere (a per-module
+        fallback, a module rule: a derived input's sources may include theirs, whose
+        gradients those give, not this op's)."""
         paths, where = self.captured.taken, op.where()
         for k in wrt:
             for pid in op.sources[k]:
+                if pid in handled:
+                    continue
                 old = paths.get(pid)
                 if old is None or pid not in self.seen:
                     paths[pid] = Path(kind, where, "" if kind == "rule" else f"{reason}")
