@@ -270,10 +270,10 @@ def test_a_dp_steps_norms_and_clipped_sums_are_replayed(build, counts, compiled,
     step's own new data (float64, C small enough to clip every sample)."""
     from battery import clipped_mean
     from persample.dp import private_grad
-    from persample.engine import norms, weighted
+    from persample.engine import norms, uses, weighted
 
     ran = {"norm": 0, "sum": 0}
-    ghost, add = norms._backprops, weighted._add_op_sums
+    ghost, add = norms.backprops_of, weighted._add_op_sums
 
     def counted_ghost(*args):
         ran["norm"] += 1
@@ -283,7 +283,8 @@ def test_a_dp_steps_norms_and_clipped_sums_are_replayed(build, counts, compiled,
         ran["sum"] += 1
         return add(*args)
 
-    monkeypatch.setattr(norms, "_backprops", counted_ghost)
+    monkeypatch.setattr(norms, "backprops_of", counted_ghost)
+    monkeypatch.setattr(uses, "backprops_of", counted_ghost)
     monkeypatch.setattr(weighted, "_add_op_sums", counted_add)
     torch.manual_seed(0)
     model = build().double()

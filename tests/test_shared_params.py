@@ -6,6 +6,8 @@ against the loop in float64, with the path each parameter took."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,6 +168,15 @@ def test_one_op_reading_a_parameter_twice_is_materialised_and_exact():
     assert_exact({k: p.grad for k, p in model.named_parameters()}, want)
 
 
+def test_a_derived_op_reading_one_parameter_twice_takes_its_vjp():
+    """``W @ W`` pulled back from the product that reads it: a rule writes each operand's
+    part into the one destination, the second over the first (half the gradient); the
+    op's VJP adds them. Exact without the certificate."""
+    model, x, y, loss_fn = _case(SquaredWeight)
+    got = persample.per_sample_grads(model, x, y, loss_fn, method="rules", check="never")
+    assert_exact(got, loop_per_sample_grads(model, x, y, loss_fn), rel=1e-10)
+
+
 def test_materialising_stays_where_cheaper():
     """A small table read over long sequences: the cost model materialises it."""
     torch.manual_seed(0)
@@ -299,3 +310,106 @@ def test_a_fault_in_one_use_of_a_tied_table_leaves_the_clipped_sums_exact(
     with pytest.warns(UserWarning, match="injected"):
         private_grad(model, ids, ids, _lm_loss, max_grad_norm=0.05, noise_multiplier=0.0)
     assert_exact({k: p.grad for k, p in model.named_parameters()}, want)
+
+
+class Looped(nn.Module):
+    """One Linear applied at every step of a loop over its own output (a recurrent
+    cell, a looped transformer's shared block), and a GPT-2 ``Conv1D`` weight (addmm,
+    ``(in, out)``) twice: ``8 x 6`` positions of a 32 x 32 weight, more than one product
+    of joined factors holds."""
+
+    def __init__(self, steps: int = 8):
+        super().__init__()
+        self.steps = steps
+        self.inp = nn.Linear(4, 32)
+        self.cell = nn.Linear(32, 32)
+        self.conv = nn.Parameter(torch.randn(32, 32) / 6)
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 4) -> (B, 3)
+        h = torch.tanh(self.inp(x))
+        for _ in range(self.steps):
+            h = torch.tanh(self.cell(h)) + h
+        n, t, e = h.shape
+        for _ in range(2):
+            h = torch.tanh(torch.addmm(h.new_zeros(e), h.reshape(-1, e), self.conv)).view(n, t, e)
+        return self.out(h.mean(1))
+
+
+@pytest.mark.parametrize("make,shared", [(TwiceCalled, ["shared.weight"]),
+                                         (SharedConv1D, ["weight"]),
+                                         (Looped, ["cell.weight", "conv"])])
+@pytest.mark.parametrize("flat", [False, True], ids=["dict", "flat"])
+def test_a_layer_called_at_every_step_is_formed_from_its_joined_factors(
+        make, shared, flat, monkeypatch):
+    """A weight several ops read directly gets its per-sample gradient from one product
+    over every use's positions (``ghost.formed``), written into the result once: exact
+    against the loop, into a dict's blocks and a flat result's strided rows alike, and
+    ``supported()`` says ``rule``."""
+    from persample.engine import pullback
+
+    formed = []
+
+    def spy(uses, out=None):
+        formed.append(sum(u.positions for u in uses))
+        return ghost.formed(uses, out)
+
+    monkeypatch.setattr(pullback, "formed", spy)
+    model, x, y, loss_fn = _case(make) if make is not Looped else (
+        Looped(), torch.randn(B, T, 4), torch.randint(0, 3, (B,)), nn.CrossEntropyLoss())
+    want = loop_per_sample_grads(model, x, y, loss_fn)
+    got = persample.per_sample_grads(model, x, y, loss_fn, method="rules", flat=flat)
+    if flat:
+        got = dict(zip(want, got.split([w[0].numel() for w in want.values()], 1)))
+        got = {k: g.view_as(want[k]) for k, g in got.items()}
+    assert_exact(got, want, rel=1e-10)
+    uses = {TwiceCalled: [2 * T], SharedConv1D: [2 * T], Looped: [8 * T, 2 * T]}[make]
+    assert sorted(formed) == sorted(uses)
+    routes = persample.supported(model, x, y, loss_fn)
+    paths = {f"{r.module}.{p}".lstrip("."): r.path for r in routes for p in r.params}
+    assert {paths[name] for name in shared} == {"rule"}, routes
+
+
+def test_joined_factors_over_several_products_and_into_a_given_result():
+    """``ghost.formed`` over uses that take more than one product (chunks added by
+    ``baddbmm``), into a new tensor and into a strided one given."""
+    torch.manual_seed(0)
+    n, r, c = 3, 5, 4
+    uses = [ghost.Factors(torch.randn(n, t, r), torch.randn(n, t, c)) for t in (2, 9, 1, 3)]
+    want = sum(torch.einsum("ntr,ntc->nrc", u.left, u.right) for u in uses)
+    torch.testing.assert_close(ghost.formed(uses), want, rtol=1e-12, atol=1e-12)
+    block = torch.full((n, 2 * r * c), float("nan"))
+    into = block[:, r * c:].view(n, r, c)  # (rows r * c apart: a flat result's block)
+    assert ghost.formed(uses, into) is into
+    torch.testing.assert_close(into, want, rtol=1e-12, atol=1e-12)
+    assert block[:, : r * c].isnan().all()
+    with pytest.raises(ValueError, match="row ids"):
+        ghost.formed([ghost.Factors(torch.zeros(n, 2, dtype=torch.long), torch.randn(n, 2, c))])
+
+
+def test_a_looped_layers_joined_gradient_at_every_cached_call_on_new_data(compiled):
+    """The cached calls (a program, a compiled forward; the rules replayed) form the
+    joined gradient again on each call's own data: exact against the loop at each."""
+    torch.manual_seed(0)
+    model, loss_fn = Looped(steps=3), nn.CrossEntropyLoss()
+    for _ in range(5):
+        x, y = torch.randn(B, T, 4), torch.randint(0, 3, (B,))
+        got = persample.per_sample_grads(model, x, y, loss_fn, method="rules", check="never")
+        assert_exact(got, loop_per_sample_grads(model, x, y, loss_fn), rel=1e-10)
+
+
+def test_a_looped_layer_in_bfloat16_is_formed_in_float32_and_written_in_its_dtype():
+    """A bfloat16 weight's uses are joined in float32 (the factors' dtype), then written
+    into the bfloat16 result: within bfloat16's rounding of the loop in float64 on the
+    same weights and inputs."""
+    torch.manual_seed(0)
+    model, loss_fn = Looped(steps=3), nn.CrossEntropyLoss()
+    x, y = torch.randn(B, T, 4), torch.randint(0, 3, (B,))
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    want = loop_per_sample_grads(low.double(), x.bfloat16().double(), y, loss_fn)
+    got = persample.per_sample_grads(copy.deepcopy(model).to(torch.bfloat16), x.bfloat16(), y,
+                                     loss_fn, method="rules", check="never")
+    assert got["cell.weight"].dtype == torch.bfloat16
+    for name in ("cell.weight", "conv"):
+        err = (got[name].double() - want[name]).norm() / want[name].norm()
+        assert err < 3e-2, (name, err)

@@ -39,7 +39,7 @@ from torch.func import hessian, vmap
 from . import checks
 from .engine import Captured, Factors, cotangent_backprops, loss_backprops, write_per_sample
 from .engine.factored_batch import parameter_groups
-from .engine.norms import use_factors
+from .engine.uses import use_factors
 from .errors import internal
 from .loss import per_sample_losses
 from .memory import result_empty

@@ -30,8 +30,8 @@ from ..precision import accumulate_dtype, cast, without_autocast
 from ..rules.ghost import Factors
 from .backward import loss_backprops
 from .captured import Captured
-from .norms import use_factors
 from .pullback import write_per_sample
+from .uses import use_factors
 
 GROUP_BYTES = 1 << 28
 """At most this many bytes of materialised per-sample gradients per batch at once."""

@@ -14,7 +14,6 @@ cheaper, else from its materialised per-sample gradient.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,11 +21,12 @@ from torch.utils._pytree import tree_leaves
 
 from ..capture import Op
 from ..precision import accumulate_dtype, cast, without_autocast
-from ..rules import Decline, OpCall, module_front, module_inputs, rules_of
+from ..rules import Decline, module_front, module_inputs, rules_of
 from ..rules.ghost import Factors, ghost_cost, materialise_cost, squared_norm
 from . import replay
 from .captured import Captured
 from .pullback import write_per_sample
+from .uses import backprops_of, norm_dtype, sites_of, use_factors
 from .weighted import book_keeping
 
 
@@ -44,7 +44,7 @@ def squared_norms(
     """
     n = captured.n
     with torch.no_grad(), without_autocast():
-        sites = _sites(captured)
+        sites = sites_of(captured)
         sq, ghosted = _ghost_norms(captured, sites)
         _shared_norms(captured, sites, sq, ghosted)
         by_module = _module_norms(captured, sq, sites)
@@ -167,7 +167,7 @@ def _ghost_norms(captured: Captured, sites: dict[int, int]
             eligible.append((i, op, spec, direct))
     dest: dict[int, Tensor] = {}  # id(param) -> (n,): where a rule's norms are written
     for _, op, _, direct in eligible:
-        dtype = _norm_dtype(op)
+        dtype = norm_dtype(op)
         for k in direct:
             dest.setdefault(id(op.leaves[k]), op.leaves[k].new_empty(captured.n, dtype=dtype))
 
@@ -176,7 +176,7 @@ def _ghost_norms(captured: Captured, sites: dict[int, int]
         for i, op, spec, direct in eligible:
             if op.changed():
                 continue  # materialised (an input changed in place: the rules say so)
-            g, call = _backprops(captured, op)
+            g, call = backprops_of(captured, op)
             if g is None:
                 continue
             try:
@@ -207,19 +207,6 @@ def _ghost_norms(captured: Captured, sites: dict[int, int]
     return sq, ghosted
 
 
-def _norm_dtype(op: Op) -> torch.dtype:
-    """The dtype an op's norms accumulate in (that of :func:`_backprops`)."""
-    return accumulate_dtype(*(op.leaves[k].dtype for k in op.sources))
-
-
-def _backprops(captured: Captured, op: Op) -> tuple[Tensor | None, OpCall]:
-    """The op's backprops ``(n, 1, *out)`` and its :class:`OpCall`, both in the dtype its
-    norms accumulate in."""
-    dtype = _norm_dtype(op)
-    (g,) = captured.backprops(op.edges, op.out_layouts)
-    return cast(g, dtype), OpCall(op, captured.n, dtype)
-
-
 def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tensor],
                   ghosted: dict[Op, set[int]]) -> None:
     """Parameters several ops read directly (tied embedding and output layer, a layer
@@ -233,74 +220,6 @@ def _shared_norms(captured: Captured, sites: dict[int, int], sq: dict[int, Tenso
             sq[pid] = squared_norm(uses)
             for op in ops:
                 ghosted.setdefault(op, set()).add(pid)
-
-
-def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | None = None,
-                column: int | None = None, curvature: bool = False
-                ) -> dict[int, tuple[list[Op], list]]:
-    """``{id(p): (ops, [Factors of each op's use])}`` for the parameters ``wanted`` (ids)
-    every one of whose uses is an op with a factor rule (an ``OpSpec`` ``factors`` rule): read
-    directly (not through a derived tensor), by ops not changed in place since, with one
-    output each. The factors are in the dtype the norms accumulate in; ``column``: of
-    that cotangent of a backward with several (``captured.v``), else of the one;
-    ``curvature``: with the curvature-only factor rules too (``curvature_factors``)."""
-    sites = _sites(captured) if sites is None else sites
-    readers: dict[int, list[Op]] = {}
-    for op in captured.plan.uses:
-        for k, pids in op.sources.items():
-            pid = id(op.leaves[k])
-            if pid in wanted and pids == {pid}:
-                readers.setdefault(pid, []).append(op)
-    found: dict[int, tuple[list[Op], list]] = {}
-    for pid, ops in readers.items():
-        if (len(ops) != sites.get(pid) or len(set(ops)) != len(ops)  # an op reading it twice
-                or any(op.changed() or len(op.edges) != 1 for op in ops)):
-            continue
-        uses = []
-        for op in ops:
-            got = _factors(captured, op, captured.param(pid), column, curvature)
-            if got is None:
-                break
-            uses.append(got)
-        else:
-            found[pid] = (ops, uses)
-    return found
-
-
-def _factors(captured: Captured, op: Op, p: Tensor, column: int | None = None,
-             curvature: bool = False) -> Any:
-    """The factors of ``op``'s use of ``p`` (its factor rule; ``column``: of that
-    cotangent; ``curvature``: its curvature-only rule first), or ``None``."""
-    spec = rules_of(op)
-    rule = None if spec is None else (
-        spec.curvature_factors or spec.factors if curvature else spec.factors)
-    if rule is None:
-        return None
-    g, call = _backprops(captured, op)
-    if g is None:
-        return None
-    if column is not None:
-        g = g[:, column:column + 1]  # (n, 1, *out)
-    try:
-        return rule(call, g, {p}).get(p)
-    except Decline:
-        return None
-
-
-def _sites(captured: Captured) -> dict[int, int]:
-    """How many ops or module calls contribute to each parameter."""
-    count: dict[int, int] = {}
-    plan = captured.plan
-    for _call, params in plan.module_jobs + plan.fallback_jobs:
-        for p in params.values():
-            count[id(p)] = count.get(id(p), 0) + 1
-    derived = captured.derived
-    for op in plan.uses:
-        for k, pids in op.sources.items():
-            through = 2 if id(op.leaves[k]) in derived else 1  # a derived tensor: materialise
-            for pid in pids - plan.by_fallback - plan.ruled.get(id(op), set()):
-                count[pid] = count.get(pid, 0) + through
-    return count
 
 
 def _module_norms(captured: Captured, sq: dict[int, Tensor], sites: dict[int, int]) -> list[tuple]:

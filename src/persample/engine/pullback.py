@@ -34,10 +34,12 @@ from ..rules import (
     spec_of,
 )
 from ..rules.calls import NOT_COVERED, cast_input
+from ..rules.ghost import formed
 from ..rules.spec import InnerOp
 from . import replay
 from .captured import Captured
 from .paths import Path
+from .uses import sites_of, use_factors
 from .vjp import (
     PIECES,
     expand_vjp,
@@ -171,6 +173,8 @@ def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
         if id(p) in dest and g is not None:
             sink.commit(id(p), g.unsqueeze(0))  # (1, v, *shape)
     with torch.no_grad():
+        if uses is None and captured.v == 1 and not captured.whole:
+            _joined(captured, sink, pulls)
         for call, params in captured.plan.module_jobs:
             if any(id(p) in wanted for p in params.values()):
                 _module_rule(captured, call, params, sink)
@@ -191,6 +195,35 @@ def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
                                        "no gradient of the loss reaches it: zeros")
     sink.zero_unwritten()
     return pulls.plain and not captured.plan.module_jobs and not captured.plan.fallback_jobs
+
+
+def _joined(captured: Captured, sink: GradSink, pulls: Pullbacks) -> None:
+    """Parameters several ops read directly, each use with a factor rule (a layer called
+    at every step of a loop, weights shared across depth): their per-sample gradients
+    formed at once from the uses' factors joined along positions (``rules.ghost.
+    formed``), written into the destination once; the ops' rules then skip them."""
+    count = sites_of(captured)
+    several = {pid for pid in sink.dest if count.get(pid, 0) > 1}
+    if not several:
+        return
+    for pid, (ops, uses) in use_factors(captured, several, count).items():
+        if any(u.ids for u in uses):
+            continue  # (a tied table: its lookup adds its rows in place)
+        rows, cols = uses[0].left.shape[2], uses[0].right.shape[2]
+        if min(rows, cols) == 1:
+            continue  # (a bias: a sum)
+        p, n = captured.param(pid), captured.n
+        dest = sink.target(pid, tuple(p.shape))
+        try:
+            into = dest.view(n, rows, cols) if dest.dtype == uses[0].right.dtype else None
+        except RuntimeError:  # (a destination whose rows cannot be seen so)
+            into = None
+        got = formed(uses, into)  # (n, rows, cols)
+        sink.commit(pid, dest if got is into else got.view(n, 1, *p.shape))
+        pulls.joined.add(pid)
+        for op in ops:
+            pulls.note(op, [k for k, pids in op.sources.items() if pids == {pid}], "rule",
+                       None)
 
 
 def _adds(op: Op) -> bool:
@@ -223,13 +256,15 @@ class Pullbacks:
         self.seen: set[int] = set()  # parameters whose path this run has recorded
         self.pending: dict[int, list[tuple[Tensor, Batched | None]]] = {}
         self.plain = True  # every op took its own rule (none declined)
+        self.joined: set[int] = set()  # parameters formed from their uses' factors
 
     def apply(self, op: Op, cots: list[Tensor | None], out_pairings: list,
               pairings: list | None = None) -> None:
         """``cots`` per output ``(n, v, *per_sample)``; ``pairings`` overrides how the
         op's leaves pair with the samples (derived ops pulled back per sample)."""
         n, plan = self.captured.n, self.captured.plan
-        handled = plan.by_fallback | plan.ruled.get(id(op), set())  # (given elsewhere)
+        handled = plan.by_fallback | plan.ruled.get(id(op), set()) | self.joined  # (given
+        # elsewhere)
         wrt = [k for k, pids in op.sources.items()
                if not pids <= handled and not pids.isdisjoint(self.only)]
         if not wrt or all(c is None for c in cots):
@@ -257,7 +292,10 @@ class Pullbacks:
             out[t] = found if found is not None else t.new_empty((n, v, *shapes[k]))
         call.dtype = next(iter(out.values())).dtype  # the results' (the parameter's)
         single = [cast(c, call.dtype) for c in cots if c is not None]
-        reason = _run_rule(op, call, cots, single, out)
+        twice = len({id(op.leaves[k]) for k in wrt}) < len(wrt)  # (``W @ W``: a rule writes
+        # each place's part into the one destination, the second over the first)
+        reason = "reads one tensor at two places" if twice else _run_rule(
+            op, call, cots, single, out)
         kind = "rule"
         self.plain = self.plain and reason is None
         if reason == NOT_COVERED:  # a derived input beside the rule's own parameters

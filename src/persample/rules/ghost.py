@@ -180,3 +180,52 @@ def _cross_left(a: Factors, b: Factors, start: int, stop: int) -> Tensor:
         return la[:, :, b.left.reshape(-1)].view(k, ta, m, tb)
     r = la.shape[2]
     return (la.reshape(-1, r) @ b.left.reshape(m * tb, r).T).view(k, ta, m, tb)
+
+
+def formed(uses: list[Factors], out: Tensor | None = None) -> Tensor:
+    """``sum_k G_k`` per sample, ``(n, r, c)``, of uses with floating factors (no ids),
+    by few products over their positions joined: ``L^T R`` with ``L (n, T, r)`` and
+    ``R (n, T, c)`` the uses' factors concatenated along ``T``. A layer called at every
+    step of a loop, or weights shared across depth, then write the result once, where a
+    product per use writes it ``k`` times and adds ``k - 1`` of them. The uses are
+    joined in chunks of at most ``2 r c`` numbers a sample (about two results), each
+    chunk's product added into the result by ``baddbmm``.
+
+    Args:
+        uses: each use's :class:`Factors`, ``left (n, t_k, r)`` and ``right (n, t_k,
+            c)`` floating, of one dtype.
+        out: ``(n, r, c)`` to write the sum into (of the factors' dtype), else a new
+            tensor.
+
+    Returns:
+        ``(n, r, c)`` in the factors' dtype.
+
+    Raises:
+        ValueError: a use's left factor holds ids (a table lookup: its rows are added
+            in place by the lookup's own rule).
+
+    Examples:
+        >>> L1, R1 = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+        >>> L2, R2 = torch.randn(2, 7, 4), torch.randn(2, 7, 5)
+        >>> G = torch.einsum("ntr,ntc->nrc", L1, R1) + torch.einsum("ntr,ntc->nrc", L2, R2)
+        >>> torch.allclose(formed([Factors(L1, R1), Factors(L2, R2)]), G, atol=1e-5)
+        True
+    """
+    if any(u.ids for u in uses):
+        raise ValueError("formed: a use's left factor holds row ids; add a lookup's rows "
+                         "by its own rule")
+    r, c = uses[0].left.shape[2], uses[0].right.shape[2]
+    chunks: list[list[Factors]] = [[]]
+    for u in uses:  # (greedy: a chunk holds uses while their factors fit the budget)
+        if chunks[-1] and sum(v.positions for v in chunks[-1] + [u]) * (r + c) > 2 * r * c:
+            chunks.append([])
+        chunks[-1].append(u)
+    for k, chunk in enumerate(chunks):
+        left = torch.cat([u.left for u in chunk], 1) if len(chunk) > 1 else chunk[0].left
+        right = torch.cat([u.right for u in chunk], 1) if len(chunk) > 1 else chunk[0].right
+        if k == 0:  # (n, T, r)^T (n, T, c) -> (n, r, c)
+            out = torch.bmm(left.transpose(1, 2), right, out=out) if out is not None else (
+                torch.bmm(left.transpose(1, 2), right))
+        else:
+            out.baddbmm_(left.transpose(1, 2), right)
+    return out
