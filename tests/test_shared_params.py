@@ -336,16 +336,38 @@ class Looped(nn.Module):
         return self.out(h.mean(1))
 
 
+class ScratchRNN(nn.Module):
+    """An RNN written with two Linear layers, one step per position from a learned
+    initial state: the first step's ``hh(h0)`` is made from the parameters alone (a
+    derived tensor, pulled back through that call: its part of ``hh.weight`` is not
+    zero), the others read per-sample states."""
+
+    def __init__(self):
+        super().__init__()
+        self.h0 = nn.Parameter(torch.randn(32))
+        self.ih = nn.Linear(4, 32)
+        self.hh = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 4) -> (B, 3)
+        h = torch.tanh(self.h0).expand(x.shape[0], 32)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.ih(x[:, t]) + self.hh(h))
+        return self.out(h)
+
+
 @pytest.mark.parametrize("make,shared", [(TwiceCalled, ["shared.weight"]),
                                          (SharedConv1D, ["weight"]),
-                                         (Looped, ["cell.weight", "conv"])])
+                                         (Looped, ["cell.weight", "conv"]),
+                                         (ScratchRNN, ["ih.weight", "hh.weight"])])
 @pytest.mark.parametrize("flat", [False, True], ids=["dict", "flat"])
 def test_a_layer_called_at_every_step_is_formed_from_its_joined_factors(
         make, shared, flat, monkeypatch):
     """A weight several ops read directly gets its per-sample gradient from one product
-    over every use's positions (``ghost.formed``), written into the result once: exact
-    against the loop, into a dict's blocks and a flat result's strided rows alike, and
-    ``supported()`` says ``rule``."""
+    over every such use's positions (``ghost.formed``), written into the result first
+    (a use through a derived tensor then adds its part): exact against the loop, into a
+    dict's blocks and a flat result's strided rows alike, and ``supported()`` says
+    ``rule``."""
     from persample.engine import pullback
 
     formed = []
@@ -355,15 +377,16 @@ def test_a_layer_called_at_every_step_is_formed_from_its_joined_factors(
         return ghost.formed(uses, out)
 
     monkeypatch.setattr(pullback, "formed", spy)
-    model, x, y, loss_fn = _case(make) if make is not Looped else (
-        Looped(), torch.randn(B, T, 4), torch.randint(0, 3, (B,)), nn.CrossEntropyLoss())
+    model, x, y, loss_fn = _case(make) if make not in (Looped, ScratchRNN) else (
+        make(), torch.randn(B, T, 4), torch.randint(0, 3, (B,)), nn.CrossEntropyLoss())
     want = loop_per_sample_grads(model, x, y, loss_fn)
     got = persample.per_sample_grads(model, x, y, loss_fn, method="rules", flat=flat)
     if flat:
         got = dict(zip(want, got.split([w[0].numel() for w in want.values()], 1)))
         got = {k: g.view_as(want[k]) for k, g in got.items()}
     assert_exact(got, want, rel=1e-10)
-    uses = {TwiceCalled: [2 * T], SharedConv1D: [2 * T], Looped: [8 * T, 2 * T]}[make]
+    uses = {TwiceCalled: [2 * T], SharedConv1D: [2 * T], Looped: [8 * T, 2 * T],
+            ScratchRNN: [T, T - 1]}[make]  # (hh's first call: through its derived output)
     assert sorted(formed) == sorted(uses)
     routes = persample.supported(model, x, y, loss_fn)
     paths = {f"{r.module}.{p}".lstrip("."): r.path for r in routes for p in r.params}

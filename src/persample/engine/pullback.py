@@ -199,14 +199,19 @@ def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
 
 def _joined(captured: Captured, sink: GradSink, pulls: Pullbacks) -> None:
     """Parameters several ops read directly, each use with a factor rule (a layer called
-    at every step of a loop, weights shared across depth): their per-sample gradients
-    formed at once from the uses' factors joined along positions (``rules.ghost.
-    formed``), written into the destination once; the ops' rules then skip them."""
+    at every step of a loop, weights shared across depth): the part of their per-sample
+    gradients those uses give, formed at once from their factors joined along positions
+    (``rules.ghost.formed``) and written into the destination first; those ops' rules
+    then skip them, and any other contribution (a derived tensor read, a use without
+    factors) is added as before."""
+    plan = captured.plan
     count = sites_of(captured)
-    several = {pid for pid in sink.dest if count.get(pid, 0) > 1}
+    several = {pid for pid in sink.dest if count.get(pid, 0) > 1} - plan.by_fallback
     if not several:
         return
-    for pid, (ops, uses) in use_factors(captured, several, count).items():
+    for pid, (ops, uses) in use_factors(captured, several, every=False).items():
+        if any(pid in plan.ruled.get(id(op), ()) for op in ops):
+            continue  # (a module rule gives it there)
         if any(u.ids for u in uses):
             continue  # (a tied table: its lookup adds its rows in place)
         rows, cols = uses[0].left.shape[2], uses[0].right.shape[2]
@@ -220,8 +225,8 @@ def _joined(captured: Captured, sink: GradSink, pulls: Pullbacks) -> None:
             into = None
         got = formed(uses, into)  # (n, rows, cols)
         sink.commit(pid, dest if got is into else got.view(n, 1, *p.shape))
-        pulls.joined.add(pid)
         for op in ops:
+            pulls.joined.setdefault(id(op), set()).add(pid)
             pulls.note(op, [k for k, pids in op.sources.items() if pids == {pid}], "rule",
                        None)
 
@@ -256,15 +261,16 @@ class Pullbacks:
         self.seen: set[int] = set()  # parameters whose path this run has recorded
         self.pending: dict[int, list[tuple[Tensor, Batched | None]]] = {}
         self.plain = True  # every op took its own rule (none declined)
-        self.joined: set[int] = set()  # parameters formed from their uses' factors
+        self.joined: dict[int, set[int]] = {}  # id(op) -> the parameters whose uses'
+        # factors there gave their part (formed with others')
 
     def apply(self, op: Op, cots: list[Tensor | None], out_pairings: list,
               pairings: list | None = None) -> None:
         """``cots`` per output ``(n, v, *per_sample)``; ``pairings`` overrides how the
         op's leaves pair with the samples (derived ops pulled back per sample)."""
         n, plan = self.captured.n, self.captured.plan
-        handled = plan.by_fallback | plan.ruled.get(id(op), set()) | self.joined  # (given
-        # elsewhere)
+        handled = plan.by_fallback | plan.ruled.get(id(op), set()) | self.joined.get(
+            id(op), set())  # (given elsewhere)
         wrt = [k for k, pids in op.sources.items()
                if not pids <= handled and not pids.isdisjoint(self.only)]
         if not wrt or all(c is None for c in cots):

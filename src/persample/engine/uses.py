@@ -33,15 +33,17 @@ def backprops_of(captured: Captured, op: Op) -> tuple[Tensor | None, OpCall]:
 
 
 def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | None = None,
-                column: int | None = None, curvature: bool = False
+                column: int | None = None, curvature: bool = False, every: bool = True
                 ) -> dict[int, tuple[list[Op], list]]:
     """``{id(p): (ops, [Factors of each op's use])}`` for the parameters ``wanted`` (ids)
     every one of whose uses is an op with a factor rule (an ``OpSpec`` ``factors`` rule): read
     directly (not through a derived tensor), by ops not changed in place since, with one
     output each. The factors are in the dtype the norms accumulate in; ``column``: of
     that cotangent of a backward with several (``captured.v``), else of the one;
-    ``curvature``: with the curvature-only factor rules too (``curvature_factors``)."""
-    sites = sites_of(captured) if sites is None else sites
+    ``curvature``: with the curvature-only factor rules too (``curvature_factors``).
+    ``every=False``: the uses that are such ops, where there are at least two, whatever
+    else contributes (a derived tensor read, a use with no factor rule)."""
+    sites = sites_of(captured) if sites is None or not every else sites
     readers: dict[int, list[Op]] = {}
     for op in captured.plan.uses:
         for k, pids in op.sources.items():
@@ -50,17 +52,23 @@ def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | No
                 readers.setdefault(pid, []).append(op)
     found: dict[int, tuple[list[Op], list]] = {}
     for pid, ops in readers.items():
-        if (len(ops) != sites.get(pid) or len(set(ops)) != len(ops)  # an op reading it twice
-                or any(op.changed() or len(op.edges) != 1 for op in ops)):
+        if len(set(ops)) != len(ops):  # (an op reading it twice)
             continue
-        uses = []
+        if every and (len(ops) != sites.get(pid) or any(
+                op.changed() or len(op.edges) != 1 for op in ops)):
+            continue
+        kept, uses = [], []
         for op in ops:
-            got = _factors(captured, op, captured.param(pid), column, curvature)
-            if got is None:
+            got = None if op.changed() or len(op.edges) != 1 else _factors(
+                captured, op, captured.param(pid), column, curvature)
+            if got is None and every:
                 break
-            uses.append(got)
+            if got is not None:
+                kept.append(op)
+                uses.append(got)
         else:
-            found[pid] = (ops, uses)
+            if every or len(kept) > 1:
+                found[pid] = (kept, uses)
     return found
 
 
