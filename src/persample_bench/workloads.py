@@ -75,6 +75,32 @@ class RowLSTM(nn.Module):
         return self.head(h[-1])
 
 
+class RowLSTMCell(nn.Module):
+    """An ``nn.LSTMCell(28, hidden)`` stepped over the 28 rows of a digit in a Python
+    loop from a state of zeros, as a decoder's loop calls a cell, then a linear head:
+    the cell's weights are read at every step.
+
+    Takes ``(B, 1, 28, 28)``, returns logits ``(B, classes)``.
+
+    Examples:
+        >>> RowLSTMCell()(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, hidden: int = 128, classes: int = 10):
+        super().__init__()
+        self.cell = nn.LSTMCell(28, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.flatten(1, 2)  # (B, 28, 28)
+        h = rows.new_zeros(rows.shape[0], self.cell.hidden_size)
+        c = h
+        for t in range(rows.shape[1]):
+            h, c = self.cell(rows[:, t], (h, c))
+        return self.head(h)
+
+
 class RowEncoder(nn.Module):
     """The stock ``nn.TransformerEncoder`` reading a 28x28 image row by row: rows
     projected to ``width``, learned positions, ``layers`` layers of ``heads`` heads
@@ -269,7 +295,8 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     digits 28x28), ``deep-mlp-grads`` (the 50x300 MLP of the benchmark of Goodfellow's
     trick in "fast-individual-gradients-with-autodiff", B=100, digits projected to 300
     features, 2 classes),
-    ``lstm-grads`` (:class:`RowLSTM`, B=64), ``vit-grads`` (timm ``VisionTransformer``,
+    ``lstm-grads`` (:class:`RowLSTM`, B=64), ``lstm-cell-grads`` (:class:`RowLSTMCell`,
+    B=64), ``vit-grads`` (timm ``VisionTransformer``,
     4x4 patches of the 28x28 digits, 2 layers of width 64, B=64), ``resnet18-grads``
     (torchvision ``resnet18(num_classes=10)``, digits 32x32 repeated to 3 channels,
     B=32), all with ``nn.CrossEntropyLoss()`` (mean); ``gpt2-grads`` (transformers
@@ -339,6 +366,12 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
         return Workload(name, "rnn", RowLSTM().train(), x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"LSTM(28, 128) over image rows, batch {b}, digits 1x28x28, "
                         "cross-entropy")
+    if name == "lstm-cell-grads":
+        x, y = digits_images()
+        b = batch or 64
+        return Workload(name, "rnn", RowLSTMCell().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
+                        f"LSTMCell(28, 128) stepped over image rows, batch {b}, digits "
+                        "1x28x28, cross-entropy")
     if name == "vit-grads":
         model = real_models.timm_vit(img_size=28, in_chans=1)
         x, y = digits_images()
@@ -935,7 +968,8 @@ PROXY_WORKLOADS = ("bert-tiny-grads", "gpt2-tiny-grads", "mlp-tiny-grads", "vit-
                    "lstm-grads")
 """Tiny configurations whose kernels are as short as a real model's on a GPU, where the
 fixed cost per op decides the step (``persample bench --proxy``)."""
-GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "vit-grads", "resnet18-grads",
+GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "lstm-cell-grads", "vit-grads",
+                  "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
                   "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "qwen-moe-grads",
                   "switch-moe-grads", "vit-mae-grads", "gcn-batch-grads"
