@@ -436,3 +436,38 @@ def test_a_looped_layer_in_bfloat16_is_formed_in_float32_and_written_in_its_dtyp
     for name in ("cell.weight", "conv"):
         err = (got[name].double() - want[name]).norm() / want[name].norm()
         assert err < 3e-2, (name, err)
+
+
+class FourWays(nn.Module):
+    """One square weight read as ``F.linear``'s ``(out, in)``, as ``h @ W``'s and
+    ``addmm``'s ``(in, out)``, and through its transpose (a derived tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+        self.bias = nn.Parameter(torch.randn(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 8) -> (B, 3)
+        h = torch.tanh(F.linear(x, self.weight, self.bias))
+        h = torch.tanh(h @ self.weight)
+        n, t, e = h.shape
+        h = torch.tanh(torch.addmm(self.bias, h.reshape(-1, e), self.weight)).view(n, t, e)
+        return self.head(torch.tanh(torch.matmul(h, self.weight.T)).mean(1))
+
+
+def test_uses_of_a_weight_in_either_orientation_are_joined_exactly(monkeypatch):
+    """Each use's factors are in the weight's own ``(rows, cols)`` whichever side of
+    the product it is on: the three direct uses joined, the transposed read added, the
+    sum the loop's."""
+    from persample.engine import pullback
+
+    joined = []
+    monkeypatch.setattr(pullback, "formed",
+                        lambda uses, out=None: joined.append(len(uses)) or ghost.formed(uses, out))
+    torch.manual_seed(0)
+    model, x, y = FourWays(), torch.randn(B, T, 8), torch.randint(0, 3, (B,))
+    got = persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules",
+                                     check="never")
+    assert_exact(got, loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()), rel=1e-10)
+    assert joined == [3]
