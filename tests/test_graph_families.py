@@ -297,6 +297,30 @@ def test_set2set_in_float32_takes_the_rules():
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
 
 
+def test_set2sets_lstm_steps_are_formed_in_one_product(compiled, monkeypatch):
+    """Each processing step of ``Set2Set`` calls the LSTM kernel; the recurrent rule
+    gives its weights' parts as factors (``OpCall.defer``) and the engine forms each
+    weight's steps in one product. Exact against the loop at every cached call, on new
+    node features each time."""
+    from persample.engine import pullback
+    from persample.rules import ghost
+
+    formed = []
+    monkeypatch.setattr(pullback, "formed",
+                        lambda uses, out=None: formed.append(len(uses)) or ghost.formed(uses, out))
+    torch.manual_seed(0)
+    model, batch, loss = Set2SetReadout(), graphs(), nn.MSELoss()
+    for call in range(4):
+        batch.x = torch.randn_like(batch.x)
+        y = torch.randn(B, 2)
+        got = persample.per_sample_grads(model, batch, y, loss, method="rules", check="never")
+        want = persample.loop_per_sample_grads(model, batch, y, loss)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-13)
+        if call == 0:  # (the weights input-to-hidden and hidden-to-hidden, two steps each)
+            assert formed == [2, 2], formed
+
+
 class Tiled(nn.Module):
     """Node features tiled twice along the nodes (``repeat``), pooled by the batch vector
     tiled alike: each copy keeps its node's graph."""

@@ -34,7 +34,7 @@ from ..rules import (
     spec_of,
 )
 from ..rules.calls import NOT_COVERED, cast_input
-from ..rules.ghost import formed
+from ..rules.ghost import Factors, formed
 from ..rules.spec import InnerOp
 from . import replay
 from .captured import Captured
@@ -174,7 +174,7 @@ def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
             sink.commit(id(p), g.unsqueeze(0))  # (1, v, *shape)
     with torch.no_grad():
         if uses is None and captured.v == 1 and not captured.whole:
-            _joined(captured, sink, pulls)
+            pulls.several = _joined(captured, sink, pulls)
         for call, params in captured.plan.module_jobs:
             if any(id(p) in wanted for p in params.values()):
                 _module_rule(captured, call, params, sink)
@@ -186,6 +186,7 @@ def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
             pulls.apply(op, captured.backprops(op.edges, op.out_layouts),
                         op.out_layouts)
         pulls.pull_derived()
+        pulls.form_deferred()
         for call, params in captured.plan.fallback_jobs:
             if any(id(p) in wanted for p in params.values()):
                 _fallback(captured, call, params, sink)
@@ -197,18 +198,18 @@ def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
     return pulls.plain and not captured.plan.module_jobs and not captured.plan.fallback_jobs
 
 
-def _joined(captured: Captured, sink: GradSink, pulls: Pullbacks) -> None:
+def _joined(captured: Captured, sink: GradSink, pulls: Pullbacks) -> set[int]:
     """Parameters several ops read directly, each use with a factor rule (a layer called
     at every step of a loop, weights shared across depth): the part of their per-sample
     gradients those uses give, formed at once from their factors joined along positions
     (``rules.ghost.formed``) and written into the destination first; those ops' rules
     then skip them, and any other contribution (a derived tensor read, a use without
-    factors) is added as before."""
+    factors) is added as before. Returns the parameters several ops or calls read."""
     plan = captured.plan
     count = sites_of(captured)
     several = {pid for pid in sink.dest if count.get(pid, 0) > 1} - plan.by_fallback
     if not several:
-        return
+        return several
     for pid, (ops, uses) in use_factors(captured, several, every=False).items():
         if any(pid in plan.ruled.get(id(op), ()) for op in ops):
             continue  # (a module rule gives it there)
@@ -229,6 +230,7 @@ def _joined(captured: Captured, sink: GradSink, pulls: Pullbacks) -> None:
             pulls.joined.setdefault(id(op), set()).add(pid)
             pulls.note(op, [k for k, pids in op.sources.items() if pids == {pid}], "rule",
                        None)
+    return several
 
 
 def _adds(op: Op) -> bool:
@@ -263,6 +265,8 @@ class Pullbacks:
         self.plain = True  # every op took its own rule (none declined)
         self.joined: dict[int, set[int]] = {}  # id(op) -> the parameters whose uses'
         # factors there gave their part (formed with others')
+        self.several: set[int] = set()  # parameters several ops or calls read
+        self.deferred: dict[int, list[Factors]] = {}  # their parts rules gave as factors
 
     def apply(self, op: Op, cots: list[Tensor | None], out_pairings: list,
               pairings: list | None = None) -> None:
@@ -297,6 +301,8 @@ class Pullbacks:
             found = self.sink.target(id(t), shapes[k]) if direct else None
             out[t] = found if found is not None else t.new_empty((n, v, *shapes[k]))
         call.dtype = next(iter(out.values())).dtype  # the results' (the parameter's)
+        call.defers = {t for t in out if id(t) in self.several and t not in call.adding
+                       and self._param(t) is not None}
         single = [cast(c, call.dtype) for c in cots if c is not None]
         twice = len({id(op.leaves[k]) for k in wrt}) < len(wrt)  # (``W @ W``: a rule writes
         # each place's part into the one destination, the second over the first)
@@ -314,6 +320,9 @@ class Pullbacks:
             kind = self._op_vjp(op, call, cots, out_pairings, wrt, out)
         self.note(op, wrt, kind, reason, handled)
         done = set()
+        for t, left, right in call.deferred if reason is None else ():
+            self.deferred.setdefault(id(t), []).append(Factors(left, right))
+            done.add(id(t))
         for k in wrt:
             t = op.leaves[k]
             if id(t) in done:
@@ -407,6 +416,18 @@ class Pullbacks:
         for k, g in zip(wrt, got):
             out[op.leaves[k]].copy_(g)
         return kind
+
+    def form_deferred(self) -> None:
+        """The parts rules gave as factors (:meth:`OpCall.defer`), each parameter's in one
+        product (``rules.ghost.formed``), into the sink."""
+        for pid, uses in self.deferred.items():
+            dest = self.sink.target(pid, ())
+            if dest is None:
+                continue
+            p, n = self.captured.param(pid), self.captured.n
+            got = formed(uses)  # (n, rows, cols)
+            self.sink.commit(pid, got.view(n, 1, *p.shape).to(dest.dtype))
+        self.deferred = {}
 
     def pull_derived(self) -> None:
         """Derived tensors, newest first: their cotangents back through their ops."""

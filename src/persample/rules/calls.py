@@ -36,10 +36,24 @@ class OpCall:
         # back per sample (its output paired with the samples), else None
         self.out_pairings: list = []  # each output's (its layout; for a derived op
         # pulled back, its cotangent's pairing, None: every sample's of the whole output)
+        self.defers: set[Tensor] = set()  # parameters whose part the rule may give as
+        # factors (``defer``) where other ops also read them: summed with theirs after
+        self.deferred: list[tuple[Tensor, Tensor, Tensor]] = []  # (t, left, right) given
         self.func, self.args, self.kwargs = op.func, op.args, op.kwargs
         self._pos = {}
         for k, t in enumerate(op.leaves):
             self._pos.setdefault(id(t), k)
+
+    def defer(self, t: Tensor, left: Tensor, right: Tensor) -> bool:
+        """Give ``t``'s per-sample gradient as factors, ``sum_t left[n, t] outer
+        right[n, t]`` (``left (n, T, r)``, ``right (n, T, c)``, ``t`` seen as ``(r, c)``),
+        instead of writing it, where the engine allows (``t`` in :attr:`defers`): it
+        forms every deferred part of ``t`` in one product. Returns whether it took them
+        (else the rule writes as usual)."""
+        if t not in self.defers:
+            return False
+        self.deferred.append((t, left, right))
+        return True
 
     def arg(self, i: int, name: str | None = None, default: Any = None) -> Any:
         if name is not None and name in self.kwargs:
