@@ -471,3 +471,38 @@ def test_uses_of_a_weight_in_either_orientation_are_joined_exactly(monkeypatch):
                                      check="never")
     assert_exact(got, loop_per_sample_grads(model, x, y, nn.CrossEntropyLoss()), rel=1e-10)
     assert joined == [3]
+
+
+class StepDecoder(nn.Module):
+    """A decoder that calls a recurrent layer one step at a time, as the PyTorch
+    sequence-to-sequence tutorial's does (``nn.GRU``, ``nn.LSTM``), with teacher forcing:
+    the layer's module rule at every step."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.emb = nn.Embedding(V, 8)
+        self.rnn = getattr(nn, kind)(8, 16, batch_first=True)
+        self.out = nn.Linear(16, V)
+
+    def forward(self, ids: Tensor) -> Tensor:  # (B, T) -> (B, T, V)
+        state, outs = None, []
+        for t in range(ids.shape[1]):
+            o, state = self.rnn(torch.relu(self.emb(ids[:, t:t + 1])), state)
+            outs.append(self.out(o))
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN"])
+def test_a_recurrent_layer_called_at_every_step_is_formed_in_one_product(kind, monkeypatch):
+    """The module rule of each step hands its weights' parts over as factors, and each
+    weight is formed once over the steps: exact against the loop."""
+    from persample.engine import pullback
+
+    formed = []
+    monkeypatch.setattr(pullback, "formed",
+                        lambda uses, out=None: formed.append(len(uses)) or ghost.formed(uses, out))
+    torch.manual_seed(0)
+    model, ids = StepDecoder(kind), torch.randint(0, V, (B, T))
+    got = persample.per_sample_grads(model, ids, ids, _lm_loss, method="rules", check="never")
+    assert_exact(got, loop_per_sample_grads(model, ids, ids, _lm_loss), rel=1e-10)
+    assert sorted(formed) == [T, T, T], formed  # (out.weight joined; the layer's two)

@@ -33,7 +33,7 @@ from ..rules import (
     rules_of,
     spec_of,
 )
-from ..rules.calls import NOT_COVERED, cast_input
+from ..rules.calls import NOT_COVERED, Destinations, cast_input
 from ..rules.ghost import Factors, formed
 from ..rules.spec import InnerOp
 from . import replay
@@ -177,7 +177,7 @@ def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
             pulls.several = _joined(captured, sink, pulls)
         for call, params in captured.plan.module_jobs:
             if any(id(p) in wanted for p in params.values()):
-                _module_rule(captured, call, params, sink)
+                _module_rule(captured, call, params, sink, pulls)
         ops = captured.plan.uses if uses is None else uses
         for op in sorted(ops, key=_adds):  # adding rules last
             if op.sources_all.isdisjoint(wanted):
@@ -578,7 +578,10 @@ def _carries(op: Op, k: int, lay: Batched, want: Batched, n: int) -> bool:
 
 
 def _module_rule(captured: Captured, call: Call, params: dict[str, nn.Parameter],
-                 sink: GradSink) -> None:
+                 sink: GradSink, pulls: Pullbacks | None = None) -> None:
+    """A module call's rule into the sink; the parts of weights other calls also read
+    (a recurrent layer called at every step of a decoder's loop) may be handed over as
+    factors, formed with the others' (:meth:`Pullbacks.form_deferred`)."""
     rule: ModuleRule = call.rule
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
     pairs = [(t, e) for t, e in zip(outs, call.edges) if t.requires_grad]
@@ -607,10 +610,21 @@ def _module_rule(captured: Captured, call: Call, params: dict[str, nn.Parameter]
     if spec.inner:
         extra["inner"] = [InnerOp(i.func, i.args, i.kwargs, i.output, captured.grad(i.edge)
                                   if i.func in spec.inner else None) for i in call.inner]
-    spec.grad(call.module, inputs, backprops if spec.multi_output else backprops[0], out,
-              **extra)
+    deferred = set()
+
+    def defer(name: str, left: Tensor, right: Tensor) -> bool:
+        pid = id(params[name])
+        if pulls is None or pid not in pulls.several:
+            return False
+        pulls.deferred.setdefault(pid, []).append(Factors(left, right))
+        deferred.add(name)
+        return True
+
+    spec.grad(call.module, inputs, backprops if spec.multi_output else backprops[0],
+              Destinations(out, defer), **extra)
     for name, p in params.items():
-        sink.commit(id(p), out[name])
+        if name not in deferred:
+            sink.commit(id(p), out[name])
 
 
 def _fallback(captured: Captured, call: Call, params: dict[str, nn.Parameter], sink: GradSink

@@ -20,6 +20,20 @@ from .spec import Decline
 NOT_COVERED = "asked for an input the rule does not cover"
 
 
+class Destinations(dict):
+    """A rule's ``out`` (a name or tensor -> its destination ``(n, v, *shape)``) that may
+    take a weight's part as factors instead of its being written: ``defer(key, left,
+    right)`` (``left (n, T, r)``, ``right (n, T, c)``, the part ``sum_t left[n, t] outer
+    right[n, t]``) returns whether the engine took them (see :meth:`OpCall.defer`)."""
+
+    def __init__(self, out: dict, defer: Any):
+        super().__init__(out)
+        self._defer = defer
+
+    def defer(self, key: Any, left: Tensor, right: Tensor) -> bool:
+        return self._defer(key, left, right)
+
+
 class OpCall:
     """One recorded op (:class:`persample.capture.Op`) as a rule sees it.
 

@@ -37,6 +37,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..batch import Batched
 from ..precision import accumulate_dtype, cast
+from .calls import Destinations
 from .outer import sum_outer_into
 from .spec import Decline, ModuleSpec, OpSpec, register, register_module
 
@@ -419,25 +420,13 @@ def _write_traces(layer: nn.RNNBase, traces: list[_Trace], grads: Any, out: dict
                    torch.stack(trace.raw, 1))
 
 
-class _Deferring(dict):
-    """A kernel's destinations by weight name, with ``defer(name, g, a)``: a weight
-    whose ``sum_t g^T a`` the engine forms with its other uses' (:meth:`OpCall.defer`)."""
-
-    def __init__(self, named: dict, call: Any, weights: dict):
-        super().__init__(named)
-        self.call, self.weights = call, weights
-
-    def defer(self, name: str, g: Tensor, a: Tensor) -> bool:
-        return self.call.defer(self.weights[name], g, a)
-
-
 def _write(out: dict, name: str, g: Tensor, a: Tensor | None) -> None:
     """``out[name] (n, v, ...)`` = ``sum_t g^T a`` (a weight) or ``sum_t g`` (a bias),
     summed in ``g``'s dtype and written in ``out[name]``'s; a weight the engine sums
     with other uses' (``out.defer``) is given as the factors ``g``, ``a`` instead."""
     if name not in out:
         return
-    if a is not None and isinstance(out, _Deferring) and g.shape[1] == 1 and a.dim() == 3 and (
+    if a is not None and isinstance(out, Destinations) and g.shape[1] == 1 and a.dim() == 3 and (
             out.defer(name, g[:, 0], a.detach())):
         return
     dst = out[name]
@@ -491,8 +480,9 @@ def kernel(call: Any, g: list, out: dict) -> None:
               *[tuple(h.shape[1:]) for h in hs]]  # output (T, D * H), states (L * D, H)
     backprops = [given.new_zeros(n, v, *shape) if gk is None else gk.squeeze(p.dim + 2)
                  for gk, p, shape in zip(g, call.out_pairings, shapes)]
-    named = _Deferring({name: out[w] for name, w in zip(layer.names, weights) if w in out},
-                       call, dict(zip(layer.names, weights)))
+    by_name = dict(zip(layer.names, weights))
+    named = Destinations({name: out[w] for name, w in by_name.items() if w in out},
+                         lambda name, left, right: call.defer(by_name[name], left, right))
     recurrent(layer, (xs, tuple(hs) if layer.mode == "LSTM" else hs[0]), backprops, named)
 
 
