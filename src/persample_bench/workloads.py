@@ -17,6 +17,7 @@ import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -99,6 +100,34 @@ class RowLSTMCell(nn.Module):
         for t in range(rows.shape[1]):
             h, c = self.cell(rows[:, t], (h, c))
         return self.head(h)
+
+
+class StepDecoder(nn.Module):
+    """The decoder of PyTorch's "NLP From Scratch: Translation with a Sequence to
+    Sequence Network" tutorial (``DecoderRNN``: an embedding, a ReLU, an ``nn.GRU``
+    called one token at a time from the state the step before left, a linear output),
+    run with teacher forcing over the given ids; ``.logits`` as a language model's.
+
+    Takes ``{"input_ids": (B, T)}`` (other keys ignored), returns an object with
+    ``.logits (B, T, vocab)``.
+
+    Examples:
+        >>> StepDecoder(10, 8)(input_ids=torch.zeros(2, 3, dtype=torch.long)).logits.shape
+        torch.Size([2, 3, 10])
+    """
+
+    def __init__(self, vocab: int, hidden: int = 128):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.gru = nn.GRU(hidden, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids: Tensor, **_: Any) -> Any:
+        state, steps = None, []
+        for t in range(input_ids.shape[1]):  # (B, 1) at a time, as the tutorial decodes
+            output, state = self.gru(F.relu(self.embedding(input_ids[:, t:t + 1])), state)
+            steps.append(self.out(output))
+        return SimpleNamespace(logits=torch.cat(steps, 1))
 
 
 class RowEncoder(nn.Module):
@@ -296,8 +325,10 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     trick in "fast-individual-gradients-with-autodiff", B=100, digits projected to 300
     features, 2 classes),
     ``lstm-grads`` (:class:`RowLSTM`, B=64), ``lstm-cell-grads`` (:class:`RowLSTMCell`,
-    B=64), ``vit-grads`` (timm ``VisionTransformer``,
-    4x4 patches of the 28x28 digits, 2 layers of width 64, B=64), ``resnet18-grads``
+    B=64), ``seq2seq-decoder-grads`` (:class:`StepDecoder` over 16 bytes of the standard
+    library's docstrings, B=32, per-sample next-token cross-entropy), ``vit-grads``
+    (timm ``VisionTransformer``, 4x4 patches of the 28x28 digits, 2 layers of width 64,
+    B=64), ``resnet18-grads``
     (torchvision ``resnet18(num_classes=10)``, digits 32x32 repeated to 3 channels,
     B=32), all with ``nn.CrossEntropyLoss()`` (mean); ``gpt2-grads`` (transformers
     ``GPT2LMHeadModel``, 4 layers x 256, 4 heads, byte vocabulary of 257, T=64, B=16,
@@ -445,6 +476,15 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         f"torch_geometric GCN 2x64 and mean pool on a Batch of {b} graphs "
                         "(the digits' 8x8 pixels as nodes joined to their 4 nearest in value, "
                         "16 to 64 nodes), 2 classes, cross-entropy", other_batches=others)
+    if name == "seq2seq-decoder-grads":
+        b, t = batch or 32, 16
+        inputs, labels = docstring_batch(b, t)
+        return Workload(name, "tutorial", StepDecoder(ByteTokenizer.vocab_size).eval(),
+                        {"input_ids": inputs["input_ids"]}, labels,
+                        real_models.causal_lm_loss,
+                        f"the sequence-to-sequence tutorial's GRU decoder (128 wide) stepped "
+                        f"one token at a time, batch {b}, T={t}, stdlib docstrings as bytes, "
+                        "per-sample next-token cross-entropy")
     if name in ("gpt2-grads", "gpt2-lora-grads"):
         b, t = batch or 16, 64
         model = real_models.gpt2(ByteTokenizer.vocab_size, seq_len=t)
@@ -968,8 +1008,8 @@ PROXY_WORKLOADS = ("bert-tiny-grads", "gpt2-tiny-grads", "mlp-tiny-grads", "vit-
                    "lstm-grads")
 """Tiny configurations whose kernels are as short as a real model's on a GPU, where the
 fixed cost per op decides the step (``persample bench --proxy``)."""
-GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "lstm-cell-grads", "vit-grads",
-                  "resnet18-grads",
+GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "lstm-cell-grads",
+                  "seq2seq-decoder-grads", "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
                   "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "qwen-moe-grads",
                   "switch-moe-grads", "vit-mae-grads", "gcn-batch-grads"
