@@ -218,19 +218,27 @@ def _joined(captured: Captured, sink: GradSink, pulls: Pullbacks) -> set[int]:
         rows, cols = uses[0].left.shape[2], uses[0].right.shape[2]
         if min(rows, cols) == 1:
             continue  # (a bias: a sum)
-        p, n = captured.param(pid), captured.n
-        dest = sink.target(pid, tuple(p.shape))
-        try:
-            into = dest.view(n, rows, cols) if dest.dtype == uses[0].right.dtype else None
-        except RuntimeError:  # (a destination whose rows cannot be seen so)
-            into = None
-        got = formed(uses, into)  # (n, rows, cols)
-        sink.commit(pid, dest if got is into else got.view(n, 1, *p.shape))
+        _form_into(sink, pid, captured.param(pid), uses)
         for op in ops:
             pulls.joined.setdefault(id(op), set()).add(pid)
             pulls.note(op, [k for k, pids in op.sources.items() if pids == {pid}], "rule",
                        None)
     return several
+
+
+def _form_into(sink: GradSink, pid: int, p: Tensor, uses: list[Factors]) -> None:
+    """``p``'s part ``sum_k G_k`` of the uses' factors (``rules.ghost.formed``) into the
+    sink: straight into its destination where that is the first part and of the
+    factors' dtype, else through a temporary, added."""
+    n, rows, cols = uses[0].left.shape[0], uses[0].left.shape[2], uses[0].right.shape[2]
+    dest, into = sink.dest[pid], None
+    if not sink.holds(pid) and dest.dtype == uses[0].right.dtype:
+        try:
+            into = dest.view(n, rows, cols)
+        except RuntimeError:  # (a destination whose rows cannot be seen so)
+            into = None
+    got = formed(uses, into)  # (n, rows, cols)
+    sink.commit(pid, dest if got is into else got.view(n, 1, *p.shape))
 
 
 def _adds(op: Op) -> bool:
@@ -421,12 +429,8 @@ class Pullbacks:
         """The parts rules gave as factors (:meth:`OpCall.defer`), each parameter's in one
         product (``rules.ghost.formed``), into the sink."""
         for pid, uses in self.deferred.items():
-            dest = self.sink.target(pid, ())
-            if dest is None:
-                continue
-            p, n = self.captured.param(pid), self.captured.n
-            got = formed(uses)  # (n, rows, cols)
-            self.sink.commit(pid, got.view(n, 1, *p.shape).to(dest.dtype))
+            if pid in self.sink.dest:
+                _form_into(self.sink, pid, self.captured.param(pid), uses)
         self.deferred = {}
 
     def pull_derived(self) -> None:
