@@ -208,13 +208,12 @@ def _joined(captured: Captured, sink: GradSink, pulls: Pullbacks) -> set[int]:
     plan = captured.plan
     count = sites_of(captured)
     several = {pid for pid in sink.dest if count.get(pid, 0) > 1} - plan.by_fallback
-    if not several:
+    tables = {id(op.leaves[k]) for op in plan.uses if _adds(op) for k in op.sources}
+    if not several - tables:  # (a tied table: its lookups add their rows in place)
         return several
-    for pid, (ops, uses) in use_factors(captured, several, every=False).items():
-        if any(pid in plan.ruled.get(id(op), ()) for op in ops):
-            continue  # (a module rule gives it there)
-        if any(u.ids for u in uses):
-            continue  # (a tied table: its lookup adds its rows in place)
+    for pid, (ops, uses) in use_factors(captured, several - tables, every=False).items():
+        if any(pid in plan.ruled.get(id(op), ()) for op in ops) or any(u.ids for u in uses):
+            continue  # (a module rule gives it there; a lookup adds its rows in place)
         rows, cols = uses[0].left.shape[2], uses[0].right.shape[2]
         if min(rows, cols) == 1:
             continue  # (a bias: a sum)
