@@ -43,7 +43,8 @@ def use_factors(captured: Captured, wanted: set[int], sites: dict[int, int] | No
     ``curvature``: with the curvature-only factor rules too (``curvature_factors``).
     ``every=False``: the uses that are such ops, where there are at least two, whatever
     else contributes (a derived tensor read, a use with no factor rule)."""
-    sites = sites_of(captured) if sites is None or not every else sites
+    if every and sites is None:  # (every=False counts no sites)
+        sites = sites_of(captured)
     readers: dict[int, list[Op]] = {}
     for op in captured.plan.uses:
         for k, pids in op.sources.items():
