@@ -146,6 +146,31 @@ def _trailing(ctx, func, args, kwargs, out) -> Any:
 register(_trailing, *aliases("layer_norm", "rms_norm"))
 
 
+def _weight_norm(ctx, func, args, kwargs, out) -> Any:
+    """``torch._weight_norm(v, g, dim)``: ``g v / ||v||``, the norm over every dim but
+    ``dim`` (over all with ``dim=-1``). Samples along ``dim`` in both stay apart; along
+    another dim the norm mixes them. One of them shared while the other holds samples
+    along ``dim`` (a scale with a row per sample position) is left to the module: the
+    fused kernel takes ``g`` of exactly the norm's shape, so one sample's op needs its
+    own rows of both."""
+    v, g = arg(args, kwargs, 0, "v"), arg(args, kwargs, 1, "g")
+    dim = arg(args, kwargs, 2, "dim", 0)
+    kept = None if dim == -1 else dim % v.dim()
+    lays = [ctx.layout(v), ctx.layout(g)]
+    batched = [lay for lay in lays if lay is not SHARED]
+    if not batched:
+        return SHARED
+    if any(not isinstance(lay, Batched) or lay.dim != kept for lay in batched):
+        return mixed(func, "normalises over the batch dim")
+    if len(batched) == 1 or batched[0] != batched[1]:
+        return Unknown(f"{name_of(func)} of a tensor holding samples with one that does "
+                       "not")
+    return batched[0]
+
+
+register(_weight_norm, torch._weight_norm)
+
+
 def _stats(func, args, kwargs) -> tuple:
     """``(x, weight, bias, running_mean, running_var, batch_stats)`` of ``F.batch_norm``,
     ``F.instance_norm`` or their ``torch.`` forms; ``batch_stats``: the op normalises

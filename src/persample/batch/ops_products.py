@@ -253,6 +253,19 @@ def _solve_triangular(ctx, func, args, kwargs, out) -> Any:
 register(_solve_triangular, *aliases("solve_triangular", where=(torch.linalg,)))
 
 
+def _matrix_function(ctx, func, args, kwargs, out) -> Any:
+    """``linalg.matrix_exp(A)``: a function of each matrix in the last two dims; samples
+    in the leading dims stay apart, in the matrix dims they mix."""
+    a = arg(args, kwargs, 0, "input")
+    lay = ctx.layout(a)
+    if isinstance(lay, Batched) and lay.dim >= a.dim() - 2:
+        return mixed(func, "is a function of a matrix the samples are in")
+    return lay
+
+
+register(_matrix_function, *aliases("matrix_exp"))
+
+
 def einsum_subscripts(equation: str, ranks: list[int]) -> tuple[list[str], str]:
     """Each operand's subscripts and the output's, ``...`` spelled out as capitals not in
     the equation (aligned at the right end, as einsum broadcasts them), an implicit

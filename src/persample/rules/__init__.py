@@ -38,6 +38,7 @@ from . import (  # noqa: F401  (the families: importing one registers its specs)
     norm,
     random_ops,
     recurrent,
+    reparametrized,
     views,
 )
 from .calls import OpCall, module_front, module_inputs

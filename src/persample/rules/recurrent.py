@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..batch import Batched
@@ -439,9 +440,18 @@ def _write(out: dict, name: str, g: Tensor, a: Tensor | None) -> None:
         dst.copy_(into)
 
 
+def _check(layer: nn.RNNBase) -> None:
+    """A layer whose weights are read through a parametrization (``weight_norm``,
+    ``orthogonal``) is left to its kernel's rule, which gives the weights as the
+    kernel reads them (the parametrized ones pulled back through their parametrization
+    by the engine) in one pass: the module rule would give the others only."""
+    if parametrize.is_parametrized(layer):
+        raise Decline("a weight read through a parametrization: the kernel's rule takes it")
+
+
 RECURRENT = register_module(ModuleSpec((nn.RNN, nn.LSTM, nn.GRU), grad=recurrent,
-                                       refusal=training_dropout, multi_output=True,
-                                       outputs=True))
+                                       check=_check, refusal=training_dropout,
+                                       multi_output=True, outputs=True))
 
 
 _MODES = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TANH",
@@ -483,7 +493,25 @@ def kernel(call: Any, g: list, out: dict) -> None:
     by_name = dict(zip(layer.names, weights))
     named = Destinations({name: out[w] for name, w in by_name.items() if w in out},
                          lambda name, left, right: call.defer(by_name[name], left, right))
-    recurrent(layer, (xs, tuple(hs) if layer.mode == "LSTM" else hs[0]), backprops, named)
+    recurrent(layer, (xs, tuple(hs) if layer.mode == "LSTM" else hs[0]), backprops, named,
+              _outputs(call.func, layer, xs, hs, weights, has_biases))
+
+
+def _outputs(func: Any, layer: SimpleNamespace, xs: Tensor, hs: list[Tensor],
+             weights: list[Tensor], has_biases: bool) -> list[Tensor] | None:
+    """The kernel's outputs ``[output (n, T, D * H), h_n (n, D, H), (c_n)]`` computed
+    again on the inputs and states as the rule reads them (``xs (n, T, I)``, ``hs``
+    each ``(n, D, H)``), samples first, for the rule's path from outputs (one layer:
+    ``None`` otherwise). One call of the fused kernel, cheaper than differentiating the
+    recurrence unrolled."""
+    if layer.num_layers != 1:
+        return None
+    with torch.no_grad():
+        states = [h.transpose(0, 1) for h in hs]  # (D, n, H) each, as the kernel takes
+        got = func(xs, tuple(states) if layer.mode == "LSTM" else states[0],
+                   [w.detach() for w in weights], has_biases, 1, 0.0, False,
+                   layer.bidirectional, True)
+    return [got[0], *[h.transpose(0, 1) for h in got[1:]]]
 
 
 def _one_each(lay: Any) -> bool:

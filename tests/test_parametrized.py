@@ -1,0 +1,289 @@
+"""Weights rewritten by a parametrization before a layer reads them
+(``parametrizations.weight_norm``, ``orthogonal``, ``spectral_norm``, the older
+``weight_norm`` hook, a matrix exponential written by hand): the reading op's rule gives
+the per-sample cotangent of the rewritten weight, and the rewrite's own rule pulls all
+samples' back at once (``_weight_norm``, ``matrix_exp`` of a skew-symmetric matrix).
+A recurrent layer with such a weight takes its kernel's rule for all its weights, from
+the kernel's outputs. Checked against the loop in float64, with the path each parameter
+took, and that the batched pullbacks ran (not the op's own backward per sample)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrizations
+
+import persample
+from battery import assert_exact
+from persample import loop_per_sample_grads
+from persample.engine import pullback
+from persample.rules import recurrent as recurrent_rules
+
+B = H = 6  # sizes chosen to coincide: the batch and the hidden width
+T, IN = 5, 4
+LOSS = nn.CrossEntropyLoss(reduction="none")
+
+
+class Head(nn.Module):
+    """A recurrent layer, then a Linear on its outputs' mean over time."""
+
+    def __init__(self, rnn: nn.RNNBase):
+        super().__init__()
+        self.rnn = rnn
+        width = rnn.hidden_size * (2 if rnn.bidirectional else 1)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
+        if not self.rnn.batch_first:
+            x = x.transpose(0, 1)
+        out = self.rnn(x)[0]
+        return self.head(out.mean(1 if self.rnn.batch_first else 0))
+
+
+def _weight_norm(m, name):
+    return parametrizations.weight_norm(m, name)
+
+
+def _weight_norm_dim1(m, name):
+    return parametrizations.weight_norm(m, name, dim=1)
+
+
+def _orthogonal(m, name):
+    return parametrizations.orthogonal(m, name)
+
+
+def _spectral(m, name):
+    return parametrizations.spectral_norm(m, name)
+
+
+RECURRENT = {
+    "lstm-weight-norm-hh": (lambda: nn.LSTM(IN, H, batch_first=True), "weight_hh_l0",
+                            _weight_norm),
+    "lstm-weight-norm-no-bias": (lambda: nn.LSTM(IN, H, bias=False), "weight_hh_l0",
+                                 _weight_norm),
+    "gru-weight-norm-ih-dim1": (lambda: nn.GRU(IN, H, batch_first=True), "weight_ih_l0",
+                                _weight_norm_dim1),
+    "rnn-orthogonal-hh": (lambda: nn.RNN(IN, H, batch_first=True), "weight_hh_l0",
+                          _orthogonal),
+    "rnn-bidirectional-orthogonal": (lambda: nn.RNN(IN, H, bidirectional=True),
+                                     "weight_hh_l0_reverse", _orthogonal),
+    "lstm-householder": (lambda: nn.LSTM(IN, H, batch_first=True), "weight_hh_l0",
+                         _orthogonal),  # (not square: Householder reflections)
+    "gru-spectral-eval": (lambda: nn.GRU(IN, H, batch_first=True), "weight_hh_l0",
+                          _spectral),
+    "lstm-2-layers-weight-norm": (lambda: nn.LSTM(IN, H, num_layers=2, batch_first=True),
+                                  "weight_hh_l1", _weight_norm),
+}
+
+
+def _case(name: str) -> nn.Module:
+    make, weight, how = RECURRENT[name]
+    torch.manual_seed(0)
+    rnn = make()
+    how(rnn, weight)
+    model = Head(rnn)
+    return model.eval() if "spectral" in name else model
+
+
+def _data(seed: int = 1) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, IN, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+@pytest.fixture
+def batched_pullbacks_only(monkeypatch):
+    """Fail where the engine differentiates ``_weight_norm`` or a skew-symmetric
+    ``matrix_exp`` by the op's own backward (their rules must have taken them)."""
+    original = pullback.shared_vjp
+
+    def guarded(op, cots, wrt):
+        if op.func is torch._weight_norm:
+            raise AssertionError("_weight_norm pulled back by its own backward")
+        if op.func in (torch.linalg.matrix_exp, torch.matrix_exp) and torch.equal(
+                op.leaves[0], -op.leaves[0].mT):
+            raise AssertionError("a skew-symmetric matrix_exp pulled back by autograd")
+        return original(op, cots, wrt)
+
+    monkeypatch.setattr(pullback, "shared_vjp", guarded)
+
+
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_parametrized_recurrent_layers(name, batched_pullbacks_only, monkeypatch):
+    model = _case(name)
+    x, y = _data()
+    if "2-layers" not in name:  # one layer: the rule works from the kernel's outputs
+        def unrolled(*args, **kwargs):
+            raise AssertionError("the recurrence differentiated unrolled")
+        monkeypatch.setattr(recurrent_rules, "_unrolled", unrolled)
+    want = loop_per_sample_grads(model, x, y, LOSS)
+    got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+    assert_exact(got, want)
+    routes = persample.supported(model, x, y, LOSS)
+    assert {r.path for r in routes} == {"rule"}, routes
+    rnn = next(r for r in routes if r.module == "rnn")
+    assert rnn.type.startswith("Parametrized") and "in module 'rnn'" in rnn.reason
+
+
+def test_cached_calls_and_new_values(batched_pullbacks_only):
+    """Calls after the first (the cached path), and after the parametrized weight's
+    original parameters changed."""
+    model = _case("lstm-weight-norm-hh")
+    for k in range(3):
+        x, y = _data(k)
+        if k == 2:
+            with torch.no_grad():
+                for p in model.rnn.parametrizations.weight_hh_l0.parameters():
+                    p.mul_(1.5)
+        got = persample.per_sample_grads(model, x, y, LOSS)
+        assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+
+
+class WeightNormed(nn.Module):
+    """``weight_norm`` over each dim choice: rows (0), columns (1), the whole tensor
+    (the older hook's ``dim=None``), a convolution's output channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = parametrizations.weight_norm(nn.Linear(IN, H))
+        self.cols = parametrizations.weight_norm(nn.Linear(H, H), dim=1)
+        with pytest.warns(FutureWarning):
+            self.whole = nn.utils.weight_norm(nn.Linear(H, H), dim=None)
+        self.conv = parametrizations.weight_norm(nn.Conv1d(1, 2, 3))
+        self.head = nn.Linear(2 * (H - 2), 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
+        h = torch.tanh(self.whole(torch.tanh(self.cols(torch.tanh(self.rows(x))))))
+        return self.head(self.conv(h.mean(1, keepdim=True)).flatten(1))
+
+
+def test_weight_norm_dims(batched_pullbacks_only):
+    torch.manual_seed(0)
+    model = WeightNormed()
+    x, y = _data()
+    got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+    assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+
+
+class Rotated(nn.Module):
+    """``x exp(A)`` with ``A`` built from a parameter: skew-symmetric (``X - X^T``), a
+    stack of them, or not skew-symmetric (``X`` itself: the op's own backward)."""
+
+    def __init__(self, form: str, init: Tensor | None = None):
+        super().__init__()
+        self.form = form
+        shape = (2, IN, IN) if form == "stack" else (IN, IN)
+        self.x = nn.Parameter(torch.randn(shape) * 0.5 if init is None else init)
+        self.head = nn.Linear(IN, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
+        a = self.x if self.form == "general" else self.x - self.x.mT
+        q = torch.linalg.matrix_exp(a)
+        if self.form == "stack":
+            return self.head(torch.tanh(x @ q[0]) @ torch.matrix_exp(a[1]).mT).mean(1)
+        return self.head(torch.tanh(x @ q)).mean(1)
+
+
+def _repeated() -> Tensor:
+    """``X`` whose ``X - X^T`` has each eigenvalue twice (two equal rotation blocks)."""
+    x = torch.zeros(IN, IN)
+    x[1, 0] = x[3, 2] = 0.7
+    return x
+
+
+@pytest.mark.parametrize("form,init", [("skew", None), ("stack", None), ("skew", "zero"),
+                                       ("skew", "repeated"), ("general", None)],
+                         ids=["skew", "stack", "zero", "repeated", "general"])
+def test_matrix_exp(form, init, batched_pullbacks_only):
+    torch.manual_seed(0)
+    start = {None: None, "zero": torch.zeros(IN, IN), "repeated": _repeated()}[init]
+    model = Rotated(form, start)
+    x, y = _data()
+    got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+    assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+
+
+def test_matrix_exp_per_sample():
+    """A matrix made from each sample's input (the samples in its leading dim) keeps them
+    apart; one whose matrix dims hold the samples mixes them and is refused by name."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(IN, IN) * 0.3)
+
+    class PerSample(nn.Module):
+        def __init__(self, across: bool):
+            super().__init__()
+            self.w, self.across = w, across
+            self.head = nn.Linear(B if across else IN * IN, 3)
+
+        def forward(self, x: Tensor) -> Tensor:  # (B, IN, IN) -> (B, 3)
+            a = x * self.w  # (B, IN, IN): a matrix per sample
+            if self.across:  # (B, B): a sample per row
+                return self.head(torch.linalg.matrix_exp(a.flatten(1)[:, :B]))
+            return self.head(torch.linalg.matrix_exp(a).flatten(1))
+
+    x, y = torch.randn(B, IN, IN), torch.randint(0, 3, (B,))
+    model = PerSample(False)
+    got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+    assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+    flow = persample.supported(PerSample(True), x, y, LOSS)
+    assert any("matrix_exp" in r.reason and "mix" in r.reason for r in flow), flow
+
+
+class Normed(nn.Module):
+    """``_weight_norm`` of per-sample tensors: ``v`` and ``g`` both holding the samples
+    along ``dim`` (``both``), along another dim (``across``), or a per-sample ``v`` with a
+    shared ``g`` of a row per sample position (``shared-scale``)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.p, self.q = nn.Parameter(torch.randn(IN)), nn.Parameter(torch.randn(IN))
+        self.scale = nn.Parameter(torch.rand(1, IN) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, IN) -> (B, IN)
+        if self.form == "both":
+            v, g, dim = x * self.p, (x * self.q).sum(1, keepdim=True), 0
+        elif self.form == "across":
+            v, g, dim = x * self.p, self.scale, 1
+        else:
+            v, g, dim = x * self.p, self.scale[:, :1].expand(len(x), 1), 0
+        return torch._weight_norm(v, g, dim)
+
+
+def test_weight_norm_per_sample():
+    """Per-sample ``_weight_norm``: on the rules where both tensors hold the samples along
+    ``dim``; ``torch.func``'s exact path where only one does (the model's output cannot be
+    located by sample); refused by name where the norm runs over the samples."""
+    x, y = torch.randn(B, IN), torch.randint(0, 3, (B,))
+    for form, path in (("both", "rule"), ("shared-scale", "vmap")):
+        torch.manual_seed(0)
+        model = nn.Sequential(Normed(form), nn.Linear(IN, 3))
+        for _ in range(3):  # (calls after the first: the cached path)
+            got = persample.per_sample_grads(model, x, y, LOSS)
+            assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+        routes = persample.supported(model, x, y, LOSS)
+        assert {r.path for r in routes if r.module == "0" and r.path != "unused"} == {
+            path}, routes
+    model = nn.Sequential(Normed("across"), nn.Linear(IN, 3))
+    flow = persample.supported(model, x, y, LOSS)
+    assert any("_weight_norm" in r.reason and "mix" in r.reason for r in flow), flow
+
+
+def test_bfloat16_weight_norm_lstm():
+    """A bfloat16 model: the kernel's rule and the pullback in float32, written in
+    bfloat16, near the float64 loop."""
+    model = _case("lstm-weight-norm-hh")
+    x, y = _data()
+    want = loop_per_sample_grads(model, x, y, LOSS)
+    low = Head(nn.LSTM(IN, H, batch_first=True))
+    parametrizations.weight_norm(low.rnn, "weight_hh_l0")
+    low.load_state_dict(model.state_dict())
+    low = low.to(torch.bfloat16)
+    got = persample.per_sample_grads(low, x.to(torch.bfloat16), y, LOSS)
+    for name, w in want.items():
+        err = (got[name].double() - w).norm() / w.norm()
+        assert err < 2e-2, (name, err.item())
+    assert F.cosine_similarity(got["rnn.parametrizations.weight_hh_l0.original1"].double()
+                               .flatten(1), want["rnn.parametrizations.weight_hh_l0."
+                                                 "original1"].flatten(1)).min() > 0.999
