@@ -113,17 +113,52 @@ def batched_pullbacks_only(monkeypatch):
 def test_parametrized_recurrent_layers(name, batched_pullbacks_only, monkeypatch):
     model = _case(name)
     x, y = _data()
-    if "2-layers" not in name:  # one layer: the rule works from the kernel's outputs
-        def unrolled(*args, **kwargs):
-            raise AssertionError("the recurrence differentiated unrolled")
-        monkeypatch.setattr(recurrent_rules, "_unrolled", unrolled)
+    if "2-layers" not in name:  # one layer: the rule works from the kernel's outputs,
+        def refused(*args, **kwargs):  # as the capture kept them
+            raise AssertionError("the recurrence differentiated unrolled, or run again")
+        monkeypatch.setattr(recurrent_rules, "_unrolled", refused)
+        monkeypatch.setattr(recurrent_rules, "_outputs", refused)
     want = loop_per_sample_grads(model, x, y, LOSS)
-    got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
-    assert_exact(got, want)
+    for _ in range(3):  # (calls after the first: the cached path)
+        got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+        assert_exact(got, want)
     routes = persample.supported(model, x, y, LOSS)
     assert {r.path for r in routes} == {"rule"}, routes
     rnn = next(r for r in routes if r.module == "rnn")
     assert rnn.type.startswith("Parametrized") and "in module 'rnn'" in rnn.reason
+
+
+class Doubled(nn.Module):
+    """An orthogonal RNN whose output is doubled in place after the kernel made it: the
+    kept outputs no longer hold the states, and the rule runs the kernel again."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = parametrizations.orthogonal(nn.RNN(IN, H, batch_first=True), "weight_hh_l0")
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
+        out = self.rnn(x)[0]
+        out.mul_(2)
+        return self.head(out.mean(1))
+
+
+def test_outputs_changed_in_place(monkeypatch):
+    torch.manual_seed(0)
+    model = Doubled()
+    x, y = _data()
+    runs = []
+    again = recurrent_rules._outputs
+
+    def counted(*args):
+        runs.append(1)
+        return again(*args)
+
+    monkeypatch.setattr(recurrent_rules, "_outputs", counted)
+    for k in range(3):
+        got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+        assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+        assert len(runs) == k + 1
 
 
 def test_cached_calls_and_new_values(batched_pullbacks_only):

@@ -77,11 +77,10 @@ from .lean import (
     _plain,
     _Read,
     _same_flow,
-    _stands_for,
     decided,
 )
 from .recall import Recall
-from .records import Call, Derived, Op, shapes_only
+from .records import Call, Derived, Op
 from .tensors import KEPT, tensor_leaves
 
 _LOCAL = threading.local()  # .job: the CompiledCapture of this thread's call, if any
@@ -747,7 +746,8 @@ class CompiledCapture(LeanCapture):
                 read, call = program.reads[r.index], None
                 if r.index in now:
                     lays, flow = now[r.index]
-                    read = _Read(lays, flow, read.sources, read.call, read.output)
+                    read = _Read(lays, flow, read.sources, read.call, read.output,
+                                 read.out_versions)
                 if r.call is not None:
                     module = r.call[1]()
                     if module is None:
@@ -760,8 +760,7 @@ class CompiledCapture(LeanCapture):
                 op.versions = [t._version for t in leaves]
                 made = _outputs(out)
                 op.edges = [values[plan.n_values + k] for k in r.edges]
-                op.output = read.output if _stands_for(read.output, out) else shapes_only(
-                    out, read.flow.outputs)
+                op.record_output(out, read.output, read.out_versions)
                 self.ops.append(op)
                 for k in r.derives:
                     self.derived[id(made[k])] = Derived(made[k], op, k, made[k]._version)

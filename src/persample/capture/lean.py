@@ -154,6 +154,7 @@ class _Read:
     sources: dict
     call: tuple | None  # the module call it ran in: (name, weakref to the module)
     output: Any  # its output's stand-in (shapes_only): shapes, strides and dtypes
+    out_versions: list[int] | None = None  # its outputs' versions as made, where kept
 
 
 @dataclass(frozen=True, eq=False)
@@ -380,7 +381,7 @@ class Tracer:
                 return None
             call = None if op.call is None else (op.call.name, weakref.ref(op.call.module))
             reads.append(_Read(tuple(op.layouts), op.flow, dict(op.sources), call,
-                               op.output))
+                               shapes_only(op.output, op.flow.outputs), op.out_versions))
         found = []
         for t in tensor_leaves(output):
             want = self._want(t)
@@ -592,7 +593,8 @@ class LeanCapture(Capture):
                 self.seen):
             read = program.reads[index]
             if now is not None:  # (its layouts as this call decided them)
-                read = _Read(now[0], now[1], read.sources, read.call, read.output)
+                read = _Read(now[0], now[1], read.sources, read.call, read.output,
+                             read.out_versions)
             call = None
             if read.call is not None:
                 module = read.call[1]()
@@ -605,8 +607,7 @@ class LeanCapture(Capture):
             op.autocast = state
             op.versions = versions
             op.edges = edges
-            op.output = read.output if _stands_for(read.output, out) else shapes_only(
-                out, read.flow.outputs)
+            op.record_output(out, read.output, read.out_versions)
             self.ops.append(op)
             for k, o, version in derived:
                 self.derived[id(o)] = Derived(o, op, k, version)
@@ -707,15 +708,6 @@ def _restore(saved: tuple) -> None:
                 continue
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
-
-
-def _stands_for(stand_in: Any, out: Any) -> bool:
-    """Does an earlier call's stand-in of an op's output (a tensor on the meta device)
-    have this output's shape, strides and dtype?"""
-    if not isinstance(stand_in, Tensor) or not isinstance(out, Tensor):
-        return False
-    return stand_in.device.type == "meta" and stand_in.shape == out.shape and (
-        stand_in.stride() == out.stride() and stand_in.dtype == out.dtype)
 
 
 def _same_flow(a: Flow, b: Flow) -> bool:

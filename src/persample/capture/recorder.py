@@ -88,7 +88,7 @@ from ..patches import WhileCapturing
 from ..precision import autocast_state
 from .edges import edge_of
 from .mode import hidden, mode_class, must_hide
-from .records import Call, Derived, Inner, Op, shapes_only
+from .records import Call, Derived, Inner, Op
 from .tape import Opaque, Step, arguments_key, outs_of, reads_of, reusable
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
@@ -747,7 +747,7 @@ class Capture:
             more = entry[1] if entry is not None and entry[0] is out else ()
             self._claimable[id(out)] = (out, more + (_Chain(op, op.flow.outputs),), False,
                                         op.flow.outputs.rows)
-        op.output = shapes_only(out, op.flow.outputs)
+        op.record_output(out)
 
     def _claim(self, pids: frozenset[int]) -> Call | None:
         """The innermost module-rule call under way that holds one of these parameters."""

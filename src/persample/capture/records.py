@@ -87,6 +87,32 @@ class Op:
     # a write of parameters into a tensor already derived (``w[3:] = q`` after ``w[:3] =
     # p``): the Derived its first leaf was before, which that leaf's cotangent goes to
     previous: Any = None
+    out_versions: list[int] | None = None  # of its output tensors, where they are kept
+
+    def record_output(self, out: Any, stand_in: Any = None,
+                      versions: list[int] | None = None) -> None:
+        """Keep what later steps read of the op's output: the tensors themselves for an
+        op whose rule reads their values (:data:`KEPT_OUTPUTS`: a recurrent kernel's
+        states), with their versions as the op made them (``versions``: those the traced
+        call's op made, for a call recorded after its forward ran; else their versions
+        now); else an earlier call's ``stand_in`` where it still stands for them, or new
+        stand-ins (:func:`shapes_only`)."""
+        if self.func in KEPT_OUTPUTS:
+            self.output = out
+            self.out_versions = list(versions) if versions is not None else [
+                t._version for t in self.outputs]
+        elif stand_in is not None and stands_for(stand_in, out):
+            self.output = stand_in
+        else:
+            self.output = shapes_only(out, self.flow.outputs)
+
+    def kept_outputs(self) -> list[Tensor] | None:
+        """The output tensors as the op made them (:meth:`record_output`), or ``None``
+        where they are not kept or one was modified in place since."""
+        outs = self.outputs
+        if self.out_versions is None or [t._version for t in outs] != self.out_versions:
+            return None
+        return outs
 
     @property
     def outputs(self) -> list[Tensor]:
@@ -142,6 +168,21 @@ class Derived:
     op: Op
     out: int  # which output of op
     version: int = 0  # the tensor's, when the op made it
+
+
+# Ops whose rules read the values of their outputs (registered by those rules): their
+# records keep the output tensors, as a plain step's autograd graph keeps them for the
+# backward, instead of stand-ins.
+KEPT_OUTPUTS: set = set()
+
+
+def stands_for(stand_in: Any, out: Any) -> bool:
+    """Does an earlier call's stand-in of an op's output (a tensor on the meta device)
+    have this output's shape, strides and dtype?"""
+    if not isinstance(stand_in, Tensor) or not isinstance(out, Tensor):
+        return False
+    return stand_in.device.type == "meta" and stand_in.shape == out.shape and (
+        stand_in.stride() == out.stride() and stand_in.dtype == out.dtype)
 
 
 def shapes_only(out: Any, layouts: Any) -> Any:

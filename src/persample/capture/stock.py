@@ -41,7 +41,7 @@ from ..batch import Batched, Flow, Layout, op_leaves
 from ..precision import autocast_state
 from .edges import edge_of
 from .recorder import Capture
-from .records import Call, Op, shapes_only
+from .records import Call, Op
 
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU,
                nn.Softplus, nn.Mish, nn.Hardtanh, nn.ReLU6, nn.Softsign, nn.Identity,
@@ -342,7 +342,7 @@ class StockCapture(Capture):
             op.autocast = state
             op.versions = versions
             op.edges = [edge]
-            op.output = shapes_only(out, read.flow.outputs)
+            op.record_output(out)
             self.ops.append(op)
             self.calls.append(call)
         self.layouts[self._output] = self.template.output

@@ -36,7 +36,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from ..batch import Batched
+from ..batch import Batched, front
+from ..capture.records import KEPT_OUTPUTS
 from ..precision import accumulate_dtype, cast
 from .calls import Destinations
 from .outer import sum_outer_into
@@ -493,19 +494,30 @@ def kernel(call: Any, g: list, out: dict) -> None:
     by_name = dict(zip(layer.names, weights))
     named = Destinations({name: out[w] for name, w in by_name.items() if w in out},
                          lambda name, left, right: call.defer(by_name[name], left, right))
+    outputs = None if layer.num_layers != 1 else _kept(call, n) or _outputs(
+        call.func, layer, xs, hs, weights, has_biases)
     recurrent(layer, (xs, tuple(hs) if layer.mode == "LSTM" else hs[0]), backprops, named,
-              _outputs(call.func, layer, xs, hs, weights, has_biases))
+              outputs)
+
+
+def _kept(call: Any, n: int) -> list[Tensor] | None:
+    """The kernel's outputs as the capture kept them (``KEPT_OUTPUTS``), samples first:
+    ``[output (n, T, D * H), h_n (n, D, H), (c_n)]``; ``None`` where they were not kept
+    or one changed in place since."""
+    outs = call.op.kept_outputs()
+    if outs is None or len(outs) != len(call.out_pairings) or not all(
+            _one_each(p) for p in call.out_pairings):
+        return None
+    return [front(o.detach(), p, n).squeeze(p.dim + 1) for o, p in zip(outs, call.out_pairings)]
 
 
 def _outputs(func: Any, layer: SimpleNamespace, xs: Tensor, hs: list[Tensor],
-             weights: list[Tensor], has_biases: bool) -> list[Tensor] | None:
-    """The kernel's outputs ``[output (n, T, D * H), h_n (n, D, H), (c_n)]`` computed
-    again on the inputs and states as the rule reads them (``xs (n, T, I)``, ``hs``
-    each ``(n, D, H)``), samples first, for the rule's path from outputs (one layer:
-    ``None`` otherwise). One call of the fused kernel, cheaper than differentiating the
-    recurrence unrolled."""
-    if layer.num_layers != 1:
-        return None
+             weights: list[Tensor], has_biases: bool) -> list[Tensor]:
+    """The kernel's outputs ``[output (n, T, D * H), h_n (n, D, H), (c_n)]`` of one layer
+    computed again on the inputs and states as the rule reads them (``xs (n, T, I)``,
+    ``hs`` each ``(n, D, H)``), samples first, for the rule's path from outputs, where
+    the capture did not keep them. One call of the fused kernel, cheaper than
+    differentiating the recurrence unrolled."""
     with torch.no_grad():
         states = [h.transpose(0, 1) for h in hs]  # (D, n, H) each, as the kernel takes
         got = func(xs, tuple(states) if layer.mode == "LSTM" else states[0],
@@ -541,3 +553,4 @@ def _kernel_layer(mode: str, weights: list[Tensor], has_biases: bool, layers: in
 
 
 KERNELS = register(OpSpec(tuple(_MODES), grad=kernel, multi_output=True))
+KEPT_OUTPUTS.update(KERNELS.funcs)  # (the rule reads the states they return)

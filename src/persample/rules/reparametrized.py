@@ -50,7 +50,7 @@ def weight_norm(call: OpCall, g: Tensor, out: dict) -> None:
     cot = cots.movedim(kept + 2, 2).reshape(*n, rows, -1)  # (n, v, c, k)
     r = flat.norm(dim=1)  # (c,)
     a = scale.reshape(rows) / r  # (c,): g / r
-    s = torch.einsum("nvck,ck->nvc", cot, flat)  # (n, v, c)
+    s = torch.linalg.vecdot(cot, flat)  # (n, v, c): each row of G[n] . v
     if g_t in out:
         out[g_t].copy_((s / r).reshape(out[g_t].shape))
     if v_t not in out:
