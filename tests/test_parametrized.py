@@ -20,6 +20,7 @@ from battery import assert_exact
 from persample import loop_per_sample_grads
 from persample.engine import pullback
 from persample.rules import recurrent as recurrent_rules
+from persample.rules import reparametrized
 
 B = H = 6  # sizes chosen to coincide: the batch and the hidden width
 T, IN = 5, 4
@@ -203,16 +204,18 @@ def test_weight_norm_dims(batched_pullbacks_only):
 
 class Rotated(nn.Module):
     """``x exp(A)`` with ``A`` built from a parameter: skew-symmetric (``X - X^T``), a
-    stack of them, or not skew-symmetric (``X`` itself: the op's own backward)."""
+    stack of them, or not skew-symmetric (``X`` itself: the op's own backward); ``size``:
+    ``A``'s (the input padded with zeros to it)."""
 
-    def __init__(self, form: str, init: Tensor | None = None):
+    def __init__(self, form: str, init: Tensor | None = None, size: int = IN):
         super().__init__()
-        self.form = form
-        shape = (2, IN, IN) if form == "stack" else (IN, IN)
+        self.form, self.size = form, size
+        shape = (2, size, size) if form == "stack" else (size, size)
         self.x = nn.Parameter(torch.randn(shape) * 0.5 if init is None else init)
-        self.head = nn.Linear(IN, 3)
+        self.head = nn.Linear(size, 3)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
+        x = F.pad(x, (0, self.size - IN))
         a = self.x if self.form == "general" else self.x - self.x.mT
         q = torch.linalg.matrix_exp(a)
         if self.form == "stack":
@@ -227,16 +230,50 @@ def _repeated() -> Tensor:
     return x
 
 
-@pytest.mark.parametrize("form,init", [("skew", None), ("stack", None), ("skew", "zero"),
-                                       ("skew", "repeated"), ("general", None)],
-                         ids=["skew", "stack", "zero", "repeated", "general"])
-def test_matrix_exp(form, init, batched_pullbacks_only):
+def _null() -> Tensor:
+    """``X`` whose ``X - X^T`` has a null space of two dims beside one rotation."""
+    x = torch.zeros(IN, IN)
+    x[1, 0] = 0.7
+    return x
+
+
+MATRICES = {"skew": ("skew", None, IN), "stack": ("stack", None, IN),
+            "odd": ("skew", None, 5), "wide-odd": ("skew", None, 33),
+            "zero": ("skew", "zero", IN), "repeated": ("skew", "repeated", IN),
+            "null-space": ("skew", "null", IN), "general": ("general", None, IN)}
+
+
+@pytest.mark.parametrize("name", list(MATRICES))
+@pytest.mark.parametrize("basis", ["real", "complex"])
+def test_matrix_exp(name, basis, batched_pullbacks_only, monkeypatch):
+    """Each skew-symmetric form by the real basis where it exists and by the complex
+    eigenbasis (forced), against the loop."""
+    real = []
+    if basis == "complex":
+        monkeypatch.setattr(reparametrized, "_real_basis", lambda mu, vecs: None)
+    else:
+        adjoint = reparametrized._adjoint_real
+        monkeypatch.setattr(reparametrized, "_adjoint_real",
+                            lambda *args: real.append(1) or adjoint(*args))
+    form, init, size = MATRICES[name]
     torch.manual_seed(0)
-    start = {None: None, "zero": torch.zeros(IN, IN), "repeated": _repeated()}[init]
-    model = Rotated(form, start)
+    start = {None: None, "zero": torch.zeros(IN, IN), "repeated": _repeated(),
+             "null": _null()}[init]
+    model = Rotated(form, start, size)
     x, y = _data()
     got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
     assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+    if basis == "real" and name in ("skew", "stack", "odd", "wide-odd", "repeated"):
+        assert real, "the real basis was not taken"
+
+
+def test_real_basis_found_and_refused():
+    """The real basis is taken where the eigenvalues pair (distinct, an odd size's one
+    zero) and refused where a zero eigenvalue repeats (the identity basis of ``0``)."""
+    x = torch.randn(7, 7)
+    for a, found in ((x - x.T, True), (torch.zeros(4, 4), False)):
+        mu, vecs = torch.linalg.eigh(a.to(torch.complex128) * 1j)
+        assert (reparametrized._real_basis(mu, vecs) is not None) == found
 
 
 def test_matrix_exp_per_sample():

@@ -73,14 +73,92 @@ def matrix_exp(call: OpCall, g: Tensor, out: dict) -> None:
     a = call.value(a_t)
     if a.is_complex() or a.dim() < 2 or not torch.equal(a, -a.mT):
         raise Decline("the matrix is not skew-symmetric: its exponential's own backward")
-    m, vecs = torch.linalg.eigh(a.to(_complex(a.dtype)) * 1j)  # i A = V diag(m) V^H
-    # A^T = -A = V diag(i m) V^H: Phi of the eigenvalues i m, divided differences of exp
-    half = (m[..., :, None] - m[..., None, :]) / 2
-    phi = torch.polar(torch.sinc(half / math.pi),
-                      (m[..., :, None] + m[..., None, :]) / 2)  # (..., m, m)
-    cot = g.to(vecs.dtype)
-    inner = vecs.mH @ cot @ vecs  # (n, v, ..., m, m)
-    out[a_t].copy_((vecs @ (inner * phi) @ vecs.mH).real)
+    if not a.any():  # (L(0, G) = G: orthogonal's trivialization starts there)
+        out[a_t].copy_(g)
+        return
+    mu, vecs = torch.linalg.eigh(a.to(torch.complex128) * 1j)  # i A = V diag(mu) V^H
+    found = _real_basis(mu, vecs)
+    if found is None:  # (eigenvalues that pair with no real basis: zero ones, repeated)
+        out[a_t].copy_(_adjoint_complex(mu, vecs, g))
+        return
+    basis, blocks = found
+    out[a_t].copy_(_adjoint_real(basis.to(g.dtype), blocks, g))
+
+
+def _phi(alpha: Tensor, beta: Tensor) -> Tensor:
+    """``Phi`` of the eigenvalues ``i alpha`` and ``i beta`` (broadcast): ``(e^{i alpha} -
+    e^{i beta}) / (i alpha - i beta)`` as ``exp(i (alpha + beta) / 2) sinc((alpha - beta)
+    / 2)``."""
+    return torch.polar(torch.sinc((alpha - beta) / (2 * math.pi)), (alpha + beta) / 2)
+
+
+def _adjoint_complex(mu: Tensor, vecs: Tensor, g: Tensor) -> Tensor:
+    """``L(A^T, G[n])`` in the complex eigenbasis: ``A^T = -A = V diag(i mu) V^H``."""
+    phi = _phi(mu[..., :, None], mu[..., None, :]).to(_complex(g.dtype))  # (..., m, m)
+    vecs = vecs.to(phi.dtype)
+    inner = vecs.mH @ g.to(phi.dtype) @ vecs  # (n, v, ..., m, m)
+    return (vecs @ (inner * phi) @ vecs.mH).real
+
+
+def _real_basis(mu: Tensor, vecs: Tensor) -> tuple[Tensor, tuple] | None:
+    """A real basis ``Q = [Re U, Im U, r]`` of the eigenvectors: ``U`` those of the ``p =
+    m // 2`` largest eigenvalues ``mu`` of ``i A`` (their conjugates are those of ``-mu``),
+    ``r`` the real null vector where ``m`` is odd; ``sqrt(2) Re U``, ``sqrt(2) Im U`` and
+    ``r`` are orthonormal (checked: ``None`` where they are not, as when an eigenvalue is
+    zero twice). Also ``Phi``'s blocks ``(Phi_PP, Phi_PN, Phi_P0)`` of the eigenvalues
+    ``i mu_top`` (``U``), ``-i mu_top`` (``conj U``) and ``0`` (``r``) of ``A^T``."""
+    m = mu.shape[-1]
+    p = m // 2
+    top, u = mu[..., m - p:], vecs[..., :, m - p:]  # (..., p), (..., m, p)
+    cols = [u.real, u.imag]
+    if m % 2:
+        z = vecs[..., :, p:p + 1]  # (..., m, 1): the eigenvalue nearest 0
+        k = z.abs().argmax(-2, keepdim=True)
+        phase = z.gather(-2, k)
+        r = (z * (phase.conj() / phase.abs())).real
+        cols.append(r / r.norm(dim=-2, keepdim=True))
+    basis = torch.cat(cols, -1)  # (..., m, m) float64
+    scale = basis.new_full((m,), 2.0 ** 0.5)
+    scale[2 * p:] = 1.0
+    gram = (basis * scale).mT @ (basis * scale)
+    if (gram - torch.eye(m, dtype=gram.dtype)).abs().amax() > 1e-10:
+        return None
+    zero = top.new_zeros(())
+    return basis, (_phi(top[..., :, None], top[..., None, :]),
+                   _phi(top[..., :, None], -top[..., None, :]), _phi(top, zero))
+
+
+def _adjoint_real(basis: Tensor, blocks: tuple, g: Tensor) -> Tensor:
+    """``L(A^T, G[n]) = Q B Q^T`` with ``K = Q^T G Q`` (two real products per cotangent,
+    and two back): with ``U = Re U + i Im U`` and ``r`` the null vector, ``U^H G U =
+    K_rr + K_ii + i (K_ri - K_ir)`` and ``U^H G conj(U) = K_rr - K_ii - i (K_ri + K_ir)``;
+    their products with ``Phi``'s blocks, ``Z1`` and ``Z2``, give ``S = Z1 + Z2`` and ``D =
+    Z2 - Z1``, and ``B = 2 [[Re S, -Im D], [-Im S, -Re D]]`` (the terms of ``conj U``
+    being the conjugates of those of ``U``), bordered where ``m`` is odd by ``r``'s row and
+    column (``Phi`` of ``0`` and ``i mu``) and ``K_00``."""
+    phi_pp, phi_pn, phi_p0 = (b.to(_complex(g.dtype)) for b in blocks)
+    m = basis.shape[-1]
+    p = m // 2
+    k = basis.mT @ g @ basis  # (n, v, ..., m, m)
+    rr, ri = k[..., :p, :p], k[..., :p, p:2 * p]
+    ir, ii = k[..., p:2 * p, :p], k[..., p:2 * p, p:2 * p]
+    z1 = phi_pp * torch.complex(rr + ii, ri - ir)  # (n, v, ..., p, p)
+    z2 = phi_pn * torch.complex(rr - ii, -(ri + ir))
+    s, d = z1 + z2, z2 - z1
+    b = torch.empty_like(k)
+    b[..., :p, :p] = 2 * s.real
+    b[..., :p, p:2 * p] = -2 * d.imag
+    b[..., p:2 * p, :p] = -2 * s.imag
+    b[..., p:2 * p, p:2 * p] = -2 * d.real
+    if m % 2:
+        c = phi_p0 * torch.complex(k[..., :p, 2 * p], -k[..., p:2 * p, 2 * p])  # (..., p)
+        e = phi_p0 * torch.complex(k[..., 2 * p, :p], k[..., 2 * p, p:2 * p])
+        b[..., :p, 2 * p] = 2 * c.real
+        b[..., p:2 * p, 2 * p] = -2 * c.imag
+        b[..., 2 * p, :p] = 2 * e.real
+        b[..., 2 * p, p:2 * p] = 2 * e.imag
+        b[..., 2 * p, 2 * p] = k[..., 2 * p, 2 * p]
+    return basis @ b @ basis.mT
 
 
 def _complex(dtype: torch.dtype) -> torch.dtype:
