@@ -325,12 +325,14 @@ def test_the_default_threads_are_the_free_cpus(monkeypatch, cpus, load, want):
 @pytest.mark.slow
 @pytest.mark.parametrize("workload", ["gpt-oss-grads", "qwen-moe-grads", "switch-moe-grads",
                                       "vit-mae-grads", "gcn-batch-grads", "lstm-cell-grads",
-                                      "seq2seq-decoder-grads"])
+                                      "seq2seq-decoder-grads", "weight-norm-lstm-grads",
+                                      "orthogonal-rnn-grads"])
 def test_bench_family_workloads(tmp_path, workload):
     """Mixtures (transformers' grouped kernel with biased experts, and with a shared
     expert; Switch's experts with a capacity), a masked
     autoencoder's mask token broadcast into the batch, a graph network on a Batch, a
-    cell or a recurrent layer stepped in a Python loop: every
+    cell or a recurrent layer stepped in a Python loop, a recurrent weight rewritten by a
+    parametrization: every
     row agrees with the loop or says why it cannot run (torch.func cannot take a
     ``Batch``, Opacus's hooks the experts' routing)."""
     figures = bench(tmp_path, "--workload", workload, "--batch", "4", "--no-memory")

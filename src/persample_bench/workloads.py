@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrizations
 from torch.utils._pytree import tree_map
 
 from persample.cli.data import (
@@ -100,6 +101,39 @@ class RowLSTMCell(nn.Module):
         for t in range(rows.shape[1]):
             h, c = self.cell(rows[:, t], (h, c))
         return self.head(h)
+
+
+class ParametrizedRows(nn.Module):
+    """A recurrent layer over a digit's 28 rows whose recurrent weight is rewritten by a
+    parametrization before each use, then a linear head on the last output:
+    ``"weight-norm"``, an ``nn.LSTM(28, hidden)`` with ``parametrizations.weight_norm``
+    on ``weight_hh_l0`` (Salimans & Kingma 2016); ``"orthogonal"``, an ``nn.RNN(28,
+    hidden)`` with ``parametrizations.orthogonal`` (``exp`` of a skew-symmetric ``A``),
+    its ``A`` drawn small and nonzero as after some training steps (at ``A = 0``, where
+    the trivialization starts, the exponential's derivative is the identity).
+
+    Takes ``(B, 1, 28, 28)``, returns logits ``(B, classes)``.
+
+    Examples:
+        >>> ParametrizedRows("orthogonal")(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, kind: str, hidden: int = 128, classes: int = 10):
+        super().__init__()
+        if kind == "weight-norm":
+            self.rnn = parametrizations.weight_norm(nn.LSTM(28, hidden, batch_first=True),
+                                                    "weight_hh_l0")
+        else:
+            self.rnn = parametrizations.orthogonal(nn.RNN(28, hidden, batch_first=True),
+                                                   "weight_hh_l0")
+            with torch.no_grad():
+                self.rnn.parametrizations.weight_hh_l0.original.normal_(0, 0.05)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.rnn(x.flatten(1, 2))[0]  # (B, 28, hidden)
+        return self.head(out[:, -1])
 
 
 class StepDecoder(nn.Module):
@@ -325,8 +359,10 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     trick in "fast-individual-gradients-with-autodiff", B=100, digits projected to 300
     features, 2 classes),
     ``lstm-grads`` (:class:`RowLSTM`, B=64), ``lstm-cell-grads`` (:class:`RowLSTMCell`,
-    B=64), ``seq2seq-decoder-grads`` (:class:`StepDecoder` over 16 bytes of the standard
-    library's docstrings, B=32, per-sample next-token cross-entropy), ``vit-grads``
+    B=64), ``weight-norm-lstm-grads`` and ``orthogonal-rnn-grads``
+    (:class:`ParametrizedRows`, B=64), ``seq2seq-decoder-grads`` (:class:`StepDecoder`
+    over 16 bytes of the standard library's docstrings, B=32, per-sample next-token
+    cross-entropy), ``vit-grads``
     (timm ``VisionTransformer``, 4x4 patches of the 28x28 digits, 2 layers of width 64,
     B=64), ``resnet18-grads``
     (torchvision ``resnet18(num_classes=10)``, digits 32x32 repeated to 3 channels,
@@ -403,6 +439,16 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
         return Workload(name, "rnn", RowLSTMCell().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"LSTMCell(28, 128) stepped over image rows, batch {b}, digits "
                         "1x28x28, cross-entropy")
+    if name in ("weight-norm-lstm-grads", "orthogonal-rnn-grads"):
+        x, y = digits_images()
+        b = batch or 64
+        kind = "weight-norm" if name.startswith("weight") else "orthogonal"
+        model = ParametrizedRows(kind).eval()
+        layer = "LSTM(28, 128), weight_norm" if kind == "weight-norm" else (
+            "RNN(28, 128), orthogonal")
+        return Workload(name, "rnn", model, x[:b], y[:b], nn.CrossEntropyLoss(),
+                        f"{layer} on the recurrent weight, over image rows, batch {b}, "
+                        "digits 1x28x28, cross-entropy")
     if name == "vit-grads":
         model = real_models.timm_vit(img_size=28, in_chans=1)
         x, y = digits_images()
@@ -1009,7 +1055,8 @@ PROXY_WORKLOADS = ("bert-tiny-grads", "gpt2-tiny-grads", "mlp-tiny-grads", "vit-
 """Tiny configurations whose kernels are as short as a real model's on a GPU, where the
 fixed cost per op decides the step (``persample bench --proxy``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "lstm-cell-grads",
-                  "seq2seq-decoder-grads", "vit-grads", "resnet18-grads",
+                  "weight-norm-lstm-grads", "orthogonal-rnn-grads", "seq2seq-decoder-grads",
+                  "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
                   "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "qwen-moe-grads",
                   "switch-moe-grads", "vit-mae-grads", "gcn-batch-grads"

@@ -17,10 +17,16 @@ differentiate a matrix exponential of twice the size per sample.
   derivative (Najfeld & Havel 1995; Higham 2008, ch. 10). For a normal ``A = U diag(l)
   U^H``, ``L(A, E) = U ((U^H E U) * Phi) U^H`` with ``Phi[j, k] = (e^{l_j} - e^{l_k}) /
   (l_j - l_k)`` (``e^{l_j}`` where they are equal). A real skew-symmetric ``A`` is
-  normal, ``i A`` Hermitian: one ``eigh`` for the batch, then four products per
-  cotangent, with ``Phi[j, k] = exp(i (m_j + m_k) / 2) sinc((m_j - m_k) / 2)`` for the
-  eigenvalues ``l = i m`` of ``A^T`` (no division by a small difference). Any other
-  matrix declines (the exact batched backward of the op then runs).
+  normal, ``i A`` Hermitian: one ``eigh`` for the batch, with ``Phi[j, k] = exp(i (m_j +
+  m_k) / 2) sinc((m_j - m_k) / 2)`` for the eigenvalues ``l = i m`` of ``A^T`` (no
+  division by a small difference). Its eigenvectors come in conjugate pairs, so the
+  real and imaginary parts of those of the positive half (and the null vector of an odd
+  size) are a real orthogonal basis ``Q`` (up to ``sqrt(2)``): each cotangent then takes
+  two real products in (``Q^T G Q``), a map of its blocks, and two out, where the
+  complex eigenbasis takes four complex ones. Where the pairs do not give such a basis
+  (a zero eigenvalue repeated) the complex eigenbasis is used; ``A = 0`` (where
+  ``orthogonal``'s trivialization starts) gives ``G`` itself. Any other matrix declines
+  (the exact batched backward of the op then runs).
 """
 
 from __future__ import annotations
