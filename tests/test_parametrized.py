@@ -16,8 +16,9 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations
 
 import persample
-from battery import assert_exact
+from battery import assert_exact, clipped_mean
 from persample import loop_per_sample_grads
+from persample.dp import private_grad
 from persample.engine import pullback
 from persample.rules import recurrent as recurrent_rules
 from persample.rules import reparametrized
@@ -359,3 +360,17 @@ def test_bfloat16_weight_norm_lstm():
     assert F.cosine_similarity(got["rnn.parametrizations.weight_hh_l0.original1"].double()
                                .flatten(1), want["rnn.parametrizations.weight_hh_l0."
                                                  "original1"].flatten(1)).min() > 0.999
+
+
+@pytest.mark.parametrize("name", ["lstm-weight-norm-hh", "rnn-orthogonal-hh"])
+def test_dp_step(name, batched_pullbacks_only):
+    """Norms and DP-SGD's clipped sum (no noise) through the parametrizations, against
+    the loop's per-sample gradients clipped by hand."""
+    model = _case(name)
+    x, y = _data()
+    norms, want = clipped_mean(loop_per_sample_grads(model, x, y, LOSS), 0.05)
+    torch.testing.assert_close(persample.per_sample_grad_norms(model, x, y, LOSS), norms,
+                               rtol=1e-10, atol=1e-13)
+    _, got_norms = private_grad(model, x, y, LOSS, max_grad_norm=0.05, noise_multiplier=0.0)
+    torch.testing.assert_close(got_norms, norms, rtol=1e-10, atol=1e-13)
+    assert_exact({k: p.grad for k, p in model.named_parameters()}, want)
