@@ -326,7 +326,7 @@ def test_the_default_threads_are_the_free_cpus(monkeypatch, cpus, load, want):
 @pytest.mark.parametrize("workload", ["gpt-oss-grads", "qwen-moe-grads", "switch-moe-grads",
                                       "vit-mae-grads", "gcn-batch-grads", "lstm-cell-grads",
                                       "seq2seq-decoder-grads", "weight-norm-lstm-grads",
-                                      "orthogonal-rnn-grads"])
+                                      "orthogonal-rnn-grads", "orthogonal-lstm-grads"])
 def test_bench_family_workloads(tmp_path, workload):
     """Mixtures (transformers' grouped kernel with biased experts, and with a shared
     expert; Switch's experts with a capacity), a masked

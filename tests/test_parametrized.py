@@ -2,7 +2,8 @@
 (``parametrizations.weight_norm``, ``orthogonal``, ``spectral_norm``, the older
 ``weight_norm`` hook, a matrix exponential written by hand): the reading op's rule gives
 the per-sample cotangent of the rewritten weight, and the rewrite's own rule pulls all
-samples' back at once (``_weight_norm``, ``matrix_exp`` of a skew-symmetric matrix).
+samples' back at once (``_weight_norm``, ``matrix_exp`` of a skew-symmetric matrix,
+``householder_product``).
 A recurrent layer with such a weight takes its kernel's rule for all its weights, from
 the kernel's outputs. Checked against the loop in float64, with the path each parameter
 took, and that the batched pullbacks ran (not the op's own backward per sample)."""
@@ -106,6 +107,8 @@ def batched_pullbacks_only(monkeypatch):
         if op.func in (torch.linalg.matrix_exp, torch.matrix_exp) and torch.equal(
                 op.leaves[0], -op.leaves[0].mT):
             raise AssertionError("a skew-symmetric matrix_exp pulled back by autograd")
+        if op.func in (torch.linalg.householder_product, torch.orgqr):
+            raise AssertionError("householder_product pulled back by its own backward")
         return original(op, cots, wrt)
 
     monkeypatch.setattr(pullback, "shared_vjp", guarded)
@@ -193,6 +196,71 @@ class WeightNormed(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
         h = torch.tanh(self.whole(torch.tanh(self.cols(torch.tanh(self.rows(x))))))
         return self.head(self.conv(h.mean(1, keepdim=True)).flatten(1))
+
+
+class Orthogonal(nn.Module):
+    """``orthogonal`` on Linear weights that are not square (Householder reflections):
+    tall, wide, and one left at its initial reflectors."""
+
+    def __init__(self):
+        super().__init__()
+        self.tall = parametrizations.orthogonal(nn.Linear(IN, 2 * H))
+        self.wide = parametrizations.orthogonal(nn.Linear(2 * H, H))
+        self.head = nn.Linear(H, 3)
+        with torch.no_grad():  # (as after some steps; the diagonal holds the signs)
+            for layer in (self.tall, self.wide):
+                original = layer.parametrizations.weight.original
+                original.add_((1 - torch.eye(*original.shape)) * torch.randn_like(original))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
+        return self.head(torch.tanh(self.wide(torch.tanh(self.tall(x)))).mean(1))
+
+
+class Reflected(nn.Module):
+    """``householder_product`` called directly: a stack of reflectors with a zero scale,
+    reflectors made from each sample's input, or a product whose matrix dims hold the
+    samples."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.a = nn.Parameter(torch.randn(2, 5, 3) * 0.4)
+        self.tau = nn.Parameter(torch.tensor([[1.2, 0.0, 0.7], [0.3, 1.9, 1.0]]))
+        self.head = nn.Linear(15 if form == "per-sample" else IN, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
+        if self.form == "stack":
+            q = torch.linalg.householder_product(self.a, self.tau)  # (2, 5, 3)
+            h = torch.tanh(F.pad(x, (0, 1)) @ q[0]) @ q[1].mT  # (B, T, 5)
+            return self.head(h[..., :IN]).mean(1)
+        if self.form == "per-sample":
+            a = x[:, :5, :3] * self.a[0]  # (B, 5, 3)
+            tau = self.tau[0].expand(len(x), 3) * x[:, 0, :3].tanh()
+            return self.head(torch.linalg.householder_product(a, tau).flatten(1))
+        rows = x[:, 0, :3]  # (B, 3): a sample per row of the reflectors
+        return self.head(F.pad(torch.linalg.householder_product(rows, self.tau[0]),
+                               (0, IN - 3)))
+
+
+def test_householder_products(batched_pullbacks_only):
+    torch.manual_seed(0)
+    x, y = _data()
+    for model in (Orthogonal(), Reflected("stack")):
+        got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+        assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+        assert {r.path for r in persample.supported(model, x, y, LOSS)} == {"rule"}
+
+
+def test_householder_per_sample():
+    """Reflectors holding the samples in their leading dim keep them apart (the op's own
+    backward per sample); in their matrix dims they mix, refused by name."""
+    torch.manual_seed(0)
+    x, y = _data()
+    model = Reflected("per-sample")
+    got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+    assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+    flow = persample.supported(Reflected("across"), x, y, LOSS)
+    assert any("householder" in r.reason and "mix" in r.reason for r in flow), flow
 
 
 def test_weight_norm_dims(batched_pullbacks_only):

@@ -110,7 +110,10 @@ class ParametrizedRows(nn.Module):
     on ``weight_hh_l0`` (Salimans & Kingma 2016); ``"orthogonal"``, an ``nn.RNN(28,
     hidden)`` with ``parametrizations.orthogonal`` (``exp`` of a skew-symmetric ``A``),
     its ``A`` drawn small and nonzero as after some training steps (at ``A = 0``, where
-    the trivialization starts, the exponential's derivative is the identity).
+    the trivialization starts, the exponential's derivative is the identity);
+    ``"householder"``, an ``nn.LSTM(28, hidden)`` with ``orthogonal`` on its ``(4 hidden,
+    hidden)`` recurrent weight (Householder reflections, the map of a weight that is not
+    square), its reflectors moved as after some steps.
 
     Takes ``(B, 1, 28, 28)``, returns logits ``(B, classes)``.
 
@@ -124,6 +127,12 @@ class ParametrizedRows(nn.Module):
         if kind == "weight-norm":
             self.rnn = parametrizations.weight_norm(nn.LSTM(28, hidden, batch_first=True),
                                                     "weight_hh_l0")
+        elif kind == "householder":
+            self.rnn = parametrizations.orthogonal(nn.LSTM(28, hidden, batch_first=True),
+                                                   "weight_hh_l0")
+            with torch.no_grad():  # (below the diagonal: its signs stay)
+                original = self.rnn.parametrizations.weight_hh_l0.original
+                original.add_(torch.randn_like(original).tril(-1) * 0.05)
         else:
             self.rnn = parametrizations.orthogonal(nn.RNN(28, hidden, batch_first=True),
                                                    "weight_hh_l0")
@@ -359,10 +368,10 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     trick in "fast-individual-gradients-with-autodiff", B=100, digits projected to 300
     features, 2 classes),
     ``lstm-grads`` (:class:`RowLSTM`, B=64), ``lstm-cell-grads`` (:class:`RowLSTMCell`,
-    B=64), ``weight-norm-lstm-grads`` and ``orthogonal-rnn-grads``
-    (:class:`ParametrizedRows`, B=64), ``seq2seq-decoder-grads`` (:class:`StepDecoder`
-    over 16 bytes of the standard library's docstrings, B=32, per-sample next-token
-    cross-entropy), ``vit-grads``
+    B=64), ``weight-norm-lstm-grads``, ``orthogonal-rnn-grads`` and
+    ``orthogonal-lstm-grads`` (:class:`ParametrizedRows`, B=64),
+    ``seq2seq-decoder-grads`` (:class:`StepDecoder` over 16 bytes of the standard
+    library's docstrings, B=32, per-sample next-token cross-entropy), ``vit-grads``
     (timm ``VisionTransformer``, 4x4 patches of the 28x28 digits, 2 layers of width 64,
     B=64), ``resnet18-grads``
     (torchvision ``resnet18(num_classes=10)``, digits 32x32 repeated to 3 channels,
@@ -439,13 +448,14 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
         return Workload(name, "rnn", RowLSTMCell().eval(), x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"LSTMCell(28, 128) stepped over image rows, batch {b}, digits "
                         "1x28x28, cross-entropy")
-    if name in ("weight-norm-lstm-grads", "orthogonal-rnn-grads"):
+    if name in ("weight-norm-lstm-grads", "orthogonal-rnn-grads", "orthogonal-lstm-grads"):
         x, y = digits_images()
         b = batch or 64
-        kind = "weight-norm" if name.startswith("weight") else "orthogonal"
+        kind = {"weight-norm-lstm-grads": "weight-norm", "orthogonal-rnn-grads": "orthogonal",
+                "orthogonal-lstm-grads": "householder"}[name]
         model = ParametrizedRows(kind).eval()
-        layer = "LSTM(28, 128), weight_norm" if kind == "weight-norm" else (
-            "RNN(28, 128), orthogonal")
+        layer = {"weight-norm": "LSTM(28, 128), weight_norm", "orthogonal": "RNN(28, 128), "
+                 "orthogonal", "householder": "LSTM(28, 128), orthogonal (Householder)"}[kind]
         return Workload(name, "rnn", model, x[:b], y[:b], nn.CrossEntropyLoss(),
                         f"{layer} on the recurrent weight, over image rows, batch {b}, "
                         "digits 1x28x28, cross-entropy")
@@ -1055,7 +1065,8 @@ PROXY_WORKLOADS = ("bert-tiny-grads", "gpt2-tiny-grads", "mlp-tiny-grads", "vit-
 """Tiny configurations whose kernels are as short as a real model's on a GPU, where the
 fixed cost per op decides the step (``persample bench --proxy``)."""
 GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "lstm-cell-grads",
-                  "weight-norm-lstm-grads", "orthogonal-rnn-grads", "seq2seq-decoder-grads",
+                  "weight-norm-lstm-grads", "orthogonal-rnn-grads", "orthogonal-lstm-grads",
+                  "seq2seq-decoder-grads",
                   "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
                   "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "qwen-moe-grads",

@@ -266,6 +266,27 @@ def _matrix_function(ctx, func, args, kwargs, out) -> Any:
 register(_matrix_function, *aliases("matrix_exp"))
 
 
+def _householder(ctx, func, args, kwargs, out) -> Any:
+    """``linalg.householder_product(A, tau)``: the product of each matrix's reflectors;
+    samples in the leading dims of both stay apart, in the matrix dims they mix; one of
+    them holding samples and the other not is not followed (its leading dims are the
+    other's, so a shared one is as long as the batch)."""
+    a, tau = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "tau")
+    la, lt = ctx.layout(a), ctx.layout(tau)
+    if la is SHARED and lt is SHARED:
+        return SHARED
+    if isinstance(la, Batched) and la.dim >= a.dim() - 2 or (
+            isinstance(lt, Batched) and lt.dim >= tau.dim() - 1):
+        return mixed(func, "is a product of reflectors the samples are in")
+    if la != lt:
+        return Unknown(f"{name_of(func)} of reflectors holding samples with scales that "
+                       "do not")
+    return la
+
+
+register(_householder, *aliases("householder_product", "orgqr"))
+
+
 def einsum_subscripts(equation: str, ranks: list[int]) -> tuple[list[str], str]:
     """Each operand's subscripts and the output's, ``...`` spelled out as capitals not in
     the equation (aligned at the right end, as einsum broadcasts them), an implicit

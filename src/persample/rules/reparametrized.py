@@ -1,7 +1,8 @@
 """Pullbacks through the ops that rewrite a parameter before a layer reads it:
 ``torch._weight_norm`` (``parametrizations.weight_norm``, the older ``weight_norm``
-hook) and ``torch.linalg.matrix_exp`` of a skew-symmetric matrix
-(``parametrizations.orthogonal``'s default map for square weights).
+hook), ``torch.linalg.matrix_exp`` of a skew-symmetric matrix
+(``parametrizations.orthogonal``'s default map for square weights) and
+``torch.linalg.householder_product`` (its map for the others).
 
 Such an op makes a tensor shared by the samples (a derived weight ``W``); the rules of
 the ops that read ``W`` give each sample's cotangent ``G[n] = dL_n/dW`` ``(n, v,
@@ -27,6 +28,10 @@ differentiate a matrix exponential of twice the size per sample.
   (a zero eigenvalue repeated) the complex eigenbasis is used; ``A = 0`` (where
   ``orthogonal``'s trivialization starts) gives ``G`` itself. Any other matrix declines
   (the exact batched backward of the op then runs).
+- The product of Householder reflections ``Q = (I - V T V^H)[:, :k]`` in its compact WY
+  form (Schreiber & Van Loan 1989): ordinary products and one triangular solve, whose
+  batched backward takes all cotangents at once, where the op's own backward runs once
+  per sample.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..precision import accumulate_dtype
 from .calls import OpCall
 from .spec import Decline, OpSpec, register
 
@@ -167,9 +173,48 @@ def _adjoint_real(basis: Tensor, blocks: tuple, g: Tensor) -> Tensor:
     return basis @ b @ basis.mT
 
 
+def householder_product(call: OpCall, g: Tensor, out: dict) -> None:
+    """``torch.linalg.householder_product(A, tau)`` (``orthogonal``'s map for a weight
+    that is not square) of ``A (..., m, k)`` and ``tau (..., k)`` shared by the samples;
+    ``g (n, v, ..., m, k)``. The product in its compact WY form (:func:`_compact_wy`),
+    differentiated for all cotangents in one batched backward of ordinary products and a
+    triangular solve."""
+    a_t, tau_t = call.arg(0, "input"), call.arg(1, "tau")
+    if not (isinstance(a_t, Tensor) and isinstance(tau_t, Tensor)) or not (
+            call.shared(a_t) and call.shared(tau_t)) or a_t is tau_t:
+        raise Decline("a Householder product per sample")
+    work = accumulate_dtype(g.dtype)
+    a, tau = call.value(a_t).to(work), call.value(tau_t).to(work)
+    wanted = [(x, t) for x, t in ((a, a_t), (tau, tau_t)) if t in out]
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_() for x, _ in wanted]
+        given = dict(zip((id(x) for x, _ in wanted), leaves))
+        q = _compact_wy(given.get(id(a), a), given.get(id(tau), tau))
+        got = torch.autograd.grad(q, leaves, g.flatten(0, 1).to(work), is_grads_batched=True)
+    for (_, t), grad in zip(wanted, got):
+        out[t].copy_(grad.unflatten(0, g.shape[:2]))
+
+
+def _compact_wy(a: Tensor, tau: Tensor) -> Tensor:
+    """``householder_product(a, tau)`` as ``(I - V T V^H)[:, :k]`` (Schreiber & Van Loan
+    1989): ``V`` the unit lower trapezoidal reflectors of ``a (..., m, k)``, ``T`` upper
+    triangular with ``T^-1 = diag(1 / tau) + triu(V^H V, 1)``, taken as ``(I + diag(tau)
+    triu(V^H V, 1))^-1 diag(tau)`` (a unit triangular solve: ``tau = 0`` allowed)."""
+    m, k = a.shape[-2:]
+    eye = torch.eye(m, k, dtype=a.dtype, device=a.device)
+    v = a.tril(-1) + eye  # (..., m, k)
+    s = (v.mH @ v).triu(1)  # (..., k, k)
+    unit = torch.eye(k, dtype=a.dtype, device=a.device) + tau[..., :, None] * s
+    t = torch.linalg.solve_triangular(unit, torch.diag_embed(tau), upper=True,
+                                      unitriangular=True)
+    return eye - v @ (t @ v[..., :k, :].mH)
+
+
 def _complex(dtype: torch.dtype) -> torch.dtype:
     return torch.complex128 if dtype == torch.float64 else torch.complex64
 
 
 WEIGHT_NORM = register(OpSpec((torch._weight_norm,), grad=weight_norm))
 MATRIX_EXP = register(OpSpec((torch.linalg.matrix_exp, torch.matrix_exp), grad=matrix_exp))
+HOUSEHOLDER = register(OpSpec((torch.linalg.householder_product, torch.orgqr),
+                              grad=householder_product))
