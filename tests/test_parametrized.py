@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils import parametrizations
+from torch.nn.utils import parametrizations, parametrize
 
 import persample
 from battery import assert_exact, clipped_mean
@@ -261,6 +261,51 @@ def test_householder_per_sample():
     assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
     flow = persample.supported(Reflected("across"), x, y, LOSS)
     assert any("householder" in r.reason and "mix" in r.reason for r in flow), flow
+
+
+class Symmetric(nn.Module):
+    """A custom parametrization (``register_parametrization``): a symmetric weight from
+    its upper triangle, ``X.triu() + X.triu(1).mT``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.triu() + x.triu(1).mT
+
+
+class Views(nn.Module):
+    """Weights through ``triu``, ``tril`` (and in place), ``.mT``, ``.mH``, ``.T``, ``.H``
+    and a symmetric parametrization."""
+
+    def __init__(self):
+        super().__init__()
+        self.sym = nn.Linear(IN, IN)
+        parametrize.register_parametrization(self.sym, "weight", Symmetric())
+        self.w = nn.Parameter(torch.randn(IN, IN))
+        self.stack = nn.Parameter(torch.randn(2, IN, IN))
+        self.head = nn.Linear(IN, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, IN) -> (B, 3)
+        lower = self.w.tril(-1)
+        lower.triu_(-2)  # (a band: in place on a derived tensor)
+        h = torch.tanh(self.sym(x) @ lower.mT + x @ self.w.T)
+        h = torch.tanh(h @ self.stack.mH[0] + h @ torch.tril(self.w).H)
+        return self.head(h).mean(1)
+
+
+def test_triangles_and_transposes(batched_pullbacks_only, monkeypatch):
+    torch.manual_seed(0)
+    model = Views()
+    x, y = _data()
+    ops = set()
+    original = pullback.shared_vjp
+
+    def seen(op, cots, wrt):
+        ops.add(getattr(op.func, "__name__", ""))
+        return original(op, cots, wrt)
+
+    monkeypatch.setattr(pullback, "shared_vjp", seen)
+    got = persample.per_sample_grads(model, x, y, LOSS, method="rules")
+    assert_exact(got, loop_per_sample_grads(model, x, y, LOSS))
+    assert not ops & {"triu", "tril", "triu_", "tril_", "__get__"}, ops
 
 
 def test_weight_norm_dims(batched_pullbacks_only):

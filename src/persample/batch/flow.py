@@ -106,7 +106,7 @@ def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
         return Flow(every(out, SHARED))
     if isinstance(bad, (Mixed, Unknown)) and not _reads_values(func):
         return Flow(every(out, bad))
-    handler = _handler(func)
+    handler = handler_of(func)
     if handler is None:
         return Flow(every(out, Unknown(f"no data-flow rule for {name_of(func)}")))
     got = handler(ctx, func, args, kwargs, out)  # raising here is a bug of the handler
@@ -130,7 +130,9 @@ def unbroadcast(func: Any, args: tuple, kwargs: dict, narrow: Narrow) -> tuple |
     return None if found is None else found(func, args, kwargs, narrow)
 
 
-def _handler(func: Any) -> Handler | None:
+def handler_of(func: Any) -> Handler | None:
+    """The data-flow handler of ``func`` (a tensor property's ``__get__`` by its name), or
+    ``None``."""
     found = HANDLERS.get(func)
     if found is None and getattr(func, "__name__", "") == "__get__":
         found = GETTERS.get(getattr(getattr(func, "__self__", None), "__name__", ""))
@@ -162,7 +164,7 @@ def reads_layouts_only(func: Any, leaves: list) -> bool:
     shapes, even of an integer or boolean tensor (a mask's ``ge``, ``to``, ``expand``, or
     ``mask[:, None]``: basic indexing, no index tensor)? Then a call like an earlier one
     may take the earlier call's flow."""
-    handler = _handler(func)
+    handler = handler_of(func)
     if handler in LAYOUTS_ONLY:
         return True
     return func is torch.Tensor.__getitem__ and len(leaves) == 1
@@ -171,7 +173,7 @@ def reads_layouts_only(func: Any, leaves: list) -> bool:
 def reads_no_floats(func: Any) -> bool:
     """Does ``func``'s data flow depend on no floating-point tensor's values (its
     handler is in :data:`FLOAT_BLIND`)?"""
-    return _handler(func) in FLOAT_BLIND
+    return handler_of(func) in FLOAT_BLIND
 
 
 # ops that read only their tensor arguments' shape, dtype and device (``zeros_like``)

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from ..batch.flow import HANDLERS, Handler, name_of
+from ..batch.flow import Handler, handler_of, name_of
 from ..batch.flow import register as register_flow
 from ..batch.forms import forms
 
@@ -193,7 +193,7 @@ def _check(spec: OpSpec) -> None:
     if taken:
         raise ValueError(f"{name_of(taken[0])} is already covered by the spec of "
                          f"{SPECS[taken[0]].name}: one spec per op")
-    lost = [f for f in spec.funcs if f not in HANDLERS]
+    lost = [f for f in spec.funcs if handler_of(f) is None]
     if lost and spec.grad is not None and spec.flow is None:
         raise ValueError(f"{name_of(lost[0])} has no data-flow handler: declare how it "
                          "carries the samples with OpSpec(..., flow=handler)")

@@ -1,5 +1,6 @@
 """Pullbacks through shape ops on tensors computed from parameters: ``W.t()``,
-``x.transpose``, ``permute``, ``view``/``reshape``, ``unsqueeze``, casts, ``repeat``.
+``x.transpose``, ``permute``, ``view``/``reshape``, ``unsqueeze``, casts, ``repeat``, and
+the triangles ``triu``/``tril`` (which keep entries in place).
 
 These ops only move entries, so the per-sample cotangent of their output maps to
 their input by the inverse move, on the trailing dims of ``g (n, v, *shape)``:
@@ -98,6 +99,31 @@ def repeat(call: OpCall, g: Tensor, out: dict) -> None:
     out[x].copy_(summed.reshape(n, v, *x.shape))
 
 
+def transposed(call: OpCall, g: Tensor, out: dict) -> None:
+    """The properties ``x.mT``, ``x.mH`` (the last two dims swapped; a real tensor's
+    conjugate is itself), ``x.T`` and ``x.H`` (every dim reversed)."""
+    x = _input(call, out)
+    last_two = call.func.__self__.__name__ in ("mT", "mH")
+    if x.dim() < 2:
+        out[x].copy_(g)
+    elif last_two or x.dim() == 2:
+        out[x].copy_(g.transpose(-1, -2))
+    else:
+        out[x].copy_(g.permute(0, 1, *range(x.dim() + 1, 1, -1)))
+
+
+def triangle(call: OpCall, g: Tensor, out: dict) -> None:
+    """``triu``/``tril(x, diagonal)`` of a tensor whose matrix dims hold no samples (an
+    orthogonal parametrization's reflectors, a symmetric weight ``X.triu() +
+    X.triu(1).mT``): the cotangent kept on the same triangle of each matrix."""
+    x = _input(call, out)
+    lay = call.pairing(x)
+    if lay is not None and lay.dim >= x.dim() - 2:
+        raise Decline("the samples in the matrix dims")
+    upper = "triu" in call.func.__name__
+    (torch.triu if upper else torch.tril)(g, call.arg(1, "diagonal", 0), out=out[x])
+
+
 def _whole_copies(part: tuple, whole: tuple, tile: tuple, lay: Any) -> bool:
     """Is a sample's slice ``part`` of a repeat's output ``whole`` made of whole copies of
     ``tile``: every dim a multiple of it, the dims other than the paired one whole, and
@@ -115,3 +141,6 @@ T = register(OpSpec((torch.t,), grad=t))
 PERMUTE = register(OpSpec((torch.permute,), grad=permute))
 RESHAPE = register(OpSpec(_RESHAPES, grad=reshape))
 REPEAT = register(OpSpec((torch.Tensor.repeat,), grad=repeat))
+TRIANGLE = register(OpSpec((torch.triu, torch.tril), grad=triangle))
+TRANSPOSED = register(OpSpec(tuple(getattr(torch.Tensor, name).__get__
+                                   for name in ("mT", "mH", "T", "H")), grad=transposed))
