@@ -468,7 +468,9 @@ def kernel(call: Any, g: list, out: dict) -> None:
     first step, pulled back as a derived tensor). The input and states are read as the
     op pairs them with the samples (:meth:`OpCall.front`: ``(n, T, I)`` and ``(n, L *
     D, H)``), ``g`` is one ``(n, v, ...)`` per output (``None``: zeros), and the
-    gradients are the recurrent rule's (:func:`recurrent`). Declines a packed sequence,
+    gradients are the recurrent rule's (:func:`recurrent`; for one layer from the
+    kernel's outputs as the capture kept them, :func:`_kept`). Also a layer whose
+    weight a parametrization rewrites, all its weights at once. Declines a packed sequence,
     a projection (``proj_size``), dropout between layers in training mode, inputs not
     all paired with the samples, and derived inputs beside the weights (the engine
     differentiates those)."""
