@@ -487,3 +487,25 @@ def test_dp_step(name, batched_pullbacks_only):
     _, got_norms = private_grad(model, x, y, LOSS, max_grad_norm=0.05, noise_multiplier=0.0)
     torch.testing.assert_close(got_norms, norms, rtol=1e-10, atol=1e-13)
     assert_exact({k: p.grad for k, p in model.named_parameters()}, want)
+
+
+@pytest.mark.parametrize("make", [lambda: _case("rnn-orthogonal-hh"),
+                                  lambda: _case("lstm-householder"),
+                                  lambda: _case("lstm-weight-norm-hh"), Views,
+                                  lambda: Rotated("skew", None, 5)],
+                         ids=["orthogonal", "householder", "weight-norm", "views", "rotated"])
+def test_flat_and_out_results(make, batched_pullbacks_only):
+    """The results as one flat ``(B, P)`` tensor and into the caller's buffer, whose
+    per-parameter parts are strided views (a rule writing with ``out=`` into such a view
+    must write where the view says), over calls after the first."""
+    torch.manual_seed(0)
+    model = make()
+    x, y = _data()
+    want = loop_per_sample_grads(model, x, y, LOSS)
+    flat = torch.cat([g.flatten(1) for g in want.values()], 1)
+    buf = torch.full_like(flat, float("nan"))
+    for _ in range(2):
+        got = persample.per_sample_grads(model, x, y, LOSS, flat=True, method="rules")
+        assert_exact({"flat": got}, {"flat": flat})
+        persample.per_sample_grads(model, x, y, LOSS, out=buf, method="rules")
+        assert_exact({"flat": buf}, {"flat": flat})

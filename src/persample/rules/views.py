@@ -120,8 +120,9 @@ def triangle(call: OpCall, g: Tensor, out: dict) -> None:
     lay = call.pairing(x)
     if lay is not None and lay.dim >= x.dim() - 2:
         raise Decline("the samples in the matrix dims")
-    upper = "triu" in call.func.__name__
-    (torch.triu if upper else torch.tril)(g, call.arg(1, "diagonal", 0), out=out[x])
+    upper = "triu" in call.func.__name__  # (not ``out=``: into a strided view of a flat
+    # result, triu's and tril's ``out=`` write entries elsewhere)
+    out[x].copy_((torch.triu if upper else torch.tril)(g, call.arg(1, "diagonal", 0)))
 
 
 def _whole_copies(part: tuple, whole: tuple, tile: tuple, lay: Any) -> bool:
