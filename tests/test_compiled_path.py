@@ -409,3 +409,52 @@ def test_a_graph_whose_ops_have_another_data_flow_runs_eagerly(ran):
         check(model, x, y, F.cross_entropy)
     assert ran == [], ran
     assert kept(model) and all(isinstance(found, Program) for found in kept(model))
+
+
+# ---------------------------------------------------------------------------
+# a model the user compiled
+
+
+@pytest.mark.parametrize("where", ["model", "block"])
+def test_a_model_the_user_compiled_runs_compiled(ran, where):
+    """A model ``torch.compile`` returned (or one holding such a block) takes the
+    compiled call like any other: TorchDynamo traces the module it wraps into a graph of
+    persample's own; every answer is the loop's, and the user's compiled model still
+    answers as its eager module does."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = Scaled().double()
+    if where == "model":
+        model = torch.compile(eager, backend="eager")
+    else:
+        model = nn.Sequential(torch.compile(eager, backend="eager"), nn.Linear(3, 3).double())
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(5):
+        check(model, x, y, F.cross_entropy)
+    assert ran[-2:] == [True, True], ran
+    assert persample.verify(model, x, y, F.cross_entropy).plan.startswith("cached: compiled")
+    torch.testing.assert_close(model(x), eager(x) if where == "model" else
+                               model[1](eager(x)), rtol=0, atol=0)
+
+
+def test_a_hook_on_the_users_compiled_wrapper_is_followed(ran):
+    """TorchDynamo traces a ``torch.compile`` wrapper as the module it wraps, without the
+    wrapper's own hooks: a call of a wrapper holding one is not compiled, and the answer
+    follows the hook."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.compile(Scaled().double(), backend="eager")
+    x, y = torch.randn(B, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(4):
+        check(model, x, y, F.cross_entropy)
+    assert ran[-1] is True
+    done = len(ran)
+    handle = model.register_forward_hook(lambda m, a, out: out * 3.0 + 1.0)
+    try:
+        for _ in range(3):
+            check(model, x, y, F.cross_entropy)
+        assert len(ran) == done  # (no compiled call ran)
+    finally:
+        handle.remove()
+    check(model, x, y, F.cross_entropy)
+    assert ran[-1] is True

@@ -64,6 +64,7 @@ from torch import Tensor, nn
 
 from ..batch import Batched, op_leaves
 from ..precision import autocast_state
+from ..walk import picked_modules
 from .edges import edge_of
 from .lean import (
     PARAM,
@@ -800,11 +801,32 @@ def broken(model: nn.Module, sized: bool = False) -> None:
         pass
 
 
+def _is_wrapper(name: str, m: nn.Module) -> bool:
+    """Is ``m`` the module ``torch.compile`` returned (an ``OptimizedModule``)?"""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return dynamo is not None and isinstance(m, dynamo.OptimizedModule)
+
+
+def wrappers_hooked(model: nn.Module) -> bool:
+    """Does a module ``torch.compile`` returned, ``model`` or one inside it, hold hooks of
+    its own? TorchDynamo traces such a module as the module it wraps (``_orig_mod``), and
+    a graph of it would run without the wrapper's hooks: then the call is not compiled."""
+    return any(_has_hooks(m) for m in picked_modules(model, _is_wrapper))
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks)
+
+
 def compiled_of(model: nn.Module, program: Program, sized: bool = False) -> Compiled | None:
     """The compiled call of ``model`` for calls that run ``program``, where TorchDynamo
-    can run it: ``None`` where compiling is off or unsupported, or for a model that is
-    compiled already or distributed (``DistributedDataParallel``). ``sized``: for calls
-    of a graph batch of any sizes (:func:`compiled_for`)."""
+    can run it: ``None`` where compiling is off or unsupported, for a model that is
+    distributed (``DistributedDataParallel``), or one holding a ``torch.compile``
+    wrapper with hooks of its own (:func:`wrappers_hooked`). A model the user compiled
+    takes it too: TorchDynamo traces the module it wraps into a graph of persample's own,
+    kept apart from the user's compiled code (which runs as before outside the calls).
+    ``sized``: for calls of a graph batch of any sizes (:func:`compiled_for`)."""
     if not _ENABLED[0]:
         return None
     try:
@@ -812,8 +834,7 @@ def compiled_of(model: nn.Module, program: Program, sized: bool = False) -> Comp
     except Exception:  # (a build without TorchDynamo)
         return None
     if not dynamo.is_dynamo_supported() or isinstance(
-            model, (dynamo.eval_frame.OptimizedModule,
-                    torch.nn.parallel.DistributedDataParallel)):
+            model, torch.nn.parallel.DistributedDataParallel) or wrappers_hooked(model):
         return None
     if model in _BROKEN or (sized and model in _BROKEN_SIZED):
         return None

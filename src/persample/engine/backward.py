@@ -30,6 +30,7 @@ from ..capture.compiled import (
     broken,
     compiled_of,
     unmark,
+    wrappers_hooked,
 )
 from ..capture.lean import Deopt, LeanCapture, Program, Tracer, _restore
 from ..capture.stock import StockCapture, Template, global_hooks, template_of
@@ -220,8 +221,9 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
     or ``None`` where it did not run as a plan of its graph (then autograd's and
     autocast's modes and the default generators are put back; where it never can,
     ``template.dead``)."""
-    if WhileCapturing.users or global_hooks():  # (a capture open in any thread: compiled
-        return None  # code runs eagerly; a global module hook: TorchDynamo guards none)
+    if WhileCapturing.users or global_hooks() or wrappers_hooked(model):  # (a capture
+        return None  # open in any thread: compiled code runs eagerly; a global module
+    # hook, or one on a torch.compile wrapper: TorchDynamo's graph would run without it)
     with torch._C.DisableTorchFunction():
         saved = (torch.is_grad_enabled(), autocast_state(), snapshot())
     cap = CompiledCapture(watched, batch.n, inputs, template.program, tape, lambda: (
