@@ -102,6 +102,55 @@ def test_replayed_calls_agree_with_the_loop_and_run_no_rule(build, counts, compi
     assert counts.replays >= 2
 
 
+class Typed(nn.Module):
+    """Token ids looked up beside a shared row of type ids expanded to the batch (BERT's
+    ``token_type_ids`` buffer): the type table is a derived lookup, paired with the
+    samples where its rows meet the tokens' (a decision that reads the type ids)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.typ = nn.Embedding(11, E), nn.Embedding(2, E)
+        self.register_buffer("types", torch.zeros(T, dtype=torch.long))
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, ids):
+        h = self.tok(ids) + self.typ(self.types.expand(ids.shape[0], -1))
+        return self.head(torch.tanh(h).mean(1))
+
+
+def test_a_derived_lookup_of_shared_ids_is_replayed(counts, compiled):
+    """The pairing decision of a derived op, which reads the ids' values, is kept with
+    the replay and taken again at each call: the calls replay, each equal to the loop."""
+    torch.manual_seed(0)
+    model = Typed().double()
+    for call in range(8):
+        x, y = _data(True, seed=call)
+        rules_before = counts.rules
+        assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
+        if call >= 6:
+            assert counts.rules == rules_before, "a replayed call ran the rules"
+    assert counts.replays >= 2
+
+
+def test_a_replay_whose_decision_differs_runs_the_rules(counts):
+    """Where a decision a replay was recorded with comes out otherwise in a call, that
+    call runs the rules (its answer still the loop's)."""
+    torch.manual_seed(0)
+    model = Typed().double()
+    for call in range(5):
+        x, y = _data(True, seed=call)
+        per_sample_grads(model, x, y, _ce)
+    kept = [r for _, found in replay._REPLAYS.values() for _, r in found
+            if isinstance(r, replay.Replay) and r.decisions]
+    assert kept
+    for r in kept:  # (as if the recording call had paired the type ids otherwise)
+        r.decisions = [(index, align, [None] * len(want)) for index, align, want in r.decisions]
+    rules_before, replays_before = counts.rules, counts.replays
+    x, y = _data(True, seed=9)
+    assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
+    assert counts.rules == rules_before + 1 and counts.replays == replays_before
+
+
 def test_dropout_replayed_against_the_forward_that_ran(counts):
     """In training mode the rules read the masks this call drew (kept by the capture);
     the replay reads them as the rules do: compared with the rules on the same call."""

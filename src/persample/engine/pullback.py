@@ -13,6 +13,7 @@ calls) are added.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -124,7 +125,11 @@ def _write(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -
 def _replayed(captured: Captured, kept: replay.Replay, inputs: list[Tensor],
               dest: dict[int, Tensor]) -> None:
     """The kept replay into ``dest`` (checked against the rules under ``CHECK``), and
-    the paths the rules took when it was recorded."""
+    the paths the rules took when it was recorded; the rules where a decision the
+    recording took differs in this call (:func:`_decided_alike`)."""
+    if not _decided_alike(captured, kept.decisions):
+        _rules(captured, dest, None)
+        return
     _unchanged(captured.plan.uses, set(dest))
     before = dict(captured.taken)
     if replay.CHECK[0]:
@@ -136,17 +141,31 @@ def _replayed(captured: Captured, kept: replay.Replay, inputs: list[Tensor],
     captured.taken.update({**before, **kept.taken})
 
 
+def _decided_alike(captured: Captured, decisions: list) -> bool:
+    """Does this call take each pairing decision a replay was recorded with (the index
+    values it read may differ) as the recording call did?"""
+    if not decisions:
+        return True
+    ops = {d.op.index: d.op for d in captured.derived.values()}
+    for index, out_align, want in decisions:
+        op = ops.get(index)
+        if op is None or _producer_pairings(op, out_align, captured.n) != want:
+            return False
+    return True
+
+
 def _recorded(captured: Captured, inputs: list[Tensor], dest: dict[int, Tensor]
               ) -> replay.Replay | None:
     """The rules into ``dest`` under the recorder: their replay, or ``None`` where they
     cannot be replayed (checked on the spot under ``CHECK``)."""
-    before = dict(captured.taken)
+    before, decisions = dict(captured.taken), []
     recorder = replay.Recorder(inputs)
     with recorder:
-        plain = _rules(captured, dest, None)
+        plain = _rules(captured, dest, None, decisions)
     if not plain or recorder.failed is not None:
         return None
     made = recorder.replay({k: p for k, p in captured.taken.items() if before.get(k) is not p})
+    made.decisions = decisions
     if replay.CHECK[0]:
         replay.check(made, inputs, dest)
     return made
@@ -162,11 +181,13 @@ def _unchanged(ops: list[Op], wanted: set[int]) -> None:
                 "method='vmap'.")
 
 
-def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None) -> bool:
+def _rules(captured: Captured, dest: dict[int, Tensor], uses: list[Op] | None,
+           decisions: list | None = None) -> bool:
     """The rules into ``dest``: whether every op took its own rule (no module rule,
-    fallback or VJP), the condition of a replay."""
+    fallback or VJP), the condition of a replay; ``decisions``: where to keep the
+    pairing decisions the derived pullbacks took (:meth:`Pullbacks._pairings`)."""
     sink = GradSink(dest)
-    pulls = Pullbacks(captured, sink)
+    pulls = Pullbacks(captured, sink, decisions)
     wanted = set(dest)
     for p in captured.whole:  # a batch of one: grads by parameter
         g = captured.grads.get(id(p))
@@ -264,8 +285,10 @@ class Pullbacks:
     """Per-sample cotangents of ops' inputs, into the sink (parameters) or onto the
     derived tensors, which are then pulled back through the ops that made them."""
 
-    def __init__(self, captured: Captured, sink: GradSink):
+    def __init__(self, captured: Captured, sink: GradSink, decisions: list | None = None):
         self.captured, self.sink = captured, sink
+        self.decisions = [] if decisions is None else decisions  # (op index, pairing of
+        # its output, its leaves' pairings): see :meth:`_pairings`
         self.only = set(sink.dest)
         self.seen: set[int] = set()  # parameters whose path this run has recorded
         self.pending: dict[int, list[tuple[Tensor, Batched | None]]] = {}
@@ -432,20 +455,31 @@ class Pullbacks:
                 _form_into(self.sink, pid, self.captured.param(pid), uses)
         self.deferred = {}
 
+    def _pairings(self, op: Op, out_align: Batched | None) -> list:
+        """:func:`_producer_pairings`, a decision that may read index values: kept in
+        ``decisions`` for a replay of these rules to take again at each call
+        (:func:`persample.engine.replay.deciding`)."""
+        if out_align is None:
+            return [None] * len(op.leaves)
+        with replay.deciding():
+            found = _producer_pairings(op, out_align, self.captured.n)
+        self.decisions.append((op.index, out_align, found))
+        return found
+
     def pull_derived(self) -> None:
         """Derived tensors, newest first: their cotangents back through their ops."""
-        derived, n = self.captured.derived, self.captured.n
+        derived = self.captured.derived
         while self.pending:
             key = max(self.pending, key=lambda i: derived[i].op.index)
             op = derived[key].op
             keys = [k for k in self.pending if derived[k].op is op]  # (an op's outputs)
             items = [(derived[k].out, *self._own_positions(op, cot, pairing))
                      for k in keys for cot, pairing in _merge(self.pending.pop(k))]
-            for out, cot, pairing in _together(op, items, n):
+            for out, cot, pairing in _together(op, items, self._pairings):
                 cots, pairings = [None] * len(op.outputs), [None] * len(op.outputs)
                 for k, c, a in zip(out, cot, pairing):
                     cots[k], pairings[k] = c, a
-                self.apply(op, cots, pairings, _producer_pairings(op, pairing[0], n))
+                self.apply(op, cots, pairings, self._pairings(op, pairing[0]))
 
 
     def _own_positions(self, op: Op, cot: Tensor, pairing: Batched | None
@@ -463,14 +497,15 @@ class Pullbacks:
         got, found = _on_own_positions(cot, self.captured.n)
         if found is None:
             return cot, None
-        leaves = _producer_pairings(op, found, self.captured.n)
+        leaves = self._pairings(op, found)
         if not any(leaves) or any(a is not None and self._param(t) is not None
                                   for t, a in zip(op.leaves, leaves)):
             return cot, None
         return got, found
 
 
-def _together(op: Op, items: list[tuple[int, Tensor, Batched | None]], n: int) -> list:
+def _together(op: Op, items: list[tuple[int, Tensor, Batched | None]],
+              pairings_of: Callable[[Op, Batched], list]) -> list:
     """The cotangents of a derived op's outputs (``(output, cotangent, pairing)``), as
     ``(outputs, cotangents, pairings)`` pulled back at once: those of distinct outputs
     whose pairings give its inputs one pairing (a recurrent kernel's output and final
@@ -478,8 +513,8 @@ def _together(op: Op, items: list[tuple[int, Tensor, Batched | None]], n: int) -
     outs = [k for k, _, _ in items]
     if len(items) > 1 and len(set(outs)) == len(outs) and all(
             p is not None for _, _, p in items):
-        first = _producer_pairings(op, items[0][2], n)
-        if all(_producer_pairings(op, p, n) == first for _, _, p in items[1:]):
+        first = pairings_of(op, items[0][2])
+        if all(pairings_of(op, p) == first for _, _, p in items[1:]):
             return [tuple(zip(*items))]
     return [((k,), (c,), (p,)) for k, c, p in items]
 

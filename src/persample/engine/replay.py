@@ -34,6 +34,11 @@ Nothing that could differ between calls of one signature is replayed:
   tensor subclass, sparse or nested;
 
 such a call is not recorded, and its signature runs the rules as usual from then on.
+A decision the rules take by asking a data-flow rule again (how a derived op's inputs
+pair with the samples: BERT's token type ids expanded to the batch, whose lookup's rule
+reads the ids) runs outside the record (:func:`deciding`); the replay keeps it with its
+answer, and a call that would replay takes it again first: where an answer differs,
+that call runs the rules.
 The in-place check (an input modified after the op ran) runs at every call, replayed or
 not. Random ops and value reads found while recording are the recorder's to see; the
 reads of values that bypass the dispatcher (``Tensor.tolist()``) are in the index
@@ -47,7 +52,8 @@ import math
 import os
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -89,6 +95,7 @@ class Replay:
     def __init__(self, fn: Callable, ops: int, taken: dict):
         self.fn, self.ops, self.taken = fn, ops, taken
         self.answer: Any = None  # (what the rules' caller needs: :func:`replayed`)
+        self.decisions: list = []  # (the decisions taken while recording: :func:`deciding`)
 
     def __call__(self, inputs: list[Tensor]) -> None:
         with torch.no_grad():  # (as the rules ran)
@@ -320,6 +327,27 @@ def _alike(t: Tensor) -> Tensor:
     return t.new_empty(size).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
+_RECORDING: list[Recorder] = []  # the recorders open now (the rules' innermost last)
+
+
+@contextmanager
+def deciding() -> Iterator[None]:
+    """Inside: the ops that decide how a rule pairs tensors with the samples (a data-flow
+    rule asked again, which may read index values), run and not written down. A replay
+    keeps such a decision with its answer (``Replay.decisions``), to be taken again on
+    every call that would replay it (:func:`persample.engine.pullback` does): the
+    replay runs only where each answer is the same."""
+    recorder = _RECORDING[-1] if _RECORDING else None
+    if recorder is None:
+        yield
+        return
+    was, recorder.paused = recorder.paused, True
+    try:
+        yield
+    finally:
+        recorder.paused = was
+
+
 class Recorder(TorchDispatchMode):
     """Writes down the ATen ops run under it, each tensor argument by where it comes
     from (an input, or an earlier op's output); ``failed`` says why the ops cannot be
@@ -335,6 +363,7 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self, inputs: list[Tensor]):
         super().__init__()
+        self.paused = False  # (inside :func:`deciding`: ops run, none written down)
         # id -> (a weak reference, the name): an id is a tensor's while the reference
         # holds it (the rules' temporaries die as they go, as without the recorder)
         self.names: dict[int, tuple[weakref.ref, str]] = {}
@@ -352,10 +381,18 @@ class Recorder(TorchDispatchMode):
         return False  # (the recorder runs in eager code only; wrapping it for TorchDynamo
         # would import TorchDynamo at its first op: over a second, once per process)
 
+    def __enter__(self) -> Recorder:
+        _RECORDING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _RECORDING.remove(self)
+        super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.failed is None:
+        if self.failed is None and not self.paused:
             try:
                 self._note(func, args, kwargs, out)
             except Exception as why:  # (an op it cannot write down: the rules go on as
