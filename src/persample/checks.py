@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -290,6 +291,8 @@ def non_finite_samples(values: Tensor) -> list[int]:
     """
     if values.numel() == 0 or not values.is_floating_point():
         return []
+    if math.isfinite(values.detach().sum().item()):  # (the common case:
+        return []  # one reduction, one read; a sum that overflows is checked entry by entry)
     finite = torch.isfinite(values.detach())
     if finite.all():  # (the common case: one reduction)
         return []

@@ -267,5 +267,8 @@ def _paths(cap: Capture, result: Plan, reads: dict[int, list[Op]],
     for op in result.uses:  # provisional: the rules as they run decide (Captured.taken)
         spec = spec_of(op.func)
         kind = "rule" if spec is not None and spec.grad is not None else "op vjp"
+        where = None
         for pid in op.sources_all - result.handled:
-            result.paths.setdefault(pid, Path(kind, op.where()))
+            if pid not in result.paths:
+                where = op.where() if where is None else where
+                result.paths[pid] = Path(kind, where)
