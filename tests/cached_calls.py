@@ -90,20 +90,22 @@ def data():
     return torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 2, (B,))
 
 
-def changed_between_calls(model, x, y, loss):
+def changed_between_calls(model, x, y, loss, owner=None):
     """Buffers, parameters, modules, dtypes and batch sizes changed between calls of a
-    steady ``Switch``: each answer still the loop's."""
-    model.scale.mul_(3.0)  # a buffer's values
+    steady ``Switch`` (``owner``: the module changed, where ``model`` wraps it, as
+    ``torch.compile``'s wrapper does): each answer still the loop's."""
+    owner = model if owner is None else owner
+    owner.scale.mul_(3.0)  # a buffer's values
     check(model, x, y, loss)
     with torch.no_grad():
-        model.lin.weight.add_(1.0)  # a parameter's values
+        owner.lin.weight.add_(1.0)  # a parameter's values
     check(model, x, y, loss)
-    model.lin.weight.requires_grad_(False)  # frozen
+    owner.lin.weight.requires_grad_(False)  # frozen
     check(model, x, y, loss)
-    model.lin.weight.requires_grad_(True)
-    model.lin = nn.Linear(D, D).double()  # a replaced layer
+    owner.lin.weight.requires_grad_(True)
+    owner.lin = nn.Linear(D, D).double()  # a replaced layer
     check(model, x, y, loss)
-    model.register_buffer("scale", torch.full((D,), 2.0, dtype=torch.float64))  # replaced
+    owner.register_buffer("scale", torch.full((D,), 2.0, dtype=torch.float64))  # replaced
     check(model, x, y, loss)
     model.float()  # other dtypes
     check(model, x.float(), y, loss, rtol=1e-5, atol=1e-6)

@@ -437,6 +437,19 @@ def test_a_model_the_user_compiled_runs_compiled(ran, where):
                                model[1](eager(x)), rtol=0, atol=0)
 
 
+def test_a_model_the_user_compiled_changed_between_calls(ran):
+    """The staleness checks hold through the wrapper: the module it wraps changed between
+    calls (buffers, parameters, a replaced layer, an attribute choosing the path)."""
+    torch._dynamo.reset()
+    inner, (x, y) = Switch(values=False).double(), data()
+    model, loss = torch.compile(inner, backend="eager"), nn.CrossEntropyLoss()
+    _steady(model, x, y, loss, ran)
+    inner.perm = torch.arange(T - 1, -1, -1)  # (rows of each sample reversed)
+    check(model, x, y, loss)
+    inner.perm = None
+    changed_between_calls(model, x, y, loss, owner=inner)
+
+
 def test_a_hook_on_the_users_compiled_wrapper_is_followed(ran):
     """TorchDynamo traces a ``torch.compile`` wrapper as the module it wraps, without the
     wrapper's own hooks: a call of a wrapper holding one is not compiled, and the answer
