@@ -471,3 +471,34 @@ def test_a_hook_on_the_users_compiled_wrapper_is_followed(ran):
         handle.remove()
     check(model, x, y, F.cross_entropy)
     assert ran[-1] is True
+
+
+class RelativeBias(nn.Module):
+    """A shared index built in place and changed again after a lookup read it (as
+    transformers' BEiT builds its relative position index): decisions on shared tensors
+    read no values, so the graph's plan holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * T - 1))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):  # (B, T, D)
+        coords = torch.arange(T, device=x.device)
+        offsets = coords[:, None] - coords[None, :]  # (T, T)
+        index = torch.zeros(T, T, dtype=torch.long, device=x.device)
+        index[:, :] = offsets  # (a write that reads the offsets)
+        index += T - 1
+        offsets.mul_(2)  # (changed after that write read them)
+        bias = self.table[index]  # (T, T), read at the index's values
+        att = torch.softmax(x @ x.transpose(1, 2) + bias + offsets, -1)  # (B, T, T)
+        return self.head((att @ x).mean(1))
+
+
+def test_a_shared_index_written_after_a_lookup_keeps_the_plan(ran):
+    torch.manual_seed(0)
+    model = RelativeBias().double()
+    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(5):
+        check(model, x, y, F.cross_entropy)
+    assert ran[-2:] == [True, True], ran

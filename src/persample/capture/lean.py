@@ -346,8 +346,10 @@ class Tracer:
         if dynamic and flow is None:
             self.dead = f"an op on a layout holding indices, with no data flow ({name_of(func)})"
             return
-        if decide:  # (the values a decision reads: indices and masks; a write's own
-            # target's are not what its layout reads)
+        if decide and not all(lay.shared for lay in lays):  # (the values a decision
+            # reads: indices and masks; a write's own target's are not what its layout
+            # reads. One whose tensors are all shared, the target before a write too,
+            # reads none: it gives shared ones whatever their values)
             self.decided.append([(t, t._version) for t in leaves if value_leaf(t) and (
                 before is None or t is not args[0])])
         keep = False
