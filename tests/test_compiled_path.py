@@ -502,3 +502,26 @@ def test_a_shared_index_written_after_a_lookup_keeps_the_plan(ran):
     for _ in range(5):
         check(model, x, y, F.cross_entropy)
     assert ran[-2:] == [True, True], ran
+
+
+class Inverted(nn.Module):
+    """A mask inverted with ``~`` (DeBERTa's attention mask): ``__invert__`` begins as the
+    augmented assignments do and writes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x):  # (B, T, D)
+        keep = x[..., 0] > 0  # (B, T)
+        h = torch.tanh(self.lin(x)).masked_fill(~keep[..., None], 0.0)
+        return self.head(h.sum(1))
+
+
+def test_an_inverted_mask_keeps_the_plan(ran):
+    torch.manual_seed(0)
+    model = Inverted().double()
+    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(5):
+        check(model, x, y, F.cross_entropy)
+    assert ran[-2:] == [True, True], ran

@@ -85,14 +85,17 @@ def in_place(func: Any, kwargs: dict) -> bool:
     found = _IN_PLACE_NAMES.get(func)
     if found is None:
         name = getattr(func, "__name__", "")
-        found = ((name.endswith("_") and not name.endswith("__"))
-                 or (name.startswith("__i") and name.endswith("__")
-                     and name not in ("__index__", "__int__", "__init__", "__iter__")))
+        found = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_OPERATORS
         _IN_PLACE_NAMES[func] = found
     return found
 
 
 _IN_PLACE_NAMES: dict[Any, bool] = {}  # func -> its name says it writes its first argument
+IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "mod", "pow", "lshift",
+    "rshift", "and", "or", "xor"))
+"""The augmented assignments' methods (``x += y``: ``__iadd__``); ``__invert__``,
+``__index__`` and ``__int__`` begin alike and write nothing."""
 
 
 def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,

@@ -29,6 +29,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..batch import Batched, front
+from ..batch.flow import IN_PLACE_OPERATORS
 from ..batch.forms import forms
 from ..draws import Draw, DrawNotReplayable, Replay, at
 from ..errors import UnsupportedModuleError
@@ -118,7 +119,7 @@ def _out_of_place(func: Any, kwargs: dict) -> tuple[Any, dict]:
         return _WRITES[func], kwargs
     if kwargs.get("inplace"):
         kwargs["inplace"] = False
-    if name.startswith("__i") and name.endswith("__"):
+    if name in IN_PLACE_OPERATORS:
         return getattr(torch.Tensor, "__" + name[3:]), kwargs
     if name.endswith("_") and not name.endswith("__"):
         found = getattr(torch.Tensor, name[:-1], None) or getattr(torch, name[:-1], None)
