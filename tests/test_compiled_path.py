@@ -525,3 +525,36 @@ def test_an_inverted_mask_keeps_the_plan(ran):
     for _ in range(5):
         check(model, x, y, F.cross_entropy)
     assert ran[-2:] == [True, True], ran
+
+
+class MaskToken(nn.Module):
+    """A parameter no op reads unless asked (a masked-image model's mask token, a
+    pooler the head skips): confirmed unused by each call's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(D, D), nn.Linear(D, 3)
+        self.token = nn.Parameter(torch.randn(D))
+        self.masked = False
+
+    def forward(self, x):  # (B, T, D)
+        if self.masked:
+            x = torch.cat([x[:, :1] * 0 + self.token, x[:, 1:]], 1)
+        return self.head(torch.tanh(self.lin(x)).mean(1))
+
+
+def test_an_unused_parameter_keeps_the_cached_path(ran):
+    """Every call, cached or not, answers zeros for the parameter no op read, and a call
+    that reads it after all (a flag flipped) still gets the loop's answer."""
+    torch.manual_seed(0)
+    model = MaskToken().double()
+    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
+    for _ in range(5):
+        check(model, x, y, F.cross_entropy)
+    assert ran[-2:] == [True, True], ran
+    got = persample.per_sample_grads(model, x, y, F.cross_entropy)
+    assert not got["token"].any()
+    model.masked = True
+    for _ in range(3):
+        check(model, x, y, F.cross_entropy)
+    assert not persample.per_sample_grads(model, x, y, F.cross_entropy)["token"].eq(0).all()

@@ -264,10 +264,12 @@ def _compiled(model: nn.Module, batch: Batch, watched: dict[int, nn.Parameter], 
 def _plain(result: Plan, cap: Capture) -> bool:
     """Does every parameter the forward read take an op's rule (or make a derived tensor
     that ops taking rules read), with nothing left to the module rules, the fallback or
-    autograd's confirmation?"""
-    return not (result.module_jobs or result.fallback_jobs or result.ruled or result.reach
-                or result.handled) and len(result.uses) == sum(
-        1 for op in cap.ops if not all(lay.shared for lay in op.out_layouts))
+    autograd's confirmation of a read the capture could not follow? (A parameter no op
+    read, a mask token of an unmasked call, is confirmed unused by the backward of every
+    call, cached or not: it keeps no call from its cached path.)"""
+    return not (result.module_jobs or result.fallback_jobs or result.ruled or result.handled
+                or any(id(p) in cap.unseen_reads for p in result.reach)) and len(
+        result.uses) == sum(1 for op in cap.ops if not all(lay.shared for lay in op.out_layouts))
 
 
 class _Whole:
