@@ -10,7 +10,9 @@ of a 4-d input), BEiT (a relative bias gathered from a table by a buffer of indi
 (relative attention by ``einsum`` with a segment matrix as long as the batch), FNet
 (FFT token mixing), Funnel (sequence pooling between blocks), T5 for classification
 (pooling at ``<eos>`` by a boolean mask regrouped by a view), Longformer (overlapping
-chunks by ``as_strided``, global attention written by two index tensors)."""
+chunks by ``as_strided``, global attention written by two index tensors). Those that
+once left the cached paths (BERT, DeBERTa-v2, DINOv2, XLNet, BEiT) run their steady calls
+compiled."""
 
 from __future__ import annotations
 
@@ -120,5 +122,60 @@ def test_swinv2_position_bias_mlp_runs_no_fallback(monkeypatch):
     got = persample.per_sample_grads(model, x, y, loss_fn)
     assert not calls, len(calls)
     want = persample.loop_per_sample_grads(model, x, y, loss_fn)
+    err = (flat(got) - flat(want)).abs().max() / flat(want).abs().max()
+    assert err < 1e-10, err
+
+
+def _as_case(name: str):
+    """``(model, inputs, labels)`` of a model of ``MODELS`` (float64, eval)."""
+    build, inputs = MODELS[name]
+    torch.manual_seed(0)
+    return build().double().eval(), inputs(), torch.randint(0, 3, (B,))
+
+
+def _dinov2():
+    torch.manual_seed(0)
+    model = T.Dinov2ForImageClassification(T.Dinov2Config(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, mlp_ratio=2, num_labels=3)).double().eval()
+    return model, _pixels(), torch.randint(0, 3, (B,))
+
+
+CACHED = {  # name: (build, whether its rules replay: every op on its own rule)
+    "bert": (lambda: zoo.bert()[:3], True),  # (token type ids: a derived lookup)
+    "deberta-v2": (lambda: zoo.deberta_v2()[:3], False),  # (an inverted mask, ~; its
+    # relative positions gathered by two index tensors take a batched VJP)
+    "dinov2": (_dinov2, True),  # (a mask token no op reads)
+    "xlnet": (lambda: _as_case("xlnet"), True),  # (a mask embedding no op reads)
+    "beit": (lambda: _as_case("beit"), False),  # (its relative position index built in
+    # place; its bias interpolated and gathered take a batched VJP)
+}
+
+
+@pytest.mark.parametrize("name", CACHED)
+def test_steady_calls_run_compiled_and_replay_their_rules(name, monkeypatch):
+    """Each of these once left the cached paths for a reason not its own (a decision
+    read as a value in the rules, ``~`` taken for a write, a parameter no op read, a
+    shared index written after a write read it): a steady call runs its forward
+    compiled, replays its rules where every op took its own, and answers the loop's
+    per-sample gradients."""
+    from persample.engine import replay
+
+    persample.clear_plans()
+    replayed = []
+    run = replay.Replay.__call__
+    monkeypatch.setattr(replay.Replay, "__call__",
+                        lambda kept, inputs: replayed.append(1) or run(kept, inputs))
+    build, replays = CACHED[name]
+    model, x, y = build()
+    loss = zoo.logits_ce if name in ("bert", "deberta-v2") else loss_fn
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Initializing global|performance).*")
+        for _ in range(6):
+            got = persample.per_sample_grads(model, x, y, loss)
+        plan = persample.verify(model, x, y, loss).plan
+    assert plan.startswith("cached: compiled"), plan
+    assert len(replayed) >= 2 if replays else not replayed, replayed
+    want = persample.loop_per_sample_grads(model, x, y, loss)
     err = (flat(got) - flat(want)).abs().max() / flat(want).abs().max()
     assert err < 1e-10, err
