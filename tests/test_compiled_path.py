@@ -495,13 +495,20 @@ class RelativeBias(nn.Module):
         return self.head((att @ x).mean(1))
 
 
-def test_a_shared_index_written_after_a_lookup_keeps_the_plan(ran):
+def _runs_compiled(make, ran):
+    """``make()`` in float64 and its data, after the calls that compile it and two
+    compiled calls (every answer the loop's)."""
     torch.manual_seed(0)
-    model = RelativeBias().double()
+    model = make().double()
     x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
     for _ in range(5):
         check(model, x, y, F.cross_entropy)
     assert ran[-2:] == [True, True], ran
+    return model, x, y
+
+
+def test_a_shared_index_written_after_a_lookup_keeps_the_plan(ran):
+    _runs_compiled(RelativeBias, ran)
 
 
 class Inverted(nn.Module):
@@ -519,12 +526,7 @@ class Inverted(nn.Module):
 
 
 def test_an_inverted_mask_keeps_the_plan(ran):
-    torch.manual_seed(0)
-    model = Inverted().double()
-    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
-    for _ in range(5):
-        check(model, x, y, F.cross_entropy)
-    assert ran[-2:] == [True, True], ran
+    _runs_compiled(Inverted, ran)
 
 
 class MaskToken(nn.Module):
@@ -546,12 +548,7 @@ class MaskToken(nn.Module):
 def test_an_unused_parameter_keeps_the_cached_path(ran):
     """Every call, cached or not, answers zeros for the parameter no op read, and a call
     that reads it after all (a flag flipped) still gets the loop's answer."""
-    torch.manual_seed(0)
-    model = MaskToken().double()
-    x, y = torch.randn(B, T, D, dtype=torch.float64), torch.randint(0, 3, (B,))
-    for _ in range(5):
-        check(model, x, y, F.cross_entropy)
-    assert ran[-2:] == [True, True], ran
+    model, x, y = _runs_compiled(MaskToken, ran)
     got = persample.per_sample_grads(model, x, y, F.cross_entropy)
     assert not got["token"].any()
     model.masked = True
