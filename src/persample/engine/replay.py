@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -327,7 +328,15 @@ def _alike(t: Tensor) -> Tensor:
     return t.new_empty(size).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
-_RECORDING: list[Recorder] = []  # the recorders open now (the rules' innermost last)
+_LOCAL = threading.local()  # .recording: the recorders open in this thread, innermost
+# last (a dispatch mode is the thread's own)
+
+
+def _recording() -> list[Recorder]:
+    found = getattr(_LOCAL, "recording", None)
+    if found is None:
+        found = _LOCAL.recording = []
+    return found
 
 
 @contextmanager
@@ -337,7 +346,8 @@ def deciding() -> Iterator[None]:
     keeps such a decision with its answer (``Replay.decisions``), to be taken again on
     every call that would replay it (:func:`persample.engine.pullback` does): the
     replay runs only where each answer is the same."""
-    recorder = _RECORDING[-1] if _RECORDING else None
+    open_now = _recording()
+    recorder = open_now[-1] if open_now else None
     if recorder is None:
         yield
         return
@@ -382,11 +392,11 @@ class Recorder(TorchDispatchMode):
         # would import TorchDynamo at its first op: over a second, once per process)
 
     def __enter__(self) -> Recorder:
-        _RECORDING.append(self)
+        _recording().append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        _RECORDING.remove(self)
+        _recording().remove(self)
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
