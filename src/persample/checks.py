@@ -291,10 +291,10 @@ def non_finite_samples(values: Tensor) -> list[int]:
     """
     if values.numel() == 0 or not values.is_floating_point():
         return []
-    if math.isfinite(values.detach().sum().item()):  # (the common case:
-        return []  # one reduction, one read; a sum that overflows is checked entry by entry)
+    if math.isfinite(values.detach().sum().item()):  # (the common case: one reduction,
+        return []  # one read; a sum that is not finite, an overflow too: entry by entry)
     finite = torch.isfinite(values.detach())
-    if finite.all():  # (the common case: one reduction)
+    if finite.all():  # (a sum that overflowed)
         return []
     rows = finite.reshape(values.shape[0], -1).all(1)  # (n,)
     return (~rows).nonzero().flatten().tolist()
