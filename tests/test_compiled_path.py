@@ -555,3 +555,48 @@ def test_an_unused_parameter_keeps_the_cached_path(ran):
     for _ in range(3):
         check(model, x, y, F.cross_entropy)
     assert not persample.per_sample_grads(model, x, y, F.cross_entropy)["token"].eq(0).all()
+
+
+class AddedBias(nn.Module):
+    """Biases made of parameters alone added in place to attention scores (MPNet's and
+    T5's ``scores += position_bias``, a table widened to the batch; a shift subtracted):
+    a shift's rule reads no value of what it overwrites, so its record keeps no copy and
+    the program holds it. A scale multiplied in place (``flags['scale']``) is no shift:
+    its record keeps the scores it overwrote, and its calls leave the cached paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, T, T))
+        self.shift = nn.Parameter(torch.randn(T))
+        self.scale = nn.Parameter(torch.rand(T) + 0.5)
+        self.head = nn.Linear(D, 3)
+        self.scaled = False
+
+    def forward(self, x):  # (B, T, D)
+        scores = x @ x.transpose(1, 2)  # (B, T, T)
+        scores += self.table.expand(x.shape[0], T, T).contiguous()
+        scores -= self.shift
+        if self.scaled:
+            scores *= self.scale
+        return self.head((torch.softmax(scores, -1) @ x).mean(1))
+
+
+def test_a_bias_added_in_place_keeps_the_plan(ran):
+    model, x, y = _runs_compiled(AddedBias, ran)
+    model.scaled = True
+    for _ in range(3):
+        check(model, x, y, F.cross_entropy)
+    assert ran[-2:] == [True, True], ran  # (none since: the program died)
+
+
+def test_a_shift_in_place_keeps_no_copy_of_its_target():
+    """The full capture's records: ``+=`` and ``-=`` of a parameter keep nothing of the
+    scores they overwrite, ``*=`` keeps the scores as they were."""
+    model = AddedBias().double()
+    model.scaled = True
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    with Capture(model, {id(p): p for p in model.parameters()}, B, [x]) as cap:
+        model(x)
+    kept_copy = {op.func.__name__: op.before is not None for op in cap.ops
+                 if op.func.__name__.endswith("_")}
+    assert kept_copy == {"add_": False, "sub_": False, "mul_": True}, kept_copy

@@ -12,15 +12,18 @@ autograd's mode); where one does not, it traces again, and a branch on a tensor'
 values cannot be traced at all (then this path is not taken).
 
 The first time a graph runs for a kind of call, a copy of it returning every node's
-value runs under the full capture (:class:`~persample.capture.recorder.Capture` with a
+value runs node by node under the full capture (:class:`~persample.capture.recorder.Capture` with a
 :class:`~persample.capture.lean.Tracer`; that call is then a full capture's): that
 decides every tensor's layout as any call's capture does, and leaves a :class:`Plan`:
 which nodes' values the records need (the operands and outputs of the ops that read
-parameters; those of the ops whose data flow may read values, decided again at every
-call), and the layouts of the graph's outputs. Each later call runs a copy of the graph
-that also returns those values (:class:`CompiledCapture`), and makes the records from
-them as :class:`~persample.capture.lean.LeanCapture` does: the per-op cost of the
-forward is then a few Python calls per op that reads parameters, none for the others.
+parameters, and the gradient edges of those outputs as each is right after its node: an
+op writing in place, ``scores += position_bias``, gives its edge at its own node, not at
+the node that made the tensor; those of the ops whose data flow may read values, decided
+again at every call), and the layouts of the graph's outputs. Each later call runs a
+copy of the graph that also returns those values (:class:`CompiledCapture`), and makes
+the records from them as :class:`~persample.capture.lean.LeanCapture` does: the per-op
+cost of the forward is then a few Python calls per op that reads parameters, none for
+the others.
 The graph has no module calls: each record's module is the eager forward's, where the
 program's reads are the same ops on the same parameters.
 
@@ -483,24 +486,33 @@ def plan_of(gm: torch.fx.GraphModule, cap: Any, tracer: _Keeping, values: tuple,
 
     edges: dict = {}  # node -> the place of its edge among the edges returned
 
-    def edge(t: Tensor) -> int:
+    def edge(t: Tensor, at: torch.fx.Node | None = None) -> int:
         slot(t)
-        return edges.setdefault(producer[id(t)], len(edges))
+        return edges.setdefault(producer[id(t)] if at is None else at, len(edges))
 
     reads, decide, keep = [], [], []
-    ran_in = tracer.nodes if sized else [None] * len(tracer.ran)
-    for e, (func, args, kwargs, out), node in zip(program.entries, tracer.ran, ran_in):
+    value_of = {n: v for n, v in zip(nodes, values)}
+    by_name = {n.name: n for n in nodes}
+    for e, (func, args, kwargs, out), node in zip(program.entries, tracer.ran, tracer.nodes):
         sizes = sized and (e.kind is PARAM or e.decide) and of_node.takes_sizes(node)
         if e.kind is PARAM:
             if sizes:
                 raise _NoPlan(f"an op reading parameters ({func}) takes a size of the batch")
             c = calls[e.op]
+            at = None
+            if e.write:  # (its output is a tensor an earlier node made: its edge is the
+                # one right after this op's node, ``scores += bias``)
+                at = None if node is None else by_name.get(node.name)  # (the node of
+                # the copy that ran: the same name)
+                if at is None or value_of.get(at) is not out:
+                    raise _NoPlan(f"an op reading parameters ({func}) writes in place "
+                                  "within a node of other ops")
             reads.append(_ReadOf(
                 e.op, func, _slotted(args, slot), _slotted(kwargs, slot), _slotted(out, slot),
                 tuple(slot(t).k for t in op_leaves(args, kwargs)),
                 frozenset().union(*program.reads[e.op].sources.values()), e.derives,
                 None if c is None else (c.name, weakref.ref(c.module)),
-                tuple(edge(o) for o in _outputs(out))))
+                tuple(edge(o, at) for o in _outputs(out))))
         if e.decide:  # (in order: a layout holding indices decided before its readers)
             made = args[0] if e.write else out
             slotted = (_slotted(args, slot), _slotted(kwargs, slot)) if not sizes else (
@@ -659,9 +671,8 @@ class CompiledCapture(LeanCapture):
         tracer = cap.tracer = _Keeping(cap, self.inputs)
         _LOCAL.job = None  # (the graph's own calls, if any, run as they are)
         try:
-            with cap:  # (a graph of symbolic sizes node by node: each op's node known)
-                out = _Tagging(everything, tracer).run(*args) if runner.sizes else (
-                    everything(*args))
+            with cap:  # (node by node: each op's node known)
+                out = _Tagging(everything, tracer).run(*args)
         finally:
             _LOCAL.job = self
         own, values = out[:n_out], out[n_out:]

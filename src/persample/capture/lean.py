@@ -36,11 +36,12 @@ keeps its form (which dim, which layout type), and an op whose layout differs bu
 indices' values stops the forward.
 
 A write into a tensor the call made (a mask filled in place, ``w /= w.sum(-1)``,
-``ReLU(inplace=True)``) is an entry like any other, its target's layout decided again
-at every call (:func:`decided`); a program holds it only where the write reads no
-parameter, draws nothing, writes samples into a shared tensor only where no other
-tensor views it, and writes no tensor an op reading parameters (or deciding its data
-flow by values) read before it. A random op
+``ReLU(inplace=True)``) is an entry like any other, its target's layout decided again at
+every call (:func:`decided`); a program holds it only where the write reads no parameter
+(or is a shift, ``scores += position_bias``, whose rule reads no value and whose record
+keeps no copy of its target), draws nothing, writes samples into a shared tensor only
+where no other tensor views it, and writes no tensor an op reading parameters (or
+deciding its data flow by values) read before it, but for a shift's operands. A random op
 (dropout in training) is recorded as the full capture records it
 (:class:`~persample.draws.Draw`), and must draw where the traced one drew.
 
@@ -79,7 +80,7 @@ from .edges import edge_of
 from .mode import hidden, must_hide
 from .recall import Recall, recall_key
 from .recorder import Capture
-from .records import Call, Derived, Op, shapes_only
+from .records import UNREAD_INPUTS, Call, Derived, Op, shapes_only
 from .tape import _PLAIN, _TENSOR, Opaque, Step, _key, arguments_key, outs_of, value_leaf
 from .tensors import KEPT, tensor_leaves
 
@@ -266,15 +267,18 @@ class Tracer:
     def _write_kept(self, func, args: tuple, out: Any, before: Layout | None, n_ops: int,
                     draw: Any) -> bool:
         """May the program hold this in-place op (run, its target's layout ``before``)?
-        Where it reads no parameter, draws nothing, writes no other input, and writes
-        samples into a shared tensor only where no other tensor views it; else the program
-        is dead."""
+        Where it reads no parameter (or is a shift: its record keeps no copy), draws
+        nothing, writes no other input, and writes samples into a shared tensor only
+        where no other tensor views it; else the program is dead."""
         if before is None:
             return False
         cap, name = self.cap, name_of(func)
         flow = cap._flow
-        if len(cap.ops) != n_ops or draw is not None or (flow is not None and flow.writes) or (
-                func is not _SETITEM and out is not args[0]):
+        reads = len(cap.ops) != n_ops  # (a shift reading parameters, ``scores += bias``,
+        # whose record keeps no copy of its target, is held: its rule reads no value)
+        if reads and not (func in UNREAD_INPUTS and cap.ops[n_ops].before is None) or (
+                draw is not None or (flow is not None and flow.writes) or (
+                func is not _SETITEM and out is not args[0])):
             self.dead = f"an op writing in place that reads parameters or draws ({name})"
             return False
         target = args[0]
@@ -374,7 +378,8 @@ class Tracer:
                     c.rule is not None for c in cap.calls)):
             return None
         if any(t._version != v for leaves in self.decided for t, v in leaves) or any(
-                op.changed() for op in cap.ops):  # (written in place after an op read it)
+                op.changed() and op.func not in UNREAD_INPUTS for op in cap.ops):  # (written
+            # in place after an op whose rule reads it read it)
             return None
         reads = []
         for op in cap.ops:

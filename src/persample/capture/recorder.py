@@ -88,7 +88,7 @@ from ..patches import WhileCapturing
 from ..precision import autocast_state
 from .edges import edge_of
 from .mode import hidden, mode_class, must_hide
-from .records import Call, Derived, Inner, Op
+from .records import UNREAD_INPUTS, Call, Derived, Inner, Op
 from .tape import Opaque, Step, arguments_key, outs_of, reads_of, reusable
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
@@ -433,7 +433,8 @@ class Capture:
             layouts = [self._seen(t) for t in leaves]
             mutates = in_place(func, kwargs)
             before = None
-            if sources and (mutates or func is _SETITEM) and leaves and leaves[0] is args[0]:
+            if sources and (mutates or func is _SETITEM) and leaves and leaves[0] is args[0] and (
+                    func not in UNREAD_INPUTS):
                 before = args[0].detach().clone()  # the rule needs the value it overwrites
             kind = random_kind(func, args, kwargs)
             draw = None if kind is None else Draw(

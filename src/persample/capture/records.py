@@ -175,6 +175,12 @@ class Derived:
 # backward, instead of stand-ins.
 KEPT_OUTPUTS: set = set()
 
+# Ops whose rules read no input's value (a shift: registered by their specs,
+# ``OpSpec.reads_inputs``): the record of one that writes in place (``scores += bias``)
+# keeps no copy of the tensor it overwrites, and a write into one of their inputs after
+# they ran is no concern of their rules (a cached call's program may hold both).
+UNREAD_INPUTS: set = set()
+
 
 def stands_for(stand_in: Any, out: Any) -> bool:
     """Does an earlier call's stand-in of an op's output (a tensor on the meta device)

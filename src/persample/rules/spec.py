@@ -47,6 +47,7 @@ from torch import nn
 from ..batch.flow import Handler, handler_of, name_of
 from ..batch.flow import register as register_flow
 from ..batch.forms import forms
+from ..capture.records import UNREAD_INPUTS
 
 
 class Decline(Exception):  # noqa: N818 (what a rule does, not an error)
@@ -169,6 +170,8 @@ def register(spec: OpSpec) -> OpSpec:
         SPECS[f] = spec
         if spec.expand is not None:
             EXPANSIONS[f] = spec.expand
+        if not spec.reads_inputs:
+            UNREAD_INPUTS.add(f)
     return spec
 
 
@@ -178,6 +181,7 @@ def unregister(spec: OpSpec) -> None:
         if SPECS.get(f) is spec:
             del SPECS[f]
             EXPANSIONS.pop(f, None)
+            UNREAD_INPUTS.discard(f)
 
 
 def _check(spec: OpSpec) -> None:
