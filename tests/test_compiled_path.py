@@ -600,3 +600,33 @@ def test_a_shift_in_place_keeps_no_copy_of_its_target():
     kept_copy = {op.func.__name__: op.before is not None for op in cap.ops
                  if op.func.__name__.endswith("_")}
     assert kept_copy == {"add_": False, "sub_": False, "mul_": True}, kept_copy
+
+
+class ProductAdded(nn.Module):
+    """``baddbmm`` of a bias made from the batch and two per-sample operands (BLOOM's
+    ALiBi scores): reading no parameter, it is one op with a data flow of its own, not
+    its expansion, and the program holds it. Of a table widened to the batch
+    (``flags: table``), it runs as its expansion, whose ops' rules give the table's."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 3)
+        self.table = nn.Parameter(torch.randn(1, T, T))
+        self.tabled = False
+
+    def forward(self, x):  # (B, T, D)
+        bias = x[..., :1] * x[..., 1:2].transpose(1, 2)  # (B, T, T)
+        if self.tabled:
+            bias = self.table.expand(x.shape[0], T, T)
+        scores = torch.baddbmm(bias, self.q(x), self.k(x).transpose(1, 2), beta=0.5,
+                               alpha=D ** -0.5)
+        return self.head((torch.softmax(scores, -1) @ x).mean(1))
+
+
+def test_a_product_with_an_added_term_keeps_the_plan(ran):
+    model, x, y = _runs_compiled(ProductAdded, ran)
+    model.tabled = True
+    for _ in range(3):
+        check(model, x, y, F.cross_entropy)
+    assert ran[-2:] == [True, True], ran  # (none since: the expansion)
+    assert persample.per_sample_grads(model, x, y, F.cross_entropy)["table"].any()

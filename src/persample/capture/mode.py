@@ -33,7 +33,8 @@ class Mode(TorchFunctionMode):
 
     Args:
         recorder: has ``thread`` (the capturing thread's id), ``expansions`` (``{func:
-            fn}``) and ``record``; held through a weak proxy by the caller.
+            fn}``), ``expands(func, args, kwargs)`` (must this call run as its expansion)
+            and ``record``; held through a weak proxy by the caller.
         tracer: has ``traced(func, args, kwargs)``, which records through ``recorder``
             and traces (:class:`persample.capture.lean.Tracer`), and ``dead``; or
             ``None``.
@@ -51,7 +52,8 @@ class Mode(TorchFunctionMode):
         if threading.get_ident() != recorder.thread:
             return func(*args, **kwargs)
         expansion = self.expansions.get(func) if self.expansions else None
-        if expansion is not None and not in_place(func, kwargs):  # (an expansion makes anew)
+        if expansion is not None and not in_place(func, kwargs) and (  # (an expansion
+                recorder.expands(func, args, kwargs)):  # makes anew)
             if self.tracer is not None:
                 self.tracer.dead = f"an op run as its expansion ({name_of(func)})"
             out = self._expanded(func, expansion, args, kwargs)

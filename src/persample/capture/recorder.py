@@ -78,7 +78,15 @@ from ..batch import (
     op_leaves,
     propagate,
 )
-from ..batch.flow import METADATA, SHAPE_READERS, aliases, broadcasts, name_of, unbroadcast
+from ..batch.flow import (
+    METADATA,
+    SHAPE_READERS,
+    aliases,
+    broadcasts,
+    handler_of,
+    name_of,
+    unbroadcast,
+)
 from ..batch.layouts import new_trouble, placed
 from ..batch.ops_indexing import Partly, written_layout
 from ..batch.table import MISSING, LayoutTable, storage_of
@@ -400,6 +408,17 @@ class Capture:
                     self.layouts[t] = lay
 
     # -- ops ------------------------------------------------------------------
+
+    def expands(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Must an op with an expansion run as it (the mode asks)? Where it reads a
+        watched parameter or a derived tensor, whose rules are its parts', or has no data
+        flow of its own; else (BLOOM's ``baddbmm`` of its ALiBi bias and the activations)
+        it is one op like any other, whose program a cached call may hold."""
+        if handler_of(func) is None or self.param_written:
+            return True
+        watched, derived = self.watched, self.derived
+        return any(watched.get(id(t)) is t or id(t) in derived
+                   for t in op_leaves(args, kwargs))
 
     def record(self, func, args: tuple, kwargs: dict) -> Any:
         """Run one op (the model's own: its errors propagate as they are); record its
