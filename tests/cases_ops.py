@@ -46,7 +46,33 @@ class ScaleOfInput(nn.Module):
         return h.addcmul(self.w, h)
 
 
+class Chosen(nn.Module):
+    """``where`` of a mask made from the samples and a parameter: as the input (T5's
+    position bias, ``where(mask, bias, min)``), in the method form
+    (``bias.where(mask, x)``), or as the other tensor (``where(mask, x, fill)``)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.w = nn.Parameter(torch.randn(N, N))
+        self.lin = nn.Linear(N, N)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N)
+        h = self.lin(x)  # (B, N)
+        mask = (x[:, :, None] * x[:, None, :]) > 0  # (B, N, N)
+        if self.form == "function":
+            y = torch.where(mask, self.w, -3.0)
+        elif self.form == "method":
+            y = self.w.where(mask, h[:, None, :])
+        else:
+            y = torch.where(mask, h[:, :, None], self.w)
+        return (y * h[:, None, :]).sum(-1)  # (B, N)
+
+
 OP_CASES: list[dict[str, Any]] = [
+    case("where-input", lambda: Chosen("function"), lambda n: randn(n, N)),
+    case("where-method", lambda: Chosen("method"), lambda n: randn(n, N)),
+    case("where-other", lambda: Chosen("other"), lambda n: randn(n, N)),
     case("addcmul-scale-shift", ScaleShift, lambda n: randn(n, N, 4)),
     case("addcmul-method-one-factor", ScaleOfInput, lambda n: randn(n, N),
          loss_fn=per_sample_squares),

@@ -17,6 +17,7 @@ from cases import as_tuple, assert_grads_equal, build
 from cases_ops import OP_CASES
 from persample.batch.flow import HANDLERS, handler_of, name_of
 from persample.batch.forms import forms
+from persample.engine import pullback
 from persample.rules.spec import SPECS, OpSpec, register, unregister
 
 
@@ -91,13 +92,23 @@ def test_every_rule_family_is_listed():
                 for spec in SPECS.values()}
     listed = {f"persample.rules.{name}" for name in ("activation", "addcmul", "attention",
               "composite", "conv", "einsum", "elementwise", "embedding", "experts", "linear",
-              "norm", "recurrent", "random_ops", "reparametrized", "views")}
+              "norm", "recurrent", "random_ops", "reparametrized", "sdpa", "views")}
     assert families <= listed
     assert rules.recurrent.RECURRENT.grad.__module__ in listed
 
 
 @pytest.mark.parametrize("c", OP_CASES, ids=[c["id"] for c in OP_CASES])
-def test_op_cases_take_their_rule(c):
+def test_op_cases_take_their_rule(c, monkeypatch):
+    """``supported`` plans the rule, and every op's rule runs without declining (a
+    declined rule's exact fallback would answer the same)."""
+    run = pullback._run_rule
+
+    def strict(op, *args):
+        why = run(op, *args)
+        assert why is None, f"{op.where()}: its rule declined ({why})"
+        return why
+
+    monkeypatch.setattr(pullback, "_run_rule", strict)
     model, inputs, targets = build(c)
     loss_fn = c["loss_fn"]("sum")
     routes = persample.supported(model, inputs, targets, loss_fn)

@@ -25,9 +25,10 @@ def addcmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     """``g (n, v, *s)`` -> ``out[t] (n, v, *shape)`` for the parameter inputs ``t``."""
     x, a, b = call.arg(0, "input"), call.arg(1, "tensor1"), call.arg(2, "tensor2")
     value = call.arg(3, "value", 1)
-    if len({id(x), id(a), id(b)}) < 3:
-        raise Decline("the same tensor twice")  # the engine takes the op's exact VJP
     call.only(out, x, a, b)
+    if any(t in out and sum(u is t for u in (x, a, b)) > 1 for t in (x, a, b)
+           if isinstance(t, Tensor)):  # (one the rule differentiates, read twice: the
+        raise Decline("the same tensor twice")  # engine takes the op's exact VJP)
     rank = g.dim() - 2
     wanted = [(x, lambda: g),
               (a, lambda: value * g * operand(call, b, rank)),

@@ -1,7 +1,8 @@
 """Per-sample gradients of parameters entering an elementwise op or a concatenation:
 a scale (``x * gamma``: hand-written RMSNorm classes, T5's ``LayerNorm``, LayerScale),
-a shift (``x + pos``, ``scores + bias``, a bias added by hand), a division, and
-``torch.cat`` (a class token joined to the patches).
+a shift (``x + pos``, ``scores + bias``, a bias added by hand), a division, a choice by a
+mask (``where(mask, bias, min)``), and ``torch.cat`` (a class token joined to the
+patches).
 
 Index conventions: ``n`` sample, ``v`` cotangent, ``*s`` the output's per-sample
 shape. With ``g (n, v, *s)`` the backprops of ``y = x * w``, ``grad_w[n, v] =
@@ -72,6 +73,23 @@ def div(call: OpCall, g: Tensor, out: dict) -> None:
         write_reduced(call, out, b, -g * af / (bf * bf))
 
 
+def where(call: OpCall, g: Tensor, out: dict) -> None:
+    """``y = where(c, a, b)`` (``a.where(c, b)``): ``grad_a = sum g * c``, ``grad_b = sum g
+    * not c`` (T5's position bias kept where the mask allows, ``where(mask, bias, min)``)."""
+    if len(call.args) + len(call.kwargs) < 3:
+        raise Decline("where(condition): indices")
+    if call.func is torch.Tensor.where:  # (the tensor it is called on is the input)
+        c, a, b = call.arg(1, "condition"), call.args[0], call.arg(2, "other")
+    else:
+        c, a, b = call.arg(0, "condition"), call.arg(1, "input"), call.arg(2, "other")
+    _distinct(a, b)
+    call.only(out, a, b)
+    keep = operand(call, c, g.dim() - 2)  # (bool, broadcastable against g)
+    for p, chosen in ((a, keep), (b, ~keep)):
+        if isinstance(p, Tensor) and p in out:
+            write_reduced(call, out, p, g * chosen)
+
+
 def cat(call: OpCall, g: Tensor, out: dict) -> None:
     """``y = cat(tensors, dim)``: each input gets its slice of ``g`` (a class token
     joined to every sample's patches: its per-sample slice)."""
@@ -118,6 +136,7 @@ MUL = register(OpSpec((torch.mul,), grad=mul, complex=True))
 ADD = register(OpSpec((torch.add,), grad=shift, reads_inputs=False, complex=True))
 SUB = register(OpSpec((torch.sub,), grad=subtract, reads_inputs=False, complex=True))
 DIV = register(OpSpec((torch.div,), grad=div, complex=True))
+WHERE = register(OpSpec((torch.where,), grad=where))
 CAT = register(OpSpec((torch.cat,), grad=cat, complex=True))
 EXPAND = register(OpSpec((torch.Tensor.expand, torch.broadcast_to, torch.Tensor.expand_as),
                          grad=expand, complex=True))
