@@ -26,9 +26,9 @@ def addcmul(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
     x, a, b = call.arg(0, "input"), call.arg(1, "tensor1"), call.arg(2, "tensor2")
     value = call.arg(3, "value", 1)
     call.only(out, x, a, b)
-    if any(t in out and sum(u is t for u in (x, a, b)) > 1 for t in (x, a, b)
-           if isinstance(t, Tensor)):  # (one the rule differentiates, read twice: the
-        raise Decline("the same tensor twice")  # engine takes the op's exact VJP)
+    operands = [t for t in (x, a, b) if isinstance(t, Tensor)]
+    if any(t in out and sum(u is t for u in operands) > 1 for t in operands):
+        raise Decline("a parameter read twice")  # the engine takes the op's exact VJP
     rank = g.dim() - 2
     wanted = [(x, lambda: g),
               (a, lambda: value * g * operand(call, b, rank)),
