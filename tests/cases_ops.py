@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cases import N, case, per_sample_squares, randn
@@ -69,7 +70,47 @@ class Chosen(nn.Module):
         return (y * h[:, None, :]).sum(-1)  # (B, N)
 
 
+class Sliced(nn.Module):
+    """Views of a parameter by basic indexing (BEiT's ``table[:k]`` and ``table[k:]``),
+    an integer, ``None`` and ``...`` among them, each added to the samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(N + 2, N))
+        self.lin = nn.Linear(N, N)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N)
+        h = self.lin(x)  # (B, N)
+        head, tail = self.table[:N], self.table[N:]  # (N, N), (2, N)
+        return (h[:, None, :] * head).sum(-1) + tail[1] * h + self.table[None, 0, ...] * x
+
+
+class Resized(nn.Module):
+    """A parameter grid interpolated to the samples' size (a position table resized,
+    BEiT's; ViT's position embeddings at another image size), in ``mode``."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.grid = nn.Parameter(torch.randn(1, 2, N, N + 1))
+        self.lin = nn.Linear(N, N)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N)
+        size = (N, N) if self.mode == "same" else (N + 2, N - 1)
+        mode = "bilinear" if self.mode == "same" else self.mode
+        grid = F.interpolate(self.grid, size=size, mode=mode, **(
+            {"align_corners": False} if mode in ("bilinear", "bicubic") else {}))
+        h = self.lin(x)  # (B, N)
+        return (grid.flatten(1, 2)[..., :N - 1] * h[:, None, :N - 1]).sum(-1)  # (B, 2 N
+        # or 2 (N + 2))
+
+
 OP_CASES: list[dict[str, Any]] = [
+    case("getitem-basic", Sliced, lambda n: randn(n, N)),
+    case("interpolate-same", lambda: Resized("same"), lambda n: randn(n, N)),
+    case("interpolate-bilinear", lambda: Resized("bilinear"), lambda n: randn(n, N)),
+    case("interpolate-bicubic", lambda: Resized("bicubic"), lambda n: randn(n, N)),
+    case("interpolate-nearest", lambda: Resized("nearest"), lambda n: randn(n, N)),
     case("where-input", lambda: Chosen("function"), lambda n: randn(n, N)),
     case("where-method", lambda: Chosen("method"), lambda n: randn(n, N)),
     case("where-other", lambda: Chosen("other"), lambda n: randn(n, N)),

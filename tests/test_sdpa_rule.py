@@ -14,8 +14,7 @@ from torch import nn
 
 import persample
 from battery import check
-from persample.engine import vjp
-from persample.rules import sdpa as sdpa_rule
+from persample.engine import pullback
 
 B = H = T = 4  # batch = heads = positions = queries: nothing inferred from sizes
 E = 3  # a head's width
@@ -61,7 +60,8 @@ class Attention(nn.Module):
             kw = {"causal": {"is_causal": True},
                   "boolean": {"attn_mask": (x[:, None, None, :, 0] > -0.5)}}.get(kind, {})
         if kind in ("prefix", "gqa"):
-            pk, pv = self.prefix.unsqueeze(1).expand(-1, b, -1, -1, -1)  # (b, H, 2, E)
+            pk, pv = (self.prefix[j].expand(b, -1, -1, -1) for j in range(2))  # (b, H,
+            # 2, E) each
             if kind == "gqa":  # (the learned keys and values alone, read by the op)
                 k, v, kw = pk, pv, {"enable_gqa": True}
             else:
@@ -75,38 +75,77 @@ class Attention(nn.Module):
 
 @pytest.fixture
 def no_vjp(monkeypatch):
-    """Every call the rule's: the per-op VJPs raise, and the rule never declines."""
+    """No per-op VJP (they raise), and the attention's and the resize's rules never
+    decline (a view of a learned prefix cut by samples takes another exact path)."""
     def refuse(*args, **kwargs):
         raise AssertionError("a per-op VJP ran")
 
-    monkeypatch.setattr(vjp, "expand_vjp", refuse)
-    monkeypatch.setattr(vjp, "per_sample_vjp", refuse)
-    rule = sdpa_rule.SDPA.grad
+    for name in ("expand_vjp", "op_vjp", "paired_vjp", "shared_vjp", "module_vjp"):
+        monkeypatch.setattr(pullback, name, refuse)
+    run = pullback._run_rule
 
-    def strict(call, g, out):
-        try:
-            return rule(call, g, out)
-        except persample.rules.Decline as why:
-            raise AssertionError(f"the rule declined: {why}") from None
+    def strict(op, *args):
+        why = run(op, *args)
+        assert why is None or op.func not in (F.scaled_dot_product_attention, F.interpolate), (
+            f"{op.where()}: its rule declined ({why})")
+        return why
 
-    monkeypatch.setitem(persample.rules.spec.SPECS, F.scaled_dot_product_attention,
-                        persample.rules.spec.dataclasses.replace(sdpa_rule.SDPA, grad=strict))
+    monkeypatch.setattr(pullback, "_run_rule", strict)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_attention_reading_parameters_on_the_rule(kind, no_vjp):
+def test_attention_reading_parameters_on_the_rule(kind, request):
+    """(Latents attending to themselves read one tensor at three places: the op's VJP.)"""
+    if kind != "self":
+        request.getfixturevalue("no_vjp")
     torch.manual_seed(0)
     x, y = torch.randn(B, T, B, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
     check(Attention(kind).double(), x, y, mse)
 
 
-def test_a_cached_call_replays_the_rule():
-    """The rule's ops are ATen ops on the records: a cached call replays them."""
+class RelativeTable(nn.Module):
+    """BEiT's relative position bias: a table's rows but the last three, resized
+    (``interpolate`` to the same size) and joined back, looked up by a shared index of
+    relative positions, the heads moved first: SDPA's mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.head = nn.Linear(B, H * E), nn.Linear(B, 2 * H * E), (
+            nn.Linear(H * T * E, 3))
+        self.table = nn.Parameter(torch.randn((2 * 2 - 1) ** 2 + 3, H) * 0.5)
+
+    def forward(self, x):  # (b, T, B), T = 2 x 2 positions
+        b = x.shape[0]
+        q = self.q(x).view(b, T, H, E).transpose(1, 2)
+        k, v = self.kv(x).view(b, T, 2, H, E).permute(2, 0, 3, 1, 4)
+        grid = self.table[:-3].reshape(1, 3, 3, H).permute(0, 3, 1, 2)  # (1, H, 3, 3)
+        grid = F.interpolate(grid, size=(3, 3), mode="bilinear", align_corners=False)
+        table = torch.cat([grid.permute(0, 2, 3, 1).reshape(9, H), self.table[-3:]])
+        coords = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), indexing="ij"))
+        rel = (coords.flatten(1)[:, :, None] - coords.flatten(1)[:, None, :]) + 1  # (2, T, T)
+        index = rel[0] * 3 + rel[1]  # (T, T)
+        bias = table[index.view(-1)].view(T, T, H).permute(2, 0, 1).contiguous()  # (H, T, T)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(0))
+        return self.head(out.flatten(1))
+
+
+def test_beits_relative_table_on_the_rules(no_vjp):
+    torch.manual_seed(0)
+    x, y = torch.randn(B, T, B, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
+    check(RelativeTable().double(), x, y, mse)
+
+
+@pytest.mark.parametrize("make", [lambda: Attention("bias"), RelativeTable],
+                         ids=["bias", "relative-table"])
+def test_a_cached_call_replays_the_rule(make):
+    """The rules' ops are ATen ops on the records: a cached call replays them."""
     import persample.engine.replay as replay
 
     torch.manual_seed(0)
-    model = Attention("bias").double()
-    x, y = torch.randn(B, T, B, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
+    model = make().double()
+    n = 2  # (a batch no size of a derived tensor equals: the check of a shared tensor's
+    # cotangents at each sample's own position, which reads their values, is not replayed)
+    x, y = torch.randn(n, T, B, dtype=torch.float64), torch.randn(n, 3, dtype=torch.float64)
     calls = []
     run = replay.Replay.__call__
 

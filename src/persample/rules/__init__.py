@@ -39,6 +39,7 @@ from . import (  # noqa: F401  (the families: importing one registers its specs)
     random_ops,
     recurrent,
     reparametrized,
+    resample,
     sdpa,
     views,
 )

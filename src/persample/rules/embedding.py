@@ -27,6 +27,8 @@ a[n, r]^2``; in max mode ``|grad_W[n]|^2 = |g[n]|^2`` for a non-empty bag.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -91,12 +93,20 @@ def embedding(call: OpCall, g: Tensor, out: dict) -> None:
 
 def gather_rows(call: OpCall, g: Tensor, out: dict) -> None:
     """``table[ids]`` and ``index_select(table, 0, ids)`` with one integer id tensor on dim
-    0 of a parameter: the lookup rule."""
+    0 of a parameter: the lookup rule; ``table[basic]`` of slices and integers, a view:
+    the cotangent in its place."""
     table = call.args[0]
     if table not in out or not call.shared(table):
         raise Decline("not a parameter table indexed by ids")
     call.only(out, table)
     if call.func.__name__ == "__getitem__":
+        basic = _basic(call.args[1])
+        if basic is not None:  # (a view: BEiT's ``table[:k]``, its rows' cotangents in
+            dst = out[table]  # place, zeros elsewhere)
+            if table not in call.adding:
+                dst.zero_()
+            dst[(slice(None), slice(None), *basic)] += g
+            return
         ids = call.args[1]
         if not isinstance(ids, Tensor) or ids.dtype in (torch.bool, torch.uint8):
             raise Decline("not one integer id tensor")
@@ -108,6 +118,14 @@ def gather_rows(call: OpCall, g: Tensor, out: dict) -> None:
     n, v = g.shape[:2]
     scatter_rows(i % table.shape[0], g.reshape(n, v, i.shape[-1], *table.shape[1:]),
                  out[table], add=table in call.adding)
+
+
+def _basic(index: Any) -> tuple | None:
+    """``index`` of ``t[index]`` as a tuple where it is basic indexing (slices, integers,
+    ``None``, ``...``: a view of ``t``), else ``None``."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return parts if all(type(p) in (slice, int, type(None), type(Ellipsis)) for p in parts) else (
+        None)
 
 
 def embedding_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict:

@@ -70,17 +70,14 @@ def sdpa(call: OpCall, g: Tensor, out: dict) -> None:
         torch.softmax(scores, -1).nan_to_num(0.0))  # (n|1, 1, ..., L, S)
     d_probs = g @ vs.transpose(-2, -1)  # (n, v, ..., L, S)
     d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
-    grads = {}  # id -> (input, its gradient): q, k and v may be one tensor
-    wanted = [(q, lambda: d_scores @ ks * scale),
+    wanted = [(q, lambda: d_scores @ ks * scale),  # (one tensor at two places, q = k,
+              # is not given to a rule: the engine takes the op's VJP)
               (k, lambda: _grouped(d_scores.transpose(-2, -1) @ qs * scale, groups)),
               (v, lambda: _grouped(probs.transpose(-2, -1) @ g, groups)),
               (mask, lambda: d_scores)]
     for t, grad in wanted:
         if isinstance(t, Tensor) and t in out:
-            found = grads.get(id(t))
-            grads[id(t)] = (t, grad() if found is None else found[1] + grad())
-    for t, grad in grads.values():
-        write_reduced(call, out, t, grad)
+            write_reduced(call, out, t, grad())
 
 
 def _grouped(grad: Tensor, groups: int) -> Tensor:
