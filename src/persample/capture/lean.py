@@ -274,11 +274,13 @@ class Tracer:
             return False
         cap, name = self.cap, name_of(func)
         flow = cap._flow
-        reads = len(cap.ops) != n_ops  # (a shift reading parameters, ``scores += bias``,
-        # whose record keeps no copy of its target, is held: its rule reads no value)
-        if reads and not (func in UNREAD_INPUTS and cap.ops[n_ops].before is None) or (
-                draw is not None or (flow is not None and flow.writes) or (
-                func is not _SETITEM and out is not args[0])):
+        # (a shift reading parameters, ``scores += bias``, whose record keeps no copy of
+        # its target, is held: its rule reads no value)
+        shift = func in UNREAD_INPUTS and len(cap.ops) == n_ops + 1 and (
+            cap.ops[n_ops].before is None)
+        reads = len(cap.ops) != n_ops and not shift
+        if reads or draw is not None or (flow is not None and flow.writes) or (
+                func is not _SETITEM and out is not args[0]):
             self.dead = f"an op writing in place that reads parameters or draws ({name})"
             return False
         target = args[0]

@@ -124,8 +124,8 @@ def _basic(index: Any) -> tuple | None:
     """``index`` of ``t[index]`` as a tuple where it is basic indexing (slices, integers,
     ``None``, ``...``: a view of ``t``), else ``None``."""
     parts = index if isinstance(index, tuple) else (index,)
-    return parts if all(type(p) in (slice, int, type(None), type(Ellipsis)) for p in parts) else (
-        None)
+    basic = all(type(p) in (slice, int, type(None), type(Ellipsis)) for p in parts)
+    return parts if basic else None
 
 
 def embedding_norm(call: OpCall, g: Tensor, wanted: set[Tensor]) -> dict:
