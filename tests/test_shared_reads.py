@@ -4,6 +4,7 @@ to another module whose call takes the per-module fallback."""
 
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,3 +143,42 @@ def test_a_tensor_cached_by_an_earlier_call_is_shared_unless_it_carries_a_graph(
     persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss())
     with pytest.raises(persample.NeedsWholeModel):
         persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
+
+
+
+@functools.lru_cache
+def _reversed_positions(k: int) -> Tensor:
+    return torch.arange(k).flip(0)
+
+
+class CachedAside(nn.Module):
+    """An index table kept outside the model (a function's ``lru_cache``, as transformers
+    keeps relative position indices), which no walk of the model finds."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.a(x[:, _reversed_positions(x.shape[1])])))
+
+
+def test_a_tensor_cached_by_a_plain_forward_is_shared_from_the_next_call():
+    """An index table cached by a forward persample did not run (the user's plain
+    forward first): the first call cannot tell it from a tensor made in it by code the
+    capture cannot see, so the rules refuse it and ``auto`` answers by another exact
+    method; from the next call on it is one from before the call, shared, on the rules,
+    unless it was written since it was last read."""
+    _reversed_positions.cache_clear()
+    torch.manual_seed(0)
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 2, (B,))
+    model, loss = CachedAside().double(), nn.CrossEntropyLoss()
+    model(x)  # fills the cache outside persample
+    with pytest.raises(persample.NeedsWholeModel, match="made outside the captured ops"):
+        persample.per_sample_grads(model, x, y, loss, method="rules")
+    check(model, x, y, loss, methods=("rules", "auto"))
+    persample.clear_plans()  # (a compiled call traces the function, cache and all)
+    _reversed_positions(4).add_(0)  # written since (the same values, a new version)
+    with pytest.raises(persample.NeedsWholeModel, match="made outside the captured ops"):
+        persample.per_sample_grads(model, x, y, loss, method="rules")
+    check(model, x, y, loss, methods=("rules", "auto"))

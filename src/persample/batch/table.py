@@ -18,7 +18,8 @@ from torch import Tensor
 from .layouts import SHARED, Layout, Mixed, Unknown
 
 MISSING = Unknown("a tensor made outside the captured ops (a custom autograd Function, "
-                  "TorchScript, or a tensor kept from before)")
+                  "TorchScript, or a tensor kept from before: one with no gradient path "
+                  "is read as shared by the next call that finds it unchanged)")
 """The layout of a tensor the table never saw made."""
 
 

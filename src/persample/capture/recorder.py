@@ -203,6 +203,7 @@ class Capture:
         self.following = False  # inside follow(): the loss's ops
         self.mixing: str | None = None  # the first op of the loss that mixes samples
         self.mixed_in_loss: set[int] = set()  # (ids: tensors the loss's own ops mixed)
+        self._unseen: list[Tensor] = []  # tensors read, never seen made, no gradient path
         self.thread = threading.get_ident()
         # no reference cycle back to the capture (its graph would live until the cyclic
         # GC runs: gigabytes in a training loop of many micro-batches)
@@ -286,6 +287,9 @@ class Capture:
             finally:
                 self._remove()
         self._stale_derived()
+        for t in self._unseen:  # (from before any later call: KEPT)
+            KEPT.add(t, t._version)
+        self._unseen = []
         if exc is not None and self.stack:  # raised inside a module's forward: name it
             call = self.stack[-1]
             exc.add_note(module_note(call.describe(), call.module, call.args, exc))
@@ -731,6 +735,8 @@ class Capture:
             return SHARED
         where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
         lay = self.layouts[t] = Unknown(f"{MISSING.why}{where}")
+        if not t.requires_grad:  # (made by code this call cannot see, in it perhaps: a
+            self._unseen.append(t)  # later call reads it as from before, Kept)
         return lay
 
     def _record_op(self, func, args, kwargs, out, leaves, layouts, flow, sources, before,

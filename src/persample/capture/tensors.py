@@ -113,35 +113,45 @@ def user_leaf(t: Tensor) -> bool:
 
 
 class Kept:
-    """Tensors a capture saw made from no sample data, without a gradient path, that
-    outlived it (a cached index table, transformers' ``lru_cache``-d relative positions):
-    made before any later call, they hold none of its samples, so a later capture reads
-    them as shared rather than as tensors it never saw made. By identity, holding none
-    alive.
+    """Tensors made before any later call, by identity, holding none alive: those a
+    capture saw made from no sample data, without a gradient path, that outlived it (a
+    cached index table, transformers' ``lru_cache``-d relative positions); and those a
+    capture read without having seen them made, without a gradient path (a table made
+    by a plain forward before persample's first call and cached since), each at the
+    version it was read at. A later capture reads them as shared rather than as tensors
+    it never saw made: they hold none of its samples. (The second kind is unknown to
+    the capture that first reads it: made by code it cannot see, in that call perhaps;
+    a later call reads it as from before it, unless it was written since.)
 
     Examples:
         >>> import torch
-        >>> kept, t = Kept(), torch.arange(3)
-        >>> kept.add(t)
-        >>> kept.holds(t), kept.holds(torch.arange(3))
-        (True, False)
+        >>> kept, t, u = Kept(), torch.arange(3), torch.zeros(2)
+        >>> kept.add(t); kept.add(u, version=u._version)
+        >>> kept.holds(t), kept.holds(torch.arange(3)), kept.holds(u)
+        (True, False, True)
+        >>> _ = u.add_(1)
+        >>> kept.holds(u)
+        False
     """
 
     def __init__(self) -> None:
-        self._by_id: dict[int, weakref.ref] = {}
+        self._by_id: dict[int, tuple[weakref.ref, int | None]] = {}
 
-    def add(self, t: Tensor) -> None:
+    def add(self, t: Tensor, version: int | None = None) -> None:
+        """Keep ``t`` (``version``: held only while ``t`` is at it)."""
         key = id(t)
 
         def forget(ref: weakref.ref, key: int = key) -> None:
-            if self._by_id.get(key) is ref:
+            entry = self._by_id.get(key)
+            if entry is not None and entry[0] is ref:
                 del self._by_id[key]
 
-        self._by_id[key] = weakref.ref(t, forget)
+        self._by_id[key] = (weakref.ref(t, forget), version)
 
     def holds(self, t: Tensor) -> bool:
-        ref = self._by_id.get(id(t))
-        return ref is not None and ref() is t
+        entry = self._by_id.get(id(t))
+        return entry is not None and entry[0]() is t and (
+            entry[1] is None or entry[1] == t._version)
 
 
 KEPT = Kept()
