@@ -132,6 +132,67 @@ def test_a_derived_lookup_of_shared_ids_is_replayed(counts, compiled):
     assert counts.replays >= 2
 
 
+class Scaled(nn.Module):
+    """A per-channel scale made by two ops from a parameter (PoolFormer's layer scale,
+    ``scale.unsqueeze(-1).unsqueeze(-1)``), of as many channels as the batch has samples:
+    the second op reads a derived tensor, so the pullback looks at its cotangents'
+    values for each sample's own channel (none here: every sample reads every channel)."""
+
+    def __init__(self, rows: bool = False):
+        super().__init__()
+        self.conv, self.scale = nn.Conv2d(2, B, 1), nn.Parameter(torch.rand(B) + 0.5)
+        self.head = nn.Linear(B, 3)
+
+    def forward(self, x):
+        h = self.conv(x)  # (B, C = B, 3, 3)
+        h = h + self.scale.unsqueeze(-1).unsqueeze(-1) * torch.tanh(h)
+        return self.head(h.mean((2, 3)))
+
+
+def test_a_derived_chain_with_a_dim_the_size_of_the_batch_is_replayed(counts, compiled):
+    """The values read to pair a derived tensor's cotangents with the samples (they pair
+    none here) are read apart from the recording: the calls replay, each the loop's."""
+    torch.manual_seed(0)
+    model = Scaled().double()
+    for call in range(8):
+        g = torch.Generator().manual_seed(call)
+        x = torch.randn(B, 2, 3, 3, dtype=torch.float64, generator=g)
+        y = torch.randint(0, 3, (B,), generator=g)
+        rules_before = counts.rules
+        assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
+        if call >= 6:
+            assert counts.rules == rules_before, "a replayed call ran the rules"
+    assert counts.replays >= 2
+
+
+class RowPerSample(nn.Module):
+    """A table made from parameters alone, ``(B, E)``, read at rows an input names: at
+    ``arange(B)`` each sample's cotangent is zero but at its own row (paired by its
+    values: a form for those values alone), at another order it is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.head = nn.Linear(3, E), nn.Linear(E, 3)
+
+    def forward(self, x, rows):
+        states = self.table(torch.ones(B, 3, dtype=x.dtype))  # (B, E), no sample's
+        return self.head(torch.tanh(x + states[rows]))
+
+
+def test_cotangents_paired_by_their_values_are_not_replayed(counts, compiled):
+    """Where the cotangents' values pair them with the samples, the rules are not
+    recorded: a later call whose rows pair otherwise takes its own rules, the loop's
+    answer."""
+    torch.manual_seed(0)
+    model = RowPerSample().double()
+    x, y = _data(False)
+    for call in range(8):
+        rows = torch.arange(B) if call < 7 else torch.arange(B).flip(0)
+        assert_exact(per_sample_grads(model, (x, rows), y, _ce),
+                     loop_per_sample_grads(model, (x, rows), y, _ce))
+    assert counts.replays == 0
+
+
 def test_a_replay_whose_decision_differs_runs_the_rules(counts):
     """Where a decision a replay was recorded with comes out otherwise in a call, that
     call runs the rules (its answer still the loop's)."""

@@ -542,19 +542,28 @@ def _on_own_positions(cot: Tensor, n: int) -> tuple[Tensor, Batched | None]:
     (``(n, v, *per_sample)``, ``Batched(dim)``): the same numbers, so a row-wise op that
     made the tensor is pulled back once for every sample's row instead of once per
     sample over every row (Set2Set's LSTM state, read per graph by the nodes' graph
-    index). Else the cotangents as they are, unpaired."""
+    index). Else the cotangents as they are, unpaired.
+
+    The values are read apart from a recording of the rules
+    (:func:`persample.engine.replay.deciding`): where they pair none, the rules go on
+    with the cotangents as they are, which a replay may take for any values (the same
+    numbers either way); where they pair, that form holds for these values alone, and
+    the rules are not replayed."""
     ar = None
-    for d, size in enumerate(cot.shape[2:]):
-        if size != n or n < 2:
-            continue
-        ar = torch.arange(n, device=cot.device) if ar is None else ar
-        moved = cot.movedim(2 + d, 2)  # (n, v, n, *rest)
-        if moved[0, :, 1:].any():  # (sample 0 off its own position: a quick no)
-            continue
-        off = moved.clone()
-        off[ar, :, ar] = 0
-        if not off.any():  # sample i's cotangent at its position i, (n, v, ..., 1, ...)
-            return moved[ar, :, ar].unsqueeze(2 + d), Batched(d)
+    with replay.deciding():
+        for d, size in enumerate(cot.shape[2:]):
+            if size != n or n < 2:
+                continue
+            ar = torch.arange(n, device=cot.device) if ar is None else ar
+            moved = cot.movedim(2 + d, 2)  # (n, v, n, *rest)
+            if moved[0, :, 1:].any():  # (sample 0 off its own position: a quick no)
+                continue
+            off = moved.clone()
+            off[ar, :, ar] = 0
+            if not off.any():  # sample i's cotangent at its position i, (n, v, ..., 1, ...)
+                replay.unreplayable("a shared tensor's cotangents paired with the samples "
+                                    "by their values")
+                return moved[ar, :, ar].unsqueeze(2 + d), Batched(d)
     return cot, None
 
 

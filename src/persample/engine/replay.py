@@ -358,6 +358,14 @@ def deciding() -> Iterator[None]:
         recorder.paused = was
 
 
+def unreplayable(why: str) -> None:
+    """The rules being recorded now cannot be replayed (``why``): they took a form only
+    this call's values allow (the innermost open recorder of this thread fails)."""
+    open_now = _recording()
+    if open_now and open_now[-1].failed is None:
+        open_now[-1].failed = why
+
+
 class Recorder(TorchDispatchMode):
     """Writes down the ATen ops run under it, each tensor argument by where it comes
     from (an input, or an earlier op's output); ``failed`` says why the ops cannot be
