@@ -5,6 +5,7 @@ to another module whose call takes the per-module fallback."""
 from __future__ import annotations
 
 import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
