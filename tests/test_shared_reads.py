@@ -183,3 +183,31 @@ def test_a_tensor_cached_by_a_plain_forward_is_shared_from_the_next_call():
     with pytest.raises(persample.NeedsWholeModel, match="made outside the captured ops"):
         persample.per_sample_grads(model, x, y, loss, method="rules")
     check(model, x, y, loss, methods=("rules", "auto"))
+
+
+with torch.inference_mode():
+    _OFFSET = torch.linspace(-1.0, 1.0, 3, dtype=torch.float64)  # (an inference tensor)
+
+
+class InferenceConstant(nn.Module):
+    """Adds a module-level tensor made under ``torch.inference_mode``: it keeps no version
+    counter, so a later call cannot tell whether it was written since."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(x) + _OFFSET
+
+
+def test_an_inference_tensor_from_before_is_answered_at_every_call():
+    torch.manual_seed(0)
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 3, (B,))
+    model, loss = InferenceConstant().double(), nn.CrossEntropyLoss()
+    for _ in range(2):
+        with pytest.raises(persample.NeedsWholeModel, match="made outside the captured ops"):
+            persample.per_sample_grads(model, x, y, loss, method="rules")
+    with pytest.warns(UserWarning, match="made outside the captured ops"):
+        persample.per_sample_grads(model, x, y, loss)
+    check(model, x, y, loss, methods=("auto", "loop"), paths=None, forbid=None)

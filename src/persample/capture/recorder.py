@@ -735,8 +735,9 @@ class Capture:
             return SHARED
         where = f", first read in module {self.stack[-1].describe()}" if self.stack else ""
         lay = self.layouts[t] = Unknown(f"{MISSING.why}{where}")
-        if not t.requires_grad:  # (made by code this call cannot see, in it perhaps: a
-            self._unseen.append(t)  # later call reads it as from before, Kept)
+        if not t.requires_grad and not t.is_inference():  # (made by code this call
+            self._unseen.append(t)  # cannot see, in it perhaps: a later call reads it as
+            # from before, Kept, unless written since: an inference tensor has no version)
         return lay
 
     def _record_op(self, func, args, kwargs, out, leaves, layouts, flow, sources, before,
