@@ -609,6 +609,37 @@ def test_inputs_on_another_device_are_named_before_the_model_runs(snapshot):
     state.assert_unchanged()
 
 
+class _Summed(nn.Module):
+    """``a(x + z)``: the sum is a normal tensor, whatever ``z`` is."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        return self.a(x + z)
+
+
+@pytest.mark.parametrize("method", ["auto", "rules", "vmap", "loop"])
+def test_an_input_made_in_inference_mode_is_named_with_the_fix(method, snapshot):
+    """An inference tensor cannot be saved for a backward (a plain step fails on most
+    models given one) and keeps no version, which the rules read: named with the fix,
+    not answered as a bug of persample's."""
+    model = _Summed()
+    state = snapshot(model)
+    with torch.inference_mode():
+        z = torch.randn(B, 3)
+    with pytest.raises(ValueError, match=r"inputs\[1\] was made under "
+                                         r"torch\.inference_mode\(\).*torch\.no_grad\(\)"
+                                         r".*inputs\[1\]\.clone\(\)"):
+        per_sample_grads(model, (torch.randn(B, 3), z), None, lambda o, t: o.sum(1),
+                         method=method)
+    state.assert_unchanged()
+    got = per_sample_grads(model, (torch.ones(B, 3), z.clone()), None, lambda o, t: o.sum(1),
+                           method=method)  # (the fix it names)
+    assert got["a.weight"].shape == (B, 2, 3)
+
+
 def test_inputs_in_another_dtype_are_named_when_the_model_fails():
     model = nn.Linear(3, 2).float()
     x = torch.randn(B, 3, dtype=torch.float64)

@@ -114,7 +114,8 @@ def per_sample_grads(
             object persample does not open (named).
         ValueError: targets whose dim 0 is not the batch size; a module that mixes
             samples (BatchNorm in training mode); no trainable parameters; a
-            floating-point input on another device than the parameters; a loss that is
+            floating-point input on another device than the parameters, or made under
+            ``torch.inference_mode()``; a loss that is
             neither ``(B,)`` nor a scalar; ``out`` of the wrong shape, dtype or device;
             a parameter read in ``loss_fn``.
         LossNotPerSampleError: ``loss_fn`` reads an output the model computed over

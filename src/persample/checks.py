@@ -189,18 +189,26 @@ def validate_call(
     if units:  # FSDP2: the engine follows the unsharded parameters the forward reads
         params = Sharding(model, units).working
     params = selected_parameters(model, params, selected)
-    check_devices(batch, params)
+    check_inputs(batch, params)
     return batch, batch.n, params
 
 
-def check_devices(batch: Batch, params: dict[str, nn.Parameter]) -> None:
-    """Floating-point inputs on another device than the parameters (all on one device)."""
+def check_inputs(batch: Batch, params: dict[str, nn.Parameter]) -> None:
+    """Floating-point inputs on another device than the parameters (all on one device),
+    and inputs made under ``torch.inference_mode()``, which autograd cannot save for a
+    backward (a plain training step fails on them in most models) and which keep no
+    version counter."""
     devices = {p.device for p in params.values()}
-    if len(devices) != 1:
-        return
-    (device,) = devices
+    device = next(iter(devices)) if len(devices) == 1 else None
     for name, t in batch.named_tensors():
-        if t.is_floating_point() and t.dim() > 0 and t.device != device:
+        if t.is_inference():
+            raise ValueError(
+                f"{name} was made under torch.inference_mode(): autograd cannot save such a "
+                f"tensor for a backward, and it keeps no version counter, which persample "
+                f"reads. Make it under torch.no_grad() instead, or pass {name}.clone() (a "
+                f"clone outside inference mode is a normal tensor).")
+        if device is not None and t.is_floating_point() and t.dim() > 0 and (
+                t.device != device):
             raise ValueError(
                 f"{name} is on {t.device} but the model's parameters are on {device}: move it "
                 f"with .to({str(device)!r}) (or the model with model.to({str(t.device)!r})).")
