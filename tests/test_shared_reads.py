@@ -185,23 +185,27 @@ def test_a_tensor_cached_by_a_plain_forward_is_shared_from_the_next_call():
     check(model, x, y, loss, methods=("rules", "auto"))
 
 
-with torch.inference_mode():
-    _OFFSET = torch.linspace(-1.0, 1.0, 3, dtype=torch.float64)  # (an inference tensor)
+@functools.lru_cache
+def _inference_offset(k: int) -> Tensor:
+    with torch.inference_mode():
+        return torch.linspace(-1.0, 1.0, k, dtype=torch.float64)
 
 
 class InferenceConstant(nn.Module):
-    """Adds a module-level tensor made under ``torch.inference_mode``: it keeps no version
-    counter, so a later call cannot tell whether it was written since."""
+    """Adds a tensor made under ``torch.inference_mode`` and cached outside the model: it
+    keeps no version counter, so a later call cannot tell whether it was written since."""
 
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(4, 3)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.a(x) + _OFFSET
+        return self.a(x) + _inference_offset(3)
 
 
 def test_an_inference_tensor_from_before_is_answered_at_every_call():
+    _inference_offset.cache_clear()
+    _inference_offset(3)  # (made before the first call)
     torch.manual_seed(0)
     x, y = torch.randn(B, 4).double(), torch.randint(0, 3, (B,))
     model, loss = InferenceConstant().double(), nn.CrossEntropyLoss()
@@ -211,3 +215,25 @@ def test_an_inference_tensor_from_before_is_answered_at_every_call():
     with pytest.warns(UserWarning, match="made outside the captured ops"):
         persample.per_sample_grads(model, x, y, loss)
     check(model, x, y, loss, methods=("auto", "loop"), paths=None, forbid=None)
+
+
+_SHIFT = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)  # a constant of the module
+
+
+class GlobalShift(nn.Module):
+    """Reads a tensor its Python module binds to a global name, made at import."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.a(x - _SHIFT) * _SHIFT))
+
+
+def test_a_global_tensor_of_the_forwards_module_is_shared_from_the_first_call():
+    """A global of the module that defines ``forward`` was bound before the call: shared,
+    as the model's own attributes are, so the first call takes the rules too."""
+    torch.manual_seed(0)
+    x, y = torch.randn(B, 4).double(), torch.randint(0, 2, (B,))
+    check(GlobalShift().double(), x, y, nn.CrossEntropyLoss(), methods=("rules", "auto"))

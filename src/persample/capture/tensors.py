@@ -41,12 +41,18 @@ def holders(model: nn.Module, watched: dict[int, Tensor]) -> list[tuple[str, nn.
 
 def free_tensors(model: nn.Module | None, shared: tuple) -> list[Tensor]:
     """The model's parameters and buffers, the tensors its modules hold as attributes
-    (also in lists, tuples and dicts: masks, constants, caches made before the call), and
-    the shared inputs: every tensor shared by all samples before the forward runs."""
+    (also in lists, tuples and dicts: masks, constants, caches made before the call), the
+    tensors its modules' ``forward`` code holds as globals of its Python module (a
+    normalisation constant, a mask made at import), and the shared inputs: every tensor
+    shared by all samples before the forward runs."""
     found = [t for t in tree_leaves(shared) if isinstance(t, Tensor)]
     if model is None:
         return found
+    scopes: dict[int, dict] = {}
     for m in model.modules():
+        scope = _globals_of(type(m))
+        if scope is not None:
+            scopes[id(scope)] = scope
         found += [t for t in m._parameters.values() if t is not None]
         found += [t for t in m._buffers.values() if t is not None]
         for key, value in vars(m).items():
@@ -56,7 +62,43 @@ def free_tensors(model: nn.Module | None, shared: tuple) -> list[Tensor]:
                 found.append(value)
             elif isinstance(value, (list, tuple, dict)) and value:
                 found += _held_tensors(value)
+    for scope in scopes.values():
+        found += _global_tensors(scope)
     return found
+
+
+try:  # (CPython's dict version tags, as TorchDynamo reads them)
+    from torch._C._dynamo.guards import dict_version as _dict_version
+except ImportError:  # pragma: no cover - an older torch
+    _dict_version = None
+
+_SCANNED: dict[int, tuple[dict, int, list[weakref.ref]]] = {}  # id(globals) -> (them,
+# their version tag, the tensors bound to their names then: held by them, not here)
+
+
+def _global_tensors(scope: dict) -> list[Tensor]:
+    """The tensors bound to names of a module's globals (names bound to a tensor alone: a
+    container among a script's globals may hold a whole dataset), scanned again only
+    where the dict was written since (its version tag)."""
+    version = _dict_version(scope) if _dict_version is not None else None
+    found = _SCANNED.get(id(scope))
+    if found is not None and found[0] is scope and version is not None and (
+            found[1] == version):
+        return [t for t in (ref() for ref in found[2]) if t is not None]
+    tensors = [t for t in scope.values() if isinstance(t, Tensor)]
+    if version is not None:
+        _SCANNED[id(scope)] = (scope, version, [weakref.ref(t) for t in tensors])
+    return tensors
+
+
+def _globals_of(cls: type) -> dict | None:
+    """The globals of the Python module that defines ``cls.forward`` (``None``: a forward
+    without them, TorchScript's)."""
+    try:
+        scope = getattr(cls.forward, "__globals__", None)
+    except AttributeError:  # (a scripted module's forward is no plain function)
+        return None
+    return scope if type(scope) is dict else None
 
 
 def _held_tensors(value: Any, depth: int = 3) -> list[Tensor]:
