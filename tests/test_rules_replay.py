@@ -88,18 +88,24 @@ def _data(vocab: bool, seed: int = 0):
     return x, torch.randint(0, 3, (B,), generator=g)
 
 
+def _replayed_from_the_compiled_call(model: nn.Module, data, counts: Counts) -> None:
+    """Eight calls with new values each (``data(call) -> (x, y)``: the replay reads this
+    call's), each the loop's answer; from the seventh (the compiled call: its first runs
+    the rules, its second records) none runs the rules."""
+    for call in range(8):
+        x, y = data(call)
+        rules_before = counts.rules
+        assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
+        if call >= 6:
+            assert counts.rules == rules_before, "a replayed call ran the rules"
+    assert counts.replays >= 2
+
+
 @pytest.mark.parametrize("build", [_mlp, Block], ids=["stock-mlp", "block"])
 def test_replayed_calls_agree_with_the_loop_and_run_no_rule(build, counts, compiled):
     torch.manual_seed(0)
-    model = build().double()
-    for call in range(8):  # (new values at every call: the replay reads this call's)
-        x, y = _data(build is Block, seed=call)
-        rules_before = counts.rules
-        got = per_sample_grads(model, x, y, _ce)
-        assert_exact(got, loop_per_sample_grads(model, x, y, _ce))
-        if call >= 6:  # (the compiled call: its first runs the rules, its second records)
-            assert counts.rules == rules_before, "a replayed call ran the rules"
-    assert counts.replays >= 2
+    _replayed_from_the_compiled_call(build().double(),
+                                     lambda call: _data(build is Block, seed=call), counts)
 
 
 class Typed(nn.Module):
@@ -122,14 +128,8 @@ def test_a_derived_lookup_of_shared_ids_is_replayed(counts, compiled):
     """The pairing decision of a derived op, which reads the ids' values, is kept with
     the replay and taken again at each call: the calls replay, each equal to the loop."""
     torch.manual_seed(0)
-    model = Typed().double()
-    for call in range(8):
-        x, y = _data(True, seed=call)
-        rules_before = counts.rules
-        assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
-        if call >= 6:
-            assert counts.rules == rules_before, "a replayed call ran the rules"
-    assert counts.replays >= 2
+    _replayed_from_the_compiled_call(Typed().double(), lambda call: _data(True, seed=call),
+                                     counts)
 
 
 class Scaled(nn.Module):
@@ -138,7 +138,7 @@ class Scaled(nn.Module):
     the second op reads a derived tensor, so the pullback looks at its cotangents'
     values for each sample's own channel (none here: every sample reads every channel)."""
 
-    def __init__(self, rows: bool = False):
+    def __init__(self):
         super().__init__()
         self.conv, self.scale = nn.Conv2d(2, B, 1), nn.Parameter(torch.rand(B) + 0.5)
         self.head = nn.Linear(B, 3)
@@ -152,17 +152,13 @@ class Scaled(nn.Module):
 def test_a_derived_chain_with_a_dim_the_size_of_the_batch_is_replayed(counts, compiled):
     """The values read to pair a derived tensor's cotangents with the samples (they pair
     none here) are read apart from the recording: the calls replay, each the loop's."""
-    torch.manual_seed(0)
-    model = Scaled().double()
-    for call in range(8):
+    def data(call: int) -> tuple:
         g = torch.Generator().manual_seed(call)
-        x = torch.randn(B, 2, 3, 3, dtype=torch.float64, generator=g)
-        y = torch.randint(0, 3, (B,), generator=g)
-        rules_before = counts.rules
-        assert_exact(per_sample_grads(model, x, y, _ce), loop_per_sample_grads(model, x, y, _ce))
-        if call >= 6:
-            assert counts.rules == rules_before, "a replayed call ran the rules"
-    assert counts.replays >= 2
+        return (torch.randn(B, 2, 3, 3, dtype=torch.float64, generator=g),
+                torch.randint(0, 3, (B,), generator=g))
+
+    torch.manual_seed(0)
+    _replayed_from_the_compiled_call(Scaled().double(), data, counts)
 
 
 class RowPerSample(nn.Module):
