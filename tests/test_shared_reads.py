@@ -146,7 +146,6 @@ def test_a_tensor_cached_by_an_earlier_call_is_shared_unless_it_carries_a_graph(
         persample.per_sample_grads(model, x, y, nn.CrossEntropyLoss(), method="rules")
 
 
-
 @functools.lru_cache
 def _reversed_positions(k: int) -> Tensor:
     return torch.arange(k).flip(0)

@@ -84,7 +84,7 @@ def test_a_torchscript_submodule_is_walked_at_every_call():
 def test_a_torch_without_dict_version_tags_walks_at_every_call(monkeypatch):
     import persample.walk as walk
 
-    monkeypatch.setattr(walk, "_version", None)
+    monkeypatch.setattr(walk, "dict_version", None)
     model = nn.Sequential(nn.Linear(3, 2))
     _same(model)
     model.append(nn.Linear(2, 2))

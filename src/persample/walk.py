@@ -24,9 +24,9 @@ from typing import Any
 from torch import Tensor, nn
 
 try:  # (CPython's dict version tags, as TorchDynamo reads them)
-    from torch._C._dynamo.guards import dict_version as _version
+    from torch._C._dynamo.guards import dict_version
 except ImportError:  # pragma: no cover - a torch without TorchDynamo's guards
-    _version = None
+    dict_version = None
 
 
 class _Walk:
@@ -42,7 +42,7 @@ class _Walk:
         self.buffers: list[Tensor] | None = None  # (on first use)
         self.parameters: list[tuple[str, nn.Parameter]] | None = None  # (on first use:
         # a model may fail to list them where its modules list fine, FSDP1's wrapper)
-        self.stamp = _stamp([m for _, m in modules]) if _version is not None and all(
+        self.stamp = _stamp([m for _, m in modules]) if dict_version is not None and all(
             _walks_plainly(type(m)) for _, m in modules) else None  # (None: walked at
         # every call)
         self.picked: dict[Any, list[int]] = {}  # (picked_modules' answers, by test)
@@ -70,9 +70,9 @@ def _stamp(modules: list[nn.Module]) -> tuple | None:
     where a module keeps them in something else than a dict (TorchScript's modules).
     (Read by C calls alone: no Python frame per module.)"""
     try:
-        return (tuple(map(type, modules)), tuple(map(_version, map(_HELD, modules))),
-                tuple(map(_version, map(_PARAMS, modules))),
-                tuple(map(_version, map(_BUFFERS, modules))))
+        return (tuple(map(type, modules)), tuple(map(dict_version, map(_HELD, modules))),
+                tuple(map(dict_version, map(_PARAMS, modules))),
+                tuple(map(dict_version, map(_BUFFERS, modules))))
     except (AttributeError, RuntimeError, TypeError):  # (not a dict: dict_version raises)
         return None
 
@@ -83,13 +83,13 @@ _HELD, _PARAMS, _BUFFERS = (attrgetter("_modules"), attrgetter("_parameters"),
 
 def _walk(model: nn.Module) -> tuple[_Walk, list[nn.Module]]:
     """The model's walk and its modules, walked again where the stamp moved."""
-    found = _WALKS.get(model) if _version is not None else None
+    found = _WALKS.get(model) if dict_version is not None else None
     if found is not None and found.stamp is not None:
         modules = found.modules()
         if modules is not None and _stamp(modules) == found.stamp:
             return found, modules
     found = _Walk(model)
-    if _version is not None:
+    if dict_version is not None:
         _WALKS[model] = found
     return found, found.modules()
 

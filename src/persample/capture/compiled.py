@@ -67,7 +67,7 @@ from torch import Tensor, nn
 
 from ..batch import Batched, op_leaves
 from ..precision import autocast_state
-from ..walk import picked_modules
+from ..walk import dict_version, picked_modules
 from .edges import edge_of
 from .lean import (
     PARAM,
@@ -211,14 +211,6 @@ def _namespaces() -> tuple:
     import torch.nn.functional as F
 
     return torch, F, torch._C._nn, torch.special, torch.linalg, torch.fft
-
-
-def dict_version(d: dict) -> int:
-    """CPython's version tag of a dict (changed by every write to it), as TorchDynamo's
-    guards read it."""
-    from torch._C._dynamo.guards import dict_version as version
-
-    return version(d)
 
 
 class _Runner:

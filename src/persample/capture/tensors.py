@@ -10,6 +10,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from ..walk import dict_version
+
 # what nn.Module keeps in its instance dict (parameters and buffers are read on their own)
 _INTERNALS = frozenset(vars(nn.Module()))
 _PLAIN = (int, float, bool, str, type(None))
@@ -67,11 +69,6 @@ def free_tensors(model: nn.Module | None, shared: tuple) -> list[Tensor]:
     return found
 
 
-try:  # (CPython's dict version tags, as TorchDynamo reads them)
-    from torch._C._dynamo.guards import dict_version as _dict_version
-except ImportError:  # pragma: no cover - an older torch
-    _dict_version = None
-
 _SCANNED: dict[int, tuple[dict, int, list[weakref.ref]]] = {}  # id(globals) -> (them,
 # their version tag, the tensors bound to their names then: held by them, not here)
 
@@ -80,7 +77,7 @@ def _global_tensors(scope: dict) -> list[Tensor]:
     """The tensors bound to names of a module's globals (names bound to a tensor alone: a
     container among a script's globals may hold a whole dataset), scanned again only
     where the dict was written since (its version tag)."""
-    version = _dict_version(scope) if _dict_version is not None else None
+    version = dict_version(scope) if dict_version is not None else None
     found = _SCANNED.get(id(scope))
     if found is not None and found[0] is scope and version is not None and (
             found[1] == version):
@@ -160,10 +157,10 @@ class Kept:
     cached index table, transformers' ``lru_cache``-d relative positions); and those a
     capture read without having seen them made, without a gradient path (a table made
     by a plain forward before persample's first call and cached since), each at the
-    version it was read at. A later capture reads them as shared rather than as tensors
-    it never saw made: they hold none of its samples. (The second kind is unknown to
-    the capture that first reads it: made by code it cannot see, in that call perhaps;
-    a later call reads it as from before it, unless it was written since.)
+    version it had when that capture ended. A later capture reads them as shared rather
+    than as tensors it never saw made: they hold none of its samples. (The second kind
+    is unknown to the capture that first reads it: made by code it cannot see, in that
+    call perhaps; a later call reads it as from before it, unless it was written since.)
 
     Examples:
         >>> import torch
