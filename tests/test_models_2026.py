@@ -10,7 +10,9 @@ and OLMoE (mixtures), RecurrentGemma (RG-LRU gates by ``baddbmm`` of a bias and 
 per head), Perceiver (learned latents broadcast into the batch as the queries), ViTMAE
 (mask tokens repeated into the batch), Swin-v2, ModernBERT, and attention variants:
 BEiT (a relative position bias per layer), Longformer (sliding windows by ``as_strided``
-chunks, a global token), T5 for sequence classification (its end-of-sequence state).
+chunks, a global token), T5 for sequence classification (its end-of-sequence state);
+LLaVA (image features listed per image, joined, and written by ``masked_scatter`` into
+each sample's image tokens).
 The mixtures run transformers' eager experts here: its grouped kernel has no float64
 (``grouped_mm`` in float32 is tested with gpt-oss in ``test_experts.py``)."""
 
@@ -163,9 +165,27 @@ def t5_classifier():
     return model, {"input_ids": ids}, torch.randint(0, 3, (B,)), classes
 
 
+def llava():
+    """Four image rows per sample (a 16x16 image in 8x8 patches, CLIP's class token
+    dropped) written into four image tokens, which sit elsewhere in each sample."""
+    vision = T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=4, image_size=16, patch_size=8)
+    text = T.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=50,
+                         max_position_embeddings=64)
+    model = T.LlavaForConditionalGeneration(T.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=49,
+        vision_feature_select_strategy="default", vision_feature_layer=-1))
+    ids = torch.randint(1, 49, (B, 2 * L))
+    for i in range(B):
+        ids[i, 1 + 2 * i:5 + 2 * i] = 49
+    return model, {"input_ids": ids, "pixel_values": torch.randn(B, 3, 16, 16)}, None, (
+        lambda out, y: out.logits[:, -1].pow(2).mean(1))
+
+
 MODELS = {f.__name__: f for f in (deepseek_v3, qwen3_next, qwen2_moe, olmoe, recurrent_gemma,
                                   perceiver, vit_mae, swin_v2, modern_bert, beit, longformer,
-                                  t5_classifier)}
+                                  t5_classifier, llava)}
 
 
 def _to64(x):

@@ -356,7 +356,6 @@ _ALONG = aliases(
     "logcumsumexp", "normalize", "gumbel_softmax", "cumsum_", "cumprod_", "diff", "msort")
 register(follows_partly(_along), *_ALONG)
 VALUE_READERS.update(_ALONG)
-register(lambda c, f, a, k, o: _along(c, f, a, k, o, pos=1), *aliases("flip"))
 
 
 def _cross(ctx, func, args, kwargs, out) -> Any:

@@ -82,6 +82,19 @@ class Partly(Unknown):
 
 
 @dataclass(frozen=True, eq=False)
+class Piece(Unknown):
+    """Every entry is sample ``sample``'s data, along no batch dim: one position of a
+    batch dim cut off (``x.unbind(0)``'s pieces, ``x[i]``; a vision-language model's
+    image features listed per image, then joined again by ``cat``). ``cat`` and
+    ``stack`` join pieces into a batch dim again; to every other rule it is an
+    :class:`~persample.batch.layouts.Unknown`. It describes the tensor ``ref`` refers to
+    only, as :class:`Partly` does."""
+
+    sample: int = 0
+    ref: Any = None  # weakref.ref of the tensor described
+
+
+@dataclass(frozen=True, eq=False)
 class Sorted(Batched):
     """A batch dim whose positions are in the order of a sort key (``argsort`` of the
     tokens' experts), ``keys`` the key at each position: a layout like any other to the
@@ -102,10 +115,31 @@ def partly(ctx: Ctx, t: Any) -> Partly | None:
     return None
 
 
+def piece(ctx: Ctx, t: Any) -> Piece | None:
+    """``t``'s layout if it is a :class:`Piece` made for ``t`` itself."""
+    if not isinstance(t, Tensor):
+        return None
+    lay = ctx.layout(t)
+    if isinstance(lay, Piece) and lay.ref is not None and lay.ref() is t:
+        return lay
+    return None
+
+
+def pieces_of(lay: Batched, x: Tensor, n: int, outs: Any, why: str) -> tuple:
+    """A :class:`Piece` for each of ``outs``, the positions of ``x``'s batch dim in
+    order (``unbind``); a position of no sample (an index layout's ``-1``) is Unknown."""
+    rows = sample_of_positions(lay, x.shape[lay.dim], n, x.device).tolist()
+    return tuple(Piece(why, int(s), weakref.ref(o)) if s >= 0 else Unknown(why)
+                 for s, o in zip(rows, outs))
+
+
 def followed(ctx: Ctx, t: Any) -> Layout:
-    """``t``'s layout, a :class:`Partly` made for another tensor as a plain Unknown."""
+    """``t``'s layout, a :class:`Partly` or :class:`Piece` made for another tensor as a
+    plain Unknown."""
     lay = ctx.layout(t)
     if isinstance(lay, Partly) and partly(ctx, t) is None:
+        return Unknown(lay.why)
+    if isinstance(lay, Piece) and piece(ctx, t) is None:
         return Unknown(lay.why)
     return lay
 
@@ -370,8 +404,8 @@ def _basic(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor) -> Layout
             pos += 1
             continue
         if in_dim == lay.dim:
-            if not isinstance(item, slice):
-                return None  # one position of the batch dim: not a batch any more
+            if not isinstance(item, slice):  # one position of the batch dim: one sample's
+                return one_position(ctx, lay, x, item, out)
             if item != slice(None) and out.shape[pos] != x.shape[lay.dim]:
                 if isinstance(lay, Batched) and lay.plain:
                     start, stop, step = item.indices(x.shape[lay.dim])
@@ -383,6 +417,20 @@ def _basic(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor) -> Layout
             pos += 1
         in_dim += 1
     return None
+
+
+def one_position(ctx: Ctx, lay: Layout, x: Tensor, item: Any, out: Tensor) -> Layout | None:
+    """``x[..., i, ...]`` at an int ``i`` of the batch dim: that position's sample's
+    :class:`Piece` (``None`` for a position of no sample, or an index that is no int)."""
+    if not isinstance(lay, Batched) or not isinstance(item, int) or isinstance(item, bool):
+        return None
+    size = x.shape[lay.dim]
+    i = item + size if item < 0 else item
+    if not 0 <= i < size:
+        return None
+    sample = int(sample_of_positions(lay, size, ctx.n, x.device)[i])
+    return Piece("one position of the batch dim", sample, weakref.ref(out)) if sample >= 0 \
+        else None
 
 
 def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: str,
@@ -971,6 +1019,82 @@ def _masked_select(ctx, func, args, kwargs, out) -> Any:
     if samples is None:
         return mixed(func, "combines samples from different dims")
     return located(0, samples[mask.expand(shape).bool()], ctx.n, out, name_of(func))
+
+
+def _masked_scatter(ctx, func, args, kwargs, out) -> Any:
+    """``x.masked_scatter(mask, source)``: where the broadcast mask is set, the source's
+    entries in row-major order (a vision-language model's image features into the rows
+    of its image tokens). Taken by blocks of the trailing dims the mask is constant along
+    (a row's features): the ``k``-th set block takes the source's ``k``-th block, whose
+    sample must be the block's own, or the op puts one sample's data in another's rows
+    (how many rows the samples before it set decides where each sample's data lands).
+    A shared source under a mask of the samples' own is not followed (which entries a
+    sample's rows take depends on the other samples' masks)."""
+    x, mask, src = args[0], arg(args, kwargs, 1, "mask"), arg(args, kwargs, 2, "source")
+    lays = [followed(ctx, t) for t in (x, mask, src)]
+    bad = trouble(lays)
+    if bad is not None:
+        return bad
+    rank, shape = out.dim(), tuple(out.shape)
+    if not out.numel():
+        return Unknown(f"{name_of(func)} of no entries")
+    aligned = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
+    j = rank  # blocks: the dims before j; the mask is constant along the ones after
+    while j > 0 and (aligned.shape[j - 1] == 1 or aligned.stride(j - 1) == 0):
+        j -= 1
+    tail = math.prod(shape[j:])
+    blocks = torch.full(shape[:j], NO_SAMPLE, dtype=torch.long, device=out.device)
+    for t, lay in ((x, lays[0]), (mask, lays[1])):
+        if lay is SHARED:
+            continue
+        own = element_samples(ctx, t, lay)
+        own = own.reshape((1,) * (rank - own.dim()) + tuple(own.shape))
+        if any(size != 1 for size in own.shape[j:]):
+            return Unknown(f"{name_of(func)} with samples along the dims its mask is "
+                           "constant along")
+        merged = merge(blocks, own.reshape(own.shape[:j]).expand(shape[:j]))
+        if merged is None:
+            return mixed(func, "combines samples from different dims")
+        blocks = merged
+    taken = aligned
+    for _ in range(rank - j):
+        taken = taken.select(-1, 0)
+    taken = taken.expand(shape[:j]).reshape(-1).nonzero().squeeze(1)  # (k,) set blocks
+    landed = _source_blocks(ctx, src, lays[2], taken.numel(), tail)
+    if landed is None:
+        return Unknown(f"{name_of(func)} of a source whose samples change within a block "
+                       "of the mask")
+    if lays[1] is not SHARED and landed.numel() and not nonnegative(landed):
+        return Unknown(f"{name_of(func)} takes a shared source's entries in the order of "
+                       "every sample's masked positions")
+    flat = blocks.reshape(-1)
+    got = merge(flat.index_select(0, taken), landed)
+    if got is None:
+        return mixed(func, "puts one sample's source entries in another sample's positions")
+    flat = flat.index_copy(0, taken, got)
+    found = along_one_dim(flat.view(shape[:j]))
+    if found is None:
+        return Unknown(f"{name_of(func)} spreads the samples over several dims")
+    return located(found[0], found[1], ctx.n, out, name_of(func))
+
+
+def _source_blocks(ctx: Ctx, src: Tensor, lay: Layout, k: int, tail: int) -> Tensor | None:
+    """``(k,)``: the sample of each of the first ``k`` blocks of ``tail`` entries of
+    ``src`` in row-major order (``NO_SAMPLE`` for shared ones); ``None`` where a block
+    spans positions of the source's batch dim."""
+    if lay is SHARED:
+        return torch.full((k,), NO_SAMPLE, dtype=torch.long, device=src.device)
+    d, rows = samples_along(ctx, src, lay)
+    inner = math.prod(src.shape[d + 1:])
+    if inner % tail:
+        return None
+    position = torch.arange(k, device=src.device) * tail // inner % src.shape[d]
+    return rows.long().index_select(0, position)
+
+
+register(_masked_scatter, *aliases("masked_scatter", "masked_scatter_"))
+VALUE_READERS.update(aliases("masked_scatter", "masked_scatter_"))
+FLOAT_BLIND.add(_masked_scatter)
 
 
 def where_positions(ctx, func, args, kwargs, out) -> Any:

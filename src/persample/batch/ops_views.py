@@ -36,10 +36,14 @@ from .ops_indexing import (
     Partly,
     Sorted,
     agree,
+    as_located,
     followed,
     follows_partly,
     located,
     merge,
+    one_position,
+    piece,
+    pieces_of,
     regular,
     samples_along,
     trouble,
@@ -306,6 +310,9 @@ def _narrow(ctx, func, args, kwargs, out) -> Any:
     if d == lay.dim:
         if isinstance(out, Tensor) and out.shape == x.shape:
             return lay
+        if func in (torch.select, torch.Tensor.select):  # (one sample's position)
+            return one_position(ctx, lay, x, arg(args, kwargs, 2, "index"), out) or Unknown(
+                f"{name_of(func)} takes part of the batch dim")
         return Unknown(f"{name_of(func)} takes part of the batch dim")
     if func in (torch.select, torch.Tensor.select) and d < lay.dim:
         return lay.moved(lay.dim - 1)
@@ -329,14 +336,16 @@ def _pieces(ctx, func, args, kwargs, out) -> Any:
     pos = 1 if func in _UNBINDS else 2  # unbind(x, dim); split(x, sizes, dim)
     d = dim_of(kwargs.get("dim", args[pos] if len(args) > pos else 0), x.dim())
     if d == lay.dim:
-        if not isinstance(lay, Sorted) or func in _UNBINDS or not _by_key(lay.keys, out, d):
+        if func in _UNBINDS:  # (one position each: each piece one sample's)
+            return pieces_of(lay, x, ctx.n, out, f"{name_of(func)} cuts the batch dim")
+        if not isinstance(lay, Sorted) or not _by_key(lay.keys, out, d):
             return every(out, Unknown(f"{name_of(func)} cuts the batch dim"))
         rows = sample_of_positions(lay, x.shape[d], ctx.n, x.device)
         found, start = [], 0
-        for piece in out:
-            found.append(located(d, rows[start:start + piece.shape[d]], ctx.n, piece,
+        for cut in out:
+            found.append(located(d, rows[start:start + cut.shape[d]], ctx.n, cut,
                                  name_of(func)))
-            start += piece.shape[d]
+            start += cut.shape[d]
         return tuple(found)
     if func in _UNBINDS:
         return every(out, lay.moved(lay.dim - (1 if d < lay.dim else 0)))
@@ -347,8 +356,8 @@ def _by_key(keys: Tensor, pieces: Any, d: int) -> bool:
     """Every position of piece ``j`` has key ``j`` (``split(bincount(keys))`` of positions
     sorted by key): a position's piece is its own key's."""
     start = 0
-    for j, piece in enumerate(pieces):
-        size = piece.shape[d]
+    for j, cut in enumerate(pieces):
+        size = cut.shape[d]
         if size and not bool((keys[start:start + size] == j).all()):
             return False
         start += size
@@ -369,6 +378,8 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
     rank = out.dim()
     d = dim_of(kwargs.get("dim", arg(args, kwargs, 1, "axis", 0)), rank)
     joined = [t for t in tensors if t.dim() == rank]  # 1-d empty tensors join nothing
+    if any(piece(ctx, t) is not None for t in joined):
+        return Flow(_joined_pieces(ctx, func, joined, d, out))
     lays = [followed(ctx, t) for t in joined]
     bad = trouble(lays)
     if bad is not None:
@@ -428,12 +439,40 @@ def _joined_along(ctx, func, joined: list, found: list, d: int, out: Tensor) -> 
     return located(d, torch.cat(rows), ctx.n, out, name_of(func))
 
 
+def _joined_pieces(ctx, func, joined: list, d: int, out: Tensor, stacked: bool = False
+                   ) -> Any:
+    """``cat`` (or ``stack``) of tensors among which one sample's pieces
+    (:class:`~persample.batch.ops_indexing.Piece`): along ``d`` each position holds its
+    piece's sample, a shared tensor's none, a batched one's along ``d`` its own."""
+    rows = []
+    for t in joined:
+        own, lay = piece(ctx, t), followed(ctx, t)
+        size = 1 if stacked else t.shape[d]
+        if own is not None:
+            rows.append(torch.full((size,), own.sample, dtype=torch.long, device=out.device))
+        elif lay is SHARED:
+            rows.append(torch.full((size,), NO_SAMPLE, dtype=torch.long, device=out.device))
+        elif isinstance(lay, (Batched, Partly)) and lay.dim == d and not stacked:
+            rows.append(samples_along(ctx, t, lay)[1].to(out.device))
+        else:
+            return trouble([lay]) or Unknown(
+                f"{name_of(func)} joins one sample's pieces with a batch along another dim")
+    return located(d, torch.cat(rows), ctx.n, out, name_of(func))
+
+
 def _stack(ctx, func, args, kwargs, out) -> Any:
     tensors = [t for t in (args[0] if args else kwargs["tensors"]) if isinstance(t, Tensor)]
     rank = out.dim()
     d = dim_of(arg(args, kwargs, 1, "dim", 0), rank)
-    lays = [ctx.layout(t) for t in tensors]
+    if any(piece(ctx, t) is not None for t in tensors):
+        return _joined_pieces(ctx, func, tensors, d, out, stacked=True)
+    lays = [followed(ctx, t) for t in tensors]
+    bad = trouble(lays)
+    if bad is not None:
+        return bad
     batched = [lay for lay in lays if isinstance(lay, Batched)]
+    if not batched:  # (positions of no sample in each: a Partly)
+        return Unknown(f"{name_of(func)} of tensors with positions of no sample")
     first = batched[0]
     if any(lay != first for lay in batched):
         return mixed(func, "joins tensors with samples in different dims")
@@ -460,7 +499,25 @@ VALUE_READERS.update(aliases("permute", "transpose", "swapaxes", "swapdims", "tr
                              "broadcast_tensors", "narrow",
                              "select", "split", "chunk", "tensor_split", "split_with_sizes",
                              "unbind", "unsafe_split", "unsafe_chunk", "cat", "concat",
-                             "concatenate"))
+                             "concatenate", "stack"))
+
+
+def _flip(ctx, func, args, kwargs, out) -> Any:
+    """``flip(x, dims)``: the positions of each of ``dims`` in reverse order; along the
+    batch dim each keeps its sample (an index layout, the samples in reverse)."""
+    x = args[0]
+    lay = followed(ctx, x)
+    if not isinstance(lay, (Batched, Partly)):
+        return lay
+    d, rows = samples_along(ctx, x, lay)
+    if d not in (dims_arg(args, kwargs, 1, x.dim()) or range(x.dim())):
+        return as_located(ctx, out, lay)
+    return located(d, rows.flip(0), ctx.n, out, name_of(func))
+
+
+register(_flip, *aliases("flip"))
+VALUE_READERS.update(aliases("flip"))
+FLOAT_BLIND.add(_flip)
 
 
 def _pad(ctx, func, args, kwargs, out) -> Any:

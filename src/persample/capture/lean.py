@@ -70,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 from ..batch import Batched, Flow, Layout, op_leaves, propagate
 from ..batch.flow import METADATA, Ctx, in_place, name_of
 from ..batch.layouts import SHARED, Mixed, Unknown
-from ..batch.ops_indexing import Partly, written_layout
+from ..batch.ops_indexing import Partly, Piece, written_layout
 from ..batch.table import storage_of
 from ..draws import RANDOM, Draw
 from ..patches import WhileCapturing
@@ -742,6 +742,8 @@ def _alike(a: Any, b: Any, sized: bool = False) -> bool:
         return len(a) == len(b) and all(_alike(x, y, sized) for x, y in zip(a, b))
     if isinstance(a, Partly):
         return a.dim == b.dim and _same_shape(a.rows, b.rows, sized)
+    if isinstance(a, Piece):
+        return a.sample == b.sample
     if isinstance(a, Batched):
         return (a.dim, a.outer, a.inner) == (b.dim, b.outer, b.inner) and _same_shape(
             a.index, b.index, sized) and _same_shape(

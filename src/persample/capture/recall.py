@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..batch import Batched, Flow, Layout
 from ..batch.flow import reads_no_floats
-from ..batch.ops_indexing import Partly, Sorted
+from ..batch.ops_indexing import Partly, Piece, Sorted
 from ..draws import RANDOM
 from .tape import Opaque, arguments_key
 
@@ -192,6 +192,8 @@ def _equal_layouts(a: Layout, ta: Tensor, b: Layout, tb: Tensor, equal: dict) ->
     if isinstance(a, Partly):
         return (a.dim == b.dim and (_refers(a, ta) == _refers(b, tb))
                 and _equal_indices(a.rows, b.rows, equal))
+    if isinstance(a, Piece):
+        return a.sample == b.sample and _refers(a, ta) == _refers(b, tb)
     if isinstance(a, Batched):
         return ((a.dim, a.outer, a.inner) == (b.dim, b.outer, b.inner)
                 and _equal_indices(a.index, b.index, equal)
@@ -199,7 +201,7 @@ def _equal_layouts(a: Layout, ta: Tensor, b: Layout, tb: Tensor, equal: dict) ->
     return False
 
 
-def _refers(lay: Partly, t: Tensor) -> bool:
+def _refers(lay: Partly | Piece, t: Tensor) -> bool:
     return lay.ref is not None and lay.ref() is t
 
 
@@ -210,8 +212,8 @@ def _equal_indices(a: Tensor | None, b: Tensor | None, equal: dict) -> bool:
 
 
 def _reattached(flow: Flow, old: list[Tensor], outs: list[Tensor]) -> Flow:
-    """``flow`` with each :class:`Partly` made for one of ``old`` made for the output in
-    its place instead (``flow`` itself where it holds none)."""
+    """``flow`` with each :class:`Partly` (or :class:`Piece`) made for one of ``old`` made
+    for the output in its place instead (``flow`` itself where it holds none)."""
     outputs = flow.outputs
     swapped = (tuple(_swap(lay, old, outs) for lay in outputs) if type(outputs) is tuple
                else _swap(outputs, old, outs))
@@ -222,11 +224,11 @@ def _reattached(flow: Flow, old: list[Tensor], outs: list[Tensor]) -> Flow:
 
 
 def _swap(lay: Any, old: list[Tensor], outs: list[Tensor]) -> Any:
-    """``lay``, a :class:`Partly` made for one of ``old`` made for the output in its
-    place."""
+    """``lay``, a :class:`Partly` (or :class:`Piece`) made for one of ``old`` made for the
+    output in its place."""
     if type(lay) is tuple:
         return tuple(_swap(x, old, outs) for x in lay)
-    if isinstance(lay, Partly) and lay.ref is not None:
+    if isinstance(lay, (Partly, Piece)) and lay.ref is not None:
         target = lay.ref()
         for o, n in zip(old, outs):
             if target is o:
