@@ -324,13 +324,15 @@ def test_the_default_threads_are_the_free_cpus(monkeypatch, cpus, load, want):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workload", ["gpt-oss-grads", "qwen-moe-grads", "switch-moe-grads",
-                                      "vit-mae-grads", "gcn-batch-grads", "lstm-cell-grads",
+                                      "vit-mae-grads", "llava-grads", "gcn-batch-grads",
+                                      "lstm-cell-grads",
                                       "seq2seq-decoder-grads", "weight-norm-lstm-grads",
                                       "orthogonal-rnn-grads", "orthogonal-lstm-grads"])
 def test_bench_family_workloads(tmp_path, workload):
     """Mixtures (transformers' grouped kernel with biased experts, and with a shared
     expert; Switch's experts with a capacity), a masked
-    autoencoder's mask token broadcast into the batch, a graph network on a Batch, a
+    autoencoder's mask token broadcast into the batch, a vision-language model's image
+    features written into its image tokens, a graph network on a Batch, a
     cell or a recurrent layer stepped in a Python loop, a recurrent weight rewritten by a
     parametrization: every
     row agrees with the loop or says why it cannot run (torch.func cannot take a

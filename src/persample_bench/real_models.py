@@ -27,8 +27,8 @@ from persample.cli.real_models import (
 )
 
 __all__ = ["VISION_DIR", "NotInstalled", "bert_classifier", "causal_lm_loss", "gcn", "gpt2",
-           "gpt_oss", "llama", "load_torchvision", "lora", "mixtral", "require", "resnet18",
-           "timm_vit", "vit_mae", "with_lora"]
+           "gpt_oss", "llama", "llava", "load_torchvision", "lora", "mixtral", "require",
+           "resnet18", "timm_vit", "vit_mae", "with_lora"]
 
 
 def resnet18(classes: int = 10) -> nn.Module:
@@ -207,6 +207,40 @@ def vit_mae(img_size: int = 32, patch: int = 4, width: int = 64, depth: int = 2,
         decoder_intermediate_size=4 * width, mask_ratio=mask_ratio)
     torch.manual_seed(0)
     return transformers.ViTMAEForPreTraining(config).eval()
+
+
+def llava(vocab_size: int, seq_len: int = 64, img_size: int = 32, patch: int = 8,
+          width: int = 128, layers: int = 2, heads: int = 4) -> nn.Module:
+    """transformers' ``LlavaForConditionalGeneration`` from a small config: a CLIP vision
+    tower of ``layers`` blocks of ``width`` on ``img_size`` images in ``patch`` patches
+    (its class token dropped), a two-layer projector, and a Llama of ``layers`` blocks of
+    ``width`` whose image token is id ``vocab_size`` (the vocabulary one larger): each
+    image's ``(img_size / patch)^2`` features written into the rows of its sample's image
+    tokens. Random weights, eval mode, float32.
+
+    Raises:
+        NotInstalled: transformers is missing.
+
+    Examples:
+        >>> model = llava(257, seq_len=8, img_size=16, width=16, layers=1, heads=2)
+        >>> ids = torch.tensor([[1, 257, 257, 257, 257, 2, 3, 4]])
+        >>> model(input_ids=ids, pixel_values=torch.zeros(1, 3, 16, 16)).logits.shape
+        torch.Size([1, 8, 258])
+    """
+    transformers = require("transformers")
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+        num_attention_heads=heads, image_size=img_size, patch_size=patch)
+    text = transformers.LlamaConfig(
+        vocab_size=vocab_size + 1, hidden_size=width, intermediate_size=4 * width,
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), max_position_embeddings=seq_len,
+        use_cache=False)
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=vocab_size,
+        vision_feature_select_strategy="default", vision_feature_layer=-1)
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(config).eval()
 
 
 def gcn(features: int, width: int = 64, classes: int = 2) -> nn.Module:

@@ -392,7 +392,9 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
     (transformers Switch Transformers 2x128, 4 experts top-1 with a capacity of 16
     tokens of 64, T=64, B=16, the decoder's next-token cross-entropy), ``vit-mae-grads``
     (transformers ViTMAE pretraining, the learned mask token repeated into the batch,
-    B=16, :func:`masked_reconstruction`), ``gcn-batch-grads`` (torch_geometric GCN on a
+    B=16, :func:`masked_reconstruction`), ``llava-grads`` (transformers LLaVA, CLIP 2x128
+    and Llama 2x128, each image's 16 features written into its sample's image tokens,
+    T=64, B=16, next-token cross-entropy), ``gcn-batch-grads`` (torch_geometric GCN on a
     ``Batch`` of 32 graphs, :func:`graph_batch`). The proxies of a GPU's short kernels
     (:data:`PROXY_WORKLOADS`, with ``vit-grads`` and ``lstm-grads``): ``bert-tiny-grads``
     (BERT 2x64, 2 heads, T=16, B=16, as ``bert-small-grads``), ``gpt2-tiny-grads``
@@ -523,6 +525,8 @@ def grads_workload(name: str, batch: int | None = None, size: str = "full",
                         f"transformers ViTMAE pretraining 2x64 (the mask token repeated "
                         f"into the batch), 75% of 4x4 patches masked, batch {b}, digits "
                         "3x32x32, per-sample masked reconstruction error")
+    if name == "llava-grads":
+        return _llava_workload(batch)
     if name == "gcn-batch-grads":
         b = batch or 32
         graphs, labels = graph_batch(b)
@@ -581,6 +585,26 @@ def _mixture_workload(name: str, batch: int | None) -> Workload:
     return Workload(name, "transformers", make(t), inputs, labels, real_models.causal_lm_loss,
                     f"transformers {what}, batch {b}, T={t}, stdlib docstrings as bytes, "
                     "per-sample next-token cross-entropy")
+
+
+def _llava_workload(batch: int | None) -> Workload:
+    """LLaVA (:func:`real_models.llava`) on the digits as images and the standard
+    library's docstrings as bytes (``B`` = ``batch`` or 16, T=64): each sample's 16
+    image tokens after its first byte, then 47 bytes; per-sample next-token
+    cross-entropy over the bytes."""
+    b, t, rows = batch or 16, 64, 16
+    x, _ = digits_images(32, channels=3)
+    inputs, labels = docstring_batch(b, t - rows)
+    vocab = ByteTokenizer.vocab_size
+    text = inputs["input_ids"]
+    ids = torch.cat([text[:, :1], torch.full((b, rows), vocab), text[:, 1:]], 1)  # (b, t)
+    labels = torch.cat([labels[:, :1], torch.full((b, rows), -100), labels[:, 1:]], 1)
+    return Workload("llava-grads", "transformers", real_models.llava(vocab, seq_len=t),
+                    {"input_ids": ids, "pixel_values": x[:b]}, labels,
+                    real_models.causal_lm_loss,
+                    f"transformers LLaVA (CLIP 2x128 on the digits 3x32x32 in 8x8 patches, "
+                    f"Llama 2x128), 16 image tokens per sample, batch {b}, T={t}, stdlib "
+                    "docstrings as bytes, per-sample next-token cross-entropy")
 
 
 # --- real-size transformers: word ids hashed into a real vocabulary ----------------------
@@ -1070,7 +1094,7 @@ GRAD_WORKLOADS = ("cnn-grads", "deep-mlp-grads", "lstm-grads", "lstm-cell-grads"
                   "vit-grads", "resnet18-grads",
                   "gpt2-grads", "encoder-grads", "moe-grads", "bert-small-grads",
                   "vit-tiny-grads", "gnn-mlp-grads", "gpt-oss-grads", "qwen-moe-grads",
-                  "switch-moe-grads", "vit-mae-grads", "gcn-batch-grads"
+                  "switch-moe-grads", "vit-mae-grads", "llava-grads", "gcn-batch-grads"
                   ) + PROXY_WORKLOADS[:3] + REAL_GRAD_WORKLOADS
 JACOBIAN_WORKLOADS = ("mlp-param-jac", "pinn-input-jac", "clf-input-jac")
 DP_WORKLOADS = ("cnn-norms", "cnn-dp-step", "deep-mlp-dp-step", "resnet18-dp-step",
