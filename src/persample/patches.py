@@ -20,6 +20,15 @@ While any capture is open (counted over threads, undone when the last one closes
   capture closes. (Where the stance cannot be set, inside a compiled region, the mode
   hides its own code from TorchDynamo instead: :mod:`persample.capture.mode`.)
 
+- transformers' attention masks made by ``torch.vmap`` (``sdpa_mask(use_vmap=True)``,
+  which transformers takes wherever a mask function is combined with another: Gemma 3's
+  image tokens attending to each other, sliding windows over them) are made by
+  broadcasting instead, **in a capturing thread only**, where every mask function in
+  the combination is one of ``transformers.masking_utils``' own. Those are written to
+  give the same mask both ways (indexing only); the capture cannot follow the ops
+  inside ``vmap``, which it would read as made outside it. A mask function of the
+  model's or the user's own keeps ``vmap``.
+
 The loop over samples and ``torch.func`` use the same checkpoint switch
 (:func:`plain_checkpoints`), so that they can differentiate a model that uses reentrant
 checkpoints at all.
@@ -27,6 +36,8 @@ checkpoints at all.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -47,6 +58,7 @@ class WhileCapturing:
     users = 0
     saved: Any = None
     stance: Any = None
+    masks: tuple | None = None  # (transformers' masking module, its sdpa_mask) while patched
 
     @classmethod
     def enter(cls) -> None:
@@ -60,6 +72,7 @@ class WhileCapturing:
                 original = CheckpointFunction.apply
                 CheckpointFunction.apply = classmethod(
                     lambda _, *args: cls.run(original, *args))
+                cls.masks = _broadcast_masks(cls.local)
                 if "torch._dynamo" in sys.modules:
                     try:
                         cls.stance = torch.compiler.set_stance("force_eager")
@@ -81,6 +94,9 @@ class WhileCapturing:
                 if cls.stance is not None:
                     cls.stance.__exit__(None, None, None)
                     cls.stance = None
+                if cls.masks is not None:
+                    _restore_masks(*cls.masks)
+                    cls.masks = None
 
     @classmethod
     def run(cls, original: Callable, function: Callable, preserve_rng_state: bool, *args):
@@ -90,6 +106,54 @@ class WhileCapturing:
                 and any(isinstance(a, Tensor) and a.requires_grad for a in args)):
             return function(*args)
         return original(function, preserve_rng_state, *args)
+
+
+def _broadcast_masks(local: threading.local) -> tuple | None:
+    """Patch transformers' ``sdpa_mask`` (see the module docstring), if transformers'
+    masking module is loaded: ``(module, the original)``, or ``None``."""
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "sdpa_mask", None)
+    if original is None:
+        return None
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+        if getattr(local, "depth", 0):
+            bound = signature.bind(*args, **kwargs)
+            chosen = bound.arguments
+            if chosen.get("use_vmap") and _indexing_only(
+                    chosen.get("mask_function", module.causal_mask_function), module.__name__):
+                chosen["use_vmap"] = False
+                return original(*bound.args, **bound.kwargs)
+        return original(*args, **kwargs)
+
+    module.sdpa_mask = sdpa_mask
+    mapping = getattr(getattr(module, "AttentionMaskInterface", None), "_global_mapping", {})
+    if mapping.get("sdpa") is original:
+        mapping["sdpa"] = sdpa_mask
+    return module, original
+
+
+def _restore_masks(module: Any, original: Callable) -> None:
+    mapping = getattr(getattr(module, "AttentionMaskInterface", None), "_global_mapping", {})
+    if mapping.get("sdpa") is module.sdpa_mask:
+        mapping["sdpa"] = original
+    module.sdpa_mask = original
+
+
+def _indexing_only(function: Any, home: str, depth: int = 0) -> bool:
+    """Is ``function`` one of the module ``home``'s, and so is every function its closure
+    holds (``and_masks``'s, ``or_masks``'s), to a few levels?"""
+    if depth > 8 or getattr(function, "__module__", None) != home:
+        return False
+    for cell in getattr(function, "__closure__", None) or ():
+        held = cell.cell_contents
+        for item in held if isinstance(held, (tuple, list)) else (held,):
+            if callable(item) and not isinstance(item, (Tensor, type)) and not _indexing_only(
+                    item, home, depth + 1):
+                return False
+    return True
 
 
 @contextmanager
