@@ -17,7 +17,8 @@ from torch import Tensor, nn
 import persample
 from battery import check
 from persample.batch import SHARED, Batched, Ctx, Mixed, Unknown, propagate
-from persample.batch.ops_indexing import Piece
+from persample.batch.flow import own_piece
+from persample.batch.layouts import Piece
 from persample.capture.compiled import CompiledCapture
 from persample.engine import tapes
 
@@ -48,6 +49,8 @@ class ImageTokens(nn.Module):
             listed = list(h)
         elif self.pieces == "select":
             listed = [h.select(0, i) for i in range(h.shape[0])]
+        elif self.pieces == "split":  # (each sample's P rows, cut again: a piece each)
+            listed = h.flatten(0, 1).split([P] * h.shape[0])
         elif self.pieces in ("int", "in place"):
             listed = [h[i] for i in range(h.shape[0])]
         else:  # the features as they are: (B, P, E), read in row-major order
@@ -72,7 +75,7 @@ def image_ids(starts: list[int], counts: list[int] | None = None) -> Tensor:
     return ids
 
 
-@pytest.mark.parametrize("pieces", ["list", "select", "int", "whole", "in place"])
+@pytest.mark.parametrize("pieces", ["list", "select", "int", "whole", "in place", "split"])
 def test_image_features_written_into_their_tokens_take_the_rules(pieces):
     torch.manual_seed(0)
     model = ImageTokens(pieces)
@@ -130,6 +133,27 @@ class PiecesStacked(nn.Module):
         return self.b(stacked * x)
 
 
+class PiecesWorked(nn.Module):
+    """Each sample's piece worked on alone before the join (views, elementwise ops with
+    shared tensors), as a model working image by image does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(E, E), nn.Linear(P * E, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, E))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, P, E)
+        h = self.a(x)
+        worked = [(torch.tanh(piece[1:]) * self.scale).flatten().to(x.dtype)
+                  for piece in h.unbind(0)]
+        return self.b(torch.cat([torch.stack(worked), h[:, 0].repeat(1, P)[:, :E]], 1))
+
+
+def test_pieces_worked_on_alone_keep_their_sample():
+    torch.manual_seed(0)
+    check(PiecesWorked(), torch.randn(B, P, E), torch.randint(0, 3, (B,)), ce)
+
+
 def test_pieces_stacked_in_another_order_keep_each_samples_rows():
     torch.manual_seed(0)
     check(PiecesStacked(), torch.randn(B, E), torch.randint(0, 3, (B,)), ce)
@@ -147,6 +171,19 @@ def test_the_data_flow_of_pieces_and_of_masked_writes():
     flow = propagate(ctx, torch.Tensor.unbind, (h, 0), {}, listed)
     assert [lay.sample for lay in flow.outputs] == list(range(B))
     assert all(isinstance(lay, Piece) for lay in flow.outputs)
+    rows = h.flatten(0, 1)  # (B*P, E): P rows per sample
+    merged = Batched(0, index=torch.arange(B).repeat_interleave(P))
+    cut = rows.split([P] * B)
+    got = propagate(_layouts((rows, merged)), torch.split, (rows, [P] * B), {}, cut).outputs
+    assert [lay.sample for lay in got] == list(range(B))
+    cut = rows.split([P + 1] + [P] * (B - 2) + [P - 1])  # (a piece with two samples' rows)
+    got = propagate(_layouts((rows, merged)), torch.split, (rows, [P + 1] + [P] * (B - 2) +
+                                                           [P - 1]), {}, cut).outputs
+    assert not any(isinstance(lay, (Piece, Batched)) for lay in got)
+    sizes = [P // 2, P - P // 2] + [P] * (B - 1)  # (sample 0's rows in two pieces)
+    got = propagate(_layouts((rows, merged)), torch.split, (rows, sizes), {},
+                    rows.split(sizes)).outputs
+    assert not any(isinstance(lay, (Piece, Batched)) for lay in got)
     # a piece's layout describes its own tensor only: another reads it as Unknown
     pieces = dict(zip(map(id, listed), flow.outputs))
     ctx = Ctx(B, lambda t: pieces.get(id(t), SHARED))
@@ -154,6 +191,16 @@ def test_the_data_flow_of_pieces_and_of_masked_writes():
     got = propagate(ctx, torch.cat, (listed[::-1], 0), {}, joined).outputs
     assert isinstance(got, Batched) and got.dim == 0
     assert got.index.tolist() == [s for s in reversed(range(B)) for _ in range(P)]
+    both = listed[0] + listed[1]  # (two samples' pieces joined elementwise: not one's)
+    got = propagate(ctx, torch.add, (listed[0], listed[1]), {}, both).outputs
+    assert isinstance(got, Unknown) and own_piece(Ctx(B, lambda t: got), both) is None
+    part = listed[2][1:]  # (one sample's piece and shared data alone: any op, a sum too)
+    got = propagate(ctx, torch.Tensor.__getitem__, (listed[2], slice(1, None)), {}, part)
+    assert own_piece(Ctx(B, lambda t: got.outputs), part).sample == 2
+    summed = part.sum(0)
+    ctx = Ctx(B, lambda t: got.outputs if t is part else SHARED)
+    got = propagate(ctx, torch.sum, (part, 0), {}, summed).outputs
+    assert own_piece(Ctx(B, lambda t: got), summed).sample == 2
     other = listed[0] * 2
     ctx = Ctx(B, lambda t: flow.outputs[0] if t is other else SHARED)
     assert not isinstance(propagate(ctx, torch.cat, ([other], 0), {}, other).outputs, Batched)
@@ -214,3 +261,27 @@ def test_a_shared_source_under_the_samples_masks_is_not_answered_by_the_rules():
                           if "table" in r.params}
     with pytest.raises(persample.CertificateError, match="mixes samples"):
         persample.per_sample_grads(model, inputs, y, ce)
+
+
+class PieceValueRead(nn.Module):
+    """Each sample's rows scaled by a number read out of the next sample's piece: a
+    value in Python, which no layout follows (alone, each sample reads its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(E, E), nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        n = x.shape[0]
+        return self.b(torch.stack([h[i] * float(x[(i + 1) % n].sum()) for i in range(n)]))
+
+
+def test_a_piece_read_into_python_leaves_the_rules():
+    torch.manual_seed(0)
+    model, x, y = PieceValueRead(), torch.randn(B, E), torch.randint(0, 3, (B,))
+    routes = persample.supported(model, x, y, ce)
+    assert {r.path for r in routes} == {"vmap"}
+    assert "reads one sample's values into Python" in routes[0].reason
+    with pytest.raises(persample.CertificateError, match="mixes samples"):
+        persample.per_sample_grads(model, x, y, ce)

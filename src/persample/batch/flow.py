@@ -20,6 +20,7 @@ exists in this torch, and an op has one handler only. This module imports none o
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layouts import SHARED, Layout, Mixed, Unknown
+from .layouts import SHARED, Layout, Mixed, Piece, Unknown
 
 Handler = Callable[["Ctx", Any, tuple, dict, Any], Any]
 HANDLERS: dict[Any, Handler] = {}
@@ -104,6 +105,10 @@ def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
     ``layouts``: those of the op's leaves, if the caller has them already."""
     if layouts is None:
         layouts = [ctx.layout(t) for t in op_leaves(args, kwargs)]
+    if any(type(lay) is Piece for lay in layouts) and not in_place(func, kwargs):
+        carried = carried_piece(ctx, op_leaves(args, kwargs), out)
+        if carried is not None:
+            return Flow(carried)
     bad = worst(layouts)
     if bad is None:
         return Flow(every(out, SHARED))
@@ -114,6 +119,45 @@ def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
         return Flow(every(out, Unknown(f"no data-flow rule for {name_of(func)}")))
     got = handler(ctx, func, args, kwargs, out)  # raising here is a bug of the handler
     return got if isinstance(got, Flow) else Flow(got)
+
+
+def own_piece(ctx: Ctx, t: Any) -> Piece | None:
+    """``t``'s layout if it is a :class:`~persample.batch.layouts.Piece` made for ``t``
+    itself."""
+    if not isinstance(t, Tensor):
+        return None
+    lay = ctx.layout(t)
+    if isinstance(lay, Piece) and lay.ref is not None and lay.ref() is t:
+        return lay
+    return None
+
+
+def carried_piece(ctx: Ctx, tensors: list, out: Any) -> Any:
+    """The layouts of an op's outputs where its tensors are one sample's pieces and
+    shared tensors (whatever the op: each output entry is made of that sample's data
+    and shared data alone): that sample's piece, for each output tensor; ``None`` where
+    no input is a piece, or another input is not shared (pieces of other samples: the
+    op's own rule decides, ``cat`` joining them into a batch dim)."""
+    found = None
+    for t in tensors:
+        own = own_piece(ctx, t)
+        if own is None and ctx.layout(t) is not SHARED:
+            return None
+        if own is not None:
+            if found is not None and own.sample != found.sample:
+                return None
+            found = own
+    if found is None:
+        return None
+    return _pieces_for(out, found)
+
+
+def _pieces_for(out: Any, found: Piece) -> Any:
+    if isinstance(out, Tensor):
+        return Piece(found.why, found.sample, weakref.ref(out))
+    if isinstance(out, (tuple, list)):
+        return tuple(_pieces_for(o, found) for o in out)
+    return SHARED  # (a non-tensor output: no layout)
 
 
 Narrow = Callable[[Tensor], "Tensor | None"]

@@ -16,7 +16,7 @@ The layout of every tensor of a captured forward is decided once, by data flow
 - :class:`Mixed`: entries depend on several samples (a sum over the batch, a
   batch-wide mean loss computed inside the model, BatchNorm's batch statistics).
 - :class:`Unknown`: sample data flows in, but where it is cannot be established (a
-  tensor from code the capture cannot see).
+  tensor from code the capture cannot see); a :class:`Piece` is one sample's alone.
 
 ``front(x)`` gives ``(n, *per_sample)``, where ``per_sample`` is the tensor a
 sample would have if the op ran on it alone: the same rank, the batch dim of size
@@ -82,6 +82,20 @@ class Unknown(_Questions):
     """Sample data flows in, but where it is is not known (``why`` names the op)."""
 
     why: str
+
+
+@dataclass(frozen=True, eq=False)
+class Piece(Unknown):
+    """Every entry is sample ``sample``'s data, along no batch dim: one position of a
+    batch dim cut off (``x.unbind(0)``'s pieces, ``x[i]``; a vision-language model's
+    image features listed per image, then joined again by ``cat``), and what any op
+    makes of one sample's pieces and shared tensors alone. ``cat`` and ``stack`` join
+    pieces into a batch dim again; to every other rule it is an :class:`Unknown`. It
+    describes the tensor ``ref`` refers to only (a rule passing a layout on to another
+    tensor passes an Unknown): see :func:`persample.batch.flow.own_piece`."""
+
+    sample: int = 0
+    ref: Any = None  # weakref.ref of the tensor described
 
 
 @dataclass(frozen=True, eq=False)

@@ -47,6 +47,7 @@ from .flow import (
     every,
     mixed,
     name_of,
+    own_piece,
     propagate,
     register,
 )
@@ -55,6 +56,7 @@ from .layouts import (
     Batched,
     Layout,
     Mixed,
+    Piece,
     Unknown,
     indexed,
     nonnegative,
@@ -82,19 +84,6 @@ class Partly(Unknown):
 
 
 @dataclass(frozen=True, eq=False)
-class Piece(Unknown):
-    """Every entry is sample ``sample``'s data, along no batch dim: one position of a
-    batch dim cut off (``x.unbind(0)``'s pieces, ``x[i]``; a vision-language model's
-    image features listed per image, then joined again by ``cat``). ``cat`` and
-    ``stack`` join pieces into a batch dim again; to every other rule it is an
-    :class:`~persample.batch.layouts.Unknown`. It describes the tensor ``ref`` refers to
-    only, as :class:`Partly` does."""
-
-    sample: int = 0
-    ref: Any = None  # weakref.ref of the tensor described
-
-
-@dataclass(frozen=True, eq=False)
 class Sorted(Batched):
     """A batch dim whose positions are in the order of a sort key (``argsort`` of the
     tokens' experts), ``keys`` the key at each position: a layout like any other to the
@@ -115,16 +104,6 @@ def partly(ctx: Ctx, t: Any) -> Partly | None:
     return None
 
 
-def piece(ctx: Ctx, t: Any) -> Piece | None:
-    """``t``'s layout if it is a :class:`Piece` made for ``t`` itself."""
-    if not isinstance(t, Tensor):
-        return None
-    lay = ctx.layout(t)
-    if isinstance(lay, Piece) and lay.ref is not None and lay.ref() is t:
-        return lay
-    return None
-
-
 def pieces_of(lay: Batched, x: Tensor, n: int, outs: Any, why: str) -> tuple:
     """A :class:`Piece` for each of ``outs``, the positions of ``x``'s batch dim in
     order (``unbind``); a position of no sample (an index layout's ``-1``) is Unknown."""
@@ -139,7 +118,7 @@ def followed(ctx: Ctx, t: Any) -> Layout:
     lay = ctx.layout(t)
     if isinstance(lay, Partly) and partly(ctx, t) is None:
         return Unknown(lay.why)
-    if isinstance(lay, Piece) and piece(ctx, t) is None:
+    if isinstance(lay, Piece) and own_piece(ctx, t) is None:
         return Unknown(lay.why)
     return lay
 

@@ -7,6 +7,7 @@ Registered with :func:`persample.batch.flow.register`; see that module.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -26,10 +27,11 @@ from .flow import (
     every,
     mixed,
     name_of,
+    own_piece,
     register,
 )
 from .forms import forms
-from .layouts import SHARED, Batched, Unknown, nonnegative, sample_of_positions
+from .layouts import SHARED, Batched, Piece, Unknown, nonnegative, sample_of_positions
 from .ops_elementwise import SELF_ONLY, dims_arg, self_only
 from .ops_indexing import (
     NO_SAMPLE,
@@ -42,7 +44,6 @@ from .ops_indexing import (
     located,
     merge,
     one_position,
-    piece,
     pieces_of,
     regular,
     samples_along,
@@ -338,6 +339,10 @@ def _pieces(ctx, func, args, kwargs, out) -> Any:
     if d == lay.dim:
         if func in _UNBINDS:  # (one position each: each piece one sample's)
             return pieces_of(lay, x, ctx.n, out, f"{name_of(func)} cuts the batch dim")
+        whole = None if isinstance(lay, Sorted) else _whole_samples(lay, x, ctx.n, out, d,
+                                                                    name_of(func))
+        if whole is not None:
+            return whole
         if not isinstance(lay, Sorted) or not _by_key(lay.keys, out, d):
             return every(out, Unknown(f"{name_of(func)} cuts the batch dim"))
         rows = sample_of_positions(lay, x.shape[d], ctx.n, x.device)
@@ -350,6 +355,30 @@ def _pieces(ctx, func, args, kwargs, out) -> Any:
     if func in _UNBINDS:
         return every(out, lay.moved(lay.dim - (1 if d < lay.dim else 0)))
     return every(out, lay)
+
+
+def _whole_samples(lay: Batched, x: Tensor, n: int, out: Any, d: int, what: str
+                   ) -> tuple | None:
+    """Pieces of the batch dim each holding all of one sample's positions and no other's
+    (LLaVA-NeXT's features split by each image's tile count): that sample's
+    :class:`~persample.batch.layouts.Piece` each (an empty piece is shared); ``None``
+    where a piece holds several samples or part of one (where such a cut falls may
+    depend on other samples' data)."""
+    rows = sample_of_positions(lay, x.shape[d], n, x.device).long()
+    counts = torch.bincount(rows.clamp(min=0), minlength=n).tolist()
+    found, start = [], 0
+    for cut in out:
+        size = cut.shape[d]
+        if not size:
+            found.append(SHARED)
+            continue
+        sample = int(rows[start])
+        if sample < 0 or counts[sample] != size or not bool(
+                (rows[start:start + size] == sample).all()):
+            return None
+        found.append(Piece(f"{what} cuts the batch dim", sample, weakref.ref(cut)))
+        start += size
+    return tuple(found)
 
 
 def _by_key(keys: Tensor, pieces: Any, d: int) -> bool:
@@ -378,7 +407,7 @@ def _cat(ctx, func, args, kwargs, out) -> Flow:
     rank = out.dim()
     d = dim_of(kwargs.get("dim", arg(args, kwargs, 1, "axis", 0)), rank)
     joined = [t for t in tensors if t.dim() == rank]  # 1-d empty tensors join nothing
-    if any(piece(ctx, t) is not None for t in joined):
+    if any(own_piece(ctx, t) is not None for t in joined):
         return Flow(_joined_pieces(ctx, func, joined, d, out))
     lays = [followed(ctx, t) for t in joined]
     bad = trouble(lays)
@@ -446,7 +475,7 @@ def _joined_pieces(ctx, func, joined: list, d: int, out: Tensor, stacked: bool =
     piece's sample, a shared tensor's none, a batched one's along ``d`` its own."""
     rows = []
     for t in joined:
-        own, lay = piece(ctx, t), followed(ctx, t)
+        own, lay = own_piece(ctx, t), followed(ctx, t)
         size = 1 if stacked else t.shape[d]
         if own is not None:
             rows.append(torch.full((size,), own.sample, dtype=torch.long, device=out.device))
@@ -464,7 +493,7 @@ def _stack(ctx, func, args, kwargs, out) -> Any:
     tensors = [t for t in (args[0] if args else kwargs["tensors"]) if isinstance(t, Tensor)]
     rank = out.dim()
     d = dim_of(arg(args, kwargs, 1, "dim", 0), rank)
-    if any(piece(ctx, t) is not None for t in tensors):
+    if any(own_piece(ctx, t) is not None for t in tensors):
         return _joined_pieces(ctx, func, tensors, d, out, stacked=True)
     lays = [followed(ctx, t) for t in tensors]
     bad = trouble(lays)

@@ -69,8 +69,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..batch import Batched, Flow, Layout, op_leaves, propagate
 from ..batch.flow import METADATA, Ctx, in_place, name_of
-from ..batch.layouts import SHARED, Mixed, Unknown
-from ..batch.ops_indexing import Partly, Piece, written_layout
+from ..batch.layouts import SHARED, Mixed, Piece, Unknown
+from ..batch.ops_indexing import Partly, written_layout
 from ..batch.table import storage_of
 from ..draws import RANDOM, Draw
 from ..patches import WhileCapturing

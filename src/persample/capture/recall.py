@@ -38,7 +38,8 @@ from torch import Tensor
 
 from ..batch import Batched, Flow, Layout
 from ..batch.flow import reads_no_floats
-from ..batch.ops_indexing import Partly, Piece, Sorted
+from ..batch.layouts import Piece
+from ..batch.ops_indexing import Partly, Sorted
 from ..draws import RANDOM
 from .tape import Opaque, arguments_key
 

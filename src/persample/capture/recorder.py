@@ -87,7 +87,7 @@ from ..batch.flow import (
     name_of,
     unbroadcast,
 )
-from ..batch.layouts import new_trouble, placed
+from ..batch.layouts import Piece, new_trouble, placed
 from ..batch.ops_indexing import Partly, written_layout
 from ..batch.table import MISSING, LayoutTable, storage_of
 from ..draws import Draw, random_kind
@@ -101,6 +101,7 @@ from .tape import Opaque, Step, arguments_key, outs_of, reads_of, reusable
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
 _DETACHES = frozenset((torch.Tensor.detach, torch.detach, torch._C.TensorBase.grad.__get__))
+_VALUES = (bool, int, float, complex, str, list)  # what a read of values into Python gives
 # (a parameter's .grad is another tensor: read in the forward, as Module.to does, it is
 # no gradient path)
 _BY_MEMORY = frozenset(f for f in (torch.as_strided, torch.Tensor.as_strided,
@@ -202,6 +203,7 @@ class Capture:
         self.claims = 0  # records so completed (their layouts are this call's: no program)
         self.following = False  # inside follow(): the loss's ops
         self.mixing: str | None = None  # the first op of the loss that mixes samples
+        self.piece_read: str | None = None  # a read of one sample's piece into Python
         self.mixed_in_loss: set[int] = set()  # (ids: tensors the loss's own ops mixed)
         self._unseen: list[Tensor] = []  # tensors read, never seen made, no gradient path
         self.thread = threading.get_ident()
@@ -465,6 +467,9 @@ class Capture:
         except Exception as err:
             raise_internal(err, f"the capture of {name_of(func)}")
         out = func(*args, **kwargs)
+        if self.piece_read is None and isinstance(out, _VALUES) and any(
+                isinstance(lay, Piece) for lay in layouts):
+            self.piece_read = self._read_of_piece(func, leaves, layouts)
         try:
             out = self._follow(func, args, kwargs, out, leaves, layouts, sources, mutates,
                                before, draw)
@@ -723,6 +728,18 @@ class Capture:
         found = written_layout(self.ctx, base, box, view)
         if isinstance(found, Batched):
             self.layouts[base] = found
+
+    def _read_of_piece(self, func: Any, leaves: list, layouts: list) -> str | None:
+        """Why reading one sample's piece into Python (``x[i].item()``, ``bool(x[i] >
+        0)``) leaves the rules: the value may steer every sample's computation, which no
+        layout shows (the loop gives each sample its own value); ``None`` if no leaf is
+        its own piece."""
+        for t, lay in zip(leaves, layouts):
+            if isinstance(lay, Piece) and lay.ref is not None and lay.ref() is t:
+                where = f", in module {self.stack[-1].describe()}" if self.stack else ""
+                return (f"{name_of(func)} reads one sample's values into Python "
+                        f"({lay.why}){where}")
+        return None
 
     def _seen(self, t: Tensor) -> Layout:
         """``t``'s layout; a tensor the capture never saw made becomes Unknown, named

@@ -74,6 +74,8 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
         cap, output = _forward(model, batch, watched, inputs, tape, template,
                                compiles=not units)
         value = root(output, cap)
+    if getattr(cap, "piece_read", None) is not None:
+        raise NeedsWholeModel(cap.piece_read)
     traced = None
     if cap.tracer is not None:  # (after a program that failed: one more failure counted)
         fails = template.fails + 1 if isinstance(template, Program) else 0
