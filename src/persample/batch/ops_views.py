@@ -471,7 +471,7 @@ def _joined_along(ctx, func, joined: list, found: list, d: int, out: Tensor) -> 
 def _joined_pieces(ctx, func, joined: list, d: int, out: Tensor, stacked: bool = False
                    ) -> Any:
     """``cat`` (or ``stack``) of tensors among which one sample's pieces
-    (:class:`~persample.batch.ops_indexing.Piece`): along ``d`` each position holds its
+    (:class:`~persample.batch.layouts.Piece`): along ``d`` each position holds its
     piece's sample, a shared tensor's none, a batched one's along ``d`` its own."""
     rows = []
     for t in joined:
