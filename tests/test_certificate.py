@@ -568,3 +568,48 @@ def test_a_dp_step_on_alike_keys_is_certified_at_a_fiftieth_of_the_tolerance(mon
                          noise_multiplier=0.0, check="always")
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
+
+
+class BatchScale(nn.Module):
+    """Every sample scaled by a number read out of the whole batch into Python: no tensor
+    joins the samples, so the data flow and the identity see a constant; alone, each
+    sample reads its own number."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)) * x.sum().item())
+
+
+class ReadsItsChecks(nn.Module):
+    """Values read into Python only to check the batch (as transformers checks its image
+    tokens): each sample alone is as in the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if bool(torch.isnan(x).any()) or int((x.abs() > 1e9).sum()):
+            raise ValueError("not finite")
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_number_read_out_of_the_batch_is_caught_by_a_sample_alone():
+    model, (x, y), loss = BatchScale(), _data(), nn.MSELoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CertificateError, match="not its gradient alone"):
+            persample.per_sample_grads(model, x, y, loss, method="rules")
+        with pytest.raises(CertificateError, match="mixes samples"):
+            persample.per_sample_grads(model, x, y, loss)
+        with pytest.raises(CertificateError, match="not its gradient alone"):
+            persample.per_sample_grad_norms(model, x, y, loss, method="rules")
+    model, (x, y) = ReadsItsChecks(), _data()
+    got = persample.per_sample_grads(model, x, y, loss, method="rules")
+    torch.testing.assert_close(_flat(got), _flat(persample.loop_per_sample_grads(
+        model, x, y, loss)), rtol=1e-10, atol=1e-12)
+    note = persample.verify(model, x, y, loss).certificates[0]
+    assert note.ok and any("alone" in name for name in note.errors), note

@@ -178,15 +178,16 @@ def grads_taken(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, 
             loop=lambda a=a, t=t, d=d, losses=losses: _copy(
                 loop_grads(model, a.as_inputs(), t, loss_fn, losses), params, d),
             taken=taken, hint=lambda: checks.dtype_note(batch, params),
-            certify=_grads_checker(model, a, t, loss_fn, params, d, check, losses))
+            certify=_grads_checker(model, a, t, loss_fn, params, d, check, losses, taken))
     return result, taken
 
 
 def _grads_checker(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable,
                    params: dict[str, nn.Parameter], dest: dict[int, Tensor], check: Any,
-                   losses: Tensor) -> Callable:
+                   losses: Tensor, taken: Taken) -> Callable:
     """``certify(how, draws)`` of the rows ``dest`` of one batch (see :func:`answer`;
-    ``losses``: the method's per-sample losses)."""
+    ``losses``: the method's per-sample losses; ``taken.values_read``: the rules' forward
+    read sample data into Python)."""
     checker = Checker(check, model, signature("grads", model, batch, targets,
                                               params.values()))
 
@@ -194,7 +195,7 @@ def _grads_checker(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callab
         return checker(how, lambda: certify_grads(
             model, batch, targets, loss_fn, params,
             summed_rows(lambda name: dest[id(params[name])], params), draws, how,
-            losses=losses))
+            losses=losses, read=taken.values_read if how == "rules" else None))
     certify.rejected = checker.rejected
     return certify
 
@@ -204,6 +205,7 @@ def _noted(taken: Taken, captured: Any, losses: Tensor) -> Any:
     ``losses``."""
     taken.plan = captured.plan_note()
     losses.copy_(captured.losses)
+    taken.values_read = captured.values_read()
     return captured
 
 

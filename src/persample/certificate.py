@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .checks import kept_buffers
 from .errors import NeedsWholeModel
-from .inputs import Batch
+from .inputs import Batch, samples_of
 from .loss import per_sample_losses
 from .methods import AMBIGUOUS
 from .patches import plain_checkpoints
@@ -549,9 +549,14 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
                   summed: Callable[[Tensor], Mapping[str, Tensor]], draws: Draws,
                   method: str, what: str = "per-sample gradients",
                   norms_off: Callable[[], list[str]] | None = None,
-                  losses: Tensor | None = None) -> Certificate | None:
+                  losses: Tensor | None = None, read: str | None = None
+                  ) -> Certificate | None:
     """Certify per-sample gradients: ``sum_i u_i g_i`` against the gradient of ``sum_i
-    u_i L_i`` (see the module docstring).
+    u_i L_i`` (see the module docstring); where the forward read sample data into Python
+    (``read``: the op), also the last sample's row against that sample's forward alone: a
+    number read out of the batch and used in every sample's arithmetic (``h *
+    x.sum().item()``) is a constant to the identity, and steers each sample by the
+    others.
 
     Args:
         model, batch, targets, loss_fn: the call.
@@ -565,6 +570,8 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
             rows' (the norm path), or ``None``.
         losses: the method's own per-sample losses ``(n,)``, or ``None`` (see
             :func:`_losses`).
+        read: the op that read sample data into Python in the method's forward (a
+            forward that draws no random numbers), or ``None``.
 
     Returns:
         The :class:`Certificate`, or ``None`` where the output cannot give each
@@ -575,9 +582,13 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     tol, eps = _precision(first.dtype, first.device)
     cert = Certificate(what, method, "sum_i u_i g_i = d(sum_i u_i L_i)/dtheta", tol=tol)
     u = _gaussian(n)
+    sides = [(batch, targets, u)]
+    if read is not None and n > 1:  # (the last sample alone, weight 1)
+        sides.append((batch.samples(n - 1, n), samples_of(targets, n - 1, n),
+                      torch.ones(1, dtype=torch.float64)))
     try:
-        (want,), moved, low = _weighted_gradients(model, [(batch, targets, u)], loss_fn,
-                                                  params, draws, [losses])
+        (want, *alone), moved, low = _weighted_gradients(
+            model, sides, loss_fn, params, draws, [losses] + [None] * (len(sides) - 1))
     except _NoIdentity as why:
         return cert.undecided(str(why))
     cert.tol, eps = _lowered(cert.tol, eps, low)
@@ -588,7 +599,29 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
         return None if found is None else found[0]
 
     _verdict(cert, summed(u), want, moved, eps, exact)
+    if alone and cert.ok:
+        last = torch.zeros(n, dtype=torch.float64)
+        last[-1] = 1
+        _alone(cert, summed(last), alone[0], eps, read, n - 1)
     return _with_norms(cert, norms_off)
+
+
+def _alone(cert: Certificate, got: Mapping[str, Tensor], want: Mapping[str, Tensor],
+           eps: float, read: str, k: int) -> None:
+    """``cert`` failed where sample ``k``'s row ``got`` is not its gradient alone
+    ``want`` (see :func:`certify_grads`)."""
+    errors, bad, _ = _compared(got, want, cert.tol, eps)
+    cert.errors.update({f"{name} (sample {k} alone)": e for name, e in errors.items()})
+    if bad:
+        cert.ok = False
+        names = ", ".join(f"{name} (relative error {errors[name]:.2g})" for name in bad[:6])
+        cert.reason = (
+            f"sample {k}'s rows of {names} are not its gradient alone, where its forward "
+            f"read sample data into Python ({read}): a number read out of the batch and "
+            "used in every sample's arithmetic (h * x.sum().item()) steers each sample by "
+            "the others, which no tensor shows; likely cause: such a number, or a model "
+            "that mixes samples (write the number as a tensor op, h * x.sum(), which "
+            "persample sees mixing samples)")
 
 
 def _with_norms(cert: Certificate, norms_off: Callable[[], list[str]] | None

@@ -58,6 +58,8 @@ class Taken:
     certificates: list = field(default_factory=list)  # each certificate run, in order
     mixing: bool = False  # the rules found samples mixed (LossNotPerSampleError)
     losses: Any = None  # (n,) each sample's loss, where the call had a loss
+    values_read: str | None = None  # the rules' forward read sample data into Python
+    # (the op), and drew no random numbers: its certificate also checks a sample alone
 
     def describe(self) -> str:
         """``"rules"``, or the method taken and why."""

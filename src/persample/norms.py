@@ -177,7 +177,8 @@ def _norms_checker(model, batch, targets, loss_fn, params, kept: dict, check: An
         rows = per_sample_rows(captured, params, mats)
         return certify_grads(model, batch, targets, loss_fn, params, summed, draws, how,
                              "per-sample gradient norms",
-                             lambda: norms_disagree(squared, rows), kept.get("losses"))
+                             lambda: norms_disagree(squared, rows), kept.get("losses"),
+                             read=captured.values_read())
 
     def certify(how: str, draws: Any) -> Any:
         try:

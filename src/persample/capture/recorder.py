@@ -204,6 +204,7 @@ class Capture:
         self.following = False  # inside follow(): the loss's ops
         self.mixing: str | None = None  # the first op of the loss that mixes samples
         self.piece_read: str | None = None  # a read of one sample's piece into Python
+        self.values_read: str | None = None  # the first read of sample data into Python
         self.mixed_in_loss: set[int] = set()  # (ids: tensors the loss's own ops mixed)
         self._unseen: list[Tensor] = []  # tensors read, never seen made, no gradient path
         self.thread = threading.get_ident()
@@ -467,9 +468,12 @@ class Capture:
         except Exception as err:
             raise_internal(err, f"the capture of {name_of(func)}")
         out = func(*args, **kwargs)
-        if self.piece_read is None and isinstance(out, _VALUES) and any(
-                isinstance(lay, Piece) for lay in layouts):
-            self.piece_read = self._read_of_piece(func, leaves, layouts)
+        if isinstance(out, _VALUES) and any(lay is not SHARED for lay in layouts):
+            if self.piece_read is None and any(isinstance(lay, Piece) for lay in layouts):
+                self.piece_read = self._read_of_piece(func, leaves, layouts)
+            if self.values_read is None:  # (its certificate also checks a sample alone)
+                where = f" in module {self.stack[-1].describe()}" if self.stack else ""
+                self.values_read = f"{name_of(func)}{where}"
         try:
             out = self._follow(func, args, kwargs, out, leaves, layouts, sources, mutates,
                                before, draw)

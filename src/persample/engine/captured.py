@@ -48,6 +48,14 @@ class Captured:
     def layout(self, t: Tensor) -> Layout:
         return self.capture.layout(t)
 
+    def values_read(self) -> str | None:
+        """The op by which the forward read sample data into Python, where it drew no
+        random numbers (its certificate then also checks a sample alone:
+        :func:`persample.certificate.certify_grads`), else ``None``."""
+        if getattr(self.capture, "draws", None):
+            return None
+        return getattr(self.capture, "values_read", None)
+
     def plan_note(self) -> str:
         """Whether the capture took data flow from an earlier call like this one
         (:mod:`persample.capture.tape`): ``"cached: ..."`` or ``"new: ..."``."""
