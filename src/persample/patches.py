@@ -120,10 +120,14 @@ def _broadcast_masks(local: threading.local) -> tuple | None:
     @functools.wraps(original)
     def sdpa_mask(*args: Any, **kwargs: Any) -> Any:
         if getattr(local, "depth", 0):
-            bound = signature.bind(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:  # (transformers' own error, raised by its own call below)
+                return original(*args, **kwargs)
             chosen = bound.arguments
-            if chosen.get("use_vmap") and _indexing_only(
-                    chosen.get("mask_function", module.causal_mask_function), module.__name__):
+            if chosen.get("use_vmap") and _indexing_only(chosen.get(
+                    "mask_function", getattr(module, "causal_mask_function", None)),
+                    module.__name__):
                 chosen["use_vmap"] = False
                 return original(*bound.args, **bound.kwargs)
         return original(*args, **kwargs)
