@@ -121,15 +121,22 @@ def propagate(ctx: Ctx, func: Any, args: tuple, kwargs: dict, out: Any,
     return got if isinstance(got, Flow) else Flow(got)
 
 
-def own_piece(ctx: Ctx, t: Any) -> Piece | None:
-    """``t``'s layout if it is a :class:`~persample.batch.layouts.Piece` made for ``t``
-    itself."""
+def own_layout(ctx: Ctx, t: Any, kind: type) -> Any:
+    """``t``'s layout if it is of ``kind``, a layout that describes one tensor only
+    (:class:`~persample.batch.layouts.Piece`, ``ops_indexing.Partly``), made for ``t``
+    itself; else ``None``."""
     if not isinstance(t, Tensor):
         return None
     lay = ctx.layout(t)
-    if isinstance(lay, Piece) and lay.ref is not None and lay.ref() is t:
+    if isinstance(lay, kind) and lay.ref is not None and lay.ref() is t:
         return lay
     return None
+
+
+def own_piece(ctx: Ctx, t: Any) -> Piece | None:
+    """``t``'s layout if it is a :class:`~persample.batch.layouts.Piece` made for ``t``
+    itself."""
+    return own_layout(ctx, t, Piece)
 
 
 def carried_piece(ctx: Ctx, tensors: list, out: Any) -> Any:

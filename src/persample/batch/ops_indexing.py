@@ -47,6 +47,7 @@ from .flow import (
     every,
     mixed,
     name_of,
+    own_layout,
     own_piece,
     propagate,
     register,
@@ -96,12 +97,7 @@ class Sorted(Batched):
 
 def partly(ctx: Ctx, t: Any) -> Partly | None:
     """``t``'s layout if it is a :class:`Partly` made for ``t`` itself."""
-    if not isinstance(t, Tensor):
-        return None
-    lay = ctx.layout(t)
-    if isinstance(lay, Partly) and lay.ref is not None and lay.ref() is t:
-        return lay
-    return None
+    return own_layout(ctx, t, Partly)
 
 
 def pieces_of(lay: Batched, x: Tensor, n: int, outs: Any, why: str) -> tuple:
