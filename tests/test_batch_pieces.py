@@ -267,19 +267,22 @@ class PieceValueRead(nn.Module):
     """Each sample's rows scaled by a number read out of the next sample's piece: a
     value in Python, which no layout follows (alone, each sample reads its own)."""
 
-    def __init__(self):
+    def __init__(self, read):
         super().__init__()
         self.a, self.b = nn.Linear(E, E), nn.Linear(E, 3)
+        self.read = read
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.a(x)
         n = x.shape[0]
-        return self.b(torch.stack([h[i] * float(x[(i + 1) % n].sum()) for i in range(n)]))
+        return self.b(torch.stack([h[i] * self.read(x[(i + 1) % n]) for i in range(n)]))
 
 
-def test_a_piece_read_into_python_leaves_the_rules():
+@pytest.mark.parametrize("read", [lambda t: float(t.sum()), lambda t: sum(t.tolist())],
+                         ids=["float", "tolist"])
+def test_a_piece_read_into_python_leaves_the_rules(read):
     torch.manual_seed(0)
-    model, x, y = PieceValueRead(), torch.randn(B, E), torch.randint(0, 3, (B,))
+    model, x, y = PieceValueRead(read), torch.randn(B, E), torch.randint(0, 3, (B,))
     routes = persample.supported(model, x, y, ce)
     assert {r.path for r in routes} == {"vmap"}
     assert "reads one sample's values into Python" in routes[0].reason

@@ -101,7 +101,15 @@ from .tape import Opaque, Step, arguments_key, outs_of, reads_of, reusable
 from .tensors import KEPT, free_tensors, has_tensor, holders, tensor_leaves, user_leaf
 
 _DETACHES = frozenset((torch.Tensor.detach, torch.detach, torch._C.TensorBase.grad.__get__))
-_VALUES = (bool, int, float, complex, str, list)  # what a read of values into Python gives
+_VALUES = (bool, int, float, complex, str)  # what a read of values into Python gives
+
+
+def _read_into_python(out: Any) -> bool:
+    """Is an op's result values read into Python (``item``, ``bool``, ``tolist``: a
+    number, or a list of them), not tensors?"""
+    if isinstance(out, _VALUES):
+        return True
+    return isinstance(out, list) and not (out and isinstance(out[0], Tensor))
 # (a parameter's .grad is another tensor: read in the forward, as Module.to does, it is
 # no gradient path)
 _BY_MEMORY = frozenset(f for f in (torch.as_strided, torch.Tensor.as_strided,
@@ -468,7 +476,7 @@ class Capture:
         except Exception as err:
             raise_internal(err, f"the capture of {name_of(func)}")
         out = func(*args, **kwargs)
-        if isinstance(out, _VALUES) and any(lay is not SHARED for lay in layouts):
+        if _read_into_python(out) and any(lay is not SHARED for lay in layouts):
             if self.piece_read is None and any(isinstance(lay, Piece) for lay in layouts):
                 self.piece_read = self._read_of_piece(func, leaves, layouts)
             if self.values_read is None:  # (its certificate also checks a sample alone)
