@@ -613,3 +613,61 @@ def test_a_number_read_out_of_the_batch_is_caught_by_a_sample_alone():
         model, x, y, loss)), rtol=1e-10, atol=1e-12)
     note = persample.verify(model, x, y, loss).certificates[0]
     assert note.ok and any("alone" in name for name in note.errors), note
+
+
+class SharedSolve(nn.Module):
+    """``linalg.solve`` of a parameter matrix ``(C, C)`` and each sample's column: no
+    data-flow rule, so ``auto`` takes ``torch.func``, whose ``vmap(grad)`` of it is wrong
+    here (torch 2.13: each sample's loss comes out several times too large)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(c, c, dtype=torch.float64) + 4 * torch.eye(
+            c, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.linalg.solve(self.a, x.unsqueeze(-1)).squeeze(-1)  # (B, C)
+
+
+class SamplesInDimOneByChance(nn.Module):
+    """``(B, T, C)`` to ``(B T, C)``, a linear map, then ``view(T, B, C)`` and a
+    transpose: at ``B = T`` the view fits, and the samples land in dim 1 of a ``(T, B,
+    C)`` output, where a sample alone gives ``(1, T, C)``."""
+
+    def __init__(self, t: int, c: int):
+        super().__init__()
+        self.t, self.lin = t, nn.Linear(c, c, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.lin(x.reshape(-1, x.shape[-1]))
+        return h.view(self.t, x.shape[0], -1).transpose(0, 1)
+
+
+def _sums(out, y):
+    return (out - y).pow(2).flatten(1).sum(1)
+
+
+def test_an_identity_that_cannot_be_formed_still_checks_the_last_sample_alone():
+    """Where the output has another dim of the batch's size and the method's losses are
+    not those of its dim-0 rows, the identity cannot tell where the samples are; the last
+    sample's row is then compared with its forward alone. torch.func's wrong answer on a
+    shared ``linalg.solve`` (``B = C``) is caught and the loop answers; a view that puts
+    the samples in dim 1 only because ``B = T`` is refused with ``method="rules"`` and
+    answered by a whole-model method under ``auto``. Before, both were answered wrong,
+    uncertified, without a word."""
+    torch.manual_seed(1)
+    model, x, y = SharedSolve(4), torch.randn(4, 4), torch.randn(4, 4)
+    want = persample.loop_per_sample_grads(model, x, y, _sums)
+    got, _ = _caught(lambda: persample.per_sample_grads(model, x, y, _sums))
+    torch.testing.assert_close(got["a"], want["a"], rtol=1e-10, atol=1e-12)
+
+    model, x, y = SamplesInDimOneByChance(4, 3), torch.randn(4, 4, 3), torch.randn(4, 4, 3)
+    want = persample.loop_per_sample_grads(model, x, y, _sums)
+    with pytest.raises(CertificateError, match="not its gradient alone"):
+        persample.per_sample_grads(model, x, y, _sums, method="rules", check="always")
+    certificate.forget()
+    persample.clear_plans()
+    got, said = _caught(lambda: persample.per_sample_grads(model, x, y, _sums))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+    assert any("not its gradient alone" in s for s in said)

@@ -556,7 +556,9 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     (``read``: the op), also the last sample's row against that sample's forward alone: a
     number read out of the batch and used in every sample's arithmetic (``h *
     x.sum().item()``) is a constant to the identity, and steers each sample by the
-    others.
+    others. Where the identity cannot be formed because the output's samples may be in
+    another dim of the batch's size, that comparison alone decides a mismatch
+    (:func:`_last_alone`); the certificate is otherwise undecided.
 
     Args:
         model, batch, targets, loss_fn: the call.
@@ -590,7 +592,9 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
         (want, *alone), moved, low = _weighted_gradients(
             model, sides, loss_fn, params, draws, [losses] + [None] * (len(sides) - 1))
     except _NoIdentity as why:
-        return cert.undecided(str(why))
+        if str(why) == AMBIGUOUS and n > 1:
+            _last_alone(cert, model, batch, targets, loss_fn, params, summed, draws, eps)
+        return cert if not cert.ok else cert.undecided(str(why))
     cert.tol, eps = _lowered(cert.tol, eps, low)
 
     def exact() -> dict[str, Tensor] | None:
@@ -604,6 +608,52 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
         last[-1] = 1
         _alone(cert, summed(last), alone[0], eps, read, n - 1)
     return _with_norms(cert, norms_off)
+
+
+def _last_alone(cert: Certificate, model: nn.Module, batch: Batch, targets: Any,
+                loss_fn: Callable, params: Mapping[str, Tensor],
+                summed: Callable[[Tensor], Mapping[str, Tensor]], draws: Draws,
+                eps: float) -> None:
+    """Where the identity cannot be formed because the output's samples may be in
+    another dim of the batch's size (:data:`~persample.methods.AMBIGUOUS`): ``cert``
+    failed where the last sample's row is not that sample's gradient alone (its forward
+    as a batch of one), which holds wherever the samples are. A model whose output puts
+    the samples elsewhere only at this batch size (a ``view`` that happens to fit), or a
+    whole-model method torch gets wrong, is caught so; nothing is decided where the
+    forward alone draws random numbers (they are not the batch's)."""
+    n = batch.n
+    side = (batch.samples(n - 1, n), samples_of(targets, n - 1, n),
+            torch.ones(1, dtype=torch.float64))
+    batches, roots = _weighted_roots([side], loss_fn)
+    call, after = _plain_model(model), []
+
+    def forward() -> list:
+        outs = [b.call(call) for b in batches]
+        after.append(snapshot())
+        return outs
+
+    try:
+        (alone,), moved, _ = _reference(model, forward, draws, roots, list(params.values()))
+    except _NoIdentity:
+        return
+    if moved or any(not torch.equal(a, b) for (_, a), (_, b) in zip(after[0],
+                                                                   draws.torch_states)):
+        return
+    alone = {name: p.new_zeros(p.shape) if g is None else g
+             for (name, p), g in zip(params.items(), alone)}
+    last = torch.zeros(n, dtype=torch.float64)
+    last[-1] = 1
+    errors, bad, _ = _compared(summed(last), alone, cert.tol, eps)
+    cert.errors.update({f"{name} (sample {n - 1} alone)": e for name, e in errors.items()})
+    if bad:
+        cert.ok = False
+        names = ", ".join(f"{name} (relative error {errors[name]:.2g})" for name in bad[:6])
+        cert.reason = (
+            f"sample {n - 1}'s rows of {names} are not its gradient alone (the identity "
+            f"over the batch could not be formed: {AMBIGUOUS}); likely cause: a model whose "
+            "output holds the samples in another dim only at this batch size (a view or "
+            "reshape that happens to fit), a whole-model method torch gets wrong on an op, "
+            "or a model that mixes samples")
 
 
 def _alone(cert: Certificate, got: Mapping[str, Tensor], want: Mapping[str, Tensor],
