@@ -330,7 +330,13 @@ def uncertifiable(model: nn.Module) -> str | None:
 
 class _NoIdentity(Exception):
     """The batch's output cannot give each sample's loss without persample's data flow
-    (it has no row per sample in dim 0, and the loss is a scalar)."""
+    (it has no row per sample in dim 0, and the loss is a scalar). ``shapes``: the
+    output's tensors' shapes, where the samples may be in another dim of the batch's
+    size (:data:`~persample.methods.AMBIGUOUS`)."""
+
+    def __init__(self, why: str, shapes: list[torch.Size] | None = None):
+        super().__init__(why)
+        self.shapes = shapes
 
 
 def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
@@ -413,7 +419,7 @@ def _losses(output: Any, targets: Any, loss_fn: Callable, n: int,
         raise _NoIdentity(str(err)) from err  # loss: no sample's part of it to give
     if (expected is not None and n > 1 and any(n in t.shape[1:] for t in leaves)
             and not _same_losses(loss.detach(), expected.to(loss.device))):
-        raise _NoIdentity(AMBIGUOUS)
+        raise _NoIdentity(AMBIGUOUS, [t.shape for t in leaves])
     return loss
 
 
@@ -592,9 +598,11 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
         (want, *alone), moved, low = _weighted_gradients(
             model, sides, loss_fn, params, draws, [losses] + [None] * (len(sides) - 1))
     except _NoIdentity as why:
-        if str(why) == AMBIGUOUS and n > 1:
-            _last_alone(cert, model, batch, targets, loss_fn, params, summed, draws, eps)
-        return cert if not cert.ok else cert.undecided(str(why))
+        if not _in_dim_0(cert, why, model, batch, targets, loss_fn, params, summed, draws,
+                         eps):
+            return cert
+        (want, *alone), moved, low = _weighted_gradients(  # (cut by dim 0)
+            model, sides, loss_fn, params, draws, [None] * len(sides))
     cert.tol, eps = _lowered(cert.tol, eps, low)
 
     def exact() -> dict[str, Tensor] | None:
@@ -610,35 +618,53 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     return _with_norms(cert, norms_off)
 
 
+def _in_dim_0(cert: Certificate, why: _NoIdentity, model: nn.Module, batch: Batch,
+              targets: Any, loss_fn: Callable, params: Mapping[str, Tensor],
+              summed: Callable[[Tensor], Mapping[str, Tensor]], draws: Draws,
+              eps: float) -> bool:
+    """After the identity could not be formed (``why``): are the output's samples in dim
+    0 after all, as the last sample's forward alone shows (:func:`_last_alone`,
+    :func:`_elsewhere`)? Then the identity is to be formed by it; else ``cert`` is
+    failed (that sample's row is not its gradient alone) or undecided.
+    ``summed(u)``: ``{name: sum_i u_i g_i}`` for weights ``u`` ``(n,)`` of the result."""
+    n = batch.n
+    shapes = None if why.shapes is None or n == 1 else _last_alone(
+        cert, model, batch, targets, loss_fn, params, summed, draws, eps)
+    if cert.ok and (shapes is None or _elsewhere(why.shapes, shapes, n)):
+        cert.undecided(str(why))
+    return cert.ok and cert.decided
+
+
 def _last_alone(cert: Certificate, model: nn.Module, batch: Batch, targets: Any,
                 loss_fn: Callable, params: Mapping[str, Tensor],
                 summed: Callable[[Tensor], Mapping[str, Tensor]], draws: Draws,
-                eps: float) -> None:
+                eps: float) -> list[torch.Size] | None:
     """Where the identity cannot be formed because the output's samples may be in
     another dim of the batch's size (:data:`~persample.methods.AMBIGUOUS`): ``cert``
     failed where the last sample's row is not that sample's gradient alone (its forward
-    as a batch of one), which holds wherever the samples are. A model whose output puts
-    the samples elsewhere only at this batch size (a ``view`` that happens to fit), or a
-    whole-model method torch gets wrong, is caught so; nothing is decided where the
-    forward alone draws random numbers (they are not the batch's)."""
+    as a batch of one), which holds wherever the samples are. A whole-model method torch
+    gets wrong is caught so. Returns the shapes of that forward's output tensors (for
+    :func:`_elsewhere`), or ``None`` where nothing was decided: the forward alone draws
+    random numbers (they are not the batch's), or its loss cannot be formed."""
     n = batch.n
     side = (batch.samples(n - 1, n), samples_of(targets, n - 1, n),
             torch.ones(1, dtype=torch.float64))
     batches, roots = _weighted_roots([side], loss_fn)
-    call, after = _plain_model(model), []
+    call, after, shapes = _plain_model(model), [], []
 
     def forward() -> list:
         outs = [b.call(call) for b in batches]
         after.append(snapshot())
+        shapes.extend(t.shape for t in tree_leaves(outs[0]) if isinstance(t, Tensor))
         return outs
 
     try:
         (alone,), moved, _ = _reference(model, forward, draws, roots, list(params.values()))
     except _NoIdentity:
-        return
+        return None
     if moved or any(not torch.equal(a, b) for (_, a), (_, b) in zip(after[0],
                                                                    draws.torch_states)):
-        return
+        return None
     alone = {name: p.new_zeros(p.shape) if g is None else g
              for (name, p), g in zip(params.items(), alone)}
     last = torch.zeros(n, dtype=torch.float64)
@@ -654,6 +680,24 @@ def _last_alone(cert: Certificate, model: nn.Module, batch: Batch, targets: Any,
             "output holds the samples in another dim only at this batch size (a view or "
             "reshape that happens to fit), a whole-model method torch gets wrong on an op, "
             "or a model that mixes samples")
+    return shapes
+
+
+def _elsewhere(batch: list[torch.Size], alone: list[torch.Size], n: int) -> bool:
+    """Could the samples of the batch's output (its tensors' shapes ``batch``) be in a
+    dim other than 0, given the shapes ``alone`` a sample's forward alone gives? Only
+    where, for some dim ``d >= 1`` of size ``n``, a tensor alone is the batch's with ``d``
+    of size 1 (a sequence-first output: ``(T, B, C)`` and ``(T, 1, C)``), or where the
+    shapes cannot be paired."""
+    if len(batch) != len(alone):
+        return True
+    for b, a in zip(batch, alone):
+        if len(b) != len(a):
+            return True
+        for d in range(1, len(b)):
+            if b[d] == n and a == b[:d] + (1,) + b[d + 1:]:
+                return True
+    return False
 
 
 def _alone(cert: Certificate, got: Mapping[str, Tensor], want: Mapping[str, Tensor],
@@ -761,7 +805,12 @@ def certify_step(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable
             model, [(batch, targets, w) for w in weights], loss_fn, params, draws,
             [losses] * len(weights))
     except _NoIdentity as why:
-        return cert.undecided(str(why))
+        if not _in_dim_0(cert, why, model, batch, targets, loss_fn, params,
+                         lambda w: summed({name: w for name in params}), draws, eps):
+            return cert
+        grads, moved, low = _weighted_gradients(  # (cut by dim 0)
+            model, [(batch, targets, w) for w in weights], loss_fn, params, draws,
+            [None] * len(weights))
     cert.tol, eps = _lowered(cert.tol, eps, low)
     want = {name: grads[group[name]][name] for name in params}
     got = summed({name: weights[group[name]] for name in params})
