@@ -706,3 +706,26 @@ def test_a_dp_step_whose_identity_cannot_be_formed_is_decided_by_a_sample_alone(
         private_grad(model, x, y, _sums, max_grad_norm=1e6, noise_multiplier=0.0,
                      expected_batch_size=4)
     torch.testing.assert_close(model.a.grad, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_forward_that_cannot_run_one_sample_alone_leaves_an_undecided_identity_undecided():
+    """The comparison with a sample alone is a best effort: a sequence-first model whose
+    forward refuses a batch of one (the test above, the samples in dim 1 at ``B = T``)
+    gets the rules' answer, uncertified, as before the comparison existed; the error of
+    the forward alone does not escape the certificate."""
+    from test_peer_suites import BatchInDim1, l1
+
+    class NeedsTwoSamples(BatchInDim1):
+        def forward(self, x):
+            if x.shape[0] < 2:
+                raise ValueError("a batch of one")
+            return super().forward(x)
+
+    ids = torch.tensor([[[15, 15, 9, 14], [7, 3, 6, 11]], [[9, 10, 4, 6], [10, 11, 4, 5]]])
+    torch.manual_seed(5)
+    model = NeedsTwoSamples(nn.Embedding(16, 13, dtype=torch.float64))
+    with persample.checking("always"):
+        got = persample.per_sample_grads(model, ids, None, l1("mean"), method="rules")
+    want = persample.loop_per_sample_grads(BatchInDim1(model.layer), ids, None, l1("mean"))
+    torch.testing.assert_close(got["layer.weight"], want["layer.weight"], rtol=1e-10,
+                               atol=1e-12)

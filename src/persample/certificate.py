@@ -645,7 +645,7 @@ def _last_alone(cert: Certificate, model: nn.Module, batch: Batch, targets: Any,
     as a batch of one), which holds wherever the samples are. A whole-model method torch
     gets wrong is caught so. Returns the shapes of that forward's output tensors (for
     :func:`_elsewhere`), or ``None`` where nothing was decided: the forward alone draws
-    random numbers (they are not the batch's), or its loss cannot be formed."""
+    random numbers (they are not the batch's), or it or its loss cannot be run."""
     n = batch.n
     side = (batch.samples(n - 1, n), samples_of(targets, n - 1, n),
             torch.ones(1, dtype=torch.float64))
@@ -660,8 +660,8 @@ def _last_alone(cert: Certificate, model: nn.Module, batch: Batch, targets: Any,
 
     try:
         (alone,), moved, _ = _reference(model, forward, draws, roots, list(params.values()))
-    except _NoIdentity:
-        return None
+    except Exception:  # (its loss cannot be formed, or a forward that needs more than
+        return None  # one sample: undecided, as without this comparison)
     if moved or any(not torch.equal(a, b) for (_, a), (_, b) in zip(after[0],
                                                                    draws.torch_states)):
         return None
