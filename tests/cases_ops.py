@@ -105,6 +105,32 @@ class Resized(nn.Module):
         # or 2 (N + 2))
 
 
+class Solved(nn.Module):
+    """``torch.linalg.solve`` with a learned matrix ``(N, N)`` (``N`` is the batch size):
+    against each sample's columns (``"columns"``, the matrix dims of ``x.unsqueeze(-1)``),
+    each sample's rows from the right (``"right"``, ``left=False``), or each sample's own
+    matrix (a parameter plus its diagonal) against a learned vector repeated into the
+    batch (``"vectors"``), or against itself (``"itself"``)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.a = nn.Parameter(torch.randn(N, N) + 3 * torch.eye(N))
+        self.b = nn.Parameter(torch.randn(N))
+        self.lin = nn.Linear(N, N)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N)
+        h = self.lin(x)
+        if self.form == "columns":
+            return torch.linalg.solve(self.a, h.unsqueeze(-1)).squeeze(-1) + self.b
+        if self.form == "right":
+            return torch.linalg.solve(self.a, h.unsqueeze(1), left=False).squeeze(1) * self.b
+        if self.form == "itself":  # (the identity: no gradient reaches the matrix)
+            return (torch.linalg.solve(self.a, self.a) @ h.unsqueeze(-1)).squeeze(-1) * self.b
+        own = self.a + h.exp()[:, :, None] * torch.eye(N)  # (B, N, N)
+        return torch.linalg.solve(own, self.b.expand(x.shape[0], N))  # (B, N)
+
+
 OP_CASES: list[dict[str, Any]] = [
     case("getitem-basic", Sliced, lambda n: randn(n, N)),
     case("interpolate-same", lambda: Resized("same"), lambda n: randn(n, N)),
@@ -117,4 +143,10 @@ OP_CASES: list[dict[str, Any]] = [
     case("addcmul-scale-shift", ScaleShift, lambda n: randn(n, N, 4)),
     case("addcmul-method-one-factor", ScaleOfInput, lambda n: randn(n, N),
          loss_fn=per_sample_squares),
+    *[{**case(f"solve-{form}", lambda form=form: Solved(form), lambda n: randn(n, N),
+              vmap=False), "vmap_wrong": True}
+      for form in ("columns", "right", "vectors", "itself")],
 ]
+"""``vmap_wrong``: torch.func answers the case wrong (its vmap of ``linalg_solve`` with a
+shared matrix, torch 2.13), where it refuses the others marked ``vmap=False``: not
+compared."""

@@ -185,6 +185,22 @@ def _products(data, x, d):
     return lambda t: t @ const(t.shape[-1], m)
 
 
+def _solves(data, x, d):
+    """``linalg.solve`` of a shared, well-conditioned matrix: against the input's columns,
+    from the right (``left=False``), or against the input as a batch of vectors (the
+    matrix expanded over its leading dims)."""
+    kind = data.draw(st.sampled_from(["left", "right", "vectors"]))
+
+    def matrix(m: int) -> Tensor:
+        return const(m, m) + m * torch.eye(m, dtype=torch.float64)
+
+    if kind == "left" and x.dim() >= 2:
+        return lambda t: torch.linalg.solve(matrix(t.shape[-2]), t)
+    if kind == "right" and x.dim() >= 2:
+        return lambda t: torch.linalg.solve(matrix(t.shape[-1]), t, left=False)
+    return lambda t: torch.linalg.solve(matrix(t.shape[-1]).expand(*t.shape, t.shape[-1]), t)
+
+
 def _rows(data, x, d):
     """Layers over the features of one dim: each row on its own where that dim is not the
     batch dim (the last one, or the batch dim moved after it)."""
@@ -252,6 +268,7 @@ OPS: list[tuple[str, Callable, bool]] = [
     ("slices", _slices, False), ("picked", _picked, False), ("joins", _joins, False),
     ("joins-other-dim", _joins_other_dim, True),
     ("broadcast-shared", _broadcast_shared, True), ("products", _products, False),
+    ("solves", _solves, False),
     ("rows", _rows, True), ("widen", _widen, False), ("cross", _cross, False),
     ("chains", _chains, False),
 ]

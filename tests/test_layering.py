@@ -110,7 +110,7 @@ def test_the_scan_sees_imports_up_the_stack():
 # and what they may share
 RULE_FAMILIES = {"activation", "addcmul", "attention", "composite", "conv", "einsum",
                  "elementwise", "embedding", "experts", "linear", "norm", "recurrent",
-                 "random_ops", "reparametrized", "resample", "sdpa", "views"}
+                 "random_ops", "reparametrized", "resample", "sdpa", "solve", "views"}
 RULES_SHARED = {"spec", "calls", "outer", "ghost"}
 
 

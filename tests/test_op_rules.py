@@ -92,7 +92,7 @@ def test_every_rule_family_is_listed():
                 for spec in SPECS.values()}
     listed = {f"persample.rules.{name}" for name in ("activation", "addcmul", "attention",
               "composite", "conv", "einsum", "elementwise", "embedding", "experts", "linear",
-              "norm", "recurrent", "random_ops", "reparametrized", "resample", "sdpa",
+              "norm", "recurrent", "random_ops", "reparametrized", "resample", "sdpa", "solve",
               "views")}
     assert families <= listed
     assert rules.recurrent.RECURRENT.grad.__module__ in listed

@@ -246,11 +246,43 @@ def _solve_triangular(ctx, func, args, kwargs, out) -> Any:
     la = ctx.layout(a)
     if isinstance(la, Batched) and la.dim >= a.dim() - 2:
         return mixed(func, "inverts a matrix the samples are in")
-    left = kwargs.get("left", True)
-    return _matmul(ctx, torch.matmul, (a, b) if left else (b, a), {}, out)
+    if kwargs.get("left", True):
+        return _matmul(ctx, torch.matmul, (a, b), {}, out)
+    got = _matmul(ctx, torch.matmul, (b, a), {}, out)  # (its pairing in the op's order)
+    if isinstance(got, Flow) and got.pairing is not None:
+        return Flow(got.outputs, got.pairing[::-1], got.writes)
+    return got
 
 
 register(_solve_triangular, *aliases("solve_triangular", where=(torch.linalg,)))
+
+
+def _solve(ctx, func, args, kwargs, out) -> Any:
+    """``linalg.solve(A, B, left=)``: ``X = A^-1 B`` (``B A^-1`` with ``left=False``)
+    carries the samples as :func:`_solve_triangular` does. ``B`` a batch of vectors
+    (``B.shape == A.shape[:-1]``, or 1-D), solved as ``B.unsqueeze(-1)``: ``A``'s batch
+    dims are ``B``'s leading ones, and ``X`` keeps the samples of either (the same where
+    both hold them) where they are in those dims."""
+    a, b = arg(args, kwargs, 0, "A"), arg(args, kwargs, 1, "B")
+    if b.dim() == 1 or (b.dim() == a.dim() - 1 and b.shape == a.shape[:-1]):
+        own = {id(a): ctx.layout(a), id(b): ctx.layout(b)}
+        held = [lay for lay in own.values() if lay is not SHARED]
+        if not held:
+            return SHARED
+        lay = held[0]
+        if not (all(type(h) is Batched and h == lay for h in held) and lay.dim < b.dim() - 1):
+            return Unknown(f"{name_of(func)} of a batch of vectors with samples along them, "
+                           "or in the matrices")
+        # (a shared input as long as the batch along its dim pairs with the samples there)
+        paired = {k: o if o is not SHARED else None for k, o in own.items()}
+        for t in (a, b):
+            if paired[id(t)] is None and t.shape[lay.dim] > 1:
+                paired[id(t)] = lay
+        return Flow(lay, tuple(paired.get(id(t)) for t in op_leaves(args, kwargs)))
+    return _solve_triangular(ctx, func, (a, b), {"left": kwargs.get("left", True)}, out)
+
+
+register(_solve, *aliases("solve", where=(torch.linalg,)))
 
 
 def _matrix_function(ctx, func, args, kwargs, out) -> Any:

@@ -41,6 +41,7 @@ from . import (  # noqa: F401  (the families: importing one registers its specs)
     reparametrized,
     resample,
     sdpa,
+    solve,
     views,
 )
 from .calls import OpCall, module_front, module_inputs
