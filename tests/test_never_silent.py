@@ -776,6 +776,10 @@ _EDGE_CALLS = {
     "per_sample_ggn_diag": lambda m, x, y: persample.per_sample_ggn_diag(
         m, x, y, nn.CrossEntropyLoss()),
     "ggn_diag": lambda m, x, y: persample.ggn_diag(m, x, y, nn.CrossEntropyLoss()),
+    "per_sample_grad_dots": lambda m, x, y: persample.per_sample_grad_dots(
+        m, x, y, nn.CrossEntropyLoss()),
+    "GradientProjector": lambda m, x, y: persample.GradientProjector(m, 5, seed=0)(
+        x, y, nn.CrossEntropyLoss()),
 }
 
 
@@ -786,6 +790,38 @@ def test_an_empty_batch_is_named(name):
         _EDGE_CALLS[name](_edge_net(), x, y)
     with pytest.raises(ValueError, match="at least one sample"):
         param_jacobian(_edge_net(), x)
+
+
+def test_an_empty_batch_on_either_side_of_the_dots_or_projected_is_an_empty_result():
+    """The inner products with an empty batch on either side, and the projections of an
+    empty batch, are empty results of the right shape (they crashed in the factor rules:
+    a reshape of no rows)."""
+    full = torch.randn(3, 4), torch.randint(0, 3, (3,))
+    empty = torch.randn(0, 4), torch.zeros(0, dtype=torch.long)
+    loss = nn.CrossEntropyLoss()
+    with pytest.warns(UserWarning, match="got an empty batch"):
+        assert persample.per_sample_grad_dots(_edge_net(), *full, loss, other=empty).shape == (
+            3, 0)
+    with pytest.warns(UserWarning, match="got an empty batch"):
+        assert persample.per_sample_grad_dots(_edge_net(), *empty, loss, other=full).shape == (
+            0, 3)
+    with pytest.warns(UserWarning, match="got an empty batch"):
+        got = persample.GradientProjector(_edge_net(), 5, seed=0)(*empty, loss)
+    assert got.shape == (0, 5) and got.dtype == torch.get_default_dtype()
+
+
+def test_a_non_finite_sample_of_the_other_batch_is_named_on_its_side():
+    """With a second batch, a NaN in its sample 1 makes column 1 of the inner products
+    NaN: that sample is named, as the other batch's, and no sample of the first."""
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    x2, y2 = torch.randn(3, 4), torch.randint(0, 3, (3,))
+    x2[1, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        persample.per_sample_grad_dots(_edge_net(), x, y, nn.CrossEntropyLoss(), other=(x2, y2))
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and said[0].startswith(
+        "per_sample_grad_dots (other): the result of samples [1]")
 
 
 _NAN_CALLS = {**{k: v for k, v in _EDGE_CALLS.items() if "ggn" not in k},

@@ -75,6 +75,10 @@ def per_sample_grad_dots(
         ``(B, B')`` (``(B, B)`` without ``other``): loss units squared per parameter
         unit squared, in the parameters' dtype, at least float32 (accumulated there).
 
+    Warns:
+        UserWarning: an empty batch on either side (the result is then empty).
+        RuntimeWarning: a sample whose gradient is not finite (NaN or Inf), naming it.
+
     Raises:
         TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError: as
             :func:`persample.per_sample_grads`, for either batch; ``ValueError`` for an
@@ -112,6 +116,11 @@ def per_sample_grad_dots(
     else:
         batch2, targets2 = None, None
     check_option(check)
+    m = n if batch2 is None else batch2.n
+    checks.warn_empty("per_sample_grad_dots", n * m)
+    if n * m == 0:  # (an empty batch on either side: nothing to multiply)
+        return torch.zeros(n, m, dtype=accumulate_dtype(*(p.dtype for p in chosen.values())),
+                           device=next(iter(chosen.values())).device)
     side = (batch, targets)
     second = None if batch2 is None else (batch2, targets2)
     checker = Checker(check, model, signature("dots", model, batch, targets, chosen.values(),
@@ -129,7 +138,7 @@ def per_sample_grad_dots(
         kept.append(dots)
         return dots
 
-    return answer(
+    dots = answer(
         method,
         rules=lambda: keep(_rules_dots(model, side, second, loss_fn, chosen)),
         vmap=lambda: keep(_materialised_dots(
@@ -138,6 +147,21 @@ def per_sample_grad_dots(
             lambda b, t: {k: g for k, g in loop_grads(model, b, t, loss_fn).items()
                           if k in chosen}, side, second)),
         taken=Taken(), hint=lambda: checks.dtype_note(batch, chosen), certify=certify)
+    _warn_non_finite(dots, other is None)
+    return dots
+
+
+def _warn_non_finite(dots: Tensor, itself: bool) -> None:
+    """Name the samples whose gradient is not finite: on the diagonal of a batch with
+    itself (``||g_i||^2``), else a row (a sample of the batch) or a column (of
+    ``other``) not finite anywhere."""
+    if itself:
+        checks.warn_non_finite("per_sample_grad_dots", dots.diagonal(), "result")
+        return
+    nan = torch.tensor(float("nan"), dtype=dots.dtype, device=dots.device)
+    for values, side in ((dots, ""), (dots.T, " (other)")):
+        whole = torch.where(values.isfinite().any(1), torch.zeros_like(nan), nan)
+        checks.warn_non_finite(f"per_sample_grad_dots{side}", whole, "result")
 
 
 def _materialised_dots(grads_of: Callable[[Any, Any], dict[str, Tensor]],

@@ -145,6 +145,10 @@ class GradientProjector:
             parameter unit): row ``i`` is ``project`` of sample ``i``'s gradient of its
             own loss.
 
+        Warns:
+            UserWarning: an empty batch (the result is then ``(0, proj.dim)``).
+            RuntimeWarning: a sample whose projected gradient is not finite, naming it.
+
         Raises:
             TypeError, ValueError, UnsupportedModuleError, CertificateError: as
                 :func:`persample.per_sample_grads`.
@@ -163,6 +167,11 @@ class GradientProjector:
         check_option(check)
         batch, _, params = checks.validate_call(self.model, inputs, targets, loss_fn, method,
                                                None, list(self.params))
+        checks.warn_empty("GradientProjector", batch.n)
+        if batch.n == 0:
+            first = next(iter(params.values()))
+            return torch.zeros(0, self.dim, device=first.device, dtype=accumulate_dtype(
+                *(p.dtype for p in params.values())))
         checker = Checker(check, self.model, signature("projection", self.model, batch,
                                                        targets, params.values(), id(self)))
         kept: list[Tensor] = []
@@ -177,13 +186,15 @@ class GradientProjector:
             kept.append(got)
             return got
 
-        return answer(
+        got = answer(
             method,
             rules=lambda: keep(self._by_rules(batch, targets, loss_fn)),
             vmap=lambda: keep(self.project(vmap_grads(self.model, batch, targets,
                                                       loss_fn, params))),
             loop=lambda: keep(self.project(loop_grads(self.model, batch, targets, loss_fn))),
             taken=Taken(), hint=lambda: checks.dtype_note(batch, params), certify=certify)
+        checks.warn_non_finite("GradientProjector", got, "result")
+        return got
 
     def project(self, grads: dict[str, Tensor]) -> Tensor:
         """The same map applied to per-sample gradients given whole.
