@@ -658,6 +658,50 @@ def test_the_data_flow_of_newer_ops(model):
     check(net, x, torch.randn(B, 3, dtype=torch.float64), mse)
 
 
+class Bucketed(nn.Module):
+    """Idefics3's patch positions: each sample's fractional coordinates (from its own
+    mask's count) put in buckets of shared boundaries by ``bucketize``, looked up in a
+    position table; ``searchsorted`` of the features in a shared sorted sequence scales
+    them. With ``own``, each sample searches its own sorted features (boundaries that
+    hold samples: not followed, answered exactly all the same)."""
+
+    def __init__(self, own: bool = False):
+        super().__init__()
+        self.own = own
+        self.table = nn.Embedding(T, E)
+        self.lin = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (b, T, E)
+        count = (x[..., 0] > -0.5).sum(1).clamp(min=1)  # (b,)
+        coords = torch.arange(T, dtype=x.dtype)[None, :] / count[:, None]  # (b, T)
+        bounds = torch.arange(1, T, dtype=x.dtype) / T
+        h = x + self.table(torch.bucketize(coords.clamp(max=0.999), bounds, right=True))
+        if self.own:
+            sequence = h[..., 0].sort(-1).values  # (b, T)
+            scale = torch.searchsorted(sequence.contiguous(), h[..., 0].contiguous())
+        else:
+            scale = torch.searchsorted(torch.linspace(-1, 1, 5, dtype=x.dtype), h[..., 0])
+        return self.lin(h * scale[..., None].to(x.dtype)).sum(1)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["shared-boundaries", "own-boundaries"])
+def test_buckets_of_shared_boundaries_keep_the_samples(own):
+    """``bucketize`` and ``searchsorted`` by shared boundaries take the rules (Idefics3's
+    vision embeddings: their position ids had no data-flow rule); a sample's own
+    boundaries are not followed and still answered exactly."""
+    torch.manual_seed(0)
+    net = Bucketed(own).double()
+    x = torch.randn(B, T, E, dtype=torch.float64)
+    torch.manual_seed(1)
+    y = torch.randn(B, 3, dtype=torch.float64)
+    if own:
+        with pytest.raises(persample.NeedsWholeModel, match="searchsorted of boundaries"):
+            persample.per_sample_grads(net, x, y, mse, method="rules")
+        check(net, x, y, mse, methods=("auto",), paths=None, forbid=None)
+    else:
+        check(net, x, y, mse, forbid=ANY)
+
+
 def test_a_slice_written_with_another_samples_data_is_not_followed():
     """Sample data written into a slice at other samples' positions (rows rolled by one,
     then paired with each sample's target) is not followed: the rules refuse by the op

@@ -201,6 +201,19 @@ def _solves(data, x, d):
     return lambda t: torch.linalg.solve(matrix(t.shape[-1]).expand(*t.shape, t.shape[-1]), t)
 
 
+def _buckets(data, x, d):
+    """``bucketize`` of the input by shared boundaries, or ``searchsorted`` of it in a
+    shared sorted sequence, scaling the input (a bucket alone has no derivative)."""
+    k = data.draw(SIZES)
+
+    def edges() -> Tensor:  # (made inside the op, as const)
+        return torch.sort(const(k, seed=1) * 2 - 2).values
+
+    if data.draw(st.booleans()):
+        return lambda t: torch.bucketize(t, edges()).to(t.dtype) * t
+    return lambda t: torch.searchsorted(edges(), t, right=True).to(t.dtype) * t
+
+
 def _rows(data, x, d):
     """Layers over the features of one dim: each row on its own where that dim is not the
     batch dim (the last one, or the batch dim moved after it)."""
@@ -268,7 +281,7 @@ OPS: list[tuple[str, Callable, bool]] = [
     ("slices", _slices, False), ("picked", _picked, False), ("joins", _joins, False),
     ("joins-other-dim", _joins_other_dim, True),
     ("broadcast-shared", _broadcast_shared, True), ("products", _products, False),
-    ("solves", _solves, False),
+    ("solves", _solves, False), ("buckets", _buckets, True),
     ("rows", _rows, True), ("widen", _widen, False), ("cross", _cross, False),
     ("chains", _chains, False),
 ]

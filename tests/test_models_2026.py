@@ -12,7 +12,8 @@ per head), Perceiver (learned latents broadcast into the batch as the queries), 
 BEiT (a relative position bias per layer), Longformer (sliding windows by ``as_strided``
 chunks, a global token), T5 for sequence classification (its end-of-sequence state);
 LLaVA (image features listed per image, joined, and written by ``masked_scatter`` into
-each sample's image tokens), Gemma 3 (the same, and a mask made by ``torch.vmap``).
+each sample's image tokens), Gemma 3 (the same, and a mask made by ``torch.vmap``),
+Idefics3 (SmolVLM: position ids by ``bucketize``).
 The mixtures run transformers' eager experts here: its grouped kernel has no float64
 (``grouped_mm`` in float32 is tested with gpt-oss in ``test_experts.py``)."""
 
@@ -209,9 +210,29 @@ def gemma3():
     return model, inputs, None, lambda out, y: out.logits[:, -1].pow(2).mean(1)
 
 
+def idefics3():
+    """SmolVLM's architecture: each sample's image (a 16x16 image in 4x4 patches, pixel
+    shuffled by 2 into four image tokens) at another place in each sample, with the
+    processor's pixel mask; the vision embeddings' position ids come from ``bucketize``
+    of each image's fractional patch coordinates."""
+    vision = T.Idefics3VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=4, image_size=16, patch_size=4)
+    text = T.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=60,
+                         max_position_embeddings=64)
+    model = T.Idefics3ForConditionalGeneration(T.Idefics3Config(
+        vision_config=vision, text_config=text, image_token_id=55, scale_factor=2))
+    ids = torch.randint(1, 50, (B, 2 * L))
+    for i in range(B):
+        ids[i, 1 + i:5 + i] = 55
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(B, 1, 3, 16, 16),
+              "pixel_attention_mask": torch.ones(B, 1, 16, 16, dtype=torch.bool)}
+    return model, inputs, None, lambda out, y: out.logits[:, -1].pow(2).mean(1)
+
+
 MODELS = {f.__name__: f for f in (deepseek_v3, qwen3_next, qwen2_moe, olmoe, recurrent_gemma,
                                   perceiver, vit_mae, swin_v2, modern_bert, beit, longformer,
-                                  t5_classifier, llava, gemma3)}
+                                  t5_classifier, llava, gemma3, idefics3)}
 # Gemma 3's RMSNorm computes in float32 whatever the input: a sample's forward alone rounds
 # otherwise than the batch's, and the loop differs from the batch's gradient by as much
 LOOSER = {"gemma3": 1e-6}

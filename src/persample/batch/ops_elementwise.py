@@ -390,6 +390,32 @@ def _roll(ctx, func, args, kwargs, out) -> Any:
 register(_roll, *aliases("roll"))
 
 
+def _bucketize(ctx, func, args, kwargs, out) -> Any:
+    """``bucketize(input, boundaries)`` and ``searchsorted(sorted_sequence, values)`` with
+    one 1-D sequence of boundaries: each entry's bucket is a function of that entry and
+    the boundaries, so the result keeps the samples of the entries; boundaries that hold
+    samples (or several sequences, paired with the values' leading dims) are not
+    followed."""
+    if func in _SEARCHSORTED:
+        edges, values = arg(args, kwargs, 0, "sorted_sequence"), arg(args, kwargs, 1, "input")
+    else:
+        values, edges = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "boundaries")
+    if not isinstance(values, Tensor):  # (a number: a 0-d result of no sample)
+        return SHARED if not isinstance(edges, Tensor) or edges.dim() != 1 or ctx.layout(
+            edges) is SHARED else Unknown(f"{name_of(func)} of a number in boundaries "
+                                          "that hold samples")
+    if edges.dim() != 1 or ctx.layout(edges) is not SHARED:
+        return Unknown(f"{name_of(func)} of boundaries that hold samples, or of several "
+                       "sequences")
+    return self_only(ctx, func, (values,), {}, out)
+
+
+_SEARCHSORTED = set(aliases("searchsorted"))
+register(_bucketize, *aliases("bucketize", "searchsorted"))
+FLOAT_BLIND.add(_bucketize)
+LAYOUTS_ONLY.add(_bucketize)
+
+
 def _glu(ctx, func, args, kwargs, out) -> Any:
     lay = ctx.layout(args[0])
     d = dim_of(arg(args, kwargs, 1, "dim", -1), args[0].dim())
