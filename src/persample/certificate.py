@@ -590,19 +590,15 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     tol, eps = _precision(first.dtype, first.device)
     cert = Certificate(what, method, "sum_i u_i g_i = d(sum_i u_i L_i)/dtheta", tol=tol)
     u = _gaussian(n)
-    sides = [(batch, targets, u)]
-    if read is not None and n > 1:  # (the last sample alone, weight 1)
-        sides.append((batch.samples(n - 1, n), samples_of(targets, n - 1, n),
-                      torch.ones(1, dtype=torch.float64)))
     try:
-        (want, *alone), moved, low = _weighted_gradients(
-            model, sides, loss_fn, params, draws, [losses] + [None] * (len(sides) - 1))
+        (want,), moved, low = _weighted_gradients(model, [(batch, targets, u)], loss_fn,
+                                                  params, draws, [losses])
     except _NoIdentity as why:
         if not _in_dim_0(cert, why, model, batch, targets, loss_fn, params, summed, draws,
                          eps):
             return cert
-        (want, *alone), moved, low = _weighted_gradients(  # (cut by dim 0)
-            model, sides, loss_fn, params, draws, [None] * len(sides))
+        (want,), moved, low = _weighted_gradients(  # (cut by dim 0)
+            model, [(batch, targets, u)], loss_fn, params, draws)
     cert.tol, eps = _lowered(cert.tol, eps, low)
 
     def exact() -> dict[str, Tensor] | None:
@@ -611,10 +607,9 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
         return None if found is None else found[0]
 
     _verdict(cert, summed(u), want, moved, eps, exact)
-    if alone and cert.ok:
-        last = torch.zeros(n, dtype=torch.float64)
-        last[-1] = 1
-        _alone(cert, summed(last), alone[0], eps, read, n - 1)
+    if read is not None and n > 1 and cert.ok:
+        _last_alone(cert, model, batch, targets, loss_fn, params, summed, draws, eps,
+                    _read_alone(read))
     return _with_norms(cert, norms_off)
 
 
@@ -629,7 +624,11 @@ def _in_dim_0(cert: Certificate, why: _NoIdentity, model: nn.Module, batch: Batc
     ``summed(u)``: ``{name: sum_i u_i g_i}`` for weights ``u`` ``(n,)`` of the result."""
     n = batch.n
     shapes = None if why.shapes is None or n == 1 else _last_alone(
-        cert, model, batch, targets, loss_fn, params, summed, draws, eps)
+        cert, model, batch, targets, loss_fn, params, summed, draws, eps, (
+            f" (the identity over the batch could not be formed: {AMBIGUOUS}); likely "
+            "cause: a model whose output holds the samples in another dim only at this "
+            "batch size (a view or reshape that happens to fit), a whole-model method "
+            "torch gets wrong on an op, or a model that mixes samples"))
     if cert.ok and (shapes is None or _elsewhere(why.shapes, shapes, n)):
         cert.undecided(str(why))
     return cert.ok and cert.decided
@@ -638,12 +637,14 @@ def _in_dim_0(cert: Certificate, why: _NoIdentity, model: nn.Module, batch: Batc
 def _last_alone(cert: Certificate, model: nn.Module, batch: Batch, targets: Any,
                 loss_fn: Callable, params: Mapping[str, Tensor],
                 summed: Callable[[Tensor], Mapping[str, Tensor]], draws: Draws,
-                eps: float) -> list[torch.Size] | None:
-    """Where the identity cannot be formed because the output's samples may be in
-    another dim of the batch's size (:data:`~persample.methods.AMBIGUOUS`): ``cert``
-    failed where the last sample's row is not that sample's gradient alone (its forward
-    as a batch of one), which holds wherever the samples are. A whole-model method torch
-    gets wrong is caught so. Returns the shapes of that forward's output tensors (for
+                eps: float, why: str) -> list[torch.Size] | None:
+    """``cert`` failed where the last sample's row is not that sample's gradient alone
+    (its forward as a batch of one; ``why``: the reason's rest, as for :func:`_alone`),
+    which holds wherever the samples are: where the forward read sample data into Python
+    (a number steering every sample, which the identity takes for a constant), and where
+    the identity cannot be formed because the output's samples may be in another dim of
+    the batch's size (:data:`~persample.methods.AMBIGUOUS`; a whole-model method torch
+    gets wrong is caught so). Returns the shapes of that forward's output tensors (for
     :func:`_elsewhere`), or ``None`` where nothing was decided: the forward alone draws
     random numbers (they are not the batch's), or it or its loss cannot be run."""
     n = batch.n
@@ -669,17 +670,7 @@ def _last_alone(cert: Certificate, model: nn.Module, batch: Batch, targets: Any,
              for (name, p), g in zip(params.items(), alone)}
     last = torch.zeros(n, dtype=torch.float64)
     last[-1] = 1
-    errors, bad, _ = _compared(summed(last), alone, cert.tol, eps)
-    cert.errors.update({f"{name} (sample {n - 1} alone)": e for name, e in errors.items()})
-    if bad:
-        cert.ok = False
-        names = ", ".join(f"{name} (relative error {errors[name]:.2g})" for name in bad[:6])
-        cert.reason = (
-            f"sample {n - 1}'s rows of {names} are not its gradient alone (the identity "
-            f"over the batch could not be formed: {AMBIGUOUS}); likely cause: a model whose "
-            "output holds the samples in another dim only at this batch size (a view or "
-            "reshape that happens to fit), a whole-model method torch gets wrong on an op, "
-            "or a model that mixes samples")
+    _alone(cert, summed(last), alone, eps, n - 1, why)
     return shapes
 
 
@@ -701,21 +692,24 @@ def _elsewhere(batch: list[torch.Size], alone: list[torch.Size], n: int) -> bool
 
 
 def _alone(cert: Certificate, got: Mapping[str, Tensor], want: Mapping[str, Tensor],
-           eps: float, read: str, k: int) -> None:
+           eps: float, k: int, why: str) -> None:
     """``cert`` failed where sample ``k``'s row ``got`` is not its gradient alone
-    ``want`` (see :func:`certify_grads`)."""
+    ``want`` (see :func:`certify_grads`); ``why``: the rest of the reason, after "are not
+    its gradient alone"."""
     errors, bad, _ = _compared(got, want, cert.tol, eps)
     cert.errors.update({f"{name} (sample {k} alone)": e for name, e in errors.items()})
     if bad:
         cert.ok = False
         names = ", ".join(f"{name} (relative error {errors[name]:.2g})" for name in bad[:6])
-        cert.reason = (
-            f"sample {k}'s rows of {names} are not its gradient alone, where its forward "
-            f"read sample data into Python ({read}): a number read out of the batch and "
-            "used in every sample's arithmetic (h * x.sum().item()) steers each sample by "
-            "the others, which no tensor shows; likely cause: such a number, or a model "
-            "that mixes samples (write the number as a tensor op, h * x.sum(), which "
-            "persample sees mixing samples)")
+        cert.reason = f"sample {k}'s rows of {names} are not its gradient alone{why}"
+
+
+def _read_alone(read: str) -> str:
+    return (f", where its forward read sample data into Python ({read}): a number read out "
+            "of the batch and used in every sample's arithmetic (h * x.sum().item()) steers "
+            "each sample by the others, which no tensor shows; likely cause: such a number, "
+            "or a model that mixes samples (write the number as a tensor op, h * x.sum(), "
+            "which persample sees mixing samples)")
 
 
 def _with_norms(cert: Certificate, norms_off: Callable[[], list[str]] | None
