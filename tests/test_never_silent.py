@@ -810,6 +810,19 @@ def test_an_empty_batch_on_either_side_of_the_dots_or_projected_is_an_empty_resu
     assert got.shape == (0, 5) and got.dtype == torch.get_default_dtype()
 
 
+def test_a_non_finite_sample_with_an_output_dim_the_batch_size_is_named():
+    """A NaN loss where the output has another dim of the batch's size (4 classes, B = 4)
+    is named as at other sizes; the certificate's comparison of the losses took the NaN
+    for its tolerance and raised."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 4)
+    x, y = torch.randn(4, 3), torch.randint(0, 4, (4,))
+    x[2, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match=r"of samples \[2\] is not finite"):
+        got = per_sample_grads(net, x, y, nn.CrossEntropyLoss(reduction="none"))
+    assert got["weight"][2].isnan().all() and got["weight"][[0, 1, 3]].isfinite().all()
+
+
 def test_a_non_finite_sample_of_the_other_batch_is_named_on_its_side():
     """With a second batch, a NaN in its sample 1 makes column 1 of the inner products
     NaN: that sample is named, as the other batch's, and no sample of the first."""
