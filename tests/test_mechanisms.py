@@ -31,6 +31,7 @@ from torch.nn.utils import parametrizations
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import persample
+import zoo
 from battery import assert_exact, check, module_paths
 from persample import PackedRows, loop_per_sample_grads, per_sample_grads
 from persample.batch import SHARED, Batched, Ctx, Mixed, Unknown, propagate
@@ -154,6 +155,78 @@ def test_checkpoint_reentrant_without_inputs_requiring_grad():
         warnings.filterwarnings("ignore", message="None of the inputs have requires_grad")
         check(model, x, y, mse, want=want, paths=module_paths(
             model, {"block.0": "fallback", "block.1": "fallback", "head": "rule"}))
+
+
+class HalvedInPlace(nn.Module):
+    """DeBERTa's position-to-content term: a linear map of a slice of a table handed in,
+    divided in place (which takes the per-module fallback), against the samples' keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys, self.pos_q_proj = nn.Linear(E, E), nn.Linear(E, E)
+
+    def forward(self, x: Tensor, table: Tensor) -> Tensor:  # (b, T, E), (2 T, E)
+        pos = self.pos_q_proj(table[:T]).unsqueeze(0)  # (1, T, E)
+        pos /= 2.0
+        return self.keys(x) @ pos.transpose(1, 2)  # (b, T, T)
+
+
+class ReturnedTwice(nn.Module):
+    """An encoder holding the table and returning its last state twice, as transformers'
+    ``last_hidden_state`` and the last of its ``hidden_states``; the model reads the
+    first."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(2 * T, E)
+        self.att = HalvedInPlace()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        h = self.att(x, self.table.weight)
+        return h, (x, h)
+
+
+class OnTopOfTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = ReturnedTwice()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.encoder(x)[0].sum(-1)  # (b, T)
+
+
+def test_a_fallback_call_returning_a_tensor_twice_takes_its_gradient_once():
+    """A per-module fallback call whose output holds one tensor twice (DeBERTa's encoder:
+    its relative-position table read under an in-place division) gets that tensor's
+    gradient once: its table's per-sample gradients were twice the loop's."""
+    torch.manual_seed(0)
+    model = OnTopOfTwice()
+    x, y = torch.randn(B, T, E), torch.randn(B, T)
+    check(model, x, y, mse, paths=module_paths(model, {
+        "encoder.table": "fallback", "encoder.att.pos_q_proj": "fallback",
+        "encoder.att.keys": "rule"}))
+
+
+def test_deberta_v1_position_to_content_is_exact():
+    """transformers' DeBERTa (v1) with its position-to-content term, whose relative
+    position table takes the per-module fallback of the encoder (an in-place division of
+    its projection), and whose encoder returns its last state twice: exact, at an
+    initialisation where the table's gradients are small next to the others' (the
+    certificate's floor for them let a 2x error through)."""
+    transformers = zoo.require("transformers")
+    torch.manual_seed(0)
+    config = transformers.DebertaConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=H,
+        intermediate_size=32, max_position_embeddings=32, num_labels=4,
+        relative_attention=True, max_relative_positions=8, pos_att_type=["p2c"],
+        initializer_range=0.01)
+    model = transformers.DebertaForSequenceClassification(config).eval()
+    inputs, y = {"input_ids": torch.randint(3, 50, (B, 2 * T))}, torch.randint(0, 4, (B,))
+
+    def loss(out, y):
+        return F.cross_entropy(out.logits, y, reduction="none")
+
+    check(model, inputs, y, loss, paths=None, forbid=None, dp=False)
 
 
 class MultipleChoice(nn.Module):

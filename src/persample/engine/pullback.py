@@ -681,6 +681,10 @@ def _fallback(captured: Captured, call: Call, params: dict[str, nn.Parameter], s
     outs = [t for t in tree_leaves(call.output) if isinstance(t, Tensor)]
     out_lays = [captured.layout(t) for t in outs]
     cots = captured.backprops(call.edges, out_lays)
+    # (a tensor the call returns twice, transformers' last hidden state and the last of its
+    # hidden states, has one gradient: taken once)
+    cots = [None if any(o is outs[j] for j in range(k)) else c
+            for k, (o, c) in enumerate(zip(outs, cots))]
     if all(c is None for c in cots):  # no gradient reaches the call: zeros
         return
     out_pairings = [_pairing_of(lay) for lay in out_lays]
