@@ -309,11 +309,27 @@ class Capture:
         """A derived tensor whose op's inputs changed in place since the op ran (through
         any alias: a view, a ``detach()``) cannot be pulled back through that op, which
         would read their new values: its parameters' reads cannot be followed. (A derived
-        tensor read after it changed is caught where it is read, :meth:`_sources`.)"""
+        tensor read after it changed is caught where it is read, :meth:`_sources`. Not an
+        op whose rule reads no input's value, a view, whose inputs changed only through
+        another tensor sharing their storage: what they hold now is not read, and their
+        records still name the ops that made what it read.)"""
         with torch._C.DisableTorchFunction():  # reading versions is no op of the model
             for d in self.derived.values():
-                if d.op.changed():
+                if d.op.changed() and not (d.op.func in UNREAD_INPUTS
+                                           and self._changed_through_aliases(d.op)):
                     self.unseen_reads |= d.op.sources_all
+
+    def _changed_through_aliases(self, op: Op) -> bool:
+        """Did every input of ``op`` that changed since it ran change through another
+        tensor sharing its storage (a view of all of it written in place), its record
+        left as it was (stale: the op that made what ``op`` read)? An input written in
+        place itself has a new record, the write's, and ``op`` read the value before it."""
+        for t, v in zip(op.leaves, op.versions):
+            if t._version != v:
+                found = self.derived.get(id(t))
+                if found is None or found.tensor is not t or found.version == t._version:
+                    return False
+        return True
 
     def release_calls(self, keep: list[Call]) -> None:
         """Forget the inputs, outputs and gradient edges of the module calls other than
@@ -717,11 +733,16 @@ class Capture:
 
     def _whole(self, t: Tensor) -> bool:
         """Is ``t`` all there is of its storage to the model: no view, or a view of all of
-        a base that no recorded op made or read (made inside the op that returned ``t``)?"""
+        a base that no recorded op made or read (made inside the op that returned ``t``),
+        or that is itself derived (DeBERTa's projection of its position table, divided in
+        place through its heads' view: the base, read again, is found changed since its
+        op, :meth:`_sources`)?"""
         base = t._base
         if base is None:
             return True
-        return self.layouts.layout(base) is MISSING and t.numel() == base.numel() and (
+        derived = self.derived.get(id(base))
+        return (self.layouts.layout(base) is MISSING or (
+            derived is not None and derived.tensor is base)) and t.numel() == base.numel() and (
             t.storage_offset() == base.storage_offset())
 
     def _base_written(self, view: Tensor, layout: Layout) -> None:

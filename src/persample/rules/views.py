@@ -137,11 +137,14 @@ def _whole_copies(part: tuple, whole: tuple, tile: tuple, lay: Any) -> bool:
     return lay is None or (lay.index is None and lay.inner % tile[lay.dim] == 0)
 
 
-TRANSPOSE = register(OpSpec((torch.transpose,), grad=transpose))
-T = register(OpSpec((torch.t,), grad=t))
-PERMUTE = register(OpSpec((torch.permute,), grad=permute))
-RESHAPE = register(OpSpec(_RESHAPES, grad=reshape))
-REPEAT = register(OpSpec((torch.Tensor.repeat,), grad=repeat))
-TRIANGLE = register(OpSpec((torch.triu, torch.tril), grad=triangle))
+# (their rules read shapes only: an input written in place after they ran, DeBERTa's
+# projection of its position table divided in place through its heads' view, is no concern)
+TRANSPOSE = register(OpSpec((torch.transpose,), grad=transpose, reads_inputs=False))
+T = register(OpSpec((torch.t,), grad=t, reads_inputs=False))
+PERMUTE = register(OpSpec((torch.permute,), grad=permute, reads_inputs=False))
+RESHAPE = register(OpSpec(_RESHAPES, grad=reshape, reads_inputs=False))
+REPEAT = register(OpSpec((torch.Tensor.repeat,), grad=repeat, reads_inputs=False))
+TRIANGLE = register(OpSpec((torch.triu, torch.tril), grad=triangle, reads_inputs=False))
 TRANSPOSED = register(OpSpec(tuple(getattr(torch.Tensor, name).__get__
-                                   for name in ("mT", "mH", "T", "H")), grad=transposed))
+                                   for name in ("mT", "mH", "T", "H")), grad=transposed,
+                             reads_inputs=False))
