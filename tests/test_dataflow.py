@@ -658,6 +658,42 @@ def test_the_data_flow_of_newer_ops(model):
     check(net, x, torch.randn(B, 3, dtype=torch.float64), mse)
 
 
+class RowsAsSequences(nn.Module):
+    """timm's Sequencer: an image's columns run as sequences by a recurrent layer, the
+    samples merged with the columns in the kernel's batch dim (``(B W, H, C)``; batch
+    second with ``first=False``)."""
+
+    def __init__(self, kind: str, first: bool):
+        super().__init__()
+        self.first = first
+        self.rnn = getattr(nn, kind)(3, 5, batch_first=first, bidirectional=True)
+        self.fc = nn.Linear(10, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (b, H, W, C)
+        b, h, w, c = x.shape
+        v = x.permute(0, 2, 1, 3).reshape(-1, h, c)  # (b W, H, C)
+        v = self.rnn(v if self.first else v.transpose(0, 1))[0]
+        v = (v if self.first else v.transpose(0, 1)).reshape(b, w, h, -1)
+        return self.fc(v).mean((1, 2))
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("first", [True, False], ids=["batch-first", "batch-second"])
+def test_sequences_merged_with_the_samples_keep_them(kind, first):
+    """A recurrent kernel over several sequences per sample (the samples merged with an
+    image's columns) runs each sequence on its own: the samples are kept (they were taken
+    for mixed, and the whole model went to torch.func); the kernel's parameters take its
+    exact per-op VJP, the rest the rules."""
+    torch.manual_seed(0)
+    net = RowsAsSequences(kind, first).double()
+    x = torch.randn(B, T, 3, 3, dtype=torch.float64)  # (B = H = 4; W = C = 3)
+    torch.manual_seed(1)
+    y = torch.randn(B, 3, dtype=torch.float64)
+    check(net, x, y, mse, paths=None, forbid=None)
+    paths = {r.module: r.path for r in persample.supported(net, x, y, mse)}
+    assert paths == {"rnn": "op vjp", "fc": "rule"}, paths
+
+
 class Bucketed(nn.Module):
     """Idefics3's patch positions: each sample's fractional coordinates (from its own
     mask's count) put in buckets of shared boundaries by ``bucketize``, looked up in a

@@ -438,8 +438,10 @@ def _padded_pairing(ctx, func, x: Tensor, batch_first: bool) -> tuple | Mixed:
     """The layouts a padded kernel input and the states pair with the samples."""
     lay = ctx.layout(x)
     d = 0 if batch_first else 1
-    if isinstance(lay, Batched) and (x.dim() != 3 or lay.dim != d or not lay.plain):
+    if isinstance(lay, Batched) and (x.dim() != 3 or lay.dim != d):
         return mixed(func, "runs its recurrence over the samples' dim")
+    if isinstance(lay, Batched) and not lay.plain:  # (several sequences per sample, the
+        return lay, lay.moved(1)  # samples merged with rows: Sequencer's image rows)
     return Batched(d), Batched(1)
 
 
