@@ -597,10 +597,10 @@ EDGE_CASES: list[dict[str, Any]] = [
 
 # More layer families, one file each (they import the helpers above).
 from cases_layers import LAYER_CASES  # noqa: E402
-from cases_ops import OP_CASES  # noqa: E402
+from cases_ops import OP_CASES, OP_VJP_CASES  # noqa: E402
 from cases_recurrent import RECURRENT_CASES  # noqa: E402
 
-CASES += LAYER_CASES + RECURRENT_CASES + OP_CASES
+CASES += LAYER_CASES + RECURRENT_CASES + OP_CASES + OP_VJP_CASES
 CASE_IDS = [c["id"] for c in CASES]
 EDGE_CASE_IDS = [c["id"] for c in EDGE_CASES]
 BY_ID = {c["id"]: c for c in CASES + EDGE_CASES}

@@ -110,7 +110,10 @@ class Solved(nn.Module):
     against each sample's columns (``"columns"``, the matrix dims of ``x.unsqueeze(-1)``),
     each sample's rows from the right (``"right"``, ``left=False``), or each sample's own
     matrix (a parameter plus its diagonal) against a learned vector repeated into the
-    batch (``"vectors"``), or against itself (``"itself"``)."""
+    batch (``"vectors"``), or against itself (``"itself"``); the columns by
+    ``linalg.solve_ex`` (``"ex"``), ``cholesky_solve`` with the matrix's lower triangle
+    as the factor (``"cholesky"``), ``linalg.lu_solve`` of its LU factors
+    (``"lu"``)."""
 
     def __init__(self, form: str):
         super().__init__()
@@ -125,6 +128,14 @@ class Solved(nn.Module):
             return torch.linalg.solve(self.a, h.unsqueeze(-1)).squeeze(-1) + self.b
         if self.form == "right":
             return torch.linalg.solve(self.a, h.unsqueeze(1), left=False).squeeze(1) * self.b
+        if self.form == "ex":
+            return torch.linalg.solve_ex(self.a, h.unsqueeze(-1))[0].squeeze(-1) + self.b
+        if self.form == "cholesky":
+            factor = torch.tril(self.a)  # (a lower factor: its diagonal about 3)
+            return torch.cholesky_solve(h.unsqueeze(-1), factor).squeeze(-1) + self.b
+        if self.form == "lu":
+            return torch.linalg.lu_solve(*torch.linalg.lu_factor(self.a),
+                                         h.unsqueeze(-1)).squeeze(-1) + self.b
         if self.form == "itself":  # (the identity: no gradient reaches the matrix)
             return (torch.linalg.solve(self.a, self.a) @ h.unsqueeze(-1)).squeeze(-1) * self.b
         own = self.a + h.exp()[:, :, None] * torch.eye(N)  # (B, N, N)
@@ -143,10 +154,11 @@ OP_CASES: list[dict[str, Any]] = [
     case("addcmul-scale-shift", ScaleShift, lambda n: randn(n, N, 4)),
     case("addcmul-method-one-factor", ScaleOfInput, lambda n: randn(n, N),
          loss_fn=per_sample_squares),
-    *[{**case(f"solve-{form}", lambda form=form: Solved(form), lambda n: randn(n, N),
-              vmap=False), "vmap_wrong": True}
-      for form in ("columns", "right", "vectors", "itself")],
+    *[case(f"solve-{form}", lambda form=form: Solved(form), lambda n: randn(n, N))
+      for form in ("columns", "right", "vectors", "itself", "ex", "cholesky")],
 ]
-"""``vmap_wrong``: torch.func answers the case wrong (its vmap of ``linalg_solve`` with a
-shared matrix, torch 2.13), where it refuses the others marked ``vmap=False``: not
-compared."""
+OP_VJP_CASES: list[dict[str, Any]] = [
+    case("solve-lu", lambda: Solved("lu"), lambda n: randn(n, N)),
+]
+"""Ops on the rules' data flow whose parameters take the per-op VJP (no gradient rule):
+``linalg.lu_solve``."""

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import persample
-from persample import certificate
+from persample import certificate, whole
 from persample.dp import PrivateStep, private_grad
 from persample.errors import CertificateError, NeedsWholeModel
 from persample.rules import register_norm_rule, register_rule
@@ -615,18 +615,33 @@ def test_a_number_read_out_of_the_batch_is_caught_by_a_sample_alone():
     assert note.ok and any("alone" in name for name in note.errors), note
 
 
-class SharedSolve(nn.Module):
-    """``linalg.solve`` of a parameter matrix ``(C, C)`` and each sample's column: no
-    data-flow rule, so ``auto`` takes ``torch.func``, whose ``vmap(grad)`` of it is wrong
-    here (torch 2.13: each sample's loss comes out several times too large)."""
+class SharedProduct(nn.Module):
+    """Each sample's row times a parameter matrix ``(C, C)`` by ``linalg.multi_dot``,
+    which has no data-flow rule: ``auto`` takes ``torch.func`` over the whole model."""
 
     def __init__(self, c: int):
         super().__init__()
-        self.a = nn.Parameter(torch.randn(c, c, dtype=torch.float64) + 4 * torch.eye(
-            c, dtype=torch.float64))
+        self.a = nn.Parameter(torch.randn(c, c, dtype=torch.float64))
 
     def forward(self, x):
-        return torch.linalg.solve(self.a, x.unsqueeze(-1)).squeeze(-1)  # (B, C)
+        return torch.linalg.multi_dot([x, self.a, self.a])  # (B, C)
+
+
+@pytest.fixture
+def wrong_vmap(monkeypatch):
+    """``torch.func`` over the whole model answering 3x its gradients and losses, as its
+    ``vmap`` of a broadcast ``linalg.solve`` did in torch 2.13 (each sample's loss several
+    times too large)."""
+    vmap_grads = whole.vmap_grads
+
+    def wrong(*args, losses=None, **kwargs):
+        got = vmap_grads(*args, losses=losses, **kwargs)
+        if losses is not None:
+            losses.mul_(3)
+        return {name: g * 3 for name, g in got.items()}
+
+    monkeypatch.setattr("persample.api.vmap_grads", wrong)
+    monkeypatch.setattr("persample.dp.microbatch.vmap_grads", wrong)
 
 
 class SamplesInDimOneByChance(nn.Module):
@@ -661,13 +676,13 @@ def _sums(out, y):
     return (out - y).pow(2).flatten(1).sum(1)
 
 
-def test_an_identity_that_cannot_be_formed_is_decided_by_a_sample_alone():
+def test_an_identity_that_cannot_be_formed_is_decided_by_a_sample_alone(wrong_vmap):
     """Where the output has another dim of the batch's size and the method's losses are
     not those of its dim-0 rows, the identity cannot tell where the samples are; the last
     sample's forward alone decides: its row must be that sample's gradient alone, and
     where its output is not the batch's with that other dim of size 1, the samples are in
-    dim 0 and the identity is formed by it. torch.func's wrong answer on a shared
-    ``linalg.solve`` (``B = C``) is caught and the loop answers; a view that puts the
+    dim 0 and the identity is formed by it. A wrong answer of torch.func's with wrong
+    losses (``B = C``) is caught and the loop answers; a view that puts the
     samples in dim 1 only because ``B = T``, and a model that mixes samples by a
     ``repeat_interleave`` and a view at ``B = C``, are refused as at any other batch
     size. Before, the first two were answered wrong and the third answered (the loop's
@@ -675,7 +690,7 @@ def test_an_identity_that_cannot_be_formed_is_decided_by_a_sample_alone():
     dim 1 of the batch's output, and alone too) still stands uncertified (the test
     above)."""
     torch.manual_seed(1)
-    model, x, y = SharedSolve(4), torch.randn(4, 4), torch.randn(4, 4)
+    model, x, y = SharedProduct(4), torch.randn(4, 4), torch.randn(4, 4)
     want = persample.loop_per_sample_grads(model, x, y, _sums)
     got, _ = _caught(lambda: persample.per_sample_grads(model, x, y, _sums))
     torch.testing.assert_close(got["a"], want["a"], rtol=1e-10, atol=1e-12)
@@ -693,13 +708,13 @@ def test_an_identity_that_cannot_be_formed_is_decided_by_a_sample_alone():
                 persample.per_sample_grads(model, x, y, _sums, method=method, check="always")
 
 
-def test_a_dp_step_whose_identity_cannot_be_formed_is_decided_by_a_sample_alone():
-    """The DP step's certificate resolves the same way: torch.func's wrong gradient of a
-    shared ``linalg.solve`` at ``B = C`` (the rules have no rule for it) is caught and the
-    loop's clipped sum is released. Before, the step released torch.func's (off by 3x
-    here), uncertified, without a word."""
+def test_a_dp_step_whose_identity_cannot_be_formed_is_decided_by_a_sample_alone(wrong_vmap):
+    """The DP step's certificate resolves the same way: torch.func's wrong gradient (and
+    losses) at ``B = C`` is caught and the loop's clipped sum is released. Before, the
+    step released torch.func's (off by 3x here, as its gradient of a broadcast
+    ``linalg.solve`` once was), uncertified, without a word."""
     torch.manual_seed(1)
-    model, x, y = SharedSolve(4), torch.randn(4, 4), torch.randn(4, 4)
+    model, x, y = SharedProduct(4), torch.randn(4, 4), torch.randn(4, 4)
     want = persample.loop_per_sample_grads(model, x, y, _sums)["a"].sum(0) / 4
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -188,8 +188,9 @@ def _products(data, x, d):
 def _solves(data, x, d):
     """``linalg.solve`` of a shared, well-conditioned matrix: against the input's columns,
     from the right (``left=False``), or against the input as a batch of vectors (the
-    matrix expanded over its leading dims)."""
-    kind = data.draw(st.sampled_from(["left", "right", "vectors"]))
+    matrix expanded over its leading dims); against the columns by ``solve_ex``,
+    ``cholesky_solve`` (the matrix's lower triangle the factor) and ``lu_solve``."""
+    kind = data.draw(st.sampled_from(["left", "right", "vectors", "ex", "cholesky", "lu"]))
 
     def matrix(m: int) -> Tensor:
         return const(m, m) + m * torch.eye(m, dtype=torch.float64)
@@ -198,6 +199,12 @@ def _solves(data, x, d):
         return lambda t: torch.linalg.solve(matrix(t.shape[-2]), t)
     if kind == "right" and x.dim() >= 2:
         return lambda t: torch.linalg.solve(matrix(t.shape[-1]), t, left=False)
+    if kind == "ex" and x.dim() >= 2:
+        return lambda t: torch.linalg.solve_ex(matrix(t.shape[-2]), t)[0]
+    if kind == "cholesky" and x.dim() >= 2:
+        return lambda t: torch.cholesky_solve(t, torch.tril(matrix(t.shape[-2])))
+    if kind == "lu" and x.dim() >= 2:
+        return lambda t: torch.linalg.lu_solve(*torch.linalg.lu_factor(matrix(t.shape[-2])), t)
     return lambda t: torch.linalg.solve(matrix(t.shape[-1]).expand(*t.shape, t.shape[-1]), t)
 
 

@@ -337,8 +337,29 @@ def test_auto_falls_back_to_loop_with_a_warning():
     assert_grads_equal(got, want)
 
 
-@pytest.mark.parametrize("c", [c for c in CASES if not (c["vmap"] or c.get("vmap_wrong"))],
-                         ids=[c["id"] for c in CASES if not (c["vmap"] or c.get("vmap_wrong"))])
+@pytest.mark.parametrize("form", ["columns", "right", "ex", "vectors"])
+@pytest.mark.parametrize("what", ["grads", "jacobian"])
+def test_vmap_of_a_broadcast_solve_is_exact(form, what):
+    """torch.func's batched gradient of ``linalg.solve``/``solve_ex`` whose operands
+    broadcast (a shared matrix against a sample's ``(1, C, 1)`` columns, as a sample of a
+    batch of one presents them) is wrong in torch 2.13; persample's ``method="vmap"``
+    expands the operands first. Uncertified (``check="never"``), with a per-sample sum
+    (the batch's mean loss hid the error) and the batch size equal to the matrix's."""
+    model, inputs, targets = build(BY_ID[f"solve-{form}"], N)
+
+    def loss(out: Tensor, y: Tensor) -> Tensor:
+        return ((out - y) ** 2 * torch.arange(1.0, N + 1)).sum(1)
+
+    if what == "grads":
+        got = per_sample_grads(model, inputs, targets, loss, method="vmap", check="never")
+        assert_grads_equal(got, loop_per_sample_grads(model, inputs, targets, loss))
+    else:
+        got = persample.param_jacobian(model, inputs, method="vmap", check="never")
+        assert_grads_equal(got, persample.loop_param_jacobian(model, inputs))
+
+
+@pytest.mark.parametrize("c", [c for c in CASES if not c["vmap"]],
+                         ids=[c["id"] for c in CASES if not c["vmap"]])
 def test_vmap_refuses_recurrent_models(c):
     """torch.func cannot batch the fused RNN kernels: a clear error, not a shape error."""
     model, inputs, targets, loss_fn, _ = reference(c)

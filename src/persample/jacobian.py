@@ -35,6 +35,7 @@ from .engine.backward import one_hot
 from .errors import CertificateError, InternalError
 from .memory import result_empty
 from .methods import Taken, leave_rules, user_stacklevel
+from .patches import solves_broadcast
 
 MODES = ("auto", "reverse", "forward")
 _CHUNK_NUMBERS = 2**22  # jacobian_diagonal's default: tangents of a chunk, in numbers
@@ -418,7 +419,11 @@ def _push(model: Callable, x: Tensor, tangents: Tensor) -> Tensor:
     def one(t: Tensor) -> Tensor:  # (B, *in_shape) -> (B, *out_shape)
         return jvp(call, (x, state), (t, zeros))[1]
 
-    jv = one(tangents[0]).unsqueeze(0) if tangents.shape[0] == 1 else vmap(one)(tangents)
+    if tangents.shape[0] == 1:
+        jv = one(tangents[0]).unsqueeze(0)
+    else:
+        with solves_broadcast():
+            jv = vmap(one)(tangents)
     _checked_output(jv[0] if isinstance(jv, Tensor) else jv, x.shape[0])
     return jv
 

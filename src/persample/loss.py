@@ -42,6 +42,7 @@ from torch.utils._pytree import (
 from .batch import SHARED, Batched, Layout, Mixed, front
 from .errors import LossNotPerSampleError, NeedsWholeModel, internal, named_loss
 from .inputs import mapped_targets, samples_of
+from .patches import solves_broadcast
 
 FIX = """Compute each sample's own loss from the logits and pass the labels as targets, e.g. for a
 causal LM:
@@ -252,7 +253,8 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
             return loss_fn(tree_unflatten(flat_i, spec), one_target(rows_i)).sum()
 
         try:
-            return vmap(one, in_dims=(dims, target_dims))(cut, rows)
+            with solves_broadcast():
+                return vmap(one, in_dims=(dims, target_dims))(cut, rows)
         except (LossNotPerSampleError, NeedsWholeModel):
             raise
         except Exception:  # loss_fn cannot be vmapped (.item(), data-dependent code)

@@ -32,6 +32,13 @@ While any capture is open (counted over threads, undone when the last one closes
 The loop over samples and ``torch.func`` use the same checkpoint switch
 (:func:`plain_checkpoints`), so that they can differentiate a model that uses reentrant
 checkpoints at all.
+
+Around persample's own ``torch.func`` calls (the whole model's ``vmap``, per-op VJPs, a
+loss cut by sample, forward-mode input Jacobians), in the calling thread only:
+``torch.linalg.solve`` and ``solve_ex`` get their operands expanded to the batch dims they
+broadcast to (:func:`solves_broadcast`): ``torch.func``'s batched gradient of a solve whose
+operands broadcast is wrong in torch 2.13 (a shared matrix against each sample's
+``(1, C, 1)`` right-hand side: several times the loop's), and right with them expanded.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 
 class WhileCapturing:
@@ -183,3 +191,64 @@ def plain_checkpoints() -> Iterator[None]:
         yield
     finally:
         WhileCapturing.exit()
+
+
+_SOLVES = frozenset((torch.linalg.solve, torch.linalg.solve_ex))
+
+
+class _SolvesBroadcast(TorchFunctionMode):
+    """``torch.linalg.solve``/``solve_ex`` with their operands expanded to the batch dims
+    they broadcast to (see :func:`solves_broadcast`)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _SOLVES:
+            args, kwargs = _expanded_solve(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _expanded_solve(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``solve(A, B, left=)``'s arguments with ``A (*a, C, C)`` and ``B (*b, C, k)``
+    (``(*b, C)`` a batch of vectors, as ``linalg.solve`` reads it) expanded to the batch
+    dims ``broadcast(a, b)``: the same values, the same result."""
+    kwargs = dict(kwargs)
+    a = args[0] if args else kwargs.pop("A", None)
+    b = args[1] if len(args) > 1 else kwargs.pop("B", None)
+    rest = tuple(args[2:])
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dim() < 2 or b.dim() < 1:
+        return args, kwargs if args else {**kwargs, "A": a, "B": b}
+    vector = b.dim() == 1 or (kwargs.get("left", True) and b.dim() == a.dim() - 1
+                              and b.shape == a.shape[:-1])
+    tail = 1 if vector else 2
+    if b.dim() < tail:
+        return (a, b, *rest), kwargs
+    try:
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-tail])
+    except RuntimeError:  # (not solvable: torch's own error)
+        return (a, b, *rest), kwargs
+    return (a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-tail:]), *rest), kwargs
+
+
+@contextmanager
+def solves_broadcast() -> Iterator[None]:
+    """Inside (this thread): ``torch.linalg.solve`` and ``solve_ex`` get operands expanded
+    to the batch dims they broadcast to. ``torch.func``'s batched gradient of a solve whose
+    operands broadcast (a shared ``(C, C)`` matrix against each sample's ``(1, C, k)``
+    right-hand side, as a sample of a batch of one presents it) is wrong, or fails, in
+    torch 2.13; with the operands expanded it is right, the values unchanged. Entered
+    around persample's own ``torch.func`` calls only.
+
+    Examples:
+        >>> import torch
+        >>> from torch.func import grad, vmap
+        >>> a, x = torch.eye(2) * 2, torch.ones(3, 2)
+        >>> f = lambda a, x: torch.linalg.solve(a, x[None, :, None]).sum()
+        >>> with solves_broadcast():
+        ...     g = vmap(grad(f), in_dims=(None, 0))(a, x)
+        >>> g[0]
+        tensor([[-0.2500, -0.2500],
+                [-0.2500, -0.2500]])
+    """
+    with _SolvesBroadcast():
+        yield

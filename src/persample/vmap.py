@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import UnsupportedModuleError, named_loss
 from .inputs import Batch, mapped_targets
-from .patches import plain_checkpoints
+from .patches import plain_checkpoints, solves_broadcast
 from .precision import autocast_state
 from .sharded import refuse_sharded
 
@@ -100,7 +100,7 @@ def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn:
         return loss, loss.detach()
 
     index = torch.arange(batch.n, device=_device(flat))
-    with plain_checkpoints(), _unmixed_norms(), _input_derivatives():
+    with plain_checkpoints(), solves_broadcast(), _unmixed_norms(), _input_derivatives():
         grads, each = vmap(grad(sample_loss, has_aux=True), in_dims=(None, dims, target_dims,
                                                                      0))(theta, flat, rows, index)
     if losses is not None:
@@ -134,7 +134,7 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
             return call(model, th, flat_i)[0]  # (*out_shape)
 
     index = torch.arange(batch.n, device=_device(flat))
-    with plain_checkpoints(), _unmixed_norms(), _input_derivatives():
+    with plain_checkpoints(), solves_broadcast(), _unmixed_norms(), _input_derivatives():
         return vmap(jacrev(sample_output), in_dims=(None, dims, 0))(theta, flat, index)
 
 

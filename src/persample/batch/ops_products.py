@@ -285,6 +285,52 @@ def _solve(ctx, func, args, kwargs, out) -> Any:
 register(_solve, *aliases("solve", where=(torch.linalg,)))
 
 
+def _solve_ex(ctx, func, args, kwargs, out) -> Any:
+    """``linalg.solve_ex(A, B, left=)``: ``X`` as :func:`_solve`'s, ``info`` (a code per
+    system, ``A`` and ``B``'s batch dims) the samples of ``X``'s batch dims (none where
+    the samples are in ``X``'s columns only: ``info`` is ``A``'s then, shared)."""
+    a, b = arg(args, kwargs, 0, "A"), arg(args, kwargs, 1, "B")
+    got = _solve(ctx, func, (a, b), {"left": kwargs.get("left", True)}, out[0])
+    flow = got if isinstance(got, Flow) else Flow(got)
+    lay = flow.outputs
+    info = (SHARED if lay.dim >= out[1].dim() else lay) if type(lay) is Batched else lay
+    return Flow((lay, info), flow.pairing)
+
+
+register(_solve_ex, *aliases("solve_ex", where=(torch.linalg,)))
+
+
+def _cholesky_solve(ctx, func, args, kwargs, out) -> Any:
+    """``cholesky_solve(B, L, upper=)``: ``X = (L L^T)^-1 B``, the samples carried as by
+    ``linalg.solve(L L^T, B)`` (:func:`_solve_triangular`)."""
+    b, factor = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "input2")
+    got = _solve_triangular(ctx, func, (factor, b), {}, out)
+    if isinstance(got, Flow) and got.pairing is not None:
+        return Flow(got.outputs, got.pairing[::-1], got.writes)
+    return got
+
+
+register(_cholesky_solve, *aliases("cholesky_solve"))
+
+
+def _lu_solve(ctx, func, args, kwargs, out) -> Any:
+    """``linalg.lu_solve(LU, pivots, B, left=, adjoint=)``: ``X`` carries the samples as
+    ``linalg.solve(A, B, left=)`` of the factored ``A`` does (:func:`_solve_triangular`);
+    the pivots, ``A``'s, hold them where ``LU`` does (else they mix)."""
+    lu, pivots = arg(args, kwargs, 0, "LU"), arg(args, kwargs, 1, "pivots")
+    b = arg(args, kwargs, 2, "B")
+    if ctx.layout(pivots) != ctx.layout(lu):
+        return mixed(func, "solves with pivots of other samples than its factors")
+    got = _solve_triangular(ctx, func, (lu, b), {"left": kwargs.get("left", True)}, out)
+    if isinstance(got, Flow) and got.pairing is not None:  # (leaves: LU, pivots, B)
+        return Flow(got.outputs, (got.pairing[0], got.pairing[0], got.pairing[1]),
+                    got.writes)
+    return got
+
+
+register(_lu_solve, *aliases("lu_solve", where=(torch.linalg,)))
+
+
 def _matrix_function(ctx, func, args, kwargs, out) -> Any:
     """``linalg.matrix_exp(A)``: a function of each matrix in the last two dims; samples
     in the leading dims stay apart, in the matrix dims they mix."""

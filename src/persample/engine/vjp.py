@@ -33,6 +33,7 @@ from ..batch.flow import IN_PLACE_OPERATORS
 from ..batch.forms import forms
 from ..draws import Draw, DrawNotReplayable, Replay, at
 from ..errors import UnsupportedModuleError
+from ..patches import solves_broadcast
 from ..precision import replaying
 from ..rules.spec import EXPANSIONS
 
@@ -76,7 +77,7 @@ def per_sample_vjp(fn: Callable[..., tuple[Tensor, ...]], values: list, pairings
         return vmap(pull)(tuple(cots_i))  # over the v cotangents
 
     index = torch.arange(n, device=cots[0].device)
-    with _unfused(recurrent):
+    with _unfused(recurrent), solves_broadcast():
         return list(vmap(one)(fronted, index, cots))
 
 

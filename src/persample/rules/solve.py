@@ -1,4 +1,5 @@
-"""``torch.linalg.solve``: ``X = A^-1 B`` (``left=False``: ``X = B A^-1``), a learned
+"""``torch.linalg.solve``, ``linalg.solve_ex`` and ``cholesky_solve``: ``X = A^-1 B``
+(``left=False``: ``X = B A^-1``; ``A = L L^T`` from its Cholesky factor), a learned
 matrix solved against each sample's right-hand sides (Gaussian-process and Kalman layers,
 implicit linear layers), or each sample's matrix against a learned right-hand side.
 
@@ -12,9 +13,9 @@ forward and reverse mode algorithmic differentiation", 2008), per sample::
     grad_A[n, v] = - grad_B[n, v] X[n]^T   (left=False: - X[n]^T grad_B[n, v])
 
 each summed over the batch dims the parameter was broadcast over. ``X`` is solved again
-from the inputs the op read. torch.func's batched vector-Jacobian product of
-``linalg_solve`` is wrong for a shared ``A`` (torch 2.13), so this op has no slower
-path to decline to: every form is computed here.
+from the inputs the op read. (torch.func's batched vector-Jacobian product of a solve
+whose operands broadcast is wrong in torch 2.13; persample's own ``torch.func`` calls
+expand them first: :func:`persample.patches.solves_broadcast`.)
 """
 
 from __future__ import annotations
@@ -56,3 +57,42 @@ def solve(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
 
 
 SOLVE = register(OpSpec((torch.linalg.solve,), grad=solve))
+
+
+def solve_ex(call: OpCall, g: list, out: dict[Tensor, Tensor]) -> None:
+    """``linalg.solve_ex``: ``g[0]``, the backprops of ``X``, as :func:`solve`'s (``info``
+    holds integers: no gradient)."""
+    if g[0] is None:
+        call.only(out, call.arg(0, "A"), call.arg(1, "B"))
+        for t in out.values():
+            t.zero_()
+        return
+    solve(call, g[0], out)
+
+
+SOLVE_EX = register(OpSpec((torch.linalg.solve_ex,), grad=solve_ex, multi_output=True))
+
+
+def cholesky_solve(call: OpCall, g: Tensor, out: dict[Tensor, Tensor]) -> None:
+    """``cholesky_solve(B, L, upper=)``: ``X = (L L^T)^-1 B`` (``U^T U`` where ``upper``);
+    ``g (n, v, *x_shape)`` -> ``out[t]`` for ``t`` among ``B``, ``L``, per sample::
+
+        grad_B = (L L^T)^-1 G,   S = grad_B X^T + X grad_B^T,
+        grad_L = - S L   (upper: - U S)
+
+    (torch's own ``cholesky_solve`` backward, which reads the whole of ``L``)."""
+    b, factor = call.arg(0, "input"), call.arg(1, "input2")
+    upper = call.arg(2, "upper", False)
+    call.only(out, b, factor)
+    lv, bv = _batched(call, factor), _batched(call, b)
+    x = torch.cholesky_solve(bv, lv, upper=upper)  # (n or 1, v or 1, ..., C, k)
+    gb = torch.cholesky_solve(g, lv, upper=upper)  # (n, v, ..., C, k)
+    if b in out:
+        write_reduced(call, out, b, gb)
+    if factor in out:
+        s = gb @ x.mT
+        s = s + s.mT  # (n, v, ..., C, C)
+        write_reduced(call, out, factor, -(lv @ s) if upper else -(s @ lv))
+
+
+CHOLESKY_SOLVE = register(OpSpec((torch.cholesky_solve,), grad=cholesky_solve))
