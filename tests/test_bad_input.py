@@ -223,3 +223,65 @@ def test_inputs_without_a_batch(inputs, snapshot):
 def test_model_that_is_not_a_module():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         per_sample_grads(lambda x: x, randn(3, 4), None, nn.MSELoss())
+
+
+class LearnedVariance(nn.Module):
+    """A mean per sample and a variance made from a parameter alone, expanded to the
+    batch (a homoscedastic Gaussian): ``(mu (B, C), var (B, C))``, or the variance
+    unexpanded ``(C,)`` (``expanded=False``)."""
+
+    def __init__(self, expanded: bool = True):
+        super().__init__()
+        self.expanded = expanded
+        self.mean, self.log_var = nn.Linear(3, 3), nn.Parameter(torch.linspace(-1, 1, 3))
+
+    def forward(self, x):
+        mu = self.mean(x)
+        return mu, self.log_var.exp().expand_as(mu) if self.expanded else self.log_var.exp()
+
+
+def _gaussian(out, y):
+    return torch.nn.functional.gaussian_nll_loss(out[0], y, out[1].expand_as(out[0]))
+
+
+def test_an_output_made_from_parameters_expanded_to_the_batch():
+    """Each sample's loss gets such an output whole beside its own rows of the others,
+    where its forward alone would have made it a sample's: the rules refuse, naming it,
+    and ``auto`` answers by the whole model's methods (it raised torch's shape error)."""
+    torch.manual_seed(0)
+    model, x, y = LearnedVariance(), randn(5, 3), randn(5, 3)
+    want = loop_per_sample_grads(model, x, y, _gaussian)
+    with pytest.raises(persample.NeedsWholeModel, match=r"output\[1\] holds no sample"):
+        per_sample_grads(model, x, y, _gaussian, method="rules")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_grads_equal(per_sample_grads(model, x, y, _gaussian), want)
+
+
+@pytest.mark.parametrize("what", ["dots", "projector", "private_grad", "PrivateStep"])
+def test_complex_parameters_are_refused_where_real_ones_are_needed(what):
+    """Inner products, projections and a DP step of complex gradients are not defined
+    here: a TypeError naming the parameter (they crashed in torch's casts);
+    ``per_sample_grads`` takes them."""
+    from persample import dp
+
+    class Complex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4, dtype=torch.complex128))
+
+        def forward(self, x):
+            return (x.to(torch.complex128) @ self.w.T).abs()
+
+    model, x, y, mse = Complex(), randn(5, 4), randn(5, 3), nn.MSELoss()
+    assert per_sample_grads(model, x, y, mse)["w"].dtype == torch.complex128
+    calls = {
+        "dots": lambda: persample.per_sample_grad_dots(model, x, y, mse),
+        "projector": lambda: persample.GradientProjector(model, 4)(x, y, mse),
+        "private_grad": lambda: dp.private_grad(model, x, y, mse, max_grad_norm=1.0,
+                                                noise_multiplier=0.0),
+        "PrivateStep": lambda: dp.PrivateStep(model, mse, max_grad_norm=1.0,
+                                              noise_multiplier=0.0, expected_batch_size=5),
+    }
+    with pytest.raises(TypeError, match="parameter 'w' is complex128"):
+        calls[what]()

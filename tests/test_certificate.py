@@ -744,3 +744,61 @@ def test_a_forward_that_cannot_run_one_sample_alone_leaves_an_undecided_identity
     want = persample.loop_per_sample_grads(BatchInDim1(model.layer), ids, None, l1("mean"))
     torch.testing.assert_close(got["layer.weight"], want["layer.weight"], rtol=1e-10,
                                atol=1e-12)
+
+
+class MeanAndVariance(nn.Module):
+    """``(mu (B, C), var (C,))``: the variance made from a parameter alone; at ``B = C``
+    its dim 0 has the batch's size."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.mean = nn.Linear(c, c, dtype=torch.float64)
+        self.log_var = nn.Parameter(torch.zeros(c, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.mean(x), self.log_var.exp()
+
+
+def _gaussian(out, y):
+    return F.gaussian_nll_loss(out[0], y, out[1].expand_as(out[0]))
+
+
+def test_an_output_holding_no_sample_as_long_as_the_batch_is_passed_whole():
+    """At ``B = C`` the certificate cut the ``(C,)`` variance by sample as if its dim 0
+    were the batch's (each sample's loss then read one entry), and rejected the loop's
+    right answer (``auto`` raised). A sample's forward alone shows the variance the same
+    shape: it goes whole to each sample's loss, and the identity holds."""
+    torch.manual_seed(0)
+    model, x, y = MeanAndVariance(3), torch.randn(3, 3), torch.randn(3, 3)
+    want = persample.loop_per_sample_grads(model, x, y, _gaussian)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = persample.per_sample_grads(model, x, y, _gaussian, check="always")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_a_loss_that_fails_on_the_rows_of_dim_0_leaves_the_identity_undecided():
+    """A sequence-first output ``(T, B, C)`` read by a loss that permutes it, at ``B = T``:
+    the certificate's cut by dim 0 made ``loss_fn`` fail (torch's batch size error
+    escaped the certificate); the identity is now undecided, as for the losses that
+    disagree, and the rules' answer stands."""
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(3, 4, dtype=torch.float64)
+            self.out = nn.Linear(4, 3, dtype=torch.float64)
+
+        def forward(self, x):  # (B, T, 3) -> (T, B, 3)
+            return self.out(self.rnn(x.transpose(0, 1))[0])
+
+    def loss(out, y):
+        return F.cross_entropy(out.permute(1, 2, 0), y)
+
+    torch.manual_seed(0)
+    model, x, y = SequenceFirst(), torch.randn(5, 5, 3), torch.randint(0, 3, (5, 5))
+    want = persample.loop_per_sample_grads(model, x, y, loss)
+    got = persample.per_sample_grads(model, x, y, loss, check="always")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import pytest
@@ -923,3 +924,39 @@ def test_under_a_cuda_graph_capture_no_value_is_read(monkeypatch):
         private_grad(net, x, y, nn.CrossEntropyLoss(), max_grad_norm=1.0,
                      noise_multiplier=1.0)
     assert all(p.grad is None and torch.equal(p, before[k]) for k, p in net.named_parameters())
+
+
+class TiedPaddedTable(nn.Module):
+    """A table with a padding row, tied to the output layer, whose padded positions get
+    a NaN backprop (the norm of their zero vector: 0/0): the loop's table gradient is
+    finite there (an embedding's backward skips the padding row), and the rules' must be
+    (a NaN times a zero mask is NaN)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, padding_idx=1)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:  # (B, T) -> (B, T, 10)
+        h = self.emb(ids)
+        return self.head(h + h.pow(2).sum(-1, keepdim=True).sqrt())
+
+
+def test_a_nan_backprop_at_padded_positions_of_a_tied_table_stays_out():
+    """transformers' LED (a sliding window of masked keys gives NaN before its fill) had
+    NaN rows where the loop's are finite."""
+    torch.manual_seed(0)
+    model = TiedPaddedTable()
+    ids = torch.tensor([[3, 4, 5], [6, 7, 1], [1, 1, 8]])  # (B = T = 3)
+
+    def loss(out: Tensor, y: Any) -> Tensor:
+        return out.pow(2).flatten(1).mean(1)
+
+    want = persample.loop_per_sample_grads(model, ids, None, loss)
+    assert bool(want["emb.weight"].isfinite().all())
+    for method in ("rules", "auto"):
+        got = persample.per_sample_grads(model, ids, None, loss, method=method)
+        assert_exact(got, want)
+    norms = persample.per_sample_grad_norms(model, ids, None, loss, method="rules")
+    torch.testing.assert_close(norms, flat(want).norm(dim=1), rtol=1e-10, atol=1e-12)

@@ -77,7 +77,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .checks import kept_buffers
-from .errors import NeedsWholeModel
+from .batch import SHARED, Batched
+from .errors import REFUSALS, InternalError, NeedsWholeModel
 from .inputs import Batch, samples_of
 from .loss import per_sample_losses
 from .methods import AMBIGUOUS
@@ -332,11 +333,14 @@ class _NoIdentity(Exception):
     """The batch's output cannot give each sample's loss without persample's data flow
     (it has no row per sample in dim 0, and the loss is a scalar). ``shapes``: the
     output's tensors' shapes, where the samples may be in another dim of the batch's
-    size (:data:`~persample.methods.AMBIGUOUS`)."""
+    size (:data:`~persample.methods.AMBIGUOUS`), or where a tensor may hold no sample
+    at all though its dim 0 has the batch's size (``shared``: an output made from
+    parameters alone, ``(C,)`` at ``B = C``)."""
 
-    def __init__(self, why: str, shapes: list[torch.Size] | None = None):
+    def __init__(self, why: str, shapes: list[torch.Size] | None = None,
+                 shared: bool = False):
         super().__init__(why)
-        self.shapes = shapes
+        self.shapes, self.shared = shapes, shared
 
 
 def _reference(model: Any, batch: Batch | Callable[[], Any], draws: Draws,
@@ -399,28 +403,48 @@ def _autocast_seen(model: Any) -> Iterator[set]:
 
 
 def _losses(output: Any, targets: Any, loss_fn: Callable, n: int,
-            expected: Tensor | None = None) -> Tensor:
-    """``(n,)`` each sample's loss from the batch's output, its rows in dim 0.
+            expected: Tensor | None = None, whole: frozenset | None = None) -> Tensor:
+    """``(n,)`` each sample's loss from the batch's output, its rows in dim 0 (but the
+    output tensors at the positions ``whole`` of its leaves, passed whole: they hold no
+    sample, as a sample's forward alone showed; ``None``: not known yet).
 
     ``expected``: the method's own per-sample losses ``(n,)``. Where they differ and an
     output tensor has another dim of size ``n`` (its samples could be there: a
     sequence-first output with as many positions as samples), the identity cannot tell
-    where the samples are without persample's data flow: not certified. Elsewhere a
-    difference is the forward's (it does not reproduce), and shows in the identity."""
+    where the samples are without persample's data flow: not certified; so too where
+    ``loss_fn`` fails on the rows of dim 0 of such an output (the samples' dim is
+    another: a sequence-first output at ``B = T``). Elsewhere a difference is the
+    forward's (it does not reproduce), and shows in the identity. Where there are several
+    output tensors and ``whole`` is not known, one may hold no sample though its dim 0
+    has the batch's size (a ``(C,)`` variance made from parameters, at ``B = C``): not
+    formed either (``_NoIdentity.shared``), which a sample's forward alone resolves
+    (:func:`_in_dim_0`)."""
     leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
     if n > 1 and any(t.dim() == 0 or t.shape[0] != n for t in leaves):
         loss = loss_fn(output, targets)
         if isinstance(loss, Tensor) and loss.shape == (n,):
             return loss
         raise _NoIdentity("the model's output has no row per sample in dim 0")
+    elsewhere = n > 1 and any(n in t.shape[1:] for t in leaves)
+    held = {id(t) for k, t in enumerate(leaves) if k in (whole or ())}
     try:
-        loss = per_sample_losses(output, targets, loss_fn, n)
+        loss = per_sample_losses(output, targets, loss_fn, n, layout_of=(
+            lambda t: SHARED if id(t) in held else Batched(0)) if held else None)
     except NeedsWholeModel as err:  # an output no pytree opens (a distribution), a scalar
         raise _NoIdentity(str(err)) from err  # loss: no sample's part of it to give
-    if (expected is not None and n > 1 and any(n in t.shape[1:] for t in leaves)
+    except Exception as err:
+        if not elsewhere or isinstance(err, REFUSALS + (InternalError,)):
+            raise
+        raise _NoIdentity(AMBIGUOUS, [t.shape for t in leaves]) from err
+    if (expected is not None and elsewhere
             and not _same_losses(loss.detach(), expected.to(loss.device))):
         raise _NoIdentity(AMBIGUOUS, [t.shape for t in leaves])
+    if whole is None and n > 1 and len(leaves) > 1:
+        raise _NoIdentity(SHARED_DOUBT, [t.shape for t in leaves], shared=True)
     return loss
+
+
+SHARED_DOUBT = "an output tensor may hold no sample though its dim 0 has the batch's size"
 
 
 def _same_losses(a: Tensor, b: Tensor) -> bool:
@@ -592,20 +616,22 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
     tol, eps = _precision(first.dtype, first.device)
     cert = Certificate(what, method, "sum_i u_i g_i = d(sum_i u_i L_i)/dtheta", tol=tol)
     u = _gaussian(n)
+    whole: frozenset | None = None  # (output tensors passed whole: see _in_dim_0)
     try:
         (want,), moved, low = _weighted_gradients(model, [(batch, targets, u)], loss_fn,
-                                                  params, draws, [losses])
+                                                  params, draws, [losses], whole=None)
     except _NoIdentity as why:
-        if not _in_dim_0(cert, why, model, batch, targets, loss_fn, params, summed, draws,
-                         eps):
+        whole = _in_dim_0(cert, why, model, batch, targets, loss_fn, params, summed, draws,
+                          eps)
+        if whole is None:
             return cert
         (want,), moved, low = _weighted_gradients(  # (cut by dim 0)
-            model, [(batch, targets, u)], loss_fn, params, draws)
+            model, [(batch, targets, u)], loss_fn, params, draws, whole=whole)
     cert.tol, eps = _lowered(cert.tol, eps, low)
 
     def exact() -> dict[str, Tensor] | None:
         found = _weighted_in_float64(model, [(batch, targets, u)], loss_fn, params,
-                                     draws)
+                                     draws, whole or frozenset())
         return None if found is None else found[0]
 
     _verdict(cert, summed(u), want, moved, eps, exact)
@@ -618,22 +644,32 @@ def certify_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callabl
 def _in_dim_0(cert: Certificate, why: _NoIdentity, model: nn.Module, batch: Batch,
               targets: Any, loss_fn: Callable, params: Mapping[str, Tensor],
               summed: Callable[[Tensor], Mapping[str, Tensor]], draws: Draws,
-              eps: float) -> bool:
+              eps: float) -> frozenset | None:
     """After the identity could not be formed (``why``): are the output's samples in dim
     0 after all, as the last sample's forward alone shows (:func:`_last_alone`,
-    :func:`_elsewhere`)? Then the identity is to be formed by it; else ``cert`` is
-    failed (that sample's row is not its gradient alone) or undecided.
+    :func:`_elsewhere`)? Then the identity is to be formed by it: returns the positions
+    of the output tensors that hold no sample (the same shape alone as in the batch, dim
+    0 of the batch's size: passed whole to each sample's loss). Else ``None``: ``cert``
+    is failed (that sample's row is not its gradient alone) or undecided. Where only
+    such a tensor was in doubt (``why.shared``) and the forward alone decides nothing,
+    the identity is formed by dim 0, as before the doubt.
     ``summed(u)``: ``{name: sum_i u_i g_i}`` for weights ``u`` ``(n,)`` of the result."""
     n = batch.n
     shapes = None if why.shapes is None or n == 1 else _last_alone(
         cert, model, batch, targets, loss_fn, params, summed, draws, eps, (
-            f" (the identity over the batch could not be formed: {AMBIGUOUS}); likely "
+            f" (the identity over the batch could not be formed: {why}); likely "
             "cause: a model whose output holds the samples in another dim only at this "
             "batch size (a view or reshape that happens to fit), a whole-model method "
             "torch gets wrong on an op, or a model that mixes samples"))
-    if cert.ok and (shapes is None or _elsewhere(why.shapes, shapes, n)):
+    if not cert.ok:
+        return None
+    if why.shared and (shapes is None or len(shapes) != len(why.shapes)):
+        return frozenset()  # (undecided by it: dim 0, as the losses agreed with it)
+    if not why.shared and (shapes is None or _elsewhere(why.shapes, shapes, n)):
         cert.undecided(str(why))
-    return cert.ok and cert.decided
+        return None
+    return frozenset(k for k, (b, a) in enumerate(zip(why.shapes, shapes))
+                     if len(b) and b[0] == n and a == b)
 
 
 def _last_alone(cert: Certificate, model: nn.Module, batch: Batch, targets: Any,
@@ -796,24 +832,26 @@ def certify_step(model: nn.Module, batch: Batch, targets: Any, loss_fn: Callable
             vectors.append(c)
         group[name] = k
     weights = [u + lam * c.detach().double().cpu() for c in vectors]
+    whole: frozenset | None = None  # (output tensors passed whole: see _in_dim_0)
     try:
         grads, moved, low = _weighted_gradients(
             model, [(batch, targets, w) for w in weights], loss_fn, params, draws,
-            [losses] * len(weights))
+            [losses] * len(weights), whole=None)
     except _NoIdentity as why:
-        if not _in_dim_0(cert, why, model, batch, targets, loss_fn, params,
-                         lambda w: summed({name: w for name in params}), draws, eps):
+        whole = _in_dim_0(cert, why, model, batch, targets, loss_fn, params,
+                          lambda w: summed({name: w for name in params}), draws, eps)
+        if whole is None:
             return cert
         grads, moved, low = _weighted_gradients(  # (cut by dim 0)
             model, [(batch, targets, w) for w in weights], loss_fn, params, draws,
-            [None] * len(weights))
+            [None] * len(weights), whole=whole)
     cert.tol, eps = _lowered(cert.tol, eps, low)
     want = {name: grads[group[name]][name] for name in params}
     got = summed({name: weights[group[name]] for name in params})
 
     def exact() -> dict[str, Tensor] | None:
         found = _weighted_in_float64(model, [(batch, targets, w) for w in weights], loss_fn,
-                                     params, draws)
+                                     params, draws, whole or frozenset())
         return None if found is None else {name: found[group[name]][name] for name in params}
 
     _verdict(cert, got, want, moved, eps, exact)
@@ -888,12 +926,15 @@ def certify_input_jacobian(model: Callable[[Tensor], Tensor], inputs: Tensor, ja
 
 def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]],
                         loss_fn: Callable, params: Mapping[str, Tensor], draws: Draws,
-                        expected: list[Tensor | None] | None = None
+                        expected: list[Tensor | None] | None = None,
+                        whole: frozenset | None = frozenset()
                         ) -> tuple[list[dict[str, Tensor]], list[str], torch.dtype | None]:
     """For each ``(batch, targets, u)`` of ``sides`` (forwards in that order, from
     ``draws``; a batch repeated is one forward), the gradient of ``sum_i u_i L_i``
-    ``{name: (*shape)}`` (``expected``: each side's method's losses, or ``None``)."""
-    batches, roots = _weighted_roots(sides, loss_fn, expected)
+    ``{name: (*shape)}`` (``expected``: each side's method's losses, or ``None``;
+    ``whole``: as for :func:`_losses`; ``None`` where a sample's forward alone is to say
+    which output tensors hold no sample)."""
+    batches, roots = _weighted_roots(sides, loss_fn, expected, whole=whole)
     call = _plain_model(model)
     grads, moved, low = _reference(model, lambda: [b.call(call) for b in batches], draws,
                                    roots, list(params.values()))
@@ -903,7 +944,8 @@ def _weighted_gradients(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]]
 
 def _weighted_roots(sides: list[tuple[Batch, Any, Tensor]], loss_fn: Callable,
                     expected: list[Tensor | None] | None = None,
-                    cast: Callable[[Any], Any] = lambda targets: targets
+                    cast: Callable[[Any], Any] = lambda targets: targets,
+                    whole: frozenset | None = frozenset()
                     ) -> tuple[list[Batch], Callable[[list], list[tuple[Tensor, None]]]]:
     """``(batches, roots)``: the distinct batches of ``sides`` in order, and
     ``roots(outputs)`` giving each side's ``sum_i u_i L_i`` from those batches' outputs
@@ -913,7 +955,7 @@ def _weighted_roots(sides: list[tuple[Batch, Any, Tensor]], loss_fn: Callable,
     by_id = {id(b): (b, t) for b, t, _ in sides}
 
     def roots(outs: list) -> list:
-        losses = {k: _losses(out, cast(t), loss_fn, b.n, known[k])
+        losses = {k: _losses(out, cast(t), loss_fn, b.n, known[k], whole)
                   for (k, (b, t)), out in zip(by_id.items(), outs)}
         return [((u.to(losses[id(b)].device, losses[id(b)].dtype) * losses[id(b)]).sum(),
                  None) for b, _, u in sides]
@@ -977,11 +1019,12 @@ def _float64_call(model: Any, params: Mapping[str, Tensor]
 
 
 def _weighted_in_float64(model: nn.Module, sides: list[tuple[Batch, Any, Tensor]],
-                         loss_fn: Callable, params: Mapping[str, Tensor], draws: Draws
+                         loss_fn: Callable, params: Mapping[str, Tensor], draws: Draws,
+                         whole: frozenset | None = frozenset()
                          ) -> list[dict[str, Tensor]] | None:
     """:func:`_weighted_gradients` in float64 (:func:`_in_float64`; the floating targets
     cast too), or ``None``."""
-    batches, roots = _weighted_roots(sides, loss_fn, cast=_doubled)
+    batches, roots = _weighted_roots(sides, loss_fn, cast=_doubled, whole=whole)
     return _in_float64(model, batches, roots, params, draws)
 
 

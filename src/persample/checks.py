@@ -109,6 +109,19 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
+def real_parameters(params: dict[str, Tensor], what: str) -> None:
+    """Raise ``TypeError`` naming the first complex parameter of ``params``: ``what``
+    (inner products, projections, a DP step) is defined for real parameters only."""
+    name = next((name for name, p in params.items() if p.is_complex()), None)
+    if name is not None:
+        raise TypeError(
+            f"{what} takes real parameters, and parameter {name!r} is "
+            f"{str(params[name].dtype).replace('torch.', '')}: hold it as a real tensor of "
+            "(real, imaginary) pairs and view it as complex in forward "
+            "(torch.view_as_complex), or use per_sample_grads, whose rows of a complex "
+            "parameter are complex")
+
+
 def selected_parameters(model: nn.Module, params: dict[str, nn.Parameter], selected: Any
                         ) -> dict[str, nn.Parameter]:
     """The trainable parameters ``params`` that ``selected`` names (``None``: all), in

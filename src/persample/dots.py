@@ -82,7 +82,8 @@ def per_sample_grad_dots(
     Raises:
         TypeError, ValueError, NeedsWholeModel, UnsupportedModuleError: as
             :func:`persample.per_sample_grads`, for either batch; ``ValueError`` for an
-            ``other`` that is not an ``(inputs, targets)`` pair.
+            ``other`` that is not an ``(inputs, targets)`` pair; ``TypeError`` for a
+            complex parameter among those chosen (named).
         InternalError, CertificateError: as :func:`persample.per_sample_grads`.
 
     Examples:
@@ -106,6 +107,7 @@ def per_sample_grad_dots(
     """
     batch, n, chosen = checks.validate_call(model, inputs, targets, loss_fn, method,
                                            None, params)
+    checks.real_parameters(chosen, "per_sample_grad_dots")
     if other is not None:
         if not (isinstance(other, tuple) and len(other) == 2):
             raise ValueError("other must be a pair (inputs, targets) of a second batch, got "

@@ -263,9 +263,34 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
     for i in range(n):  # one call per sample, as the loop over samples makes it
         output_i = tree_unflatten([c[i] if d == 0 else c for c, d in zip(cut, dims)], spec)
         targets_i = samples_of(targets, i, i + 1)
-        with named_loss(loss_fn, output_i, targets_i):
-            each.append(loss_fn(output_i, targets_i).sum())
+        try:
+            with named_loss(loss_fn, output_i, targets_i):
+                each.append(loss_fn(output_i, targets_i).sum())
+        except (LossNotPerSampleError, NeedsWholeModel):
+            raise
+        except Exception as err:
+            raise _as_long_as_the_batch(paths, dims, n, err) from err
     return torch.stack(each)
+
+
+def _as_long_as_the_batch(paths: list, dims: list, n: int, err: Exception) -> Exception:
+    """``loss_fn``'s error ``err`` on a sample's part of the output, as a refusal
+    (:class:`NeedsWholeModel`, which ``method="auto"`` answers by the whole model's
+    methods) where a part passed whole holds no sample's data yet is as long as the batch
+    in dim 0 (a parameter expanded to the output's shape, ``p.expand_as(mu)``): beside a
+    sample's own part of the other outputs its shape is the batch's, where the sample's
+    forward alone would have made it a sample's. Else ``err`` itself."""
+    found = next((path for (path, t), d in zip(paths, dims) if d is None
+                  and isinstance(t, Tensor) and t.dim() and t.shape[0] == n), None)
+    if found is None:
+        return err
+    return NeedsWholeModel(
+        f"each sample's loss is evaluated on its part of the model's outputs, and the "
+        f"model's {_output_name(found)} holds no sample's data (made from parameters "
+        f"alone) but is as long as the batch in dim 0, so it went to each sample's loss "
+        f"whole, where loss_fn failed on it ({type(err).__name__}: {err}). Return it "
+        "without expanding it to the batch (it broadcasts), or return per-sample losses "
+        f"({n},); method='auto' takes the whole model's methods")
 
 
 class _Uncut:

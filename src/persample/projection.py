@@ -81,6 +81,7 @@ class GradientProjector:
     Raises:
         ValueError: an unknown ``kind``, ``dim < 1`` or larger than the parameters'
             entries, and ``params`` errors as for :func:`persample.per_sample_grads`.
+        TypeError: a complex parameter among those projected (named).
 
     Examples:
         >>> import torch
@@ -116,6 +117,7 @@ class GradientProjector:
             raise ValueError(f"kind must be one of {self.kinds}, got {kind!r}")
         trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.params = checks.selected_parameters(model, trainable, params)
+        checks.real_parameters(self.params, "GradientProjector")
         total = sum(p.numel() for p in self.params.values())
         if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= total:
             raise ValueError(f"dim must be an int in [1, {total}] (the entries of the "

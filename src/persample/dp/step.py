@@ -153,6 +153,8 @@ class PrivateStep:
             ``accountant`` without ``sample_rate`` or of an unknown kind, a model without trainable
             parameters, a model wrapped in FSDP1's ``FullyShardedDataParallel`` (the
             message names ``fully_shard`` as the fix).
+        TypeError: a complex trainable parameter (named; a DP step clips and noises real
+            gradients).
 
     Examples:
         >>> import torch
@@ -231,6 +233,7 @@ class PrivateStep:
         self.timeout = timedelta(seconds=timeout)
         self.reducer: Reducer = self._reducer()
         self.params = self.reducer.trainable(model)  # name -> parameter (sharded: the DTensor)
+        checks.real_parameters(self.params, "a DP step")
         self.bounds = self.clipping.bound(list(self.params))  # groups and their bounds
         self.adaptive = self.clipping.adaptive
         self.unclipped = 0  # adaptive clipping: the samples left unclipped in this step
@@ -630,7 +633,8 @@ def private_grad(
         ValueError: a bad clipping (naming the parameter or the number; ``clipping``
             and ``max_grad_norm`` both or neither), ``noise_multiplier < 0``, a bad
             ``expected_batch_size``, an empty batch without ``expected_batch_size``,
-            and the errors of ``per_sample_grads`` (TypeError too). Where the rules
+            and the errors of ``per_sample_grads`` (TypeError too: also for a complex
+            trainable parameter, named). Where the rules
             cannot split the model by sample, or persample's own code fails on it, or
             the certificate rejects its result, the clipped sums come from the per-sample
             gradients of ``torch.func`` or the loop, with a warning.

@@ -49,8 +49,8 @@ def scatter_rows(ids: Tensor, g: Tensor, dst: Tensor, padding_idx: int | None = 
     if add and by_freq:
         raise ValueError("scale_grad_by_freq divides the whole destination: nothing to add to")
     if add:  # the padding row keeps what the other contributions gave it
-        if padding_idx is not None:
-            g = g * (ids != padding_idx).view(n, 1, t, *[1] * (g.dim() - 3))
+        if padding_idx is not None:  # (where: a NaN at a padded position adds nothing)
+            g = torch.where((ids != padding_idx).view(n, 1, t, *[1] * (g.dim() - 3)), g, 0)
         dst.index_put_((rows, cots, ids), g, accumulate=True)
         return
     dst.zero_()
@@ -150,8 +150,8 @@ def _lookup(call: OpCall, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     i = _ids(call, ids)  # (n, t)
     gt = g.reshape(i.shape[0], i.shape[1], w.shape[1:].numel())  # (n, t, d)
     padding_idx = call.arg(2, "padding_idx")
-    if padding_idx is not None:
-        gt = gt * (i != padding_idx % w.shape[0]).unsqueeze(2)
+    if padding_idx is not None:  # (where: a NaN at a padded position counts nothing)
+        gt = torch.where((i != padding_idx % w.shape[0]).unsqueeze(2), gt, 0)
     return i, gt, w
 
 
@@ -243,7 +243,8 @@ def embedding_bag(call: OpCall, g: Tensor, out: dict) -> None:
                                            a["include_last_offset"])
         argmax = torch.embedding_bag(w.detach(), ids_, offsets, False, _MAX_MODE, False, None,
                                      last, a["padding_idx"])[3]  # (n, d) rows
-        gm = g * (size > 0).view(n, 1, 1)  # an empty bag's argmax is meaningless
+        gm = torch.where((size > 0).view(n, 1, 1), g, 0)  # an empty bag's argmax is
+        # meaningless (where: its NaN backprops add nothing)
         dst.scatter_add_(2, argmax.view(n, 1, 1, -1).expand(n, v, 1, -1), gm.unsqueeze(2))
         return
     cots = torch.arange(v, device=ids.device).view(1, v)
