@@ -76,8 +76,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .checks import kept_buffers
 from .batch import SHARED, Batched
+from .checks import kept_buffers
 from .errors import REFUSALS, InternalError, NeedsWholeModel
 from .inputs import Batch, samples_of
 from .loss import per_sample_losses
