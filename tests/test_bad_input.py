@@ -74,7 +74,8 @@ def test_batchnorm_without_running_stats_in_eval_mode(snapshot):
     model = bn_model(track_running_stats=False).eval()
     x, y = randn(3, 1, 5, 5), torch.randint(0, 3, (3,))
     state = snapshot(model)
-    with pytest.raises(ValueError, match=r"'features\.1' \(BatchNorm2d\).*GroupNorm"):
+    with pytest.raises(ValueError, match=r"'features\.1' \(BatchNorm2d\).*"
+                       r"track_running_stats=True.*GroupNorm"):
         per_sample_grads(model, x, y, nn.CrossEntropyLoss())
     state.assert_unchanged()
 
@@ -285,3 +286,24 @@ def test_complex_parameters_are_refused_where_real_ones_are_needed(what):
     }
     with pytest.raises(TypeError, match="parameter 'w' is complex128"):
         calls[what]()
+
+
+def test_packed_bags_of_one_dimensional_ids_are_refused_by_name():
+    """``EmbeddingBag(ids, offsets)`` with the batch's ids packed into one 1-d tensor
+    (not the batch's size in dim 0: shared, to persample) and a per-sample offset: each
+    sample's bag ends at the next sample's offset, so the rules name the op and the two
+    forms that keep samples apart (its output passed uncut to each sample's loss gave
+    torch's batch size error)."""
+
+    class Bags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bags, self.out = nn.EmbeddingBag(10, 4, mode="mean"), nn.Linear(4, 2)
+
+        def forward(self, offsets, ids):
+            return self.out(self.bags(ids, offsets))
+
+    offsets, ids = torch.arange(7) * 2, torch.randint(0, 10, (14,))
+    with pytest.raises(persample.LossNotPerSampleError, match=r"embedding_bag.*PackedRows"):
+        per_sample_grads(Bags(), (offsets, ids), torch.randint(0, 2, (7,)),
+                         nn.CrossEntropyLoss(), method="rules")

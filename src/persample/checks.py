@@ -72,10 +72,15 @@ def mixing_reason(module: nn.Module) -> str | None:
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
         module.training or not module.track_running_stats
     ):
+        fix = ("Call model.eval() first (BatchNorm then uses its running statistics)"
+               if module.track_running_stats else
+               "It keeps no running statistics (track_running_stats=False), so it does so "
+               "in eval mode too: make it with track_running_stats=True and call "
+               "model.eval()")
         return (
             "normalises with the statistics of the whole batch, so samples are mixed and "
-            "per-sample gradients are not defined. Call model.eval() first (BatchNorm then "
-            "uses its running statistics), or replace it with nn.GroupNorm / nn.LayerNorm."
+            f"per-sample gradients are not defined. {fix}, or replace it with nn.GroupNorm "
+            "/ nn.LayerNorm."
         )
     return None
 

@@ -267,6 +267,14 @@ def _embedding_bag(ctx, func, args, kwargs, out) -> Any:
         return every(out, Unknown("embedding_bag with a per-sample table"))
     if weights is not None and isinstance(ctx.layout(weights), (Mixed, Unknown)):
         return every(out, ctx.layout(weights))
+    if (lay is SHARED and ids.dim() == 1 and offsets is not None
+            and isinstance(ctx.layout(offsets), Batched)):
+        return every(out, mixed(func, (
+            "ends each sample's bag where the next sample's offset begins: 1-d ids of "
+            "several samples are one shared tensor (their dim 0 is not the batch's), so a "
+            "sample's bag is made of the others' offsets; pass the ids as "
+            "persample.PackedRows (offsets from its sample_index), or 2-d (a bag per "
+            "row, padded with padding_idx)")))
     if not isinstance(lay, Batched):
         return every(out, lay)
     if ids.dim() == 2:
