@@ -786,3 +786,28 @@ def test_rows_written_through_a_mask(picked):
     x[:, 0] = torch.linspace(-1, 1, B, dtype=torch.float64)  # (some rows picked, not all)
     assert {r.path for r in supported(net, x, y, mse)} == {"rule"}
     check(net, x, y, mse)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_masks_resized_as_one_images_channels_keep_the_samples(mode):
+    """A batch of masks resized as the channels of one image (``mask[None]``, DETR's pixel
+    mask brought to its feature map's size): each channel is resized alone, so each keeps
+    its sample (whole-model ``torch.func`` before); the batch size equals the channels."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Linear(3, 3)
+
+        def forward(self, x, mask):  # (b, 2, 8, 8), (b, 8, 8)
+            h = self.conv(x)  # (b, 3, 4, 4)
+            kw = {} if mode == "nearest" else {"align_corners": False}
+            m = F.interpolate(mask[None].to(h.dtype), size=h.shape[-2:], mode=mode, **kw)[0]
+            return self.head((h * m[:, None]).mean((2, 3)))
+
+    torch.manual_seed(0)
+    net = Masked().double()
+    x, mask = torch.randn(3, 2, 8, 8, dtype=torch.float64), torch.rand(3, 8, 8) > 0.3
+    y = torch.randn(3, 3, dtype=torch.float64)
+    assert {r.path for r in supported(net, (x, mask), y, mse)} == {"rule"}
+    check(net, (x, mask), y, mse)

@@ -230,9 +230,27 @@ def idefics3():
     return model, inputs, None, lambda out, y: out.logits[:, -1].pow(2).mean(1)
 
 
+def detr():
+    """DETR with transformers' own ResNet backbone: the pixel mask (a sample's right part
+    padded) resized to the feature map as one image's channels (``mask[None]``), object
+    queries broadcast into the batch, the detection heads' logits and boxes."""
+    backbone = T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                              layer_type="basic", out_features=["stage2"])
+    model = T.DetrForObjectDetection(T.DetrConfig(
+        use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=B,
+        num_labels=3, auxiliary_loss=False))
+    mask = torch.ones(B, 32, 32, dtype=torch.long)
+    mask[1, :, 20:] = 0
+    inputs = {"pixel_values": torch.randn(B, 3, 32, 32), "pixel_mask": mask}
+    return model, inputs, None, lambda out, y: (out.logits.pow(2).flatten(1).mean(1)
+                                                + out.pred_boxes.pow(2).flatten(1).mean(1))
+
+
 MODELS = {f.__name__: f for f in (deepseek_v3, qwen3_next, qwen2_moe, olmoe, recurrent_gemma,
                                   perceiver, vit_mae, swin_v2, modern_bert, beit, longformer,
-                                  t5_classifier, llava, gemma3, idefics3)}
+                                  t5_classifier, llava, gemma3, idefics3, detr)}
 # Gemma 3's RMSNorm computes in float32 whatever the input: a sample's forward alone rounds
 # otherwise than the batch's, and the loop differs from the batch's gradient by as much
 LOOSER = {"gemma3": 1e-6}

@@ -112,9 +112,24 @@ def _affine_grid(ctx, func, args, kwargs, out) -> Any:
 
 
 register(_affine_grid, *aliases("affine_grid", "affine_grid_generator"))
-register(_leading, *aliases("group_norm", "interpolate", "upsample",
-                              "upsample_nearest", "upsample_bilinear", "local_response_norm",
-                              "convolution", "_convolution"), F.unfold, F.fold)
+register(_leading, *aliases("group_norm", "local_response_norm", "convolution",
+                              "_convolution"), F.unfold, F.fold)
+
+
+def _resampled(ctx, func, args, kwargs, out) -> Any:
+    """``interpolate``/``upsample`` of ``(N, C, *s)``: each ``(n, c)`` plane is resampled
+    alone, so samples in the channels stay there too (a batch of masks as one image's
+    channels, ``mask[None]``: DETR's pixel mask); else as :func:`_leading`."""
+    x = arg(args, kwargs, 0, "input")
+    lay = ctx.layout(x)
+    if (isinstance(lay, Batched) and lay.dim == 1 and x.dim() >= 3
+            and isinstance(out, Tensor) and out.shape[:2] == x.shape[:2]):
+        return lay
+    return _leading(ctx, func, args, kwargs, out)
+
+
+register(_resampled, *aliases("interpolate", "upsample", "upsample_nearest",
+                              "upsample_bilinear"))
 
 
 def _prelu(ctx, func, args, kwargs, out) -> Any:
