@@ -452,3 +452,52 @@ def test_a_router_casting_itself_with_gradients_kept_stays_on_the_rules():
     got = persample.per_sample_grads(model, inputs, ids, next_logits, method="rules")
     want = persample.loop_per_sample_grads(model, inputs, ids, next_logits)
     assert_exact(got, want)
+
+
+class _SplitExperts(nn.Module):
+    """JetMoE's mixture: the (token, expert) pairs sorted by expert, the tokens gathered
+    by ``perm.div(k, rounding_mode="trunc")``, ``split`` by each expert's count (read into
+    Python), a linear map per expert, ``cat`` back, then a second ``split`` of that result
+    for the second layer (``twice``), and ``index_add`` into the tokens."""
+
+    def __init__(self, twice: bool = True, experts: int = B, top: int = 2, width: int = 8):
+        super().__init__()
+        self.twice, self.experts, self.top = twice, experts, top
+        self.router = nn.Linear(width, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, 16, width) * 0.3)
+        self.down = nn.Parameter(torch.randn(experts, width, 16) * 0.3)
+        self.head = nn.Linear(width, 3)
+
+    def _experts(self, h: Tensor, weight: Tensor, counts: list) -> Tensor:
+        pieces = h.split(counts, dim=0)
+        return torch.cat([F.linear(pieces[e], weight[e]) for e in range(self.experts)])
+
+    def forward(self, x):  # (b, t, width)
+        rows = x.reshape(-1, x.shape[-1])  # (R, width)
+        gates, chosen = self.router(rows).topk(self.top, dim=1)  # (R, k)
+        counts = torch.zeros(rows.shape[0], self.experts).scatter(1, chosen, 1).long().sum(0)
+        _, perm = chosen.flatten().sort(0)  # (S,)
+        token = perm.div(self.top, rounding_mode="trunc")  # (S,)
+        h = F.silu(self._experts(rows[token], self.up, counts.tolist()))  # (S, 16)
+        if self.twice:
+            h = self._experts(h, self.down, counts.tolist())  # (S, width)
+        else:
+            h = h @ self.down[0].T
+        h = h * gates.softmax(1).flatten()[perm, None]
+        out = torch.zeros_like(rows).index_add(0, token, h)
+        return self.head(out.view(*x.shape).mean(1))
+
+
+@pytest.mark.parametrize("twice", [True, False])
+def test_experts_split_by_count_and_joined_again_take_the_rules(twice):
+    """Each piece of a split by the sorted experts' counts keeps its positions' keys, and
+    ``cat`` of such pieces keeps them, so the second layer's split is followed as the
+    first's (JetMoE went to ``torch.func`` over the whole model); ``B`` = the experts = the
+    tokens."""
+    torch.manual_seed(0)
+    model = _SplitExperts(twice)
+    x, y = torch.randn(B, T, 8), torch.randint(0, 3, (B,))
+    loss = nn.CrossEntropyLoss(reduction="none")
+    paths = {r.path for r in persample.supported(model, x, y, loss)}
+    assert paths == {"rule"}, paths
+    check(model, x, y, loss, paths=None)

@@ -248,9 +248,21 @@ def detr():
                                                 + out.pred_boxes.pow(2).flatten(1).mean(1))
 
 
+def jetmoe():
+    """JetMoE: mixtures of experts in its attention and its MLP, the tokens sorted by
+    expert and split by each expert's count, a linear map per expert, joined and split
+    again; ``B`` = 4 = the experts."""
+    model = T.JetMoeForCausalLM(T.JetMoeConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, kv_channels=4,
+        intermediate_size=16, num_key_value_heads=2, num_local_experts=B,
+        num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=1))
+    inputs, ids = _ids()
+    return model, inputs, ids, next_token
+
+
 MODELS = {f.__name__: f for f in (deepseek_v3, qwen3_next, qwen2_moe, olmoe, recurrent_gemma,
                                   perceiver, vit_mae, swin_v2, modern_bert, beit, longformer,
-                                  t5_classifier, llava, gemma3, idefics3, detr)}
+                                  t5_classifier, llava, gemma3, idefics3, detr, jetmoe)}
 # Gemma 3's RMSNorm computes in float32 whatever the input: a sample's forward alone rounds
 # otherwise than the batch's, and the loop differs from the batch's gradient by as much
 LOOSER = {"gemma3": 1e-6}

@@ -310,7 +310,7 @@ def _keys_of_index(ctx: Ctx, items: list, found: Layout) -> Layout:
     keys = keys_of(lay)
     if keys is None or lay.dim != 0:
         return found
-    return _with_keys(found, keys)
+    return with_keys(found, keys)
 
 
 def _describe(items: list) -> str:
@@ -503,7 +503,7 @@ def _advanced(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor, what: 
         return Unknown(f"{what} spreads the samples over several dims")
     k, rows = got
     keys = [lay.keys for lay in (followed(ctx, t) for t in tensors) if isinstance(lay, Sorted)]
-    return _with_keys(located(start + k, rows, ctx.n, out, what),
+    return with_keys(located(start + k, rows, ctx.n, out, what),
                       keys[0] if len(block) == 1 and len(keys) == 1 else None)
 
 
@@ -1120,11 +1120,14 @@ def _sort(ctx, func, args, kwargs, out) -> Any:
     if x.numel() == x.shape[d]:  # one key per position
         keys = x.reshape(-1)[indices.reshape(-1).long()]  # the sorted values
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    found = [_with_keys(located(d, got[1], ctx.n, o, name_of(func)), keys) for o in outs]
+    found = [with_keys(located(d, got[1], ctx.n, o, name_of(func)), keys) for o in outs]
     return tuple(found) if isinstance(out, (tuple, list)) else found[0]
 
 
-def _with_keys(lay: Layout, keys: Tensor | None) -> Layout:
+def with_keys(lay: Layout, keys: Tensor | None) -> Layout:
+    """``lay`` with ``keys`` the sort key of each position of its batch dim
+    (:class:`Sorted`), kept by its index tensor too; ``lay`` itself without keys or
+    samples."""
     if keys is None or not isinstance(lay, Batched):
         return lay
     if lay.index is not None:

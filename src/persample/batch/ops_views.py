@@ -41,6 +41,7 @@ from .ops_indexing import (
     as_located,
     followed,
     follows_partly,
+    keys_of,
     located,
     merge,
     one_position,
@@ -48,6 +49,7 @@ from .ops_indexing import (
     regular,
     samples_along,
     trouble,
+    with_keys,
 )
 
 # ---------------------------------------------------------------------------
@@ -339,18 +341,20 @@ def _pieces(ctx, func, args, kwargs, out) -> Any:
     if d == lay.dim:
         if func in _UNBINDS:  # (one position each: each piece one sample's)
             return pieces_of(lay, x, ctx.n, out, f"{name_of(func)} cuts the batch dim")
-        whole = None if isinstance(lay, Sorted) else _whole_samples(lay, x, ctx.n, out, d,
-                                                                    name_of(func))
+        keys = keys_of(lay)
+        whole = None if keys is not None else _whole_samples(lay, x, ctx.n, out, d,
+                                                             name_of(func))
         if whole is not None:
             return whole
-        if not isinstance(lay, Sorted) or not _by_key(lay.keys, out, d):
+        if keys is None or not _by_key(keys, out, d):
             return every(out, Unknown(f"{name_of(func)} cuts the batch dim"))
         rows = sample_of_positions(lay, x.shape[d], ctx.n, x.device)
         found, start = [], 0
-        for cut in out:
-            found.append(located(d, rows[start:start + cut.shape[d]], ctx.n, cut,
-                                 name_of(func)))
-            start += cut.shape[d]
+        for cut in out:  # (each piece keeps its positions' keys: joined again by cat)
+            end = start + cut.shape[d]
+            found.append(with_keys(located(d, rows[start:end], ctx.n, cut, name_of(func)),
+                                    keys[start:end]))
+            start = end
         return tuple(found)
     if func in _UNBINDS:
         return every(out, lay.moved(lay.dim - (1 if d < lay.dim else 0)))
@@ -458,14 +462,20 @@ def _cat_free_positions(ctx, func, tensors: list, joined: list, lays: list, out:
 
 
 def _joined_along(ctx, func, joined: list, found: list, d: int, out: Tensor) -> Any:
-    """``cat`` along the batch dim: the samples of the positions, in order."""
+    """``cat`` along the batch dim: the samples of the positions, in order; and their sort
+    keys, where every input's positions have them (the pieces of a ``split`` by key,
+    each worked on alone, joined again: JetMoE's experts)."""
     rows = []
     for t, f in zip(joined, found):
         if f is not None and f[0] != d:
             return mixed(func, "joins tensors with samples in different dims")
         rows.append(f[1] if f is not None else torch.full(
             (t.shape[d],), NO_SAMPLE, dtype=torch.long, device=out.device))
-    return located(d, torch.cat(rows), ctx.n, out, name_of(func))
+    got = located(d, torch.cat(rows), ctx.n, out, name_of(func))
+    keys = [keys_of(ctx.layout(t)) for t in joined]
+    if all(k is not None for k in keys):
+        got = with_keys(got, torch.cat(keys))
+    return got
 
 
 def _joined_pieces(ctx, func, joined: list, d: int, out: Tensor, stacked: bool = False
