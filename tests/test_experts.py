@@ -6,6 +6,8 @@ every row exact against the loop."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -501,3 +503,79 @@ def test_experts_split_by_count_and_joined_again_take_the_rules(twice):
     paths = {r.path for r in persample.supported(model, x, y, loss)}
     assert paths == {"rule"}, paths
     check(model, x, y, loss, paths=None)
+
+
+class _ExpertsHit(nn.Module):
+    """DBRX's experts: a loop over the experts some token of the batch chose (``nonzero``
+    of counts summed over the batch), each expert's slice of a stacked weight indexed by
+    that 0-d tensor, its tokens by ``torch.where`` of the expert's mask."""
+
+    def __init__(self, experts: int = B, top: int = 2, width: int = 8):
+        super().__init__()
+        self.experts, self.top = experts, top
+        self.router = nn.Linear(width, experts, bias=False)
+        self.w = nn.Parameter(torch.randn(experts * 16, width) * 0.3)
+        self.v = nn.Parameter(torch.randn(experts * 16, width) * 0.3)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):  # (b, t, width)
+        rows = x.reshape(-1, x.shape[-1])
+        gates, chosen = self.router(rows).softmax(-1).topk(self.top)  # (R, k)
+        out = torch.zeros_like(rows)
+        with torch.no_grad():
+            mask = F.one_hot(chosen, self.experts).permute(2, 1, 0)  # (E, k, R)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = e[0]
+            with torch.no_grad():
+                slot, token = torch.where(mask[e])
+            w, v = self.w.view(-1, 16, rows.shape[1])[e], self.v.view(-1, 16, rows.shape[1])[e]
+            h = (F.silu(rows[token] @ w.T) @ v) * gates[token, slot, None]
+            out.index_add_(0, token, h)
+        return self.head(out.view(*x.shape).mean(1))
+
+
+class _ChosenByTheBatch(nn.Module):
+    """A row of a table chosen by the whole batch (the argmax of a sum over it) and used
+    for every sample: it mixes samples, where each sample alone chooses its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # (b, 8)
+        k = (x[:, :4].sum(0)).argmax()
+        return self.head(x * self.table[k])
+
+
+def test_a_loop_over_the_experts_the_batch_hit_takes_the_rules():
+    """The expert of each turn of the loop is chosen by the batch (its counts), a constant
+    of the forward, as a number read into Python is: each expert's tokens keep their
+    samples, and the certificate compares a sample alone (DBRX went to ``torch.func``
+    over the whole model); ``B`` = the experts = the tokens."""
+    torch.manual_seed(0)
+    model = _ExpertsHit()
+    x, y = torch.randn(B, T, 8), torch.randint(0, 3, (B,))
+    loss = nn.CrossEntropyLoss(reduction="none")
+    assert {r.path for r in persample.supported(model, x, y, loss)} == {"rule"}
+    with persample.checking("always"):
+        check(model, x, y, loss, paths=None)
+
+
+def test_a_row_chosen_by_the_batch_for_every_sample_is_caught_by_a_sample_alone():
+    """The same constant choice where it steers each sample by the others: the rules'
+    rows sum to the batch's gradient, and the certificate's comparison of the last sample
+    with its forward alone refuses them; so does ``auto``, whose loop disagrees with the
+    batch: the model mixes samples (the loop answers when asked for)."""
+    torch.manual_seed(0)
+    model, loss = _ChosenByTheBatch(), nn.CrossEntropyLoss(reduction="none")
+    x, y = torch.randn(B, 8), torch.randint(0, 3, (B,))
+    x[-1, :4] = torch.tensor([0.0, 0.0, 0.0, 9.0])  # (the last sample alone picks row 3)
+    x[:-1, 1] += 9.0  # (the batch picks row 1)
+    with pytest.raises(persample.CertificateError, match="alone"):
+        persample.per_sample_grads(model, x, y, loss, method="rules")
+    with pytest.raises(persample.CertificateError, match="mixes samples"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        persample.per_sample_grads(model, x, y, loss)

@@ -260,9 +260,21 @@ def jetmoe():
     return model, inputs, ids, next_token
 
 
+def dbrx():
+    """DBRX: its experts a loop over those some token of the batch chose, each a slice of
+    stacked weights indexed by that choice; ``clip_qkv``; ``B`` = 4 = the experts."""
+    model = T.DbrxForCausalLM(T.DbrxConfig(
+        d_model=16, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=50,
+        attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000},
+        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": B, "moe_top_k": 2},
+        pad_token_id=1))
+    inputs, ids = _ids()
+    return model, inputs, ids, next_token
+
+
 MODELS = {f.__name__: f for f in (deepseek_v3, qwen3_next, qwen2_moe, olmoe, recurrent_gemma,
                                   perceiver, vit_mae, swin_v2, modern_bert, beit, longformer,
-                                  t5_classifier, llava, gemma3, idefics3, detr, jetmoe)}
+                                  t5_classifier, llava, gemma3, idefics3, detr, jetmoe, dbrx)}
 # Gemma 3's RMSNorm computes in float32 whatever the input: a sample's forward alone rounds
 # otherwise than the batch's, and the loop differs from the batch's gradient by as much
 LOOSER = {"gemma3": 1e-6}

@@ -39,10 +39,14 @@ GETTERS: dict[str, Handler] = {}  # Tensor properties (.T, .mT, .data) by name
 
 @dataclass
 class Ctx:
-    """What a handler may ask: the batch size and the layout of any tensor."""
+    """What a handler may ask: the batch size and the layout of any tensor; ``read(op)``
+    notes that the op took a value of the samples' data as a constant (a number read out
+    of the batch: the certificate then compares a sample alone), ``None`` where nothing
+    notes it (such a value then is not taken for a constant)."""
 
     n: int
     layout_of: Callable[[Tensor], Layout]
+    read: Callable[[str], None] | None = None
 
     def layout(self, t: Any) -> Layout:
         return self.layout_of(t) if isinstance(t, Tensor) else SHARED

@@ -254,7 +254,7 @@ def follows_partly(handler):
         if found is None:
             return handler(ctx, func, args, kwargs, out)
         stand_in = Batched(found.dim, index=found.rows)
-        inner = Ctx(ctx.n, lambda t: stand_in if t is x else ctx.layout(t))
+        inner = Ctx(ctx.n, lambda t: stand_in if t is x else ctx.layout(t), ctx.read)
         got = handler(inner, func, args, kwargs, out)
 
         def back(lay: Any, o: Any) -> Any:
@@ -350,12 +350,19 @@ def indexed_layout(ctx: Ctx, x: Tensor, items: list, out: Tensor, what: str
     if literal:  # lists of ints or bools: shared by all samples
         items = [literal.get(k, i) for k, i in enumerate(items)]
         known, outer = {id(t) for t in literal.values()}, ctx
-        ctx = Ctx(ctx.n, lambda t: SHARED if id(t) in known else outer.layout(t))
+        ctx = Ctx(ctx.n, lambda t: SHARED if id(t) in known else outer.layout(t), ctx.read)
     tensors = [i for i in items if isinstance(i, Tensor)]
+    chosen = [t for t in tensors if _chosen_by_the_batch(ctx, t)]
+    if chosen:  # (a number of the batch's data choosing what to index: a constant)
+        ctx.read(f"{what} at a position chosen by the batch's data")
+        known, outer = {id(t) for t in chosen}, ctx
+        ctx = Ctx(ctx.n, lambda t: SHARED if id(t) in known else outer.layout(t), ctx.read)
     lays = [followed(ctx, t) for t in tensors]
     bad = trouble([lay] + lays)
     if bad is not None:
         return bad
+    if chosen and lay is SHARED and all(t is SHARED for t in lays):
+        return SHARED
     consumed = sum(_width(i) for i in items)
     if consumed > x.dim():
         return None
@@ -367,6 +374,17 @@ def indexed_layout(ctx: Ctx, x: Tensor, items: list, out: Tensor, what: str
     if not tensors:
         return _basic(ctx, lay, x, items, out)
     return _advanced(ctx, lay, x, items, out, what, tensors)
+
+
+def _chosen_by_the_batch(ctx: Ctx, t: Tensor) -> bool:
+    """A 0-d integer index whose value mixes samples (an expert some token of the batch
+    chose, from a loop over ``nonzero()`` of counts summed over the batch): taken as the
+    constant it is in this forward, as a number read into Python is, where the capture
+    notes such reads (``ctx.read``: the certificate of the call's first run compares a
+    sample alone, which catches a choice that steers each sample by the others)."""
+    return (ctx.read is not None and t.dim() == 0 and not t.is_floating_point()
+            and not t.is_complex() and t.dtype is not torch.bool
+            and type(ctx.layout(t)) is Mixed)
 
 
 def _basic(ctx: Ctx, lay: Layout, x: Tensor, items: list, out: Tensor) -> Layout | None:
@@ -558,7 +576,7 @@ def _index_select(ctx, func, args, kwargs, out) -> Any:
     idx = arg(args, kwargs, 2, "index")
     if isinstance(idx, Tensor) and idx.dim() == 0:
         one, own, outer = idx.reshape(1), ctx.layout(idx), ctx
-        ctx = Ctx(ctx.n, lambda t: own if t is one else outer.layout(t))
+        ctx = Ctx(ctx.n, lambda t: own if t is one else outer.layout(t), ctx.read)
         idx = one
     items = [slice(None)] * d + [idx]
     return indexed_layout(ctx, x, items, out, name_of(func)) or Unknown(
@@ -852,7 +870,7 @@ def _lands(ctx: Ctx, x: Tensor, lx: Batched, index: Any, value: Tensor, lv: Batc
     if value.dim() > view.dim() or any(
             a != b for a, b in zip(reversed(value.shape), reversed(view.shape))):
         return False  # (value broadcast along the samples' dim: not one per sample)
-    hypothetical = Ctx(ctx.n, lambda t: lx if t is x else ctx.layout(t))
+    hypothetical = Ctx(ctx.n, lambda t: lx if t is x else ctx.layout(t), ctx.read)
     got = propagate(hypothetical, torch.Tensor.__getitem__, (x, index), {}, view).outputs
     return isinstance(got, Batched) and got == lv.moved(lv.dim + view.dim() - value.dim())
 

@@ -440,7 +440,8 @@ class LeanCapture(Capture):
         self.dyn: dict[int, Layout] = {}  # number -> a layout holding this call's indices
         self.recall = Recall()  # the decisions made (dropped at the end of the forward)
         me = weakref.proxy(self)  # (no reference cycle: the records hold activations)
-        self.lean_ctx = Ctx(n, lambda t: me._layout_of(t))
+        self.lean_ctx = Ctx(n, lambda t: me._layout_of(t), lambda op: None)  # (a cached
+        # call's choices by the batch's data are constants as in the call it replays)
         self._deciding: tuple = ((), ())  # the leaves and layouts of the op deciding
         self._lean: _LeanMode | None = None
         self.no_autocast = None  # autocast_state() where none is on (taken on entering)

@@ -218,7 +218,8 @@ class Capture:
         self.thread = threading.get_ident()
         # no reference cycle back to the capture (its graph would live until the cyclic
         # GC runs: gigabytes in a training loop of many micro-batches)
-        self.ctx = Ctx(n, self.layouts.layout)
+        me = weakref.proxy(self)
+        self.ctx = Ctx(n, self.layouts.layout, lambda op: me._constant(op))
         self._module_rule = module_rule
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._mode: Any = None  # made on entering
@@ -508,6 +509,13 @@ class Capture:
             return out
         except Exception as err:
             raise_internal(err, f"the data flow of {name_of(func)}")
+
+    def _constant(self, op: str) -> None:
+        """The data flow took a value of the samples' data for a constant (``op``): the
+        certificate compares a sample alone, as for a read into Python."""
+        if self.values_read is None:
+            where = f" in module {self.stack[-1].describe()}" if self.stack else ""
+            self.values_read = f"{op}{where}"
 
     def _refuse_graph_of_grads(self, args: tuple, kwargs: dict) -> None:
         """Raise :class:`~persample.errors.NeedsWholeModel` for ``torch.autograd.grad(...,
