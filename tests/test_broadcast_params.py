@@ -357,3 +357,37 @@ def test_a_write_read_through_another_alias_is_not_taken_for_the_op():
                               if r.module == ""}
         torch.testing.assert_close(persample.per_sample_grads(net, x, y, mse)["p"],
                                    persample.loop_per_sample_grads(net, x, y, mse)["p"])
+
+
+class RelativePositions(nn.Module):
+    """VitDet's decomposed relative positions: queries with the samples merged with the
+    heads in dim 0 (``(B * heads, H, W, C)``) against tables of a parameter looked up by
+    position (``einsum("bhwc,hkc->bhwk")``); ``B`` = the heads = ``H``."""
+
+    def __init__(self, heads: int = B, h: int = B, w: int = 3, c: int = 4):
+        super().__init__()
+        self.heads, self.h, self.w, self.c = heads, h, w, c
+        self.q = nn.Linear(8, heads * c)
+        self.rel_h = nn.Parameter(torch.randn(2 * h - 1, c))
+        self.rel_w = nn.Parameter(torch.randn(2 * w - 1, c))
+        self.head = nn.Linear(heads * h * w * (h + w), 3)
+
+    def forward(self, x):  # (b, h, w, 8)
+        b, h, w, c = x.shape[0], self.h, self.w, self.c
+        q = self.q(x).reshape(b, h, w, self.heads, c).permute(0, 3, 1, 2, 4)
+        q = q.reshape(b * self.heads, h, w, c)
+        rh = self.rel_h[torch.arange(h)[:, None] - torch.arange(h)[None, :] + h - 1]
+        rw = self.rel_w[torch.arange(w)[:, None] - torch.arange(w)[None, :] + w - 1]
+        out = torch.cat([torch.einsum("bhwc,hkc->bhwk", q, rh),
+                         torch.einsum("bhwc,wkc->bhwk", q, rw)], -1)
+        return self.head(out.reshape(b, -1))
+
+
+def test_an_einsum_with_the_samples_merged_with_the_heads_takes_its_rule():
+    """The samples merged with other positions alike in the operands and the output: a
+    sample's part of that letter holds its heads, in the same order in each (the per-op
+    VJP before)."""
+    torch.manual_seed(0)
+    model = RelativePositions()
+    x, y = torch.randn(B, B, 3, 8), torch.randint(0, 3, (B,))
+    check(model, x, y, nn.CrossEntropyLoss(reduction="none"))

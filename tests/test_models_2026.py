@@ -272,9 +272,22 @@ def dbrx():
     return model, inputs, ids, next_token
 
 
+def vitdet():
+    """VitDet: windowed and global attention with decomposed relative positions (the
+    queries, the samples merged with the heads, against tables looked up by position,
+    by ``einsum``); ``B`` = 4 = the heads."""
+    model = T.VitDetModel(T.VitDetConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=B, mlp_ratio=2,
+        image_size=16, patch_size=4, pretrain_image_size=16, window_size=2,
+        window_block_indices=[0], use_relative_position_embeddings=True,
+        residual_block_indices=[1]))
+    return model, {"pixel_values": torch.randn(B, 3, 16, 16)}, None, squares
+
+
 MODELS = {f.__name__: f for f in (deepseek_v3, qwen3_next, qwen2_moe, olmoe, recurrent_gemma,
                                   perceiver, vit_mae, swin_v2, modern_bert, beit, longformer,
-                                  t5_classifier, llava, gemma3, idefics3, detr, jetmoe, dbrx)}
+                                  t5_classifier, llava, gemma3, idefics3, detr, jetmoe, dbrx,
+                                  vitdet)}
 # Gemma 3's RMSNorm computes in float32 whatever the input: a sample's forward alone rounds
 # otherwise than the batch's, and the loop differs from the batch's gradient by as much
 LOOSER = {"gemma3": 1e-6}

@@ -18,6 +18,7 @@ import string
 import torch
 from torch import Tensor
 
+from ..batch import Batched
 from ..batch.ops_products import einsum_subscripts
 from .calls import OpCall
 from .spec import Decline, OpSpec, register
@@ -34,19 +35,27 @@ def _operands(call: OpCall) -> tuple[str, list]:
 
 def _batch_letter(call: OpCall, tensors: list[Tensor], subs: list[str], out_subs: str) -> str:
     """The samples' letter: at the batch dim of the output, or (a derived op pulled back
-    per sample, its output shared) of the operands paired with the samples."""
-    letters = set()
+    per sample, its output shared) of the operands paired with the samples. The samples
+    may be merged with other positions in that dim (``(B * heads, ...)``: VitDet's
+    relative positions), alike in every operand and the output: a sample's part of the
+    dim then holds its ``outer * inner`` positions, in the same order in each."""
+    letters, forms = set(), set()
     for t, s in zip(tensors, subs):
         pairing = call.pairing(t)
         if pairing is not None:
-            if not pairing.plain or s.count(s[pairing.dim]) != 1:
-                raise Decline("an operand paired with the samples in a merged or repeated dim")
+            if pairing.index is not None or s.count(s[pairing.dim]) != 1:
+                raise Decline("an operand paired with the samples in an irregular or "
+                              "repeated dim")
             letters.add(s[pairing.dim])
+            forms.add((pairing.outer, pairing.inner))
     lay = call.op.out_layouts[0]
-    if getattr(lay, "plain", False):
+    if isinstance(lay, Batched) and lay.index is None:
         letters.add(out_subs[lay.dim])
+        forms.add((lay.outer, lay.inner))
     if len(letters) != 1 or not letters <= set(out_subs):
         raise Decline("no one letter of the samples kept by the output")
+    if len(forms) > 1:
+        raise Decline("operands whose samples are merged with other positions unalike")
     return letters.pop()
 
 
