@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import persample
 import zoo
-from battery import assert_exact, check, module_paths
+from battery import assert_exact, check, flat, module_paths
 from persample import PackedRows, loop_per_sample_grads, per_sample_grads
 from persample.batch import SHARED, Batched, Ctx, Mixed, Unknown, propagate
 from persample.batch.ops_indexing import Partly, Sorted
@@ -1083,3 +1083,52 @@ def test_scatters_say_the_truth_or_nothing(case):
         else:
             assert isinstance(got, Batched) and bool((rows >= 0).all())
             assert torch.equal(_samples_of(got, (size,)), rows), (got, truth)
+
+
+def test_a_parameter_with_a_gradient_hook_is_answered_by_the_loop():
+    """``p.register_hook(fn)`` (peft's OSF projects its gradients away from a frozen
+    subspace): autograd runs it on each gradient of ``p``, so the loop runs it on each
+    sample's. The rules and torch.func do not see it: they refuse, naming the parameter,
+    and ``auto`` answers by the loop, also uncertified (``check="never"`` answered the
+    unprojected gradients, silently)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(E, T), nn.Tanh(), nn.Linear(T, 3))
+    basis = torch.linalg.qr(torch.randn(T, 2))[0]  # (T, 2)
+    net[0].weight.register_hook(lambda g: g - basis @ (basis.T @ g))
+    x, y = torch.randn(B, E), torch.randn(B, 3)
+    want = loop_per_sample_grads(net, x, y, mse)
+    for method in ("rules", "vmap"):
+        with pytest.raises((persample.NeedsWholeModel, persample.UnsupportedModuleError),
+                           match="parameter '0.weight' has a gradient hook"):
+            per_sample_grads(net, x, y, mse, method=method)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_exact(per_sample_grads(net, x, y, mse, check="never"), want)
+        norms = persample.per_sample_grad_norms(net, x, y, mse, check="never")
+    torch.testing.assert_close(norms, flat(want).norm(dim=1), rtol=1e-10, atol=1e-12)
+
+
+class SparseUpdate(nn.Module):
+    """A frozen weight plus a sparse update of trainable values at fixed entries, added
+    in place (peft's ShiRA): ``w = W.clone(); w += sparse_coo_tensor(idx, values)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(E, T).requires_grad_(False)
+        self.index = torch.tensor([[0, 1, 2, 3, 1], [1, 3, 0, 5, 1]])
+        self.values = nn.Parameter(torch.randn(5))
+        self.head = nn.Linear(T, 3)
+
+    def forward(self, x):
+        w = self.base.weight.clone()
+        w += torch.sparse_coo_tensor(self.index, self.values * 2.0, w.shape)
+        return self.head(torch.tanh(F.linear(x, w, self.base.bias)))
+
+
+def test_a_sparse_update_of_a_weight_takes_the_rules():
+    """The sparse tensor's per-sample cotangent is dense (it crashed copying it into a
+    sparse buffer), and its values' rule reads it at their entries."""
+    torch.manual_seed(0)
+    model = SparseUpdate()
+    x, y = torch.randn(B, E), torch.randn(B, 3)
+    check(model, x, y, mse)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 from torch.overrides import TorchFunctionMode
 
+from .engine.backward import hooked_parameter, hooks_text
 from .errors import UnsupportedModuleError, named_loss
 from .inputs import Batch, mapped_targets
 from .patches import plain_checkpoints, solves_broadcast
@@ -38,6 +39,15 @@ Around = Callable[[Tensor], AbstractContextManager]
 
 def _plain(index: Tensor) -> AbstractContextManager:
     return nullcontext()
+
+
+def refuse_hooks(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    """Raise if a parameter of ``params`` has a gradient hook: ``torch.func``
+    differentiates stand-ins for the parameters, which do not run it."""
+    name = hooked_parameter(model, params.values())
+    if name is not None:
+        raise UnsupportedModuleError("method='vmap': " + hooks_text(
+            name, "torch.func (which differentiates stand-ins for the parameters)"))
 
 
 def refuse_recurrent(model: nn.Module) -> None:
@@ -80,6 +90,7 @@ def vmap_per_sample_grads(model: nn.Module, batch: Batch, targets: Any, loss_fn:
     into, or ``None``."""
     refuse_sharded(model, 'vmap')
     refuse_recurrent(model)
+    refuse_hooks(model, params)
     theta = {name: p.detach() for name, p in params.items()}
     flat, dims, call = _mapped(batch)
     mapped = mapped_targets(targets)
@@ -118,6 +129,7 @@ def vmap_param_jacobian(model: nn.Module, batch: Batch, params: dict[str, nn.Par
     """
     refuse_sharded(model, 'vmap')
     refuse_recurrent(model)
+    refuse_hooks(model, params)
     for name, module in model.named_modules():
         if isinstance(module, nn.PReLU):  # torch 2.13: shape errors or wrong rows
             raise UnsupportedModuleError(

@@ -11,7 +11,7 @@ per-sample gradient is the gradient (:func:`_one_sample`, the only place that kn
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -50,6 +50,24 @@ from .pullback import write_per_sample
 Backward = Callable[[Tensor, list[GradientEdge], Plan], tuple]
 
 
+def hooked_parameter(model: nn.Module, watched: Iterable[Tensor]) -> str | None:
+    """The name of the first of ``watched`` with a gradient hook (``p.register_hook(fn)``:
+    peft's OSF projects its gradients so), else ``None``. Autograd runs such a hook on
+    each gradient of that tensor, so the loop over samples runs it on each sample's; the
+    rules, and ``torch.func`` (which differentiates stand-ins for the parameters), would
+    not."""
+    ids = {id(p) for p in watched}
+    return next((name for name, p in model.named_parameters()
+                 if id(p) in ids and p._backward_hooks), None)
+
+
+def hooks_text(name: str, who: str) -> str:
+    return (f"parameter {name!r} has a gradient hook (Tensor.register_hook), which "
+            f"autograd runs on each gradient of it: the loop over samples runs it on each "
+            f"sample's gradient, and {who} would not. method='auto' takes the loop; or "
+            "remove the hook")
+
+
 def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Capture], Tensor],
                       backward: Backward, watched: dict[int, nn.Parameter], v: int,
                       records: bool = False) -> Captured:
@@ -66,6 +84,9 @@ def capture_backprops(model: nn.Module, batch: Batch, root: Callable[[Any, Captu
     units = fsdp_units(model)
     if batch.n == 1 and not units and not records:  # (sharded: every rank replays, below)
         return _one_sample(model, batch, root, backward, watched, v)
+    hooked = hooked_parameter(model, watched.values())
+    if hooked is not None:
+        raise NeedsWholeModel(hooks_text(hooked, "the rules"))
     inputs = located(batch)
     key = tapes.key_of(batch.n, v, inputs)
     tape = tapes.tape_for(model, key)

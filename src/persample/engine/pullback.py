@@ -329,7 +329,8 @@ class Pullbacks:
                 continue
             v = self.captured.v
             found = self.sink.target(id(t), shapes[k]) if direct else None
-            out[t] = found if found is not None else t.new_empty((n, v, *shapes[k]))
+            out[t] = found if found is not None else t.new_empty(
+                (n, v, *shapes[k]), layout=torch.strided)  # (a sparse input's rows: dense)
         call.dtype = next(iter(out.values())).dtype  # the results' (the parameter's)
         call.defers = {t for t in out if id(t) in self.several and t not in call.adding
                        and self._param(t) is not None}

@@ -1,6 +1,7 @@
 """Pullbacks through shape ops on tensors computed from parameters: ``W.t()``,
 ``x.transpose``, ``permute``, ``view``/``reshape``, ``unsqueeze``, casts, ``repeat``, and
-the triangles ``triu``/``tril`` (which keep entries in place).
+the triangles ``triu``/``tril`` (which keep entries in place), and the values of a
+sparse COO tensor (placed at its indices).
 
 These ops only move entries, so the per-sample cotangent of their output maps to
 their input by the inverse move, on the trailing dims of ``g (n, v, *shape)``:
@@ -125,6 +126,21 @@ def triangle(call: OpCall, g: Tensor, out: dict) -> None:
     out[x].copy_((torch.triu if upper else torch.tril)(g, call.arg(1, "diagonal", 0)))
 
 
+def sparse_values(call: OpCall, g: Tensor, out: dict) -> None:
+    """``sparse_coo_tensor(indices, values, size)`` of values shared by the samples (a
+    sparse update of a weight: peft's ShiRA): stored value ``k`` is the entry at
+    ``indices[:, k]``, so its cotangent is the output's there, ``g[:, :, *indices]``
+    ``(n, v, nnz, *dense)`` (a value stored twice gets the entry's twice, as autograd
+    gives it)."""
+    indices = call.arg(0, "indices")
+    values = call.arg(1, "values")
+    if not isinstance(values, Tensor) or values not in out or len(out) > 1 or not (
+            call.shared(values) and isinstance(indices, Tensor)):
+        raise Decline("not the values of one shared sparse tensor")
+    g = g.to_dense() if g.layout != torch.strided else g
+    out[values].copy_(g[(slice(None), slice(None), *indices.to(g.device))])
+
+
 def _whole_copies(part: tuple, whole: tuple, tile: tuple, lay: Any) -> bool:
     """Is a sample's slice ``part`` of a repeat's output ``whole`` made of whole copies of
     ``tile``: every dim a multiple of it, the dims other than the paired one whole, and
@@ -145,6 +161,8 @@ PERMUTE = register(OpSpec((torch.permute,), grad=permute, reads_inputs=False))
 RESHAPE = register(OpSpec(_RESHAPES, grad=reshape, reads_inputs=False))
 REPEAT = register(OpSpec((torch.Tensor.repeat,), grad=repeat, reads_inputs=False))
 TRIANGLE = register(OpSpec((torch.triu, torch.tril), grad=triangle, reads_inputs=False))
+SPARSE_VALUES = register(OpSpec((torch.sparse_coo_tensor,), grad=sparse_values,
+                                reads_inputs=False))
 TRANSPOSED = register(OpSpec(tuple(getattr(torch.Tensor, name).__get__
                                    for name in ("mT", "mH", "T", "H")), grad=transposed,
                              reads_inputs=False))
