@@ -1132,3 +1132,44 @@ def test_a_sparse_update_of_a_weight_takes_the_rules():
     model = SparseUpdate()
     x, y = torch.randn(B, E), torch.randn(B, 3)
     check(model, x, y, mse)
+
+
+class SeriesInPlace(nn.Module):
+    """A rotation summed in place from the identity, term by term (peft's OFT: the
+    Cayley-Neumann series ``R = I; R.add_(Q, alpha=2); R.add_(Q @ Q, alpha=2); ...`` of a
+    skew-symmetric parameter), applied per block by ``einsum``."""
+
+    def __init__(self, terms: int):
+        super().__init__()
+        self.terms = terms
+        self.q = nn.Parameter(torch.randn(2, H, H) * 0.3)
+        self.head = nn.Linear(2 * H, 3)
+
+    def forward(self, x):  # (b, 2 H)
+        skew = self.q - self.q.transpose(-2, -1)
+        rotation = torch.eye(H).repeat(2, 1, 1)
+        rotation.add_(skew, alpha=2.0)
+        power = skew
+        for _ in range(self.terms - 1):
+            power = torch.bmm(power, skew)
+            rotation.add_(power, alpha=2.0)
+        y = torch.einsum("...rk,rkc->...rc", x.reshape(-1, 2, H), rotation)
+        return self.head(y.reshape(x.shape))
+
+
+@pytest.mark.parametrize("terms", [2, 4])
+def test_a_tensor_summed_in_place_term_by_term_takes_the_rules(terms):
+    """Each ``add_`` after the first overwrites the value the one before made: the chain of
+    writes is followed back (the first write's input changed since it ran only by the
+    later writes, which took its value as theirs to pull back through); the rules, in
+    calls cached after the parameter changed (the per-module fallback before)."""
+    torch.manual_seed(0)
+    model = SeriesInPlace(terms)
+    loss = nn.CrossEntropyLoss(reduction="none")
+    for _ in range(4):
+        x, y = torch.randn(B, 2 * H), torch.randint(0, 3, (B,))
+        assert {r.path for r in persample.supported(model, x, y, loss)} == {"rule"}
+        assert_exact(per_sample_grads(model, x, y, loss, method="rules"),
+                     loop_per_sample_grads(model, x, y, loss))
+        with torch.no_grad():
+            model.q.mul_(1.1)

@@ -316,9 +316,25 @@ class Capture:
         records still name the ops that made what it read.)"""
         with torch._C.DisableTorchFunction():  # reading versions is no op of the model
             for d in self.derived.values():
-                if d.op.changed() and not (d.op.func in UNREAD_INPUTS
-                                           and self._changed_through_aliases(d.op)):
+                if d.op.changed() and not (d.op.func in UNREAD_INPUTS and (
+                        self._changed_through_aliases(d.op) or self._written_after(d))):
                     self.unseen_reads |= d.op.sources_all
+
+    def _written_after(self, d: Derived) -> bool:
+        """Did every input of ``d``'s op that changed since it ran change by later writes
+        in place that the capture recorded, each taking the value before it as its
+        :attr:`Op.previous`, back to ``d`` (``R.add_(a); R.add_(b)``: peft's OFT sums its
+        Cayley-Neumann series so)? Its pullback then follows the chain."""
+        for t, v in zip(d.op.leaves, d.op.versions):
+            if t._version != v:
+                link = self.derived.get(id(t))
+                if link is None or link.tensor is not t or link.version != t._version:
+                    return False
+                while link is not None and link is not d:
+                    link = link.op.previous
+                if link is not d:
+                    return False
+        return True
 
     def _changed_through_aliases(self, op: Op) -> bool:
         """Did every input of ``op`` that changed since it ran change through another
