@@ -550,12 +550,13 @@ class _AlikeKeys(nn.Module):
         return self.fc(self.attn(h, h, h)[0]).squeeze(-1)  # (B, T): logits over positions
 
 
-def test_a_dp_step_on_alike_keys_is_certified_at_a_fiftieth_of_the_tolerance(monkeypatch):
-    """Certified with a float32 tolerance of 2e-5 (a fiftieth of its own), the DP step of
-    the model above passes every time (its errors are autograd's), so its steps are the
-    same at every run: a spurious mismatch had sent a run to torch.func, whose rounding
-    differs, and two runs from one seed apart."""
-    monkeypatch.setitem(certificate.TOLERANCES, torch.float32, 2e-5)
+def test_a_dp_step_on_alike_keys_is_certified_every_time():
+    """Certified at float32's tolerance, the DP step of the model above passes every time
+    (its errors are autograd's), so its steps are the same at every run: a spurious
+    mismatch had sent a run to torch.func, whose rounding differs, and two runs from one
+    seed apart. (The margin is a few times, not more: the attention's input bias, whose
+    key part has a true gradient of zero here, holds rounding of up to 3.5e-4 of its norm
+    in some random certificates.)"""
     torch.manual_seed(0)
     model = _AlikeKeys().float()
     x, y = torch.randint(0, 100, (64, 12)), torch.randint(0, 12, (64,))
