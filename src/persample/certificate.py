@@ -652,11 +652,17 @@ def _in_dim_0(cert: Certificate, why: _NoIdentity, model: nn.Module, batch: Batc
     0 of the batch's size: passed whole to each sample's loss). Else ``None``: ``cert``
     is failed (that sample's row is not its gradient alone) or undecided. Where only
     such a tensor was in doubt (``why.shared``) and the forward alone decides nothing,
-    the identity is formed by dim 0, as before the doubt.
+    the identity is formed by dim 0, as before the doubt, and the sample's gradient
+    alone is not compared (the identity formed checks the result).
     ``summed(u)``: ``{name: sum_i u_i g_i}`` for weights ``u`` ``(n,)`` of the result."""
     n = batch.n
+    # (where only the shapes are in doubt, the identity formed with them checks the
+    # result: the sample alone's gradient is not compared, which a model computing parts
+    # in another precision than its parameters' rounds otherwise than the batch)
+    probe = Certificate(cert.what, cert.method, cert.identity, tol=cert.tol) \
+        if why.shared else cert
     shapes = None if why.shapes is None or n == 1 else _last_alone(
-        cert, model, batch, targets, loss_fn, params, summed, draws, eps, (
+        probe, model, batch, targets, loss_fn, params, summed, draws, eps, (
             f" (the identity over the batch could not be formed: {why}); likely "
             "cause: a model whose output holds the samples in another dim only at this "
             "batch size (a view or reshape that happens to fit), a whole-model method "
