@@ -269,11 +269,12 @@ def _each_sample(guarded: Any, targets: Any, loss_fn: Callable, n: int,
         except (LossNotPerSampleError, NeedsWholeModel):
             raise
         except Exception as err:
-            raise _as_long_as_the_batch(paths, dims, n, err) from err
+            raise _as_long_as_the_batch(paths, dims, n, err, layout_of) from err
     return torch.stack(each)
 
 
-def _as_long_as_the_batch(paths: list, dims: list, n: int, err: Exception) -> Exception:
+def _as_long_as_the_batch(paths: list, dims: list, n: int, err: Exception,
+                          layout_of: Callable[[Tensor], Layout]) -> Exception:
     """``loss_fn``'s error ``err`` on a sample's part of the output, as a refusal
     (:class:`NeedsWholeModel`, which ``method="auto"`` answers by the whole model's
     methods) where a part passed whole holds no sample's data yet is as long as the batch
@@ -281,7 +282,8 @@ def _as_long_as_the_batch(paths: list, dims: list, n: int, err: Exception) -> Ex
     sample's own part of the other outputs its shape is the batch's, where the sample's
     forward alone would have made it a sample's. Else ``err`` itself."""
     found = next((path for (path, t), d in zip(paths, dims) if d is None
-                  and isinstance(t, Tensor) and t.dim() and t.shape[0] == n), None)
+                  and isinstance(t, Tensor) and t.dim() and t.shape[0] == n
+                  and _layout(t, layout_of) is SHARED), None)
     if found is None:
         return err
     return NeedsWholeModel(
